@@ -1,0 +1,42 @@
+# odl developer entry points. `make demo` and `make test` work on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.odl-installed
+PROTO_SRC := $(wildcard protos/*.proto)
+PROTO_OUT := $(patsubst protos/%.proto,odl/protos/%_pb2.py,$(PROTO_SRC))
+
+.PHONY: venv protos test demo lint bench clean
+
+venv: $(STAMP)
+
+# Everything pinned in requirements.txt; torchrec with --no-deps (its metadata pulls the
+# CUDA fbgemm-gpu build). On a CUDA machine install fbgemm-gpu matching torch instead of
+# fbgemm-gpu-cpu (see docs/installation.md).
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps torchrec==1.8.0
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+# Python code generated from protos/*.proto (not committed, never edited by hand).
+protos: $(PROTO_OUT)
+
+odl/protos/%_pb2.py: protos/%.proto $(STAMP)
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=odl/protos --pyi_out=odl/protos $<
+
+test: venv protos
+	$(BIN)/python -m pytest -q tests
+
+demo: venv protos
+	$(BIN)/python -m odl.demo
+
+lint: venv
+	$(BIN)/ruff check .
+
+bench: venv protos
+	$(BIN)/python bench/train_throughput.py
+
+clean:
+	rm -rf .odl odl/protos/*_pb2.py odl/protos/*_pb2.pyi

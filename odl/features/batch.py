@@ -1,0 +1,49 @@
+"""The unit of work handed from feature building to the model: one parsed, hashed batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+
+@dataclass
+class Batch:
+    """A batch ready for the model.
+
+    Attributes:
+        sparse: ids per embedded feature; keys are feature names in the order of
+            ``FeatureBuilder.sparse_feature_names``; values are int64 row indices already in
+            ``[0, num_rows)`` of the feature's table.
+        dense: float32 ``[B, num_dense]`` raw (un-bucketized) numeric features, in
+            ``FeatureBuilder.dense_feature_names`` order (``[B, 0]`` when there are none).
+        labels: float32 ``[B]`` binary labels.
+        sample_ids: per-sample ids when ``data_config.sample_id_field`` is set.
+        event_times: float64 unix seconds per sample when ``data_config.event_time_field`` is set.
+    """
+
+    sparse: KeyedJaggedTensor
+    dense: torch.Tensor
+    labels: torch.Tensor
+    sample_ids: Optional[list[str]] = None
+    event_times: Optional[np.ndarray] = None
+    extras: dict = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        """Number of samples."""
+        return int(self.labels.shape[0])
+
+    def to(self, device: torch.device, non_blocking: bool = True) -> "Batch":
+        """Returns the batch with its tensors on ``device``."""
+        return Batch(
+            sparse=self.sparse.to(device, non_blocking=non_blocking),
+            dense=self.dense.to(device, non_blocking=non_blocking),
+            labels=self.labels.to(device, non_blocking=non_blocking),
+            sample_ids=self.sample_ids,
+            event_times=self.event_times,
+            extras=self.extras,
+        )

@@ -1,0 +1,1 @@
+"""Generated protobuf code (``make protos`` writes ``*_pb2.py`` here from ``protos/``)."""

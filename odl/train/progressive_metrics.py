@@ -1,0 +1,153 @@
+"""Progressive validation metrics: every batch is scored before the model trains on it.
+
+Two views are kept:
+
+* a sliding window of the last ``window`` (prediction, label) pairs, for AUC and logloss of the
+  model as it is now (exact, rank-based AUC with ties averaged);
+* running totals over everything seen since start (AUC from a 10,000-bin histogram of the
+  predicted probability per label, accurate to about 1e-4, plus exact mean logloss).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_EPS = 1e-7
+_BINS = 10000
+
+
+def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
+    """Exact ROC AUC with tied scores counted half.
+
+    Args:
+        scores: predicted scores.
+        labels: 0/1 labels.
+
+    Returns:
+        The AUC, or NaN when only one class is present.
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    labels = np.asarray(labels) > 0.5
+    n_pos = int(labels.sum())
+    n_neg = labels.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    sorted_scores = scores[order]
+    ranks = np.empty(scores.size, dtype=np.float64)
+    # average ranks over ties
+    boundaries = np.flatnonzero(np.diff(sorted_scores)) + 1
+    starts = np.concatenate(([0], boundaries))
+    ends = np.concatenate((boundaries, [scores.size]))
+    avg = (starts + ends + 1) / 2.0
+    ranks[order] = np.repeat(avg, ends - starts)
+    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+
+
+def log_loss(probs: np.ndarray, labels: np.ndarray) -> float:
+    """Mean binary cross entropy of probabilities.
+
+    Args:
+        probs: predicted probabilities.
+        labels: 0/1 labels.
+
+    Returns:
+        The mean logloss (NaN for no samples).
+    """
+    if len(probs) == 0:
+        return float("nan")
+    p = np.clip(np.asarray(probs, dtype=np.float64), _EPS, 1 - _EPS)
+    y = np.asarray(labels, dtype=np.float64)
+    return float(-(y * np.log(p) + (1 - y) * np.log(1 - p)).mean())
+
+
+class ProgressiveMetrics:
+    """Windowed and cumulative AUC / logloss of predictions made before training.
+
+    Args:
+        window: number of most recent samples in the window.
+    """
+
+    def __init__(self, window: int = 100000) -> None:
+        self.window = max(1, int(window))
+        self._probs = np.zeros(self.window, dtype=np.float64)
+        self._labels = np.zeros(self.window, dtype=np.float64)
+        self._filled = 0
+        self._cursor = 0
+        self._hist = np.zeros((2, _BINS), dtype=np.int64)
+        self._total_logloss = 0.0
+        self.samples = 0
+
+    def update(self, probs: np.ndarray, labels: np.ndarray) -> None:
+        """Adds a scored batch.
+
+        Args:
+            probs: probabilities predicted before the update.
+            labels: the batch's labels.
+        """
+        probs = np.asarray(probs, dtype=np.float64)
+        labels = np.asarray(labels, dtype=np.float64)
+        n = probs.size
+        if n == 0:
+            return
+        self.samples += n
+        p = np.clip(probs, _EPS, 1 - _EPS)
+        self._total_logloss += float(-(labels * np.log(p) + (1 - labels) * np.log(1 - p)).sum())
+        bins = np.minimum((probs * _BINS).astype(np.int64), _BINS - 1)
+        pos = labels > 0.5
+        self._hist[1] += np.bincount(bins[pos], minlength=_BINS)
+        self._hist[0] += np.bincount(bins[~pos], minlength=_BINS)
+        if n >= self.window:
+            self._probs[:] = probs[-self.window :]
+            self._labels[:] = labels[-self.window :]
+            self._cursor = 0
+            self._filled = self.window
+            return
+        end = self._cursor + n
+        if end <= self.window:
+            self._probs[self._cursor : end] = probs
+            self._labels[self._cursor : end] = labels
+        else:
+            first = self.window - self._cursor
+            self._probs[self._cursor :] = probs[:first]
+            self._labels[self._cursor :] = labels[:first]
+            self._probs[: n - first] = probs[first:]
+            self._labels[: n - first] = labels[first:]
+        self._cursor = end % self.window
+        self._filled = min(self.window, self._filled + n)
+
+    def window_auc(self) -> float:
+        """AUC over the window (NaN until both classes were seen)."""
+        return roc_auc(self._probs[: self._filled], self._labels[: self._filled])
+
+    def window_logloss(self) -> float:
+        """Logloss over the window."""
+        return log_loss(self._probs[: self._filled], self._labels[: self._filled])
+
+    def total_auc(self) -> float:
+        """AUC over every sample since start, from the histogram."""
+        neg, pos = self._hist[0].astype(np.float64), self._hist[1].astype(np.float64)
+        n_pos, n_neg = pos.sum(), neg.sum()
+        if n_pos == 0 or n_neg == 0:
+            return float("nan")
+        neg_below = np.cumsum(neg) - neg
+        return float((pos * (neg_below + 0.5 * neg)).sum() / (n_pos * n_neg))
+
+    def total_logloss(self) -> float:
+        """Mean logloss over every sample since start."""
+        return self._total_logloss / self.samples if self.samples else float("nan")
+
+    def summary(self) -> dict:
+        """All four figures as a dict (NaN replaced by None for JSON)."""
+
+        def clean(v: float):
+            return None if v != v else round(v, 6)
+
+        return {
+            "auc": clean(self.window_auc()),
+            "logloss": clean(self.window_logloss()),
+            "auc_total": clean(self.total_auc()),
+            "logloss_total": clean(self.total_logloss()),
+            "window_samples": int(self._filled),
+            "samples": int(self.samples),
+        }
