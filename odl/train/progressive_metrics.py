@@ -12,36 +12,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from odl.auc import HistogramAuc
+from odl.auc import roc_auc as exact_auc
+
 _EPS = 1e-7
-_BINS = 10000
+_HISTOGRAM_BINS = 10000
 
 
 def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Exact ROC AUC with tied scores counted half.
-
-    Args:
-        scores: predicted scores.
-        labels: 0/1 labels.
-
-    Returns:
-        The AUC, or NaN when only one class is present.
-    """
-    scores = np.asarray(scores, dtype=np.float64)
-    labels = np.asarray(labels) > 0.5
-    n_pos = int(labels.sum())
-    n_neg = labels.size - n_pos
-    if n_pos == 0 or n_neg == 0:
-        return float("nan")
-    order = np.argsort(scores, kind="mergesort")
-    sorted_scores = scores[order]
-    ranks = np.empty(scores.size, dtype=np.float64)
-    # average ranks over ties
-    boundaries = np.flatnonzero(np.diff(sorted_scores)) + 1
-    starts = np.concatenate(([0], boundaries))
-    ends = np.concatenate((boundaries, [scores.size]))
-    avg = (starts + ends + 1) / 2.0
-    ranks[order] = np.repeat(avg, ends - starts)
-    return float((ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
+    """Exact ROC AUC of ``scores`` against 0/1 ``labels`` (ties count half; NaN for one class)."""
+    return exact_auc(labels, scores)
 
 
 def log_loss(probs: np.ndarray, labels: np.ndarray) -> float:
@@ -74,7 +54,7 @@ class ProgressiveMetrics:
         self._labels = np.zeros(self.window, dtype=np.float64)
         self._filled = 0
         self._cursor = 0
-        self._hist = np.zeros((2, _BINS), dtype=np.int64)
+        self._total_auc = HistogramAuc(_HISTOGRAM_BINS)
         self._total_logloss = 0.0
         self.samples = 0
 
@@ -93,10 +73,7 @@ class ProgressiveMetrics:
         self.samples += n
         p = np.clip(probs, _EPS, 1 - _EPS)
         self._total_logloss += float(-(labels * np.log(p) + (1 - labels) * np.log(1 - p)).sum())
-        bins = np.minimum((probs * _BINS).astype(np.int64), _BINS - 1)
-        pos = labels > 0.5
-        self._hist[1] += np.bincount(bins[pos], minlength=_BINS)
-        self._hist[0] += np.bincount(bins[~pos], minlength=_BINS)
+        self._total_auc.add(labels > 0.5, probs)
         if n >= self.window:
             self._probs[:] = probs[-self.window :]
             self._labels[:] = labels[-self.window :]
@@ -126,12 +103,7 @@ class ProgressiveMetrics:
 
     def total_auc(self) -> float:
         """AUC over every sample since start, from the histogram."""
-        neg, pos = self._hist[0].astype(np.float64), self._hist[1].astype(np.float64)
-        n_pos, n_neg = pos.sum(), neg.sum()
-        if n_pos == 0 or n_neg == 0:
-            return float("nan")
-        neg_below = np.cumsum(neg) - neg
-        return float((pos * (neg_below + 0.5 * neg)).sum() / (n_pos * n_neg))
+        return self._total_auc.auc()
 
     def total_logloss(self) -> float:
         """Mean logloss over every sample since start."""

@@ -1,0 +1,64 @@
+"""Suite-wide Kafka fixtures: one broker per test session, a fresh topic per test.
+
+Set ``ODL_KAFKA_BOOTSTRAP=host:port`` to run against an external broker instead of the
+embedded one (topics are then unique per test and deleted afterwards).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from odl.broker.embedded_broker import EmbeddedBroker
+from odl.broker.topic_admin import create_topic
+
+EXTERNAL_BOOTSTRAP_ENV = "ODL_KAFKA_BOOTSTRAP"
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Bootstrap address of the session's broker (external if ODL_KAFKA_BOOTSTRAP is set)."""
+    external = os.environ.get(EXTERNAL_BOOTSTRAP_ENV)
+    if external:
+        yield external
+        return
+    broker = EmbeddedBroker(port=0, data_dir=tmp_path_factory.mktemp("kafka"))
+    broker.start()
+    try:
+        yield broker.bootstrap
+    finally:
+        broker.stop()
+
+
+@pytest.fixture
+def kafka_topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
+    """Makes unique topics: ``make(partitions=1, prefix="t", config=None, create=True)``."""
+    created: list[str] = []
+
+    def make(
+        partitions: int = 1,
+        prefix: str = "t",
+        config: dict[str, str] | None = None,
+        create: bool = True,
+    ) -> str:
+        name = f"odl-test-{prefix}-{uuid.uuid4().hex[:12]}"
+        created.append(name)  # also names handed out uncreated: the test may create them
+        if create:
+            create_topic(kafka_bootstrap, name, partitions, config=config)
+        return name
+
+    yield make
+    if created and os.environ.get(EXTERNAL_BOOTSTRAP_ENV):
+        from confluent_kafka.admin import AdminClient
+
+        from odl.kafka_client import admin_config
+
+        admin = AdminClient(admin_config(kafka_bootstrap))
+        for future in admin.delete_topics(created, operation_timeout=10).values():
+            try:
+                future.result(timeout=15)
+            except Exception:  # noqa: BLE001 - best effort cleanup on a shared broker
+                pass
