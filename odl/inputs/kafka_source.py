@@ -1,0 +1,434 @@
+"""Kafka sample source: explicit partition assignment, start positions, raw record batches.
+
+The source reads one topic with a ``confluent_kafka.Consumer`` whose partitions are assigned
+explicitly (``partition % world_size == rank``), never by group rebalancing, so every worker
+knows exactly which records it owns. The consumer group is only used to commit positions for
+monitoring tools; the trainer's checkpoint is the source of truth.
+
+Start positions, first match wins:
+
+1. positions restored from a checkpoint (next offset to read per partition; partitions the
+   checkpoint does not know start at their beginning),
+2. ``offset_info`` ``{"timestamp": s}`` / ``offset_time``: the first offset whose message
+   timestamp is >= s (a partition with none starts at its end),
+3. ``offset_info`` ``{"<partition>": <offset>}`` / repeated ``offset``: those offsets (unlisted
+   partitions start at their beginning),
+4. otherwise offset 0 (the partition's beginning).
+
+Records come out as :class:`RawBatch` objects carrying the positions *after* the batch, so a
+consumer of batches can checkpoint exactly what it has trained.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Mapping, Optional
+
+import numpy as np
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+from odl.kafka_client import consumer_config
+
+logger = logging.getLogger(__name__)
+
+_WATERMARK_REFRESH_SECS = 2.0
+
+
+@dataclass
+class RawBatch:
+    """Undecoded records plus where they came from.
+
+    Attributes:
+        values: message values in consumption order.
+        partitions: partition of each value.
+        offsets: offset of each value.
+        timestamps_ms: Kafka message timestamp (produce time) of each value, ms.
+        positions: next offset to read per partition after this batch (all assigned
+            partitions, cumulative).
+    """
+
+    values: list[bytes]
+    partitions: np.ndarray
+    offsets: np.ndarray
+    timestamps_ms: np.ndarray
+    positions: dict[int, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+
+@dataclass
+class StartPositions:
+    """How to position each partition at start."""
+
+    checkpoint: Optional[dict[int, int]] = None
+    timestamp_s: Optional[float] = None
+    offsets: Optional[dict[int, int]] = None
+
+
+@dataclass
+class PartitionState:
+    """Live per-partition figures for status and lag."""
+
+    position: int = 0
+    high_watermark: int = -1
+    low_watermark: int = -1
+
+    @property
+    def lag(self) -> int:
+        """Records between the position and the partition end (-1 when unknown)."""
+        if self.high_watermark < 0:
+            return -1
+        return max(0, self.high_watermark - self.position)
+
+
+class KafkaSource:
+    """Reads raw record batches from one Kafka topic.
+
+    Args:
+        servers: bootstrap servers.
+        topic: topic to read.
+        group: consumer group for monitoring commits.
+        start: start position rules.
+        batch_size: records per batch.
+        batch_timeout_ms: emit a partial batch after this long without filling it.
+        kafka_config: extra librdkafka settings, passed through.
+        rank: this worker's index.
+        world_size: number of workers splitting the partitions.
+        topic_wait_secs: how long to wait for the topic to exist (0 = forever).
+    """
+
+    def __init__(
+        self,
+        servers: str,
+        topic: str,
+        group: str,
+        start: StartPositions,
+        batch_size: int,
+        batch_timeout_ms: int = 200,
+        kafka_config: Optional[Mapping[str, str]] = None,
+        rank: int = 0,
+        world_size: int = 1,
+        topic_wait_secs: float = 0.0,
+    ) -> None:
+        self.servers = servers
+        self.topic = topic
+        self.group = group
+        self._start = start
+        self.batch_size = int(batch_size)
+        self.batch_timeout = batch_timeout_ms / 1000.0
+        self.rank = rank
+        self.world_size = world_size
+        self._topic_wait_secs = topic_wait_secs
+        conf = consumer_config(servers, group, kafka_config)
+        # Prefetch a few batches, not librdkafka's default 100k messages: the trainer never
+        # needs more, and against brokers that ignore fetch size limits every refetch returns
+        # the whole backlog, which would burn the CPU the train step needs.
+        for key, value in (
+            ("queued.min.messages", max(4 * self.batch_size, 1000)),
+            ("queued.max.messages.kbytes", 16384),
+        ):
+            if not kafka_config or key not in kafka_config:
+                conf[key] = value
+        self._consumer = Consumer(conf)
+        self._partitions: list[int] = []
+        self.partition_state: dict[int, PartitionState] = {}
+        self._positions: dict[int, int] = {}
+        self._last_watermark_refresh = 0.0
+        self._commit_lock = threading.Lock()
+        self._pending_commit: Optional[dict[int, int]] = None
+        self.broker_error: Optional[str] = None
+        self.broker_error_since: Optional[float] = None
+        self.records_consumed = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------ start
+    def open(self, stop_event: Optional[threading.Event] = None) -> dict[int, int]:
+        """Resolves start positions and assigns the partitions.
+
+        Args:
+            stop_event: aborts waiting for the topic when set.
+
+        Returns:
+            The start position (next offset) per assigned partition.
+
+        Raises:
+            TimeoutError: the topic did not appear within ``topic_wait_secs``.
+        """
+        partitions = self._wait_for_partitions(stop_event)
+        self._partitions = [p for p in partitions if p % self.world_size == self.rank]
+        starts = self._resolve_starts()
+        self._positions = dict(starts)
+        for p, off in starts.items():
+            self.partition_state[p] = PartitionState(position=off)
+        self._consumer.assign([TopicPartition(self.topic, p, off) for p, off in starts.items()])
+        self._refresh_watermarks(force=True)
+        logger.info(
+            "reading topic %s partitions %s from %s (rank %d of %d)",
+            self.topic,
+            self._partitions,
+            starts,
+            self.rank,
+            self.world_size,
+        )
+        return starts
+
+    def _wait_for_partitions(self, stop_event: Optional[threading.Event]) -> list[int]:
+        deadline = time.monotonic() + self._topic_wait_secs if self._topic_wait_secs else None
+        warned = False
+        while True:
+            try:
+                md = self._consumer.list_topics(self.topic, timeout=5)
+                tmd = md.topics.get(self.topic)
+                if tmd is not None and tmd.error is None and tmd.partitions:
+                    self._clear_broker_error()
+                    return sorted(tmd.partitions)
+                reason = f"topic {self.topic} does not exist yet"
+            except KafkaException as exc:
+                reason = f"broker unreachable: {exc.args[0]}"
+            self._set_broker_error(reason)
+            if not warned:
+                logger.warning("waiting for %s (%s)", self.topic, reason)
+                warned = True
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"kafka topic {self.topic!r} on {self.servers}: {reason}")
+            if stop_event is not None and stop_event.wait(1.0):
+                raise InterruptedError("stopped while waiting for the topic")
+            if stop_event is None:
+                time.sleep(1.0)
+
+    def _resolve_starts(self) -> dict[int, int]:
+        start = self._start
+        lows = {p: self._watermarks(p)[0] for p in self._partitions}
+        if start.checkpoint is not None:
+            out = {}
+            for p in self._partitions:
+                if p in start.checkpoint:
+                    off = int(start.checkpoint[p])
+                    if 0 <= lows[p] and off < lows[p]:
+                        logger.error(
+                            "partition %d: checkpoint offset %d is below the log start %d; "
+                            "records %d..%d were deleted by retention and cannot be trained",
+                            p,
+                            off,
+                            lows[p],
+                            off,
+                            lows[p] - 1,
+                        )
+                        off = lows[p]
+                    out[p] = off
+                else:
+                    logger.info("partition %d is not in the checkpoint: starting at its beginning", p)
+                    out[p] = max(lows[p], 0)
+            return out
+        if start.timestamp_s is not None:
+            ts_ms = int(start.timestamp_s * 1000)
+            tps = [TopicPartition(self.topic, p, ts_ms) for p in self._partitions]
+            found = self._consumer.offsets_for_times(tps, timeout=10)
+            out = {}
+            for tp in found:
+                if tp.error is not None:
+                    raise KafkaException(tp.error)
+                if tp.offset < 0:  # no message at or after the timestamp: start at the end
+                    out[tp.partition] = self._watermarks(tp.partition)[1]
+                else:
+                    out[tp.partition] = tp.offset
+            return out
+        if start.offsets is not None:
+            unknown = sorted(set(start.offsets) - set(self._partitions))
+            owned = [p for p in unknown if p % self.world_size == self.rank]
+            if owned:
+                logger.warning("offset_info names partitions %s that the topic does not have", owned)
+            return {p: int(start.offsets.get(p, max(lows[p], 0))) for p in self._partitions}
+        return {p: max(lows[p], 0) for p in self._partitions}
+
+    def _watermarks(self, partition: int) -> tuple[int, int]:
+        return self._consumer.get_watermark_offsets(
+            TopicPartition(self.topic, partition), timeout=10, cached=False
+        )
+
+    # ------------------------------------------------------------------ read
+    def read_batch(self, stop_event: Optional[threading.Event] = None) -> Optional[RawBatch]:
+        """Reads up to ``batch_size`` records, waiting at most ``batch_timeout``.
+
+        Args:
+            stop_event: returns early (with what was read) when set.
+
+        Returns:
+            A batch, or None when nothing arrived in time.
+        """
+        self._maybe_commit()
+        self._refresh_watermarks()
+        values: list[bytes] = []
+        parts: list[int] = []
+        offs: list[int] = []
+        tss: list[int] = []
+        deadline = time.monotonic() + self.batch_timeout
+        while len(values) < self.batch_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or (stop_event is not None and stop_event.is_set()):
+                break
+            msgs = self._consumer.consume(
+                num_messages=self.batch_size - len(values), timeout=min(remaining, 0.1)
+            )
+            for msg in msgs:
+                err = msg.error()
+                if err is not None:
+                    self._handle_error(err)
+                    continue
+                value = msg.value()
+                values.append(value if value is not None else b"")
+                p = msg.partition()
+                o = msg.offset()
+                parts.append(p)
+                offs.append(o)
+                tss.append(msg.timestamp()[1])
+                self._positions[p] = o + 1
+            if msgs and self.broker_error is not None:
+                self._clear_broker_error()
+        if not values:
+            return None
+        self.records_consumed += len(values)
+        for p, off in self._positions.items():
+            self.partition_state[p].position = off
+        return RawBatch(
+            values=values,
+            partitions=np.asarray(parts, dtype=np.int32),
+            offsets=np.asarray(offs, dtype=np.int64),
+            timestamps_ms=np.asarray(tss, dtype=np.int64),
+            positions=dict(self._positions),
+        )
+
+    def _handle_error(self, err: KafkaError) -> None:
+        code = err.code()
+        if code == KafkaError._PARTITION_EOF:
+            return
+        if code in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE):
+            self._set_broker_error(err.str())
+            logger.warning("kafka: %s", err.str())
+            return
+        if code == KafkaError.OFFSET_OUT_OF_RANGE:
+            logger.error("kafka: offset out of range (%s): resetting to the earliest offset", err)
+            return
+        if err.fatal():
+            raise KafkaException(err)
+        logger.warning("kafka consumer error: %s", err.str())
+
+    def _set_broker_error(self, reason: str) -> None:
+        if self.broker_error is None:
+            self.broker_error_since = time.time()
+        self.broker_error = reason
+
+    def _clear_broker_error(self) -> None:
+        if self.broker_error is not None:
+            logger.info("kafka reachable again after: %s", self.broker_error)
+        self.broker_error = None
+        self.broker_error_since = None
+
+    def _refresh_watermarks(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_watermark_refresh < _WATERMARK_REFRESH_SECS:
+            return
+        self._last_watermark_refresh = now
+        for p in self._partitions:
+            try:
+                low, high = self._consumer.get_watermark_offsets(
+                    TopicPartition(self.topic, p), timeout=2, cached=False
+                )
+            except KafkaException as exc:
+                self._set_broker_error(f"watermarks: {exc.args[0]}")
+                return
+            st = self.partition_state.setdefault(p, PartitionState())
+            st.low_watermark, st.high_watermark = low, high
+
+    # ------------------------------------------------------------------ commit
+    def request_commit(self, positions: Mapping[int, int]) -> None:
+        """Asks the reading thread to commit ``positions`` to the consumer group.
+
+        Commits are for monitoring tools only and happen on the next read.
+
+        Args:
+            positions: next offset per partition.
+        """
+        with self._commit_lock:
+            self._pending_commit = dict(positions)
+
+    def _maybe_commit(self) -> None:
+        with self._commit_lock:
+            pending, self._pending_commit = self._pending_commit, None
+        if not pending:
+            return
+        tps = [TopicPartition(self.topic, p, off) for p, off in pending.items()]
+        try:
+            self._consumer.commit(offsets=tps, asynchronous=True)
+        except KafkaException as exc:  # monitoring only: never fatal
+            logger.warning("committing positions to group %s failed: %s", self.group, exc)
+
+    def commit_now(self, positions: Mapping[int, int]) -> None:
+        """Commits ``positions`` synchronously (used once at shutdown, from the reading thread).
+
+        Args:
+            positions: next offset per partition.
+        """
+        if not positions:
+            return
+        tps = [TopicPartition(self.topic, p, off) for p, off in positions.items()]
+        try:
+            self._consumer.commit(offsets=tps, asynchronous=False)
+        except KafkaException as exc:
+            logger.warning("committing positions to group %s failed: %s", self.group, exc)
+
+    @property
+    def partitions(self) -> list[int]:
+        """Assigned partitions."""
+        return list(self._partitions)
+
+    def close(self) -> None:
+        """Closes the consumer (without leaving uncommitted state behind)."""
+        if not self._closed:
+            self._closed = True
+            self._consumer.close()
+
+
+def start_positions_from_config(
+    offset_info: Optional[tuple[str, object]],
+    offset_time: int,
+    offsets: list[int],
+    checkpoint_positions: Optional[dict[int, int]],
+) -> StartPositions:
+    """Builds :class:`StartPositions` with the documented precedence.
+
+    Args:
+        offset_info: parsed ``offset_info`` (``("timestamp", s)`` or ``("offsets", {p: o})``).
+        offset_time: ``offset_time`` seconds (0 = unset).
+        offsets: EasyRec's repeated ``offset`` field (partition i starts at offsets[i]).
+        checkpoint_positions: positions restored from a checkpoint, if any.
+
+    Returns:
+        The start rules for :class:`KafkaSource`.
+    """
+    if checkpoint_positions is not None:
+        return StartPositions(checkpoint=dict(checkpoint_positions))
+    if offset_info is not None:
+        kind, value = offset_info
+        if kind == "timestamp":
+            return StartPositions(timestamp_s=float(value))  # type: ignore[arg-type]
+        return StartPositions(offsets={int(k): int(v) for k, v in dict(value).items()})  # type: ignore[call-overload]
+    if offset_time:
+        return StartPositions(timestamp_s=float(offset_time))
+    if offsets:
+        return StartPositions(offsets={i: int(o) for i, o in enumerate(offsets)})
+    return StartPositions()
+
+
+__all__ = [
+    "KafkaSource",
+    "RawBatch",
+    "StartPositions",
+    "PartitionState",
+    "start_positions_from_config",
+    "OFFSET_BEGINNING",
+]

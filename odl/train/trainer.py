@@ -1,0 +1,547 @@
+"""The training daemon: read, predict-then-train, checkpoint with positions, stop cleanly.
+
+One ``Trainer`` runs one pipeline config, online (Kafka) or offline (files):
+
+* start: restore the newest intact checkpoint of ``model_dir`` (model, optimizer, step and
+  input positions), else warm-start parameters from ``fine_tune_checkpoint``;
+* loop: a background thread reads and builds batches; the train loop scores each batch
+  before training on it (progressive validation), logs rates / AUC / logloss / lag every
+  ``log_step_count_steps`` and checkpoints every ``save_checkpoints_steps`` /
+  ``save_checkpoints_secs``;
+* stop: SIGTERM/SIGINT, the ``OSS_STOP_SIGNAL`` file in ``model_dir`` (when
+  ``enable_oss_stop_signal``; the file is removed once acted on), ``dead_line``, ``num_steps``
+  or the end of offline input: finish the step, checkpoint, exit 0.
+
+A checkpoint stores the NEXT offset per partition of exactly the batches trained, so a clean
+stop and restart trains every record exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from odl.checkpoint.checkpoint_manager import (
+    CheckpointError,
+    CheckpointManager,
+    read_checkpoint,
+    resolve_checkpoint_path,
+)
+from odl.config.pipeline_config import (
+    config_to_text,
+    parse_dead_line,
+    parse_offset_info,
+)
+from odl.features.feature_builder import FeatureBuilder
+from odl.http_server import BackgroundHttpServer
+from odl.inputs.file_source import FileSource
+from odl.inputs.kafka_source import KafkaSource, start_positions_from_config
+from odl.models.train_module import TrainModule
+from odl.protos import pipeline_pb2
+from odl.train.batch_prefetcher import BatchPrefetcher, PreparedBatch
+from odl.train.progressive_metrics import ProgressiveMetrics
+from odl.train.status_app import build_status_app
+from odl.train.trainer_metrics import TrainerMetrics
+
+logger = logging.getLogger(__name__)
+
+STOP_SIGNAL_FILE = "OSS_STOP_SIGNAL"
+STATUS_FILE = "status.json"
+_REJECT_LOG_INTERVAL_SECS = 5.0
+
+
+@dataclass
+class TrainerOptions:
+    """Command-line choices that are not part of the pipeline config.
+
+    Attributes:
+        online: read Kafka (True) or train_input_path files (False).
+        device: "auto", "cpu" or "cuda".
+        status_port: port of the status API (0 = any free port, -1 = no server).
+        status_host: address of the status API.
+        sample_ledger: append "<step>\\t<sample_id>" per trained sample to this file.
+        continue_train: restore from model_dir's newest checkpoint when there is one.
+    """
+
+    online: bool = True
+    device: str = "auto"
+    status_port: int = 0
+    status_host: str = "127.0.0.1"
+    sample_ledger: Optional[str] = None
+    continue_train: bool = True
+
+
+class _RejectLog:
+    """Logs malformed records at a bounded rate (one summary line per interval)."""
+
+    def __init__(self) -> None:
+        self._since_log: dict[str, int] = {}
+        self._example: Optional[str] = None
+        self._last = 0.0
+
+    def add(self, reason: str, where: str) -> None:
+        self._since_log[reason] = self._since_log.get(reason, 0) + 1
+        if self._example is None:
+            self._example = f"{reason} at {where}"
+
+    def maybe_log(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self._since_log or (not force and now - self._last < _REJECT_LOG_INTERVAL_SECS):
+            return
+        logger.warning(
+            "skipped %d malformed records %s (e.g. %s)",
+            sum(self._since_log.values()),
+            dict(sorted(self._since_log.items())),
+            self._example,
+        )
+        self._since_log, self._example, self._last = {}, None, now
+
+
+class Trainer:
+    """Runs one training pipeline until told to stop.
+
+    Args:
+        config: a validated pipeline config.
+        options: command-line choices.
+    """
+
+    def __init__(self, config: pipeline_pb2.EasyRecConfig, options: TrainerOptions) -> None:
+        self.config = config
+        self.options = options
+        self.model_dir = config.model_dir
+        os.makedirs(self.model_dir, exist_ok=True)
+        tc = config.train_config
+        self.generation = uuid.uuid4().hex[:16]
+        self.stop_event = threading.Event()
+        self.stop_reason: Optional[str] = None
+        self.state = "starting"
+        self.started_at = time.time()
+        self.metrics = TrainerMetrics()
+        self.progress = ProgressiveMetrics(tc.metrics_window_samples)
+        self.checkpoints = CheckpointManager(self.model_dir, tc.keep_checkpoint_max)
+        self.features = FeatureBuilder(config)
+        self.module = TrainModule(config, self.features, device=options.device)
+        self.positions: dict[int, int] = {}
+        self.samples_trained = 0
+        self.records_rejected: dict[str, int] = {}
+        self.last_loss: Optional[float] = None
+        self.samples_per_sec = 0.0
+        self.last_checkpoint_error: Optional[str] = None
+        self.last_sample_time_ms: Optional[int] = None
+        self._reject_log = _RejectLog()
+        self._source: Optional[KafkaSource] = None
+        self._file_source: Optional[FileSource] = None
+        self._prefetcher: Optional[BatchPrefetcher] = None
+        self._http: Optional[BatchPrefetcher | BackgroundHttpServer] = None
+        self._ledger = None
+        self._dead_line = parse_dead_line(tc.dead_line) if tc.dead_line else None
+        self._config_text = config_to_text(config, redact=True)
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ restore
+    def _restore(self) -> Optional[dict[int, int]]:
+        tc = self.config.train_config
+        if self.options.continue_train:
+            latest = self.checkpoints.latest()
+            if latest is not None:
+                ckpt = read_checkpoint(latest)
+                self.module.load_checkpoint_state(ckpt.state)
+                logger.info(
+                    "restored %s: step %d, positions %s", latest, ckpt.global_step, ckpt.positions
+                )
+                self.checkpoints.last_saved_path = latest
+                self.checkpoints.last_saved_step = ckpt.global_step
+                self.metrics.checkpoint_step.set(ckpt.global_step)
+                if self.options.online:
+                    topic = ckpt.source.get("topic")
+                    if topic and topic != self.config.kafka_train_input.topic:
+                        logger.warning(
+                            "checkpoint positions are for topic %s, config reads %s: "
+                            "starting from the config's start positions",
+                            topic,
+                            self.config.kafka_train_input.topic,
+                        )
+                        return None
+                    return ckpt.positions
+                return None
+        if tc.fine_tune_checkpoint:
+            path = resolve_checkpoint_path(tc.fine_tune_checkpoint)
+            ckpt = read_checkpoint(path)
+            var_map = _read_var_map(tc.fine_tune_ckpt_var_map) if tc.fine_tune_ckpt_var_map else None
+            report = self.module.load_parameters(ckpt.state["model"], var_map)
+            logger.info("warm-started parameters from %s: %s", path, report)
+        return None
+
+    # ------------------------------------------------------------------ run
+    def run(self) -> int:
+        """Trains until a stop condition; returns the process exit code (0 on clean stop)."""
+        try:
+            self._start_status_server()
+            restored_positions = self._restore()
+            if self.options.sample_ledger:
+                self._ledger = open(self.options.sample_ledger, "a", buffering=1 << 16)
+            self._open_input(restored_positions)
+            self.state = "training"
+            self._loop()
+        finally:
+            self._shutdown()
+        return 0
+
+    def _open_input(self, restored_positions: Optional[dict[int, int]]) -> None:
+        dc = self.config.data_config
+        if self.options.online:
+            ki = self.config.kafka_train_input
+            start = start_positions_from_config(
+                parse_offset_info(ki.offset_info) if ki.offset_info else None,
+                ki.offset_time,
+                list(ki.offset),
+                restored_positions,
+            )
+            self._source = KafkaSource(
+                servers=ki.server,
+                topic=ki.topic,
+                group=ki.group,
+                start=start,
+                batch_size=dc.batch_size,
+                batch_timeout_ms=dc.batch_timeout_ms,
+                kafka_config=dict(ki.kafka_config),
+            )
+            self.state = "waiting_for_topic"
+            self.positions = self._source.open(self.stop_event)
+            if ki.partitions and ki.partitions != len(self._source.partitions):
+                logger.warning(
+                    "kafka_train_input.partitions is %d but topic %s has %d partitions; "
+                    "reading all of them",
+                    ki.partitions,
+                    ki.topic,
+                    len(self._source.partitions),
+                )
+            source = self._source
+            read = source.read_batch
+        else:
+            self._file_source = FileSource(
+                self.config.train_input_path, dc.batch_size, dc.num_epochs
+            )
+            it = self._file_source.batches()
+
+            def read(_stop: threading.Event):
+                return next(it)
+
+        self._prefetcher = BatchPrefetcher(read, self._build)
+        self._prefetcher.start()
+
+    def _build(self, values: list[bytes]):
+        result = self.features.build(values)
+        return result.batch, result.accepted, result.rejected
+
+    def _loop(self) -> None:
+        tc = self.config.train_config
+        log_every = max(1, tc.log_step_count_steps)
+        poll_secs = max(0.1, tc.stop_signal_poll_secs)
+        signal_path = os.path.join(self.model_dir, STOP_SIGNAL_FILE)
+        next_signal_check = 0.0
+        last_ckpt_time = time.monotonic()
+        last_ckpt_step = self.module.global_step
+        window_start = time.monotonic()
+        window_samples = 0
+        assert self._prefetcher is not None
+        while not self.stop_event.is_set():
+            now = time.monotonic()
+            if tc.enable_oss_stop_signal and now >= next_signal_check:
+                next_signal_check = now + poll_secs
+                if os.path.exists(signal_path):
+                    self._request_stop(f"{STOP_SIGNAL_FILE} found in model_dir")
+                    _consume_signal_file(signal_path)
+                    break
+            if self._dead_line is not None and time.time() >= self._dead_line:
+                self._request_stop("dead_line reached")
+                break
+            if tc.HasField("num_steps") and self.module.global_step >= tc.num_steps:
+                self._request_stop(f"num_steps {tc.num_steps} reached")
+                break
+            item = self._prefetcher.get(timeout=0.1)
+            self._update_input_state()
+            if item is None:
+                if self._prefetcher.finished:
+                    self._request_stop("end of input")
+                    break
+                continue
+            trained = self._train_on(item)
+            window_samples += trained
+            step = self.module.global_step
+            if trained and step % log_every == 0:
+                elapsed = time.monotonic() - window_start
+                self.samples_per_sec = window_samples / elapsed if elapsed > 0 else 0.0
+                self._log_progress()
+                window_start, window_samples = time.monotonic(), 0
+            due_steps = tc.save_checkpoints_steps and step - last_ckpt_step >= tc.save_checkpoints_steps
+            due_secs = (
+                tc.save_checkpoints_secs and time.monotonic() - last_ckpt_time >= tc.save_checkpoints_secs
+            )
+            if (due_steps or due_secs) and step != last_ckpt_step:
+                self._checkpoint()
+                last_ckpt_time, last_ckpt_step = time.monotonic(), step
+
+    def _train_on(self, item: PreparedBatch) -> int:
+        self.metrics.records_consumed.inc(item.num_records)
+        if item.rejected:
+            self._count_rejects(item)
+        batch = item.batch
+        trained = 0
+        if batch is not None and batch.size:
+            out = self.module.train_step(batch)
+            labels = batch.labels.detach().cpu().numpy()
+            self.progress.update(out.probs, labels)
+            trained = batch.size
+            self.samples_trained += trained
+            self.last_loss = float(out.loss)
+            self.metrics.samples_trained.inc(trained)
+            self.metrics.steps.inc()
+            self.metrics.global_step.set(self.module.global_step)
+            self.metrics.loss.set(self.last_loss)
+            if self._ledger is not None and batch.sample_ids is not None:
+                step = self.module.global_step
+                self._ledger.write("".join(f"{step}\t{sid}\n" for sid in batch.sample_ids))
+        if len(item.raw.timestamps_ms):
+            self.last_sample_time_ms = int(item.raw.timestamps_ms.max())
+        with self._lock:
+            self.positions.update(item.positions)
+        return trained
+
+    def _count_rejects(self, item: PreparedBatch) -> None:
+        for idx, reason in item.rejected:
+            self.records_rejected[reason] = self.records_rejected.get(reason, 0) + 1
+            self.metrics.records_rejected.labels(reason=reason).inc()
+            where = f"partition {int(item.raw.partitions[idx])} offset {int(item.raw.offsets[idx])}"
+            self._reject_log.add(reason, where)
+        self._reject_log.maybe_log()
+
+    def _update_input_state(self) -> None:
+        src = self._source
+        if src is None:
+            return
+        if src.broker_error is not None:
+            self.metrics.broker_up.set(0)
+            if self.state == "training":
+                self.state = "waiting_for_broker"
+        else:
+            self.metrics.broker_up.set(1)
+            if self.state == "waiting_for_broker":
+                self.state = "training"
+
+    def _log_progress(self) -> None:
+        m = self.progress.summary()
+        self.metrics.samples_per_sec.set(self.samples_per_sec)
+        if m["auc"] is not None:
+            self.metrics.auc.set(m["auc"])
+        if m["logloss"] is not None:
+            self.metrics.logloss.set(m["logloss"])
+        lags = self._lags()
+        for p, lag in lags.items():
+            self.metrics.lag.labels(partition=str(p)).set(lag)
+        for p, pos in self.positions.items():
+            self.metrics.position.labels(partition=str(p)).set(pos)
+        logger.info(
+            "step %d samples %d %.0f samples/s loss %.4f auc %s logloss %s (total auc %s) lag %s",
+            self.module.global_step,
+            self.samples_trained,
+            self.samples_per_sec,
+            self.last_loss if self.last_loss is not None else float("nan"),
+            m["auc"],
+            m["logloss"],
+            m["auc_total"],
+            lags,
+        )
+
+    def _lags(self) -> dict[int, int]:
+        if self._source is None:
+            return {}
+        out = {}
+        for p, st in self._source.partition_state.items():
+            pos = self.positions.get(p, st.position)
+            out[p] = max(0, st.high_watermark - pos) if st.high_watermark >= 0 else -1
+        return out
+
+    # ------------------------------------------------------------------ checkpoint
+    def _checkpoint(self) -> bool:
+        prev_state = self.state
+        self.state = "checkpointing"
+        try:
+            with self._lock:
+                positions = dict(self.positions)
+            source = (
+                {"source": "kafka", "topic": self.config.kafka_train_input.topic}
+                if self.options.online
+                else {"source": "files", "path": self.config.train_input_path}
+            )
+            self.checkpoints.save(
+                self.module.global_step,
+                self.module.state_dict_for_checkpoint(),
+                positions,
+                source,
+                self._config_text,
+                self.generation,
+            )
+            self.metrics.checkpoint_step.set(self.module.global_step)
+            self.last_checkpoint_error = None
+            if self._source is not None:
+                self._source.request_commit(positions)
+            return True
+        except CheckpointError as exc:
+            self.metrics.checkpoint_failures.inc()
+            self.last_checkpoint_error = str(exc)
+            logger.error("%s; training continues and the next checkpoint will retry", exc)
+            return False
+        finally:
+            self.state = prev_state if prev_state != "checkpointing" else "training"
+
+    # ------------------------------------------------------------------ stop
+    def request_stop(self, reason: str) -> None:
+        """Asks the loop to finish the current step, checkpoint and exit (thread/signal safe)."""
+        self._request_stop(reason)
+
+    def _request_stop(self, reason: str) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            logger.info("stopping: %s", reason)
+        self.stop_event.set()
+
+    def _shutdown(self) -> None:
+        self.state = "stopping"
+        if self._prefetcher is not None:
+            self._prefetcher.stop()
+        self._reject_log.maybe_log(force=True)
+        if self.module.global_step != self.checkpoints.last_saved_step and (
+            self.samples_trained or self.checkpoints.last_saved_step is None
+        ):
+            self._checkpoint()
+        if self._source is not None:
+            self._source.commit_now(self.positions)
+            self._source.close()
+        if self._ledger is not None:
+            self._ledger.close()
+        self.state = "stopped"
+        if self.samples_trained:
+            self._log_progress()
+        if self._http is not None:
+            self._http.stop()
+
+    # ------------------------------------------------------------------ status
+    def _start_status_server(self) -> None:
+        if self.options.status_port < 0:
+            return
+        app = build_status_app(self, self.metrics.registry)
+        self._http = BackgroundHttpServer(app, self.options.status_host, self.options.status_port)
+        port = self._http.start()
+        doc = {
+            "host": self.options.status_host,
+            "port": port,
+            "pid": os.getpid(),
+            "url": f"http://{self.options.status_host}:{port}",
+            "generation": self.generation,
+        }
+        tmp = os.path.join(self.model_dir, f".{STATUS_FILE}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, os.path.join(self.model_dir, STATUS_FILE))
+
+    def status(self) -> dict:
+        """The status document served at ``/status``."""
+        partitions = {}
+        if self._source is not None:
+            with self._lock:
+                positions = dict(self.positions)
+            for p, st in sorted(self._source.partition_state.items()):
+                pos = positions.get(p, st.position)
+                partitions[str(p)] = {
+                    "position": pos,
+                    "high_watermark": st.high_watermark,
+                    "lag": max(0, st.high_watermark - pos) if st.high_watermark >= 0 else None,
+                }
+        src = self._source
+        return {
+            "state": self.state,
+            "mode": "online" if self.options.online else "offline",
+            "generation": self.generation,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 3),
+            "global_step": self.module.global_step,
+            "samples_trained": self.samples_trained,
+            "samples_per_sec": round(self.samples_per_sec, 1),
+            "records_consumed": src.records_consumed if src else self.samples_trained,
+            "records_rejected": dict(self.records_rejected),
+            "loss": self.last_loss,
+            "progressive": self.progress.summary(),
+            "last_checkpoint": {
+                "path": self.checkpoints.last_saved_path,
+                "step": self.checkpoints.last_saved_step,
+                "time": self.checkpoints.last_saved_time,
+                "error": self.last_checkpoint_error,
+            },
+            "input": {
+                "topic": self.config.kafka_train_input.topic if self.options.online else None,
+                "broker_error": src.broker_error if src else None,
+                "queued_batches": self._prefetcher.queued if self._prefetcher else 0,
+                "last_sample_time_ms": self.last_sample_time_ms,
+                "partitions": partitions,
+            },
+            "stop_reason": self.stop_reason,
+            "device": str(self.module.device),
+        }
+
+    def offsets(self) -> dict:
+        """Trained positions served at ``/offsets``."""
+        with self._lock:
+            positions = dict(self.positions)
+        return {
+            "topic": self.config.kafka_train_input.topic if self.options.online else None,
+            "global_step": self.module.global_step,
+            "positions": {str(p): o for p, o in sorted(positions.items())},
+        }
+
+    def health(self) -> tuple[bool, str]:
+        """Healthy unless the input broker is unreachable or checkpoints fail."""
+        if self._source is not None and self._source.broker_error is not None:
+            return False, f"waiting_for_broker: {self._source.broker_error}"
+        if self.last_checkpoint_error:
+            return False, f"checkpoint failing: {self.last_checkpoint_error}"
+        if self.state in ("stopped",):
+            return False, "stopped"
+        return True, self.state
+
+
+def _read_var_map(path: str) -> dict[str, str]:
+    """Reads a ``new_name<TAB>old_name`` per line file."""
+    out = {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\n")
+            if not line.strip() or line.lstrip().startswith("#"):
+                continue
+            parts = line.split("\t")
+            if len(parts) != 2:
+                raise ValueError(f"{path}:{lineno}: expected 'new_name<TAB>old_name', got {line!r}")
+            out[parts[0].strip()] = parts[1].strip()
+    return out
+
+
+def _consume_signal_file(path: str) -> None:
+    """Removes the stop signal once acted on, so the next start does not stop at once."""
+    try:
+        os.remove(path)
+        logger.info("removed %s after acting on it", path)
+    except OSError as exc:
+        logger.warning("could not remove %s: %s", path, exc)
+
+
+def mean_or_none(values: np.ndarray) -> Optional[float]:
+    """Mean of an array or None when empty."""
+    return float(values.mean()) if len(values) else None

@@ -1,0 +1,39 @@
+"""Prometheus metrics of one trainer process (own registry, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+
+class TrainerMetrics:
+    """The trainer's counters and gauges."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.records_consumed = Counter(
+            "odl_records_consumed", "Records read from the input", registry=r
+        )
+        self.records_rejected = Counter(
+            "odl_records_rejected", "Malformed records skipped, by reason", ["reason"], registry=r
+        )
+        self.samples_trained = Counter("odl_samples_trained", "Samples trained on", registry=r)
+        self.steps = Counter("odl_train_steps", "Training steps", registry=r)
+        self.global_step = Gauge("odl_global_step", "Current global step", registry=r)
+        self.samples_per_sec = Gauge(
+            "odl_samples_per_second", "Training rate over the last log interval", registry=r
+        )
+        self.loss = Gauge("odl_loss", "Loss of the last step", registry=r)
+        self.auc = Gauge("odl_progressive_auc", "Windowed progressive AUC", registry=r)
+        self.logloss = Gauge("odl_progressive_logloss", "Windowed progressive logloss", registry=r)
+        self.lag = Gauge("odl_partition_lag", "Records behind the partition end", ["partition"], registry=r)
+        self.position = Gauge(
+            "odl_partition_position", "Next offset to train per partition", ["partition"], registry=r
+        )
+        self.checkpoint_step = Gauge(
+            "odl_checkpoint_last_step", "Step of the last checkpoint written", registry=r
+        )
+        self.checkpoint_failures = Counter(
+            "odl_checkpoint_failures", "Checkpoints that could not be written", registry=r
+        )
+        self.broker_up = Gauge("odl_broker_up", "1 when the input broker is reachable", registry=r)

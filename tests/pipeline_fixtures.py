@@ -1,0 +1,72 @@
+"""Small pipeline configs over the synthetic stream's schema, sized for fast tests."""
+
+from __future__ import annotations
+
+from odl.datagen.synthetic_ctr import DENSE_FIELDS, SPARSE_FIELDS
+
+
+def small_config_text(
+    model_dir: str,
+    server: str = "127.0.0.1:9092",
+    topic: str = "odl_test",
+    batch_size: int = 64,
+    dim: int = 8,
+    buckets: int = 2000,
+    extra_train: str = "",
+    kafka_extra: str = "",
+    sparse_fields: tuple[str, ...] = SPARSE_FIELDS,
+) -> str:
+    """A DeepFM config on the datagen schema with small tables."""
+    fields = ['input_fields { input_name: "sample_id" input_type: STRING }',
+              'input_fields { input_name: "event_time" input_type: DOUBLE }',
+              'input_fields { input_name: "label" input_type: INT32 }']
+    fields += [f'input_fields {{ input_name: "{f}" input_type: FLOAT default_val: "0" }}'
+               for f in DENSE_FIELDS]
+    fields += [f'input_fields {{ input_name: "{f}" input_type: STRING }}' for f in SPARSE_FIELDS]
+    feats = [
+        f'feature_configs {{ input_names: "{f}" feature_type: IdFeature embedding_dim: {dim} '
+        f"hash_bucket_size: {buckets} }}"
+        for f in sparse_fields
+    ]
+    feats += [f'feature_configs {{ input_names: "{f}" feature_type: RawFeature }}' for f in DENSE_FIELDS]
+    wide = " ".join(f'feature_names: "{f}"' for f in sparse_fields)
+    deep = " ".join(f'feature_names: "{f}"' for f in sparse_fields + DENSE_FIELDS)
+    nl = "\n  "
+    return f"""
+model_dir: "{model_dir}"
+kafka_train_input {{
+  server: "{server}"
+  topic: "{topic}"
+  group: "odl_test"
+  {kafka_extra}
+}}
+data_config {{
+  batch_size: {batch_size}
+  {nl.join(fields)}
+  label_fields: "label"
+  input_type: KafkaInput
+  sample_id_field: "sample_id"
+  event_time_field: "event_time"
+  batch_timeout_ms: 100
+}}
+{chr(10).join(feats)}
+model_config {{
+  model_class: "DeepFM"
+  feature_groups {{ group_name: "wide" {wide} wide_deep: WIDE }}
+  feature_groups {{ group_name: "deep" {deep} wide_deep: DEEP }}
+  deepfm {{
+    dnn {{ hidden_units: [32, 16] }}
+    wide_output_dim: 1
+  }}
+}}
+train_config {{
+  optimizer_config {{ adagrad_optimizer {{ learning_rate {{ constant_learning_rate {{ learning_rate: 0.05 }} }} }} }}
+  optimizer_config {{ adam_optimizer {{ learning_rate {{ constant_learning_rate {{ learning_rate: 0.001 }} }} }} }}
+  save_checkpoints_steps: 50
+  keep_checkpoint_max: 3
+  log_step_count_steps: 20
+  enable_oss_stop_signal: true
+  stop_signal_poll_secs: 0.5
+  {extra_train}
+}}
+"""
