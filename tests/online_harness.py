@@ -18,7 +18,7 @@ from odl.config.pipeline_config import load_pipeline_config, validate_pipeline_c
 from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
 from odl.kafka_client import producer_config
 from odl.train.trainer import Trainer, TrainerOptions
-from tests.pipeline_fixtures import small_config_text
+from odl.datagen.datagen_config import deepfm_config_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,7 +75,7 @@ def write_config(tmp_path, bootstrap: str, topic: str, name: str = "pipeline.con
     model_dir = str(tmp_path / "model_dir")
     path = str(tmp_path / name)
     with open(path, "w") as f:
-        f.write(small_config_text(model_dir, server=bootstrap, topic=topic, **kw))
+        f.write(deepfm_config_text(model_dir, server=bootstrap, topic=topic, **kw))
     return path
 
 

@@ -1,11 +1,16 @@
-"""Small pipeline configs over the synthetic stream's schema, sized for fast tests."""
+"""DeepFM pipeline configs over the synthetic stream's schema, generated with chosen sizes.
+
+Tests use small tables for speed; ``bench/train_throughput.py`` uses the benchmark shape
+(26 id features of dim 16, 13 dense, batch 1024). ``samples/deepfm_online.config`` is the
+hand-written, commented counterpart for users.
+"""
 
 from __future__ import annotations
 
 from odl.datagen.synthetic_ctr import DENSE_FIELDS, SPARSE_FIELDS
 
 
-def small_config_text(
+def deepfm_config_text(
     model_dir: str,
     server: str = "127.0.0.1:9092",
     topic: str = "odl_test",
@@ -15,8 +20,27 @@ def small_config_text(
     extra_train: str = "",
     kafka_extra: str = "",
     sparse_fields: tuple[str, ...] = SPARSE_FIELDS,
+    hidden_units: tuple[int, ...] = (32, 16),
+    save_checkpoints_steps: int = 50,
 ) -> str:
-    """A DeepFM config on the datagen schema with small tables."""
+    """A DeepFM config (pipeline config text) on the datagen schema.
+
+    Args:
+        model_dir: model directory.
+        server: Kafka bootstrap servers.
+        topic: sample topic.
+        batch_size: samples per step.
+        dim: embedding dimension of every id feature.
+        buckets: hash buckets per id feature.
+        extra_train: extra text inside train_config.
+        kafka_extra: extra text inside kafka_train_input.
+        sparse_fields: id features to use.
+        hidden_units: DNN layer sizes.
+        save_checkpoints_steps: checkpoint interval.
+
+    Returns:
+        The config text.
+    """
     fields = ['input_fields { input_name: "sample_id" input_type: STRING }',
               'input_fields { input_name: "event_time" input_type: DOUBLE }',
               'input_fields { input_name: "label" input_type: INT32 }']
@@ -55,14 +79,14 @@ model_config {{
   feature_groups {{ group_name: "wide" {wide} wide_deep: WIDE }}
   feature_groups {{ group_name: "deep" {deep} wide_deep: DEEP }}
   deepfm {{
-    dnn {{ hidden_units: [32, 16] }}
+    dnn {{ hidden_units: [{', '.join(str(h) for h in hidden_units)}] }}
     wide_output_dim: 1
   }}
 }}
 train_config {{
   optimizer_config {{ adagrad_optimizer {{ learning_rate {{ constant_learning_rate {{ learning_rate: 0.05 }} }} }} }}
   optimizer_config {{ adam_optimizer {{ learning_rate {{ constant_learning_rate {{ learning_rate: 0.001 }} }} }} }}
-  save_checkpoints_steps: 50
+  save_checkpoints_steps: {save_checkpoints_steps}
   keep_checkpoint_max: 3
   log_step_count_steps: 20
   enable_oss_stop_signal: true

@@ -1,0 +1,417 @@
+"""Turns raw records into model batches: parse, hash / bucketize, pack as a KeyedJaggedTensor.
+
+Feature kinds (``FeatureConfig.feature_type``):
+
+* ``IdFeature`` with ``hash_bucket_size``: row = ``fnv1a64(utf8(value)) % hash_bucket_size``
+  (``odl.features.id_hashing``; the value's text as it appears in the record).
+* ``IdFeature`` with ``num_buckets``: row = ``int(value) % num_buckets`` (Python modulo, so
+  negative ids wrap to ``[0, num_buckets)``); a value that is not a decimal integer rejects
+  the record as ``bad_number``.
+* Both IdFeature forms are multi-valued: the value is split on the feature's ``separator``
+  (default ``|``), empty pieces are dropped; an empty value gives no id (a zero-length bag,
+  pooled to zeros).
+* ``RawFeature`` without ``boundaries``: one float32 column of ``Batch.dense``.
+* ``RawFeature`` with ``boundaries``: row = ``searchsorted(boundaries, value, side="right")``
+  in a table of ``len(boundaries) + 1`` rows (bucket i is ``[b[i-1], b[i])``).
+* ``ComboFeature``: row = ``fnv1a64(v1 + combo_join_sep + v2 + ...) % hash_bucket_size`` over
+  the input values' texts (not split); no id when any input is empty.
+
+Tables: features with the same ``embedding_name`` share one table (their row count and
+dimension must agree); otherwise a feature's table is named after the feature.
+
+Only fields that some feature, the label, or the event time reads are validated as numbers;
+other columns are carried as text and never reject a record.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from odl.config.config_error import ConfigError
+from odl.config.pipeline_config import feature_configs
+from odl.features.batch import Batch
+from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments
+from odl.features.record_parser import ParsedColumns, RecordParser, parse_numbers
+from odl.protos import pipeline_pb2
+
+logger = logging.getLogger(__name__)
+
+_FT = pipeline_pb2.FeatureConfig.FeatureType
+_DT = pipeline_pb2.DatasetConfig.FieldType
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One embedding table as the features define it.
+
+    Attributes:
+        name: table name (``embedding_name``, or the feature name when unset).
+        num_rows: number of rows (hash_bucket_size, num_buckets or len(boundaries) + 1).
+        dim: embedding dimension (0 when no feature gave one, e.g. wide-only features).
+        feature_names: features looked up in this table, in config order.
+        pooling: ``"sum"`` or ``"mean"`` (the features' ``combiner``).
+    """
+
+    name: str
+    num_rows: int
+    dim: int
+    feature_names: tuple[str, ...]
+    pooling: str = "sum"
+
+
+@dataclass
+class BuildResult:
+    """Result of ``FeatureBuilder.build``.
+
+    Attributes:
+        batch: the batch of accepted records, or ``None`` when every record was rejected.
+        accepted: ``int64`` indices (into the input values) of the batch rows, in order.
+        rejected: ``(index, reason)`` of every rejected record, by index.
+    """
+
+    batch: Batch | None
+    accepted: np.ndarray
+    rejected: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Sparse:
+    name: str
+    kind: str  # "hash" | "int" | "bucket" | "combo"
+    inputs: tuple[str, ...]
+    num_rows: int
+    separator: bytes = b""
+    combo_sep: bytes = b""
+    boundaries: np.ndarray | None = None
+
+
+class FeatureBuilder:
+    """Builds ``Batch``es from raw record bytes according to a pipeline config.
+
+    Args:
+        pipeline_config: the pipeline config (``data_config`` and the features).
+        max_record_bytes: records longer than this are rejected as ``oversized``.
+
+    Raises:
+        ConfigError: a feature or the data config is inconsistent.
+    """
+
+    def __init__(
+        self,
+        pipeline_config: pipeline_pb2.EasyRecConfig,
+        max_record_bytes: int = 1 << 20,
+    ) -> None:
+        dc = pipeline_config.data_config
+        field_types = {f.input_name: f.input_type for f in dc.input_fields}
+        if len(dc.label_fields) != 1:
+            raise ConfigError(
+                "data_config.label_fields",
+                f"exactly one label field is supported, got {len(dc.label_fields)}",
+            )
+        self._label = dc.label_fields[0]
+        self._sample_id_field = dc.sample_id_field
+        self._event_time_field = dc.event_time_field
+        for fname, path in ((self._label, "data_config.label_fields"),
+                            (dc.sample_id_field, "data_config.sample_id_field"),
+                            (dc.event_time_field, "data_config.event_time_field")):
+            if fname and fname not in field_types:
+                raise ConfigError(path, f"{fname!r} is not one of data_config.input_fields")
+
+        self._sparse: list[_Sparse] = []
+        self._dense: list[tuple[str, str]] = []  # (feature name, input field)
+        tables: dict[str, dict] = {}
+        numeric_fields: list[str] = []
+        list_seps: dict[str, str] = {}
+        seen: set[str] = set()
+        for i, fc in enumerate(feature_configs(pipeline_config)):
+            path = f"feature_configs[{i}]"
+            name = fc.feature_name
+            if not fc.input_names:
+                raise ConfigError(f"{path}.input_names", "a feature needs at least one input")
+            if name in seen:
+                raise ConfigError(f"{path}.feature_name", f"duplicate feature name {name!r}")
+            seen.add(name)
+            for inp in fc.input_names:
+                if inp not in field_types:
+                    raise ConfigError(
+                        f"{path}.input_names", f"{inp!r} is not one of data_config.input_fields")
+            for inp in fc.input_names:
+                if field_types[inp] != _DT.STRING:
+                    numeric_fields.append(inp)
+            inp0 = fc.input_names[0]
+            if fc.feature_type == _FT.RawFeature:
+                numeric_fields.append(inp0)
+                if fc.raw_input_dim != 1:
+                    raise ConfigError(f"{path}.raw_input_dim", "only 1 is supported")
+                if not fc.boundaries:
+                    self._dense.append((name, inp0))
+                    continue
+                b = np.asarray(list(fc.boundaries), dtype=np.float64)
+                if np.any(np.diff(b) <= 0):
+                    raise ConfigError(f"{path}.boundaries", "must be strictly ascending")
+                sp = _Sparse(name, "bucket", (inp0,), len(b) + 1, boundaries=b)
+            elif fc.feature_type == _FT.IdFeature:
+                if bool(fc.hash_bucket_size) == bool(fc.num_buckets):
+                    raise ConfigError(
+                        f"{path}.hash_bucket_size",
+                        "an IdFeature needs exactly one of hash_bucket_size or num_buckets")
+                if not fc.separator:
+                    raise ConfigError(f"{path}.separator", "must not be empty")
+                kind = "hash" if fc.hash_bucket_size else "int"
+                rows = int(fc.hash_bucket_size or fc.num_buckets)
+                sp = _Sparse(name, kind, (inp0,), rows, separator=fc.separator.encode())
+                list_seps[inp0] = fc.separator
+            elif fc.feature_type == _FT.ComboFeature:
+                if not fc.hash_bucket_size:
+                    raise ConfigError(f"{path}.hash_bucket_size", "a ComboFeature needs it")
+                sp = _Sparse(name, "combo", tuple(fc.input_names), int(fc.hash_bucket_size),
+                             combo_sep=fc.combo_join_sep.encode())
+            else:
+                raise ConfigError(f"{path}.feature_type", "unsupported feature type")
+            if fc.combiner not in ("sum", "mean"):
+                raise ConfigError(f"{path}.combiner", f"expected sum or mean, got {fc.combiner!r}")
+            self._sparse.append(sp)
+            tname = fc.embedding_name or name
+            t = tables.setdefault(
+                tname, {"rows": sp.num_rows, "dim": 0, "features": [], "pooling": fc.combiner})
+            if t["rows"] != sp.num_rows:
+                raise ConfigError(
+                    f"{path}.embedding_name",
+                    f"table {tname!r} is shared by features with different row counts "
+                    f"({t['rows']} vs {sp.num_rows})")
+            if fc.embedding_dim:
+                if t["dim"] and t["dim"] != fc.embedding_dim:
+                    raise ConfigError(
+                        f"{path}.embedding_dim",
+                        f"table {tname!r} is shared by features with different dims "
+                        f"({t['dim']} vs {fc.embedding_dim})")
+                t["dim"] = int(fc.embedding_dim)
+            if t["pooling"] != fc.combiner:
+                raise ConfigError(f"{path}.combiner",
+                                  f"table {tname!r} is shared by features with different combiners")
+            t["features"].append(name)
+        self._tables = [
+            TableSpec(n, t["rows"], t["dim"], tuple(t["features"]), t["pooling"])
+            for n, t in tables.items()
+        ]
+        self._feature_to_table = {f: t.name for t in self._tables for f in t.feature_names}
+        if self._event_time_field:
+            numeric_fields.append(self._event_time_field)
+        self._parser = RecordParser(
+            dc,
+            max_record_bytes=max_record_bytes,
+            list_separators=list_seps,
+            numeric_fields=list(dict.fromkeys(numeric_fields)),
+        )
+        self._seps = sorted({sp.separator for sp in self._sparse if sp.kind in ("hash", "int")})
+
+    # -- introspection ----------------------------------------------------------------------
+
+    @property
+    def sparse_feature_names(self) -> list[str]:
+        """Embedded features, in KJT key order (config order)."""
+        return [sp.name for sp in self._sparse]
+
+    @property
+    def dense_feature_names(self) -> list[str]:
+        """Raw features without boundaries, in ``Batch.dense`` column order."""
+        return [n for n, _ in self._dense]
+
+    @property
+    def table_specs(self) -> list[TableSpec]:
+        """Embedding tables, in order of first use."""
+        return list(self._tables)
+
+    @property
+    def feature_to_table(self) -> dict[str, str]:
+        """Embedded feature name -> table name."""
+        return dict(self._feature_to_table)
+
+    @property
+    def label_field(self) -> str:
+        """The label column."""
+        return self._label
+
+    @property
+    def parser(self) -> RecordParser:
+        """The record parser used by ``build``."""
+        return self._parser
+
+    # -- building ---------------------------------------------------------------------------
+
+    def build(self, values: Sequence[bytes]) -> BuildResult:
+        """Parses and featurizes raw records.
+
+        Args:
+            values: raw record bytes (e.g. Kafka message values).
+
+        Returns:
+            The batch of accepted records, their indices, and the rejected ones with reasons.
+        """
+        parsed = self._parser.parse(values)
+        rejected = parsed.rejected
+        if parsed.num_rows == 0:
+            return BuildResult(None, parsed.accepted, rejected)
+        raw = parsed.buffer.tobytes()
+        sep_pos = self._separator_positions(raw)
+        pieces = {}
+        bad = np.zeros(parsed.num_rows, dtype=bool)
+        for sp in self._sparse:
+            if sp.kind in ("hash", "int"):
+                pieces[sp.name] = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+            if sp.kind == "int":
+                s, e, lengths = pieces[sp.name]
+                ints, ok = parse_numbers(parsed.buffer, s, e, "int")
+                if not ok.all():
+                    row = np.repeat(np.arange(parsed.num_rows), lengths)
+                    bad[row[~ok]] = True
+                pieces[sp.name] = (s, e, lengths, ints)
+        if bad.any():
+            rejected = sorted(rejected + [(int(i), "bad_number") for i in parsed.accepted[bad]])
+            parsed = parsed.select(~bad)
+            if parsed.num_rows == 0:
+                return BuildResult(None, parsed.accepted, rejected)
+            return self._build_parsed(parsed, rejected, raw)
+        return self._build_parsed(parsed, rejected, raw, pieces, sep_pos)
+
+    def _separator_positions(self, raw: bytes) -> dict[bytes, np.ndarray | None]:
+        out: dict[bytes, np.ndarray | None] = {}
+        for sep in self._seps:
+            if raw.find(sep) < 0:
+                out[sep] = None
+            elif len(sep) == 1:
+                out[sep] = np.flatnonzero(np.frombuffer(raw, dtype=np.uint8) == sep[0])
+            else:
+                out[sep] = np.fromiter(
+                    (m.start() for m in re.finditer(re.escape(sep), raw)), dtype=np.int64)
+        return out
+
+    def _build_parsed(
+        self,
+        parsed: ParsedColumns,
+        rejected: list[tuple[int, str]],
+        raw: bytes,
+        pieces: dict | None = None,
+        sep_pos: dict | None = None,
+    ) -> BuildResult:
+        n = parsed.num_rows
+        buf = parsed.buffer
+        if sep_pos is None:
+            sep_pos = self._separator_positions(raw)
+        pieces = dict(pieces or {})
+        for sp in self._sparse:
+            if sp.kind in ("hash", "int") and sp.name not in pieces:
+                pieces[sp.name] = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+            if sp.kind == "int" and len(pieces[sp.name]) == 3:
+                s, e, lengths = pieces[sp.name]
+                ints, _ = parse_numbers(buf, s, e, "int")
+                pieces[sp.name] = (s, e, lengths, ints)
+        # Hash every hashed id feature's pieces in one vectorized call.
+        hash_feats = [sp for sp in self._sparse if sp.kind == "hash"]
+        hashed: dict[str, np.ndarray] = {}
+        if hash_feats:
+            all_s = np.concatenate([pieces[sp.name][0] for sp in hash_feats])
+            all_e = np.concatenate([pieces[sp.name][1] for sp in hash_feats])
+            h = hash_segments(buf, all_s, all_e)
+            pos = 0
+            for sp in hash_feats:
+                k = pieces[sp.name][0].shape[0]
+                hashed[sp.name] = h[pos : pos + k]
+                pos += k
+        values_list = []
+        lengths_list = []
+        for sp in self._sparse:
+            if sp.kind == "hash":
+                _, _, lengths = pieces[sp.name]
+                ids = bucketize_hashes(hashed[sp.name], sp.num_rows)
+            elif sp.kind == "int":
+                _, _, lengths, ints = pieces[sp.name]
+                ids = np.mod(ints, sp.num_rows)
+            elif sp.kind == "bucket":
+                v = parsed.numeric[sp.inputs[0]]
+                ids = np.searchsorted(sp.boundaries, v, side="right").astype(np.int64)
+                lengths = np.ones(n, dtype=np.int64)
+            else:
+                ids, lengths = self._combo(parsed, sp)
+            values_list.append(ids)
+            lengths_list.append(lengths)
+        values = np.concatenate(values_list) if values_list else np.zeros(0, dtype=np.int64)
+        lengths = (np.concatenate(lengths_list) if lengths_list
+                   else np.zeros(0, dtype=np.int64)).astype(np.int32)
+        kjt = KeyedJaggedTensor(
+            keys=self.sparse_feature_names,
+            values=torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
+            lengths=torch.from_numpy(lengths),
+        )
+        if self._dense:
+            dense_np = np.empty((n, len(self._dense)), dtype=np.float32)
+            for j, (_, inp) in enumerate(self._dense):
+                dense_np[:, j] = parsed.numeric[inp]
+        else:
+            dense_np = np.zeros((n, 0), dtype=np.float32)
+        labels = parsed.numeric[self._label].astype(np.float32)
+        batch = Batch(
+            sparse=kjt,
+            dense=torch.from_numpy(dense_np),
+            labels=torch.from_numpy(labels),
+            sample_ids=parsed.texts(self._sample_id_field) if self._sample_id_field else None,
+            event_times=(parsed.numeric[self._event_time_field].astype(np.float64)
+                         if self._event_time_field else None),
+        )
+        return BuildResult(batch, parsed.accepted, rejected)
+
+    def _combo(self, parsed: ParsedColumns, sp: _Sparse) -> tuple[np.ndarray, np.ndarray]:
+        buf = parsed.buffer
+        n = parsed.num_rows
+        nonempty = np.ones(n, dtype=bool)
+        h = None
+        prime = np.uint64(FNV64_PRIME)
+        for k, inp in enumerate(sp.inputs):
+            s, e = parsed.starts[inp], parsed.ends[inp]
+            nonempty &= e > s
+            if k > 0:
+                for byte in sp.combo_sep:
+                    h = (h ^ np.uint64(byte)) * prime
+            h = hash_segments(buf, s, e, init=h)
+        ids = bucketize_hashes(h[nonempty], sp.num_rows)
+        return ids, nonempty.astype(np.int64)
+
+
+def _split(
+    parsed: ParsedColumns, inp: str, sep: bytes, positions: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Splits column ``inp`` on ``sep``; returns (piece starts, piece ends, pieces per row).
+
+    Empty pieces are dropped, so an empty value has no pieces.
+    """
+    s, e = parsed.starts[inp], parsed.ends[inp]
+    if positions is not None and positions.shape[0]:
+        lo = np.searchsorted(positions, s)
+        hi = np.searchsorted(positions, e - len(sep) + 1)
+        cnt = np.maximum(hi - lo, 0)
+    else:
+        cnt = None
+    if cnt is None or not cnt.any():
+        nonempty = e > s
+        return s[nonempty], e[nonempty], nonempty.astype(np.int64)
+    npieces = cnt + 1
+    total = int(npieces.sum())
+    first = np.cumsum(npieces) - npieces
+    k = np.arange(total) - np.repeat(first, npieces)
+    pidx = np.repeat(lo, npieces) + k
+    last = positions.shape[0] - 1
+    ps = np.where(k == 0, np.repeat(s, npieces),
+                  positions[np.clip(pidx - 1, 0, last)] + len(sep))
+    pe = np.where(k == np.repeat(cnt, npieces), np.repeat(e, npieces),
+                  positions[np.clip(pidx, 0, last)])
+    keep = pe > ps
+    row = np.repeat(np.arange(s.shape[0]), npieces)
+    lengths = np.bincount(row[keep], minlength=s.shape[0]).astype(np.int64)
+    return ps[keep], pe[keep], lengths

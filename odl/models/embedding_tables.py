@@ -1,0 +1,169 @@
+"""Embedding table layout: TorchRec ``EmbeddingBagConfig``s from the feature builder's tables.
+
+Deep tables: one per ``TableSpec`` that has a feature in a deep group (DEEP or
+WIDE_AND_DEEP), named like the spec, ``embedding_dim`` columns, looked up by those features.
+
+Wide tables (first-order weights): one per ``TableSpec`` that has a feature in a wide group
+(WIDE or WIDE_AND_DEEP), named ``<table>_wide``. fbgemm's fused kernel only accepts dims that
+are multiples of 4, so a wide table is *stored* with ``wide_storage_dim(wide_output_dim)``
+(``wide_output_dim`` rounded up to a multiple of 4) columns and only its first
+``wide_output_dim`` columns are used; the padding columns start at zero, are never read by the
+model and so never receive a gradient (they stay zero). Exporters publish only the first
+``wide_output_dim`` columns. Note: with *row-wise* Adagrad (TorchEasyRec's
+``rowwise_adagrad_optimizer``) the accumulator of a wide row is the mean squared gradient over
+the stored columns, i.e. ``g**2 * wide_output_dim / storage_dim``; element-wise optimizers
+(the default Adagrad, SGD, Adam) are unaffected by the padding.
+
+Order: deep tables first, in order of the deep groups' features, then wide tables in order
+of the wide groups' features. The EBC's pooled output follows this order (features within a
+table in table order); DeepFM relies on it.
+
+Initialization (``init_embedding_weights``), seeded per table so it does not depend on table
+order: deep tables ``N(0, DEEP_INIT_STD**2)``; wide tables zero.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+
+from odl.features.feature_builder import TableSpec
+
+logger = logging.getLogger(__name__)
+
+WIDE_SUFFIX = "_wide"
+WIDE_DIM_ALIGN = 4
+DEEP_INIT_STD = 0.05
+
+
+def wide_storage_dim(wide_output_dim: int) -> int:
+    """Stored columns of a wide table: ``wide_output_dim`` rounded up to a multiple of 4."""
+    return -(-int(wide_output_dim) // WIDE_DIM_ALIGN) * WIDE_DIM_ALIGN
+
+
+@dataclass(frozen=True)
+class EmbeddingLayout:
+    """Tables of a model and which features read them.
+
+    Attributes:
+        configs: TorchRec configs, deep tables first, then wide tables.
+        deep_keys: ``(feature, table)`` per deep lookup, in pooled-output order.
+        wide_keys: ``(feature, table)`` per wide lookup, in pooled-output order.
+        wide_output_dim: used columns of each wide table.
+        deep_dim: common dim of the deep tables (0 when there are none).
+    """
+
+    configs: list[EmbeddingBagConfig]
+    deep_keys: list[tuple[str, str]]
+    wide_keys: list[tuple[str, str]]
+    wide_output_dim: int
+    deep_dim: int
+
+    @property
+    def wide_tables(self) -> list[str]:
+        """Names of the wide tables."""
+        return [c.name for c in self.configs if c.name.endswith(WIDE_SUFFIX)]
+
+    def feature_tables(self) -> dict[str, list[str]]:
+        """Feature name -> tables it is looked up in."""
+        out: dict[str, list[str]] = {}
+        for f, t in self.deep_keys + self.wide_keys:
+            out.setdefault(f, []).append(t)
+        return out
+
+
+def build_embedding_layout(
+    table_specs: Sequence[TableSpec],
+    deep_features: Sequence[str],
+    wide_features: Sequence[str],
+    wide_output_dim: int = 1,
+) -> EmbeddingLayout:
+    """Builds the table configs for a model's deep and wide embedded features.
+
+    Args:
+        table_specs: the feature builder's tables.
+        deep_features: embedded features feeding the deep part (and FM), in group order.
+        wide_features: embedded features feeding the wide part, in group order.
+        wide_output_dim: used columns of each wide table.
+
+    Returns:
+        The layout.
+
+    Raises:
+        ValueError: a deep feature's table has no ``embedding_dim``, or deep dims differ.
+    """
+    by_feature = {f: spec for spec in table_specs for f in spec.feature_names}
+    for f in list(deep_features) + list(wide_features):
+        if f not in by_feature:
+            raise ValueError(f"feature {f!r} is not an embedded feature")
+
+    def grouped(features: Sequence[str]) -> list[tuple[TableSpec, list[str]]]:
+        order: dict[str, tuple[TableSpec, list[str]]] = {}
+        for f in features:
+            spec = by_feature[f]
+            entry = order.setdefault(spec.name, (spec, []))
+            if f not in entry[1]:
+                entry[1].append(f)
+        # Features inside a table follow the table's own order (TorchRec's output order).
+        return [(s, [f for f in s.feature_names if f in fs]) for s, fs in order.values()]
+
+    configs: list[EmbeddingBagConfig] = []
+    deep_keys: list[tuple[str, str]] = []
+    wide_keys: list[tuple[str, str]] = []
+    deep_dim = 0
+    for spec, feats in grouped(deep_features):
+        if spec.dim <= 0:
+            raise ValueError(
+                f"table {spec.name!r} (features {', '.join(feats)}) is used by a deep group "
+                "but has no embedding_dim")
+        if deep_dim and spec.dim != deep_dim:
+            raise ValueError(
+                f"DeepFM needs one embedding_dim for all deep features: table {spec.name!r} "
+                f"has {spec.dim}, others {deep_dim}")
+        deep_dim = spec.dim
+        configs.append(_config(spec.name, spec.num_rows, spec.dim, feats, spec.pooling))
+        deep_keys += [(f, spec.name) for f in feats]
+    wdim = wide_storage_dim(wide_output_dim)
+    for spec, feats in grouped(wide_features):
+        name = spec.name + WIDE_SUFFIX
+        configs.append(_config(name, spec.num_rows, wdim, feats, spec.pooling))
+        wide_keys += [(f, name) for f in feats]
+    return EmbeddingLayout(configs, deep_keys, wide_keys, int(wide_output_dim), deep_dim)
+
+
+def _config(name: str, rows: int, dim: int, feats: list[str], pooling: str) -> EmbeddingBagConfig:
+    return EmbeddingBagConfig(
+        name=name,
+        embedding_dim=dim,
+        num_embeddings=rows,
+        feature_names=list(feats),
+        pooling=PoolingType.MEAN if pooling == "mean" else PoolingType.SUM,
+    )
+
+
+def table_seed(seed: int, table: str) -> int:
+    """Per-table init seed: ``seed`` mixed with the CRC32 of the table name."""
+    return (int(seed) * 1000003 + zlib.crc32(table.encode("utf-8"))) % (2**63 - 1)
+
+
+@torch.no_grad()
+def init_embedding_weights(tables: Mapping[str, torch.Tensor], seed: int) -> None:
+    """Initializes table weights in place (deep: seeded normal; wide: zeros).
+
+    Args:
+        tables: table name -> full weight tensor (written in place; any device).
+        seed: the training seed.
+    """
+    for name, weight in tables.items():
+        if name.endswith(WIDE_SUFFIX):
+            weight.zero_()
+            continue
+        gen = torch.Generator(device="cpu")
+        gen.manual_seed(table_seed(seed, name))
+        values = torch.randn(weight.shape, generator=gen, dtype=torch.float32) * DEEP_INIT_STD
+        weight.copy_(values.to(device=weight.device, dtype=weight.dtype))

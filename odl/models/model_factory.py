@@ -1,0 +1,97 @@
+"""Builds the model named by ``model_config.model_class``."""
+
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+
+from odl.config.config_error import ConfigError
+from odl.features.feature_builder import FeatureBuilder
+from odl.models.deepfm import DeepFM
+from odl.models.embedding_tables import build_embedding_layout
+from odl.protos import pipeline_pb2
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODELS = ("DeepFM",)
+
+
+def model_groups(
+    model_config: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder
+) -> dict[str, list[str]]:
+    """Splits the feature groups into deep / wide, embedded / dense feature lists.
+
+    Args:
+        model_config: the model config.
+        feature_builder: the feature builder (which features exist, which are embedded).
+
+    Returns:
+        ``{"deep_sparse", "deep_dense", "wide_sparse", "wide_dense"}`` -> feature names, in
+        group order without repeats.
+
+    Raises:
+        ConfigError: a group names an unknown feature.
+    """
+    sparse = set(feature_builder.sparse_feature_names)
+    dense = set(feature_builder.dense_feature_names)
+    out: dict[str, list[str]] = {k: [] for k in
+                                 ("deep_sparse", "deep_dense", "wide_sparse", "wide_dense")}
+    for gi, g in enumerate(model_config.feature_groups):
+        parts = []
+        if g.wide_deep in (pipeline_pb2.DEEP, pipeline_pb2.WIDE_AND_DEEP):
+            parts.append("deep")
+        if g.wide_deep in (pipeline_pb2.WIDE, pipeline_pb2.WIDE_AND_DEEP):
+            parts.append("wide")
+        for f in g.feature_names:
+            if f in sparse:
+                kind = "sparse"
+            elif f in dense:
+                kind = "dense"
+            else:
+                raise ConfigError(
+                    f"model_config.feature_groups[{gi}].feature_names",
+                    f"group {g.group_name!r} names unknown feature {f!r}")
+            for p in parts:
+                lst = out[f"{p}_{kind}"]
+                if f not in lst:
+                    lst.append(f)
+    return out
+
+
+def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> nn.Module:
+    """Builds the configured model (tables on the ``meta`` device, dense parts on CPU).
+
+    Models take a ``Batch`` and return logits ``[B]``, and expose ``loss(logits, batch)``.
+
+    Args:
+        config: the pipeline config.
+        feature_builder: the feature builder of the same config.
+
+    Returns:
+        The model.
+
+    Raises:
+        ConfigError: unknown model class or inconsistent groups/features.
+    """
+    mc = config.model_config
+    if mc.model_class not in SUPPORTED_MODELS:
+        raise ConfigError(
+            "model_config.model_class",
+            f"unknown model class {mc.model_class!r}; supported: {', '.join(SUPPORTED_MODELS)}")
+    if mc.num_class not in (0, 1):
+        raise ConfigError("model_config.num_class", "only 1 (binary classification) is supported")
+    groups = model_groups(mc, feature_builder)
+    wide_dim = int(mc.deepfm.wide_output_dim) or 1
+    try:
+        layout = build_embedding_layout(
+            feature_builder.table_specs, groups["deep_sparse"], groups["wide_sparse"], wide_dim)
+    except ValueError as e:
+        raise ConfigError("model_config.feature_groups", str(e)) from e
+    if not mc.deepfm.dnn.hidden_units:
+        raise ConfigError("model_config.deepfm.dnn.hidden_units", "at least one layer is needed")
+    try:
+        return DeepFM(layout, feature_builder.dense_feature_names, groups["deep_dense"],
+                      groups["wide_dense"], mc)
+    except ValueError as e:
+        raise ConfigError("model_config.deepfm", str(e)) from e

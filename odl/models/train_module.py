@@ -1,0 +1,419 @@
+"""Everything the train loop needs from the model, hiding DMP / TorchRec details.
+
+``TrainModule`` builds the model, fuses the table optimizer into backward
+(``apply_optimizer_in_backward`` -> fbgemm TBE), wraps the model in a single-process
+``DistributedModelParallel`` (tables sharded table-wise on rank 0 with the fused kernel; no
+data-parallel wrapper: one process has nothing to all-reduce) and runs predict-then-train
+steps.
+
+Checkpoint state (``state_dict_for_checkpoint``), all plain CPU tensors::
+
+    {
+      "format": "odl.train_module/1",
+      "global_step": int,
+      "model": {name: Tensor},            # parameters and buffers, e.g.
+                                          # "ebc.embedding_bags.C1.weight" [rows, dim],
+                                          # "dense.dnn.0.weight", "dense.wide_bias"
+      "dense_optimizer": torch.optim state_dict (tensors on CPU),
+      "sparse_optimizer": {table_param_name: {state_name: Tensor}},
+                                          # e.g. {"ebc.embedding_bags.C1.weight":
+                                          #        {"C1.momentum1": Tensor[rows]}}
+    }
+
+Table weights are full tensors (one worker holds every shard). Wide tables keep their stored
+width (see ``odl.models.embedding_tables``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_parallel import DataParallelWrapper
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from odl.features.batch import Batch
+from odl.features.feature_builder import FeatureBuilder
+from odl.models.embedding_tables import init_embedding_weights
+from odl.models.model_factory import build_model
+from odl.protos import pipeline_pb2
+from odl.train.optimizer_builder import (
+    make_dense_optimizer,
+    optimizer_specs,
+    sparse_optimizer_args,
+)
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "odl.train_module/1"
+EBC_PREFIX = "ebc.embedding_bags."
+
+
+@dataclass
+class StepOutput:
+    """Result of one training step.
+
+    Attributes:
+        probs: float64 ``[B]`` predictions of the step's forward pass, i.e. made before the
+            step's update (progressive validation).
+        loss: the step's loss (including regularization).
+    """
+
+    probs: np.ndarray
+    loss: float
+
+
+@dataclass
+class WarmStartReport:
+    """What ``load_parameters`` did.
+
+    Attributes:
+        loaded: ``(name, source name)`` pairs copied.
+        missing: own names with no source tensor (kept their initial values).
+        unused: source names nothing was loaded from.
+    """
+
+    loaded: list[tuple[str, str]] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+
+
+class _NoDataParallel(DataParallelWrapper):
+    """Leaves dense parameters unwrapped: a single process needs no DDP all-reduce."""
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv,
+             device: torch.device) -> None:
+        return None
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; anything else as given."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def ensure_process_group(device: torch.device) -> None:
+    """Creates a single-process group (gloo for CPU, nccl for CUDA) unless one exists."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    logger.info("created a single-process %s process group", backend)
+
+
+def to_full_cpu(t: Any) -> torch.Tensor:
+    """A plain, full, detached CPU copy of a tensor, ShardedTensor or DTensor."""
+    if hasattr(t, "local_shards") and hasattr(t, "metadata"):
+        out = torch.empty(tuple(t.size()), dtype=t.dtype)
+        for shard in t.local_shards():
+            off = shard.metadata.shard_offsets
+            sizes = shard.metadata.shard_sizes
+            idx = tuple(slice(o, o + s) for o, s in zip(off, sizes, strict=True))
+            out[idx] = shard.tensor.detach().cpu()
+        return out
+    if hasattr(t, "full_tensor"):
+        t = t.full_tensor()
+    return t.detach().cpu().clone()
+
+
+def _local_view(t: Any) -> torch.Tensor:
+    """The writable full local tensor of a single-worker ShardedTensor / DTensor / tensor."""
+    if hasattr(t, "local_shards") and hasattr(t, "metadata"):
+        shards = t.local_shards()
+        if len(shards) != 1 or tuple(shards[0].tensor.shape) != tuple(t.size()):
+            raise RuntimeError("expected one full local shard (single worker)")
+        return shards[0].tensor
+    if hasattr(t, "to_local"):
+        return t.to_local()
+    return t
+
+
+class TrainModule:
+    """Model + optimizers + DMP for one training process.
+
+    Args:
+        config: the pipeline config.
+        feature_builder: the feature builder of the same config.
+        device: ``"auto"`` (CUDA if available else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+
+    Attributes:
+        global_step: number of training steps taken (restored by ``load_checkpoint_state``).
+        device: the device the model runs on.
+    """
+
+    def __init__(
+        self,
+        config: pipeline_pb2.EasyRecConfig,
+        feature_builder: FeatureBuilder,
+        device: str = "auto",
+    ) -> None:
+        self.device = resolve_device(device)
+        if self.device.type == "cuda" and self.device.index is not None:
+            torch.cuda.set_device(self.device)
+        ensure_process_group(self.device)
+        self._seed = int(config.train_config.seed)
+        torch.manual_seed(self._seed)
+        self.model = build_model(config, feature_builder)
+        self._sparse_spec, self._dense_spec = optimizer_specs(config.train_config)
+        cls, kwargs = sparse_optimizer_args(self._sparse_spec, self.device.type)
+        apply_optimizer_in_backward(cls, self.model.ebc.parameters(), kwargs)
+        self.model.dense.to(self.device)
+        tables = [c.name for c in self.model.ebc.embedding_bag_configs()]
+        plan = construct_module_sharding_plan(
+            self.model.ebc,
+            {t: table_wise(rank=0, compute_kernel="fused") for t in tables},
+            local_size=1, world_size=1, device_type=self.device.type,
+        )
+        self._dmp = DistributedModelParallel(
+            self.model, device=self.device, plan=ShardingPlan({"ebc": plan}),
+            data_parallel_wrapper=_NoDataParallel(),
+        )
+        init_embedding_weights(self.embedding_tables(), self._seed)
+        self._dense_opt = make_dense_optimizer(self._dense_spec, self._dense_module().parameters())
+        self.global_step = 0
+        self._lrs: tuple[float, float] | None = None
+        self._touched_rows_hook: Callable[[KeyedJaggedTensor], None] | None = None
+        logger.info(
+            "TrainModule on %s: %d tables, sparse %s, dense %s", self.device, len(tables),
+            self._sparse_spec.kind, self._dense_spec.kind)
+
+    # -- accessors --------------------------------------------------------------------------
+
+    @property
+    def dmp(self) -> DistributedModelParallel:
+        """The wrapped model (for benchmarks and debugging)."""
+        return self._dmp
+
+    @property
+    def fused_optimizer(self) -> Any:
+        """TorchRec's keyed optimizer of the fused table updates."""
+        return self._dmp.fused_optimizer
+
+    def _module(self) -> nn.Module:
+        return self._dmp.module
+
+    def _dense_module(self) -> nn.Module:
+        return self._dmp.module.dense
+
+    def embedding_tables(self) -> dict[str, torch.Tensor]:
+        """Table name -> live full weight tensor (on the model's device; do not resize)."""
+        out = {}
+        for name, t in self._dmp.state_dict().items():
+            if name.startswith(EBC_PREFIX) and name.endswith(".weight"):
+                out[name[len(EBC_PREFIX) : -len(".weight")]] = _local_view(t)
+        return out
+
+    def dense_parameters(self) -> dict[str, torch.Tensor]:
+        """``dense.*`` name -> live dense parameter / buffer tensor."""
+        d = self._dense_module()
+        out = {f"dense.{k}": v for k, v in d.named_parameters()}
+        out.update({f"dense.{k}": v for k, v in d.named_buffers()})
+        return out
+
+    def feature_tables(self) -> dict[str, list[str]]:
+        """Embedded feature name -> tables it is looked up in (deep and wide)."""
+        return self._module().layout.feature_tables()
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _set_lrs(self) -> None:
+        lrs = (self._sparse_spec.schedule(self.global_step),
+               self._dense_spec.schedule(self.global_step))
+        if lrs == self._lrs:
+            return
+        fused = self._dmp.fused_optimizer
+        for g in fused.param_groups:
+            g["lr"] = lrs[0]
+        fused.step()  # fused optimizers only push the lr to the kernel here
+        for g in self._dense_opt.param_groups:
+            g["lr"] = lrs[1]
+        self._lrs = lrs
+
+    def current_learning_rates(self) -> tuple[float, float]:
+        """``(sparse, dense)`` rates for the next step."""
+        return (self._sparse_spec.schedule(self.global_step),
+                self._dense_spec.schedule(self.global_step))
+
+    def set_touched_rows_hook(self, hook: Callable[[KeyedJaggedTensor], None] | None) -> None:
+        """Registers ``hook(kjt)``, called once per training step with the step's ids.
+
+        The KJT's keys are feature names; ``feature_tables()`` maps them to tables. A delta
+        tracker uses this to record which rows each table touched.
+        """
+        self._touched_rows_hook = hook
+
+    def record_touched_rows(self, kjt: KeyedJaggedTensor) -> None:
+        """Called by ``train_step`` with the batch's ids (after the update)."""
+        if self._touched_rows_hook is not None:
+            self._touched_rows_hook(kjt)
+
+    def train_step(self, batch: Batch) -> StepOutput:
+        """One predict-then-train step.
+
+        Args:
+            batch: the batch (any device; moved to the model's).
+
+        Returns:
+            The forward pass's predictions (before the update) and the loss. They equal
+            ``predict(batch)`` called just before the step unless the model has batch norm or
+            dropout (the step's forward runs in train mode).
+        """
+        self._set_lrs()
+        batch = batch.to(self.device)
+        self._dmp.train()
+        logits = self._dmp(batch)
+        loss = self._module().loss(logits, batch)
+        self._dense_opt.zero_grad(set_to_none=True)
+        loss.backward()  # table rows are updated inside backward (fused)
+        self._dense_opt.step()
+        self.global_step += 1
+        self.record_touched_rows(batch.sparse)
+        probs = torch.sigmoid(logits.detach()).to(torch.float64).cpu().numpy()
+        return StepOutput(probs=probs, loss=float(loss.detach()))
+
+    @torch.no_grad()
+    def predict(self, batch: Batch) -> np.ndarray:
+        """Predictions (float64 ``[B]``) in eval mode; no update."""
+        batch = batch.to(self.device)
+        self._dmp.eval()
+        try:
+            logits = self._dmp(batch)
+        finally:
+            self._dmp.train()
+        return torch.sigmoid(logits).to(torch.float64).cpu().numpy()
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def _named_state(self) -> dict[str, Any]:
+        """Own parameter/buffer name -> live tensor (tables as writable full views)."""
+        out: dict[str, Any] = {}
+        for name, t in self._dmp.state_dict().items():
+            out[name] = _local_view(t) if name.startswith(EBC_PREFIX) else t
+        out.update(self.dense_parameters())
+        return out
+
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """Full training state as plain CPU tensors (see the module docstring)."""
+        model = {k: to_full_cpu(v) for k, v in self._named_state().items()}
+        sparse = {}
+        for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items():
+            sparse[pname] = {k: to_full_cpu(v) for k, v in states.items()}
+        dense_opt = _tensors_to_cpu(self._dense_opt.state_dict())
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "global_step": int(self.global_step),
+            "model": model,
+            "dense_optimizer": dense_opt,
+            "sparse_optimizer": sparse,
+        }
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Restores parameters, buffers, optimizer states and the global step exactly.
+
+        Args:
+            state: a dict from ``state_dict_for_checkpoint``.
+            strict: raise when names differ (otherwise missing entries keep their values).
+
+        Raises:
+            KeyError: ``strict`` and a name is missing or unexpected.
+            ValueError: a shape differs.
+        """
+        own = self._named_state()
+        model = state["model"]
+        if strict:
+            _check_names(set(own), set(model), "model")
+        for name, t in own.items():
+            if name in model:
+                _copy_into(t, model[name], name, name)
+        own_sparse = self._dmp.fused_optimizer.state_dict()["state"]
+        saved_sparse = state.get("sparse_optimizer", {})
+        if strict:
+            _check_names(
+                {f"{p}/{k}" for p, s in own_sparse.items() for k in s},
+                {f"{p}/{k}" for p, s in saved_sparse.items() for k in s},
+                "sparse_optimizer")
+        for pname, states in own_sparse.items():
+            for k, v in states.items():
+                if pname in saved_sparse and k in saved_sparse[pname]:
+                    _copy_into(_local_view(v), saved_sparse[pname][k], f"{pname}/{k}",
+                               f"{pname}/{k}")
+        if "dense_optimizer" in state:
+            self._dense_opt.load_state_dict(state["dense_optimizer"])
+        self.global_step = int(state.get("global_step", 0))
+        self._lrs = None
+
+    @torch.no_grad()
+    def load_parameters(
+        self,
+        named_tensors: Mapping[str, torch.Tensor],
+        var_map: Mapping[str, str] | None = None,
+    ) -> WarmStartReport:
+        """Warm start: copies parameters (and buffers) only, no optimizer state.
+
+        Args:
+            named_tensors: source name -> tensor (e.g. another checkpoint's ``"model"``).
+            var_map: own (new) name -> source (old) name for renamed parameters.
+
+        Returns:
+            What was loaded, what is missing (kept initial values) and what was unused.
+
+        Raises:
+            ValueError: a source tensor's shape differs (message names both).
+        """
+        var_map = dict(var_map or {})
+        report = WarmStartReport()
+        used = set()
+        for name, t in self._named_state().items():
+            src = var_map.get(name, name)
+            if src not in named_tensors:
+                report.missing.append(name)
+                continue
+            _copy_into(t, named_tensors[src], name, src)
+            used.add(src)
+            report.loaded.append((name, src))
+        report.unused = sorted(set(named_tensors) - used)
+        for name in report.missing:
+            logger.warning("warm start: no value for %s, keeping its initial value", name)
+        if report.unused:
+            logger.info("warm start: %d source tensors unused: %s", len(report.unused),
+                        ", ".join(report.unused[:20]))
+        logger.info("warm start: loaded %d tensors", len(report.loaded))
+        return report
+
+
+def _check_names(own: set[str], saved: set[str], what: str) -> None:
+    missing, unexpected = sorted(own - saved), sorted(saved - own)
+    if missing or unexpected:
+        raise KeyError(f"checkpoint {what} does not match the model: missing {missing}, "
+                       f"unexpected {unexpected}")
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str, src_name: str) -> None:
+    src = torch.as_tensor(src)
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(
+            f"shape mismatch: {name} has shape {tuple(dst.shape)} but the source "
+            f"{src_name} has shape {tuple(src.shape)}")
+    dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+
+
+def _tensors_to_cpu(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: _tensors_to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_tensors_to_cpu(v) for v in obj]
+    return obj

@@ -1,0 +1,265 @@
+import json
+import random
+
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+from odl.features.feature_builder import FeatureBuilder
+from odl.features.id_hashing import (
+    bucketize_hashes,
+    fnv1a64,
+    hash_segments,
+    hash_strings,
+    pack_strings,
+)
+from odl.features.record_parser import REJECT_REASONS, RecordParser
+from odl.protos import pipeline_pb2
+
+CONFIG = """
+data_config {
+  input_fields { input_name: "label" input_type: INT32 }
+  input_fields { input_name: "price" input_type: FLOAT }
+  input_fields { input_name: "age" input_type: DOUBLE default_val: "30" }
+  input_fields { input_name: "user" input_type: STRING }
+  input_fields { input_name: "tags" input_type: STRING }
+  input_fields { input_name: "cat" input_type: STRING }
+  input_fields { input_name: "shop" input_type: INT64 }
+  input_fields { input_name: "sid" input_type: STRING }
+  input_fields { input_name: "ts" input_type: DOUBLE }
+  label_fields: "label"
+  separator: ","
+  sample_id_field: "sid"
+  event_time_field: "ts"
+}
+feature_config {
+  features { input_names: "price" feature_type: RawFeature }
+  features { feature_name: "age_bucket" input_names: "age" feature_type: RawFeature
+             boundaries: [18, 25, 40] embedding_dim: 4 }
+  features { input_names: "user" hash_bucket_size: 1000 embedding_dim: 8 }
+  features { input_names: "tags" hash_bucket_size: 500 embedding_dim: 8 separator: "|" }
+  features { input_names: "cat" num_buckets: 7 embedding_dim: 8 embedding_name: "shared" }
+  features { feature_name: "shop_id" input_names: "shop" num_buckets: 7 embedding_dim: 8
+             embedding_name: "shared" }
+  features { feature_name: "user_cat" input_names: ["user", "cat"] feature_type: ComboFeature
+             hash_bucket_size: 100 embedding_dim: 8 combo_join_sep: "#" }
+}
+"""
+
+
+def config():
+    return text_format.Parse(CONFIG, pipeline_pb2.EasyRecConfig())
+
+
+def csv(*fields):
+    return ",".join(str(f) for f in fields).encode()
+
+
+GOOD = [
+    csv(1, 1.5, 20, "u1", "a|b|c", 3, 12, "s0", 100.0),
+    csv(0, "", "", "u2", "", -1, 5, "s1", 101.5),
+    csv(1, 2.0, 50, "ü", "x", 8, 0, "s2", 102),
+]
+
+
+# -- hashing ----------------------------------------------------------------------------------
+
+
+def test_fnv1a64_published_vectors():
+    assert fnv1a64("") == 0xCBF29CE484222325
+    assert fnv1a64("a") == 0xAF63DC4C8601EC8C
+    assert fnv1a64("foobar") == 0x85944171F73967E8
+    assert fnv1a64(b"foobar") == 0x85944171F73967E8
+    h = hash_strings(["", "a", "foobar"])
+    assert h.dtype == np.uint64
+    assert h.tolist() == [0xCBF29CE484222325, 0xAF63DC4C8601EC8C, 0x85944171F73967E8]
+
+
+def test_hash_strings_matches_scalar_reference():
+    rng = random.Random(1)
+    alphabet = "abcXYZ019_|é中"
+    values = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 20)))
+              for _ in range(2000)]
+    values += ["x" * 300, "y" * 70, "\x00a", "a\x00", ""]
+    h = hash_strings(values)
+    assert [int(x) for x in h] == [fnv1a64(v) for v in values]
+    # bytes input, numpy object arrays, and continuing from a state
+    assert np.array_equal(hash_strings([v.encode() for v in values]), h)
+    assert np.array_equal(hash_strings(np.array(values, dtype=object)), h)
+    buf, s, e = pack_strings(["foo", "bar"])
+    first = hash_segments(buf, s[:1], e[:1])
+    cont = hash_segments(buf, s[1:], e[1:], init=first)
+    assert int(cont[0]) == fnv1a64("foobar")
+
+
+def test_bucketize_hashes():
+    h = hash_strings(["a", "b", "foobar"])
+    rows = bucketize_hashes(h, 1000)
+    assert rows.dtype == np.int64
+    assert rows.tolist() == [fnv1a64(v) % 1000 for v in ["a", "b", "foobar"]]
+    with pytest.raises(ValueError):
+        bucketize_hashes(h, 0)
+
+
+# -- parser -----------------------------------------------------------------------------------
+
+
+def test_parser_csv_rejects_each_malformed_kind():
+    parser = RecordParser(config().data_config, max_record_bytes=200)
+    bad = {
+        "empty": b"",
+        "invalid_utf8": csv(1, 1.0, 20, "u", "t", 1, 1, "s", 1).replace(b"u", b"\xff\xfe"),
+        "field_count": b"1,2,3",
+        "bad_number": csv(1, "abc", 20, "u", "t", 1, 1, "s", 1),
+        "non_finite": csv(1, "nan", 20, "u", "t", 1, 1, "s", 1),
+        "bad_label": csv(2, 1.0, 20, "u", "t", 1, 1, "s", 1),
+        "oversized": csv(1, 1.0, 20, "u" * 300, "t", 1, 1, "s", 1),
+    }
+    values, expected = [], []
+    for i, good in enumerate(GOOD):
+        values.append(good)
+        reason = list(bad)[i % len(bad)]
+        values.append(bad[reason])
+        expected.append((len(values) - 1, reason))
+    for reason in list(bad)[len(GOOD):]:
+        values.append(bad[reason])
+        expected.append((len(values) - 1, reason))
+    values.append(csv(1, "inf", 20, "u", "t", 1, 1, "s", 1))
+    expected.append((len(values) - 1, "non_finite"))
+    values.append(csv("", 1.0, 20, "u", "t", 1, 1, "s", 1))
+    expected.append((len(values) - 1, "bad_label"))
+    values.append(csv(1, 1.0, 20, "u", "t", 1, "1.5", "s", 1))  # INT64 field
+    expected.append((len(values) - 1, "bad_number"))
+    out = parser.parse(values)
+    assert out.rejected == expected
+    assert out.accepted.tolist() == [0, 2, 4]
+    assert {r for _, r in out.rejected} <= set(REJECT_REASONS)
+    np.testing.assert_array_equal(out.numeric["label"], [1, 0, 1])
+    np.testing.assert_array_equal(out.numeric["price"], [1.5, 0.0, 2.0])  # empty -> 0
+    np.testing.assert_array_equal(out.numeric["age"], [20, 30, 50])  # empty -> default_val
+    assert out.texts("user") == ["u1", "u2", "ü"]
+    assert out.numeric["shop"].dtype == np.int64
+
+
+def test_parser_trailing_newline_and_multibyte_separator():
+    parser = RecordParser(config().data_config)
+    out = parser.parse([GOOD[0] + b"\n", GOOD[1] + b"\r\n", b"\n"])
+    assert out.accepted.tolist() == [0, 1]
+    assert out.rejected == [(2, "empty")]
+    assert out.texts("ts") == ["100.0", "101.5"]
+    dc = config().data_config
+    dc.separator = "::"
+    parser = RecordParser(dc)
+    out = parser.parse([GOOD[0].replace(b",", b"::"), b"1::2"])
+    assert out.accepted.tolist() == [0]
+    assert out.rejected == [(1, "field_count")]
+    assert out.texts("tags") == ["a|b|c"]
+
+
+def test_parser_json_and_auto():
+    dc = config().data_config
+    parser = RecordParser(dc, list_separators={"tags": "|"})
+    rec = {"label": 1, "price": 2.5, "age": None, "user": "u1", "tags": ["a", "b"],
+           "cat": 3, "shop": 4, "sid": "s", "ts": 100}
+
+    def js(**kw):
+        return json.dumps({**rec, **kw}).encode()
+
+    values = [
+        js(),
+        b"{not json",
+        b'{"label": [1]}',
+        js(price="abc"),
+        js(price=True),
+        json.dumps({k: v for k, v in rec.items() if k != "label"}).encode(),
+        js(label=0.5),
+        GOOD[0],  # CSV in AUTO mode
+        js(tags={"x": 1}),
+        b'{"label": 1, "price": NaN}',
+        js(label=0, user="u2"),
+    ]
+    out = parser.parse(values)
+    assert out.accepted.tolist() == [0, 7, 10]
+    assert out.rejected == [(1, "bad_json"), (2, "json_type"), (3, "bad_number"),
+                            (4, "json_type"), (5, "json_type"), (6, "bad_label"),
+                            (8, "json_type"), (9, "non_finite")]
+    assert out.texts("tags") == ["a|b", "a|b|c", "a|b"]
+    assert out.texts("user") == ["u1", "u1", "u2"]
+    np.testing.assert_array_equal(out.numeric["age"], [30, 20, 30])
+    # JSON format: a CSV record is bad JSON
+    dc.record_format = pipeline_pb2.DatasetConfig.JSON
+    out = RecordParser(dc).parse([GOOD[0], js(tags="a|b"), b"[1, 2]", b"  ", js()])
+    assert out.rejected == [(0, "bad_json"), (2, "json_type"), (3, "empty"), (4, "json_type")]
+    # CSV format: a JSON record is just a bad CSV line
+    dc.record_format = pipeline_pb2.DatasetConfig.CSV
+    out = RecordParser(dc).parse([js()])
+    assert out.rejected[0][1] in ("field_count", "bad_label", "bad_number")
+
+
+# -- feature builder --------------------------------------------------------------------------
+
+
+def test_feature_builder_outputs():
+    fb = FeatureBuilder(config())
+    assert fb.sparse_feature_names == ["age_bucket", "user", "tags", "cat", "shop_id", "user_cat"]
+    assert fb.dense_feature_names == ["price"]
+    assert fb.label_field == "label"
+    specs = {t.name: t for t in fb.table_specs}
+    assert specs["shared"].feature_names == ("cat", "shop_id")
+    assert specs["shared"].num_rows == 7 and specs["shared"].dim == 8
+    assert specs["age_bucket"].num_rows == 4
+    assert specs["user"].num_rows == 1000
+
+    values = [GOOD[0], b"garbage", GOOD[1], GOOD[2], csv(1, 1, 20, "u", "t", "x", 1, "s", 1)]
+    res = fb.build(values)
+    assert res.accepted.tolist() == [0, 2, 3]
+    assert res.rejected == [(1, "field_count"), (4, "bad_number")]  # num_buckets "x"
+    b = res.batch
+    assert b.size == 3
+    assert b.dense.dtype.is_floating_point and b.dense.tolist() == [[1.5], [0.0], [2.0]]
+    assert b.labels.tolist() == [1.0, 0.0, 1.0]
+    assert b.sample_ids == ["s0", "s1", "s2"]
+    np.testing.assert_array_equal(b.event_times, [100.0, 101.5, 102.0])
+    kjt = b.sparse.to_dict()
+    # boundaries [18, 25, 40], side=right; empty age -> default 30
+    assert kjt["age_bucket"].values().tolist() == [1, 2, 3]
+    assert kjt["user"].values().tolist() == [fnv1a64(u) % 1000 for u in ["u1", "u2", "ü"]]
+    assert kjt["user"].lengths().tolist() == [1, 1, 1]
+    assert kjt["tags"].lengths().tolist() == [3, 0, 1]
+    assert kjt["tags"].values().tolist() == [fnv1a64(t) % 500 for t in ["a", "b", "c", "x"]]
+    assert kjt["cat"].values().tolist() == [3, -1 % 7, 8 % 7]
+    assert kjt["shop_id"].values().tolist() == [12 % 7, 5, 0]
+    combos = ["u1#3", "u2#-1", "ü#8"]
+    assert kjt["user_cat"].values().tolist() == [fnv1a64(c) % 100 for c in combos]
+
+
+def test_feature_builder_multi_valued_edge_cases_and_all_rejected():
+    fb = FeatureBuilder(config())
+    vals = [csv(1, 1, 20, "u", t, 1, 1, "s", 1) for t in ["|a||b|", "a", "|", "", "c|d"]]
+    kjt = fb.build(vals).batch.sparse.to_dict()
+    assert kjt["tags"].lengths().tolist() == [2, 1, 0, 0, 2]
+    assert kjt["tags"].values().tolist() == [fnv1a64(t) % 500 for t in "abacd"]
+    multi_int = [csv(1, 1, 20, "u", "", "1|9|-2", 1, "s", 1)]
+    assert fb.build(multi_int).batch.sparse.to_dict()["cat"].values().tolist() == [1, 2, 5]
+    res = fb.build([b"", b"x"])
+    assert res.batch is None
+    assert res.accepted.tolist() == []
+    assert res.rejected == [(0, "empty"), (1, "field_count")]
+
+
+def test_feature_builder_combo_empty_input_gives_no_id():
+    fb = FeatureBuilder(config())
+    b = fb.build([csv(1, 1, 20, "", "", 2, 1, "s", 1)]).batch
+    assert b.sparse.to_dict()["user_cat"].lengths().tolist() == [0]
+    assert b.sparse.to_dict()["user"].lengths().tolist() == [0]
+
+
+def test_feature_builder_config_errors():
+    c = config()
+    c.feature_config.features[2].num_buckets = 5  # both hash_bucket_size and num_buckets
+    with pytest.raises(ValueError, match="feature_configs\\[2\\]"):
+        FeatureBuilder(c)
+    c = config()
+    c.feature_config.features[5].num_buckets = 8  # shared table with different sizes
+    with pytest.raises(ValueError, match="shared"):
+        FeatureBuilder(c)
