@@ -49,14 +49,19 @@ def produce(
         kw = {}
         if timestamps_ms is not None:
             kw["timestamp"] = timestamps_ms[i]
-        producer.produce(
-            topic,
-            value=v,
-            key=keys[i] if keys else None,
-            partition=i % partitions,
-            on_delivery=report(i),
-            **kw,
-        )
+        while True:
+            try:
+                producer.produce(
+                    topic,
+                    value=v,
+                    key=keys[i] if keys else None,
+                    partition=i % partitions,
+                    on_delivery=report(i),
+                    **kw,
+                )
+                break
+            except BufferError:  # local queue full: let deliveries drain
+                producer.poll(0.05)
         if i % 1000 == 999:
             producer.poll(0)
     assert producer.flush(30) == 0

@@ -1,0 +1,160 @@
+"""Training throughput: the online loop from Kafka vs the in-memory TorchRec step vs plain PyTorch.
+
+One run, one machine, the same DeepFM (26 hashed id features of dim 16, 13 dense features,
+batch 1024, DNN 256-128-64, wide + FM + deep) and the same synthetic records:
+
+* online:   ``Trainer`` (odl-train --online) reading the records from the embedded broker —
+            Kafka fetch, parsing, hashing, batching in the reader thread, predict-then-train,
+            progressive metrics; checkpoints off; measured from step ``--warmup`` to the end;
+* torchrec: ``TrainModule.train_step`` on the same batches pre-built in memory;
+* plain:    ``bench/plain_pytorch_deepfm.PlainDeepFM`` (nn.EmbeddingBag(sparse=True) +
+            torch.optim) on the same pre-built batches.
+
+Prints samples/s of each and the ratios online/torchrec (target >= 0.85) and
+torchrec/plain, online/plain (target >= 1.5). Machines here are noisy: the three are measured
+``--rounds`` times in alternation and the median of each is reported.
+
+    .venv/bin/python bench/train_throughput.py [--batches 120] [--rounds 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from confluent_kafka import Producer  # noqa: E402
+
+from bench.plain_pytorch_deepfm import PlainDeepFM  # noqa: E402
+from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
+from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
+from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
+from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
+from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
+from odl.features.feature_builder import FeatureBuilder  # noqa: E402
+from odl.kafka_client import producer_config  # noqa: E402
+from odl.models.train_module import TrainModule  # noqa: E402
+from odl.train.trainer import Trainer, TrainerOptions  # noqa: E402
+
+BATCH = 1024
+PARTITIONS = 4
+
+
+def make_config(model_dir: str, server: str, topic: str):
+    text = deepfm_config_text(
+        model_dir, server=server, topic=topic, batch_size=BATCH, dim=16, buckets=100_000,
+        hidden_units=(256, 128, 64), save_checkpoints_steps=0,
+        extra_train="metrics_window_samples: 100000",
+    )
+    return parse_pipeline_config_text(text)
+
+
+def produce_all(bootstrap: str, topic: str, values: list[bytes]) -> dict[int, int]:
+    producer = Producer(producer_config(bootstrap))
+    for i, v in enumerate(values):
+        while True:
+            try:
+                producer.produce(topic, value=v, partition=i % PARTITIONS)
+                break
+            except BufferError:  # local queue full: let deliveries drain
+                producer.poll(0.05)
+        if i % 5000 == 4999:
+            producer.poll(0)
+    assert producer.flush(60) == 0
+    return end_offsets(bootstrap, topic)
+
+
+def time_steps(step, batches, warmup: int) -> float:
+    for b in batches[:warmup]:
+        step(b)
+    t0 = time.perf_counter()
+    for b in batches[warmup:]:
+        step(b)
+    return (len(batches) - warmup) * BATCH / (time.perf_counter() - t0)
+
+
+def online_rate(config, ends: dict[int, int], warmup: int) -> float:
+    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
+    marks: dict[str, tuple[float, int]] = {}
+
+    def watch() -> None:
+        while True:
+            step, samples = trainer.module.global_step, trainer.samples_trained
+            if "start" not in marks and step >= warmup:
+                marks["start"] = (time.perf_counter(), samples)
+            pos = dict(trainer.positions)
+            if pos and all(pos.get(p, 0) >= e for p, e in ends.items()) and step > warmup:
+                marks["end"] = (time.perf_counter(), trainer.samples_trained)
+                trainer.request_stop("benchmark done")
+                return
+            time.sleep(0.002)
+
+    threading.Thread(target=watch, daemon=True).start()
+    trainer.run()
+    (t0, s0), (t1, s1) = marks["start"], marks["end"]
+    return (s1 - s0) / (t1 - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, default=120, help="batches of 1024 per measurement")
+    ap.add_argument("--warmup", type=int, default=10, help="steps excluded from timing")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if os.environ.get('SWITCH'): sys.setswitchinterval(float(os.environ['SWITCH']))
+
+    work = tempfile.mkdtemp(prefix="odl-bench-")
+    n = args.batches * BATCH
+    stream = SyntheticCtrStream(seed=5)
+    values = [v for v in stream.next_batch(n).encode("csv")]
+    rates: dict[str, list[float]] = {"online": [], "torchrec": [], "plain": []}
+    with EmbeddedBroker(port=0, data_dir=os.path.join(work, "kafka")) as broker:
+        for r in range(args.rounds):
+            topic = f"bench-{r}"
+            create_topic(broker.bootstrap, topic, partitions=PARTITIONS)
+            ends = produce_all(broker.bootstrap, topic, values)
+            config = make_config(os.path.join(work, f"model_dir_{r}"), broker.bootstrap, topic)
+            features = FeatureBuilder(config)
+            batches = [features.build(values[i : i + BATCH]).batch for i in range(0, n, BATCH)]
+
+            rates["online"].append(online_rate(config, ends, args.warmup))
+            module = TrainModule(config, features, device="cpu")
+            rates["torchrec"].append(time_steps(module.train_step, batches, args.warmup))
+            del module
+            plain = PlainDeepFM(config, features)
+            rates["plain"].append(time_steps(plain.step, batches, args.warmup))
+            del plain
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in rates.items()),
+                  flush=True)
+
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    result = {
+        "samples_per_sec": {k: round(v) for k, v in med.items()},
+        "online_over_torchrec": round(med["online"] / med["torchrec"], 3),
+        "torchrec_over_plain": round(med["torchrec"] / med["plain"], 3),
+        "online_over_plain": round(med["online"] / med["plain"], 3),
+        "batches": args.batches,
+        "rounds": args.rounds,
+    }
+    print(json.dumps(result, indent=1))
+    print(f"online loop / in-memory TorchRec = {result['online_over_torchrec']:.3f} (target >= 0.85)")
+    print(f"online loop / plain PyTorch      = {result['online_over_plain']:.3f} (target >= 1.5)")
+    print(f"TorchRec step / plain PyTorch    = {result['torchrec_over_plain']:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
