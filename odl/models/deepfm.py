@@ -131,35 +131,47 @@ class DeepFM(nn.Module):
         self.embedding_regularization = float(model_config.embedding_regularization)
         self.wide_regularization = float(cfg.wide_regularization or
                                          model_config.embedding_regularization)
-        self._slices: tuple[slice, slice] | None = None
+        self._resolved = False
+        self._column_order: torch.Tensor | None = None
+        self._deep_width = 0
         self._last_deep: torch.Tensor | None = None
         self._last_wide: torch.Tensor | None = None
 
-    def _resolve(self, kt: KeyedTensor) -> tuple[slice, slice]:
-        """Column ranges of the deep and wide lookups in the pooled output (checked once)."""
-        if self._slices is None:
-            keys = kt.keys()
-            lengths = kt.length_per_key()
-            want = self.layout.deep_keys + self.layout.wide_keys
-            got = []
-            for k in keys:
-                f, _, t = k.partition("@")
-                got.append((f, t) if t else (f, None))
-            ok = len(got) == len(want) and all(
-                g[0] == w[0] and (g[1] is None or g[1] == w[1])
-                for g, w in zip(got, want, strict=False)
+    def _resolve(self, kt: KeyedTensor) -> torch.Tensor | None:
+        """Columns of the pooled output in layout order (deep keys, then wide keys).
+
+        TorchRec groups pooled outputs by pooling type, so with mixed combiners its column
+        order differs from the layout's; the permutation is computed once. Returns None when
+        the output is already in layout order (the common case, no copy needed).
+        """
+        if not self._resolved:
+            ranges: dict[tuple[str, str | None], tuple[int, int]] = {}
+            start = 0
+            for key, length in zip(kt.keys(), kt.length_per_key(), strict=True):
+                f, _, t = key.partition("@")
+                ranges[(f, t or None)] = (start, start + length)
+                start += length
+            cols: list[int] = []
+            for f, t in self.layout.deep_keys + self.layout.wide_keys:
+                r = ranges.get((f, t)) or ranges.get((f, None))
+                if r is None:
+                    raise RuntimeError(f"pooled embeddings {kt.keys()} lack {f}@{t}")
+                cols.extend(range(*r))
+            self._column_order = (
+                None if cols == list(range(start)) else torch.tensor(cols, dtype=torch.long)
             )
-            if not ok:
-                raise RuntimeError(f"unexpected pooled embedding order {keys}, expected {want}")
-            deep_end = sum(lengths[: self._num_deep])
-            self._slices = (slice(0, deep_end), slice(deep_end, sum(lengths)))
-        return self._slices
+            self._deep_width = self._num_deep * self._dim
+            self._resolved = True
+        return self._column_order
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Returns logits ``[B]``."""
         kt = self.ebc(batch.sparse)
         pooled = kt.values()
-        deep_sl, wide_sl = self._resolve(kt)
+        order = self._resolve(kt)
+        if order is not None:
+            pooled = pooled.index_select(1, order.to(pooled.device))
+        deep_sl, wide_sl = slice(0, self._deep_width), slice(self._deep_width, pooled.shape[1])
         b = pooled.shape[0]
         d = self.dense
         parts = []
