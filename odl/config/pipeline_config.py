@@ -119,12 +119,14 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "force_restore_shape_compatible", "train_distribute", "num_gpus_per_worker",
         "summary_model_vars", "protocol", "inter_op_parallelism_threads",
         "intra_op_parallelism_threads", "tensor_fuse", "write_graph", "freeze_gradient",
-        "incr_save_config", "num_epochs", "use_moving_average", "moving_average_decay",
+        "num_epochs", "use_moving_average", "moving_average_decay",
         "save_checkpoints_epochs", "fine_tune_ckpt_param_map", "use_tensorboard",
         "tensorboard_summaries", "cudnn_allow_tf32", "cuda_matmul_allow_tf32",
         "global_embedding_constraints", "mixed_precision", "grad_scaler",
         "gradient_accumulation_steps",
     }),
+    "IncrementSaveConfig": frozenset({"debug_save_update", "datahub"}),
+    "IncrementSaveConfig.Kafka.Consumer": frozenset({"config_topic", "config_global", "timeout"}),
     "OptimizerConfig": frozenset({
         "rms_prop_optimizer", "momentum_optimizer", "momentumw_optimizer", "adamw_optimizer",
         "adam_async_optimizer", "adam_asyncw_optimizer", "ftrl_optimizer",
@@ -1329,6 +1331,35 @@ def _validate_train(config: pipeline_pb2.EasyRecConfig) -> None:
     if tc.fine_tune_ckpt_var_map and not tc.fine_tune_checkpoint:
         raise ConfigError(f"{where}.fine_tune_ckpt_var_map",
                           "set fine_tune_checkpoint too (the map renames its parameters)")
+    if tc.HasField("incr_save_config"):
+        _validate_incr_save(tc.incr_save_config, f"{where}.incr_save_config")
+
+
+# Largest delta chunk: the delta topic is created with max.message.bytes = 16 MiB.
+MAX_DELTA_CHUNK_BYTES = 16 << 20
+MIN_DELTA_CHUNK_BYTES = 4096
+
+
+def _validate_incr_save(isc: Any, where: str) -> None:
+    if not (isc.sparse_save_steps or isc.dense_save_steps or isc.sparse_save_secs
+            or isc.dense_save_secs):
+        raise ConfigError(f"{where}.sparse_save_steps",
+                          "set at least one of sparse_save_steps, dense_save_steps, "
+                          "sparse_save_secs, dense_save_secs (> 0)")
+    kind = isc.WhichOneof("incr_update")
+    if kind is None:
+        raise ConfigError(f"{where}.kafka", "choose where versions go: kafka { server topic } "
+                                            "or fs { incr_save_dir }")
+    if kind == "kafka":
+        if not isc.kafka.server:
+            raise ConfigError(f"{where}.kafka.server", "required (host:port list)")
+        if not isc.kafka.topic:
+            raise ConfigError(f"{where}.kafka.topic", "required")
+    elif not isc.fs.incr_save_dir:
+        raise ConfigError(f"{where}.fs.incr_save_dir", "must not be empty")
+    if not MIN_DELTA_CHUNK_BYTES <= isc.max_chunk_bytes <= MAX_DELTA_CHUNK_BYTES:
+        raise ConfigError(f"{where}.max_chunk_bytes",
+                          f"must be in [{MIN_DELTA_CHUNK_BYTES}, {MAX_DELTA_CHUNK_BYTES}]")
 
 
 def _validate_easyrec_optimizer(opt: Any, where: str) -> None:

@@ -50,6 +50,7 @@ from odl.train.batch_prefetcher import BatchPrefetcher, PreparedBatch
 from odl.train.progressive_metrics import ProgressiveMetrics
 from odl.train.status_app import build_status_app
 from odl.train.trainer_metrics import TrainerMetrics
+from publisher.incremental_publisher import IncrementalPublisher, build_publisher
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +146,8 @@ class Trainer:
         self._dead_line = parse_dead_line(tc.dead_line) if tc.dead_line else None
         self._config_text = config_to_text(config, redact=True)
         self._lock = threading.Lock()
+        self.publisher: Optional[IncrementalPublisher] = None
+        self._restored_delta_offset: Optional[int] = None
 
     # ------------------------------------------------------------------ restore
     def _restore(self) -> Optional[dict[int, int]]:
@@ -154,6 +157,8 @@ class Trainer:
             if latest is not None:
                 ckpt = read_checkpoint(latest)
                 self.module.load_checkpoint_state(ckpt.state)
+                if "delta_topic_offset" in ckpt.source:
+                    self._restored_delta_offset = int(ckpt.source["delta_topic_offset"])
                 logger.info(
                     "restored %s: step %d, positions %s", latest, ckpt.global_step, ckpt.positions
                 )
@@ -186,6 +191,10 @@ class Trainer:
         try:
             self._start_status_server()
             restored_positions = self._restore()
+            if self.config.train_config.HasField("incr_save_config"):
+                self.publisher = build_publisher(
+                    self.config, self.module, self.generation, self.metrics.registry,
+                    start_step=self.module.global_step)
             if self.options.sample_ledger:
                 self._ledger = open(self.options.sample_ledger, "a", buffering=1 << 16)
             self._open_input(restored_positions)
@@ -314,7 +323,24 @@ class Trainer:
             self.last_sample_time_ms = int(item.raw.timestamps_ms.max())
         with self._lock:
             self.positions.update(item.positions)
+        if self.publisher is not None:
+            self._maybe_publish(item)
         return trained
+
+    def _maybe_publish(self, item: PreparedBatch) -> None:
+        """Hands the step's positions and time ranges to the delta publisher."""
+        assert self.publisher is not None
+        event = produce = None
+        times = item.batch.event_times if item.batch is not None else None
+        if times is not None and len(times):
+            finite = times[np.isfinite(times)]
+            if len(finite):
+                event = (int(finite.min() * 1000), int(finite.max() * 1000))
+        if len(item.raw.timestamps_ms):
+            produce = (int(item.raw.timestamps_ms.min()), int(item.raw.timestamps_ms.max()))
+        with self._lock:
+            positions = dict(self.positions)
+        self.publisher.maybe_publish(self.module.global_step, positions, event, produce)
 
     def _count_rejects(self, item: PreparedBatch) -> None:
         for idx, reason in item.rejected:
@@ -382,6 +408,7 @@ class Trainer:
                 if self.options.online
                 else {"source": "files", "path": self.config.train_input_path}
             )
+            source.update(self._delta_replay_point())
             self.checkpoints.save(
                 self.module.global_step,
                 self.module.state_dict_for_checkpoint(),
@@ -403,6 +430,26 @@ class Trainer:
         finally:
             self.state = prev_state if prev_state != "checkpointing" else "training"
 
+    def _delta_replay_point(self) -> dict:
+        """Where serving must start replaying the delta topic to continue this checkpoint.
+
+        Every version published so far is at a step <= the checkpoint's, and versions carry
+        full values, so replaying from just after the last delivered version is exact.
+        """
+        if self.publisher is None:
+            return {}
+        sink = self.publisher.sink
+        out: dict = {}
+        if hasattr(sink, "topic"):
+            out["delta_topic"] = sink.topic
+            out["delta_server"] = getattr(sink, "servers", "")
+        last = self.publisher.status().get("last_offset")
+        if last is not None and last >= 0:
+            out["delta_topic_offset"] = int(last) + 1
+        elif self._restored_delta_offset is not None:
+            out["delta_topic_offset"] = self._restored_delta_offset
+        return out
+
     # ------------------------------------------------------------------ stop
     def request_stop(self, reason: str) -> None:
         """Asks the loop to finish the current step, checkpoint and exit (thread/signal safe)."""
@@ -419,6 +466,9 @@ class Trainer:
         if self._prefetcher is not None:
             self._prefetcher.stop()
         self._reject_log.maybe_log(force=True)
+        if self.publisher is not None:  # first, so the final checkpoint covers the last version
+            self.publisher.flush(timeout=30.0, step=self.module.global_step,
+                                 positions=dict(self.positions))
         if self.module.global_step != self.checkpoints.last_saved_step and (
             self.samples_trained or self.checkpoints.last_saved_step is None
         ):
@@ -495,6 +545,7 @@ class Trainer:
             },
             "stop_reason": self.stop_reason,
             "device": str(self.module.device),
+            "publisher": self.publisher.status() if self.publisher is not None else None,
         }
 
     def offsets(self) -> dict:

@@ -1,0 +1,122 @@
+"""Writes delta versions to files.
+
+Directory layout (``incr_save_dir``)::
+
+    <version:020d>-<generation>.delta       the version's chunks, each as
+                                            [uint32 little-endian length][serialized DeltaChunk]
+    <version:020d>-<generation>.delta.done  empty marker, written last
+
+Both files are written under a temporary name, fsynced and renamed into place, the marker
+after the data: a reader takes only versions whose ``.done`` marker exists, in file name
+order within a generation. A version number may repeat in a new generation (after a
+restart from an older checkpoint).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from collections.abc import Iterator, Sequence
+
+logger = logging.getLogger(__name__)
+
+DELTA_SUFFIX = ".delta"
+DONE_SUFFIX = ".delta.done"
+_LEN = struct.Struct("<I")
+
+
+def version_file_name(version: int, generation: str) -> str:
+    """File name of a version's chunks."""
+    return f"{int(version):020d}-{generation}{DELTA_SUFFIX}"
+
+
+class FsSink:
+    """Writes one file per version.
+
+    Args:
+        directory: the target directory (created when missing).
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        os.makedirs(directory, exist_ok=True)
+        self.description = f"fs {directory}"
+
+    def send(self, version: int, generation: str, chunks: Sequence[bytes],
+             timeout: float = 30.0) -> int:
+        """Writes the version's file and then its ``.done`` marker.
+
+        Args:
+            version: the version.
+            generation: the trainer generation.
+            chunks: serialized chunks in order.
+            timeout: unused (same signature as the Kafka sink).
+
+        Returns:
+            -1 (files have no offsets).
+        """
+        name = version_file_name(version, generation)
+        path = os.path.join(self.directory, name)
+        tmp = os.path.join(self.directory, f".{name}.tmp")
+        with open(tmp, "wb") as f:
+            for chunk in chunks:
+                f.write(_LEN.pack(len(chunk)))
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        done_tmp = os.path.join(self.directory, f".{name}.done.tmp")
+        with open(done_tmp, "wb") as f:
+            os.fsync(f.fileno())
+        os.replace(done_tmp, path[: -len(DELTA_SUFFIX)] + DONE_SUFFIX)
+        return -1
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Nothing to release."""
+
+
+def read_chunks(path: str, max_chunk_bytes: int = 64 << 20) -> list[bytes]:
+    """Reads the chunks of one ``.delta`` file.
+
+    Args:
+        path: the file.
+        max_chunk_bytes: largest chunk accepted.
+
+    Returns:
+        The chunks in order.
+
+    Raises:
+        ValueError: truncated file or a chunk larger than ``max_chunk_bytes``.
+    """
+    out = []
+    with open(path, "rb") as f:
+        while True:
+            head = f.read(_LEN.size)
+            if not head:
+                return out
+            if len(head) < _LEN.size:
+                raise ValueError(f"{path}: truncated length prefix")
+            (n,) = _LEN.unpack(head)
+            if n > max_chunk_bytes:
+                raise ValueError(f"{path}: chunk of {n} bytes > {max_chunk_bytes}")
+            data = f.read(n)
+            if len(data) != n:
+                raise ValueError(f"{path}: truncated chunk")
+            out.append(data)
+
+
+def list_versions(directory: str) -> Iterator[str]:
+    """Paths of the complete (``.done``) version files, sorted by name.
+
+    Args:
+        directory: an ``incr_save_dir``.
+
+    Yields:
+        ``.delta`` file paths whose marker exists.
+    """
+    names = set(os.listdir(directory))
+    for name in sorted(names):
+        if name.endswith(DELTA_SUFFIX) and not name.startswith("."):
+            if name[: -len(DELTA_SUFFIX)] + DONE_SUFFIX in names:
+                yield os.path.join(directory, name)
