@@ -1,15 +1,85 @@
-"""``odl-serve``: not yet implemented (see issue 3)."""
+"""``odl-serve``: serves the newest export and keeps it fresh by replaying the delta topic.
+
+Examples::
+
+    odl-serve --export_dir exports --port 8500
+    odl-serve --export_dir exports/1767225600 --no_replay
+
+Loads the newest complete export under ``--export_dir`` (see ``odl.export.exporter``),
+replays the delta topic from ``kafka.txt``'s offset, and answers ``POST /predict``,
+``GET /status``, ``GET /healthz`` and ``GET /metrics`` (see ``serving_plugin``). Runs until
+SIGTERM / SIGINT. Exit codes: 0 clean stop; 2 bad command line or no usable export.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import logging
+import signal
 import sys
+import threading
 from typing import Optional
+
+from odl.cli.cli_logging import setup_logging
+
+logger = logging.getLogger("odl.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser."""
+    p = argparse.ArgumentParser(prog="odl-serve",
+                                description="Serve an exported model with delta replay.")
+    p.add_argument("--export_dir", required=True,
+                   help="an export, or a directory of exports (the newest complete one)")
+    p.add_argument("--port", type=int, default=8500, help="HTTP port (0 = any free port)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--no_replay", action="store_true", help="serve the base only")
+    p.add_argument("--kafka_server", default="", help="delta servers instead of kafka.txt's")
+    p.add_argument("--kafka_config", default="",
+                   help='extra librdkafka settings as JSON, e.g. {"security.protocol": "SSL"}')
+    p.add_argument("--no_verify", action="store_true",
+                   help="skip checking the embedding shards' sha256 at load")
+    p.add_argument("--log_level", default="INFO")
+    return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``odl-serve``; exits 2 until the command is implemented."""
-    print("odl-serve: not yet implemented", file=sys.stderr)
-    return 2
+    """Entry point of ``odl-serve``."""
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    extra = {}
+    if args.kafka_config:
+        try:
+            extra = {str(k): str(v) for k, v in json.loads(args.kafka_config).items()}
+        except (ValueError, AttributeError) as exc:
+            print(f"odl-serve: --kafka_config is not a JSON object: {exc}", file=sys.stderr)
+            return 2
+    from odl.config.config_error import ConfigError
+    from serving_plugin.serving_model import ExportLoadError
+    from serving_plugin.serving_service import ServingService
+
+    try:
+        service = ServingService(args.export_dir, replay=not args.no_replay, kafka_extra=extra,
+                                 server_override=args.kafka_server, verify=not args.no_verify)
+    except (ExportLoadError, ConfigError) as exc:
+        print(f"odl-serve: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        logger.info("%s received: stopping", signal.Signals(signum).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    port = service.start(args.host, args.port)
+    logger.info("odl-serve ready on http://%s:%d (export %s, version %d)", args.host, port,
+                service.model.path, service.model.state.version)
+    while not stop.wait(1.0):
+        pass
+    service.stop()
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Export of a checkpoint as a self-contained serving base (``odl-export``)."""

@@ -1,0 +1,249 @@
+"""Replays the delta topic onto a ``ServingModel``: decode, assemble, apply in topic order.
+
+A background thread owns one ``confluent_kafka.Consumer`` (settings from
+``odl.kafka_client``) with partition 0 of the delta topic assigned explicitly at the
+export's ``kafka.txt`` offset; nothing is committed (every start replays from the export's
+offset, which is harmless because a version carries full values). Each message goes through
+``handle``:
+
+1. ``decode_chunk``: a corrupt, unknown-format or checksum-failing chunk raises
+   ``DeltaFormatError`` and is counted in ``rejected[<reason>]``; it never reaches the model;
+2. ``VersionAssembler.add``: returns a version once all its chunks arrived (versions are
+   keyed by ``(generation, version)``, so a trainer restart's new generation simply
+   continues: later versions in topic order win);
+3. ``ServingModel.apply_version``: checks the whole version, then copies it in under the
+   model lock (all-or-nothing); a version that does not fit the model is counted in
+   ``rejected[<reason>]`` and the previous state keeps serving.
+
+``handle`` is usable without Kafka (tests feed it bytes directly).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter as _Counter
+from collections.abc import Mapping
+from typing import Optional
+
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from odl.kafka_client import consumer_config
+from publisher.delta_codec import DeltaFormatError, VersionAssembler, decode_chunk
+from serving_plugin.serving_metrics import ServingMetrics
+from serving_plugin.serving_model import DeltaApplyError, KafkaReplaySource, ServingModel
+
+logger = logging.getLogger(__name__)
+
+_WATERMARK_REFRESH_SECS = 1.0
+_REJECT_LOG_INTERVAL_SECS = 10.0
+
+
+class DeltaReplayer:
+    """Applies delta versions from a topic (or from bytes handed to ``handle``).
+
+    Args:
+        model: the serving model to update.
+        source: the delta topic and start offset (the export's ``kafka.txt``).
+        metrics: metrics to update (optional).
+        kafka_extra: extra librdkafka settings (SASL/SSL), passed through.
+        max_message_bytes: largest delta message accepted by the decoder.
+
+    Attributes:
+        next_offset: offset of the next message to read.
+        end_offset: the topic's high watermark last seen (-1 = unknown).
+        messages: messages handled.
+        rejected: reason -> rejected messages / versions.
+        broker_error: why the broker is unreachable, or None.
+    """
+
+    def __init__(
+        self,
+        model: ServingModel,
+        source: KafkaReplaySource,
+        metrics: Optional[ServingMetrics] = None,
+        kafka_extra: Optional[Mapping[str, str]] = None,
+        max_message_bytes: int = 64 << 20,
+    ) -> None:
+        self.model = model
+        self.source = source
+        self.metrics = metrics
+        self._kafka_extra = dict(kafka_extra or {})
+        self._max_bytes = max_message_bytes
+        self.assembler = VersionAssembler()
+        self.next_offset = int(source.offset)
+        self.end_offset = -1
+        self.messages = 0
+        self.rejected: _Counter[str] = _Counter()
+        self.broker_error: Optional[str] = None
+        self.last_error: Optional[str] = None
+        self._last_reject_log = 0.0
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._consumer: Optional[Consumer] = None
+        self._last_watermark = 0.0
+        self._cv = threading.Condition()
+
+    # -- message handling -------------------------------------------------------------------
+
+    def handle(self, data: bytes, offset: Optional[int] = None) -> Optional[int]:
+        """Handles one delta message.
+
+        Args:
+            data: the message value.
+            offset: its topic offset (advances ``next_offset``).
+
+        Returns:
+            The version applied by this message, or None (incomplete, rejected).
+        """
+        self.messages += 1
+        if self.metrics:
+            self.metrics.messages.inc()
+        applied = None
+        try:
+            if not data:  # parses as an all-default chunk; never a real version
+                raise DeltaFormatError("empty", "empty message")
+            chunk = decode_chunk(data, max_bytes=self._max_bytes)
+            version = self.assembler.add(chunk)
+            if version is not None:
+                rows = self.model.apply_version(version)
+                applied = int(version.header.version)
+                if self.metrics:
+                    self.metrics.versions.inc()
+                    self.metrics.rows.inc(rows)
+                    self.metrics.version.set(applied)
+                logger.debug("applied version %d (generation %s, %d rows, %d chunks)",
+                             applied, version.header.generation, rows, version.chunk_count)
+        except (DeltaFormatError, DeltaApplyError) as exc:
+            self._reject(exc.reason, str(exc), offset)
+        with self._cv:
+            if offset is not None:
+                self.next_offset = max(self.next_offset, int(offset) + 1)
+            self._cv.notify_all()
+        return applied
+
+    def _reject(self, reason: str, detail: str, offset: Optional[int]) -> None:
+        self.rejected[reason] += 1
+        self.last_error = f"offset {offset}: {detail}"
+        if self.metrics:
+            self.metrics.rejected.labels(reason).inc()
+        now = time.monotonic()
+        if now - self._last_reject_log >= _REJECT_LOG_INTERVAL_SECS:
+            self._last_reject_log = now
+            logger.warning("rejected delta message at offset %s: %s (%d rejected so far; the "
+                           "previous version keeps serving)", offset, detail,
+                           sum(self.rejected.values()))
+
+    @property
+    def rejected_total(self) -> int:
+        """Messages and versions rejected so far."""
+        return sum(self.rejected.values())
+
+    @property
+    def lag(self) -> Optional[int]:
+        """Messages between ``next_offset`` and the topic end (None = unknown)."""
+        if self.end_offset < 0:
+            return None
+        return max(0, self.end_offset - self.next_offset)
+
+    # -- thread -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Starts replaying in a daemon thread."""
+        conf = consumer_config(self.source.server, f"odl-serving-{uuid.uuid4().hex[:8]}",
+                               self._kafka_extra)
+        conf["error_cb"] = self._on_kafka_error
+        self._consumer = Consumer(conf)
+        self._consumer.assign([TopicPartition(self.source.topic, 0, self.next_offset)])
+        logger.info("replaying delta topic %s from offset %d", self.source.topic,
+                    self.next_offset)
+        self._thread = threading.Thread(target=self._run, name="delta-replayer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the thread and closes the consumer."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._consumer is not None:
+            try:
+                self._consumer.close()
+            except (KafkaException, RuntimeError):
+                pass
+            self._consumer = None
+
+    def _on_kafka_error(self, err: KafkaError) -> None:
+        if err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
+                          KafkaError._RESOLVE):
+            if self.broker_error is None:
+                logger.warning("delta broker unreachable: %s", err.str())
+            self.broker_error = err.str()
+            if self.metrics:
+                self.metrics.broker_up.set(0)
+
+    def _run(self) -> None:
+        assert self._consumer is not None
+        consumer = self._consumer
+        tp = TopicPartition(self.source.topic, 0)
+        while not self._stop.is_set():
+            try:
+                msgs = consumer.consume(num_messages=500, timeout=0.1)
+            except KafkaException as exc:
+                logger.error("delta consumer failed: %s", exc)
+                self._stop.wait(1.0)
+                continue
+            got = False
+            for msg in msgs:
+                err = msg.error()
+                if err is not None:
+                    if err.code() == KafkaError._PARTITION_EOF:
+                        continue
+                    if err.code() == KafkaError.OFFSET_OUT_OF_RANGE:
+                        logger.error("delta topic offset %d is out of range (retention?): "
+                                     "serving may miss versions; re-export a newer base",
+                                     self.next_offset)
+                    else:
+                        logger.warning("delta consumer error: %s", err.str())
+                    continue
+                got = True
+                self.handle(msg.value() or b"", msg.offset())
+            if got and self.broker_error is not None:
+                logger.info("delta broker reachable again")
+                self.broker_error = None
+            self._refresh_watermark(consumer, tp)
+
+    def _refresh_watermark(self, consumer: Consumer, tp: TopicPartition) -> None:
+        now = time.monotonic()
+        if now - self._last_watermark < _WATERMARK_REFRESH_SECS:
+            return
+        self._last_watermark = now
+        try:
+            _low, high = consumer.get_watermark_offsets(tp, timeout=1.0, cached=False)
+        except KafkaException as exc:
+            self.broker_error = str(exc.args[0]) if exc.args else str(exc)
+            if self.metrics:
+                self.metrics.broker_up.set(0)
+            return
+        self.broker_error = None
+        with self._cv:
+            self.end_offset = int(high)
+            self._cv.notify_all()
+        if self.metrics:
+            self.metrics.broker_up.set(1)
+            if self.lag is not None:
+                self.metrics.lag.set(self.lag)
+
+    # -- waiting (tests, readiness) ---------------------------------------------------------
+
+    def wait_for_offset(self, offset: int, timeout: float = 30.0) -> bool:
+        """Waits until every message before ``offset`` was handled; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self.next_offset < offset:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.2))
+        return True

@@ -1,0 +1,34 @@
+"""Prometheus metrics of one serving process (own registry, so tests can run several)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class ServingMetrics:
+    """Serving's counters, gauges and histograms."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("odl_serving_predict_requests", "/predict requests by HTTP code",
+                                ["code"], registry=r)
+        self.records = Counter("odl_serving_predict_records", "Records predicted", registry=r)
+        self.latency = Histogram(
+            "odl_serving_predict_seconds", "Time to answer /predict (parse + model)",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0),
+            registry=r)
+        self.messages = Counter("odl_serving_delta_messages", "Delta messages read", registry=r)
+        self.rejected = Counter("odl_serving_delta_rejected",
+                                "Delta messages / versions rejected, by reason", ["reason"],
+                                registry=r)
+        self.versions = Counter("odl_serving_versions_applied", "Versions applied", registry=r)
+        self.rows = Counter("odl_serving_rows_applied", "Embedding rows applied", registry=r)
+        self.version = Gauge("odl_serving_version", "Version applied last", registry=r)
+        self.freshness = Gauge("odl_serving_freshness_seconds",
+                               "Now minus the newest sample event time of the applied versions",
+                               registry=r)
+        self.lag = Gauge("odl_serving_delta_lag", "Delta messages behind the topic end",
+                         registry=r)
+        self.broker_up = Gauge("odl_serving_broker_up", "1 when the delta broker is reachable",
+                               registry=r)

@@ -1,0 +1,538 @@
+"""The serving model: an export's tables + TorchScript dense part, updated by delta versions.
+
+``ServingModel.load(path)`` reads one export (layout: ``odl.export.exporter``; this module
+only reads files and imports no trainer code):
+
+* ``pipeline.config`` -> the same ``FeatureBuilder`` as training (parsing, fnv1a64 hashing),
+  so request records map to the same rows;
+* ``embeddings/`` (or ``serving_model.json``'s ``embeddings_dir``) -> one float32
+  ``[rows, dim]`` tensor per table (wide tables hold only their ``wide_output_dim`` used
+  columns), checked against the shard manifest's sizes and sha256;
+* ``dense_model.pt`` -> the TorchScript dense part; its parameters are addressed by the
+  names in ``DENSE_UPDATE_VARIABLES``.
+
+Prediction: per lookup of ``serving_model.json``'s ``deep_lookups`` / ``wide_lookups``,
+``torch.nn.functional.embedding_bag`` over the feature's ids (sum or mean pooling, as the
+table's combiner), concatenated in that order, then the dense part, then a sigmoid; the same
+arithmetic as ``DeepFM.forward``.
+
+Updates: ``apply_version`` checks a whole ``DeltaVersion`` first (known table and variable
+ids, dims, shapes, row ids in range, finite shapes) and only then copies it in under the
+model lock, so a version is applied completely or not at all, and a prediction never sees
+half a version.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from odl.config.pipeline_config import load_pipeline_config
+from odl.features.batch import Batch
+from odl.features.feature_builder import FeatureBuilder
+from odl.protos import pipeline_pb2
+from publisher.delta_codec import DeltaVersion, IdMaps, read_id_maps
+
+logger = logging.getLogger(__name__)
+
+SERVING_MODEL_FILE = "serving_model.json"
+KAFKA_FILE = "kafka.txt"
+CONFIG_FILE = "pipeline.config"
+DONE_FILE = "DONE"
+EMBEDDINGS_MANIFEST = "MANIFEST.json"
+_EXPORT_NAME = re.compile(r"^\d+$")
+
+
+class ExportLoadError(RuntimeError):
+    """An export directory is missing, incomplete or inconsistent."""
+
+
+class DeltaApplyError(ValueError):
+    """A version does not fit the model (unknown id, wrong shape, row out of range).
+
+    Attributes:
+        reason: short machine-friendly reason (metric label).
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def find_latest_export(export_dir: str) -> str:
+    """The export to serve: ``export_dir`` itself when it is one, else its newest child.
+
+    Args:
+        export_dir: an export (has ``DONE``) or a parent of ``<unix-seconds>`` exports.
+
+    Returns:
+        The export directory.
+
+    Raises:
+        ExportLoadError: no complete export there.
+    """
+    if os.path.isfile(os.path.join(export_dir, DONE_FILE)) and os.path.isfile(
+            os.path.join(export_dir, SERVING_MODEL_FILE)):
+        return export_dir
+    if not os.path.isdir(export_dir):
+        raise ExportLoadError(f"export dir {export_dir} does not exist")
+    found = []
+    for name in os.listdir(export_dir):
+        p = os.path.join(export_dir, name)
+        if _EXPORT_NAME.match(name) and os.path.isfile(os.path.join(p, DONE_FILE)):
+            found.append((int(name), p))
+    if not found:
+        raise ExportLoadError(f"no complete export (a <unix-seconds>/ dir with DONE) in "
+                              f"{export_dir}")
+    return max(found)[1]
+
+
+def _sha256(path: str) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@dataclass
+class KafkaReplaySource:
+    """The export's ``kafka.txt``.
+
+    Attributes:
+        server: bootstrap servers of the delta topic.
+        topic: the delta topic ('' = nothing to replay).
+        offset: offset from which replay continues the base.
+    """
+
+    server: str
+    topic: str
+    offset: int
+
+
+def read_kafka_txt(export_path: str) -> KafkaReplaySource:
+    """Reads ``kafka.txt`` (missing file: nothing to replay)."""
+    p = os.path.join(export_path, KAFKA_FILE)
+    if not os.path.isfile(p):
+        return KafkaReplaySource("", "", 0)
+    with open(p, encoding="utf-8") as f:
+        doc = json.load(f)
+    return KafkaReplaySource(str(doc.get("server", "")), str(doc.get("topic", "")),
+                             int(doc.get("consumer", {}).get("offset", 0)))
+
+
+@dataclass
+class AppliedState:
+    """What the model currently holds.
+
+    Attributes:
+        version: version applied last (the base's global step before any).
+        generation: its generation ('' for the base unless the checkpoint recorded one).
+        versions_applied: versions applied since load.
+        rows_applied: embedding rows applied since load.
+        last_apply_time: unix time of the last apply (None before any).
+        newest_event_time: newest sample event time (unix s) in an applied version (None =
+            unknown).
+        last_header: the last applied version's header.
+        apply_seconds: total seconds spent applying versions.
+    """
+
+    version: int
+    generation: str
+    versions_applied: int = 0
+    rows_applied: int = 0
+    last_apply_time: Optional[float] = None
+    newest_event_time: Optional[float] = None
+    last_header: Any = None
+    apply_seconds: float = 0.0
+
+
+class ServingModel:
+    """Tables + dense part of one export, with versioned updates (see the module docstring).
+
+    Use ``ServingModel.load(path)``.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        signature: dict,
+        feature_builder: FeatureBuilder,
+        tables: dict[str, torch.Tensor],
+        dense_module: torch.jit.ScriptModule,
+        id_maps: IdMaps,
+        label_field: str,
+        field_names: Sequence[str],
+        separator: str,
+        record_format: int,
+    ) -> None:
+        self.path = path
+        self.signature = signature
+        self.feature_builder = feature_builder
+        self.tables = tables
+        self.dense_module = dense_module
+        self.id_maps = id_maps
+        self.lock = threading.Lock()
+        self._label = label_field
+        self._fields = list(field_names)
+        self._label_idx = self._fields.index(label_field)
+        self._sep = separator
+        self._record_format = record_format
+        params = dict(dense_module.named_parameters())
+        params.update(dict(dense_module.named_buffers()))
+        self._dense_by_id: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, info in id_maps.dense.items():
+            if name not in params:
+                raise ExportLoadError(f"DENSE_UPDATE_VARIABLES names {name}, which the dense "
+                                      "model does not have")
+            if tuple(params[name].shape) != tuple(info.shape):
+                raise ExportLoadError(f"{name}: shape {tuple(params[name].shape)} in the dense "
+                                      f"model, {tuple(info.shape)} in DENSE_UPDATE_VARIABLES")
+            self._dense_by_id[info.id] = (name, params[name])
+        self._table_by_id: dict[int, tuple[str, torch.Tensor]] = {}
+        for name, info in id_maps.tables.items():
+            if name not in tables:
+                raise ExportLoadError(f"embed_name_to_ids.txt names table {name}, which the "
+                                      "export does not have")
+            t = tables[name]
+            if (t.shape[0], t.shape[1]) != (info.num_rows, info.dim):
+                raise ExportLoadError(f"table {name}: {tuple(t.shape)} exported, "
+                                      f"{info.num_rows}x{info.dim} in embed_name_to_ids.txt")
+            self._table_by_id[info.id] = (name, t)
+        keys = feature_builder.sparse_feature_names
+        key_idx = {k: i for i, k in enumerate(keys)}
+        pooling = {n: t["pooling"] for n, t in signature["tables"].items()}
+        self._num_keys = len(keys)
+        self._groups = [
+            _LookupGroup.build([(key_idx[f], t, pooling[t]) for f, t in signature[lookups]],
+                               tables, int(signature[dim]))
+            for lookups, dim in (("deep_lookups", "deep_dim"),
+                                 ("wide_lookups", "wide_output_dim"))
+        ]
+        gen = str(signature.get("generation", ""))
+        self.state = AppliedState(version=int(signature.get("global_step", 0)), generation=gen)
+
+    # -- loading ----------------------------------------------------------------------------
+
+    @classmethod
+    def load(cls, export_dir: str, verify: bool = True) -> ServingModel:
+        """Loads the newest complete export under ``export_dir`` (or ``export_dir`` itself).
+
+        Args:
+            export_dir: an export or a parent of exports.
+            verify: check the embedding shards' sha256 against their manifest.
+
+        Returns:
+            The model.
+
+        Raises:
+            ExportLoadError: missing or inconsistent files.
+        """
+        t0 = time.monotonic()
+        path = find_latest_export(export_dir)
+        try:
+            with open(os.path.join(path, SERVING_MODEL_FILE), encoding="utf-8") as f:
+                sig = json.load(f)
+            config = load_pipeline_config(os.path.join(path, CONFIG_FILE))
+            fb = FeatureBuilder(config)
+            id_maps = read_id_maps(path)
+        except (OSError, ValueError) as e:
+            raise ExportLoadError(f"cannot load export {path}: {e}") from e
+        emb_dir = sig["embeddings_dir"]
+        if not os.path.isabs(emb_dir):
+            emb_dir = os.path.join(path, emb_dir)
+        group_of = {t: g for g, key in ((0, "deep_lookups"), (1, "wide_lookups"))
+                    for _f, t in sig[key]}
+        tables = _load_tables(emb_dir, verify, group_of)
+        dense = torch.jit.load(os.path.join(path, sig["dense_model"]), map_location="cpu")
+        dense.eval()
+        dc = config.data_config
+        model = cls(path, sig, fb, tables, dense, id_maps, dc.label_fields[0],
+                    [f.input_name for f in dc.input_fields], dc.separator, dc.record_format)
+        logger.info("loaded export %s (step %s, %d tables, %.1f MB) in %.2fs", path,
+                    sig.get("global_step"), len(tables),
+                    sum(t.numel() * 4 for t in tables.values()) / 1e6, time.monotonic() - t0)
+        return model
+
+    # -- prediction -------------------------------------------------------------------------
+
+    def fill_labels(self, values: Sequence[bytes]) -> list[bytes]:
+        """Adds a dummy label ("0") to records that lack one (requests need not carry labels).
+
+        CSV: a record with one field fewer than ``input_fields`` gets the label inserted at
+        the label column; an empty label becomes "0". JSON: a missing/null label becomes 0.
+        Anything else is passed through for the parser to judge.
+        """
+        out = []
+        fmt = self._record_format
+        sep = self._sep
+        n = len(self._fields)
+        for v in values:
+            s = v.lstrip()
+            is_json = (fmt == pipeline_pb2.DatasetConfig.JSON or
+                       (fmt == pipeline_pb2.DatasetConfig.AUTO and s[:1] == b"{"))
+            if is_json:
+                try:
+                    obj = json.loads(v)
+                except (ValueError, RecursionError):
+                    out.append(v)
+                    continue
+                if isinstance(obj, dict) and obj.get(self._label) is None:
+                    obj[self._label] = 0
+                    v = json.dumps(obj).encode("utf-8")
+                out.append(v)
+                continue
+            try:
+                text = v.decode("utf-8").rstrip("\r\n")
+            except UnicodeDecodeError:
+                out.append(v)
+                continue
+            parts = text.split(sep)
+            if len(parts) == n - 1:
+                parts.insert(self._label_idx, "0")
+            elif len(parts) == n and parts[self._label_idx] == "":
+                parts[self._label_idx] = "0"
+            out.append(sep.join(parts).encode("utf-8"))
+        return out
+
+    def build(self, values: Sequence[bytes]) -> tuple[Optional[Batch], list[tuple[int, str]]]:
+        """Featurizes request records; returns the batch and the rejected ``(index, reason)``."""
+        res = self.feature_builder.build(self.fill_labels(values))
+        return res.batch, res.rejected
+
+    @torch.no_grad()
+    def predict_batch(self, batch: Batch) -> np.ndarray:
+        """Probabilities (float64 ``[B]``) of a batch built by this model's feature builder."""
+        return self.predict_versioned(batch)[0]
+
+    @torch.no_grad()
+    def predict_versioned(self, batch: Batch) -> tuple[np.ndarray, int, str]:
+        """``(probabilities, version, generation)``: the version the prediction was made at."""
+        with self.lock:
+            logits = self._forward(batch)
+            version, generation = self.state.version, self.state.generation
+        return torch.sigmoid(logits).to(torch.float64).numpy(), version, generation
+
+    @torch.no_grad()
+    def predict_values(self, values: Sequence[bytes]) -> tuple[np.ndarray,
+                                                                 list[tuple[int, str]]]:
+        """Probabilities of raw records (CSV / JSON as in the training stream).
+
+        Returns:
+            ``(probabilities of the accepted records in order, rejected (index, reason))``.
+        """
+        batch, rejected = self.build(values)
+        if batch is None:
+            return np.zeros(0, dtype=np.float64), rejected
+        return self.predict_batch(batch), rejected
+
+    def _forward(self, batch: Batch) -> torch.Tensor:
+        kjt = batch.sparse
+        b = batch.size
+        values = kjt.values()
+        lengths = kjt.lengths().to(torch.int64).view(self._num_keys, b)
+        counts = lengths.sum(dim=1)
+        starts = torch.cumsum(counts, 0) - counts
+        deep, wide = (g.pooled(values, lengths, counts, starts, b) for g in self._groups)
+        return self.dense_module(deep, wide, batch.dense)
+
+    # -- updates ----------------------------------------------------------------------------
+
+    def _check_version(self, version: DeltaVersion) -> list[tuple[torch.Tensor, Any, Any]]:
+        """Validates a whole version; returns the copy plan (nothing is modified)."""
+        plan: list[tuple[torch.Tensor, Any, Any]] = []
+        for vid, arr in version.dense.items():
+            entry = self._dense_by_id.get(int(vid))
+            if entry is None:
+                raise DeltaApplyError("unknown_dense_id", f"dense variable id {vid}")
+            name, t = entry
+            if tuple(arr.shape) != tuple(t.shape):
+                raise DeltaApplyError("shape", f"{name}: version has {tuple(arr.shape)}, "
+                                               f"model {tuple(t.shape)}")
+            plan.append((t, None, torch.from_numpy(np.ascontiguousarray(arr, np.float32))))
+        for tid, (ids, vals) in version.sparse.items():
+            entry = self._table_by_id.get(int(tid))
+            if entry is None:
+                raise DeltaApplyError("unknown_table_id", f"table id {tid}")
+            name, t = entry
+            if vals.ndim != 2 or vals.shape[1] != t.shape[1] or vals.shape[0] != ids.shape[0]:
+                raise DeltaApplyError("dim", f"table {name}: rows {tuple(vals.shape)}, table "
+                                             f"dim {t.shape[1]}")
+            if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= t.shape[0]):
+                raise DeltaApplyError("row_range", f"table {name}: ids outside "
+                                                   f"[0, {t.shape[0]})")
+            plan.append((t, torch.from_numpy(np.ascontiguousarray(ids, np.int64)),
+                         torch.from_numpy(np.ascontiguousarray(vals, np.float32))))
+        return plan
+
+    @torch.no_grad()
+    def apply_version(self, version: DeltaVersion) -> int:
+        """Applies a complete version all-or-nothing.
+
+        Args:
+            version: an assembled version.
+
+        Returns:
+            Embedding rows applied.
+
+        Raises:
+            DeltaApplyError: the version does not fit the model (nothing was applied).
+        """
+        t0 = time.perf_counter()
+        plan = self._check_version(version)
+        rows = 0
+        with self.lock:
+            for t, ids, vals in plan:
+                if ids is None:
+                    t.copy_(vals.to(t.dtype))
+                else:
+                    t.index_copy_(0, ids, vals)
+                    rows += int(ids.shape[0])
+            h = version.header
+            st = self.state
+            st.version = int(h.version)
+            st.generation = h.generation
+            st.versions_applied += 1
+            st.rows_applied += rows
+            st.last_apply_time = time.time()
+            if h.max_event_time_ms:
+                ev = h.max_event_time_ms / 1000.0
+                st.newest_event_time = ev if st.newest_event_time is None else max(
+                    st.newest_event_time, ev)
+            st.last_header = h
+        self.state.apply_seconds += time.perf_counter() - t0
+        return rows
+
+
+def _load_tables(emb_dir: str, verify: bool,
+                 group_of: dict[str, int]) -> dict[str, torch.Tensor]:
+    """Loads the shards: table name -> float32 ``[rows, dim]`` tensor.
+
+    The tables of one lookup group (deep / wide) are consecutive row ranges of one storage
+    tensor, so a group is looked up in one call.
+    """
+    try:
+        with open(os.path.join(emb_dir, EMBEDDINGS_MANIFEST), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ExportLoadError(f"cannot read the embeddings manifest in {emb_dir}: {e}") from e
+    infos = manifest["tables"]
+    missing = set(group_of) - set(infos)
+    if missing:
+        raise ExportLoadError(f"embeddings manifest in {emb_dir} lacks tables {sorted(missing)}")
+    tables: dict[str, torch.Tensor] = {}
+    for g in sorted(set(group_of.values()) | {-1}):
+        names = [n for n in infos if group_of.get(n, -1) == g]
+        if not names:
+            continue
+        dims = {int(infos[n]["dim"]) for n in names}
+        if len(dims) != 1:
+            raise ExportLoadError(f"tables {names} of one lookup group have dims {dims}")
+        storage = torch.empty((sum(int(infos[n]["rows"]) for n in names), dims.pop()),
+                              dtype=torch.float32)
+        row = 0
+        for n in names:
+            rows = int(infos[n]["rows"])
+            tables[n] = storage[row : row + rows]
+            row += rows
+    for name, info in infos.items():
+        rows, dim = int(info["rows"]), int(info["dim"])
+        if info.get("dtype", "float32") != "float32":
+            raise ExportLoadError(f"table {name}: dtype {info['dtype']} is not supported")
+        w = tables[name]
+        covered = 0
+        for part in info["parts"]:
+            fp = os.path.join(emb_dir, name, part["file"])
+            if not os.path.isfile(fp):
+                raise ExportLoadError(f"table {name}: {fp} is missing")
+            if verify and _sha256(fp) != part["sha256"]:
+                raise ExportLoadError(f"table {name}: {fp} does not match its sha256")
+            arr = np.load(fp, allow_pickle=False)
+            start, n = int(part["start_id"]), int(part["rows"])
+            if arr.shape != (n, dim) or start < 0 or start + n > rows:
+                raise ExportLoadError(f"table {name}: part {part['file']} has shape "
+                                      f"{arr.shape}, manifest says {n}x{dim} at {start}")
+            w[start : start + n] = torch.from_numpy(arr.astype(np.float32, copy=False))
+            covered += n
+        if covered != rows:
+            raise ExportLoadError(f"table {name}: parts cover {covered} of {rows} rows")
+    return tables
+
+
+@dataclass
+class _LookupGroup:
+    """Lookups (deep or wide) answered by one ``embedding_bag`` over their shared storage.
+
+    Bags are ordered lookup-major (lookup j's B bags, then lookup j+1's); the result is
+    reshaped to ``[B, n_lookups * dim]`` in lookup order, the trainer's pooled layout.
+    Mean-pooled lookups use per-value weights ``1 / bag length`` (sum-pooled: no weights,
+    so the arithmetic is exactly a per-feature sum).
+    """
+
+    keys: torch.Tensor          # [n] KJT key index per lookup
+    row_offsets: torch.Tensor   # [n] first storage row of each lookup's table
+    is_mean: torch.Tensor       # [n] bool
+    any_mean: bool
+    storage: Optional[torch.Tensor]
+    dim: int
+
+    @classmethod
+    def build(cls, lookups: list[tuple[int, str, str]], tables: dict[str, torch.Tensor],
+              dim: int) -> _LookupGroup:
+        storage = None
+        offs = []
+        for _k, t, _m in lookups:
+            w = tables[t]
+            base = w._base if w._base is not None else w  # noqa: SLF001 - view's storage
+            if storage is None:
+                storage = base
+            elif base is not storage:
+                raise ExportLoadError("tables of one lookup group must share a storage")
+            offs.append(w.storage_offset() // max(1, w.shape[1]))
+        return cls(
+            keys=torch.tensor([k for k, _t, _m in lookups], dtype=torch.int64),
+            row_offsets=torch.tensor(offs, dtype=torch.int64),
+            is_mean=torch.tensor([m == "mean" for _k, _t, m in lookups], dtype=torch.bool),
+            any_mean=any(m == "mean" for _k, _t, m in lookups),
+            storage=storage,
+            dim=dim,
+        )
+
+    def pooled(self, values: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
+               starts: torch.Tensor, b: int) -> torch.Tensor:
+        """``[B, n_lookups * dim]`` pooled vectors of this group."""
+        n = int(self.keys.shape[0])
+        if n == 0 or self.storage is None:
+            return torch.zeros((b, 0), dtype=torch.float32)
+        bag_len = lengths.index_select(0, self.keys)              # [n, B]
+        cnt = counts.index_select(0, self.keys)                   # [n]
+        total = int(cnt.sum())
+        which = torch.repeat_interleave(torch.arange(n), cnt)     # lookup of each value
+        out_start = torch.cumsum(cnt, 0) - cnt
+        src = (torch.arange(total) - out_start.index_select(0, which)
+               + starts.index_select(0, self.keys).index_select(0, which))
+        ids = values.index_select(0, src) + self.row_offsets.index_select(0, which)
+        flat_len = bag_len.reshape(-1)
+        offsets = torch.cumsum(flat_len, 0) - flat_len
+        weights = None
+        if self.any_mean:
+            bag_of_value = torch.repeat_interleave(torch.arange(n * b), flat_len)
+            inv = 1.0 / flat_len.clamp(min=1).to(torch.float32)
+            weights = torch.where(self.is_mean.index_select(0, which),
+                                  inv.index_select(0, bag_of_value), torch.ones(total))
+        out = F.embedding_bag(ids, self.storage, offsets, mode="sum",
+                              per_sample_weights=weights)
+        return out.view(n, b, self.dim).transpose(0, 1).reshape(b, n * self.dim)
