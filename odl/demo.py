@@ -82,7 +82,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Runs the demo; returns 0 when every step worked."""
     ap = argparse.ArgumentParser(prog="odl-demo")
     ap.add_argument("--seconds", type=float, default=60.0, help="first training run length")
-    ap.add_argument("--rate", type=int, default=5000, help="datagen samples/s")
+    ap.add_argument("--rate", type=int, default=3000, help="datagen samples/s")
     args = ap.parse_args(argv)
 
     work = os.path.join(ROOT, ".odl", "demo")
@@ -100,7 +100,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         gen = subprocess.Popen(
             [sys.executable, "-m", "odl.cli.datagen_cli", "--bootstrap", broker.bootstrap,
              "--topic", TOPIC, "--partitions", "4", "--rate", str(args.rate),
-             "--seconds", str(args.seconds + 40), "--seed", "7"],
+             "--seconds", str(args.seconds + 20), "--seed", "7"],
             stdout=subprocess.PIPE, stderr=gen_log, cwd=ROOT, text=True,
         )
         procs.append(gen)
@@ -138,13 +138,18 @@ def main(argv: Optional[list[str]] = None) -> int:
         summary = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
         _say(f"odl-datagen produced {summary.get('produced')} samples, oracle AUC {summary.get('oracle_auc')}")
         # let the trainer catch up with the end of the stream, then stop it
-        deadline = time.time() + 60
         ends = end_offsets(broker.bootstrap, TOPIC)
+        _say(f"waiting for the trainer to reach the end of the stream {ends}")
+        deadline = time.time() + 300
+        next_show = time.time() + 10
         while time.time() < deadline:
             st = _status(model_dir)
             parts = (st or {}).get("input", {}).get("partitions", {})
             if parts and all(parts[str(p)]["position"] >= e for p, e in ends.items()):
                 break
+            if st and time.time() >= next_show:
+                _show(st)
+                next_show = time.time() + 10
             time.sleep(1)
         rc = _stop_with_signal(model_dir, trainer)
         ckpts = sorted((d for d in os.listdir(model_dir) if d.startswith("model.ckpt-")),
@@ -163,7 +168,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     p.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     p.kill()
-        broker.stop()
+        broker.stop(timeout=60)
         _say(f"broker stopped; logs in {work}. Demo {'succeeded' if ok else 'FAILED'}.")
 
 
