@@ -1,0 +1,122 @@
+"""The whole loop: trainer publishes versions, serving replays them onto an older export, and
+serving's predictions equal the trainer's at the same step."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.request
+
+import numpy as np
+
+from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
+from odl.config.pipeline_config import load_pipeline_config
+from odl.datagen.synthetic_ctr import SyntheticCtrStream
+from odl.export.exporter import export_checkpoint
+from odl.features.feature_builder import FeatureBuilder
+from publisher.fs_sink import list_versions
+from serving_plugin.serving_service import ServingService
+from tests.online_harness import end_offsets, produce, run_in_process, write_config
+
+PARTS = 3
+
+
+def _post(url: str, body: bytes) -> dict:
+    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "text/plain"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.load(r)
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.load(r)
+
+
+def _incr_save(kind: str, where: str, value_type: str = "FP32", chunk: int = 900000) -> str:
+    sink = (f'kafka {{ server: "{where.split("|")[0]}" topic: "{where.split("|")[1]}" }}'
+            if kind == "kafka" else f'fs {{ incr_save_dir: "{where}" }}')
+    return (f"incr_save_config {{ sparse_save_steps: 3 dense_save_steps: 3 {sink} "
+            f"value_type: {value_type} max_chunk_bytes: {chunk} }}")
+
+
+def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int = 1500):
+    topic = topic_factory(partitions=PARTS)
+    batch = SyntheticCtrStream(seed=41).next_batch(n)
+    produce(bootstrap, topic, batch.encode("csv"), PARTS)
+    ends = end_offsets(bootstrap, topic)
+    cfg = write_config(tmp_path, bootstrap, topic, batch_size=100, extra_train=incr)
+    text = open(cfg).read().replace("save_checkpoints_steps: 50", "save_checkpoints_steps: 4")
+    open(cfg, "w").write(text.replace("keep_checkpoint_max: 3", "keep_checkpoint_max: 10"))
+    trainer = run_in_process(cfg, ends)
+    return trainer, cfg
+
+
+def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool = True,
+                          tolerance: float = 1e-6):
+    model_dir = trainer.model_dir
+    final_step = trainer.module.global_step
+    ckpts = list_checkpoints(model_dir)
+    early = ckpts[0]  # a checkpoint well before the final step
+    assert read_checkpoint(early).global_step < final_step
+    config = load_pipeline_config(cfg)
+    export = export_checkpoint(config, early, str(tmp_path / "export"))
+    assert os.path.dirname(export.path) == str(tmp_path / "export")
+    service = ServingService(str(tmp_path / "export"))
+    port = service.start("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 60
+        status = {}
+        while time.time() < deadline:
+            status = _get(url + "/status")
+            if status.get("version") == final_step:
+                break
+            time.sleep(0.2)
+        assert status.get("version") == final_step, status
+        records = SyntheticCtrStream(seed=99).next_batch(1000).encode("csv")
+        served = _post(url + "/predict", b"\n".join(records))
+        assert served["version"] == final_step
+        built = FeatureBuilder(config).build(records)
+        expected = trainer.module.predict(built.batch)
+        got = np.asarray(served["probabilities"], dtype=np.float64)
+        diff = float(np.abs(got - expected).max())
+        assert diff <= tolerance, diff
+        return status, diff
+    finally:
+        service.stop()
+
+
+def test_serving_replay_matches_trainer_predictions(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
+    trainer, cfg = _train_with_publishing(
+        tmp_path, kafka_bootstrap, kafka_topic_factory, _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}")
+    )
+    pub = trainer.publisher.status()
+    assert pub["last_version"] == trainer.module.global_step
+    status, diff = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)
+    assert status["versions_applied"] >= 2
+    # the final checkpoint records where replay continues after the last version
+    last = read_checkpoint(list_checkpoints(trainer.model_dir)[-1])
+    assert last.source["delta_topic_offset"] == end_offsets(kafka_bootstrap, delta_topic)[0]
+
+
+def test_chunked_fp16_versions_replay_within_tolerance(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    delta_topic = f"odl-deltas-fp16-{os.getpid()}-{time.time_ns()}"
+    trainer, cfg = _train_with_publishing(
+        tmp_path, kafka_bootstrap, kafka_topic_factory,
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}", value_type="FP16", chunk=20000),
+    )
+    # many chunks per version; fp16 values: documented tolerance 2e-3 on probabilities
+    assert trainer.publisher.status()["last_chunks"] > 1
+    _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap, tolerance=2e-3)
+
+
+def test_fs_sink_writes_the_same_versions_as_kafka(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    incr_dir = tmp_path / "incr"
+    trainer, _ = _train_with_publishing(tmp_path, kafka_bootstrap, kafka_topic_factory,
+                                        _incr_save("fs", str(incr_dir)))
+    versions = [int(os.path.basename(p).split("-")[0]) for p in list_versions(str(incr_dir))]
+    assert len(versions) >= 2
+    assert versions == sorted(versions)
+    assert versions[-1] == trainer.module.global_step
