@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 STOP_SIGNAL_FILE = "OSS_STOP_SIGNAL"
 STATUS_FILE = "status.json"
 _REJECT_LOG_INTERVAL_SECS = 5.0
+_RATE_WINDOW_SECS = 5.0
 
 
 @dataclass
@@ -286,11 +287,12 @@ class Trainer:
             trained = self._train_on(item)
             window_samples += trained
             step = self.module.global_step
-            if trained and step % log_every == 0:
-                elapsed = time.monotonic() - window_start
-                self.samples_per_sec = window_samples / elapsed if elapsed > 0 else 0.0
-                self._log_progress()
+            elapsed = time.monotonic() - window_start
+            if elapsed >= _RATE_WINDOW_SECS:  # the rate /status shows, refreshed every few s
+                self.samples_per_sec = window_samples / elapsed
                 window_start, window_samples = time.monotonic(), 0
+            if trained and step % log_every == 0:
+                self._log_progress()
             due_steps = tc.save_checkpoints_steps and step - last_ckpt_step >= tc.save_checkpoints_steps
             due_secs = (
                 tc.save_checkpoints_secs and time.monotonic() - last_ckpt_time >= tc.save_checkpoints_secs
