@@ -16,7 +16,8 @@ the serving replayer all behave the same against any broker:
 
 from __future__ import annotations
 
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 # Settings odl needs for correctness; user-supplied extras may not override them.
 _CONSUMER_OWNED = {
@@ -30,10 +31,14 @@ _COMMON_DEFAULTS = {
 }
 
 # Setting names whose values are secrets: never logged or echoed.
-SECRET_SETTING_MARKERS = ("password", "secret", "sasl.oauthbearer.config", "key.pem", "token")
+SECRET_SETTING_MARKERS = (
+    "password", "secret", "sasl.oauthbearer.config", "key.pem", "token",
+)
 
 
-def _merge(servers: str, defaults: Mapping[str, object], extra: Optional[Mapping[str, str]]) -> dict:
+def _merge(
+    servers: str, defaults: Mapping[str, object], extra: Optional[Mapping[str, str]]
+) -> dict:
     conf: dict = {"bootstrap.servers": servers}
     conf.update(_COMMON_DEFAULTS)
     conf.update(defaults)
@@ -72,7 +77,9 @@ def consumer_config(
     return conf
 
 
-def producer_config(servers: str, extra: Optional[Mapping[str, str]] = None, idempotent: bool = True) -> dict:
+def producer_config(
+    servers: str, extra: Optional[Mapping[str, str]] = None, idempotent: bool = True
+) -> dict:
     """Settings for a producer.
 
     Args:

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from confluent_kafka import TIMESTAMP_CREATE_TIME, Consumer, TopicPartition
 
-from odl.broker.topic_admin import end_offsets
 from odl.auc import HistogramAuc, roc_auc
+from odl.broker.topic_admin import end_offsets
 from odl.datagen.synthetic_ctr import (
     ALL_COLUMNS,
     ALL_FIELDS,

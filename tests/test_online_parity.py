@@ -23,7 +23,9 @@ PARTS = 3
 
 
 def _post(url: str, body: bytes) -> dict:
-    req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "text/plain"})
+    req = urllib.request.Request(
+        url, data=body, method="POST", headers={"Content-Type": "text/plain"}
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.load(r)
 
@@ -87,10 +89,13 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
         service.stop()
 
 
-def test_serving_replay_matches_trainer_predictions(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def test_serving_replay_matches_trainer_predictions(
+    kafka_bootstrap, kafka_topic_factory, tmp_path
+):
     delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
     trainer, cfg = _train_with_publishing(
-        tmp_path, kafka_bootstrap, kafka_topic_factory, _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}")
+        tmp_path, kafka_bootstrap, kafka_topic_factory,
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"),
     )
     pub = trainer.publisher.status()
     assert pub["last_version"] == trainer.module.global_step
@@ -101,7 +106,9 @@ def test_serving_replay_matches_trainer_predictions(kafka_bootstrap, kafka_topic
     assert last.source["delta_topic_offset"] == end_offsets(kafka_bootstrap, delta_topic)[0]
 
 
-def test_chunked_fp16_versions_replay_within_tolerance(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def test_chunked_fp16_versions_replay_within_tolerance(
+    kafka_bootstrap, kafka_topic_factory, tmp_path
+):
     delta_topic = f"odl-deltas-fp16-{os.getpid()}-{time.time_ns()}"
     trainer, cfg = _train_with_publishing(
         tmp_path, kafka_bootstrap, kafka_topic_factory,
@@ -112,7 +119,9 @@ def test_chunked_fp16_versions_replay_within_tolerance(kafka_bootstrap, kafka_to
     _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap, tolerance=2e-3)
 
 
-def test_fs_sink_writes_the_same_versions_as_kafka(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def test_fs_sink_writes_the_same_versions_as_kafka(
+    kafka_bootstrap, kafka_topic_factory, tmp_path
+):
     incr_dir = tmp_path / "incr"
     trainer, _ = _train_with_publishing(tmp_path, kafka_bootstrap, kafka_topic_factory,
                                         _incr_save("fs", str(incr_dir)))

@@ -23,7 +23,9 @@ from tests.online_harness import (
 PARTS = 3
 
 
-def test_start_from_nothing_trains_every_record_once(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def test_start_from_nothing_trains_every_record_once(
+    kafka_bootstrap, kafka_topic_factory, tmp_path
+):
     topic = kafka_topic_factory(partitions=PARTS)
     ids, values = make_records(400, seed=1)
     produce(kafka_bootstrap, topic, values, PARTS)
@@ -39,7 +41,9 @@ def test_start_from_nothing_trains_every_record_once(kafka_bootstrap, kafka_topi
     assert ckpt.global_step == trainer.module.global_step
 
 
-def test_start_from_timestamp_trains_exactly_records_at_or_after_it(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def test_start_from_timestamp_trains_exactly_records_at_or_after_it(
+    kafka_bootstrap, kafka_topic_factory, tmp_path
+):
     topic = kafka_topic_factory(partitions=PARTS)
     ids, values = make_records(500, seed=2)
     now_ms = int(time.time() * 1000)
@@ -55,7 +59,9 @@ def test_start_from_timestamp_trains_exactly_records_at_or_after_it(kafka_bootst
     assert sorted(read_ledger(ledger)) == sorted(ids[300:])
 
 
-def test_start_from_explicit_offsets_trains_exactly_those(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def test_start_from_explicit_offsets_trains_exactly_those(
+    kafka_bootstrap, kafka_topic_factory, tmp_path
+):
     topic = kafka_topic_factory(partitions=PARTS)
     ids, values = make_records(300, seed=3)
     where = produce(kafka_bootstrap, topic, values, PARTS)
@@ -65,11 +71,13 @@ def test_start_from_explicit_offsets_trains_exactly_those(kafka_bootstrap, kafka
     ledger = str(tmp_path / "ledger.tsv")
     edits = {"kafka_train_input.offset_info": json.dumps({str(p): o for p, o in starts.items()})}
     run_in_process(cfg, ends, ledger, edits=edits)
-    expected = [sid for sid, (p, o) in zip(ids, where) if o >= starts[p]]
+    expected = [sid for sid, (p, o) in zip(ids, where, strict=True) if o >= starts[p]]
     assert sorted(read_ledger(ledger)) == sorted(expected)
 
 
-def test_stop_signal_then_restart_trains_exactly_the_new_records(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def test_stop_signal_then_restart_trains_exactly_the_new_records(
+    kafka_bootstrap, kafka_topic_factory, tmp_path
+):
     topic = kafka_topic_factory(partitions=PARTS)
     ids1, values1 = make_records(600, seed=4)
     produce(kafka_bootstrap, topic, values1, PARTS)

@@ -46,17 +46,22 @@ def _non_finite(good: bytes) -> bytes:
     return b",".join(cols)
 
 
-def test_bad_records_are_skipped_counted_and_good_ones_trained_once(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def test_bad_records_are_skipped_counted_and_good_ones_trained_once(
+    kafka_bootstrap, kafka_topic_factory, tmp_path
+):
     topic = kafka_topic_factory(partitions=PARTS)
     ids, values = make_records(300, seed=11)
     mixed: list[bytes] = []
     expected_bad: dict[str, int] = {}
     good_ids = []
-    for i, (sid, v) in enumerate(zip(ids, values)):
+    for i, (sid, v) in enumerate(zip(ids, values, strict=True)):
         if i % 10 == 3:
             reason, bad = list(BAD_RECORDS.items())[i % len(BAD_RECORDS)]
         elif i % 10 == 7:
-            reason, bad = ("bad_number", _bad_number(v)) if i % 20 == 7 else ("non_finite", _non_finite(v))
+            if i % 20 == 7:
+                reason, bad = "bad_number", _bad_number(v)
+            else:
+                reason, bad = "non_finite", _non_finite(v)
         else:
             mixed.append(v)
             good_ids.append(sid)
@@ -78,7 +83,9 @@ def test_bad_records_are_skipped_counted_and_good_ones_trained_once(kafka_bootst
         assert f'odl_records_rejected_total{{reason="{reason}"}} {float(n)}' in text
 
 
-def test_status_api_reports_progress_offsets_and_metrics(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def test_status_api_reports_progress_offsets_and_metrics(
+    kafka_bootstrap, kafka_topic_factory, tmp_path
+):
     topic = kafka_topic_factory(partitions=PARTS)
     _, values = make_records(400, seed=12)
     produce(kafka_bootstrap, topic, values, PARTS)
@@ -138,7 +145,9 @@ def _run_cli(*args: str) -> subprocess.CompletedProcess:
 )
 def test_config_errors_exit_2_and_name_the_field(tmp_path, edits, field):
     cfg = write_config(tmp_path, "127.0.0.1:1", "t")
-    res = _run_cli("--pipeline_config_path", cfg, "--online", "--edit_config_json", json.dumps(edits))
+    res = _run_cli(
+        "--pipeline_config_path", cfg, "--online", "--edit_config_json", json.dumps(edits)
+    )
     assert res.returncode == 2, res.stderr
     assert field in res.stderr
     assert "Traceback" not in res.stderr
@@ -154,7 +163,9 @@ def test_easyrec_field_not_implemented_is_refused_with_exit_2(tmp_path):
     assert "eval_config" in res.stderr and "not implement" in res.stderr
 
 
-def test_progressive_auc_reaches_90_percent_of_oracle(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def test_progressive_auc_reaches_90_percent_of_oracle(
+    kafka_bootstrap, kafka_topic_factory, tmp_path
+):
     """On the datagen stream with the sample DeepFM config, progressive AUC >= 0.9 x oracle."""
     topic = kafka_topic_factory(partitions=4)
     stream = SyntheticCtrStream(seed=21)

@@ -289,7 +289,9 @@ class CheckpointManager:
         except OSError as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             self.last_error = f"{type(exc).__name__}: {exc}"
-            raise CheckpointError(f"writing checkpoint at step {global_step} failed: {exc}") from exc
+            raise CheckpointError(
+                f"writing checkpoint at step {global_step} failed: {exc}"
+            ) from exc
         self.last_error = None
         self._mark_saved(final, global_step)
         logger.info(

@@ -1,4 +1,4 @@
-"""``odl-train``: the online (Kafka) and offline (files) trainer.
+r"""``odl-train``: the online (Kafka) and offline (files) trainer.
 
 Examples::
 
@@ -54,7 +54,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     # Heavy imports after argument parsing so --help is instant.
-    from odl.config.pipeline_config import ConfigError, load_pipeline_config, validate_pipeline_config
+    from odl.config.pipeline_config import (
+        ConfigError,
+        load_pipeline_config,
+        validate_pipeline_config,
+    )
 
     try:
         config = load_pipeline_config(

@@ -52,7 +52,9 @@ def deepfm_config_text(
         f"hash_bucket_size: {buckets} }}"
         for f in sparse_fields
     ]
-    feats += [f'feature_configs {{ input_names: "{f}" feature_type: RawFeature }}' for f in DENSE_FIELDS]
+    feats += [
+        f'feature_configs {{ input_names: "{f}" feature_type: RawFeature }}' for f in DENSE_FIELDS
+    ]
     wide = " ".join(f'feature_names: "{f}"' for f in sparse_fields)
     deep = " ".join(f'feature_names: "{f}"' for f in sparse_fields + DENSE_FIELDS)
     nl = "\n  "
@@ -84,8 +86,10 @@ model_config {{
   }}
 }}
 train_config {{
-  optimizer_config {{ adagrad_optimizer {{ learning_rate {{ constant_learning_rate {{ learning_rate: 0.05 }} }} }} }}
-  optimizer_config {{ adam_optimizer {{ learning_rate {{ constant_learning_rate {{ learning_rate: 0.001 }} }} }} }}
+  optimizer_config {{ adagrad_optimizer {{
+    learning_rate {{ constant_learning_rate {{ learning_rate: 0.05 }} }} }} }}
+  optimizer_config {{ adam_optimizer {{
+    learning_rate {{ constant_learning_rate {{ learning_rate: 0.001 }} }} }} }}
   save_checkpoints_steps: {save_checkpoints_steps}
   keep_checkpoint_max: 3
   log_step_count_steps: 20

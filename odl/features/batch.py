@@ -37,7 +37,7 @@ class Batch:
         """Number of samples."""
         return int(self.labels.shape[0])
 
-    def to(self, device: torch.device, non_blocking: bool = True) -> "Batch":
+    def to(self, device: torch.device, non_blocking: bool = True) -> Batch:
         """Returns the batch with its tensors on ``device``."""
         return Batch(
             sparse=self.sparse.to(device, non_blocking=non_blocking),

@@ -12,7 +12,7 @@ import glob
 import json
 import logging
 import os
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -69,7 +69,8 @@ class FileSource:
         values: list[bytes] = []
         for epoch in range(self.num_epochs):
             for path in self.files:
-                logger.info("epoch %d: reading %s (%.1f MB)", epoch, path, os.path.getsize(path) / 1e6)
+                size_mb = os.path.getsize(path) / 1e6
+                logger.info("epoch %d: reading %s (%.1f MB)", epoch, path, size_mb)
                 for rec in self._records(path):
                     values.append(rec)
                     if len(values) == self.batch_size:
@@ -88,7 +89,3 @@ class FileSource:
             timestamps_ms=np.zeros(n, dtype=np.int64),
             positions={},
         )
-
-    def read_iter(self) -> Optional[Iterator[RawBatch]]:
-        """Alias of :meth:`batches` for symmetry with the Kafka source."""
-        return self.batches()

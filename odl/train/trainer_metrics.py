@@ -26,9 +26,12 @@ class TrainerMetrics:
         self.loss = Gauge("odl_loss", "Loss of the last step", registry=r)
         self.auc = Gauge("odl_progressive_auc", "Windowed progressive AUC", registry=r)
         self.logloss = Gauge("odl_progressive_logloss", "Windowed progressive logloss", registry=r)
-        self.lag = Gauge("odl_partition_lag", "Records behind the partition end", ["partition"], registry=r)
+        self.lag = Gauge(
+            "odl_partition_lag", "Records behind the partition end", ["partition"], registry=r
+        )
         self.position = Gauge(
-            "odl_partition_position", "Next offset to train per partition", ["partition"], registry=r
+            "odl_partition_position", "Next offset to train per partition", ["partition"],
+            registry=r,
         )
         self.checkpoint_step = Gauge(
             "odl_checkpoint_last_step", "Step of the last checkpoint written", registry=r
