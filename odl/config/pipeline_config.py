@@ -127,6 +127,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     }),
     "IncrementSaveConfig": frozenset({"debug_save_update", "datahub"}),
     "IncrementSaveConfig.Kafka.Consumer": frozenset({"config_topic", "config_global", "timeout"}),
+    "IncrementSaveConfig.File": frozenset({"relative", "mount_path"}),
     "OptimizerConfig": frozenset({
         "rms_prop_optimizer", "momentum_optimizer", "momentumw_optimizer", "adamw_optimizer",
         "adam_async_optimizer", "adam_asyncw_optimizer", "ftrl_optimizer",
@@ -1051,6 +1052,13 @@ def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
                           f"{len(k.offset)} offsets given for {k.partitions} partitions")
     if any(o < 0 for o in k.offset):
         raise ConfigError("kafka_train_input.offset", "offsets must be >= 0")
+    dlq = config.data_config.dead_letter_topic
+    if dlq and dlq.strip() != dlq:
+        raise ConfigError("data_config.dead_letter_topic", f"{dlq!r} has surrounding spaces")
+    if dlq and dlq == k.topic:
+        raise ConfigError("data_config.dead_letter_topic",
+                          "must differ from kafka_train_input.topic (rejected records would be "
+                          "read again)")
 
 
 def _validate_offline_input(config: pipeline_pb2.EasyRecConfig) -> None:
