@@ -36,6 +36,7 @@ from confluent_kafka import Producer  # noqa: E402
 from bench.plain_pytorch_deepfm import PlainDeepFM  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
+from odl.cli.torch_runtime import configure_torch_threads  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
@@ -109,8 +110,11 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10, help="steps excluded from timing")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch intra-op threads for all three (0 = odl's auto: half the CPUs)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
+    threads = configure_torch_threads(args.torch_threads)
 
     work = tempfile.mkdtemp(prefix="odl-bench-")
     n = args.batches * BATCH
@@ -143,6 +147,7 @@ def main() -> int:
         "torchrec_over_plain": round(med["torchrec"] / med["plain"], 3),
         "online_over_plain": round(med["online"] / med["plain"], 3),
         "batches": args.batches,
+        "torch_threads": threads,
         "rounds": args.rounds,
     }
     print(json.dumps(result, indent=1))

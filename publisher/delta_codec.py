@@ -372,7 +372,8 @@ def decode_chunk(data: bytes, max_bytes: int = 64 << 20) -> DecodedChunk:
         The decoded chunk (values converted to float32, arrays are fresh writable copies).
 
     Raises:
-        DeltaFormatError: oversize, unparsable, unknown format_version, bad chunk index,
+        DeltaFormatError: oversize, unparsable, truncated (no payload / payload_crc32:
+            any strict prefix of a chunk), unknown format_version, bad chunk index,
             checksum mismatch, inconsistent lengths or shapes, out-of-range sizes.
     """
     if len(data) > max_bytes:
@@ -382,6 +383,10 @@ def decode_chunk(data: bytes, max_bytes: int = 64 << 20) -> DecodedChunk:
         msg.ParseFromString(bytes(data))
     except (DecodeError, RuntimeError, ValueError) as exc:
         raise DeltaFormatError("unparsable", str(exc)) from None
+    if not msg.HasField("payload") or not msg.HasField("payload_crc32"):
+        # The encoder always writes both, and payload is the last field: a cut-off message
+        # (or an empty / all-default one) lacks it or fails to parse.
+        raise DeltaFormatError("truncated", "no payload / payload_crc32 (truncated message?)")
     if msg.format_version != FORMAT_VERSION:
         raise DeltaFormatError("format_version", f"unknown format_version {msg.format_version}")
     if msg.chunk_count == 0 or msg.chunk_index >= msg.chunk_count:

@@ -1,6 +1,7 @@
 """The serving process: base model + delta replay + HTTP API (FastAPI on uvicorn).
 
-Endpoints (bound to 127.0.0.1 unless told otherwise)::
+Endpoints (bound to 127.0.0.1 unless told otherwise; with a token, all but /healthz need
+``Authorization: Bearer <token>``, see ``odl.http_auth``)::
 
     POST /predict   body: records as in the training stream, one or many:
                     * text: one CSV (or JSON) record per line;
@@ -13,7 +14,9 @@ Endpoints (bound to 127.0.0.1 unless told otherwise)::
                     bad input.
     GET /status     base export, version / generation applied, versions applied, last apply
                     time, freshness, lag to the delta topic end, rejected messages
-    GET /healthz    200 {"ok": true} once the base is loaded (503 when stopped)
+    GET /healthz    200 {"ok": true, "state": ...} once the base is loaded; 503 when stopped
+                    or while the delta broker is unreachable (state "waiting_for_broker":
+                    /predict keeps answering with the last applied version)
     GET /metrics    Prometheus text (own registry)
 """
 
@@ -25,6 +28,7 @@ import time
 from collections.abc import Mapping
 from typing import Any, Optional
 
+import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -138,11 +142,19 @@ class ServingService:
         self._http: Optional[BackgroundHttpServer] = None
         self.stopped = False
 
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Starts replay and the HTTP server; returns the bound port."""
+    def start(self, host: str = "127.0.0.1", port: int = 0,
+              auth_token: Optional[str] = None) -> int:
+        """Starts replay and the HTTP server; returns the bound port.
+
+        Args:
+            host: bind address.
+            port: port (0 = any free port).
+            auth_token: bearer token required on every endpoint but /healthz (None = open).
+        """
         if self.replayer is not None:
             self.replayer.start()
-        self._http = BackgroundHttpServer(self.app, host=host, port=port)
+        self._http = BackgroundHttpServer(self.app, host=host, port=port, auth_token=auth_token,
+                                          name="odl-serve prediction API")
         return self._http.start()
 
     def stop(self) -> None:
@@ -181,12 +193,30 @@ class ServingService:
             "lag_messages": r.lag if r else None,
             "messages_read": r.messages if r else 0,
             "rejected_messages": r.rejected_total if r else 0,
+            "offset_resets": r.offset_resets if r else 0,
             "rejected_by_reason": dict(r.rejected) if r else {},
             "last_reject": r.last_error if r else None,
             "pending_versions": r.assembler.pending_versions if r else 0,
             "broker_error": r.broker_error if r else None,
+            "broker_error_since": r.broker_error_since if r else None,
+            "state": self.state(),
             "uptime_seconds": now - self.started,
         }
+
+    def state(self) -> str:
+        """``serving``, ``waiting_for_broker`` (delta broker unreachable) or ``stopped``."""
+        if self.stopped:
+            return "stopped"
+        if self.replayer is not None and self.replayer.broker_error is not None:
+            return "waiting_for_broker"
+        return "serving"
+
+    def health(self) -> tuple[bool, str]:
+        """(healthy, reason) for /healthz."""
+        state = self.state()
+        if state == "waiting_for_broker" and self.replayer is not None:
+            return False, f"waiting_for_broker: {self.replayer.broker_error}"
+        return state == "serving", state
 
     def predict_body(self, body: bytes) -> dict[str, Any]:
         """Answers one /predict body.
@@ -206,6 +236,13 @@ class ServingService:
                 rejected=[{"index": int(i), "reason": r} for i, r in rejected[:100]])
         assert batch is not None
         probs, version, generation = self.model.predict_versioned(batch)
+        bad = np.flatnonzero(~np.isfinite(probs))
+        if bad.size:  # extreme (finite) inputs can overflow the network
+            raise RequestError(
+                f"{bad.size} of {len(records)} records give a non-finite prediction (numeric "
+                "values out of the model's range)",
+                rejected=[{"index": int(i), "reason": "non_finite_prediction"}
+                          for i in bad[:100]])
         return {"probabilities": probs.tolist(), "version": version, "generation": generation}
 
 
@@ -238,8 +275,8 @@ def build_app(service: ServingService) -> FastAPI:
 
     @app.get("/healthz")
     def healthz() -> JSONResponse:
-        ok = not service.stopped
-        return JSONResponse({"ok": ok, "version": service.model.state.version},
+        ok, reason = service.health()
+        return JSONResponse({"ok": ok, "reason": reason, "version": service.model.state.version},
                             status_code=200 if ok else 503)
 
     @app.get("/metrics")

@@ -18,6 +18,13 @@ from odl.broker.topic_admin import create_topic
 EXTERNAL_BOOTSTRAP_ENV = "ODL_KAFKA_BOOTSTRAP"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """In-process trainers and serving use odl's default thread rule (as the CLIs do)."""
+    from odl.cli.torch_runtime import configure_torch_threads
+
+    configure_torch_threads(0)
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """Bootstrap address of the session's broker (external if ODL_KAFKA_BOOTSTRAP is set)."""

@@ -33,13 +33,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--export_dir", required=True,
                    help="an export, or a directory of exports (the newest complete one)")
     p.add_argument("--port", type=int, default=8500, help="HTTP port (0 = any free port)")
-    p.add_argument("--host", default="127.0.0.1", help="bind address")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="bind address; another than loopback should come with --auth_token_file")
+    p.add_argument("--auth_token_file", default="",
+                   help="file holding a bearer token required on every endpoint but /healthz "
+                        "(default: env ODL_AUTH_TOKEN; none = open)")
     p.add_argument("--no_replay", action="store_true", help="serve the base only")
     p.add_argument("--kafka_server", default="", help="delta servers instead of kafka.txt's")
     p.add_argument("--kafka_config", default="",
                    help='extra librdkafka settings as JSON, e.g. {"security.protocol": "SSL"}')
     p.add_argument("--no_verify", action="store_true",
                    help="skip checking the embedding shards' sha256 at load")
+    p.add_argument(
+        "--torch_threads", type=int, default=0,
+        help="torch intra-op threads; 0 = half of the CPUs (leaves room for input and I/O)",
+    )
     p.add_argument("--log_level", default="INFO")
     return p
 
@@ -55,10 +63,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (ValueError, AttributeError) as exc:
             print(f"odl-serve: --kafka_config is not a JSON object: {exc}", file=sys.stderr)
             return 2
+    from odl.cli.torch_runtime import configure_torch_threads
     from odl.config.config_error import ConfigError
+    from odl.http_auth import AuthConfigError, resolve_auth_token
     from serving_plugin.serving_model import ExportLoadError
     from serving_plugin.serving_service import ServingService
 
+    configure_torch_threads(args.torch_threads)
+
+    try:
+        token = resolve_auth_token(args.auth_token_file or None)
+    except AuthConfigError as exc:
+        print(f"odl-serve: {exc}", file=sys.stderr)
+        return 2
     try:
         service = ServingService(args.export_dir, replay=not args.no_replay, kafka_extra=extra,
                                  server_override=args.kafka_server, verify=not args.no_verify)
@@ -73,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    port = service.start(args.host, args.port)
+    port = service.start(args.host, args.port, auth_token=token)
     logger.info("odl-serve ready on http://%s:%d (export %s, version %d)", args.host, port,
                 service.model.path, service.model.state.version)
     while not stop.wait(1.0):

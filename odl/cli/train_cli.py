@@ -7,6 +7,9 @@ Examples::
         --train_input_path 'data/*.csv' --model_dir .odl/offline
     odl-train --pipeline_config_path p.config --online \\
         --edit_config_json '{"kafka_train_input.server": "broker:9092"}'
+    odl-train --pipeline_config_path p.config --online --validate_only
+    odl-train --pipeline_config_path p.config --online --status_host 0.0.0.0 \
+        --auth_token_file /etc/odl/token
 
 Exit codes: 0 clean stop (stop signal, SIGTERM/SIGINT, dead_line, num_steps, end of offline
 input); 2 bad command line or config (one line naming the field); 1 anything else.
@@ -43,8 +46,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--edit_config_json", help='JSON edits, e.g. {"train_config.num_steps": 10}')
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--status_port", type=int, default=0, help="0 = any free port, -1 = off")
-    p.add_argument("--status_host", default="127.0.0.1", help="bind address of the status API")
-    p.add_argument("--sample_ledger", help="append '<step>\\t<sample_id>' per trained sample")
+    p.add_argument("--status_host", default="127.0.0.1",
+                   help="bind address of the status API; another than loopback should come "
+                        "with --auth_token_file")
+    p.add_argument("--auth_token_file", default="",
+                   help="file holding a bearer token the status API requires on every "
+                        "endpoint but /healthz (default: env ODL_AUTH_TOKEN; none = open)")
+    p.add_argument("--validate_only", action="store_true",
+                   help="load and check the config, print 'config OK', exit 0 (2 if invalid)")
+    p.add_argument("--sample_ledger",
+                   help="append '<generation>\\t<step>\\t<sample_id>' per trained sample")
+    p.add_argument(
+        "--torch_threads", type=int, default=0,
+        help="torch intra-op threads; 0 = half of the CPUs (leaves room for input and I/O)",
+    )
     p.add_argument("--log_level", default="INFO")
     return p
 
@@ -59,6 +74,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         load_pipeline_config,
         validate_pipeline_config,
     )
+    from odl.http_auth import AuthConfigError, resolve_auth_token
 
     try:
         config = load_pipeline_config(
@@ -69,12 +85,25 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.train_input_path:
             config.train_input_path = args.train_input_path
         validate_pipeline_config(config, online=args.online)
-    except ConfigError as exc:
+        token = resolve_auth_token(args.auth_token_file or None)
+    except (ConfigError, AuthConfigError) as exc:
         print(f"odl-train: {exc}", file=sys.stderr)
         return 2
+    if args.validate_only:
+        from odl.features.feature_builder import FeatureBuilder
 
+        try:
+            FeatureBuilder(config)  # the feature checks the trainer does at start
+        except ConfigError as exc:
+            print(f"odl-train: {exc}", file=sys.stderr)
+            return 2
+        print("config OK")
+        return 0
+
+    from odl.cli.torch_runtime import configure_torch_threads
     from odl.train.trainer import Trainer, TrainerOptions
 
+    configure_torch_threads(args.torch_threads)
     options = TrainerOptions(
         online=args.online,
         device=args.device,
@@ -82,6 +111,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         status_host=args.status_host,
         sample_ledger=args.sample_ledger,
         continue_train=True,
+        auth_token=token,
     )
     try:
         trainer = Trainer(config, options)

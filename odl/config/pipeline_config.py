@@ -277,6 +277,9 @@ def _parse_error_to_config_error(
     detail = re.sub(r"^'.*?': ", "", detail)
     where = f"{source}:{line}:{col}" if line else source
     prefix, last_name = _locate_path(text, line, col) if line else ("", "")
+    line_text = lines[line - 1] if line and 0 < line <= len(lines) else ""
+    # protobuf echoes the offending token, which may be a secret value: not on such lines.
+    sensitive = _may_hold_secret(_join(prefix, last_name), line_text)
 
     m = re.search(r'Message type "([\w.]+)" has no field named "(\w+)"', detail)
     if m:
@@ -308,8 +311,24 @@ def _parse_error_to_config_error(
         got = m.group(2)
         if not got.startswith('"'):
             got = f'"{got}"'
+        if sensitive:
+            got = REDACTED
         return ConfigError(path, f"expected {wanted}, got {got} (at {where})")
+    if sensitive:
+        detail = _mask_values(detail)
     return ConfigError(path, f"{detail[:1].lower()}{detail[1:]} (at {where})")
+
+
+def _may_hold_secret(path: str, text: str) -> bool:
+    """Whether an error about ``path`` (or config ``text``) could echo a secret value."""
+    return ("kafka_config" in path or _is_secret_name(path.rsplit(".", 1)[-1])
+            or "kafka_config" in text or _is_secret_name(text))
+
+
+def _mask_values(detail: str) -> str:
+    """Cuts a parser message at its first quote: what follows echoes the input."""
+    m = re.search(r"['\"]", detail)
+    return detail if m is None else detail[:m.start()].rstrip() + " " + REDACTED
 
 
 def _short(full_name: str) -> str:
@@ -717,7 +736,8 @@ def _set_value(parent: Message, fd: FieldDescriptor, index: int | None, value: A
             parent.ClearField(name)
             return
         if not isinstance(value, dict):
-            raise ConfigError(full, f"expected an object of key: value, got {_describe(value)}")
+            raise ConfigError(full, "expected an object of key: value, got a "
+                                    f"{type(value).__name__}")  # the value may be a secret
         mapping = getattr(parent, name)
         value_fd = fd.message_type.fields_by_name["value"]
         for k, v in value.items():
@@ -783,7 +803,8 @@ def _merge_message(target: Message, value: Any, full: str) -> None:
         try:
             text_format.Parse(value, replacement)
         except text_format.ParseError as e:
-            raise ConfigError(full, f"cannot parse message text: {e}") from None
+            detail = _mask_values(str(e)) if _may_hold_secret(full, value) else str(e)
+            raise ConfigError(full, f"cannot parse message text: {detail}") from None
         target.CopyFrom(replacement)
     else:
         raise ConfigError(full, f"expected an object, got {_describe(value)}")

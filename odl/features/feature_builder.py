@@ -10,7 +10,9 @@ Feature kinds (``FeatureConfig.feature_type``):
 * Both IdFeature forms are multi-valued: the value is split on the feature's ``separator``
   (default ``|``), empty pieces are dropped; an empty value gives no id (a zero-length bag,
   pooled to zeros).
-* ``RawFeature`` without ``boundaries``: one float32 column of ``Batch.dense``.
+* ``RawFeature`` without ``boundaries``: one float32 column of ``Batch.dense``; a value
+  beyond float32's range (it would reach the model as inf) rejects the record as
+  ``non_finite``.
 * ``RawFeature`` with ``boundaries``: row = ``searchsorted(boundaries, value, side="right")``
   in a table of ``len(boundaries) + 1`` rows (bucket i is ``[b[i-1], b[i])``).
 * ``ComboFeature``: row = ``fnv1a64(v1 + combo_join_sep + v2 + ...) % hash_bucket_size`` over
@@ -45,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 _FT = pipeline_pb2.FeatureConfig.FeatureType
 _DT = pipeline_pb2.DatasetConfig.FieldType
+# Dense inputs reach the model as float32: a finite float64 beyond this would become inf.
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass(frozen=True)
@@ -273,9 +277,14 @@ class FeatureBuilder:
                     row = np.repeat(np.arange(parsed.num_rows), lengths)
                     bad[row[~ok]] = True
                 pieces[sp.name] = (s, e, lengths, ints)
-        if bad.any():
-            rejected = sorted(rejected + [(int(i), "bad_number") for i in parsed.accepted[bad]])
-            parsed = parsed.select(~bad)
+        overflow = np.zeros(parsed.num_rows, dtype=bool)
+        for _, inp in self._dense:
+            overflow |= np.abs(parsed.numeric[inp]) > _FLOAT32_MAX
+        overflow &= ~bad
+        if bad.any() or overflow.any():
+            rejected = sorted(rejected + [(int(i), "bad_number") for i in parsed.accepted[bad]]
+                              + [(int(i), "non_finite") for i in parsed.accepted[overflow]])
+            parsed = parsed.select(~(bad | overflow))
             if parsed.num_rows == 0:
                 return BuildResult(None, parsed.accepted, rejected)
             return self._build_parsed(parsed, rejected, raw)
