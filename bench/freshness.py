@@ -1,0 +1,432 @@
+"""Freshness of the whole loop: sample produced -> trained -> published -> applied by serving.
+
+One run on one machine, everything real and local, the benchmark model shape (26 hashed id
+features of dim 16 + their wide tables, 13 dense, DNN 256-128-64, batch 1024):
+
+* embedded broker; sample topic with 4 partitions, delta topic with 1;
+* base: ``odl-datagen`` produces ``--warm-batches`` x 1024 samples, an ``odl-train --online``
+  subprocess trains exactly those (``num_steps``), publishing, and stops with a checkpoint
+  that records the delta-topic replay offset; ``export_checkpoint`` exports it (this is the
+  "early checkpoint": periodic checkpoints are off during the measurement, they would stall
+  the train loop for seconds, production checkpoints every few minutes);
+* serving: ``ServingService`` on that export in this process (real uvicorn on 127.0.0.1)
+  replaying the delta topic; its model's ``apply_version`` is wrapped to log, per applied
+  version, the wall time right after it was applied and the header (input positions =
+  next offset per partition that the version covers, publish time, bytes, rows);
+* the trainer is started again (a new generation that restores the base checkpoint) with
+  ``incr_save_config`` publishing sparse + dense every ``--publish-steps`` steps to the
+  delta topic; then ``odl-datagen`` produces at ``--rate`` samples/s (default 10,000) for
+  ``--seconds`` into the 4 partitions, each record's Kafka timestamp set at produce time.
+
+Afterwards the sample topic is read back (partition, offset, produce timestamp). A sample's
+freshness latency = apply time of the first applied version whose position for the sample's
+partition exceeds its offset - its produce timestamp. Reported over the steady-state window
+(samples produced after the first ``--warmup`` seconds of the stream): p50 / p99 / max,
+split into produce -> version snapshot (``publish_time_ms``) and snapshot -> applied.
+Samples never covered before the drain timeout count as infinitely late. Target: p99 <= 1 s
+at >= 10k samples/s.
+
+Also reported:
+
+* bytes per version vs the floor ``sum(rows x (8 + 4 dim)) + 4 x dense floats`` (the
+  publisher's ``last_floor_ratio`` definition; the sparse-only floor of the design figure
+  is shown too). Target <= 1.1;
+* achieved rates: datagen samples/s, trainer samples/s in the window, trainer lag;
+* publishing cost: after the run, the trainer (in process, ``Trainer``, status server off)
+  reads the first ``--rate-batches`` batches of the same sample topic with publishing on
+  and off (fresh model each, ``--rate-rounds`` alternating rounds, medians), nothing else
+  running: on / off samples/s. Target: publishing costs <= 10 %.
+
+Everything (broker, datagen, trainer, serving) shares this machine's cores; when it cannot
+keep up with ``--rate`` the output says so (achieved rates, lag) -- measure a lower
+``--rate`` honestly then. The load average before and after is printed, since other work
+on the machine skews every figure. ``--torch-threads N`` sets torch's intra-op threads of
+the trainer (``OMP_NUM_THREADS``) and of serving / the rate runs (``torch.set_num_threads``);
+by default torch's own default (one per core) is left alone. When the processes together
+want more than the cores, 1 is far better here (OpenMP workers of one process wait on
+workers that another process has pushed off the CPU).
+
+    .venv/bin/python bench/freshness.py [--rate 10000] [--seconds 60] [--warmup 15]
+                                        [--publish-steps 2] [--torch-threads 0] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from confluent_kafka import Consumer, TopicPartition  # noqa: E402
+
+from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
+from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
+from odl.checkpoint.checkpoint_manager import (  # noqa: E402
+    POSITIONS_FILE,
+    resolve_checkpoint_path,
+)
+from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
+from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
+from odl.export.exporter import export_checkpoint  # noqa: E402
+from odl.kafka_client import consumer_config  # noqa: E402
+from odl.train.trainer import Trainer, TrainerOptions  # noqa: E402
+from serving_plugin.serving_service import ServingService  # noqa: E402
+
+BATCH = 1024
+PARTITIONS = 4
+SAMPLES = "samples"
+DELTAS = "deltas"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config_text(model_dir: str, server: str, group: str, publish_steps: int,
+                delta_topic: str | None) -> str:
+    incr = ""
+    if delta_topic:
+        incr = (f"incr_save_config {{ sparse_save_steps: {publish_steps} "
+                f"dense_save_steps: {publish_steps} "
+                f'kafka {{ server: "{server}" topic: "{delta_topic}" }} }}')
+    text = deepfm_config_text(
+        model_dir, server=server, topic=SAMPLES, batch_size=BATCH, dim=16, buckets=100_000,
+        hidden_units=(256, 128, 64), save_checkpoints_steps=0,
+        extra_train="metrics_window_samples: 100000\n  " + incr,
+    )
+    return text.replace('group: "odl_test"', f'group: "{group}"')
+
+
+CHILD_ENV: dict[str, str] | None = None  # OMP_NUM_THREADS for the children (--torch-threads)
+
+
+def datagen(bootstrap: str, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "odl.cli.datagen_cli", "--bootstrap", bootstrap,
+           "--topic", SAMPLES, "--partitions", "0", "--seed", "1", "-q", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, cwd=REPO, text=True, env=CHILD_ENV)
+
+
+def start_trainer(config_path: str, log_path: str, *extra: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "odl.cli.train_cli", "--pipeline_config_path", config_path,
+           "--online", "--device", "cpu", "--status_port", "0", "--log_level", "WARNING",
+           *extra]
+    return subprocess.Popen(cmd, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
+                            cwd=REPO, env=CHILD_ENV)
+
+
+def trainer_status(model_dir: str) -> dict | None:
+    try:
+        with open(os.path.join(model_dir, "status.json")) as f:
+            url = json.load(f)["url"]
+        with urllib.request.urlopen(url + "/status", timeout=5) as r:
+            return json.load(r)
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def read_timestamps(bootstrap: str, ends: dict[int, int]) -> dict[int, np.ndarray]:
+    """Produce timestamps (ms) of every record, indexed by offset, per partition."""
+    c = Consumer(consumer_config(bootstrap, "odl-bench-ts"))
+    c.assign([TopicPartition(SAMPLES, p, 0) for p in ends])
+    ts = {p: np.full(e, -1, np.int64) for p, e in ends.items()}
+    left = sum(ends.values())
+    deadline = time.monotonic() + 120
+    while left > 0 and time.monotonic() < deadline:
+        for m in c.consume(num_messages=10000, timeout=1.0):
+            if m.error() is not None:
+                continue
+            p, o = m.partition(), m.offset()
+            if o < ends[p] and ts[p][o] < 0:
+                ts[p][o] = m.timestamp()[1]
+                left -= 1
+    c.close()
+    if left:
+        raise RuntimeError(f"{left} sample records could not be read back")
+    return ts
+
+
+def percentiles(x: np.ndarray) -> dict:
+    """p50 / p99 / max (empirical quantiles; "inf" where never-served samples reach)."""
+    if x.size == 0:
+        return {"p50": None, "p99": None, "max": None}
+
+    def fmt(v: float) -> float | str:
+        return round(float(v), 3) if np.isfinite(v) else "inf"
+
+    return {"p50": fmt(np.percentile(x, 50, method="inverted_cdf")),
+            "p99": fmt(np.percentile(x, 99, method="inverted_cdf")),
+            "max": fmt(np.max(x))}
+
+
+def freshness(log: list[dict], ts: dict[int, np.ndarray], t_from: float, t_to: float) -> dict:
+    """Per-sample latency of the samples produced in [t_from, t_to] (unix seconds)."""
+    apply_t = np.array([v["applied"] for v in log])
+    publish_t = np.array([v["publish_ms"] / 1000.0 for v in log])
+    lat, to_snapshot, to_apply = [], [], []
+    uncovered = 0
+    for p, stamps in ts.items():
+        offs = np.arange(stamps.size)
+        sel = (stamps >= t_from * 1000) & (stamps <= t_to * 1000)
+        offs, produced = offs[sel], stamps[sel] / 1000.0
+        pos = np.maximum.accumulate(np.array([v["positions"].get(p, 0) for v in log]))
+        idx = np.searchsorted(pos, offs, side="right")  # first version with pos > offset
+        ok = idx < len(log)
+        uncovered += int((~ok).sum())
+        lat.append(apply_t[idx[ok]] - produced[ok])
+        to_snapshot.append(publish_t[idx[ok]] - produced[ok])
+        to_apply.append(apply_t[idx[ok]] - publish_t[idx[ok]])
+    lat_a = np.concatenate(lat) if lat else np.zeros(0)
+    if uncovered:  # never served before the end: infinitely late
+        lat_a = np.concatenate([lat_a, np.full(uncovered, np.inf)])
+    return {
+        "samples": int(lat_a.size),
+        "uncovered": uncovered,
+        "latency_s": percentiles(lat_a),
+        "produce_to_snapshot_s": percentiles(np.concatenate(to_snapshot)),
+        "snapshot_to_applied_s": percentiles(np.concatenate(to_apply)),
+    }
+
+
+def rate_run(text: str, steps: int, warmup: int, max_seconds: float) -> float:
+    """Trainer samples/s from step ``warmup`` to ``steps`` or ``max_seconds`` after it
+    (in process, like train_throughput)."""
+    config = parse_pipeline_config_text(text)
+    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
+    marks: dict[str, tuple[float, int]] = {}
+
+    def watch() -> None:
+        while True:
+            step = trainer.module.global_step
+            if "start" not in marks and step >= warmup:
+                marks["start"] = (time.perf_counter(), trainer.samples_trained)
+            late = "start" in marks and time.perf_counter() - marks["start"][0] > max_seconds
+            if step >= steps or late:
+                marks["end"] = (time.perf_counter(), trainer.samples_trained)
+                trainer.request_stop("benchmark done")
+                return
+            if trainer.stop_event.is_set():
+                return
+            time.sleep(0.002)
+
+    threading.Thread(target=watch, daemon=True).start()
+    trainer.run()
+    (t0, s0), (t1, s1) = marks["start"], marks["end"]
+    return (s1 - s0) / (t1 - t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rate", type=float, default=10000.0, help="samples/s produced")
+    ap.add_argument("--seconds", type=float, default=60.0, help="seconds of live stream")
+    ap.add_argument("--warmup", type=float, default=15.0,
+                    help="seconds of the stream excluded from the figures")
+    ap.add_argument("--publish-steps", type=int, default=2,
+                    help="sparse_save_steps = dense_save_steps")
+    ap.add_argument("--warm-batches", type=int, default=16, help="batches trained for the base")
+    ap.add_argument("--drain", type=float, default=60.0,
+                    help="seconds to wait after the stream for serving to cover everything")
+    ap.add_argument("--rate-batches", type=int, default=40,
+                    help="batches per publishing on/off rate measurement (0 = skip)")
+    ap.add_argument("--rate-rounds", type=int, default=2)
+    ap.add_argument("--rate-max-seconds", type=float, default=15.0,
+                    help="cap on one rate measurement (a slow machine stops it early)")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch intra-op threads of trainer and serving (0 = torch's default)")
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    global CHILD_ENV
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
+        CHILD_ENV = dict(os.environ, OMP_NUM_THREADS=str(args.torch_threads))
+
+    load_before = os.getloadavg()
+    work = tempfile.mkdtemp(prefix="odl-bench-fresh-")
+    model_dir = os.path.join(work, "model_dir")
+    os.makedirs(model_dir)
+    t_setup = time.monotonic()
+    with EmbeddedBroker(port=0, data_dir=os.path.join(work, "kafka")) as broker:
+        bs = broker.bootstrap
+        create_topic(bs, SAMPLES, partitions=PARTITIONS)
+        create_topic(bs, DELTAS, partitions=1)
+        cfg_path = os.path.join(work, "pipeline.config")
+        with open(cfg_path, "w") as f:
+            f.write(config_text(model_dir, bs, "bench-fresh", args.publish_steps, DELTAS))
+
+        # -- base: train the warm-up batches, checkpoint at stop, export
+        warm = args.warm_batches * BATCH
+        assert datagen(bs, "--rate", "0", "--count", str(warm)).wait(120) == 0
+        steps_json = json.dumps({"train_config.num_steps": args.warm_batches})
+        ta = start_trainer(cfg_path, os.path.join(work, "trainer_a.log"),
+                           "--edit_config_json", steps_json)
+        if ta.wait(300) != 0:
+            raise RuntimeError(f"base trainer failed, see {work}/trainer_a.log")
+        ckpt_path = resolve_checkpoint_path(model_dir)
+        with open(os.path.join(ckpt_path, POSITIONS_FILE)) as f:
+            base_source = json.load(f)
+        config = parse_pipeline_config_text(open(cfg_path).read())
+        export = export_checkpoint(config, model_dir, os.path.join(work, "exports"),
+                                   delta_server=bs, delta_topic=DELTAS).path
+        print(f"base: {os.path.basename(ckpt_path)}, delta offset "
+              f"{base_source.get('delta_topic_offset')}, exported in "
+              f"{time.monotonic() - t_setup:.0f}s since start", flush=True)
+
+        # -- serving, with an apply log
+        svc = ServingService(os.path.dirname(export))
+        applied: list[dict] = []
+        apply_version = svc.model.apply_version
+
+        def logged_apply(version):
+            rows = apply_version(version)
+            now = time.time()
+            h = version.header
+            applied.append({
+                "applied": now, "version": int(h.version), "generation": h.generation,
+                "publish_ms": int(h.publish_time_ms),
+                "positions": {int(p): int(o) for _t, p, o in h.positions},
+                "bytes": int(version.nbytes), "rows": rows,
+                "floor_sparse": int(sum(len(i) * (8 + 4 * v.shape[1])
+                                        for i, v in version.sparse.values())),
+                "dense_floats": int(sum(a.size for a in version.dense.values())),
+                "chunks": int(version.chunk_count),
+            })
+            return rows
+
+        svc.model.apply_version = logged_apply
+        svc.start("127.0.0.1", 0)
+
+        # -- the trainer again (restores the base), then the live stream
+        tb = start_trainer(cfg_path, os.path.join(work, "trainer_b.log"))
+        deadline = time.monotonic() + 180
+        while True:
+            st = trainer_status(model_dir)
+            if st and st.get("pid") == tb.pid and st.get("state") == "training":
+                break
+            if tb.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"trainer did not start, see {work}/trainer_b.log")
+            time.sleep(0.2)
+        gen_start = time.time()
+        gen = datagen(bs, "--rate", str(args.rate), "--seconds", str(args.seconds))
+        samples_log: list[tuple[float, int, int]] = []  # (time, samples_trained, lag)
+        while gen.poll() is None:
+            st = trainer_status(model_dir)
+            if st:
+                lag = sum((p.get("lag") or 0) for p in st["input"]["partitions"].values())
+                samples_log.append((time.time(), st["samples_trained"], lag))
+            time.sleep(1.0)
+        gen_end = time.time()
+        gen_summary = json.loads(gen.stdout.read().strip().splitlines()[-1])
+        ends = end_offsets(bs, SAMPLES)
+        deadline = time.monotonic() + args.drain
+        drained = False
+        while time.monotonic() < deadline:
+            last = applied[-1]["positions"] if applied else {}
+            if all(last.get(p, 0) >= e for p, e in ends.items()):
+                drained = True
+                break
+            time.sleep(0.1)
+        final_status = trainer_status(model_dir) or {}
+        tb.send_signal(signal.SIGTERM)
+        tb.wait(120)
+        serving_status = svc.status()
+        svc.stop()
+        load_after_stream = os.getloadavg()
+
+        ts = read_timestamps(bs, ends)
+        fresh = freshness(applied, ts, gen_start + args.warmup, gen_end)
+
+        # -- publishing on vs off, same batches, nothing else running
+        rates: dict[str, list[float]] = {"off": [], "on": []}
+        if args.rate_batches:
+            create_topic(bs, "deltas-rate", partitions=1)
+            for r in range(args.rate_rounds):
+                for kind in ("off", "on"):
+                    md = os.path.join(work, f"rate_{kind}_{r}")
+                    text = config_text(md, bs, f"bench-rate-{kind}-{r}", args.publish_steps,
+                                       "deltas-rate" if kind == "on" else None)
+                    rates[kind].append(rate_run(text, args.rate_batches, 5, args.rate_max_seconds))
+                print(f"rate round {r}: publishing off {rates['off'][-1]:,.0f}/s, on "
+                      f"{rates['on'][-1]:,.0f}/s", flush=True)
+
+    # -- figures
+    window = [v for v in applied if gen_start + args.warmup <= v["applied"] <= gen_end]
+    steady = [s for s in samples_log if s[0] >= gen_start + args.warmup]
+    train_rate = ((steady[-1][1] - steady[0][1]) / (steady[-1][0] - steady[0][0])
+                  if len(steady) >= 2 else None)
+    nbytes = sum(v["bytes"] for v in window)
+    floor_sparse = sum(v["floor_sparse"] for v in window)
+    floor = floor_sparse + 4 * sum(v["dense_floats"] for v in window)
+    pub = final_status.get("publisher") or {}
+    result = {
+        "rate_target": args.rate,
+        "datagen": {"produced": gen_summary["produced"], "seconds": gen_summary["seconds"],
+                    "samples_per_sec": round(gen_summary["produced"] / gen_summary["seconds"])},
+        "trainer_samples_per_sec_window": round(train_rate) if train_rate else None,
+        "trainer_lag_max_window": max((s[2] for s in steady), default=None),
+        "trainer_lag_end_of_stream": samples_log[-1][2] if samples_log else None,
+        "drained": drained,
+        "freshness": fresh,
+        "versions_applied_window": len(window),
+        "version_interval_s": (round((window[-1]["applied"] - window[0]["applied"]) /
+                                     (len(window) - 1), 3) if len(window) > 1 else None),
+        "bytes_per_version": round(nbytes / len(window)) if window else None,
+        "rows_per_version": round(sum(v["rows"] for v in window) / len(window)) if window else None,
+        "chunks_per_version": (round(sum(v["chunks"] for v in window) / len(window), 2)
+                               if window else None),
+        "bytes_over_floor": round(nbytes / floor, 4) if floor else None,
+        "bytes_over_sparse_floor": round(nbytes / floor_sparse, 4) if floor_sparse else None,
+        "publisher": {k: pub.get(k) for k in ("versions_published", "versions_merged",
+                                              "bytes_published", "rows_published",
+                                              "failures", "snapshot_secs_total")},
+        "serving": {k: serving_status.get(k) for k in ("versions_applied", "rows_applied",
+                                                       "rejected_messages")},
+        "publishing_cost": None,
+        "load_average": {"before": [round(x, 2) for x in load_before],
+                         "after_stream": [round(x, 2) for x in load_after_stream]},
+        "torch_threads": args.torch_threads or torch.get_num_threads(),
+        "publish_steps": args.publish_steps,
+        "seconds": args.seconds,
+        "warmup": args.warmup,
+    }
+    if rates["off"]:
+        off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
+        result["publishing_cost"] = {"samples_per_sec_off": round(off),
+                                     "samples_per_sec_on": round(on),
+                                     "on_over_off": round(on / off, 3),
+                                     "batches": args.rate_batches, "rounds": args.rate_rounds}
+    print(json.dumps(result, indent=1))
+    lat = fresh["latency_s"]
+    achieved = result["datagen"]["samples_per_sec"]
+    print(f"stream: {achieved:,} samples/s produced (asked {args.rate:,.0f}), trainer "
+          f"{result['trainer_samples_per_sec_window'] or 0:,} samples/s in the window, max lag "
+          f"{result['trainer_lag_max_window']} records")
+    if achieved < 0.95 * args.rate or (train_rate or 0) < 0.95 * achieved:
+        print("NOTE: this machine did not sustain the asked rate through datagen + broker + "
+              "trainer + serving; the latency below is at the achieved rate")
+    print(f"freshness p50 {lat['p50']} s, p99 {lat['p99']} s, max {lat['max']} s over "
+          f"{fresh['samples']:,} samples ({fresh['uncovered']} never served) "
+          f"(target p99 <= 1 s at >= 10k samples/s)")
+    print(f"delta bytes / floor = {result['bytes_over_floor']} (target <= 1.1; "
+          f"{result['bytes_per_version']} bytes, {result['rows_per_version']} rows per version)")
+    if result["publishing_cost"]:
+        pc = result["publishing_cost"]
+        print(f"trainer with publishing / without = {pc['on_over_off']} "
+              f"({pc['samples_per_sec_on']:,} vs {pc['samples_per_sec_off']:,} samples/s; "
+              "target >= 0.90)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
