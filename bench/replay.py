@@ -53,6 +53,7 @@ from confluent_kafka import Producer  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.broker.topic_admin import create_topic  # noqa: E402
 from odl.checkpoint.checkpoint_manager import CheckpointManager  # noqa: E402
+from odl.cli.torch_runtime import configure_torch_threads  # noqa: E402
 from odl.config.pipeline_config import config_to_text, parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
@@ -264,12 +265,11 @@ def main() -> int:
     ap.add_argument("--requests-256", type=int, default=100, help="256-record requests")
     ap.add_argument("--warmup", type=int, default=30, help="untimed requests per body")
     ap.add_argument("--torch-threads", type=int, default=0,
-                    help="torch intra-op threads of serving (0 = torch's default)")
+                    help="torch intra-op threads of serving (0 = odl-serve's auto rule)")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
+    configure_torch_threads(args.torch_threads)  # as odl-serve does
     threads = torch.get_num_threads()
     load_before = os.getloadavg()
 

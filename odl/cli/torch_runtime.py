@@ -11,7 +11,8 @@ logger = logging.getLogger(__name__)
 def configure_torch_threads(requested: int) -> int:
     """Sets torch's intra-op thread count.
 
-    ``0`` (auto) takes half of the CPUs this process may use, at least one. The trainer's
+    ``0`` (auto) takes ``OMP_NUM_THREADS`` when set, else half of the CPUs this process may
+    use, at least one. The trainer's
     reader thread, librdkafka's threads and (on small machines) the broker and serving share
     the same cores; an OpenMP pool as wide as the machine then spins at every barrier while
     one of its threads waits for a core, which was measured here to slow training by an
@@ -25,6 +26,8 @@ def configure_torch_threads(requested: int) -> int:
     """
     import torch
 
+    if requested <= 0 and os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        requested = int(os.environ["OMP_NUM_THREADS"])
     if requested <= 0:
         try:
             cpus = len(os.sched_getaffinity(0))
