@@ -6,15 +6,25 @@ Topic layout: ONE partition (total order of versions), created when missing with
 messages in chunk order. A version counts as published only when every one of its chunks
 has been acknowledged (idempotent producer, acks=all). ``send`` returns the topic offset of
 the version's last chunk, so ``offset + 1`` is where a consumer continues after that version.
+
+Outages: librdkafka keeps reconnecting by itself; ``broker_error`` (set from the producer's
+``error_cb``, cleared by the next acknowledged version) says why the broker is unreachable.
+A send that fails or times out drops the producer (its queue is purged, so a stale copy can
+never be delivered after a newer version) and the next send starts a fresh one. The same
+happens after a fatal producer error, e.g. ``OUT_OF_ORDER_SEQUENCE_NUMBER`` when a restarted
+broker forgot the idempotent producer's sequence numbers. The caller (the publisher) retries
+with the newest state, so nothing is lost and the topic order stays the version order.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from typing import Optional
 
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from odl.broker.topic_admin import create_topic
 from odl.kafka_client import producer_config
@@ -22,6 +32,7 @@ from odl.kafka_client import producer_config
 logger = logging.getLogger(__name__)
 
 DELTA_TOPIC_MAX_MESSAGE_BYTES = 16 << 20
+_UNREACHABLE_CODES = (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE)
 
 
 class DeltaSinkError(RuntimeError):
@@ -54,9 +65,57 @@ class KafkaSink:
         limit = max(1_000_000, int(max_chunk_bytes) + (64 << 10))
         extra = {"message.max.bytes": str(limit)}
         extra.update(self._extra)
-        self._producer: Producer | None = Producer(
-            producer_config(servers, extra, idempotent=True))
+        self._conf = producer_config(servers, extra, idempotent=True)
+        self._conf["error_cb"] = self._on_error
+        self._lock = threading.Lock()
+        self._closed = False
+        self._fatal: Optional[str] = None
+        self.broker_error: Optional[str] = None
+        self.broker_error_since: Optional[float] = None
+        self.producer_restarts = 0
+        self._producer: Producer | None = Producer(self._conf)
         self.description = f"kafka {topic} @ {servers}"
+
+    def _on_error(self, err: KafkaError) -> None:
+        """Records errors from librdkafka's ``error_cb`` (runs inside poll/flush when sending)."""
+        if err.fatal():
+            self._fatal = err.str()
+            logger.error("delta producer fatal error: %s", err.str())
+        elif err.code() in _UNREACHABLE_CODES:
+            if self.broker_error is None:
+                self.broker_error_since = time.time()
+                logger.warning("delta broker unreachable: %s", err.str())
+            self.broker_error = err.str()
+
+    def _reachable(self) -> None:
+        if self.broker_error is not None:
+            logger.info("delta broker reachable again after %.1fs",
+                        time.time() - (self.broker_error_since or time.time()))
+        self.broker_error = None
+        self.broker_error_since = None
+
+    def _drop_producer(self, why: str) -> None:
+        """Discards the producer and everything it still holds; the next send makes a new one."""
+        with self._lock:
+            producer, self._producer = self._producer, None
+        if producer is None:
+            return
+        try:
+            producer.purge()  # queued and in-flight: never delivered after a newer version
+            producer.flush(0)
+        except (KafkaException, RuntimeError) as exc:
+            logger.debug("purging the delta producer failed: %s", exc)
+        self.producer_restarts += 1
+        logger.warning("delta producer restarted (%s)", why)
+
+    def _get_producer(self) -> Producer:
+        with self._lock:
+            if self._closed:
+                raise DeltaSinkError("sink closed")
+            if self._producer is None:
+                self._fatal = None
+                self._producer = Producer(self._conf)
+            return self._producer
 
     def _ensure_topic(self) -> None:
         if self._created:
@@ -82,13 +141,27 @@ class KafkaSink:
         Raises:
             DeltaSinkError: a chunk was rejected or not acknowledged in time.
         """
-        if self._producer is None:
-            raise DeltaSinkError("sink closed")
-        producer = self._producer
+        producer = self._get_producer()
         try:
             self._ensure_topic()
         except Exception as exc:  # noqa: BLE001 - any admin failure means "not published"
-            raise DeltaSinkError(f"delta topic {self.topic} unavailable: {exc}") from exc
+            if self.broker_error is None:
+                self.broker_error_since = time.time()
+            self.broker_error = f"delta topic {self.topic} unavailable: {exc}"
+            raise DeltaSinkError(self.broker_error) from exc
+        try:
+            offset = self._send(producer, version, generation, chunks, timeout)
+        except DeltaSinkError as exc:
+            self._drop_producer(str(exc))
+            raise
+        except KafkaException as exc:  # e.g. a fatal idempotence error raised by flush()
+            self._drop_producer(str(exc))
+            raise DeltaSinkError(f"version {version} ({generation}): {exc}") from exc
+        self._reachable()
+        return offset
+
+    def _send(self, producer: Producer, version: int, generation: str,
+              chunks: Sequence[bytes], timeout: float) -> int:
         results: list[tuple[KafkaException | None, int]] = []
 
         def on_delivery(err, msg) -> None:  # noqa: ANN001 - librdkafka callback
@@ -109,11 +182,15 @@ class KafkaSink:
                     raise DeltaSinkError(f"produce failed: {exc}") from exc
             producer.poll(0)
         while len(results) < len(chunks):
+            if self._fatal is not None:
+                raise DeltaSinkError(f"version {version} ({generation}): producer fatal error: "
+                                     f"{self._fatal}")
             left = deadline - time.monotonic()
             if left <= 0:
+                why = f" (broker: {self.broker_error})" if self.broker_error else ""
                 raise DeltaSinkError(f"version {version} ({generation}): "
                                      f"{len(chunks) - len(results)} chunks not acknowledged "
-                                     f"within {timeout:.0f}s")
+                                     f"within {timeout:.0f}s{why}")
             producer.flush(min(left, 1.0))
         errors = [err for err, _ in results if err is not None]
         if errors:
@@ -121,9 +198,17 @@ class KafkaSink:
                                  f"{errors[0]}")
         return max(off for _, off in results)
 
+    def status(self) -> dict:
+        """Connection state for the publisher's status."""
+        return {"broker_error": self.broker_error,
+                "broker_error_since": self.broker_error_since,
+                "producer_restarts": self.producer_restarts}
+
     def close(self, timeout: float = 5.0) -> None:
         """Flushes and drops the producer (``send`` fails afterwards)."""
-        producer, self._producer = self._producer, None
+        with self._lock:
+            self._closed = True
+            producer, self._producer = self._producer, None
         if producer is None:
             return
         try:

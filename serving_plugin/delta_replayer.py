@@ -16,6 +16,20 @@ offset, which is harmless because a version carries full values). Each message g
    ``rejected[<reason>]`` and the previous state keeps serving.
 
 ``handle`` is usable without Kafka (tests feed it bytes directly).
+
+Outages: librdkafka reconnects by itself and the consumer resumes at ``next_offset``.
+``broker_error`` is set by the consumer's ``error_cb`` and by failing watermark queries, and
+cleared only by a successful watermark query (every ``_WATERMARK_REFRESH_SECS``); serving's
+``/status`` shows it and ``/healthz`` answers 503 while it is set (the model keeps serving the
+last applied version).
+
+When the topic no longer has ``next_offset`` (``auto.offset.reset`` is ``error`` so librdkafka
+never jumps on its own): above the log end, the broker lost acknowledged messages (the
+embedded broker's restart, an unclean leader election); replay continues at the new end,
+where the publisher writes next (it republishes every row once it notices), never from the
+beginning, which would roll serving back to old versions. Below the log start, retention
+deleted versions; replay continues at the log start. Both are logged and counted in
+``offset_resets``.
 """
 
 from __future__ import annotations
@@ -78,6 +92,8 @@ class DeltaReplayer:
         self.messages = 0
         self.rejected: _Counter[str] = _Counter()
         self.broker_error: Optional[str] = None
+        self.broker_error_since: Optional[float] = None
+        self.offset_resets = 0
         self.last_error: Optional[str] = None
         self._last_reject_log = 0.0
         self._stop = threading.Event()
@@ -155,6 +171,7 @@ class DeltaReplayer:
         conf = consumer_config(self.source.server, f"odl-serving-{uuid.uuid4().hex[:8]}",
                                self._kafka_extra)
         conf["error_cb"] = self._on_kafka_error
+        conf["auto.offset.reset"] = "error"  # handled in _reset_offset
         self._consumer = Consumer(conf)
         self._consumer.assign([TopicPartition(self.source.topic, 0, self.next_offset)])
         logger.info("replaying delta topic %s from offset %d", self.source.topic,
@@ -175,13 +192,26 @@ class DeltaReplayer:
             self._consumer = None
 
     def _on_kafka_error(self, err: KafkaError) -> None:
-        if err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
-                          KafkaError._RESOLVE):
-            if self.broker_error is None:
-                logger.warning("delta broker unreachable: %s", err.str())
-            self.broker_error = err.str()
-            if self.metrics:
-                self.metrics.broker_up.set(0)
+        if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE):
+            self._set_broker_error(err.str())
+        else:
+            logger.debug("delta consumer client error: %s", err.str())
+
+    def _set_broker_error(self, reason: str) -> None:
+        if self.broker_error is None:
+            self.broker_error_since = time.time()
+            logger.warning("delta broker unreachable: %s (serving the last applied version, "
+                           "replay resumes by itself)", reason)
+        self.broker_error = reason
+        if self.metrics:
+            self.metrics.broker_up.set(0)
+
+    def _clear_broker_error(self) -> None:
+        if self.broker_error is not None:
+            logger.info("delta broker reachable again after %.1fs",
+                        time.time() - (self.broker_error_since or time.time()))
+        self.broker_error = None
+        self.broker_error_since = None
 
     def _run(self) -> None:
         assert self._consumer is not None
@@ -194,25 +224,49 @@ class DeltaReplayer:
                 logger.error("delta consumer failed: %s", exc)
                 self._stop.wait(1.0)
                 continue
-            got = False
             for msg in msgs:
                 err = msg.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
                         continue
-                    if err.code() == KafkaError.OFFSET_OUT_OF_RANGE:
-                        logger.error("delta topic offset %d is out of range (retention?): "
-                                     "serving may miss versions; re-export a newer base",
-                                     self.next_offset)
+                    if err.code() in (KafkaError.OFFSET_OUT_OF_RANGE,
+                                      KafkaError._AUTO_OFFSET_RESET):
+                        self._reset_offset(consumer, tp)
                     else:
                         logger.warning("delta consumer error: %s", err.str())
                     continue
-                got = True
                 self.handle(msg.value() or b"", msg.offset())
-            if got and self.broker_error is not None:
-                logger.info("delta broker reachable again")
-                self.broker_error = None
             self._refresh_watermark(consumer, tp)
+
+    def _reset_offset(self, consumer: Consumer, tp: TopicPartition) -> None:
+        """Continues at the log end (truncated log) or start (retention); see the module doc."""
+        try:
+            low, high = consumer.get_watermark_offsets(tp, timeout=5.0, cached=False)
+        except KafkaException as exc:
+            logger.warning("delta topic offset %d out of range and watermarks unavailable "
+                           "(%s); retrying", self.next_offset, exc)
+            self._stop.wait(1.0)
+            consumer.assign([TopicPartition(self.source.topic, 0, self.next_offset)])
+            return
+        if self.next_offset > high:
+            target = high
+            logger.error("delta topic %s ends at offset %d, before the replay position %d: the "
+                         "broker lost acknowledged versions; continuing at its end (the "
+                         "publisher republishes every row once it notices)", self.source.topic,
+                         high, self.next_offset)
+        else:
+            target = max(low, 0)
+            logger.error("delta topic %s starts at offset %d, after the replay position %d "
+                         "(retention deleted versions): serving may miss rows; continuing at "
+                         "the log start, re-export a newer base", self.source.topic, low,
+                         self.next_offset)
+        self.offset_resets += 1
+        with self._cv:
+            self.next_offset = int(target)
+            self.end_offset = int(high)
+            self._cv.notify_all()
+        self.assembler = VersionAssembler()  # chunks of a cut version never complete
+        consumer.assign([TopicPartition(self.source.topic, 0, int(target))])
 
     def _refresh_watermark(self, consumer: Consumer, tp: TopicPartition) -> None:
         now = time.monotonic()
@@ -222,11 +276,11 @@ class DeltaReplayer:
         try:
             _low, high = consumer.get_watermark_offsets(tp, timeout=1.0, cached=False)
         except KafkaException as exc:
-            self.broker_error = str(exc.args[0]) if exc.args else str(exc)
-            if self.metrics:
-                self.metrics.broker_up.set(0)
+            err = exc.args[0] if exc.args else exc
+            reason = err.str() if isinstance(err, KafkaError) else str(err)
+            self._set_broker_error(f"watermark query failed: {reason}")
             return
-        self.broker_error = None
+        self._clear_broker_error()
         with self._cv:
             self.end_offset = int(high)
             self._cv.notify_all()

@@ -286,7 +286,13 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.rename(tmp, final)
             _fsync_dir(self.model_dir)
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:
+            # torch.save reports a full disk as a RuntimeError of its zip writer whose
+            # context is the OSError (ENOSPC): name the OSError, it is what an operator needs
+            cause = exc
+            while not isinstance(cause, OSError) and cause.__context__ is not None:
+                cause = cause.__context__
+            exc = cause if isinstance(cause, OSError) else exc
             shutil.rmtree(tmp, ignore_errors=True)
             self.last_error = f"{type(exc).__name__}: {exc}"
             raise CheckpointError(

@@ -17,6 +17,18 @@ Start positions, first match wins:
 
 Records come out as :class:`RawBatch` objects carrying the positions *after* the batch, so a
 consumer of batches can checkpoint exactly what it has trained.
+
+Outages: librdkafka reconnects by itself and resumes fetching at the consumer's position, so
+nothing is skipped or read twice. ``broker_error`` tells the trainer the broker is down: it is
+set by the consumer's ``error_cb`` (all brokers down, name resolution) and by failing metadata
+or watermark queries, and cleared only by a successful watermark query (every
+``_WATERMARK_REFRESH_SECS``; records still queued locally prove nothing about the broker).
+
+A position the partition no longer has (``auto.offset.reset`` is ``error``, librdkafka never
+jumps by itself): above the log end, the broker lost records it had acknowledged (already
+trained): reading continues at the new end, so records produced from now on are all read and
+none is read twice; below the log start, retention deleted records: reading continues at the
+log start. Both are logged as errors and counted in ``offset_resets``.
 """
 
 from __future__ import annotations
@@ -24,8 +36,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping, Optional
+from typing import Optional
 
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
@@ -35,6 +48,7 @@ from odl.kafka_client import consumer_config
 logger = logging.getLogger(__name__)
 
 _WATERMARK_REFRESH_SECS = 2.0
+_OUTAGE_CODES = (KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE)
 
 
 @dataclass
@@ -124,6 +138,8 @@ class KafkaSource:
         self.world_size = world_size
         self._topic_wait_secs = topic_wait_secs
         conf = consumer_config(servers, group, kafka_config)
+        conf["error_cb"] = self._on_kafka_error
+        conf["auto.offset.reset"] = "error"  # handled in _reset_offset
         # Prefetch a few batches, not librdkafka's default 100k messages: the trainer never
         # needs more, and against brokers that ignore fetch size limits every refetch returns
         # the whole backlog, which would burn the CPU the train step needs.
@@ -143,6 +159,7 @@ class KafkaSource:
         self.broker_error: Optional[str] = None
         self.broker_error_since: Optional[float] = None
         self.records_consumed = 0
+        self.offset_resets = 0
         self._closed = False
 
     # ------------------------------------------------------------------ start
@@ -221,7 +238,8 @@ class KafkaSource:
                         off = lows[p]
                     out[p] = off
                 else:
-                    logger.info("partition %d is not in the checkpoint: starting at its beginning", p)
+                    logger.info("partition %d is not in the checkpoint: starting at its "
+                                "beginning", p)
                     out[p] = max(lows[p], 0)
             return out
         if start.timestamp_s is not None:
@@ -241,7 +259,8 @@ class KafkaSource:
             unknown = sorted(set(start.offsets) - set(self._partitions))
             owned = [p for p in unknown if p % self.world_size == self.rank]
             if owned:
-                logger.warning("offset_info names partitions %s that the topic does not have", owned)
+                logger.warning("offset_info names partitions %s that the topic does not have",
+                               owned)
             return {p: int(start.offsets.get(p, max(lows[p], 0))) for p in self._partitions}
         return {p: max(lows[p], 0) for p in self._partitions}
 
@@ -277,7 +296,7 @@ class KafkaSource:
             for msg in msgs:
                 err = msg.error()
                 if err is not None:
-                    self._handle_error(err)
+                    self._handle_error(err, msg.partition())
                     continue
                 value = msg.value()
                 values.append(value if value is not None else b"")
@@ -287,8 +306,6 @@ class KafkaSource:
                 offs.append(o)
                 tss.append(msg.timestamp()[1])
                 self._positions[p] = o + 1
-            if msgs and self.broker_error is not None:
-                self._clear_broker_error()
         if not values:
             return None
         self.records_consumed += len(values)
@@ -302,7 +319,7 @@ class KafkaSource:
             positions=dict(self._positions),
         )
 
-    def _handle_error(self, err: KafkaError) -> None:
+    def _handle_error(self, err: KafkaError, partition: Optional[int] = None) -> None:
         code = err.code()
         if code == KafkaError._PARTITION_EOF:
             return
@@ -310,12 +327,53 @@ class KafkaSource:
             self._set_broker_error(err.str())
             logger.warning("kafka: %s", err.str())
             return
-        if code == KafkaError.OFFSET_OUT_OF_RANGE:
-            logger.error("kafka: offset out of range (%s): resetting to the earliest offset", err)
+        if code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
+            self._reset_offset(partition)
             return
         if err.fatal():
             raise KafkaException(err)
         logger.warning("kafka consumer error: %s", err.str())
+
+    def _reset_offset(self, partition: Optional[int]) -> None:
+        """Moves a partition whose position is out of range (see the module docstring)."""
+        if partition is None or partition not in self._positions:
+            logger.error("kafka: offset out of range on an unknown partition (%s)", partition)
+            return
+        pos = self._positions[partition]
+        try:
+            low, high = self._watermarks(partition)
+        except KafkaException as exc:
+            logger.warning("partition %d: position %d out of range, watermarks unavailable "
+                           "(%s); retrying", partition, pos, exc)
+            time.sleep(1.0)
+            target = pos
+        else:
+            if pos > high:
+                target = high
+                logger.error("partition %d ends at offset %d, before the position %d: the "
+                             "broker lost %d acknowledged records (already trained); reading "
+                             "on from its end", partition, high, pos, pos - high)
+            else:
+                target = max(low, 0)
+                logger.error("partition %d: records %d..%d were deleted by retention before "
+                             "they were trained; reading on from %d", partition, pos,
+                             low - 1, target)
+            self.offset_resets += 1
+            self._positions[partition] = target
+            self.partition_state[partition].position = target
+        self._consumer.assign([TopicPartition(self.topic, p, off)
+                               for p, off in sorted(self._positions.items())])
+
+    def _on_kafka_error(self, err: KafkaError) -> None:
+        """Handles librdkafka's ``error_cb`` (runs inside ``consume`` on the reading thread)."""
+        if err.code() in _OUTAGE_CODES:
+            if self.broker_error is None:
+                logger.warning("kafka broker unreachable: %s (waiting for it)", err.str())
+            self._set_broker_error(err.str())
+        elif err.fatal():
+            logger.error("kafka consumer fatal error: %s", err.str())
+        else:
+            logger.debug("kafka client error: %s", err.str())
 
     def _set_broker_error(self, reason: str) -> None:
         if self.broker_error is None:
@@ -324,7 +382,8 @@ class KafkaSource:
 
     def _clear_broker_error(self) -> None:
         if self.broker_error is not None:
-            logger.info("kafka reachable again after: %s", self.broker_error)
+            logger.info("kafka reachable again after %.1fs (%s)",
+                        time.time() - (self.broker_error_since or time.time()), self.broker_error)
         self.broker_error = None
         self.broker_error_since = None
 
@@ -339,10 +398,19 @@ class KafkaSource:
                     TopicPartition(self.topic, p), timeout=2, cached=False
                 )
             except KafkaException as exc:
-                self._set_broker_error(f"watermarks: {exc.args[0]}")
+                err = exc.args[0] if exc.args else exc
+                reason = err.str() if isinstance(err, KafkaError) else str(err)
+                if self.broker_error is None:
+                    logger.warning("kafka watermark query failed: %s (waiting for the broker)",
+                                   reason)
+                self._set_broker_error(f"watermark query failed: {reason}")
+                # retry sooner than the normal refresh while the broker is away
+                self._last_watermark_refresh = now - _WATERMARK_REFRESH_SECS / 2
                 return
             st = self.partition_state.setdefault(p, PartitionState())
             st.low_watermark, st.high_watermark = low, high
+        if self.broker_error is not None:
+            self._clear_broker_error()
 
     # ------------------------------------------------------------------ commit
     def request_commit(self, positions: Mapping[int, int]) -> None:
@@ -377,7 +445,8 @@ class KafkaSource:
             return
         tps = [TopicPartition(self.topic, p, off) for p, off in positions.items()]
         try:
-            self._consumer.commit(offsets=tps, asynchronous=False)
+            # a synchronous commit would wait for an unreachable broker forever
+            self._consumer.commit(offsets=tps, asynchronous=self.broker_error is not None)
         except KafkaException as exc:
             logger.warning("committing positions to group %s failed: %s", self.group, exc)
 
