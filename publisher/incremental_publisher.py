@@ -15,6 +15,12 @@ the newest state is always what goes out next and memory stays bounded; ``status
 the backlog and how many versions were merged. A failed send (broker down) is retried
 with the failed snapshot merged into whatever became due meanwhile.
 
+Lost versions: a broker that loses acknowledged messages (the embedded broker drops the last
+few on a restart; unclean leader election does the same in Kafka) shows up as a version
+acknowledged at an offset at or below the previous one. The publisher then republishes every
+row it ever published, with the dense variables, in its next version, so serving (which
+continues at the new log end) converges again; ``status()["delta_topic_truncations"]`` counts it.
+
 A version's header carries the input positions after its last trained batch, and the min/max
 event time and Kafka produce time of all samples trained since the previous version.
 """
@@ -31,6 +37,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
+from confluent_kafka import KafkaException
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from publisher.delta_codec import IdMaps, VersionHeader, encode_version, write_id_maps
@@ -232,8 +239,11 @@ class IncrementalPublisher:
             "versions_merged": 0,
             "failures": 0,
             "last_error": None,
+            "delta_topic_truncations": 0,
         }
         self._snapshot_secs_total = 0.0
+        self._published_rows: dict[str, torch.Tensor] = {}  # table -> rows ever published
+        self._republish_all = False
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -257,7 +267,7 @@ class IncrementalPublisher:
         Returns:
             True when everything due was published.
         """
-        if step is not None and step != self._last_version:
+        if step is not None and (step != self._last_version or self._republish_all):
             self._snapshot(int(step), positions or {}, dense=True, sparse=True)
         deadline = time.monotonic() + timeout
         ok = True
@@ -277,6 +287,34 @@ class IncrementalPublisher:
             self._thread.join(timeout=max(0.0, deadline - time.monotonic()) + 1.0)
         self.sink.close()
         return ok
+
+    def sync(self, step: int, positions: Mapping[int, int], timeout: float = 10.0) -> bool:
+        """Publishes a version at ``step`` (when anything changed) and waits until it is sent.
+
+        The trainer calls this before writing a checkpoint, so every checkpoint equals a
+        fully published version (the crash-recovery point; see ``publisher.delta_recovery``).
+        Unlike ``flush`` the sender keeps running.
+
+        Args:
+            step: the current global step.
+            positions: the current input positions.
+            timeout: seconds to wait for the sink.
+
+        Returns:
+            True when every version up to ``step`` was acknowledged by the sink.
+        """
+        dense_due = self._last_dense[0] != step
+        sparse_due = self._last_sparse[0] != step
+        if dense_due or sparse_due:  # both parts current at ``step``, like ``flush``
+            self._snapshot(int(step), positions, dense=dense_due, sparse=sparse_due)
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._pending is not None or self._in_flight is not None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._thread is None or not self._thread.is_alive():
+                    return False
+                self._cond.wait(min(left, 0.2))
+        return True
 
     # ------------------------------------------------------------------ train loop side
     def note_times(self, event_time_ms: tuple[int, int] | None = None,
@@ -326,9 +364,23 @@ class IncrementalPublisher:
         t0 = time.perf_counter()
         now = time.monotonic()
         sparse_out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        republish, self._republish_all = self._republish_all, False
+        if republish:
+            dense = sparse = True
         if sparse:
             touched = self.tracker.take()
             tables = self.module.embedding_tables()
+            for name, ids in touched.items():
+                if name not in self._published_rows:
+                    self._published_rows[name] = torch.zeros(int(tables[name].shape[0]),
+                                                              dtype=torch.bool)
+                self._published_rows[name][ids.cpu()] = True
+            if republish:
+                touched = {name: mask.nonzero().flatten()
+                           for name, mask in self._published_rows.items()}
+                logger.warning("delta version %d republishes all %d rows ever published (the "
+                               "broker lost acknowledged versions)", step,
+                               sum(len(v) for v in touched.values()))
             for name, ids in touched.items():
                 info = self.id_maps.tables.get(name)
                 if info is None:
@@ -413,7 +465,8 @@ class IncrementalPublisher:
             chunks = encode_version(header, snap.dense, snap.sparse, self.value_type,
                                     self.max_chunk_bytes)
             offset = self.sink.send(snap.version, self.generation, chunks, self.send_timeout)
-        except (DeltaSinkError, OSError) as exc:
+        except (DeltaSinkError, OSError, KafkaException, RuntimeError) as exc:
+            # never let the sender thread die: anything the sink raises is retried
             self._status["failures"] += 1
             self._status["last_error"] = str(exc)
             self._metrics.failures.inc()
@@ -423,6 +476,13 @@ class IncrementalPublisher:
                 logger.warning("delta version %d not published (%s); retrying", snap.version,
                                exc)
             return False
+        prev = self._status["last_offset"]
+        if prev is not None and 0 <= offset <= prev:
+            self._status["delta_topic_truncations"] += 1
+            self._republish_all = True
+            logger.error("delta version %d landed at offset %d, at or below the previous "
+                         "version's offset %d: the broker lost acknowledged versions; the next "
+                         "version republishes every row", snap.version, offset, prev)
         nbytes = sum(len(c) for c in chunks)
         latency = time.monotonic() - snap.taken_at
         bpv = 2 if self.value_type == "fp16" else 4
@@ -464,8 +524,12 @@ class IncrementalPublisher:
             out = dict(self._status)
             out["backlog_versions"] = 1 if pending is not None else 0
             out["backlog_rows"] = pending.rows if pending is not None else 0
+            out["republish_pending"] = self._republish_all
             out["sending"] = self._in_flight.version if self._in_flight is not None else None
         out["snapshot_secs_total"] = round(self._snapshot_secs_total, 3)
+        sink_status = getattr(self.sink, "status", None)
+        if callable(sink_status):  # the Kafka sink: broker_error, producer_restarts
+            out.update(sink_status())
         return out
 
 

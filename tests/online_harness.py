@@ -120,11 +120,26 @@ def run_in_process(
     return trainer
 
 
-def read_ledger(path: str) -> list[str]:
+def read_ledger_entries(path: str) -> list[tuple[str, int, str]]:
+    """``(generation, step, sample_id)`` per line of a ``--sample_ledger`` file.
+
+    A line cut short by a kill (no trailing newline) is ignored: its step was never finished.
+    """
     if not os.path.exists(path):
         return []
+    out = []
     with open(path) as f:
-        return [line.rstrip("\n").split("\t")[1] for line in f if line.strip()]
+        for line in f:
+            if not line.endswith("\n") or not line.strip():
+                continue
+            gen, step, sid = line.rstrip("\n").split("\t")
+            out.append((gen, int(step), sid))
+    return out
+
+
+def read_ledger(path: str) -> list[str]:
+    """The sample ids of a ``--sample_ledger`` file, in order."""
+    return [sid for _, _, sid in read_ledger_entries(path)]
 
 
 def start_cli_trainer(config_path: str, log_path: str, *extra: str) -> subprocess.Popen:
@@ -161,4 +176,5 @@ def wait_cli_caught_up(proc: subprocess.Popen, model_dir: str, ends: dict[int, i
 
 
 __all__ = ["end_offsets", "produce", "make_records", "write_config", "run_in_process",
-           "read_ledger", "start_cli_trainer", "http_json", "wait_cli_caught_up"]
+           "read_ledger", "read_ledger_entries", "start_cli_trainer", "http_json",
+           "wait_cli_caught_up"]

@@ -24,7 +24,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -47,10 +47,24 @@ from odl.inputs.kafka_source import KafkaSource, start_positions_from_config
 from odl.models.train_module import TrainModule
 from odl.protos import pipeline_pb2
 from odl.train.batch_prefetcher import BatchPrefetcher, PreparedBatch
+from odl.train.dead_letter import DeadLetterSink
 from odl.train.progressive_metrics import ProgressiveMetrics
 from odl.train.status_app import build_status_app
 from odl.train.trainer_metrics import TrainerMetrics
-from publisher.incremental_publisher import IncrementalPublisher, build_publisher
+from publisher.delta_codec import build_id_maps
+from publisher.delta_recovery import (
+    DeltaRecoveryError,
+    RecoveredState,
+    apply_recovered_state,
+    delta_topic_end,
+    read_published_state,
+)
+from publisher.incremental_publisher import (
+    IncrementalPublisher,
+    build_publisher,
+    dense_variable_shapes,
+    published_table_dims,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +72,11 @@ STOP_SIGNAL_FILE = "OSS_STOP_SIGNAL"
 STATUS_FILE = "status.json"
 _REJECT_LOG_INTERVAL_SECS = 5.0
 _RATE_WINDOW_SECS = 5.0
+_CHECKPOINT_SYNC_SECS = 10.0
+_CHECKPOINT_RETRY_SECS = 5.0
+_PROGRESS_CACHE_SECS = 30.0
+_RECOVERY_RETRY_MAX_SECS = 30.0
+_FRESH_START_DELTA_WAIT_SECS = 10.0
 
 
 @dataclass
@@ -69,8 +88,10 @@ class TrainerOptions:
         device: "auto", "cpu" or "cuda".
         status_port: port of the status API (0 = any free port, -1 = no server).
         status_host: address of the status API.
-        sample_ledger: append "<step>\\t<sample_id>" per trained sample to this file.
+        sample_ledger: append a tab-separated ``generation step sample_id`` line per trained
+            sample to this file (flushed every step).
         continue_train: restore from model_dir's newest checkpoint when there is one.
+        auth_token: bearer token the status API requires (all but /healthz); never logged.
     """
 
     online: bool = True
@@ -79,6 +100,7 @@ class TrainerOptions:
     status_host: str = "127.0.0.1"
     sample_ledger: Optional[str] = None
     continue_train: bool = True
+    auth_token: Optional[str] = field(default=None, repr=False)
 
 
 class _RejectLog:
@@ -149,15 +171,156 @@ class Trainer:
         self._lock = threading.Lock()
         self.publisher: Optional[IncrementalPublisher] = None
         self._restored_delta_offset: Optional[int] = None
+        # (monotonic time, progress.summary()): the window AUC sorts up to
+        # metrics_window_samples predictions, too slow for every /status request
+        self._progress_cache: Optional[tuple[float, dict]] = None
+        self._restored_step: Optional[int] = None
+        self._recovery_incomplete = False
+        self.recovery: Optional[dict] = None
+        self._dead_letter: Optional[DeadLetterSink] = None
 
     # ------------------------------------------------------------------ restore
     def _restore(self) -> Optional[dict[int, int]]:
+        """Restores the newest intact checkpoint, then brings it forward to the last version.
+
+        Returns:
+            The input positions to start from (None: the config's start positions).
+        """
+        positions = self._restore_checkpoint()
+        if self._delta_topic() is not None:
+            positions = self._recover_published(positions)
+        return positions
+
+    def _delta_topic(self) -> Optional[tuple[str, str, dict[str, str]]]:
+        """``(server, topic, kafka_config)`` of the Kafka delta topic when online + publishing."""
+        tc = self.config.train_config
+        if not self.options.online or not tc.HasField("incr_save_config"):
+            return None
+        isc = tc.incr_save_config
+        if isc.WhichOneof("incr_update") != "kafka":
+            return None
+        return isc.kafka.server, isc.kafka.topic, dict(isc.kafka.kafka_config)
+
+    def _recover_published(self, positions: Optional[dict[int, int]]) -> Optional[dict[int, int]]:
+        """Replays this trainer's own delta topic onto the restored checkpoint.
+
+        Versions published after the checkpoint (by a trainer that was then killed) are
+        already in serving; the recovery point is the last COMPLETE one: its values are
+        copied onto the live tensors and its step and input positions replace the
+        checkpoint's, so no record is trained twice as serving sees it and none is skipped.
+        A version half-sent when the trainer died is ignored (serving drops it too).
+        Optimizer state (Adagrad / Adam accumulators) stays the checkpoint's.
+        """
+        delta = self._delta_topic()
+        assert delta is not None
+        server, topic, extra = delta
+        prev_state, self.state = self.state, "recovering"
+        try:
+            if self._restored_step is None:
+                # Fresh start: versions after the topic's current end are this lineage's.
+                end = self._recovery_call(lambda: delta_topic_end(server, topic, extra, 5.0),
+                                          give_up_secs=_FRESH_START_DELTA_WAIT_SECS)
+                if end is None:
+                    if not self.stop_event.is_set():
+                        logger.warning(
+                            "delta topic %s unreachable at a fresh start: no model.ckpt-0 "
+                            "recovery base; until the first checkpoint, a kill -9 may let "
+                            "serving see records twice", topic)
+                    return positions
+                self._restored_delta_offset = end
+                self.recovery = {"from_checkpoint": None, "delta_topic": topic,
+                                 "start_offset": end, "versions": 0}
+                return positions
+            start = self._restored_delta_offset
+            if start is None:
+                logger.warning("the restored checkpoint has no delta_topic_offset: versions "
+                               "published after it cannot be recovered")
+                return positions
+            restored_step = self._restored_step
+            state = self._recovery_call(lambda: read_published_state(
+                server, topic, start, extra, min_version=restored_step, stop=self.stop_event))
+            if state is None:
+                self._recovery_incomplete = True
+                return positions
+            return self._apply_recovered(state, positions)
+        finally:
+            self.state = prev_state
+
+    def _recovery_call(self, fn, give_up_secs: Optional[float] = None):  # noqa: ANN001, ANN202
+        """Calls ``fn`` until it succeeds (broker down: retry with backoff).
+
+        Returns None when a stop is requested or ``give_up_secs`` passed.
+        """
+        delay = 1.0
+        deadline = None if give_up_secs is None else time.monotonic() + give_up_secs
+        while not self.stop_event.is_set():
+            try:
+                return fn()
+            except DeltaRecoveryError as exc:
+                if self.stop_event.is_set():
+                    break
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    logger.warning("crash recovery: %s; giving up", exc)
+                    return None
+                logger.warning("crash recovery: %s; retrying in %.0fs", exc, delay)
+                self.stop_event.wait(delay)
+                delay = min(delay * 2, _RECOVERY_RETRY_MAX_SECS)
+        logger.warning("crash recovery abandoned (stop requested): no checkpoint will be written")
+        return None
+
+    def _apply_recovered(self, state: RecoveredState,
+                         positions: Optional[dict[int, int]]) -> Optional[dict[int, int]]:
+        self._restored_delta_offset = state.end_offset
+        info = {
+            "from_checkpoint": self._restored_step,
+            "delta_topic": state.topic,
+            "start_offset": state.start_offset,
+            "end_offset": state.end_offset,
+            "versions": state.versions,
+            "skipped_versions": state.skipped_versions,
+            "dropped_incomplete_versions": state.dropped_versions,
+            "rejected": dict(state.rejected),
+            "version": state.version,
+            "rows": state.rows,
+            "dense_variables": len(state.dense),
+            "seconds": round(state.seconds, 3),
+        }
+        self.recovery = info
+        if state.version is None:
+            logger.info("crash recovery: no complete version after checkpoint step %d "
+                        "(delta offsets %d..%d, %d incomplete dropped): the checkpoint is the "
+                        "recovery point", self._restored_step, state.start_offset,
+                        state.end_offset, state.dropped_versions)
+            return positions
+        id_maps = build_id_maps(dense_variable_shapes(self.module),
+                                published_table_dims(self.module))
+        apply_recovered_state(self.module.embedding_tables(), self.module.dense_parameters(),
+                              id_maps, state)
+        self.module.global_step = int(state.version)
+        recovered = state.positions_for(self.config.kafka_train_input.topic)
+        if recovered:
+            positions = recovered
+        else:
+            logger.warning("crash recovery: version %d has no positions for input topic %s; "
+                           "keeping the checkpoint's", state.version,
+                           self.config.kafka_train_input.topic)
+        logger.info(
+            "crash recovery: checkpoint step %d + %d published versions -> version %d "
+            "(generations %s): %d rows, %d dense variables; %d incomplete versions dropped; "
+            "positions %s; delta offsets %d..%d in %.2fs",
+            self._restored_step, state.versions, state.version, state.generations, state.rows,
+            len(state.dense), state.dropped_versions, positions, state.start_offset,
+            state.end_offset, state.seconds)
+        return positions
+
+    def _restore_checkpoint(self) -> Optional[dict[int, int]]:
         tc = self.config.train_config
         if self.options.continue_train:
             latest = self.checkpoints.latest()
             if latest is not None:
                 ckpt = read_checkpoint(latest)
                 self.module.load_checkpoint_state(ckpt.state)
+                self._restored_step = ckpt.global_step
                 if "delta_topic_offset" in ckpt.source:
                     self._restored_delta_offset = int(ckpt.source["delta_topic_offset"])
                 logger.info(
@@ -196,9 +359,15 @@ class Trainer:
                 self.publisher = build_publisher(
                     self.config, self.module, self.generation, self.metrics.registry,
                     start_step=self.module.global_step)
+            self._dead_letter = self._open_dead_letter()
             if self.options.sample_ledger:
                 self._ledger = open(self.options.sample_ledger, "a", buffering=1 << 16)
             self._open_input(restored_positions)
+            if (self._delta_topic() is not None and self._restored_step is None
+                    and self._restored_delta_offset is not None
+                    and not self.stop_event.is_set()):
+                # the first recovery point of a fresh start: where its versions begin
+                self._checkpoint()
             self.state = "training"
             self._loop()
         finally:
@@ -283,6 +452,14 @@ class Trainer:
                 if self._prefetcher.finished:
                     self._request_stop("end of input")
                     break
+                if (self.last_checkpoint_error is not None
+                        and self.module.global_step != self.checkpoints.last_saved_step
+                        and time.monotonic() - last_ckpt_time >= _CHECKPOINT_RETRY_SECS):
+                    # idle (no new records) after a failed checkpoint: retry without waiting
+                    # for the next due step, so health recovers once the cause is gone
+                    self._checkpoint()
+                    last_ckpt_time = time.monotonic()
+                    last_ckpt_step = self.module.global_step
                 continue
             trained = self._train_on(item)
             window_samples += trained
@@ -320,7 +497,9 @@ class Trainer:
             self.metrics.loss.set(self.last_loss)
             if self._ledger is not None and batch.sample_ids is not None:
                 step = self.module.global_step
-                self._ledger.write("".join(f"{step}\t{sid}\n" for sid in batch.sample_ids))
+                gen = self.generation
+                self._ledger.write("".join(f"{gen}\t{step}\t{sid}\n" for sid in batch.sample_ids))
+                self._ledger.flush()  # before the step can be published (crash audits)
         if len(item.raw.timestamps_ms):
             self.last_sample_time_ms = int(item.raw.timestamps_ms.max())
         with self._lock:
@@ -350,7 +529,24 @@ class Trainer:
             self.metrics.records_rejected.labels(reason=reason).inc()
             where = f"partition {int(item.raw.partitions[idx])} offset {int(item.raw.offsets[idx])}"
             self._reject_log.add(reason, where)
+            if self._dead_letter is not None and idx < len(item.raw.values):
+                self._dead_letter.send(
+                    item.raw.values[idx], reason, self.config.kafka_train_input.topic,
+                    int(item.raw.partitions[idx]), int(item.raw.offsets[idx]),
+                    int(item.raw.timestamps_ms[idx]) if len(item.raw.timestamps_ms) else 0)
         self._reject_log.maybe_log()
+
+    def _open_dead_letter(self) -> Optional[DeadLetterSink]:
+        """The dead-letter sink of ``data_config.dead_letter_topic`` (online only), or None."""
+        topic = self.config.data_config.dead_letter_topic
+        if not topic:
+            return None
+        if not self.options.online:
+            logger.warning("data_config.dead_letter_topic is ignored in offline training")
+            return None
+        ki = self.config.kafka_train_input
+        logger.info("forwarding rejected records to dead-letter topic %s", topic)
+        return DeadLetterSink(ki.server, topic, dict(ki.kafka_config), self.metrics.registry)
 
     def _update_input_state(self) -> None:
         src = self._source
@@ -367,6 +563,7 @@ class Trainer:
 
     def _log_progress(self) -> None:
         m = self.progress.summary()
+        self._progress_cache = (time.monotonic(), m)
         self.metrics.samples_per_sec.set(self.samples_per_sec)
         if m["auc"] is not None:
             self.metrics.auc.set(m["auc"])
@@ -400,6 +597,22 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoint
     def _checkpoint(self) -> bool:
+        if self._recovery_incomplete:
+            logger.warning("not checkpointing: crash recovery did not finish")
+            return False
+        if self.publisher is not None:
+            # A checkpoint must equal a fully published version (the crash-recovery point).
+            with self._lock:
+                positions = dict(self.positions)
+            # no use stalling the train loop for a delta broker known to be down
+            sync_secs = 0.0 if self._delta_broker_error() else _CHECKPOINT_SYNC_SECS
+            if not self.publisher.sync(self.module.global_step, positions, timeout=sync_secs):
+                self.metrics.checkpoint_failures.inc()
+                self.last_checkpoint_error = (
+                    f"delta version {self.module.global_step} not published: checkpoint "
+                    "skipped (a checkpoint must equal a published version)")
+                logger.warning("%s; the next checkpoint will retry", self.last_checkpoint_error)
+                return False
         prev_state = self.state
         self.state = "checkpointing"
         try:
@@ -480,6 +693,8 @@ class Trainer:
             self._source.close()
         if self._ledger is not None:
             self._ledger.close()
+        if self._dead_letter is not None:
+            self._dead_letter.close(timeout=10.0)
         self.state = "stopped"
         if self.samples_trained:
             self._log_progress()
@@ -491,7 +706,9 @@ class Trainer:
         if self.options.status_port < 0:
             return
         app = build_status_app(self, self.metrics.registry)
-        self._http = BackgroundHttpServer(app, self.options.status_host, self.options.status_port)
+        self._http = BackgroundHttpServer(app, self.options.status_host, self.options.status_port,
+                                          auth_token=self.options.auth_token,
+                                          name="odl-train status API")
         port = self._http.start()
         doc = {
             "host": self.options.status_host,
@@ -520,7 +737,11 @@ class Trainer:
                 }
         src = self._source
         return {
-            "state": self.state,
+            "state": (
+                "waiting_for_broker"
+                if self.state == "training" and src is not None and src.broker_error is not None
+                else self.state
+            ),
             "mode": "online" if self.options.online else "offline",
             "generation": self.generation,
             "pid": os.getpid(),
@@ -531,7 +752,7 @@ class Trainer:
             "records_consumed": src.records_consumed if src else self.samples_trained,
             "records_rejected": dict(self.records_rejected),
             "loss": self.last_loss,
-            "progressive": self.progress.summary(),
+            "progressive": self._progress_summary(),
             "last_checkpoint": {
                 "path": self.checkpoints.last_saved_path,
                 "step": self.checkpoints.last_saved_step,
@@ -548,7 +769,17 @@ class Trainer:
             "stop_reason": self.stop_reason,
             "device": str(self.module.device),
             "publisher": self.publisher.status() if self.publisher is not None else None,
+            "recovery": self.recovery,
+            "dead_letter": self._dead_letter.status() if self._dead_letter is not None else None,
         }
+
+    def _progress_summary(self) -> dict:
+        """Progressive metrics as of the last progress log line (recomputed when stale)."""
+        cached = self._progress_cache
+        if cached is None or time.monotonic() - cached[0] > _PROGRESS_CACHE_SECS:
+            cached = (time.monotonic(), self.progress.summary())
+            self._progress_cache = cached
+        return cached[1]
 
     def offsets(self) -> dict:
         """Trained positions served at ``/offsets``."""
@@ -560,10 +791,18 @@ class Trainer:
             "positions": {str(p): o for p, o in sorted(positions.items())},
         }
 
+    def _delta_broker_error(self) -> Optional[str]:
+        """Why the delta publisher's broker is unreachable, or None."""
+        sink = self.publisher.sink if self.publisher is not None else None
+        return getattr(sink, "broker_error", None)
+
     def health(self) -> tuple[bool, str]:
         """Healthy unless the input broker is unreachable or checkpoints fail."""
         if self._source is not None and self._source.broker_error is not None:
             return False, f"waiting_for_broker: {self._source.broker_error}"
+        delta_error = self._delta_broker_error()
+        if delta_error:
+            return False, f"waiting_for_broker (delta topic): {delta_error}"
         if self.last_checkpoint_error:
             return False, f"checkpoint failing: {self.last_checkpoint_error}"
         if self.state in ("stopped",):

@@ -1,0 +1,344 @@
+"""Crash recovery from the trainer's own delta topic: the state of the last complete version.
+
+After a SIGKILL the newest checkpoint is older than what serving may already have applied:
+versions published after the checkpoint reflect records the checkpoint's positions would
+make the trainer read again. The trainer therefore restores the checkpoint and then replays
+its own delta topic the way serving does, from the checkpoint's ``delta_topic_offset`` to
+the topic's end:
+
+* every message is decoded (``decode_chunk``); corrupt ones are counted and skipped;
+* chunks are assembled into versions (``VersionAssembler``, all-or-nothing); a version that
+  never completed (half-sent when the trainer died) is dropped and logged;
+* the complete versions' values are merged in topic order (later versions win; a version
+  carries full values, never differences), ready to be copied onto the live tensors;
+* the last complete version's header gives the global step and the input positions the
+  state covers, i.e. the recovery point.
+
+Every checkpoint the trainer writes equals a fully published version (it publishes and
+waits for the acknowledgement first), so checkpoint + these versions is exactly the model
+serving converges to. Depends on the delta codec, numpy, torch and confluent_kafka only.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+
+from odl.kafka_client import consumer_config
+from publisher.delta_codec import (
+    DeltaFormatError,
+    DeltaVersion,
+    IdMaps,
+    VersionAssembler,
+    VersionHeader,
+    decode_chunk,
+)
+
+logger = logging.getLogger(__name__)
+
+_CONSUME_BATCH = 500
+_NO_PROGRESS_SECS = 30.0
+
+
+class DeltaRecoveryError(RuntimeError):
+    """The delta topic could not be read to its end (broker unreachable, timeout)."""
+
+
+@dataclass
+class RecoveredState:
+    """What the complete versions after a start offset add up to.
+
+    Attributes:
+        topic: the delta topic.
+        start_offset: first offset read.
+        end_offset: the offset after the last message read (the topic's end when read).
+        low_watermark: the topic's first available offset when read.
+        versions: complete versions merged.
+        skipped_versions: complete versions ignored because they are not newer than
+            ``min_version`` (already in the checkpoint).
+        dropped_versions: incomplete versions dropped (half-sent when a trainer died).
+        rejected: reason -> messages / versions rejected as corrupt.
+        last_header: header of the last complete version merged (None: none).
+        dense: variable id -> float32 array, the newest value of each variable.
+        sparse: table id -> ``(ids int64 [n], values float32 [n, dim])``, newest row values.
+        generations: generations of the merged versions, in topic order.
+        seconds: time spent reading and merging.
+    """
+
+    topic: str
+    start_offset: int
+    end_offset: int
+    low_watermark: int = 0
+    versions: int = 0
+    skipped_versions: int = 0
+    dropped_versions: int = 0
+    rejected: Counter = field(default_factory=Counter)
+    last_header: Optional[VersionHeader] = None
+    dense: dict[int, np.ndarray] = field(default_factory=dict)
+    sparse: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    generations: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def version(self) -> Optional[int]:
+        """The recovered version (global step), or None when no complete version was found."""
+        return None if self.last_header is None else int(self.last_header.version)
+
+    @property
+    def rows(self) -> int:
+        """Distinct embedding rows recovered."""
+        return sum(len(ids) for ids, _ in self.sparse.values())
+
+    def positions_for(self, topic: str) -> dict[int, int]:
+        """The last version's next offset per partition of input ``topic``."""
+        if self.last_header is None:
+            return {}
+        return {int(p): int(o) for t, p, o in self.last_header.positions if t == topic}
+
+
+class _Merger:
+    """Accumulates versions; newest value per row / variable wins."""
+
+    def __init__(self) -> None:
+        self.dense: dict[int, np.ndarray] = {}
+        self.parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def add(self, version: DeltaVersion) -> None:
+        self.dense.update(version.dense)
+        for tid, part in version.sparse.items():
+            self.parts.setdefault(int(tid), []).append(part)
+
+    def sparse(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        out = {}
+        for tid, parts in self.parts.items():
+            ids = np.concatenate([p[0] for p in reversed(parts)])
+            values = np.concatenate([p[1] for p in reversed(parts)])
+            uniq, first = np.unique(ids, return_index=True)  # first = from the newest version
+            out[tid] = (uniq, values[first])
+        return out
+
+
+def delta_topic_end(server: str, topic: str, kafka_config: Optional[Mapping[str, str]] = None,
+                    timeout: float = 10.0) -> int:
+    """The delta topic's end offset (0 when the topic does not exist yet).
+
+    Raises:
+        DeltaRecoveryError: the broker did not answer.
+    """
+    consumer = Consumer(consumer_config(server, f"odl-recovery-{uuid.uuid4().hex[:8]}",
+                                        kafka_config))
+    try:
+        if not _topic_exists(consumer, topic, timeout):
+            return 0
+        _low, high = consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=timeout,
+                                                    cached=False)
+        return int(high)
+    except KafkaException as exc:
+        raise DeltaRecoveryError(f"delta topic {topic} @ {server}: {exc}") from exc
+    finally:
+        consumer.close()
+
+
+def _topic_exists(consumer: Consumer, topic: str, timeout: float) -> bool:
+    # Lists all topics: asking for one by name can auto-create it with default settings.
+    md = consumer.list_topics(timeout=timeout)
+    tmd = md.topics.get(topic)
+    return tmd is not None and tmd.error is None and bool(tmd.partitions)
+
+
+def read_published_state(
+    server: str,
+    topic: str,
+    start_offset: int,
+    kafka_config: Optional[Mapping[str, str]] = None,
+    min_version: Optional[int] = None,
+    stop: Optional[threading.Event] = None,
+    timeout: float = _NO_PROGRESS_SECS,
+    max_message_bytes: int = 64 << 20,
+) -> RecoveredState:
+    """Reads the delta topic from ``start_offset`` to its end and merges the complete versions.
+
+    Args:
+        server: bootstrap servers of the delta topic.
+        topic: the delta topic (one partition).
+        start_offset: where to start (a checkpoint's ``delta_topic_offset``).
+        kafka_config: extra librdkafka settings (SASL/SSL).
+        min_version: complete versions at or below this step are ignored (the checkpoint
+            already holds newer values); None = keep all.
+        stop: set to abandon the read (raises ``DeltaRecoveryError``).
+        timeout: seconds without progress before giving up.
+        max_message_bytes: largest delta message accepted by the decoder.
+
+    Returns:
+        The merged state of the complete versions (empty when there are none).
+
+    Raises:
+        DeltaRecoveryError: the broker is unreachable or the read made no progress.
+    """
+    t0 = time.monotonic()
+    consumer = Consumer(consumer_config(server, f"odl-recovery-{uuid.uuid4().hex[:8]}",
+                                        kafka_config))
+    state = RecoveredState(topic=topic, start_offset=int(start_offset),
+                           end_offset=int(start_offset))
+    try:
+        try:
+            if not _topic_exists(consumer, topic, timeout):
+                logger.info("delta topic %s does not exist yet: nothing to recover", topic)
+                state.seconds = time.monotonic() - t0
+                return state
+            tp = TopicPartition(topic, 0)
+            low, high = consumer.get_watermark_offsets(tp, timeout=timeout, cached=False)
+        except KafkaException as exc:
+            raise DeltaRecoveryError(f"delta topic {topic} @ {server}: {exc}") from exc
+        state.low_watermark = int(low)
+        if start_offset < low:
+            logger.error("delta topic %s starts at offset %d but recovery needs %d (retention "
+                         "removed versions): the versions in between cannot be recovered",
+                         topic, low, start_offset)
+        begin = max(int(start_offset), int(low))
+        if high <= begin:
+            if high < start_offset:
+                logger.warning("delta topic %s ends at %d, before the checkpoint's offset %d "
+                               "(topic recreated?): nothing to recover", topic, high,
+                               start_offset)
+            state.end_offset = max(int(start_offset), int(high))
+            state.seconds = time.monotonic() - t0
+            return state
+        _consume(consumer, topic, begin, int(high), state, min_version, stop, timeout,
+                 max_message_bytes)
+    finally:
+        consumer.close()
+    state.seconds = time.monotonic() - t0
+    return state
+
+
+def _consume(consumer: Consumer, topic: str, begin: int, high: int, state: RecoveredState,
+             min_version: Optional[int], stop: Optional[threading.Event], timeout: float,
+             max_message_bytes: int) -> None:
+    assembler = VersionAssembler(max_pending_versions=1 << 20, max_pending_bytes=1 << 62)
+    merger = _Merger()
+    consumer.assign([TopicPartition(topic, 0, begin)])
+    next_offset = begin
+    last_progress = time.monotonic()
+    while next_offset < high:
+        if stop is not None and stop.is_set():
+            raise DeltaRecoveryError("stopped while reading the delta topic")
+        try:
+            msgs = consumer.consume(num_messages=_CONSUME_BATCH, timeout=0.2)
+        except KafkaException as exc:
+            raise DeltaRecoveryError(f"reading delta topic {topic}: {exc}") from exc
+        if not msgs:
+            if time.monotonic() - last_progress > timeout:
+                raise DeltaRecoveryError(f"no progress reading delta topic {topic} at offset "
+                                         f"{next_offset} (end {high}) for {timeout:.0f}s")
+            continue
+        last_progress = time.monotonic()
+        for msg in msgs:
+            err = msg.error()
+            if err is not None:
+                if err.code() != KafkaError._PARTITION_EOF:
+                    logger.warning("delta recovery: consumer error %s", err.str())
+                continue
+            offset = int(msg.offset())
+            if offset >= high:
+                continue
+            next_offset = max(next_offset, offset + 1)
+            _handle(msg.value() or b"", offset, assembler, merger, state, min_version,
+                    max_message_bytes)
+    state.end_offset = next_offset
+    pending = assembler.pending_versions
+    state.dropped_versions = assembler.dropped_versions + pending
+    if pending:
+        logger.warning("delta recovery: %d incomplete version(s) at the end of %s (half-sent "
+                       "when the trainer stopped) ignored", pending, topic)
+    state.dense = merger.dense
+    state.sparse = merger.sparse()
+
+
+def _handle(data: bytes, offset: int, assembler: VersionAssembler, merger: _Merger,
+            state: RecoveredState, min_version: Optional[int], max_bytes: int) -> None:
+    try:
+        if not data:
+            raise DeltaFormatError("empty", "empty message")
+        version = assembler.add(decode_chunk(data, max_bytes=max_bytes))
+    except DeltaFormatError as exc:
+        state.rejected[exc.reason] += 1
+        logger.warning("delta recovery: rejected message at offset %d: %s", offset, exc)
+        return
+    if version is None:
+        return
+    h = version.header
+    if min_version is not None and h.version <= min_version:
+        state.skipped_versions += 1
+        logger.info("delta recovery: version %d (%s) is not newer than the checkpoint (%d): "
+                    "skipped", h.version, h.generation, min_version)
+        return
+    merger.add(version)
+    state.versions += 1
+    state.last_header = h
+    if not state.generations or state.generations[-1] != h.generation:
+        state.generations.append(h.generation)
+
+
+@torch.no_grad()
+def apply_recovered_state(tables: Mapping[str, torch.Tensor],
+                          dense: Mapping[str, torch.Tensor], id_maps: IdMaps,
+                          state: RecoveredState) -> int:
+    """Copies the recovered rows and variables onto live tensors (checks everything first).
+
+    Args:
+        tables: table name -> live weight tensor (``TrainModule.embedding_tables()``).
+        dense: dense variable name -> live tensor (``TrainModule.dense_parameters()``).
+        id_maps: the ids the versions use (as the publisher assigns them).
+        state: what ``read_published_state`` returned.
+
+    Returns:
+        Embedding rows copied.
+
+    Raises:
+        ValueError: a version does not fit the model (unknown id, shape, row out of range);
+            nothing was modified.
+    """
+    table_names = id_maps.table_names()
+    dense_names = id_maps.dense_names()
+    plan: list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]] = []
+    for vid, arr in state.dense.items():
+        name = dense_names.get(int(vid))
+        if name is None or name not in dense:
+            raise ValueError(f"recovered dense variable id {vid} is not in the model")
+        t = dense[name]
+        if tuple(arr.shape) != tuple(t.shape):
+            raise ValueError(f"recovered {name} has shape {tuple(arr.shape)}, model "
+                             f"{tuple(t.shape)}")
+        plan.append((t, None, torch.from_numpy(np.ascontiguousarray(arr))))
+    for tid, (ids, values) in state.sparse.items():
+        name = table_names.get(int(tid))
+        if name is None or name not in tables:
+            raise ValueError(f"recovered table id {tid} is not in the model")
+        w = tables[name]
+        dim = int(values.shape[1])
+        if dim > w.shape[1] or (len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0])):
+            raise ValueError(f"recovered rows of table {name} do not fit its shape "
+                             f"{tuple(w.shape)}")
+        plan.append((w[:, :dim] if dim < w.shape[1] else w,
+                     torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)),
+                     torch.from_numpy(np.ascontiguousarray(values))))
+    rows = 0
+    for t, ids, values in plan:
+        values = values.to(device=t.device, dtype=t.dtype)
+        if ids is None:
+            t.copy_(values)
+        else:
+            t[ids.to(t.device)] = values
+            rows += int(ids.shape[0])
+    return rows
