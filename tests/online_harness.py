@@ -15,10 +15,10 @@ from confluent_kafka import Producer
 
 from odl.broker.topic_admin import end_offsets
 from odl.config.pipeline_config import load_pipeline_config, validate_pipeline_config
+from odl.datagen.datagen_config import deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
 from odl.kafka_client import producer_config
 from odl.train.trainer import Trainer, TrainerOptions
-from odl.datagen.datagen_config import deepfm_config_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,7 +96,10 @@ def run_in_process(
     config = load_pipeline_config(config_path, json.dumps(edits) if edits else None)
     validate_pipeline_config(config, online=True)
     trainer = Trainer(
-        config, TrainerOptions(online=True, device="cpu", status_port=status_port, sample_ledger=ledger)
+        config,
+        TrainerOptions(
+            online=True, device="cpu", status_port=status_port, sample_ledger=ledger
+        ),
     )
     done = threading.Event()
 
@@ -104,7 +107,8 @@ def run_in_process(
         deadline = time.time() + timeout
         while time.time() < deadline and not done.is_set():
             pos = dict(trainer.positions)
-            if trainer.state == "training" and pos and all(pos.get(p, 0) >= e for p, e in ends.items()):
+            caught_up = pos and all(pos.get(p, 0) >= e for p, e in ends.items())
+            if trainer.state == "training" and caught_up:
                 trainer.request_stop("test: caught up")
                 return
             time.sleep(0.05)

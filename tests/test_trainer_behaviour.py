@@ -177,6 +177,8 @@ def test_progressive_auc_reaches_90_percent_of_oracle(
     edits = {
         "kafka_train_input.server": kafka_bootstrap,
         "kafka_train_input.topic": topic,
+        "train_config.incr_save_config.kafka.server": kafka_bootstrap,
+        "train_config.incr_save_config.kafka.topic": f"{topic}-deltas",
         "model_dir": str(tmp_path / "model_dir"),
         "train_config.save_checkpoints_steps": 0,
         "train_config.metrics_window_samples": 30_000,

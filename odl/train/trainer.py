@@ -344,7 +344,9 @@ class Trainer:
         if tc.fine_tune_checkpoint:
             path = resolve_checkpoint_path(tc.fine_tune_checkpoint)
             ckpt = read_checkpoint(path)
-            var_map = _read_var_map(tc.fine_tune_ckpt_var_map) if tc.fine_tune_ckpt_var_map else None
+            var_map = (
+                _read_var_map(tc.fine_tune_ckpt_var_map) if tc.fine_tune_ckpt_var_map else None
+            )
             report = self.module.load_parameters(ckpt.state["model"], var_map)
             logger.info("warm-started parameters from %s: %s", path, report)
         return None
@@ -470,9 +472,10 @@ class Trainer:
                 window_start, window_samples = time.monotonic(), 0
             if trained and step % log_every == 0:
                 self._log_progress()
-            due_steps = tc.save_checkpoints_steps and step - last_ckpt_step >= tc.save_checkpoints_steps
+            every_steps, every_secs = tc.save_checkpoints_steps, tc.save_checkpoints_secs
+            due_steps = every_steps and step - last_ckpt_step >= every_steps
             due_secs = (
-                tc.save_checkpoints_secs and time.monotonic() - last_ckpt_time >= tc.save_checkpoints_secs
+                every_secs and time.monotonic() - last_ckpt_time >= every_secs
             )
             if (due_steps or due_secs) and step != last_ckpt_step:
                 self._checkpoint()
