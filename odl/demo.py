@@ -4,7 +4,7 @@
 2. trains a TorchRec DeepFM on them with ``odl-train --online``
    (samples/deepfm_online.config), publishing changed rows every 5 steps to a delta topic,
    and prints the trainer's ``/status`` every 10 s;
-3. exports the first checkpoint with ``odl-export`` and starts ``odl-serve`` on it, which
+3. exports the newest checkpoint with ``odl-export`` and starts ``odl-serve`` on it, which
    replays the delta topic and follows the trainer (its ``/status`` is printed too);
 4. stops the trainer with ``OSS_STOP_SIGNAL``, waits until serving has applied the trainer's
    last version and compares serving's ``/predict`` with the trainer's own model at that step;
@@ -95,6 +95,7 @@ def _start_trainer(bootstrap: str, model_dir: str, log) -> subprocess.Popen:
         "model_dir": model_dir,
         "train_config.incr_save_config.kafka.server": bootstrap,
         "train_config.save_checkpoints_steps": 30,
+        "train_config.keep_checkpoint_max": 10,
     })
     cmd = _py("odl.cli.train_cli", "--pipeline_config_path", CONFIG, "--online",
               "--edit_config_json", edits, "--status_port", "0")
@@ -199,11 +200,11 @@ def main(argv: Optional[list[str]] = None) -> int:
             if st:
                 _show_trainer(st)
             if serve_url is None and os.path.isdir(model_dir) and _checkpoints(model_dir):
-                first = _checkpoints(model_dir)[0]
-                _say(f"exporting {first} with odl-export and starting odl-serve on it")
+                newest = _checkpoints(model_dir)[-1]
+                _say(f"exporting {newest} with odl-export and starting odl-serve on it")
                 subprocess.run(
                     _py("odl.cli.export_cli", "--pipeline_config_path", CONFIG,
-                        "--checkpoint_path", os.path.join(model_dir, first),
+                        "--checkpoint_path", os.path.join(model_dir, newest),
                         "--export_dir", export_dir, "--log_level", "WARNING"),
                     check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                 )
