@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from odl.config.pipeline_config import load_pipeline_config
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
+from odl.file_digest import sha256_file
 from odl.protos import pipeline_pb2
 from publisher.delta_codec import DeltaVersion, IdMaps, read_id_maps
 
@@ -96,16 +97,6 @@ def find_latest_export(export_dir: str) -> str:
         raise ExportLoadError(f"no complete export (a <unix-seconds>/ dir with DONE) in "
                               f"{export_dir}")
     return max(found)[1]
-
-
-def _sha256(path: str) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 @dataclass
@@ -458,7 +449,7 @@ def _load_tables(emb_dir: str, verify: bool,
             fp = os.path.join(emb_dir, name, part["file"])
             if not os.path.isfile(fp):
                 raise ExportLoadError(f"table {name}: {fp} is missing")
-            if verify and _sha256(fp) != part["sha256"]:
+            if verify and sha256_file(fp) != part["sha256"]:
                 raise ExportLoadError(f"table {name}: {fp} does not match its sha256")
             arr = np.load(fp, allow_pickle=False)
             start, n = int(part["start_id"]), int(part["rows"])

@@ -22,7 +22,6 @@ loader warns and falls back to the previous one.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -33,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+
+from odl.file_digest import sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -69,14 +70,6 @@ class LoadedCheckpoint:
     positions: dict[int, int]
     source: dict
     manifest: dict
-
-
-def _sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:
@@ -141,7 +134,7 @@ def verify_checkpoint(path: str) -> Optional[str]:
             return f"{name} is missing"
         if os.path.getsize(fp) != info["bytes"]:
             return f"{name} has {os.path.getsize(fp)} bytes, manifest says {info['bytes']}"
-        if _sha256(fp) != info["sha256"]:
+        if sha256_file(fp) != info["sha256"]:
             return f"{name} does not match its checksum"
     return None
 
@@ -271,7 +264,7 @@ class CheckpointManager:
             files = {}
             for name in (MODEL_FILE, POSITIONS_FILE, CONFIG_FILE):
                 fp = os.path.join(tmp, name)
-                files[name] = {"bytes": os.path.getsize(fp), "sha256": _sha256(fp)}
+                files[name] = {"bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}
             manifest = {
                 "format": 1,
                 "global_step": int(global_step),

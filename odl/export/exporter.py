@@ -60,7 +60,6 @@ else ``positions.json`` keys ``"delta_server"`` / ``"delta_topic"``, else
 from __future__ import annotations
 
 import copy
-import hashlib
 import json
 import logging
 import os
@@ -77,6 +76,7 @@ from torch import nn
 from odl.checkpoint.checkpoint_manager import read_checkpoint, resolve_checkpoint_path
 from odl.config.pipeline_config import config_to_text
 from odl.features.feature_builder import FeatureBuilder
+from odl.file_digest import sha256_file
 from odl.models.deepfm import DeepFM, DeepFMDense
 from odl.models.embedding_tables import WIDE_SUFFIX
 from odl.models.model_factory import build_model
@@ -226,15 +226,6 @@ class ExportResult:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def sha256_file(path: str) -> str:
-    """Hex SHA-256 of a file."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _write_bytes(path: str, data: bytes) -> None:
