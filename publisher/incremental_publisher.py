@@ -358,6 +358,24 @@ class IncrementalPublisher:
         self._snapshot(step, positions, dense=dense_due, sparse=sparse_due)
         return True
 
+    def publish_if_behind(self, step: int, positions: Mapping[int, int]) -> bool:
+        """Publishes the current state when steps were trained since the last version.
+
+        The trainer calls this when its input is idle: steps-based publishing alone would
+        hold back the last steps of a burst until more data arrives.
+
+        Args:
+            step: the current global step.
+            positions: next offset per input partition.
+
+        Returns:
+            True when a version was snapshotted and queued.
+        """
+        if step == self._last_version:
+            return False
+        self._snapshot(step, positions, dense=True, sparse=True)
+        return True
+
     @torch.no_grad()
     def _snapshot(self, step: int, positions: Mapping[int, int], dense: bool,
                   sparse: bool) -> None:

@@ -129,3 +129,43 @@ def test_fs_sink_writes_the_same_versions_as_kafka(
     assert len(versions) >= 2
     assert versions == sorted(versions)
     assert versions[-1] == trainer.module.global_step
+
+
+def test_idle_input_publishes_the_last_steps(kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """Steps-based publishing alone would hold back the tail of a burst until more data came."""
+    import threading
+
+    from odl.config.pipeline_config import validate_pipeline_config
+    from odl.train.trainer import Trainer, TrainerOptions
+
+    topic = kafka_topic_factory(partitions=PARTS)
+    produce(kafka_bootstrap, topic, SyntheticCtrStream(seed=42).next_batch(700).encode("csv"),
+            PARTS)
+    ends = end_offsets(kafka_bootstrap, topic)
+    delta_topic = f"odl-deltas-idle-{os.getpid()}-{time.time_ns()}"
+    incr = _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}").replace(
+        "sparse_save_steps: 3 dense_save_steps: 3",
+        "sparse_save_steps: 1000 dense_save_steps: 1000",
+    )
+    cfg = write_config(tmp_path, kafka_bootstrap, topic, batch_size=100, extra_train=incr)
+    config = load_pipeline_config(cfg)
+    validate_pipeline_config(config, online=True)
+    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
+    runner = threading.Thread(target=trainer.run, daemon=True)
+    runner.start()
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            pos = dict(trainer.positions)
+            published = (trainer.publisher.status().get("last_version")
+                         if trainer.publisher is not None else None)
+            if pos == ends and published == trainer.module.global_step:
+                break
+            time.sleep(0.1)
+        assert dict(trainer.positions) == ends
+        # the whole burst is published while the trainer keeps running, not only at its stop
+        assert trainer.publisher.status()["last_version"] == trainer.module.global_step
+        assert trainer.state == "training"
+    finally:
+        trainer.request_stop("test done")
+        runner.join(60)

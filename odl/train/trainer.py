@@ -454,6 +454,10 @@ class Trainer:
                 if self._prefetcher.finished:
                     self._request_stop("end of input")
                     break
+                if self.publisher is not None:  # idle input: publish the last steps now
+                    with self._lock:
+                        positions = dict(self.positions)
+                    self.publisher.publish_if_behind(self.module.global_step, positions)
                 if (self.last_checkpoint_error is not None
                         and self.module.global_step != self.checkpoints.last_saved_step
                         and time.monotonic() - last_ckpt_time >= _CHECKPOINT_RETRY_SECS):
@@ -687,9 +691,9 @@ class Trainer:
         if self.publisher is not None:  # first, so the final checkpoint covers the last version
             self.publisher.flush(timeout=30.0, step=self.module.global_step,
                                  positions=dict(self.positions))
-        if self.module.global_step != self.checkpoints.last_saved_step and (
-            self.samples_trained or self.checkpoints.last_saved_step is None
-        ):
+        # one more checkpoint on every clean stop, also when the state was only brought
+        # forward by crash recovery (nothing trained in this run, but a newer step)
+        if self.module.global_step != self.checkpoints.last_saved_step:
             self._checkpoint()
         if self._source is not None:
             self._source.commit_now(self.positions)
