@@ -61,7 +61,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
@@ -71,6 +70,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
+from bench.train_throughput import measure_trainer_rate  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.checkpoint.checkpoint_manager import (  # noqa: E402
@@ -201,26 +201,9 @@ def rate_run(text: str, steps: int, warmup: int, max_seconds: float) -> float:
     (in process, like train_throughput)."""
     config = parse_pipeline_config_text(text)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
-    marks: dict[str, tuple[float, int]] = {}
-
-    def watch() -> None:
-        while True:
-            step = trainer.module.global_step
-            if "start" not in marks and step >= warmup:
-                marks["start"] = (time.perf_counter(), trainer.samples_trained)
-            late = "start" in marks and time.perf_counter() - marks["start"][0] > max_seconds
-            if step >= steps or late:
-                marks["end"] = (time.perf_counter(), trainer.samples_trained)
-                trainer.request_stop("benchmark done")
-                return
-            if trainer.stop_event.is_set():
-                return
-            time.sleep(0.002)
-
-    threading.Thread(target=watch, daemon=True).start()
-    trainer.run()
-    (t0, s0), (t1, s1) = marks["start"], marks["end"]
-    return (s1 - s0) / (t1 - t0)
+    return measure_trainer_rate(
+        trainer, warmup, lambda step, secs: step >= steps or secs > max_seconds
+    )
 
 
 def main() -> int:

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -82,8 +83,18 @@ def time_steps(step, batches, warmup: int) -> float:
     return (len(batches) - warmup) * BATCH / (time.perf_counter() - t0)
 
 
-def online_rate(config, ends: dict[int, int], warmup: int) -> float:
-    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
+def measure_trainer_rate(trainer: Trainer, warmup: int,
+                         done: Callable[[int, float], bool]) -> float:
+    """Runs ``trainer``; samples/s from global step ``warmup`` until ``done`` says stop.
+
+    Args:
+        trainer: a trainer, not started.
+        warmup: steps excluded from the measurement.
+        done: ``done(step, seconds_since_warmup)``; True ends the measurement and the run.
+
+    Returns:
+        Samples trained per second between the two marks.
+    """
     marks: dict[str, tuple[float, int]] = {}
 
     def watch() -> None:
@@ -91,8 +102,8 @@ def online_rate(config, ends: dict[int, int], warmup: int) -> float:
             step, samples = trainer.module.global_step, trainer.samples_trained
             if "start" not in marks and step >= warmup:
                 marks["start"] = (time.perf_counter(), samples)
-            pos = dict(trainer.positions)
-            if pos and all(pos.get(p, 0) >= e for p, e in ends.items()) and step > warmup:
+            since = time.perf_counter() - marks["start"][0] if "start" in marks else 0.0
+            if ("start" in marks and done(step, since)) or trainer.stop_event.is_set():
                 marks["end"] = (time.perf_counter(), trainer.samples_trained)
                 trainer.request_stop("benchmark done")
                 return
@@ -102,6 +113,16 @@ def online_rate(config, ends: dict[int, int], warmup: int) -> float:
     trainer.run()
     (t0, s0), (t1, s1) = marks["start"], marks["end"]
     return (s1 - s0) / (t1 - t0)
+
+
+def online_rate(config, ends: dict[int, int], warmup: int) -> float:
+    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
+
+    def caught_up(step: int, _secs: float) -> bool:
+        pos = dict(trainer.positions)
+        return bool(pos) and all(pos.get(p, 0) >= e for p, e in ends.items()) and step > warmup
+
+    return measure_trainer_rate(trainer, warmup, caught_up)
 
 
 def main() -> int:
