@@ -133,8 +133,26 @@ class DenseSlice:
     values: np.ndarray
 
 
+class _HeaderFieldsAndRows:
+    """Shared by chunks and versions: header fields readable directly, and a row count."""
+
+    header: VersionHeader
+    sparse: dict[int, tuple[np.ndarray, np.ndarray]]
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for attributes not found normally: expose the header's fields.
+        if name == "header":
+            raise AttributeError(name)
+        return getattr(self.header, name)
+
+    @property
+    def num_rows(self) -> int:
+        """Embedding rows carried."""
+        return sum(len(ids) for ids, _ in self.sparse.values())
+
+
 @dataclass
-class DecodedChunk:
+class DecodedChunk(_HeaderFieldsAndRows):
     """One validated chunk. Header fields are also readable directly (``chunk.version``).
 
     Attributes:
@@ -161,20 +179,10 @@ class DecodedChunk:
     sparse: dict[int, tuple[np.ndarray, np.ndarray]]
     nbytes: int
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for attributes not found normally: expose the header's fields.
-        if name == "header":
-            raise AttributeError(name)
-        return getattr(self.header, name)
-
-    @property
-    def num_rows(self) -> int:
-        """Embedding rows in this chunk."""
-        return sum(len(ids) for ids, _ in self.sparse.values())
 
 
 @dataclass
-class DeltaVersion:
+class DeltaVersion(_HeaderFieldsAndRows):
     """A complete version (all chunks merged).
 
     Attributes:
@@ -193,15 +201,6 @@ class DeltaVersion:
     chunk_count: int
     nbytes: int
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "header":
-            raise AttributeError(name)
-        return getattr(self.header, name)
-
-    @property
-    def num_rows(self) -> int:
-        """Embedding rows in the version."""
-        return sum(len(ids) for ids, _ in self.sparse.values())
 
 
 # ----------------------------------------------------------------------------- encoding
