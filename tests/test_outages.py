@@ -360,6 +360,8 @@ def test_slow_delta_sink_merges_versions_with_bounded_backlog(kafka_bootstrap, k
     ledger = str(tmp_path / "ledger.tsv")
     trainer = _TrainerThread(cfg, ledger)
     t = trainer.trainer
+    # the status API comes up before restore; the publisher is built right after it
+    _wait(lambda: t.publisher is not None, 60, "the trainer to build its publisher")
     assert isinstance(t.publisher.sink, SlowKafkaSink)
     service = None
     try:
