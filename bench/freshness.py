@@ -56,6 +56,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -67,6 +68,7 @@ import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+import psutil  # noqa: E402
 import torch  # noqa: E402
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
@@ -196,6 +198,18 @@ def freshness(log: list[dict], ts: dict[int, np.ndarray], t_from: float, t_to: f
     }
 
 
+def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
+    """user + system CPU seconds so far of each process (and its children)."""
+    out = {}
+    for name, proc in procs.items():
+        try:
+            t = proc.cpu_times()
+            out[name] = t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            out[name] = float("nan")
+    return out
+
+
 def rate_run(text: str, steps: int, warmup: int, max_seconds: float) -> float:
     """Trainer samples/s from step ``warmup`` to ``steps`` or ``max_seconds`` after it
     (in process, like train_throughput)."""
@@ -225,6 +239,8 @@ def main() -> int:
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads of trainer and serving (0 = torch's default)")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the work directory (broker data, model dirs, logs)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     global CHILD_ENV
@@ -300,7 +316,14 @@ def main() -> int:
         gen_start = time.time()
         gen = datagen(bs, "--rate", str(args.rate), "--seconds", str(args.seconds))
         samples_log: list[tuple[float, int, int]] = []  # (time, samples_trained, lag)
+        procs = {"broker": psutil.Process(broker.pid), "datagen": psutil.Process(gen.pid),
+                 "trainer": psutil.Process(tb.pid), "serving (bench process)": psutil.Process()}
+        cpu_from = cpu_to = None
         while gen.poll() is None:
+            if cpu_from is None and time.time() >= gen_start + args.warmup:
+                cpu_from = (time.time(), cpu_seconds(procs))
+            if cpu_from is not None:
+                cpu_to = (time.time(), cpu_seconds(procs))
             st = trainer_status(model_dir)
             if st:
                 lag = sum((p.get("lag") or 0) for p in st["input"]["partitions"].values())
@@ -349,6 +372,10 @@ def main() -> int:
     floor_sparse = sum(v["floor_sparse"] for v in window)
     floor = floor_sparse + 4 * sum(v["dense_floats"] for v in window)
     pub = final_status.get("publisher") or {}
+    cpu_cores = None
+    if cpu_from is not None and cpu_to is not None and cpu_to[0] > cpu_from[0]:
+        span = cpu_to[0] - cpu_from[0]
+        cpu_cores = {k: round((cpu_to[1][k] - cpu_from[1][k]) / span, 2) for k in cpu_from[1]}
     result = {
         "rate_target": args.rate,
         "datagen": {"produced": gen_summary["produced"], "seconds": gen_summary["seconds"],
@@ -373,6 +400,9 @@ def main() -> int:
         "serving": {k: serving_status.get(k) for k in ("versions_applied", "rows_applied",
                                                        "rejected_messages")},
         "publishing_cost": None,
+        "cpu_cores_window": cpu_cores,
+        "timeline": [[round(t - gen_start, 1), n, lag] for t, n, lag in samples_log],
+        "cpu_count": os.cpu_count(),
         "load_average": {"before": [round(x, 2) for x in load_before],
                          "after_stream": [round(x, 2) for x in load_after_stream]},
         "torch_threads": args.torch_threads or torch.get_num_threads(),
@@ -388,6 +418,9 @@ def main() -> int:
                                      "batches": args.rate_batches, "rounds": args.rate_rounds}
     print(json.dumps(result, indent=1))
     lat = fresh["latency_s"]
+    if cpu_cores:
+        print("CPU in the window (cores): " + ", ".join(f"{k} {v}" for k, v in cpu_cores.items())
+              + f" of {os.cpu_count()}")
     achieved = result["datagen"]["samples_per_sec"]
     print(f"stream: {achieved:,} samples/s produced (asked {args.rate:,.0f}), trainer "
           f"{result['trainer_samples_per_sec_window'] or 0:,} samples/s in the window, max lag "
@@ -408,6 +441,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if not args.keep:  # broker data and checkpoints: gigabytes per run
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -38,6 +38,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -267,6 +268,8 @@ def main() -> int:
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads of serving (0 = odl-serve's auto rule)")
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the work directory (broker data, model dirs, logs)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     configure_torch_threads(args.torch_threads)  # as odl-serve does
@@ -352,6 +355,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if not args.keep:  # broker data and checkpoints: gigabytes per run
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -23,6 +23,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -131,6 +132,8 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=10, help="steps excluded from timing")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--keep", action="store_true",
+                    help="keep the work directory (broker data, model dirs, logs)")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads for all three (0 = odl's auto: half the CPUs)")
     args = ap.parse_args()
@@ -179,6 +182,8 @@ def main() -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    if not args.keep:  # broker data and checkpoints: gigabytes per run
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

@@ -115,6 +115,7 @@ class ServingService:
         kafka_extra: extra librdkafka settings for the delta consumer.
         server_override: delta bootstrap servers instead of ``kafka.txt``'s.
         verify: check embedding shard checksums at load.
+        fetch_interval_ms: delta consumer fetch pacing (0 = librdkafka's own).
     """
 
     def __init__(
@@ -124,6 +125,7 @@ class ServingService:
         kafka_extra: Optional[Mapping[str, str]] = None,
         server_override: str = "",
         verify: bool = True,
+        fetch_interval_ms: int = 10,
     ) -> None:
         self.started = time.time()
         self.metrics = ServingMetrics()
@@ -134,7 +136,8 @@ class ServingService:
             self.source.server = server_override
         self.replayer: Optional[DeltaReplayer] = None
         if replay and self.source.topic and self.source.server:
-            self.replayer = DeltaReplayer(self.model, self.source, self.metrics, kafka_extra)
+            self.replayer = DeltaReplayer(self.model, self.source, self.metrics, kafka_extra,
+                                          fetch_interval_ms=fetch_interval_ms)
         elif replay:
             logger.warning("kafka.txt of %s names no delta topic: serving the base only",
                            self.model.path)

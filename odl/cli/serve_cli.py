@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kafka_server", default="", help="delta servers instead of kafka.txt's")
     p.add_argument("--kafka_config", default="",
                    help='extra librdkafka settings as JSON, e.g. {"security.protocol": "SSL"}')
+    p.add_argument(
+        "--fetch_interval_ms", type=int, default=10,
+        help="delta consumer fetch pacing: refetch at most this often while messages are "
+             "queued; 0 = librdkafka's own pacing",
+    )
     p.add_argument("--no_verify", action="store_true",
                    help="skip checking the embedding shards' sha256 at load")
     p.add_argument(
@@ -78,7 +83,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     try:
         service = ServingService(args.export_dir, replay=not args.no_replay, kafka_extra=extra,
-                                 server_override=args.kafka_server, verify=not args.no_verify)
+                                 server_override=args.kafka_server, verify=not args.no_verify,
+                                 fetch_interval_ms=max(0, args.fetch_interval_ms))
     except (ExportLoadError, ConfigError) as exc:
         print(f"odl-serve: {exc}", file=sys.stderr)
         return 2

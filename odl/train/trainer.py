@@ -393,6 +393,7 @@ class Trainer:
                 start=start,
                 batch_size=dc.batch_size,
                 batch_timeout_ms=dc.batch_timeout_ms,
+                fetch_interval_ms=dc.fetch_interval_ms,
                 kafka_config=dict(ki.kafka_config),
             )
             self.state = "waiting_for_topic"
