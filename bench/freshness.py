@@ -319,6 +319,7 @@ def main() -> int:
         procs = {"broker": psutil.Process(broker.pid), "datagen": psutil.Process(gen.pid),
                  "trainer": psutil.Process(tb.pid), "serving (bench process)": psutil.Process()}
         cpu_from = cpu_to = None
+        cpu_log: list[tuple[float, dict[str, float]]] = []
         while gen.poll() is None:
             if cpu_from is None and time.time() >= gen_start + args.warmup:
                 cpu_from = (time.time(), cpu_seconds(procs))
@@ -328,6 +329,7 @@ def main() -> int:
             if st:
                 lag = sum((p.get("lag") or 0) for p in st["input"]["partitions"].values())
                 samples_log.append((time.time(), st["samples_trained"], lag))
+                cpu_log.append((time.time(), cpu_seconds(procs)))
             time.sleep(1.0)
         gen_end = time.time()
         gen_summary = json.loads(gen.stdout.read().strip().splitlines()[-1])
@@ -401,7 +403,14 @@ def main() -> int:
                                                        "rejected_messages")},
         "publishing_cost": None,
         "cpu_cores_window": cpu_cores,
-        "timeline": [[round(t - gen_start, 1), n, lag] for t, n, lag in samples_log],
+        # per status poll: seconds into the stream, samples trained, lag, CPU cores per
+        # process since the previous poll
+        "timeline": [
+            [round(t - gen_start, 1), n, lag] + (
+                [round((c[k] - cpu_log[i - 1][1][k]) / (c_t - cpu_log[i - 1][0]), 2) for k in c]
+                if i else [])
+            for i, ((t, n, lag), (c_t, c)) in enumerate(zip(samples_log, cpu_log, strict=True))],
+        "timeline_columns": ["seconds", "samples_trained", "lag"] + list(procs),
         "cpu_count": os.cpu_count(),
         "load_average": {"before": [round(x, 2) for x in load_before],
                          "after_stream": [round(x, 2) for x in load_after_stream]},

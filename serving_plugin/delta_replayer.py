@@ -21,8 +21,13 @@ Fetch pacing (``fetch_interval_ms``, default 10; 0 = librdkafka's own): as in th
 ``odl.inputs.kafka_source``, the delta partition is refetched only once its local queue is
 empty or every interval while messages are queued, the thread takes what is queued and
 waits one interval when that was less than a full read, and one fetch may carry 16 MiB.
-Adds at most about two intervals to a version's apply time; saves the CPU that a consumer
-polling a broker without fetch long-polling would burn.
+Versions arrive in bursts (one every few train steps), so the replayer is mostly caught up:
+then it *parks*: it pauses the partition (nothing fetched is pending, so the pause drops
+nothing) and asks for the log end (one ListOffsets request) every interval, resuming when the
+end moves away from ``next_offset`` (above: new versions; below: the broker lost messages,
+which the resumed fetch reports as out of range). A parked consumer sends no fetches, where
+one at the log end of a broker without fetch long-polling (the embedded test broker) sends
+tens of thousands a second. Adds about one to two intervals to a version's apply time.
 
 Outages: librdkafka reconnects by itself and the consumer resumes at ``next_offset``.
 ``broker_error`` is set by the consumer's ``error_cb`` and by failing watermark queries, and
@@ -234,12 +239,24 @@ class DeltaReplayer:
         assert self._consumer is not None
         consumer = self._consumer
         tp = TopicPartition(self.source.topic, 0)
+        parked = False  # paced and caught up: partition paused, watching the log end
         while not self._stop.is_set():
+            if parked:
+                if self._stop.wait(self._fetch_interval):
+                    break
+                high = self._refresh_watermark(consumer, tp, force=True)
+                if high is None or high == self.next_offset:
+                    continue
+                # a new message (or a log end below the position: fetching reports it)
+                consumer.resume([tp])
+                parked = False
+                # the resume alone leaves librdkafka's idle broker thread asleep for up to a
+                # second; any request to the broker wakes it and the fetch starts now
+                self._refresh_watermark(consumer, tp, force=True)
+                continue
             try:
                 if self._fetch_interval:
                     msgs = consumer.consume(num_messages=_BATCH_MESSAGES, timeout=0)
-                    if len(msgs) < _BATCH_MESSAGES:
-                        self._stop.wait(self._fetch_interval)
                 else:
                     msgs = consumer.consume(num_messages=_BATCH_MESSAGES, timeout=0.1)
             except KafkaException as exc:
@@ -258,7 +275,21 @@ class DeltaReplayer:
                         logger.warning("delta consumer error: %s", err.str())
                     continue
                 self.handle(msg.value() or b"", msg.offset())
-            self._refresh_watermark(consumer, tp)
+            if not self._fetch_interval:
+                self._refresh_watermark(consumer, tp)
+                continue
+            if msgs:
+                self._refresh_watermark(consumer, tp)
+                if len(msgs) < _BATCH_MESSAGES:
+                    self._stop.wait(self._fetch_interval)
+                continue
+            # nothing queued: park when caught up (nothing fetched is lost by pausing now)
+            high = self._refresh_watermark(consumer, tp, force=True)
+            if high is not None and high == self.next_offset:
+                consumer.pause([tp])
+                parked = True
+            else:
+                self._stop.wait(self._fetch_interval)
 
     def _reset_offset(self, consumer: Consumer, tp: TopicPartition) -> None:
         """Continues at the log end (truncated log) or start (retention); see the module doc."""
@@ -290,10 +321,16 @@ class DeltaReplayer:
         self.assembler = VersionAssembler()  # chunks of a cut version never complete
         consumer.assign([TopicPartition(self.source.topic, 0, int(target))])
 
-    def _refresh_watermark(self, consumer: Consumer, tp: TopicPartition) -> None:
+    def _refresh_watermark(self, consumer: Consumer, tp: TopicPartition,
+                           force: bool = False) -> Optional[int]:
+        """Queries the log end (at most every ``_WATERMARK_REFRESH_SECS`` unless ``force``).
+
+        Returns:
+            The high watermark, or None when not queried now or the query failed.
+        """
         now = time.monotonic()
-        if now - self._last_watermark < _WATERMARK_REFRESH_SECS:
-            return
+        if not force and now - self._last_watermark < _WATERMARK_REFRESH_SECS:
+            return None
         self._last_watermark = now
         try:
             _low, high = consumer.get_watermark_offsets(tp, timeout=1.0, cached=False)
@@ -301,7 +338,7 @@ class DeltaReplayer:
             err = exc.args[0] if exc.args else exc
             reason = err.str() if isinstance(err, KafkaError) else str(err)
             self._set_broker_error(f"watermark query failed: {reason}")
-            return
+            return None
         self._clear_broker_error()
         with self._cv:
             self.end_offset = int(high)
@@ -310,6 +347,7 @@ class DeltaReplayer:
             self.metrics.broker_up.set(1)
             if self.lag is not None:
                 self.metrics.lag.set(self.lag)
+        return int(high)
 
     # -- waiting (tests, readiness) ---------------------------------------------------------
 
