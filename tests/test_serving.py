@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 
@@ -324,3 +325,29 @@ def test_serve_cli(trained, tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_idle_replayer_applies_new_versions_promptly(trained, tmp_path, kafka_topic_factory,
+                                                     kafka_bootstrap):
+    """Caught up, the replayer parks (partition paused, watching the log end); versions
+    published after idle spells still apply, in order, well within a second or two."""
+    topic = kafka_topic_factory()
+    rng = np.random.default_rng(5)
+    export = _export(trained, tmp_path, topic, kafka_bootstrap, offset=0)
+    maps = read_id_maps(export)
+    svc = ServingService(os.path.dirname(export))
+    svc.start()
+    try:
+        for i, idle in enumerate((0.5, 1.5, 0.05)):
+            time.sleep(idle)  # caught up: parked
+            version = _random_version(maps, rng, 10 + i, "gen")
+            t0 = time.monotonic()
+            offs = produce(kafka_bootstrap, topic, encode_version(*version))
+            assert svc.replayer.wait_for_offset(offs[-1] + 1, 10)
+            waited = time.monotonic() - t0
+            assert svc.model.state.version == 10 + i
+            # two 10 ms intervals plus produce and apply; a replayer left asleep by the
+            # pause (librdkafka's idle broker thread) would take a second or more
+            assert waited < 0.9, f"version {10 + i} applied {waited:.2f}s after produce"
+    finally:
+        svc.stop()
