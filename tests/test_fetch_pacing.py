@@ -84,3 +84,43 @@ def test_paced_and_unpaced_readers_read_everything_once_promptly(kafka_bootstrap
             assert offsets == sorted(offsets), f"{name}: partition {p} out of order"
         # batch_timeout 0.1 s + two 20 ms intervals, with room for a loaded CI machine
         assert tail < 3.0, f"{name}: the last record was read {tail:.2f}s after it was produced"
+
+
+def test_idle_reader_parks_and_resumes_at_its_positions(kafka_bootstrap, kafka_topic_factory):
+    """An idle paced reader unassigns its partitions; records produced later are all read
+    once, from where it stopped, promptly."""
+    topic = kafka_topic_factory(partitions=PARTITIONS)
+    source = KafkaSource(kafka_bootstrap, topic, "odl-test-parking", StartPositions(),
+                         batch_size=256, batch_timeout_ms=100, fetch_interval_ms=10)
+    source.open()
+    got: list[tuple[int, int]] = []
+    stop = threading.Event()
+    reader = threading.Thread(target=_read_all, args=(source, stop, got), daemon=True)
+    reader.start()
+    producer = Producer(producer_config(kafka_bootstrap))
+    try:
+        sent = 0
+        for burst in (300, 200, 1):
+            deadline = time.monotonic() + 10
+            while not source.parked and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert source.parked, "an idle reader at the log end should park"
+            time.sleep(0.3)  # parked for a while
+            for i in range(sent, sent + burst):
+                producer.produce(topic, value=b"%d" % i, partition=i % PARTITIONS)
+            assert producer.flush(30) == 0
+            acked = time.monotonic()
+            sent += burst
+            while len(got) < sent and time.monotonic() < acked + 10:
+                time.sleep(0.005)
+            waited = time.monotonic() - acked
+            assert len(got) == sent, f"read {len(got)} of {sent}"
+            # 50 ms log-end polls + the batch timeout (a partial batch) + fetch; a reader
+            # that stayed asleep after waking would take a second or more
+            assert waited < 0.9, f"burst of {burst} read {waited:.2f}s after its ack"
+    finally:
+        stop.set()
+        reader.join(10)
+        source.close()
+    expected = {(i % PARTITIONS, i // PARTITIONS) for i in range(sent)}
+    assert len(got) == len(expected) and set(got) == expected

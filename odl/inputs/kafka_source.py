@@ -61,6 +61,7 @@ from odl.kafka_client import consumer_config
 logger = logging.getLogger(__name__)
 
 _WATERMARK_REFRESH_SECS = 2.0
+_PARKED_POLL_SECS = 0.05  # how often a parked source asks for the log ends
 _OUTAGE_CODES = (KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE)
 
 
@@ -180,6 +181,7 @@ class KafkaSource:
         self.broker_error_since: Optional[float] = None
         self.records_consumed = 0
         self.offset_resets = 0
+        self.parked = False
         self._closed = False
 
     # ------------------------------------------------------------------ start
@@ -306,6 +308,8 @@ class KafkaSource:
         offs: list[int] = []
         tss: list[int] = []
         deadline = time.monotonic() + self.batch_timeout
+        if self.parked and not self._wait_while_parked(deadline, stop_event):
+            return None
         while len(values) < self.batch_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or (stop_event is not None and stop_event.is_set()):
@@ -339,6 +343,8 @@ class KafkaSource:
                 tss.append(msg.timestamp()[1])
                 self._positions[p] = o + 1
         if not values:
+            if self.fetch_interval and not (stop_event is not None and stop_event.is_set()):
+                self._park_if_caught_up()
             return None
         self.records_consumed += len(values)
         for p, off in self._positions.items():
@@ -350,6 +356,50 @@ class KafkaSource:
             timestamps_ms=np.asarray(tss, dtype=np.int64),
             positions=dict(self._positions),
         )
+
+    # ------------------------------------------------------------------ parking
+    def _caught_up(self) -> bool:
+        """Every partition's position equals its log end, queried now (broker reachable)."""
+        self._refresh_watermarks(force=True)
+        if self.broker_error is not None:
+            return False
+        return all(self.partition_state[p].high_watermark == self._positions.get(p)
+                   for p in self._partitions)
+
+    def _park_if_caught_up(self) -> None:
+        """Unassigns the partitions if every one is at its log end.
+
+        Called after a whole batch timeout brought nothing; nothing fetched is pending then,
+        so nothing is dropped.
+        """
+        if self._partitions and self._caught_up():
+            self._consumer.unassign()
+            self.parked = True
+            logger.debug("input idle at %s: parked", self._positions)
+
+    def _wait_while_parked(self, deadline: float,
+                           stop_event: Optional[threading.Event]) -> bool:
+        """Polls the log ends until one moves or ``deadline`` passes.
+
+        Returns:
+            True once the input moved (the partitions are assigned again at their
+            positions), False at the deadline or on stop.
+        """
+        while True:
+            if not self._caught_up():  # new records, a shorter log, or the broker is away
+                self._consumer.assign([TopicPartition(self.topic, p, self._positions[p])
+                                       for p in self._partitions])
+                self.parked = False
+                logger.debug("input moved: fetching again from %s", self._positions)
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            if stop_event is not None:
+                if stop_event.wait(min(remaining, _PARKED_POLL_SECS)):
+                    return False
+            else:
+                time.sleep(min(remaining, _PARKED_POLL_SECS))
 
     def _handle_error(self, err: KafkaError, partition: Optional[int] = None) -> None:
         code = err.code()
