@@ -108,7 +108,7 @@ def measure_trainer_rate(trainer: Trainer, warmup: int,
                 marks["end"] = (time.perf_counter(), trainer.samples_trained)
                 trainer.request_stop("benchmark done")
                 return
-            time.sleep(0.002)
+            time.sleep(0.02)  # rarely: this thread competes for the GIL with the trainer
 
     threading.Thread(target=watch, daemon=True).start()
     trainer.run()
