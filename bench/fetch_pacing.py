@@ -11,7 +11,9 @@ librdkafka's own pacing) and once paced (``--interval``, default 10 ms), alterna
   the Python loop; datagen runs in its own process and is reported apart);
 * fetch requests per second (librdkafka's own counter from its statistics callback);
 * records read per second and the read latency per record (time ``read_batch`` returned it
-  minus its produce timestamp), p50 / p99.
+  minus its produce timestamp), p50 / p99;
+* then, with the stream over, ``--idle-seconds`` of an idle input: broker and reader CPU and
+  fetch requests (the paced reader has parked by then; an unpaced one keeps fetching).
 
 Medians over rounds, then paced / unpaced ratios. Load from other work skews the CPU figures;
 the load average is printed.
@@ -26,7 +28,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -39,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 
+from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.broker.topic_admin import create_topic  # noqa: E402
 from odl.inputs.kafka_source import KafkaSource, StartPositions  # noqa: E402
@@ -107,6 +109,13 @@ def one_run(bootstrap: str, broker_pid: int, topic: str, interval_ms: int,
     window["open"] = False
     t1, c1, f1 = time.monotonic(), {k: _cpu(p) for k, p in procs.items()}, counter.total
     gen.wait(60)
+    # the input idle at its end: the paced reader parks after a batch timeout with nothing
+    idle_procs = {k: procs[k] for k in ("broker", "reader")}
+    time.sleep(1.0)
+    t2, c2, f2 = time.monotonic(), {k: _cpu(p) for k, p in idle_procs.items()}, counter.total
+    time.sleep(args.idle_seconds)
+    t3, c3, f3 = time.monotonic(), {k: _cpu(p) for k, p in idle_procs.items()}, counter.total
+    parked = source.parked
     stop.set()
     reader.join(10)
     source.close()
@@ -118,6 +127,9 @@ def one_run(bootstrap: str, broker_pid: int, topic: str, interval_ms: int,
         "records_per_sec": window["records"] / span,
         "latency_p50_ms": float(np.percentile(lat, 50)) * 1000,
         "latency_p99_ms": float(np.percentile(lat, 99)) * 1000,
+        "idle_cpu_cores": {k: (c3[k] - c2[k]) / (t3 - t2) for k in idle_procs},
+        "idle_fetches_per_sec": (f3 - f2) / (t3 - t2),
+        "idle_parked": parked,
     }
 
 
@@ -126,10 +138,11 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=10000.0, help="samples/s produced")
     ap.add_argument("--seconds", type=float, default=20.0, help="seconds of stream per run")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds excluded at the start")
+    ap.add_argument("--idle-seconds", type=float, default=5.0,
+                    help="seconds measured with the input idle after each stream")
     ap.add_argument("--interval", type=int, default=10, help="paced fetch_interval_ms")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--json", help="also write the figures here")
-    ap.add_argument("--keep", action="store_true", help="keep the broker's data directory")
+    add_output_args(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     load_before = os.getloadavg()
@@ -157,6 +170,9 @@ def main() -> int:
             "records_per_sec": med(name, "records_per_sec"),
             "latency_p50_ms": med(name, "latency_p50_ms"),
             "latency_p99_ms": med(name, "latency_p99_ms"),
+            "idle_broker_cores": med(name, "idle_cpu_cores", "broker"),
+            "idle_reader_cores": med(name, "idle_cpu_cores", "reader"),
+            "idle_fetches_per_sec": med(name, "idle_fetches_per_sec"),
         }
     p, u = summary["paced"], summary["unpaced"]
     result = {
@@ -179,11 +195,11 @@ def main() -> int:
           f"{result['paced_over_unpaced']['fetches_per_sec']}, records read "
           f"{result['paced_over_unpaced']['records_per_sec']}; read latency p99 "
           f"{p['latency_p99_ms']:.0f} ms vs {u['latency_p99_ms']:.0f} ms")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if not args.keep:
-        shutil.rmtree(work, ignore_errors=True)
+    print(f"input idle: reader {p['idle_reader_cores']:.3f} vs {u['idle_reader_cores']:.3f} "
+          f"cores, broker {p['idle_broker_cores']:.3f} vs {u['idle_broker_cores']:.3f} cores, "
+          f"{p['idle_fetches_per_sec']:,.0f} vs {u['idle_fetches_per_sec']:,.0f} fetches/s "
+          "(paced and parked vs unpaced)")
+    finish_run(args, result, work)
     return 0
 
 

@@ -56,7 +56,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -72,6 +71,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
+from bench.run_output import add_output_args, finish_run  # noqa: E402
 from bench.train_throughput import measure_trainer_rate  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
@@ -238,9 +238,7 @@ def main() -> int:
                     help="cap on one rate measurement (a slow machine stops it early)")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads of trainer and serving (0 = torch's default)")
-    ap.add_argument("--json", help="also write the figures here")
-    ap.add_argument("--keep", action="store_true",
-                    help="keep the work directory (broker data, model dirs, logs)")
+    add_output_args(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     global CHILD_ENV
@@ -315,21 +313,15 @@ def main() -> int:
             time.sleep(0.2)
         gen_start = time.time()
         gen = datagen(bs, "--rate", str(args.rate), "--seconds", str(args.seconds))
-        samples_log: list[tuple[float, int, int]] = []  # (time, samples_trained, lag)
+        # (time, samples_trained, lag, CPU seconds per process) once a second
+        samples_log: list[tuple[float, int, int, dict[str, float]]] = []
         procs = {"broker": psutil.Process(broker.pid), "datagen": psutil.Process(gen.pid),
                  "trainer": psutil.Process(tb.pid), "serving (bench process)": psutil.Process()}
-        cpu_from = cpu_to = None
-        cpu_log: list[tuple[float, dict[str, float]]] = []
         while gen.poll() is None:
-            if cpu_from is None and time.time() >= gen_start + args.warmup:
-                cpu_from = (time.time(), cpu_seconds(procs))
-            if cpu_from is not None:
-                cpu_to = (time.time(), cpu_seconds(procs))
             st = trainer_status(model_dir)
             if st:
                 lag = sum((p.get("lag") or 0) for p in st["input"]["partitions"].values())
-                samples_log.append((time.time(), st["samples_trained"], lag))
-                cpu_log.append((time.time(), cpu_seconds(procs)))
+                samples_log.append((time.time(), st["samples_trained"], lag, cpu_seconds(procs)))
             time.sleep(1.0)
         gen_end = time.time()
         gen_summary = json.loads(gen.stdout.read().strip().splitlines()[-1])
@@ -374,10 +366,13 @@ def main() -> int:
     floor_sparse = sum(v["floor_sparse"] for v in window)
     floor = floor_sparse + 4 * sum(v["dense_floats"] for v in window)
     pub = final_status.get("publisher") or {}
-    cpu_cores = None
-    if cpu_from is not None and cpu_to is not None and cpu_to[0] > cpu_from[0]:
-        span = cpu_to[0] - cpu_from[0]
-        cpu_cores = {k: round((cpu_to[1][k] - cpu_from[1][k]) / span, 2) for k in cpu_from[1]}
+
+
+    def cores(a: tuple, b: tuple) -> dict[str, float]:
+        """CPU cores per process between two ``samples_log`` entries."""
+        return {k: round((b[3][k] - a[3][k]) / (b[0] - a[0]), 2) for k in a[3]}
+
+    cpu_cores = cores(steady[0], steady[-1]) if len(steady) >= 2 else None
     result = {
         "rate_target": args.rate,
         "datagen": {"produced": gen_summary["produced"], "seconds": gen_summary["seconds"],
@@ -406,10 +401,9 @@ def main() -> int:
         # per status poll: seconds into the stream, samples trained, lag, CPU cores per
         # process since the previous poll
         "timeline": [
-            [round(t - gen_start, 1), n, lag] + (
-                [round((c[k] - cpu_log[i - 1][1][k]) / (c_t - cpu_log[i - 1][0]), 2) for k in c]
-                if i else [])
-            for i, ((t, n, lag), (c_t, c)) in enumerate(zip(samples_log, cpu_log, strict=True))],
+            [round(cur[0] - gen_start, 1), cur[1], cur[2]]
+            + (list(cores(samples_log[i - 1], cur).values()) if i else [])
+            for i, cur in enumerate(samples_log)],
         "timeline_columns": ["seconds", "samples_trained", "lag"] + list(procs),
         "cpu_count": os.cpu_count(),
         "load_average": {"before": [round(x, 2) for x in load_before],
@@ -447,11 +441,7 @@ def main() -> int:
         print(f"trainer with publishing / without = {pc['on_over_off']} "
               f"({pc['samples_per_sec_on']:,} vs {pc['samples_per_sec_off']:,} samples/s; "
               "target >= 0.90)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if not args.keep:  # broker data and checkpoints: gigabytes per run
-        shutil.rmtree(work, ignore_errors=True)
+    finish_run(args, result, work)
     return 0
 
 

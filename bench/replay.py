@@ -38,7 +38,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from confluent_kafka import Producer  # noqa: E402
 
+from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.broker.topic_admin import create_topic  # noqa: E402
 from odl.checkpoint.checkpoint_manager import CheckpointManager  # noqa: E402
@@ -267,9 +267,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=30, help="untimed requests per body")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads of serving (0 = odl-serve's auto rule)")
-    ap.add_argument("--json", help="also write the figures here")
-    ap.add_argument("--keep", action="store_true",
-                    help="keep the work directory (broker data, model dirs, logs)")
+    add_output_args(ap)
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     configure_torch_threads(args.torch_threads)  # as odl-serve does
@@ -352,11 +350,7 @@ def main() -> int:
               f"{q['records_256']['p50_ms']:.2f} ms, p99 {q['records_256']['p99_ms']:.2f} ms")
     print(f"load average before / after: {result['load_average']['before'][0]} / "
           f"{result['load_average']['after'][0]} (other work on the machine skews all figures)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if not args.keep:  # broker data and checkpoints: gigabytes per run
-        shutil.rmtree(work, ignore_errors=True)
+    finish_run(args, result, work)
     return 0
 
 

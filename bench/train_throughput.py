@@ -23,7 +23,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from confluent_kafka import Producer  # noqa: E402
 
 from bench.plain_pytorch_deepfm import PlainDeepFM  # noqa: E402
+from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.cli.torch_runtime import configure_torch_threads  # noqa: E402
@@ -131,9 +131,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=120, help="batches of 1024 per measurement")
     ap.add_argument("--warmup", type=int, default=10, help="steps excluded from timing")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", help="also write the figures here")
-    ap.add_argument("--keep", action="store_true",
-                    help="keep the work directory (broker data, model dirs, logs)")
+    add_output_args(ap)
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads for all three (0 = odl's auto: half the CPUs)")
     args = ap.parse_args()
@@ -179,11 +177,7 @@ def main() -> int:
     print(f"online loop / in-memory TorchRec = {ratio:.3f} (target >= 0.85)")
     print(f"online loop / plain PyTorch      = {result['online_over_plain']:.3f} (target >= 1.5)")
     print(f"TorchRec step / plain PyTorch    = {result['torchrec_over_plain']:.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    if not args.keep:  # broker data and checkpoints: gigabytes per run
-        shutil.rmtree(work, ignore_errors=True)
+    finish_run(args, result, work)
     return 0
 
 

@@ -26,10 +26,17 @@ looking again. Each fetch then carries an interval's worth of records, from any 
 the price of about two intervals of latency. Unpaced (0: a prefetch of four batches and
 librdkafka's default 1 s queue backoff) has two failure modes, both measured against the
 embedded broker at 10k records/s (``bench/fetch_pacing.py``): against a broker without fetch
-long-polling a consumer at the log end refetches at once, ~22k fetches/s and half a core;
+long-polling a consumer at the log end refetches at once, 20-30k fetches/s and half a core;
 and once one fetch returns more than the prefetch threshold the partition is not fetched
-again for a second, so records wait up to a second (read latency p99 1.05 s). Paced: ~100-350
-fetches/s, 0.06 cores, p99 0.12 s.
+again for a second, so records wait up to a second (read latency p99 1.02-1.06 s). Paced:
+~100-350 fetches/s, 0.06 cores, p99 0.12 s; parked while idle: no fetches, 0.016 cores.
+
+Parking (paced only): when a whole batch timeout brings nothing and every partition is at its
+log end, the source unassigns its partitions (nothing fetched is pending, so nothing is
+dropped) and asks for the log ends every 50 ms, assigning them again at its positions once
+one moves, or once the broker is unreachable (outages are then handled as usual). ``parked``
+says which state it is in. Unassign/assign rather than pause/resume: librdkafka drops
+prefetched records on pause and, in a one-off test, fetched again only ~1 s after a resume.
 
 Outages: librdkafka reconnects by itself and resumes fetching at the consumer's position, so
 nothing is skipped or read twice. ``broker_error`` tells the trainer the broker is down: it is
@@ -63,6 +70,14 @@ logger = logging.getLogger(__name__)
 _WATERMARK_REFRESH_SECS = 2.0
 _PARKED_POLL_SECS = 0.05  # how often a parked source asks for the log ends
 _OUTAGE_CODES = (KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE)
+
+
+def _sleep(stop_event: Optional[threading.Event], seconds: float) -> bool:
+    """Sleeps ``seconds`` or until ``stop_event`` is set; True when it was set."""
+    if stop_event is None:
+        time.sleep(seconds)
+        return False
+    return stop_event.wait(seconds)
 
 
 @dataclass
@@ -320,11 +335,7 @@ class KafkaSource:
                 msgs = self._consumer.consume(num_messages=self.batch_size - len(values),
                                               timeout=0)
                 if len(values) + len(msgs) < self.batch_size:
-                    wait = min(remaining, self.fetch_interval)
-                    if stop_event is not None:
-                        stop_event.wait(wait)
-                    else:
-                        time.sleep(wait)
+                    _sleep(stop_event, min(remaining, self.fetch_interval))
             else:
                 msgs = self._consumer.consume(
                     num_messages=self.batch_size - len(values), timeout=min(remaining, 0.1)
@@ -395,11 +406,8 @@ class KafkaSource:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            if stop_event is not None:
-                if stop_event.wait(min(remaining, _PARKED_POLL_SECS)):
-                    return False
-            else:
-                time.sleep(min(remaining, _PARKED_POLL_SECS))
+            if _sleep(stop_event, min(remaining, _PARKED_POLL_SECS)):
+                return False
 
     def _handle_error(self, err: KafkaError, partition: Optional[int] = None) -> None:
         code = err.code()
