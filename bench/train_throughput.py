@@ -4,17 +4,24 @@ One run, one machine, the same DeepFM (26 hashed id features of dim 16, 13 dense
 batch 1024, DNN 256-128-64, wide + FM + deep) and the same synthetic records:
 
 * online:   ``Trainer`` (odl-train --online) reading the records from the embedded broker —
-            Kafka fetch, parsing, hashing, batching in the reader thread, predict-then-train,
+            Kafka fetch in the reader thread, parsing and hashing in ``--num-workers``
+            feature build processes (0: in the reader thread), predict-then-train,
             progressive metrics; checkpoints off; measured from step ``--warmup`` to the end;
 * torchrec: ``TrainModule.train_step`` on the same batches pre-built in memory;
 * plain:    ``bench/plain_pytorch_deepfm.PlainDeepFM`` (nn.EmbeddingBag(sparse=True) +
             torch.optim) on the same pre-built batches.
 
 Prints samples/s of each and the ratios online/torchrec (target >= 0.85) and
-torchrec/plain, online/plain (target >= 1.5). Machines here are noisy: the three are measured
-``--rounds`` times in alternation and the median of each is reported.
+torchrec/plain, online/plain (target >= 1.5). Machines here are noisy (one measurement can
+be 20% off the next): the three are measured ``--rounds`` times, in the order
+online-torchrec-plain in even rounds and the reverse in odd ones, and the headline ratios are
+the medians over rounds of the ratio within each round (the ratio of the median rates is
+printed beside them). The broker's CPU use during each measurement is reported too: the
+records are produced once, before the first round, and the bench waits for the embedded
+broker's save of them to finish (see ``odl.broker.embedded_broker``).
 
-    .venv/bin/python bench/train_throughput.py [--batches 120] [--rounds 3] [--json out.json]
+    .venv/bin/python bench/train_throughput.py [--batches 120] [--rounds 5] [--num-workers 1]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import psutil  # noqa: E402
 from confluent_kafka import Producer  # noqa: E402
 
 from bench.plain_pytorch_deepfm import PlainDeepFM  # noqa: E402
@@ -49,6 +57,7 @@ from odl.train.trainer import Trainer, TrainerOptions  # noqa: E402
 
 BATCH = 1024
 PARTITIONS = 4
+TOPIC = "bench"
 
 
 def make_config(model_dir: str, server: str, topic: str):
@@ -73,6 +82,11 @@ def produce_all(bootstrap: str, topic: str, values: list[bytes]) -> dict[int, in
             producer.poll(0)
     assert producer.flush(60) == 0
     return end_offsets(bootstrap, topic)
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
 
 
 def time_steps(step, batches, warmup: int) -> float:
@@ -116,7 +130,9 @@ def measure_trainer_rate(trainer: Trainer, warmup: int,
     return (s1 - s0) / (t1 - t0)
 
 
-def online_rate(config, ends: dict[int, int], warmup: int) -> float:
+def online_rate(config, ends: dict[int, int], warmup: int, num_workers: int = 1) -> float:
+    config = type(config).FromString(config.SerializeToString())
+    config.data_config.num_workers = num_workers
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
 
     def caught_up(step: int, _secs: float) -> bool:
@@ -130,7 +146,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--batches", type=int, default=120, help="batches of 1024 per measurement")
     ap.add_argument("--warmup", type=int, default=10, help="steps excluded from timing")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--num-workers", type=int, default=1,
+                    help="data_config.num_workers of the online trainer (0 = build in its "
+                         "reader thread)")
     add_output_args(ap)
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads for all three (0 = odl's auto: half the CPUs)")
@@ -143,40 +162,75 @@ def main() -> int:
     stream = SyntheticCtrStream(seed=5)
     values = [v for v in stream.next_batch(n).encode("csv")]
     rates: dict[str, list[float]] = {"online": [], "torchrec": [], "plain": []}
+    broker_cpu: dict[str, list[float]] = {"online": [], "torchrec": [], "plain": []}
     with EmbeddedBroker(port=0, data_dir=os.path.join(work, "kafka")) as broker:
+        # One topic for all rounds (each round's trainer starts from offset 0 in a new
+        # model_dir). The embedded broker rewrites its whole data file after a write; wait for
+        # that save so it does not share the machine with the first measurement.
+        create_topic(broker.bootstrap, TOPIC, partitions=PARTITIONS)
+        ends = produce_all(broker.bootstrap, TOPIC, values)
+        broker.wait_until_idle()
+        broker_proc = psutil.Process(broker.pid)
         for r in range(args.rounds):
-            topic = f"bench-{r}"
-            create_topic(broker.bootstrap, topic, partitions=PARTITIONS)
-            ends = produce_all(broker.bootstrap, topic, values)
-            config = make_config(os.path.join(work, f"model_dir_{r}"), broker.bootstrap, topic)
+            config = make_config(os.path.join(work, f"model_dir_{r}"), broker.bootstrap, TOPIC)
             features = FeatureBuilder(config)
             batches = [features.build(values[i : i + BATCH]).batch for i in range(0, n, BATCH)]
-
-            rates["online"].append(online_rate(config, ends, args.warmup))
-            module = TrainModule(config, features, device="cpu")
-            rates["torchrec"].append(time_steps(module.train_step, batches, args.warmup))
-            del module
-            plain = PlainDeepFM(config, features)
-            rates["plain"].append(time_steps(plain.step, batches, args.warmup))
-            del plain
-            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in rates.items()),
-                  flush=True)
+            # ABBA order: the two compared measurements sit side by side in every round and
+            # neither always goes first
+            order = list(rates) if r % 2 == 0 else list(reversed(rates))
+            for name in order:
+                broker.wait_until_idle()  # e.g. the save after the last trainer's commit
+                cpu0, t0 = _cpu_seconds(broker_proc), time.perf_counter()
+                if name == "online":
+                    rate = online_rate(config, ends, args.warmup, args.num_workers)
+                elif name == "torchrec":
+                    module = TrainModule(config, features, device="cpu")
+                    rate = time_steps(module.train_step, batches, args.warmup)
+                    del module
+                else:
+                    plain = PlainDeepFM(config, features)
+                    rate = time_steps(plain.step, batches, args.warmup)
+                    del plain
+                rates[name].append(rate)
+                broker_cpu[name].append(
+                    (_cpu_seconds(broker_proc) - cpu0) / (time.perf_counter() - t0))
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in rates.items())
+                  + f" (online/torchrec {rates['online'][-1] / rates['torchrec'][-1]:.3f};"
+                  f" broker CPU during online {broker_cpu['online'][-1]:.2f} cores)", flush=True)
 
     med = {k: statistics.median(v) for k, v in rates.items()}
+
+    def paired(a: str, b: str) -> list[float]:
+        return [round(x / y, 3) for x, y in zip(rates[a], rates[b], strict=True)]
+
+    pairs = {"online_over_torchrec": paired("online", "torchrec"),
+             "torchrec_over_plain": paired("torchrec", "plain"),
+             "online_over_plain": paired("online", "plain")}
     result = {
         "samples_per_sec": {k: round(v) for k, v in med.items()},
-        "online_over_torchrec": round(med["online"] / med["torchrec"], 3),
-        "torchrec_over_plain": round(med["torchrec"] / med["plain"], 3),
-        "online_over_plain": round(med["online"] / med["plain"], 3),
+        "samples_per_sec_per_round": {k: [round(x) for x in v] for k, v in rates.items()},
+        # headline: median over rounds of the ratio within a round (paired measurements)
+        **{k: round(statistics.median(v), 3) for k, v in pairs.items()},
+        "per_round": pairs,
+        "ratio_of_medians": {
+            "online_over_torchrec": round(med["online"] / med["torchrec"], 3),
+            "online_over_plain": round(med["online"] / med["plain"], 3),
+        },
         "batches": args.batches,
         "torch_threads": threads,
+        "num_workers": args.num_workers,
         "rounds": args.rounds,
+        "broker_cpu_cores": {k: round(max(v), 3) for k, v in broker_cpu.items()},
     }
     print(json.dumps(result, indent=1))
-    ratio = result["online_over_torchrec"]
-    print(f"online loop / in-memory TorchRec = {ratio:.3f} (target >= 0.85)")
-    print(f"online loop / plain PyTorch      = {result['online_over_plain']:.3f} (target >= 1.5)")
-    print(f"TorchRec step / plain PyTorch    = {result['torchrec_over_plain']:.3f}")
+    print("medians over rounds of the per-round ratios (ratio of median rates in brackets):")
+    for key, label, target in (("online_over_torchrec", "online loop / in-memory TorchRec",
+                                " (target >= 0.85)"),
+                               ("online_over_plain", "online loop / plain PyTorch     ",
+                                " (target >= 1.5)"),
+                               ("torchrec_over_plain", "TorchRec step / plain PyTorch   ", "")):
+        rom = result["ratio_of_medians"].get(key)
+        print(f"{label} = {result[key]:.3f}" + (f" [{rom:.3f}]" if rom else "") + target)
     finish_run(args, result, work)
     return 0
 

@@ -104,7 +104,10 @@ def test_status_api_reports_progress_offsets_and_metrics(
                 doc = json.load(open(tmp_path / "model_dir" / "status.json"))
                 with urllib.request.urlopen(doc["url"] + "/status", timeout=5) as r:
                     status = json.load(r)
-                if status["state"] == "training" and status["samples_trained"] == 400:
+                # the progressive figures may lag by up to a second (recomputed at most once
+                # a second); their "samples" says what they cover
+                if (status["state"] == "training" and status["samples_trained"] == 400
+                        and status["progressive"]["samples"] == 400):
                     break
             except (OSError, ValueError):
                 pass
@@ -113,7 +116,8 @@ def test_status_api_reports_progress_offsets_and_metrics(
         parts = status["input"]["partitions"]
         assert {int(p): v["position"] for p, v in parts.items()} == ends
         assert all(v["lag"] == 0 for v in parts.values())
-        assert status["progressive"]["auc"] is not None
+        assert status["progressive"]["auc"] is not None, json.dumps(status["progressive"])
+        assert status["progressive"]["window_samples"] == 400
         with urllib.request.urlopen(doc["url"] + "/offsets", timeout=5) as r:
             offsets = json.load(r)
         assert {int(p): o for p, o in offsets["positions"].items()} == ends

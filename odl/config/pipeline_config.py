@@ -79,7 +79,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "data_compression_type", "n_data_batch_tfrecord", "with_header", "feature_fields",
         "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
         "hard_negative_sampler_v2", "negative_sampler_in_memory", "eval_batch_size",
-        "drop_remainder", "fg_encoded", "fg_encoded_multival_sep", "num_workers",
+        "drop_remainder", "fg_encoded", "fg_encoded_multival_sep",
         "dataset_type", "fg_mode", "fg_threads",
     }),
     "DatasetConfig.Field": frozenset({

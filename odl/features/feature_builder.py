@@ -23,6 +23,12 @@ dimension must agree); otherwise a feature's table is named after the feature.
 
 Only fields that some feature, the label, or the event time reads are validated as numbers;
 other columns are carried as text and never reject a record.
+
+Building is split in two so that the costly part can run in a worker process
+(``odl.features.feature_build_worker``): ``build_arrays`` parses, hashes and bucketizes into
+numpy arrays (:class:`BatchArrays`) and needs no torch; ``to_batch`` wraps those arrays as
+tensors and a KeyedJaggedTensor without copying. This module imports torch only inside
+``to_batch``, so a worker that only calls ``build_arrays`` never loads it.
 """
 
 from __future__ import annotations
@@ -31,17 +37,18 @@ import logging
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.config.config_error import ConfigError
 from odl.config.pipeline_config import feature_configs
-from odl.features.batch import Batch
 from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments
 from odl.features.record_parser import ParsedColumns, RecordParser, parse_numbers
 from odl.protos import pipeline_pb2
+
+if TYPE_CHECKING:
+    from odl.features.batch import Batch
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +75,48 @@ class TableSpec:
     dim: int
     feature_names: tuple[str, ...]
     pooling: str = "sum"
+
+
+@dataclass
+class BatchArrays:
+    """A built batch as numpy arrays: what ``to_batch`` turns into a :class:`Batch`.
+
+    Attributes:
+        values: ``int64`` table rows of every sparse feature, feature after feature
+            (KeyedJaggedTensor values in ``sparse_feature_names`` order).
+        lengths: ``int32`` ids per (feature, sample), feature-major (KJT lengths).
+        dense: ``float32 [B, num_dense]`` raw numeric features.
+        labels: ``float32 [B]`` labels.
+        sample_ids: per-sample ids when ``data_config.sample_id_field`` is set.
+        event_times: ``float64`` unix seconds when ``data_config.event_time_field`` is set.
+    """
+
+    values: np.ndarray
+    lengths: np.ndarray
+    dense: np.ndarray
+    labels: np.ndarray
+    sample_ids: list[str] | None = None
+    event_times: np.ndarray | None = None
+
+    @property
+    def size(self) -> int:
+        """Number of samples."""
+        return int(self.labels.shape[0])
+
+
+@dataclass
+class ArraysResult:
+    """Result of ``FeatureBuilder.build_arrays`` (picklable, torch-free).
+
+    Attributes:
+        arrays: the accepted records' arrays, or ``None`` when every record was rejected.
+        accepted: ``int64`` indices (into the input values) of the batch rows, in order.
+        rejected: ``(index, reason)`` of every rejected record, by index.
+    """
+
+    arrays: BatchArrays | None
+    accepted: np.ndarray
+    rejected: list[tuple[int, str]] = field(default_factory=list)
 
 
 @dataclass
@@ -251,7 +300,7 @@ class FeatureBuilder:
     # -- building ---------------------------------------------------------------------------
 
     def build(self, values: Sequence[bytes]) -> BuildResult:
-        """Parses and featurizes raw records.
+        """Parses and featurizes raw records (``build_arrays`` then ``to_batch``).
 
         Args:
             values: raw record bytes (e.g. Kafka message values).
@@ -259,10 +308,50 @@ class FeatureBuilder:
         Returns:
             The batch of accepted records, their indices, and the rejected ones with reasons.
         """
+        result = self.build_arrays(values)
+        batch = self.to_batch(result.arrays) if result.arrays is not None else None
+        return BuildResult(batch, result.accepted, result.rejected)
+
+    def to_batch(self, arrays: BatchArrays) -> Batch:
+        """Wraps built arrays as a :class:`Batch` (tensors share the arrays' memory).
+
+        Args:
+            arrays: from ``build_arrays`` (in this process or a worker).
+
+        Returns:
+            The model batch.
+        """
+        import torch
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        from odl.features.batch import Batch
+
+        kjt = KeyedJaggedTensor(
+            keys=self.sparse_feature_names,
+            values=torch.from_numpy(arrays.values),
+            lengths=torch.from_numpy(arrays.lengths),
+        )
+        return Batch(
+            sparse=kjt,
+            dense=torch.from_numpy(arrays.dense),
+            labels=torch.from_numpy(arrays.labels),
+            sample_ids=arrays.sample_ids,
+            event_times=arrays.event_times,
+        )
+
+    def build_arrays(self, values: Sequence[bytes]) -> ArraysResult:
+        """Parses and featurizes raw records into numpy arrays (no torch involved).
+
+        Args:
+            values: raw record bytes (e.g. Kafka message values).
+
+        Returns:
+            The accepted records' arrays, their indices, and the rejected ones with reasons.
+        """
         parsed = self._parser.parse(values)
         rejected = parsed.rejected
         if parsed.num_rows == 0:
-            return BuildResult(None, parsed.accepted, rejected)
+            return ArraysResult(None, parsed.accepted, rejected)
         raw = parsed.buffer.tobytes()
         sep_pos = self._separator_positions(raw)
         pieces = {}
@@ -286,7 +375,7 @@ class FeatureBuilder:
                               + [(int(i), "non_finite") for i in parsed.accepted[overflow]])
             parsed = parsed.select(~(bad | overflow))
             if parsed.num_rows == 0:
-                return BuildResult(None, parsed.accepted, rejected)
+                return ArraysResult(None, parsed.accepted, rejected)
             return self._build_parsed(parsed, rejected, raw)
         return self._build_parsed(parsed, rejected, raw, pieces, sep_pos)
 
@@ -309,7 +398,7 @@ class FeatureBuilder:
         raw: bytes,
         pieces: dict | None = None,
         sep_pos: dict | None = None,
-    ) -> BuildResult:
+    ) -> ArraysResult:
         n = parsed.num_rows
         buf = parsed.buffer
         if sep_pos is None:
@@ -354,27 +443,22 @@ class FeatureBuilder:
         values = np.concatenate(values_list) if values_list else np.zeros(0, dtype=np.int64)
         lengths = (np.concatenate(lengths_list) if lengths_list
                    else np.zeros(0, dtype=np.int64)).astype(np.int32)
-        kjt = KeyedJaggedTensor(
-            keys=self.sparse_feature_names,
-            values=torch.from_numpy(np.ascontiguousarray(values, dtype=np.int64)),
-            lengths=torch.from_numpy(lengths),
-        )
         if self._dense:
             dense_np = np.empty((n, len(self._dense)), dtype=np.float32)
             for j, (_, inp) in enumerate(self._dense):
                 dense_np[:, j] = parsed.numeric[inp]
         else:
             dense_np = np.zeros((n, 0), dtype=np.float32)
-        labels = parsed.numeric[self._label].astype(np.float32)
-        batch = Batch(
-            sparse=kjt,
-            dense=torch.from_numpy(dense_np),
-            labels=torch.from_numpy(labels),
+        arrays = BatchArrays(
+            values=np.ascontiguousarray(values, dtype=np.int64),
+            lengths=lengths,
+            dense=dense_np,
+            labels=parsed.numeric[self._label].astype(np.float32),
             sample_ids=parsed.texts(self._sample_id_field) if self._sample_id_field else None,
             event_times=(parsed.numeric[self._event_time_field].astype(np.float64)
                          if self._event_time_field else None),
         )
-        return BuildResult(batch, parsed.accepted, rejected)
+        return ArraysResult(arrays, parsed.accepted, rejected)
 
     def _combo(self, parsed: ParsedColumns, sp: _Sparse) -> tuple[np.ndarray, np.ndarray]:
         buf = parsed.buffer

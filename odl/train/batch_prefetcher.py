@@ -1,14 +1,24 @@
-"""Reads and builds batches in a background thread so the train loop only trains.
+"""Reads and builds batches in the background so the train loop only trains.
 
-The reader thread pulls :class:`~odl.inputs.kafka_source.RawBatch` objects from a source,
-turns them into model batches with the feature builder and puts them on a small bounded queue
-(back-pressure: reading pauses while the trainer is behind). Positions travel with each batch,
-so whatever is still queued when the trainer stops is simply read again next time.
+The reader thread pulls :class:`~odl.inputs.kafka_source.RawBatch` objects from a source and
+turns them into model batches, which go on a small bounded queue (back-pressure: reading
+pauses while the trainer is behind). Positions travel with each batch, so whatever is still
+queued when the trainer stops is simply read again next time.
+
+Two ways to build:
+
+* in the reader thread (``workers`` None): ``build`` parses and hashes, holding the GIL the
+  train step also needs;
+* in worker processes (:class:`~odl.features.feature_build_worker.FeatureBuildWorkers`): the
+  reader thread submits each batch's records and a collector thread takes the results in
+  order, wraps them as tensors (``to_batch``) and queues them. At most ``workers.capacity``
+  batches are out at the workers at a time.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -19,11 +29,28 @@ from typing import Optional
 import numpy as np
 
 from odl.features.batch import Batch
+from odl.features.feature_build_worker import FeatureBuildWorkers
+from odl.features.feature_builder import BatchArrays
 from odl.inputs.kafka_source import RawBatch
 
 logger = logging.getLogger(__name__)
 
 _END = object()
+
+
+def make_thread_batch_scheduled() -> None:
+    """Puts the calling thread in Linux's SCHED_BATCH class (no-op elsewhere).
+
+    A SCHED_BATCH thread never preempts a running thread when it wakes up; it waits for a free
+    core or the next scheduler tick instead. Input threads wake up often (every fetch, every
+    queue hand-off); without this, each wake-up can interrupt the train step on its core even
+    while another core is idle. Their share of CPU and their niceness are unchanged, so a
+    thread holding the GIL is never starved (which a higher nice value would risk).
+    """
+    try:
+        os.sched_setscheduler(threading.get_native_id(), os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError) as exc:
+        logger.debug("could not set SCHED_BATCH on an input thread: %s", exc)
 
 
 @dataclass
@@ -55,8 +82,12 @@ class BatchPrefetcher:
     Args:
         read: returns the next raw batch, None when nothing is available now, and raises
             StopIteration at the end of a finite input. Receives the stop event.
-        build: turns raw record values into ``(batch, accepted, rejected)``.
+        build: turns raw record values into ``(batch, accepted, rejected)`` (used when
+            ``workers`` is None).
         max_queued: batches buffered ahead of the trainer.
+        workers: started feature build workers; the prefetcher owns them from here on and
+            closes them in ``stop``.
+        to_batch: wraps a worker's arrays as a batch (required with ``workers``).
     """
 
     def __init__(
@@ -64,19 +95,33 @@ class BatchPrefetcher:
         read: Callable[[threading.Event], Optional[RawBatch]],
         build: Callable[[list[bytes]], tuple[Optional[Batch], np.ndarray, list[tuple[int, str]]]],
         max_queued: int = 4,
+        workers: Optional[FeatureBuildWorkers] = None,
+        to_batch: Optional[Callable[[BatchArrays], Batch]] = None,
     ) -> None:
+        if workers is not None and to_batch is None:
+            raise ValueError("to_batch is required with workers")
         self._read = read
         self._build = build
+        self._workers = workers
+        self._to_batch = to_batch
         self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="batch-reader", daemon=True)
+        self._collector: Optional[threading.Thread] = None
+        # raw batches submitted to the workers, oldest first (END when the input ended)
+        self._submitted: queue.Queue = queue.Queue()
+        self._slots = threading.Semaphore(workers.capacity if workers is not None else 0)
         self._error: Optional[BaseException] = None
         self.finished = False
         self.build_seconds = 0.0
         self.read_seconds = 0.0
 
     def start(self) -> None:
-        """Starts the reader thread."""
+        """Starts the reader thread (and the collector thread when building in workers)."""
+        if self._workers is not None:
+            self._collector = threading.Thread(
+                target=self._collect, name="batch-collector", daemon=True)
+            self._collector.start()
         self._thread.start()
 
     def _put(self, item: object) -> bool:
@@ -89,37 +134,93 @@ class BatchPrefetcher:
         return False
 
     def _run(self) -> None:
+        make_thread_batch_scheduled()
         try:
             while not self._stop.is_set():
                 t0 = time.perf_counter()
                 try:
                     raw = self._read(self._stop)
                 except StopIteration:
-                    self._put(_END)
+                    self._end()
                     return
                 t1 = time.perf_counter()
                 self.read_seconds += t1 - t0
                 if raw is None:
                     continue
+                if self._workers is not None:
+                    if not self._acquire_slot():
+                        return
+                    self._submitted.put(raw)
+                    self._workers.submit(raw.values)
+                    continue
                 batch, accepted, rejected = self._build(raw.values)
                 self.build_seconds += time.perf_counter() - t1
-                if not rejected:
-                    raw.values = []  # not needed any more; frees memory early
-                item = PreparedBatch(
-                    batch=batch,
-                    positions=raw.positions,
-                    num_records=len(raw.partitions),
-                    rejected=rejected,
-                    raw=raw,
-                    accepted=accepted,
-                    read_time=time.time(),
-                )
-                if not self._put(item):
+                if not self._put(self._prepared(raw, batch, accepted, rejected)):
                     return
         except BaseException as exc:  # surfaced to the train loop by get()
-            logger.exception("batch reader failed")
-            self._error = exc
+            self._fail(exc)
+
+    def _acquire_slot(self) -> bool:
+        while not self._stop.is_set():
+            if self._slots.acquire(timeout=0.1):
+                return True
+        return False
+
+    def _end(self) -> None:
+        """The input ended: queue the end marker behind whatever is still being built."""
+        if self._workers is not None:
+            self._submitted.put(_END)
+        else:
             self._put(_END)
+
+    def _fail(self, exc: BaseException) -> None:
+        if self._stop.is_set():  # e.g. a worker socket closed by stop()
+            logger.debug("batch reader ended while stopping: %s", exc)
+            return
+        logger.error("batch reader failed: %s", exc, exc_info=exc)
+        if self._error is None:
+            self._error = exc
+        self._put(_END)
+
+    def _collect(self) -> None:
+        """Collector thread: worker results, in submission order, onto the queue."""
+        assert self._workers is not None and self._to_batch is not None
+        make_thread_batch_scheduled()
+        try:
+            while not self._stop.is_set():
+                try:
+                    raw = self._submitted.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if raw is _END:
+                    self._put(_END)
+                    return
+                t0 = time.perf_counter()
+                result = self._workers.collect(self._stop)
+                if result is None:  # stopping
+                    return
+                batch = self._to_batch(result.arrays) if result.arrays is not None else None
+                self.build_seconds += time.perf_counter() - t0
+                self._slots.release()
+                if not self._put(self._prepared(raw, batch, result.accepted, result.rejected)):
+                    return
+        except BaseException as exc:
+            self._fail(exc)
+
+    @staticmethod
+    def _prepared(raw: RawBatch, batch: Optional[Batch], accepted: np.ndarray,
+                  rejected: list[tuple[int, str]]) -> PreparedBatch:
+        if not rejected:
+            raw.values = []  # not needed any more; frees memory early
+        return PreparedBatch(
+            batch=batch,
+            positions=raw.positions,
+            num_records=len(raw.partitions),
+            rejected=rejected,
+            raw=raw,
+            accepted=accepted,
+            read_time=time.time(),
+        )
 
     def get(self, timeout: float) -> Optional[PreparedBatch]:
         """Next prepared batch, or None if none arrived within ``timeout``.
@@ -146,6 +247,13 @@ class BatchPrefetcher:
         return self._queue.qsize()
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stops the reader thread (queued batches are dropped; they are re-read next start)."""
+        """Stops the threads and the workers.
+
+        Queued batches are dropped; they are read again on the next start.
+        """
         self._stop.set()
+        if self._collector is not None:
+            self._collector.join(timeout)
+        if self._workers is not None:
+            self._workers.close()  # also wakes a reader blocked sending to a worker
         self._thread.join(timeout)

@@ -40,6 +40,7 @@ from odl.config.pipeline_config import (
     parse_dead_line,
     parse_offset_info,
 )
+from odl.features.feature_build_worker import FeatureBuildWorkers
 from odl.features.feature_builder import FeatureBuilder
 from odl.http_server import BackgroundHttpServer
 from odl.inputs.file_source import FileSource
@@ -74,7 +75,8 @@ _REJECT_LOG_INTERVAL_SECS = 5.0
 _RATE_WINDOW_SECS = 5.0
 _CHECKPOINT_SYNC_SECS = 10.0
 _CHECKPOINT_RETRY_SECS = 5.0
-_PROGRESS_CACHE_SECS = 30.0
+# /status recomputes the progressive metrics (a sort of the window) at most this often
+_PROGRESS_CACHE_SECS = 1.0
 _RECOVERY_RETRY_MAX_SECS = 30.0
 _FRESH_START_DELTA_WAIT_SECS = 10.0
 
@@ -378,6 +380,19 @@ class Trainer:
 
     def _open_input(self, restored_positions: Optional[dict[int, int]]) -> None:
         dc = self.config.data_config
+        # started first: their start-up (about 0.5 s) overlaps opening the input
+        workers = (FeatureBuildWorkers(self.config, dc.num_workers, batch_sched=True).start()
+                   if dc.num_workers else None)
+        try:
+            self._open_source_and_prefetcher(restored_positions, workers)
+        except BaseException:
+            if workers is not None and self._prefetcher is None:
+                workers.close()
+            raise
+
+    def _open_source_and_prefetcher(self, restored_positions: Optional[dict[int, int]],
+                                    workers: Optional[FeatureBuildWorkers]) -> None:
+        dc = self.config.data_config
         if self.options.online:
             ki = self.config.kafka_train_input
             start = start_positions_from_config(
@@ -417,7 +432,8 @@ class Trainer:
             def read(_stop: threading.Event):
                 return next(it)
 
-        self._prefetcher = BatchPrefetcher(read, self._build)
+        self._prefetcher = BatchPrefetcher(
+            read, self._build, workers=workers, to_batch=self.features.to_batch)
         self._prefetcher.start()
 
     def _build(self, values: list[bytes]):
@@ -782,9 +798,10 @@ class Trainer:
         }
 
     def _progress_summary(self) -> dict:
-        """Progressive metrics as of the last progress log line (recomputed when stale)."""
+        """Progressive metrics, recomputed when samples were added and the last is over 1 s old."""
         cached = self._progress_cache
-        if cached is None or time.monotonic() - cached[0] > _PROGRESS_CACHE_SECS:
+        if cached is None or (cached[1]["samples"] != self.progress.samples
+                              and time.monotonic() - cached[0] > _PROGRESS_CACHE_SECS):
             cached = (time.monotonic(), self.progress.summary())
             self._progress_cache = cached
         return cached[1]
