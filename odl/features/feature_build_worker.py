@@ -40,6 +40,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Optional
 
+from odl.cpu_scheduling import make_thread_batch_scheduled
 from odl.features.feature_builder import ArraysResult
 from odl.protos import pipeline_pb2
 
@@ -275,10 +276,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if args.batch_sched:
-        try:  # wake-ups do not preempt the train step (see batch_prefetcher)
-            os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-        except (AttributeError, OSError):
-            pass
+        make_thread_batch_scheduled()  # before any other thread exists: all inherit it
     logging.basicConfig(
         level=logging.WARNING,
         format=f"%(asctime)s %(levelname)s odl-feature-worker[{os.getpid()}] %(message)s")

@@ -13,12 +13,13 @@ Two ways to build:
   reader thread submits each batch's records and a collector thread takes the results in
   order, wraps them as tensors (``to_batch``) and queues them. At most ``workers.capacity``
   batches are out at the workers at a time.
+
+Both threads run in the SCHED_BATCH class (``odl.cpu_scheduling``).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -28,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 
+from odl.cpu_scheduling import make_thread_batch_scheduled
 from odl.features.batch import Batch
 from odl.features.feature_build_worker import FeatureBuildWorkers
 from odl.features.feature_builder import BatchArrays
@@ -37,20 +39,6 @@ logger = logging.getLogger(__name__)
 
 _END = object()
 
-
-def make_thread_batch_scheduled() -> None:
-    """Puts the calling thread in Linux's SCHED_BATCH class (no-op elsewhere).
-
-    A SCHED_BATCH thread never preempts a running thread when it wakes up; it waits for a free
-    core or the next scheduler tick instead. Input threads wake up often (every fetch, every
-    queue hand-off); without this, each wake-up can interrupt the train step on its core even
-    while another core is idle. Their share of CPU and their niceness are unchanged, so a
-    thread holding the GIL is never starved (which a higher nice value would risk).
-    """
-    try:
-        os.sched_setscheduler(threading.get_native_id(), os.SCHED_BATCH, os.sched_param(0))
-    except (AttributeError, OSError) as exc:
-        logger.debug("could not set SCHED_BATCH on an input thread: %s", exc)
 
 
 @dataclass
