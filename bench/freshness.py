@@ -105,9 +105,11 @@ def config_text(model_dir: str, server: str, group: str, publish_steps: int,
         hidden_units=(256, 128, 64), save_checkpoints_steps=0,
         extra_train="metrics_window_samples: 100000\n  " + incr,
     )
+    text = text.replace("data_config {", f"data_config {{\n  num_workers: {NUM_WORKERS}", 1)
     return text.replace('group: "odl_test"', f'group: "{group}"')
 
 
+NUM_WORKERS = 0  # data_config.num_workers of the trainer (--num-workers)
 CHILD_ENV: dict[str, str] | None = None  # OMP_NUM_THREADS for the children (--torch-threads)
 
 
@@ -234,12 +236,16 @@ def main() -> int:
     ap.add_argument("--rate-batches", type=int, default=40,
                     help="batches per publishing on/off rate measurement (0 = skip)")
     ap.add_argument("--rate-rounds", type=int, default=2)
+    ap.add_argument("--num-workers", type=int, default=0,
+                    help="the trainer's data_config.num_workers (0 = build in its reader thread)")
     ap.add_argument("--rate-max-seconds", type=float, default=15.0,
                     help="cap on one rate measurement (a slow machine stops it early)")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads of trainer and serving (0 = torch's default)")
     add_output_args(ap)
     args = ap.parse_args()
+    global NUM_WORKERS
+    NUM_WORKERS = args.num_workers
     logging.basicConfig(level=logging.WARNING)
     global CHILD_ENV
     if args.torch_threads:

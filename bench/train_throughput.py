@@ -20,7 +20,7 @@ printed beside them). The broker's CPU use during each measurement is reported t
 records are produced once, before the first round, and the bench waits for the embedded
 broker's save of them to finish (see ``odl.broker.embedded_broker``).
 
-    .venv/bin/python bench/train_throughput.py [--batches 120] [--rounds 5] [--num-workers 1]
+    .venv/bin/python bench/train_throughput.py [--batches 120] [--rounds 5] [--num-workers 0]
         [--json out.json]
 """
 
@@ -130,7 +130,7 @@ def measure_trainer_rate(trainer: Trainer, warmup: int,
     return (s1 - s0) / (t1 - t0)
 
 
-def online_rate(config, ends: dict[int, int], warmup: int, num_workers: int = 1) -> float:
+def online_rate(config, ends: dict[int, int], warmup: int, num_workers: int = 0) -> float:
     config = type(config).FromString(config.SerializeToString())
     config.data_config.num_workers = num_workers
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
@@ -147,7 +147,7 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=120, help="batches of 1024 per measurement")
     ap.add_argument("--warmup", type=int, default=10, help="steps excluded from timing")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--num-workers", type=int, default=1,
+    ap.add_argument("--num-workers", type=int, default=0,
                     help="data_config.num_workers of the online trainer (0 = build in its "
                          "reader thread)")
     add_output_args(ap)

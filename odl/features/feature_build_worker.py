@@ -40,7 +40,6 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Optional
 
-from odl.cpu_scheduling import make_thread_batch_scheduled
 from odl.features.feature_builder import ArraysResult
 from odl.protos import pipeline_pb2
 
@@ -75,8 +74,6 @@ class FeatureBuildWorkers:
         pipeline_config: the pipeline config (the workers build a ``FeatureBuilder`` from it).
         num_workers: processes to start (>= 1).
         max_record_bytes: passed to each worker's ``FeatureBuilder``.
-        batch_sched: run the workers in Linux's SCHED_BATCH class (their wake-ups do not
-            preempt the train step).
     """
 
     def __init__(
@@ -84,14 +81,12 @@ class FeatureBuildWorkers:
         pipeline_config: pipeline_pb2.EasyRecConfig,
         num_workers: int,
         max_record_bytes: int = 1 << 20,
-        batch_sched: bool = False,
     ) -> None:
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self._config_bytes = pipeline_config.SerializeToString()
         self._max_record_bytes = int(max_record_bytes)
         self.num_workers = int(num_workers)
-        self._batch_sched = bool(batch_sched)
         self._workers: list[_Worker] = []
         self._next_submit = 0
         self._next_collect = 0
@@ -118,8 +113,7 @@ class FeatureBuildWorkers:
             try:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "odl.features.feature_build_worker",
-                     "--fd", str(theirs.fileno())]
-                    + (["--batch-sched"] if self._batch_sched else []),
+                     "--fd", str(theirs.fileno())],
                     pass_fds=(theirs.fileno(),),
                     stdin=subprocess.DEVNULL,
                     env=env,
@@ -270,13 +264,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of a worker process (started by ``FeatureBuildWorkers``)."""
     ap = argparse.ArgumentParser(description="odl feature build worker (internal)")
     ap.add_argument("--fd", type=int, required=True, help="inherited socket fd")
-    ap.add_argument("--batch-sched", action="store_true",
-                    help="run in the SCHED_BATCH scheduling class (Linux)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if args.batch_sched:
-        make_thread_batch_scheduled()  # before any other thread exists: all inherit it
     logging.basicConfig(
         level=logging.WARNING,
         format=f"%(asctime)s %(levelname)s odl-feature-worker[{os.getpid()}] %(message)s")

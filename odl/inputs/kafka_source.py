@@ -63,7 +63,6 @@ from typing import Optional
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from odl.cpu_scheduling import call_in_batch_thread
 from odl.kafka_client import consumer_config
 
 logger = logging.getLogger(__name__)
@@ -186,8 +185,7 @@ class KafkaSource:
         for key, value in owned:
             if not kafka_config or key not in kafka_config:
                 conf[key] = value
-        # librdkafka's threads inherit SCHED_BATCH: their wake-ups do not preempt the train step
-        self._consumer = call_in_batch_thread(lambda: Consumer(conf))
+        self._consumer = Consumer(conf)
         self._partitions: list[int] = []
         self.partition_state: dict[int, PartitionState] = {}
         self._positions: dict[int, int] = {}

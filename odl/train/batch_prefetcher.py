@@ -13,8 +13,6 @@ Two ways to build:
   reader thread submits each batch's records and a collector thread takes the results in
   order, wraps them as tensors (``to_batch``) and queues them. At most ``workers.capacity``
   batches are out at the workers at a time.
-
-Both threads run in the SCHED_BATCH class (``odl.cpu_scheduling``).
 """
 
 from __future__ import annotations
@@ -29,7 +27,6 @@ from typing import Optional
 
 import numpy as np
 
-from odl.cpu_scheduling import make_thread_batch_scheduled
 from odl.features.batch import Batch
 from odl.features.feature_build_worker import FeatureBuildWorkers
 from odl.features.feature_builder import BatchArrays
@@ -122,7 +119,6 @@ class BatchPrefetcher:
         return False
 
     def _run(self) -> None:
-        make_thread_batch_scheduled()
         try:
             while not self._stop.is_set():
                 t0 = time.perf_counter()
@@ -173,7 +169,6 @@ class BatchPrefetcher:
     def _collect(self) -> None:
         """Collector thread: worker results, in submission order, onto the queue."""
         assert self._workers is not None and self._to_batch is not None
-        make_thread_batch_scheduled()
         try:
             while not self._stop.is_set():
                 try:

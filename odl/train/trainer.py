@@ -381,7 +381,7 @@ class Trainer:
     def _open_input(self, restored_positions: Optional[dict[int, int]]) -> None:
         dc = self.config.data_config
         # started first: their start-up (about 0.5 s) overlaps opening the input
-        workers = (FeatureBuildWorkers(self.config, dc.num_workers, batch_sched=True).start()
+        workers = (FeatureBuildWorkers(self.config, dc.num_workers).start()
                    if dc.num_workers else None)
         try:
             self._open_source_and_prefetcher(restored_positions, workers)
