@@ -130,9 +130,7 @@ def measure_trainer_rate(trainer: Trainer, warmup: int,
     return (s1 - s0) / (t1 - t0)
 
 
-def online_rate(config, ends: dict[int, int], warmup: int, num_workers: int = 0) -> float:
-    config = type(config).FromString(config.SerializeToString())
-    config.data_config.num_workers = num_workers
+def online_rate(config, ends: dict[int, int], warmup: int) -> float:
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
 
     def caught_up(step: int, _secs: float) -> bool:
@@ -173,6 +171,7 @@ def main() -> int:
         broker_proc = psutil.Process(broker.pid)
         for r in range(args.rounds):
             config = make_config(os.path.join(work, f"model_dir_{r}"), broker.bootstrap, TOPIC)
+            config.data_config.num_workers = args.num_workers  # used by the online trainer
             features = FeatureBuilder(config)
             batches = [features.build(values[i : i + BATCH]).batch for i in range(0, n, BATCH)]
             # ABBA order: the two compared measurements sit side by side in every round and
@@ -182,7 +181,7 @@ def main() -> int:
                 broker.wait_until_idle()  # e.g. the save after the last trainer's commit
                 cpu0, t0 = _cpu_seconds(broker_proc), time.perf_counter()
                 if name == "online":
-                    rate = online_rate(config, ends, args.warmup, args.num_workers)
+                    rate = online_rate(config, ends, args.warmup)
                 elif name == "torchrec":
                     module = TrainModule(config, features, device="cpu")
                     rate = time_steps(module.train_step, batches, args.warmup)

@@ -105,8 +105,10 @@ def test_workers_ignore_sigterm_and_exit_when_closed(tmp_path):
         for pid in workers.pids:
             os.kill(pid, signal.SIGTERM)
             os.kill(pid, signal.SIGINT)
-        workers.submit(_batches()[1])
-        assert workers.collect() is not None  # the second worker still answers
+        for values in _batches()[1:3]:  # one batch to each worker: both still answer
+            workers.submit(values)
+        assert workers.collect() is not None
+        assert workers.collect() is not None
     finally:
         workers.close()
     assert not _worker_children()

@@ -7,9 +7,10 @@ train step, whose Python code needs the GIL between operators. ``FeatureBuildWor
 trainer's process only reads records from Kafka and wraps the returned arrays as tensors
 (``FeatureBuilder.to_batch``, no copy).
 
-Each worker is ``python -m odl.features.feature_build_worker --fd N``, started with
-``subprocess`` (not ``multiprocessing``, which would re-import the trainer's ``__main__``
-and with it torch). The worker imports numpy, pyarrow and protobuf only.
+Each worker is a ``python -c`` process (``_WORKER_BOOT``) that ignores SIGINT and SIGTERM
+first thing and then runs :func:`main` with ``--fd N``. It is started with ``subprocess``
+(not ``multiprocessing``, which would re-import the trainer's ``__main__`` and with it torch),
+and imports numpy, pyarrow and protobuf only.
 
 Wire layout, over one socketpair per worker with ``multiprocessing.connection`` framing (a
 4-byte big-endian length, then a pickle); both ends are this package on one machine:
@@ -21,8 +22,9 @@ Wire layout, over one socketpair per worker with ``multiprocessing.connection`` 
 * the trainer shutting the socket down (or dying): the worker exits 0.
 
 Batches go to the workers round-robin and come back in the same order. Workers ignore SIGINT
-and SIGTERM (a terminal's Ctrl-C or systemd's stop reaches the whole process group); they exit
-when the trainer closes their socket, including when the trainer dies.
+and SIGTERM from their first moment (a terminal's Ctrl-C or systemd's stop reaches the whole
+process group, possibly while a worker is still importing); they exit when the trainer
+closes their socket, including when the trainer dies.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -50,6 +51,12 @@ _START_TIMEOUT_SECS = 120.0
 # Batches each worker may hold (one being built, one waiting): keeps workers busy without
 # reading far ahead of the trainer.
 IN_FLIGHT_PER_WORKER = 2
+# The worker's command line: signals are ignored before the (slow) imports start.
+_WORKER_BOOT = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "from odl.features.feature_build_worker import main; raise SystemExit(main())"
+)
 
 
 class FeatureBuildError(RuntimeError):
@@ -62,6 +69,11 @@ class _Worker:
         self.sock = sock  # kept for shutdown(), which wakes a thread blocked on the socket
         self.conn = Connection(os.dup(sock.fileno()))
         self.ready = False
+
+    def exited(self) -> FeatureBuildError:
+        """The error for this worker's socket failing (it died or was killed)."""
+        return FeatureBuildError(
+            f"feature build worker pid {self.proc.pid} exited (code {self.proc.poll()})")
 
 
 class FeatureBuildWorkers:
@@ -112,8 +124,7 @@ class FeatureBuildWorkers:
             ours, theirs = socket.socketpair()
             try:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "odl.features.feature_build_worker",
-                     "--fd", str(theirs.fileno())],
+                    [sys.executable, "-c", _WORKER_BOOT, "--fd", str(theirs.fileno())],
                     pass_fds=(theirs.fileno(),),
                     stdin=subprocess.DEVNULL,
                     env=env,
@@ -133,19 +144,13 @@ class FeatureBuildWorkers:
         """Next message from ``worker``; None when ``stop`` is set first."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            try:
+            try:  # a dead worker's socket reads as EOF
                 if worker.conn.poll(0.1):
                     return worker.conn.recv()
             except (EOFError, OSError) as exc:
-                code = worker.proc.poll()
-                raise FeatureBuildError(
-                    f"feature build worker pid {worker.proc.pid} exited (code {code})") from exc
+                raise worker.exited() from exc
             if stop is not None and stop.is_set():
                 return None
-            if worker.proc.poll() is not None and not worker.conn.poll(0):
-                raise FeatureBuildError(
-                    f"feature build worker pid {worker.proc.pid} exited "
-                    f"(code {worker.proc.returncode})")
             if deadline is not None and time.monotonic() > deadline:
                 raise FeatureBuildError(
                     f"feature build worker pid {worker.proc.pid} did not start "
@@ -173,9 +178,7 @@ class FeatureBuildWorkers:
         try:
             worker.conn.send(("build", values))
         except (OSError, ValueError) as exc:
-            raise FeatureBuildError(
-                f"feature build worker pid {worker.proc.pid} exited "
-                f"(code {worker.proc.poll()})") from exc
+            raise worker.exited() from exc
 
     def collect(self, stop: Optional[threading.Event] = None) -> Optional[ArraysResult]:
         """The result of the oldest submitted batch, waiting for it.
@@ -261,12 +264,14 @@ def _serve(conn: Connection) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of a worker process (started by ``FeatureBuildWorkers``)."""
+    """Entry point of a worker process.
+
+    Started by ``FeatureBuildWorkers`` through ``_WORKER_BOOT``, which has already set SIGINT
+    and SIGTERM to be ignored.
+    """
     ap = argparse.ArgumentParser(description="odl feature build worker (internal)")
     ap.add_argument("--fd", type=int, required=True, help="inherited socket fd")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.WARNING,
         format=f"%(asctime)s %(levelname)s odl-feature-worker[{os.getpid()}] %(message)s")
@@ -276,6 +281,3 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         conn.close()
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -98,11 +98,6 @@ class BatchArrays:
     sample_ids: list[str] | None = None
     event_times: np.ndarray | None = None
 
-    @property
-    def size(self) -> int:
-        """Number of samples."""
-        return int(self.labels.shape[0])
-
 
 @dataclass
 class ArraysResult:

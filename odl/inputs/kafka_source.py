@@ -374,7 +374,7 @@ class KafkaSource:
         One pass per attribute (C-level iteration) rather than a Python loop per message: the
         reading thread shares the GIL with the train step.
         """
-        values.extend([v if v is not None else b"" for v in [m.value() for m in msgs]])
+        values.extend([m.value() or b"" for m in msgs])
         p_new = [m.partition() for m in msgs]
         o_new = [m.offset() for m in msgs]
         parts.extend(p_new)

@@ -37,7 +37,6 @@ logger = logging.getLogger(__name__)
 _END = object()
 
 
-
 @dataclass
 class PreparedBatch:
     """A built batch and what it covers.
@@ -98,8 +97,6 @@ class BatchPrefetcher:
         self._slots = threading.Semaphore(workers.capacity if workers is not None else 0)
         self._error: Optional[BaseException] = None
         self.finished = False
-        self.build_seconds = 0.0
-        self.read_seconds = 0.0
 
     def start(self) -> None:
         """Starts the reader thread (and the collector thread when building in workers)."""
@@ -121,14 +118,11 @@ class BatchPrefetcher:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                t0 = time.perf_counter()
                 try:
                     raw = self._read(self._stop)
                 except StopIteration:
                     self._end()
                     return
-                t1 = time.perf_counter()
-                self.read_seconds += t1 - t0
                 if raw is None:
                     continue
                 if self._workers is not None:
@@ -138,7 +132,6 @@ class BatchPrefetcher:
                     self._workers.submit(raw.values)
                     continue
                 batch, accepted, rejected = self._build(raw.values)
-                self.build_seconds += time.perf_counter() - t1
                 if not self._put(self._prepared(raw, batch, accepted, rejected)):
                     return
         except BaseException as exc:  # surfaced to the train loop by get()
@@ -178,12 +171,10 @@ class BatchPrefetcher:
                 if raw is _END:
                     self._put(_END)
                     return
-                t0 = time.perf_counter()
                 result = self._workers.collect(self._stop)
                 if result is None:  # stopping
                     return
                 batch = self._to_batch(result.arrays) if result.arrays is not None else None
-                self.build_seconds += time.perf_counter() - t0
                 self._slots.release()
                 if not self._put(self._prepared(raw, batch, result.accepted, result.rejected)):
                     return
