@@ -21,7 +21,7 @@ records are produced once, before the first round, and the bench waits for the e
 broker's save of them to finish (see ``odl.broker.embedded_broker``).
 
     .venv/bin/python bench/train_throughput.py [--batches 120] [--rounds 5] [--num-workers 0]
-        [--json out.json]
+        [--device cpu|cuda|auto] [--torch-threads 0] [--json out.json]
 """
 
 from __future__ import annotations
@@ -130,8 +130,8 @@ def measure_trainer_rate(trainer: Trainer, warmup: int,
     return (s1 - s0) / (t1 - t0)
 
 
-def online_rate(config, ends: dict[int, int], warmup: int) -> float:
-    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
+def online_rate(config, ends: dict[int, int], warmup: int, device: str) -> float:
+    trainer = Trainer(config, TrainerOptions(online=True, device=device, status_port=-1))
 
     def caught_up(step: int, _secs: float) -> bool:
         pos = dict(trainer.positions)
@@ -149,6 +149,8 @@ def main() -> int:
                     help="data_config.num_workers of the online trainer (0 = build in its "
                          "reader thread)")
     add_output_args(ap)
+    ap.add_argument("--device", default="cpu",
+                    help="cpu, cuda or auto, for all three (the online trainer's --device)")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads for all three (0 = odl's auto: half the CPUs)")
     args = ap.parse_args()
@@ -181,13 +183,13 @@ def main() -> int:
                 broker.wait_until_idle()  # e.g. the save after the last trainer's commit
                 cpu0, t0 = _cpu_seconds(broker_proc), time.perf_counter()
                 if name == "online":
-                    rate = online_rate(config, ends, args.warmup)
+                    rate = online_rate(config, ends, args.warmup, args.device)
                 elif name == "torchrec":
-                    module = TrainModule(config, features, device="cpu")
+                    module = TrainModule(config, features, device=args.device)
                     rate = time_steps(module.train_step, batches, args.warmup)
                     del module
                 else:
-                    plain = PlainDeepFM(config, features)
+                    plain = PlainDeepFM(config, features, device=args.device)
                     rate = time_steps(plain.step, batches, args.warmup)
                     del plain
                 rates[name].append(rate)
@@ -217,6 +219,8 @@ def main() -> int:
         },
         "batches": args.batches,
         "torch_threads": threads,
+        "device": args.device,
+        "cpus": len(os.sched_getaffinity(0)),
         "num_workers": args.num_workers,
         "rounds": args.rounds,
         "broker_cpu_cores": {k: round(max(v), 3) for k, v in broker_cpu.items()},

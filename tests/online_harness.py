@@ -91,6 +91,7 @@ def run_in_process(
     edits: Optional[dict] = None,
     timeout: float = 120,
     status_port: int = -1,
+    device: str = "cpu",
 ) -> Trainer:
     """Runs a Trainer in this process until it has trained up to ``ends``; returns it stopped."""
     config = load_pipeline_config(config_path, json.dumps(edits) if edits else None)
@@ -98,7 +99,7 @@ def run_in_process(
     trainer = Trainer(
         config,
         TrainerOptions(
-            online=True, device="cpu", status_port=status_port, sample_ledger=ledger
+            online=True, device=device, status_port=status_port, sample_ledger=ledger
         ),
     )
     done = threading.Event()

@@ -236,8 +236,14 @@ def _read_topic(bootstrap: str, topic: str) -> list[bytes]:
     return out
 
 
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                   reason="needs a CUDA device")),
+])
 def test_trainer_publishes_versions_equal_to_checkpoints(kafka_bootstrap, kafka_topic_factory,
-                                                         tmp_path, monkeypatch):
+                                                         tmp_path, monkeypatch, device):
+    """Every published version equals the checkpoint of its step (tracker on the GPU too)."""
     topic = kafka_topic_factory(partitions=2)
     delta_topic = kafka_topic_factory(prefix="delta", create=False)
     _, values = make_records(1500, seed=3)
@@ -255,7 +261,9 @@ def test_trainer_publishes_versions_equal_to_checkpoints(kafka_bootstrap, kafka_
             f'max_chunk_bytes: 20000 }}')
     cfg = write_config(tmp_path, kafka_bootstrap, topic, extra_train=incr,
                        save_checkpoints_steps=5)
-    trainer = run_in_process(cfg, ends, edits={"train_config.keep_checkpoint_max": 0})
+    trainer = run_in_process(cfg, ends, edits={"train_config.keep_checkpoint_max": 0},
+                             device=device)
+    assert trainer.module.device.type == device
     st = trainer.status()["publisher"]
     assert st["last_version"] == trainer.module.global_step and st["failures"] == 0
     maps = read_id_maps(trainer.model_dir)

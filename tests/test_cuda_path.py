@@ -1,0 +1,109 @@
+"""The CUDA path: device choice, CPU/CUDA agreement, checkpoints across devices, online loop.
+
+Skipped where no CUDA device is visible (CI has none). On a GPU machine these need
+``fbgemm-gpu`` (the CUDA build) instead of ``fbgemm-gpu-cpu``; see docs/training.md#gpu.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
+from odl.features.feature_builder import FeatureBuilder
+from odl.models.train_module import TrainModule, resolve_device
+from tests.online_harness import end_offsets, produce, read_ledger, run_in_process, write_config
+from tests.online_harness import make_records as make_stream_records
+from tests.test_models import batches, config, make_records, roc_auc
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def fb():
+    return FeatureBuilder(config())
+
+
+def _assert_tables_equal(a: TrainModule, b: TrainModule, atol: float) -> None:
+    ta, tb = a.embedding_tables(), b.embedding_tables()
+    assert set(ta) == set(tb)
+    for name in ta:
+        torch.testing.assert_close(ta[name].cpu(), tb[name].cpu(), atol=atol, rtol=0)
+
+
+def test_auto_device_is_cuda_with_tables_on_the_gpu(fb):
+    import fbgemm_gpu
+
+    assert getattr(fbgemm_gpu, "__variant__", "") != "cpu", "fbgemm-gpu-cpu cannot train on CUDA"
+    assert resolve_device("auto").type == "cuda"
+    tm = TrainModule(config(), fb, device="auto")
+    assert tm.device.type == "cuda"
+    assert all(w.is_cuda for w in tm.embedding_tables().values())
+    assert all(p.is_cuda for p in tm.dense_parameters().values())
+    out = tm.train_step(batches(fb, 1, size=64)[0])  # a CPU batch is moved to the model
+    assert out.probs.shape == (64,) and np.isfinite(out.loss)
+
+
+def test_cuda_trains_the_same_model_as_cpu(fb):
+    cpu = TrainModule(config(), fb, device="cpu")
+    gpu = TrainModule(config(), fb, device="cuda")
+    _assert_tables_equal(cpu, gpu, atol=0)  # same seed, same initial weights on both
+    for b in batches(fb, 20, size=256, seed=5):
+        oc, og = cpu.train_step(b), gpu.train_step(b)
+        np.testing.assert_allclose(og.probs, oc.probs, atol=1e-4, rtol=0)
+        assert abs(og.loss - oc.loss) < 1e-4
+    # fused Adagrad on the tables and Adam on the dense part made the same updates
+    _assert_tables_equal(cpu, gpu, atol=1e-4)
+    for name, p in cpu.dense_parameters().items():
+        torch.testing.assert_close(gpu.dense_parameters()[name].cpu(), p, atol=1e-4, rtol=0)
+
+
+def test_checkpoints_cross_devices_both_ways(fb):
+    gpu = TrainModule(config(), fb, device="cuda")
+    for b in batches(fb, 4, size=128, seed=2):
+        gpu.train_step(b)
+    state = gpu.state_dict_for_checkpoint()
+    tensors = list(state["model"].values()) + [
+        v for per_table in state["sparse_optimizer"].values() for v in per_table.values()]
+    assert all(t.device.type == "cpu" for t in tensors)  # checkpoints are device-neutral
+
+    cpu = TrainModule(config(train_config="seed: 8"), fb, device="cpu")
+    cpu.load_checkpoint_state(state)
+    assert cpu.global_step == 4
+    nxt = batches(fb, 3, size=128, seed=3)
+    np.testing.assert_allclose(cpu.predict(nxt[0]), gpu.predict(nxt[0]), atol=1e-5, rtol=0)
+    for b in nxt:  # optimizer state came along: the next updates agree as well
+        np.testing.assert_allclose(cpu.train_step(b).probs, gpu.train_step(b).probs,
+                                   atol=1e-4, rtol=0)
+
+    back = TrainModule(config(train_config="seed: 9"), fb, device="cuda")
+    back.load_checkpoint_state(cpu.state_dict_for_checkpoint())
+    _assert_tables_equal(back, cpu, atol=0)
+
+
+def test_adam_on_the_tables_learns_on_cuda(fb):
+    c = config(train_config="sparse_optimizer { adam_optimizer { lr: 0.01 } }")
+    tm = TrainModule(c, fb, device="cuda")
+    eval_recs, eval_labels = make_records(4000, seed=999)
+    eval_batch = fb.build(eval_recs).batch
+    for b in batches(fb, 60, size=256, seed=1):
+        tm.train_step(b)
+    assert roc_auc(eval_labels, tm.predict(eval_batch)) > 0.75
+
+
+def test_online_loop_on_cuda_trains_every_record_once(kafka_bootstrap, kafka_topic_factory,
+                                                      tmp_path):
+    topic = kafka_topic_factory(partitions=3)
+    ids, values = make_stream_records(3000, seed=11)
+    produce(kafka_bootstrap, topic, values, 3)
+    ends = end_offsets(kafka_bootstrap, topic)
+    cfg = write_config(tmp_path, kafka_bootstrap, topic, batch_size=256)
+    ledger = str(tmp_path / "ledger.tsv")
+    trainer = run_in_process(cfg, ends, ledger, device="cuda")
+    assert trainer.module.device.type == "cuda"
+    trained = read_ledger(ledger)
+    assert sorted(trained) == sorted(ids)
+    ckpt = read_checkpoint(list_checkpoints(trainer.model_dir)[-1])
+    assert ckpt.positions == ends
+    assert ckpt.global_step == trainer.module.global_step
