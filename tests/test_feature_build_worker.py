@@ -165,3 +165,20 @@ def test_training_is_the_same_with_and_without_workers(tmp_path):
         for key, value in states[0].items():
             assert torch.equal(states[n][key], value), (n, key)
     assert not _worker_children()
+
+
+def test_num_workers_default_depends_on_device_and_cpus(monkeypatch):
+    from odl.protos import pipeline_pb2
+    from odl.train import trainer as trainer_module
+
+    dc = pipeline_pb2.DatasetConfig()
+    monkeypatch.setattr(trainer_module.os, "sched_getaffinity", lambda _pid: set(range(16)))
+    assert trainer_module.effective_num_workers(dc, "cpu") == 0
+    assert trainer_module.effective_num_workers(dc, "cuda") == 4
+    dc.num_workers = 0  # set explicitly: honoured on CUDA too
+    assert trainer_module.effective_num_workers(dc, "cuda") == 0
+    dc.num_workers = 2
+    assert trainer_module.effective_num_workers(dc, "cpu") == 2
+    dc.ClearField("num_workers")
+    monkeypatch.setattr(trainer_module.os, "sched_getaffinity", lambda _pid: {0, 1})
+    assert trainer_module.effective_num_workers(dc, "cuda") == 0  # too few CPUs to spare

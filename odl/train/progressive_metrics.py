@@ -52,6 +52,7 @@ class ProgressiveMetrics:
         self.window = max(1, int(window))
         self._probs = np.zeros(self.window, dtype=np.float64)
         self._labels = np.zeros(self.window, dtype=np.float64)
+        self._losses = np.zeros(self.window, dtype=np.float64)  # per-sample logloss
         self._filled = 0
         self._cursor = 0
         self._total_auc = HistogramAuc(_HISTOGRAM_BINS)
@@ -72,11 +73,13 @@ class ProgressiveMetrics:
             return
         self.samples += n
         p = np.clip(probs, _EPS, 1 - _EPS)
-        self._total_logloss += float(-(labels * np.log(p) + (1 - labels) * np.log(1 - p)).sum())
+        losses = -(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+        self._total_logloss += float(losses.sum())
         self._total_auc.add(labels > 0.5, probs)
         if n >= self.window:
             self._probs[:] = probs[-self.window :]
             self._labels[:] = labels[-self.window :]
+            self._losses[:] = losses[-self.window :]
             self._cursor = 0
             self._filled = self.window
             return
@@ -84,12 +87,15 @@ class ProgressiveMetrics:
         if end <= self.window:
             self._probs[self._cursor : end] = probs
             self._labels[self._cursor : end] = labels
+            self._losses[self._cursor : end] = losses
         else:
             first = self.window - self._cursor
             self._probs[self._cursor :] = probs[:first]
             self._labels[self._cursor :] = labels[:first]
+            self._losses[self._cursor :] = losses[:first]
             self._probs[: n - first] = probs[first:]
             self._labels[: n - first] = labels[first:]
+            self._losses[: n - first] = losses[first:]
         self._cursor = end % self.window
         self._filled = min(self.window, self._filled + n)
 
@@ -98,8 +104,10 @@ class ProgressiveMetrics:
         return roc_auc(self._probs[: self._filled], self._labels[: self._filled])
 
     def window_logloss(self) -> float:
-        """Logloss over the window."""
-        return log_loss(self._probs[: self._filled], self._labels[: self._filled])
+        """Logloss over the window (per-sample losses kept at update: no log() here)."""
+        if self._filled == 0:
+            return float("nan")
+        return float(self._losses[: self._filled].mean())
 
     def total_auc(self) -> float:
         """AUC over every sample since start, from the histogram."""
