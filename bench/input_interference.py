@@ -82,12 +82,20 @@ def input_loop(config_bytes: bytes, bootstrap: str, rate: float, stop, counter) 
         source.close()
 
 
-def _wait_started(counter, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while counter.value == 0:  # e.g. a child process still importing torch
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the input {what} built nothing in {timeout:.0f} s")
-        time.sleep(0.05)
+def _timed_with_input(runner, stop, counter, step, batches, timeout: float = 120.0) -> float:
+    """Starts ``runner`` (a thread or process running ``input_loop``), waits for its first
+    batch (a child process imports torch first), times ``step``, then stops the runner."""
+    runner.start()
+    try:
+        deadline = time.monotonic() + timeout
+        while counter.value == 0:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the input {runner} built nothing in {timeout:.0f} s")
+            time.sleep(0.05)
+        return time_steps(step, batches, 10)
+    finally:
+        stop.set()
+        runner.join(30)
 
 
 def main() -> int:
@@ -122,20 +130,13 @@ def main() -> int:
             stop, counter = threading.Event(), mp.Value("q", 0)
             thread = threading.Thread(target=input_loop, daemon=True,
                                       args=(blob, broker.bootstrap, args.rate, stop, counter))
-            thread.start()
-            _wait_started(counter, "thread")
-            rates["input_thread"].append(time_steps(module.train_step, batches, 10))
-            stop.set()
-            thread.join()
-
-            pstop, pcounter = ctx.Event(), ctx.Value("q", 0)
+            rates["input_thread"].append(
+                _timed_with_input(thread, stop, counter, module.train_step, batches))
+            stop, counter = ctx.Event(), ctx.Value("q", 0)
             proc = ctx.Process(target=input_loop, daemon=True,
-                               args=(blob, broker.bootstrap, args.rate, pstop, pcounter))
-            proc.start()
-            _wait_started(pcounter, "process")
-            rates["input_process"].append(time_steps(module.train_step, batches, 10))
-            pstop.set()
-            proc.join(30)
+                               args=(blob, broker.bootstrap, args.rate, stop, counter))
+            rates["input_process"].append(
+                _timed_with_input(proc, stop, counter, module.train_step, batches))
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in rates.items()),
                   flush=True)
     med = {k: statistics.median(v) for k, v in rates.items()}
