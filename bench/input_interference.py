@@ -43,7 +43,7 @@ from bench.train_throughput import (  # noqa: E402
 )
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.broker.topic_admin import create_topic  # noqa: E402
-from odl.cli.torch_runtime import configure_torch_threads  # noqa: E402
+from odl.cli.torch_runtime import configure_torch_threads, usable_cpus  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.inputs.kafka_source import KafkaSource, start_positions_from_config  # noqa: E402
@@ -148,7 +148,7 @@ def main() -> int:
         "input_rate": args.rate,
         "device": args.device,
         "torch_threads": threads,
-        "cpus": len(os.sched_getaffinity(0)),
+        "cpus": usable_cpus(),
     }
     print(f"step with the input in a thread / alone  = {result['thread_over_alone']:.3f}")
     print(f"step with the input in a process / alone = {result['process_over_alone']:.3f}")

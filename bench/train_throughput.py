@@ -46,7 +46,7 @@ from bench.plain_pytorch_deepfm import PlainDeepFM  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
-from odl.cli.torch_runtime import configure_torch_threads  # noqa: E402
+from odl.cli.torch_runtime import configure_torch_threads, usable_cpus  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
@@ -220,7 +220,7 @@ def main() -> int:
         "batches": args.batches,
         "torch_threads": threads,
         "device": args.device,
-        "cpus": len(os.sched_getaffinity(0)),
+        "cpus": usable_cpus(),
         "num_workers": args.num_workers,
         "rounds": args.rounds,
         "broker_cpu_cores": {k: round(max(v), 3) for k, v in broker_cpu.items()},

@@ -8,6 +8,14 @@ import os
 logger = logging.getLogger(__name__)
 
 
+def usable_cpus() -> int:
+    """Number of CPUs this process may run on (its affinity mask on Linux)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def configure_torch_threads(requested: int) -> int:
     """Sets torch's intra-op thread count.
 
@@ -29,11 +37,7 @@ def configure_torch_threads(requested: int) -> int:
     if requested <= 0 and os.environ.get("OMP_NUM_THREADS", "").isdigit():
         requested = int(os.environ["OMP_NUM_THREADS"])
     if requested <= 0:
-        try:
-            cpus = len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            cpus = os.cpu_count() or 1
-        requested = max(1, cpus // 2)
+        requested = max(1, usable_cpus() // 2)
     torch.set_num_threads(requested)
     logger.info("torch intra-op threads: %d", requested)
     return requested

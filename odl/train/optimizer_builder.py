@@ -208,7 +208,7 @@ def sparse_optimizer_args(
             spec.source,
             "adam for embedding tables needs a CUDA device (fbgemm's CPU kernel supports only "
             "sgd and adagrad); use adagrad for the tables on CPU")
-    # fbgemm's TBE takes beta1/beta2 (not torch's betas tuple); found on the GPU machine
+    # fbgemm's table kernel takes beta1/beta2, not torch's betas tuple
     return trec_optim.Adam, {"lr": lr, "eps": 1e-8, "beta1": spec.params.get("beta1", 0.9),
                              "beta2": spec.params.get("beta2", 0.999)}
 

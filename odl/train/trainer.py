@@ -35,6 +35,7 @@ from odl.checkpoint.checkpoint_manager import (
     read_checkpoint,
     resolve_checkpoint_path,
 )
+from odl.cli.torch_runtime import usable_cpus
 from odl.config.pipeline_config import (
     config_to_text,
     parse_dead_line,
@@ -152,10 +153,7 @@ def effective_num_workers(data_config: pipeline_pb2.DatasetConfig, device_type: 
         return int(data_config.num_workers)
     if device_type != "cuda":
         return 0
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cpus = os.cpu_count() or 1
+    cpus = usable_cpus()
     workers = _CUDA_DEFAULT_WORKERS if cpus >= 2 * _CUDA_DEFAULT_WORKERS else 0
     logger.info("data_config.num_workers unset on CUDA: %d feature build worker(s) (%d CPUs)",
                 workers, cpus)
