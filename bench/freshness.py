@@ -105,11 +105,13 @@ def config_text(model_dir: str, server: str, group: str, publish_steps: int,
         hidden_units=(256, 128, 64), save_checkpoints_steps=0,
         extra_train="metrics_window_samples: 100000\n  " + incr,
     )
-    text = text.replace("data_config {", f"data_config {{\n  num_workers: {NUM_WORKERS}", 1)
+    text = text.replace("data_config {", f"data_config {{\n  num_workers: {NUM_WORKERS}\n"
+                        f"  input_process: {'true' if INPUT_PROCESS else 'false'}", 1)
     return text.replace('group: "odl_test"', f'group: "{group}"')
 
 
 NUM_WORKERS = 0  # data_config.num_workers of the trainer (--num-workers)
+INPUT_PROCESS = True  # data_config.input_process of the trainer (--input-process)
 CHILD_ENV: dict[str, str] | None = None  # OMP_NUM_THREADS for the children (--torch-threads)
 
 
@@ -201,12 +203,30 @@ def freshness(log: list[dict], ts: dict[int, np.ndarray], t_from: float, t_to: f
 
 
 def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
-    """user + system CPU seconds so far of each process (and its children)."""
+    """user + system CPU seconds so far of each process and its children (the trainer's input
+    process among them), live ones included."""
+    named = {proc.pid for proc in procs.values()}
+
+    def live_descendants(proc: psutil.Process) -> float:
+        """CPU of live descendants, not descending into the other named processes."""
+        total = 0.0
+        for child in proc.children():
+            if child.pid in named:
+                continue
+            try:
+                c = child.cpu_times()
+                total += c.user + c.system + live_descendants(child)
+            except psutil.Error:
+                continue  # exited meanwhile: counted in children_* once reaped
+        return total
+
     out = {}
     for name, proc in procs.items():
         try:
             t = proc.cpu_times()
-            out[name] = t.user + t.system + t.children_user + t.children_system
+            out[name] = t.user + t.system + live_descendants(proc)
+            if proc.pid != os.getpid():  # reaped children of the bench are named processes
+                out[name] += t.children_user + t.children_system
         except psutil.Error:
             out[name] = float("nan")
     return out
@@ -238,14 +258,18 @@ def main() -> int:
     ap.add_argument("--rate-rounds", type=int, default=2)
     ap.add_argument("--num-workers", type=int, default=0,
                     help="the trainer's data_config.num_workers (0 = build in its reader thread)")
+    ap.add_argument("--input-process", type=int, choices=(0, 1), default=1,
+                    help="the trainer's data_config.input_process (1: read and build in a "
+                         "child process, the default; 0: in threads of the trainer)")
     ap.add_argument("--rate-max-seconds", type=float, default=15.0,
                     help="cap on one rate measurement (a slow machine stops it early)")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads of trainer and serving (0 = torch's default)")
     add_output_args(ap)
     args = ap.parse_args()
-    global NUM_WORKERS
+    global NUM_WORKERS, INPUT_PROCESS
     NUM_WORKERS = args.num_workers
+    INPUT_PROCESS = bool(args.input_process)
     logging.basicConfig(level=logging.WARNING)
     global CHILD_ENV
     if args.torch_threads:
@@ -415,6 +439,8 @@ def main() -> int:
         "load_average": {"before": [round(x, 2) for x in load_before],
                          "after_stream": [round(x, 2) for x in load_after_stream]},
         "torch_threads": args.torch_threads or torch.get_num_threads(),
+        "input_process": INPUT_PROCESS,
+        "num_workers": NUM_WORKERS,
         "publish_steps": args.publish_steps,
         "seconds": args.seconds,
         "warmup": args.warmup,

@@ -4,9 +4,13 @@ One run, one machine, the same DeepFM (26 hashed id features of dim 16, 13 dense
 batch 1024, DNN 256-128-64, wide + FM + deep) and the same synthetic records:
 
 * online:   ``Trainer`` (odl-train --online) reading the records from the embedded broker —
-            Kafka fetch in the reader thread, parsing and hashing in ``--num-workers``
-            feature build processes (0: in the reader thread), predict-then-train,
-            progressive metrics; checkpoints off; measured from step ``--warmup`` to the end;
+            Kafka fetch, parsing and hashing in the input process
+            (``data_config.input_process``, the default), parsing and hashing there in
+            ``--num-workers`` feature build processes (0: in its reader thread),
+            predict-then-train, progressive metrics; checkpoints off; measured from step
+            ``--warmup`` to the end;
+* online_threads (``--input-process both`` or ``0``): the same trainer with
+            ``input_process: false``, reading and building in threads of its own process;
 * torchrec: ``TrainModule.train_step`` on the same batches pre-built in memory;
 * plain:    ``bench/plain_pytorch_deepfm.PlainDeepFM`` (nn.EmbeddingBag(sparse=True) +
             torch.optim) on the same pre-built batches.
@@ -21,7 +25,7 @@ records are produced once, before the first round, and the bench waits for the e
 broker's save of them to finish (see ``odl.broker.embedded_broker``).
 
     .venv/bin/python bench/train_throughput.py [--batches 120] [--rounds 5] [--num-workers 0]
-        [--device cpu|cuda|auto] [--torch-threads 0] [--json out.json]
+        [--input-process 1|0|both] [--device cpu|cuda|auto] [--torch-threads 0] [--json out.json]
 """
 
 from __future__ import annotations
@@ -130,7 +134,9 @@ def measure_trainer_rate(trainer: Trainer, warmup: int,
     return (s1 - s0) / (t1 - t0)
 
 
-def online_rate(config, ends: dict[int, int], warmup: int, device: str) -> float:
+def online_rate(config, ends: dict[int, int], warmup: int, device: str,
+                input_process: bool = True) -> float:
+    config.data_config.input_process = input_process
     trainer = Trainer(config, TrainerOptions(online=True, device=device, status_port=-1))
 
     def caught_up(step: int, _secs: float) -> bool:
@@ -148,6 +154,9 @@ def main() -> int:
     ap.add_argument("--num-workers", type=int, default=0,
                     help="data_config.num_workers of the online trainer (0 = build in its "
                          "reader thread)")
+    ap.add_argument("--input-process", choices=("1", "0", "both"), default="1",
+                    help="data_config.input_process of the online trainer; both: measure "
+                         "each (online = 1, online_threads = 0)")
     add_output_args(ap)
     ap.add_argument("--device", default="cpu",
                     help="cpu, cuda or auto, for all three (the online trainer's --device)")
@@ -161,8 +170,11 @@ def main() -> int:
     n = args.batches * BATCH
     stream = SyntheticCtrStream(seed=5)
     values = [v for v in stream.next_batch(n).encode("csv")]
-    rates: dict[str, list[float]] = {"online": [], "torchrec": [], "plain": []}
-    broker_cpu: dict[str, list[float]] = {"online": [], "torchrec": [], "plain": []}
+    names = {"1": ["online"], "0": ["online_threads"],
+             "both": ["online", "online_threads"]}[args.input_process] + ["torchrec", "plain"]
+    rates: dict[str, list[float]] = {k: [] for k in names}
+    broker_cpu: dict[str, list[float]] = {k: [] for k in names}
+    online = names[0]  # the headline online variant
     with EmbeddedBroker(port=0, data_dir=os.path.join(work, "kafka")) as broker:
         # One topic for all rounds (each round's trainer starts from offset 0 in a new
         # model_dir). The embedded broker rewrites its whole data file after a write; wait for
@@ -182,8 +194,11 @@ def main() -> int:
             for name in order:
                 broker.wait_until_idle()  # e.g. the save after the last trainer's commit
                 cpu0, t0 = _cpu_seconds(broker_proc), time.perf_counter()
-                if name == "online":
-                    rate = online_rate(config, ends, args.warmup, args.device)
+                if name.startswith("online"):
+                    # a fresh model_dir each: a trainer would resume the other's checkpoint
+                    config.model_dir = os.path.join(work, f"model_dir_{r}_{name}")
+                    rate = online_rate(config, ends, args.warmup, args.device,
+                                       input_process=name == "online")
                 elif name == "torchrec":
                     module = TrainModule(config, features, device=args.device)
                     rate = time_steps(module.train_step, batches, args.warmup)
@@ -196,17 +211,19 @@ def main() -> int:
                 broker_cpu[name].append(
                     (_cpu_seconds(broker_proc) - cpu0) / (time.perf_counter() - t0))
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:,.0f}/s" for k, v in rates.items())
-                  + f" (online/torchrec {rates['online'][-1] / rates['torchrec'][-1]:.3f};"
-                  f" broker CPU during online {broker_cpu['online'][-1]:.2f} cores)", flush=True)
+                  + f" ({online}/torchrec {rates[online][-1] / rates['torchrec'][-1]:.3f};"
+                  f" broker CPU during {online} {broker_cpu[online][-1]:.2f} cores)", flush=True)
 
     med = {k: statistics.median(v) for k, v in rates.items()}
 
     def paired(a: str, b: str) -> list[float]:
         return [round(x / y, 3) for x, y in zip(rates[a], rates[b], strict=True)]
 
-    pairs = {"online_over_torchrec": paired("online", "torchrec"),
+    pairs = {"online_over_torchrec": paired(online, "torchrec"),
              "torchrec_over_plain": paired("torchrec", "plain"),
-             "online_over_plain": paired("online", "plain")}
+             "online_over_plain": paired(online, "plain")}
+    if len(names) == 4:
+        pairs["online_threads_over_torchrec"] = paired("online_threads", "torchrec")
     result = {
         "samples_per_sec": {k: round(v) for k, v in med.items()},
         "samples_per_sec_per_round": {k: [round(x) for x in v] for k, v in rates.items()},
@@ -214,9 +231,10 @@ def main() -> int:
         **{k: round(statistics.median(v), 3) for k, v in pairs.items()},
         "per_round": pairs,
         "ratio_of_medians": {
-            "online_over_torchrec": round(med["online"] / med["torchrec"], 3),
-            "online_over_plain": round(med["online"] / med["plain"], 3),
+            "online_over_torchrec": round(med[online] / med["torchrec"], 3),
+            "online_over_plain": round(med[online] / med["plain"], 3),
         },
+        "input_process": args.input_process,
         "batches": args.batches,
         "torch_threads": threads,
         "device": args.device,
@@ -231,7 +249,11 @@ def main() -> int:
                                 " (target >= 0.85)"),
                                ("online_over_plain", "online loop / plain PyTorch     ",
                                 " (target >= 1.5)"),
-                               ("torchrec_over_plain", "TorchRec step / plain PyTorch   ", "")):
+                               ("torchrec_over_plain", "TorchRec step / plain PyTorch   ", ""),
+                               ("online_threads_over_torchrec",
+                                "online, input in threads / TorchRec", "")):
+        if key not in result:
+            continue
         rom = result["ratio_of_medians"].get(key)
         print(f"{label} = {result[key]:.3f}" + (f" [{rom:.3f}]" if rom else "") + target)
     finish_run(args, result, work)

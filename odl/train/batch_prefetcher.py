@@ -23,14 +23,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from odl.features.batch import Batch
 from odl.features.feature_build_worker import FeatureBuildWorkers
-from odl.features.feature_builder import BatchArrays
 from odl.inputs.kafka_source import RawBatch
+
+if TYPE_CHECKING:  # torch stays out of the input process (odl/inputs/kafka_input_process.py)
+    from odl.features.batch import Batch
+    from odl.features.feature_builder import BatchArrays
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ from odl.features.feature_build_worker import FeatureBuildWorkers
 from odl.features.feature_builder import FeatureBuilder
 from odl.http_server import BackgroundHttpServer
 from odl.inputs.file_source import FileSource
-from odl.inputs.kafka_source import KafkaSource, start_positions_from_config
+from odl.inputs.kafka_input_process import KafkaInputProcess
+from odl.inputs.kafka_source import KafkaSource, StartPositions, start_positions_from_config
 from odl.models.train_module import TrainModule
 from odl.protos import pipeline_pb2
 from odl.train.batch_prefetcher import BatchPrefetcher, PreparedBatch
@@ -192,10 +193,11 @@ class Trainer:
         self.last_checkpoint_error: Optional[str] = None
         self.last_sample_time_ms: Optional[int] = None
         self._reject_log = _RejectLog()
-        self._source: Optional[KafkaSource] = None
+        # with data_config.input_process one KafkaInputProcess is both
+        self._source: Optional[KafkaSource | KafkaInputProcess] = None
         self._file_source: Optional[FileSource] = None
-        self._prefetcher: Optional[BatchPrefetcher] = None
-        self._http: Optional[BatchPrefetcher | BackgroundHttpServer] = None
+        self._prefetcher: Optional[BatchPrefetcher | KafkaInputProcess] = None
+        self._http: Optional[BackgroundHttpServer] = None
         self._ledger = None
         self._dead_line = parse_dead_line(tc.dead_line) if tc.dead_line else None
         self._config_text = config_to_text(config, redact=True)
@@ -409,6 +411,9 @@ class Trainer:
 
     def _open_input(self, restored_positions: Optional[dict[int, int]]) -> None:
         num_workers = effective_num_workers(self.config.data_config, self.module.device.type)
+        if self.options.online and self.config.data_config.input_process:
+            self._open_input_process(restored_positions, num_workers)
+            return
         # started first: their start-up (about 0.5 s) overlaps opening the input
         workers = (FeatureBuildWorkers(self.config, num_workers).start()
                    if num_workers else None)
@@ -419,38 +424,63 @@ class Trainer:
                 workers.close()
             raise
 
+    def _kafka_start(self, restored_positions: Optional[dict[int, int]]
+                     ) -> tuple[StartPositions, dict]:
+        """The start rules and ``KafkaSource`` arguments of ``kafka_train_input``."""
+        ki, dc = self.config.kafka_train_input, self.config.data_config
+        start = start_positions_from_config(
+            parse_offset_info(ki.offset_info) if ki.offset_info else None,
+            ki.offset_time,
+            list(ki.offset),
+            restored_positions,
+        )
+        args = {
+            "servers": ki.server,
+            "topic": ki.topic,
+            "group": ki.group,
+            "batch_size": dc.batch_size,
+            "batch_timeout_ms": dc.batch_timeout_ms,
+            "fetch_interval_ms": dc.fetch_interval_ms,
+            "kafka_config": dict(ki.kafka_config),
+        }
+        return start, args
+
+    def _opened(self) -> None:
+        """Logs a partition count that differs from the config's (informational field)."""
+        ki = self.config.kafka_train_input
+        assert self._source is not None
+        if ki.partitions and ki.partitions != len(self._source.partitions):
+            logger.warning(
+                "kafka_train_input.partitions is %d but topic %s has %d partitions; "
+                "reading all of them",
+                ki.partitions,
+                ki.topic,
+                len(self._source.partitions),
+            )
+
+    def _open_input_process(self, restored_positions: Optional[dict[int, int]],
+                            num_workers: int) -> None:
+        """Reads and builds in a child process (``data_config.input_process``)."""
+        start, args = self._kafka_start(restored_positions)
+        proc = KafkaInputProcess(self.config, self.features, args, start,
+                                 num_workers=num_workers)
+        self._source = proc
+        proc.start()
+        self.state = "waiting_for_topic"
+        self.positions = proc.open(self.stop_event)
+        self._opened()
+        self._prefetcher = proc
+
     def _open_source_and_prefetcher(self, restored_positions: Optional[dict[int, int]],
                                     workers: Optional[FeatureBuildWorkers]) -> None:
         dc = self.config.data_config
         if self.options.online:
-            ki = self.config.kafka_train_input
-            start = start_positions_from_config(
-                parse_offset_info(ki.offset_info) if ki.offset_info else None,
-                ki.offset_time,
-                list(ki.offset),
-                restored_positions,
-            )
-            self._source = KafkaSource(
-                servers=ki.server,
-                topic=ki.topic,
-                group=ki.group,
-                start=start,
-                batch_size=dc.batch_size,
-                batch_timeout_ms=dc.batch_timeout_ms,
-                fetch_interval_ms=dc.fetch_interval_ms,
-                kafka_config=dict(ki.kafka_config),
-            )
+            start, args = self._kafka_start(restored_positions)
+            source = KafkaSource(start=start, **args)
+            self._source = source
             self.state = "waiting_for_topic"
-            self.positions = self._source.open(self.stop_event)
-            if ki.partitions and ki.partitions != len(self._source.partitions):
-                logger.warning(
-                    "kafka_train_input.partitions is %d but topic %s has %d partitions; "
-                    "reading all of them",
-                    ki.partitions,
-                    ki.topic,
-                    len(self._source.partitions),
-                )
-            source = self._source
+            self.positions = source.open(self.stop_event)
+            self._opened()
             read = source.read_batch
         else:
             self._file_source = FileSource(
