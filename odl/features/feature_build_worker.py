@@ -7,13 +7,10 @@ train step, whose Python code needs the GIL between operators. ``FeatureBuildWor
 trainer's process only reads records from Kafka and wraps the returned arrays as tensors
 (``FeatureBuilder.to_batch``, no copy).
 
-Each worker is a ``python -c`` process (``_WORKER_BOOT``) that ignores SIGINT and SIGTERM
-first thing and then runs :func:`main` with ``--fd N``. It is started with ``subprocess``
-(not ``multiprocessing``, which would re-import the trainer's ``__main__`` and with it torch),
-and imports numpy, pyarrow and protobuf only.
+Each worker is a child process of :mod:`odl.child_process` (signals ignored from its first
+moment, a socketpair to the trainer) that imports numpy, pyarrow and protobuf only.
 
-Wire layout, over one socketpair per worker with ``multiprocessing.connection`` framing (a
-4-byte big-endian length, then a pickle); both ends are this package on one machine:
+Wire layout, over one socketpair per worker (``odl.child_process`` framing):
 
 * trainer -> worker, first: ``("init", <EasyRecConfig serialized bytes>, max_record_bytes)``
 * worker -> trainer, then: ``("ready", pid)``, or ``("error", traceback text)`` and exit
@@ -29,18 +26,17 @@ closes their socket, including when the trainer dies.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 import traceback
 from multiprocessing.connection import Connection
 from typing import Optional
 
+from odl.child_process import run_child, spawn_child
 from odl.features.feature_builder import ArraysResult
 from odl.protos import pipeline_pb2
 
@@ -52,11 +48,6 @@ _START_TIMEOUT_SECS = 120.0
 # reading far ahead of the trainer.
 IN_FLIGHT_PER_WORKER = 2
 # The worker's command line: signals are ignored before the (slow) imports start.
-_WORKER_BOOT = (
-    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-    "from odl.features.feature_build_worker import main; raise SystemExit(main())"
-)
 
 
 class FeatureBuildError(RuntimeError):
@@ -64,10 +55,10 @@ class FeatureBuildError(RuntimeError):
 
 
 class _Worker:
-    def __init__(self, proc: subprocess.Popen, sock: socket.socket) -> None:
+    def __init__(self, proc: subprocess.Popen, sock: socket.socket, conn: Connection) -> None:
         self.proc = proc
         self.sock = sock  # kept for shutdown(), which wakes a thread blocked on the socket
-        self.conn = Connection(os.dup(sock.fileno()))
+        self.conn = conn
         self.ready = False
 
     def exited(self) -> FeatureBuildError:
@@ -116,23 +107,9 @@ class FeatureBuildWorkers:
         Returns:
             ``self``.
         """
-        env = dict(os.environ)
-        # numpy/pyarrow in a worker: one thread each, the trainer owns the other cores
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")
         for _ in range(self.num_workers):
-            ours, theirs = socket.socketpair()
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-c", _WORKER_BOOT, "--fd", str(theirs.fileno())],
-                    pass_fds=(theirs.fileno(),),
-                    stdin=subprocess.DEVNULL,
-                    env=env,
-                    close_fds=True,
-                )
-            finally:
-                theirs.close()
-            worker = _Worker(proc, ours)
+            proc, sock, conn = spawn_child("odl.features.feature_build_worker")
+            worker = _Worker(proc, sock, conn)
             worker.conn.send(("init", self._config_bytes, self._max_record_bytes))
             self._workers.append(worker)
         logger.info("started %d feature build worker(s): pids %s", self.num_workers,
@@ -264,20 +241,6 @@ def _serve(conn: Connection) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of a worker process.
-
-    Started by ``FeatureBuildWorkers`` through ``_WORKER_BOOT``, which has already set SIGINT
-    and SIGTERM to be ignored.
-    """
-    ap = argparse.ArgumentParser(description="odl feature build worker (internal)")
-    ap.add_argument("--fd", type=int, required=True, help="inherited socket fd")
-    args = ap.parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING,
-        format=f"%(asctime)s %(levelname)s odl-feature-worker[{os.getpid()}] %(message)s")
-    conn = Connection(args.fd)
-    try:
-        return _serve(conn)
-    finally:
-        conn.close()
-
+    """Entry point of a worker process (see :func:`odl.child_process.run_child`)."""
+    return run_child(argv, "odl feature build worker (internal)", "odl-feature-worker", _serve,
+                     level=logging.WARNING)

@@ -20,14 +20,12 @@ Flow control is by credit: the trainer grants ``max_queued`` batches at start an
 each batch it takes, and the child sends a batch only against a credit. The child's own
 prefetcher holds at most ``max_queued`` more.
 
-The child is a ``python -c`` process (``_CHILD_BOOT``) that ignores SIGINT and SIGTERM first
-thing (a terminal's Ctrl-C or systemd's stop reaches the whole process group; the trainer
-decides when the input stops) and imports numpy, pyarrow, protobuf and confluent-kafka, not
-torch. It exits when the trainer sends ``close`` or closes the socket (including by dying).
-Its log lines go to the trainer's stderr, tagged ``odl-input[pid]``.
+The child is started by :mod:`odl.child_process` (SIGINT and SIGTERM ignored from its first
+moment: the trainer decides when the input stops) and imports numpy, pyarrow, protobuf and
+confluent-kafka, not torch. It exits when the trainer sends ``close`` or closes the socket
+(including by dying). Its log lines go to the trainer's stderr, tagged ``odl-input[pid]``.
 
-Wire layout, over one socketpair with ``multiprocessing.connection`` framing (a 4-byte
-big-endian length, then a pickle); both ends are this module on one machine:
+Wire layout, over one socketpair (``odl.child_process`` framing); both ends are this module:
 
 * trainer -> child, first: ``("init", InputProcessInit)``
 * trainer -> child: ``("credit", n)``: room for n more batches;
@@ -42,13 +40,10 @@ big-endian length, then a pickle); both ends are this module on one machine:
 
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import queue
 import socket
 import subprocess
-import sys
 import threading
 import time
 import traceback
@@ -58,6 +53,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
+from odl.child_process import run_child, spawn_child
 from odl.inputs.kafka_source import PartitionState, RawBatch, StartPositions
 from odl.protos import pipeline_pb2
 
@@ -73,11 +69,6 @@ _STATUS_SECS = 0.25
 _START_TIMEOUT_SECS = 120.0
 # Seconds close() waits for the child to commit, close its consumer and exit.
 _CLOSE_TIMEOUT_SECS = 15.0
-_CHILD_BOOT = (
-    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
-    "signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-    "from odl.inputs.kafka_input_process import main; raise SystemExit(main())"
-)
 _END = object()
 
 
@@ -222,23 +213,7 @@ class KafkaInputProcess:
         Returns:
             ``self``.
         """
-        env = dict(os.environ)
-        # numpy/pyarrow in the child: one thread each, the trainer owns the other cores
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("OPENBLAS_NUM_THREADS", "1")
-        ours, theirs = socket.socketpair()
-        try:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-c", _CHILD_BOOT, "--fd", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env=env,
-                close_fds=True,
-            )
-        finally:
-            theirs.close()
-        self._sock = ours
-        self._conn = Connection(os.dup(ours.fileno()))
+        self._proc, self._sock, self._conn = spawn_child("odl.inputs.kafka_input_process")
         self._send(("init", self._init))
         self._receiver = threading.Thread(target=self._receive, name="input-receiver",
                                           daemon=True)
@@ -635,22 +610,8 @@ def _close_source(child: _Child, prefetcher: Any) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of the input process.
-
-    Started by ``KafkaInputProcess`` through ``_CHILD_BOOT``, which has already set SIGINT
-    and SIGTERM to be ignored.
-    """
-    ap = argparse.ArgumentParser(description="odl Kafka input process (internal)")
-    ap.add_argument("--fd", type=int, required=True, help="inherited socket fd")
-    args = ap.parse_args(argv)
-    logging.basicConfig(
-        level=logging.INFO,
-        format=f"%(asctime)s %(levelname)s odl-input[{os.getpid()}] %(name)s: %(message)s")
-    conn = Connection(args.fd)
-    try:
-        return _serve(conn)
-    finally:
-        conn.close()
+    """Entry point of the input process (see :func:`odl.child_process.run_child`)."""
+    return run_child(argv, "odl Kafka input process (internal)", "odl-input", _serve)
 
 
 __all__ = ["KafkaInputProcess", "InputProcessError", "InputBatch", "InputStatus",
