@@ -41,7 +41,6 @@ Wire layout, over one socketpair (``odl.child_process`` framing); both ends are 
 from __future__ import annotations
 
 import logging
-import queue
 import socket
 import subprocess
 import threading
@@ -56,10 +55,10 @@ import numpy as np
 from odl.child_process import run_child, spawn_child
 from odl.inputs.kafka_source import PartitionState, RawBatch, StartPositions
 from odl.protos import pipeline_pb2
+from odl.train.batch_prefetcher import END, PreparedBatch, PreparedBatchQueue
 
 if TYPE_CHECKING:
     from odl.features.feature_builder import FeatureBuilder
-    from odl.train.batch_prefetcher import PreparedBatch
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +68,6 @@ _STATUS_SECS = 0.25
 _START_TIMEOUT_SECS = 120.0
 # Seconds close() waits for the child to commit, close its consumer and exit.
 _CLOSE_TIMEOUT_SECS = 15.0
-_END = object()
 
 
 class InputProcessError(RuntimeError):
@@ -149,7 +147,7 @@ class InputBatch:
     status: InputStatus
 
 
-class KafkaInputProcess:
+class KafkaInputProcess(PreparedBatchQueue):
     """A ``KafkaSource`` + batch builder running in a child process (see the module docstring).
 
     Args:
@@ -171,6 +169,7 @@ class KafkaInputProcess:
         num_workers: int = 0,
         max_queued: int = 3,
     ) -> None:
+        super().__init__()  # unbounded: the credits bound it
         self._features = features
         self._init = InputProcessInit(
             config=pipeline_config.SerializeToString(),
@@ -188,7 +187,6 @@ class KafkaInputProcess:
         self._conn: Optional[Connection] = None
         self._send_lock = threading.Lock()
         self._receiver: Optional[threading.Thread] = None
-        self._queue: queue.Queue = queue.Queue()
         self._opened = threading.Event()
         self._heard = threading.Event()  # any message from the child arrived
         self._closed = threading.Event()
@@ -204,7 +202,6 @@ class KafkaInputProcess:
         self.records_consumed = 0
         self.offset_resets = 0
         self.parked = False
-        self.finished = False
 
     # ------------------------------------------------------------------ start
     def start(self) -> KafkaInputProcess:
@@ -292,7 +289,7 @@ class KafkaInputProcess:
                     self._error = (msg[1], msg[2])
                     if self._opened.is_set():
                         logger.error("input process failed:\n%s", msg[2])
-                    self._queue.put(_END)
+                    self._queue.put(END)
                     return
                 elif kind == "closed":
                     self._closed.set()
@@ -303,11 +300,11 @@ class KafkaInputProcess:
                 self._error = ("failed", f"input process pid {self.pid} exited (code {code}): "
                                          f"{exc or 'connection closed'}")
                 logger.error("%s", self._error[1])
-                self._queue.put(_END)
+                self._queue.put(END)
         except Exception as exc:  # a message that does not unpickle, a to_batch failure
             self._error = ("failed", f"receiving from the input process: {exc!r}")
             logger.error("%s", self._error[1], exc_info=exc)
-            self._queue.put(_END)
+            self._queue.put(END)
         finally:
             self._closed.set()
 
@@ -325,8 +322,6 @@ class KafkaInputProcess:
         self.parked = status.parked
 
     def _prepared(self, item: InputBatch) -> PreparedBatch:
-        from odl.train.batch_prefetcher import PreparedBatch
-
         n = len(item.partitions)
         values: list[bytes] = []
         if item.rejected_values:
@@ -341,31 +336,13 @@ class KafkaInputProcess:
                              read_time=item.read_time)
 
     # ------------------------------------------------------------------ the prefetcher side
-    def get(self, timeout: float) -> Optional[PreparedBatch]:
-        """Next prepared batch, or None if none arrived within ``timeout``.
-
-        Raises:
-            RuntimeError: the input process failed or exited.
-        """
-        if self.finished:
-            return None
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if item is _END:
-            self.finished = True
-            if self._error is not None:
-                raise RuntimeError(f"input failed: {self._error[1]}")
-            return None
+    def _taken(self) -> None:
         if not self._stopping:
             self._send(("credit", 1), quiet=True)
-        return item
 
-    @property
-    def queued(self) -> int:
-        """Batches received and waiting for the trainer."""
-        return self._queue.qsize()
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"input failed: {self._error[1]}")
 
     def stop(self, timeout: float = 10.0) -> None:  # noqa: ARG002 (BatchPrefetcher's signature)
         """Stops taking batches; the child stops reading once its buffers are full.

@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # torch stays out of the input process (odl/inputs/kafka_inpu
 
 logger = logging.getLogger(__name__)
 
-_END = object()
+END = object()  # queued after the last batch (end of input, or a failure)
 
 
 @dataclass
@@ -62,7 +62,49 @@ class PreparedBatch:
     read_time: float
 
 
-class BatchPrefetcher:
+class PreparedBatchQueue:
+    """The trainer's end of a batch source: prepared batches, then ``END``.
+
+    Args:
+        max_queued: the queue's bound (0: unbounded, the producer bounds it).
+    """
+
+    def __init__(self, max_queued: int = 0) -> None:
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
+        self.finished = False
+
+    def get(self, timeout: float) -> Optional[PreparedBatch]:
+        """Next prepared batch, or None if none arrived within ``timeout`` or the input ended.
+
+        Raises:
+            RuntimeError: the input failed.
+        """
+        if self.finished:
+            return None
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        if item is END:
+            self.finished = True
+            self._raise_if_failed()
+            return None
+        self._taken()
+        return item
+
+    @property
+    def queued(self) -> int:
+        """Batches waiting for the trainer."""
+        return self._queue.qsize()
+
+    def _raise_if_failed(self) -> None:
+        """Raises the input's failure, if it failed (called once, at ``END``)."""
+
+    def _taken(self) -> None:
+        """Called for each batch handed to the trainer."""
+
+
+class BatchPrefetcher(PreparedBatchQueue):
     """Background reader + builder with a bounded queue.
 
     Args:
@@ -86,11 +128,11 @@ class BatchPrefetcher:
     ) -> None:
         if workers is not None and to_batch is None:
             raise ValueError("to_batch is required with workers")
+        super().__init__(max_queued)
         self._read = read
         self._build = build
         self._workers = workers
         self._to_batch = to_batch
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queued)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="batch-reader", daemon=True)
         self._collector: Optional[threading.Thread] = None
@@ -98,7 +140,6 @@ class BatchPrefetcher:
         self._submitted: queue.Queue = queue.Queue()
         self._slots = threading.Semaphore(workers.capacity if workers is not None else 0)
         self._error: Optional[BaseException] = None
-        self.finished = False
 
     def start(self) -> None:
         """Starts the reader thread (and the collector thread when building in workers)."""
@@ -148,9 +189,9 @@ class BatchPrefetcher:
     def _end(self) -> None:
         """The input ended: queue the end marker behind whatever is still being built."""
         if self._workers is not None:
-            self._submitted.put(_END)
+            self._submitted.put(END)
         else:
-            self._put(_END)
+            self._put(END)
 
     def _fail(self, exc: BaseException) -> None:
         if self._stop.is_set():  # e.g. a worker socket closed by stop()
@@ -159,7 +200,7 @@ class BatchPrefetcher:
         logger.error("batch reader failed: %s", exc, exc_info=exc)
         if self._error is None:
             self._error = exc
-        self._put(_END)
+        self._put(END)
 
     def _collect(self) -> None:
         """Collector thread: worker results, in submission order, onto the queue."""
@@ -170,8 +211,8 @@ class BatchPrefetcher:
                     raw = self._submitted.get(timeout=0.1)
                 except queue.Empty:
                     continue
-                if raw is _END:
-                    self._put(_END)
+                if raw is END:
+                    self._put(END)
                     return
                 result = self._workers.collect(self._stop)
                 if result is None:  # stopping
@@ -198,29 +239,9 @@ class BatchPrefetcher:
             read_time=time.time(),
         )
 
-    def get(self, timeout: float) -> Optional[PreparedBatch]:
-        """Next prepared batch, or None if none arrived within ``timeout``.
-
-        Raises:
-            RuntimeError: the reader thread failed.
-        """
-        if self.finished:
-            return None
-        try:
-            item = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return None
-        if item is _END:
-            self.finished = True
-            if self._error is not None:
-                raise RuntimeError(f"input reader failed: {self._error}") from self._error
-            return None
-        return item
-
-    @property
-    def queued(self) -> int:
-        """Batches waiting for the trainer."""
-        return self._queue.qsize()
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"input reader failed: {self._error}") from self._error
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the threads and the workers.
