@@ -4,7 +4,8 @@ One ``Trainer`` runs one pipeline config, online (Kafka) or offline (files):
 
 * start: restore the newest intact checkpoint of ``model_dir`` (model, optimizer, step and
   input positions), else warm-start parameters from ``fine_tune_checkpoint``;
-* loop: a background thread reads and builds batches; the train loop scores each batch
+* loop: the input process (online, ``data_config.input_process``) or a background thread
+  reads and builds batches; the train loop scores each batch
   before training on it (progressive validation), logs rates / AUC / logloss / lag every
   ``log_step_count_steps`` and checkpoints every ``save_checkpoints_steps`` /
   ``save_checkpoints_secs``;
