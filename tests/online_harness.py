@@ -11,6 +11,7 @@ import time
 import urllib.request
 from typing import Optional
 
+import psutil
 from confluent_kafka import Producer
 
 from odl.broker.topic_admin import end_offsets
@@ -183,3 +184,16 @@ def wait_cli_caught_up(proc: subprocess.Popen, model_dir: str, ends: dict[int, i
 __all__ = ["end_offsets", "produce", "make_records", "write_config", "run_in_process",
            "read_ledger", "read_ledger_entries", "start_cli_trainer", "http_json",
            "wait_cli_caught_up"]
+
+
+def odl_helper_processes() -> list[psutil.Process]:
+    """Live descendants of this process that are odl helpers (input process, build workers)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "odl.inputs.kafka_input_process" in cmd or "odl.features.feature_build_worker" in cmd:
+            found.append(child)
+    return found

@@ -6,7 +6,6 @@ import threading
 import time
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
@@ -17,6 +16,7 @@ from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.features.feature_build_worker import FeatureBuildError, FeatureBuildWorkers
 from odl.features.feature_builder import FeatureBuilder
 from odl.train.trainer import Trainer, TrainerOptions
+from tests.online_harness import odl_helper_processes
 
 BAD = [b"", b"\xff\xfe garbage", b"1,2,3", b"not,enough"]
 
@@ -35,17 +35,6 @@ def _batches(seed: int = 3) -> list[list[bytes]]:
         out.append(values)
     out.append(list(BAD))  # every record rejected
     return out
-
-
-def _worker_children() -> list[psutil.Process]:
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if "odl.features.feature_build_worker" in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.Error:
-            continue
-    return found
 
 
 def test_workers_return_what_the_builder_builds_in_submission_order(tmp_path):
@@ -77,7 +66,7 @@ def test_workers_return_what_the_builder_builds_in_submission_order(tmp_path):
         assert torch.equal(batch.sparse.lengths(), ref.sparse.lengths())
         assert batch.sparse.keys() == ref.sparse.keys()
     assert any(r.rejected for r in results)
-    assert not _worker_children()
+    assert not odl_helper_processes()
 
 
 def test_a_worker_that_dies_is_reported_not_waited_for(tmp_path):
@@ -111,7 +100,7 @@ def test_workers_ignore_sigterm_and_exit_when_closed(tmp_path):
         assert workers.collect() is not None
     finally:
         workers.close()
-    assert not _worker_children()
+    assert not odl_helper_processes()
 
 
 def test_close_wakes_a_thread_blocked_sending_to_a_worker(tmp_path):
@@ -135,7 +124,7 @@ def test_close_wakes_a_thread_blocked_sending_to_a_worker(tmp_path):
     sender.join(5)
     assert not sender.is_alive()
     assert "exited" in outcome["result"]
-    assert not _worker_children()
+    assert not odl_helper_processes()
 
 
 def _offline_run(tmp_path, name: str, num_workers: int, csv_path) -> Trainer:
@@ -164,7 +153,7 @@ def test_training_is_the_same_with_and_without_workers(tmp_path):
         assert states[n].keys() == states[0].keys()
         for key, value in states[0].items():
             assert torch.equal(states[n][key], value), (n, key)
-    assert not _worker_children()
+    assert not odl_helper_processes()
 
 
 def test_num_workers_default_depends_on_device_and_cpus(monkeypatch):

@@ -47,7 +47,6 @@ _START_TIMEOUT_SECS = 120.0
 # Batches each worker may hold (one being built, one waiting): keeps workers busy without
 # reading far ahead of the trainer.
 IN_FLIGHT_PER_WORKER = 2
-# The worker's command line: signals are ignored before the (slow) imports start.
 
 
 class FeatureBuildError(RuntimeError):

@@ -239,26 +239,19 @@ class KafkaInputProcess(PreparedBatchQueue):
             InputProcessError: the child failed or exited.
         """
         if self._proc is None:
-            self.start()
+            raise InputProcessError("open() before start()")
         started = time.monotonic()
         while not self._opened.wait(0.1):
-            if self._error is not None:
+            if self._error is not None:  # also set by the receiver when the child exits
                 self._raise_error()
             if stop_event is not None and stop_event.is_set():
                 raise InterruptedError("stopped while waiting for the topic")
-            if (self._proc is not None and self._proc.poll() is not None
-                    and not self._receiver_alive()):
-                raise InputProcessError(
-                    f"input process pid {self._proc.pid} exited (code {self._proc.returncode})")
             if not self._heard.is_set() and time.monotonic() - started > _START_TIMEOUT_SECS:
                 raise InputProcessError(
                     f"input process did not start within {_START_TIMEOUT_SECS:.0f}s")
         assert self._open_result is not None
         starts, self._partitions = self._open_result
         return dict(starts)
-
-    def _receiver_alive(self) -> bool:
-        return self._receiver is not None and self._receiver.is_alive()
 
     def _raise_error(self) -> None:
         assert self._error is not None
@@ -427,8 +420,7 @@ class _Child:
         self.credit = 0
         self.credit_cond = threading.Condition()
         self.final_positions: Optional[dict[int, int]] = None
-        self.pending_commit: Optional[dict[int, int]] = None
-        self.source: Any = None
+        self.source: Any = None  # set before the trainer can send a commit (after "opened")
 
     def send(self, msg: tuple) -> None:
         with self.send_lock:
@@ -443,11 +435,8 @@ class _Child:
                     with self.credit_cond:
                         self.credit += int(msg[1])
                         self.credit_cond.notify()
-                elif msg[0] == "commit":
-                    if self.source is not None:
-                        self.source.request_commit(msg[1])
-                    else:
-                        self.pending_commit = msg[1]
+                elif msg[0] == "commit" and self.source is not None:
+                    self.source.request_commit(msg[1])
                 elif msg[0] == "close":
                     self.final_positions = msg[1]
                     break
@@ -520,8 +509,6 @@ def _serve(conn: Connection) -> int:
             if workers is not None:
                 workers.close()
             raise
-        if child.pending_commit:
-            source.request_commit(child.pending_commit)
         child.send(("opened", dict(starts), source.partitions))
 
         def build(values: list[bytes]):  # noqa: ANN202

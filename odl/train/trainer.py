@@ -212,6 +212,7 @@ class Trainer:
         self._recovery_incomplete = False
         self.recovery: Optional[dict] = None
         self._dead_letter: Optional[DeadLetterSink] = None
+        self._input_opened = False  # start positions resolved, partitions assigned
 
     # ------------------------------------------------------------------ restore
     def _restore(self) -> Optional[dict[int, int]]:
@@ -398,7 +399,14 @@ class Trainer:
             self._dead_letter = self._open_dead_letter()
             if self.options.sample_ledger:
                 self._ledger = open(self.options.sample_ledger, "a", buffering=1 << 16)
-            self._open_input(restored_positions)
+            try:
+                self._open_input(restored_positions)
+            except InterruptedError:  # stopped while waiting for the topic: a clean stop
+                if not self.stop_event.is_set():
+                    raise
+                logger.info("stopped before the input was open (%s)", self.stop_reason)
+                return 0
+            self._input_opened = True
             if (self._delta_topic() is not None and self._restored_step is None
                     and self._restored_delta_offset is not None
                     and not self.stop_event.is_set()):
@@ -446,7 +454,7 @@ class Trainer:
         }
         return start, args
 
-    def _opened(self) -> None:
+    def _warn_on_partition_count(self) -> None:
         """Logs a partition count that differs from the config's (informational field)."""
         ki = self.config.kafka_train_input
         assert self._source is not None
@@ -469,7 +477,7 @@ class Trainer:
         proc.start()
         self.state = "waiting_for_topic"
         self.positions = proc.open(self.stop_event)
-        self._opened()
+        self._warn_on_partition_count()
         self._prefetcher = proc
 
     def _open_source_and_prefetcher(self, restored_positions: Optional[dict[int, int]],
@@ -481,7 +489,7 @@ class Trainer:
             self._source = source
             self.state = "waiting_for_topic"
             self.positions = source.open(self.stop_event)
-            self._opened()
+            self._warn_on_partition_count()
             read = source.read_batch
         else:
             self._file_source = FileSource(
@@ -769,8 +777,10 @@ class Trainer:
             self.publisher.flush(timeout=30.0, step=self.module.global_step,
                                  positions=dict(self.positions))
         # one more checkpoint on every clean stop, also when the state was only brought
-        # forward by crash recovery (nothing trained in this run, but a newer step)
-        if self.module.global_step != self.checkpoints.last_saved_step:
+        # forward by crash recovery (nothing trained in this run, but a newer step); not
+        # before the input was open: its positions are unknown then, and a checkpoint without
+        # them would override the config's start positions on the next start
+        if self._input_opened and self.module.global_step != self.checkpoints.last_saved_step:
             self._checkpoint()
         if self._source is not None:
             self._source.commit_now(self.positions)
