@@ -104,18 +104,12 @@ class InputStatus:
     Attributes:
         partition_state: per partition ``(position, high_watermark, low_watermark)``.
         broker_error: why the broker is unreachable, or None.
-        broker_error_since: when that started (time.time()).
         records_consumed: records read from Kafka so far.
-        offset_resets: positions moved because the broker no longer had them.
-        parked: the source is parked (idle, every partition at its log end).
     """
 
     partition_state: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     broker_error: Optional[str] = None
-    broker_error_since: Optional[float] = None
     records_consumed: int = 0
-    offset_resets: int = 0
-    parked: bool = False
 
 
 @dataclass
@@ -181,7 +175,6 @@ class KafkaInputProcess(PreparedBatchQueue):
             log_level=logging.getLogger().getEffectiveLevel(),
         )
         self.topic = str(source_args.get("topic", ""))
-        self.group = str(source_args.get("group", ""))
         self._proc: Optional[subprocess.Popen] = None
         self._sock: Optional[socket.socket] = None
         self._conn: Optional[Connection] = None
@@ -198,10 +191,7 @@ class KafkaInputProcess(PreparedBatchQueue):
         self._partitions: list[int] = []
         self.partition_state: dict[int, PartitionState] = {}
         self.broker_error: Optional[str] = None
-        self.broker_error_since: Optional[float] = None
         self.records_consumed = 0
-        self.offset_resets = 0
-        self.parked = False
 
     # ------------------------------------------------------------------ start
     def start(self) -> KafkaInputProcess:
@@ -309,10 +299,7 @@ class KafkaInputProcess(PreparedBatchQueue):
             else:
                 st.position, st.high_watermark, st.low_watermark = pos, high, low
         self.broker_error = status.broker_error
-        self.broker_error_since = status.broker_error_since
         self.records_consumed = status.records_consumed
-        self.offset_resets = status.offset_resets
-        self.parked = status.parked
 
     def _prepared(self, item: InputBatch) -> PreparedBatch:
         n = len(item.partitions)
@@ -456,9 +443,7 @@ class _Child:
         except RuntimeError:  # resized while copied; the next report has it
             states = {}
         return InputStatus(partition_state=states, broker_error=src.broker_error,
-                           broker_error_since=src.broker_error_since,
-                           records_consumed=src.records_consumed,
-                           offset_resets=src.offset_resets, parked=src.parked)
+                           records_consumed=src.records_consumed)
 
     def report_status(self) -> None:
         """Status thread: the consumer's state every ``_STATUS_SECS`` until stopped."""
