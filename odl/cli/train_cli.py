@@ -8,11 +8,20 @@ Examples::
     odl-train --pipeline_config_path p.config --online \\
         --edit_config_json '{"kafka_train_input.server": "broker:9092"}'
     odl-train --pipeline_config_path p.config --online --validate_only
+    odl-train --pipeline_config_path p.config --online --max_memory_fraction 0.9
     odl-train --pipeline_config_path p.config --online --status_host 0.0.0.0 \
         --auth_token_file /etc/odl/token
 
+Before anything is built, a start (and ``--validate_only``) checks the config on its own
+(``validate_pipeline_config``) and against this machine (``odl.config.startup_checks``:
+device and table optimizer, writable ``model_dir``, ``fine_tune_checkpoint``, librdkafka
+settings, estimated memory).
+
 Exit codes: 0 clean stop (stop signal, SIGTERM/SIGINT, dead_line, num_steps, end of offline
-input); 2 bad command line or config (one line naming the field); 1 anything else.
+input); 2 bad command line or config (one line naming the field), or a broker that refuses the
+delta topic's transactional producer; 3 fenced: a newer trainer took over the delta topic
+(docs/publishing.md, topic ownership); 1 anything else (a failed input or publisher: a restart
+continues from the last checkpoint).
 """
 
 from __future__ import annotations
@@ -53,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file holding a bearer token the status API requires on every "
                         "endpoint but /healthz (default: env ODL_AUTH_TOKEN; none = open)")
     p.add_argument("--validate_only", action="store_true",
-                   help="load and check the config, print 'config OK', exit 0 (2 if invalid)")
+                   help="run every start-up check (config, device, paths, Kafka settings, "
+                        "memory), print 'config OK', exit 0 (2 if invalid)")
+    p.add_argument("--max_memory_fraction", type=float, default=None,
+                   help="share of the available memory (host; device on CUDA) the estimated "
+                        "need may reach (default: env ODL_MAX_MEMORY_FRACTION, else 0.8; "
+                        "0 = no memory check)")
     p.add_argument("--sample_ledger",
                    help="append '<generation>\\t<step>\\t<sample_id>' per trained sample")
     p.add_argument(
@@ -74,6 +88,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         load_pipeline_config,
         validate_pipeline_config,
     )
+    from odl.config.startup_checks import check_start
+    from odl.features.feature_builder import FeatureBuilder
     from odl.http_auth import AuthConfigError, resolve_auth_token
 
     try:
@@ -85,18 +101,16 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.train_input_path:
             config.train_input_path = args.train_input_path
         validate_pipeline_config(config, online=args.online)
+        FeatureBuilder(config)  # the feature checks the trainer does at start
         token = resolve_auth_token(args.auth_token_file or None)
+        # the checks against this machine, before anything is allocated
+        check_start(config, online=args.online, device=args.device,
+                    max_memory_fraction=args.max_memory_fraction,
+                    sample_ledger=args.sample_ledger, create_dirs=not args.validate_only)
     except (ConfigError, AuthConfigError) as exc:
         print(f"odl-train: {exc}", file=sys.stderr)
         return 2
     if args.validate_only:
-        from odl.features.feature_builder import FeatureBuilder
-
-        try:
-            FeatureBuilder(config)  # the feature checks the trainer does at start
-        except ConfigError as exc:
-            print(f"odl-train: {exc}", file=sys.stderr)
-            return 2
         print("config OK")
         return 0
 
@@ -124,7 +138,11 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    return trainer.run()
+    try:
+        return trainer.run()
+    except ConfigError as exc:  # a config problem only found while starting
+        print(f"odl-train: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

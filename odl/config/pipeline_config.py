@@ -8,7 +8,9 @@ Every problem is reported as a :class:`ConfigError` naming the field by its dott
   and rejects EasyRec fields and values that odl does not implement (never silently ignored).
 * :func:`apply_edit_config_json` implements EasyRec's ``--edit_config_json`` paths: dotted
   fields, ``[i]`` indexes, ``[a:b]`` slices and ``[field=value]`` selectors.
-* :func:`validate_pipeline_config` checks the cross-field rules a trainer relies on.
+* :func:`validate_pipeline_config` checks the cross-field rules a trainer relies on, the
+  size bounds of :mod:`odl.config.limits`, finite floats and local paths (the checks
+  against the machine are :mod:`odl.config.startup_checks`).
 * :func:`config_to_text` / :func:`save_pipeline_config` write a config with secrets masked.
 """
 
@@ -29,6 +31,7 @@ from google.protobuf import message_factory, text_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 
+from odl.config import limits
 from odl.config.config_error import ConfigError
 from odl.kafka_client import SECRET_SETTING_MARKERS
 from odl.protos import pipeline_pb2
@@ -43,12 +46,14 @@ __all__ = [
     "SECRET_FIELD_MARKERS",
     "SUPPORTED_ACTIVATIONS",
     "apply_edit_config_json",
+    "check_local_paths",
     "config_to_text",
     "embedded_feature",
     "feature_configs",
     "load_pipeline_config",
     "parse_dead_line",
     "parse_offset_info",
+    "path_scheme",
     "save_pipeline_config",
     "validate_pipeline_config",
 ]
@@ -182,6 +187,7 @@ SUPPORTED_ACTIVATIONS = frozenset({"relu", "tf.nn.relu"})
 # access key secrets are already covered by "secret").
 SECRET_FIELD_MARKERS: tuple[str, ...] = tuple(SECRET_SETTING_MARKERS) + (
     "aksecret", "access_key_secret", "accesskeysecret", "sasl_password",
+    "jaas",  # Java clients' sasl.jaas.config embeds the password
 )
 REDACTED = "***"
 
@@ -190,7 +196,7 @@ _NUMERIC_FIELD_TYPES = (
     _FIELD_TYPE.INT32, _FIELD_TYPE.INT64, _FIELD_TYPE.FLOAT, _FIELD_TYPE.DOUBLE, _FIELD_TYPE.BOOL,
 )
 _DEAD_LINE_FORMAT = "%Y%m%d %H:%M:%S"
-_UNSUPPORTED_PATH_SCHEMES = ("odps://", "oss://", "hdfs://", "hive://", "datahub://")
+_URL_SCHEME = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
 # --------------------------------------------------------------------------- loading
@@ -260,6 +266,9 @@ def parse_pipeline_config_text(text: str, source: str = "<text>") -> pipeline_pb
         text_format.Parse(text, config)
     except text_format.ParseError as e:
         raise _parse_error_to_config_error(e, text, source) from None
+    except RecursionError:
+        raise ConfigError("pipeline_config_path",
+                          f"{source} is nested too deeply to parse") from None
     return config
 
 
@@ -516,13 +525,44 @@ def apply_edit_config_json(
     if isinstance(edits, (str, bytes)):
         try:
             edits = json.loads(edits)
+        except RecursionError:
+            raise ConfigError("edit_config_json",
+                              f"nested too deeply (at most {limits.MAX_EDIT_JSON_DEPTH} "
+                              "levels)") from None
         except ValueError as e:
             raise ConfigError("edit_config_json", f"not valid JSON: {e}") from None
     if not isinstance(edits, dict):
         raise ConfigError("edit_config_json",
                           f"expected a JSON object of path: value, got {type(edits).__name__}")
-    for key, value in edits.items():
-        _apply_edit(config, str(key), value, "")
+    depth = _json_depth(edits)
+    if depth > limits.MAX_EDIT_JSON_DEPTH:
+        raise ConfigError("edit_config_json",
+                          f"nested {depth} levels deep (at most {limits.MAX_EDIT_JSON_DEPTH})")
+    try:
+        for key, value in edits.items():
+            _apply_edit(config, str(key), value, "")
+    except RecursionError:
+        raise ConfigError("edit_config_json", "nested too deeply") from None
+
+
+def _json_depth(value: Any) -> int:
+    """Nesting depth of a decoded JSON value (a scalar is 0), computed without recursion."""
+    deepest = 0
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            items = list(item.values())
+        elif isinstance(item, list):
+            items = item
+        else:
+            deepest = max(deepest, depth)
+            continue
+        deepest = max(deepest, depth + 1)
+        if deepest > limits.MAX_EDIT_JSON_DEPTH:
+            return deepest
+        stack.extend((sub, depth + 1) for sub in items)
+    return deepest
 
 
 def _apply_edit(msg: Message, key: str, value: Any, prefix: str) -> None:
@@ -1030,8 +1070,10 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
 
     """
     check_implemented(config)
+    _check_finite(config, "")
     if not config.model_dir:
         raise ConfigError("model_dir", "required (set it in the config or pass --model_dir)")
+    check_local_paths(config, online)
     if online:
         _validate_kafka(config)
     else:
@@ -1040,6 +1082,29 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
     features = _validate_features(config, fields)
     _validate_model(config, features)
     _validate_train(config)
+
+
+def _check_finite(msg: Message, prefix: str) -> None:
+    """Refuses inf / nan in every float and double field (learning rates, weights, ...)."""
+    for fd, value in msg.ListFields():
+        path = _join(prefix, fd.name)
+        if _is_map(fd):
+            value_fd = fd.message_type.fields_by_name["value"]
+            if value_fd.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+                for key in value:
+                    _check_finite(value[key], f"{path}.{key}")
+        elif fd.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+            if fd.is_repeated:
+                for i, sub in enumerate(value):
+                    _check_finite(sub, f"{path}[{i}]")
+            else:
+                _check_finite(value, path)
+        elif fd.cpp_type in (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE):
+            items = list(enumerate(value)) if fd.is_repeated else [(None, value)]
+            for i, x in items:
+                if not math.isfinite(x):
+                    where = path if i is None else f"{path}[{i}]"
+                    raise ConfigError(where, f"must be a finite number, got {x}")
 
 
 def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
@@ -1067,6 +1132,9 @@ def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
                           f"give only one start position; {' and '.join(starts)} are both set")
     if k.offset_time < 0:
         raise ConfigError("kafka_train_input.offset_time", "must be unix seconds >= 0")
+    if k.offset_time > 1e11:
+        raise ConfigError("kafka_train_input.offset_time",
+                          f"{k.offset_time} looks like milliseconds; give unix seconds")
     parse_offset_info(k.offset_info)
     if k.offset and k.partitions and len(k.offset) > k.partitions:
         raise ConfigError("kafka_train_input.offset",
@@ -1082,15 +1150,55 @@ def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
                           "read again)")
 
 
+def path_scheme(path: str) -> str | None:
+    """The URL scheme of a path (``"oss"`` for ``oss://bucket/key``), None for a local path.
+
+    Args:
+        path: a path from the config.
+
+    Returns:
+        The scheme in lower case, or None.
+    """
+    m = _URL_SCHEME.match(path or "")
+    return m.group(1).lower() if m else None
+
+
+def check_local_paths(config: pipeline_pb2.EasyRecConfig, online: bool) -> None:
+    """Refuses ``scheme://`` paths (``oss://``, ``hdfs://``, ``s3://``, ...): local paths only.
+
+    Checked: ``model_dir``, ``train_input_path`` (offline), ``train_config.fine_tune_checkpoint``,
+    ``train_config.fine_tune_ckpt_var_map`` and ``train_config.incr_save_config.fs
+    .incr_save_dir``.
+
+    Args:
+        config: the config.
+        online: the training mode (``train_input_path`` is read only offline).
+
+    Raises:
+        ConfigError: naming the first field holding a path with a scheme.
+
+    """
+    tc = config.train_config
+    paths = [("model_dir", config.model_dir)]
+    if not online:
+        paths.append(("train_input_path", config.train_input_path))
+    paths += [("train_config.fine_tune_checkpoint", tc.fine_tune_checkpoint),
+              ("train_config.fine_tune_ckpt_var_map", tc.fine_tune_ckpt_var_map)]
+    if tc.incr_save_config.WhichOneof("incr_update") == "fs":
+        paths.append(("train_config.incr_save_config.fs.incr_save_dir",
+                      tc.incr_save_config.fs.incr_save_dir))
+    for field, path in paths:
+        scheme = path_scheme(path)
+        if scheme is not None:
+            raise ConfigError(field, f"{scheme}:// paths are not implemented yet; give a local "
+                                     "path")
+
+
 def _validate_offline_input(config: pipeline_pb2.EasyRecConfig) -> None:
     path = config.train_input_path.strip()
     if not path:
         raise ConfigError("train_input_path", "required for offline training (a glob of CSV or "
                                               "Parquet files); use --online for Kafka input")
-    if path.lower().startswith(_UNSUPPORTED_PATH_SCHEMES):
-        scheme = path.split("://", 1)[0]
-        raise ConfigError("train_input_path", f"{scheme}:// input is an EasyRec feature that odl "
-                                              "does not implement yet; give local files")
 
 
 def _validate_data_config(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
@@ -1099,6 +1207,16 @@ def _validate_data_config(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
         raise ConfigError("data_config", "required (input_fields, label_fields, batch_size)")
     if dc.batch_size <= 0:
         raise ConfigError("data_config.batch_size", "must be > 0")
+    if dc.batch_size > limits.MAX_BATCH_SIZE:
+        raise ConfigError("data_config.batch_size",
+                          f"{dc.batch_size} is above the limit of {limits.MAX_BATCH_SIZE:,}")
+    if dc.fetch_interval_ms > limits.MAX_FETCH_INTERVAL_MS:
+        raise ConfigError("data_config.fetch_interval_ms",
+                          f"{dc.fetch_interval_ms} is above librdkafka's limit of "
+                          f"{limits.MAX_FETCH_INTERVAL_MS} (fetch.queue.backoff.ms)")
+    if dc.num_workers > limits.MAX_NUM_WORKERS:
+        raise ConfigError("data_config.num_workers",
+                          f"{dc.num_workers} is above the limit of {limits.MAX_NUM_WORKERS}")
     if not dc.separator:
         raise ConfigError("data_config.separator", "must not be empty")
     if not dc.input_fields:
@@ -1188,6 +1306,12 @@ def _validate_features(
             if bool(fc.hash_bucket_size) == bool(fc.num_buckets):
                 raise ConfigError(f"{where}.hash_bucket_size",
                                   f"a {kind} needs exactly one of hash_bucket_size / num_buckets")
+            for size_field in ("hash_bucket_size", "num_buckets"):
+                size = getattr(fc, size_field)
+                if size > limits.MAX_TABLE_ROWS:
+                    raise ConfigError(f"{where}.{size_field}",
+                                      f"{size:,} rows is above the limit of "
+                                      f"{limits.MAX_TABLE_ROWS:,} (2**31 - 1) rows per table")
             if fc.boundaries:
                 raise ConfigError(f"{where}.boundaries", "only RawFeature takes boundaries")
         else:  # RawFeature
@@ -1213,6 +1337,8 @@ def _validate_features(
                         b[k] >= b[k + 1] for k in range(len(b) - 1)):
                     raise ConfigError(f"{where}.boundaries", "must be finite and strictly "
                                                              "ascending")
+                if len(b) + 1 > limits.MAX_TABLE_ROWS:
+                    raise ConfigError(f"{where}.boundaries", "too many boundaries")
             else:
                 if fc.embedding_dim:
                     raise ConfigError(f"{where}.embedding_dim",
@@ -1221,6 +1347,10 @@ def _validate_features(
                                       "is not implemented by odl yet; add boundaries or remove "
                                       "embedding_dim")
                 continue
+        if fc.embedding_dim > limits.MAX_EMBEDDING_DIM:
+            raise ConfigError(f"{where}.embedding_dim",
+                              f"{fc.embedding_dim} is above the limit of "
+                              f"{limits.MAX_EMBEDDING_DIM}")
         table = fc.embedding_name or fc.feature_name
         shape = (fc.embedding_dim, fc.hash_bucket_size, fc.num_buckets, kind)
         if fc.embedding_name and table in tables and tables[table] != shape:
@@ -1276,6 +1406,10 @@ def _validate_model(
         _validate_dnn(d.final_dnn, "model_config.deepfm.final_dnn", required=True)
     if d.wide_output_dim <= 0:
         raise ConfigError("model_config.deepfm.wide_output_dim", "must be > 0")
+    if d.wide_output_dim > limits.MAX_WIDE_OUTPUT_DIM:
+        raise ConfigError("model_config.deepfm.wide_output_dim",
+                          f"{d.wide_output_dim} is above the limit of "
+                          f"{limits.MAX_WIDE_OUTPUT_DIM}")
     if not d.HasField("final_dnn") and d.wide_output_dim != mc.num_class:
         raise ConfigError("model_config.deepfm.wide_output_dim",
                           "without final_dnn the wide, FM and deep outputs are summed, so "
@@ -1283,6 +1417,7 @@ def _validate_model(
     for name in ("l2_regularization", "wide_regularization", "dense_regularization"):
         if getattr(d, name) < 0:
             raise ConfigError(f"model_config.deepfm.{name}", "must be >= 0")
+    _check_deep_dims(config, features)
     fm_group = "fm" if "fm" in groups else "deep"
     gi = groups[fm_group]
     dims = {n: features[n].embedding_dim for n in mc.feature_groups[gi].feature_names
@@ -1298,12 +1433,38 @@ def _validate_model(
                           f"{', ...' if len(dims) > 6 else ''}")
 
 
+def _check_deep_dims(
+    config: pipeline_pb2.EasyRecConfig, features: dict[str, FeatureConfig]
+) -> None:
+    """Refuses deep-table dims that are not multiples of 4 (fbgemm's kernels need them)."""
+    align = limits.EMBEDDING_DIM_ALIGN
+    index = {fc.feature_name: i for i, fc in enumerate(feature_configs(config))}
+    prefix = _feature_prefix(config)
+    for g in config.model_config.feature_groups:
+        if g.wide_deep not in (pipeline_pb2.DEEP, pipeline_pb2.WIDE_AND_DEEP):
+            continue
+        for name in g.feature_names:
+            fc = features[name]
+            if embedded_feature(fc) and fc.embedding_dim % align:
+                raise ConfigError(f"{prefix}[{index[name]}].embedding_dim",
+                                  f"{fc.embedding_dim} is not a multiple of {align} (fbgemm's "
+                                  "embedding kernels need one)")
+
+
 def _validate_dnn(dnn: Any, where: str, required: bool) -> None:
     if required and not dnn.hidden_units:
         raise ConfigError(f"{where}.hidden_units", "required (e.g. [256, 128, 64])")
+    if len(dnn.hidden_units) > limits.MAX_HIDDEN_LAYERS:
+        raise ConfigError(f"{where}.hidden_units",
+                          f"{len(dnn.hidden_units)} layers is above the limit of "
+                          f"{limits.MAX_HIDDEN_LAYERS}")
     for i, units in enumerate(dnn.hidden_units):
         if units <= 0:
             raise ConfigError(f"{where}.hidden_units[{i}]", "must be > 0")
+        if units > limits.MAX_HIDDEN_UNITS:
+            raise ConfigError(f"{where}.hidden_units[{i}]",
+                              f"{units:,} units is above the limit of "
+                              f"{limits.MAX_HIDDEN_UNITS:,}")
     if dnn.dropout_ratio and len(dnn.dropout_ratio) != len(dnn.hidden_units):
         raise ConfigError(f"{where}.dropout_ratio",
                           "give one ratio per hidden layer (or none)")
@@ -1353,6 +1514,10 @@ def _validate_train(config: pipeline_pb2.EasyRecConfig) -> None:
         raise ConfigError(f"{where}.stop_signal_poll_secs", "must be > 0")
     if tc.metrics_window_samples <= 0:
         raise ConfigError(f"{where}.metrics_window_samples", "must be > 0")
+    if tc.metrics_window_samples > limits.MAX_METRICS_WINDOW_SAMPLES:
+        raise ConfigError(f"{where}.metrics_window_samples",
+                          f"{tc.metrics_window_samples:,} is above the limit of "
+                          f"{limits.MAX_METRICS_WINDOW_SAMPLES:,}")
     parse_dead_line(tc.dead_line)
     if tc.fine_tune_ckpt_var_map and not os.path.isfile(tc.fine_tune_ckpt_var_map):
         raise ConfigError(f"{where}.fine_tune_ckpt_var_map",
@@ -1429,6 +1594,8 @@ def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
         raise ConfigError(f"{where}.{kind}.lr", "must be > 0")
     if kind == "adam_optimizer":
         _check_betas(inner, f"{where}.{kind}")
+    if kind == "adagrad_optimizer" and inner.initial_accumulator_value < 0:
+        raise ConfigError(f"{where}.{kind}.initial_accumulator_value", "must be >= 0")
     if opt.WhichOneof("learning_rate") == "exponential_decay_learning_rate":
         e = opt.exponential_decay_learning_rate
         ew = f"{where}.exponential_decay_learning_rate"
@@ -1436,6 +1603,8 @@ def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
             raise ConfigError(f"{ew}.decay_steps", "must be > 0")
         if not 0 < e.decay_rate <= 1:
             raise ConfigError(f"{ew}.decay_rate", "must be in (0, 1]")
+        if e.min_learning_rate < 0:
+            raise ConfigError(f"{ew}.min_learning_rate", "must be >= 0")
 
 
 def _check_betas(inner: Any, where: str) -> None:

@@ -33,6 +33,7 @@ import torch
 import torchrec.optim as trec_optim
 
 from odl.config.config_error import ConfigError
+from odl.config.optimizer_support import supported_sparse_optimizers
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -197,17 +198,19 @@ def sparse_optimizer_args(
         ConfigError: the kind has no fused kernel on this device (Adam on CPU).
     """
     lr = spec.schedule(0)
+    if spec.kind not in supported_sparse_optimizers(device_type):
+        raise ConfigError(
+            spec.source,
+            f"{spec.kind} for embedding tables is not supported on {device_type} (fbgemm's "
+            "fused kernels there: "
+            f"{', '.join(sorted(supported_sparse_optimizers(device_type)))}); use adagrad "
+            "for the tables or train on CUDA")
     if spec.kind == "sgd":
         return torch.optim.SGD, {"lr": lr}
     if spec.kind == "rowwise_adagrad":
         return trec_optim.RowWiseAdagrad, {"lr": lr, "eps": 1e-8}
     if spec.kind == "adagrad":
         return torch.optim.Adagrad, {"lr": lr, "eps": 1e-8}
-    if device_type != "cuda":
-        raise ConfigError(
-            spec.source,
-            "adam for embedding tables needs a CUDA device (fbgemm's CPU kernel supports only "
-            "sgd and adagrad); use adagrad for the tables on CPU")
     # fbgemm's table kernel takes beta1/beta2, not torch's betas tuple
     return trec_optim.Adam, {"lr": lr, "eps": 1e-8, "beta1": spec.params.get("beta1", 0.9),
                              "beta2": spec.params.get("beta2", 0.999)}

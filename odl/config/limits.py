@@ -1,0 +1,51 @@
+"""Bounds on the sizes a pipeline config may ask for.
+
+:func:`odl.config.pipeline_config.validate_pipeline_config` refuses values outside these
+bounds with a :class:`~odl.config.config_error.ConfigError` naming the field, so a config that
+validates never fails at start-up for a size the libraries cannot handle. Whether the sizes
+together fit the host is a separate check (:mod:`odl.config.memory_estimate`).
+
+Bounds that come from a library:
+
+* ``EMBEDDING_DIM_ALIGN``: fbgemm's table-batched embedding kernels (CPU and CUDA) accept
+  only dimensions that are multiples of 4 (``embedding_dim must be a multiple of 4``).
+* ``MAX_FETCH_INTERVAL_MS``: ``data_config.fetch_interval_ms`` becomes librdkafka's
+  ``fetch.queue.backoff.ms``, whose range is 0..300000.
+* ``MAX_BATCH_SIZE``: the consumer prefetches ``4 * batch_size`` records
+  (librdkafka's ``queued.min.messages``, at most 10,000,000) when fetch pacing is off.
+
+The others are odl's own choices, far above what a CTR model uses and low enough that a
+typo (``1e9``) is caught as such rather than by an allocation failure.
+"""
+
+from __future__ import annotations
+
+# Rows of one embedding table (hash_bucket_size, num_buckets, len(boundaries) + 1): a row
+# index then also fits an int32, the narrower of the two index types fbgemm's kernels take.
+MAX_TABLE_ROWS = 2**31 - 1
+
+# Embedding dimensions: a multiple of EMBEDDING_DIM_ALIGN (fbgemm), at most MAX_EMBEDDING_DIM.
+EMBEDDING_DIM_ALIGN = 4
+MAX_EMBEDDING_DIM = 4096
+
+# DeepFM's wide part: wide_output_dim (stored rounded up to a multiple of 4).
+MAX_WIDE_OUTPUT_DIM = 4096
+
+# DNN towers (deepfm.dnn, deepfm.final_dnn): units per layer and number of layers.
+MAX_HIDDEN_UNITS = 65536
+MAX_HIDDEN_LAYERS = 64
+
+# Samples per training step (data_config.batch_size).
+MAX_BATCH_SIZE = 1 << 20
+
+# data_config.fetch_interval_ms (librdkafka fetch.queue.backoff.ms range).
+MAX_FETCH_INTERVAL_MS = 300000
+
+# data_config.num_workers: feature build processes.
+MAX_NUM_WORKERS = 256
+
+# train_config.metrics_window_samples: the progressive metrics keep 3 float64 per sample.
+MAX_METRICS_WINDOW_SAMPLES = 10_000_000
+
+# Nesting depth of an --edit_config_json document.
+MAX_EDIT_JSON_DEPTH = 64

@@ -1,0 +1,505 @@
+"""Memory a training run will need, estimated from the config before anything is allocated.
+
+``odl-train`` (also with ``--validate_only``) refuses a config whose estimate exceeds a
+fraction of the memory available, with one line naming the field that needs the memory
+(:func:`check_memory`), instead of starting and being killed half-way through allocating.
+
+Formula (bytes; every value is fp32, 4 bytes):
+
+* Tables, as the model builds them (``odl.models.embedding_tables``): each table
+  (``embedding_name``, or the feature name) with a feature in a ``DEEP`` / ``WIDE_AND_DEEP``
+  group is a deep table of ``rows x embedding_dim``; each with a feature in a ``WIDE`` /
+  ``WIDE_AND_DEEP`` group is also a wide table of ``rows x ceil4(wide_output_dim)``.
+  ``rows`` = ``hash_bucket_size``, ``num_buckets`` or ``len(boundaries) + 1``.
+  ``tables = 4 x sum(rows x stored dim)``.
+* Table optimizer state (fbgemm's fused optimizer, one state per table):
+  ``sgd`` none; ``adagrad`` (element-wise, odl's default and EasyRec's) ``rows x dim``
+  floats; ``rowwise_adagrad`` ``rows`` floats; ``adam`` ``2 x rows x dim`` floats.
+* Dense part: ``4 x P x (2 + s)`` for the ``P`` parameters of the DeepFM towers (DNN
+  ``Linear`` layers with biases, BatchNorm scales and shifts, the deep/final output layer,
+  the wide bias and the wide linear term over dense features), their gradients, and ``s``
+  floats of optimizer state per parameter (``sgd`` 0, ``adagrad`` 1, ``adam`` 2).
+* Activations: ``4 x 3 x batch_size x (pooled embedding width + DNN input width + sum of
+  hidden_units of dnn and final_dnn)``: forward values, their gradients and one
+  intermediate each (a rough upper bound).
+* Progressive metrics: ``48 x metrics_window_samples`` (three float64 windows and the sort
+  buffers of the window AUC).
+* Runtime: ``RUNTIME_BYTES`` (512 MiB: Python with torch, TorchRec and fbgemm loaded).
+
+On CPU everything is host memory, and the tables and their state count twice: writing a
+checkpoint copies them into plain CPU tensors beside the live ones, and restoring one loads
+them beside the model::
+
+    host = 2 x (tables + table state) + dense + activations + metrics + runtime
+
+On CUDA the model lives in device memory and the checkpoint copy in host memory::
+
+    device = tables + table state + dense + activations
+    host   = tables + table state + dense + metrics + runtime
+
+Available memory: host memory is ``psutil.virtual_memory().available``, lowered to the room
+left under a cgroup memory limit (cgroup v2 ``memory.max`` minus ``memory.current`` less
+reclaimable page cache, or cgroup v1 ``memory.limit_in_bytes``) of this process's cgroup or
+any of its parents; device memory is the free memory CUDA reports. A run is refused when an
+estimate exceeds ``fraction x available``; ``fraction`` is 0.8 unless ``--max_memory_fraction``
+or the environment variable ``ODL_MAX_MEMORY_FRACTION`` say otherwise (0 turns the check off).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import dataclass, field
+
+from odl.config.config_error import ConfigError
+from odl.config.optimizer_support import optimizer_choices
+from odl.protos import pipeline_pb2
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "AvailableMemory",
+    "DEFAULT_MAX_MEMORY_FRACTION",
+    "MAX_MEMORY_FRACTION_ENV",
+    "MemoryEstimate",
+    "RUNTIME_BYTES",
+    "TableEstimate",
+    "available_host_memory",
+    "check_memory",
+    "estimate_memory",
+    "resolve_max_memory_fraction",
+]
+
+BYTES_PER_VALUE = 4
+RUNTIME_BYTES = 512 << 20
+METRICS_BYTES_PER_SAMPLE = 48
+ACTIVATION_COPIES = 3
+WIDE_DIM_ALIGN = 4  # odl.models.embedding_tables.WIDE_DIM_ALIGN (not imported: no torch here)
+
+DEFAULT_MAX_MEMORY_FRACTION = 0.8
+MAX_MEMORY_FRACTION_ENV = "ODL_MAX_MEMORY_FRACTION"
+
+# Table optimizer state: (floats per row, floats per row and dimension).
+_SPARSE_STATE = {"sgd": (0, 0), "adagrad": (0, 1), "rowwise_adagrad": (1, 0), "adam": (0, 2)}
+# Dense optimizer state floats per parameter.
+_DENSE_STATE = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}
+
+_FT = pipeline_pb2.FeatureConfig.FeatureType
+_UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a number close to 2**63
+
+
+@dataclass(frozen=True)
+class TableEstimate:
+    """One embedding table of the model.
+
+    Attributes:
+        name: table name (``<table>_wide`` for a wide table).
+        rows: number of rows.
+        dim: stored columns.
+        weight_bytes: ``4 x rows x dim``.
+        state_bytes: its optimizer state.
+    """
+
+    name: str
+    rows: int
+    dim: int
+    weight_bytes: int
+    state_bytes: int
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Estimated memory of one training run (see the module docstring for the formula).
+
+    Attributes:
+        device_type: ``"cpu"`` or ``"cuda"``.
+        sparse_kind: the tables' optimizer.
+        dense_kind: the dense part's optimizer.
+        tables: every table, largest first.
+        dense_parameters: number of dense parameters ``P``.
+        dense_bytes: parameters, gradients and optimizer state of the dense part.
+        activation_bytes: activations of one step.
+        metrics_bytes: progressive metrics window.
+        runtime_bytes: the process itself.
+    """
+
+    device_type: str
+    sparse_kind: str
+    dense_kind: str
+    tables: list[TableEstimate] = field(default_factory=list)
+    dense_parameters: int = 0
+    dense_bytes: int = 0
+    activation_bytes: int = 0
+    metrics_bytes: int = 0
+    runtime_bytes: int = RUNTIME_BYTES
+
+    @property
+    def table_bytes(self) -> int:
+        """Weights of all tables."""
+        return sum(t.weight_bytes for t in self.tables)
+
+    @property
+    def table_state_bytes(self) -> int:
+        """Optimizer state of all tables."""
+        return sum(t.state_bytes for t in self.tables)
+
+    @property
+    def sparse_bytes(self) -> int:
+        """Tables and their optimizer state."""
+        return self.table_bytes + self.table_state_bytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Host (CPU) memory needed."""
+        if self.device_type == "cuda":
+            return (self.sparse_bytes + self.dense_bytes + self.metrics_bytes
+                    + self.runtime_bytes)
+        return (2 * self.sparse_bytes + self.dense_bytes + self.activation_bytes
+                + self.metrics_bytes + self.runtime_bytes)
+
+    @property
+    def device_bytes(self) -> int:
+        """CUDA device memory needed (0 on CPU)."""
+        if self.device_type != "cuda":
+            return 0
+        return self.sparse_bytes + self.dense_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class AvailableMemory:
+    """Memory a new process can use.
+
+    Attributes:
+        bytes: available bytes.
+        source: where the figure comes from (``"host"``, or the cgroup directory whose
+            limit is the tighter one).
+    """
+
+    bytes: int
+    source: str
+
+
+def _gib(n: float) -> str:
+    if n < (1 << 30):
+        return f"{n / (1 << 20):.1f} MiB"
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def _rows(fc: pipeline_pb2.FeatureConfig) -> int:
+    if fc.feature_type == _FT.RawFeature:
+        return len(fc.boundaries) + 1
+    return int(fc.hash_bucket_size or fc.num_buckets)
+
+
+def _embedded(fc: pipeline_pb2.FeatureConfig) -> bool:
+    return fc.feature_type in (_FT.IdFeature, _FT.ComboFeature) or (
+        fc.feature_type == _FT.RawFeature and len(fc.boundaries) > 0)
+
+
+def _mlp_params(in_dim: int, dnn: pipeline_pb2.DNN) -> tuple[int, int]:
+    """``(parameters, output width)`` of one DNN tower."""
+    params, width = 0, in_dim
+    for units in dnn.hidden_units:
+        params += width * int(units) + int(units)
+        if dnn.use_bn:
+            params += 2 * int(units)
+        width = int(units)
+    return params, width
+
+
+def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> MemoryEstimate:
+    """Estimates the memory of training ``config`` on ``device_type``.
+
+    Reads only the config (call it on a validated config); allocates nothing.
+
+    Args:
+        config: the pipeline config.
+        device_type: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        The estimate.
+    """
+    from odl.config.pipeline_config import feature_configs  # pipeline_config imports limits
+
+    features = {fc.feature_name: fc for fc in feature_configs(config)}
+    mc = config.model_config
+    deep_feats: list[str] = []
+    wide_feats: list[str] = []
+    for g in mc.feature_groups:
+        for name in g.feature_names:
+            if g.wide_deep in (pipeline_pb2.DEEP, pipeline_pb2.WIDE_AND_DEEP) \
+                    and name not in deep_feats:
+                deep_feats.append(name)
+            if g.wide_deep in (pipeline_pb2.WIDE, pipeline_pb2.WIDE_AND_DEEP) \
+                    and name not in wide_feats:
+                wide_feats.append(name)
+    sparse, dense = optimizer_choices(config.train_config)
+    per_row, per_value = _SPARSE_STATE.get(sparse.kind, (0, 2))
+    wide_out = max(1, int(mc.deepfm.wide_output_dim))
+    wide_dim = -(-wide_out // WIDE_DIM_ALIGN) * WIDE_DIM_ALIGN
+
+    tables: dict[str, TableEstimate] = {}
+
+    def add_table(name: str, rows: int, dim: int) -> None:
+        if name in tables:
+            return
+        tables[name] = TableEstimate(
+            name, rows, dim, BYTES_PER_VALUE * rows * dim,
+            BYTES_PER_VALUE * rows * (per_row + per_value * dim))
+
+    deep_in = pooled = fm_dim = 0
+    for name in deep_feats:
+        fc = features.get(name)
+        if fc is None:
+            continue
+        if not _embedded(fc):
+            deep_in += 1
+            continue
+        dim = int(fc.embedding_dim)
+        add_table(fc.embedding_name or name, _rows(fc), dim)
+        deep_in += dim
+        pooled += dim
+        fm_dim = max(fm_dim, dim)
+    wide_dense = 0
+    for name in wide_feats:
+        fc = features.get(name)
+        if fc is None:
+            continue
+        if not _embedded(fc):
+            wide_dense += 1
+            continue
+        add_table(f"{fc.embedding_name or name}_wide", _rows(fc), wide_dim)
+        pooled += wide_dim
+
+    d = mc.deepfm
+    params, deep_width = _mlp_params(deep_in, d.dnn)
+    params += 1 + wide_dense * wide_out  # wide bias, wide linear term over dense features
+    hidden = sum(int(u) for u in d.dnn.hidden_units)
+    if d.HasField("final_dnn"):
+        final_params, final_width = _mlp_params(wide_out + fm_dim + deep_width, d.final_dnn)
+        params += final_params + final_width + 1
+        hidden += sum(int(u) for u in d.final_dnn.hidden_units)
+    else:
+        params += deep_width + 1
+    dense_bytes = BYTES_PER_VALUE * params * (2 + _DENSE_STATE.get(dense.kind, 2))
+    batch = int(config.data_config.batch_size)
+    activations = BYTES_PER_VALUE * ACTIVATION_COPIES * batch * (pooled + deep_in + hidden)
+    metrics = METRICS_BYTES_PER_SAMPLE * int(config.train_config.metrics_window_samples)
+    return MemoryEstimate(
+        device_type=device_type,
+        sparse_kind=sparse.kind,
+        dense_kind=dense.kind,
+        tables=sorted(tables.values(), key=lambda t: -t.weight_bytes),
+        dense_parameters=params,
+        dense_bytes=dense_bytes,
+        activation_bytes=activations,
+        metrics_bytes=metrics,
+    )
+
+
+# --------------------------------------------------------------------------- available memory
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def _stat_value(text: str | None, key: str) -> int:
+    for line in (text or "").splitlines():
+        name, _, value = line.partition(" ")
+        if name == key and value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def _cgroup_room(directory: str, v2: bool) -> int | None:
+    """Bytes left under ``directory``'s memory limit, or None when it has none."""
+    if v2:
+        limit_text = _read(os.path.join(directory, "memory.max"))
+        usage_text = _read(os.path.join(directory, "memory.current"))
+        reclaimable = "inactive_file"
+    else:
+        limit_text = _read(os.path.join(directory, "memory.limit_in_bytes"))
+        usage_text = _read(os.path.join(directory, "memory.usage_in_bytes"))
+        reclaimable = "total_inactive_file"
+    if limit_text is None or not limit_text.isdigit():
+        return None  # "max", missing or unreadable: no limit here
+    limit = int(limit_text)
+    if limit >= _UNLIMITED:
+        return None
+    usage = int(usage_text) if usage_text and usage_text.isdigit() else 0
+    usage -= _stat_value(_read(os.path.join(directory, "memory.stat")), reclaimable)
+    return max(0, limit - max(0, usage))
+
+
+def _cgroup_dirs(cgroup_root: str, proc_cgroup: str) -> list[tuple[str, bool]]:
+    """This process's memory cgroup directories, innermost first, each with ``is_v2``."""
+    text = _read(proc_cgroup) or ""
+    found: list[tuple[str, bool]] = []
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _hier, controllers, rel = parts
+        if controllers == "":
+            base, v2 = cgroup_root, True
+        elif "memory" in controllers.split(","):
+            base, v2 = os.path.join(cgroup_root, "memory"), False
+        else:
+            continue
+        segments = [s for s in rel.split("/") if s and s not in (".", "..")]
+        for depth in range(len(segments), -1, -1):
+            found.append((os.path.join(base, *segments[:depth]), v2))
+    if not found:  # no /proc/self/cgroup: a container's own root, if any
+        found = [(cgroup_root, True), (os.path.join(cgroup_root, "memory"), False)]
+    return found
+
+
+def available_host_memory(
+    cgroup_root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup"
+) -> AvailableMemory:
+    """Host memory this process may still use: psutil's figure, capped by cgroup limits.
+
+    Args:
+        cgroup_root: where the cgroup file system is mounted.
+        proc_cgroup: the process's cgroup membership file.
+
+    Returns:
+        The smaller of ``psutil.virtual_memory().available`` and the room left under the
+        memory limit of this process's cgroup or any parent cgroup.
+    """
+    import psutil
+
+    best = AvailableMemory(int(psutil.virtual_memory().available), "host")
+    seen: set[str] = set()
+    for directory, v2 in _cgroup_dirs(cgroup_root, proc_cgroup):
+        if directory in seen:
+            continue
+        seen.add(directory)
+        room = _cgroup_room(directory, v2)
+        if room is not None and room < best.bytes:
+            best = AvailableMemory(room, f"cgroup {directory}")
+    return best
+
+
+def resolve_max_memory_fraction(value: float | None = None) -> float:
+    """The fraction of available memory a run may use.
+
+    Args:
+        value: ``--max_memory_fraction`` when given; else the environment variable
+            ``ODL_MAX_MEMORY_FRACTION``; else 0.8.
+
+    Returns:
+        A finite fraction >= 0; 0 turns the memory check off.
+
+    Raises:
+        ConfigError: the value is not a finite number >= 0.
+    """
+    where = "--max_memory_fraction"
+    if value is None:
+        text = os.environ.get(MAX_MEMORY_FRACTION_ENV, "").strip()
+        if not text:
+            return DEFAULT_MAX_MEMORY_FRACTION
+        where = MAX_MEMORY_FRACTION_ENV
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(where, f"expected a number >= 0, got {text[:40]!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(where, f"expected a finite number >= 0, got {value}")
+    return float(value)
+
+
+def _blame(config: pipeline_pb2.EasyRecConfig, est: MemoryEstimate, sparse: int) -> str:
+    """The config field behind the largest part of an estimate."""
+    parts = {
+        "tables": sparse,
+        "dense": est.dense_bytes,
+        "activations": est.activation_bytes,
+        "metrics": est.metrics_bytes,
+    }
+    largest = max(parts, key=lambda k: parts[k])
+    if largest == "dense":
+        d = config.model_config.deepfm
+        if d.HasField("final_dnn") and sum(d.final_dnn.hidden_units) > sum(d.dnn.hidden_units):
+            return "model_config.deepfm.final_dnn.hidden_units"
+        return "model_config.deepfm.dnn.hidden_units"
+    if largest == "activations":
+        return "data_config.batch_size"
+    if largest == "metrics":
+        return "train_config.metrics_window_samples"
+    return "feature_configs" if config.feature_configs else "feature_config.features"
+
+
+def _describe(est: MemoryEstimate, where: str) -> str:
+    twice = est.device_type != "cuda" and where == "host"
+    tables = (f"embedding tables {_gib(est.table_bytes)} + {est.sparse_kind} state "
+              f"{_gib(est.table_state_bytes)}")
+    if twice:
+        tables += ", both twice while a checkpoint is written or read"
+    largest = ", ".join(f"{t.name}: {t.rows:,} rows x {t.dim}" for t in est.tables[:3])
+    act = "" if (est.device_type == "cuda" and where == "host") else \
+        f", activations {_gib(est.activation_bytes)}"
+    extra = f", metrics and runtime {_gib(est.metrics_bytes + est.runtime_bytes)}" \
+        if where == "host" else ""
+    return (f"{tables}, dense part {_gib(est.dense_bytes)}{act}{extra}"
+            f"{f'; largest tables {largest}' if largest else ''}")
+
+
+def check_memory(
+    config: pipeline_pb2.EasyRecConfig,
+    device_type: str,
+    fraction: float,
+    host_available: AvailableMemory | None = None,
+    device_available: int | None = None,
+) -> MemoryEstimate:
+    """Refuses a config whose estimated memory exceeds ``fraction`` of what is available.
+
+    Args:
+        config: a validated pipeline config.
+        device_type: the resolved device, ``"cpu"`` or ``"cuda"``.
+        fraction: the share of available memory a run may use (0: no check).
+        host_available: available host memory (default: :func:`available_host_memory`).
+        device_available: free CUDA memory in bytes (needed for ``"cuda"``; None skips the
+            device side).
+
+    Returns:
+        The estimate.
+
+    Raises:
+        ConfigError: naming the field behind the largest part of the estimate, with the
+            estimate and the limit.
+    """
+    est = estimate_memory(config, device_type)
+    logger.info("estimated memory: host %s, device %s (tables %s + %s state %s, dense %s)",
+                _gib(est.host_bytes), _gib(est.device_bytes), _gib(est.table_bytes),
+                est.sparse_kind, _gib(est.table_state_bytes), _gib(est.dense_bytes))
+    if fraction <= 0:
+        return est
+    how = (f"--max_memory_fraction or {MAX_MEMORY_FRACTION_ENV} sets the share, 0 turns "
+           "the check off")
+    if device_type == "cuda" and device_available is not None:
+        allowed = fraction * device_available
+        if est.device_bytes > allowed:
+            raise ConfigError(
+                _blame(config, est, est.sparse_bytes),
+                f"training needs an estimated {_gib(est.device_bytes)} of CUDA memory "
+                f"({_describe(est, 'device')}) but the device has {_gib(device_available)} "
+                f"free and odl uses at most {fraction * 100:g}% of it: {_gib(allowed)} "
+                f"({how})")
+    avail = host_available if host_available is not None else available_host_memory()
+    allowed = fraction * avail.bytes
+    if est.host_bytes > allowed:
+        sparse = est.sparse_bytes * (1 if device_type == "cuda" else 2)
+        where = "this host has" if avail.source == "host" else f"{avail.source} leaves"
+        raise ConfigError(
+            _blame(config, est, sparse),
+            f"training needs an estimated {_gib(est.host_bytes)} of host memory "
+            f"({_describe(est, 'host')}) but {where} {_gib(avail.bytes)} available and "
+            f"odl uses at most {fraction * 100:g}% of it: {_gib(allowed)} ({how})")
+    return est
