@@ -28,7 +28,13 @@ import urllib.request
 from typing import Optional
 
 from odl.broker.embedded_broker import EmbeddedBroker
-from odl.broker.topic_admin import create_topic, end_offsets
+from odl.broker.topic_admin import (
+    DEFAULT_RETENTION_HOURS,
+    DEFAULT_RETENTION_MB,
+    Retention,
+    create_topic,
+    end_offsets,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(ROOT, "samples", "deepfm_online.config")
@@ -176,7 +182,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         broker.start()
         _say(f"embedded broker up at {broker.bootstrap} (pid {broker.pid})")
-        create_topic(broker.bootstrap, TOPIC, partitions=4)
+        create_topic(broker.bootstrap, TOPIC, partitions=4,
+                     retention=Retention.from_flags(DEFAULT_RETENTION_MB,
+                                                    DEFAULT_RETENTION_HOURS))
         gen = subprocess.Popen(
             _py("odl.cli.datagen_cli", "--bootstrap", broker.bootstrap, "--topic", TOPIC,
                 "--partitions", "4", "--rate", str(args.rate),

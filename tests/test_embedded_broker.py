@@ -12,10 +12,13 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from odl.broker.embedded_broker import BrokerError, EmbeddedBroker, free_port
-from odl.broker.topic_admin import create_topic, end_offsets
+from odl.broker.topic_admin import Retention, create_topic, end_offsets, topic_configs
+from odl.cli.kafka_cli import pid_is_broker, pid_is_keeper
 from odl.kafka_client import consumer_config, producer_config
 
 REPO = Path(__file__).resolve().parents[1]
+MIB = 1 << 20
+EXTERNAL_BOOTSTRAP_ENV = "ODL_KAFKA_BOOTSTRAP"  # as in conftest.py
 
 
 def _kafka_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
@@ -44,6 +47,41 @@ def _produce(bootstrap: str, topic: str, n: int, partitions: int) -> None:
         )
     assert producer.flush(10) == 0
     assert errors == []
+
+
+def _produce_bytes(bootstrap: str, topic: str, n: int, size: int = 10_000) -> None:
+    producer = Producer(producer_config(bootstrap))
+    value = os.urandom(size)
+    for _ in range(n):
+        while True:
+            try:
+                producer.produce(topic, value=value, partition=0)
+                break
+            except BufferError:
+                producer.poll(0.05)
+    assert producer.flush(30) == 0
+
+
+def _wait(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def _watermarks(bootstrap: str, topic: str) -> tuple[int, int]:
+    consumer = Consumer(consumer_config(bootstrap, "odl-test"))
+    try:
+        return consumer.get_watermark_offsets(TopicPartition(topic, 0), timeout=10, cached=False)
+    finally:
+        consumer.close()
+
+
+def _retention_of(bootstrap: str, topic: str) -> dict[str, tuple[str, bool]]:
+    return topic_configs(bootstrap, [topic])[topic]
 
 
 def _consume_all(bootstrap: str, topic: str, partitions: int, n: int) -> list[bytes]:
@@ -152,3 +190,94 @@ def test_topic_factory_gives_unique_topics(kafka_bootstrap: str, kafka_topic_fac
     b = kafka_topic_factory(2)
     assert a != b
     assert end_offsets(kafka_bootstrap, a) == {0: 0, 1: 0}
+
+
+def test_create_topic_with_retention_keeps_only_the_newest_records(
+        kafka_bootstrap: str, kafka_topic_factory) -> None:
+    """Size retention set at creation: the log start moves and about the limit is kept."""
+    topic = kafka_topic_factory(create=False)
+    retention = Retention.from_flags(retention_mb=2, retention_hours=1)
+    create_topic(kafka_bootstrap, topic, 1, retention=retention,
+                 config={"max.message.bytes": "2000000"})
+    assert _retention_of(kafka_bootstrap, topic) == {
+        "retention.bytes": (str(2 * MIB), True), "retention.ms": ("3600000", True),
+        "segment.bytes": (str(MIB), True)}
+    if os.environ.get(EXTERNAL_BOOTSTRAP_ENV):
+        return  # a real Kafka enforces retention every log.retention.check.interval.ms (5 min)
+    _produce_bytes(kafka_bootstrap, topic, 800)  # 8 MB
+    low, high = _wait(lambda: (m := _watermarks(kafka_bootstrap, topic))[0] > 0 and m, 15,
+                      "the log start to move")
+    assert high == 800
+    kept = (high - low) * 10_000
+    assert 2 * MIB <= kept <= 2 * MIB + MIB + 100_000  # the limit plus at most one segment
+
+
+def test_cli_up_gives_topics_without_retention_the_default(tmp_path: Path) -> None:
+    """``odl-kafka up --retention_mb/--retention_hours``: topics created by anyone get them
+    unless they set their own; ``create-topic`` sets its own; a restart with other values
+    updates what the keeper set and nothing else; ``down`` stops the keeper too."""
+    data_dir = str(tmp_path / "kafka")
+    up = _kafka_cli("up", "--port", "0", "--data-dir", data_dir, "--retention_mb", "2",
+                    "--retention_hours", "1")
+    assert up.returncode == 0, up.stderr
+    bootstrap = up.stdout.strip()
+    state = json.loads((Path(data_dir) / "broker.json").read_text())
+    keeper = state["retention_keeper_pid"]
+    try:
+        assert state["retention"] == {"retention_bytes": 2 * MIB, "retention_ms": 3_600_000}
+        assert pid_is_keeper(keeper)
+        create_topic(bootstrap, "plain", 1, config={"max.message.bytes": "2000000"})
+        create_topic(bootstrap, "own", 1, config={"retention.bytes": "-1"})
+        made = _kafka_cli("create-topic", "explicit", "--data-dir", data_dir, "--partitions",
+                          "2", "--retention_mb", "4", "--retention_hours", "0")
+        assert made.returncode == 0, made.stderr
+        assert "created topic explicit (2 partitions" in made.stdout
+
+        _wait(lambda: _retention_of(bootstrap, "plain")["retention.bytes"][0] == str(2 * MIB),
+              10, "the keeper to set retention on 'plain'")
+        assert _retention_of(bootstrap, "plain") == {
+            "retention.bytes": (str(2 * MIB), True), "retention.ms": ("3600000", True),
+            "segment.bytes": (str(MIB), True)}
+        _wait(lambda: _retention_of(bootstrap, "own")["retention.ms"][0] == "3600000",
+              10, "the keeper to set retention.ms on 'own'")
+        own = _retention_of(bootstrap, "own")
+        assert own["retention.bytes"] == ("-1", True) and own["segment.bytes"][1] is False
+        assert _retention_of(bootstrap, "explicit") == {
+            "retention.bytes": (str(4 * MIB), True), "retention.ms": ("-1", True),
+            "segment.bytes": (str(MIB), True)}
+
+        _produce_bytes(bootstrap, "plain", 600)  # 6 MB
+        low, high = _wait(lambda: (m := _watermarks(bootstrap, "plain"))[0] > 0 and m, 15,
+                          "the log start of 'plain' to move")
+        assert (high - low) * 10_000 <= 3 * MIB + 100_000
+
+        status = _kafka_cli("status", "--data-dir", data_dir)
+        assert status.returncode == 0, status.stderr
+        assert f"default retention: 2 MiB per partition, 1 h (keeper pid {keeper})" in status.stdout
+        assert f"plain  partitions=1  messages={high - low}  start_offsets=0:{low}" in status.stdout
+        assert "retention: 4 MiB per partition, no age limit" in status.stdout
+        assert "MiB RSS" in status.stdout
+
+        down = _kafka_cli("down", "--data-dir", data_dir)
+        assert down.returncode == 0, down.stderr
+        assert not pid_is_keeper(keeper) and not pid_is_broker(state["pid"])
+
+        up = _kafka_cli("up", "--port", "0", "--data-dir", data_dir, "--retention_mb", "3")
+        assert up.returncode == 0, up.stderr
+        bootstrap = up.stdout.strip()
+        keeper = json.loads((Path(data_dir) / "broker.json").read_text())["retention_keeper_pid"]
+        _wait(lambda: _retention_of(bootstrap, "plain")["retention.bytes"][0] == str(3 * MIB),
+              10, "the new default on 'plain'")
+        assert _retention_of(bootstrap, "plain")["retention.ms"][0] == str(24 * 3_600_000)
+        assert _retention_of(bootstrap, "own")["retention.bytes"] == ("-1", True)
+        assert _retention_of(bootstrap, "explicit")["retention.bytes"] == (str(4 * MIB), True)
+    finally:
+        _kafka_cli("down", "--data-dir", data_dir)
+    assert not pid_is_keeper(keeper)
+
+
+def test_cli_rejects_negative_retention(tmp_path: Path) -> None:
+    res = _kafka_cli("up", "--port", "0", "--data-dir", str(tmp_path), "--retention_mb", "-1")
+    assert res.returncode == 2
+    assert "retention" in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "broker.json").exists()

@@ -186,6 +186,11 @@ class KafkaSource:
             if not kafka_config or key not in kafka_config:
                 conf[key] = value
         self._consumer = Consumer(conf)
+        # Log-end queries (ListOffsets) on a connection of their own: on the fetching
+        # consumer's they would wait behind a large fetch in flight (a whole backlog from a
+        # broker that ignores fetch size limits), time out, and make librdkafka drop the
+        # connection and the fetch with it, so a far-behind reader would never catch up.
+        self._offsets_consumer = Consumer(dict(conf))
         self._partitions: list[int] = []
         self.partition_state: dict[int, PartitionState] = {}
         self._positions: dict[int, int] = {}
@@ -302,7 +307,7 @@ class KafkaSource:
         return {p: max(lows[p], 0) for p in self._partitions}
 
     def _watermarks(self, partition: int) -> tuple[int, int]:
-        return self._consumer.get_watermark_offsets(
+        return self._offsets_consumer.get_watermark_offsets(
             TopicPartition(self.topic, partition), timeout=10, cached=False
         )
 
@@ -500,7 +505,7 @@ class KafkaSource:
         self._last_watermark_refresh = now
         for p in self._partitions:
             try:
-                low, high = self._consumer.get_watermark_offsets(
+                low, high = self._offsets_consumer.get_watermark_offsets(
                     TopicPartition(self.topic, p), timeout=2, cached=False
                 )
             except KafkaException as exc:
@@ -566,6 +571,7 @@ class KafkaSource:
         if not self._closed:
             self._closed = True
             self._consumer.close()
+            self._offsets_consumer.close()
 
 
 def start_positions_from_config(
