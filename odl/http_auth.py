@@ -2,11 +2,12 @@
 
 Both servers bind 127.0.0.1 unless ``--status_host`` / ``--host`` says otherwise. When a
 token is configured, every request except ``GET /healthz`` (load balancers and systemd
-watchdogs probe it without credentials) must carry ``Authorization: Bearer <token>``;
-anything else gets ``401``. The token comes from ``--auth_token_file PATH`` (the file's
-contents, surrounding whitespace removed) or else the ``ODL_AUTH_TOKEN`` environment
-variable; it is never logged. Binding a non-loopback address without a token logs a loud
-warning: the status and prediction APIs would then be open to the network.
+watchdogs probe it without credentials) must carry ``Authorization: Bearer <token>`` (the
+scheme in any letter case); anything else gets ``401``. The token comes from
+``--auth_token_file PATH`` (the file's contents, surrounding whitespace removed; a regular
+file of at most 4 KiB) or else the ``ODL_AUTH_TOKEN`` environment variable; it is never
+logged. Binding a non-loopback address without a token logs a loud warning: the status and
+prediction APIs would then be open to the network.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import ipaddress
 import json
 import logging
 import os
+import stat
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, Optional
 
@@ -23,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 AUTH_TOKEN_ENV = "ODL_AUTH_TOKEN"
 OPEN_PATHS = ("/healthz",)
+MAX_TOKEN_FILE_BYTES = 4096
+# A 401 keeps the connection (the server discards the unread body) up to this body size.
+DRAIN_BYTES = 1 << 20
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -31,7 +36,46 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 
 class AuthConfigError(ValueError):
-    """The token file is missing, unreadable or empty (CLIs exit with code 2)."""
+    """The token file is missing, unreadable, too large or empty (CLIs exit with code 2)."""
+
+
+def _read_token_file(path: str) -> str:
+    """The contents of a token file, read with a cap (see :func:`resolve_auth_token`).
+
+    Raises:
+        AuthConfigError: not a regular readable file, larger than ``MAX_TOKEN_FILE_BYTES``,
+            not UTF-8, or only whitespace.
+    """
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; regular files ignore it.
+        fd = os.open(path, flags)
+    except OSError as exc:
+        raise AuthConfigError(f"--auth_token_file: cannot read {path}: "
+                              f"{exc.__class__.__name__}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise AuthConfigError(f"--auth_token_file: {path} is not a regular file")
+        if st.st_size > MAX_TOKEN_FILE_BYTES:
+            raise AuthConfigError(f"--auth_token_file: {path} is larger than "
+                                  f"{MAX_TOKEN_FILE_BYTES} bytes")
+        data = os.read(fd, MAX_TOKEN_FILE_BYTES + 1)  # one more: a file that grew
+    except OSError as exc:
+        raise AuthConfigError(f"--auth_token_file: cannot read {path}: "
+                              f"{exc.__class__.__name__}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_TOKEN_FILE_BYTES:
+        raise AuthConfigError(f"--auth_token_file: {path} is larger than "
+                              f"{MAX_TOKEN_FILE_BYTES} bytes")
+    try:
+        token = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise AuthConfigError(f"--auth_token_file: {path} is not UTF-8 text") from None
+    if not token:
+        raise AuthConfigError(f"--auth_token_file: {path} is empty")
+    return token
 
 
 def resolve_auth_token(token_file: Optional[str] = None,
@@ -39,25 +83,19 @@ def resolve_auth_token(token_file: Optional[str] = None,
     """The bearer token to require, or None for no authentication.
 
     Args:
-        token_file: path of a file holding the token (wins over the environment).
+        token_file: path of a file holding the token (wins over the environment). It must be
+            a regular file of at most ``MAX_TOKEN_FILE_BYTES`` (4 KiB) of UTF-8 text.
         environ: environment to read ``ODL_AUTH_TOKEN`` from (default ``os.environ``).
 
     Returns:
         The token, or None when neither source gives one.
 
     Raises:
-        AuthConfigError: ``token_file`` cannot be read or holds only whitespace.
+        AuthConfigError: ``token_file`` cannot be read, is not a regular file, is larger
+            than 4 KiB, is not UTF-8, or holds only whitespace.
     """
     if token_file:
-        try:
-            with open(token_file, encoding="utf-8") as f:
-                token = f.read().strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise AuthConfigError(f"--auth_token_file: cannot read {token_file}: "
-                                  f"{exc.__class__.__name__}") from None
-        if not token:
-            raise AuthConfigError(f"--auth_token_file: {token_file} is empty")
-        return token
+        return _read_token_file(token_file)
     env = os.environ if environ is None else environ
     token = env.get(AUTH_TOKEN_ENV, "").strip()
     return token or None
@@ -94,8 +132,31 @@ def warn_if_exposed(host: str, token: Optional[str], what: str) -> bool:
     return True
 
 
+def bearer_token(value: bytes) -> Optional[bytes]:
+    """The credentials of an ``Authorization: Bearer <token>`` header value.
+
+    The scheme is matched case-insensitively (``bearer``, ``BEARER``), as HTTP defines
+    authentication schemes; spaces and tabs around the parts are ignored.
+
+    Args:
+        value: the raw header value.
+
+    Returns:
+        The token, or None when the scheme is not Bearer or no token follows it.
+    """
+    parts = value.strip().split(None, 1)
+    if len(parts) != 2 or parts[0].lower() != b"bearer":
+        return None
+    return parts[1].strip()
+
+
 class BearerAuthMiddleware:
     """ASGI middleware requiring ``Authorization: Bearer <token>`` on every HTTP request.
+
+    The scheme is case-insensitive; the token is compared in constant time. A refused
+    request whose body is chunked, longer than ``DRAIN_BYTES`` or awaited with
+    ``Expect: 100-continue`` has its connection closed, so that body is never read; a shorter
+    one is discarded by the server.
 
     Args:
         app: the wrapped ASGI application.
@@ -107,7 +168,7 @@ class BearerAuthMiddleware:
         if not token:
             raise ValueError("empty token")
         self.app = app
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
         self._open = frozenset(open_paths)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -115,21 +176,31 @@ class BearerAuthMiddleware:
         if scope.get("type") != "http" or scope.get("path") in self._open:
             await self.app(scope, receive, send)
             return
-        given = b""
+        given: Optional[bytes] = None
+        close = False
         for name, value in scope.get("headers") or ():
-            if name.lower() == b"authorization":
+            name = name.lower()
+            if name == b"authorization" and given is None:
                 given = value
-                break
-        if given and hmac.compare_digest(given.strip(), self._expected):
+            elif name == b"transfer-encoding" or (name == b"expect"
+                                                 and b"100-continue" in value.lower()):
+                close = True
+            elif name == b"content-length" and (not value.strip().isdigit()
+                                                 or int(value) > DRAIN_BYTES):
+                close = True
+        token = bearer_token(given) if given else None
+        if token is not None and hmac.compare_digest(token, self._expected):
             await self.app(scope, receive, send)
             return
         body = json.dumps({"detail": {"error": "missing or wrong bearer token"
                                       if given else "authorization required: send "
                                       "'Authorization: Bearer <token>'"}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b'Bearer realm="odl"')]})
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(body)).encode()),
+                   (b"www-authenticate", b'Bearer realm="odl"')]
+        if close:
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": 401, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
 

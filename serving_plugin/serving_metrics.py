@@ -14,6 +14,19 @@ class ServingMetrics:
         self.requests = Counter("odl_serving_predict_requests", "/predict requests by HTTP code",
                                 ["code"], registry=r)
         self.records = Counter("odl_serving_predict_records", "Records predicted", registry=r)
+        self.refused = Counter(
+            "odl_serving_predict_refused",
+            "/predict requests refused by a limit (body_too_large, too_many_records, "
+            "inflight_requests, inflight_bytes, body_timeout)", ["reason"], registry=r)
+        self.client_disconnects = Counter(
+            "odl_serving_predict_client_disconnects",
+            "/predict clients gone before their body was complete (counted as code 499)",
+            registry=r)
+        self.inflight_requests = Gauge("odl_serving_predict_inflight_requests",
+                                       "/predict requests being read or answered", registry=r)
+        self.inflight_bytes = Gauge("odl_serving_predict_inflight_bytes",
+                                    "Body bytes held by in-flight /predict requests",
+                                    registry=r)
         self.latency = Histogram(
             "odl_serving_predict_seconds", "Time to answer /predict (parse + model)",
             buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0),

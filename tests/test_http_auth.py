@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
+import os
+import socket
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -13,7 +18,9 @@ from prometheus_client import CollectorRegistry
 from odl.cli import serve_cli, train_cli
 from odl.http_auth import (
     AUTH_TOKEN_ENV,
+    MAX_TOKEN_FILE_BYTES,
     AuthConfigError,
+    bearer_token,
     is_loopback,
     resolve_auth_token,
     warn_if_exposed,
@@ -69,6 +76,30 @@ def test_every_endpoint_but_healthz_needs_the_token(protected, path):
     assert _get(protected + path, TOKEN)[0] == (404 if path == "/nope" else 200)
 
 
+@pytest.mark.parametrize("scheme", ["bearer", "BEARER", "BeArEr", "Bearer  "])
+def test_bearer_scheme_is_case_insensitive(protected, scheme):
+    assert _get(protected + "/status", TOKEN, scheme=scheme)[0] == 200
+    assert _get(protected + "/status", "wrong", scheme=scheme)[0] == 401
+
+
+def test_unauthorized_upload_is_refused_before_its_body(protected):
+    host, port = protected.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /status HTTP/1.1\r\nHost: x\r\nAuthorization: bearer nope\r\n"
+                     b"Content-Length: 200000000\r\n\r\nabc")
+        resp = http.client.HTTPResponse(sock)
+        resp.begin()
+        assert resp.status == 401 and resp.getheader("Connection") == "close"
+        resp.read()
+
+
+def test_bearer_header_parsing():
+    assert bearer_token(b"bearer abc") == b"abc"
+    assert bearer_token(b"  BEARER\tabc  ") == b"abc"
+    for value in (b"Bearerabc", b"Bearer", b"Bearer   ", b"Basic abc", b"", b"abc"):
+        assert bearer_token(value) is None, value
+
+
 def test_healthz_is_open(protected):
     code, body = _get(protected + "/healthz")
     assert code == 200 and body["ok"] is True
@@ -95,6 +126,68 @@ def test_token_from_file_or_env(tmp_path):
         resolve_auth_token(str(tmp_path / "empty"))
     with pytest.raises(AuthConfigError, match="cannot read"):
         resolve_auth_token(str(tmp_path / "missing"))
+
+
+def test_token_file_is_read_with_a_cap(tmp_path):
+    big = tmp_path / "big"
+    big.write_text("t" * (MAX_TOKEN_FILE_BYTES + 1))
+    at_cap = tmp_path / "at_cap"
+    at_cap.write_text("t" * MAX_TOKEN_FILE_BYTES)
+    assert resolve_auth_token(str(at_cap)) == "t" * MAX_TOKEN_FILE_BYTES
+    binary = tmp_path / "binary"
+    binary.write_bytes(b"\xff\xfe tok")
+    for path, match in ((big, "larger than 4096 bytes"), (tmp_path, "not a regular file"),
+                        (binary, "not UTF-8")):
+        with pytest.raises(AuthConfigError, match=match):
+            resolve_auth_token(str(path))
+
+
+# Runs in a child with a 3 GiB address-space cap: a reader without a cap would fail there
+# with MemoryError on /dev/zero instead of exhausting the test machine, and one that blocks
+# on a FIFO runs into the timeout.
+_ENDLESS_TOKEN_FILES = r"""
+import resource
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+import contextlib, io, json, sys
+from odl.cli import serve_cli, train_cli
+from odl.http_auth import AuthConfigError, resolve_auth_token
+config, fifo = sys.argv[1:3]
+out = {}
+for path in ("/dev/zero", fifo):
+    try:
+        resolve_auth_token(path)
+        out["resolve " + path] = "accepted"
+    except AuthConfigError as exc:
+        out["resolve " + path] = str(exc)
+    for name, cli, argv in (
+            ("odl-serve", serve_cli, ["--export_dir", "x"]),
+            ("odl-train", train_cli, ["--pipeline_config_path", config, "--online"])):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = cli.main([*argv, "--log_level", "ERROR", "--auth_token_file", path])
+        out[name + " " + path] = [rc, err.getvalue()]
+print(json.dumps(out))
+"""
+
+
+def test_clis_refuse_endless_token_files(tmp_path):
+    from tests.online_harness import write_config
+
+    config = write_config(tmp_path, "127.0.0.1:1", "t")
+    fifo = str(tmp_path / "fifo")
+    os.mkfifo(fifo)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _ENDLESS_TOKEN_FILES, config, fifo], cwd=root,
+                          capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for path in ("/dev/zero", fifo):
+        assert "not a regular file" in out["resolve " + path]
+        for name in ("odl-serve", "odl-train"):
+            rc, err = out[f"{name} {path}"]
+            assert rc == 2, (name, path, err)
+            assert err.startswith(f"{name}: --auth_token_file") and "not a regular file" in err
+            assert err.count("\n") == 1, err  # one line
 
 
 @pytest.mark.parametrize("cli, extra", [

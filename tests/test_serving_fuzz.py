@@ -1,7 +1,8 @@
 """``/predict`` on a real uvicorn server: malformed bodies get 4xx with a reason, never 5xx.
 
 A few hundred seeded random bodies (empty, garbage bytes, invalid UTF-8, wrong JSON types,
-deep nesting, NaN / huge numbers, too many records, a body over the size limit) are posted;
+unknown JSON keys, deep nesting, NaN / huge numbers, too many records, a body over the size
+limit) are posted;
 the server must answer each with a 4xx JSON error naming the problem (or 200 when the body
 happens to be valid), and still answer a good request afterwards.
 """
@@ -87,6 +88,9 @@ def _bodies(rng: random.Random, good: list[bytes]) -> list[tuple[str, bytes]]:
         ("huge_float", _with_dense(good[0], b"1e308")),
         ("tiny_float", _with_dense(good[0], b"-1e308")),
         ("max_float32", _with_dense(good[0], b"3.4e38")),
+        ("records_extra_key", b'{"records": [%s], "x": 1}' % json.dumps(good[0].decode())
+         .encode()),
+        ("unknown_record_key", b'{"I1": 1.5, "not_a_field": 2}'),
     ]
     for i in range(N_BODIES - len(out)):
         kind = rng.randrange(6)
@@ -112,6 +116,11 @@ def _bodies(rng: random.Random, good: list[bytes]) -> list[tuple[str, bytes]]:
     return out
 
 
+# Bodies whose answer is known exactly.
+EXPECTED = {"empty": 400, "empty_obj": 400, "too_many": 413, "records_extra_key": 400,
+            "unknown_record_key": 400, "records_not_list": 400}
+
+
 def test_predict_fuzz_never_5xx(server):
     port, tc = server
     rng = random.Random(SEED)
@@ -121,6 +130,7 @@ def test_predict_fuzz_never_5xx(server):
         code, raw = _post(port, body)
         codes[code] = codes.get(code, 0) + 1
         assert code < 500, (name, code, raw[:300])
+        assert code == EXPECTED.get(name, code), (name, code, raw[:300])
         doc = json.loads(raw)
         if code == 200:
             assert len(doc["probabilities"]) >= 1

@@ -8,7 +8,8 @@ Examples::
 Loads the newest complete export under ``--export_dir`` (see ``odl.export.exporter``),
 replays the delta topic from ``kafka.txt``'s offset, and answers ``POST /predict``,
 ``GET /status``, ``GET /healthz`` and ``GET /metrics`` (see ``serving_plugin``). Runs until
-SIGTERM / SIGINT. Exit codes: 0 clean stop; 2 bad command line or no usable export.
+SIGTERM / SIGINT. Exit codes: 0 clean stop; 2 bad command line (a bad ``/predict`` limit,
+an unusable ``--auth_token_file``) or no usable export.
 """
 
 from __future__ import annotations
@@ -47,6 +48,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="delta consumer fetch pacing: refetch at most this often while messages are "
              "queued; 0 = librdkafka's own pacing",
     )
+    p.add_argument("--max_body_bytes", type=int, default=16 << 20,
+                   help="largest /predict body (default 16 MiB); larger ones get 413, by "
+                        "Content-Length before any of the body is read, or as soon as a "
+                        "chunked body passes it")
+    p.add_argument("--max_inflight_requests", type=int, default=64,
+                   help="most /predict requests read or answered at once (default 64); "
+                        "more get 503 with Retry-After")
+    p.add_argument("--max_inflight_bytes", type=int, default=64 << 20,
+                   help="most /predict body bytes held at once, all requests together "
+                        "(default 64 MiB, at least --max_body_bytes); more get 503 with "
+                        "Retry-After")
+    p.add_argument("--body_timeout_s", type=float, default=30.0,
+                   help="longest time to receive one /predict body (default 30; 0 = no "
+                        "limit); slower ones get 408")
     p.add_argument("--no_verify", action="store_true",
                    help="skip checking the embedding shards' sha256 at load")
     p.add_argument(
@@ -68,23 +83,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (ValueError, AttributeError) as exc:
             print(f"odl-serve: --kafka_config is not a JSON object: {exc}", file=sys.stderr)
             return 2
-    from odl.cli.torch_runtime import configure_torch_threads
-    from odl.config.config_error import ConfigError
     from odl.http_auth import AuthConfigError, resolve_auth_token
-    from serving_plugin.serving_model import ExportLoadError
-    from serving_plugin.serving_service import ServingService
 
-    configure_torch_threads(args.torch_threads)
-
-    try:
+    try:  # before the heavy imports: a bad token file is reported at once
         token = resolve_auth_token(args.auth_token_file or None)
     except AuthConfigError as exc:
         print(f"odl-serve: {exc}", file=sys.stderr)
         return 2
+    from odl.cli.torch_runtime import configure_torch_threads
+    from odl.config.config_error import ConfigError
+    from serving_plugin.serving_model import ExportLoadError
+    from serving_plugin.serving_service import PredictLimits, ServingService
+
+    try:
+        limits = PredictLimits(max_body_bytes=args.max_body_bytes,
+                               max_inflight_requests=args.max_inflight_requests,
+                               max_inflight_bytes=args.max_inflight_bytes,
+                               body_timeout_s=args.body_timeout_s)
+    except ValueError as exc:
+        print(f"odl-serve: {exc}", file=sys.stderr)
+        return 2
+    configure_torch_threads(args.torch_threads)
     try:
         service = ServingService(args.export_dir, replay=not args.no_replay, kafka_extra=extra,
                                  server_override=args.kafka_server, verify=not args.no_verify,
-                                 fetch_interval_ms=max(0, args.fetch_interval_ms))
+                                 fetch_interval_ms=max(0, args.fetch_interval_ms),
+                                 limits=limits)
     except (ExportLoadError, ConfigError) as exc:
         print(f"odl-serve: {exc}", file=sys.stderr)
         return 2
