@@ -8,7 +8,7 @@ offset, which is harmless because a version carries full values). Each message g
 
 1. ``decode_chunk``: a corrupt, unknown-format or checksum-failing chunk raises
    ``DeltaFormatError`` and is counted in ``rejected[<reason>]``; it never reaches the model;
-2. ``VersionAssembler.add``: returns a version once all its chunks arrived (versions are
+2. ``VersionAssembler.add: returns a version once all its chunks arrived (versions are
    keyed by ``(generation, version)``, so a trainer restart's new generation simply
    continues: later versions in topic order win);
 3. ``ServingModel.apply_version``: checks the whole version, then copies it in under the
@@ -32,10 +32,19 @@ prefetched messages on pause and, in a one-off test, started fetching only ~1 s 
 resume (0.3-15 ms after an assign). Adds about one to two intervals to a version's apply time.
 
 Outages: librdkafka reconnects by itself and the consumer resumes at ``next_offset``.
-``broker_error`` is set by the consumer's ``error_cb`` and by failing watermark queries, and
+``broker_error`` is set by the consumers' ``error_cb`` and by failing watermark queries, and
 cleared only by a successful watermark query (every ``_WATERMARK_REFRESH_SECS``); serving's
 ``/status`` shows it and ``/healthz`` answers 503 while it is set (the model keeps serving the
 last applied version).
+
+Watermark queries (ListOffsets) go through a second, never-assigned consumer, so over a
+connection of their own. On the fetching consumer's connection they would wait behind the
+fetch in flight, and a replayer far behind the log end fetches a large backlog: up to
+``max.partition.fetch.bytes`` from a real Kafka, the whole backlog in one response from the
+embedded broker, which ignores fetch size limits. A query timing out there would not only
+report a healthy broker as unreachable: librdkafka closes a connection on which a request
+timed out (``socket.max.fails`` 1), dropping the fetch, which then starts over: a backlog
+that takes longer than the query's timeout to arrive would never be read.
 
 When the topic no longer has ``next_offset`` (``auto.offset.reset`` is ``error`` so librdkafka
 never jumps on its own): above the log end, the broker lost acknowledged messages (the
@@ -117,6 +126,7 @@ class DeltaReplayer:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._consumer: Optional[Consumer] = None
+        self._watermarks: Optional[Consumer] = None  # ListOffsets only, see the module doc
         self._last_watermark = 0.0
         self._cv = threading.Condition()
 
@@ -198,6 +208,7 @@ class DeltaReplayer:
                     conf[key] = value
         self._consumer = Consumer(conf)
         self._consumer.assign([TopicPartition(self.source.topic, 0, self.next_offset)])
+        self._watermarks = Consumer(dict(conf))
         logger.info("replaying delta topic %s from offset %d", self.source.topic,
                     self.next_offset)
         self._thread = threading.Thread(target=self._run, name="delta-replayer", daemon=True)
@@ -208,12 +219,13 @@ class DeltaReplayer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        if self._consumer is not None:
-            try:
-                self._consumer.close()
-            except (KafkaException, RuntimeError):
-                pass
-            self._consumer = None
+        for client in (self._consumer, self._watermarks):
+            if client is not None:
+                try:
+                    client.close()
+                except (KafkaException, RuntimeError):
+                    pass
+        self._consumer = self._watermarks = None
 
     def _on_kafka_error(self, err: KafkaError) -> None:
         if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE):
@@ -246,7 +258,7 @@ class DeltaReplayer:
             if parked:
                 if self._stop.wait(self._fetch_interval):
                     break
-                high = self._refresh_watermark(consumer, tp, force=True)
+                high = self._refresh_watermark(tp, force=True)
                 if high is None or high == self.next_offset:
                     continue
                 # a new message (or a log end below the position: fetching reports it)
@@ -275,15 +287,15 @@ class DeltaReplayer:
                     continue
                 self.handle(msg.value() or b"", msg.offset())
             if not self._fetch_interval:
-                self._refresh_watermark(consumer, tp)
+                self._refresh_watermark(tp)
                 continue
             if msgs:
-                self._refresh_watermark(consumer, tp)
+                self._refresh_watermark(tp)
                 if len(msgs) < _BATCH_MESSAGES:
                     self._stop.wait(self._fetch_interval)
                 continue
             # nothing queued: park when caught up (nothing fetched is pending, none is lost)
-            high = self._refresh_watermark(consumer, tp, force=True)
+            high = self._refresh_watermark(tp, force=True)
             if high is not None and high == self.next_offset:
                 consumer.unassign()
                 parked = True
@@ -293,7 +305,8 @@ class DeltaReplayer:
     def _reset_offset(self, consumer: Consumer, tp: TopicPartition) -> None:
         """Continues at the log end (truncated log) or start (retention); see the module doc."""
         try:
-            low, high = consumer.get_watermark_offsets(tp, timeout=5.0, cached=False)
+            assert self._watermarks is not None
+            low, high = self._watermarks.get_watermark_offsets(tp, timeout=5.0, cached=False)
         except KafkaException as exc:
             logger.warning("delta topic offset %d out of range and watermarks unavailable "
                            "(%s); retrying", self.next_offset, exc)
@@ -320,8 +333,7 @@ class DeltaReplayer:
         self.assembler = VersionAssembler()  # chunks of a cut version never complete
         consumer.assign([TopicPartition(self.source.topic, 0, int(target))])
 
-    def _refresh_watermark(self, consumer: Consumer, tp: TopicPartition,
-                           force: bool = False) -> Optional[int]:
+    def _refresh_watermark(self, tp: TopicPartition, force: bool = False) -> Optional[int]:
         """Queries the log end (at most every ``_WATERMARK_REFRESH_SECS`` unless ``force``).
 
         Returns:
@@ -332,7 +344,8 @@ class DeltaReplayer:
             return None
         self._last_watermark = now
         try:
-            _low, high = consumer.get_watermark_offsets(tp, timeout=1.0, cached=False)
+            assert self._watermarks is not None
+            _low, high = self._watermarks.get_watermark_offsets(tp, timeout=1.0, cached=False)
         except KafkaException as exc:
             err = exc.args[0] if exc.args else exc
             reason = err.str() if isinstance(err, KafkaError) else str(err)
