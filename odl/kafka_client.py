@@ -77,6 +77,33 @@ def consumer_config(
     return conf
 
 
+def delta_consumer_config(
+    servers: str,
+    group: str,
+    extra: Optional[Mapping[str, str]] = None,
+) -> dict:
+    """Settings for a reader of a delta topic (serving's replayer, crash recovery).
+
+    Like ``consumer_config`` but with ``isolation.level`` ``read_uncommitted``: a delta
+    topic's versions are assembled all-or-nothing from their chunks and owned by the newest
+    generation (``publisher.generation_fence``), so serving and crash recovery see the same
+    versions whether or not the publisher's transaction committed, and a transaction left
+    open by a killed trainer never holds them back.
+
+    Args:
+        servers: comma separated ``host:port`` list.
+        group: consumer group id (nothing is committed).
+        extra: librdkafka settings from the config, passed through untouched.
+
+    Returns:
+        A dict for ``confluent_kafka.Consumer``.
+    """
+    conf = consumer_config(servers, group, extra)
+    if not extra or "isolation.level" not in extra:
+        conf["isolation.level"] = "read_uncommitted"
+    return conf
+
+
 def producer_config(
     servers: str, extra: Optional[Mapping[str, str]] = None, idempotent: bool = True
 ) -> dict:

@@ -6,7 +6,8 @@ make the trainer read again. The trainer therefore restores the checkpoint and t
 its own delta topic the way serving does, from the checkpoint's ``delta_topic_offset`` to
 the topic's end:
 
-* every message is decoded (``decode_chunk``); corrupt ones are counted and skipped;
+* every message is decoded (``decode_chunk``); corrupt ones are counted and skipped, and so
+  are chunks of a generation superseded by a newer one (``publisher.generation_fence``);
 * chunks are assembled into versions (``VersionAssembler``, all-or-nothing); a version that
   never completed (half-sent when the trainer died) is dropped and logged;
 * the complete versions' values are merged in topic order (later versions win; a version
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from odl.kafka_client import consumer_config
+from odl.kafka_client import delta_consumer_config
 from publisher.delta_codec import (
     DeltaFormatError,
     DeltaVersion,
@@ -43,6 +44,7 @@ from publisher.delta_codec import (
     VersionHeader,
     decode_chunk,
 )
+from publisher.generation_fence import FENCED_REASON, GenerationFence
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +137,8 @@ def delta_topic_end(server: str, topic: str, kafka_config: Optional[Mapping[str,
     Raises:
         DeltaRecoveryError: the broker did not answer.
     """
-    consumer = Consumer(consumer_config(server, f"odl-recovery-{uuid.uuid4().hex[:8]}",
-                                        kafka_config))
+    consumer = Consumer(delta_consumer_config(server, f"odl-recovery-{uuid.uuid4().hex[:8]}",
+                                              kafka_config))
     try:
         if not _topic_exists(consumer, topic, timeout):
             return 0
@@ -165,6 +167,7 @@ def read_published_state(
     stop: Optional[threading.Event] = None,
     timeout: float = _NO_PROGRESS_SECS,
     max_message_bytes: int = 64 << 20,
+    owner: Optional[str] = None,
 ) -> RecoveredState:
     """Reads the delta topic from ``start_offset`` to its end and merges the complete versions.
 
@@ -178,6 +181,9 @@ def read_published_state(
         stop: set to abandon the read (raises ``DeltaRecoveryError``).
         timeout: seconds without progress before giving up.
         max_message_bytes: largest delta message accepted by the decoder.
+        owner: the generation that owned the topic at ``start_offset`` (the checkpoint's);
+            chunks of generations it superseded are ignored (``publisher.generation_fence``),
+            as serving ignores them.
 
     Returns:
         The merged state of the complete versions (empty when there are none).
@@ -186,8 +192,8 @@ def read_published_state(
         DeltaRecoveryError: the broker is unreachable or the read made no progress.
     """
     t0 = time.monotonic()
-    consumer = Consumer(consumer_config(server, f"odl-recovery-{uuid.uuid4().hex[:8]}",
-                                        kafka_config))
+    consumer = Consumer(delta_consumer_config(server, f"odl-recovery-{uuid.uuid4().hex[:8]}",
+                                              kafka_config))
     state = RecoveredState(topic=topic, start_offset=int(start_offset),
                            end_offset=int(start_offset))
     try:
@@ -215,7 +221,7 @@ def read_published_state(
             state.seconds = time.monotonic() - t0
             return state
         _consume(consumer, topic, begin, int(high), state, min_version, stop, timeout,
-                 max_message_bytes)
+                 max_message_bytes, GenerationFence(owner))
     finally:
         consumer.close()
     state.seconds = time.monotonic() - t0
@@ -224,10 +230,11 @@ def read_published_state(
 
 def _consume(consumer: Consumer, topic: str, begin: int, high: int, state: RecoveredState,
              min_version: Optional[int], stop: Optional[threading.Event], timeout: float,
-             max_message_bytes: int) -> None:
+             max_message_bytes: int, fence: GenerationFence) -> None:
     assembler = VersionAssembler(max_pending_versions=1 << 20, max_pending_bytes=1 << 62)
     merger = _Merger()
-    consumer.assign([TopicPartition(topic, 0, begin)])
+    tp = TopicPartition(topic, 0, begin)
+    consumer.assign([tp])
     next_offset = begin
     last_progress = time.monotonic()
     while next_offset < high:
@@ -238,6 +245,13 @@ def _consume(consumer: Consumer, topic: str, begin: int, high: int, state: Recov
         except KafkaException as exc:
             raise DeltaRecoveryError(f"reading delta topic {topic}: {exc}") from exc
         if not msgs:
+            # transaction markers take offsets but are never delivered: the consumer's
+            # position moves past them
+            pos = consumer.position([TopicPartition(topic, 0)])[0].offset
+            if pos > next_offset:
+                next_offset = min(int(pos), high)
+                last_progress = time.monotonic()
+                continue
             if time.monotonic() - last_progress > timeout:
                 raise DeltaRecoveryError(f"no progress reading delta topic {topic} at offset "
                                          f"{next_offset} (end {high}) for {timeout:.0f}s")
@@ -254,7 +268,7 @@ def _consume(consumer: Consumer, topic: str, begin: int, high: int, state: Recov
                 continue
             next_offset = max(next_offset, offset + 1)
             _handle(msg.value() or b"", offset, assembler, merger, state, min_version,
-                    max_message_bytes)
+                    max_message_bytes, fence)
     state.end_offset = next_offset
     pending = assembler.pending_versions
     state.dropped_versions = assembler.dropped_versions + pending
@@ -266,11 +280,19 @@ def _consume(consumer: Consumer, topic: str, begin: int, high: int, state: Recov
 
 
 def _handle(data: bytes, offset: int, assembler: VersionAssembler, merger: _Merger,
-            state: RecoveredState, min_version: Optional[int], max_bytes: int) -> None:
+            state: RecoveredState, min_version: Optional[int], max_bytes: int,
+            fence: GenerationFence) -> None:
     try:
         if not data:
             raise DeltaFormatError("empty", "empty message")
-        version = assembler.add(decode_chunk(data, max_bytes=max_bytes))
+        chunk = decode_chunk(data, max_bytes=max_bytes)
+        if not fence.admit(chunk.header.generation):
+            state.rejected[FENCED_REASON] += 1
+            logger.warning("delta recovery: message at offset %d is from generation %s, "
+                           "superseded by %s: ignored", offset, chunk.header.generation,
+                           fence.owner)
+            return
+        version = assembler.add(chunk)
     except DeltaFormatError as exc:
         state.rejected[exc.reason] += 1
         logger.warning("delta recovery: rejected message at offset %d: %s", offset, exc)

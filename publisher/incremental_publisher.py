@@ -22,7 +22,17 @@ row it ever published, with the dense variables, in its next version, so serving
 continues at the new log end) converges again; ``status()["delta_topic_truncations"]`` counts it.
 
 A version's header carries the input positions after its last trained batch, and the min/max
-event time and Kafka produce time of all samples trained since the previous version.
+event time and Kafka produce time of all samples trained since the previous version. Times
+outside ``[0, 2**63)`` ms (which the int64 header fields cannot hold) are written as 0,
+"unknown"; the feature builder already rejects event times outside a sane window.
+
+Failures: a sink error (broker down, a version not acknowledged) is counted and retried. A
+sink fenced by a newer trainer (``DeltaSinkFenced``) stops the publisher with ``fenced`` set,
+and the trainer exits with code 3 (not restarted by the systemd unit). Any
+other exception in the sender thread (a bug, never a broker condition) would repeat on every
+retry, so it stops the publisher instead: ``fatal_error`` says why, ``status()`` shows it,
+and the trainer stops with a non-zero exit code (without a checkpoint, as after a crash) so
+its supervisor restarts it. The thread never dies silently.
 """
 
 from __future__ import annotations
@@ -43,12 +53,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from publisher.delta_codec import IdMaps, VersionHeader, encode_version, write_id_maps
 from publisher.delta_tracker import DeltaTracker
 from publisher.fs_sink import FsSink
-from publisher.kafka_sink import DeltaSinkError, KafkaSink
+from publisher.kafka_sink import DeltaSinkError, DeltaSinkFenced, KafkaSink
 
 logger = logging.getLogger(__name__)
 
 _RETRY_SECS = 1.0
 _ERROR_LOG_INTERVAL_SECS = 10.0
+_INT64_MAX = (1 << 63) - 1
+
+
+def _header_time(value: int | None) -> int:
+    """A time for an int64 header field: the value, or 0 (unknown) when it does not fit."""
+    if value is None or not 0 <= value <= _INT64_MAX:
+        return 0
+    return int(value)
 
 
 class ParameterSource(Protocol):
@@ -244,6 +262,8 @@ class IncrementalPublisher:
         self._snapshot_secs_total = 0.0
         self._published_rows: dict[str, torch.Tensor] = {}  # table -> rows ever published
         self._republish_all = False
+        self.fatal_error: str | None = None
+        self.fenced = False  # the sink was taken over by a newer trainer (fatal_error says so)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -442,6 +462,27 @@ class IncrementalPublisher:
 
     # ------------------------------------------------------------------ sender side
     def _run(self) -> None:
+        try:
+            self._send_loop()
+        except DeltaSinkFenced as exc:
+            self.fenced = True
+            self.fatal_error = str(exc)
+            self._status["last_error"] = self.fatal_error
+            logger.error("%s", self.fatal_error)
+            with self._cond:
+                self._in_flight = None
+                self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - recorded: the trainer acts on it
+            self.fatal_error = f"delta publisher stopped: {type(exc).__name__}: {exc}"
+            self._status["last_error"] = self.fatal_error
+            self._status["failures"] += 1
+            self._metrics.failures.inc()
+            logger.error("%s", self.fatal_error, exc_info=exc)
+            with self._cond:
+                self._in_flight = None
+                self._cond.notify_all()
+
+    def _send_loop(self) -> None:
         while True:
             with self._cond:
                 while self._pending is None and not self._stop:
@@ -472,10 +513,12 @@ class IncrementalPublisher:
             version=snap.version,
             generation=self.generation,
             kind=kind,
-            min_event_time_ms=snap.event_range[0] if snap.event_range else 0,
-            max_event_time_ms=snap.event_range[1] if snap.event_range else 0,
-            min_produce_time_ms=snap.produce_range[0] if snap.produce_range else 0,
-            max_produce_time_ms=snap.produce_range[1] if snap.produce_range else 0,
+            min_event_time_ms=_header_time(snap.event_range[0] if snap.event_range else 0),
+            max_event_time_ms=_header_time(snap.event_range[1] if snap.event_range else 0),
+            min_produce_time_ms=_header_time(
+                snap.produce_range[0] if snap.produce_range else 0),
+            max_produce_time_ms=_header_time(
+                snap.produce_range[1] if snap.produce_range else 0),
             positions=snap.positions,
             publish_time_ms=snap.publish_time_ms,
         )
@@ -483,6 +526,8 @@ class IncrementalPublisher:
             chunks = encode_version(header, snap.dense, snap.sparse, self.value_type,
                                     self.max_chunk_bytes)
             offset = self.sink.send(snap.version, self.generation, chunks, self.send_timeout)
+        except DeltaSinkFenced:
+            raise  # not retried: another trainer owns the topic now
         except (DeltaSinkError, OSError, KafkaException, RuntimeError) as exc:
             # never let the sender thread die: anything the sink raises is retried
             self._status["failures"] += 1
@@ -544,6 +589,7 @@ class IncrementalPublisher:
             out["backlog_rows"] = pending.rows if pending is not None else 0
             out["republish_pending"] = self._republish_all
             out["sending"] = self._in_flight.version if self._in_flight is not None else None
+        out["fatal_error"] = self.fatal_error
         out["snapshot_secs_total"] = round(self._snapshot_secs_total, 3)
         sink_status = getattr(self.sink, "status", None)
         if callable(sink_status):  # the Kafka sink: broker_error, producer_restarts
@@ -580,12 +626,33 @@ def dense_variable_shapes(module: ParameterSource) -> dict[str, tuple[int, ...]]
             if t.is_floating_point()}
 
 
+def build_delta_sink(config: Any) -> DeltaSink:
+    """The sink of ``train_config.incr_save_config`` (Kafka topic or directory).
+
+    Args:
+        config: the pipeline config (``EasyRecConfig``).
+
+    Returns:
+        A ``KafkaSink`` (its transactional producer not yet claimed) or an ``FsSink``.
+    """
+    isc = config.train_config.incr_save_config
+    if isc.WhichOneof("incr_update") == "kafka":
+        return KafkaSink(isc.kafka.server, isc.kafka.topic, dict(isc.kafka.kafka_config),
+                         max_chunk_bytes=isc.max_chunk_bytes,
+                         fence=isc.kafka.fence_producers)
+    directory = isc.fs.incr_save_dir
+    if not os.path.isabs(directory):
+        directory = os.path.join(config.model_dir, directory)
+    return FsSink(directory)
+
+
 def build_publisher(
     config: Any,
     module: Any,
     generation: str,
     registry: CollectorRegistry | None = None,
     start_step: int = 0,
+    sink: DeltaSink | None = None,
 ) -> IncrementalPublisher:
     """Builds the publisher of a pipeline config with ``train_config.incr_save_config``.
 
@@ -598,6 +665,7 @@ def build_publisher(
         generation: the trainer generation id.
         registry: the trainer's Prometheus registry.
         start_step: the global step the trainer starts from.
+        sink: the sink to publish through (default: ``build_delta_sink(config)``).
 
     Returns:
         The running publisher.
@@ -609,15 +677,8 @@ def build_publisher(
     tracker = DeltaTracker(module.feature_tables(),
                            {name: int(w.shape[0]) for name, w in tables.items()})
     module.set_touched_rows_hook(tracker.record)
-    sink: DeltaSink
-    if isc.WhichOneof("incr_update") == "kafka":
-        sink = KafkaSink(isc.kafka.server, isc.kafka.topic, dict(isc.kafka.kafka_config),
-                         max_chunk_bytes=isc.max_chunk_bytes)
-    else:
-        directory = isc.fs.incr_save_dir
-        if not os.path.isabs(directory):
-            directory = os.path.join(config.model_dir, directory)
-        sink = FsSink(directory)
+    if sink is None:
+        sink = build_delta_sink(config)
     model_name = isc.model_name or os.path.basename(os.path.normpath(config.model_dir))
     value_type = "fp16" if isc.value_type == isc.FP16 else "fp32"
     pub = IncrementalPublisher(

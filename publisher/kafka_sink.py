@@ -14,6 +14,18 @@ never be delivered after a newer version) and the next send starts a fresh one. 
 happens after a fatal producer error, e.g. ``OUT_OF_ORDER_SEQUENCE_NUMBER`` when a restarted
 broker forgot the idempotent producer's sequence numbers. The caller (the publisher) retries
 with the newest state, so nothing is lost and the topic order stays the version order.
+
+Ownership (``fence=True``, the default): the producer is transactional, with
+``transactional.id`` = ``odl-delta.<topic>`` (a ``transactional.id`` in ``kafka_config``
+wins), and each version is one transaction. ``claim`` (``init_transactions``) registers this
+trainer as the topic's producer: the broker aborts a transaction the previous producer left
+open and fences that producer, whose next send fails with ``DeltaSinkFenced``, so at most one
+trainer publishes to a delta topic at a time, the newest. Consumers read the topic with
+either isolation level: the chunks of an aborted transaction never form a version that a
+newer generation's versions do not supersede (serving's generation rule,
+``publisher.generation_fence``). A commit marker takes one offset after a version's last
+chunk; consumers skip it. ``fence=False`` (``fence_producers: false``, for brokers without
+transactions) keeps a plain idempotent producer.
 """
 
 from __future__ import annotations
@@ -33,10 +45,32 @@ logger = logging.getLogger(__name__)
 
 DELTA_TOPIC_MAX_MESSAGE_BYTES = 16 << 20
 _UNREACHABLE_CODES = (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE)
+# A newer producer with the same transactional.id took over.
+_FENCED_CODES = (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
+                 KafkaError.INVALID_PRODUCER_EPOCH)
+# The broker does not offer (or this principal may not use) transactions.
+_NO_TRANSACTIONS_CODES = (
+    KafkaError._UNSUPPORTED_FEATURE, KafkaError._NOT_IMPLEMENTED,
+    KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED,
+    KafkaError.INVALID_TRANSACTION_TIMEOUT,
+)
 
 
 class DeltaSinkError(RuntimeError):
     """A version could not be published (it may be partially written)."""
+
+
+class DeltaSinkFenced(DeltaSinkError):
+    """A newer trainer publishes to the delta topic: this one must stop publishing."""
+
+
+class DeltaSinkUnsupported(DeltaSinkError):
+    """The broker refuses the transactional producer that ``fence=True`` needs."""
+
+
+def delta_transactional_id(topic: str) -> str:
+    """The ``transactional.id`` of a delta topic's producer (one owner per topic)."""
+    return f"odl-delta.{topic}"
 
 
 class KafkaSink:
@@ -48,6 +82,8 @@ class KafkaSink:
         kafka_config: extra librdkafka settings (SASL/SSL, timeouts).
         max_chunk_bytes: largest chunk that will be sent (sets the producer's limit).
         create: create the topic when missing.
+        fence: publish through a transactional producer that fences older producers of
+            the topic (see the module docstring).
     """
 
     def __init__(
@@ -57,6 +93,7 @@ class KafkaSink:
         kafka_config: Mapping[str, str] | None = None,
         max_chunk_bytes: int = 900_000,
         create: bool = True,
+        fence: bool = True,
     ) -> None:
         self.servers = servers
         self.topic = topic
@@ -64,22 +101,33 @@ class KafkaSink:
         self._created = not create
         limit = max(1_000_000, int(max_chunk_bytes) + (64 << 10))
         extra = {"message.max.bytes": str(limit)}
+        if fence:
+            extra["transactional.id"] = delta_transactional_id(topic)
         extra.update(self._extra)
+        self.fence = bool(fence and extra.get("transactional.id"))
+        self.transactional_id = str(extra["transactional.id"]) if self.fence else None
+        if not self.fence:
+            extra.pop("transactional.id", None)
         self._conf = producer_config(servers, extra, idempotent=True)
         self._conf["error_cb"] = self._on_error
         self._lock = threading.Lock()
         self._closed = False
         self._fatal: Optional[str] = None
+        self._fatal_code: Optional[int] = None
         self.broker_error: Optional[str] = None
         self.broker_error_since: Optional[float] = None
         self.producer_restarts = 0
-        self._producer: Producer | None = Producer(self._conf)
+        self.fenced: Optional[str] = None
+        # a transactional producer is created (and claims the topic) by claim() / send()
+        self._producer: Producer | None = None if self.fence else Producer(self._conf)
+        self._claimed = False
         self.description = f"kafka {topic} @ {servers}"
 
     def _on_error(self, err: KafkaError) -> None:
         """Records errors from librdkafka's ``error_cb`` (runs inside poll/flush when sending)."""
         if err.fatal():
             self._fatal = err.str()
+            self._fatal_code = err.code()
             logger.error("delta producer fatal error: %s", err.str())
         elif err.code() in _UNREACHABLE_CODES:
             if self.broker_error is None:
@@ -108,14 +156,55 @@ class KafkaSink:
         self.producer_restarts += 1
         logger.warning("delta producer restarted (%s)", why)
 
-    def _get_producer(self) -> Producer:
+    def _get_producer(self, timeout: float = 30.0) -> Producer:
         with self._lock:
+            if self.fenced is not None:
+                raise DeltaSinkFenced(self.fenced)
             if self._closed:
                 raise DeltaSinkError("sink closed")
             if self._producer is None:
-                self._fatal = None
+                self._fatal = self._fatal_code = None
                 self._producer = Producer(self._conf)
-            return self._producer
+                self._claimed = False
+            producer = self._producer
+        if self.fence and not self._claimed:
+            self._init_transactions(producer, timeout)
+        return producer
+
+    def claim(self, timeout: float = 30.0) -> None:
+        """Registers this trainer as the topic's only producer (``fence``; else a no-op).
+
+        Aborts a transaction an earlier producer of the topic left open and fences that
+        producer. Call it before reading the topic for crash recovery, so nothing is written
+        after the read by anyone else.
+
+        Args:
+            timeout: seconds to wait for the broker.
+
+        Raises:
+            DeltaSinkUnsupported: the broker refuses transactions.
+            DeltaSinkError: the broker is unreachable (retry later).
+        """
+        if self.fence:
+            self._get_producer(timeout)
+
+    def _init_transactions(self, producer: Producer, timeout: float) -> None:
+        try:
+            producer.init_transactions(timeout)
+        except KafkaException as exc:
+            err = exc.args[0]
+            if err.code() in _NO_TRANSACTIONS_CODES:
+                raise DeltaSinkUnsupported(
+                    f"the broker refuses the transactional producer of delta topic "
+                    f"{self.topic} ({err.str()}): set incr_save_config.kafka.fence_producers: "
+                    "false to publish without broker-side fencing") from exc
+            if err.fatal():
+                self._drop_producer(f"init_transactions: {err.str()}")
+            raise DeltaSinkError(f"delta topic {self.topic}: claiming the transactional "
+                                 f"producer failed: {err.str()}") from exc
+        self._claimed = True
+        logger.info("delta topic %s: transactional producer %s registered (older producers "
+                    "of the topic are fenced)", self.topic, self.transactional_id)
 
     def _ensure_topic(self) -> None:
         if self._created:
@@ -141,7 +230,6 @@ class KafkaSink:
         Raises:
             DeltaSinkError: a chunk was rejected or not acknowledged in time.
         """
-        producer = self._get_producer()
         try:
             self._ensure_topic()
         except Exception as exc:  # noqa: BLE001 - any admin failure means "not published"
@@ -149,16 +237,56 @@ class KafkaSink:
                 self.broker_error_since = time.time()
             self.broker_error = f"delta topic {self.topic} unavailable: {exc}"
             raise DeltaSinkError(self.broker_error) from exc
+        producer = self._get_producer(timeout)
         try:
+            if self.fence:
+                producer.begin_transaction()
             offset = self._send(producer, version, generation, chunks, timeout)
+            if self.fence:
+                self._commit(producer, version, generation, timeout)
         except DeltaSinkError as exc:
-            self._drop_producer(str(exc))
-            raise
-        except KafkaException as exc:  # e.g. a fatal idempotence error raised by flush()
-            self._drop_producer(str(exc))
-            raise DeltaSinkError(f"version {version} ({generation}): {exc}") from exc
+            self._failed(exc, None)
+        except Exception as exc:  # noqa: BLE001 - KafkaException, or the SystemError that
+            # confluent-kafka raises from flush() when a fatal error meets a delivery callback
+            self._failed(DeltaSinkError(f"version {version} ({generation}): {exc}"), exc)
         self._reachable()
         return offset
+
+    def _failed(self, error: DeltaSinkError, cause: Optional[BaseException]) -> None:
+        """Turns a failed send into ``DeltaSinkFenced`` or drops the producer; raises."""
+        code = None
+        link = cause
+        while link is not None and code is None:  # the KafkaError, possibly chained
+            if isinstance(link, KafkaException) and link.args:
+                code = link.args[0].code()
+            link = link.__cause__ or link.__context__
+        if code in _FENCED_CODES or self._fatal_code in _FENCED_CODES:
+            self.fenced = (f"delta topic {self.topic} was taken over by a newer producer with "
+                           f"transactional.id {self.transactional_id} (another trainer "
+                           "publishes to it): this trainer stops publishing")
+            self._drop_producer("fenced")
+            raise DeltaSinkFenced(self.fenced) from cause or error
+        self._drop_producer(str(error))
+        raise error from cause
+
+    def _commit(self, producer: Producer, version: int, generation: str,
+                timeout: float) -> None:
+        """Commits the version's transaction, retrying what librdkafka calls retriable."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                producer.commit_transaction(max(0.1, deadline - time.monotonic()))
+                return
+            except KafkaException as exc:
+                err = exc.args[0]
+                if err.retriable() and time.monotonic() < deadline:
+                    continue
+                if err.txn_requires_abort():
+                    try:
+                        producer.abort_transaction(max(0.1, deadline - time.monotonic()))
+                    except KafkaException as abort_exc:
+                        logger.debug("aborting the delta transaction failed: %s", abort_exc)
+                raise
 
     def _send(self, producer: Producer, version: int, generation: str,
               chunks: Sequence[bytes], timeout: float) -> int:
@@ -199,10 +327,13 @@ class KafkaSink:
         return max(off for _, off in results)
 
     def status(self) -> dict:
-        """Connection state for the publisher's status."""
+        """Connection and ownership state for the publisher's status."""
         return {"broker_error": self.broker_error,
                 "broker_error_since": self.broker_error_since,
-                "producer_restarts": self.producer_restarts}
+                "producer_restarts": self.producer_restarts,
+                "fencing": "transactional" if self.fence else "generation_only",
+                "transactional_id": self.transactional_id,
+                "fenced": self.fenced}
 
     def close(self, timeout: float = 5.0) -> None:
         """Flushes and drops the producer (``send`` fails afterwards)."""

@@ -8,14 +8,24 @@ offset, which is harmless because a version carries full values). Each message g
 
 1. ``decode_chunk``: a corrupt, unknown-format or checksum-failing chunk raises
    ``DeltaFormatError`` and is counted in ``rejected[<reason>]``; it never reaches the model;
-2. ``VersionAssembler.add: returns a version once all its chunks arrived (versions are
+2. ``GenerationFence.admit``: the newest trainer generation on the topic owns it; a chunk
+   of a generation superseded by a newer one (a second trainer publishing the same model, a
+   zombie) is counted in ``rejected["fenced_generation"]`` and ignored
+   (``publisher.generation_fence``; crash recovery applies the same rule);
+3. ``VersionAssembler.add``: returns a version once all its chunks arrived (versions are
    keyed by ``(generation, version)``, so a trainer restart's new generation simply
    continues: later versions in topic order win);
-3. ``ServingModel.apply_version``: checks the whole version, then copies it in under the
+4. ``ServingModel.apply_version``: checks the whole version, then copies it in under the
    model lock (all-or-nothing); a version that does not fit the model is counted in
    ``rejected[<reason>]`` and the previous state keeps serving.
 
 ``handle`` is usable without Kafka (tests feed it bytes directly).
+
+The topic is read with ``isolation.level`` ``read_uncommitted`` (``delta_consumer_config``):
+the publisher's transactions (``publisher.kafka_sink``) fence older producers, while the
+assembler and the generation rule decide what is applied, exactly as crash recovery does.
+A commit marker takes an offset but is never delivered: ``next_offset`` follows the
+consumer's position past it.
 
 Fetch pacing (``fetch_interval_ms``, default 10; 0 = librdkafka's own): as in the trainer's
 ``odl.inputs.kafka_source``, the delta partition is refetched only once its local queue is
@@ -67,8 +77,9 @@ from typing import Optional
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from odl.kafka_client import consumer_config
+from odl.kafka_client import delta_consumer_config
 from publisher.delta_codec import DeltaFormatError, VersionAssembler, decode_chunk
+from publisher.generation_fence import FENCED_REASON, GenerationFence
 from serving_plugin.serving_metrics import ServingMetrics
 from serving_plugin.serving_model import DeltaApplyError, KafkaReplaySource, ServingModel
 
@@ -114,6 +125,8 @@ class DeltaReplayer:
         self._max_bytes = max_message_bytes
         self._fetch_interval = fetch_interval_ms / 1000.0
         self.assembler = VersionAssembler()
+        # the base export's generation owns the topic until a newer one publishes
+        self.fence = GenerationFence(model.state.generation or None)
         self.next_offset = int(source.offset)
         self.end_offset = -1
         self.messages = 0
@@ -150,6 +163,10 @@ class DeltaReplayer:
             if not data:  # parses as an all-default chunk; never a real version
                 raise DeltaFormatError("empty", "empty message")
             chunk = decode_chunk(data, max_bytes=self._max_bytes)
+            if not self.fence.admit(chunk.header.generation):
+                raise DeltaFormatError(
+                    FENCED_REASON, f"generation {chunk.header.generation} was superseded by "
+                                   f"{self.fence.owner} (another trainer publishes to the topic)")
             version = self.assembler.add(chunk)
             if version is not None:
                 rows = self.model.apply_version(version)
@@ -196,8 +213,8 @@ class DeltaReplayer:
 
     def start(self) -> None:
         """Starts replaying in a daemon thread."""
-        conf = consumer_config(self.source.server, f"odl-serving-{uuid.uuid4().hex[:8]}",
-                               self._kafka_extra)
+        conf = delta_consumer_config(self.source.server, f"odl-serving-{uuid.uuid4().hex[:8]}",
+                                     self._kafka_extra)
         conf["error_cb"] = self._on_kafka_error
         conf["auto.offset.reset"] = "error"  # handled in _reset_offset
         if self._fetch_interval:  # fetch pacing, see the module docstring
@@ -286,6 +303,7 @@ class DeltaReplayer:
                         logger.warning("delta consumer error: %s", err.str())
                     continue
                 self.handle(msg.value() or b"", msg.offset())
+            self._follow_position(consumer, tp)
             if not self._fetch_interval:
                 self._refresh_watermark(tp)
                 continue
@@ -301,6 +319,17 @@ class DeltaReplayer:
                 parked = True
             else:
                 self._stop.wait(self._fetch_interval)
+
+    def _follow_position(self, consumer: Consumer, tp: TopicPartition) -> None:
+        """Moves ``next_offset`` past what the consumer skipped (transaction markers)."""
+        try:
+            pos = int(consumer.position([tp])[0].offset)
+        except (KafkaException, IndexError):
+            return
+        if pos > self.next_offset:
+            with self._cv:
+                self.next_offset = pos
+                self._cv.notify_all()
 
     def _reset_offset(self, consumer: Consumer, tp: TopicPartition) -> None:
         """Continues at the log end (truncated log) or start (retention); see the module doc."""

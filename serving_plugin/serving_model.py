@@ -238,7 +238,7 @@ class ServingModel:
             with open(os.path.join(path, SERVING_MODEL_FILE), encoding="utf-8") as f:
                 sig = json.load(f)
             config = load_pipeline_config(os.path.join(path, CONFIG_FILE))
-            fb = FeatureBuilder(config)
+            fb = FeatureBuilder(config, check_event_time=False)  # requests need no event time
             id_maps = read_id_maps(path)
         except (OSError, ValueError) as e:
             raise ExportLoadError(f"cannot load export {path}: {e}") from e

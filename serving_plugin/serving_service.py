@@ -500,6 +500,10 @@ class ServingService:
             "rejected_by_reason": dict(r.rejected) if r else {},
             "last_reject": r.last_error if r else None,
             "pending_versions": r.assembler.pending_versions if r else 0,
+            # topic ownership: the newest generation on the delta topic owns it; versions of
+            # the generations it superseded are rejected as fenced_generation
+            "owner_generation": r.fence.owner if r else st.generation,
+            "superseded_generations": r.fence.superseded[-10:] if r else [],
             "broker_error": r.broker_error if r else None,
             "broker_error_since": r.broker_error_since if r else None,
             "state": self.state(),

@@ -33,7 +33,7 @@ from typing import Optional
 
 from confluent_kafka import Consumer, TopicPartition
 
-from odl.kafka_client import consumer_config
+from odl.kafka_client import delta_consumer_config
 from publisher.delta_codec import DeltaFormatError, VersionAssembler, decode_chunk
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -85,7 +85,7 @@ class DeltaTopicAudit:
 def audit_delta_topic(bootstrap: str, topic: str, timeout: float = 60.0) -> DeltaTopicAudit:
     """Reads the whole delta topic with serving's decoder and assembler."""
     audit = DeltaTopicAudit()
-    consumer = Consumer(consumer_config(bootstrap, f"odl-audit-{uuid.uuid4().hex[:8]}"))
+    consumer = Consumer(delta_consumer_config(bootstrap, f"odl-audit-{uuid.uuid4().hex[:8]}"))
     try:
         tp = TopicPartition(topic, 0)
         low, high = consumer.get_watermark_offsets(tp, timeout=10, cached=False)
@@ -95,6 +95,8 @@ def audit_delta_topic(bootstrap: str, topic: str, timeout: float = 60.0) -> Delt
         seen: set[tuple[str, int]] = set()
         nxt, deadline = int(low), time.monotonic() + timeout
         while nxt < high and time.monotonic() < deadline:
+            # transaction markers take offsets without being delivered: follow the position
+            nxt = max(nxt, consumer.position([TopicPartition(topic, 0)])[0].offset)
             for msg in consumer.consume(500, timeout=0.5):
                 if msg.error() is not None:
                     continue

@@ -19,6 +19,7 @@ from odl.config.pipeline_config import load_pipeline_config, validate_pipeline_c
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
 from odl.kafka_client import producer_config
+from odl.train.sample_ledger import read_ledger as read_ledger_file
 from odl.train.trainer import Trainer, TrainerOptions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,20 +128,8 @@ def run_in_process(
 
 
 def read_ledger_entries(path: str) -> list[tuple[str, int, str]]:
-    """``(generation, step, sample_id)`` per line of a ``--sample_ledger`` file.
-
-    A line cut short by a kill (no trailing newline) is ignored: its step was never finished.
-    """
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            if not line.endswith("\n") or not line.strip():
-                continue
-            gen, step, sid = line.rstrip("\n").split("\t")
-            out.append((gen, int(step), sid))
-    return out
+    """``(generation, step, sample_id)`` per complete line of a ``--sample_ledger`` file."""
+    return read_ledger_file(path)
 
 
 def read_ledger(path: str) -> list[str]:

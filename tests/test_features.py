@@ -55,10 +55,13 @@ def csv(*fields):
     return ",".join(str(f) for f in fields).encode()
 
 
+T0 = 1_767_225_600  # 2026-01-01T00:00:00Z: event times must be after 2000 and not ahead
+
+
 GOOD = [
-    csv(1, 1.5, 20, "u1", "a|b|c", 3, 12, "s0", 100.0),
-    csv(0, "", "", "u2", "", -1, 5, "s1", 101.5),
-    csv(1, 2.0, 50, "ü", "x", 8, 0, "s2", 102),
+    csv(1, 1.5, 20, "u1", "a|b|c", 3, 12, "s0", T0 + 100.0),
+    csv(0, "", "", "u2", "", -1, 5, "s1", T0 + 101.5),
+    csv(1, 2.0, 50, "ü", "x", 8, 0, "s2", T0 + 102),
 ]
 
 
@@ -108,12 +111,12 @@ def test_parser_csv_rejects_each_malformed_kind():
     parser = RecordParser(config().data_config, max_record_bytes=200)
     bad = {
         "empty": b"",
-        "invalid_utf8": csv(1, 1.0, 20, "u", "t", 1, 1, "s", 1).replace(b"u", b"\xff\xfe"),
+        "invalid_utf8": csv(1, 1.0, 20, "u", "t", 1, 1, "s", T0).replace(b"u", b"\xff\xfe"),
         "field_count": b"1,2,3",
-        "bad_number": csv(1, "abc", 20, "u", "t", 1, 1, "s", 1),
-        "non_finite": csv(1, "nan", 20, "u", "t", 1, 1, "s", 1),
-        "bad_label": csv(2, 1.0, 20, "u", "t", 1, 1, "s", 1),
-        "oversized": csv(1, 1.0, 20, "u" * 300, "t", 1, 1, "s", 1),
+        "bad_number": csv(1, "abc", 20, "u", "t", 1, 1, "s", T0),
+        "non_finite": csv(1, "nan", 20, "u", "t", 1, 1, "s", T0),
+        "bad_label": csv(2, 1.0, 20, "u", "t", 1, 1, "s", T0),
+        "oversized": csv(1, 1.0, 20, "u" * 300, "t", 1, 1, "s", T0),
     }
     values, expected = [], []
     for i, good in enumerate(GOOD):
@@ -124,11 +127,11 @@ def test_parser_csv_rejects_each_malformed_kind():
     for reason in list(bad)[len(GOOD):]:
         values.append(bad[reason])
         expected.append((len(values) - 1, reason))
-    values.append(csv(1, "inf", 20, "u", "t", 1, 1, "s", 1))
+    values.append(csv(1, "inf", 20, "u", "t", 1, 1, "s", T0))
     expected.append((len(values) - 1, "non_finite"))
-    values.append(csv("", 1.0, 20, "u", "t", 1, 1, "s", 1))
+    values.append(csv("", 1.0, 20, "u", "t", 1, 1, "s", T0))
     expected.append((len(values) - 1, "bad_label"))
-    values.append(csv(1, 1.0, 20, "u", "t", 1, "1.5", "s", 1))  # INT64 field
+    values.append(csv(1, 1.0, 20, "u", "t", 1, "1.5", "s", T0))  # INT64 field
     expected.append((len(values) - 1, "bad_number"))
     out = parser.parse(values)
     assert out.rejected == expected
@@ -146,7 +149,7 @@ def test_parser_trailing_newline_and_multibyte_separator():
     out = parser.parse([GOOD[0] + b"\n", GOOD[1] + b"\r\n", b"\n"])
     assert out.accepted.tolist() == [0, 1]
     assert out.rejected == [(2, "empty")]
-    assert out.texts("ts") == ["100.0", "101.5"]
+    assert out.texts("ts") == [str(T0 + 100.0), str(T0 + 101.5)]
     dc = config().data_config
     dc.separator = "::"
     parser = RecordParser(dc)
@@ -210,7 +213,7 @@ def test_feature_builder_outputs():
     assert specs["age_bucket"].num_rows == 4
     assert specs["user"].num_rows == 1000
 
-    values = [GOOD[0], b"garbage", GOOD[1], GOOD[2], csv(1, 1, 20, "u", "t", "x", 1, "s", 1)]
+    values = [GOOD[0], b"garbage", GOOD[1], GOOD[2], csv(1, 1, 20, "u", "t", "x", 1, "s", T0)]
     res = fb.build(values)
     assert res.accepted.tolist() == [0, 2, 3]
     assert res.rejected == [(1, "field_count"), (4, "bad_number")]  # num_buckets "x"
@@ -219,7 +222,7 @@ def test_feature_builder_outputs():
     assert b.dense.dtype.is_floating_point and b.dense.tolist() == [[1.5], [0.0], [2.0]]
     assert b.labels.tolist() == [1.0, 0.0, 1.0]
     assert b.sample_ids == ["s0", "s1", "s2"]
-    np.testing.assert_array_equal(b.event_times, [100.0, 101.5, 102.0])
+    np.testing.assert_array_equal(b.event_times, [T0 + 100.0, T0 + 101.5, T0 + 102.0])
     kjt = b.sparse.to_dict()
     # boundaries [18, 25, 40], side=right; empty age -> default 30
     assert kjt["age_bucket"].values().tolist() == [1, 2, 3]
@@ -235,11 +238,11 @@ def test_feature_builder_outputs():
 
 def test_feature_builder_multi_valued_edge_cases_and_all_rejected():
     fb = FeatureBuilder(config())
-    vals = [csv(1, 1, 20, "u", t, 1, 1, "s", 1) for t in ["|a||b|", "a", "|", "", "c|d"]]
+    vals = [csv(1, 1, 20, "u", t, 1, 1, "s", T0) for t in ["|a||b|", "a", "|", "", "c|d"]]
     kjt = fb.build(vals).batch.sparse.to_dict()
     assert kjt["tags"].lengths().tolist() == [2, 1, 0, 0, 2]
     assert kjt["tags"].values().tolist() == [fnv1a64(t) % 500 for t in "abacd"]
-    multi_int = [csv(1, 1, 20, "u", "", "1|9|-2", 1, "s", 1)]
+    multi_int = [csv(1, 1, 20, "u", "", "1|9|-2", 1, "s", T0)]
     assert fb.build(multi_int).batch.sparse.to_dict()["cat"].values().tolist() == [1, 2, 5]
     res = fb.build([b"", b"x"])
     assert res.batch is None
@@ -249,7 +252,7 @@ def test_feature_builder_multi_valued_edge_cases_and_all_rejected():
 
 def test_feature_builder_combo_empty_input_gives_no_id():
     fb = FeatureBuilder(config())
-    b = fb.build([csv(1, 1, 20, "", "", 2, 1, "s", 1)]).batch
+    b = fb.build([csv(1, 1, 20, "", "", 2, 1, "s", T0)]).batch
     assert b.sparse.to_dict()["user_cat"].lengths().tolist() == [0]
     assert b.sparse.to_dict()["user"].lengths().tolist() == [0]
 

@@ -14,7 +14,7 @@ from google.protobuf import text_format
 import publisher.incremental_publisher as incremental_publisher
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.features.feature_builder import FeatureBuilder
-from odl.kafka_client import consumer_config
+from odl.kafka_client import delta_consumer_config
 from odl.models.train_module import EBC_PREFIX, TrainModule
 from odl.protos import pipeline_pb2
 from publisher.delta_codec import (
@@ -222,17 +222,21 @@ class _TeeSink:
 
 
 def _read_topic(bootstrap: str, topic: str) -> list[bytes]:
-    consumer = Consumer(consumer_config(bootstrap, "odl-test-delta-reader"))
+    """Every message of the delta topic (transaction markers take offsets, not messages)."""
+    consumer = Consumer(delta_consumer_config(bootstrap, "odl-test-delta-reader"))
     end = end_offsets(bootstrap, topic)[0]
+    tp = TopicPartition(topic, 0)
     consumer.assign([TopicPartition(topic, 0, 0)])
     out = []
     deadline = time.time() + 30
-    while len(out) < end and time.time() < deadline:
+    position = 0
+    while position < end and time.time() < deadline:
         msg = consumer.poll(0.5)
         if msg is not None and msg.error() is None:
             out.append(msg.value())
+        position = consumer.position([tp])[0].offset
     consumer.close()
-    assert len(out) == end
+    assert position == end, (position, end)
     return out
 
 
@@ -272,7 +276,8 @@ def test_trainer_publishes_versions_equal_to_checkpoints(kafka_bootstrap, kafka_
     kafka_versions = [v for v in (asm.add(decode_chunk(m))
                                   for m in _read_topic(kafka_bootstrap, delta_topic)) if v]
     assert asm.pending_versions == 0
-    assert st["last_offset"] == sum(v.chunk_count for v in kafka_versions) - 1
+    # each version is one transaction: its chunks, then a commit marker taking one offset
+    assert st["last_offset"] == sum(v.chunk_count + 1 for v in kafka_versions) - 2
     fs_versions = []
     for path in list_versions(fs_dir):
         asm = VersionAssembler()

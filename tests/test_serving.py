@@ -17,6 +17,7 @@ from odl.config.pipeline_config import config_to_text
 from odl.export.exporter import export_checkpoint
 from odl.models.train_module import TrainModule
 from publisher.delta_codec import VersionHeader, encode_version, read_id_maps
+from publisher.delta_recovery import read_published_state
 from serving_plugin.serving_model import ServingModel
 from serving_plugin.serving_service import ServingService
 from tests.serving_harness import apply_to_module, produce, train_checkpoint
@@ -351,3 +352,47 @@ def test_idle_replayer_applies_new_versions_promptly(trained, tmp_path, kafka_to
             assert waited < 0.9, f"version {10 + i} applied {waited:.2f}s after its ack"
     finally:
         svc.stop()
+
+
+def test_superseded_generation_is_fenced_in_serving_and_recovery(
+        trained, tmp_path, kafka_topic_factory, kafka_bootstrap):
+    """Two trainers on one topic: from the newer one's first chunk on, the older is ignored."""
+    topic = kafka_topic_factory()
+    rng = np.random.default_rng(5)
+    export = _export(trained, tmp_path, topic, kafka_bootstrap, offset=0)
+    maps = read_id_maps(export)
+    a1 = _random_version(maps, rng, 10, "genA")
+    b1 = _random_version(maps, rng, 8, "genB")  # a second trainer starts publishing
+    a2 = _random_version(maps, rng, 11, "genA", rows=25)  # the first goes on: superseded
+    b2 = _random_version(maps, rng, 9, "genB", rows=25)
+    a2_chunks = encode_version(*a2, max_chunk_bytes=2048)
+    offs = produce(kafka_bootstrap, topic, encode_version(*a1) + encode_version(*b1)
+                   + a2_chunks + encode_version(*b2))
+    ref = _reference(trained)
+    for _, dense, sparse in (a1, b1, b2):
+        apply_to_module(ref, maps, dense, sparse)
+    batch = trained.feature_builder.build(trained.records(N_PARITY, 15)).batch
+    want = ref.predict(batch)
+    svc = ServingService(os.path.dirname(export))
+    svc.start()
+    try:
+        assert svc.replayer.wait_for_offset(offs[-1] + 1, 30)
+        st = svc.model.state
+        assert (st.version, st.generation, st.versions_applied) == (9, "genB", 3)
+        assert dict(svc.replayer.rejected) == {"fenced_generation": len(a2_chunks)}
+        status = svc.status()
+        assert status["owner_generation"] == "genB"
+        assert status["superseded_generations"] == ["gen0", "genA"]
+        assert status["rejected_by_reason"] == {"fenced_generation": len(a2_chunks)}
+        got = svc.model.predict_batch(batch)
+    finally:
+        svc.stop()
+    assert np.abs(got - want).max() <= TOL
+    # crash recovery (the trainer replaying its own topic) follows the same rule
+    state = read_published_state(kafka_bootstrap, topic, 0, owner="gen0")
+    assert state.rejected["fenced_generation"] == len(a2_chunks)
+    assert state.generations == ["genA", "genB"] and state.version == 9
+    for tid, (ids, vals) in state.sparse.items():
+        name = maps.table_names()[tid]
+        table = ref.embedding_tables()[name]
+        np.testing.assert_array_equal(vals, table[torch.from_numpy(ids), : vals.shape[1]].numpy())

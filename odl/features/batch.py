@@ -37,6 +37,36 @@ class Batch:
         """Number of samples."""
         return int(self.labels.shape[0])
 
+    def select(self, keep: torch.Tensor) -> Batch:
+        """The samples where the boolean mask ``keep`` ``[B]`` is true, in order.
+
+        Args:
+            keep: boolean mask over the batch's samples (on the batch's device).
+
+        Returns:
+            A new batch with the kept samples only (ids, dense features, labels and the
+            per-sample lists alike).
+        """
+        keep = keep.to(torch.bool)
+        lengths = self.sparse.lengths()
+        num_keys = len(self.sparse.keys())
+        per_value = torch.repeat_interleave(keep.repeat(num_keys), lengths.to(torch.int64))
+        sparse = KeyedJaggedTensor(
+            keys=self.sparse.keys(),
+            values=self.sparse.values()[per_value],
+            lengths=lengths.view(num_keys, -1)[:, keep].reshape(-1),
+        )
+        rows = keep.nonzero().flatten().cpu().numpy()
+        return Batch(
+            sparse=sparse,
+            dense=self.dense[keep],
+            labels=self.labels[keep],
+            sample_ids=([self.sample_ids[i] for i in rows.tolist()]
+                        if self.sample_ids is not None else None),
+            event_times=self.event_times[rows] if self.event_times is not None else None,
+            extras=self.extras,
+        )
+
     def to(self, device: torch.device, non_blocking: bool = True) -> Batch:
         """Returns the batch with its tensors on ``device``."""
         return Batch(

@@ -24,6 +24,18 @@ dimension must agree); otherwise a feature's table is named after the feature.
 Only fields that some feature, the label, or the event time reads are validated as numbers;
 other columns are carried as text and never reject a record.
 
+Event times (``data_config.event_time_field``, unix seconds) must lie in
+``[EVENT_TIME_MIN_SECS, now + EVENT_TIME_MAX_AHEAD_SECS]`` (2000-01-01 up to one day ahead of
+the building host's clock); a record outside that window (milliseconds or nanoseconds sent
+as seconds, a zero, a clock far in the future) is rejected as ``bad_event_time``, so no
+absurd time ever reaches a delta version's header or the freshness figures.
+
+No record can stop the input: ``build_arrays`` never raises for the content of its records.
+When building a batch raises anyway (a bug meeting an input nobody foresaw), the batch is
+built again record by record; each record whose own build raises is rejected as
+``unprocessable`` (logged with its traceback at a bounded rate) and the rest is built as one
+batch.
+
 Building is split in two so that the costly part can run in a worker process
 (``odl.features.feature_build_worker``): ``build_arrays`` parses, hashes and bucketizes into
 numpy arrays (:class:`BatchArrays`) and needs no torch; ``to_batch`` wraps those arrays as
@@ -35,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -56,6 +69,11 @@ _FT = pipeline_pb2.FeatureConfig.FeatureType
 _DT = pipeline_pb2.DatasetConfig.FieldType
 # Dense inputs reach the model as float32: a finite float64 beyond this would become inf.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The event time window (unix seconds): 2000-01-01T00:00:00Z up to one day ahead of now.
+EVENT_TIME_MIN_SECS = 946_684_800.0
+EVENT_TIME_MAX_AHEAD_SECS = 86_400.0
+# At most one "unprocessable record" traceback per this many seconds (per process).
+_GUARD_LOG_INTERVAL_SECS = 30.0
 
 
 @dataclass(frozen=True)
@@ -146,6 +164,8 @@ class FeatureBuilder:
     Args:
         pipeline_config: the pipeline config (``data_config`` and the features).
         max_record_bytes: records longer than this are rejected as ``oversized``.
+        check_event_time: reject records whose event time is outside the window (see the
+            module docstring); serving, which never reads event times, passes False.
 
     Raises:
         ConfigError: a feature or the data config is inconsistent.
@@ -155,6 +175,7 @@ class FeatureBuilder:
         self,
         pipeline_config: pipeline_pb2.EasyRecConfig,
         max_record_bytes: int = 1 << 20,
+        check_event_time: bool = True,
     ) -> None:
         dc = pipeline_config.data_config
         field_types = {f.input_name: f.input_type for f in dc.input_fields}
@@ -166,6 +187,7 @@ class FeatureBuilder:
         self._label = dc.label_fields[0]
         self._sample_id_field = dc.sample_id_field
         self._event_time_field = dc.event_time_field
+        self._check_event_time = bool(check_event_time and dc.event_time_field)
         for fname, path in ((self._label, "data_config.label_fields"),
                             (dc.sample_id_field, "data_config.sample_id_field"),
                             (dc.event_time_field, "data_config.event_time_field")):
@@ -250,7 +272,7 @@ class FeatureBuilder:
             for n, t in tables.items()
         ]
         self._feature_to_table = {f: t.name for t in self._tables for f in t.feature_names}
-        if self._event_time_field:
+        if self._check_event_time:
             numeric_fields.append(self._event_time_field)
         self._parser = RecordParser(
             dc,
@@ -259,6 +281,7 @@ class FeatureBuilder:
             numeric_fields=list(dict.fromkeys(numeric_fields)),
         )
         self._seps = sorted({sp.separator for sp in self._sparse if sp.kind in ("hash", "int")})
+        self._last_guard_log = -_GUARD_LOG_INTERVAL_SECS
 
     # -- introspection ----------------------------------------------------------------------
 
@@ -337,12 +360,57 @@ class FeatureBuilder:
     def build_arrays(self, values: Sequence[bytes]) -> ArraysResult:
         """Parses and featurizes raw records into numpy arrays (no torch involved).
 
+        Never raises for the content of ``values``: a record whose building raises is
+        rejected as ``unprocessable`` (see the module docstring).
+
         Args:
             values: raw record bytes (e.g. Kafka message values).
 
         Returns:
             The accepted records' arrays, their indices, and the rejected ones with reasons.
         """
+        try:
+            return self._build_arrays(values)
+        except Exception as exc:  # noqa: BLE001 - isolate the record(s) that raise
+            return self._build_record_by_record(values, exc)
+
+    def _build_record_by_record(self, values: Sequence[bytes], exc: Exception) -> ArraysResult:
+        """Builds ``values`` without the records whose own build raises (``unprocessable``)."""
+        bad: list[int] = []
+        for i, value in enumerate(values):
+            try:
+                self._build_arrays([value])
+            except Exception as one:  # noqa: BLE001
+                bad.append(i)
+                self._log_unprocessable(one)
+        if not bad:  # only the batch as a whole fails: reject all of it, never stop
+            bad = list(range(len(values)))
+            self._log_unprocessable(exc)
+        good = np.setdiff1d(np.arange(len(values), dtype=np.int64),
+                            np.asarray(bad, dtype=np.int64))
+        rejected = [(i, "unprocessable") for i in bad]
+        if not good.shape[0]:
+            return ArraysResult(None, good, rejected)
+        try:
+            result = self._build_arrays([values[i] for i in good.tolist()])
+        except Exception as rest:  # noqa: BLE001
+            self._log_unprocessable(rest)
+            return ArraysResult(None, np.empty(0, dtype=np.int64),
+                                [(i, "unprocessable") for i in range(len(values))])
+        return ArraysResult(
+            result.arrays,
+            good[result.accepted],
+            sorted(rejected + [(int(good[i]), r) for i, r in result.rejected]),
+        )
+
+    def _log_unprocessable(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_guard_log >= _GUARD_LOG_INTERVAL_SECS:
+            self._last_guard_log = now
+            logger.error("a record could not be built and is rejected as unprocessable: %r",
+                         exc, exc_info=exc)
+
+    def _build_arrays(self, values: Sequence[bytes]) -> ArraysResult:
         parsed = self._parser.parse(values)
         rejected = parsed.rejected
         if parsed.num_rows == 0:
@@ -365,10 +433,18 @@ class FeatureBuilder:
         for _, inp in self._dense:
             overflow |= np.abs(parsed.numeric[inp]) > _FLOAT32_MAX
         overflow &= ~bad
-        if bad.any() or overflow.any():
+        bad_time = np.zeros(parsed.num_rows, dtype=bool)
+        if self._check_event_time:
+            t = parsed.numeric[self._event_time_field]
+            bad_time = ~((t >= EVENT_TIME_MIN_SECS)
+                         & (t <= time.time() + EVENT_TIME_MAX_AHEAD_SECS))
+            bad_time &= ~(bad | overflow)
+        if bad.any() or overflow.any() or bad_time.any():
             rejected = sorted(rejected + [(int(i), "bad_number") for i in parsed.accepted[bad]]
-                              + [(int(i), "non_finite") for i in parsed.accepted[overflow]])
-            parsed = parsed.select(~(bad | overflow))
+                              + [(int(i), "non_finite") for i in parsed.accepted[overflow]]
+                              + [(int(i), "bad_event_time")
+                                 for i in parsed.accepted[bad_time]])
+            parsed = parsed.select(~(bad | overflow | bad_time))
             if parsed.num_rows == 0:
                 return ArraysResult(None, parsed.accepted, rejected)
             return self._build_parsed(parsed, rejected, raw)
@@ -451,7 +527,7 @@ class FeatureBuilder:
             labels=parsed.numeric[self._label].astype(np.float32),
             sample_ids=parsed.texts(self._sample_id_field) if self._sample_id_field else None,
             event_times=(parsed.numeric[self._event_time_field].astype(np.float64)
-                         if self._event_time_field else None),
+                         if self._check_event_time else None),
         )
         return ArraysResult(arrays, parsed.accepted, rejected)
 

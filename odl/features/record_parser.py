@@ -17,14 +17,20 @@ Rules:
   list separator when one is given (``list_separators``, e.g. a multi-valued id feature's
   ``separator``). Label fields are required.
 * Empty field: replaced by the field's ``default_val`` text when that is not empty;
-  otherwise a numeric field reads 0 and a STRING field stays empty.
+  otherwise a numeric field reads 0 and a STRING field stays empty. Label fields are never
+  filled in: an empty label is ``bad_label`` whatever its ``default_val``.
 * Numbers: INT32 / INT64 fields must hold integers (``"3.0"`` is ``bad_number``); FLOAT /
   DOUBLE anything numpy parses as a float; NaN / inf are ``non_finite``. BOOL accepts
   ``0/1/true/false`` (any case).
 * Labels must be 0 or 1 (an empty label is ``bad_label``).
+* JSON strings must be encodable as UTF-8: a lone surrogate (``"\ud800"``) is
+  ``invalid_utf8``, like invalid bytes in a CSV record.
 
 A rejected record gets exactly one reason from ``REJECT_REASONS`` (the first check failed,
-in the order listed there).
+in the order listed there). The parser's own reasons come first; ``bad_event_time`` is
+assigned by the feature builder (``odl.features.feature_builder``), ``unprocessable`` by the
+build guard (a record whose building raised), and ``non_finite_output`` by the trainer (a
+record whose prediction was not finite, so it cannot be trained on).
 """
 
 from __future__ import annotations
@@ -53,6 +59,9 @@ REJECT_REASONS = (
     "bad_number",
     "non_finite",
     "bad_label",
+    "bad_event_time",
+    "unprocessable",
+    "non_finite_output",
 )
 
 DEFAULT_MAX_RECORD_BYTES = 1 << 20
@@ -385,27 +394,34 @@ class RecordParser:
                 reasons[i] = "bad_json"
                 continue
             row = self._json_row(obj)
-            if row is None:
-                reasons[i] = "json_type"
+            if isinstance(row, str):
+                reasons[i] = row
                 continue
             rows.append(row)
             keep.append(i)
         return self._pack_rows(np.asarray(keep, dtype=np.int64), rows)
 
-    def _json_row(self, obj: object) -> list[bytes] | None:
+    def _json_row(self, obj: object) -> list[bytes] | str:
+        """The field texts of a decoded JSON record, or the reason it is rejected."""
         if not isinstance(obj, dict):
-            return None
+            return "json_type"
+        try:
+            return self._json_fields(obj)
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800") has no UTF-8 form
+            return "invalid_utf8"
+
+    def _json_fields(self, obj: dict) -> list[bytes] | str:
         row = []
         for name in self._fields:
             v = obj.get(name)
             t = self._types[name]
             if v is None:
                 if name in self._labels:
-                    return None
+                    return "json_type"
                 row.append(b"")
             elif isinstance(v, bool):
                 if t not in (_FT.BOOL, _FT.STRING):
-                    return None
+                    return "json_type"
                 row.append(b"true" if v else b"false")
             elif isinstance(v, (int, float)):
                 row.append(repr(v).encode() if isinstance(v, float) else str(v).encode())
@@ -413,10 +429,10 @@ class RecordParser:
                 row.append(v.encode("utf-8"))
             elif isinstance(v, list) and name in self._list_seps and t == _FT.STRING:
                 if not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v):
-                    return None
+                    return "json_type"
                 row.append(self._list_seps[name].join(str(x) for x in v).encode("utf-8"))
             else:
-                return None
+                return "json_type"
         return row
 
     # -- columns ----------------------------------------------------------------------------
@@ -454,13 +470,16 @@ class RecordParser:
         ends = ends.copy()
         off = base
         numeric_set = set(self._numeric)
+        labels = set(self._labels)
         for j, name in enumerate(self._fields):
             d = dflt[j]
             empty = starts[:, j] == ends[:, j]
-            if d:
+            if name in labels:  # an empty label stays empty (bad_label), default or not
+                pass
+            elif d:
                 starts[empty, j] = off
                 ends[empty, j] = off + len(d)
-            elif name in numeric_set and name not in self._labels:
+            elif name in numeric_set:
                 starts[empty, j] = zero_at
                 ends[empty, j] = zero_at + 1
             off += len(d)

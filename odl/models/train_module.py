@@ -64,13 +64,22 @@ class StepOutput:
     """Result of one training step.
 
     Attributes:
-        probs: float64 ``[B]`` predictions of the step's forward pass, i.e. made before the
-            step's update (progressive validation).
-        loss: the step's loss (including regularization).
+        probs: float64 predictions of the step's forward pass, i.e. made before the step's
+            update (progressive validation), one per trained sample (``[B]`` unless samples
+            were dropped).
+        loss: the step's loss (including regularization); NaN when nothing was trained.
+        dropped: ``int64`` indices (into the batch) of the samples left out because their
+            prediction was not finite; they were not trained on.
     """
 
     probs: np.ndarray
     loss: float
+    dropped: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
+
+    @property
+    def trained(self) -> int:
+        """Number of samples the step trained on."""
+        return int(self.probs.shape[0])
 
 
 @dataclass
@@ -273,6 +282,19 @@ class TrainModule:
         batch = batch.to(self.device)
         self._dmp.train()
         logits = self._dmp(batch)
+        finite = torch.isfinite(logits)
+        dropped = np.empty(0, dtype=np.int64)
+        if not bool(finite.all()):
+            # A sample with a non-finite prediction (a feature value that overflows the
+            # network) would turn every parameter it reaches into NaN: leave it out.
+            dropped = (~finite).nonzero().flatten().cpu().numpy().astype(np.int64)
+            logger.warning("%d of %d samples have a non-finite prediction and are not "
+                           "trained on (non_finite_output)", len(dropped), batch.size)
+            if len(dropped) == batch.size:
+                return StepOutput(probs=np.empty(0, dtype=np.float64), loss=float("nan"),
+                                  dropped=dropped)
+            batch = batch.select(finite)
+            logits = self._dmp(batch)
         loss = self._module().loss(logits, batch)
         self._dense_opt.zero_grad(set_to_none=True)
         loss.backward()  # table rows are updated inside backward (fused)
@@ -280,7 +302,7 @@ class TrainModule:
         self.global_step += 1
         self.record_touched_rows(batch.sparse)
         probs = torch.sigmoid(logits.detach()).to(torch.float64).cpu().numpy()
-        return StepOutput(probs=probs, loss=float(loss.detach()))
+        return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:

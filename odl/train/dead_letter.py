@@ -5,7 +5,9 @@ one message on that topic:
 
 * value: the original record bytes, unchanged (a record larger than
   ``MAX_DEAD_LETTER_VALUE_BYTES`` is cut to that size and gets an ``odl-truncated`` header
-  holding its original length);
+  holding its original length); empty for a record rejected after it was built
+  (``non_finite_output``: its bytes stay in the input process), whose ``odl-source`` header
+  locates it in the input topic;
 * headers: ``odl-reject-reason`` (one of ``odl.features.record_parser.REJECT_REASONS``) and
   ``odl-source`` (``<topic>/<partition>/<offset>`` of the record);
 * timestamp: the record's original Kafka timestamp.

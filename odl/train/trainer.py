@@ -53,6 +53,7 @@ from odl.protos import pipeline_pb2
 from odl.train.batch_prefetcher import BatchPrefetcher, PreparedBatch
 from odl.train.dead_letter import DeadLetterSink
 from odl.train.progressive_metrics import ProgressiveMetrics
+from odl.train.sample_ledger import SampleLedger
 from odl.train.status_app import build_status_app
 from odl.train.trainer_metrics import TrainerMetrics
 from publisher.delta_codec import build_id_maps
@@ -64,11 +65,14 @@ from publisher.delta_recovery import (
     read_published_state,
 )
 from publisher.incremental_publisher import (
+    DeltaSink,
     IncrementalPublisher,
+    build_delta_sink,
     build_publisher,
     dense_variable_shapes,
     published_table_dims,
 )
+from publisher.kafka_sink import DeltaSinkError, DeltaSinkUnsupported, KafkaSink
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +203,7 @@ class Trainer:
         self._file_source: Optional[FileSource] = None
         self._prefetcher: Optional[BatchPrefetcher | KafkaInputProcess] = None
         self._http: Optional[BackgroundHttpServer] = None
-        self._ledger = None
+        self._ledger: Optional[SampleLedger] = None
         self._dead_line = parse_dead_line(tc.dead_line) if tc.dead_line else None
         self._config_text = config_to_text(config, redact=True)
         self._lock = threading.Lock()
@@ -209,10 +213,15 @@ class Trainer:
         # metrics_window_samples predictions, too slow for every /status request
         self._progress_cache: Optional[tuple[float, dict]] = None
         self._restored_step: Optional[int] = None
+        self._restored_generation: Optional[str] = None
         self._recovery_incomplete = False
         self.recovery: Optional[dict] = None
         self._dead_letter: Optional[DeadLetterSink] = None
         self._input_opened = False  # start positions resolved, partitions assigned
+        # why the trainer stopped on a failure (exit code ``exit_code``), None for a clean stop
+        self.failure: Optional[str] = None
+        self.exit_code = 0
+        self._delta_sink: Optional[DeltaSink] = None
 
     # ------------------------------------------------------------------ restore
     def _restore(self) -> Optional[dict[int, int]]:
@@ -251,6 +260,15 @@ class Trainer:
         server, topic, extra = delta
         prev_state, self.state = self.state, "recovering"
         try:
+            sink = self._delta_sink
+            if isinstance(sink, KafkaSink) and sink.fence:
+                # fence any other producer first, so nothing lands after the read below
+                self._recovery_call(
+                    lambda: sink.claim(5.0),
+                    give_up_secs=(_FRESH_START_DELTA_WAIT_SECS if self._restored_step is None
+                                  else None))
+                if self.stop_event.is_set():
+                    return positions
             if self._restored_step is None:
                 # Fresh start: versions after the topic's current end are this lineage's.
                 end = self._recovery_call(lambda: delta_topic_end(server, topic, extra, 5.0),
@@ -272,8 +290,10 @@ class Trainer:
                                "published after it cannot be recovered")
                 return positions
             restored_step = self._restored_step
+            owner = self._restored_generation
             state = self._recovery_call(lambda: read_published_state(
-                server, topic, start, extra, min_version=restored_step, stop=self.stop_event))
+                server, topic, start, extra, min_version=restored_step, stop=self.stop_event,
+                owner=owner))
             if state is None:
                 self._recovery_incomplete = True
                 return positions
@@ -291,7 +311,9 @@ class Trainer:
         while not self.stop_event.is_set():
             try:
                 return fn()
-            except DeltaRecoveryError as exc:
+            except DeltaSinkUnsupported:
+                raise
+            except (DeltaRecoveryError, DeltaSinkError) as exc:
                 if self.stop_event.is_set():
                     break
                 if deadline is not None and time.monotonic() + delay > deadline:
@@ -356,6 +378,7 @@ class Trainer:
                 ckpt = read_checkpoint(latest)
                 self.module.load_checkpoint_state(ckpt.state)
                 self._restored_step = ckpt.global_step
+                self._restored_generation = ckpt.manifest.get("generation") or None
                 if "delta_topic_offset" in ckpt.source:
                     self._restored_delta_offset = int(ckpt.source["delta_topic_offset"])
                 logger.info(
@@ -391,14 +414,16 @@ class Trainer:
         """Trains until a stop condition; returns the process exit code (0 on clean stop)."""
         try:
             self._start_status_server()
-            restored_positions = self._restore()
             if self.config.train_config.HasField("incr_save_config"):
+                self._delta_sink = build_delta_sink(self.config)
+            restored_positions = self._restore()
+            if self._delta_sink is not None:
                 self.publisher = build_publisher(
                     self.config, self.module, self.generation, self.metrics.registry,
-                    start_step=self.module.global_step)
+                    start_step=self.module.global_step, sink=self._delta_sink)
             self._dead_letter = self._open_dead_letter()
             if self.options.sample_ledger:
-                self._ledger = open(self.options.sample_ledger, "a", buffering=1 << 16)
+                self._ledger = SampleLedger(self.options.sample_ledger)
             try:
                 self._open_input(restored_positions)
             except InterruptedError:  # stopped while waiting for the topic: a clean stop
@@ -414,9 +439,20 @@ class Trainer:
                 self._checkpoint()
             self.state = "training"
             self._loop()
+        except DeltaSinkUnsupported as exc:  # the broker refuses fencing: a setup error
+            self._fail(str(exc), 2)
         finally:
             self._shutdown()
+        if self.failure is not None:
+            logger.error("exiting with code %d: %s", self.exit_code, self.failure)
+            return self.exit_code
         return 0
+
+    def _fail(self, why: str, exit_code: int) -> None:
+        """Stops the trainer on a failure; ``run`` returns ``exit_code``."""
+        if self.failure is None:
+            self.failure, self.exit_code = why, exit_code
+        self._request_stop(why)
 
     def _open_input(self, restored_positions: Optional[dict[int, int]]) -> None:
         num_workers = effective_num_workers(self.config.data_config, self.module.device.type)
@@ -520,6 +556,11 @@ class Trainer:
         window_samples = 0
         assert self._prefetcher is not None
         while not self.stop_event.is_set():
+            if self.publisher is not None and self.publisher.fatal_error is not None:
+                # fenced: another trainer owns the delta topic (3, not restarted by systemd);
+                # else a publisher bug (1: a restart resumes from the last checkpoint)
+                self._fail(self.publisher.fatal_error, 3 if self.publisher.fenced else 1)
+                break
             now = time.monotonic()
             if tc.enable_oss_stop_signal and now >= next_signal_check:
                 next_signal_check = now + poll_secs
@@ -579,19 +620,27 @@ class Trainer:
         if batch is not None and batch.size:
             out = self.module.train_step(batch)
             labels = batch.labels.detach().cpu().numpy()
+            sample_ids = batch.sample_ids
+            if len(out.dropped):
+                keep = np.ones(batch.size, dtype=bool)
+                keep[out.dropped] = False
+                labels = labels[keep]
+                if sample_ids is not None:
+                    sample_ids = [sid for sid, k in zip(sample_ids, keep.tolist(), strict=True)
+                                  if k]
+                self._reject_untrained(item, out.dropped, "non_finite_output")
+            trained = out.trained
+        if trained:
             self.progress.update(out.probs, labels)
-            trained = batch.size
             self.samples_trained += trained
             self.last_loss = float(out.loss)
             self.metrics.samples_trained.inc(trained)
             self.metrics.steps.inc()
             self.metrics.global_step.set(self.module.global_step)
             self.metrics.loss.set(self.last_loss)
-            if self._ledger is not None and batch.sample_ids is not None:
-                step = self.module.global_step
-                gen = self.generation
-                self._ledger.write("".join(f"{gen}\t{step}\t{sid}\n" for sid in batch.sample_ids))
-                self._ledger.flush()  # before the step can be published (crash audits)
+            if self._ledger is not None and sample_ids is not None:
+                # flushed before the step can be published (crash audits)
+                self._ledger.write_step(self.generation, self.module.global_step, sample_ids)
         if len(item.raw.timestamps_ms):
             self.last_sample_time_ms = int(item.raw.timestamps_ms.max())
         with self._lock:
@@ -617,15 +666,28 @@ class Trainer:
 
     def _count_rejects(self, item: PreparedBatch) -> None:
         for idx, reason in item.rejected:
-            self.records_rejected[reason] = self.records_rejected.get(reason, 0) + 1
-            self.metrics.records_rejected.labels(reason=reason).inc()
-            where = f"partition {int(item.raw.partitions[idx])} offset {int(item.raw.offsets[idx])}"
-            self._reject_log.add(reason, where)
-            if self._dead_letter is not None and idx < len(item.raw.values):
-                self._dead_letter.send(
-                    item.raw.values[idx], reason, self.config.kafka_train_input.topic,
-                    int(item.raw.partitions[idx]), int(item.raw.offsets[idx]),
-                    int(item.raw.timestamps_ms[idx]) if len(item.raw.timestamps_ms) else 0)
+            self._count_reject(item, idx, reason)
+        self._reject_log.maybe_log()
+
+    def _count_reject(self, item: PreparedBatch, idx: int, reason: str) -> None:
+        """Counts, logs (bounded) and dead-letters raw record ``idx`` of ``item``."""
+        self.records_rejected[reason] = self.records_rejected.get(reason, 0) + 1
+        self.metrics.records_rejected.labels(reason=reason).inc()
+        where = f"partition {int(item.raw.partitions[idx])} offset {int(item.raw.offsets[idx])}"
+        self._reject_log.add(reason, where)
+        if self._dead_letter is not None:
+            # the raw value travels with builder rejects only; a record rejected after
+            # building is forwarded with an empty value and its source position
+            value = item.raw.values[idx] if idx < len(item.raw.values) else None
+            self._dead_letter.send(
+                value, reason, self.config.kafka_train_input.topic,
+                int(item.raw.partitions[idx]), int(item.raw.offsets[idx]),
+                int(item.raw.timestamps_ms[idx]) if len(item.raw.timestamps_ms) else 0)
+
+    def _reject_untrained(self, item: PreparedBatch, rows: np.ndarray, reason: str) -> None:
+        """Rejects batch rows ``rows`` of ``item`` (built, then not trained on)."""
+        for row in rows.tolist():
+            self._count_reject(item, int(item.accepted[row]), reason)
         self._reject_log.maybe_log()
 
     def _open_dead_letter(self) -> Optional[DeadLetterSink]:
@@ -776,11 +838,14 @@ class Trainer:
         if self.publisher is not None:  # first, so the final checkpoint covers the last version
             self.publisher.flush(timeout=30.0, step=self.module.global_step,
                                  positions=dict(self.positions))
+        elif self._delta_sink is not None:  # stopped before the publisher was built
+            self._delta_sink.close()
         # one more checkpoint on every clean stop, also when the state was only brought
         # forward by crash recovery (nothing trained in this run, but a newer step); not
         # before the input was open: its positions are unknown then, and a checkpoint without
         # them would override the config's start positions on the next start
-        if self._input_opened and self.module.global_step != self.checkpoints.last_saved_step:
+        if (self._input_opened and self.failure is None
+                and self.module.global_step != self.checkpoints.last_saved_step):
             self._checkpoint()
         if self._source is not None:
             self._source.commit_now(self.positions)
@@ -861,6 +926,7 @@ class Trainer:
                 "partitions": partitions,
             },
             "stop_reason": self.stop_reason,
+            "failure": self.failure,
             "device": str(self.module.device),
             "publisher": self.publisher.status() if self.publisher is not None else None,
             "recovery": self.recovery,
@@ -892,12 +958,18 @@ class Trainer:
         return getattr(sink, "broker_error", None)
 
     def health(self) -> tuple[bool, str]:
-        """Healthy unless the input broker is unreachable or checkpoints fail."""
+        """Healthy unless a broker is unreachable, publishing or checkpoints fail, or stopped."""
         if self._source is not None and self._source.broker_error is not None:
             return False, f"waiting_for_broker: {self._source.broker_error}"
         delta_error = self._delta_broker_error()
         if delta_error:
             return False, f"waiting_for_broker (delta topic): {delta_error}"
+        if self.publisher is not None:
+            pub = self.publisher.status()
+            if pub["fatal_error"]:
+                return False, pub["fatal_error"]
+            if pub["last_error"]:
+                return False, f"delta publishing failing: {pub['last_error']}"
         if self.last_checkpoint_error:
             return False, f"checkpoint failing: {self.last_checkpoint_error}"
         if self.state in ("stopped",):
