@@ -127,6 +127,21 @@ def run_in_process(
     return trainer
 
 
+def run_in_thread(trainer: Trainer) -> tuple[threading.Thread, dict]:
+    """Runs ``trainer.run()`` in a daemon thread; the dict gets ``rc`` or ``error``."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["rc"] = trainer.run()
+        except BaseException as exc:  # noqa: BLE001 (the test inspects it)
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
 def read_ledger_entries(path: str) -> list[tuple[str, int, str]]:
     """``(generation, step, sample_id)`` per complete line of a ``--sample_ledger`` file."""
     return read_ledger_file(path)

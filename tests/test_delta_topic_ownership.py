@@ -11,7 +11,6 @@ newer one's first (``publisher.generation_fence``, tested with hand-made version
 
 from __future__ import annotations
 
-import threading
 import time
 
 from odl.config.pipeline_config import load_pipeline_config
@@ -19,7 +18,13 @@ from odl.train.trainer import Trainer, TrainerOptions
 from publisher.delta_recovery import read_published_state
 from publisher.generation_fence import GenerationFence
 from tests.crash_harness import audit_delta_topic
-from tests.online_harness import end_offsets, make_records, produce, write_config
+from tests.online_harness import (
+    end_offsets,
+    make_records,
+    produce,
+    run_in_thread,
+    write_config,
+)
 
 
 def _wait(cond, timeout: float, what: str) -> None:
@@ -39,16 +44,7 @@ def _start(tmp_path, name: str, bootstrap: str, topic: str, delta_topic: str):
     cfg = write_config(root, bootstrap, topic, batch_size=50, extra_train=incr)
     trainer = Trainer(load_pipeline_config(cfg),
                       TrainerOptions(online=True, device="cpu", status_port=-1))
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["rc"] = trainer.run()
-        except BaseException as exc:  # noqa: BLE001 (the test inspects it)
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, outcome = run_in_thread(trainer)
     return trainer, thread, outcome
 
 

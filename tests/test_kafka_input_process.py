@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import psutil
@@ -26,6 +25,7 @@ from tests.online_harness import (
     produce,
     read_ledger,
     run_in_process,
+    run_in_thread,
     write_config,
 )
 
@@ -80,16 +80,7 @@ def _start_trainer(tmp_path, kafka_bootstrap, topic, **edits):
     cfg = write_config(tmp_path, kafka_bootstrap, topic, batch_size=32)
     config = load_pipeline_config(cfg, json.dumps(edits) if edits else None)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
-    outcome: dict = {}
-
-    def run() -> None:
-        try:
-            outcome["rc"] = trainer.run()
-        except BaseException as exc:  # noqa: BLE001 (the test inspects it)
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
+    thread, outcome = run_in_thread(trainer)
     return trainer, thread, outcome
 
 
