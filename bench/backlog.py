@@ -43,10 +43,10 @@ sys.path.insert(0, str(REPO))
 from confluent_kafka import Producer  # noqa: E402
 
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
-from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
-from odl.kafka_client import producer_config  # noqa: E402
+from odl.kafka.client_settings import producer_config  # noqa: E402
+from odl.kafka.topic_admin import create_topic, end_offsets  # noqa: E402
 
 
 def produce_backlog(bootstrap: str, topic: str, n: int, partitions: int, seed: int = 0,

@@ -41,8 +41,8 @@ from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker, wait_process_idle  # noqa: E402
-from odl.broker.topic_admin import Retention, create_topic  # noqa: E402
-from odl.kafka_client import consumer_config, producer_config  # noqa: E402
+from odl.kafka.client_settings import consumer_config, producer_config  # noqa: E402
+from odl.kafka.topic_admin import Retention, create_topic  # noqa: E402
 
 logger = logging.getLogger("bench.broker_memory")
 MIB = 1 << 20

@@ -43,14 +43,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
-from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint  # noqa: E402
 from odl.config.pipeline_config import load_pipeline_config  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.export.exporter import export_checkpoint  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
-from odl.models.train_module import TrainModule  # noqa: E402
+from odl.kafka.topic_admin import create_topic, end_offsets  # noqa: E402
+from odl.train.train_module import TrainModule  # noqa: E402
 from tests.crash_harness import (  # noqa: E402
     TrainerKiller,
     audit_delta_topic,

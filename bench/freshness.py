@@ -74,7 +74,6 @@ from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from bench.train_throughput import measure_trainer_rate  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
-from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.checkpoint.checkpoint_manager import (  # noqa: E402
     POSITIONS_FILE,
     resolve_checkpoint_path,
@@ -82,7 +81,8 @@ from odl.checkpoint.checkpoint_manager import (  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.export.exporter import export_checkpoint  # noqa: E402
-from odl.kafka_client import consumer_config  # noqa: E402
+from odl.kafka.client_settings import consumer_config  # noqa: E402
+from odl.kafka.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.train.trainer import Trainer, TrainerOptions  # noqa: E402
 from serving_plugin.serving_service import ServingService  # noqa: E402
 

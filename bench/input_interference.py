@@ -42,13 +42,13 @@ from bench.train_throughput import (  # noqa: E402
     time_steps,
 )
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
-from odl.broker.topic_admin import create_topic  # noqa: E402
-from odl.cli.torch_runtime import configure_torch_threads, usable_cpus  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.inputs.kafka_source import KafkaSource, start_positions_from_config  # noqa: E402
-from odl.models.train_module import TrainModule  # noqa: E402
+from odl.kafka.topic_admin import create_topic  # noqa: E402
 from odl.protos import pipeline_pb2  # noqa: E402
+from odl.train.torch_runtime import configure_torch_threads, usable_cpus  # noqa: E402
+from odl.train.train_module import TrainModule  # noqa: E402
 
 
 def input_loop(config_bytes: bytes, bootstrap: str, rate: float, stop, counter) -> None:

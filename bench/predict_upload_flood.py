@@ -51,7 +51,7 @@ from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.export.exporter import export_checkpoint  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
-from odl.models.train_module import TrainModule  # noqa: E402
+from odl.train.train_module import TrainModule  # noqa: E402
 
 MIB = 1 << 20
 PIECE = MIB

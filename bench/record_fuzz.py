@@ -39,12 +39,12 @@ from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
-from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.hostile_records import hostile_stream  # noqa: E402
-from odl.kafka_client import consumer_config, producer_config  # noqa: E402
-from odl.train.dead_letter import REASON_HEADER, SOURCE_HEADER  # noqa: E402
+from odl.inputs.dead_letter import REASON_HEADER, SOURCE_HEADER  # noqa: E402
+from odl.kafka.client_settings import consumer_config, producer_config  # noqa: E402
+from odl.kafka.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.train.sample_ledger import read_ledger  # noqa: E402
 
 

@@ -49,14 +49,14 @@ from confluent_kafka import Producer  # noqa: E402
 from bench.plain_pytorch_deepfm import PlainDeepFM  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
-from odl.broker.topic_admin import create_topic, end_offsets  # noqa: E402
-from odl.cli.torch_runtime import configure_torch_threads, usable_cpus  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
-from odl.kafka_client import producer_config  # noqa: E402
-from odl.models.train_module import TrainModule  # noqa: E402
+from odl.kafka.client_settings import producer_config  # noqa: E402
+from odl.kafka.topic_admin import create_topic, end_offsets  # noqa: E402
+from odl.train.torch_runtime import configure_torch_threads, usable_cpus  # noqa: E402
+from odl.train.train_module import TrainModule  # noqa: E402
 from odl.train.trainer import Trainer, TrainerOptions  # noqa: E402
 
 BATCH = 1024

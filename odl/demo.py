@@ -28,7 +28,7 @@ import urllib.request
 from typing import Optional
 
 from odl.broker.embedded_broker import EmbeddedBroker
-from odl.broker.topic_admin import (
+from odl.kafka.topic_admin import (
     DEFAULT_RETENTION_HOURS,
     DEFAULT_RETENTION_MB,
     Retention,
@@ -148,7 +148,7 @@ def _parity(url: str, model_dir: str, ckpt: str) -> float:
     from odl.config.pipeline_config import parse_pipeline_config_text
     from odl.datagen.synthetic_ctr import SyntheticCtrStream
     from odl.features.feature_builder import FeatureBuilder
-    from odl.models.train_module import TrainModule
+    from odl.train.train_module import TrainModule
 
     path = os.path.join(model_dir, ckpt)
     with open(os.path.join(path, "pipeline.config")) as f:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from odl.kafka_client import delta_consumer_config
+from odl.kafka.client_settings import delta_consumer_config
 from publisher.delta_codec import (
     DeltaFormatError,
     DeltaVersion,

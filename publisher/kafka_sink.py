@@ -38,8 +38,8 @@ from typing import Optional
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from odl.broker.topic_admin import create_topic
-from odl.kafka_client import producer_config
+from odl.kafka.client_settings import producer_config
+from odl.kafka.topic_admin import create_topic
 
 logger = logging.getLogger(__name__)
 

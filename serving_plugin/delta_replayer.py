@@ -1,7 +1,7 @@
 """Replays the delta topic onto a ``ServingModel``: decode, assemble, apply in topic order.
 
 A background thread owns one ``confluent_kafka.Consumer`` (settings from
-``odl.kafka_client``) with partition 0 of the delta topic assigned explicitly at the
+``odl.kafka.client_settings``) with partition 0 of the delta topic assigned explicitly at the
 export's ``kafka.txt`` offset; nothing is committed (every start replays from the export's
 offset, which is harmless because a version carries full values). Each message goes through
 ``handle``:
@@ -77,7 +77,7 @@ from typing import Optional
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
-from odl.kafka_client import delta_consumer_config
+from odl.kafka.client_settings import delta_consumer_config
 from publisher.delta_codec import DeltaFormatError, VersionAssembler, decode_chunk
 from publisher.generation_fence import FENCED_REASON, GenerationFence
 from serving_plugin.serving_metrics import ServingMetrics

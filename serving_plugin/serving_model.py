@@ -38,10 +38,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from odl.checkpoint.file_digest import sha256_file
 from odl.config.pipeline_config import load_pipeline_config
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
-from odl.file_digest import sha256_file
 from odl.protos import pipeline_pb2
 from publisher.delta_codec import DeltaVersion, IdMaps, read_id_maps
 

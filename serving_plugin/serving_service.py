@@ -1,7 +1,7 @@
 """The serving process: base model + delta replay + HTTP API (FastAPI on uvicorn).
 
 Endpoints (bound to 127.0.0.1 unless told otherwise; with a token, all but /healthz need
-``Authorization: Bearer <token>``, see ``odl.http_auth``)::
+``Authorization: Bearer <token>``, see ``odl.http.auth``)::
 
     POST /predict   body: records as in the training stream, one or many:
                     * text: one CSV (or JSON) record per line;
@@ -48,7 +48,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
-from odl.http_server import BackgroundHttpServer
+from odl.http.server import BackgroundHttpServer
 from serving_plugin.delta_replayer import DeltaReplayer
 from serving_plugin.serving_metrics import ServingMetrics
 from serving_plugin.serving_model import ServingModel, read_kafka_txt

@@ -13,14 +13,14 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from odl.broker.embedded_broker import EmbeddedBroker
-from odl.broker.topic_admin import create_topic
+from odl.kafka.topic_admin import create_topic
 
 EXTERNAL_BOOTSTRAP_ENV = "ODL_KAFKA_BOOTSTRAP"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """In-process trainers and serving use odl's default thread rule (as the CLIs do)."""
-    from odl.cli.torch_runtime import configure_torch_threads
+    from odl.train.torch_runtime import configure_torch_threads
 
     configure_torch_threads(0)
 
@@ -61,7 +61,7 @@ def kafka_topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
     if created and os.environ.get(EXTERNAL_BOOTSTRAP_ENV):
         from confluent_kafka.admin import AdminClient
 
-        from odl.kafka_client import admin_config
+        from odl.kafka.client_settings import admin_config
 
         admin = AdminClient(admin_config(kafka_bootstrap))
         for future in admin.delete_topics(created, operation_timeout=10).values():

@@ -33,7 +33,7 @@ from typing import Optional
 
 from confluent_kafka import Consumer, TopicPartition
 
-from odl.kafka_client import delta_consumer_config
+from odl.kafka.client_settings import delta_consumer_config
 from publisher.delta_codec import DeltaFormatError, VersionAssembler, decode_chunk
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

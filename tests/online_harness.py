@@ -14,11 +14,11 @@ from typing import Optional
 import psutil
 from confluent_kafka import Producer
 
-from odl.broker.topic_admin import end_offsets
 from odl.config.pipeline_config import load_pipeline_config, validate_pipeline_config
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
-from odl.kafka_client import producer_config
+from odl.kafka.client_settings import producer_config
+from odl.kafka.topic_admin import end_offsets
 from odl.train.sample_ledger import read_ledger as read_ledger_file
 from odl.train.trainer import Trainer, TrainerOptions
 
@@ -198,6 +198,6 @@ def odl_helper_processes() -> list[psutil.Process]:
             cmd = " ".join(child.cmdline())
         except psutil.Error:
             continue
-        if "odl.inputs.kafka_input_process" in cmd or "odl.features.feature_build_worker" in cmd:
+        if "odl.inputs.kafka_input_process" in cmd or "odl.inputs.feature_build_worker" in cmd:
             found.append(child)
     return found

@@ -14,9 +14,9 @@ from odl.checkpoint.checkpoint_manager import CheckpointManager
 from odl.config.pipeline_config import config_to_text, parse_pipeline_config_text
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.features.feature_builder import FeatureBuilder
-from odl.kafka_client import producer_config
-from odl.models.train_module import TrainModule
+from odl.kafka.client_settings import producer_config
 from odl.protos import pipeline_pb2
+from odl.train.train_module import TrainModule
 from tests.online_harness import make_records
 
 # Every feature kind and model option serving must reproduce: multi-valued ids,

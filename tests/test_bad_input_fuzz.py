@@ -22,13 +22,13 @@ from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_conf
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.record_parser import DEFAULT_MAX_RECORD_BYTES
-from odl.kafka_client import consumer_config, producer_config
-from odl.train.dead_letter import (
+from odl.inputs.dead_letter import (
     REASON_HEADER,
     SOURCE_HEADER,
     TRUNCATED_HEADER,
     DeadLetterSink,
 )
+from odl.kafka.client_settings import consumer_config, producer_config
 from tests.online_harness import (
     end_offsets,
     make_records,

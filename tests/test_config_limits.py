@@ -422,7 +422,7 @@ def test_adam_tables_on_cpu_are_refused(model_dir: Path) -> None:
 def test_cuda_requested_without_cuda(model_dir: Path) -> None:
     import torch
 
-    from odl.config import startup_checks
+    from odl.train import startup_checks
 
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")

@@ -36,7 +36,7 @@ from odl.config.pipeline_config import load_pipeline_config, validate_pipeline_c
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.train_module import TrainModule
+from odl.train.train_module import TrainModule
 from odl.train.trainer import Trainer, TrainerOptions
 from publisher.delta_codec import VersionHeader, encode_version, read_id_maps
 from tests.crash_harness import (
@@ -94,7 +94,7 @@ def _append_half_version(bootstrap: str, delta_topic: str, model_dir: str, versi
     """Sends chunk 0 of a 2+-chunk version of a dead generation (as a kill mid-send leaves)."""
     from confluent_kafka import Producer
 
-    from odl.kafka_client import producer_config
+    from odl.kafka.client_settings import producer_config
 
     maps = read_id_maps(model_dir)
     t = next(iter(maps.tables.values()))

@@ -12,7 +12,7 @@ import torch
 
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.train_module import TrainModule, resolve_device
+from odl.train.train_module import TrainModule, resolve_device
 from tests.online_harness import end_offsets, produce, read_ledger, run_in_process, write_config
 from tests.online_harness import make_records as make_stream_records
 from tests.test_models import batches, config, make_records, roc_auc

@@ -13,7 +13,6 @@ import pytest
 from confluent_kafka import TIMESTAMP_CREATE_TIME, Consumer, TopicPartition
 
 from odl.auc import HistogramAuc, roc_auc
-from odl.broker.topic_admin import end_offsets
 from odl.datagen.synthetic_ctr import (
     ALL_COLUMNS,
     ALL_FIELDS,
@@ -23,7 +22,8 @@ from odl.datagen.synthetic_ctr import (
     decode,
     encode,
 )
-from odl.kafka_client import consumer_config
+from odl.kafka.client_settings import consumer_config
+from odl.kafka.topic_admin import end_offsets
 
 REPO = Path(__file__).resolve().parents[1]
 

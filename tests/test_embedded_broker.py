@@ -12,9 +12,9 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 
 from odl.broker.embedded_broker import BrokerError, EmbeddedBroker, free_port
-from odl.broker.topic_admin import Retention, create_topic, end_offsets, topic_configs
 from odl.cli.kafka_cli import pid_is_broker, pid_is_keeper
-from odl.kafka_client import consumer_config, producer_config
+from odl.kafka.client_settings import consumer_config, producer_config
+from odl.kafka.topic_admin import Retention, create_topic, end_offsets, topic_configs
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20

@@ -9,9 +9,9 @@ import os
 import numpy as np
 import pytest
 
+from odl.checkpoint.file_digest import sha256_file
 from odl.cli import export_cli
 from odl.export.exporter import ExportError, export_checkpoint
-from odl.file_digest import sha256_file
 from odl.models.embedding_tables import WIDE_SUFFIX
 from publisher.delta_codec import read_id_maps, write_id_maps
 from tests.serving_harness import train_checkpoint

@@ -13,8 +13,8 @@ from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.pipeline_config import parse_pipeline_config_text
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
-from odl.features.feature_build_worker import FeatureBuildError, FeatureBuildWorkers
 from odl.features.feature_builder import FeatureBuilder
+from odl.inputs.feature_build_worker import FeatureBuildError, FeatureBuildWorkers
 from odl.train.trainer import Trainer, TrainerOptions
 from tests.online_harness import odl_helper_processes
 

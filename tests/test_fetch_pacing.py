@@ -14,7 +14,7 @@ import time
 from confluent_kafka import Producer
 
 from odl.inputs.kafka_source import KafkaSource, StartPositions
-from odl.kafka_client import producer_config
+from odl.kafka.client_settings import producer_config
 
 PARTITIONS = 2
 RECORDS = 8000  # per run

@@ -1,4 +1,4 @@
-"""Bearer-token protection of the trainer status API and serving (``odl.http_auth``)."""
+"""Bearer-token protection of the trainer status API and serving (``odl.http.auth``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from odl.cli import serve_cli, train_cli
-from odl.http_auth import (
+from odl.http.auth import (
     AUTH_TOKEN_ENV,
     MAX_TOKEN_FILE_BYTES,
     AuthConfigError,
@@ -25,7 +25,7 @@ from odl.http_auth import (
     resolve_auth_token,
     warn_if_exposed,
 )
-from odl.http_server import BackgroundHttpServer
+from odl.http.server import BackgroundHttpServer
 from odl.train.status_app import build_status_app
 
 TOKEN = "tok-8f1c2e7a93b4"
@@ -150,7 +150,7 @@ import resource
 resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
 import contextlib, io, json, sys
 from odl.cli import serve_cli, train_cli
-from odl.http_auth import AuthConfigError, resolve_auth_token
+from odl.http.auth import AuthConfigError, resolve_auth_token
 config, fifo = sys.argv[1:3]
 out = {}
 for path in ("/dev/zero", fifo):
@@ -209,7 +209,7 @@ def test_loopback_detection_and_loud_warning(caplog):
         assert is_loopback(host), host
     for host in ("0.0.0.0", "::", "10.0.0.5", "example.com", ""):
         assert not is_loopback(host), host
-    with caplog.at_level(logging.WARNING, logger="odl.http_auth"):
+    with caplog.at_level(logging.WARNING, logger="odl.http.auth"):
         assert warn_if_exposed("0.0.0.0", None, "odl-train status API")
         assert not warn_if_exposed("0.0.0.0", TOKEN, "odl-train status API")
         assert not warn_if_exposed("127.0.0.1", None, "odl-train status API")

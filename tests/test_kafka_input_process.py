@@ -16,7 +16,7 @@ from confluent_kafka import Consumer, TopicPartition
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.pipeline_config import load_pipeline_config
 from odl.inputs.kafka_input_process import KafkaInputProcess
-from odl.kafka_client import consumer_config
+from odl.kafka.client_settings import consumer_config
 from odl.train.trainer import Trainer, TrainerOptions
 from tests.online_harness import (
     end_offsets,

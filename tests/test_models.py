@@ -9,9 +9,9 @@ from odl.config.config_error import ConfigError
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.embedding_tables import WIDE_SUFFIX, wide_storage_dim
 from odl.models.model_factory import build_model
-from odl.models.train_module import TrainModule
 from odl.protos import pipeline_pb2
 from odl.train.optimizer_builder import LrSchedule, optimizer_specs, sparse_optimizer_args
+from odl.train.train_module import TrainModule
 
 NUM_IDS = 40
 

@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 from odl.broker.embedded_broker import EmbeddedBroker
-from odl.broker.topic_admin import create_topic
 from odl.checkpoint.checkpoint_manager import (
     list_checkpoints,
     read_checkpoint,
@@ -30,6 +29,7 @@ from odl.checkpoint.checkpoint_manager import (
 from odl.config.pipeline_config import load_pipeline_config, validate_pipeline_config
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
+from odl.kafka.topic_admin import create_topic
 from odl.train.trainer import Trainer, TrainerOptions
 from serving_plugin.serving_service import ServingService
 from tests.online_harness import end_offsets, make_records, produce, read_ledger, write_config

@@ -24,9 +24,9 @@ from confluent_kafka import Consumer, TopicPartition
 from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_config_text
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.features.feature_builder import EVENT_TIME_MIN_SECS, FeatureBuilder
-from odl.kafka_client import consumer_config
-from odl.models.train_module import TrainModule
-from odl.train.dead_letter import REASON_HEADER, SOURCE_HEADER
+from odl.inputs.dead_letter import REASON_HEADER, SOURCE_HEADER
+from odl.kafka.client_settings import consumer_config
+from odl.train.train_module import TrainModule
 from odl.train.trainer import Trainer, TrainerOptions
 from publisher import incremental_publisher
 from tests.online_harness import (

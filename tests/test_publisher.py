@@ -14,9 +14,9 @@ from google.protobuf import text_format
 import publisher.incremental_publisher as incremental_publisher
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.features.feature_builder import FeatureBuilder
-from odl.kafka_client import delta_consumer_config
-from odl.models.train_module import EBC_PREFIX, TrainModule
+from odl.kafka.client_settings import delta_consumer_config
 from odl.protos import pipeline_pb2
+from odl.train.train_module import EBC_PREFIX, TrainModule
 from publisher.delta_codec import (
     VersionAssembler,
     build_id_maps,

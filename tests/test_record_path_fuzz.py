@@ -40,9 +40,9 @@ from odl.features.feature_builder import (
     FeatureBuilder,
 )
 from odl.features.record_parser import REJECT_REASONS
-from odl.kafka_client import consumer_config
-from odl.models.train_module import TrainModule
-from odl.train.dead_letter import REASON_HEADER, SOURCE_HEADER
+from odl.inputs.dead_letter import REASON_HEADER, SOURCE_HEADER
+from odl.kafka.client_settings import consumer_config
+from odl.train.train_module import TrainModule
 from publisher.delta_codec import VersionHeader, decode_chunk, encode_version
 from tests.online_harness import (
     end_offsets,

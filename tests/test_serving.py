@@ -15,7 +15,7 @@ import torch
 from odl.checkpoint.checkpoint_manager import CheckpointManager, read_checkpoint
 from odl.config.pipeline_config import config_to_text
 from odl.export.exporter import export_checkpoint
-from odl.models.train_module import TrainModule
+from odl.train.train_module import TrainModule
 from publisher.delta_codec import VersionHeader, encode_version, read_id_maps
 from publisher.delta_recovery import read_published_state
 from serving_plugin.serving_model import ServingModel

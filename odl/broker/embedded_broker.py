@@ -11,7 +11,7 @@ records produced since the last start are lost). Its stdout/stderr are appended 
 ``D/broker.log`` (it always prints a harmless glibc "weak version GLIBC_2.39" warning).
 
 Quirk: the broker ignores fetch size limits, so consumers need ``receive.message.max.bytes``
-at its maximum, which ``odl.kafka_client.consumer_config`` sets. A consumer far behind gets
+at its maximum, which ``odl.kafka.client_settings.consumer_config`` sets. A consumer far behind gets
 its whole backlog in one response (244 MB in 0.6-0.7 s on an idle broker); more than 2 GiB
 cannot be sent at all.
 
@@ -47,7 +47,7 @@ import psutil
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from odl.kafka_client import admin_config
+from odl.kafka.client_settings import admin_config
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ stands in for those defaults. Every ``interval`` seconds it looks for topics it 
 (every topic again each ``recheck_secs``) and sets, with the standard IncrementalAlterConfigs
 request, each of ``retention.bytes`` and ``retention.ms`` that the topic does not set itself
 (and ``segment.bytes`` with ``retention.bytes``), to the values of its
-:class:`~odl.broker.topic_admin.Retention`.
+:class:`~odl.kafka.topic_admin.Retention`.
 Internal topics (``__`` names) are left alone. The broker then enforces them as any Kafka
 broker does.
 
@@ -44,7 +44,8 @@ import psutil
 from confluent_kafka import KafkaException
 from confluent_kafka.admin import AdminClient
 
-from odl.broker.topic_admin import (
+from odl.kafka.client_settings import admin_config
+from odl.kafka.topic_admin import (
     DEFAULT_RETENTION_HOURS,
     DEFAULT_RETENTION_MB,
     RETENTION_KEYS,
@@ -53,7 +54,6 @@ from odl.broker.topic_admin import (
     set_topic_configs,
     topic_configs,
 )
-from odl.kafka_client import admin_config
 
 logger = logging.getLogger(__name__)
 

@@ -33,7 +33,7 @@ from typing import Any, Optional
 
 import torch
 
-from odl.file_digest import sha256_file
+from odl.checkpoint.file_digest import sha256_file
 
 logger = logging.getLogger(__name__)
 

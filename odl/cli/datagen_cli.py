@@ -30,9 +30,9 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from odl.broker.topic_admin import TopicAdminError, create_topic, list_topics
 from odl.datagen.synthetic_ctr import FORMATS, SyntheticCtrStream
-from odl.kafka_client import producer_config, redact_settings
+from odl.kafka.client_settings import producer_config, redact_settings
+from odl.kafka.topic_admin import TopicAdminError, create_topic, list_topics
 
 logger = logging.getLogger(__name__)
 

@@ -49,7 +49,7 @@ import psutil
 
 import odl
 from odl.broker.embedded_broker import BrokerError, EmbeddedBroker, log_tail, port_in_use
-from odl.broker.topic_admin import (
+from odl.kafka.topic_admin import (
     DEFAULT_RETENTION_HOURS,
     DEFAULT_RETENTION_MB,
     Retention,

@@ -83,15 +83,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (ValueError, AttributeError) as exc:
             print(f"odl-serve: --kafka_config is not a JSON object: {exc}", file=sys.stderr)
             return 2
-    from odl.http_auth import AuthConfigError, resolve_auth_token
+    from odl.http.auth import AuthConfigError, resolve_auth_token
 
     try:  # before the heavy imports: a bad token file is reported at once
         token = resolve_auth_token(args.auth_token_file or None)
     except AuthConfigError as exc:
         print(f"odl-serve: {exc}", file=sys.stderr)
         return 2
-    from odl.cli.torch_runtime import configure_torch_threads
     from odl.config.config_error import ConfigError
+    from odl.train.torch_runtime import configure_torch_threads
     from serving_plugin.serving_model import ExportLoadError
     from serving_plugin.serving_service import PredictLimits, ServingService
 

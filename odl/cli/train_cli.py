@@ -13,7 +13,7 @@ Examples::
         --auth_token_file /etc/odl/token
 
 Before anything is built, a start (and ``--validate_only``) checks the config on its own
-(``validate_pipeline_config``) and against this machine (``odl.config.startup_checks``:
+(``validate_pipeline_config``) and against this machine (``odl.train.startup_checks``:
 device and table optimizer, writable ``model_dir``, ``fine_tune_checkpoint``, librdkafka
 settings, estimated memory).
 
@@ -88,9 +88,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         load_pipeline_config,
         validate_pipeline_config,
     )
-    from odl.config.startup_checks import check_start
     from odl.features.feature_builder import FeatureBuilder
-    from odl.http_auth import AuthConfigError, resolve_auth_token
+    from odl.http.auth import AuthConfigError, resolve_auth_token
+    from odl.train.startup_checks import check_start
 
     try:
         config = load_pipeline_config(
@@ -114,7 +114,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("config OK")
         return 0
 
-    from odl.cli.torch_runtime import configure_torch_threads
+    from odl.train.torch_runtime import configure_torch_threads
     from odl.train.trainer import Trainer, TrainerOptions
 
     configure_torch_threads(args.torch_threads)

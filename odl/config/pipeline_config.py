@@ -10,7 +10,7 @@ Every problem is reported as a :class:`ConfigError` naming the field by its dott
   fields, ``[i]`` indexes, ``[a:b]`` slices and ``[field=value]`` selectors.
 * :func:`validate_pipeline_config` checks the cross-field rules a trainer relies on, the
   size bounds of :mod:`odl.config.limits`, finite floats and local paths (the checks
-  against the machine are :mod:`odl.config.startup_checks`).
+  against the machine are :mod:`odl.train.startup_checks`).
 * :func:`config_to_text` / :func:`save_pipeline_config` write a config with secrets masked.
 """
 
@@ -33,7 +33,7 @@ from google.protobuf.message import Message
 
 from odl.config import limits
 from odl.config.config_error import ConfigError
-from odl.kafka_client import SECRET_SETTING_MARKERS
+from odl.kafka.client_settings import SECRET_SETTING_MARKERS
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)

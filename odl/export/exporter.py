@@ -74,9 +74,9 @@ import torch
 from torch import nn
 
 from odl.checkpoint.checkpoint_manager import read_checkpoint, resolve_checkpoint_path
+from odl.checkpoint.file_digest import sha256_file
 from odl.config.pipeline_config import config_to_text
 from odl.features.feature_builder import FeatureBuilder
-from odl.file_digest import sha256_file
 from odl.models.deepfm import DeepFM, DeepFMDense
 from odl.models.embedding_tables import WIDE_SUFFIX
 from odl.models.model_factory import build_model

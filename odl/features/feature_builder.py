@@ -37,7 +37,7 @@ built again record by record; each record whose own build raises is rejected as
 batch.
 
 Building is split in two so that the costly part can run in a worker process
-(``odl.features.feature_build_worker``): ``build_arrays`` parses, hashes and bucketizes into
+(``odl.inputs.feature_build_worker``): ``build_arrays`` parses, hashes and bucketizes into
 numpy arrays (:class:`BatchArrays`) and needs no torch; ``to_batch`` wraps those arrays as
 tensors and a KeyedJaggedTensor without copying. This module imports torch only inside
 ``to_batch``, so a worker that only calls ``build_arrays`` never loads it.

@@ -5,7 +5,7 @@ Python and numpy) shares the GIL and the interpreter with the train step, and th
 slower beside it (docs/benchmarks.md: +9-20 % on CPU, +34-38 % on CUDA, where the step is
 mostly Python). ``KafkaInputProcess`` runs the whole input in one child process instead: a
 :class:`~odl.inputs.kafka_source.KafkaSource` feeding a
-:class:`~odl.train.batch_prefetcher.BatchPrefetcher` that builds numpy arrays (in the child's
+:class:`~odl.inputs.batch_prefetcher.BatchPrefetcher` that builds numpy arrays (in the child's
 reader thread, or in ``num_workers`` feature build workers the child starts). The trainer's
 process only receives finished arrays and wraps them as tensors without a copy.
 
@@ -20,12 +20,12 @@ Flow control is by credit: the trainer grants ``max_queued`` batches at start an
 each batch it takes, and the child sends a batch only against a credit. The child's own
 prefetcher holds at most ``max_queued`` more.
 
-The child is started by :mod:`odl.child_process` (SIGINT and SIGTERM ignored from its first
+The child is started by :mod:`odl.inputs.child_process` (SIGINT and SIGTERM ignored from its first
 moment: the trainer decides when the input stops) and imports numpy, pyarrow, protobuf and
 confluent-kafka, not torch. It exits when the trainer sends ``close`` or closes the socket
 (including by dying). Its log lines go to the trainer's stderr, tagged ``odl-input[pid]``.
 
-Wire layout, over one socketpair (``odl.child_process`` framing); both ends are this module:
+Wire layout, over one socketpair (``odl.inputs.child_process`` framing); both ends are this module:
 
 * trainer -> child, first: ``("init", InputProcessInit)``
 * trainer -> child: ``("credit", n)``: room for n more batches;
@@ -52,10 +52,10 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from odl.child_process import run_child, spawn_child
+from odl.inputs.batch_prefetcher import END, PreparedBatch, PreparedBatchQueue
+from odl.inputs.child_process import run_child, spawn_child
 from odl.inputs.kafka_source import PartitionState, RawBatch, StartPositions
 from odl.protos import pipeline_pb2
-from odl.train.batch_prefetcher import END, PreparedBatch, PreparedBatchQueue
 
 if TYPE_CHECKING:
     from odl.features.feature_builder import FeatureBuilder
@@ -476,10 +476,10 @@ def _serve(conn: Connection) -> int:
     threading.Thread(target=child.commands, name="input-commands", daemon=True).start()
     prefetcher = None
     try:
-        from odl.features.feature_build_worker import FeatureBuildWorkers
         from odl.features.feature_builder import FeatureBuilder
+        from odl.inputs.batch_prefetcher import BatchPrefetcher
+        from odl.inputs.feature_build_worker import FeatureBuildWorkers
         from odl.inputs.kafka_source import KafkaSource
-        from odl.train.batch_prefetcher import BatchPrefetcher
 
         config = pipeline_pb2.EasyRecConfig.FromString(init.config)
         builder = FeatureBuilder(config)
@@ -559,7 +559,7 @@ def _close_source(child: _Child, prefetcher: Any) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of the input process (see :func:`odl.child_process.run_child`)."""
+    """Entry point of the input process (see :func:`odl.inputs.child_process.run_child`)."""
     return run_child(argv, "odl Kafka input process (internal)", "odl-input", _serve)
 
 

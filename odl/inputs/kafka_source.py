@@ -63,7 +63,7 @@ from typing import Optional
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from odl.kafka_client import consumer_config
+from odl.kafka.client_settings import consumer_config
 
 logger = logging.getLogger(__name__)
 

@@ -36,25 +36,25 @@ from odl.checkpoint.checkpoint_manager import (
     read_checkpoint,
     resolve_checkpoint_path,
 )
-from odl.cli.torch_runtime import usable_cpus
 from odl.config.pipeline_config import (
     config_to_text,
     parse_dead_line,
     parse_offset_info,
 )
-from odl.features.feature_build_worker import FeatureBuildWorkers
 from odl.features.feature_builder import FeatureBuilder
-from odl.http_server import BackgroundHttpServer
+from odl.http.server import BackgroundHttpServer
+from odl.inputs.batch_prefetcher import BatchPrefetcher, PreparedBatch
+from odl.inputs.dead_letter import DeadLetterSink
+from odl.inputs.feature_build_worker import FeatureBuildWorkers
 from odl.inputs.file_source import FileSource
 from odl.inputs.kafka_input_process import KafkaInputProcess
 from odl.inputs.kafka_source import KafkaSource, StartPositions, start_positions_from_config
-from odl.models.train_module import TrainModule
 from odl.protos import pipeline_pb2
-from odl.train.batch_prefetcher import BatchPrefetcher, PreparedBatch
-from odl.train.dead_letter import DeadLetterSink
 from odl.train.progressive_metrics import ProgressiveMetrics
 from odl.train.sample_ledger import SampleLedger
 from odl.train.status_app import build_status_app
+from odl.train.torch_runtime import usable_cpus
+from odl.train.train_module import TrainModule
 from odl.train.trainer_metrics import TrainerMetrics
 from publisher.delta_codec import build_id_maps
 from publisher.delta_recovery import (

@@ -7,10 +7,10 @@ train step, whose Python code needs the GIL between operators. ``FeatureBuildWor
 trainer's process only reads records from Kafka and wraps the returned arrays as tensors
 (``FeatureBuilder.to_batch``, no copy).
 
-Each worker is a child process of :mod:`odl.child_process` (signals ignored from its first
+Each worker is a child process of :mod:`odl.inputs.child_process` (signals ignored from its first
 moment, a socketpair to the trainer) that imports numpy, pyarrow and protobuf only.
 
-Wire layout, over one socketpair per worker (``odl.child_process`` framing):
+Wire layout, over one socketpair per worker (``odl.inputs.child_process`` framing):
 
 * trainer -> worker, first: ``("init", <EasyRecConfig serialized bytes>, max_record_bytes)``
 * worker -> trainer, then: ``("ready", pid)``, or ``("error", traceback text)`` and exit
@@ -36,8 +36,8 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Optional
 
-from odl.child_process import run_child, spawn_child
 from odl.features.feature_builder import ArraysResult
+from odl.inputs.child_process import run_child, spawn_child
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,7 @@ class FeatureBuildWorkers:
             ``self``.
         """
         for _ in range(self.num_workers):
-            proc, sock, conn = spawn_child("odl.features.feature_build_worker")
+            proc, sock, conn = spawn_child("odl.inputs.feature_build_worker")
             worker = _Worker(proc, sock, conn)
             worker.conn.send(("init", self._config_bytes, self._max_record_bytes))
             self._workers.append(worker)
@@ -240,6 +240,6 @@ def _serve(conn: Connection) -> int:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of a worker process (see :func:`odl.child_process.run_child`)."""
+    """Entry point of a worker process (see :func:`odl.inputs.child_process.run_child`)."""
     return run_child(argv, "odl feature build worker (internal)", "odl-feature-worker", _serve,
                      level=logging.WARNING)

@@ -33,8 +33,8 @@ from typing import Optional
 from confluent_kafka import KafkaException, Producer
 from prometheus_client import CollectorRegistry, Counter
 
-from odl.broker.topic_admin import create_topic
-from odl.kafka_client import producer_config
+from odl.kafka.client_settings import producer_config
+from odl.kafka.topic_admin import create_topic
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,7 @@ from odl.config.config_error import ConfigError
 from odl.config.memory_estimate import MemoryEstimate, check_memory, resolve_max_memory_fraction
 from odl.config.optimizer_support import optimizer_choices, supported_sparse_optimizers
 from odl.config.pipeline_config import REDACTED, SECRET_FIELD_MARKERS
-from odl.kafka_client import consumer_config, delta_consumer_config, producer_config
+from odl.kafka.client_settings import consumer_config, delta_consumer_config, producer_config
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)

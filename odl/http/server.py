@@ -3,7 +3,7 @@
 Used by the trainer's status API and by serving. Binds 127.0.0.1 unless told otherwise; port
 0 picks a free port, readable from :attr:`BackgroundHttpServer.port` once started. With an
 auth token every endpoint but ``/healthz`` requires ``Authorization: Bearer <token>``
-(``odl.http_auth``); binding a non-loopback address without one logs a loud warning.
+(``odl.http.auth``); binding a non-loopback address without one logs a loud warning.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Optional
 
 import uvicorn
 
-from odl.http_auth import protect, warn_if_exposed
+from odl.http.auth import protect, warn_if_exposed
 
 logger = logging.getLogger(__name__)
 

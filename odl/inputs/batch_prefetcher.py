@@ -9,7 +9,7 @@ Two ways to build:
 
 * in the reader thread (``workers`` None): ``build`` parses and hashes, holding the GIL the
   train step also needs;
-* in worker processes (:class:`~odl.features.feature_build_worker.FeatureBuildWorkers`): the
+* in worker processes (:class:`~odl.inputs.feature_build_worker.FeatureBuildWorkers`): the
   reader thread submits each batch's records and a collector thread takes the results in
   order, wraps them as tensors (``to_batch``) and queues them. At most ``workers.capacity``
   batches are out at the workers at a time.
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
-from odl.features.feature_build_worker import FeatureBuildWorkers
+from odl.inputs.feature_build_worker import FeatureBuildWorkers
 from odl.inputs.kafka_source import RawBatch
 
 if TYPE_CHECKING:  # torch stays out of the input process (odl/inputs/kafka_input_process.py)

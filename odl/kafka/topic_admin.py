@@ -1,6 +1,7 @@
 """Topic helpers that work against any Kafka-compatible broker (real Kafka or the embedded one).
 
-Every client is built from ``odl.kafka_client`` so the settings odl relies on apply here too.
+Every client is built from ``odl.kafka.client_settings`` so the settings odl relies on
+apply here too.
 
 Retention: :class:`Retention` turns a size per partition and an age into the standard topic
 configs ``retention.bytes``, ``retention.ms`` and ``segment.bytes``, which ``create_topic``
@@ -28,7 +29,7 @@ from confluent_kafka.admin import (
     NewTopic,
 )
 
-from odl.kafka_client import admin_config, consumer_config
+from odl.kafka.client_settings import admin_config, consumer_config
 
 logger = logging.getLogger(__name__)
 
