@@ -12,7 +12,7 @@ venv: $(STAMP)
 
 # Everything pinned in requirements.txt; torchrec with --no-deps (its metadata pulls the
 # CUDA fbgemm-gpu build). On a CUDA machine install fbgemm-gpu matching torch instead of
-# fbgemm-gpu-cpu (see docs/installation.md).
+# fbgemm-gpu-cpu (see docs/training.md#gpu).
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.txt

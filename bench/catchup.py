@@ -47,16 +47,20 @@ from confluent_kafka import Producer  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.checkpoint.checkpoint_manager import CheckpointManager  # noqa: E402
-from odl.config.pipeline_config import config_to_text, parse_pipeline_config_text  # noqa: E402
+from odl.config.config_redaction import config_to_text  # noqa: E402
+from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.export.exporter import export_checkpoint  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
+from odl.harness.topic_records import produce  # noqa: E402
 from odl.kafka.client_settings import producer_config  # noqa: E402
 from odl.kafka.topic_admin import create_topic  # noqa: E402
 from odl.train.torch_runtime import configure_torch_threads  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
-from publisher.delta_codec import VersionHeader, encode_version, read_id_maps  # noqa: E402
+from publisher.delta_encoder import encode_version  # noqa: E402
+from publisher.delta_format import VersionHeader  # noqa: E402
+from publisher.id_maps import read_id_maps  # noqa: E402
 from serving_plugin.serving_service import ServingService  # noqa: E402
 
 logger = logging.getLogger("bench.catchup")
@@ -130,23 +134,6 @@ def make_versions(export: str, n_versions: int, rows: int, dense_every: int,
                                publish_time_ms=now_ms)
         out.append(encode_version(header, dense, sparse, "fp32", MAX_CHUNK_BYTES))
     return out, total
-
-
-def produce(bootstrap: str, chunks: list[bytes]) -> None:
-    """Produces the chunks to partition 0 in order."""
-    conf = producer_config(bootstrap)
-    conf["message.max.bytes"] = 2 << 20
-    producer = Producer(conf)
-    for c in chunks:
-        while True:
-            try:
-                producer.produce(TOPIC, value=c, partition=0)
-                break
-            except BufferError:
-                producer.poll(0.05)
-        producer.poll(0)
-    if producer.flush(300) != 0:
-        raise RuntimeError("chunks not delivered")
 
 
 class LiveWriter:
@@ -268,7 +255,8 @@ def main() -> int:
         chunks = [c for v in versions for c in v]
         nbytes = sum(len(c) for c in chunks)
         t0 = time.perf_counter()
-        produce(broker.bootstrap, chunks)
+        produce(broker.bootstrap, TOPIC, chunks, config={"message.max.bytes": str(2 << 20)},
+                flush_timeout=300)
         produce_secs = time.perf_counter() - t0
         broker.wait_until_idle(timeout=600)
         broker_rss = psutil.Process(broker.pid).memory_info().rss

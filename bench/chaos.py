@@ -10,7 +10,7 @@ half-sent versions. It is restarted with the same command each time and
 finally stopped with SIGTERM once it has read everything. Then:
 
 * records lost / reflected twice: the sample ledger audited against the delta topic as
-  serving assembles it (``tests.crash_harness.reflected_exactly_once``; target 0 / 0);
+  serving assembles it (``odl.harness.exactly_once_audit``; target 0 / 0);
 * half-sent versions found in the delta topic (left by kills; serving must never apply them);
 * recovery time: restart to state ``training`` (target < 15 s);
 * serving: ``odl-serve`` on an export of the first checkpoint replays every generation's
@@ -49,17 +49,14 @@ from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.export.exporter import export_checkpoint  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
+from odl.harness.delta_topic_audit import audit_delta_topic  # noqa: E402
+from odl.harness.exactly_once_audit import reflected_exactly_once  # noqa: E402
+from odl.harness.http_client import free_port, get_json, post_json  # noqa: E402
+from odl.harness.topic_records import make_records, produce  # noqa: E402
+from odl.harness.trainer_killer import TrainerKiller  # noqa: E402
 from odl.kafka.topic_admin import create_topic, end_offsets  # noqa: E402
+from odl.train.sample_ledger import read_ledger  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
-from tests.crash_harness import (  # noqa: E402
-    TrainerKiller,
-    audit_delta_topic,
-    free_port,
-    get_json,
-    post_json,
-    reflected_exactly_once,
-)
-from tests.online_harness import make_records, produce, read_ledger_entries  # noqa: E402
 
 PARTS = 2
 
@@ -201,7 +198,7 @@ def main() -> int:
             stop.set()
             killer.cleanup()
         audit = audit_delta_topic(bootstrap, delta_topic)
-        entries = read_ledger_entries(ledger)
+        entries = read_ledger(ledger)
         lost, twice = reflected_exactly_once(ids, entries, audit.last_complete)
         final = read_checkpoint(list_checkpoints(model_dir)[-1])
         serving = _serving_check(cfg, first_ckpt, final, work, rng)

@@ -62,7 +62,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -81,6 +80,7 @@ from odl.checkpoint.checkpoint_manager import (  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.export.exporter import export_checkpoint  # noqa: E402
+from odl.harness.trainer_process import trainer_json  # noqa: E402
 from odl.kafka.client_settings import consumer_config  # noqa: E402
 from odl.kafka.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.train.trainer import Trainer, TrainerOptions  # noqa: E402
@@ -127,16 +127,6 @@ def start_trainer(config_path: str, log_path: str, *extra: str) -> subprocess.Po
            *extra]
     return subprocess.Popen(cmd, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
                             cwd=REPO, env=CHILD_ENV)
-
-
-def trainer_status(model_dir: str) -> dict | None:
-    try:
-        with open(os.path.join(model_dir, "status.json")) as f:
-            url = json.load(f)["url"]
-        with urllib.request.urlopen(url + "/status", timeout=5) as r:
-            return json.load(r)
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 def read_timestamps(bootstrap: str, ends: dict[int, int]) -> dict[int, np.ndarray]:
@@ -335,7 +325,7 @@ def main() -> int:
         tb = start_trainer(cfg_path, os.path.join(work, "trainer_b.log"))
         deadline = time.monotonic() + 180
         while True:
-            st = trainer_status(model_dir)
+            st = trainer_json(model_dir, "/status")
             if st and st.get("pid") == tb.pid and st.get("state") == "training":
                 break
             if tb.poll() is not None or time.monotonic() > deadline:
@@ -348,7 +338,7 @@ def main() -> int:
         procs = {"broker": psutil.Process(broker.pid), "datagen": psutil.Process(gen.pid),
                  "trainer": psutil.Process(tb.pid), "serving (bench process)": psutil.Process()}
         while gen.poll() is None:
-            st = trainer_status(model_dir)
+            st = trainer_json(model_dir, "/status")
             if st:
                 lag = sum((p.get("lag") or 0) for p in st["input"]["partitions"].values())
                 samples_log.append((time.time(), st["samples_trained"], lag, cpu_seconds(procs)))
@@ -364,7 +354,7 @@ def main() -> int:
                 drained = True
                 break
             time.sleep(0.1)
-        final_status = trainer_status(model_dir) or {}
+        final_status = trainer_json(model_dir, "/status") or {}
         tb.send_signal(signal.SIGTERM)
         tb.wait(120)
         serving_status = svc.status()

@@ -38,12 +38,12 @@ from bench.train_throughput import (  # noqa: E402
     PARTITIONS,
     TOPIC,
     make_config,
-    produce_all,
     time_steps,
 )
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
+from odl.harness.topic_records import produce  # noqa: E402
 from odl.inputs.kafka_source import KafkaSource, start_positions_from_config  # noqa: E402
 from odl.kafka.topic_admin import create_topic  # noqa: E402
 from odl.protos import pipeline_pb2  # noqa: E402
@@ -115,7 +115,7 @@ def main() -> int:
     rates: dict[str, list[float]] = {"alone": [], "input_thread": [], "input_process": []}
     with EmbeddedBroker(port=0, data_dir=os.path.join(work, "kafka")) as broker:
         create_topic(broker.bootstrap, TOPIC, partitions=PARTITIONS)
-        produce_all(broker.bootstrap, TOPIC, values)
+        produce(broker.bootstrap, TOPIC, values, PARTITIONS)
         broker.wait_until_idle()
         config = make_config(os.path.join(work, "model_dir"), broker.bootstrap, TOPIC)
         features = FeatureBuilder(config)

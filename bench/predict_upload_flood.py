@@ -46,11 +46,13 @@ import psutil  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.checkpoint.checkpoint_manager import CheckpointManager  # noqa: E402
-from odl.config.pipeline_config import config_to_text, parse_pipeline_config_text  # noqa: E402
+from odl.config.config_redaction import config_to_text  # noqa: E402
+from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.export.exporter import export_checkpoint  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
+from odl.harness.http_client import free_port  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
 
 MIB = 1 << 20
@@ -82,12 +84,6 @@ def build_export(work: str) -> str:
         tm.global_step, tm.state_dict_for_checkpoint(), {0: 0},
         {"source": "kafka", "topic": "samples"}, config_to_text(config), generation="bench")
     return export_checkpoint(config, ckpt, os.path.join(work, "exports")).path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:

@@ -25,70 +25,27 @@ import argparse
 import collections
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
+from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.hostile_records import hostile_stream  # noqa: E402
+from odl.harness.topic_records import produce  # noqa: E402
+from odl.harness.trainer_process import start_cli_trainer, trainer_json  # noqa: E402
 from odl.inputs.dead_letter import REASON_HEADER, SOURCE_HEADER  # noqa: E402
-from odl.kafka.client_settings import consumer_config, producer_config  # noqa: E402
+from odl.kafka.client_settings import consumer_config  # noqa: E402
 from odl.kafka.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.train.sample_ledger import read_ledger  # noqa: E402
-
-
-def produce_all(bootstrap: str, topic: str, values: list[bytes],
-                partitions: int) -> list[tuple[int, int]]:
-    """Produces round robin; returns (partition, offset) per value."""
-    producer = Producer(producer_config(bootstrap, {"linger.ms": "20",
-                                                    "queue.buffering.max.kbytes": "262144",
-                                                    "message.max.bytes": str(4 << 20)}))
-    where: list[tuple[int, int] | None] = [None] * len(values)
-    errors: list[str] = []
-
-    def report(i: int):
-        def cb(err, msg) -> None:
-            if err is not None:
-                errors.append(str(err))
-            else:
-                where[i] = (msg.partition(), msg.offset())
-        return cb
-
-    for i, v in enumerate(values):
-        while True:
-            try:
-                producer.produce(topic, value=v, partition=i % partitions, on_delivery=report(i))
-                break
-            except BufferError:
-                producer.poll(0.05)
-        if i % 2000 == 0:
-            producer.poll(0)
-    if producer.flush(300) != 0 or errors:
-        raise RuntimeError(f"records not acknowledged: {errors[:3]}")
-    assert all(w is not None for w in where)
-    return where  # type: ignore[return-value]
-
-
-def get_json(model_dir: str, path: str) -> dict | None:
-    """GET a trainer endpoint (None while it is not up)."""
-    try:
-        with open(os.path.join(model_dir, "status.json")) as f:
-            url = json.load(f)["url"]
-        with urllib.request.urlopen(url + path, timeout=10) as r:
-            return json.load(r)
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 def read_dead_letters(bootstrap: str, topic: str, n: int) -> list[dict]:
@@ -132,7 +89,9 @@ def main() -> int:
         records = list(hostile_stream(args.records, args.seed, args.hostile_fraction,
                                       huge_field_bytes=tuple(k << 10 for k in args.huge_kb)))
         values = [v for _, _, v in records]
-        where = produce_all(bs, topic, values, args.partitions)
+        where = produce(bs, topic, values, args.partitions, config={
+            "linger.ms": "20", "queue.buffering.max.kbytes": "262144",
+            "message.max.bytes": str(4 << 20)}, flush_timeout=300)
         ends = end_offsets(bs, topic)
         print(f"produced {len(values):,} records ({sum(map(len, values)) / 2**20:.0f} MiB, "
               f"{sum(k != 'good' for _, k, _ in records):,} hostile) in "
@@ -150,10 +109,7 @@ def main() -> int:
             f.write(text)
         ledger = os.path.join(work, "ledger.tsv")
         log_path = os.path.join(work, "trainer.log")
-        cmd = [sys.executable, "-m", "odl.cli.train_cli", "--pipeline_config_path", cfg,
-               "--online", "--device", "cpu", "--status_port", "0", "--sample_ledger", ledger]
-        with open(log_path, "ab") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = start_cli_trainer(cfg, log_path, "--sample_ledger", ledger)
         t_start = time.monotonic()
         deadline = t_start + args.timeout
         last: dict = {}
@@ -161,8 +117,8 @@ def main() -> int:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"trainer exited early with {proc.returncode}; see {log_path}")
-            off = get_json(model_dir, "/offsets")
-            status = get_json(model_dir, "/status")
+            off = trainer_json(model_dir, "/offsets", timeout=10)
+            status = trainer_json(model_dir, "/status", timeout=10)
             if status is not None:
                 last = status
             if off is not None:
@@ -178,7 +134,7 @@ def main() -> int:
         else:
             raise RuntimeError("the trainer did not reach the topic's end in time")
         drain = time.monotonic() - t_start
-        last = get_json(model_dir, "/status") or last
+        last = trainer_json(model_dir, "/status", timeout=10) or last
         Path(model_dir, "OSS_STOP_SIGNAL").touch()
         rc = proc.wait(timeout=300)
 

@@ -48,27 +48,25 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from confluent_kafka import Producer  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.checkpoint.checkpoint_manager import CheckpointManager  # noqa: E402
-from odl.config.pipeline_config import config_to_text, parse_pipeline_config_text  # noqa: E402
+from odl.config.config_redaction import config_to_text  # noqa: E402
+from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.export.exporter import export_checkpoint  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
-from odl.kafka.client_settings import producer_config  # noqa: E402
+from odl.harness.topic_records import produce  # noqa: E402
 from odl.kafka.topic_admin import create_topic  # noqa: E402
 from odl.train.torch_runtime import configure_torch_threads  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
-from publisher.delta_codec import (  # noqa: E402
-    VersionAssembler,
-    VersionHeader,
-    decode_chunk,
-    encode_version,
-    read_id_maps,
-)
+from publisher.delta_decoder import decode_chunk  # noqa: E402
+from publisher.delta_encoder import encode_version  # noqa: E402
+from publisher.delta_format import VersionHeader  # noqa: E402
+from publisher.id_maps import read_id_maps  # noqa: E402
+from publisher.version_assembler import VersionAssembler  # noqa: E402
 from serving_plugin.serving_model import ServingModel  # noqa: E402
 from serving_plugin.serving_service import ServingService  # noqa: E402
 
@@ -164,22 +162,6 @@ def make_versions(export: str, total_rows: int, n_versions: int, first_version: 
                                publish_time_ms=now_ms)
         out.append(encode_version(header, dense, sparse, "fp32", MAX_CHUNK_BYTES))
     return out, rows
-
-
-def produce(bootstrap: str, topic: str, chunks: list[bytes]) -> int:
-    conf = producer_config(bootstrap)
-    conf["message.max.bytes"] = 2 << 20
-    producer = Producer(conf)
-    for c in chunks:
-        while True:
-            try:
-                producer.produce(topic, value=c, partition=0)
-                break
-            except BufferError:
-                producer.poll(0.05)
-        producer.poll(0)
-    assert producer.flush(120) == 0
-    return len(chunks)
 
 
 def end_to_end(export_root: str, n_versions: int, rows: int) -> dict:
@@ -284,7 +266,7 @@ def main() -> int:
         versions, rows = make_versions(export, args.rows, args.versions, base_version)
         chunks = [c for v in versions for c in v]
         nbytes = sum(len(c) for c in chunks)
-        produce(broker.bootstrap, topic, chunks)
+        produce(broker.bootstrap, topic, chunks, config={"message.max.bytes": str(2 << 20)})
         print(f"setup: export + {args.versions} versions, {rows:,} rows, {len(chunks)} chunks, "
               f"{nbytes / 1e6:.1f} MB produced in {time.perf_counter() - t0:.1f}s", flush=True)
 

@@ -44,7 +44,6 @@ from collections.abc import Callable
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import psutil  # noqa: E402
-from confluent_kafka import Producer  # noqa: E402
 
 from bench.plain_pytorch_deepfm import PlainDeepFM  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
@@ -53,7 +52,7 @@ from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
-from odl.kafka.client_settings import producer_config  # noqa: E402
+from odl.harness.topic_records import produce  # noqa: E402
 from odl.kafka.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.train.torch_runtime import configure_torch_threads, usable_cpus  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
@@ -71,21 +70,6 @@ def make_config(model_dir: str, server: str, topic: str):
         extra_train="metrics_window_samples: 100000",
     )
     return parse_pipeline_config_text(text)
-
-
-def produce_all(bootstrap: str, topic: str, values: list[bytes]) -> dict[int, int]:
-    producer = Producer(producer_config(bootstrap))
-    for i, v in enumerate(values):
-        while True:
-            try:
-                producer.produce(topic, value=v, partition=i % PARTITIONS)
-                break
-            except BufferError:  # local queue full: let deliveries drain
-                producer.poll(0.05)
-        if i % 5000 == 4999:
-            producer.poll(0)
-    assert producer.flush(60) == 0
-    return end_offsets(bootstrap, topic)
 
 
 def _cpu_seconds(proc: psutil.Process) -> float:
@@ -180,7 +164,8 @@ def main() -> int:
         # model_dir). The embedded broker rewrites its whole data file after a write; wait for
         # that save so it does not share the machine with the first measurement.
         create_topic(broker.bootstrap, TOPIC, partitions=PARTITIONS)
-        ends = produce_all(broker.bootstrap, TOPIC, values)
+        produce(broker.bootstrap, TOPIC, values, PARTITIONS)
+        ends = end_offsets(broker.bootstrap, TOPIC)
         broker.wait_until_idle()
         broker_proc = psutil.Process(broker.pid)
         for r in range(args.rounds):

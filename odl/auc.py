@@ -35,8 +35,7 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
     if pos.size == 0 or neg.size == 0:
         return float("nan")
     # Mann-Whitney by counting: for each positive, the negatives scored below it, plus half
-    # of those tied with it. Two sorts and two binary searches instead of ranking all scores
-    # with one argsort: 5-8 ms against 15 ms for 100k scores in one-off timings, same result.
+    # of those tied with it: two sorts and two binary searches, no ranking of all scores.
     below = np.searchsorted(neg, pos, side="left")
     tied = np.searchsorted(neg, pos, side="right") - below
     wins = float(below.sum(dtype=np.int64)) + 0.5 * float(tied.sum(dtype=np.int64))

@@ -15,6 +15,9 @@ the topic's end:
 * the last complete version's header gives the global step and the input positions the
   state covers, i.e. the recovery point.
 
+``RecoveryMerger`` does the decoding, fencing, assembling and merging message by message and
+needs no broker; ``read_published_state`` feeds it the topic.
+
 Every checkpoint the trainer writes equals a fully published version (it publishes and
 waits for the acknowledgement first), so checkpoint + these versions is exactly the model
 serving converges to. Depends on the delta codec, numpy, torch and confluent_kafka only.
@@ -36,15 +39,11 @@ import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from odl.kafka.client_settings import delta_consumer_config
-from publisher.delta_codec import (
-    DeltaFormatError,
-    DeltaVersion,
-    IdMaps,
-    VersionAssembler,
-    VersionHeader,
-    decode_chunk,
-)
+from publisher.delta_decoder import decode_chunk
+from publisher.delta_format import DeltaFormatError, DeltaVersion, VersionHeader
 from publisher.generation_fence import FENCED_REASON, GenerationFence
+from publisher.id_maps import IdMaps
+from publisher.version_assembler import VersionAssembler
 
 logger = logging.getLogger(__name__)
 
@@ -108,26 +107,95 @@ class RecoveredState:
         return {int(p): int(o) for t, p, o in self.last_header.positions if t == topic}
 
 
-class _Merger:
-    """Accumulates versions; newest value per row / variable wins."""
+class RecoveryMerger:
+    """Folds delta-topic messages, in topic order, into a ``RecoveredState``.
 
-    def __init__(self) -> None:
-        self.dense: dict[int, np.ndarray] = {}
-        self.parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    Each message goes through what serving does with it (decode, generation fence,
+    all-or-nothing assembly); every complete version newer than ``min_version`` is merged,
+    the newest value of each row / variable winning. ``read_published_state`` feeds it the
+    topic's messages; it needs no broker.
 
-    def add(self, version: DeltaVersion) -> None:
-        self.dense.update(version.dense)
+    Args:
+        state: the state to fill.
+        min_version: complete versions at or below this step are skipped; None = keep all.
+        owner: the generation that owns the topic at the first message (None: unknown).
+        max_message_bytes: largest delta message accepted by the decoder.
+    """
+
+    def __init__(self, state: RecoveredState, min_version: Optional[int] = None,
+                 owner: Optional[str] = None, max_message_bytes: int = 64 << 20) -> None:
+        self.state = state
+        self._min_version = min_version
+        self._max_bytes = max_message_bytes
+        self._fence = GenerationFence(owner)
+        self._assembler = VersionAssembler(max_pending_versions=1 << 20,
+                                           max_pending_bytes=1 << 62)
+        self._dense: dict[int, np.ndarray] = {}
+        self._parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def add(self, data: bytes, offset: int) -> None:
+        """Handles the message at ``offset``: rejected, fenced, pending, skipped or merged.
+
+        Args:
+            data: the message value.
+            offset: its offset in the delta topic (for the logs).
+        """
+        state = self.state
+        try:
+            if not data:
+                raise DeltaFormatError("empty", "empty message")
+            chunk = decode_chunk(data, max_bytes=self._max_bytes)
+            if not self._fence.admit(chunk.header.generation):
+                state.rejected[FENCED_REASON] += 1
+                logger.warning("delta recovery: message at offset %d is from generation %s, "
+                               "superseded by %s: ignored", offset, chunk.header.generation,
+                               self._fence.owner)
+                return
+            version = self._assembler.add(chunk)
+        except DeltaFormatError as exc:
+            state.rejected[exc.reason] += 1
+            logger.warning("delta recovery: rejected message at offset %d: %s", offset, exc)
+            return
+        if version is None:
+            return
+        h = version.header
+        if self._min_version is not None and h.version <= self._min_version:
+            state.skipped_versions += 1
+            logger.info("delta recovery: version %d (%s) is not newer than the checkpoint (%d): "
+                        "skipped", h.version, h.generation, self._min_version)
+            return
+        self._merge(version)
+        state.versions += 1
+        state.last_header = h
+        if not state.generations or state.generations[-1] != h.generation:
+            state.generations.append(h.generation)
+
+    def _merge(self, version: DeltaVersion) -> None:
+        self._dense.update(version.dense)
         for tid, part in version.sparse.items():
-            self.parts.setdefault(int(tid), []).append(part)
+            self._parts.setdefault(int(tid), []).append(part)
 
-    def sparse(self) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-        out = {}
-        for tid, parts in self.parts.items():
+    def finish(self) -> RecoveredState:
+        """Drops the versions still incomplete and fills in the merged values.
+
+        Returns:
+            The state.
+        """
+        state = self.state
+        pending = self._assembler.pending_versions
+        state.dropped_versions = self._assembler.dropped_versions + pending
+        if pending:
+            logger.warning("delta recovery: %d incomplete version(s) at the end of %s (half-sent "
+                           "when the trainer stopped) ignored", pending, state.topic)
+        state.dense = self._dense
+        sparse = {}
+        for tid, parts in self._parts.items():
             ids = np.concatenate([p[0] for p in reversed(parts)])
             values = np.concatenate([p[1] for p in reversed(parts)])
             uniq, first = np.unique(ids, return_index=True)  # first = from the newest version
-            out[tid] = (uniq, values[first])
-        return out
+            sparse[tid] = (uniq, values[first])
+        state.sparse = sparse
+        return state
 
 
 def delta_topic_end(server: str, topic: str, kafka_config: Optional[Mapping[str, str]] = None,
@@ -220,19 +288,16 @@ def read_published_state(
             state.end_offset = max(int(start_offset), int(high))
             state.seconds = time.monotonic() - t0
             return state
-        _consume(consumer, topic, begin, int(high), state, min_version, stop, timeout,
-                 max_message_bytes, GenerationFence(owner))
+        merger = RecoveryMerger(state, min_version, owner, max_message_bytes)
+        _consume(consumer, topic, begin, int(high), merger, stop, timeout)
     finally:
         consumer.close()
     state.seconds = time.monotonic() - t0
     return state
 
 
-def _consume(consumer: Consumer, topic: str, begin: int, high: int, state: RecoveredState,
-             min_version: Optional[int], stop: Optional[threading.Event], timeout: float,
-             max_message_bytes: int, fence: GenerationFence) -> None:
-    assembler = VersionAssembler(max_pending_versions=1 << 20, max_pending_bytes=1 << 62)
-    merger = _Merger()
+def _consume(consumer: Consumer, topic: str, begin: int, high: int, merger: RecoveryMerger,
+             stop: Optional[threading.Event], timeout: float) -> None:
     tp = TopicPartition(topic, 0, begin)
     consumer.assign([tp])
     next_offset = begin
@@ -267,49 +332,9 @@ def _consume(consumer: Consumer, topic: str, begin: int, high: int, state: Recov
             if offset >= high:
                 continue
             next_offset = max(next_offset, offset + 1)
-            _handle(msg.value() or b"", offset, assembler, merger, state, min_version,
-                    max_message_bytes, fence)
-    state.end_offset = next_offset
-    pending = assembler.pending_versions
-    state.dropped_versions = assembler.dropped_versions + pending
-    if pending:
-        logger.warning("delta recovery: %d incomplete version(s) at the end of %s (half-sent "
-                       "when the trainer stopped) ignored", pending, topic)
-    state.dense = merger.dense
-    state.sparse = merger.sparse()
-
-
-def _handle(data: bytes, offset: int, assembler: VersionAssembler, merger: _Merger,
-            state: RecoveredState, min_version: Optional[int], max_bytes: int,
-            fence: GenerationFence) -> None:
-    try:
-        if not data:
-            raise DeltaFormatError("empty", "empty message")
-        chunk = decode_chunk(data, max_bytes=max_bytes)
-        if not fence.admit(chunk.header.generation):
-            state.rejected[FENCED_REASON] += 1
-            logger.warning("delta recovery: message at offset %d is from generation %s, "
-                           "superseded by %s: ignored", offset, chunk.header.generation,
-                           fence.owner)
-            return
-        version = assembler.add(chunk)
-    except DeltaFormatError as exc:
-        state.rejected[exc.reason] += 1
-        logger.warning("delta recovery: rejected message at offset %d: %s", offset, exc)
-        return
-    if version is None:
-        return
-    h = version.header
-    if min_version is not None and h.version <= min_version:
-        state.skipped_versions += 1
-        logger.info("delta recovery: version %d (%s) is not newer than the checkpoint (%d): "
-                    "skipped", h.version, h.generation, min_version)
-        return
-    merger.add(version)
-    state.versions += 1
-    state.last_header = h
-    if not state.generations or state.generations[-1] != h.generation:
-        state.generations.append(h.generation)
+            merger.add(msg.value() or b"", offset)
+    merger.state.end_offset = next_offset
+    merger.finish()
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Writes delta versions to files.
+"""Writes delta versions to files (a ``publisher.delta_sink.DeltaSink``).
 
 Directory layout (``incr_save_dir``)::
 
@@ -18,6 +18,7 @@ import logging
 import os
 import struct
 from collections.abc import Iterator, Sequence
+from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -36,12 +37,25 @@ class FsSink:
 
     Args:
         directory: the target directory (created when missing).
+
+    Attributes:
+        directory: the target directory.
+        description: ``fs <directory>``.
+        topic: None (versions go to files, not to a topic).
+        servers: ``""``.
+        broker_error: None (no broker).
     """
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
         os.makedirs(directory, exist_ok=True)
         self.description = f"fs {directory}"
+        self.topic: Optional[str] = None
+        self.servers = ""
+        self.broker_error: Optional[str] = None
+
+    def claim(self, timeout: float = 30.0) -> None:
+        """Nothing to claim: a directory has no fencing (the generation rule still holds)."""
 
     def send(self, version: int, generation: str, chunks: Sequence[bytes],
              timeout: float = 30.0) -> int:
@@ -71,6 +85,10 @@ class FsSink:
             os.fsync(f.fileno())
         os.replace(done_tmp, path[: -len(DELTA_SUFFIX)] + DONE_SUFFIX)
         return -1
+
+    def status(self) -> dict[str, Any]:
+        """No sink-specific status."""
+        return {}
 
     def close(self, timeout: float = 5.0) -> None:
         """Nothing to release."""

@@ -2,13 +2,14 @@
 
 Topic layout: ONE partition (total order of versions), created when missing with
 ``max.message.bytes`` = 16 MiB. Each message is one serialized ``DeltaChunk``
-(``publisher.delta_codec``), no key, no headers; the chunks of a version are consecutive
+(``publisher.delta_encoder``), no key, no headers; the chunks of a version are consecutive
 messages in chunk order. A version counts as published only when every one of its chunks
 has been acknowledged (idempotent producer, acks=all). ``send`` returns the topic offset of
 the version's last chunk, so ``offset + 1`` is where a consumer continues after that version.
 
-Outages: librdkafka keeps reconnecting by itself; ``broker_error`` (set from the producer's
-``error_cb``, cleared by the next acknowledged version) says why the broker is unreachable.
+Outages: librdkafka keeps reconnecting by itself; ``broker_error`` (set by the rules of
+``odl.kafka.broker_health`` from the producer's ``error_cb`` and failed deliveries, cleared
+by the next acknowledged version) says why the broker is unreachable.
 A send that fails or times out drops the producer (its queue is purged, so a stale copy can
 never be delivered after a newer version) and the next send starts a fresh one. The same
 happens after a fatal producer error, e.g. ``OUT_OF_ORDER_SEQUENCE_NUMBER`` when a restarted
@@ -38,13 +39,14 @@ from typing import Optional
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from odl.kafka.broker_health import BrokerHealth
 from odl.kafka.client_settings import producer_config
 from odl.kafka.topic_admin import create_topic
+from publisher.delta_sink import DeltaSinkError, DeltaSinkFenced, DeltaSinkUnsupported
 
 logger = logging.getLogger(__name__)
 
 DELTA_TOPIC_MAX_MESSAGE_BYTES = 16 << 20
-_UNREACHABLE_CODES = (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE)
 # A newer producer with the same transactional.id took over.
 _FENCED_CODES = (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
                  KafkaError.INVALID_PRODUCER_EPOCH)
@@ -54,18 +56,6 @@ _NO_TRANSACTIONS_CODES = (
     KafkaError.TRANSACTIONAL_ID_AUTHORIZATION_FAILED, KafkaError.CLUSTER_AUTHORIZATION_FAILED,
     KafkaError.INVALID_TRANSACTION_TIMEOUT,
 )
-
-
-class DeltaSinkError(RuntimeError):
-    """A version could not be published (it may be partially written)."""
-
-
-class DeltaSinkFenced(DeltaSinkError):
-    """A newer trainer publishes to the delta topic: this one must stop publishing."""
-
-
-class DeltaSinkUnsupported(DeltaSinkError):
-    """The broker refuses the transactional producer that ``fence=True`` needs."""
 
 
 def delta_transactional_id(topic: str) -> str:
@@ -114,8 +104,7 @@ class KafkaSink:
         self._closed = False
         self._fatal: Optional[str] = None
         self._fatal_code: Optional[int] = None
-        self.broker_error: Optional[str] = None
-        self.broker_error_since: Optional[float] = None
+        self.health = BrokerHealth(f"delta broker of {topic}")
         self.producer_restarts = 0
         self.fenced: Optional[str] = None
         # a transactional producer is created (and claims the topic) by claim() / send()
@@ -128,19 +117,17 @@ class KafkaSink:
         if err.fatal():
             self._fatal = err.str()
             self._fatal_code = err.code()
-            logger.error("delta producer fatal error: %s", err.str())
-        elif err.code() in _UNREACHABLE_CODES:
-            if self.broker_error is None:
-                self.broker_error_since = time.time()
-                logger.warning("delta broker unreachable: %s", err.str())
-            self.broker_error = err.str()
+        self.health.on_client_error(err)
 
-    def _reachable(self) -> None:
-        if self.broker_error is not None:
-            logger.info("delta broker reachable again after %.1fs",
-                        time.time() - (self.broker_error_since or time.time()))
-        self.broker_error = None
-        self.broker_error_since = None
+    @property
+    def broker_error(self) -> Optional[str]:
+        """Why the delta broker is unreachable, or None (``odl.kafka.broker_health`` rules)."""
+        return self.health.error
+
+    @property
+    def broker_error_since(self) -> Optional[float]:
+        """When ``broker_error`` was first set (unix seconds), or None."""
+        return self.health.since
 
     def _drop_producer(self, why: str) -> None:
         """Discards the producer and everything it still holds; the next send makes a new one."""
@@ -233,10 +220,8 @@ class KafkaSink:
         try:
             self._ensure_topic()
         except Exception as exc:  # noqa: BLE001 - any admin failure means "not published"
-            if self.broker_error is None:
-                self.broker_error_since = time.time()
-            self.broker_error = f"delta topic {self.topic} unavailable: {exc}"
-            raise DeltaSinkError(self.broker_error) from exc
+            self.health.unreachable(f"delta topic {self.topic} unavailable: {exc}")
+            raise DeltaSinkError(f"delta topic {self.topic} unavailable: {exc}") from exc
         producer = self._get_producer(timeout)
         try:
             if self.fence:
@@ -249,7 +234,7 @@ class KafkaSink:
         except Exception as exc:  # noqa: BLE001 - KafkaException, or the SystemError that
             # confluent-kafka raises from flush() when a fatal error meets a delivery callback
             self._failed(DeltaSinkError(f"version {version} ({generation}): {exc}"), exc)
-        self._reachable()
+        self.health.reachable()
         return offset
 
     def _failed(self, error: DeltaSinkError, cause: Optional[BaseException]) -> None:
@@ -322,6 +307,8 @@ class KafkaSink:
             producer.flush(min(left, 1.0))
         errors = [err for err, _ in results if err is not None]
         if errors:
+            if isinstance(errors[0], KafkaError):
+                self.health.on_request_error(errors[0])
             raise DeltaSinkError(f"version {version} ({generation}): delivery failed: "
                                  f"{errors[0]}")
         return max(off for _, off in results)

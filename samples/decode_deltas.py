@@ -3,7 +3,7 @@ r"""Example decoder of odl's delta stream, written for serving engineers to adap
 It reads the versions a trainer published (``train_config.incr_save_config``) either from the
 delta topic or from an fs ``incr_save_dir``, decodes every chunk with the generated protobuf
 classes (``odl.protos.delta_pb2``) and numpy only -- deliberately NOT through
-``publisher.delta_codec``, so that it doubles as an independent description of the format
+``publisher.delta_decoder``, so that it doubles as an independent description of the format
 (``docs/publishing.md``, "Wire format") -- and prints one line per complete version::
 
     .venv/bin/python samples/decode_deltas.py --bootstrap 127.0.0.1:9092 --topic odl_deltas

@@ -3,7 +3,8 @@
 Public API:
 
 * ``serving_model.ServingModel`` (``load``, ``predict_values``, ``predict_batch``,
-  ``apply_version``) and ``find_latest_export`` / ``read_kafka_txt``;
+  ``apply_version``);
+* ``export_reader`` (``read_export``, ``find_latest_export``, ``read_kafka_txt``);
 * ``delta_replayer.DeltaReplayer`` (``handle`` one message, ``start`` / ``stop`` the topic
   thread, ``wait_for_offset``);
 * ``serving_service.ServingService`` (model + replayer + FastAPI app; ``start`` / ``stop``);

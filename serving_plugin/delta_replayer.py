@@ -42,10 +42,10 @@ prefetched messages on pause and, in a one-off test, started fetching only ~1 s 
 resume (0.3-15 ms after an assign). Adds about one to two intervals to a version's apply time.
 
 Outages: librdkafka reconnects by itself and the consumer resumes at ``next_offset``.
-``broker_error`` is set by the consumers' ``error_cb`` and by failing watermark queries, and
-cleared only by a successful watermark query (every ``_WATERMARK_REFRESH_SECS``); serving's
-``/status`` shows it and ``/healthz`` answers 503 while it is set (the model keeps serving the
-last applied version).
+``broker_error`` (rules in ``odl.kafka.broker_health``) is set by the consumers' ``error_cb``
+and by failing watermark queries, and cleared only by a successful watermark query (every
+``_WATERMARK_REFRESH_SECS``); serving's ``/status`` shows it and ``/healthz`` answers 503
+while it is set (the model keeps serving the last applied version).
 
 Watermark queries (ListOffsets) go through a second, never-assigned consumer, so over a
 connection of their own. On the fetching consumer's connection they would wait behind the
@@ -77,11 +77,20 @@ from typing import Optional
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
+from odl.kafka.broker_health import (
+    OUT_OF_RANGE_CODES,
+    BrokerHealth,
+    error_text,
+    out_of_range_target,
+)
 from odl.kafka.client_settings import delta_consumer_config
-from publisher.delta_codec import DeltaFormatError, VersionAssembler, decode_chunk
+from publisher.delta_decoder import decode_chunk
+from publisher.delta_format import DeltaFormatError
 from publisher.generation_fence import FENCED_REASON, GenerationFence
+from publisher.version_assembler import VersionAssembler
+from serving_plugin.export_reader import KafkaReplaySource
 from serving_plugin.serving_metrics import ServingMetrics
-from serving_plugin.serving_model import DeltaApplyError, KafkaReplaySource, ServingModel
+from serving_plugin.serving_model import DeltaApplyError, ServingModel
 
 logger = logging.getLogger(__name__)
 
@@ -131,8 +140,7 @@ class DeltaReplayer:
         self.end_offset = -1
         self.messages = 0
         self.rejected: _Counter[str] = _Counter()
-        self.broker_error: Optional[str] = None
-        self.broker_error_since: Optional[float] = None
+        self.health = BrokerHealth(f"delta broker of {source.topic}")
         self.offset_resets = 0
         self.last_error: Optional[str] = None
         self._last_reject_log = 0.0
@@ -245,26 +253,18 @@ class DeltaReplayer:
         self._consumer = self._watermarks = None
 
     def _on_kafka_error(self, err: KafkaError) -> None:
-        if err.code() in (KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE):
-            self._set_broker_error(err.str())
-        else:
-            logger.debug("delta consumer client error: %s", err.str())
-
-    def _set_broker_error(self, reason: str) -> None:
-        if self.broker_error is None:
-            self.broker_error_since = time.time()
-            logger.warning("delta broker unreachable: %s (serving the last applied version, "
-                           "replay resumes by itself)", reason)
-        self.broker_error = reason
-        if self.metrics:
+        if self.health.on_client_error(err) and self.metrics:
             self.metrics.broker_up.set(0)
 
-    def _clear_broker_error(self) -> None:
-        if self.broker_error is not None:
-            logger.info("delta broker reachable again after %.1fs",
-                        time.time() - (self.broker_error_since or time.time()))
-        self.broker_error = None
-        self.broker_error_since = None
+    @property
+    def broker_error(self) -> Optional[str]:
+        """Why the delta broker is unreachable, or None (serving keeps its last version)."""
+        return self.health.error
+
+    @property
+    def broker_error_since(self) -> Optional[float]:
+        """When ``broker_error`` was first set (unix seconds), or None."""
+        return self.health.since
 
     def _run(self) -> None:
         assert self._consumer is not None
@@ -296,8 +296,7 @@ class DeltaReplayer:
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
                         continue
-                    if err.code() in (KafkaError.OFFSET_OUT_OF_RANGE,
-                                      KafkaError._AUTO_OFFSET_RESET):
+                    if err.code() in OUT_OF_RANGE_CODES:
                         self._reset_offset(consumer, tp)
                     else:
                         logger.warning("delta consumer error: %s", err.str())
@@ -342,14 +341,13 @@ class DeltaReplayer:
             self._stop.wait(1.0)
             consumer.assign([TopicPartition(self.source.topic, 0, self.next_offset)])
             return
+        target = out_of_range_target(self.next_offset, low, high).offset
         if self.next_offset > high:
-            target = high
             logger.error("delta topic %s ends at offset %d, before the replay position %d: the "
                          "broker lost acknowledged versions; continuing at its end (the "
                          "publisher republishes every row once it notices)", self.source.topic,
                          high, self.next_offset)
         else:
-            target = max(low, 0)
             logger.error("delta topic %s starts at offset %d, after the replay position %d "
                          "(retention deleted versions): serving may miss rows; continuing at "
                          "the log start, re-export a newer base", self.source.topic, low,
@@ -376,11 +374,11 @@ class DeltaReplayer:
             assert self._watermarks is not None
             _low, high = self._watermarks.get_watermark_offsets(tp, timeout=1.0, cached=False)
         except KafkaException as exc:
-            err = exc.args[0] if exc.args else exc
-            reason = err.str() if isinstance(err, KafkaError) else str(err)
-            self._set_broker_error(f"watermark query failed: {reason}")
+            self.health.unreachable(f"watermark query failed: {error_text(exc)}")
+            if self.metrics:
+                self.metrics.broker_up.set(0)
             return None
-        self._clear_broker_error()
+        self.health.reachable()
         with self._cv:
             self.end_offset = int(high)
             self._cv.notify_all()

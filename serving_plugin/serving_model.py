@@ -1,33 +1,25 @@
-"""The serving model: an export's tables + TorchScript dense part, updated by delta versions.
+"""The serving model: an export's tables and dense part, updated by delta versions.
 
-``ServingModel.load(path)`` reads one export (layout: ``odl.export.exporter``; this module
-only reads files and imports no trainer code):
+``ServingModel.load(path)`` reads one export (``serving_plugin.export_reader``) and serves it.
 
-* ``pipeline.config`` -> the same ``FeatureBuilder`` as training (parsing, fnv1a64 hashing),
-  so request records map to the same rows;
-* ``embeddings/`` (or ``serving_model.json``'s ``embeddings_dir``) -> one float32
-  ``[rows, dim]`` tensor per table (wide tables hold only their ``wide_output_dim`` used
-  columns), checked against the shard manifest's sizes and sha256;
-* ``dense_model.pt`` -> the TorchScript dense part; its parameters are addressed by the
-  names in ``DENSE_UPDATE_VARIABLES``.
-
-Prediction: per lookup of ``serving_model.json``'s ``deep_lookups`` / ``wide_lookups``,
-``torch.nn.functional.embedding_bag`` over the feature's ids (sum or mean pooling, as the
-table's combiner), concatenated in that order, then the dense part, then a sigmoid; the same
-arithmetic as ``DeepFM.forward``.
+Prediction: per pooled input of the export (``serving_model.json``'s ``pooled_inputs``, the
+training model's ``pooled_layout``), one ``torch.nn.functional.embedding_bag`` over the ids
+of all its lookups (sum or mean pooling, as each table's combiner; ``_LookupGroup``) gives
+the ``[B, n_lookups * dim]`` tensor training feeds the dense part; ``dense_model.pt`` - the
+training model's own dense module, scripted - maps those tensors and the raw dense features
+to logits, then a sigmoid. There is no serving copy of the model's math.
 
 Updates: ``apply_version`` checks a whole ``DeltaVersion`` first (known table and variable
-ids, dims, shapes, row ids in range, finite shapes) and only then copies it in under the
-model lock, so a version is applied completely or not at all, and a prediction never sees
-half a version.
+ids, dims, shapes, row ids in range) and only then copies it in under the model lock, so a
+version is applied completely or not at all, and a prediction never sees half a version.
+Dense variables are addressed by the names in ``DENSE_UPDATE_VARIABLES``, which are the
+parameter names inside ``dense_model.pt``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
-import re
 import threading
 import time
 from collections.abc import Sequence
@@ -38,25 +30,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from odl.checkpoint.file_digest import sha256_file
-from odl.config.pipeline_config import load_pipeline_config
 from odl.features.batch import Batch
-from odl.features.feature_builder import FeatureBuilder
 from odl.protos import pipeline_pb2
-from publisher.delta_codec import DeltaVersion, IdMaps, read_id_maps
+from publisher.delta_format import DeltaVersion
+from serving_plugin.export_reader import ExportContents, ExportLoadError, read_export
 
 logger = logging.getLogger(__name__)
-
-SERVING_MODEL_FILE = "serving_model.json"
-KAFKA_FILE = "kafka.txt"
-CONFIG_FILE = "pipeline.config"
-DONE_FILE = "DONE"
-EMBEDDINGS_MANIFEST = "MANIFEST.json"
-_EXPORT_NAME = re.compile(r"^\d+$")
-
-
-class ExportLoadError(RuntimeError):
-    """An export directory is missing, incomplete or inconsistent."""
 
 
 class DeltaApplyError(ValueError):
@@ -69,60 +48,6 @@ class DeltaApplyError(ValueError):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
         self.reason = reason
-
-
-def find_latest_export(export_dir: str) -> str:
-    """The export to serve: ``export_dir`` itself when it is one, else its newest child.
-
-    Args:
-        export_dir: an export (has ``DONE``) or a parent of ``<unix-seconds>`` exports.
-
-    Returns:
-        The export directory.
-
-    Raises:
-        ExportLoadError: no complete export there.
-    """
-    if os.path.isfile(os.path.join(export_dir, DONE_FILE)) and os.path.isfile(
-            os.path.join(export_dir, SERVING_MODEL_FILE)):
-        return export_dir
-    if not os.path.isdir(export_dir):
-        raise ExportLoadError(f"export dir {export_dir} does not exist")
-    found = []
-    for name in os.listdir(export_dir):
-        p = os.path.join(export_dir, name)
-        if _EXPORT_NAME.match(name) and os.path.isfile(os.path.join(p, DONE_FILE)):
-            found.append((int(name), p))
-    if not found:
-        raise ExportLoadError(f"no complete export (a <unix-seconds>/ dir with DONE) in "
-                              f"{export_dir}")
-    return max(found)[1]
-
-
-@dataclass
-class KafkaReplaySource:
-    """The export's ``kafka.txt``.
-
-    Attributes:
-        server: bootstrap servers of the delta topic.
-        topic: the delta topic ('' = nothing to replay).
-        offset: offset from which replay continues the base.
-    """
-
-    server: str
-    topic: str
-    offset: int
-
-
-def read_kafka_txt(export_path: str) -> KafkaReplaySource:
-    """Reads ``kafka.txt`` (missing file: nothing to replay)."""
-    p = os.path.join(export_path, KAFKA_FILE)
-    if not os.path.isfile(p):
-        return KafkaReplaySource("", "", 0)
-    with open(p, encoding="utf-8") as f:
-        doc = json.load(f)
-    return KafkaReplaySource(str(doc.get("server", "")), str(doc.get("topic", "")),
-                             int(doc.get("consumer", {}).get("offset", 0)))
 
 
 @dataclass
@@ -155,37 +80,36 @@ class ServingModel:
     """Tables + dense part of one export, with versioned updates (see the module docstring).
 
     Use ``ServingModel.load(path)``.
+
+    Args:
+        export: the export, read and verified.
+
+    Raises:
+        ExportLoadError: the id maps do not match the tables or the dense part, or the model
+            has more than one output.
     """
 
-    def __init__(
-        self,
-        path: str,
-        signature: dict,
-        feature_builder: FeatureBuilder,
-        tables: dict[str, torch.Tensor],
-        dense_module: torch.jit.ScriptModule,
-        id_maps: IdMaps,
-        label_field: str,
-        field_names: Sequence[str],
-        separator: str,
-        record_format: int,
-    ) -> None:
-        self.path = path
-        self.signature = signature
-        self.feature_builder = feature_builder
-        self.tables = tables
-        self.dense_module = dense_module
-        self.id_maps = id_maps
+    def __init__(self, export: ExportContents) -> None:
+        self.path = export.path
+        self.signature = export.signature
+        self.feature_builder = export.feature_builder
+        self.tables = export.tables
+        self.dense_module = export.dense_module
+        self.id_maps = export.id_maps
         self.lock = threading.Lock()
-        self._label = label_field
-        self._fields = list(field_names)
-        self._label_idx = self._fields.index(label_field)
-        self._sep = separator
-        self._record_format = record_format
-        params = dict(dense_module.named_parameters())
-        params.update(dict(dense_module.named_buffers()))
+        if len(export.outputs) != 1:
+            raise ExportLoadError(f"the export's model has outputs {list(export.outputs)}; "
+                                  "serving predicts models with one output")
+        dc = export.config.data_config
+        self._label = dc.label_fields[0]
+        self._fields = [f.input_name for f in dc.input_fields]
+        self._label_idx = self._fields.index(self._label)
+        self._sep = dc.separator
+        self._record_format = dc.record_format
+        params = dict(self.dense_module.named_parameters())
+        params.update(dict(self.dense_module.named_buffers()))
         self._dense_by_id: dict[int, tuple[str, torch.Tensor]] = {}
-        for name, info in id_maps.dense.items():
+        for name, info in self.id_maps.dense.items():
             if name not in params:
                 raise ExportLoadError(f"DENSE_UPDATE_VARIABLES names {name}, which the dense "
                                       "model does not have")
@@ -194,29 +118,27 @@ class ServingModel:
                                       f"model, {tuple(info.shape)} in DENSE_UPDATE_VARIABLES")
             self._dense_by_id[info.id] = (name, params[name])
         self._table_by_id: dict[int, tuple[str, torch.Tensor]] = {}
-        for name, info in id_maps.tables.items():
-            if name not in tables:
+        for name, info in self.id_maps.tables.items():
+            if name not in self.tables:
                 raise ExportLoadError(f"embed_name_to_ids.txt names table {name}, which the "
                                       "export does not have")
-            t = tables[name]
+            t = self.tables[name]
             if (t.shape[0], t.shape[1]) != (info.num_rows, info.dim):
                 raise ExportLoadError(f"table {name}: {tuple(t.shape)} exported, "
                                       f"{info.num_rows}x{info.dim} in embed_name_to_ids.txt")
             self._table_by_id[info.id] = (name, t)
-        keys = feature_builder.sparse_feature_names
+        keys = self.feature_builder.sparse_feature_names
         key_idx = {k: i for i, k in enumerate(keys)}
-        pooling = {n: t["pooling"] for n, t in signature["tables"].items()}
+        pooling = {n: t["pooling"] for n, t in self.signature["tables"].items()}
         self._num_keys = len(keys)
         self._groups = [
-            _LookupGroup.build([(key_idx[f], t, pooling[t]) for f, t in signature[lookups]],
-                               tables, int(signature[dim]))
-            for lookups, dim in (("deep_lookups", "deep_dim"),
-                                 ("wide_lookups", "wide_output_dim"))
+            _LookupGroup.build([(key_idx[f], t, pooling[t]) for f, t in g.lookups],
+                               self.tables, g.dim)
+            for g in export.pooled_inputs
         ]
-        gen = str(signature.get("generation", ""))
-        self.state = AppliedState(version=int(signature.get("global_step", 0)), generation=gen)
-
-    # -- loading ----------------------------------------------------------------------------
+        gen = str(self.signature.get("generation", ""))
+        self.state = AppliedState(version=int(self.signature.get("global_step", 0)),
+                                  generation=gen)
 
     @classmethod
     def load(cls, export_dir: str, verify: bool = True) -> ServingModel:
@@ -233,29 +155,12 @@ class ServingModel:
             ExportLoadError: missing or inconsistent files.
         """
         t0 = time.monotonic()
-        path = find_latest_export(export_dir)
-        try:
-            with open(os.path.join(path, SERVING_MODEL_FILE), encoding="utf-8") as f:
-                sig = json.load(f)
-            config = load_pipeline_config(os.path.join(path, CONFIG_FILE))
-            fb = FeatureBuilder(config, check_event_time=False)  # requests need no event time
-            id_maps = read_id_maps(path)
-        except (OSError, ValueError) as e:
-            raise ExportLoadError(f"cannot load export {path}: {e}") from e
-        emb_dir = sig["embeddings_dir"]
-        if not os.path.isabs(emb_dir):
-            emb_dir = os.path.join(path, emb_dir)
-        group_of = {t: g for g, key in ((0, "deep_lookups"), (1, "wide_lookups"))
-                    for _f, t in sig[key]}
-        tables = _load_tables(emb_dir, verify, group_of)
-        dense = torch.jit.load(os.path.join(path, sig["dense_model"]), map_location="cpu")
-        dense.eval()
-        dc = config.data_config
-        model = cls(path, sig, fb, tables, dense, id_maps, dc.label_fields[0],
-                    [f.input_name for f in dc.input_fields], dc.separator, dc.record_format)
-        logger.info("loaded export %s (step %s, %d tables, %.1f MB) in %.2fs", path,
-                    sig.get("global_step"), len(tables),
-                    sum(t.numel() * 4 for t in tables.values()) / 1e6, time.monotonic() - t0)
+        export = read_export(export_dir, verify=verify)
+        model = cls(export)
+        logger.info("loaded export %s (step %s, %d tables, %.1f MB) in %.2fs", export.path,
+                    export.signature.get("global_step"), len(export.tables),
+                    sum(t.numel() * 4 for t in export.tables.values()) / 1e6,
+                    time.monotonic() - t0)
         return model
 
     # -- prediction -------------------------------------------------------------------------
@@ -337,8 +242,8 @@ class ServingModel:
         lengths = kjt.lengths().to(torch.int64).view(self._num_keys, b)
         counts = lengths.sum(dim=1)
         starts = torch.cumsum(counts, 0) - counts
-        deep, wide = (g.pooled(values, lengths, counts, starts, b) for g in self._groups)
-        return self.dense_module(deep, wide, batch.dense)
+        pooled = [g.pooled(values, lengths, counts, starts, b) for g in self._groups]
+        return self.dense_module(*pooled, batch.dense)
 
     # -- updates ----------------------------------------------------------------------------
 
@@ -406,61 +311,6 @@ class ServingModel:
             st.last_header = h
         self.state.apply_seconds += time.perf_counter() - t0
         return rows
-
-
-def _load_tables(emb_dir: str, verify: bool,
-                 group_of: dict[str, int]) -> dict[str, torch.Tensor]:
-    """Loads the shards: table name -> float32 ``[rows, dim]`` tensor.
-
-    The tables of one lookup group (deep / wide) are consecutive row ranges of one storage
-    tensor, so a group is looked up in one call.
-    """
-    try:
-        with open(os.path.join(emb_dir, EMBEDDINGS_MANIFEST), encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ExportLoadError(f"cannot read the embeddings manifest in {emb_dir}: {e}") from e
-    infos = manifest["tables"]
-    missing = set(group_of) - set(infos)
-    if missing:
-        raise ExportLoadError(f"embeddings manifest in {emb_dir} lacks tables {sorted(missing)}")
-    tables: dict[str, torch.Tensor] = {}
-    for g in sorted(set(group_of.values()) | {-1}):
-        names = [n for n in infos if group_of.get(n, -1) == g]
-        if not names:
-            continue
-        dims = {int(infos[n]["dim"]) for n in names}
-        if len(dims) != 1:
-            raise ExportLoadError(f"tables {names} of one lookup group have dims {dims}")
-        storage = torch.empty((sum(int(infos[n]["rows"]) for n in names), dims.pop()),
-                              dtype=torch.float32)
-        row = 0
-        for n in names:
-            rows = int(infos[n]["rows"])
-            tables[n] = storage[row : row + rows]
-            row += rows
-    for name, info in infos.items():
-        rows, dim = int(info["rows"]), int(info["dim"])
-        if info.get("dtype", "float32") != "float32":
-            raise ExportLoadError(f"table {name}: dtype {info['dtype']} is not supported")
-        w = tables[name]
-        covered = 0
-        for part in info["parts"]:
-            fp = os.path.join(emb_dir, name, part["file"])
-            if not os.path.isfile(fp):
-                raise ExportLoadError(f"table {name}: {fp} is missing")
-            if verify and sha256_file(fp) != part["sha256"]:
-                raise ExportLoadError(f"table {name}: {fp} does not match its sha256")
-            arr = np.load(fp, allow_pickle=False)
-            start, n = int(part["start_id"]), int(part["rows"])
-            if arr.shape != (n, dim) or start < 0 or start + n > rows:
-                raise ExportLoadError(f"table {name}: part {part['file']} has shape "
-                                      f"{arr.shape}, manifest says {n}x{dim} at {start}")
-            w[start : start + n] = torch.from_numpy(arr.astype(np.float32, copy=False))
-            covered += n
-        if covered != rows:
-            raise ExportLoadError(f"table {name}: parts cover {covered} of {rows} rows")
-    return tables
 
 
 @dataclass

@@ -50,8 +50,9 @@ from starlette.requests import ClientDisconnect
 
 from odl.http.server import BackgroundHttpServer
 from serving_plugin.delta_replayer import DeltaReplayer
+from serving_plugin.export_reader import read_kafka_txt
 from serving_plugin.serving_metrics import ServingMetrics
-from serving_plugin.serving_model import ServingModel, read_kafka_txt
+from serving_plugin.serving_model import ServingModel
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,11 @@
-"""Suite-wide Kafka fixtures: one broker per test session, a fresh topic per test.
+"""Suite-wide Kafka fixtures (one broker per test session, a fresh topic per test) and markers.
 
 Set ``ODL_KAFKA_BOOTSTRAP=host:port`` to run against an external broker instead of the
 embedded one (topics are then unique per test and deleted afterwards).
+
+Every test that uses ``kafka_bootstrap`` or ``kafka_topic_factory`` is marked ``kafka``
+here; tests that start a broker of their own carry the mark themselves. ``pytest -m "not
+kafka"`` is the unit run: no broker is started.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from odl.broker.embedded_broker import EmbeddedBroker
 from odl.kafka.topic_admin import create_topic
 
 EXTERNAL_BOOTSTRAP_ENV = "ODL_KAFKA_BOOTSTRAP"
+KAFKA_FIXTURES = frozenset({"kafka_bootstrap", "kafka_topic_factory"})
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -23,6 +28,13 @@ def pytest_configure(config: pytest.Config) -> None:
     from odl.train.torch_runtime import configure_torch_threads
 
     configure_torch_threads(0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks ``kafka`` every test that uses a broker fixture (directly or through another)."""
+    for item in items:
+        if KAFKA_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.kafka)
 
 
 @pytest.fixture(scope="session")

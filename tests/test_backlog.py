@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import os
 
-from bench.backlog import drain, produce_backlog
+import pytest
+
+from odl.harness.backlog_drain import drain, produce_backlog
 
 RECORDS = 50_000
 PARTS = 3
 
 
+@pytest.mark.slow
 def test_backlog_drains_with_bounded_memory_and_fast_status(kafka_bootstrap, kafka_topic_factory,
                                                             tmp_path):
     topic = kafka_topic_factory(partitions=PARTS)

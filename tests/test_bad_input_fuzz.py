@@ -12,30 +12,28 @@ import json
 import random
 import threading
 import time
-import urllib.request
 from collections import Counter
 
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 from prometheus_client import generate_latest
 
 from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_config_text
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.record_parser import DEFAULT_MAX_RECORD_BYTES
+from odl.harness.exactly_once_audit import ledger_sample_ids
+from odl.harness.http_client import http_request
+from odl.harness.topic_records import make_records, produce
+from odl.harness.trainer_process import trainer_url
 from odl.inputs.dead_letter import (
     REASON_HEADER,
     SOURCE_HEADER,
     TRUNCATED_HEADER,
     DeadLetterSink,
 )
-from odl.kafka.client_settings import consumer_config, producer_config
-from tests.online_harness import (
-    end_offsets,
-    make_records,
-    read_ledger,
-    run_in_process,
-    write_config,
-)
+from odl.kafka.client_settings import consumer_config
+from odl.kafka.topic_admin import end_offsets
+from tests.harness import run_in_process, write_config
 
 PARTS = 3
 N_GOOD = 2000
@@ -136,34 +134,6 @@ def _stream(seed: int) -> tuple[list[bytes], list[str | None], list[str]]:
     return values, reasons, good_ids
 
 
-def _produce(bootstrap: str, topic: str, values: list[bytes]) -> list[tuple[int, int]]:
-    producer = Producer(producer_config(bootstrap, {"message.max.bytes": str(4 << 20)}))
-    where: list[tuple[int, int] | None] = [None] * len(values)
-    errors: list[str] = []
-
-    def report(i: int):
-        def cb(err, msg) -> None:
-            if err is not None:
-                errors.append(str(err))
-            else:
-                where[i] = (msg.partition(), msg.offset())
-        return cb
-
-    for i, v in enumerate(values):
-        while True:
-            try:
-                producer.produce(topic, value=v, partition=i % PARTS, on_delivery=report(i))
-                break
-            except BufferError:
-                producer.poll(0.05)
-        if i % 1000 == 999:
-            producer.poll(0)
-    assert producer.flush(60) == 0
-    assert not errors, errors[:3]
-    assert all(w is not None for w in where)
-    return [w for w in where if w is not None]
-
-
 def _consume_all(bootstrap: str, topic: str, expected: int, timeout: float = 60) -> list:
     consumer = Consumer(consumer_config(bootstrap, "dlq-check"))
     consumer.assign([TopicPartition(topic, 0, 0)])
@@ -200,7 +170,8 @@ def test_fuzzed_stream_trains_good_records_once_counts_and_dead_letters_the_rest
     expected = Counter(r for r in reasons if r is not None)
     assert sum(expected.values()) >= 10_000 and len(expected) == 9, expected
     assert sum(len(v) for v in values) < 40 << 20
-    where = _produce(kafka_bootstrap, topic, values)
+    where = produce(kafka_bootstrap, topic, values, PARTS,
+                    config={"message.max.bytes": str(4 << 20)})
     ends = end_offsets(kafka_bootstrap, topic)
     cfg = write_config(tmp_path, kafka_bootstrap, topic)
     ledger = str(tmp_path / "ledger.tsv")
@@ -208,14 +179,15 @@ def test_fuzzed_stream_trains_good_records_once_counts_and_dead_letters_the_rest
     done = threading.Event()
 
     def grab_status() -> None:  # /metrics while the trainer runs, the last one seen wins
-        model_dir = tmp_path / "model_dir"
+        model_dir = str(tmp_path / "model_dir")
         while not done.is_set():
+            url = trainer_url(model_dir)
             try:
-                url = json.loads((model_dir / "status.json").read_text())["url"]
-                with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
-                    seen_status["metrics"] = r.read().decode()
-            except (OSError, ValueError, KeyError):
-                pass
+                reply = http_request(url + "/metrics", timeout=5) if url else None
+            except OSError:
+                reply = None
+            if reply is not None and reply.status == 200:
+                seen_status["metrics"] = reply.body.decode()
             time.sleep(0.1)
 
     watcher = threading.Thread(target=grab_status, daemon=True)
@@ -227,7 +199,7 @@ def test_fuzzed_stream_trains_good_records_once_counts_and_dead_letters_the_rest
         done.set()
         watcher.join(10)
     # Every good record trained exactly once; every bad one counted by reason.
-    assert sorted(read_ledger(ledger)) == sorted(good_ids)
+    assert sorted(ledger_sample_ids(ledger)) == sorted(good_ids)
     assert trainer.records_rejected == dict(expected)
     assert trainer.state == "stopped"
     # /metrics over HTTP (the last scrape before the server stopped, usually final; else
@@ -280,7 +252,8 @@ def test_dead_letter_sink_truncates_huge_values_and_drops_when_full(kafka_bootst
 
 
 def test_dead_letter_topic_must_differ_from_input(tmp_path):
-    from odl.config.pipeline_config import ConfigError, validate_pipeline_config
+    from odl.config.config_error import ConfigError
+    from odl.config.config_validation import validate_pipeline_config
 
     cfg = load_pipeline_config(write_config(tmp_path, "127.0.0.1:1", "samples"),
                                '{"data_config.dead_letter_topic": "samples"}')

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from odl.cli import train_cli
-from tests.online_harness import REPO
+from tests.harness import REPO
 
 SAMPLE = f"{REPO}/samples/deepfm_online.config"
 N_CASES = 400

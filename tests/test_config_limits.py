@@ -21,9 +21,10 @@ from pathlib import Path
 import pytest
 
 from odl.cli import train_cli
+from odl.config.config_edit import apply_edit_config_json
 from odl.config.config_error import ConfigError
-from odl.config.pipeline_config import apply_edit_config_json, load_pipeline_config
-from tests.online_harness import REPO
+from odl.config.pipeline_config import load_pipeline_config
+from tests.harness import REPO
 
 # odl.config.memory_estimate, optimizer_support and startup_checks are imported inside the
 # tests, so that each test stands on its own.

@@ -32,29 +32,24 @@ from odl.checkpoint.checkpoint_manager import (
     list_checkpoints,
     read_checkpoint,
 )
-from odl.config.pipeline_config import load_pipeline_config, validate_pipeline_config
+from odl.config.config_validation import validate_pipeline_config
+from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.delta_topic_audit import published_versions
+from odl.harness.exactly_once_audit import reflected_exactly_once
+from odl.harness.http_client import free_port, get_json, post_json
+from odl.harness.topic_records import make_records, produce
+from odl.harness.trainer_killer import TrainerKiller
+from odl.kafka.topic_admin import end_offsets
+from odl.train.sample_ledger import read_ledger
 from odl.train.train_module import TrainModule
 from odl.train.trainer import Trainer, TrainerOptions
-from publisher.delta_codec import VersionHeader, encode_version, read_id_maps
-from tests.crash_harness import (
-    TrainerKiller,
-    free_port,
-    get_json,
-    post_json,
-    published_versions,
-    reflected_exactly_once,
-)
-from tests.online_harness import (
-    end_offsets,
-    make_records,
-    produce,
-    read_ledger_entries,
-    run_in_process,
-    write_config,
-)
+from publisher.delta_encoder import encode_version
+from publisher.delta_format import VersionHeader
+from publisher.id_maps import read_id_maps
+from tests.harness import run_in_process, write_config
 
 PARTS = 2
 
@@ -75,12 +70,12 @@ def _config(tmp_path, bootstrap: str, topic: str, delta_topic: str, ckpt_steps: 
     return cfg
 
 
-def _restore_only(cfg: str) -> Trainer:
+def _restore_only(cfg: str) -> tuple[Trainer, dict[int, int] | None]:
     config = load_pipeline_config(cfg)
     validate_pipeline_config(config, online=True)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
-    trainer._restored_positions = trainer._restore()  # noqa: SLF001 - the unit under test
-    return trainer
+    positions = trainer.restore()  # the unit under test
+    return trainer, positions
 
 
 def _assert_model_equals(trainer: Trainer, expected: dict[str, torch.Tensor]) -> None:
@@ -92,10 +87,6 @@ def _assert_model_equals(trainer: Trainer, expected: dict[str, torch.Tensor]) ->
 
 def _append_half_version(bootstrap: str, delta_topic: str, model_dir: str, version: int) -> None:
     """Sends chunk 0 of a 2+-chunk version of a dead generation (as a kill mid-send leaves)."""
-    from confluent_kafka import Producer
-
-    from odl.kafka.client_settings import producer_config
-
     maps = read_id_maps(model_dir)
     t = next(iter(maps.tables.values()))
     ids = np.arange(t.num_rows, dtype=np.int64)
@@ -103,9 +94,7 @@ def _append_half_version(bootstrap: str, delta_topic: str, model_dir: str, versi
     chunks = encode_version(header, {}, {t.id: (ids, np.full((t.num_rows, t.dim), 7.0))},
                             max_chunk_bytes=4096)
     assert len(chunks) >= 2
-    producer = Producer(producer_config(bootstrap))
-    producer.produce(delta_topic, value=chunks[0], partition=0)
-    assert producer.flush(10) == 0
+    produce(bootstrap, delta_topic, chunks[:1])  # the first chunk only: a half version
 
 
 def test_restore_lands_on_last_complete_version(kafka_bootstrap, kafka_topic_factory, tmp_path):
@@ -127,9 +116,9 @@ def test_restore_lands_on_last_complete_version(kafka_bootstrap, kafka_topic_fac
 
     # killed after publishing the last versions, before the checkpoint: remove it
     shutil.rmtree(list_checkpoints(model_dir)[-1])
-    t1 = _restore_only(cfg)
+    t1, t1_positions = _restore_only(cfg)
     assert t1.module.global_step == final_step
-    assert t1._restored_positions == ends  # noqa: SLF001
+    assert t1_positions == ends
     assert t1.recovery["versions"] >= 1 and t1.recovery["dropped_incomplete_versions"] == 1
     _assert_model_equals(t1, expected)
 
@@ -137,17 +126,18 @@ def test_restore_lands_on_last_complete_version(kafka_bootstrap, kafka_topic_fac
     newest = list_checkpoints(model_dir)[-1]
     with open(os.path.join(newest, MODEL_FILE), "r+b") as f:
         f.truncate(100)
-    t2 = _restore_only(cfg)
+    t2, t2_positions = _restore_only(cfg)
     assert t2.recovery["from_checkpoint"] == checkpoint_step(list_checkpoints(model_dir)[-2])
     assert t2.recovery["versions"] > t1.recovery["versions"]
     assert t2.module.global_step == final_step
-    assert t2._restored_positions == ends  # noqa: SLF001
+    assert t2_positions == ends
     _assert_model_equals(t2, expected)
 
 
 def test_half_version_of_a_dead_generation_is_never_applied() -> None:
     """Serving's assembler: a killed trainer's half version is dropped, never completed."""
-    from publisher.delta_codec import VersionAssembler, decode_chunk
+    from publisher.delta_decoder import decode_chunk
+    from publisher.version_assembler import VersionAssembler
 
     rows = (np.arange(400, dtype=np.int64), np.ones((400, 8), dtype=np.float32))
     dead = encode_version(VersionHeader("m", 50, "dead"), {}, {0: rows}, max_chunk_bytes=4096)
@@ -168,6 +158,7 @@ KILLS = 10
 SEED = 20240604
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_exactly_once_and_serving_parity(
         kafka_bootstrap, kafka_topic_factory, tmp_path):
     rng = random.Random(SEED)
@@ -209,7 +200,7 @@ def test_sigkill_at_random_points_exactly_once_and_serving_parity(
 
     # exactly once, as serving sees it
     complete = published_versions(kafka_bootstrap, delta_topic)
-    entries = read_ledger_entries(ledger)
+    entries = read_ledger(ledger)
     lost, twice = reflected_exactly_once(ids, entries, complete)
     assert lost == [] and twice == [], (len(lost), len(twice), killer.kills)
     final = read_checkpoint(list_checkpoints(model_dir)[-1])

@@ -12,9 +12,12 @@ import torch
 
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.exactly_once_audit import ledger_sample_ids
+from odl.harness.topic_records import make_records as make_stream_records
+from odl.harness.topic_records import produce
+from odl.kafka.topic_admin import end_offsets
 from odl.train.train_module import TrainModule, resolve_device
-from tests.online_harness import end_offsets, produce, read_ledger, run_in_process, write_config
-from tests.online_harness import make_records as make_stream_records
+from tests.harness import run_in_process, write_config
 from tests.test_models import batches, config, make_records, roc_auc
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -102,7 +105,7 @@ def test_online_loop_on_cuda_trains_every_record_once(kafka_bootstrap, kafka_top
     ledger = str(tmp_path / "ledger.tsv")
     trainer = run_in_process(cfg, ends, ledger, device="cuda")
     assert trainer.module.device.type == "cuda"
-    trained = read_ledger(ledger)
+    trained = ledger_sample_ids(ledger)
     assert sorted(trained) == sorted(ids)
     ckpt = read_checkpoint(list_checkpoints(trainer.model_dir)[-1])
     assert ckpt.positions == ends

@@ -10,8 +10,10 @@ import sys
 
 import numpy as np
 
-from publisher.delta_codec import VersionHeader, encode_version, write_id_maps
+from publisher.delta_encoder import encode_version
+from publisher.delta_format import VersionHeader
 from publisher.fs_sink import FsSink, version_file_name
+from publisher.id_maps import write_id_maps
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "samples", "decode_deltas.py")

@@ -9,15 +9,11 @@ import numpy as np
 import pytest
 
 from odl.protos import delta_pb2
-from publisher.delta_codec import (
-    DeltaFormatError,
-    VersionAssembler,
-    VersionHeader,
-    decode_chunk,
-    encode_version,
-    read_id_maps,
-    write_id_maps,
-)
+from publisher.delta_decoder import decode_chunk
+from publisher.delta_encoder import encode_version
+from publisher.delta_format import DeltaFormatError, VersionHeader
+from publisher.id_maps import read_id_maps, write_id_maps
+from publisher.version_assembler import VersionAssembler
 
 
 def _header(version: int = 7, generation: str = "gen1") -> VersionHeader:

@@ -14,17 +14,13 @@ from __future__ import annotations
 import time
 
 from odl.config.pipeline_config import load_pipeline_config
+from odl.harness.delta_topic_audit import audit_delta_topic
+from odl.harness.topic_records import make_records, produce
+from odl.kafka.topic_admin import end_offsets
 from odl.train.trainer import Trainer, TrainerOptions
 from publisher.delta_recovery import read_published_state
 from publisher.generation_fence import GenerationFence
-from tests.crash_harness import audit_delta_topic
-from tests.online_harness import (
-    end_offsets,
-    make_records,
-    produce,
-    run_in_thread,
-    write_config,
-)
+from tests.harness import run_in_thread, write_config
 
 
 def _wait(cond, timeout: float, what: str) -> None:

@@ -9,11 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
-from confluent_kafka import Consumer, Producer, TopicPartition
+from confluent_kafka import Consumer, TopicPartition
 
 from odl.broker.embedded_broker import BrokerError, EmbeddedBroker, free_port
 from odl.cli.kafka_cli import pid_is_broker, pid_is_keeper
-from odl.kafka.client_settings import consumer_config, producer_config
+from odl.harness.topic_records import produce
+from odl.kafka.client_settings import consumer_config
 from odl.kafka.topic_admin import Retention, create_topic, end_offsets, topic_configs
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,32 +35,8 @@ def _kafka_cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess
     )
 
 
-def _produce(bootstrap: str, topic: str, n: int, partitions: int) -> None:
-    producer = Producer(producer_config(bootstrap))
-    errors: list[object] = []
-    for i in range(n):
-        producer.produce(
-            topic,
-            key=str(i).encode(),
-            value=f"v{i}".encode(),
-            partition=i % partitions,
-            on_delivery=lambda err, _msg: errors.append(err) if err else None,
-        )
-    assert producer.flush(10) == 0
-    assert errors == []
-
-
-def _produce_bytes(bootstrap: str, topic: str, n: int, size: int = 10_000) -> None:
-    producer = Producer(producer_config(bootstrap))
-    value = os.urandom(size)
-    for _ in range(n):
-        while True:
-            try:
-                producer.produce(topic, value=value, partition=0)
-                break
-            except BufferError:
-                producer.poll(0.05)
-    assert producer.flush(30) == 0
+def _numbered(n: int) -> list[bytes]:
+    return [f"v{i}".encode() for i in range(n)]
 
 
 def _wait(condition, timeout: float, what: str):
@@ -100,6 +77,7 @@ def _consume_all(bootstrap: str, topic: str, partitions: int, n: int) -> list[by
     return values
 
 
+@pytest.mark.kafka  # starts a broker of its own
 def test_cli_up_status_down_and_data_survives_restart(tmp_path: Path) -> None:
     data_dir = str(tmp_path / "kafka")
     port = free_port()
@@ -119,7 +97,7 @@ def test_cli_up_status_down_and_data_survives_restart(tmp_path: Path) -> None:
 
         topic = "roundtrip"
         assert create_topic(bootstrap, topic, 2) == 2
-        _produce(bootstrap, topic, 10, 2)
+        produce(bootstrap, topic, _numbered(10), 2)
 
         status = _kafka_cli("status", "--data-dir", data_dir)
         assert status.returncode == 0, status.stderr
@@ -155,6 +133,7 @@ def test_cli_up_refuses_taken_port(tmp_path: Path) -> None:
     assert "in use" in res.stderr
 
 
+@pytest.mark.kafka  # starts a broker of its own
 def test_embedded_broker_context_manager(tmp_path: Path) -> None:
     with EmbeddedBroker(port=0, data_dir=tmp_path) as broker:
         assert broker.is_running()
@@ -181,7 +160,7 @@ def test_create_topic_idempotent(kafka_bootstrap: str, kafka_topic_factory) -> N
     assert create_topic(kafka_bootstrap, topic, 3) == 3
     assert create_topic(kafka_bootstrap, topic, 5) == 3  # existing topic left unchanged
     assert end_offsets(kafka_bootstrap, topic) == {0: 0, 1: 0, 2: 0}
-    _produce(kafka_bootstrap, topic, 7, 3)
+    produce(kafka_bootstrap, topic, _numbered(7), 3)
     assert end_offsets(kafka_bootstrap, topic) == {0: 3, 1: 2, 2: 2}
 
 
@@ -204,7 +183,7 @@ def test_create_topic_with_retention_keeps_only_the_newest_records(
         "segment.bytes": (str(MIB), True)}
     if os.environ.get(EXTERNAL_BOOTSTRAP_ENV):
         return  # a real Kafka enforces retention every log.retention.check.interval.ms (5 min)
-    _produce_bytes(kafka_bootstrap, topic, 800)  # 8 MB
+    produce(kafka_bootstrap, topic, [os.urandom(10_000)] * 800)  # 8 MB
     low, high = _wait(lambda: (m := _watermarks(kafka_bootstrap, topic))[0] > 0 and m, 15,
                       "the log start to move")
     assert high == 800
@@ -212,6 +191,7 @@ def test_create_topic_with_retention_keeps_only_the_newest_records(
     assert 2 * MIB <= kept <= 2 * MIB + MIB + 100_000  # the limit plus at most one segment
 
 
+@pytest.mark.kafka  # starts a broker of its own
 def test_cli_up_gives_topics_without_retention_the_default(tmp_path: Path) -> None:
     """``odl-kafka up --retention_mb/--retention_hours``: topics created by anyone get them
     unless they set their own; ``create-topic`` sets its own; a restart with other values
@@ -246,7 +226,7 @@ def test_cli_up_gives_topics_without_retention_the_default(tmp_path: Path) -> No
             "retention.bytes": (str(4 * MIB), True), "retention.ms": ("-1", True),
             "segment.bytes": (str(MIB), True)}
 
-        _produce_bytes(bootstrap, "plain", 600)  # 6 MB
+        produce(bootstrap, "plain", [os.urandom(10_000)] * 600)  # 6 MB
         low, high = _wait(lambda: (m := _watermarks(bootstrap, "plain"))[0] > 0 and m, 15,
                           "the log start of 'plain' to move")
         assert (high - low) * 10_000 <= 3 * MIB + 100_000

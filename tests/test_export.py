@@ -13,8 +13,8 @@ from odl.checkpoint.file_digest import sha256_file
 from odl.cli import export_cli
 from odl.export.exporter import ExportError, export_checkpoint
 from odl.models.embedding_tables import WIDE_SUFFIX
-from publisher.delta_codec import read_id_maps, write_id_maps
-from tests.serving_harness import train_checkpoint
+from publisher.id_maps import read_id_maps, write_id_maps
+from tests.harness import train_checkpoint
 
 EXPECTED_FILES = {
     "dense_model.pt", "serving_model.json", "DENSE_UPDATE_VARIABLES", "embed_name_to_ids.txt",

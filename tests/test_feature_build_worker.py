@@ -16,7 +16,7 @@ from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.features.feature_builder import FeatureBuilder
 from odl.inputs.feature_build_worker import FeatureBuildError, FeatureBuildWorkers
 from odl.train.trainer import Trainer, TrainerOptions
-from tests.online_harness import odl_helper_processes
+from tests.harness import odl_helper_processes
 
 BAD = [b"", b"\xff\xfe garbage", b"1,2,3", b"not,enough"]
 

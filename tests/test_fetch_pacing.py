@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 from confluent_kafka import Producer
 
 from odl.inputs.kafka_source import KafkaSource, StartPositions
@@ -70,6 +71,7 @@ def _stream_through(bootstrap: str, topic: str, first: int, interval_ms: int):
     return got, tail
 
 
+@pytest.mark.slow
 def test_paced_and_unpaced_readers_read_everything_once_promptly(kafka_bootstrap,
                                                                     kafka_topic_factory):
     topic = kafka_topic_factory(partitions=PARTITIONS)

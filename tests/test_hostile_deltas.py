@@ -14,13 +14,10 @@ import numpy as np
 import pytest
 
 from odl.protos import delta_pb2
-from publisher.delta_codec import (
-    DeltaFormatError,
-    VersionAssembler,
-    VersionHeader,
-    decode_chunk,
-    encode_version,
-)
+from publisher.delta_decoder import decode_chunk
+from publisher.delta_encoder import encode_version
+from publisher.delta_format import DeltaFormatError, VersionHeader
+from publisher.version_assembler import VersionAssembler
 
 
 def _chunks(rows: int = 300, dim: int = 8, max_chunk_bytes: int = 900_000) -> list[bytes]:

@@ -9,13 +9,12 @@ import os
 import socket
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from odl.cli import serve_cli, train_cli
+from odl.harness.http_client import http_request
 from odl.http.auth import (
     AUTH_TOKEN_ENV,
     MAX_TOKEN_FILE_BYTES,
@@ -43,16 +42,15 @@ class _Provider:
 
 
 def _get(url: str, token: str | None = None, scheme: str = "Bearer") -> tuple[int, dict | str]:
-    req = urllib.request.Request(url)
-    if token is not None:
-        req.add_header("Authorization", f"{scheme} {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            body = r.read().decode()
-            return r.status, json.loads(body) if body.startswith("{") else body
-    except urllib.error.HTTPError as e:
-        assert e.code != 401 or e.headers.get("WWW-Authenticate", "").startswith("Bearer")
-        return e.code, json.loads(e.read())
+    """GET with an optional token: the status and the JSON (or text) answer."""
+    reply = http_request(url, headers={"Authorization": f"{scheme} {token}"}
+                         if token is not None else None, timeout=10)
+    if reply.status >= 400:
+        assert reply.status != 401 or reply.headers.get("www-authenticate", "").startswith(
+            "Bearer")
+        return reply.status, reply.json()
+    body = reply.body.decode()
+    return reply.status, json.loads(body) if body.startswith("{") else body
 
 
 @pytest.fixture
@@ -171,7 +169,7 @@ print(json.dumps(out))
 
 
 def test_clis_refuse_endless_token_files(tmp_path):
-    from tests.online_harness import write_config
+    from tests.harness import write_config
 
     config = write_config(tmp_path, "127.0.0.1:1", "t")
     fifo = str(tmp_path / "fifo")
@@ -196,7 +194,7 @@ def test_clis_refuse_endless_token_files(tmp_path):
 ])
 def test_clis_refuse_an_unreadable_token_file(tmp_path, capsys, cli, extra, monkeypatch):
     if cli is train_cli:
-        from tests.online_harness import write_config
+        from tests.harness import write_config
 
         extra = ["--pipeline_config_path", write_config(tmp_path, "127.0.0.1:1", "t"), "--online"]
     rc = cli.main([*extra, "--auth_token_file", str(tmp_path / "missing")])

@@ -15,19 +15,13 @@ from confluent_kafka import Consumer, TopicPartition
 
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.pipeline_config import load_pipeline_config
-from odl.inputs.kafka_input_process import KafkaInputProcess
+from odl.harness.exactly_once_audit import ledger_sample_ids
+from odl.harness.topic_records import make_records, produce
+from odl.inputs.input_pipeline import KafkaProcessInput
 from odl.kafka.client_settings import consumer_config
+from odl.kafka.topic_admin import end_offsets
 from odl.train.trainer import Trainer, TrainerOptions
-from tests.online_harness import (
-    end_offsets,
-    make_records,
-    odl_helper_processes,
-    produce,
-    read_ledger,
-    run_in_process,
-    run_in_thread,
-    write_config,
-)
+from tests.harness import odl_helper_processes, run_in_process, run_in_thread, write_config
 
 BAD = [b"", b"\xff\xfe garbage", b"1,2,3"]
 
@@ -40,6 +34,7 @@ def _wait_for(cond, timeout: float = 60.0, what: str = "condition") -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_input_process_trains_the_same_as_input_threads(kafka_bootstrap, kafka_topic_factory,
                                                         tmp_path):
     """One partition and full batches: both ways build the same batches in the same order,
@@ -58,8 +53,8 @@ def test_input_process_trains_the_same_as_input_threads(kafka_bootstrap, kafka_t
         # a long batch timeout: batches are cut by size only, never by timing
         edits = {"data_config.input_process": flag, "data_config.batch_timeout_ms": 5000}
         trainer = run_in_process(cfg, ends, ledger, edits=edits)
-        assert isinstance(trainer._source, KafkaInputProcess) is flag
-        assert sorted(read_ledger(ledger)) == sorted(ids)
+        assert isinstance(trainer.input_pipeline, KafkaProcessInput) is flag
+        assert sorted(ledger_sample_ids(ledger)) == sorted(ids)
         assert sum(trainer.records_rejected.values()) == len(BAD)
         st = trainer.status()
         assert st["records_consumed"] == len(values)
@@ -92,7 +87,7 @@ def test_a_killed_input_process_fails_the_trainer_with_a_clear_error(
     ends = end_offsets(kafka_bootstrap, topic)
     trainer, thread, outcome = _start_trainer(tmp_path, kafka_bootstrap, topic)
     _wait_for(lambda: dict(trainer.positions) == ends, what="the backlog trained")
-    pid = trainer._source.pid
+    pid = trainer.input_pipeline.pid
     os.kill(pid, signal.SIGKILL)
     thread.join(30)
     assert not thread.is_alive()
@@ -114,7 +109,7 @@ def test_input_process_ignores_signals_and_ends_with_the_trainer(
     ends = end_offsets(kafka_bootstrap, topic)
     trainer, thread, outcome = _start_trainer(tmp_path, kafka_bootstrap, topic)
     _wait_for(lambda: trainer.state == "training", what="training")
-    child = psutil.Process(trainer._source.pid)
+    child = psutil.Process(trainer.input_pipeline.pid)
     child.send_signal(signal.SIGTERM)
     child.send_signal(signal.SIGINT)
     _, more = make_records(100, seed=14)
@@ -143,8 +138,8 @@ def test_stop_while_waiting_for_the_topic_is_a_clean_stop(kafka_bootstrap, tmp_p
     trainer, thread, outcome = _start_trainer(
         tmp_path, kafka_bootstrap, f"odl-test-missing-{os.getpid()}-{time.time_ns()}",
         **{"data_config.input_process": input_process})
-    _wait_for(lambda: trainer.state == "waiting_for_topic" and trainer._source is not None
-              and trainer._source.broker_error is not None, what="waiting for the topic")
+    _wait_for(lambda: trainer.state == "waiting_for_topic" and trainer.input_pipeline is not None
+              and trainer.input_pipeline.broker_error is not None, what="waiting for the topic")
     assert "does not exist" in trainer.status()["input"]["broker_error"]
     trainer.request_stop("test")
     thread.join(30)
@@ -163,6 +158,6 @@ def test_input_process_with_feature_build_workers(kafka_bootstrap, kafka_topic_f
     cfg = write_config(tmp_path, kafka_bootstrap, topic, batch_size=64)
     ledger = str(tmp_path / "ledger.tsv")
     trainer = run_in_process(cfg, ends, ledger, edits={"data_config.num_workers": 2})
-    assert isinstance(trainer._source, KafkaInputProcess)
-    assert sorted(read_ledger(ledger)) == sorted(ids)
+    assert isinstance(trainer.input_pipeline, KafkaProcessInput)
+    assert sorted(ledger_sample_ids(ledger)) == sorted(ids)
     assert not odl_helper_processes()

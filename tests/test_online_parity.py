@@ -3,10 +3,8 @@ serving's predictions equal the trainer's at the same step."""
 
 from __future__ import annotations
 
-import json
 import os
 import time
-import urllib.request
 
 import numpy as np
 
@@ -15,24 +13,14 @@ from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.http_client import get_json, post_json
+from odl.harness.topic_records import produce
+from odl.kafka.topic_admin import end_offsets
 from publisher.fs_sink import list_versions
 from serving_plugin.serving_service import ServingService
-from tests.online_harness import end_offsets, produce, run_in_process, write_config
+from tests.harness import run_in_process, write_config
 
 PARTS = 3
-
-
-def _post(url: str, body: bytes) -> dict:
-    req = urllib.request.Request(
-        url, data=body, method="POST", headers={"Content-Type": "text/plain"}
-    )
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.load(r)
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return json.load(r)
 
 
 def _incr_save(kind: str, where: str, value_type: str = "FP32", chunk: int = 900000) -> str:
@@ -71,13 +59,13 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
         deadline = time.time() + 60
         status = {}
         while time.time() < deadline:
-            status = _get(url + "/status")
+            status = get_json(url + "/status", timeout=10) or {}
             if status.get("version") == final_step:
                 break
             time.sleep(0.2)
         assert status.get("version") == final_step, status
         records = SyntheticCtrStream(seed=99).next_batch(1000).encode("csv")
-        served = _post(url + "/predict", b"\n".join(records))
+        served = post_json(url + "/predict", b"\n".join(records))
         assert served["version"] == final_step
         built = FeatureBuilder(config).build(records)
         expected = trainer.module.predict(built.batch)
@@ -136,7 +124,7 @@ def test_idle_input_publishes_the_last_steps(kafka_bootstrap, kafka_topic_factor
     """Steps-based publishing alone would hold back the tail of a burst until more data came."""
     import threading
 
-    from odl.config.pipeline_config import validate_pipeline_config
+    from odl.config.config_validation import validate_pipeline_config
     from odl.train.trainer import Trainer, TrainerOptions
 
     topic = kafka_topic_factory(partitions=PARTS)

@@ -8,17 +8,14 @@ import os
 import signal
 import time
 
+import pytest
+
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
-from tests.online_harness import (
-    end_offsets,
-    make_records,
-    produce,
-    read_ledger,
-    run_in_process,
-    start_cli_trainer,
-    wait_cli_caught_up,
-    write_config,
-)
+from odl.harness.exactly_once_audit import ledger_sample_ids
+from odl.harness.topic_records import make_records, produce
+from odl.harness.trainer_process import start_cli_trainer, wait_cli_caught_up
+from odl.kafka.topic_admin import end_offsets
+from tests.harness import run_in_process, write_config
 
 PARTS = 3
 
@@ -33,7 +30,7 @@ def test_start_from_nothing_trains_every_record_once(
     cfg = write_config(tmp_path, kafka_bootstrap, topic)
     ledger = str(tmp_path / "ledger.tsv")
     trainer = run_in_process(cfg, ends, ledger)
-    trained = read_ledger(ledger)
+    trained = ledger_sample_ids(ledger)
     assert sorted(trained) == sorted(ids)
     assert len(set(trained)) == len(trained)
     ckpt = read_checkpoint(list_checkpoints(trainer.model_dir)[-1])
@@ -56,7 +53,7 @@ def test_start_from_timestamp_trains_exactly_records_at_or_after_it(
     ledger = str(tmp_path / "ledger.tsv")
     edits = {"kafka_train_input.offset_info": json.dumps({"timestamp": cut_ms / 1000.0})}
     run_in_process(cfg, ends, ledger, edits=edits)
-    assert sorted(read_ledger(ledger)) == sorted(ids[300:])
+    assert sorted(ledger_sample_ids(ledger)) == sorted(ids[300:])
 
 
 def test_start_from_explicit_offsets_trains_exactly_those(
@@ -72,9 +69,10 @@ def test_start_from_explicit_offsets_trains_exactly_those(
     edits = {"kafka_train_input.offset_info": json.dumps({str(p): o for p, o in starts.items()})}
     run_in_process(cfg, ends, ledger, edits=edits)
     expected = [sid for sid, (p, o) in zip(ids, where, strict=True) if o >= starts[p]]
-    assert sorted(read_ledger(ledger)) == sorted(expected)
+    assert sorted(ledger_sample_ids(ledger)) == sorted(expected)
 
 
+@pytest.mark.slow
 def test_stop_signal_then_restart_trains_exactly_the_new_records(
     kafka_bootstrap, kafka_topic_factory, tmp_path
 ):
@@ -88,11 +86,11 @@ def test_stop_signal_then_restart_trains_exactly_the_new_records(
     log = str(tmp_path / "trainer.log")
 
     proc = start_cli_trainer(cfg, log, "--sample_ledger", ledger)
-    wait_cli_caught_up(proc, model_dir, ends1, proc.pid)
+    wait_cli_caught_up(proc, model_dir, ends1)
     open(os.path.join(model_dir, "OSS_STOP_SIGNAL"), "w").close()
     assert proc.wait(timeout=60) == 0, open(log).read()[-3000:]
     assert not os.path.exists(os.path.join(model_dir, "OSS_STOP_SIGNAL"))
-    first = read_ledger(ledger)
+    first = ledger_sample_ids(ledger)
     assert sorted(first) == sorted(ids1)
     ckpt = read_checkpoint(list_checkpoints(model_dir)[-1])
     assert ckpt.positions == ends1
@@ -101,11 +99,11 @@ def test_stop_signal_then_restart_trains_exactly_the_new_records(
     produce(kafka_bootstrap, topic, values2, PARTS)
     ends2 = end_offsets(kafka_bootstrap, topic)
     proc = start_cli_trainer(cfg, log, "--sample_ledger", ledger)
-    wait_cli_caught_up(proc, model_dir, ends2, proc.pid)
+    wait_cli_caught_up(proc, model_dir, ends2)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0, open(log).read()[-3000:]
 
-    everything = read_ledger(ledger)
+    everything = ledger_sample_ids(ledger)
     second = everything[len(first):]
     assert sorted(second) == sorted(ids2)  # exactly the new records: no gap, no overlap
     dupes = [k for k, c in collections.Counter(everything).items() if c > 1]

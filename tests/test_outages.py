@@ -14,8 +14,6 @@ import shutil
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
@@ -26,31 +24,26 @@ from odl.checkpoint.checkpoint_manager import (
     read_checkpoint,
     verify_checkpoint,
 )
-from odl.config.pipeline_config import load_pipeline_config, validate_pipeline_config
+from odl.config.config_validation import validate_pipeline_config
+from odl.config.pipeline_config import load_pipeline_config
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
-from odl.kafka.topic_admin import create_topic
+from odl.harness.exactly_once_audit import ledger_sample_ids
+from odl.harness.http_client import http_request, post_json
+from odl.harness.topic_records import make_records, produce
+from odl.kafka.topic_admin import create_topic, end_offsets
 from odl.train.trainer import Trainer, TrainerOptions
 from serving_plugin.serving_service import ServingService
-from tests.online_harness import end_offsets, make_records, produce, read_ledger, write_config
+from tests.harness import write_config
 
 PARTS = 3
 OUTAGE_SECS = float(os.environ.get("ODL_TEST_OUTAGE_SECS", "20"))
 
 
 def _get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=10) as r:
-            return r.status, json.load(r)
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.load(exc)
-
-
-def _post(url: str, body: bytes) -> dict:
-    req = urllib.request.Request(url, data=body, method="POST",
-                                 headers={"Content-Type": "text/plain"})
-    with urllib.request.urlopen(req, timeout=30) as r:
-        return json.load(r)
+    """GET: the status and the JSON answer (503 answers included)."""
+    reply = http_request(url, timeout=10)
+    return reply.status, reply.json()
 
 
 def _wait(cond, timeout: float, what: str, interval: float = 0.1):
@@ -110,6 +103,8 @@ class _TrainerThread:
         assert self.rc == [0]
 
 
+@pytest.mark.kafka  # starts a broker of its own
+@pytest.mark.slow
 def test_broker_outage_trainer_and_serving_wait_and_resume(tmp_path):
     broker = EmbeddedBroker(port=0, data_dir=tmp_path / "kafka").start()
     bootstrap = broker.bootstrap
@@ -161,7 +156,7 @@ def test_broker_outage_trainer_and_serving_wait_and_resume(tmp_path):
         _wait(degraded, max(5.0, OUTAGE_SECS - 5), "both to report waiting_for_broker")
         detected_after = time.monotonic() - down_at
         # serving keeps answering with the last applied version while the broker is away
-        served = _post(surl + "/predict", b"\n".join(values[:5]))
+        served = post_json(surl + "/predict", b"\n".join(values[:5]))
         assert len(served["probabilities"]) == 5
         time.sleep(max(0.0, OUTAGE_SECS - (time.monotonic() - down_at)))
         assert _get(trainer.url + "/healthz")[0] == 503
@@ -194,7 +189,7 @@ def test_broker_outage_trainer_and_serving_wait_and_resume(tmp_path):
 
         # parity with the trainer at the final step
         records = make_records(500, seed=99)[1]
-        served = _post(surl + "/predict", b"\n".join(records))
+        served = post_json(surl + "/predict", b"\n".join(records))
         assert served["version"] == final
         expected = t.module.predict(FeatureBuilder(config).build(records).batch)
         diff = float(np.abs(np.asarray(served["probabilities"]) - expected).max())
@@ -202,7 +197,7 @@ def test_broker_outage_trainer_and_serving_wait_and_resume(tmp_path):
         trainer.stop()
         trainer = None
 
-        trained = read_ledger(ledger)
+        trained = ledger_sample_ids(ledger)
         assert len(trained) == len(ids) and sorted(trained) == sorted(ids)
         print(f"\noutage {OUTAGE_SECS:.0f}s: detected after {detected_after:.1f}s, healthy "
               f"{healthy_after:.1f}s after restart, serving at the final version "
@@ -271,7 +266,7 @@ def test_checkpoint_blocked_keeps_previous_and_retries(kafka_bootstrap, kafka_to
         assert st["last_checkpoint"]["error"] is None and st["last_checkpoint"]["step"] > now
     finally:
         trainer.stop()
-    assert sorted(read_ledger(str(tmp_path / "ledger.tsv"))) == sorted(ids)
+    assert sorted(ledger_sample_ids(str(tmp_path / "ledger.tsv"))) == sorted(ids)
 
 
 def _can_mount_tmpfs(path: str) -> bool:
@@ -326,7 +321,7 @@ def test_checkpoint_disk_full_keeps_previous_and_retries(kafka_bootstrap, kafka_
         assert max(_ckpt_steps(model_dir)) > good
         trainer.stop()
         trainer = None
-        assert sorted(read_ledger(str(tmp_path / "ledger.tsv"))) == sorted(ids)
+        assert sorted(ledger_sample_ids(str(tmp_path / "ledger.tsv"))) == sorted(ids)
     finally:
         if trainer is not None:
             trainer.trainer.request_stop("test: cleanup")
@@ -341,7 +336,7 @@ def test_checkpoint_disk_full_keeps_previous_and_retries(kafka_bootstrap, kafka_
 def test_slow_delta_sink_merges_versions_with_bounded_backlog(kafka_bootstrap, kafka_topic_factory,
                                                               tmp_path, monkeypatch):
     """The sink takes 0.25 s per version while a version is due every step: newest state wins."""
-    import publisher.incremental_publisher as ip
+    import publisher.publisher_factory as ip
     from publisher.kafka_sink import KafkaSink
 
     class SlowKafkaSink(KafkaSink):
@@ -392,7 +387,7 @@ def test_slow_delta_sink_merges_versions_with_bounded_backlog(kafka_bootstrap, k
         surl = f"http://127.0.0.1:{service.start('127.0.0.1', 0)}"
         _wait(lambda: _get(surl + "/status")[1]["version"] == steps, 60, "serving")
         records = make_records(500, seed=98)[1]
-        served = _post(surl + "/predict", b"\n".join(records))
+        served = post_json(surl + "/predict", b"\n".join(records))
         expected = t.module.predict(FeatureBuilder(config).build(records).batch)
         diff = float(np.abs(np.asarray(served["probabilities"]) - expected).max())
         assert diff <= 1e-6, diff
@@ -403,7 +398,7 @@ def test_slow_delta_sink_merges_versions_with_bounded_backlog(kafka_bootstrap, k
         if service is not None:
             service.stop()
         trainer.stop()
-    assert sorted(read_ledger(ledger)) == sorted(ids)
+    assert sorted(ledger_sample_ids(ledger)) == sorted(ids)
 
 
 def test_checkpoint_save_reports_torch_zip_writer_failure_as_oserror(tmp_path, monkeypatch):

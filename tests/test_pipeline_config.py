@@ -1,4 +1,4 @@
-"""Tests of odl.config.pipeline_config: loading, edit_config_json, validation, saving."""
+"""Tests of odl.config: loading, edit_config_json, validation, redaction and saving."""
 
 from __future__ import annotations
 
@@ -10,17 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from odl.config.pipeline_config import (
-    ConfigError,
-    apply_edit_config_json,
-    config_to_text,
-    feature_configs,
-    load_pipeline_config,
-    parse_dead_line,
-    parse_offset_info,
-    save_pipeline_config,
-    validate_pipeline_config,
-)
+from odl.config.config_edit import apply_edit_config_json
+from odl.config.config_error import ConfigError
+from odl.config.config_redaction import config_to_text, save_pipeline_config
+from odl.config.config_validation import validate_pipeline_config
+from odl.config.feature_configs import feature_configs
+from odl.config.field_formats import parse_dead_line, parse_offset_info
+from odl.config.pipeline_config import load_pipeline_config
 from odl.protos import pipeline_pb2
 
 ROOT = Path(__file__).resolve().parent.parent

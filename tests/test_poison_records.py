@@ -24,19 +24,15 @@ from confluent_kafka import Consumer, TopicPartition
 from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_config_text
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.features.feature_builder import EVENT_TIME_MIN_SECS, FeatureBuilder
+from odl.harness.exactly_once_audit import ledger_sample_ids
+from odl.harness.topic_records import make_records, produce
 from odl.inputs.dead_letter import REASON_HEADER, SOURCE_HEADER
 from odl.kafka.client_settings import consumer_config
+from odl.kafka.topic_admin import end_offsets
 from odl.train.train_module import TrainModule
 from odl.train.trainer import Trainer, TrainerOptions
-from publisher import incremental_publisher
-from tests.online_harness import (
-    end_offsets,
-    make_records,
-    produce,
-    read_ledger,
-    run_in_process,
-    write_config,
-)
+from publisher import delta_sender
+from tests.harness import run_in_process, write_config
 
 SAMPLE_ID, EVENT_TIME, LABEL, I1 = 0, 1, 2, 3
 
@@ -128,7 +124,7 @@ def test_poison_records_are_dead_lettered_and_publishing_goes_on(
     open(cfg, "w").write(text)
     ledger = str(tmp_path / "ledger.tsv")
     trainer = run_in_process(cfg, ends, ledger, edits={"data_config.dead_letter_topic": dlq})
-    assert sorted(read_ledger(ledger)) == sorted(good_ids)
+    assert sorted(ledger_sample_ids(ledger)) == sorted(good_ids)
     want = {}
     for _, reason in poison:
         want[reason] = want.get(reason, 0) + 1
@@ -178,7 +174,7 @@ def test_non_finite_predictions_are_left_out_and_dead_lettered(
     threading.Thread(target=stop_when_caught_up, daemon=True).start()
     assert trainer.run() == 0
     assert trainer.stop_reason == "test: caught up"
-    assert sorted(read_ledger(ledger)) == sorted(ids[:10] + ids[11:])
+    assert sorted(ledger_sample_ids(ledger)) == sorted(ids[:10] + ids[11:])
     assert trainer.records_rejected == {"non_finite_output": 1}
     for t in trainer.module.dense_parameters().values():
         assert torch.isfinite(t).all()
@@ -222,7 +218,7 @@ def test_a_publisher_bug_stops_the_trainer_with_exit_1_not_a_silent_stall(
             f'"{kafka_bootstrap}" topic: "{delta_topic}" }} }}')
     cfg = write_config(tmp_path, kafka_bootstrap, topic, batch_size=50, extra_train=incr)
     calls = {"n": 0}
-    real_encode = incremental_publisher.encode_version
+    real_encode = delta_sender.encode_version
 
     def encode(*args, **kwargs):
         calls["n"] += 1
@@ -230,7 +226,7 @@ def test_a_publisher_bug_stops_the_trainer_with_exit_1_not_a_silent_stall(
             raise ValueError("Value out of range")  # what an int64 overflow raised
         return real_encode(*args, **kwargs)
 
-    monkeypatch.setattr(incremental_publisher, "encode_version", encode)
+    monkeypatch.setattr(delta_sender, "encode_version", encode)
     config = load_pipeline_config(cfg)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
     seen_health: list[tuple[bool, str]] = []

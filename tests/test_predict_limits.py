@@ -28,7 +28,7 @@ from serving_plugin.serving_service import (
     ServingService,
     split_body,
 )
-from tests.serving_harness import train_checkpoint
+from tests.harness import train_checkpoint
 
 MIB = 1 << 20
 

@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from odl.train.progressive_metrics import ProgressiveMetrics, log_loss, roc_auc
+from odl.auc import roc_auc
+from odl.train.progressive_metrics import ProgressiveMetrics, log_loss
 
 
 def brute_auc(scores, labels):
@@ -15,11 +16,11 @@ def test_auc_matches_pairwise_definition_with_ties():
     rng = np.random.default_rng(0)
     scores = rng.integers(0, 20, 500) / 20.0  # many ties
     labels = (rng.random(500) < 0.3).astype(int)
-    assert roc_auc(scores, labels) == pytest.approx(brute_auc(scores, labels), abs=1e-12)
+    assert roc_auc(labels, scores) == pytest.approx(brute_auc(scores, labels), abs=1e-12)
 
 
 def test_auc_single_class_is_nan():
-    assert np.isnan(roc_auc(np.array([0.1, 0.2]), np.array([1, 1])))
+    assert np.isnan(roc_auc(np.array([1, 1]), np.array([0.1, 0.2])))
 
 
 def test_window_keeps_only_the_latest_samples():
@@ -39,7 +40,7 @@ def test_window_wraps_around_in_small_updates():
     probs, labels = rng.random(1000), (rng.random(1000) < 0.5).astype(float)
     for i in range(0, 1000, 37):
         m.update(probs[i : i + 37], labels[i : i + 37])
-    assert m.window_auc() == pytest.approx(roc_auc(probs[-256:], labels[-256:]))
+    assert m.window_auc() == pytest.approx(roc_auc(labels[-256:], probs[-256:]))
     assert m.window_logloss() == pytest.approx(log_loss(probs[-256:], labels[-256:]))
 
 
@@ -49,5 +50,5 @@ def test_total_auc_histogram_is_close_to_exact():
     probs = 1 / (1 + np.exp(-(labels * 1.2 + rng.normal(size=20000))))
     m = ProgressiveMetrics(window=1000)
     m.update(probs, labels)
-    assert m.total_auc() == pytest.approx(roc_auc(probs, labels), abs=2e-4)
+    assert m.total_auc() == pytest.approx(roc_auc(labels, probs), abs=2e-4)
     assert m.total_logloss() == pytest.approx(log_loss(probs, labels), rel=1e-9)

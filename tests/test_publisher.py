@@ -11,26 +11,23 @@ import torch
 from confluent_kafka import Consumer, TopicPartition
 from google.protobuf import text_format
 
-import publisher.incremental_publisher as incremental_publisher
+import publisher.delta_sender as delta_sender
+import publisher.publisher_factory as publisher_factory
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.topic_records import make_records, produce
 from odl.kafka.client_settings import delta_consumer_config
+from odl.kafka.topic_admin import end_offsets
 from odl.protos import pipeline_pb2
 from odl.train.train_module import EBC_PREFIX, TrainModule
-from publisher.delta_codec import (
-    VersionAssembler,
-    build_id_maps,
-    decode_chunk,
-    read_id_maps,
-)
+from publisher.delta_decoder import decode_chunk
 from publisher.delta_tracker import DeltaTracker
 from publisher.fs_sink import FsSink, list_versions, read_chunks
-from publisher.incremental_publisher import (
-    IncrementalPublisher,
-    dense_variable_shapes,
-    published_table_dims,
-)
-from tests.online_harness import end_offsets, make_records, produce, run_in_process, write_config
+from publisher.id_maps import build_id_maps, read_id_maps
+from publisher.incremental_publisher import IncrementalPublisher
+from publisher.publisher_factory import dense_variable_shapes, published_table_dims
+from publisher.version_assembler import VersionAssembler
+from tests.harness import run_in_process, write_config
 
 CONFIG = """
 data_config {
@@ -138,7 +135,25 @@ def test_tracker_overhead_per_step(setup):
     assert rec < 0.1 * step
 
 
-class _BlockingSink:
+class _FakeSink:
+    """The ``DeltaSink`` members of a sink without a topic or a broker."""
+
+    description = "fake"
+    topic = None
+    servers = ""
+    broker_error = None
+
+    def claim(self, timeout=30.0):
+        pass
+
+    def status(self):
+        return {}
+
+    def close(self, timeout=5.0):
+        pass
+
+
+class _BlockingSink(_FakeSink):
     description = "test"
 
     def __init__(self) -> None:
@@ -149,9 +164,6 @@ class _BlockingSink:
         self.gate.wait(10)
         self.sent.append(list(chunks))
         return len(self.sent) - 1
-
-    def close(self, timeout=5.0):
-        pass
 
 
 def test_publisher_snapshots_current_rows_and_merges_when_behind(setup):
@@ -208,10 +220,14 @@ def test_publisher_snapshots_current_rows_and_merges_when_behind(setup):
         np.testing.assert_array_equal(arr, dense[dnames[vid]].numpy())
 
 
-class _TeeSink:
+class _TeeSink(_FakeSink):
     def __init__(self, *sinks) -> None:
         self.sinks = sinks
         self.description = " + ".join(s.description for s in sinks)
+
+    def claim(self, timeout=30.0):
+        for s in self.sinks:
+            s.claim(timeout)
 
     def send(self, version, generation, chunks, timeout=30.0):
         return [s.send(version, generation, chunks, timeout) for s in self.sinks][0]
@@ -254,12 +270,12 @@ def test_trainer_publishes_versions_equal_to_checkpoints(kafka_bootstrap, kafka_
     produce(kafka_bootstrap, topic, values, 2)
     ends = end_offsets(kafka_bootstrap, topic)
     fs_dir = str(tmp_path / "fs_versions")
-    real_kafka_sink = incremental_publisher.KafkaSink
+    real_kafka_sink = publisher_factory.KafkaSink
 
     def tee(*args, **kwargs):
         return _TeeSink(real_kafka_sink(*args, **kwargs), FsSink(fs_dir))
 
-    monkeypatch.setattr(incremental_publisher, "KafkaSink", tee)
+    monkeypatch.setattr(publisher_factory, "KafkaSink", tee)
     incr = (f'incr_save_config {{ sparse_save_steps: 5 dense_save_steps: 5 '
             f'kafka {{ server: "{kafka_bootstrap}" topic: "{delta_topic}" }} '
             f'max_chunk_bytes: 20000 }}')
@@ -325,7 +341,8 @@ def test_trainer_publishes_versions_equal_to_checkpoints(kafka_bootstrap, kafka_
 
 
 def _validated(tmp_path, incr: str):
-    from odl.config.pipeline_config import load_pipeline_config, validate_pipeline_config
+    from odl.config.config_validation import validate_pipeline_config
+    from odl.config.pipeline_config import load_pipeline_config
 
     cfg = write_config(tmp_path, "127.0.0.1:1", "t", extra_train=incr)
     config = load_pipeline_config(cfg)
@@ -361,7 +378,7 @@ def test_incr_save_config_accepted(tmp_path):
     assert isc.WhichOneof("incr_update") == "fs" and isc.value_type == isc.FP16
 
 
-class _FlakySink:
+class _FlakySink(_FakeSink):
     description = "flaky"
 
     def __init__(self, failures: int) -> None:
@@ -369,7 +386,7 @@ class _FlakySink:
         self.sent: list[int] = []
 
     def send(self, version, generation, chunks, timeout=30.0):
-        from publisher.kafka_sink import DeltaSinkError
+        from publisher.delta_sink import DeltaSinkError
 
         if self.failures:
             self.failures -= 1
@@ -377,12 +394,9 @@ class _FlakySink:
         self.sent.append(version)
         return len(self.sent)
 
-    def close(self, timeout=5.0):
-        pass
-
 
 def test_failed_send_is_retried_with_newer_state(setup, monkeypatch):
-    monkeypatch.setattr(incremental_publisher, "_RETRY_SECS", 0.05)
+    monkeypatch.setattr(delta_sender, "_RETRY_SECS", 0.05)
     tm, batches = setup
     tracker = _tracker(tm)
     maps = build_id_maps(dense_variable_shapes(tm), published_table_dims(tm))

@@ -40,17 +40,16 @@ from odl.features.feature_builder import (
     FeatureBuilder,
 )
 from odl.features.record_parser import REJECT_REASONS
+from odl.harness.topic_records import produce
 from odl.inputs.dead_letter import REASON_HEADER, SOURCE_HEADER
 from odl.kafka.client_settings import consumer_config
+from odl.kafka.topic_admin import end_offsets
+from odl.train.sample_ledger import read_ledger
 from odl.train.train_module import TrainModule
-from publisher.delta_codec import VersionHeader, decode_chunk, encode_version
-from tests.online_harness import (
-    end_offsets,
-    produce,
-    read_ledger_entries,
-    run_in_process,
-    write_config,
-)
+from publisher.delta_decoder import decode_chunk
+from publisher.delta_encoder import encode_version
+from publisher.delta_format import VersionHeader
+from tests.harness import run_in_process, write_config
 
 _CONFIG = parse_pipeline_config_text(deepfm_config_text("/nonexistent/odl-fuzz"))
 _FB = FeatureBuilder(_CONFIG)
@@ -214,7 +213,7 @@ def test_hostile_stream_through_the_online_loop_trains_or_dead_letters_each_reco
     assert read_checkpoint(list_checkpoints(trainer.model_dir)[-1]).positions == ends
     # trained (ledger, by sample id) xor dead-lettered (by source position), each once
     index_of = {sid: i for i, (sid, _, _) in enumerate(records)}
-    trained = [index_of[sid] for _, _, sid in read_ledger_entries(ledger)]
+    trained = [index_of[sid] for _, _, sid in read_ledger(ledger)]
     assert len(trained) == len(set(trained))
     n_rejected = sum(trainer.records_rejected.values())
     assert trainer.status()["dead_letter"]["dropped"] == 0

@@ -19,19 +19,18 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 from odl.cli import export_cli
-from odl.config.pipeline_config import (
-    ConfigError,
-    apply_edit_config_json,
-    parse_pipeline_config_text,
-)
+from odl.config.config_edit import apply_edit_config_json
+from odl.config.config_error import ConfigError
+from odl.config.pipeline_config import parse_pipeline_config_text
+from odl.harness.http_client import http_request
+from odl.harness.topic_records import make_records, produce
+from odl.kafka.topic_admin import end_offsets
 from odl.protos import pipeline_pb2
-from tests.online_harness import REPO, end_offsets, make_records, produce, write_config
+from tests.harness import REPO, write_config
 
 SASL_SECRET = "sasl-Pw-5d1f0b7e"
 DELTA_SECRET = "delta-Pw-9a3c44e1"
@@ -43,14 +42,10 @@ SECRETS = (SASL_SECRET, DELTA_SECRET, OSS_SECRET, TRAIN_TOKEN, SERVE_TOKEN, SERV
 
 
 def _http(url: str, token: str | None = None) -> tuple[int, bytes]:
-    req = urllib.request.Request(url)
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+    """GET with an optional Bearer token: the status and the body."""
+    reply = http_request(url, headers={"Authorization": f"Bearer {token}"} if token else None,
+                         timeout=10)
+    return reply.status, reply.body
 
 
 def _files_holding(root: str, secrets: tuple[str, ...], skip: set[str]) -> list[str]:
@@ -66,6 +61,7 @@ def _files_holding(root: str, secrets: tuple[str, ...], skip: set[str]) -> list[
     return hits
 
 
+@pytest.mark.slow
 def test_secrets_stay_out_of_logs_status_checkpoints_and_exports(
         kafka_bootstrap, kafka_topic_factory, tmp_path):
     topic = kafka_topic_factory(partitions=2)
@@ -170,10 +166,9 @@ def test_secrets_stay_out_of_logs_status_checkpoints_and_exports(
             code, body = _http(base + path, SERVE_TOKEN)
             assert code == 200, path
             bodies.append(body)
-        req = urllib.request.Request(base + "/predict", data=values[0], method="POST")
-        req.add_header("Authorization", f"Bearer {SERVE_TOKEN}")
-        with urllib.request.urlopen(req, timeout=30) as r:
-            assert r.status == 200
+        predicted = http_request(base + "/predict", values[0],
+                                 {"Authorization": f"Bearer {SERVE_TOKEN}"})
+        assert predicted.status == 200
     finally:
         serve.send_signal(signal.SIGTERM)
         out, _ = serve.communicate(timeout=60)

@@ -5,22 +5,24 @@ from __future__ import annotations
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import pytest
 import torch
 
 from odl.checkpoint.checkpoint_manager import CheckpointManager, read_checkpoint
-from odl.config.pipeline_config import config_to_text
+from odl.config.config_redaction import config_to_text
 from odl.export.exporter import export_checkpoint
+from odl.harness.http_client import http_request
+from odl.harness.topic_records import produce
 from odl.train.train_module import TrainModule
-from publisher.delta_codec import VersionHeader, encode_version, read_id_maps
+from publisher.delta_encoder import encode_version
+from publisher.delta_format import VersionHeader
 from publisher.delta_recovery import read_published_state
+from publisher.id_maps import read_id_maps
 from serving_plugin.serving_model import ServingModel
 from serving_plugin.serving_service import ServingService
-from tests.serving_harness import apply_to_module, produce, train_checkpoint
+from tests.harness import apply_to_module, train_checkpoint
 
 N_PARITY = 1000
 TOL = 1e-6
@@ -55,22 +57,10 @@ def _export(tc, root, topic="", server="", offset=None) -> str:
                              delta_server=server, delta_topic=topic).path
 
 
-def _post(port: int, body: bytes, ctype: str = "text/plain") -> tuple[int, dict]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/predict", data=body,
-                                 headers={"Content-Type": ctype}, method="POST")
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
-def _get(port: int, path: str) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+def _predict(port: int, body: bytes, ctype: str = "text/plain") -> tuple[int, dict]:
+    """POST /predict: the status and the JSON answer (error answers included)."""
+    reply = http_request(f"http://127.0.0.1:{port}/predict", body, {"Content-Type": ctype})
+    return reply.status, reply.json()
 
 
 def _random_version(maps, rng, version: int, generation: str,
@@ -119,44 +109,44 @@ def test_http_predict_and_errors(trained, tmp_path, kafka_topic_factory, kafka_b
     try:
         values = trained.records(N_PARITY, 11)
         want = trained.module.predict(trained.feature_builder.build(values).batch)
-        code, out = _post(port, b"\n".join(values))
+        code, out = _predict(port, b"\n".join(values))
         assert code == 200, out
         assert np.abs(np.asarray(out["probabilities"]) - want).max() <= TOL
         assert out["version"] == trained.module.global_step
         assert out["generation"] == "gen0"
 
         js = [json.loads(v) for v in trained.records(3, 11, "json")]
-        code, out = _post(port, json.dumps(js).encode(), "application/json")
+        code, out = _predict(port, json.dumps(js).encode(), "application/json")
         assert code == 200 and np.abs(np.asarray(out["probabilities"]) - want[:3]).max() <= TOL
-        code, out = _post(port, json.dumps({"records": js}).encode(), "application/json")
+        code, out = _predict(port, json.dumps({"records": js}).encode(), "application/json")
         assert code == 200 and len(out["probabilities"]) == 3
         no_label = dict(js[0])
         del no_label["label"]
-        code, out = _post(port, json.dumps(no_label).encode(), "application/json")
+        code, out = _predict(port, json.dumps(no_label).encode(), "application/json")
         assert code == 200 and abs(out["probabilities"][0] - want[0]) <= TOL
         csv_no_label = values[0].decode().split(",")
         del csv_no_label[2]  # the label column
-        code, out = _post(port, ",".join(csv_no_label).encode())
+        code, out = _predict(port, ",".join(csv_no_label).encode())
         assert code == 200 and abs(out["probabilities"][0] - want[0]) <= TOL
 
         for body in (b"", b"   \n", b"[1, 2]", b"[", b"{not json", b"a,b,c", b"\xff\xfe,1",
                      values[0] + b"\n" + b"x,y", json.dumps({"event_time": {}}).encode()):
-            code, out = _post(port, body)
+            code, out = _predict(port, body)
             assert 400 <= code < 500, (body, code, out)
             assert out["detail"]["error"]
-        code, out = _post(port, values[0] + b"\nx,y")
+        code, out = _predict(port, values[0] + b"\nx,y")
         assert out["detail"]["rejected"] == [{"index": 1, "reason": "field_count"}]
 
-        code, body = _get(port, "/healthz")
-        assert code == 200 and json.loads(body)["ok"] is True
-        code, body = _get(port, "/status")
-        st = json.loads(body)
-        assert code == 200
+        health = http_request(f"http://127.0.0.1:{port}/healthz")
+        assert health.status == 200 and health.json()["ok"] is True
+        status = http_request(f"http://127.0.0.1:{port}/status")
+        st = status.json()
+        assert status.status == 200
         assert st["version"] == trained.module.global_step and st["versions_applied"] == 0
         assert st["base_export"] == svc.model.path and st["delta_topic"] == topic
         assert st["rejected_messages"] == 0
-        code, body = _get(port, "/metrics")
-        assert code == 200 and b"odl_serving_predict_requests" in body
+        metrics = http_request(f"http://127.0.0.1:{port}/metrics")
+        assert metrics.status == 200 and b"odl_serving_predict_requests" in metrics.body
     finally:
         svc.stop()
 
@@ -181,11 +171,11 @@ def test_replay_all_or_nothing(trained, tmp_path, kafka_topic_factory, kafka_boo
         chunks = encode_version(header, dense, sparse, max_chunk_bytes=1024)
         assert len(chunks) > 5
         offs = produce(kafka_bootstrap, topic, chunks[:-1])
-        assert svc.replayer.wait_for_offset(offs[-1] + 1, 30)
+        assert svc.replayer.wait_for_offset(offs[-1].offset + 1, 30)
         assert svc.model.state.version == trained.module.global_step  # nothing applied
         np.testing.assert_array_equal(svc.model.predict_batch(batch), base)
         offs = produce(kafka_bootstrap, topic, chunks[-1:])
-        assert svc.replayer.wait_for_offset(offs[-1] + 1, 30)
+        assert svc.replayer.wait_for_offset(offs[-1].offset + 1, 30)
         st = svc.model.state
         assert (st.version, st.generation, st.versions_applied) == (100, "genA", 1)
         assert st.rows_applied == sum(len(i) for i, _ in sparse.values())
@@ -210,7 +200,7 @@ def test_corrupt_and_unknown_versions_rejected(trained, tmp_path, kafka_topic_fa
     try:
         good = encode_version(*_random_version(maps, rng, 50, "g"))
         offs = produce(kafka_bootstrap, topic, good)
-        assert svc.replayer.wait_for_offset(offs[-1] + 1, 30)
+        assert svc.replayer.wait_for_offset(offs[-1].offset + 1, 30)
         assert svc.model.state.version == 50
         serving_50 = svc.model.predict_batch(batch)
 
@@ -225,7 +215,7 @@ def test_corrupt_and_unknown_versions_rejected(trained, tmp_path, kafka_topic_fa
             np.array([rng_big.num_rows], np.int64), np.zeros((1, rng_big.dim), np.float32))})
         bad = [b"", b"garbage", bytes(corrupt), *unknown_table, *bad_shape, *out_of_range]
         offs = produce(kafka_bootstrap, topic, bad)
-        assert svc.replayer.wait_for_offset(offs[-1] + 1, 30)
+        assert svc.replayer.wait_for_offset(offs[-1].offset + 1, 30)
         assert svc.model.state.version == 50
         assert svc.replayer.rejected == {"empty": 1, "unparsable": 1, "crc_mismatch": 1,
                                          "unknown_table_id": 1, "shape": 1, "row_range": 1}
@@ -233,7 +223,7 @@ def test_corrupt_and_unknown_versions_rejected(trained, tmp_path, kafka_topic_fa
         assert svc.status()["rejected_messages"] == 6
 
         offs = produce(kafka_bootstrap, topic, encode_version(h, dense, sparse))
-        assert svc.replayer.wait_for_offset(offs[-1] + 1, 30)
+        assert svc.replayer.wait_for_offset(offs[-1].offset + 1, 30)
         assert svc.model.state.version == 51
     finally:
         svc.stop()
@@ -263,7 +253,7 @@ def test_generation_change_offset_and_restart(trained, tmp_path, kafka_topic_fac
         svc = ServingService(os.path.dirname(export))
         svc.start()
         try:
-            assert svc.replayer.wait_for_offset(offs[-1] + 1, 30)
+            assert svc.replayer.wait_for_offset(offs[-1].offset + 1, 30)
             st = svc.model.state
             assert (st.version, st.generation, st.versions_applied) == (3, "genB", 2)
             results.append(svc.model.predict_batch(batch))
@@ -298,6 +288,7 @@ def test_grouped_lookup_matches_per_feature_embedding_bag():
     torch.testing.assert_close(got, torch.cat(want, dim=1), rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_serve_cli(trained, tmp_path):
     """odl-serve: exit 2 without an export; serves, answers, and stops cleanly on SIGTERM."""
     import signal
@@ -318,7 +309,7 @@ def test_serve_cli(trained, tmp_path):
                 port = int(line.split("127.0.0.1:")[1].split()[0])
                 break
         assert port, "odl-serve did not start"
-        code, out = _post(port, trained.records(1, 3)[0])
+        code, out = _predict(port, trained.records(1, 3)[0])
         assert code == 200 and len(out["probabilities"]) == 1
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
@@ -344,7 +335,7 @@ def test_idle_replayer_applies_new_versions_promptly(trained, tmp_path, kafka_to
             version = _random_version(maps, rng, 10 + i, "gen")
             offs = produce(kafka_bootstrap, topic, encode_version(*version))
             t0 = time.monotonic()  # acknowledged by the broker (a new producer may take 1 s)
-            assert svc.replayer.wait_for_offset(offs[-1] + 1, 10)
+            assert svc.replayer.wait_for_offset(offs[-1].offset + 1, 10)
             waited = time.monotonic() - t0
             assert svc.model.state.version == 10 + i
             # two 10 ms intervals plus produce and apply; a replayer left asleep by the
@@ -376,7 +367,7 @@ def test_superseded_generation_is_fenced_in_serving_and_recovery(
     svc = ServingService(os.path.dirname(export))
     svc.start()
     try:
-        assert svc.replayer.wait_for_offset(offs[-1] + 1, 30)
+        assert svc.replayer.wait_for_offset(offs[-1].offset + 1, 30)
         st = svc.model.state
         assert (st.version, st.generation, st.versions_applied) == (9, "genB", 3)
         assert dict(svc.replayer.rejected) == {"fenced_generation": len(a2_chunks)}

@@ -20,11 +20,14 @@ import numpy as np
 import pytest
 
 from odl.checkpoint.checkpoint_manager import CheckpointManager, read_checkpoint
-from odl.config.pipeline_config import config_to_text
+from odl.config.config_redaction import config_to_text
 from odl.export.exporter import export_checkpoint
-from publisher.delta_codec import VersionHeader, encode_version, read_id_maps
+from odl.harness.topic_records import produce
+from publisher.delta_encoder import encode_version
+from publisher.delta_format import VersionHeader
+from publisher.id_maps import read_id_maps
 from serving_plugin.serving_service import ServingService
-from tests.serving_harness import produce, train_checkpoint
+from tests.harness import train_checkpoint
 
 VERSIONS = 200
 ROWS_PER_TABLE = 200
@@ -143,6 +146,7 @@ def _versions(export: str, n: int) -> tuple[list[bytes], int]:
     return chunks, rows
 
 
+@pytest.mark.slow
 def test_serving_far_behind_catches_up_without_reporting_a_broker_outage(
         tmp_path, kafka_bootstrap, kafka_topic_factory, slow_link):
     """A backlog whose first fetch takes seconds: replay starts applying once it arrives,
@@ -159,7 +163,7 @@ def test_serving_far_behind_catches_up_without_reporting_a_broker_outage(
     chunks, rows = _versions(export, VERSIONS)
     backlog = sum(len(c) for c in chunks)
     assert 6e6 < backlog < 20e6, backlog  # a few seconds through the proxy
-    end = produce(kafka_bootstrap, topic, chunks)[-1] + 1
+    end = produce(kafka_bootstrap, topic, chunks)[-1].offset + 1
 
     svc = ServingService(os.path.dirname(export))
     t0 = time.monotonic()

@@ -18,7 +18,7 @@ import pytest
 
 from odl.export.exporter import export_checkpoint
 from serving_plugin.serving_service import MAX_BODY_BYTES, MAX_RECORDS, ServingService
-from tests.serving_harness import train_checkpoint
+from tests.harness import train_checkpoint
 
 N_BODIES = 300
 SEED = 4242

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from odl.cli import serve_cli, train_cli
-from tests.online_harness import REPO
+from tests.harness import REPO
 
 UNITS = Path(REPO) / "systemd"
 TRAIN = UNITS / "odl-train@.service"

@@ -7,22 +7,18 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
-from odl.config.pipeline_config import load_pipeline_config, validate_pipeline_config
+from odl.config.config_validation import validate_pipeline_config
+from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
+from odl.harness.exactly_once_audit import ledger_sample_ids
+from odl.harness.http_client import get_json, http_request
+from odl.harness.topic_records import make_records, produce
+from odl.kafka.topic_admin import end_offsets
 from odl.train.trainer import Trainer, TrainerOptions
-from tests.online_harness import (
-    REPO,
-    end_offsets,
-    make_records,
-    produce,
-    read_ledger,
-    run_in_process,
-    write_config,
-)
+from tests.harness import REPO, run_in_process, write_config
 
 PARTS = 2
 
@@ -73,7 +69,7 @@ def test_bad_records_are_skipped_counted_and_good_ones_trained_once(
     cfg = write_config(tmp_path, kafka_bootstrap, topic)
     ledger = str(tmp_path / "ledger.tsv")
     trainer = run_in_process(cfg, ends, ledger, status_port=0)
-    assert sorted(read_ledger(ledger)) == sorted(good_ids)
+    assert sorted(ledger_sample_ids(ledger)) == sorted(good_ids)
     assert trainer.records_rejected == expected_bad
     # the counts are exported to Prometheus, per reason
     from prometheus_client import generate_latest
@@ -102,13 +98,14 @@ def test_status_api_reports_progress_offsets_and_metrics(
         while time.time() < deadline:
             try:
                 doc = json.load(open(tmp_path / "model_dir" / "status.json"))
-                with urllib.request.urlopen(doc["url"] + "/status", timeout=5) as r:
-                    status = json.load(r)
-                # the progressive figures may lag by up to a second (recomputed at most once
-                # a second); their "samples" says what they cover
-                if (status["state"] == "training" and status["samples_trained"] == 400
-                        and status["progressive"]["samples"] == 400):
-                    break
+                got = get_json(doc["url"] + "/status")
+                if got is not None:
+                    status = got
+                    # the progressive figures may lag by up to a second (recomputed at most
+                    # once a second); their "samples" says what they cover
+                    if (status["state"] == "training" and status["samples_trained"] == 400
+                            and status["progressive"]["samples"] == 400):
+                        break
             except (OSError, ValueError):
                 pass
             time.sleep(0.2)
@@ -118,13 +115,10 @@ def test_status_api_reports_progress_offsets_and_metrics(
         assert all(v["lag"] == 0 for v in parts.values())
         assert status["progressive"]["auc"] is not None, json.dumps(status["progressive"])
         assert status["progressive"]["window_samples"] == 400
-        with urllib.request.urlopen(doc["url"] + "/offsets", timeout=5) as r:
-            offsets = json.load(r)
+        offsets = get_json(doc["url"] + "/offsets")
         assert {int(p): o for p, o in offsets["positions"].items()} == ends
-        with urllib.request.urlopen(doc["url"] + "/healthz", timeout=5) as r:
-            assert json.load(r)["ok"] is True
-        with urllib.request.urlopen(doc["url"] + "/metrics", timeout=5) as r:
-            metrics = r.read().decode()
+        assert get_json(doc["url"] + "/healthz")["ok"] is True
+        metrics = http_request(doc["url"] + "/metrics", timeout=5).body.decode()
         assert "odl_samples_trained_total 400.0" in metrics
         assert doc["url"].startswith("http://127.0.0.1:")
     finally:
@@ -167,6 +161,7 @@ def test_easyrec_field_not_implemented_is_refused_with_exit_2(tmp_path):
     assert "eval_config" in res.stderr and "not implement" in res.stderr
 
 
+@pytest.mark.slow
 def test_progressive_auc_reaches_90_percent_of_oracle(
     kafka_bootstrap, kafka_topic_factory, tmp_path
 ):

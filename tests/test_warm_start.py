@@ -8,14 +8,18 @@ import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
-from odl.config.pipeline_config import load_pipeline_config, validate_pipeline_config
+from odl.config.config_validation import validate_pipeline_config
+from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
+from odl.harness.topic_records import produce
+from odl.kafka.topic_admin import end_offsets
 from odl.train.trainer import Trainer, TrainerOptions
-from tests.online_harness import REPO, end_offsets, produce
+from tests.harness import REPO
 
 PARTS = 2
 
@@ -77,6 +81,7 @@ def _first_step_loss(config_text: str, tmp_path, name: str, bootstrap: str, topi
     return trainer.last_loss
 
 
+@pytest.mark.slow
 def test_warm_start_lowers_the_starting_loss(kafka_bootstrap, kafka_topic_factory, tmp_path):
     offline_dir = _offline_model_dir(tmp_path)
     topic = kafka_topic_factory(partitions=PARTS)
@@ -94,6 +99,7 @@ def test_warm_start_lowers_the_starting_loss(kafka_bootstrap, kafka_topic_factor
     assert warm < cold - 0.02, (warm, cold)
 
 
+@pytest.mark.slow
 def test_warm_start_var_map_loads_renamed_tables(tmp_path):
     offline_dir = _offline_model_dir(tmp_path, steps=5)
     offline = read_checkpoint(list_checkpoints(offline_dir)[-1]).state["model"]
@@ -117,7 +123,7 @@ def test_warm_start_var_map_loads_renamed_tables(tmp_path):
     config = load_pipeline_config(str(path))
     validate_pipeline_config(config, online=True)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
-    trainer._restore()
+    trainer.restore()
     tables = trainer.module.embedding_tables()
     assert torch.equal(tables["C1_v2"].cpu(), offline["ebc.embedding_bags.C1.weight"])
     assert torch.equal(tables["C2"].cpu(), offline["ebc.embedding_bags.C2.weight"])

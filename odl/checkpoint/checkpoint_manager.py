@@ -14,8 +14,9 @@ On-disk layout (one directory per checkpoint inside ``model_dir``)::
         DONE              completion marker, written last
 
 A checkpoint is first written to ``.model.ckpt-<step>.tmp-<pid>`` (every file fsynced, DONE
-last) and then renamed into place, so a crash at any moment leaves either the complete
-directory or a temporary one that is ignored and removed at the next start. A checkpoint
+last) and then renamed into place (``odl.checkpoint.atomic_directory``), so a crash at any
+moment leaves either the complete directory or a temporary one that is ignored and removed at
+the next start. A checkpoint
 whose DONE marker is missing or whose files do not match the manifest is never loaded: the
 loader warns and falls back to the previous one.
 """
@@ -33,6 +34,7 @@ from typing import Any, Optional
 
 import torch
 
+from odl.checkpoint.atomic_directory import atomic_directory, write_durable
 from odl.checkpoint.file_digest import sha256_file
 
 logger = logging.getLogger(__name__)
@@ -70,21 +72,6 @@ class LoadedCheckpoint:
     positions: dict[int, int]
     source: dict
     manifest: dict
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_file(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def checkpoint_step(path: str) -> Optional[int]:
@@ -251,34 +238,30 @@ class CheckpointManager:
         tmp = os.path.join(self.model_dir, f".{CKPT_PREFIX}{global_step}.tmp-{os.getpid()}")
         t0 = time.monotonic()
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-            with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-            pos_doc: dict[str, Any] = dict(source)
-            pos_doc["positions"] = {str(p): int(o) for p, o in sorted(positions.items())}
-            _write_file(os.path.join(tmp, POSITIONS_FILE), json.dumps(pos_doc, indent=1).encode())
-            _write_file(os.path.join(tmp, CONFIG_FILE), config_text.encode())
-            files = {}
-            for name in (MODEL_FILE, POSITIONS_FILE, CONFIG_FILE):
-                fp = os.path.join(tmp, name)
-                files[name] = {"bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}
-            manifest = {
-                "format": 1,
-                "global_step": int(global_step),
-                "created": time.time(),
-                "generation": generation,
-                "files": files,
-            }
-            _write_file(os.path.join(tmp, MANIFEST_FILE), json.dumps(manifest, indent=1).encode())
-            _write_file(os.path.join(tmp, DONE_FILE), b"")
-            _fsync_dir(tmp)
-            if os.path.exists(final):  # an incomplete leftover with the same step
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _fsync_dir(self.model_dir)
+            with atomic_directory(final, tmp, replace=True):  # final: an incomplete leftover
+                with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
+                    torch.save(state, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                pos_doc: dict[str, Any] = dict(source)
+                pos_doc["positions"] = {str(p): int(o) for p, o in sorted(positions.items())}
+                write_durable(os.path.join(tmp, POSITIONS_FILE),
+                              json.dumps(pos_doc, indent=1).encode())
+                write_durable(os.path.join(tmp, CONFIG_FILE), config_text.encode())
+                files = {}
+                for name in (MODEL_FILE, POSITIONS_FILE, CONFIG_FILE):
+                    fp = os.path.join(tmp, name)
+                    files[name] = {"bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}
+                manifest = {
+                    "format": 1,
+                    "global_step": int(global_step),
+                    "created": time.time(),
+                    "generation": generation,
+                    "files": files,
+                }
+                write_durable(os.path.join(tmp, MANIFEST_FILE),
+                              json.dumps(manifest, indent=1).encode())
+                write_durable(os.path.join(tmp, DONE_FILE), b"")
         except (OSError, RuntimeError) as exc:
             # torch.save reports a full disk as a RuntimeError of its zip writer whose
             # context is the OSError (ENOSPC): name the OSError, it is what an operator needs
@@ -286,7 +269,6 @@ class CheckpointManager:
             while not isinstance(cause, OSError) and cause.__context__ is not None:
                 cause = cause.__context__
             exc = cause if isinstance(cause, OSError) else exc
-            shutil.rmtree(tmp, ignore_errors=True)
             self.last_error = f"{type(exc).__name__}: {exc}"
             raise CheckpointError(
                 f"writing checkpoint at step {global_step} failed: {exc}"

@@ -55,7 +55,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     from odl.checkpoint.checkpoint_manager import CheckpointError
-    from odl.config.pipeline_config import ConfigError, load_pipeline_config
+    from odl.config.config_error import ConfigError
+    from odl.config.pipeline_config import load_pipeline_config
     from odl.export.exporter import ExportError, export_checkpoint
 
     if args.oss_path.startswith("oss://"):

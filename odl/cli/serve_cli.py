@@ -92,7 +92,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     from odl.config.config_error import ConfigError
     from odl.train.torch_runtime import configure_torch_threads
-    from serving_plugin.serving_model import ExportLoadError
+    from serving_plugin.export_reader import ExportLoadError
     from serving_plugin.serving_service import PredictLimits, ServingService
 
     try:

@@ -83,11 +83,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
     # Heavy imports after argument parsing so --help is instant.
-    from odl.config.pipeline_config import (
-        ConfigError,
-        load_pipeline_config,
-        validate_pipeline_config,
-    )
+    from odl.config.config_error import ConfigError
+    from odl.config.config_validation import validate_pipeline_config
+    from odl.config.pipeline_config import load_pipeline_config
     from odl.features.feature_builder import FeatureBuilder
     from odl.http.auth import AuthConfigError, resolve_auth_token
     from odl.train.startup_checks import check_start

@@ -1,6 +1,6 @@
 """Bounds on the sizes a pipeline config may ask for.
 
-:func:`odl.config.pipeline_config.validate_pipeline_config` refuses values outside these
+:func:`odl.config.config_validation.validate_pipeline_config` refuses values outside these
 bounds with a :class:`~odl.config.config_error.ConfigError` naming the field, so a config that
 validates never fails at start-up for a size the libraries cannot handle. Whether the sizes
 together fit the host is a separate check (:mod:`odl.config.memory_estimate`).

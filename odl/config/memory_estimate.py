@@ -53,6 +53,7 @@ import os
 from dataclasses import dataclass, field
 
 from odl.config.config_error import ConfigError
+from odl.config.feature_configs import feature_configs
 from odl.config.optimizer_support import optimizer_choices
 from odl.protos import pipeline_pb2
 
@@ -220,8 +221,6 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
     Returns:
         The estimate.
     """
-    from odl.config.pipeline_config import feature_configs  # pipeline_config imports limits
-
     features = {fc.feature_name: fc for fc in feature_configs(config)}
     mc = config.model_config
     deep_feats: list[str] = []

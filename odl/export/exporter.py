@@ -1,12 +1,14 @@
 r"""Exports a checkpoint as a self-contained serving base (``odl-export``).
 
-On-disk layout of one export (``<export_dir>/<unix-seconds>/``)::
+On-disk layout of one export (``<export_dir>/<unix-seconds>/``; names in
+``odl.export.export_layout``)::
 
     <export_dir>/
       <unix-seconds>/                 one export; the newest directory with DONE is served
-        dense_model.pt                TorchScript (torch.jit.save) of ``ServingDense``: the
-                                      model without its embedding tables, see below
-        serving_model.json            how to feed dense_model.pt (SERVING_MODEL_FILE, below)
+        dense_model.pt                TorchScript (torch.jit.save) of the model's dense part:
+                                      the training code itself (odl.export.dense_export)
+        serving_model.json            what the export holds and how to feed dense_model.pt
+                                      (below)
         DENSE_UPDATE_VARIABLES        JSON {"<dense var name>": {"id": int, "shape": [..]}}
         embed_name_to_ids.txt         "<table>\t<id>\t<num_rows>\t<dim>" per line (dim as
                                       published: wide_output_dim for wide tables)
@@ -23,31 +25,42 @@ On-disk layout of one export (``<export_dir>/<unix-seconds>/``)::
                                                      "start_id": 0, "rows": int,
                                                      "bytes": int, "sha256": hex}]}}}
           <table>/part-00000.npy      float32 [rows, dim] (numpy .npy); row i of the part is
-                                      the vector of id start_id + i
+                                      the vector of id start_id + i; only the columns the
+                                      model reads (wide tables: wide_output_dim)
         MANIFEST.json                 {"format": 1, "files": {relpath: {"bytes", "sha256"}}}
                                       over every file above except DONE
         DONE                          completion marker, written last
 
 With ``--oss_path P`` the ``embeddings/`` tree is written to ``P/<unix-seconds>/embeddings/``
-instead (a local path for now; ``oss://`` is not implemented) and ``serving_model.json``'s
+instead (a local path; ``oss://`` is not implemented) and ``serving_model.json``'s
 ``embeddings_dir`` holds that absolute path.
 
-The export is first written to ``<export_dir>/.tmp-<unix-seconds>-<pid>/`` and renamed into
-place after DONE, so a reader never sees a partial export under a numeric name.
+The export is built in ``<export_dir>/.tmp-<unix-seconds>-<pid>/`` and renamed into place
+after DONE (``odl.checkpoint.atomic_directory``), so a reader never sees a partial export
+under a numeric name.
 
-``dense_model.pt`` (``ServingDense``) inputs, all float32, ``B`` samples::
+``serving_model.json``::
 
-    deep  [B, num_deep * dim]            pooled deep embeddings, deep lookups in the order of
-                                         serving_model.json "deep_lookups" (sum or mean
-                                         pooling as the table says)
-    wide  [B, num_wide * wide_output_dim] pooled wide embeddings (first wide_output_dim
-                                         columns of each wide table), "wide_lookups" order
-    dense [B, num_dense]                 raw dense features, FeatureBuilder.dense_feature_names
-                                         order (serving_model.json "dense_features")
+    {"format": "odl.export/1", "model_class": str, "global_step": int, "generation": str,
+     "checkpoint": abs path, "created": unix s, "dense_model": "dense_model.pt",
+     "embeddings_dir": "embeddings" | abs path,
+     "pooled_inputs": [{"name": str, "lookups": [[feature, table], ...], "dim": int}, ...],
+     "outputs": [str, ...],
+     "dense_features": [str, ...], "sparse_features": [str, ...],
+     "tables": {"<table>": {"rows": int, "dim": int, "pooling": "sum"|"mean"}},
+     "deep_dim": int, "wide_output_dim": int,
+     "deep_lookups": [[feature, table], ...], "wide_lookups": [[feature, table], ...]}
 
-and it returns logits ``[B]``; the probability is ``sigmoid(logit)``. Its parameters keep the
-trainer's names (``dense.dnn.0.weight``, ``dense.wide_bias``, ...), the keys of
-``DENSE_UPDATE_VARIABLES``, so replayed dense variables are copied in by name.
+``dense_model.pt``'s ``forward`` takes, all float32 for ``B`` samples, one tensor per entry of
+``pooled_inputs`` in that order - ``[B, len(lookups) * dim]``: per lookup, the feature's ids
+pooled in the table (sum or mean as the table says), the table's first ``dim`` columns - then
+the raw dense features ``[B, len(dense_features)]`` (``FeatureBuilder.dense_feature_names``
+order); it returns the logits, ``[B]`` for one output (``[B, len(outputs)]`` for several);
+the probability is ``sigmoid(logit)``. For DeepFM the inputs are ``deep [B, num_deep * dim]``,
+``wide [B, num_wide * wide_output_dim]`` and ``dense``. Its parameters keep the trainer's names
+(``dense.dnn.0.weight``, ``dense.wide_bias``, ...), the keys of ``DENSE_UPDATE_VARIABLES``, so
+replayed dense variables are copied in by name. ``deep_dim`` ... ``wide_lookups`` repeat the
+model's embedding layout (deep and wide lookups) for readers that know DeepFM.
 
 ``kafka.txt``'s offset comes from the checkpoint's ``positions.json`` key
 ``"delta_topic_offset"`` (the publisher records there the delta-topic offset after the last
@@ -59,8 +72,6 @@ else ``positions.json`` keys ``"delta_server"`` / ``"delta_topic"``, else
 
 from __future__ import annotations
 
-import copy
-import json
 import logging
 import os
 import shutil
@@ -71,17 +82,36 @@ from typing import Optional
 
 import numpy as np
 import torch
-from torch import nn
 
+from odl.checkpoint.atomic_directory import (
+    atomic_directory,
+    copy_durable,
+    write_durable,
+    write_json_durable,
+)
 from odl.checkpoint.checkpoint_manager import read_checkpoint, resolve_checkpoint_path
 from odl.checkpoint.file_digest import sha256_file
-from odl.config.pipeline_config import config_to_text
+from odl.config.config_redaction import config_to_text
+from odl.export.dense_export import script_dense
+from odl.export.export_layout import (
+    ASSETS_DIR,
+    CONFIG_FILE,
+    DENSE_MODEL_FILE,
+    DONE_FILE,
+    EMBEDDINGS_DIR,
+    EXPORT_FORMAT,
+    KAFKA_FILE,
+    MANIFEST_FILE,
+    SERVING_MODEL_FILE,
+    SHARD_FILE,
+    temporary_export_name,
+)
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.deepfm import DeepFM, DeepFMDense
+from odl.models.ctr_model import CtrModel
 from odl.models.embedding_tables import WIDE_SUFFIX
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
-from publisher.delta_codec import (
+from publisher.id_maps import (
     DENSE_UPDATE_VARIABLES,
     EMBED_NAME_TO_IDS,
     IdMaps,
@@ -92,15 +122,6 @@ from publisher.delta_codec import (
 
 logger = logging.getLogger(__name__)
 
-EXPORT_FORMAT = "odl.export/1"
-DENSE_MODEL_FILE = "dense_model.pt"
-SERVING_MODEL_FILE = "serving_model.json"
-KAFKA_FILE = "kafka.txt"
-CONFIG_FILE = "pipeline.config"
-MANIFEST_FILE = "MANIFEST.json"
-DONE_FILE = "DONE"
-EMBEDDINGS_DIR = "embeddings"
-ASSETS_DIR = "assets"
 EBC_PREFIX = "ebc.embedding_bags."
 DENSE_PREFIX = "dense."
 DELTA_OFFSET_KEY = "delta_topic_offset"
@@ -108,104 +129,6 @@ DELTA_OFFSET_KEY = "delta_topic_offset"
 
 class ExportError(RuntimeError):
     """The export could not be made (bad input or an unsupported destination)."""
-
-
-class _DenseParams(nn.Module):
-    """``DeepFMDense``'s parameters under the same names; absent parts are ``None``."""
-
-    def __init__(self, src: DeepFMDense) -> None:
-        super().__init__()
-        self.dnn = src.dnn
-        self.wide_bias = src.wide_bias
-        self.wide_dense = src.wide_dense
-        if src.has_final:
-            self.final_dnn = src.final_dnn
-            self.final_out = src.final_out
-            self.deep_out = None
-        else:
-            self.final_dnn = None
-            self.final_out = None
-            self.deep_out = src.deep_out
-
-
-class ServingDense(nn.Module):
-    """DeepFM's computation after the embedding lookup (scriptable; see the module docstring).
-
-    Args:
-        dense: the trained dense part (copied).
-        num_deep: number of deep lookups.
-        dim: deep embedding dim.
-        num_wide: number of wide lookups.
-        wide_output_dim: used columns of each wide table.
-        deep_dense_idx: columns of the dense input fed to the deep part.
-        wide_dense_idx: columns of the dense input fed to the wide linear term.
-    """
-
-    __constants__ = ["num_deep", "dim", "num_wide", "wide_output_dim", "all_deep_dense",
-                     "has_deep_dense"]
-
-    def __init__(
-        self,
-        dense: DeepFMDense,
-        num_deep: int,
-        dim: int,
-        num_wide: int,
-        wide_output_dim: int,
-        deep_dense_idx: Sequence[int],
-        wide_dense_idx: Sequence[int],
-        num_dense: int,
-    ) -> None:
-        super().__init__()
-        self.dense = _DenseParams(copy.deepcopy(dense))
-        self.num_deep = int(num_deep)
-        self.dim = int(dim)
-        self.num_wide = int(num_wide)
-        self.wide_output_dim = int(wide_output_dim)
-        self.has_deep_dense = len(deep_dense_idx) > 0
-        self.all_deep_dense = list(deep_dense_idx) == list(range(num_dense))
-        self.register_buffer("deep_dense_idx", torch.tensor(list(deep_dense_idx),
-                                                             dtype=torch.long))
-        self.register_buffer("wide_dense_idx", torch.tensor(list(wide_dense_idx),
-                                                             dtype=torch.long))
-
-    def forward(self, deep: torch.Tensor, wide: torch.Tensor,
-                dense: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B]`` (same operations, in the same order, as ``DeepFM.forward``)."""
-        d = self.dense
-        b = dense.shape[0]
-        w = d.wide_bias.expand(b, self.wide_output_dim)
-        if self.num_wide > 0:
-            w = w + wide.reshape(b, self.num_wide, self.wide_output_dim).sum(dim=1)
-        wd = d.wide_dense
-        if wd is not None:
-            w = w + wd(dense.index_select(1, self.wide_dense_idx))
-        parts: list[torch.Tensor] = []
-        fm = torch.zeros(0)
-        if self.num_deep > 0:
-            v = deep.reshape(b, self.num_deep, self.dim)
-            fm = 0.5 * (v.sum(dim=1).square() - v.square().sum(dim=1))
-            parts.append(deep)
-        if self.has_deep_dense:
-            if self.all_deep_dense:
-                parts.append(dense)
-            else:
-                parts.append(dense.index_select(1, self.deep_dense_idx))
-        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        h = d.dnn(x)
-        final_dnn = d.final_dnn
-        final_out = d.final_out
-        if final_dnn is not None and final_out is not None:
-            cat = [w]
-            if self.num_deep > 0:
-                cat.append(fm)
-            cat.append(h)
-            return final_out(final_dnn(torch.cat(cat, dim=1))).squeeze(1)
-        deep_out = d.deep_out
-        assert deep_out is not None
-        logit = deep_out(h).squeeze(1) + w.sum(dim=1)
-        if self.num_deep > 0:
-            logit = logit + fm.sum(dim=1)
-        return logit
 
 
 @dataclass
@@ -228,25 +151,6 @@ class ExportResult:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _write_bytes(path: str, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_json(path: str, obj: object) -> None:
-    _write_bytes(path, (json.dumps(obj, indent=1, sort_keys=False) + "\n").encode())
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _get_message_field(msg: object, *names: str) -> Optional[object]:
     """Follows ``names`` through set message fields; None when a field is absent or unset."""
     cur = msg
@@ -262,7 +166,7 @@ def _get_message_field(msg: object, *names: str) -> Optional[object]:
     return cur
 
 
-def delta_topic_from_config(config: pipeline_pb2.EasyRecConfig) -> tuple[str, str]:
+def _delta_topic_from_config(config: pipeline_pb2.EasyRecConfig) -> tuple[str, str]:
     """``(server, topic)`` of ``train_config.incr_save_config.kafka`` when present, else empty."""
     kafka = _get_message_field(config, "train_config", "incr_save_config", "kafka")
     if kafka is None:
@@ -303,18 +207,33 @@ def _check_id_maps(maps: IdMaps, dense_shapes: Mapping[str, Sequence[int]],
                               f"the checkpoint {rows}x{dim}")
 
 
-def dense_variable_shapes(dense: DeepFMDense) -> dict[str, tuple[int, ...]]:
+def _dense_variable_shapes(model: CtrModel) -> dict[str, tuple[int, ...]]:
     """Published dense variables: floating ``dense.*`` parameters and buffers -> shape.
 
     Same names as ``TrainModule.dense_parameters()``; integer buffers (BatchNorm's
-    ``num_batches_tracked``) are not published (the codec's rule).
+    ``num_batches_tracked``) are not published (the publisher's rule).
+
+    Args:
+        model: the model.
+
+    Returns:
+        Name -> shape.
     """
     out = {}
-    named = list(dense.named_parameters()) + list(dense.named_buffers())
+    named = list(model.dense.named_parameters()) + list(model.dense.named_buffers())
     for k, v in named:
         if v.is_floating_point():
             out[f"{DENSE_PREFIX}{k}"] = tuple(int(d) for d in v.shape)
     return out
+
+
+def _used_columns(model: CtrModel) -> dict[str, int]:
+    """Table -> columns the dense part reads (the widest pooled group looking it up)."""
+    used: dict[str, int] = {}
+    for group in model.pooled_layout:
+        for _f, t in group.lookups:
+            used[t] = max(used.get(t, 0), group.dim)
+    return used
 
 
 def _new_export_name(export_dir: str, now: float) -> str:
@@ -324,10 +243,33 @@ def _new_export_name(export_dir: str, now: float) -> str:
     return str(ts)
 
 
-def _copy_file(src: str, dst: str) -> None:
-    shutil.copyfile(src, dst)
-    with open(dst, "rb+") as f:
-        os.fsync(f.fileno())
+def _signature(model: CtrModel, fb: FeatureBuilder, global_step: int, generation: str,
+               checkpoint: str, now: float, embeddings_ref: str,
+               table_shapes: Mapping[str, tuple[int, int]],
+               table_pooling: Mapping[str, str]) -> dict:
+    """The ``serving_model.json`` document (module docstring)."""
+    layout = model.layout
+    return {
+        "format": EXPORT_FORMAT,
+        "model_class": type(model).__name__,
+        "global_step": global_step,
+        "generation": generation,
+        "checkpoint": checkpoint,
+        "created": now,
+        "dense_model": DENSE_MODEL_FILE,
+        "embeddings_dir": embeddings_ref,
+        "pooled_inputs": [{"name": g.name, "lookups": [[f, t] for f, t in g.lookups],
+                           "dim": g.dim} for g in model.pooled_layout],
+        "outputs": list(model.output_names),
+        "dense_features": fb.dense_feature_names,
+        "sparse_features": fb.sparse_feature_names,
+        "tables": {n: {"rows": r, "dim": d, "pooling": table_pooling[n]}
+                   for n, (r, d) in table_shapes.items()},
+        "deep_dim": layout.deep_dim,
+        "wide_output_dim": layout.wide_output_dim,
+        "deep_lookups": [[f, t] for f, t in layout.deep_keys],
+        "wide_lookups": [[f, t] for f, t in layout.wide_keys],
+    }
 
 
 # ----------------------------------------------------------------------------- export
@@ -379,32 +321,27 @@ def export_checkpoint(
 
     fb = FeatureBuilder(config)
     model = build_model(config, fb)
-    if not isinstance(model, DeepFM):
-        raise ExportError(f"exporting {type(model).__name__} is not supported")
     dense_state = {k[len(DENSE_PREFIX):]: v for k, v in state.items()
                    if k.startswith(DENSE_PREFIX)}
     try:
         model.dense.load_state_dict(dense_state, strict=True)
     except RuntimeError as e:
         raise ExportError(f"checkpoint {ckpt_dir} does not match the config's model: {e}") from e
-    layout = model.layout
-    wdim = layout.wide_output_dim
+    used = _used_columns(model)
     pooling = {spec.name: spec.pooling for spec in fb.table_specs}
     tables: dict[str, np.ndarray] = {}
     table_pooling: dict[str, str] = {}
-    for cfg in layout.configs:
+    for cfg in model.layout.configs:
         key = f"{EBC_PREFIX}{cfg.name}.weight"
         if key not in state:
             raise ExportError(f"checkpoint {ckpt_dir} has no table {cfg.name} ({key})")
         w = state[key].detach().to(torch.float32).cpu().numpy()
-        is_wide = cfg.name.endswith(WIDE_SUFFIX)
-        if is_wide:
-            w = w[:, :wdim]
+        w = w[:, : used.get(cfg.name, w.shape[1])]
         tables[cfg.name] = np.ascontiguousarray(w)
-        base = cfg.name[: -len(WIDE_SUFFIX)] if is_wide else cfg.name
+        base = cfg.name[: -len(WIDE_SUFFIX)] if cfg.name.endswith(WIDE_SUFFIX) else cfg.name
         table_pooling[cfg.name] = pooling.get(base, "sum")
     table_shapes = {n: (int(w.shape[0]), int(w.shape[1])) for n, w in tables.items()}
-    dense_shapes = dense_variable_shapes(model.dense)
+    dense_shapes = _dense_variable_shapes(model)
 
     # Id maps: the publisher's (checkpoint dir or model_dir) when present, else the same
     # assignment the publisher makes (sorted names).
@@ -421,7 +358,7 @@ def export_checkpoint(
 
     source = ckpt.source or {}
     delta_offset = int(source.get(DELTA_OFFSET_KEY, 0) or 0)
-    cfg_server, cfg_topic = delta_topic_from_config(config)
+    cfg_server, cfg_topic = _delta_topic_from_config(config)
     server = str(delta_server or source.get("delta_server") or cfg_server)
     topic = str(delta_topic or source.get("delta_topic") or cfg_topic)
     if not topic:
@@ -431,10 +368,8 @@ def export_checkpoint(
     os.makedirs(export_dir, exist_ok=True)
     name = _new_export_name(export_dir, now)
     final = os.path.join(export_dir, name)
-    tmp = os.path.join(export_dir, f".tmp-{name}-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    try:
+    tmp = os.path.join(export_dir, temporary_export_name(name, os.getpid()))
+    with atomic_directory(final, tmp):
         if oss_path:
             emb_abs = os.path.abspath(os.path.join(oss_path, name, EMBEDDINGS_DIR))
             if os.path.exists(emb_abs):
@@ -443,86 +378,36 @@ def export_checkpoint(
         else:
             emb_write, emb_ref = os.path.join(tmp, EMBEDDINGS_DIR), EMBEDDINGS_DIR
         _write_embeddings(emb_write, tables, id_maps, table_pooling)
-
-        sd = build_serving_dense_from(model, fb)
-        scripted = torch.jit.script(sd)
-        scripted.eval()
-        torch.jit.save(scripted, os.path.join(tmp, DENSE_MODEL_FILE))
-
-        signature = {
-            "format": EXPORT_FORMAT,
-            "model_class": "DeepFM",
-            "global_step": ckpt.global_step,
-            "generation": ckpt.manifest.get("generation", ""),
-            "checkpoint": os.path.abspath(ckpt_dir),
-            "created": now,
-            "dense_model": DENSE_MODEL_FILE,
-            "embeddings_dir": emb_ref,
-            "deep_dim": layout.deep_dim,
-            "wide_output_dim": wdim,
-            "deep_lookups": [[f, t] for f, t in layout.deep_keys],
-            "wide_lookups": [[f, t] for f, t in layout.wide_keys],
-            "dense_features": fb.dense_feature_names,
-            "sparse_features": fb.sparse_feature_names,
-            "tables": {n: {"rows": r, "dim": d, "pooling": table_pooling[n]}
-                       for n, (r, d) in table_shapes.items()},
-        }
-        _write_json(os.path.join(tmp, SERVING_MODEL_FILE), signature)
+        torch.jit.save(script_dense(model), os.path.join(tmp, DENSE_MODEL_FILE))
+        write_json_durable(os.path.join(tmp, SERVING_MODEL_FILE), _signature(
+            model, fb, ckpt.global_step, ckpt.manifest.get("generation", ""),
+            os.path.abspath(ckpt_dir), now, emb_ref, table_shapes, table_pooling))
         if id_src is not None:
             for fname in (DENSE_UPDATE_VARIABLES, EMBED_NAME_TO_IDS):
-                _copy_file(os.path.join(id_src, fname), os.path.join(tmp, fname))
+                copy_durable(os.path.join(id_src, fname), os.path.join(tmp, fname))
         else:
             write_id_maps(tmp, dense_shapes, table_shapes)
-        _write_json(os.path.join(tmp, KAFKA_FILE), {
+        write_json_durable(os.path.join(tmp, KAFKA_FILE), {
             "storage": "kafka", "server": server, "topic": topic,
             "consumer": {"offset": delta_offset},
         })
-        _write_bytes(os.path.join(tmp, CONFIG_FILE), config_to_text(config).encode())
+        write_durable(os.path.join(tmp, CONFIG_FILE), config_to_text(config).encode())
         if asset_files:
             os.makedirs(os.path.join(tmp, ASSETS_DIR))
             for a in asset_files:
-                _copy_file(a, os.path.join(tmp, ASSETS_DIR, os.path.basename(a)))
+                copy_durable(a, os.path.join(tmp, ASSETS_DIR, os.path.basename(a)))
         files = {}
         for root, _dirs, names in os.walk(tmp):
             for n in sorted(names):
                 fp = os.path.join(root, n)
                 rel = os.path.relpath(fp, tmp)
                 files[rel] = {"bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}
-        _write_json(os.path.join(tmp, MANIFEST_FILE), {"format": 1, "files": files})
-        _write_bytes(os.path.join(tmp, DONE_FILE), b"")
-        _fsync_dir(tmp)
-        os.rename(tmp, final)
-        _fsync_dir(export_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        write_json_durable(os.path.join(tmp, MANIFEST_FILE), {"format": 1, "files": files})
+        write_durable(os.path.join(tmp, DONE_FILE), b"")
     emb_dir = emb_write if oss_path else os.path.join(final, EMBEDDINGS_DIR)
     logger.info("exported %s (step %d, %d tables, delta replay from offset %d) in %.2fs",
                 final, ckpt.global_step, len(tables), delta_offset, time.monotonic() - t0)
     return ExportResult(final, emb_dir, ckpt.global_step, delta_offset)
-
-
-def build_serving_dense_from(model: DeepFM, fb: FeatureBuilder) -> ServingDense:
-    """The scriptable dense part of ``model`` (eval mode, parameters copied).
-
-    Args:
-        model: the DeepFM (its ``dense`` holds the trained values).
-        fb: the feature builder it was built with (dense column count).
-
-    Returns:
-        The module; script it with ``torch.jit.script``.
-    """
-    layout = model.layout
-    return ServingDense(
-        model.dense,
-        num_deep=len(layout.deep_keys),
-        dim=layout.deep_dim,
-        num_wide=len(layout.wide_keys),
-        wide_output_dim=layout.wide_output_dim,
-        deep_dense_idx=model._deep_dense_idx,  # noqa: SLF001 - DeepFM's column choice
-        wide_dense_idx=model._wide_dense_idx,  # noqa: SLF001
-        num_dense=len(fb.dense_feature_names),
-    ).eval()
 
 
 def _write_embeddings(
@@ -537,7 +422,7 @@ def _write_embeddings(
     for name, w in tables.items():
         tdir = os.path.join(root, name)
         os.makedirs(tdir, exist_ok=True)
-        part = "part-00000.npy"
+        part = SHARD_FILE.format(index=0)
         fp = os.path.join(tdir, part)
         with open(fp, "wb") as f:
             np.save(f, w.astype(np.float32, copy=False))
@@ -552,4 +437,4 @@ def _write_embeddings(
             "parts": [{"file": part, "start_id": 0, "rows": int(w.shape[0]),
                        "bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}],
         }
-    _write_json(os.path.join(root, MANIFEST_FILE), manifest)
+    write_json_durable(os.path.join(root, MANIFEST_FILE), manifest)

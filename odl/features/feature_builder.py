@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from odl.config.config_error import ConfigError
-from odl.config.pipeline_config import feature_configs
+from odl.config.feature_configs import feature_configs
 from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments
 from odl.features.record_parser import ParsedColumns, RecordParser, parse_numbers
 from odl.protos import pipeline_pb2

@@ -30,7 +30,7 @@ import numpy as np
 from odl.inputs.feature_build_worker import FeatureBuildWorkers
 from odl.inputs.kafka_source import RawBatch
 
-if TYPE_CHECKING:  # torch stays out of the input process (odl/inputs/kafka_input_process.py)
+if TYPE_CHECKING:  # torch stays out of the input process (odl/inputs/kafka_input_child.py)
     from odl.features.batch import Batch
     from odl.features.feature_builder import BatchArrays
 
@@ -246,7 +246,9 @@ class BatchPrefetcher(PreparedBatchQueue):
     def stop(self, timeout: float = 10.0) -> None:
         """Stops the threads and the workers.
 
-        Queued batches are dropped; they are read again on the next start.
+        Nothing more is read or built. Batches still queued are not trained: the trainer stops
+        taking them, checkpoints the positions of what it trained, and reads them again on
+        the next start.
         """
         self._stop.set()
         if self._collector is not None:

@@ -1,7 +1,7 @@
 """Python helper processes that the trainer talks to over a socketpair.
 
 Used by the feature build workers (``odl.inputs.feature_build_worker``) and the input
-process (``odl.inputs.kafka_input_process``). A child is ``python -c <boot line>``: the boot
+process (``odl.inputs.kafka_input_child``). A child is ``python -c <boot line>``: the boot
 line sets SIGINT and SIGTERM to be ignored before any import (a terminal's Ctrl-C or
 systemd's stop reaches the whole process group, possibly while the child is still importing;
 the parent decides when its helpers end) and then runs ``<module>.main()`` with ``--fd N``,

@@ -1,8 +1,8 @@
 """Kafka sample source: explicit partition assignment, start positions, raw record batches.
 
-The source reads one topic with a ``confluent_kafka.Consumer`` whose partitions are assigned
-explicitly (``partition % world_size == rank``), never by group rebalancing, so every worker
-knows exactly which records it owns. The consumer group is only used to commit positions for
+The source reads every partition of one topic with a ``confluent_kafka.Consumer`` whose
+partitions are assigned explicitly, never by group rebalancing, so the trainer knows exactly
+which records it owns. The consumer group is only used to commit positions for
 monitoring tools; the trainer's checkpoint is the source of truth.
 
 Start positions, first match wins:
@@ -39,9 +39,9 @@ says which state it is in. Unassign/assign rather than pause/resume: librdkafka 
 prefetched records on pause and, in a one-off test, fetched again only ~1 s after a resume.
 
 Outages: librdkafka reconnects by itself and resumes fetching at the consumer's position, so
-nothing is skipped or read twice. ``broker_error`` tells the trainer the broker is down: it is
-set by the consumer's ``error_cb`` (all brokers down, name resolution) and by failing metadata
-or watermark queries, and cleared only by a successful watermark query (every
+nothing is skipped or read twice. ``broker_error`` tells the trainer the broker is down, by the
+rules of ``odl.kafka.broker_health`` (``error_cb`` outages, failing requests, metadata or
+watermark queries), and is cleared only by a successful watermark query (every
 ``_WATERMARK_REFRESH_SECS``; records still queued locally prove nothing about the broker).
 
 A position the partition no longer has (``auto.offset.reset`` is ``error``, librdkafka never
@@ -63,13 +63,18 @@ from typing import Optional
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
+from odl.kafka.broker_health import (
+    OUT_OF_RANGE_CODES,
+    BrokerHealth,
+    error_text,
+    out_of_range_target,
+)
 from odl.kafka.client_settings import consumer_config
 
 logger = logging.getLogger(__name__)
 
 _WATERMARK_REFRESH_SECS = 2.0
 _PARKED_POLL_SECS = 0.05  # how often a parked source asks for the log ends
-_OUTAGE_CODES = (KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE)
 
 
 def _sleep(stop_event: Optional[threading.Event], seconds: float) -> bool:
@@ -120,14 +125,6 @@ class PartitionState:
     high_watermark: int = -1
     low_watermark: int = -1
 
-    @property
-    def lag(self) -> int:
-        """Records between the position and the partition end (-1 when unknown)."""
-        if self.high_watermark < 0:
-            return -1
-        return max(0, self.high_watermark - self.position)
-
-
 class KafkaSource:
     """Reads raw record batches from one Kafka topic.
 
@@ -140,8 +137,6 @@ class KafkaSource:
         batch_timeout_ms: emit a partial batch after this long without filling it.
         fetch_interval_ms: fetch pacing (see the module docstring); 0 = librdkafka's own.
         kafka_config: extra librdkafka settings, passed through.
-        rank: this worker's index.
-        world_size: number of workers splitting the partitions.
         topic_wait_secs: how long to wait for the topic to exist (0 = forever).
     """
 
@@ -155,8 +150,6 @@ class KafkaSource:
         batch_timeout_ms: int = 200,
         kafka_config: Optional[Mapping[str, str]] = None,
         fetch_interval_ms: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
         topic_wait_secs: float = 0.0,
     ) -> None:
         self.servers = servers
@@ -166,8 +159,6 @@ class KafkaSource:
         self.batch_size = int(batch_size)
         self.batch_timeout = batch_timeout_ms / 1000.0
         self.fetch_interval = fetch_interval_ms / 1000.0
-        self.rank = rank
-        self.world_size = world_size
         self._topic_wait_secs = topic_wait_secs
         conf = consumer_config(servers, group, kafka_config)
         conf["error_cb"] = self._on_kafka_error
@@ -197,8 +188,7 @@ class KafkaSource:
         self._last_watermark_refresh = 0.0
         self._commit_lock = threading.Lock()
         self._pending_commit: Optional[dict[int, int]] = None
-        self.broker_error: Optional[str] = None
-        self.broker_error_since: Optional[float] = None
+        self.health = BrokerHealth(f"kafka input {topic}")
         self.records_consumed = 0
         self.offset_resets = 0
         self.parked = False
@@ -218,40 +208,30 @@ class KafkaSource:
             TimeoutError: the topic did not appear within ``topic_wait_secs``.
         """
         partitions = self._wait_for_partitions(stop_event)
-        self._partitions = [p for p in partitions if p % self.world_size == self.rank]
+        self._partitions = list(partitions)
         starts = self._resolve_starts()
         self._positions = dict(starts)
         for p, off in starts.items():
             self.partition_state[p] = PartitionState(position=off)
         self._consumer.assign([TopicPartition(self.topic, p, off) for p, off in starts.items()])
         self._refresh_watermarks(force=True)
-        logger.info(
-            "reading topic %s partitions %s from %s (rank %d of %d)",
-            self.topic,
-            self._partitions,
-            starts,
-            self.rank,
-            self.world_size,
-        )
+        logger.info("reading topic %s partitions %s from %s", self.topic, self._partitions,
+                    starts)
         return starts
 
     def _wait_for_partitions(self, stop_event: Optional[threading.Event]) -> list[int]:
         deadline = time.monotonic() + self._topic_wait_secs if self._topic_wait_secs else None
-        warned = False
         while True:
             try:
                 md = self._consumer.list_topics(self.topic, timeout=5)
                 tmd = md.topics.get(self.topic)
                 if tmd is not None and tmd.error is None and tmd.partitions:
-                    self._clear_broker_error()
+                    self.health.reachable()
                     return sorted(tmd.partitions)
                 reason = f"topic {self.topic} does not exist yet"
             except KafkaException as exc:
-                reason = f"broker unreachable: {exc.args[0]}"
-            self._set_broker_error(reason)
-            if not warned:
-                logger.warning("waiting for %s (%s)", self.topic, reason)
-                warned = True
+                reason = f"broker unreachable: {error_text(exc)}"
+            self.health.unreachable(reason)
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"kafka topic {self.topic!r} on {self.servers}: {reason}")
             if stop_event is not None and stop_event.wait(1.0):
@@ -299,10 +279,9 @@ class KafkaSource:
             return out
         if start.offsets is not None:
             unknown = sorted(set(start.offsets) - set(self._partitions))
-            owned = [p for p in unknown if p % self.world_size == self.rank]
-            if owned:
+            if unknown:
                 logger.warning("offset_info names partitions %s that the topic does not have",
-                               owned)
+                               unknown)
             return {p: int(start.offsets.get(p, max(lows[p], 0))) for p in self._partitions}
         return {p: max(lows[p], 0) for p in self._partitions}
 
@@ -434,11 +413,9 @@ class KafkaSource:
         code = err.code()
         if code == KafkaError._PARTITION_EOF:
             return
-        if code in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN, KafkaError._RESOLVE):
-            self._set_broker_error(err.str())
-            logger.warning("kafka: %s", err.str())
+        if self.health.on_request_error(err):
             return
-        if code in (KafkaError.OFFSET_OUT_OF_RANGE, KafkaError._AUTO_OFFSET_RESET):
+        if code in OUT_OF_RANGE_CODES:
             self._reset_offset(partition)
             return
         if err.fatal():
@@ -459,13 +436,12 @@ class KafkaSource:
             time.sleep(1.0)
             target = pos
         else:
+            target = out_of_range_target(pos, low, high).offset
             if pos > high:
-                target = high
                 logger.error("partition %d ends at offset %d, before the position %d: the "
                              "broker lost %d acknowledged records (already trained); reading "
                              "on from its end", partition, high, pos, pos - high)
             else:
-                target = max(low, 0)
                 logger.error("partition %d: records %d..%d were deleted by retention before "
                              "they were trained; reading on from %d", partition, pos,
                              low - 1, target)
@@ -477,26 +453,17 @@ class KafkaSource:
 
     def _on_kafka_error(self, err: KafkaError) -> None:
         """Handles librdkafka's ``error_cb`` (runs inside ``consume`` on the reading thread)."""
-        if err.code() in _OUTAGE_CODES:
-            if self.broker_error is None:
-                logger.warning("kafka broker unreachable: %s (waiting for it)", err.str())
-            self._set_broker_error(err.str())
-        elif err.fatal():
-            logger.error("kafka consumer fatal error: %s", err.str())
-        else:
-            logger.debug("kafka client error: %s", err.str())
+        self.health.on_client_error(err)
 
-    def _set_broker_error(self, reason: str) -> None:
-        if self.broker_error is None:
-            self.broker_error_since = time.time()
-        self.broker_error = reason
+    @property
+    def broker_error(self) -> Optional[str]:
+        """Why the broker is unreachable (or the topic missing), or None."""
+        return self.health.error
 
-    def _clear_broker_error(self) -> None:
-        if self.broker_error is not None:
-            logger.info("kafka reachable again after %.1fs (%s)",
-                        time.time() - (self.broker_error_since or time.time()), self.broker_error)
-        self.broker_error = None
-        self.broker_error_since = None
+    @property
+    def broker_error_since(self) -> Optional[float]:
+        """When ``broker_error`` was first set (unix seconds), or None."""
+        return self.health.since
 
     def _refresh_watermarks(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -509,19 +476,13 @@ class KafkaSource:
                     TopicPartition(self.topic, p), timeout=2, cached=False
                 )
             except KafkaException as exc:
-                err = exc.args[0] if exc.args else exc
-                reason = err.str() if isinstance(err, KafkaError) else str(err)
-                if self.broker_error is None:
-                    logger.warning("kafka watermark query failed: %s (waiting for the broker)",
-                                   reason)
-                self._set_broker_error(f"watermark query failed: {reason}")
+                self.health.unreachable(f"watermark query failed: {error_text(exc)}")
                 # retry sooner than the normal refresh while the broker is away
                 self._last_watermark_refresh = now - _WATERMARK_REFRESH_SECS / 2
                 return
             st = self.partition_state.setdefault(p, PartitionState())
             st.low_watermark, st.high_watermark = low, high
-        if self.broker_error is not None:
-            self._clear_broker_error()
+        self.health.reachable()
 
     # ------------------------------------------------------------------ commit
     def request_commit(self, positions: Mapping[int, int]) -> None:

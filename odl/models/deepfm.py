@@ -1,35 +1,40 @@
-"""EasyRec's DeepFM on a TorchRec ``EmbeddingBagCollection``.
+"""EasyRec's DeepFM as a ``CtrModel`` (contract: ``odl.models.ctr_model``).
 
-    wide  = sum over wide features of their first ``wide_output_dim`` weights  [B, W]
-            (+ a linear term over dense raw features in a wide group) + bias
-    fm    = 0.5 * ((sum_i v_i)**2 - sum_i v_i**2)  over the deep group's embeddings  [B, D]
-    deep  = DNN(concat(deep embeddings, deep dense raw features))  [B, H]
+Dense part (``DeepFMDense``), fed ``deep [B, num_deep * dim]``, ``wide [B, num_wide *
+wide_output_dim]`` (the two pooled groups) and the raw dense features::
+
+    wide  = sum over wide lookups of their wide_output_dim weights              [B, W]
+            (+ a linear term over the dense features of a wide group) + bias
+    fm    = 0.5 * ((sum_i v_i)**2 - sum_i v_i**2)  over the deep lookups' vectors [B, D]
+    deep  = DNN(concat(deep, deep dense features))                               [B, H]
     logit = sum(wide) + sum(fm) + Linear(deep -> 1)              (no final_dnn)
     logit = Linear(final_dnn(concat(wide, fm, deep)) -> 1)       (with final_dnn)
 
-Loss: mean binary cross entropy with logits
+Loss (``deepfm_loss``): mean binary cross entropy with logits
     + l2_regularization * sum of squared dense Linear weights (kernels, not biases)
-    + embedding_regularization * mean over (sample, deep feature) of ||pooled embedding||**2
+    + embedding_regularization * mean over (sample, deep lookup) of ||pooled embedding||**2
     + wide_regularization (or embedding_regularization when 0) * same over wide lookups.
-The embedding terms use the pooled vectors of the step (cheap), which equals the looked-up
+The embedding terms use the pooled vectors of the step (cheap), which equal the looked-up
 rows for single-valued features.
 
 Parameter names: the tables are ``ebc.embedding_bags.<table>.weight``; every dense parameter
 lives under ``dense.`` (``dense.dnn.*``, ``dense.deep_out.*``, ``dense.final_dnn.*``,
 ``dense.final_out.*``, ``dense.wide_bias``, ``dense.wide_dense.*``).
-"""
 
-from __future__ import annotations
+This module has no ``from __future__ import annotations``: TorchScript reads
+``DeepFMDense``'s class annotations as types.
+"""
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
-from torchrec.sparse.jagged_tensor import KeyedTensor
 
 from odl.features.batch import Batch
+from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
 from odl.protos import pipeline_pb2
 
@@ -65,34 +70,183 @@ def build_mlp(in_dim: int, dnn: pipeline_pb2.DNN) -> tuple[nn.Sequential, int]:
 
 
 class DeepFMDense(nn.Module):
-    """The dense (non-embedding) parameters of DeepFM."""
+    """DeepFM after the embedding lookup (see the module docstring); scriptable.
+
+    Args:
+        cfg: the DeepFM settings (towers).
+        num_deep: deep lookups.
+        dim: deep embedding dim.
+        num_wide: wide lookups.
+        wide_output_dim: columns of each wide lookup.
+        deep_dense_idx: dense-feature columns fed to the deep tower.
+        wide_dense_idx: dense-feature columns fed to the wide linear term.
+        num_dense: dense-feature columns in a batch.
+
+    Raises:
+        ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
+    """
+
+    __constants__ = ["num_deep", "dim", "num_wide", "wide_output_dim", "has_deep_dense",
+                     "all_deep_dense"]
+    deep_dense_idx: list[int]
+    wide_dense_idx: list[int]
 
     def __init__(
         self,
-        deep_in: int,
-        fm_dim: int,
-        num_wide_dense: int,
         cfg: pipeline_pb2.DeepFM,
+        num_deep: int,
+        dim: int,
+        num_wide: int,
+        wide_output_dim: int,
+        deep_dense_idx: Sequence[int],
+        wide_dense_idx: Sequence[int],
+        num_dense: int,
     ) -> None:
         super().__init__()
-        self.wide_output_dim = int(cfg.wide_output_dim)
+        self.num_deep = int(num_deep)
+        self.dim = int(dim)
+        self.num_wide = int(num_wide)
+        self.wide_output_dim = int(wide_output_dim)
+        self.deep_dense_idx = [int(i) for i in deep_dense_idx]
+        self.wide_dense_idx = [int(i) for i in wide_dense_idx]
+        self.has_deep_dense = len(self.deep_dense_idx) > 0
+        self.all_deep_dense = self.deep_dense_idx == list(range(int(num_dense)))
+        deep_in = self.num_deep * self.dim + len(self.deep_dense_idx)
+        if deep_in == 0:
+            raise ValueError("DeepFM needs at least one feature in a deep group")
+        # Registration order fixes the dense optimizer's parameter order in checkpoints.
         self.dnn, deep_width = build_mlp(deep_in, cfg.dnn)
         self.wide_bias = nn.Parameter(torch.zeros(1))
-        self.wide_dense = (
-            nn.Linear(num_wide_dense, self.wide_output_dim, bias=False)
-            if num_wide_dense else None
-        )
-        self.has_final = cfg.HasField("final_dnn")
-        if self.has_final:
+        self.wide_dense = (nn.Linear(len(self.wide_dense_idx), self.wide_output_dim, bias=False)
+                           if self.wide_dense_idx else None)
+        if cfg.HasField("final_dnn"):
+            fm_dim = self.dim if self.num_deep else 0
             final_in = self.wide_output_dim + fm_dim + deep_width
             self.final_dnn, final_width = build_mlp(final_in, cfg.final_dnn)
             self.final_out = nn.Linear(final_width, 1)
+            self.deep_out = None
         else:
+            self.final_dnn = None
+            self.final_out = None
             self.deep_out = nn.Linear(deep_width, 1)
 
+    def forward(self, deep: torch.Tensor, wide: torch.Tensor,
+                dense: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B]``.
 
-class DeepFM(nn.Module):
-    """DeepFM over an ``EmbeddingBagCollection`` built on the ``meta`` device.
+        Args:
+            deep: ``[B, num_deep * dim]`` pooled deep lookups.
+            wide: ``[B, num_wide * wide_output_dim]`` pooled wide lookups.
+            dense: ``[B, num_dense]`` raw dense features.
+
+        Returns:
+            The logits.
+        """
+        b = dense.shape[0]
+        w = self.wide_bias.expand(b, self.wide_output_dim)
+        if self.num_wide > 0:
+            w = w + wide.reshape(b, self.num_wide, self.wide_output_dim).sum(dim=1)
+        wide_dense = self.wide_dense
+        if wide_dense is not None:
+            w = w + wide_dense(dense[:, self.wide_dense_idx])
+        parts: list[torch.Tensor] = []
+        fm = torch.zeros(0)
+        if self.num_deep > 0:
+            v = deep.reshape(b, self.num_deep, self.dim)
+            fm = 0.5 * (v.sum(dim=1).square() - v.square().sum(dim=1))
+            parts.append(deep)
+        if self.has_deep_dense:
+            if self.all_deep_dense:
+                parts.append(dense)
+            else:
+                parts.append(dense[:, self.deep_dense_idx])
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        h = self.dnn(x)
+        final_dnn = self.final_dnn
+        final_out = self.final_out
+        if final_dnn is not None and final_out is not None:
+            cat = [w]
+            if self.num_deep > 0:
+                cat.append(fm)
+            cat.append(h)
+            return final_out(final_dnn(torch.cat(cat, dim=1))).squeeze(1)
+        deep_out = self.deep_out
+        assert deep_out is not None
+        logit = deep_out(h).squeeze(1) + w.sum(dim=1)
+        if self.num_deep > 0:
+            logit = logit + fm.sum(dim=1)
+        return logit
+
+
+@dataclass(frozen=True)
+class DeepFMRegularization:
+    """Weights of DeepFM's regularization terms (module docstring).
+
+    Attributes:
+        l2: on the squared dense Linear kernels.
+        embedding: on the pooled deep vectors.
+        wide: on the pooled wide vectors.
+    """
+
+    l2: float
+    embedding: float
+    wide: float
+
+    @classmethod
+    def from_config(cls, model_config: pipeline_pb2.EasyRecModel) -> "DeepFMRegularization":
+        """The weights an ``EasyRecModel`` config asks for.
+
+        Args:
+            model_config: the model config (its ``deepfm`` and ``embedding_regularization``).
+
+        Returns:
+            The weights.
+        """
+        cfg = model_config.deepfm
+        return cls(
+            l2=float(cfg.l2_regularization or cfg.dense_regularization),
+            embedding=float(model_config.embedding_regularization),
+            wide=float(cfg.wide_regularization or model_config.embedding_regularization),
+        )
+
+
+def deepfm_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    deep: torch.Tensor,
+    wide: torch.Tensor,
+    dense: DeepFMDense,
+    weights: DeepFMRegularization,
+) -> torch.Tensor:
+    """Mean BCE with logits plus DeepFM's regularization (module docstring).
+
+    Args:
+        logits: ``[B]`` logits of ``dense`` on ``deep``, ``wide``.
+        labels: ``[B]`` float labels.
+        deep: the step's pooled deep lookups ``[B, num_deep * dim]``.
+        wide: the step's pooled wide lookups ``[B, num_wide * wide_output_dim]``.
+        dense: the dense part (its Linear kernels and the lookup counts).
+        weights: the regularization weights.
+
+    Returns:
+        Scalar loss.
+    """
+    loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    b = logits.shape[0]
+    if weights.l2:
+        sq = sum(m.weight.square().sum() for m in dense.modules() if isinstance(m, nn.Linear))
+        loss = loss + weights.l2 * sq
+    if weights.embedding and dense.num_deep:
+        v = deep.reshape(b, dense.num_deep, dense.dim)
+        loss = loss + weights.embedding * v.square().sum(dim=-1).mean()
+    if weights.wide and dense.num_wide:
+        w = wide.reshape(b, dense.num_wide, dense.wide_output_dim)
+        loss = loss + weights.wide * w.square().sum(dim=-1).mean()
+    return loss
+
+
+class DeepFM(CtrModel):
+    """DeepFM over an ``EmbeddingBagCollection`` built on ``ebc_device``.
 
     Args:
         layout: table layout (deep and wide lookups).
@@ -100,7 +254,11 @@ class DeepFM(nn.Module):
         deep_dense: dense features in the deep group.
         wide_dense: dense features in a wide group.
         model_config: the ``EasyRecModel`` (DeepFM settings and regularization).
+        output_name: the name of the model's one output (the label it predicts).
         ebc_device: device of the tables (``meta``: materialized by DMP).
+
+    Raises:
+        ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
     """
 
     def __init__(
@@ -110,121 +268,40 @@ class DeepFM(nn.Module):
         deep_dense: Sequence[str],
         wide_dense: Sequence[str],
         model_config: pipeline_pb2.EasyRecModel,
-        ebc_device: torch.device | str = "meta",
+        output_name: str = "label",
+        ebc_device: "torch.device | str" = "meta",
     ) -> None:
         super().__init__()
-        cfg = model_config.deepfm
         self.layout = layout
         self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device))
         col = {n: i for i, n in enumerate(dense_features)}
-        self._deep_dense_idx = [col[n] for n in deep_dense]
-        self._wide_dense_idx = [col[n] for n in wide_dense]
-        self._all_deep_dense = self._deep_dense_idx == list(range(len(dense_features)))
-        self._num_deep = len(layout.deep_keys)
-        self._dim = layout.deep_dim
-        deep_in = self._num_deep * self._dim + len(deep_dense)
-        if deep_in == 0:
-            raise ValueError("DeepFM needs at least one feature in a deep group")
-        self.dense = DeepFMDense(deep_in, self._dim if self._num_deep else 0,
-                                 len(wide_dense), cfg)
-        self.l2_regularization = float(cfg.l2_regularization or cfg.dense_regularization)
-        self.embedding_regularization = float(model_config.embedding_regularization)
-        self.wide_regularization = float(cfg.wide_regularization or
-                                         model_config.embedding_regularization)
-        self._resolved = False
-        self._column_order: torch.Tensor | None = None
-        self._deep_width = 0
-        self._last_deep: torch.Tensor | None = None
-        self._last_wide: torch.Tensor | None = None
+        self.dense = DeepFMDense(
+            model_config.deepfm,
+            num_deep=len(layout.deep_keys),
+            dim=layout.deep_dim,
+            num_wide=len(layout.wide_keys),
+            wide_output_dim=layout.wide_output_dim,
+            deep_dense_idx=[col[n] for n in deep_dense],
+            wide_dense_idx=[col[n] for n in wide_dense],
+            num_dense=len(dense_features),
+        )
+        self.pooled_layout = (
+            PooledGroup("deep", tuple(layout.deep_keys), layout.deep_dim),
+            PooledGroup("wide", tuple(layout.wide_keys), layout.wide_output_dim),
+        )
+        self.output_names = (output_name,)
+        self.regularization = DeepFMRegularization.from_config(model_config)
 
-    def _resolve(self, kt: KeyedTensor) -> torch.Tensor | None:
-        """Columns of the pooled output in layout order (deep keys, then wide keys).
-
-        TorchRec groups pooled outputs by pooling type, so with mixed combiners its column
-        order differs from the layout's; the permutation is computed once. Returns None when
-        the output is already in layout order (the common case, no copy needed).
-        """
-        if not self._resolved:
-            ranges: dict[tuple[str, str | None], tuple[int, int]] = {}
-            start = 0
-            for key, length in zip(kt.keys(), kt.length_per_key(), strict=True):
-                f, _, t = key.partition("@")
-                ranges[(f, t or None)] = (start, start + length)
-                start += length
-            cols: list[int] = []
-            for f, t in self.layout.deep_keys + self.layout.wide_keys:
-                r = ranges.get((f, t)) or ranges.get((f, None))
-                if r is None:
-                    raise RuntimeError(f"pooled embeddings {kt.keys()} lack {f}@{t}")
-                cols.extend(range(*r))
-            self._column_order = (
-                None if cols == list(range(start)) else torch.tensor(cols, dtype=torch.long)
-            )
-            self._deep_width = self._num_deep * self._dim
-            self._resolved = True
-        return self._column_order
-
-    def forward(self, batch: Batch) -> torch.Tensor:
-        """Returns logits ``[B]``."""
-        kt = self.ebc(batch.sparse)
-        pooled = kt.values()
-        order = self._resolve(kt)
-        if order is not None:
-            pooled = pooled.index_select(1, order.to(pooled.device))
-        deep_sl, wide_sl = slice(0, self._deep_width), slice(self._deep_width, pooled.shape[1])
-        b = pooled.shape[0]
-        d = self.dense
-        parts = []
-        # Wide.
-        wide = d.wide_bias.expand(b, d.wide_output_dim)
-        n_wide = len(self.layout.wide_keys)
-        if n_wide:
-            w = pooled[:, wide_sl].reshape(b, n_wide, -1)[:, :, : d.wide_output_dim]
-            self._last_wide = w
-            wide = wide + w.sum(dim=1)
-        if d.wide_dense is not None:
-            wide = wide + d.wide_dense(batch.dense[:, self._wide_dense_idx])
-        # FM and deep.
-        deep_in = []
-        fm = None
-        if self._num_deep:
-            emb = pooled[:, deep_sl]
-            self._last_deep = emb.reshape(b, self._num_deep, self._dim)
-            v = self._last_deep
-            fm = 0.5 * (v.sum(dim=1).square() - v.square().sum(dim=1))
-            deep_in.append(emb)
-        if self._deep_dense_idx:
-            dense = batch.dense if self._all_deep_dense else batch.dense[:, self._deep_dense_idx]
-            deep_in.append(dense)
-        x = deep_in[0] if len(deep_in) == 1 else torch.cat(deep_in, dim=1)
-        deep = d.dnn(x)
-        if d.has_final:
-            parts = [wide] + ([fm] if fm is not None else []) + [deep]
-            out = d.final_out(d.final_dnn(torch.cat(parts, dim=1)))
-            return out.squeeze(1)
-        logit = d.deep_out(deep).squeeze(1) + wide.sum(dim=1)
-        if fm is not None:
-            logit = logit + fm.sum(dim=1)
-        return logit
-
-    def loss(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Mean BCE with logits plus the configured regularization (see module docstring).
+    def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
+        """``deepfm_loss`` of the step's logits and pooled lookups.
 
         Args:
-            logits: output of ``forward`` on ``batch`` (same step: uses its pooled vectors).
+            output: ``forward(batch)``'s result.
             batch: the batch (labels).
 
         Returns:
             Scalar loss.
         """
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
-        if self.l2_regularization:
-            sq = sum(m.weight.square().sum() for m in self.dense.modules()
-                     if isinstance(m, nn.Linear))
-            loss = loss + self.l2_regularization * sq
-        if self.embedding_regularization and self._last_deep is not None:
-            loss = loss + self.embedding_regularization * (
-                self._last_deep.square().sum(dim=-1).mean())
-        if self.wide_regularization and self._last_wide is not None:
-            loss = loss + self.wide_regularization * self._last_wide.square().sum(dim=-1).mean()
-        return loss
+        deep, wide = output.pooled
+        return deepfm_loss(output.logits, batch.labels, deep, wide, self.dense,
+                           self.regularization)

@@ -15,8 +15,9 @@ the stored columns, i.e. ``g**2 * wide_output_dim / storage_dim``; element-wise 
 (the default Adagrad, SGD, Adam) are unaffected by the padding.
 
 Order: deep tables first, in order of the deep groups' features, then wide tables in order
-of the wide groups' features. The EBC's pooled output follows this order (features within a
-table in table order); DeepFM relies on it.
+of the wide groups' features (features within a table in table order); ``deep_keys`` and
+``wide_keys`` list the lookups in this order. ``CtrModel.lookup`` finds each lookup's columns
+in the EBC's pooled output by name, whatever order TorchRec emits them in.
 
 Initialization (``init_embedding_weights``), seeded per table so it does not depend on table
 order: deep tables ``N(0, DEEP_INIT_STD**2)``; wide tables zero.

@@ -1,13 +1,16 @@
-"""Builds the model named by ``model_config.model_class``."""
+"""Builds the model named by ``model_config.model_class`` (a ``CtrModel``).
+
+Every model follows the contract of ``odl.models.ctr_model``; a new model class is added to
+``SUPPORTED_MODELS`` and to ``build_model``.
+"""
 
 from __future__ import annotations
 
 import logging
 
-from torch import nn
-
 from odl.config.config_error import ConfigError
 from odl.features.feature_builder import FeatureBuilder
+from odl.models.ctr_model import CtrModel
 from odl.models.deepfm import DeepFM
 from odl.models.embedding_tables import build_embedding_layout
 from odl.protos import pipeline_pb2
@@ -59,10 +62,8 @@ def model_groups(
     return out
 
 
-def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> nn.Module:
+def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> CtrModel:
     """Builds the configured model (tables on the ``meta`` device, dense parts on CPU).
-
-    Models take a ``Batch`` and return logits ``[B]``, and expose ``loss(logits, batch)``.
 
     Args:
         config: the pipeline config.
@@ -90,8 +91,9 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
         raise ConfigError("model_config.feature_groups", str(e)) from e
     if not mc.deepfm.dnn.hidden_units:
         raise ConfigError("model_config.deepfm.dnn.hidden_units", "at least one layer is needed")
+    labels = list(config.data_config.label_fields) or ["label"]
     try:
         return DeepFM(layout, feature_builder.dense_feature_names, groups["deep_dense"],
-                      groups["wide_dense"], mc)
+                      groups["wide_dense"], mc, output_name=labels[0])
     except ValueError as e:
         raise ConfigError("model_config.deepfm", str(e)) from e

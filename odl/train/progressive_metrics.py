@@ -12,16 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from odl.auc import HistogramAuc
-from odl.auc import roc_auc as exact_auc
+from odl.auc import HistogramAuc, roc_auc
 
 _EPS = 1e-7
 _HISTOGRAM_BINS = 10000
-
-
-def roc_auc(scores: np.ndarray, labels: np.ndarray) -> float:
-    """Exact ROC AUC of ``scores`` against 0/1 ``labels`` (ties count half; NaN for one class)."""
-    return exact_auc(labels, scores)
 
 
 def log_loss(probs: np.ndarray, labels: np.ndarray) -> float:
@@ -101,7 +95,7 @@ class ProgressiveMetrics:
 
     def window_auc(self) -> float:
         """AUC over the window (NaN until both classes were seen)."""
-        return roc_auc(self._probs[: self._filled], self._labels[: self._filled])
+        return roc_auc(self._labels[: self._filled], self._probs[: self._filled])
 
     def window_logloss(self) -> float:
         """Logloss over the window (per-sample losses kept at update: no log() here)."""

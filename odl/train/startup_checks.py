@@ -1,6 +1,6 @@
 """What ``odl-train`` checks before it builds anything: the config against this machine.
 
-:func:`~odl.config.pipeline_config.validate_pipeline_config` checks a config on its own;
+:func:`~odl.config.config_validation.validate_pipeline_config` checks a config on its own;
 :func:`check_start` checks what a start will need from the machine, so that a config that
 passes ``odl-train --validate_only`` also starts, and a start that cannot work exits with
 code 2 and one line naming the field before a table is allocated. Both ``--validate_only``
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from odl.config.config_error import ConfigError
+from odl.config.config_redaction import REDACTED, SECRET_FIELD_MARKERS
 from odl.config.memory_estimate import MemoryEstimate, check_memory, resolve_max_memory_fraction
 from odl.config.optimizer_support import optimizer_choices, supported_sparse_optimizers
-from odl.config.pipeline_config import REDACTED, SECRET_FIELD_MARKERS
 from odl.kafka.client_settings import consumer_config, delta_consumer_config, producer_config
 from odl.protos import pipeline_pb2
 

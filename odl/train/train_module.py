@@ -281,7 +281,8 @@ class TrainModule:
         self._set_lrs()
         batch = batch.to(self.device)
         self._dmp.train()
-        logits = self._dmp(batch)
+        output = self._dmp(batch)
+        logits = output.logits
         finite = torch.isfinite(logits)
         dropped = np.empty(0, dtype=np.int64)
         if not bool(finite.all()):
@@ -294,8 +295,9 @@ class TrainModule:
                 return StepOutput(probs=np.empty(0, dtype=np.float64), loss=float("nan"),
                                   dropped=dropped)
             batch = batch.select(finite)
-            logits = self._dmp(batch)
-        loss = self._module().loss(logits, batch)
+            output = self._dmp(batch)
+            logits = output.logits
+        loss = self._module().loss(output, batch)
         self._dense_opt.zero_grad(set_to_none=True)
         loss.backward()  # table rows are updated inside backward (fused)
         self._dense_opt.step()
@@ -310,7 +312,7 @@ class TrainModule:
         batch = batch.to(self.device)
         self._dmp.eval()
         try:
-            logits = self._dmp(batch)
+            logits = self._dmp(batch).logits
         finally:
             self._dmp.train()
         return torch.sigmoid(logits).to(torch.float64).cpu().numpy()

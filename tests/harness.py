@@ -1,23 +1,117 @@
-"""Helpers for export / serving tests: trained checkpoints, records, delta versions."""
+"""Test-only harness: pipeline configs, in-process trainers, trained checkpoints.
+
+What benchmarks need as well (records on topics, HTTP, trainer processes, audits) lives in
+``odl.harness``.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import threading
+import time
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
+import psutil
 import torch
-from confluent_kafka import Producer
 
 from odl.checkpoint.checkpoint_manager import CheckpointManager
-from odl.config.pipeline_config import config_to_text, parse_pipeline_config_text
+from odl.config.config_redaction import config_to_text
+from odl.config.config_validation import validate_pipeline_config
+from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_config_text
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.features.feature_builder import FeatureBuilder
-from odl.kafka.client_settings import producer_config
+from odl.harness.topic_records import make_records
 from odl.protos import pipeline_pb2
 from odl.train.train_module import TrainModule
-from tests.online_harness import make_records
+from odl.train.trainer import Trainer, TrainerOptions
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def write_config(tmp_path, bootstrap: str, topic: str, name: str = "pipeline.config", **kw) -> str:
+    """Writes the test-size DeepFM pipeline config reading ``topic``; returns its path.
+
+    ``model_dir`` is ``tmp_path / "model_dir"``; ``kw`` goes to ``deepfm_config_text``.
+    """
+    model_dir = str(tmp_path / "model_dir")
+    path = str(tmp_path / name)
+    with open(path, "w") as f:
+        f.write(deepfm_config_text(model_dir, server=bootstrap, topic=topic, **kw))
+    return path
+
+
+def run_in_process(
+    config_path: str,
+    ends: dict[int, int],
+    ledger: Optional[str] = None,
+    edits: Optional[dict] = None,
+    timeout: float = 120,
+    status_port: int = -1,
+    device: str = "cpu",
+) -> Trainer:
+    """Runs a Trainer in this process until it has trained up to ``ends``; returns it stopped."""
+    config = load_pipeline_config(config_path, json.dumps(edits) if edits else None)
+    validate_pipeline_config(config, online=True)
+    trainer = Trainer(
+        config,
+        TrainerOptions(
+            online=True, device=device, status_port=status_port, sample_ledger=ledger
+        ),
+    )
+    done = threading.Event()
+
+    def watch():
+        deadline = time.time() + timeout
+        while time.time() < deadline and not done.is_set():
+            pos = dict(trainer.positions)
+            caught_up = pos and all(pos.get(p, 0) >= e for p, e in ends.items())
+            if trainer.state == "training" and caught_up:
+                trainer.request_stop("test: caught up")
+                return
+            time.sleep(0.05)
+        trainer.request_stop("test: timeout")
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        assert trainer.run() == 0
+    finally:
+        done.set()
+    assert trainer.stop_reason == "test: caught up", trainer.stop_reason
+    return trainer
+
+
+def run_in_thread(trainer: Trainer) -> tuple[threading.Thread, dict]:
+    """Runs ``trainer.run()`` in a daemon thread; the dict gets ``rc`` or ``error``."""
+    outcome: dict = {}
+
+    def run() -> None:
+        try:
+            outcome["rc"] = trainer.run()
+        except BaseException as exc:  # noqa: BLE001 (the test inspects it)
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def odl_helper_processes() -> list[psutil.Process]:
+    """Live descendants of this process that are odl helpers (input process, build workers)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            cmd = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if "odl.inputs.kafka_input_child" in cmd or "odl.inputs.feature_build_worker" in cmd:
+            found.append(child)
+    return found
+
 
 # Every feature kind and model option serving must reproduce: multi-valued ids,
 # integer ids in a shared-name table, a combo, bucketized raw, dense raw in the wide group
@@ -151,25 +245,6 @@ def train_checkpoint(
         tm.global_step, tm.state_dict_for_checkpoint(), {0: 64 * steps}, source,
         config_to_text(config), generation="gen0")
     return TrainedCheckpoint(config, fb, tm, model_dir, path, records)
-
-
-def produce(bootstrap: str, topic: str, values: list[bytes]) -> list[int]:
-    """Produces values to partition 0 in order; returns their offsets."""
-    producer = Producer(producer_config(bootstrap))
-    offsets: list[int] = []
-    errors: list[str] = []
-
-    def cb(err, msg) -> None:
-        if err is not None:
-            errors.append(str(err))
-        else:
-            offsets.append(msg.offset())
-
-    for v in values:
-        producer.produce(topic, value=v, partition=0, on_delivery=cb)
-    assert producer.flush(30) == 0
-    assert not errors, errors
-    return offsets
 
 
 @torch.no_grad()

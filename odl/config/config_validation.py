@@ -1,0 +1,382 @@
+"""Validation of a loaded pipeline config on its own: the rules the trainer relies on.
+
+:func:`validate_pipeline_config` refuses, with a :class:`~odl.config.config_error.ConfigError`
+naming the first offending field:
+
+* what odl does not implement (:func:`odl.config.easyrec_compat.check_implemented`);
+* a non-finite float anywhere (learning rates, weights, boundaries, ...);
+* a missing ``model_dir``, and ``scheme://`` paths (local paths only, :func:`check_local_paths`);
+* the input: ``kafka_train_input`` online (servers as host:port, topic, group, at most one
+  start position, a dead-letter topic other than the input topic), ``train_input_path``
+  offline;
+* ``data_config``: input fields, one numeric label, sample id and event time fields, sizes
+  within :mod:`odl.config.limits`;
+* the features and the model (:mod:`odl.config.model_validation`);
+* ``train_config``: one optimizer form (EasyRec's ``optimizer_config`` or TorchEasyRec's
+  ``sparse_optimizer`` + ``dense_optimizer``) with valid rates, stop and logging intervals,
+  ``dead_line``, the fine-tune var map, and ``incr_save_config`` (where versions go, chunk
+  size).
+
+The checks against the machine (writable directories, memory, devices, the broker's client
+settings) are :mod:`odl.train.startup_checks`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.message import Message
+
+from odl.config import limits
+from odl.config.config_error import ConfigError
+from odl.config.config_fields import is_map_field, join_path
+from odl.config.easyrec_compat import check_implemented
+from odl.config.feature_configs import NUMERIC_FIELD_TYPES
+from odl.config.field_formats import parse_dead_line, parse_offset_info, path_scheme
+from odl.config.model_validation import validate_features, validate_model
+from odl.protos import pipeline_pb2
+
+__all__ = [
+    "MAX_DELTA_CHUNK_BYTES",
+    "MIN_DELTA_CHUNK_BYTES",
+    "check_local_paths",
+    "validate_pipeline_config",
+]
+
+_FIELD_TYPE = pipeline_pb2.DatasetConfig.FieldType
+
+
+def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -> None:
+    """Check the cross-field rules the trainer relies on; raises on the first problem.
+
+    Args:
+        config: a loaded config.
+        online: True for ``odl-train --online`` (Kafka input), False for file input.
+
+    Raises:
+        ConfigError: naming the offending field.
+
+    """
+    check_implemented(config)
+    _check_finite(config, "")
+    if not config.model_dir:
+        raise ConfigError("model_dir", "required (set it in the config or pass --model_dir)")
+    check_local_paths(config, online)
+    if online:
+        _validate_kafka(config)
+    else:
+        _validate_offline_input(config)
+    fields = _validate_data_config(config)
+    features = validate_features(config, fields)
+    validate_model(config, features)
+    _validate_train(config)
+
+
+def _check_finite(msg: Message, prefix: str) -> None:
+    """Refuses inf / nan in every float and double field (learning rates, weights, ...)."""
+    for fd, value in msg.ListFields():
+        path = join_path(prefix, fd.name)
+        if is_map_field(fd):
+            value_fd = fd.message_type.fields_by_name["value"]
+            if value_fd.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+                for key in value:
+                    _check_finite(value[key], f"{path}.{key}")
+        elif fd.cpp_type == FieldDescriptor.CPPTYPE_MESSAGE:
+            if fd.is_repeated:
+                for i, sub in enumerate(value):
+                    _check_finite(sub, f"{path}[{i}]")
+            else:
+                _check_finite(value, path)
+        elif fd.cpp_type in (FieldDescriptor.CPPTYPE_FLOAT, FieldDescriptor.CPPTYPE_DOUBLE):
+            items = list(enumerate(value)) if fd.is_repeated else [(None, value)]
+            for i, x in items:
+                if not math.isfinite(x):
+                    where = path if i is None else f"{path}[{i}]"
+                    raise ConfigError(where, f"must be a finite number, got {x}")
+
+
+def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
+    if not config.HasField("kafka_train_input"):
+        raise ConfigError("kafka_train_input", "required for online training "
+                                               "(kafka_train_input { server topic group })")
+    k = config.kafka_train_input
+    if not k.server.strip():
+        raise ConfigError("kafka_train_input.server", "required: the bootstrap servers, "
+                                                      "host:port[,host:port...]")
+    for server in k.server.split(","):
+        host, _, port = server.strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError("kafka_train_input.server",
+                              f"expected host:port[,host:port...], got {server.strip()!r}")
+    if not k.topic.strip():
+        raise ConfigError("kafka_train_input.topic", "required: the topic to train on")
+    if not k.group.strip():
+        raise ConfigError("kafka_train_input.group", "must not be empty")
+    starts = [name for name, used in (("offset", len(k.offset) > 0),
+                                      ("offset_info", bool(k.offset_info.strip())),
+                                      ("offset_time", k.offset_time != 0)) if used]
+    if len(starts) > 1:
+        raise ConfigError(f"kafka_train_input.{starts[1]}",
+                          f"give only one start position; {' and '.join(starts)} are both set")
+    if k.offset_time < 0:
+        raise ConfigError("kafka_train_input.offset_time", "must be unix seconds >= 0")
+    if k.offset_time > 1e11:
+        raise ConfigError("kafka_train_input.offset_time",
+                          f"{k.offset_time} looks like milliseconds; give unix seconds")
+    parse_offset_info(k.offset_info)
+    if k.offset and k.partitions and len(k.offset) > k.partitions:
+        raise ConfigError("kafka_train_input.offset",
+                          f"{len(k.offset)} offsets given for {k.partitions} partitions")
+    if any(o < 0 for o in k.offset):
+        raise ConfigError("kafka_train_input.offset", "offsets must be >= 0")
+    dlq = config.data_config.dead_letter_topic
+    if dlq and dlq.strip() != dlq:
+        raise ConfigError("data_config.dead_letter_topic", f"{dlq!r} has surrounding spaces")
+    if dlq and dlq == k.topic:
+        raise ConfigError("data_config.dead_letter_topic",
+                          "must differ from kafka_train_input.topic (rejected records would be "
+                          "read again)")
+
+
+def check_local_paths(config: pipeline_pb2.EasyRecConfig, online: bool) -> None:
+    """Refuses ``scheme://`` paths (``oss://``, ``hdfs://``, ``s3://``, ...): local paths only.
+
+    Checked: ``model_dir``, ``train_input_path`` (offline), ``train_config.fine_tune_checkpoint``,
+    ``train_config.fine_tune_ckpt_var_map`` and ``train_config.incr_save_config.fs
+    .incr_save_dir``.
+
+    Args:
+        config: the config.
+        online: the training mode (``train_input_path`` is read only offline).
+
+    Raises:
+        ConfigError: naming the first field holding a path with a scheme.
+
+    """
+    tc = config.train_config
+    paths = [("model_dir", config.model_dir)]
+    if not online:
+        paths.append(("train_input_path", config.train_input_path))
+    paths += [("train_config.fine_tune_checkpoint", tc.fine_tune_checkpoint),
+              ("train_config.fine_tune_ckpt_var_map", tc.fine_tune_ckpt_var_map)]
+    if tc.incr_save_config.WhichOneof("incr_update") == "fs":
+        paths.append(("train_config.incr_save_config.fs.incr_save_dir",
+                      tc.incr_save_config.fs.incr_save_dir))
+    for field, path in paths:
+        scheme = path_scheme(path)
+        if scheme is not None:
+            raise ConfigError(field, f"{scheme}:// paths are not implemented yet; give a local "
+                                     "path")
+
+
+def _validate_offline_input(config: pipeline_pb2.EasyRecConfig) -> None:
+    path = config.train_input_path.strip()
+    if not path:
+        raise ConfigError("train_input_path", "required for offline training (a glob of CSV or "
+                                              "Parquet files); use --online for Kafka input")
+
+
+def _validate_data_config(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
+    dc = config.data_config
+    if not config.HasField("data_config"):
+        raise ConfigError("data_config", "required (input_fields, label_fields, batch_size)")
+    if dc.batch_size <= 0:
+        raise ConfigError("data_config.batch_size", "must be > 0")
+    if dc.batch_size > limits.MAX_BATCH_SIZE:
+        raise ConfigError("data_config.batch_size",
+                          f"{dc.batch_size} is above the limit of {limits.MAX_BATCH_SIZE:,}")
+    if dc.fetch_interval_ms > limits.MAX_FETCH_INTERVAL_MS:
+        raise ConfigError("data_config.fetch_interval_ms",
+                          f"{dc.fetch_interval_ms} is above librdkafka's limit of "
+                          f"{limits.MAX_FETCH_INTERVAL_MS} (fetch.queue.backoff.ms)")
+    if dc.num_workers > limits.MAX_NUM_WORKERS:
+        raise ConfigError("data_config.num_workers",
+                          f"{dc.num_workers} is above the limit of {limits.MAX_NUM_WORKERS}")
+    if not dc.separator:
+        raise ConfigError("data_config.separator", "must not be empty")
+    if not dc.input_fields:
+        raise ConfigError("data_config.input_fields", "required: the record columns in order")
+    fields: dict[str, int] = {}
+    for i, f in enumerate(dc.input_fields):
+        where = f"data_config.input_fields[{i}]"
+        if not f.input_name:
+            raise ConfigError(f"{where}.input_name", "required")
+        if f.input_name in fields:
+            raise ConfigError(f"{where}.input_name",
+                              f"duplicate input field {f.input_name!r} (also input_fields"
+                              f"[{list(fields).index(f.input_name)}])")
+        fields[f.input_name] = f.input_type
+        if f.default_val and f.input_type in NUMERIC_FIELD_TYPES:
+            ok = (f.default_val.lower() in ("true", "false", "0", "1")
+                  if f.input_type == _FIELD_TYPE.BOOL else _is_number(f.default_val))
+            if not ok:
+                raise ConfigError(f"{where}.default_val",
+                                  f"{f.default_val!r} is not a valid "
+                                  f"{_FIELD_TYPE.Name(f.input_type)}")
+    if len(dc.label_fields) != 1:
+        raise ConfigError("data_config.label_fields",
+                          f"exactly one label field is supported, got {len(dc.label_fields)}")
+    label = dc.label_fields[0]
+    if label not in fields:
+        raise ConfigError("data_config.label_fields", f"label {label!r} is not an input field")
+    if fields[label] not in NUMERIC_FIELD_TYPES:
+        raise ConfigError("data_config.label_fields", f"label {label!r} must be a numeric field")
+    if dc.sample_id_field and dc.sample_id_field not in fields:
+        raise ConfigError("data_config.sample_id_field",
+                          f"{dc.sample_id_field!r} is not an input field")
+    if dc.event_time_field:
+        if dc.event_time_field not in fields:
+            raise ConfigError("data_config.event_time_field",
+                              f"{dc.event_time_field!r} is not an input field")
+        if fields[dc.event_time_field] not in NUMERIC_FIELD_TYPES:
+            raise ConfigError("data_config.event_time_field",
+                              f"{dc.event_time_field!r} must be a numeric field (unix seconds)")
+    return fields
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _validate_train(config: pipeline_pb2.EasyRecConfig) -> None:
+    tc = config.train_config
+    where = "train_config"
+    opts = list(tc.optimizer_config)
+    tzrec = tc.HasField("sparse_optimizer") or tc.HasField("dense_optimizer")
+    if opts and tzrec:
+        raise ConfigError(f"{where}.optimizer_config",
+                          "give either optimizer_config (EasyRec) or sparse_optimizer + "
+                          "dense_optimizer (TorchEasyRec), not both")
+    if opts:
+        if len(opts) > 2:
+            raise ConfigError(f"{where}.optimizer_config",
+                              f"1 entry (all parameters) or 2 (embeddings, dense) are supported, "
+                              f"got {len(opts)}")
+        for i, opt in enumerate(opts):
+            _validate_easyrec_optimizer(opt, f"{where}.optimizer_config[{i}]")
+    elif tzrec:
+        for name in ("sparse_optimizer", "dense_optimizer"):
+            if not tc.HasField(name):
+                raise ConfigError(f"{where}.{name}",
+                                  "sparse_optimizer and dense_optimizer go together")
+            _validate_tzrec_optimizer(getattr(tc, name), f"{where}.{name}")
+    else:
+        raise ConfigError(f"{where}.optimizer_config",
+                          "no optimizer configured: set optimizer_config (EasyRec) or "
+                          "sparse_optimizer + dense_optimizer (TorchEasyRec)")
+    if tc.HasField("num_steps") and tc.num_steps == 0:
+        raise ConfigError(f"{where}.num_steps", "must be > 0 (leave it unset to run until "
+                                                "stopped)")
+    if tc.log_step_count_steps <= 0:
+        raise ConfigError(f"{where}.log_step_count_steps", "must be > 0")
+    if tc.keep_checkpoint_max > 100000:
+        raise ConfigError(f"{where}.keep_checkpoint_max", "unreasonably large (0 keeps all)")
+    if not tc.stop_signal_poll_secs > 0 or not math.isfinite(tc.stop_signal_poll_secs):
+        raise ConfigError(f"{where}.stop_signal_poll_secs", "must be > 0")
+    if tc.metrics_window_samples <= 0:
+        raise ConfigError(f"{where}.metrics_window_samples", "must be > 0")
+    if tc.metrics_window_samples > limits.MAX_METRICS_WINDOW_SAMPLES:
+        raise ConfigError(f"{where}.metrics_window_samples",
+                          f"{tc.metrics_window_samples:,} is above the limit of "
+                          f"{limits.MAX_METRICS_WINDOW_SAMPLES:,}")
+    parse_dead_line(tc.dead_line)
+    if tc.fine_tune_ckpt_var_map and not os.path.isfile(tc.fine_tune_ckpt_var_map):
+        raise ConfigError(f"{where}.fine_tune_ckpt_var_map",
+                          f"file not found: {tc.fine_tune_ckpt_var_map}")
+    if tc.fine_tune_ckpt_var_map and not tc.fine_tune_checkpoint:
+        raise ConfigError(f"{where}.fine_tune_ckpt_var_map",
+                          "set fine_tune_checkpoint too (the map renames its parameters)")
+    if tc.HasField("incr_save_config"):
+        _validate_incr_save(tc.incr_save_config, f"{where}.incr_save_config")
+
+
+# Largest delta chunk: the delta topic is created with max.message.bytes = 16 MiB.
+MAX_DELTA_CHUNK_BYTES = 16 << 20
+MIN_DELTA_CHUNK_BYTES = 4096
+
+
+def _validate_incr_save(isc: Any, where: str) -> None:
+    if not (isc.sparse_save_steps or isc.dense_save_steps or isc.sparse_save_secs
+            or isc.dense_save_secs):
+        raise ConfigError(f"{where}.sparse_save_steps",
+                          "set at least one of sparse_save_steps, dense_save_steps, "
+                          "sparse_save_secs, dense_save_secs (> 0)")
+    kind = isc.WhichOneof("incr_update")
+    if kind is None:
+        raise ConfigError(f"{where}.kafka", "choose where versions go: kafka { server topic } "
+                                            "or fs { incr_save_dir }")
+    if kind == "kafka":
+        if not isc.kafka.server:
+            raise ConfigError(f"{where}.kafka.server", "required (host:port list)")
+        if not isc.kafka.topic:
+            raise ConfigError(f"{where}.kafka.topic", "required")
+    elif not isc.fs.incr_save_dir:
+        raise ConfigError(f"{where}.fs.incr_save_dir", "must not be empty")
+    if not MIN_DELTA_CHUNK_BYTES <= isc.max_chunk_bytes <= MAX_DELTA_CHUNK_BYTES:
+        raise ConfigError(f"{where}.max_chunk_bytes",
+                          f"must be in [{MIN_DELTA_CHUNK_BYTES}, {MAX_DELTA_CHUNK_BYTES}]")
+
+
+def _validate_easyrec_optimizer(opt: Any, where: str) -> None:
+    kind = opt.WhichOneof("optimizer")
+    if kind is None:
+        raise ConfigError(where, "choose an optimizer (sgd_optimizer, adagrad_optimizer or "
+                                 "adam_optimizer)")
+    inner = getattr(opt, kind)
+    lr_where = f"{where}.{kind}.learning_rate"
+    lr = inner.learning_rate
+    which = lr.WhichOneof("learning_rate")
+    if which == "constant_learning_rate":
+        if not lr.constant_learning_rate.learning_rate > 0:
+            raise ConfigError(f"{lr_where}.constant_learning_rate.learning_rate", "must be > 0")
+    elif which == "exponential_decay_learning_rate":
+        e = lr.exponential_decay_learning_rate
+        ew = f"{lr_where}.exponential_decay_learning_rate"
+        if not e.initial_learning_rate > 0:
+            raise ConfigError(f"{ew}.initial_learning_rate", "must be > 0")
+        if e.decay_steps <= 0:
+            raise ConfigError(f"{ew}.decay_steps", "must be > 0")
+        if not 0 < e.decay_factor <= 1:
+            raise ConfigError(f"{ew}.decay_factor", "must be in (0, 1]")
+        if e.min_learning_rate < 0:
+            raise ConfigError(f"{ew}.min_learning_rate", "must be >= 0")
+    if kind == "adam_optimizer":
+        _check_betas(inner, f"{where}.{kind}")
+    if kind == "adagrad_optimizer" and inner.initial_accumulator_value < 0:
+        raise ConfigError(f"{where}.{kind}.initial_accumulator_value", "must be >= 0")
+
+
+def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
+    kind = opt.WhichOneof("optimizer")
+    if kind is None:
+        raise ConfigError(where, "choose an optimizer (e.g. adagrad_optimizer { lr: 0.05 })")
+    inner = getattr(opt, kind)
+    if not inner.lr > 0:
+        raise ConfigError(f"{where}.{kind}.lr", "must be > 0")
+    if kind == "adam_optimizer":
+        _check_betas(inner, f"{where}.{kind}")
+    if kind == "adagrad_optimizer" and inner.initial_accumulator_value < 0:
+        raise ConfigError(f"{where}.{kind}.initial_accumulator_value", "must be >= 0")
+    if opt.WhichOneof("learning_rate") == "exponential_decay_learning_rate":
+        e = opt.exponential_decay_learning_rate
+        ew = f"{where}.exponential_decay_learning_rate"
+        if e.decay_steps <= 0:
+            raise ConfigError(f"{ew}.decay_steps", "must be > 0")
+        if not 0 < e.decay_rate <= 1:
+            raise ConfigError(f"{ew}.decay_rate", "must be in (0, 1]")
+        if e.min_learning_rate < 0:
+            raise ConfigError(f"{ew}.min_learning_rate", "must be >= 0")
+
+
+def _check_betas(inner: Any, where: str) -> None:
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(inner, name) < 1:
+            raise ConfigError(f"{where}.{name}", "must be in [0, 1)")
+

@@ -1,0 +1,181 @@
+"""Which fields and values of EasyRec's and TorchEasyRec's pipeline configs odl accepts.
+
+``protos/pipeline.proto`` keeps EasyRec's field names, so an EasyRec config parses as it is
+for the subset odl implements. What odl does not implement is never silently ignored:
+
+* fields that EasyRec or TorchEasyRec has and ``pipeline.proto`` lacks are listed in
+  :data:`EASYREC_NOT_IMPLEMENTED_FIELDS`, so a config using one is refused with "... is an
+  EasyRec field that odl does not implement yet" rather than "unknown field" (by the loader,
+  :mod:`odl.config.pipeline_config`, and the editor, :mod:`odl.config.config_edit`);
+* enum values odl's enums lack are listed in :data:`EASYREC_NOT_IMPLEMENTED_VALUES`, refused
+  the same way;
+* values that parse but that odl does not implement (a model class other than DeepFM,
+  ``num_class`` other than 1, several label fields) are refused by :func:`check_implemented`;
+* TorchEasyRec's way of naming the model by its message alone (``deepfm { ... }`` without
+  ``model_class``) is accepted by :func:`infer_model_class`.
+"""
+
+from __future__ import annotations
+
+from odl.config.config_error import ConfigError
+from odl.protos import pipeline_pb2
+
+__all__ = [
+    "EASYREC_NOT_IMPLEMENTED_FIELDS",
+    "EASYREC_NOT_IMPLEMENTED_VALUES",
+    "IMPLEMENTED_MODEL_CLASSES",
+    "check_implemented",
+    "infer_model_class",
+]
+
+# Fields of Alibaba EasyRec's (and TorchEasyRec's) pipeline config that odl does not implement,
+# keyed by the odl message that would hold them. A config using one is rejected with "... is an
+# EasyRec field that odl does not implement yet" instead of "unknown field". A name leaves this
+# table when odl implements the field (and pipeline.proto gains it).
+EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
+    "EasyRecConfig": frozenset({
+        "eval_config", "export_config", "datahub_train_input", "datahub_eval_input",
+        "hive_train_input", "hive_eval_input", "binary_train_input", "binary_eval_input",
+        "parquet_train_input", "parquet_eval_input", "odps_train_input", "odps_eval_input",
+        "oss_train_input", "oss_eval_input", "fg_json_path",
+    }),
+    "KafkaServer": frozenset({"consumer", "sink"}),
+    "DatasetConfig": frozenset({
+        "auto_expand_input_fields", "label_sep", "label_dim", "extra_label_func", "shuffle",
+        "shuffle_buffer_size", "prefetch_size", "shard", "file_shard", "num_parallel_calls",
+        "selected_cols", "selected_col_types", "rtp_separator", "ignore_error",
+        "pai_worker_queue", "pai_worker_slice_num", "chief_redundant", "sample_weight",
+        "data_compression_type", "n_data_batch_tfrecord", "with_header", "feature_fields",
+        "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
+        "hard_negative_sampler_v2", "negative_sampler_in_memory", "eval_batch_size",
+        "drop_remainder", "fg_encoded", "fg_encoded_multival_sep",
+        "dataset_type", "fg_mode", "fg_threads",
+    }),
+    "DatasetConfig.Field": frozenset({
+        "input_dim", "input_shape", "user_define_fn", "user_define_fn_path",
+        "user_define_fn_res_type", "ignore_val",
+    }),
+    "FeatureConfigV2": frozenset({"embedding_on_cpu"}),
+    "FeatureConfig": frozenset({
+        "kv_separator", "seq_multi_sep", "max_seq_len", "vocab_file", "vocab_list",
+        "shared_names", "lookup_max_sel_elem_num", "max_partitions", "initializer",
+        "precision", "min_val", "max_val", "normalizer_fn", "sequence_combiner",
+        "sub_feature_type", "sequence_length", "expression", "ev_params", "combo_input_seps",
+        # TorchEasyRec's per-kind feature messages.
+        "id_feature", "raw_feature", "combo_feature", "lookup_feature", "match_feature",
+        "expr_feature", "overlap_feature", "tokenize_feature", "custom_feature",
+        "sequence_feature", "sequence_id_feature", "sequence_raw_feature", "bool_mask_feature",
+    }),
+    "FeatureGroupConfig": frozenset({"sequence_features", "negative_sampler", "group_type"}),
+    "EasyRecModel": frozenset({
+        "model_name", "model_params", "dummy", "wide_and_deep", "multi_tower", "fm", "dcn",
+        "autoint", "dlrm", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
+        "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat", "mmoe", "esmm", "dbmtl",
+        "simple_multi_task", "ple", "rocket_launching", "seq_att_groups", "ev_params", "kd",
+        "restore_filters", "variational_dropout", "loss_weight_strategy", "backbone",
+        "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet", "wukong",
+        "rank_model", "metrics", "train_metrics",
+    }),
+    "Loss": frozenset({
+        "loss_name", "f1_reweighted_loss", "softmax_loss", "circle_loss", "multi_simi_loss",
+        "binary_focal_loss", "pairwise_loss", "pairwise_focal_loss", "pairwise_logistic_loss",
+        "jrc_loss", "pairwise_hinge_loss", "listwise_rank_loss", "listwise_distill_loss",
+    }),
+    "DNN": frozenset({"use_final_bn", "final_activation", "use_final_bias", "use_bias"}),
+    "TrainConfig": frozenset({
+        "gradient_clipping_by_norm", "sync_replicas", "sparse_accumulator_type",
+        "startup_delay_steps", "save_summary_steps", "is_profiling",
+        "force_restore_shape_compatible", "train_distribute", "num_gpus_per_worker",
+        "summary_model_vars", "protocol", "inter_op_parallelism_threads",
+        "intra_op_parallelism_threads", "tensor_fuse", "write_graph", "freeze_gradient",
+        "num_epochs", "use_moving_average", "moving_average_decay",
+        "save_checkpoints_epochs", "fine_tune_ckpt_param_map", "use_tensorboard",
+        "tensorboard_summaries", "cudnn_allow_tf32", "cuda_matmul_allow_tf32",
+        "global_embedding_constraints", "mixed_precision", "grad_scaler",
+        "gradient_accumulation_steps",
+    }),
+    "IncrementSaveConfig": frozenset({"debug_save_update", "datahub"}),
+    "IncrementSaveConfig.Kafka.Consumer": frozenset({"config_topic", "config_global", "timeout"}),
+    "IncrementSaveConfig.File": frozenset({"relative", "mount_path"}),
+    "OptimizerConfig": frozenset({
+        "rms_prop_optimizer", "momentum_optimizer", "momentumw_optimizer", "adamw_optimizer",
+        "adam_async_optimizer", "adam_asyncw_optimizer", "ftrl_optimizer",
+        "lazy_adam_optimizer", "use_moving_average", "moving_average_decay",
+        "embedding_learning_rate_multiplier",
+    }),
+    "LearningRate": frozenset({
+        "manual_step_learning_rate", "cosine_decay_learning_rate", "poly_decay_learning_rate",
+        "transformer_learning_rate",
+    }),
+    "ExponentialDecayLearningRate": frozenset({"burnin_learning_rate", "burnin_steps"}),
+    "SparseOptimizer": frozenset({
+        "lars_sgd_optimizer", "lamb_optimizer", "partial_rowwise_adam_optimizer",
+        "partial_rowwise_lamb_optimizer", "rowwise_adagrad_optimizer_with_decay",
+        "manual_step_learning_rate", "cosine_decay_learning_rate",
+    }),
+    "DenseOptimizer": frozenset({
+        "adamw_optimizer", "manual_step_learning_rate", "cosine_decay_learning_rate",
+    }),
+}
+
+# Enum values of EasyRec that odl's enums lack, keyed by odl's enum (short name).
+EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
+    "FeatureConfig.FeatureType": frozenset({
+        "TagFeature", "LookupFeature", "SequenceFeature", "ExprFeature", "PassThroughFeature",
+    }),
+    "DatasetConfig.InputType": frozenset({
+        "CSVInputV2", "CSVInputEx", "OdpsInput", "OdpsInputV2", "OdpsInputV3", "DataHubInput",
+        "RTPInput", "RTPInputV2", "OdpsRTPInput", "OdpsRTPInputV2", "TFRecordInput",
+        "BatchTFRecordInput", "DummyInput", "HiveInput", "HiveRTPInput", "HiveParquetInput",
+        "ParquetInputV2", "ParquetInputV3", "CriteoInput",
+    }),
+    "LossType": frozenset({
+        "L2_LOSS", "SIGMOID_L2_LOSS", "CROSS_ENTROPY_LOSS", "SOFTMAX_CROSS_ENTROPY",
+        "CIRCLE_LOSS", "MULTI_SIMILARITY_LOSS", "SOFTMAX_CROSS_ENTROPY_WITH_NEGATIVE_MINING",
+        "PAIR_WISE_LOSS", "PAIRWISE_LOSS", "PAIRWISE_FOCAL_LOSS", "PAIRWISE_LOGISTIC_LOSS",
+        "JRC_LOSS", "F1_REWEIGHTED_LOSS", "BINARY_FOCAL_LOSS", "BINARY_CROSS_ENTROPY_LOSS",
+        "ZILN_LOSS", "PAIRWISE_HINGE_LOSS", "LISTWISE_RANK_LOSS", "LISTWISE_DISTILL_LOSS",
+        "KL_DIVERGENCE_LOSS",
+    }),
+}
+
+# Model classes odl implements (EasyRecModel.model_class).
+IMPLEMENTED_MODEL_CLASSES = ("DeepFM",)
+
+
+def infer_model_class(config: pipeline_pb2.EasyRecConfig) -> None:
+    """Sets ``model_config.model_class`` to "DeepFM" when only the ``deepfm`` message is given.
+
+    TorchEasyRec names the model by its message alone; EasyRec by ``model_class``.
+
+    Args:
+        config: a parsed config, changed in place.
+    """
+    mc = config.model_config
+    if config.HasField("model_config") and not mc.model_class and mc.HasField("deepfm"):
+        mc.model_class = "DeepFM"
+
+
+def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:
+    """Rejects EasyRec values that parse but that odl does not implement.
+
+    Args:
+        config: a parsed config.
+
+    Raises:
+        ConfigError: e.g. a model_class other than DeepFM, or num_class != 1.
+
+    """
+    mc = config.model_config
+    if mc.model_class and mc.model_class not in IMPLEMENTED_MODEL_CLASSES:
+        raise ConfigError("model_config.model_class",
+                          f"model class {mc.model_class!r} is an EasyRec value that odl does not "
+                          f"implement yet (implemented: {', '.join(IMPLEMENTED_MODEL_CLASSES)})")
+    if mc.num_class != 1:
+        raise ConfigError("model_config.num_class",
+                          f"num_class {mc.num_class} is an EasyRec value that odl does not "
+                          "implement yet (only 1: binary classification)")
+    if len(config.data_config.label_fields) > 1:
+        raise ConfigError("data_config.label_fields",
+                          "several label fields (multi-task) is an EasyRec feature that odl does "
+                          "not implement yet; give exactly one")

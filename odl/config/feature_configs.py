@@ -1,0 +1,87 @@
+"""The features of a pipeline config, in either of EasyRec's two forms.
+
+EasyRec gives features as top-level ``feature_configs`` or nested as
+``feature_config { features {...} }``; :func:`feature_configs` reads whichever a config uses
+(never both) and fills in each ``feature_name`` (default: ``input_names[0]``), the name the
+feature groups, the embedding tables and the published deltas use. :func:`embedded_feature`
+says which features have an embedding table.
+"""
+
+from __future__ import annotations
+
+from odl.config.config_error import ConfigError
+from odl.protos import pipeline_pb2
+
+__all__ = [
+    "EMBEDDED_FEATURE_TYPES",
+    "NUMERIC_FIELD_TYPES",
+    "FeatureConfig",
+    "embedded_feature",
+    "feature_configs",
+    "feature_list_path",
+]
+
+FeatureConfig = pipeline_pb2.FeatureConfig
+_FT = pipeline_pb2.FeatureConfig.FeatureType
+_FIELD_TYPE = pipeline_pb2.DatasetConfig.FieldType
+
+# Feature types that always have an embedding table (a RawFeature has one with boundaries).
+EMBEDDED_FEATURE_TYPES = (_FT.IdFeature, _FT.ComboFeature)
+# Input field types that hold a number (labels, event times and RawFeature inputs need one).
+NUMERIC_FIELD_TYPES = (
+    _FIELD_TYPE.INT32, _FIELD_TYPE.INT64, _FIELD_TYPE.FLOAT, _FIELD_TYPE.DOUBLE, _FIELD_TYPE.BOOL,
+)
+
+
+def feature_configs(config: pipeline_pb2.EasyRecConfig) -> list[FeatureConfig]:
+    """Return the features of a config from whichever form it uses, with names filled in.
+
+    Args:
+        config: the config.
+
+    Returns:
+        Copies of the feature configs; ``feature_name`` defaults to ``input_names[0]``.
+
+    Raises:
+        ConfigError: both ``feature_configs`` and ``feature_config.features`` are used.
+
+    """
+    if config.feature_configs and config.feature_config.features:
+        raise ConfigError("feature_config",
+                          "give features either as top-level feature_configs or as "
+                          "feature_config { features {...} }, not both")
+    out = []
+    for fc in list(config.feature_configs) or list(config.feature_config.features):
+        copy = FeatureConfig()
+        copy.CopyFrom(fc)
+        if not copy.feature_name and copy.input_names:
+            copy.feature_name = copy.input_names[0]
+        out.append(copy)
+    return out
+
+
+def feature_list_path(config: pipeline_pb2.EasyRecConfig) -> str:
+    """The dotted path of a config's feature list, for errors about one feature.
+
+    Args:
+        config: the config.
+
+    Returns:
+        ``"feature_configs"`` or ``"feature_config.features"``, the form the config uses.
+    """
+    return "feature_configs" if config.feature_configs else "feature_config.features"
+
+
+def embedded_feature(fc: FeatureConfig) -> bool:
+    """Whether a feature is looked up in an embedding table (vs. a dense raw value).
+
+    Args:
+        fc: a feature config.
+
+    Returns:
+        True for IdFeature, ComboFeature and RawFeature with boundaries.
+
+    """
+    return fc.feature_type in EMBEDDED_FEATURE_TYPES or (
+        fc.feature_type == _FT.RawFeature and len(fc.boundaries) > 0)
+

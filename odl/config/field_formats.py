@@ -1,0 +1,122 @@
+"""Config fields whose string value has a syntax of its own.
+
+* ``kafka_train_input.offset_info``: JSON, ``{"timestamp": <unix seconds>}`` or
+  ``{"<partition>": <offset>, ...}`` (:func:`parse_offset_info`);
+* ``train_config.dead_line``: ``"%Y%m%d %H:%M:%S"`` in local time, EasyRec's form, or unix
+  seconds (:func:`parse_dead_line`);
+* paths: a ``scheme://`` prefix marks a remote path (:func:`path_scheme`).
+
+The validator calls these parsers to check the fields; the trainer calls them again to use
+the values.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from typing import Any
+
+from odl.config.config_error import ConfigError
+from odl.config.config_fields import describe_value
+
+__all__ = ["parse_dead_line", "parse_offset_info", "path_scheme"]
+
+_DEAD_LINE_FORMAT = "%Y%m%d %H:%M:%S"
+_URL_SCHEME = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def parse_offset_info(
+    text: str, field: str = "kafka_train_input.offset_info"
+) -> tuple[str, Any] | None:
+    """Parse a Kafka ``offset_info`` JSON string.
+
+    Args:
+        text: ``{"timestamp": <unix seconds>}`` or ``{"<partition>": <offset>, ...}``;
+            empty means "not set".
+        field: field path used in errors.
+
+    Returns:
+        ``("timestamp", seconds: float)``, ``("offsets", {partition: offset})`` or None.
+
+    Raises:
+        ConfigError: not JSON, or not one of the two forms.
+
+    """
+    if text is None or not text.strip():
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(field, f"not valid JSON: {e}") from None
+    if not isinstance(data, dict) or not data:
+        raise ConfigError(field, 'expected {"timestamp": <unix seconds>} or '
+                                 '{"<partition>": <offset>, ...}')
+    if "timestamp" in data:
+        ts = data["timestamp"]
+        if len(data) != 1:
+            raise ConfigError(field, '"timestamp" cannot be combined with partition offsets')
+        if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) \
+                or ts < 0:
+            raise ConfigError(field, f"timestamp must be a non-negative number of unix seconds, "
+                                     f"got {describe_value(ts)}")
+        if ts > 1e11:
+            raise ConfigError(field, f"timestamp {ts} looks like milliseconds; give unix seconds")
+        return ("timestamp", float(ts))
+    offsets: dict[int, int] = {}
+    for key, value in data.items():
+        if not re.fullmatch(r"\d+", str(key)):
+            raise ConfigError(field, f"key {key!r} is neither \"timestamp\" nor a partition "
+                                     f"number")
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(field, f"offset of partition {key} must be a non-negative "
+                                     f"integer, got {describe_value(value)}")
+        offsets[int(key)] = value
+    return ("offsets", offsets)
+
+
+def parse_dead_line(text: str, field: str = "train_config.dead_line") -> float | None:
+    """Parse ``train_config.dead_line``.
+
+    Args:
+        text: ``"%Y%m%d %H:%M:%S"`` in local time (EasyRec's form, e.g. ``20260508 23:59:59``)
+            or unix seconds; empty means "not set".
+        field: field path used in errors.
+
+    Returns:
+        Unix seconds, or None when empty.
+
+    Raises:
+        ConfigError: neither form.
+
+    """
+    if text is None or not text.strip():
+        return None
+    text = text.strip()
+    try:
+        return time.mktime(time.strptime(text, _DEAD_LINE_FORMAT))
+    except (ValueError, OverflowError):
+        pass
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(field, f"expected \"YYYYmmdd HH:MM:SS\" or unix seconds, got "
+                                 f"{text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ConfigError(field, f"expected non-negative unix seconds, got {text!r}")
+    return value
+
+
+def path_scheme(path: str) -> str | None:
+    """The URL scheme of a path (``"oss"`` for ``oss://bucket/key``), None for a local path.
+
+    Args:
+        path: a path from the config.
+
+    Returns:
+        The scheme in lower case, or None.
+    """
+    m = _URL_SCHEME.match(path or "")
+    return m.group(1).lower() if m else None
+

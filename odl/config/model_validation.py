@@ -1,0 +1,274 @@
+"""Validation of the model a pipeline config describes: its features and ``model_config``.
+
+The rules DeepFM and its embedding tables rely on, checked before anything is built:
+
+* features: every input is a configured input field and not the label; an IdFeature or
+  ComboFeature has ``embedding_dim`` and exactly one of ``hash_bucket_size`` /
+  ``num_buckets``; a RawFeature reads a numeric field and is either dense (no
+  ``embedding_dim``) or bucketized (ascending ``boundaries`` and an ``embedding_dim``);
+  features sharing an ``embedding_name`` have the same table shape; sizes stay within
+  :mod:`odl.config.limits`;
+* model: unique, non-empty feature groups naming existing features; DeepFM's ``wide`` and
+  ``deep`` groups and its ``dnn``; ``wide_output_dim`` equal to ``num_class`` without a
+  ``final_dnn``; deep-table dims that are multiples of ``limits.EMBEDDING_DIM_ALIGN``; one
+  embedding dim across the FM group.
+
+Called by :func:`odl.config.config_validation.validate_pipeline_config`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from odl.config import limits
+from odl.config.config_error import ConfigError
+from odl.config.feature_configs import (
+    EMBEDDED_FEATURE_TYPES,
+    NUMERIC_FIELD_TYPES,
+    FeatureConfig,
+    embedded_feature,
+    feature_configs,
+    feature_list_path,
+)
+from odl.protos import pipeline_pb2
+
+__all__ = ["SUPPORTED_ACTIVATIONS", "validate_features", "validate_model"]
+
+_FT = pipeline_pb2.FeatureConfig.FeatureType
+_FIELD_TYPE = pipeline_pb2.DatasetConfig.FieldType
+
+# DNN.activation values the model builder accepts.
+SUPPORTED_ACTIVATIONS = frozenset({"relu", "tf.nn.relu"})
+
+
+def validate_features(
+    config: pipeline_pb2.EasyRecConfig, fields: dict[str, int]
+) -> dict[str, FeatureConfig]:
+    """Checks every feature: its inputs, its type's fields, its table's size and sharing.
+
+    Args:
+        config: the config.
+        fields: the input fields by name, with their ``DatasetConfig.FieldType``.
+
+    Returns:
+        The features by ``feature_name`` (names filled in, see ``feature_configs``).
+
+    Raises:
+        ConfigError: naming the first offending field.
+    """
+    features = feature_configs(config)
+    prefix = feature_list_path(config)
+    if not features:
+        raise ConfigError(prefix, "no features configured")
+    label = config.data_config.label_fields[0]
+    by_name: dict[str, FeatureConfig] = {}
+    tables: dict[str, tuple[int, int, int, str]] = {}
+    for i, fc in enumerate(features):
+        where = f"{prefix}[{i}]"
+        kind = _FT.Name(fc.feature_type)
+        if not fc.input_names:
+            raise ConfigError(f"{where}.input_names", "required")
+        if fc.feature_name in by_name:
+            raise ConfigError(f"{where}.feature_name",
+                              f"duplicate feature name {fc.feature_name!r}")
+        by_name[fc.feature_name] = fc
+        for j, name in enumerate(fc.input_names):
+            if name not in fields:
+                raise ConfigError(f"{where}.input_names[{j}]",
+                                  f"{name!r} is not in data_config.input_fields")
+            if name == label:
+                raise ConfigError(f"{where}.input_names[{j}]",
+                                  f"the label {name!r} cannot be a feature input")
+        if fc.feature_type == _FT.ComboFeature:
+            if len(fc.input_names) < 2:
+                raise ConfigError(f"{where}.input_names", "a ComboFeature crosses 2 or more inputs")
+        elif len(fc.input_names) != 1:
+            raise ConfigError(f"{where}.input_names", f"a {kind} reads exactly one input")
+        if fc.combiner not in ("sum", "mean"):
+            raise ConfigError(f"{where}.combiner", f"expected sum or mean, got {fc.combiner!r}")
+        if fc.feature_type in EMBEDDED_FEATURE_TYPES:
+            if fc.embedding_dim <= 0:
+                raise ConfigError(f"{where}.embedding_dim", f"a {kind} needs embedding_dim > 0")
+            if bool(fc.hash_bucket_size) == bool(fc.num_buckets):
+                raise ConfigError(f"{where}.hash_bucket_size",
+                                  f"a {kind} needs exactly one of hash_bucket_size / num_buckets")
+            for size_field in ("hash_bucket_size", "num_buckets"):
+                size = getattr(fc, size_field)
+                if size > limits.MAX_TABLE_ROWS:
+                    raise ConfigError(f"{where}.{size_field}",
+                                      f"{size:,} rows is above the limit of "
+                                      f"{limits.MAX_TABLE_ROWS:,} (2**31 - 1) rows per table")
+            if fc.boundaries:
+                raise ConfigError(f"{where}.boundaries", "only RawFeature takes boundaries")
+        else:  # RawFeature
+            if fields[fc.input_names[0]] not in NUMERIC_FIELD_TYPES:
+                raise ConfigError(f"{where}.input_names[0]",
+                                  f"a RawFeature needs a numeric input field, "
+                                  f"{fc.input_names[0]!r} is "
+                                  f"{_FIELD_TYPE.Name(fields[fc.input_names[0]])}")
+            if fc.hash_bucket_size or fc.num_buckets:
+                raise ConfigError(f"{where}.hash_bucket_size",
+                                  "a RawFeature takes boundaries, not hash_bucket_size / "
+                                  "num_buckets")
+            if fc.raw_input_dim != 1:
+                raise ConfigError(f"{where}.raw_input_dim",
+                                  "raw_input_dim > 1 is an EasyRec feature that odl does not "
+                                  "implement yet")
+            if fc.boundaries:
+                if fc.embedding_dim <= 0:
+                    raise ConfigError(f"{where}.embedding_dim",
+                                      "a RawFeature with boundaries needs embedding_dim > 0")
+                b = list(fc.boundaries)
+                if any(not math.isfinite(x) for x in b) or any(
+                        b[k] >= b[k + 1] for k in range(len(b) - 1)):
+                    raise ConfigError(f"{where}.boundaries", "must be finite and strictly "
+                                                             "ascending")
+                if len(b) + 1 > limits.MAX_TABLE_ROWS:
+                    raise ConfigError(f"{where}.boundaries", "too many boundaries")
+            else:
+                if fc.embedding_dim:
+                    raise ConfigError(f"{where}.embedding_dim",
+                                      "a RawFeature without boundaries is a dense input; an "
+                                      "embedding_dim for it (EasyRec's projected raw feature) "
+                                      "is not implemented by odl yet; add boundaries or remove "
+                                      "embedding_dim")
+                continue
+        if fc.embedding_dim > limits.MAX_EMBEDDING_DIM:
+            raise ConfigError(f"{where}.embedding_dim",
+                              f"{fc.embedding_dim} is above the limit of "
+                              f"{limits.MAX_EMBEDDING_DIM}")
+        table = fc.embedding_name or fc.feature_name
+        shape = (fc.embedding_dim, fc.hash_bucket_size, fc.num_buckets, kind)
+        if fc.embedding_name and table in tables and tables[table] != shape:
+            raise ConfigError(f"{where}.embedding_name",
+                              f"features sharing embedding {table!r} must have the same "
+                              "embedding_dim, bucket sizes and type")
+        tables.setdefault(table, shape)
+    return by_name
+
+
+def validate_model(
+    config: pipeline_pb2.EasyRecConfig, features: dict[str, FeatureConfig]
+) -> None:
+    """Checks ``model_config``: losses, feature groups and the DeepFM towers.
+
+    Args:
+        config: the config.
+        features: the features by name, as :func:`validate_features` returns them.
+
+    Raises:
+        ConfigError: naming the first offending field.
+    """
+    if not config.HasField("model_config"):
+        raise ConfigError("model_config", "required")
+    mc = config.model_config
+    if not mc.model_class:
+        raise ConfigError("model_config.model_class", 'required ("DeepFM")')
+    if mc.embedding_regularization < 0:
+        raise ConfigError("model_config.embedding_regularization", "must be >= 0")
+    for i, loss in enumerate(mc.losses):
+        if loss.weight <= 0:
+            raise ConfigError(f"model_config.losses[{i}].weight", "must be > 0")
+    if not mc.feature_groups:
+        raise ConfigError("model_config.feature_groups", "required")
+    groups: dict[str, int] = {}
+    for i, g in enumerate(mc.feature_groups):
+        where = f"model_config.feature_groups[{i}]"
+        if not g.group_name:
+            raise ConfigError(f"{where}.group_name", "required")
+        if g.group_name in groups:
+            raise ConfigError(f"{where}.group_name", f"duplicate group {g.group_name!r}")
+        groups[g.group_name] = i
+        if not g.feature_names:
+            raise ConfigError(f"{where}.feature_names", "a group needs at least one feature")
+        seen = set()
+        for j, name in enumerate(g.feature_names):
+            if name not in features:
+                raise ConfigError(f"{where}.feature_names[{j}]", f"no feature named {name!r}")
+            if name in seen:
+                raise ConfigError(f"{where}.feature_names[{j}]", f"{name!r} listed twice")
+            seen.add(name)
+    # DeepFM (the only class check_implemented lets through).
+    for required in ("wide", "deep"):
+        if required not in groups:
+            raise ConfigError("model_config.feature_groups",
+                              f'DeepFM needs a feature group named "{required}"')
+    if not mc.HasField("deepfm"):
+        raise ConfigError("model_config.deepfm", "DeepFM needs deepfm { dnn { hidden_units } }")
+    d = mc.deepfm
+    _validate_dnn(d.dnn, "model_config.deepfm.dnn", required=True)
+    if d.HasField("final_dnn"):
+        _validate_dnn(d.final_dnn, "model_config.deepfm.final_dnn", required=True)
+    if d.wide_output_dim <= 0:
+        raise ConfigError("model_config.deepfm.wide_output_dim", "must be > 0")
+    if d.wide_output_dim > limits.MAX_WIDE_OUTPUT_DIM:
+        raise ConfigError("model_config.deepfm.wide_output_dim",
+                          f"{d.wide_output_dim} is above the limit of "
+                          f"{limits.MAX_WIDE_OUTPUT_DIM}")
+    if not d.HasField("final_dnn") and d.wide_output_dim != mc.num_class:
+        raise ConfigError("model_config.deepfm.wide_output_dim",
+                          "without final_dnn the wide, FM and deep outputs are summed, so "
+                          f"wide_output_dim must equal num_class ({mc.num_class})")
+    for name in ("l2_regularization", "wide_regularization", "dense_regularization"):
+        if getattr(d, name) < 0:
+            raise ConfigError(f"model_config.deepfm.{name}", "must be >= 0")
+    _check_deep_dims(config, features)
+    fm_group = "fm" if "fm" in groups else "deep"
+    gi = groups[fm_group]
+    dims = {n: features[n].embedding_dim for n in mc.feature_groups[gi].feature_names
+            if embedded_feature(features[n])}
+    if not dims:
+        raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
+                          f'the "{fm_group}" group needs at least one embedded feature for FM')
+    if len(set(dims.values())) > 1:
+        shown = ", ".join(f"{n}={v}" for n, v in list(dims.items())[:6])
+        raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
+                          f'FM needs every embedded feature of the "{fm_group}" group to have '
+                          f"the same embedding_dim; got {shown}"
+                          f"{', ...' if len(dims) > 6 else ''}")
+
+
+def _check_deep_dims(
+    config: pipeline_pb2.EasyRecConfig, features: dict[str, FeatureConfig]
+) -> None:
+    """Refuses deep-table dims that are not multiples of 4 (fbgemm's kernels need them)."""
+    align = limits.EMBEDDING_DIM_ALIGN
+    index = {fc.feature_name: i for i, fc in enumerate(feature_configs(config))}
+    prefix = feature_list_path(config)
+    for g in config.model_config.feature_groups:
+        if g.wide_deep not in (pipeline_pb2.DEEP, pipeline_pb2.WIDE_AND_DEEP):
+            continue
+        for name in g.feature_names:
+            fc = features[name]
+            if embedded_feature(fc) and fc.embedding_dim % align:
+                raise ConfigError(f"{prefix}[{index[name]}].embedding_dim",
+                                  f"{fc.embedding_dim} is not a multiple of {align} (fbgemm's "
+                                  "embedding kernels need one)")
+
+
+def _validate_dnn(dnn: Any, where: str, required: bool) -> None:
+    if required and not dnn.hidden_units:
+        raise ConfigError(f"{where}.hidden_units", "required (e.g. [256, 128, 64])")
+    if len(dnn.hidden_units) > limits.MAX_HIDDEN_LAYERS:
+        raise ConfigError(f"{where}.hidden_units",
+                          f"{len(dnn.hidden_units)} layers is above the limit of "
+                          f"{limits.MAX_HIDDEN_LAYERS}")
+    for i, units in enumerate(dnn.hidden_units):
+        if units <= 0:
+            raise ConfigError(f"{where}.hidden_units[{i}]", "must be > 0")
+        if units > limits.MAX_HIDDEN_UNITS:
+            raise ConfigError(f"{where}.hidden_units[{i}]",
+                              f"{units:,} units is above the limit of "
+                              f"{limits.MAX_HIDDEN_UNITS:,}")
+    if dnn.dropout_ratio and len(dnn.dropout_ratio) != len(dnn.hidden_units):
+        raise ConfigError(f"{where}.dropout_ratio",
+                          "give one ratio per hidden layer (or none)")
+    for i, r in enumerate(dnn.dropout_ratio):
+        if not 0.0 <= r < 1.0:
+            raise ConfigError(f"{where}.dropout_ratio[{i}]", "must be in [0, 1)")
+    if dnn.activation not in SUPPORTED_ACTIVATIONS:
+        raise ConfigError(f"{where}.activation",
+                          f"expected one of {sorted(SUPPORTED_ACTIVATIONS)}, got "
+                          f"{dnn.activation!r}")
+

@@ -1,0 +1,116 @@
+"""Records on real broker topics: synthetic samples and the one producer helper.
+
+``produce`` writes values round robin over a topic's partitions and returns where each one
+landed; tests and benchmarks use it for sample topics and for hand-made delta topics alike.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple, Optional
+
+from confluent_kafka import KafkaError, Message, Producer
+
+from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
+from odl.kafka.client_settings import producer_config
+
+logger = logging.getLogger(__name__)
+
+_POLL_EVERY = 1000
+
+
+class RecordPosition(NamedTuple):
+    """Where a produced record landed.
+
+    Attributes:
+        partition: the partition.
+        offset: its offset in that partition.
+    """
+
+    partition: int
+    offset: int
+
+
+def produce(
+    bootstrap: str,
+    topic: str,
+    values: Sequence[bytes],
+    partitions: int = 1,
+    keys: Optional[Sequence[str | bytes]] = None,
+    timestamps_ms: Optional[Sequence[int]] = None,
+    config: Optional[Mapping[str, str]] = None,
+    flush_timeout: float = 120.0,
+) -> list[RecordPosition]:
+    """Produces ``values`` in order, value ``i`` to partition ``i % partitions``.
+
+    The producer is idempotent, so the values of one partition keep their order.
+
+    Args:
+        bootstrap: the broker's bootstrap servers.
+        topic: the topic (it must exist).
+        values: the record values.
+        partitions: partitions to spread the values over (1: everything to partition 0).
+        keys: a key per value.
+        timestamps_ms: a message timestamp per value (ms since the epoch).
+        config: extra librdkafka producer settings (e.g. ``message.max.bytes``).
+        flush_timeout: seconds to wait for every acknowledgement.
+
+    Returns:
+        ``(partition, offset)`` per value, in the order of ``values``.
+
+    Raises:
+        RuntimeError: a record was not acknowledged.
+    """
+    producer = Producer(producer_config(bootstrap, config))
+    where: list[Optional[RecordPosition]] = [None] * len(values)
+    errors: list[str] = []
+
+    def delivered(i: int) -> Callable[[Optional[KafkaError], Message], None]:
+        def report(err: Optional[KafkaError], msg: Message) -> None:
+            if err is not None:
+                errors.append(str(err))
+            else:
+                where[i] = RecordPosition(int(msg.partition()), int(msg.offset()))
+
+        return report
+
+    for i, value in enumerate(values):
+        extra: dict = {}
+        if keys is not None:
+            extra["key"] = keys[i]
+        if timestamps_ms is not None:
+            extra["timestamp"] = int(timestamps_ms[i])
+        while True:
+            try:
+                producer.produce(topic, value=value, partition=i % partitions,
+                                 on_delivery=delivered(i), **extra)
+                break
+            except BufferError:  # local queue full: let deliveries drain
+                producer.poll(0.05)
+        if i % _POLL_EVERY == _POLL_EVERY - 1:
+            producer.poll(0)
+    left = producer.flush(flush_timeout)
+    if left or errors:
+        raise RuntimeError(f"{left} record(s) to {topic} unacknowledged after "
+                           f"{flush_timeout:.0f}s; errors: {errors[:3]}")
+    positions = [w for w in where if w is not None]
+    if len(positions) != len(values):
+        raise RuntimeError(f"{len(values) - len(positions)} record(s) to {topic} unreported")
+    logger.debug("produced %d records to %s", len(values), topic)
+    return positions
+
+
+def make_records(n: int, seed: int = 0, fmt: str = "csv") -> tuple[list[str], list[bytes]]:
+    """``n`` synthetic CTR records of the datagen schema.
+
+    Args:
+        n: records.
+        seed: the stream's seed (same seed, same records).
+        fmt: ``"csv"`` or ``"json"``.
+
+    Returns:
+        ``(sample_ids, encoded values)``.
+    """
+    records = SyntheticCtrStream(seed=seed).next_records(n)
+    return [r["sample_id"] for r in records], [encode(r, fmt) for r in records]

@@ -1,0 +1,209 @@
+"""The model contract: one forward shared by training, export and serving.
+
+Every model is a ``CtrModel`` made of two parts:
+
+* ``model.ebc`` - the sparse part: a TorchRec ``EmbeddingBagCollection`` (built on the
+  ``meta`` device; ``TrainModule`` shards it and fuses the table optimizer into its
+  backward). Its parameters are ``ebc.embedding_bags.<table>.weight`` in checkpoints.
+* ``model.dense`` - the dense part: an ``nn.Module`` holding every other parameter and
+  buffer (checkpoint and ``DENSE_UPDATE_VARIABLES`` names ``dense.<name>``) and all the
+  computation after the embedding lookup. Its ``forward`` takes one float tensor per group of
+  ``model.pooled_layout``, in that order, then the raw dense features (``Batch.dense``,
+  ``[B, num_dense]`` in ``FeatureBuilder.dense_feature_names`` order), and returns the logits:
+  ``[B]`` for a model with one output, ``[B, len(output_names)]`` for several (columns in
+  ``model.output_names`` order). It must compile with ``torch.jit.script`` and keep no state
+  between calls. Its parameter names and registration order are part of the checkpoint
+  format (the dense optimizer's state is stored by parameter position): keep them when
+  changing a model.
+
+``model.pooled_layout`` declares the dense part's embedding inputs: group ``g`` is a
+``[B, len(g.lookups) * g.dim]`` tensor holding, lookup after lookup, the ids of ``feature``
+pooled in ``table`` (sum or mean, as the table's pooling says), first ``g.dim`` columns of
+the table (a table may be stored wider, see ``odl.models.embedding_tables``).
+
+``CtrModel.forward(batch)`` is the lookup (``lookup``: the EBC, then the columns rearranged
+into the declared layout) followed by ``model.dense``; it returns a ``ModelOutput`` with the
+logits and the pooled groups. ``model.loss(output, batch)`` computes the training loss from
+its arguments only. The same ``model.dense`` class is what the exporter scripts into
+``dense_model.pt`` (``odl.export.dense_export``) and what ``odl-serve`` runs after its own
+lookups of the same layout, so a model's math exists once; nothing else in training,
+publishing, export or serving is model specific.
+
+Adding a model: subclass ``CtrModel``; in ``__init__`` build ``self.ebc`` (tables from
+``odl.models.embedding_tables``), ``self.dense`` (a scriptable module following the rules
+above) and ``self.pooled_layout``, set ``self.output_names``; implement ``loss``; and name
+the class in ``odl.models.model_factory``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from odl.features.batch import Batch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PooledGroup:
+    """One embedding input of a model's dense part.
+
+    Attributes:
+        name: the group's name (the dense ``forward`` argument it feeds, e.g. ``"deep"``).
+        lookups: ``(feature, table)`` per lookup, in column order.
+        dim: columns each lookup contributes (the first ``dim`` columns of its table).
+    """
+
+    name: str
+    lookups: tuple[tuple[str, str], ...]
+    dim: int
+
+    @property
+    def width(self) -> int:
+        """Columns of the group's tensor."""
+        return len(self.lookups) * self.dim
+
+
+@dataclass
+class ModelOutput:
+    """What a model's forward returns.
+
+    Attributes:
+        logits: ``[B]`` (one output) or ``[B, n_outputs]``.
+        pooled: the dense part's embedding inputs, one tensor per ``pooled_layout`` group
+            (the loss reads them for embedding regularization).
+    """
+
+    logits: torch.Tensor
+    pooled: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class _ColumnGather:
+    """How one pooled group is cut out of the EBC's pooled output ``[B, total]``.
+
+    Lookups at evenly spaced columns (the common case) are a slice (a view when the spacing
+    is ``dim``, else one strided copy); other orders use an index.
+
+    Attributes:
+        start: first column of the first lookup.
+        count: lookups in the group.
+        stride: columns from one lookup's first column to the next's.
+        dim: columns taken per lookup.
+        index: explicit columns when the lookups are not evenly spaced.
+    """
+
+    start: int
+    count: int
+    stride: int
+    dim: int
+    index: torch.Tensor | None = None
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        """The group's ``[B, count * dim]`` tensor."""
+        if self.index is not None:
+            return values.index_select(1, self.index)
+        if self.stride == self.dim:
+            return values[:, self.start : self.start + self.count * self.dim]
+        block = values[:, self.start : self.start + self.count * self.stride]
+        return block.unflatten(1, (self.count, self.stride))[:, :, : self.dim].reshape(
+            values.shape[0], self.count * self.dim)
+
+
+class CtrModel(nn.Module):
+    """Base of every model (the contract is in the module docstring).
+
+    Subclasses set ``ebc``, ``dense``, ``pooled_layout`` and ``output_names`` in
+    ``__init__`` and implement ``loss``.
+    """
+
+    ebc: EmbeddingBagCollection
+    dense: nn.Module
+    pooled_layout: tuple[PooledGroup, ...]
+    output_names: tuple[str, ...]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._gathers: dict[tuple, list[_ColumnGather]] = {}
+
+    def lookup(self, batch: Batch) -> tuple[torch.Tensor, ...]:
+        """The sparse part: the batch's ids pooled in the tables, in ``pooled_layout``.
+
+        Args:
+            batch: the batch (its ``sparse`` KJT).
+
+        Returns:
+            One ``[B, group.width]`` tensor per group.
+        """
+        kt = self.ebc(batch.sparse)
+        values = kt.values()
+        key = (tuple(kt.keys()), values.device)
+        gathers = self._gathers.get(key)
+        if gathers is None:
+            gathers = self._plan_gathers(kt.keys(), kt.length_per_key(), values.device)
+            self._gathers[key] = gathers
+        return tuple(g(values) for g in gathers)
+
+    def _plan_gathers(self, keys: Sequence[str], lengths: Sequence[int],
+                      device: torch.device) -> list[_ColumnGather]:
+        """Per group, where its columns lie in the pooled output.
+
+        TorchRec names a pooled key ``feature`` or ``feature@table`` and groups keys by
+        pooling type, so its column order can differ from the layout's; the columns are
+        looked up by name once per key order.
+        """
+        ranges: dict[tuple[str, str | None], int] = {}
+        total = 0
+        for k, length in zip(keys, lengths, strict=True):
+            f, _, t = k.partition("@")
+            ranges[(f, t or None)] = total
+            total += int(length)
+        gathers: list[_ColumnGather] = []
+        for group in self.pooled_layout:
+            starts: list[int] = []
+            for f, t in group.lookups:
+                first = ranges.get((f, t), ranges.get((f, None)))
+                if first is None:
+                    raise RuntimeError(f"pooled embeddings {list(keys)} lack {f}@{t}")
+                starts.append(first)
+            n, dim = len(starts), group.dim
+            first = starts[0] if starts else 0
+            stride = starts[1] - starts[0] if n > 1 else dim
+            if (stride >= max(dim, 1) and first + n * stride <= total
+                    and starts == list(range(first, first + n * stride, stride))):
+                gathers.append(_ColumnGather(first, n, stride, dim))
+            else:
+                cols = [c for s0 in starts for c in range(s0, s0 + dim)]
+                index = torch.tensor(cols, dtype=torch.long, device=device)
+                gathers.append(_ColumnGather(first, n, stride, dim, index))
+        return gathers
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        """Lookup, then the dense part.
+
+        Args:
+            batch: the batch.
+
+        Returns:
+            The logits and the pooled embedding inputs.
+        """
+        pooled = self.lookup(batch)
+        return ModelOutput(self.dense(*pooled, batch.dense), pooled)
+
+    def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
+        """The training loss (scalar) of ``output``, the forward's result on ``batch``.
+
+        Args:
+            output: what ``forward(batch)`` returned.
+            batch: the batch (labels).
+
+        Returns:
+            Scalar loss.
+        """
+        raise NotImplementedError

@@ -1,0 +1,304 @@
+"""What the trainer reports about itself: ``/status``, ``/offsets``, ``/healthz``, progress lines.
+
+:class:`TrainerStatus` builds the documents the status API (:mod:`odl.train.status_app`)
+serves and, every ``log_step_count_steps``, the progress log line and the Prometheus gauges
+(rate, progressive AUC / logloss, lag and position per partition).
+
+The progressive metrics rank up to ``metrics_window_samples`` predictions; ``/status``
+reuses the last summary while it is under ``_PROGRESS_CACHE_SECS`` old or no sample was added.
+
+Health (``/healthz``): unhealthy while the input's or the delta topic's broker is unreachable,
+while publishing or checkpoints fail, and once stopped; the reason is the first that applies.
+
+File written by :func:`start_status_server`, ``model_dir/status.json`` (where to reach the API
+of the running trainer; rewritten at every start)::
+
+    {"host": "127.0.0.1", "port": 41234, "pid": 12345,
+     "url": "http://127.0.0.1:41234", "generation": "<16 hex digits>"}
+
+written to ``.status.json.tmp`` first and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Optional, Protocol
+
+from prometheus_client import CollectorRegistry
+
+from odl.checkpoint.checkpoint_manager import CheckpointManager
+from odl.http.server import BackgroundHttpServer
+from odl.inputs.dead_letter import DeadLetterSink
+from odl.inputs.input_pipeline import InputPipeline
+from odl.protos import pipeline_pb2
+from odl.train.progressive_metrics import ProgressiveMetrics
+from odl.train.status_app import TrainerStatusProvider, build_status_app
+from odl.train.train_module import TrainModule
+from odl.train.trainer_metrics import TrainerMetrics
+from publisher.incremental_publisher import IncrementalPublisher
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["STATUS_FILE", "TrainerStatus", "TrainerView", "start_status_server"]
+
+STATUS_FILE = "status.json"
+# /status recomputes the progressive metrics (a sort of the window) at most this often
+_PROGRESS_CACHE_SECS = 1.0
+
+
+class TrainerView(Protocol):
+    """What the status documents read of the trainer."""
+
+    config: pipeline_pb2.EasyRecConfig
+    generation: str
+    started_at: float
+    state: str
+    module: TrainModule
+    progress: ProgressiveMetrics
+    checkpoints: CheckpointManager
+    metrics: TrainerMetrics
+    samples_trained: int
+    samples_per_sec: float
+    last_loss: Optional[float]
+    last_checkpoint_error: Optional[str]
+    last_sample_time_ms: Optional[int]
+    failure: Optional[str]
+    publisher: Optional[IncrementalPublisher]
+    recovery: Optional[dict]
+    input_pipeline: Optional[InputPipeline]
+
+    @property
+    def online(self) -> bool:
+        """Kafka input (True) or files."""
+        ...
+
+    @property
+    def stop_reason(self) -> Optional[str]:
+        """Why the trainer stops, None until then."""
+        ...
+
+    @property
+    def records_rejected(self) -> dict[str, int]:
+        """Rejected records by reason."""
+        ...
+
+    @property
+    def dead_letter(self) -> Optional[DeadLetterSink]:
+        """The dead-letter sink, when one is open."""
+        ...
+
+    def positions_snapshot(self) -> dict[int, int]:
+        """A copy of the trained positions (next offset per partition)."""
+        ...
+
+
+class TrainerStatus:
+    """Builds the trainer's status documents and progress reports.
+
+    Args:
+        trainer: the trainer.
+    """
+
+    def __init__(self, trainer: TrainerView) -> None:
+        self._trainer = trainer
+        # (monotonic time, progress.summary()): the window AUC sorts up to
+        # metrics_window_samples predictions, too slow for every /status request
+        self._progress_cache: Optional[tuple[float, dict]] = None
+
+    def _topic(self) -> Optional[str]:
+        t = self._trainer
+        return t.config.kafka_train_input.topic if t.online else None
+
+    def document(self) -> dict:
+        """The status document served at ``/status``.
+
+        Returns:
+            A JSON-serializable dict.
+        """
+        t = self._trainer
+        src = t.input_pipeline
+        partitions = {}
+        if src is not None:
+            positions = t.positions_snapshot()
+            for p, st in sorted(src.partition_state.items()):
+                pos = positions.get(p, st.position)
+                partitions[str(p)] = {
+                    "position": pos,
+                    "high_watermark": st.high_watermark,
+                    "lag": max(0, st.high_watermark - pos) if st.high_watermark >= 0 else None,
+                }
+        broker_error = src.broker_error if src is not None else None
+        dead_letter = t.dead_letter
+        return {
+            "state": (
+                "waiting_for_broker"
+                if t.state == "training" and broker_error is not None
+                else t.state
+            ),
+            "mode": "online" if t.online else "offline",
+            "generation": t.generation,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - t.started_at, 3),
+            "global_step": t.module.global_step,
+            "samples_trained": t.samples_trained,
+            "samples_per_sec": round(t.samples_per_sec, 1),
+            # offline, the file reader runs ahead of training: report what was trained
+            "records_consumed": (src.records_consumed if src is not None and t.online
+                                 else t.samples_trained),
+            "records_rejected": dict(t.records_rejected),
+            "loss": t.last_loss,
+            "progressive": self.progress_summary(),
+            "last_checkpoint": {
+                "path": t.checkpoints.last_saved_path,
+                "step": t.checkpoints.last_saved_step,
+                "time": t.checkpoints.last_saved_time,
+                "error": t.last_checkpoint_error,
+            },
+            "input": {
+                "topic": self._topic(),
+                "broker_error": broker_error,
+                "queued_batches": src.queued if src is not None else 0,
+                "last_sample_time_ms": t.last_sample_time_ms,
+                "partitions": partitions,
+            },
+            "stop_reason": t.stop_reason,
+            "failure": t.failure,
+            "device": str(t.module.device),
+            "publisher": t.publisher.status() if t.publisher is not None else None,
+            "recovery": t.recovery,
+            "dead_letter": dead_letter.status() if dead_letter is not None else None,
+        }
+
+    def progress_summary(self) -> dict:
+        """Progressive metrics, recomputed when samples were added and the last is over 1 s old.
+
+        Returns:
+            ``ProgressiveMetrics.summary()``.
+        """
+        progress = self._trainer.progress
+        cached = self._progress_cache
+        if cached is None or (cached[1]["samples"] != progress.samples
+                              and time.monotonic() - cached[0] > _PROGRESS_CACHE_SECS):
+            cached = (time.monotonic(), progress.summary())
+            self._progress_cache = cached
+        return cached[1]
+
+    def offsets(self) -> dict:
+        """Trained positions served at ``/offsets``.
+
+        Returns:
+            ``{"topic", "global_step", "positions": {partition: next offset}}``.
+        """
+        t = self._trainer
+        positions = t.positions_snapshot()
+        return {
+            "topic": self._topic(),
+            "global_step": t.module.global_step,
+            "positions": {str(p): o for p, o in sorted(positions.items())},
+        }
+
+    def health(self, delta_broker_error: Optional[str]) -> tuple[bool, str]:
+        """Healthy unless a broker is unreachable, publishing or checkpoints fail, or stopped.
+
+        Args:
+            delta_broker_error: why the delta publisher's broker is unreachable, or None.
+
+        Returns:
+            ``(healthy, reason)``.
+        """
+        t = self._trainer
+        src = t.input_pipeline
+        if src is not None and src.broker_error is not None:
+            return False, f"waiting_for_broker: {src.broker_error}"
+        if delta_broker_error:
+            return False, f"waiting_for_broker (delta topic): {delta_broker_error}"
+        if t.publisher is not None:
+            pub = t.publisher.status()
+            if pub["fatal_error"]:
+                return False, pub["fatal_error"]
+            if pub["last_error"]:
+                return False, f"delta publishing failing: {pub['last_error']}"
+        if t.last_checkpoint_error:
+            return False, f"checkpoint failing: {t.last_checkpoint_error}"
+        if t.state in ("stopped",):
+            return False, "stopped"
+        return True, t.state
+
+    def log_progress(self) -> None:
+        """Logs the progress line and sets the rate, progressive and per-partition gauges."""
+        t = self._trainer
+        m = t.progress.summary()
+        self._progress_cache = (time.monotonic(), m)
+        metrics = t.metrics
+        metrics.samples_per_sec.set(t.samples_per_sec)
+        if m["auc"] is not None:
+            metrics.auc.set(m["auc"])
+        if m["logloss"] is not None:
+            metrics.logloss.set(m["logloss"])
+        positions = t.positions_snapshot()
+        lags = self._lags(positions)
+        for p, lag in lags.items():
+            metrics.lag.labels(partition=str(p)).set(lag)
+        for p, pos in positions.items():
+            metrics.position.labels(partition=str(p)).set(pos)
+        logger.info(
+            "step %d samples %d %.0f samples/s loss %.4f auc %s logloss %s (total auc %s) lag %s",
+            t.module.global_step,
+            t.samples_trained,
+            t.samples_per_sec,
+            t.last_loss if t.last_loss is not None else float("nan"),
+            m["auc"],
+            m["logloss"],
+            m["auc_total"],
+            lags,
+        )
+
+    def _lags(self, positions: Mapping[int, int]) -> dict[int, int]:
+        """Records behind the log end per partition (-1: the end is not known yet)."""
+        src = self._trainer.input_pipeline
+        if src is None:
+            return {}
+        out = {}
+        for p, st in src.partition_state.items():
+            pos = positions.get(p, st.position)
+            out[p] = max(0, st.high_watermark - pos) if st.high_watermark >= 0 else -1
+        return out
+
+
+def start_status_server(provider: TrainerStatusProvider, registry: CollectorRegistry,
+                        host: str, port: int, auth_token: Optional[str], model_dir: str,
+                        generation: str) -> BackgroundHttpServer:
+    """Starts the status API and writes ``model_dir/status.json`` (see the module docstring).
+
+    Args:
+        provider: what answers ``/status``, ``/offsets`` and ``/healthz`` (the trainer).
+        registry: the trainer's Prometheus registry (``/metrics``).
+        host: address to bind.
+        port: port to bind (0: any free port).
+        auth_token: bearer token the API requires (all but ``/healthz``), None for none.
+        model_dir: where ``status.json`` goes.
+        generation: the trainer's generation id.
+
+    Returns:
+        The running server.
+    """
+    app = build_status_app(provider, registry)
+    server = BackgroundHttpServer(app, host, port, auth_token=auth_token,
+                                  name="odl-train status API")
+    bound = server.start()
+    doc = {
+        "host": host,
+        "port": bound,
+        "pid": os.getpid(),
+        "url": f"http://{host}:{bound}",
+        "generation": generation,
+    }
+    tmp = os.path.join(model_dir, f".{STATUS_FILE}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, os.path.join(model_dir, STATUS_FILE))
+    return server

@@ -1,0 +1,135 @@
+"""Builds the delta publisher and its sink from a pipeline config.
+
+``build_delta_sink`` turns ``train_config.incr_save_config`` into a ``KafkaSink`` (the
+``kafka`` branch) or an ``FsSink`` (the ``fs`` branch; a relative ``incr_save_dir`` lies in
+``model_dir``). ``build_publisher`` writes the id maps (``publisher.id_maps``) into
+``model_dir``, registers a ``DeltaTracker`` as the train module's touched-rows hook and
+starts an ``IncrementalPublisher``. ``published_table_dims`` and ``dense_variable_shapes``
+say what of a train module is published; crash recovery uses them to rebuild the same id maps.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+from prometheus_client import CollectorRegistry
+
+from publisher.delta_sink import DeltaSink
+from publisher.delta_tracker import DeltaTracker
+from publisher.fs_sink import FsSink
+from publisher.id_maps import write_id_maps
+from publisher.incremental_publisher import IncrementalPublisher
+from publisher.kafka_sink import KafkaSink
+from publisher.version_snapshot import ParameterSource
+
+logger = logging.getLogger(__name__)
+
+
+def published_table_dims(module: Any) -> dict[str, tuple[int, int]]:
+    """Table name -> ``(num_rows, published dim)``; wide tables use wide_output_dim.
+
+    Args:
+        module: a ``TrainModule``.
+
+    Returns:
+        The table sizes as published.
+    """
+    layout = getattr(module.model, "layout", None)
+    wide = set(layout.wide_tables) if layout is not None else set()
+    out = {}
+    for name, w in module.embedding_tables().items():
+        dim = int(w.shape[1])
+        if name in wide:
+            dim = int(layout.wide_output_dim)
+        out[name] = (int(w.shape[0]), dim)
+    return out
+
+
+def dense_variable_shapes(module: ParameterSource) -> dict[str, tuple[int, ...]]:
+    """Floating-point dense variables (parameters and buffers) -> shape.
+
+    Args:
+        module: the train module.
+
+    Returns:
+        The shapes of the variables that are published.
+    """
+    return {name: tuple(t.shape) for name, t in module.dense_parameters().items()
+            if t.is_floating_point()}
+
+
+def build_delta_sink(config: Any) -> DeltaSink:
+    """The sink of ``train_config.incr_save_config`` (Kafka topic or directory).
+
+    Args:
+        config: the pipeline config (``EasyRecConfig``).
+
+    Returns:
+        A ``KafkaSink`` (its transactional producer not yet claimed) or an ``FsSink``.
+    """
+    isc = config.train_config.incr_save_config
+    if isc.WhichOneof("incr_update") == "kafka":
+        return KafkaSink(isc.kafka.server, isc.kafka.topic, dict(isc.kafka.kafka_config),
+                         max_chunk_bytes=isc.max_chunk_bytes,
+                         fence=isc.kafka.fence_producers)
+    directory = isc.fs.incr_save_dir
+    if not os.path.isabs(directory):
+        directory = os.path.join(config.model_dir, directory)
+    return FsSink(directory)
+
+
+def build_publisher(
+    config: Any,
+    module: Any,
+    generation: str,
+    registry: Optional[CollectorRegistry] = None,
+    start_step: int = 0,
+    sink: Optional[DeltaSink] = None,
+) -> IncrementalPublisher:
+    """Builds the publisher of a pipeline config with ``train_config.incr_save_config``.
+
+    Writes ``DENSE_UPDATE_VARIABLES`` and ``embed_name_to_ids.txt`` into ``model_dir``,
+    registers the tracker as the module's touched-rows hook and starts the sender thread.
+
+    Args:
+        config: the pipeline config (``EasyRecConfig``).
+        module: the ``TrainModule``.
+        generation: the trainer generation id.
+        registry: the trainer's Prometheus registry.
+        start_step: the global step the trainer starts from.
+        sink: the sink to publish through (default: ``build_delta_sink(config)``).
+
+    Returns:
+        The running publisher.
+    """
+    isc = config.train_config.incr_save_config
+    id_maps = write_id_maps(config.model_dir, dense_variable_shapes(module),
+                            published_table_dims(module))
+    tables = module.embedding_tables()
+    tracker = DeltaTracker(module.feature_tables(),
+                           {name: int(w.shape[0]) for name, w in tables.items()})
+    module.set_touched_rows_hook(tracker.record)
+    if sink is None:
+        sink = build_delta_sink(config)
+    model_name = isc.model_name or os.path.basename(os.path.normpath(config.model_dir))
+    value_type = "fp16" if isc.value_type == isc.FP16 else "fp32"
+    pub = IncrementalPublisher(
+        module, id_maps, tracker, sink, generation, model_name,
+        sparse_save_steps=isc.sparse_save_steps,
+        dense_save_steps=isc.dense_save_steps,
+        sparse_save_secs=isc.sparse_save_secs,
+        dense_save_secs=isc.dense_save_secs,
+        value_type=value_type,
+        max_chunk_bytes=isc.max_chunk_bytes,
+        input_topic=config.kafka_train_input.topic,
+        registry=registry,
+        start_step=start_step,
+    )
+    pub.start()
+    logger.info("delta publisher: %s, sparse every %d steps / %ds, dense every %d steps / %ds, "
+                "%s, %d tables, %d dense variables", sink.description, isc.sparse_save_steps,
+                isc.sparse_save_secs, isc.dense_save_steps, isc.dense_save_secs, value_type,
+                len(id_maps.tables), len(id_maps.dense))
+    return pub

@@ -1,0 +1,284 @@
+"""Delta version snapshots: what is copied out of the live model, and how two merge.
+
+A snapshot is the content of one delta version before encoding. ``ParameterSnapshotter``
+takes it on the train loop's thread: the CURRENT values of the embedding rows the
+``DeltaTracker`` saw touched since the last sparse snapshot (``index_select`` on the live
+tables, wide tables cut to their published width) and / or a copy of every dense variable of
+the id maps, with the input positions after the last trained batch and the min/max event
+time and Kafka produce time of the samples trained since the previous snapshot.
+
+``merge_snapshots`` folds two snapshots into one when the sender is behind: the union of the
+rows with the newer values, the newer version, positions and publish time, the widened time
+ranges. The merged snapshot is what the newer one alone would have been had the older one
+never been taken.
+
+Republishing: the snapshotter remembers every row it has ever put into a snapshot (one bit
+per row). ``take(..., republish_all=True)`` puts all of them, and every dense variable, into
+one snapshot (after the broker lost acknowledged versions).
+
+Header times outside ``[0, 2**63)`` ms, which the int64 header fields cannot hold, are
+written as 0 ("unknown"); the feature builder already rejects event times outside a sane
+window.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Optional, Protocol
+
+import numpy as np
+import torch
+
+from publisher.delta_format import VersionHeader
+from publisher.delta_tracker import DeltaTracker
+from publisher.id_maps import IdMaps
+
+logger = logging.getLogger(__name__)
+
+_INT64_MAX = (1 << 63) - 1
+
+
+class ParameterSource(Protocol):
+    """What the snapshotter reads from the train module."""
+
+    def embedding_tables(self) -> dict[str, torch.Tensor]:
+        """Table name -> live weight tensor."""
+
+    def dense_parameters(self) -> dict[str, torch.Tensor]:
+        """Dense variable name -> live tensor."""
+
+
+def merge_time_range(a: Optional[list[int]], b: Optional[list[int]]) -> Optional[list[int]]:
+    """The smallest ``[min, max]`` range covering both (None: no range)."""
+    if a is None:
+        return None if b is None else list(b)
+    if b is None:
+        return list(a)
+    return [min(a[0], b[0]), max(a[1], b[1])]
+
+
+def _header_time(value: Optional[int]) -> int:
+    """A time for an int64 header field: the value, or 0 (unknown) when it does not fit."""
+    if value is None or not 0 <= value <= _INT64_MAX:
+        return 0
+    return int(value)
+
+
+@dataclass
+class VersionSnapshot:
+    """The content of one delta version, copied out of the model.
+
+    Attributes:
+        version: the global step.
+        has_dense: the dense part is in it.
+        has_sparse: the sparse part is in it.
+        dense: variable id -> values.
+        sparse: table id -> ``(ids int64 [n], values [n, dim])``.
+        event_range: ``[min, max]`` event time of its samples (unix ms), or None.
+        produce_range: ``[min, max]`` Kafka produce time of its samples, or None.
+        positions: ``(topic, partition, next_offset)`` after its last trained batch.
+        publish_time_ms: when it was taken (unix ms).
+        taken_at: when it was taken (``time.monotonic()``; the oldest, once merged).
+        merged: snapshots merged into it.
+        rows: embedding rows in it.
+    """
+
+    version: int
+    has_dense: bool
+    has_sparse: bool
+    dense: dict[int, np.ndarray]
+    sparse: dict[int, tuple[np.ndarray, np.ndarray]]
+    event_range: Optional[list[int]]
+    produce_range: Optional[list[int]]
+    positions: list[tuple[str, int, int]]
+    publish_time_ms: int
+    taken_at: float
+    merged: int = 0
+    rows: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.rows = sum(len(ids) for ids, _ in self.sparse.values())
+
+    @property
+    def kind(self) -> str:
+        """``"both"``, ``"dense"`` or ``"sparse"``."""
+        if self.has_dense and self.has_sparse:
+            return "both"
+        return "dense" if self.has_dense else "sparse"
+
+    def header(self, model_name: str, generation: str) -> VersionHeader:
+        """The version header of this snapshot.
+
+        Args:
+            model_name: model name written into the version.
+            generation: the trainer generation id.
+
+        Returns:
+            The header (times that do not fit int64 become 0).
+        """
+        event = self.event_range or [0, 0]
+        produce = self.produce_range or [0, 0]
+        return VersionHeader(
+            model_name=model_name,
+            version=self.version,
+            generation=generation,
+            kind=self.kind,
+            min_event_time_ms=_header_time(event[0]),
+            max_event_time_ms=_header_time(event[1]),
+            min_produce_time_ms=_header_time(produce[0]),
+            max_produce_time_ms=_header_time(produce[1]),
+            positions=self.positions,
+            publish_time_ms=self.publish_time_ms,
+        )
+
+    def payload_floor_bytes(self, bytes_per_value: int) -> int:
+        """Bytes of ids and values alone (the size an encoding cannot go below)."""
+        rows = sum(len(ids) * (8 + bytes_per_value * v.shape[1])
+                   for ids, v in self.sparse.values())
+        return rows + sum(a.size * bytes_per_value for a in self.dense.values())
+
+
+def merge_snapshots(old: VersionSnapshot, new: VersionSnapshot) -> VersionSnapshot:
+    """One snapshot with old's and new's content; new's values and header win.
+
+    Args:
+        old: the older snapshot.
+        new: the newer snapshot.
+
+    Returns:
+        The merged snapshot.
+    """
+    sparse = dict(old.sparse)
+    for tid, (ids, values) in new.sparse.items():
+        if tid not in sparse:
+            sparse[tid] = (ids, values)
+            continue
+        old_ids, old_values = sparse[tid]
+        all_ids = np.concatenate([ids, old_ids])
+        all_values = np.concatenate([values, old_values])
+        uniq, first = np.unique(all_ids, return_index=True)  # first occurrence = newer value
+        sparse[tid] = (uniq, all_values[first])
+    dense = dict(old.dense)
+    dense.update(new.dense)
+    return VersionSnapshot(
+        version=new.version,
+        has_dense=old.has_dense or new.has_dense,
+        has_sparse=old.has_sparse or new.has_sparse,
+        dense=dense,
+        sparse=sparse,
+        event_range=merge_time_range(old.event_range, new.event_range),
+        produce_range=merge_time_range(old.produce_range, new.produce_range),
+        positions=new.positions,
+        publish_time_ms=new.publish_time_ms,
+        taken_at=old.taken_at,
+        merged=old.merged + new.merged + 1,
+    )
+
+
+class ParameterSnapshotter:
+    """Takes snapshots of the live model (see the module docstring).
+
+    Args:
+        module: the train module (``embedding_tables()``, ``dense_parameters()``).
+        id_maps: ids and published widths of variables and tables.
+        tracker: the touched-rows tracker registered on the module.
+        input_topic: input topic name written into the positions.
+
+    Attributes:
+        secs_total: seconds spent taking snapshots so far.
+    """
+
+    def __init__(self, module: ParameterSource, id_maps: IdMaps, tracker: DeltaTracker,
+                 input_topic: str = "") -> None:
+        self.module = module
+        self.id_maps = id_maps
+        self.tracker = tracker
+        self.input_topic = input_topic
+        self._event_range: Optional[list[int]] = None
+        self._produce_range: Optional[list[int]] = None
+        self._published_rows: dict[str, torch.Tensor] = {}  # table -> rows ever published
+        self.secs_total = 0.0
+
+    def note_times(self, event_time_ms: Optional[tuple[int, int]] = None,
+                   produce_time_ms: Optional[tuple[int, int]] = None) -> None:
+        """Adds a batch's event / produce time range to the next snapshot.
+
+        Args:
+            event_time_ms: ``(min, max)`` event time, unix ms.
+            produce_time_ms: ``(min, max)`` Kafka produce time, unix ms.
+        """
+        if event_time_ms is not None:
+            self._event_range = merge_time_range(self._event_range, list(event_time_ms))
+        if produce_time_ms is not None:
+            self._produce_range = merge_time_range(self._produce_range, list(produce_time_ms))
+
+    @torch.no_grad()
+    def take(self, step: int, positions: Mapping[int, int], dense: bool, sparse: bool,
+             republish_all: bool = False) -> VersionSnapshot:
+        """Copies the due parts out of the model.
+
+        Args:
+            step: the global step (the version).
+            positions: next offset per input partition.
+            dense: copy every dense variable.
+            sparse: copy the rows touched since the last sparse snapshot.
+            republish_all: copy both parts, the sparse one with every row ever published.
+
+        Returns:
+            The snapshot; the noted time ranges start afresh.
+        """
+        t0 = time.perf_counter()
+        taken_at = time.monotonic()
+        if republish_all:
+            dense = sparse = True
+        sparse_out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        if sparse:
+            sparse_out = self._copy_rows(step, republish_all)
+        dense_out: dict[int, np.ndarray] = {}
+        if dense:
+            params = self.module.dense_parameters()
+            for name, info in self.id_maps.dense.items():
+                dense_out[info.id] = params[name].detach().to("cpu", copy=True).numpy()
+        snap = VersionSnapshot(
+            version=int(step),
+            has_dense=dense,
+            has_sparse=sparse,
+            dense=dense_out,
+            sparse=sparse_out,
+            event_range=self._event_range,
+            produce_range=self._produce_range,
+            positions=[(self.input_topic, int(p), int(o)) for p, o in sorted(positions.items())],
+            publish_time_ms=int(time.time() * 1000),
+            taken_at=taken_at,
+        )
+        self._event_range = self._produce_range = None
+        self.secs_total += time.perf_counter() - t0
+        return snap
+
+    def _copy_rows(self, step: int,
+                   republish_all: bool) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        touched = self.tracker.take()
+        tables = self.module.embedding_tables()
+        for name, ids in touched.items():
+            if name not in self._published_rows:
+                self._published_rows[name] = torch.zeros(int(tables[name].shape[0]),
+                                                          dtype=torch.bool)
+            self._published_rows[name][ids.cpu()] = True
+        if republish_all:
+            touched = {name: mask.nonzero().flatten()
+                       for name, mask in self._published_rows.items()}
+            logger.warning("delta version %d republishes all %d rows ever published (the "
+                           "broker lost acknowledged versions)", step,
+                           sum(len(v) for v in touched.values()))
+        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for name, ids in touched.items():
+            info = self.id_maps.tables.get(name)
+            if info is None:
+                continue
+            weight = tables[name]
+            rows = weight.index_select(0, ids.to(weight.device))[:, : info.dim]
+            out[info.id] = (ids.cpu().numpy().astype(np.int64, copy=False), rows.cpu().numpy())
+        return out

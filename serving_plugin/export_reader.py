@@ -1,0 +1,256 @@
+"""Finds, reads and verifies an export directory for serving.
+
+Layout: ``odl.export.exporter`` (file names: ``odl.export.export_layout``). This module reads
+files only and imports no trainer code.
+
+``read_export(export_dir)`` takes the newest complete export (a ``<unix-seconds>/`` directory
+with ``DONE``; or ``export_dir`` itself when it is one) and loads:
+
+* ``serving_model.json`` -> the signature; its ``pooled_inputs`` -> the dense part's
+  embedding inputs (``PooledGroup``s; an export without the key is read as DeepFM's two
+  groups ``deep_lookups`` / ``wide_lookups``);
+* ``pipeline.config`` -> the same ``FeatureBuilder`` as training (parsing, fnv1a64 hashing),
+  so request records map to the same rows;
+* ``DENSE_UPDATE_VARIABLES`` / ``embed_name_to_ids.txt`` -> the id maps;
+* ``embeddings/`` (or ``serving_model.json``'s ``embeddings_dir``) -> one float32
+  ``[rows, dim]`` tensor per table; every shard must exist, have the manifest's shape, cover
+  its table and (``verify``) match its sha256. The tables of one pooled input are
+  consecutive row ranges of one storage tensor, so serving looks a group up in one call; a
+  table belongs to the first pooled input that reads it;
+* ``dense_model.pt`` -> the TorchScript dense part (eval mode).
+
+``read_kafka_txt`` reads ``kafka.txt``: the delta topic and the offset from which replay
+continues the base.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from odl.checkpoint.file_digest import sha256_file
+from odl.config.pipeline_config import load_pipeline_config
+from odl.export.export_layout import (
+    CONFIG_FILE,
+    DONE_FILE,
+    EXPORT_NAME,
+    KAFKA_FILE,
+    MANIFEST_FILE,
+    SERVING_MODEL_FILE,
+)
+from odl.features.feature_builder import FeatureBuilder
+from odl.models.ctr_model import PooledGroup
+from odl.protos import pipeline_pb2
+from publisher.id_maps import IdMaps, read_id_maps
+
+logger = logging.getLogger(__name__)
+
+
+class ExportLoadError(RuntimeError):
+    """An export directory is missing, incomplete or inconsistent."""
+
+
+def find_latest_export(export_dir: str) -> str:
+    """The export to serve: ``export_dir`` itself when it is one, else its newest child.
+
+    Args:
+        export_dir: an export (has ``DONE``) or a parent of ``<unix-seconds>`` exports.
+
+    Returns:
+        The export directory.
+
+    Raises:
+        ExportLoadError: no complete export there.
+    """
+    if os.path.isfile(os.path.join(export_dir, DONE_FILE)) and os.path.isfile(
+            os.path.join(export_dir, SERVING_MODEL_FILE)):
+        return export_dir
+    if not os.path.isdir(export_dir):
+        raise ExportLoadError(f"export dir {export_dir} does not exist")
+    found = []
+    for name in os.listdir(export_dir):
+        p = os.path.join(export_dir, name)
+        if EXPORT_NAME.match(name) and os.path.isfile(os.path.join(p, DONE_FILE)):
+            found.append((int(name), p))
+    if not found:
+        raise ExportLoadError(f"no complete export (a <unix-seconds>/ dir with DONE) in "
+                              f"{export_dir}")
+    return max(found)[1]
+
+
+@dataclass
+class KafkaReplaySource:
+    """The export's ``kafka.txt``.
+
+    Attributes:
+        server: bootstrap servers of the delta topic.
+        topic: the delta topic ('' = nothing to replay).
+        offset: offset from which replay continues the base.
+    """
+
+    server: str
+    topic: str
+    offset: int
+
+
+def read_kafka_txt(export_path: str) -> KafkaReplaySource:
+    """Reads ``kafka.txt`` (missing file: nothing to replay).
+
+    Args:
+        export_path: the export directory.
+
+    Returns:
+        The delta topic and replay start.
+    """
+    p = os.path.join(export_path, KAFKA_FILE)
+    if not os.path.isfile(p):
+        return KafkaReplaySource("", "", 0)
+    with open(p, encoding="utf-8") as f:
+        doc = json.load(f)
+    return KafkaReplaySource(str(doc.get("server", "")), str(doc.get("topic", "")),
+                             int(doc.get("consumer", {}).get("offset", 0)))
+
+
+@dataclass
+class ExportContents:
+    """One export, read and verified.
+
+    Attributes:
+        path: the export directory.
+        signature: the parsed ``serving_model.json``.
+        config: the pipeline config.
+        feature_builder: its feature builder (no event-time check: requests need none).
+        id_maps: the dense-variable and table ids.
+        tables: table name -> float32 ``[rows, dim]`` tensor.
+        dense_module: the TorchScript dense part.
+        pooled_inputs: the dense part's embedding inputs, in argument order.
+        outputs: names of the dense part's outputs.
+    """
+
+    path: str
+    signature: dict
+    config: pipeline_pb2.EasyRecConfig
+    feature_builder: FeatureBuilder
+    id_maps: IdMaps
+    tables: dict[str, torch.Tensor]
+    dense_module: torch.jit.ScriptModule
+    pooled_inputs: tuple[PooledGroup, ...]
+    outputs: tuple[str, ...]
+
+
+def pooled_inputs_of(signature: dict) -> tuple[PooledGroup, ...]:
+    """The pooled inputs a signature declares (see the module docstring).
+
+    Args:
+        signature: the parsed ``serving_model.json``.
+
+    Returns:
+        One group per dense-part embedding argument, in order.
+    """
+    if "pooled_inputs" in signature:
+        return tuple(PooledGroup(str(g["name"]), tuple((str(f), str(t)) for f, t in g["lookups"]),
+                                 int(g["dim"])) for g in signature["pooled_inputs"])
+    return (
+        PooledGroup("deep", tuple((str(f), str(t)) for f, t in signature["deep_lookups"]),
+                    int(signature["deep_dim"])),
+        PooledGroup("wide", tuple((str(f), str(t)) for f, t in signature["wide_lookups"]),
+                    int(signature["wide_output_dim"])),
+    )
+
+
+def read_export(export_dir: str, verify: bool = True) -> ExportContents:
+    """Reads the newest complete export under ``export_dir`` (or ``export_dir`` itself).
+
+    Args:
+        export_dir: an export or a parent of exports.
+        verify: check the embedding shards' sha256 against their manifest.
+
+    Returns:
+        The export's contents.
+
+    Raises:
+        ExportLoadError: missing, malformed or inconsistent files.
+    """
+    path = find_latest_export(export_dir)
+    try:
+        with open(os.path.join(path, SERVING_MODEL_FILE), encoding="utf-8") as f:
+            sig = json.load(f)
+        config = load_pipeline_config(os.path.join(path, CONFIG_FILE))
+        fb = FeatureBuilder(config, check_event_time=False)  # requests need no event time
+        id_maps = read_id_maps(path)
+        groups = pooled_inputs_of(sig)
+        labels = list(config.data_config.label_fields[:1]) or ["label"]
+        outputs = tuple(str(o) for o in sig.get("outputs", labels))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ExportLoadError(f"cannot load export {path}: {e}") from e
+    emb_dir = sig["embeddings_dir"]
+    if not os.path.isabs(emb_dir):
+        emb_dir = os.path.join(path, emb_dir)
+    tables = _load_tables(emb_dir, verify, groups)
+    dense = torch.jit.load(os.path.join(path, sig["dense_model"]), map_location="cpu")
+    dense.eval()
+    return ExportContents(path, sig, config, fb, id_maps, tables, dense, groups, outputs)
+
+
+def _load_tables(emb_dir: str, verify: bool,
+                 groups: tuple[PooledGroup, ...]) -> dict[str, torch.Tensor]:
+    """Loads the shards: table name -> float32 ``[rows, dim]`` tensor (module docstring)."""
+    try:
+        with open(os.path.join(emb_dir, MANIFEST_FILE), encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ExportLoadError(f"cannot read the embeddings manifest in {emb_dir}: {e}") from e
+    infos = manifest["tables"]
+    group_of: dict[str, int] = {}
+    for gi, g in enumerate(groups):
+        for _f, t in g.lookups:
+            group_of.setdefault(t, gi)
+    missing = set(group_of) - set(infos)
+    if missing:
+        raise ExportLoadError(f"embeddings manifest in {emb_dir} lacks tables {sorted(missing)}")
+    for t, gi in group_of.items():
+        if int(infos[t]["dim"]) != groups[gi].dim:
+            raise ExportLoadError(f"table {t} has dim {infos[t]['dim']}, its pooled input "
+                                  f"{groups[gi].name!r} reads {groups[gi].dim}")
+    tables: dict[str, torch.Tensor] = {}
+    for g in sorted(set(group_of.values()) | {-1}):
+        names = [n for n in infos if group_of.get(n, -1) == g]
+        if not names:
+            continue
+        dims = {int(infos[n]["dim"]) for n in names}
+        if len(dims) != 1:
+            raise ExportLoadError(f"tables {names} of one lookup group have dims {dims}")
+        storage = torch.empty((sum(int(infos[n]["rows"]) for n in names), dims.pop()),
+                              dtype=torch.float32)
+        row = 0
+        for n in names:
+            rows = int(infos[n]["rows"])
+            tables[n] = storage[row : row + rows]
+            row += rows
+    for name, info in infos.items():
+        rows, dim = int(info["rows"]), int(info["dim"])
+        if info.get("dtype", "float32") != "float32":
+            raise ExportLoadError(f"table {name}: dtype {info['dtype']} is not supported")
+        w = tables[name]
+        covered = 0
+        for part in info["parts"]:
+            fp = os.path.join(emb_dir, name, part["file"])
+            if not os.path.isfile(fp):
+                raise ExportLoadError(f"table {name}: {fp} is missing")
+            if verify and sha256_file(fp) != part["sha256"]:
+                raise ExportLoadError(f"table {name}: {fp} does not match its sha256")
+            arr = np.load(fp, allow_pickle=False)
+            start, n = int(part["start_id"]), int(part["rows"])
+            if arr.shape != (n, dim) or start < 0 or start + n > rows:
+                raise ExportLoadError(f"table {name}: part {part['file']} has shape "
+                                      f"{arr.shape}, manifest says {n}x{dim} at {start}")
+            w[start : start + n] = torch.from_numpy(arr.astype(np.float32, copy=False))
+            covered += n
+        if covered != rows:
+            raise ExportLoadError(f"table {name}: parts cover {covered} of {rows} rows")
+    return tables
