@@ -62,8 +62,8 @@ PIECE = MIB
 SERVE = r"""
 import sys
 if sys.argv[1] == "no-trim":
-    from serving_plugin import serving_service
-    serving_service._MemoryTrimmer.request = lambda self: None
+    from serving_plugin import predict_limits
+    predict_limits.MemoryTrimmer.request = lambda self: None
 from odl.cli.serve_cli import main
 sys.exit(main(sys.argv[2:]))
 """

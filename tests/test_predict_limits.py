@@ -21,13 +21,9 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from odl.export.exporter import export_checkpoint
-from serving_plugin.serving_service import (
-    TRIM_AFTER_BYTES,
-    PredictLimits,
-    RequestError,
-    ServingService,
-    split_body,
-)
+from serving_plugin.predict_body import RequestError, split_body
+from serving_plugin.predict_limits import TRIM_AFTER_BYTES, PredictLimits
+from serving_plugin.serving_service import ServingService
 from tests.harness import train_checkpoint
 
 MIB = 1 << 20

@@ -17,7 +17,9 @@ import random
 import pytest
 
 from odl.export.exporter import export_checkpoint
-from serving_plugin.serving_service import MAX_BODY_BYTES, MAX_RECORDS, ServingService
+from serving_plugin.predict_body import MAX_RECORDS
+from serving_plugin.predict_limits import MAX_BODY_BYTES
+from serving_plugin.serving_service import ServingService
 from tests.harness import train_checkpoint
 
 N_BODIES = 300

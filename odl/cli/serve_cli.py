@@ -93,7 +93,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     from odl.config.config_error import ConfigError
     from odl.train.torch_runtime import configure_torch_threads
     from serving_plugin.export_reader import ExportLoadError
-    from serving_plugin.serving_service import PredictLimits, ServingService
+    from serving_plugin.predict_limits import PredictLimits
+    from serving_plugin.serving_service import ServingService
 
     try:
         limits = PredictLimits(max_body_bytes=args.max_body_bytes,
