@@ -38,8 +38,9 @@ at ``next_offset`` when the end moves away from it (above: new versions; below: 
 lost messages, which the fetch reports as out of range). A parked consumer sends no fetches,
 where one at the log end of a broker without fetch long-polling (the embedded test broker)
 sends tens of thousands a second. Unassign/assign, not pause/resume: librdkafka drops
-prefetched messages on pause and, in a one-off test, started fetching only ~1 s after a
-resume (0.3-15 ms after an assign). Adds about one to two intervals to a version's apply time.
+prefetched messages on pause and starts fetching only about a second after a resume,
+against milliseconds after an assign. Adds about one to two intervals to a version's apply
+time.
 
 Outages: librdkafka reconnects by itself and the consumer resumes at ``next_offset``.
 ``broker_error`` (rules in ``odl.kafka.broker_health``) is set by the consumers' ``error_cb``

@@ -24,19 +24,18 @@ locally is refetched only every ``fetch.queue.backoff.ms`` = ``fetch_interval_ms
 reader takes what is queued and, while its batch is not full, waits one interval before
 looking again. Each fetch then carries an interval's worth of records, from any broker, at
 the price of about two intervals of latency. Unpaced (0: a prefetch of four batches and
-librdkafka's default 1 s queue backoff) has two failure modes, both measured against the
-embedded broker at 10k records/s (``bench/fetch_pacing.py``): against a broker without fetch
-long-polling a consumer at the log end refetches at once, 20-30k fetches/s and half a core;
+librdkafka's default 1 s queue backoff) has two failure modes: against a broker without fetch
+long-polling a consumer at the log end refetches at once, tens of thousands of times a second;
 and once one fetch returns more than the prefetch threshold the partition is not fetched
-again for a second, so records wait up to a second (read latency p99 1.02-1.06 s). Paced:
-~100-350 fetches/s, 0.06 cores, p99 0.12 s; parked while idle: no fetches, 0.016 cores.
+again for a second, so records wait up to a second. ``bench/fetch_pacing.py`` measures both
+(figures in docs/benchmarks.md).
 
 Parking (paced only): when a whole batch timeout brings nothing and every partition is at its
 log end, the source unassigns its partitions (nothing fetched is pending, so nothing is
 dropped) and asks for the log ends every 50 ms, assigning them again at its positions once
 one moves, or once the broker is unreachable (outages are then handled as usual). ``parked``
 says which state it is in. Unassign/assign rather than pause/resume: librdkafka drops
-prefetched records on pause and, in a one-off test, fetched again only ~1 s after a resume.
+prefetched records on pause and fetches again only about a second after a resume.
 
 Outages: librdkafka reconnects by itself and resumes fetching at the consumer's position, so
 nothing is skipped or read twice. ``broker_error`` tells the trainer the broker is down, by the

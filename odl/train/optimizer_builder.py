@@ -40,8 +40,8 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_SPARSE_LR = 0.05
 # Element-wise Adagrad for tables by default: EasyRec's (TF) Adagrad is element-wise, and
-# fbgemm's CPU backward for exact row-wise Adagrad is ~2.5x slower (26 tables x 1024 ids:
-# 28 ms vs 11 ms on the 2-core dev machine). Row-wise: TorchEasyRec's rowwise_adagrad_optimizer.
+# fbgemm's CPU backward for exact row-wise Adagrad is several times slower. Row-wise:
+# TorchEasyRec's rowwise_adagrad_optimizer.
 DEFAULT_SPARSE_KIND = "adagrad"
 DEFAULT_DENSE_LR = 1e-3
 
