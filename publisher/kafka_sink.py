@@ -39,7 +39,7 @@ from typing import Optional
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from odl.kafka.broker_health import BrokerHealth
+from odl.kafka.broker_health import BrokerHealth, ReportsBrokerHealth
 from odl.kafka.client_settings import producer_config
 from odl.kafka.topic_admin import create_topic
 from publisher.delta_sink import DeltaSinkError, DeltaSinkFenced, DeltaSinkUnsupported
@@ -63,7 +63,7 @@ def delta_transactional_id(topic: str) -> str:
     return f"odl-delta.{topic}"
 
 
-class KafkaSink:
+class KafkaSink(ReportsBrokerHealth):
     """Producer of delta chunks to one topic.
 
     Args:
@@ -118,16 +118,6 @@ class KafkaSink:
             self._fatal = err.str()
             self._fatal_code = err.code()
         self.health.on_client_error(err)
-
-    @property
-    def broker_error(self) -> Optional[str]:
-        """Why the delta broker is unreachable, or None (``odl.kafka.broker_health`` rules)."""
-        return self.health.error
-
-    @property
-    def broker_error_since(self) -> Optional[float]:
-        """When ``broker_error`` was first set (unix seconds), or None."""
-        return self.health.since
 
     def _drop_producer(self, why: str) -> None:
         """Discards the producer and everything it still holds; the next send makes a new one."""

@@ -81,6 +81,7 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from odl.kafka.broker_health import (
     OUT_OF_RANGE_CODES,
     BrokerHealth,
+    ReportsBrokerHealth,
     error_text,
     out_of_range_target,
 )
@@ -101,7 +102,7 @@ _BATCH_MESSAGES = 500
 _PACED_PARTITION_FETCH_BYTES = 16 << 20  # a paced fetch carries up to this per interval
 
 
-class DeltaReplayer:
+class DeltaReplayer(ReportsBrokerHealth):
     """Applies delta versions from a topic (or from bytes handed to ``handle``).
 
     Args:
@@ -256,16 +257,6 @@ class DeltaReplayer:
     def _on_kafka_error(self, err: KafkaError) -> None:
         if self.health.on_client_error(err) and self.metrics:
             self.metrics.broker_up.set(0)
-
-    @property
-    def broker_error(self) -> Optional[str]:
-        """Why the delta broker is unreachable, or None (serving keeps its last version)."""
-        return self.health.error
-
-    @property
-    def broker_error_since(self) -> Optional[float]:
-        """When ``broker_error`` was first set (unix seconds), or None."""
-        return self.health.since
 
     def _run(self) -> None:
         assert self._consumer is not None

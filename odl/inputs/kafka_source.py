@@ -65,6 +65,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 from odl.kafka.broker_health import (
     OUT_OF_RANGE_CODES,
     BrokerHealth,
+    ReportsBrokerHealth,
     error_text,
     out_of_range_target,
 )
@@ -124,7 +125,7 @@ class PartitionState:
     high_watermark: int = -1
     low_watermark: int = -1
 
-class KafkaSource:
+class KafkaSource(ReportsBrokerHealth):
     """Reads raw record batches from one Kafka topic.
 
     Args:
@@ -453,16 +454,6 @@ class KafkaSource:
     def _on_kafka_error(self, err: KafkaError) -> None:
         """Handles librdkafka's ``error_cb`` (runs inside ``consume`` on the reading thread)."""
         self.health.on_client_error(err)
-
-    @property
-    def broker_error(self) -> Optional[str]:
-        """Why the broker is unreachable (or the topic missing), or None."""
-        return self.health.error
-
-    @property
-    def broker_error_since(self) -> Optional[float]:
-        """When ``broker_error`` was first set (unix seconds), or None."""
-        return self.health.since
 
     def _refresh_watermarks(self, force: bool = False) -> None:
         now = time.monotonic()

@@ -97,6 +97,22 @@ class BrokerHealth:
         self.since = None
 
 
+class ReportsBrokerHealth:
+    """Mixin for a client with a ``health`` (:class:`BrokerHealth`): its status attributes."""
+
+    health: BrokerHealth
+
+    @property
+    def broker_error(self) -> Optional[str]:
+        """Why the broker is unreachable, or None."""
+        return self.health.error
+
+    @property
+    def broker_error_since(self) -> Optional[float]:
+        """When ``broker_error`` was first set (unix seconds), or None."""
+        return self.health.since
+
+
 @dataclass(frozen=True)
 class OutOfRangeTarget:
     """Where a reader whose position left the log continues.
