@@ -8,8 +8,9 @@ Directory layout (``incr_save_dir``)::
 
 Both files are written under a temporary name, fsynced and renamed into place, the marker
 after the data: a reader takes only versions whose ``.done`` marker exists, in file name
-order within a generation. A version number may repeat in a new generation (after a
-restart from an older checkpoint).
+order within a generation. On OSS (``incr_save_dir = oss://bucket/prefix``) each file is one
+object, written whole (objects are atomic), the marker after the data. A version number may
+repeat in a new generation (after a restart from an older checkpoint).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import os
 import struct
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
+
+from odl.storage import file_store
+from odl.storage.storage_path import is_remote, join
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +52,8 @@ class FsSink:
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        os.makedirs(directory, exist_ok=True)
+        if not is_remote(directory):
+            os.makedirs(directory, exist_ok=True)
         self.description = f"fs {directory}"
         self.topic: Optional[str] = None
         self.servers = ""
@@ -71,6 +76,12 @@ class FsSink:
             -1 (files have no offsets).
         """
         name = version_file_name(version, generation)
+        if is_remote(self.directory):
+            data = b"".join(_LEN.pack(len(c)) + bytes(c) for c in chunks)
+            file_store.write_bytes(join(self.directory, name), data)
+            file_store.write_bytes(join(self.directory, name[: -len(DELTA_SUFFIX)] + DONE_SUFFIX),
+                                   b"")
+            return -1
         path = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".{name}.tmp")
         with open(tmp, "wb") as f:
@@ -108,33 +119,33 @@ def read_chunks(path: str, max_chunk_bytes: int = 64 << 20) -> list[bytes]:
         ValueError: truncated file or a chunk larger than ``max_chunk_bytes``.
     """
     out = []
-    with open(path, "rb") as f:
-        while True:
-            head = f.read(_LEN.size)
-            if not head:
-                return out
-            if len(head) < _LEN.size:
-                raise ValueError(f"{path}: truncated length prefix")
-            (n,) = _LEN.unpack(head)
-            if n > max_chunk_bytes:
-                raise ValueError(f"{path}: chunk of {n} bytes > {max_chunk_bytes}")
-            data = f.read(n)
-            if len(data) != n:
-                raise ValueError(f"{path}: truncated chunk")
-            out.append(data)
+    blob = file_store.read_bytes(path)
+    pos = 0
+    while pos < len(blob):
+        if len(blob) - pos < _LEN.size:
+            raise ValueError(f"{path}: truncated length prefix")
+        (n,) = _LEN.unpack_from(blob, pos)
+        pos += _LEN.size
+        if n > max_chunk_bytes:
+            raise ValueError(f"{path}: chunk of {n} bytes > {max_chunk_bytes}")
+        if len(blob) - pos < n:
+            raise ValueError(f"{path}: truncated chunk")
+        out.append(blob[pos:pos + n])
+        pos += n
+    return out
 
 
 def list_versions(directory: str) -> Iterator[str]:
     """Paths of the complete (``.done``) version files, sorted by name.
 
     Args:
-        directory: an ``incr_save_dir``.
+        directory: an ``incr_save_dir`` (local or ``oss://``).
 
     Yields:
         ``.delta`` file paths whose marker exists.
     """
-    names = set(os.listdir(directory))
+    names = set(file_store.list_dir(directory)[1])
     for name in sorted(names):
         if name.endswith(DELTA_SUFFIX) and not name.startswith("."):
             if name[: -len(DELTA_SUFFIX)] + DONE_SUFFIX in names:
-                yield os.path.join(directory, name)
+                yield join(directory, name)

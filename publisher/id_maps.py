@@ -13,18 +13,18 @@ export, and read by serving, by the exporter and by the trainer's crash recovery
 
 Ids are assigned by sorted name, 0, 1, 2, ... separately for dense variables and tables
 (``build_id_maps``), so the same model always gets the same ids. Each file is replaced
-atomically (``odl.checkpoint.atomic_directory.write_atomic``): a reader sees the old file or
+atomically (``odl.storage.atomic_directory.write_atomic``): a reader sees the old file or
 the new one, never a part.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from odl.checkpoint.atomic_directory import write_atomic
+from odl.storage import file_store
+from odl.storage.storage_path import join
 
 DENSE_UPDATE_VARIABLES = "DENSE_UPDATE_VARIABLES"
 EMBED_NAME_TO_IDS = "embed_name_to_ids.txt"
@@ -107,7 +107,8 @@ def write_id_maps(
     """Assigns ids (``build_id_maps``) and writes both files into ``model_dir`` atomically.
 
     Args:
-        model_dir: directory to write ``DENSE_UPDATE_VARIABLES`` and ``embed_name_to_ids.txt``.
+        model_dir: directory to write ``DENSE_UPDATE_VARIABLES`` and ``embed_name_to_ids.txt``
+            (local or ``oss://``).
         dense_shapes: dense variable name -> shape.
         tables: table name -> ``(num_rows, published dim)``.
 
@@ -115,13 +116,12 @@ def write_id_maps(
         The maps written.
     """
     maps = build_id_maps(dense_shapes, tables)
-    os.makedirs(model_dir, exist_ok=True)
     doc = {name: {"id": info.id, "shape": list(info.shape)} for name, info in maps.dense.items()}
-    write_atomic(os.path.join(model_dir, DENSE_UPDATE_VARIABLES),
-                 (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+    file_store.write_bytes(join(model_dir, DENSE_UPDATE_VARIABLES),
+                           (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
     lines = "".join(f"{name}\t{t.id}\t{t.num_rows}\t{t.dim}\n"
                     for name, t in sorted(maps.tables.items(), key=lambda kv: kv[1].id))
-    write_atomic(os.path.join(model_dir, EMBED_NAME_TO_IDS), lines.encode())
+    file_store.write_bytes(join(model_dir, EMBED_NAME_TO_IDS), lines.encode())
     return maps
 
 
@@ -138,8 +138,7 @@ def read_id_maps(model_dir: str) -> IdMaps:
         OSError: a file is missing.
         ValueError: a file is malformed.
     """
-    with open(os.path.join(model_dir, DENSE_UPDATE_VARIABLES)) as f:
-        doc = json.load(f)
+    doc = json.loads(file_store.read_text(join(model_dir, DENSE_UPDATE_VARIABLES)))
     if not isinstance(doc, dict):
         raise ValueError(f"{DENSE_UPDATE_VARIABLES}: expected a JSON object")
     dense = {}
@@ -149,17 +148,15 @@ def read_id_maps(model_dir: str) -> IdMaps:
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{DENSE_UPDATE_VARIABLES}: bad entry {name!r}: {exc}") from None
     tables = {}
-    path = os.path.join(model_dir, EMBED_NAME_TO_IDS)
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            parts = line.split("\t")
-            if len(parts) != 4:
-                raise ValueError(f"{path}:{lineno}: expected name<TAB>id<TAB>rows<TAB>dim")
-            try:
-                tables[parts[0]] = TableInfo(int(parts[1]), int(parts[2]), int(parts[3]))
-            except ValueError:
-                raise ValueError(f"{path}:{lineno}: bad number in {line!r}") from None
+    path = join(model_dir, EMBED_NAME_TO_IDS)
+    for lineno, line in enumerate(file_store.read_text(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        parts = line.split("\t")
+        if len(parts) != 4:
+            raise ValueError(f"{path}:{lineno}: expected name<TAB>id<TAB>rows<TAB>dim")
+        try:
+            tables[parts[0]] = TableInfo(int(parts[1]), int(parts[2]), int(parts[3]))
+        except ValueError:
+            raise ValueError(f"{path}:{lineno}: bad number in {line!r}") from None
     return IdMaps(dense, tables)

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry
 
+from odl.storage.storage_path import basename, is_remote, join
 from publisher.delta_sink import DeltaSink
 from publisher.delta_tracker import DeltaTracker
 from publisher.fs_sink import FsSink
@@ -75,8 +76,8 @@ def build_delta_sink(config: Any) -> DeltaSink:
                          max_chunk_bytes=isc.max_chunk_bytes,
                          fence=isc.kafka.fence_producers)
     directory = isc.fs.incr_save_dir
-    if not os.path.isabs(directory):
-        directory = os.path.join(config.model_dir, directory)
+    if not is_remote(directory) and not os.path.isabs(directory):
+        directory = join(config.model_dir, directory)
     return FsSink(directory)
 
 
@@ -113,7 +114,7 @@ def build_publisher(
     module.set_touched_rows_hook(tracker.record)
     if sink is None:
         sink = build_delta_sink(config)
-    model_name = isc.model_name or os.path.basename(os.path.normpath(config.model_dir))
+    model_name = isc.model_name or basename(config.model_dir)
     value_type = "fp16" if isc.value_type == isc.FP16 else "fp32"
     pub = IncrementalPublisher(
         module, id_maps, tracker, sink, generation, model_name,

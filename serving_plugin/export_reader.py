@@ -4,7 +4,10 @@ Layout: ``odl.export.exporter`` (file names: ``odl.export.export_layout``). This
 files only and imports no trainer code.
 
 ``read_export(export_dir)`` takes the newest complete export (a ``<unix-seconds>/`` directory
-with ``DONE``; or ``export_dir`` itself when it is one) and loads:
+with ``DONE``; or ``export_dir`` itself when it is one). An ``oss://`` export (and an
+``oss://`` ``embeddings_dir``) is first downloaded into its local mirror
+(``odl.storage.file_store.cache_dir_for``); only an export whose ``DONE`` object exists is
+considered, and every shard is verified after the download. It then loads:
 
 * ``serving_model.json`` -> the signature; its ``pooled_inputs`` -> the dense part's
   embedding inputs (``PooledGroup``s; an export without the key is read as DeepFM's two
@@ -28,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +50,9 @@ from odl.export.export_layout import (
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import PooledGroup
 from odl.protos import pipeline_pb2
+from odl.storage import file_store
+from odl.storage.oss_store import StorageError
+from odl.storage.storage_path import is_remote, join
 from publisher.id_maps import IdMaps, read_id_maps
 
 logger = logging.getLogger(__name__)
@@ -59,24 +66,29 @@ def find_latest_export(export_dir: str) -> str:
     """The export to serve: ``export_dir`` itself when it is one, else its newest child.
 
     Args:
-        export_dir: an export (has ``DONE``) or a parent of ``<unix-seconds>`` exports.
+        export_dir: an export (has ``DONE``) or a parent of ``<unix-seconds>`` exports, local
+            or ``oss://`` (only exports whose ``DONE`` object exists are considered).
 
     Returns:
-        The export directory.
+        The export directory (same kind of path as ``export_dir``).
 
     Raises:
-        ExportLoadError: no complete export there.
+        ExportLoadError: no complete export there, or OSS could not be read.
     """
-    if os.path.isfile(os.path.join(export_dir, DONE_FILE)) and os.path.isfile(
-            os.path.join(export_dir, SERVING_MODEL_FILE)):
-        return export_dir
-    if not os.path.isdir(export_dir):
-        raise ExportLoadError(f"export dir {export_dir} does not exist")
-    found = []
-    for name in os.listdir(export_dir):
-        p = os.path.join(export_dir, name)
-        if EXPORT_NAME.match(name) and os.path.isfile(os.path.join(p, DONE_FILE)):
-            found.append((int(name), p))
+    try:
+        if file_store.is_file(join(export_dir, DONE_FILE)) and file_store.is_file(
+                join(export_dir, SERVING_MODEL_FILE)):
+            return export_dir
+        dirs, files = file_store.list_dir(export_dir)
+        if not dirs and not files:
+            raise ExportLoadError(f"export dir {export_dir} does not exist")
+        found = []
+        for name in dirs:
+            p = join(export_dir, name)
+            if EXPORT_NAME.match(name) and file_store.is_file(join(p, DONE_FILE)):
+                found.append((int(name), p))
+    except StorageError as e:
+        raise ExportLoadError(f"cannot list {export_dir}: {e}") from e
     if not found:
         raise ExportLoadError(f"no complete export (a <unix-seconds>/ dir with DONE) in "
                               f"{export_dir}")
@@ -121,7 +133,8 @@ class ExportContents:
     """One export, read and verified.
 
     Attributes:
-        path: the export directory.
+        path: the export directory on this machine (the local mirror of a remote one).
+        origin: where the export was read from (``path``, or its ``oss://`` location).
         signature: the parsed ``serving_model.json``.
         config: the pipeline config.
         feature_builder: its feature builder (no event-time check: requests need none).
@@ -133,6 +146,7 @@ class ExportContents:
     """
 
     path: str
+    origin: str
     signature: dict
     config: pipeline_pb2.EasyRecConfig
     feature_builder: FeatureBuilder
@@ -176,7 +190,17 @@ def read_export(export_dir: str, verify: bool = True) -> ExportContents:
     Raises:
         ExportLoadError: missing, malformed or inconsistent files.
     """
-    path = find_latest_export(export_dir)
+    origin = find_latest_export(export_dir)
+    path = origin
+    emb_dir = ""
+    try:
+        if is_remote(origin):
+            t0 = time.monotonic()
+            path = file_store.local_copy(origin)
+            logger.info("downloaded export %s to %s in %.2fs", origin, path,
+                        time.monotonic() - t0)
+    except (StorageError, OSError) as e:
+        raise ExportLoadError(f"cannot download export {origin}: {e}") from e
     try:
         with open(os.path.join(path, SERVING_MODEL_FILE), encoding="utf-8") as f:
             sig = json.load(f)
@@ -189,12 +213,18 @@ def read_export(export_dir: str, verify: bool = True) -> ExportContents:
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ExportLoadError(f"cannot load export {path}: {e}") from e
     emb_dir = sig["embeddings_dir"]
-    if not os.path.isabs(emb_dir):
+    if is_remote(emb_dir):
+        try:
+            emb_dir = file_store.local_copy(emb_dir)
+        except (StorageError, OSError) as e:
+            raise ExportLoadError(f"cannot download embeddings {emb_dir}: {e}") from e
+    elif not os.path.isabs(emb_dir):
         emb_dir = os.path.join(path, emb_dir)
     tables = _load_tables(emb_dir, verify, groups)
     dense = torch.jit.load(os.path.join(path, sig["dense_model"]), map_location="cpu")
     dense.eval()
-    return ExportContents(path, sig, config, fb, id_maps, tables, dense, groups, outputs)
+    return ExportContents(path, origin, sig, config, fb, id_maps, tables, dense, groups,
+                          outputs)
 
 
 def _load_tables(emb_dir: str, verify: bool,

@@ -91,6 +91,7 @@ class ServingModel:
 
     def __init__(self, export: ExportContents) -> None:
         self.path = export.path
+        self.origin = export.origin
         self.signature = export.signature
         self.feature_builder = export.feature_builder
         self.tables = export.tables
@@ -157,7 +158,7 @@ class ServingModel:
         t0 = time.monotonic()
         export = read_export(export_dir, verify=verify)
         model = cls(export)
-        logger.info("loaded export %s (step %s, %d tables, %.1f MB) in %.2fs", export.path,
+        logger.info("loaded export %s (step %s, %d tables, %.1f MB) in %.2fs", export.origin,
                     export.signature.get("global_step"), len(export.tables),
                     sum(t.numel() * 4 for t in export.tables.values()) / 1e6,
                     time.monotonic() - t0)

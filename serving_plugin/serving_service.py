@@ -140,7 +140,7 @@ class ServingService:
         r = self.replayer
         h = st.last_header
         return {
-            "base_export": self.model.path,
+            "base_export": self.model.origin,
             "base_version": int(self.model.signature.get("global_step", 0)),
             "version": st.version,
             "generation": st.generation,

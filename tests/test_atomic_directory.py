@@ -1,4 +1,4 @@
-"""odl.checkpoint.atomic_directory: all-or-nothing directories and files."""
+"""odl.storage.atomic_directory: all-or-nothing directories and files."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from odl.checkpoint.atomic_directory import atomic_directory, write_atomic, write_durable
+from odl.storage.atomic_directory import atomic_directory, write_atomic, write_durable
 
 
 def test_directory_committed_on_success(tmp_path):

@@ -140,7 +140,9 @@ def test_cli_errors(trained, tmp_path, capsys):
     base = ["--pipeline_config_path", str(cfg), "--checkpoint_path", trained.path,
             "--export_dir", str(tmp_path / "exp")]
     assert export_cli.main(base + ["--oss_path", "oss://bucket/x"]) == 2
-    assert "not implemented" in capsys.readouterr().err
+    assert "OSS_ACCESS_KEY_ID" in capsys.readouterr().err
+    assert export_cli.main(base + ["--oss_path", "hdfs://nn/x"]) == 2
+    assert "hdfs:// paths are not supported" in capsys.readouterr().err
     assert export_cli.main(base + ["--asset_files", str(tmp_path / "missing.json")]) == 2
     assert export_cli.main(["--pipeline_config_path", str(tmp_path / "nope"),
                             "--export_dir", str(tmp_path / "exp")]) == 2

@@ -161,7 +161,7 @@ def test_num_workers_default_depends_on_device_and_cpus(monkeypatch):
     from odl.train import trainer as trainer_module
 
     dc = pipeline_pb2.DatasetConfig()
-    monkeypatch.setattr(trainer_module.os, "sched_getaffinity", lambda _pid: set(range(16)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))
     assert trainer_module.effective_num_workers(dc, "cpu") == 0
     assert trainer_module.effective_num_workers(dc, "cuda") == 4
     dc.num_workers = 0  # set explicitly: honoured on CUDA too
@@ -169,5 +169,5 @@ def test_num_workers_default_depends_on_device_and_cpus(monkeypatch):
     dc.num_workers = 2
     assert trainer_module.effective_num_workers(dc, "cpu") == 2
     dc.ClearField("num_workers")
-    monkeypatch.setattr(trainer_module.os, "sched_getaffinity", lambda _pid: {0, 1})
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 1})
     assert trainer_module.effective_num_workers(dc, "cuda") == 0  # too few CPUs to spare

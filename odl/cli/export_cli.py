@@ -6,6 +6,10 @@ Examples::
         --export_dir exports
     odl-export --pipeline_config_path p.config --checkpoint_path model_dir \
         --export_dir exports --oss_path /data/embeddings --asset_files fg.json
+    export OSS_ACCESS_KEY_ID=... OSS_ACCESS_KEY_SECRET=...
+    export OSS_ENDPOINT=https://oss-cn-hangzhou.aliyuncs.com
+    odl-export --pipeline_config_path oss://bkt/p.config --checkpoint_path oss://bkt/model_dir \
+        --export_dir oss://bkt/exports --oss_path oss://bkt/embeddings
 
 Writes ``<export_dir>/<unix-seconds>/`` (layout: ``odl.export.exporter``) and prints its
 path on stdout. Exit codes: 0 written; 2 bad command line, config or destination (one line
@@ -20,6 +24,7 @@ import sys
 from typing import Optional
 
 from odl.cli.cli_logging import setup_logging
+from odl.cli.oss_arguments import add_oss_arguments, apply_oss_arguments
 
 logger = logging.getLogger("odl.export")
 
@@ -32,14 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint_path", default="",
                    help="model.ckpt-N directory or a model_dir (its newest checkpoint); "
                         "default: the config's model_dir")
-    p.add_argument("--export_dir", required=True, help="parent directory of the exports")
+    p.add_argument("--export_dir", required=True,
+                   help="parent directory of the exports (local or oss://bucket/prefix)")
     p.add_argument("--oss_path", default="",
                    help="write the embedding shards here instead of inside the export "
-                        "(local path; oss:// is not implemented yet)")
-    p.add_argument("--asset_files", default="", help="comma separated files copied to assets/")
-    p.add_argument("--oss_ak", default="", help="OSS access key id (for oss:// paths)")
-    p.add_argument("--oss_sk", default="", help="OSS access key secret (never logged)")
-    p.add_argument("--oss_endpoint", default="", help="OSS endpoint")
+                        "(local path or oss://bucket/prefix)")
+    p.add_argument("--asset_files", default="",
+                   help="comma separated files copied to assets/ (local or oss://)")
+    add_oss_arguments(p)
     p.add_argument("--delta_server", default="",
                    help="delta topic servers for kafka.txt (default: from the checkpoint's "
                         "positions.json, else train_config.incr_save_config.kafka)")
@@ -53,18 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``odl-export``."""
     args = build_parser().parse_args(argv)
+    apply_oss_arguments(args)
     setup_logging(args.log_level)
     from odl.checkpoint.checkpoint_manager import CheckpointError
     from odl.config.config_error import ConfigError
     from odl.config.pipeline_config import load_pipeline_config
     from odl.export.exporter import ExportError, export_checkpoint
+    from odl.storage.oss_credentials import OssCredentialsError
+    from odl.storage.oss_store import StorageError
 
-    if args.oss_path.startswith("oss://"):
-        print("odl-export: --oss_path oss://... is not implemented yet; give a local path",
-              file=sys.stderr)
-        return 2
-    if args.oss_ak or args.oss_sk or args.oss_endpoint:
-        logger.info("OSS credentials given; unused for local paths")
     try:
         config = load_pipeline_config(args.pipeline_config_path, args.edit_config_json)
     except ConfigError as exc:
@@ -82,7 +84,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (ConfigError, ExportError) as exc:
         print(f"odl-export: {exc}", file=sys.stderr)
         return 2
-    except CheckpointError as exc:
+    except OssCredentialsError as exc:
+        print(f"odl-export: {exc}", file=sys.stderr)
+        return 2
+    except (CheckpointError, StorageError) as exc:
         print(f"odl-export: {exc}", file=sys.stderr)
         return 1
     print(result.path)

@@ -33,6 +33,7 @@ import sys
 from typing import Optional
 
 from odl.cli.cli_logging import setup_logging
+from odl.cli.oss_arguments import add_oss_arguments, apply_oss_arguments
 
 logger = logging.getLogger("odl.train")
 
@@ -74,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--torch_threads", type=int, default=0,
         help="torch intra-op threads; 0 = half of the CPUs (leaves room for input and I/O)",
     )
+    add_oss_arguments(p)
     p.add_argument("--log_level", default="INFO")
     return p
 
@@ -81,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``odl-train``."""
     args = build_parser().parse_args(argv)
+    apply_oss_arguments(args)
     setup_logging(args.log_level)
     # Heavy imports after argument parsing so --help is instant.
     from odl.config.config_error import ConfigError

@@ -5,7 +5,8 @@ naming the first offending field:
 
 * what odl does not implement (:func:`odl.config.easyrec_compat.check_implemented`);
 * a non-finite float anywhere (learning rates, weights, boundaries, ...);
-* a missing ``model_dir``, and ``scheme://`` paths (local paths only, :func:`check_local_paths`);
+* a missing ``model_dir``, and ``scheme://`` paths other than ``oss://bucket/key``
+  (:func:`check_path_schemes`);
 * the input: ``kafka_train_input`` online (servers as host:port, topic, group, at most one
   start position, a dead-letter topic other than the input topic), ``train_input_path``
   offline;
@@ -38,11 +39,12 @@ from odl.config.feature_configs import NUMERIC_FIELD_TYPES
 from odl.config.field_formats import parse_dead_line, parse_offset_info, path_scheme
 from odl.config.model_validation import validate_features, validate_model
 from odl.protos import pipeline_pb2
+from odl.storage.storage_path import UnsupportedPathError, check_supported, parse_oss
 
 __all__ = [
     "MAX_DELTA_CHUNK_BYTES",
     "MIN_DELTA_CHUNK_BYTES",
-    "check_local_paths",
+    "check_path_schemes",
     "validate_pipeline_config",
 ]
 
@@ -64,7 +66,7 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
     _check_finite(config, "")
     if not config.model_dir:
         raise ConfigError("model_dir", "required (set it in the config or pass --model_dir)")
-    check_local_paths(config, online)
+    check_path_schemes(config, online)
     if online:
         _validate_kafka(config)
     else:
@@ -141,8 +143,8 @@ def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
                           "read again)")
 
 
-def check_local_paths(config: pipeline_pb2.EasyRecConfig, online: bool) -> None:
-    """Refuses ``scheme://`` paths (``oss://``, ``hdfs://``, ``s3://``, ...): local paths only.
+def check_path_schemes(config: pipeline_pb2.EasyRecConfig, online: bool) -> None:
+    """Refuses paths odl cannot use: local paths and ``oss://bucket/key`` only.
 
     Checked: ``model_dir``, ``train_input_path`` (offline), ``train_config.fine_tune_checkpoint``,
     ``train_config.fine_tune_ckpt_var_map`` and ``train_config.incr_save_config.fs
@@ -153,7 +155,8 @@ def check_local_paths(config: pipeline_pb2.EasyRecConfig, online: bool) -> None:
         online: the training mode (``train_input_path`` is read only offline).
 
     Raises:
-        ConfigError: naming the first field holding a path with a scheme.
+        ConfigError: naming the first field holding another scheme (``hdfs://``, ``s3://``)
+            or an ``oss://`` path without a bucket.
 
     """
     tc = config.train_config
@@ -166,10 +169,13 @@ def check_local_paths(config: pipeline_pb2.EasyRecConfig, online: bool) -> None:
         paths.append(("train_config.incr_save_config.fs.incr_save_dir",
                       tc.incr_save_config.fs.incr_save_dir))
     for field, path in paths:
-        scheme = path_scheme(path)
-        if scheme is not None:
-            raise ConfigError(field, f"{scheme}:// paths are not implemented yet; give a local "
-                                     "path")
+        try:
+            check_supported(path)
+        except UnsupportedPathError as exc:
+            raise ConfigError(field, str(exc)) from None
+    if path_scheme(config.model_dir) == "oss" and not parse_oss(config.model_dir).key:
+        raise ConfigError("model_dir", "give a prefix inside the bucket "
+                                       "(oss://bucket/prefix), not the bucket root")
 
 
 def _validate_offline_input(config: pipeline_pb2.EasyRecConfig) -> None:

@@ -17,7 +17,6 @@ never echoes the offending line, and shows ``***`` for a value that may be a sec
 from __future__ import annotations
 
 import logging
-import os
 import re
 from typing import Any, Union
 
@@ -41,6 +40,10 @@ from odl.config.easyrec_compat import (
     infer_model_class,
 )
 from odl.protos import pipeline_pb2
+from odl.storage import file_store
+from odl.storage.oss_credentials import OssCredentialsError
+from odl.storage.oss_store import StorageError
+from odl.storage.storage_path import UnsupportedPathError, check_supported
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ def load_pipeline_config(
     implement. Cross-field checks are :func:`validate_pipeline_config`'s job.
 
     Args:
-        path: the config file.
+        path: the config file, local or ``oss://bucket/key``.
         edit_config_json: JSON text or a dict of ``{"dotted.path": value}`` edits.
         model_dir: when given, replaces ``model_dir`` (like EasyRec's ``--model_dir``).
 
@@ -74,12 +77,13 @@ def load_pipeline_config(
     """
     if not path:
         raise ConfigError("pipeline_config_path", "no pipeline config file given")
-    if not os.path.isfile(path):
-        raise ConfigError("pipeline_config_path", f"file not found: {path}")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
+        check_supported(path)
+        text = file_store.read_text(path)
+    except FileNotFoundError:
+        raise ConfigError("pipeline_config_path", f"file not found: {path}") from None
+    except (OSError, UnicodeDecodeError, UnsupportedPathError, OssCredentialsError,
+            StorageError) as e:
         raise ConfigError("pipeline_config_path", f"cannot read {path}: {e}") from None
     config = parse_pipeline_config_text(text, source=path)
     if edit_config_json is not None:

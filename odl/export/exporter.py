@@ -32,12 +32,16 @@ On-disk layout of one export (``<export_dir>/<unix-seconds>/``; names in
         DONE                          completion marker, written last
 
 With ``--oss_path P`` the ``embeddings/`` tree is written to ``P/<unix-seconds>/embeddings/``
-instead (a local path; ``oss://`` is not implemented) and ``serving_model.json``'s
-``embeddings_dir`` holds that absolute path.
+instead (a local path or ``oss://bucket/prefix``) and ``serving_model.json``'s
+``embeddings_dir`` holds that absolute path; it is complete (its ``MANIFEST.json`` written
+last) before the export's DONE is.
 
-The export is built in ``<export_dir>/.tmp-<unix-seconds>-<pid>/`` and renamed into place
-after DONE (``odl.checkpoint.atomic_directory``), so a reader never sees a partial export
-under a numeric name.
+A local export is built in ``<export_dir>/.tmp-<unix-seconds>-<pid>/`` and renamed into place
+after DONE (``odl.storage.atomic_directory``), so a reader never sees a partial export
+under a numeric name. An ``oss://`` export_dir is built the same way in its local mirror
+(``odl.storage.file_store.cache_dir_for``) and then uploaded with ``MANIFEST.json`` and
+``DONE`` last: readers take only exports whose DONE object exists. The checkpoint may be on
+OSS too (``odl.checkpoint.checkpoint_manager``), and so may ``--asset_files``.
 
 ``serving_model.json``::
 
@@ -83,12 +87,6 @@ from typing import Optional
 import numpy as np
 import torch
 
-from odl.checkpoint.atomic_directory import (
-    atomic_directory,
-    copy_durable,
-    write_durable,
-    write_json_durable,
-)
 from odl.checkpoint.checkpoint_manager import read_checkpoint, resolve_checkpoint_path
 from odl.checkpoint.file_digest import sha256_file
 from odl.config.config_redaction import config_to_text
@@ -111,6 +109,22 @@ from odl.models.ctr_model import CtrModel
 from odl.models.embedding_tables import WIDE_SUFFIX
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
+from odl.storage import file_store
+from odl.storage.atomic_directory import (
+    atomic_directory,
+    write_durable,
+    write_json_durable,
+)
+from odl.storage.oss_credentials import OssCredentialsError, oss_credentials
+from odl.storage.oss_store import StorageError
+from odl.storage.storage_path import (
+    UnsupportedPathError,
+    basename,
+    check_supported,
+    dirname,
+    is_remote,
+    join,
+)
 from publisher.id_maps import (
     DENSE_UPDATE_VARIABLES,
     EMBED_NAME_TO_IDS,
@@ -177,8 +191,8 @@ def _delta_topic_from_config(config: pipeline_pb2.EasyRecConfig) -> tuple[str, s
 def _find_id_maps(dirs: Sequence[str]) -> Optional[tuple[str, IdMaps]]:
     """``(dir, maps)`` of the first of ``dirs`` holding both id-map files (the publisher's)."""
     for d in dirs:
-        if d and os.path.isfile(os.path.join(d, DENSE_UPDATE_VARIABLES)) and os.path.isfile(
-                os.path.join(d, EMBED_NAME_TO_IDS)):
+        if d and file_store.is_file(join(d, DENSE_UPDATE_VARIABLES)) and file_store.is_file(
+                join(d, EMBED_NAME_TO_IDS)):
             try:
                 return d, read_id_maps(d)
             except (OSError, ValueError) as e:
@@ -237,8 +251,13 @@ def _used_columns(model: CtrModel) -> dict[str, int]:
 
 
 def _new_export_name(export_dir: str, now: float) -> str:
+    try:
+        taken = set(file_store.list_dir(export_dir)[0])
+    except StorageError as e:
+        raise ExportError(f"cannot list {export_dir}: {e}") from e
+    taken |= set(file_store.list_dir(file_store.cache_dir_for(export_dir))[0])
     ts = int(now)
-    while os.path.exists(os.path.join(export_dir, str(ts))):
+    while str(ts) in taken:
         ts += 1
     return str(ts)
 
@@ -289,11 +308,12 @@ def export_checkpoint(
 
     Args:
         config: the pipeline config (its model must match the checkpoint).
-        checkpoint_path: a ``model.ckpt-N`` directory, or a model_dir (its newest checkpoint).
-        export_dir: parent directory of the exports.
+        checkpoint_path: a ``model.ckpt-N`` directory, or a model_dir (its newest checkpoint),
+            local or ``oss://``.
+        export_dir: parent directory of the exports (local or ``oss://``).
         oss_path: where to write the embedding shards instead of inside the export (local
-            path; ``oss://`` raises ``ExportError``).
-        asset_files: files copied into ``assets/``.
+            path or ``oss://``).
+        asset_files: files copied into ``assets/`` (local or ``oss://``).
         delta_server: delta topic bootstrap servers; overrides the checkpoint's and the
             config's.
         delta_topic: delta topic; likewise.
@@ -308,11 +328,16 @@ def export_checkpoint(
         odl.checkpoint.checkpoint_manager.CheckpointError: no usable checkpoint.
         odl.config.config_error.ConfigError: the config does not describe a model.
     """
-    if oss_path.startswith("oss://"):
-        raise ExportError("--oss_path oss://... is not implemented yet; give a local path")
-    for a in asset_files:
-        if not os.path.isfile(a):
-            raise ExportError(f"asset file not found: {a}")
+    try:
+        for path in (export_dir, oss_path, checkpoint_path, *asset_files):
+            check_supported(path)
+            if is_remote(path):
+                oss_credentials()
+        for a in asset_files:
+            if not file_store.is_file(a):
+                raise ExportError(f"asset file not found: {a}")
+    except (UnsupportedPathError, OssCredentialsError) as e:
+        raise ExportError(str(e)) from e
     t0 = time.monotonic()
     now = time.time() if now is None else now
     ckpt_dir = resolve_checkpoint_path(checkpoint_path)
@@ -345,7 +370,7 @@ def export_checkpoint(
 
     # Id maps: the publisher's (checkpoint dir or model_dir) when present, else the same
     # assignment the publisher makes (sorted names).
-    model_dir = os.path.dirname(os.path.normpath(ckpt_dir))
+    model_dir = dirname(ckpt_dir)
     found = _find_id_maps([ckpt_dir, model_dir, config.model_dir])
     if found:
         _check_id_maps(found[1], dense_shapes, table_shapes)
@@ -365,26 +390,43 @@ def export_checkpoint(
         logger.warning("no delta topic known (checkpoint, config or --delta_topic): "
                        "kafka.txt names none and serving will not replay")
 
-    os.makedirs(export_dir, exist_ok=True)
+    # a remote export_dir is built in its local mirror, then uploaded
+    build_dir = file_store.cache_dir_for(export_dir)
+    os.makedirs(build_dir, exist_ok=True)
     name = _new_export_name(export_dir, now)
-    final = os.path.join(export_dir, name)
-    tmp = os.path.join(export_dir, temporary_export_name(name, os.getpid()))
+    final = os.path.join(build_dir, name)
+    tmp = os.path.join(build_dir, temporary_export_name(name, os.getpid()))
+    emb_staging = os.path.join(build_dir, f".embeddings-{name}-{os.getpid()}")
     with atomic_directory(final, tmp):
-        if oss_path:
-            emb_abs = os.path.abspath(os.path.join(oss_path, name, EMBEDDINGS_DIR))
-            if os.path.exists(emb_abs):
-                shutil.rmtree(emb_abs)
-            emb_write, emb_ref = emb_abs, emb_abs
+        if oss_path and is_remote(oss_path):
+            emb_ref = join(oss_path, name, EMBEDDINGS_DIR)
+            shutil.rmtree(emb_staging, ignore_errors=True)
+            _write_embeddings(emb_staging, tables, id_maps, table_pooling)
+            try:
+                file_store.remove_tree(emb_ref)
+                file_store.upload_tree(emb_staging, emb_ref, last=(MANIFEST_FILE,))
+            except StorageError as e:
+                raise StorageError(f"uploading embeddings to {emb_ref} failed: {e}",
+                                   e.transient) from e
+            finally:
+                shutil.rmtree(emb_staging, ignore_errors=True)
+        elif oss_path:
+            emb_ref = os.path.abspath(os.path.join(oss_path, name, EMBEDDINGS_DIR))
+            if os.path.exists(emb_ref):
+                shutil.rmtree(emb_ref)
+            _write_embeddings(emb_ref, tables, id_maps, table_pooling)
         else:
-            emb_write, emb_ref = os.path.join(tmp, EMBEDDINGS_DIR), EMBEDDINGS_DIR
-        _write_embeddings(emb_write, tables, id_maps, table_pooling)
+            emb_ref = EMBEDDINGS_DIR
+            _write_embeddings(os.path.join(tmp, EMBEDDINGS_DIR), tables, id_maps, table_pooling)
         torch.jit.save(script_dense(model), os.path.join(tmp, DENSE_MODEL_FILE))
+        ckpt_ref = ckpt_dir if is_remote(ckpt_dir) else os.path.abspath(ckpt_dir)
         write_json_durable(os.path.join(tmp, SERVING_MODEL_FILE), _signature(
             model, fb, ckpt.global_step, ckpt.manifest.get("generation", ""),
-            os.path.abspath(ckpt_dir), now, emb_ref, table_shapes, table_pooling))
+            ckpt_ref, now, emb_ref, table_shapes, table_pooling))
         if id_src is not None:
             for fname in (DENSE_UPDATE_VARIABLES, EMBED_NAME_TO_IDS):
-                copy_durable(os.path.join(id_src, fname), os.path.join(tmp, fname))
+                write_durable(os.path.join(tmp, fname),
+                              file_store.read_bytes(join(id_src, fname)))
         else:
             write_id_maps(tmp, dense_shapes, table_shapes)
         write_json_durable(os.path.join(tmp, KAFKA_FILE), {
@@ -395,7 +437,7 @@ def export_checkpoint(
         if asset_files:
             os.makedirs(os.path.join(tmp, ASSETS_DIR))
             for a in asset_files:
-                copy_durable(a, os.path.join(tmp, ASSETS_DIR, os.path.basename(a)))
+                write_durable(os.path.join(tmp, ASSETS_DIR, basename(a)), file_store.read_bytes(a))
         files = {}
         for root, _dirs, names in os.walk(tmp):
             for n in sorted(names):
@@ -404,10 +446,20 @@ def export_checkpoint(
                 files[rel] = {"bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}
         write_json_durable(os.path.join(tmp, MANIFEST_FILE), {"format": 1, "files": files})
         write_durable(os.path.join(tmp, DONE_FILE), b"")
-    emb_dir = emb_write if oss_path else os.path.join(final, EMBEDDINGS_DIR)
+    path = final
+    if is_remote(export_dir):
+        path = join(export_dir, name)
+        try:
+            file_store.upload_tree(final, path, last=(MANIFEST_FILE, DONE_FILE))
+        except StorageError as e:
+            raise StorageError(f"uploading the export to {path} failed: {e} (nothing "
+                               "committed: no DONE object)", e.transient) from e
+        finally:
+            shutil.rmtree(final, ignore_errors=True)  # the local build copy
+    emb_dir = emb_ref if oss_path else join(path, EMBEDDINGS_DIR)
     logger.info("exported %s (step %d, %d tables, delta replay from offset %d) in %.2fs",
-                final, ckpt.global_step, len(tables), delta_offset, time.monotonic() - t0)
-    return ExportResult(final, emb_dir, ckpt.global_step, delta_offset)
+                path, ckpt.global_step, len(tables), delta_offset, time.monotonic() - t0)
+    return ExportResult(path, emb_dir, ckpt.global_step, delta_offset)
 
 
 def _write_embeddings(

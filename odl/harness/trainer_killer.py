@@ -16,9 +16,11 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from typing import Optional
 
 from odl.harness.trainer_process import start_cli_trainer, trainer_json
+from odl.storage.file_store import cache_dir_for
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,8 @@ class TrainerKiller:
         return trainer_json(self.model_dir, "/status", pid=self.proc.pid, timeout=2)
 
     def _checkpoint_being_written(self) -> bool:
-        return bool(glob.glob(os.path.join(self.model_dir, _CHECKPOINT_TMP)))
+        # an oss:// model_dir's checkpoints are written in its local mirror first
+        return bool(glob.glob(os.path.join(cache_dir_for(self.model_dir), _CHECKPOINT_TMP)))
 
     def _wait_training(self, t0: float, timeout: float = 120.0) -> dict:
         assert self.proc is not None
@@ -92,15 +95,19 @@ class TrainerKiller:
         self.proc.wait(30)
 
     def start_and_kill(self, max_delay: float = 3.0, startup_max: float = 8.0,
-                       aim: Optional[str] = None) -> dict:
+                       aim: Optional[str] = None,
+                       when: Optional[Callable[[], bool]] = None) -> dict:
         """One start, then SIGKILL at a random moment.
 
         Args:
             max_delay: kill within this many seconds after training started.
             startup_max: a startup kill comes this many seconds after the start at most.
-            aim: ``"startup"``, ``"training"`` or ``"checkpoint"`` (kill as soon as a
-                checkpoint is being written, within ``max_delay`` of training + 10 s);
-                None = startup with probability ``startup_kill_fraction``, else training.
+            aim: ``"startup"``, ``"training"``, ``"checkpoint"`` (kill as soon as a
+                checkpoint is being written, within ``max_delay`` of training + 10 s) or
+                ``"when"`` (kill as soon as ``when()`` is true, within ``max_delay`` of
+                training + 30 s; the phase is ``"when"`` if it was); None = startup with
+                probability ``startup_kill_fraction``, else training.
+            when: the condition of ``aim="when"`` (e.g. an upload in flight).
 
         Returns:
             The kill's record (also appended to ``kills``).
@@ -109,7 +116,19 @@ class TrainerKiller:
         if aim is None:
             aim = "startup" if self.rng.random() < self.startup_kill_fraction else "training"
         step = None
-        if aim == "checkpoint":
+        hit = False
+        if aim == "when":
+            assert when is not None, "aim='when' needs when="
+            self._wait_training(t0)
+            delay = self.rng.uniform(0.0, max_delay)
+            time.sleep(delay)
+            end = time.monotonic() + 30.0
+            while time.monotonic() < end and not hit:
+                hit = when()
+                if not hit:
+                    time.sleep(0.002)
+            phase = "training"
+        elif aim == "checkpoint":
             self._wait_training(t0)
             delay = self.rng.uniform(0.0, max_delay)
             time.sleep(delay)
@@ -138,7 +157,9 @@ class TrainerKiller:
             step = (self._status() or {}).get("global_step")
             phase = "training"
         self._kill()
-        if self._checkpoint_being_written():
+        if hit:
+            phase = "when"
+        elif self._checkpoint_being_written():
             phase = "checkpoint"
         rec = {"delay": round(delay, 3), "phase": phase, "step": step}
         self.kills.append(rec)

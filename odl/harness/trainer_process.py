@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from odl.harness.http_client import get_json
+from odl.storage.file_store import cache_dir_for
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ def trainer_url(model_dir: str, pid: Optional[int] = None) -> Optional[str]:
         The URL, or None while there is none (or only an older process's).
     """
     try:
-        with open(os.path.join(model_dir, _STATUS_FILE)) as f:
+        # a trainer of an oss:// model_dir writes status.json into the local mirror
+        with open(os.path.join(cache_dir_for(model_dir), _STATUS_FILE)) as f:
             doc = json.load(f)
         if pid is not None and doc.get("pid") != pid:
             return None

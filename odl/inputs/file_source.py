@@ -4,11 +4,14 @@ CSV files hold one record per line in the same layout as the Kafka stream (heade
 ``data_config.separator``); Parquet rows are handed on as JSON objects (column name → value),
 which the record parser reads like JSON stream records. Files are read in sorted name order,
 ``num_epochs`` times. Batches carry no positions: offline training does not resume mid-file.
+
+Files on OSS (``oss://bucket/prefix/*.csv``) are matched by listing the prefix before the
+first wildcard (``odl.storage.file_store.glob_files``); each is downloaded into the local
+cache when its turn comes, read, and removed again.
 """
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -17,6 +20,8 @@ from collections.abc import Iterator
 import numpy as np
 
 from odl.inputs.kafka_source import RawBatch
+from odl.storage import file_store
+from odl.storage.storage_path import is_remote
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +38,8 @@ class FileSource:
     """Reads raw record batches from files.
 
     Args:
-        pattern: glob (comma separated globs allowed) of ``.csv``/``.txt`` or ``.parquet`` files.
+        pattern: glob (comma separated globs allowed) of ``.csv``/``.txt`` or ``.parquet`` files,
+            local or ``oss://``.
         batch_size: records per batch.
         num_epochs: passes over the files.
     """
@@ -41,7 +47,7 @@ class FileSource:
     def __init__(self, pattern: str, batch_size: int, num_epochs: int = 1) -> None:
         files: list[str] = []
         for part in pattern.split(","):
-            files.extend(sorted(glob.glob(part.strip())))
+            files.extend(file_store.glob_files(part.strip()))
         if not files:
             raise FileNotFoundError(f"train_input_path {pattern!r} matches no files")
         self.files = files
@@ -69,13 +75,23 @@ class FileSource:
         values: list[bytes] = []
         for epoch in range(self.num_epochs):
             for path in self.files:
-                size_mb = os.path.getsize(path) / 1e6
-                logger.info("epoch %d: reading %s (%.1f MB)", epoch, path, size_mb)
-                for rec in self._records(path):
-                    values.append(rec)
-                    if len(values) == self.batch_size:
-                        yield self._make(values)
-                        values = []
+                local = path
+                if is_remote(path):
+                    cached = file_store.cache_dir_for(path)  # keeps the name's extension
+                    local = os.path.join(os.path.dirname(cached),
+                                         f".read-{os.getpid()}-{os.path.basename(cached)}")
+                    file_store.download_file(path, local)
+                try:
+                    size_mb = os.path.getsize(local) / 1e6
+                    logger.info("epoch %d: reading %s (%.1f MB)", epoch, path, size_mb)
+                    for rec in self._records(local):
+                        values.append(rec)
+                        if len(values) == self.batch_size:
+                            yield self._make(values)
+                            values = []
+                finally:
+                    if local != path:
+                        os.remove(local)
         if values:
             yield self._make(values)
 

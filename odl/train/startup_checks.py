@@ -22,7 +22,10 @@ and a normal start run it. In order:
    ``incr_save_config.fs.incr_save_dir`` and ``model_dir`` must be directories or creatable,
    and a probe file must be creatable and removable in them (``/proc/self``, read-only
    mounts and files are refused). Directories created for a probe are removed again, except
-   ``model_dir`` on a start that passes every check (``create_dirs``).
+   ``model_dir`` on a start that passes every check (``create_dirs``). For ``oss://``
+   paths the OSS credentials and endpoint must be configured and the local mirror of
+   ``model_dir`` must be writable; OSS itself is not contacted except to look for
+   checkpoints (an OSS outage is not a config error: it fails the start with exit 1).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ from odl.config.memory_estimate import MemoryEstimate, check_memory, resolve_max
 from odl.config.optimizer_support import optimizer_choices, supported_sparse_optimizers
 from odl.kafka.client_settings import consumer_config, delta_consumer_config, producer_config
 from odl.protos import pipeline_pb2
+from odl.storage import file_store
+from odl.storage.oss_credentials import OssCredentialsError, oss_credentials
+from odl.storage.storage_path import is_remote, join
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +232,8 @@ def _has_checkpoint(model_dir: str) -> bool:
         return bool(list_checkpoints(model_dir))
     except OSError:
         return False
+    except OssCredentialsError as exc:
+        raise ConfigError("model_dir", str(exc)) from None
 
 
 def check_fine_tune_checkpoint(config: pipeline_pb2.EasyRecConfig) -> str | None:
@@ -248,7 +256,8 @@ def check_fine_tune_checkpoint(config: pipeline_pb2.EasyRecConfig) -> str | None
         return None
     from odl.checkpoint.checkpoint_manager import CheckpointError, resolve_checkpoint_path
 
-    if not os.path.exists(path):
+    _check_oss_credentials("train_config.fine_tune_checkpoint", path)
+    if not file_store.exists(path):
         raise ConfigError("train_config.fine_tune_checkpoint", f"{path} does not exist")
     try:
         return resolve_checkpoint_path(path)
@@ -257,8 +266,21 @@ def check_fine_tune_checkpoint(config: pipeline_pb2.EasyRecConfig) -> str | None
                           f"no usable checkpoint: {exc}") from None
 
 
+def _check_oss_credentials(field: str, path: str) -> None:
+    """For an ``oss://`` path: the credentials and endpoint must be configured."""
+    if not is_remote(path):
+        return
+    try:
+        oss_credentials()
+    except OssCredentialsError as exc:
+        raise ConfigError(field, str(exc)) from None
+
+
 def _check_paths(config: pipeline_pb2.EasyRecConfig, sample_ledger: str | None,
                  create_dirs: bool) -> None:
+    # OSS reachability is not checked here: an outage is not a config error (restore fails
+    # with exit 1 and systemd retries), but missing credentials are
+    _check_oss_credentials("model_dir", config.model_dir)
     check_fine_tune_checkpoint(config)
     if sample_ledger:
         if os.path.isdir(sample_ledger):
@@ -268,10 +290,18 @@ def _check_paths(config: pipeline_pb2.EasyRecConfig, sample_ledger: str | None,
     if config.train_config.HasField("incr_save_config") and \
             isc.WhichOneof("incr_update") == "fs":
         directory = isc.fs.incr_save_dir
-        if not os.path.isabs(directory):
-            directory = os.path.join(config.model_dir, directory)
-        check_writable_dir(directory, "train_config.incr_save_config.fs.incr_save_dir")
-    check_writable_dir(config.model_dir, "model_dir", keep_created=create_dirs)
+        if not is_remote(directory) and not os.path.isabs(directory):
+            directory = join(config.model_dir, directory)
+        if is_remote(directory):
+            _check_oss_credentials("train_config.incr_save_config.fs.incr_save_dir", directory)
+        else:
+            check_writable_dir(directory, "train_config.incr_save_config.fs.incr_save_dir")
+    if is_remote(config.model_dir):
+        # checkpoints are staged in the local mirror
+        check_writable_dir(file_store.cache_dir_for(config.model_dir), "model_dir (local "
+                           "mirror, $ODL_CACHE_DIR)", keep_created=create_dirs)
+    else:
+        check_writable_dir(config.model_dir, "model_dir", keep_created=create_dirs)
 
 
 # --------------------------------------------------------------------------- kafka

@@ -7,7 +7,9 @@ returns. The first reason given wins and is reported as ``/status`` ``stop_reaso
   (``"SIGTERM received"``), from tests, or from the trainer itself on a failure;
 * the stop signal file ``OSS_STOP_SIGNAL`` in ``model_dir`` (EasyRec's name), looked for every
   ``train_config.stop_signal_poll_secs`` when ``enable_oss_stop_signal`` is set; the file is
-  removed once acted on, so the next start does not stop at once;
+  removed once acted on, so the next start does not stop at once. On an ``oss://``
+  model_dir a daemon thread looks for it (one HEAD request per poll), so a slow or
+  unreachable OSS never holds up the train loop;
 * ``train_config.dead_line`` passed (:func:`odl.config.field_formats.parse_dead_line`);
 * ``train_config.num_steps`` reached;
 * the end of offline input (the loop calls :meth:`StopConditions.request` with
@@ -17,13 +19,15 @@ returns. The first reason given wins and is reported as ``/status`` ``stop_reaso
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Optional
 
 from odl.config.field_formats import parse_dead_line
 from odl.protos import pipeline_pb2
+from odl.storage import file_store
+from odl.storage.oss_store import StorageError
+from odl.storage.storage_path import is_remote, join
 
 logger = logging.getLogger(__name__)
 
@@ -49,12 +53,31 @@ class StopConditions:
         self.event = threading.Event()
         self.reason: Optional[str] = None
         self._signal_file_enabled = train_config.enable_oss_stop_signal
-        self._signal_path = os.path.join(model_dir, STOP_SIGNAL_FILE)
+        self._signal_path = join(model_dir, STOP_SIGNAL_FILE)
         self._poll_secs = max(0.1, train_config.stop_signal_poll_secs)
         self._next_signal_check = 0.0
         self._dead_line = (parse_dead_line(train_config.dead_line)
                            if train_config.dead_line else None)
         self._num_steps = train_config.num_steps if train_config.HasField("num_steps") else None
+        self._poller: Optional[threading.Thread] = None
+        if self._signal_file_enabled and is_remote(model_dir):
+            self._poller = threading.Thread(target=self._poll_remote_signal, daemon=True,
+                                            name="odl-stop-signal")
+            self._poller.start()
+
+    def _signal_present(self) -> bool:
+        try:
+            return file_store.is_file(self._signal_path)
+        except StorageError as exc:  # OSS down: training goes on, the next poll retries
+            logger.warning("cannot look for %s: %s", self._signal_path, exc)
+            return False
+
+    def _poll_remote_signal(self) -> None:
+        while not self.event.wait(self._poll_secs):
+            if self._signal_present():
+                self.request(f"{STOP_SIGNAL_FILE} found in model_dir")
+                _consume_signal_file(self._signal_path)
+                return
 
     @property
     def requested(self) -> bool:
@@ -84,9 +107,9 @@ class StopConditions:
             True when the trainer must stop now.
         """
         now = time.monotonic()
-        if self._signal_file_enabled and now >= self._next_signal_check:
+        if self._signal_file_enabled and self._poller is None and now >= self._next_signal_check:
             self._next_signal_check = now + self._poll_secs
-            if os.path.exists(self._signal_path):
+            if self._signal_present():
                 self.request(f"{STOP_SIGNAL_FILE} found in model_dir")
                 _consume_signal_file(self._signal_path)
                 return True
@@ -102,7 +125,7 @@ class StopConditions:
 def _consume_signal_file(path: str) -> None:
     """Removes the stop signal once acted on, so the next start does not stop at once."""
     try:
-        os.remove(path)
+        file_store.remove(path)
         logger.info("removed %s after acting on it", path)
-    except OSError as exc:
+    except (OSError, StorageError) as exc:
         logger.warning("could not remove %s: %s", path, exc)

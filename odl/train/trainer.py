@@ -28,7 +28,6 @@ Contracts:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -45,6 +44,7 @@ from odl.inputs.batch_prefetcher import PreparedBatch
 from odl.inputs.dead_letter import DeadLetterSink
 from odl.inputs.input_pipeline import InputPipeline, build_input_pipeline
 from odl.protos import pipeline_pb2
+from odl.storage.oss_store import StorageError
 from odl.train.crash_recovery import CrashRecovery, RestoredState
 from odl.train.progressive_metrics import ProgressiveMetrics
 from odl.train.record_rejects import RejectedRecords
@@ -129,7 +129,6 @@ class Trainer:
         self.config = config
         self.options = options
         self.model_dir = config.model_dir
-        os.makedirs(self.model_dir, exist_ok=True)
         tc = config.train_config
         self.generation = uuid.uuid4().hex[:16]
         self._stops = StopConditions(tc, self.model_dir)
@@ -261,6 +260,9 @@ class Trainer:
             self._loop()
         except DeltaSinkUnsupported as exc:  # the broker refuses fencing: a setup error
             self._fail(str(exc), 2)
+        except StorageError as exc:  # OSS down while restoring: never start from nothing
+            self._fail(f"{exc}; not starting without the checkpoints of {self.model_dir} "
+                       "(a restart retries)", 1)
         finally:
             self._shutdown()
         if self.failure is not None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from odl.storage.oss_metrics import register_oss_metrics
+
 
 class TrainerMetrics:
     """The trainer's counters and gauges."""
@@ -11,6 +13,7 @@ class TrainerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        register_oss_metrics(r)
         self.records_consumed = Counter(
             "odl_records_consumed", "Records read from the input", registry=r
         )

@@ -16,7 +16,9 @@ of the running trainer; rewritten at every start)::
     {"host": "127.0.0.1", "port": 41234, "pid": 12345,
      "url": "http://127.0.0.1:41234", "generation": "<16 hex digits>"}
 
-written to ``.status.json.tmp`` first and renamed into place.
+written atomically (temporary file, then rename). For an ``oss://`` model_dir it is written
+to the model_dir's local mirror (``odl.storage.file_store.cache_dir_for``), where local tools
+look, and to OSS (best effort: a failure is logged, training starts anyway).
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from odl.http.server import BackgroundHttpServer
 from odl.inputs.dead_letter import DeadLetterSink
 from odl.inputs.input_pipeline import InputPipeline
 from odl.protos import pipeline_pb2
+from odl.storage import file_store
+from odl.storage.oss_store import StorageError, oss_health
+from odl.storage.storage_path import is_remote, join
 from odl.train.progressive_metrics import ProgressiveMetrics
 from odl.train.status_app import TrainerStatusProvider, build_status_app
 from odl.train.train_module import TrainModule
@@ -157,7 +162,9 @@ class TrainerStatus:
                 "step": t.checkpoints.last_saved_step,
                 "time": t.checkpoints.last_saved_time,
                 "error": t.last_checkpoint_error,
+                "upload_seconds": t.checkpoints.last_upload_seconds,
             },
+            "oss": oss_health(),
             "input": {
                 "topic": self._topic(),
                 "broker_error": broker_error,
@@ -297,8 +304,12 @@ def start_status_server(provider: TrainerStatusProvider, registry: CollectorRegi
         "url": f"http://{host}:{bound}",
         "generation": generation,
     }
-    tmp = os.path.join(model_dir, f".{STATUS_FILE}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-    os.replace(tmp, os.path.join(model_dir, STATUS_FILE))
+    data = json.dumps(doc).encode()
+    # local tools find the API in the local mirror of a remote model_dir
+    file_store.write_bytes(os.path.join(file_store.cache_dir_for(model_dir), STATUS_FILE), data)
+    if is_remote(model_dir):
+        try:
+            file_store.write_bytes(join(model_dir, STATUS_FILE), data)
+        except StorageError as exc:
+            logger.warning("could not write %s: %s", join(model_dir, STATUS_FILE), exc)
     return server
