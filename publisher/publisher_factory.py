@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry
 
+from odl.inputs.source_factory import online_input_name
 from odl.storage.storage_path import basename, is_remote, join
 from publisher.delta_sink import DeltaSink
 from publisher.delta_tracker import DeltaTracker
@@ -124,7 +125,7 @@ def build_publisher(
         dense_save_secs=isc.dense_save_secs,
         value_type=value_type,
         max_chunk_bytes=isc.max_chunk_bytes,
-        input_topic=config.kafka_train_input.topic,
+        input_topic=online_input_name(config),
         registry=registry,
         start_step=start_step,
     )

@@ -81,3 +81,31 @@ def kafka_topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
                 future.result(timeout=15)
             except Exception:  # noqa: BLE001 - best effort cleanup on a shared broker
                 pass
+
+
+OSS_TEST_SECRET = "oss-test-secret-never-logged"
+
+
+@pytest.fixture
+def oss(tmp_path: os.PathLike, monkeypatch: pytest.MonkeyPatch) -> Iterator[object]:
+    """A loopback OSS test double; this process and its children are pointed at it.
+
+    Sets ``OSS_ACCESS_KEY_ID`` / ``OSS_ACCESS_KEY_SECRET`` / ``OSS_ENDPOINT``, a fresh
+    ``ODL_CACHE_DIR`` and a short ``ODL_OSS_RETRY_SECONDS`` (2 s) for the test.
+    """
+    from odl.harness.oss_double import OssDouble
+    from odl.storage.oss_credentials import reset_oss_configuration
+    from odl.storage.oss_store import reset_oss_store
+
+    with OssDouble() as double:
+        monkeypatch.setenv("OSS_ACCESS_KEY_ID", "test-key-id")
+        monkeypatch.setenv("OSS_ACCESS_KEY_SECRET", OSS_TEST_SECRET)
+        monkeypatch.setenv("OSS_ENDPOINT", double.endpoint)
+        monkeypatch.setenv("ODL_CACHE_DIR", os.path.join(str(tmp_path), "odl-cache"))
+        monkeypatch.setenv("ODL_OSS_RETRY_SECONDS", "2")
+        reset_oss_configuration()
+        reset_oss_store()
+        try:
+            yield double
+        finally:
+            reset_oss_store()

@@ -257,7 +257,6 @@ def test_unknown_field(tmp_path: Path) -> None:
     [
         ('eval_config { metrics_set { auc {} } }', "eval_config"),
         ('export_config { exporter_type: "final" }', "export_config"),
-        ('datahub_train_input { akId: "a" akSecret: "b" }', "datahub_train_input"),
         ('fg_json_path: "fg.json"', "fg_json_path"),
         ("train_config { sync_replicas: true }", "train_config.sync_replicas"),
         ("train_config { incr_save_config { debug_save_update: true } }",

@@ -198,7 +198,8 @@ SECRET = "Zq9-never-print-me"
     f'kafka_train_input {{ kafka_config {{ key: "sasl.password" value: "{SECRET}',
     f'kafka_train_input {{\n  kafka_config {{\n    key: "sasl.password"\n    value: {SECRET}\n'
     '  }\n}',
-    f'datahub_train_input {{ akId: "id" akSecret: "{SECRET}" }}',
+    f'datahub_train_input {{ akId: "id" akSecret: "{SECRET}',
+    f'datahub_train_input {{ akId: "id" akSecret: "{SECRET}" unknown_field: 1 }}',
 ])
 def test_config_parse_errors_do_not_echo_secret_values(text):
     with pytest.raises(ConfigError) as info:

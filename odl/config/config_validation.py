@@ -8,8 +8,9 @@ naming the first offending field:
 * a missing ``model_dir``, and ``scheme://`` paths other than ``oss://bucket/key``
   (:func:`check_path_schemes`);
 * the input: ``kafka_train_input`` online (servers as host:port, topic, group, at most one
-  start position, a dead-letter topic other than the input topic), ``train_input_path``
-  offline;
+  start position, a dead-letter topic other than the input topic), or
+  ``datahub_train_input`` (project, topic, endpoint or region, the start as EasyRec writes
+  it; no dead-letter topic), never both; ``train_input_path`` offline;
 * ``data_config``: input fields, one numeric label, sample id and event time fields, sizes
   within :mod:`odl.config.limits`;
 * the features and the model (:mod:`odl.config.model_validation`);
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any
 
 from google.protobuf.descriptor import FieldDescriptor
@@ -36,7 +38,12 @@ from odl.config.config_error import ConfigError
 from odl.config.config_fields import is_map_field, join_path
 from odl.config.easyrec_compat import check_implemented
 from odl.config.feature_configs import NUMERIC_FIELD_TYPES
-from odl.config.field_formats import parse_dead_line, parse_offset_info, path_scheme
+from odl.config.field_formats import (
+    parse_datahub_offsets,
+    parse_dead_line,
+    parse_offset_info,
+    path_scheme,
+)
 from odl.config.model_validation import validate_features, validate_model
 from odl.protos import pipeline_pb2
 from odl.storage.storage_path import UnsupportedPathError, check_supported, parse_oss
@@ -68,7 +75,13 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
         raise ConfigError("model_dir", "required (set it in the config or pass --model_dir)")
     check_path_schemes(config, online)
     if online:
-        _validate_kafka(config)
+        if config.HasField("datahub_train_input") and config.HasField("kafka_train_input"):
+            raise ConfigError("datahub_train_input", "give one online input: "
+                                                     "kafka_train_input or datahub_train_input")
+        if config.HasField("datahub_train_input"):
+            _validate_datahub(config)
+        else:
+            _validate_kafka(config)
     else:
         _validate_offline_input(config)
     fields = _validate_data_config(config)
@@ -100,10 +113,37 @@ def _check_finite(msg: Message, prefix: str) -> None:
                     raise ConfigError(where, f"must be a finite number, got {x}")
 
 
+def _validate_datahub(config: pipeline_pb2.EasyRecConfig) -> None:
+    d = config.datahub_train_input
+    for name in ("project", "topic"):
+        if not getattr(d, name).strip():
+            raise ConfigError(f"datahub_train_input.{name}", "required")
+    endpoint = d.endpoint or d.region
+    if not endpoint:
+        raise ConfigError("datahub_train_input.endpoint",
+                          "required (or region, e.g. cn-hangzhou)")
+    if d.endpoint and not re.match(r"^https?://[^/\s]+/?$", d.endpoint):
+        raise ConfigError("datahub_train_input.endpoint",
+                          f"{d.endpoint!r} is not an http(s):// URL")
+    if d.offset_info and d.offset_time:
+        raise ConfigError("datahub_train_input.offset_time",
+                          "give one of offset_info and offset_time")
+    try:
+        parse_datahub_offsets(d.offset_info, d.offset_time)
+    except ValueError as exc:
+        field = "offset_info" if d.offset_info else "offset_time"
+        raise ConfigError(f"datahub_train_input.{field}", str(exc)) from None
+    if config.data_config.dead_letter_topic:
+        raise ConfigError("data_config.dead_letter_topic",
+                          "needs a Kafka input (its server and settings); not available with "
+                          "datahub_train_input")
+
+
 def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
     if not config.HasField("kafka_train_input"):
         raise ConfigError("kafka_train_input", "required for online training "
-                                               "(kafka_train_input { server topic group })")
+                                               "(kafka_train_input { server topic group } or "
+                                               "datahub_train_input { ... })")
     k = config.kafka_train_input
     if not k.server.strip():
         raise ConfigError("kafka_train_input.server", "required: the bootstrap servers, "

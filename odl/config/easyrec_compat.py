@@ -34,7 +34,7 @@ __all__ = [
 # table when odl implements the field (and pipeline.proto gains it).
 EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "EasyRecConfig": frozenset({
-        "eval_config", "export_config", "datahub_train_input", "datahub_eval_input",
+        "eval_config", "export_config",
         "hive_train_input", "hive_eval_input", "binary_train_input", "binary_eval_input",
         "parquet_train_input", "parquet_eval_input", "odps_train_input", "odps_eval_input",
         "oss_train_input", "oss_eval_input", "fg_json_path",

@@ -4,6 +4,8 @@
   ``{"<partition>": <offset>, ...}`` (:func:`parse_offset_info`);
 * ``train_config.dead_line``: ``"%Y%m%d %H:%M:%S"`` in local time, EasyRec's form, or unix
   seconds (:func:`parse_dead_line`);
+* ``datahub_train_input.offset_info`` / ``offset_time``: EasyRec's DataHub start forms
+  (:func:`parse_datahub_offsets`);
 * paths: a ``scheme://`` prefix marks a remote path (:func:`path_scheme`).
 
 The validator calls these parsers to check the fields; the trainer calls them again to use
@@ -21,7 +23,7 @@ from typing import Any
 from odl.config.config_error import ConfigError
 from odl.config.config_fields import describe_value
 
-__all__ = ["parse_dead_line", "parse_offset_info", "path_scheme"]
+__all__ = ["parse_datahub_offsets", "parse_dead_line", "parse_offset_info", "path_scheme"]
 
 _DEAD_LINE_FORMAT = "%Y%m%d %H:%M:%S"
 _URL_SCHEME = re.compile(r"^\s*([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -120,3 +122,55 @@ def path_scheme(path: str) -> str | None:
     m = _URL_SCHEME.match(path or "")
     return m.group(1).lower() if m else None
 
+
+def parse_datahub_offsets(offset_info: str, offset_time: str) -> dict[str, Any]:
+    """The start a ``datahub_train_input`` asks for.
+
+    Args:
+        offset_info: JSON: ``{"<shard>": {"cursor": "<cursor>"}, ...}``,
+            ``{"<shard>": <sequence>, ...}`` or ``{"timestamp": <unix seconds>}``; "" = none.
+        offset_time: ``"YYYYMMDD HH:MM:SS"`` (UTC) or unix seconds as a string; "" = none.
+
+    Returns:
+        ``{"timestamp_s": float}``, ``{"cursors": {shard: str}, "sequences": {shard: int}}``
+        (either may be empty), or ``{}`` (each shard's oldest record).
+
+    Raises:
+        ValueError: naming what is malformed.
+    """
+    if offset_info:
+        try:
+            doc = json.loads(offset_info)
+        except ValueError as exc:
+            raise ValueError(f"not JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ValueError("must be a JSON object")
+        if "timestamp" in doc:
+            ts = doc["timestamp"]
+            if isinstance(ts, bool) or not isinstance(ts, (int, float)) or ts < 0:
+                raise ValueError('"timestamp" must be unix seconds >= 0')
+            return {"timestamp_s": float(ts)}
+        cursors: dict[int, str] = {}
+        sequences: dict[int, int] = {}
+        for shard, value in doc.items():
+            if not str(shard).isdigit():
+                raise ValueError(f"shard id {shard!r} is not a number")
+            if isinstance(value, dict) and isinstance(value.get("cursor"), str):
+                cursors[int(shard)] = value["cursor"]
+            elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                sequences[int(shard)] = value
+            else:
+                raise ValueError(f'shard "{shard}": expected {{"cursor": "..."}} or a '
+                                 "sequence >= 0")
+        return {"cursors": cursors, "sequences": sequences}
+    if offset_time:
+        text = offset_time.strip()
+        if text.isdigit():
+            return {"timestamp_s": float(text)}
+        try:
+            import calendar
+
+            return {"timestamp_s": float(calendar.timegm(time.strptime(text, _DEAD_LINE_FORMAT)))}
+        except ValueError:
+            raise ValueError(f"{text!r} is neither unix seconds nor 'YYYYMMDD HH:MM:SS'") from None
+    return {}

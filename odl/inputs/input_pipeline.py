@@ -11,6 +11,11 @@
 * **offline**: :class:`FileInput`, a :class:`~odl.inputs.file_source.FileSource` read by a
   ``BatchPrefetcher``.
 
+Online, the source is a Kafka topic or a DataHub topic
+(:mod:`odl.inputs.datahub_source`), chosen by :mod:`odl.inputs.source_factory`; both hand
+out batches with positions per partition (DataHub: per shard, the next sequence), so every
+layout, checkpoints and crash recovery treat them alike.
+
 The two prefetcher layouts build in ``num_workers`` feature build worker processes when
 that is > 0 (:mod:`odl.inputs.feature_build_worker`); the child process starts its own.
 
@@ -28,7 +33,6 @@ import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional, Protocol
 
-from odl.config.field_formats import parse_offset_info
 from odl.inputs.batch_prefetcher import BatchPrefetcher, PreparedBatch
 from odl.inputs.feature_build_worker import FeatureBuildWorkers
 from odl.inputs.file_source import FileSource
@@ -37,9 +41,8 @@ from odl.inputs.kafka_source import (
     KafkaSource,
     PartitionState,
     RawBatch,
-    StartPositions,
-    start_positions_from_config,
 )
+from odl.inputs.source_factory import build_source, online_source_args
 from odl.protos import pipeline_pb2
 
 if TYPE_CHECKING:
@@ -412,40 +415,17 @@ def build_input_pipeline(
     """
     dc = config.data_config
     if online and dc.input_process:
-        start, args = _kafka_source_args(config, restored_positions)
+        start, args = online_source_args(config, restored_positions)
         process = KafkaInputProcess(config, features, args, start, num_workers=num_workers)
         return KafkaProcessInput(process, config.kafka_train_input)
     workers = FeatureBuildWorkers(config, num_workers).start() if num_workers else None
     try:
         if online:
-            start, args = _kafka_source_args(config, restored_positions)
-            return KafkaThreadInput(KafkaSource(start=start, **args), config.kafka_train_input,
+            start, args = online_source_args(config, restored_positions)
+            return KafkaThreadInput(build_source(start, args), config.kafka_train_input,
                                     features, workers)
     except BaseException:
         if workers is not None:
             workers.close()
         raise
     return FileInput(config.train_input_path, dc.batch_size, dc.num_epochs, features, workers)
-
-
-def _kafka_source_args(config: pipeline_pb2.EasyRecConfig,
-                       restored_positions: Optional[dict[int, int]]
-                       ) -> tuple[StartPositions, dict[str, Any]]:
-    """The start rules and ``KafkaSource`` keyword arguments of ``kafka_train_input``."""
-    ki, dc = config.kafka_train_input, config.data_config
-    start = start_positions_from_config(
-        parse_offset_info(ki.offset_info) if ki.offset_info else None,
-        ki.offset_time,
-        list(ki.offset),
-        restored_positions,
-    )
-    args = {
-        "servers": ki.server,
-        "topic": ki.topic,
-        "group": ki.group,
-        "batch_size": dc.batch_size,
-        "batch_timeout_ms": dc.batch_timeout_ms,
-        "fetch_interval_ms": dc.fetch_interval_ms,
-        "kafka_config": dict(ki.kafka_config),
-    }
-    return start, args

@@ -133,13 +133,13 @@ def _serve(conn: Connection) -> int:
         from odl.features.feature_builder import FeatureBuilder
         from odl.inputs.batch_prefetcher import BatchPrefetcher
         from odl.inputs.feature_build_worker import FeatureBuildWorkers
-        from odl.inputs.kafka_source import KafkaSource
+        from odl.inputs.source_factory import build_source
 
         config = pipeline_pb2.EasyRecConfig.FromString(init.config)
         builder = FeatureBuilder(config)
         workers = (FeatureBuildWorkers(config, init.num_workers).start()
                    if init.num_workers else None)
-        source = KafkaSource(start=init.start, **init.source_args)
+        source = build_source(init.start, init.source_args)
         session.source = source
         threading.Thread(target=session.report_status, name="input-status",
                          daemon=True).start()

@@ -39,6 +39,7 @@ from odl.checkpoint.checkpoint_manager import (
     read_checkpoint,
     resolve_checkpoint_path,
 )
+from odl.inputs.source_factory import online_input_name
 from odl.protos import pipeline_pb2
 from odl.train.train_module import TrainModule
 from odl.train.trainer_metrics import TrainerMetrics
@@ -172,12 +173,12 @@ class CrashRecovery:
                 self._metrics.checkpoint_step.set(ckpt.global_step)
                 if self._online:
                     topic = ckpt.source.get("topic")
-                    if topic and topic != self._config.kafka_train_input.topic:
+                    if topic and topic != online_input_name(self._config):
                         logger.warning(
                             "checkpoint positions are for topic %s, config reads %s: "
                             "starting from the config's start positions",
                             topic,
-                            self._config.kafka_train_input.topic,
+                            online_input_name(self._config),
                         )
                     else:
                         restored.positions = ckpt.positions
@@ -283,7 +284,7 @@ class CrashRecovery:
         id_maps = build_id_maps(dense_variable_shapes(module), published_table_dims(module))
         apply_recovered_state(module.embedding_tables(), module.dense_parameters(), id_maps, state)
         module.global_step = int(state.version)
-        input_topic = self._config.kafka_train_input.topic
+        input_topic = online_input_name(self._config)
         recovered = state.positions_for(input_topic)
         if recovered:
             restored.positions = recovered

@@ -21,6 +21,7 @@ import numpy as np
 
 from odl.inputs.batch_prefetcher import PreparedBatch
 from odl.inputs.dead_letter import DeadLetterSink
+from odl.inputs.source_factory import online_input_name
 from odl.protos import pipeline_pb2
 from odl.train.trainer_metrics import TrainerMetrics
 
@@ -133,6 +134,6 @@ class RejectedRecords:
             # building is forwarded with an empty value and its source position
             value = item.raw.values[idx] if idx < len(item.raw.values) else None
             self.dead_letter.send(
-                value, reason, self._config.kafka_train_input.topic,
+                value, reason, online_input_name(self._config),
                 int(item.raw.partitions[idx]), int(item.raw.offsets[idx]),
                 int(item.raw.timestamps_ms[idx]) if len(item.raw.timestamps_ms) else 0)

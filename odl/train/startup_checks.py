@@ -396,6 +396,13 @@ def check_kafka_settings(config: pipeline_pb2.EasyRecConfig, online: bool) -> No
         ConfigError: naming the ``kafka_config`` field, with librdkafka's message (secret
             values masked).
     """
+    if online and config.HasField("datahub_train_input"):
+        d = config.datahub_train_input
+        for value, env, name in ((d.akId, "DATAHUB_ACCESS_KEY_ID", "akId"),
+                                 (d.akSecret, "DATAHUB_ACCESS_KEY_SECRET", "akSecret")):
+            if not value and not os.environ.get(env):
+                raise ConfigError(f"datahub_train_input.{name}",
+                                  f"required (or the {env} environment variable)")
     if online and config.HasField("kafka_train_input"):
         ki = config.kafka_train_input
         extra = dict(ki.kafka_config)

@@ -43,6 +43,7 @@ from odl.http.server import BackgroundHttpServer
 from odl.inputs.batch_prefetcher import PreparedBatch
 from odl.inputs.dead_letter import DeadLetterSink
 from odl.inputs.input_pipeline import InputPipeline, build_input_pipeline
+from odl.inputs.source_factory import online_input_kind, online_input_name
 from odl.protos import pipeline_pb2
 from odl.storage.oss_store import StorageError
 from odl.train.crash_recovery import CrashRecovery, RestoredState
@@ -428,7 +429,7 @@ class Trainer:
             with self._lock:
                 positions = dict(self.positions)
             source = (
-                {"source": "kafka", "topic": self.config.kafka_train_input.topic}
+                {"source": online_input_kind(self.config), "topic": online_input_name(self.config)}
                 if self.options.online
                 else {"source": "files", "path": self.config.train_input_path}
             )

@@ -36,6 +36,7 @@ from odl.checkpoint.checkpoint_manager import CheckpointManager
 from odl.http.server import BackgroundHttpServer
 from odl.inputs.dead_letter import DeadLetterSink
 from odl.inputs.input_pipeline import InputPipeline
+from odl.inputs.source_factory import online_input_name
 from odl.protos import pipeline_pb2
 from odl.storage import file_store
 from odl.storage.oss_store import StorageError, oss_health
@@ -116,7 +117,7 @@ class TrainerStatus:
 
     def _topic(self) -> Optional[str]:
         t = self._trainer
-        return t.config.kafka_train_input.topic if t.online else None
+        return online_input_name(t.config) if t.online else None
 
     def document(self) -> dict:
         """The status document served at ``/status``.

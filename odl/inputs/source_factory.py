@@ -1,0 +1,85 @@
+"""The online source of a pipeline config: ``kafka_train_input`` or ``datahub_train_input``.
+
+One place decides which source reads the stream and with which arguments, for both online
+layouts (the input process and in-process threads): :func:`online_source_args` turns the
+config (and restored positions) into picklable start rules and keyword arguments, with a
+``"kind"`` key; :func:`build_source` makes the source from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from odl.config.field_formats import parse_offset_info
+from odl.inputs.datahub_source import (
+    DatahubSource,
+    DatahubStart,
+    datahub_endpoint,
+    parse_datahub_start,
+)
+from odl.inputs.kafka_source import KafkaSource, StartPositions, start_positions_from_config
+from odl.protos import pipeline_pb2
+
+Start = Union[StartPositions, DatahubStart]
+
+
+def online_input_kind(config: pipeline_pb2.EasyRecConfig) -> str:
+    """``"datahub"`` when ``datahub_train_input`` is set, else ``"kafka"``."""
+    return "datahub" if config.HasField("datahub_train_input") else "kafka"
+
+
+def online_input_name(config: pipeline_pb2.EasyRecConfig) -> str:
+    """The stream's name for status and checkpoints: the Kafka topic or ``project/topic``."""
+    if online_input_kind(config) == "datahub":
+        d = config.datahub_train_input
+        return f"{d.project}/{d.topic}"
+    return config.kafka_train_input.topic
+
+
+def online_source_args(config: pipeline_pb2.EasyRecConfig,
+                       restored_positions: Optional[dict[int, int]]
+                       ) -> tuple[Start, dict[str, Any]]:
+    """The start rules and source keyword arguments (plus ``"kind"``) of the online input."""
+    dc = config.data_config
+    if online_input_kind(config) == "datahub":
+        d = config.datahub_train_input
+        start = parse_datahub_start(d.offset_info, d.offset_time, restored_positions)
+        return start, {
+            "kind": "datahub",
+            "endpoint": datahub_endpoint(d.endpoint, d.region),
+            "access_id": d.akId,
+            "access_key": d.akSecret,
+            "project": d.project,
+            "topic": d.topic,
+            "batch_size": dc.batch_size,
+            "batch_timeout_ms": dc.batch_timeout_ms,
+            "shard_num": d.shard_num,
+        }
+    ki = config.kafka_train_input
+    start = start_positions_from_config(
+        parse_offset_info(ki.offset_info) if ki.offset_info else None,
+        ki.offset_time,
+        list(ki.offset),
+        restored_positions,
+    )
+    return start, {
+        "kind": "kafka",
+        "servers": ki.server,
+        "topic": ki.topic,
+        "group": ki.group,
+        "batch_size": dc.batch_size,
+        "batch_timeout_ms": dc.batch_timeout_ms,
+        "fetch_interval_ms": dc.fetch_interval_ms,
+        "kafka_config": dict(ki.kafka_config),
+    }
+
+
+def build_source(start: Start, args: dict[str, Any]) -> Union[KafkaSource, DatahubSource]:
+    """The source ``online_source_args`` describes (not yet open)."""
+    args = dict(args)
+    kind = args.pop("kind", "kafka")
+    if kind == "datahub":
+        assert isinstance(start, DatahubStart)
+        return DatahubSource(start=start, **args)
+    assert isinstance(start, StartPositions)
+    return KafkaSource(start=start, **args)

@@ -1,0 +1,204 @@
+"""The storage layer on OSS: real ``oss2`` against the loopback double (``oss`` fixture).
+
+What a user relies on: files and directories behave as on a local disk; a checkpoint or an
+export on OSS is trusted only once its DONE object is there; a failure mid-upload leaves
+nothing a reader trusts and is cleaned up later; transient errors are retried and counted,
+permanent ones fail at once; secrets never show.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+
+from odl.checkpoint.checkpoint_manager import (
+    DONE_FILE,
+    MANIFEST_FILE,
+    CheckpointError,
+    CheckpointManager,
+    list_checkpoints,
+    read_checkpoint,
+    resolve_checkpoint_path,
+)
+from odl.config.pipeline_config import load_pipeline_config
+from odl.storage import file_store
+from odl.storage.oss_store import OssStore, StorageError, oss_health, oss_store
+from odl.storage.storage_path import dirname, join, parse_oss
+from tests.conftest import OSS_TEST_SECRET
+
+BUCKET = "bkt"
+ROOT = f"oss://{BUCKET}/odl"
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"model": {"w": torch.randn(64, 8, generator=g)}, "optimizer": {},
+            "global_step": step}
+
+
+def _save(mgr: CheckpointManager, step: int) -> str:
+    return mgr.save(step, _state(step), {0: step * 10, 1: step}, {"source": "kafka",
+                                                                  "topic": "t"}, "cfg")
+
+
+def test_paths() -> None:
+    assert parse_oss("oss://b/a/b/").key == "a/b"
+    assert parse_oss("oss://b").key == ""
+    assert join("oss://b/x/", "y", "z") == "oss://b/x/y/z"
+    assert dirname("oss://b/x/y") == "oss://b/x" and dirname("oss://b/x") == "oss://b"
+
+
+def test_files_and_directories_behave_as_on_disk(oss, tmp_path) -> None:
+    file_store.write_bytes(f"{ROOT}/a/one.txt", b"1")
+    file_store.write_bytes(f"{ROOT}/a/sub/two.csv", b"2")
+    file_store.write_bytes(f"{ROOT}/a/sub/three.csv", b"3")
+    assert file_store.read_bytes(f"{ROOT}/a/one.txt") == b"1"
+    assert file_store.is_file(f"{ROOT}/a/one.txt") and not file_store.is_file(f"{ROOT}/a")
+    assert file_store.exists(f"{ROOT}/a") and not file_store.exists(f"{ROOT}/nothing")
+    assert file_store.list_dir(f"{ROOT}/a") == (["sub"], ["one.txt"])
+    assert file_store.glob_files(f"{ROOT}/a/sub/*.csv") == [
+        f"{ROOT}/a/sub/three.csv", f"{ROOT}/a/sub/two.csv"]
+    with pytest.raises(FileNotFoundError):
+        file_store.read_bytes(f"{ROOT}/a/missing")
+    local = file_store.local_copy(f"{ROOT}/a")
+    assert open(os.path.join(local, "sub", "two.csv"), "rb").read() == b"2"
+    file_store.remove_tree(f"{ROOT}/a")
+    assert oss.objects(BUCKET, "odl/a") == {}
+
+
+def test_upload_tree_writes_the_commit_markers_last(oss, tmp_path) -> None:
+    src = tmp_path / "d"
+    (src / "x").mkdir(parents=True)
+    for name in ("DONE", "MANIFEST.json", "b.bin", "x/a.bin"):
+        (src / name).write_bytes(name.encode())
+    file_store.upload_tree(str(src), f"{ROOT}/tree", last=("MANIFEST.json", "DONE"))
+    puts = [path for method, path, *_ in oss.requests_log if method == "PUT"]
+    assert [p.rsplit("/", 1)[-1] for p in puts[-2:]] == ["MANIFEST.json", "DONE"]
+    assert set(oss.objects(BUCKET, "odl/tree/")) == {
+        "odl/tree/DONE", "odl/tree/MANIFEST.json", "odl/tree/b.bin", "odl/tree/x/a.bin"}
+
+
+def test_large_files_go_multipart_and_read_back_equal(oss, tmp_path) -> None:
+    store = OssStore(multipart_threshold=1 << 20, part_size=256 << 10)
+    data = os.urandom((1 << 20) + 12345)
+    (tmp_path / "big").write_bytes(data)
+    store.put_file(parse_oss(f"{ROOT}/big"), str(tmp_path / "big"))
+    assert any("uploadId" in str(q) for _m, _p, q, *_ in oss.requests_log)
+    assert store.get(parse_oss(f"{ROOT}/big")) == data
+    assert oss.incomplete_uploads(BUCKET) == []
+
+
+def test_transient_errors_are_retried_and_counted(oss) -> None:
+    oss.fail_next(2, status=503, code="ServiceUnavailable")
+    file_store.write_bytes(f"{ROOT}/r", b"x")
+    assert file_store.read_bytes(f"{ROOT}/r") == b"x"
+    oss.fail_next(1, status=503, code="SlowDown")
+    assert file_store.read_bytes(f"{ROOT}/r") == b"x"
+    health = oss_health()
+    assert health["retries"] == 3 and health["failures"] == 0 and health["healthy"]
+
+
+def test_an_outage_fails_after_the_budget_then_once_until_back(oss) -> None:
+    oss.set_down(True)
+    with pytest.raises(StorageError) as err:
+        file_store.write_bytes(f"{ROOT}/o", b"x")
+    assert err.value.transient and "oss://bkt/odl/o" in str(err.value)
+    assert not oss_health()["healthy"]
+    before = oss.request_count
+    with pytest.raises(StorageError):  # known down: one attempt, no new retry budget
+        file_store.write_bytes(f"{ROOT}/o", b"x")
+    assert oss.request_count - before == 1
+    oss.set_down(False)
+    file_store.write_bytes(f"{ROOT}/o", b"y")
+    assert oss_health()["healthy"] and file_store.read_bytes(f"{ROOT}/o") == b"y"
+
+
+def test_permanent_errors_fail_at_once(oss) -> None:
+    oss.fail_next(1, status=403, code="AccessDenied")
+    with pytest.raises(StorageError) as err:
+        file_store.write_bytes(f"{ROOT}/p", b"x")
+    assert not err.value.transient and "AccessDenied" in str(err.value)
+    assert oss_health()["retries"] == 0
+
+
+def test_checkpoints_round_trip_and_prune(oss) -> None:
+    model_dir = f"{ROOT}/model"
+    mgr = CheckpointManager(model_dir, keep_max=2)
+    paths = [_save(mgr, s) for s in (5, 10, 15)]
+    assert paths[-1] == f"{model_dir}/model.ckpt-15"
+    assert list_checkpoints(model_dir) == paths[1:]
+    ckpt = read_checkpoint(resolve_checkpoint_path(model_dir))
+    assert ckpt.global_step == 15 and ckpt.positions == {0: 150, 1: 15}
+    assert torch.equal(ckpt.state["model"]["w"], _state(15)["model"]["w"])
+    assert ckpt.path == paths[-1]
+    # the local mirror keeps only the newest (the upload source)
+    mirror = file_store.cache_dir_for(model_dir)
+    assert sorted(n for n in os.listdir(mirror) if n.startswith("model")) == ["model.ckpt-15"]
+
+
+def test_an_upload_that_dies_leaves_nothing_trusted_and_is_cleaned_up(oss) -> None:
+    model_dir = f"{ROOT}/model"
+    mgr = CheckpointManager(model_dir, keep_max=0)
+    _save(mgr, 1)
+    # OSS goes down after the model file: MANIFEST and DONE never arrive
+    oss.fail_next(1000, status=503, key_prefix="odl/model/model.ckpt-2/MANIFEST")
+    with pytest.raises(CheckpointError):
+        _save(mgr, 2)
+    assert mgr.last_error and "model.ckpt-2" in mgr.last_error
+    assert "odl/model/model.ckpt-2/model.pt" in oss.objects(BUCKET, "odl/model/")
+    assert list_checkpoints(model_dir) == [f"{model_dir}/model.ckpt-1"]
+    assert read_checkpoint(mgr.latest()).global_step == 1
+    oss.fail_next(0)
+    oss.set_down(False)
+    # the next start removes the orphan; the next checkpoint commits
+    mgr = CheckpointManager(model_dir, keep_max=0)
+    assert not any("model.ckpt-2" in k for k in oss.objects(BUCKET, "odl/model/"))
+    _save(mgr, 3)
+    assert [p.rsplit("-", 1)[-1] for p in list_checkpoints(model_dir)] == ["1", "3"]
+
+
+def test_a_checkpoint_without_done_or_with_a_bad_file_is_never_loaded(oss) -> None:
+    model_dir = f"{ROOT}/model"
+    mgr = CheckpointManager(model_dir, keep_max=0)
+    _save(mgr, 1)
+    newest = _save(mgr, 2)
+    oss.put(BUCKET, "odl/model/model.ckpt-2/model.pt", b"not a checkpoint")
+    file_store.remove_tree(file_store.cache_dir_for(model_dir))
+    assert resolve_checkpoint_path(model_dir).endswith("model.ckpt-1")
+    file_store.remove(join(newest, DONE_FILE))
+    assert list_checkpoints(model_dir) == [f"{model_dir}/model.ckpt-1"]
+    assert file_store.is_file(join(newest, MANIFEST_FILE))
+
+
+def test_listing_failure_is_an_error_not_an_empty_model_dir(oss) -> None:
+    model_dir = f"{ROOT}/model"
+    _save(CheckpointManager(model_dir), 1)
+    reset = oss_store()
+    oss.set_down(True)
+    with pytest.raises(StorageError):
+        CheckpointManager(model_dir).latest()
+    assert reset is oss_store()
+
+
+def test_pipeline_config_loads_from_oss(oss) -> None:
+    text = open(os.path.join(os.path.dirname(__file__), "..", "samples",
+                             "deepfm_online.config")).read()
+    file_store.write_bytes(f"{ROOT}/p.config", text.encode())
+    config = load_pipeline_config(f"{ROOT}/p.config")
+    assert config.model_config.model_class == "DeepFM"
+
+
+def test_secrets_never_show(oss, caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    oss.set_down(True)
+    with pytest.raises(StorageError) as err:
+        file_store.write_bytes(f"{ROOT}/s", b"x")
+    oss.set_down(False)
+    file_store.write_bytes(f"{ROOT}/s", b"x")
+    texts = [caplog.text, str(err.value), repr(oss_store()), repr(oss_store().credentials),
+             str(oss_health())]
+    assert not any(OSS_TEST_SECRET in t for t in texts)
+    assert all(key_id == "test-key-id" for *_rest, key_id in oss.requests_log)
