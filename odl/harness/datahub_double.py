@@ -55,8 +55,8 @@ class _Shard:
     shard_id: str
     state: str = "ACTIVE"
     parents: list[str] = field(default_factory=list)
-    # (sequence, system_time_ms, data): BLOB bytes or a TUPLE list of strings
-    records: list[tuple[int, int, Any]] = field(default_factory=list)
+    # (sequence, system_time_ms, data, JSON of the record as GetRecords returns it)
+    records: list[tuple[int, int, Any, str]] = field(default_factory=list)
     next_seq: int = 0
     oldest: int = 0
     closed_time: int = 0
@@ -73,6 +73,13 @@ class _Topic:
 
 def _cursor(seq: int) -> str:
     return f"{seq:032x}"
+
+
+def _record(seq: int, ts: int, data: Any, blob: bool) -> tuple[int, int, Any, str]:
+    """A stored record with its GetRecords JSON, encoded once at append time."""
+    enc = (base64.b64encode(data).decode() if blob
+           else [None if v is None else str(v) for v in data])
+    return seq, ts, data, json.dumps({"Data": enc, "Sequence": seq, "SystemTime": ts})
 
 
 class DatahubDouble:
@@ -143,8 +150,9 @@ class DatahubDouble:
                 raise ValueError(f"shard {shard} is {s.state}")
             now = int(time.time() * 1000) if system_time_ms is None else system_time_ms
             seqs = []
+            blob = self._topics[(project, topic)].record_type == "BLOB"
             for r in records:
-                s.records.append((s.next_seq, now, r))
+                s.records.append(_record(s.next_seq, now, r, blob))
                 seqs.append(s.next_seq)
                 s.next_seq += 1
             return seqs
@@ -221,6 +229,10 @@ class DatahubDouble:
             return hit
 
 
+class _Raw(str):
+    """A response body already encoded as JSON."""
+
+
 class _ApiError(Exception):
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(message)
@@ -234,8 +246,8 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt: str, *args: object) -> None:
         logger.debug("datahub double: " + fmt, *args)
 
-    def _reply(self, status: int, doc: dict) -> None:
-        body = json.dumps(doc).encode()
+    def _reply(self, status: int, doc: Any) -> None:
+        body = (doc if isinstance(doc, _Raw) else json.dumps(doc)).encode()
         headers = {"Content-Type": "application/json",
                    "x-datahub-request-id": uuid.uuid4().hex[:20]}
         wanted = self.headers.get("Accept-Encoding", "")
@@ -352,7 +364,8 @@ class _Handler(BaseHTTPRequestHandler):
             seq = next((r[0] for r in s.records if r[1] >= t), s.next_seq)
         else:
             raise _ApiError(400, "InvalidParameter", f"cursor type {kind}")
-        rec = next((r for r in s.records if r[0] == seq), None)
+        i = seq - s.oldest
+        rec = s.records[i] if 0 <= i < len(s.records) else None
         return {"Cursor": _cursor(seq), "RecordTime": rec[1] if rec else -1, "Sequence": seq}
 
     @staticmethod
@@ -365,14 +378,9 @@ class _Handler(BaseHTTPRequestHandler):
             raise _ApiError(400, "InvalidShardOperation", "The specified shard is sealed")
         start = seq - s.oldest
         out = s.records[start:start + limit]
-        records = []
-        for rseq, ts, data in out:
-            enc = (base64.b64encode(data).decode() if t.record_type == "BLOB"
-                   else [None if v is None else str(v) for v in data])
-            records.append({"Data": enc, "Sequence": rseq, "SystemTime": ts})
         nxt = out[-1][0] + 1 if out else seq
-        return {"NextCursor": _cursor(nxt), "RecordCount": len(records), "StartSeq": seq,
-                "Records": records}
+        head = json.dumps({"NextCursor": _cursor(nxt), "RecordCount": len(out), "StartSeq": seq})
+        return _Raw(head[:-1] + ', "Records": [' + ",".join(r[3] for r in out) + "]}")
 
     @staticmethod
     def _put(t: _Topic, body: dict) -> dict:
@@ -384,7 +392,8 @@ class _Handler(BaseHTTPRequestHandler):
                 s = active[t.rr % len(active)]
                 t.rr += 1
             data = rec["Data"]
-            value = base64.b64decode(data) if t.record_type == "BLOB" else list(data)
-            s.records.append((s.next_seq, now, value))
+            blob = t.record_type == "BLOB"
+            value = base64.b64decode(data) if blob else list(data)
+            s.records.append(_record(s.next_seq, now, value, blob))
             s.next_seq += 1
         return {"FailedRecordCount": 0, "FailedRecords": []}

@@ -479,7 +479,9 @@ class _Handler(BaseHTTPRequestHandler):
                     return self._error(400, "InvalidPart", f"part {n} is missing or its ETag "
                                                           "does not match")
                 data += part[1]
-            obj = _Object(bytes(data), _etag(bytes(data)) + "-M", time.time())
+            # like OSS, a multipart object's ETag is not the MD5 of its content
+            etags = "".join(p[0] for _n, p in sorted(up.parts.items()))
+            obj = _Object(bytes(data), _etag(etags.encode()) + f"-{len(up.parts)}", time.time())
             with o._lock:
                 objs[key] = obj
                 uploads.pop(uid, None)
