@@ -6,7 +6,7 @@ STAMP := $(VENV)/.odl-installed
 PROTO_SRC := $(wildcard protos/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,odl/protos/%_pb2.py,$(PROTO_SRC))
 
-.PHONY: venv protos test demo lint bench clean
+.PHONY: venv protos test demo demo-cloud lint bench clean
 
 venv: $(STAMP)
 
@@ -31,6 +31,10 @@ test: venv protos
 
 demo: venv protos
 	$(BIN)/python -m odl.demo
+
+# The same loop on DataHub and OSS, played by local test doubles (no cloud account needed).
+demo-cloud: venv protos
+	$(BIN)/python -m odl.demo_cloud
 
 lint: venv
 	$(BIN)/ruff check .

@@ -8,6 +8,7 @@ permanent ones fail at once; secrets never show.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -202,3 +203,30 @@ def test_secrets_never_show(oss, caplog) -> None:
              str(oss_health())]
     assert not any(OSS_TEST_SECRET in t for t in texts)
     assert all(key_id == "test-key-id" for *_rest, key_id in oss.requests_log)
+
+
+def test_file_deltas_and_offline_input_on_oss(oss, tmp_path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from odl.inputs.file_source import FileSource
+    from publisher.fs_sink import FsSink, list_versions, read_chunks
+
+    sink = FsSink(f"{ROOT}/deltas")
+    sink.send(3, "gen", [b"one", b"two"])
+    sink.send(4, "gen", [b"three"])
+    oss.put(BUCKET, "odl/deltas/00000000000000000005-gen.delta", b"half")  # no .done marker
+    versions = list(list_versions(f"{ROOT}/deltas"))
+    assert [v.rsplit("/", 1)[-1][:20] for v in versions] == [f"{3:020d}", f"{4:020d}"]
+    assert read_chunks(versions[0]) == [b"one", b"two"]
+
+    file_store.write_bytes(f"{ROOT}/data/part-0.csv", b"a,1\nb,2\n")
+    table = pa.table({"c": ["x", "y"], "n": [1, 2]})
+    pq.write_table(table, tmp_path / "p.parquet")
+    file_store.upload_file(str(tmp_path / "p.parquet"), f"{ROOT}/data/part-1.parquet")
+    src = FileSource(f"{ROOT}/data/part-*", batch_size=10)
+    values = [v for b in src.batches() for v in b.values]
+    assert values[:2] == [b"a,1", b"b,2"]
+    assert [json.loads(v) for v in values[2:]] == [{"c": "x", "n": 1}, {"c": "y", "n": 2}]
+    mirror = file_store.cache_dir_for(f"{ROOT}/data")
+    assert not os.path.exists(mirror) or not os.listdir(mirror)  # downloads removed after use

@@ -1,8 +1,9 @@
 """A loopback test double of Alibaba Cloud DataHub for the real ``pydatahub`` SDK.
 
-``DatahubDouble`` serves DataHub's REST API in its JSON protocol (``DataHub(...,
-enable_pb=False)``, request and response bodies LZ4-compressed when the client asks, as
-``pydatahub`` does by default) from memory on 127.0.0.1:
+``DatahubDouble`` serves DataHub's REST API, JSON protocol and, for reading records, the
+protobuf protocol (``enable_pb=True``: ``DHUB`` frames with crc32c), request and response
+bodies LZ4-compressed when the client asks (``pydatahub``'s default), from memory on
+127.0.0.1:
 
 * ``GET /projects/P/topics/T`` (record type, TUPLE schema), ``GET .../shards`` (state,
   parents, hash ranges);
@@ -27,10 +28,10 @@ no answer) and ``set_down`` (503 for everything until lifted).
 Clients must pass ``user_agent=`` to ``datahub.DataHub``: without it the SDK opens a UDP
 socket towards 8.8.8.8 to find its own address for the default user agent.
 
-What the double does not prove: the protobuf protocol (``enable_pb=True``) and the batch
-protocol (odl uses JSON); request signatures and credentials (any are accepted); real
-limits (request sizes, QPS), latency, retention timing, shard split/merge timing and hash
-ranges; subscriptions and connectors (odl uses neither).
+What the double does not prove: writing in the protobuf protocol and the batch protocol
+(odl only reads; tests load data directly or through JSON); request signatures and
+credentials (any are accepted); real limits (request sizes, QPS), latency, retention
+timing, shard split/merge timing and hash ranges; subscriptions and connectors (odl uses neither).
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Optional
 
 from datahub.models.compress import get_compressor
+from datahub.proto.datahub_record_proto_pb import (
+    FieldData,
+    GetRecordsRequest,
+    GetRecordsResponse,
+    RecordData,
+    RecordEntry,
+)
+from datahub.utils.codec import pb_message_wrap, unwrap_pb_frame
 
 logger = logging.getLogger(__name__)
 
@@ -229,6 +238,9 @@ class DatahubDouble:
             return hit
 
 
+_PROTOBUF = "application/x-protobuf"
+
+
 class _Raw(str):
     """A response body already encoded as JSON."""
 
@@ -247,8 +259,12 @@ class _Handler(BaseHTTPRequestHandler):
         logger.debug("datahub double: " + fmt, *args)
 
     def _reply(self, status: int, doc: Any) -> None:
-        body = (doc if isinstance(doc, _Raw) else json.dumps(doc)).encode()
-        headers = {"Content-Type": "application/json",
+        content_type = "application/json"
+        if isinstance(doc, bytes):
+            body, content_type = doc, _PROTOBUF
+        else:
+            body = (doc if isinstance(doc, _Raw) else json.dumps(doc)).encode()
+        headers = {"Content-Type": content_type,
                    "x-datahub-request-id": uuid.uuid4().hex[:20]}
         wanted = self.headers.get("Accept-Encoding", "")
         comp = get_compressor(wanted) if wanted in ("lz4", "deflate", "zlib") else None
@@ -276,6 +292,18 @@ class _Handler(BaseHTTPRequestHandler):
         if enc:
             raw = get_compressor(enc).decompress(
                 raw, int(self.headers.get("x-datahub-content-raw-size", "-1")))
+        if self.headers.get("Content-Type", "").startswith(_PROTOBUF):
+            # the protobuf protocol: a "DHUB" frame (crc32c, length) around the message
+            action = self.headers.get("x-datahub-request-action", "")
+            if action != "sub":
+                raise _ApiError(400, "InvalidParameter", f"protobuf {action!r} is not "
+                                                         "implemented by the double")
+            crc, computed, pb = unwrap_pb_frame(raw)
+            if crc != computed:
+                raise _ApiError(400, "InvalidParameter", "protobuf frame crc mismatch")
+            req = GetRecordsRequest()
+            req.ParseFromString(pb)
+            return {"Action": "sub", "Cursor": req.cursor, "Limit": req.limit, "_pb": True}
         return json.loads(raw) if raw else {}
 
     def _handle(self) -> None:
@@ -313,7 +341,7 @@ class _Handler(BaseHTTPRequestHandler):
             raise _ApiError(404, "NoSuchTopic", f"The specified topic {topic} does not exist.")
         return t
 
-    def _route(self, body: dict) -> dict:
+    def _route(self, body: dict) -> Any:
         parts = [p for p in self.path.split("?")[0].split("/") if p]
         if len(parts) < 4 or parts[0] != "projects" or parts[2] != "topics":
             raise _ApiError(400, "InvalidUriSpec", f"unsupported path {self.path}")
@@ -343,6 +371,8 @@ class _Handler(BaseHTTPRequestHandler):
                 if body.get("Action") == "cursor":
                     return self._cursor(shard, body)
                 if body.get("Action") == "sub":
+                    if body.get("_pb"):
+                        return self._get_pb(t, shard, body)
                     return self._get(t, shard, body)
         raise _ApiError(400, "InvalidParameter", f"unsupported request {self.command} "
                                                  f"{self.path} {body.get('Action')}")
@@ -368,8 +398,14 @@ class _Handler(BaseHTTPRequestHandler):
         rec = s.records[i] if 0 <= i < len(s.records) else None
         return {"Cursor": _cursor(seq), "RecordTime": rec[1] if rec else -1, "Sequence": seq}
 
+    def _get(self, t: _Topic, s: _Shard, body: dict) -> Any:
+        seq, out = self._check_read(s, body)
+        nxt = out[-1][0] + 1 if out else seq
+        head = json.dumps({"NextCursor": _cursor(nxt), "RecordCount": len(out), "StartSeq": seq})
+        return _Raw(head[:-1] + ', "Records": [' + ",".join(r[3] for r in out) + "]}")
+
     @staticmethod
-    def _get(t: _Topic, s: _Shard, body: dict) -> dict:
+    def _check_read(s: _Shard, body: dict) -> tuple[int, list]:
         seq = int(body["Cursor"], 16)
         limit = max(1, min(int(body.get("Limit", 10)), 1000))
         if seq < s.oldest:
@@ -377,10 +413,27 @@ class _Handler(BaseHTTPRequestHandler):
         if seq >= s.next_seq and s.state == "CLOSED":
             raise _ApiError(400, "InvalidShardOperation", "The specified shard is sealed")
         start = seq - s.oldest
-        out = s.records[start:start + limit]
-        nxt = out[-1][0] + 1 if out else seq
-        head = json.dumps({"NextCursor": _cursor(nxt), "RecordCount": len(out), "StartSeq": seq})
-        return _Raw(head[:-1] + ', "Records": [' + ",".join(r[3] for r in out) + "]}")
+        return seq, s.records[start:start + limit]
+
+    def _get_pb(self, t: _Topic, s: _Shard, body: dict) -> bytes:
+        seq, out = self._check_read(s, body)
+        resp = GetRecordsResponse()
+        resp.next_cursor = _cursor(out[-1][0] + 1 if out else seq)
+        resp.record_count = len(out)
+        resp.start_sequence = seq
+        for rseq, ts, data, _json in out:
+            entry = RecordEntry()
+            entry.sequence, entry.system_time = rseq, ts
+            entry.data = RecordData()
+            values = [data] if t.record_type == "BLOB" else [
+                None if v is None else str(v).encode() for v in data]
+            for v in values:
+                fd = FieldData()
+                if v is not None:
+                    fd.value = v
+                entry.data.data.append(fd)
+            resp.records.append(entry)
+        return pb_message_wrap(resp.SerializeToString())
 
     @staticmethod
     def _put(t: _Topic, body: dict) -> dict:

@@ -41,6 +41,9 @@ from odl.storage.oss_credentials import OssCredentials, oss_credentials
 from odl.storage.storage_path import OSS_SCHEME, OssLocation
 
 logger = logging.getLogger(__name__)
+# oss2 logs every non-2xx answer at INFO (a missing OSS_STOP_SIGNAL every poll); the
+# failures that matter are logged here, once, with the operation and path
+logging.getLogger("oss2").setLevel(logging.WARNING)
 
 T = TypeVar("T")
 
