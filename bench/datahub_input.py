@@ -28,7 +28,6 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,14 +41,14 @@ from datahub.models import BlobRecord  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.config.pipeline_config import load_pipeline_config  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
+from odl.harness.loopback_server import run_in_child  # noqa: E402
 from odl.harness.topic_records import make_records  # noqa: E402
 from odl.inputs.datahub_source import DatahubSource, parse_datahub_start  # noqa: E402
 from odl.train.torch_runtime import configure_torch_threads  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
 
-_DOUBLE = ("import sys; from odl.harness.datahub_double import DatahubDouble; "
-           "d = DatahubDouble(); d.start(); d.create_topic('bench', 'samples', shards=int("
-           "sys.argv[1])); print(d.endpoint, flush=True); sys.stdin.read(); d.stop()")
+_DOUBLE = ("from odl.harness.datahub_double import DatahubDouble\n"
+           "d = DatahubDouble().start()\nd.create_topic('bench', 'samples', shards={shards})")
 
 
 def _read(endpoint: str, batch_size: int, total: int, builder=None) -> tuple[float, float]:
@@ -79,10 +78,8 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     configure_torch_threads(0)
     work = tempfile.mkdtemp(prefix="odl-bench-datahub-")
-    double = subprocess.Popen([sys.executable, "-c", _DOUBLE, str(args.shards)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    double, endpoint = run_in_child(_DOUBLE.format(shards=args.shards))
     try:
-        endpoint = double.stdout.readline().strip()
         _ids, values = make_records(args.records, seed=3)
         client = DataHub("bench", "bench", endpoint, enable_pb=False, user_agent="bench")
         t0 = time.perf_counter()

@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,11 +33,11 @@ import torch  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.checkpoint.checkpoint_manager import CheckpointManager, read_checkpoint  # noqa: E402
+from odl.harness.loopback_server import run_in_child  # noqa: E402
 from odl.storage.file_store import cache_dir_for  # noqa: E402
 from odl.storage.oss_store import oss_health, reset_oss_store  # noqa: E402
 
-_DOUBLE = ("import sys; from odl.harness.oss_double import OssDouble; d = OssDouble(); "
-           "d.start(); print(d.endpoint, flush=True); sys.stdin.read(); d.stop()")
+_DOUBLE = "from odl.harness.oss_double import OssDouble\nd = OssDouble().start()"
 
 
 def _state(rows: int, dim: int) -> dict:
@@ -72,10 +71,8 @@ def main() -> int:
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     work = tempfile.mkdtemp(prefix="odl-bench-oss-")
-    double = subprocess.Popen([sys.executable, "-c", _DOUBLE], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
+    double, endpoint = run_in_child(_DOUBLE)
     try:
-        endpoint = double.stdout.readline().strip()
         os.environ.update({"OSS_ACCESS_KEY_ID": "bench", "OSS_ACCESS_KEY_SECRET": "bench",
                            "OSS_ENDPOINT": endpoint,
                            "ODL_CACHE_DIR": os.path.join(work, "cache")})

@@ -85,6 +85,17 @@ def _show_serving(st: dict) -> None:
     )
 
 
+def _stop_all(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM every process still running; SIGKILL one that has not exited after 60 s."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -282,13 +293,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         _say(f"FAILED: {type(exc).__name__}: {exc}")
         return 1
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        _stop_all(procs)
         broker.stop(timeout=60)
         for name, ok in checks.items():
             _say(f"{'ok  ' if ok else 'FAIL'} {name}")

@@ -31,7 +31,15 @@ import time
 from typing import Optional
 
 from odl.broker.embedded_broker import EmbeddedBroker
-from odl.demo import _free_port, _get, _py, _say, _show_serving, _show_trainer
+from odl.demo import (
+    _free_port,
+    _get,
+    _py,
+    _say,
+    _show_serving,
+    _show_trainer,
+    _stop_all,
+)
 from odl.harness.datahub_double import DatahubDouble
 from odl.harness.oss_double import OssDouble
 from odl.kafka.topic_admin import create_topic
@@ -167,13 +175,7 @@ def main(argv: Optional[list[str]] = None) -> int:  # noqa: C901 - one linear st
         _say(f"FAILED: {type(exc).__name__}: {exc}")
         return 1
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.terminate()
-                try:
-                    p.wait(timeout=60)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        _stop_all(procs)
         broker.stop(timeout=60)
         oss.stop()
         dh.stop()

@@ -43,7 +43,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Optional
 
 from datahub.models.compress import get_compressor
@@ -55,6 +55,8 @@ from datahub.proto.datahub_record_proto_pb import (
     RecordEntry,
 )
 from datahub.utils.codec import pb_message_wrap, unwrap_pb_frame
+
+from odl.harness.loopback_server import LoopbackServer
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +93,7 @@ def _record(seq: int, ts: int, data: Any, blob: bool) -> tuple[int, int, Any, st
     return seq, ts, data, json.dumps({"Data": enc, "Sequence": seq, "SystemTime": ts})
 
 
-class DatahubDouble:
+class DatahubDouble(LoopbackServer):
     """In-memory DataHub on loopback (see the module docstring).
 
     Args:
@@ -99,47 +101,13 @@ class DatahubDouble:
     """
 
     def __init__(self, port: int = 0) -> None:
-        self._port = port
+        super().__init__(_Handler, port)
         self._lock = threading.Lock()
         self._topics: dict[tuple[str, str], _Topic] = {}
         self._faults: list[dict[str, Any]] = []
         self._down = False
         self.request_count = 0
         self.requests_log: list[tuple[str, str, int]] = []
-        self._server: Optional[ThreadingHTTPServer] = None
-
-    # ---------------------------------------------------------------- lifecycle
-    @property
-    def endpoint(self) -> str:
-        """``http://127.0.0.1:PORT``."""
-        assert self._server is not None, "not started"
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
-
-    def start(self) -> DatahubDouble:
-        """Starts serving; ready when this returns."""
-        double = self
-
-        class Handler(_Handler):
-            owner = double
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", self._port), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True,
-                         name="datahub-double").start()
-        return self
-
-    def stop(self) -> None:
-        """Stops serving."""
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self) -> DatahubDouble:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     # ---------------------------------------------------------------- data set-up
     def create_topic(self, project: str, topic: str, shards: int = 1,
