@@ -40,7 +40,7 @@ class LoopbackServer:
         handler = type("Handler", (self._handler,), {"owner": self})
         self._server = ThreadingHTTPServer(("127.0.0.1", self._port), handler)
         self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, daemon=True,
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True,
                          name=type(self).__name__).start()
         return self
 

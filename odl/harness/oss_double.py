@@ -547,6 +547,8 @@ class _Handler(BaseHTTPRequestHandler):
     _request_id = ""
     _swallow = False
     _status = 0
+    _key_id = ""
+    _logged = True
 
     def version_string(self) -> str:
         return "AliyunOSS"
@@ -586,13 +588,20 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return data
 
+    def _record(self, status: int) -> None:
+        """Logs this request once, before its answer leaves (a client never sees it first)."""
+        self._status = status
+        if not self._logged:
+            self._logged = True
+            with self.owner._lock:
+                self.owner.requests_log.append((self.command, self._path, self._query_text,
+                                                status, self._key_id))
+
     def _send(self, status: int, body: bytes = b"",
               headers: Optional[dict[str, str]] = None) -> None:
-        self._status = status
         if self._swallow:  # drop_next(applied=True): carried out, never answered
-            self._status = -1
-            self.close_connection = True
-            return
+            return self._close_unanswered()
+        self._record(status)
         headers = dict(headers or {})
         try:
             self.send_response(status)
@@ -633,7 +642,7 @@ class _Handler(BaseHTTPRequestHandler):
                    {"Content-Type": "application/xml", **(headers or {})})
 
     def _close_unanswered(self) -> None:
-        self._status = -1
+        self._record(-1)
         self.close_connection = True
 
     # ---------------------------------------------------------------- one request
@@ -641,6 +650,7 @@ class _Handler(BaseHTTPRequestHandler):
         o = self.owner
         self._status = 0
         self._swallow = False
+        self._logged = False
         self._request_id = uuid.uuid4().hex[:24].upper()
         parts = urlsplit(self.path)
         self._path = unquote(parts.path)
@@ -649,7 +659,7 @@ class _Handler(BaseHTTPRequestHandler):
         bucket, _, key = self._path.lstrip("/").partition("/")
         method = self.command
         headers = {k.lower(): v for k, v in self.headers.items()}
-        key_id = _access_key_id(headers, query)
+        key_id = self._key_id = _access_key_id(headers, query)
         operation = _operation(method, key, query)
         o._count(method, operation)
         try:
@@ -660,7 +670,7 @@ class _Handler(BaseHTTPRequestHandler):
                 logger.debug("oss double: dropping %s %s after %s body bytes", method,
                              self._path, "?" if body is None else len(body))
                 return self._close_unanswered()
-            body = self._read_body() if method in ("PUT", "POST") else b""
+            body = self._read_body()
             if body is None:  # the client went away mid-body: nothing is stored
                 logger.debug("oss double: %s %s: the client closed mid-body", method, self._path)
                 return self._close_unanswered()
@@ -678,10 +688,11 @@ class _Handler(BaseHTTPRequestHandler):
                 self._dispatch(operation, bucket, key, query, headers, body)
             except _Reply as reply:
                 self._error(reply)
+            except Exception as exc:  # a bug in the double: say so, loudly
+                logger.exception("oss double: %s %s failed", method, self._path)
+                self._error(_Reply(500, "InternalError", f"OSS test double bug: {exc!r}"))
         finally:
-            with o._lock:
-                o.requests_log.append((method, self._path, self._query_text, self._status,
-                                       key_id))
+            self._record(self._status)  # when an exception escaped before any answer
 
     do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle  # noqa: N815
 
