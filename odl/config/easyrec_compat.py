@@ -60,7 +60,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "kv_separator", "seq_multi_sep", "max_seq_len", "vocab_file", "vocab_list",
         "shared_names", "lookup_max_sel_elem_num", "max_partitions", "initializer",
         "precision", "min_val", "max_val", "normalizer_fn", "sequence_combiner",
-        "sub_feature_type", "sequence_length", "expression", "ev_params", "combo_input_seps",
+        "sub_feature_type", "sequence_length", "expression", "combo_input_seps",
         # TorchEasyRec's per-kind feature messages.
         "id_feature", "raw_feature", "combo_feature", "lookup_feature", "match_feature",
         "expr_feature", "overlap_feature", "tokenize_feature", "custom_feature",
@@ -71,7 +71,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "model_name", "model_params", "dummy", "wide_and_deep", "multi_tower", "fm", "dcn",
         "autoint", "dlrm", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat", "mmoe", "esmm", "dbmtl",
-        "simple_multi_task", "ple", "rocket_launching", "seq_att_groups", "ev_params", "kd",
+        "simple_multi_task", "ple", "rocket_launching", "seq_att_groups", "kd",
         "restore_filters", "variational_dropout", "loss_weight_strategy", "backbone",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet", "wukong",
         "rank_model", "metrics", "train_metrics",

@@ -10,7 +10,9 @@ Formula (bytes; every value is fp32, 4 bytes):
   (``embedding_name``, or the feature name) with a feature in a ``DEEP`` / ``WIDE_AND_DEEP``
   group is a deep table of ``rows x embedding_dim``; each with a feature in a ``WIDE`` /
   ``WIDE_AND_DEEP`` group is also a wide table of ``rows x ceil4(wide_output_dim)``.
-  ``rows`` = ``hash_bucket_size``, ``num_buckets`` or ``len(boundaries) + 1``.
+  ``rows`` = ``hash_bucket_size``, ``num_buckets`` or ``len(boundaries) + 1``; a dynamic
+  table's capacity, plus 56 bytes per row (72 with show / click) for its id index and
+  counters and 32 MiB at most for its admission sketch.
   ``tables = 4 x sum(rows x stored dim)``.
 * Table optimizer state (fbgemm's fused optimizer, one state per table):
   ``sgd`` none; ``adagrad`` (element-wise, odl's default and EasyRec's) ``rows x dim``
@@ -53,6 +55,7 @@ import os
 from dataclasses import dataclass, field
 
 from odl.config.config_error import ConfigError
+from odl.config.dynamic_table_config import dynamic_table_spec
 from odl.config.feature_configs import feature_configs
 from odl.config.optimizer_support import optimizer_choices
 from odl.protos import pipeline_pb2
@@ -76,6 +79,9 @@ BYTES_PER_VALUE = 4
 RUNTIME_BYTES = 512 << 20
 METRICS_BYTES_PER_SAMPLE = 48
 ACTIVATION_COPIES = 3
+# A dynamic table's id index (row ids, 2 hash slots, free stack) and row counters (sightings,
+# last step, last time), per row; show / click add 16 (odl.models.dynamic_table).
+DYNAMIC_MAP_BYTES_PER_ROW = 56
 WIDE_DIM_ALIGN = 4  # odl.models.embedding_tables.WIDE_DIM_ALIGN (not imported: no torch here)
 
 DEFAULT_MAX_MEMORY_FRACTION = 0.8
@@ -99,7 +105,7 @@ class TableEstimate:
         rows: number of rows.
         dim: stored columns.
         weight_bytes: ``4 x rows x dim``.
-        state_bytes: its optimizer state.
+        state_bytes: its optimizer state (and a dynamic table's id index and counters).
     """
 
     name: str
@@ -187,10 +193,25 @@ def _gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
-def _rows(fc: pipeline_pb2.FeatureConfig) -> int:
+def _rows(fc: pipeline_pb2.FeatureConfig, model_ev: pipeline_pb2.EVParams | None) -> int:
     if fc.feature_type == _FT.RawFeature:
         return len(fc.boundaries) + 1
+    dyn = dynamic_table_spec(fc, model_ev, "feature")
+    if dyn is not None:
+        return dyn.capacity
     return int(fc.hash_bucket_size or fc.num_buckets)
+
+
+def _map_bytes(fc: pipeline_pb2.FeatureConfig, model_ev: pipeline_pb2.EVParams | None) -> int:
+    """Bytes of a dynamic table's id index, counters and sketch (0 for a fixed table)."""
+    if fc.feature_type == _FT.RawFeature:
+        return 0
+    dyn = dynamic_table_spec(fc, model_ev, "feature")
+    if dyn is None:
+        return 0
+    per_row = DYNAMIC_MAP_BYTES_PER_ROW + (16 if dyn.keeps_scores else 0)
+    sketch = 32 * min(max(dyn.capacity, 1024), 1 << 20) if dyn.counts_candidates else 0
+    return per_row * dyn.capacity + sketch
 
 
 def _embedded(fc: pipeline_pb2.FeatureConfig) -> bool:
@@ -240,12 +261,14 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
 
     tables: dict[str, TableEstimate] = {}
 
-    def add_table(name: str, rows: int, dim: int) -> None:
+    model_ev = mc.ev_params if mc.HasField("ev_params") else None
+
+    def add_table(name: str, rows: int, dim: int, map_bytes: int = 0) -> None:
         if name in tables:
             return
         tables[name] = TableEstimate(
             name, rows, dim, BYTES_PER_VALUE * rows * dim,
-            BYTES_PER_VALUE * rows * (per_row + per_value * dim))
+            BYTES_PER_VALUE * rows * (per_row + per_value * dim) + map_bytes)
 
     deep_in = pooled = fm_dim = 0
     for name in deep_feats:
@@ -256,7 +279,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
             deep_in += 1
             continue
         dim = int(fc.embedding_dim)
-        add_table(fc.embedding_name or name, _rows(fc), dim)
+        add_table(fc.embedding_name or name, _rows(fc, model_ev), dim, _map_bytes(fc, model_ev))
         deep_in += dim
         pooled += dim
         fm_dim = max(fm_dim, dim)
@@ -268,7 +291,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
         if not _embedded(fc):
             wide_dense += 1
             continue
-        add_table(f"{fc.embedding_name or name}_wide", _rows(fc), wide_dim)
+        add_table(f"{fc.embedding_name or name}_wide", _rows(fc, model_ev), wide_dim)
         pooled += wide_dim
 
     d = mc.deepfm

@@ -23,6 +23,7 @@ from typing import Any
 
 from odl.config import limits
 from odl.config.config_error import ConfigError
+from odl.config.dynamic_table_config import dynamic_table_spec
 from odl.config.feature_configs import (
     EMBEDDED_FEATURE_TYPES,
     NUMERIC_FIELD_TYPES,
@@ -63,7 +64,9 @@ def validate_features(
         raise ConfigError(prefix, "no features configured")
     label = config.data_config.label_fields[0]
     by_name: dict[str, FeatureConfig] = {}
-    tables: dict[str, tuple[int, int, int, str]] = {}
+    tables: dict[str, tuple] = {}
+    mc = config.model_config
+    model_ev = mc.ev_params if mc.HasField("ev_params") else None
     for i, fc in enumerate(features):
         where = f"{prefix}[{i}]"
         kind = _FT.Name(fc.feature_type)
@@ -90,7 +93,17 @@ def validate_features(
         if fc.feature_type in EMBEDDED_FEATURE_TYPES:
             if fc.embedding_dim <= 0:
                 raise ConfigError(f"{where}.embedding_dim", f"a {kind} needs embedding_dim > 0")
-            if bool(fc.hash_bucket_size) == bool(fc.num_buckets):
+            dyn = dynamic_table_spec(fc, model_ev, where)
+            if dyn is not None:
+                if fc.hash_bucket_size and fc.num_buckets:
+                    raise ConfigError(f"{where}.hash_bucket_size",
+                                      f"a {kind} takes at most one of hash_bucket_size / "
+                                      "num_buckets")
+                if dyn.capacity > limits.MAX_TABLE_ROWS:
+                    raise ConfigError(f"{where}.{dyn.form}",
+                                      f"{dyn.capacity:,} rows is above the limit of "
+                                      f"{limits.MAX_TABLE_ROWS:,} (2**31 - 1) rows per table")
+            elif bool(fc.hash_bucket_size) == bool(fc.num_buckets):
                 raise ConfigError(f"{where}.hash_bucket_size",
                                   f"a {kind} needs exactly one of hash_bucket_size / num_buckets")
             for size_field in ("hash_bucket_size", "num_buckets"):
@@ -139,11 +152,12 @@ def validate_features(
                               f"{fc.embedding_dim} is above the limit of "
                               f"{limits.MAX_EMBEDDING_DIM}")
         table = fc.embedding_name or fc.feature_name
-        shape = (fc.embedding_dim, fc.hash_bucket_size, fc.num_buckets, kind)
+        shape = (fc.embedding_dim, fc.hash_bucket_size, fc.num_buckets, kind,
+                 dynamic_table_spec(fc, model_ev, where))
         if fc.embedding_name and table in tables and tables[table] != shape:
             raise ConfigError(f"{where}.embedding_name",
                               f"features sharing embedding {table!r} must have the same "
-                              "embedding_dim, bucket sizes and type")
+                              "embedding_dim, bucket sizes, type and dynamic-table settings")
         tables.setdefault(table, shape)
     return by_name
 

@@ -17,6 +17,12 @@ Feature kinds (``FeatureConfig.feature_type``):
   in a table of ``len(boundaries) + 1`` rows (bucket i is ``[b[i-1], b[i])``).
 * ``ComboFeature``: row = ``fnv1a64(v1 + combo_join_sep + v2 + ...) % hash_bucket_size`` over
   the input values' texts (not split); no id when any input is empty.
+* Features of a *dynamic* table (``ev_params`` / ``zch`` / ``ctr_accessor_param``, see
+  ``odl.config.dynamic_table_config``) are not reduced to a bucket: their ids are *raw ids*
+  in ``[0, 2**63)``, the 63 low bits of the FNV-1a hash for hashed and combo features and the
+  integer itself for ``num_buckets`` features (a negative integer keeps its 63 low bits, so
+  -1 becomes 2**63 - 1). The trainer and serving map raw ids to rows
+  (``odl.models.dynamic_table``, ``odl.features.raw_id_index``).
 
 Tables: features with the same ``embedding_name`` share one table (their row count and
 dimension must agree); otherwise a feature's table is named after the feature.
@@ -55,8 +61,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from odl.config.config_error import ConfigError
+from odl.config.dynamic_table_config import DynamicTableSpec, dynamic_table_spec
 from odl.config.feature_configs import feature_configs
 from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments
+from odl.features.raw_id_index import RAW_ID_MASK
 from odl.features.record_parser import ParsedColumns, RecordParser, parse_numbers
 from odl.protos import pipeline_pb2
 
@@ -86,6 +94,8 @@ class TableSpec:
         dim: embedding dimension (0 when no feature gave one, e.g. wide-only features).
         feature_names: features looked up in this table, in config order.
         pooling: ``"sum"`` or ``"mean"`` (the features' ``combiner``).
+        dynamic: the admission / eviction settings of a dynamic table (its features give
+            raw ids and ``num_rows`` is its capacity); None for a fixed table.
     """
 
     name: str
@@ -93,6 +103,7 @@ class TableSpec:
     dim: int
     feature_names: tuple[str, ...]
     pooling: str = "sum"
+    dynamic: DynamicTableSpec | None = None
 
 
 @dataclass
@@ -156,6 +167,7 @@ class _Sparse:
     separator: bytes = b""
     combo_sep: bytes = b""
     boundaries: np.ndarray | None = None
+    raw_ids: bool = False
 
 
 class FeatureBuilder:
@@ -200,9 +212,12 @@ class FeatureBuilder:
         numeric_fields: list[str] = []
         list_seps: dict[str, str] = {}
         seen: set[str] = set()
+        mc = pipeline_config.model_config
+        model_ev = mc.ev_params if mc.HasField("ev_params") else None
         for i, fc in enumerate(feature_configs(pipeline_config)):
             path = f"feature_configs[{i}]"
             name = fc.feature_name
+            dyn = dynamic_table_spec(fc, model_ev, path)
             if not fc.input_names:
                 raise ConfigError(f"{path}.input_names", "a feature needs at least one input")
             if name in seen:
@@ -228,7 +243,8 @@ class FeatureBuilder:
                     raise ConfigError(f"{path}.boundaries", "must be strictly ascending")
                 sp = _Sparse(name, "bucket", (inp0,), len(b) + 1, boundaries=b)
             elif fc.feature_type == _FT.IdFeature:
-                if bool(fc.hash_bucket_size) == bool(fc.num_buckets):
+                if bool(fc.hash_bucket_size) == bool(fc.num_buckets) and not (
+                        dyn is not None and not fc.num_buckets):
                     raise ConfigError(
                         f"{path}.hash_bucket_size",
                         "an IdFeature needs exactly one of hash_bucket_size or num_buckets")
@@ -236,13 +252,18 @@ class FeatureBuilder:
                     raise ConfigError(f"{path}.separator", "must not be empty")
                 kind = "hash" if fc.hash_bucket_size else "int"
                 rows = int(fc.hash_bucket_size or fc.num_buckets)
-                sp = _Sparse(name, kind, (inp0,), rows, separator=fc.separator.encode())
+                if dyn is not None:
+                    kind = "int" if fc.num_buckets and not fc.hash_bucket_size else "hash"
+                    rows = dyn.capacity
+                sp = _Sparse(name, kind, (inp0,), rows, separator=fc.separator.encode(),
+                             raw_ids=dyn is not None)
                 list_seps[inp0] = fc.separator
             elif fc.feature_type == _FT.ComboFeature:
-                if not fc.hash_bucket_size:
+                if not fc.hash_bucket_size and dyn is None:
                     raise ConfigError(f"{path}.hash_bucket_size", "a ComboFeature needs it")
-                sp = _Sparse(name, "combo", tuple(fc.input_names), int(fc.hash_bucket_size),
-                             combo_sep=fc.combo_join_sep.encode())
+                rows = dyn.capacity if dyn is not None else int(fc.hash_bucket_size)
+                sp = _Sparse(name, "combo", tuple(fc.input_names), rows,
+                             combo_sep=fc.combo_join_sep.encode(), raw_ids=dyn is not None)
             else:
                 raise ConfigError(f"{path}.feature_type", "unsupported feature type")
             if fc.combiner not in ("sum", "mean"):
@@ -250,7 +271,13 @@ class FeatureBuilder:
             self._sparse.append(sp)
             tname = fc.embedding_name or name
             t = tables.setdefault(
-                tname, {"rows": sp.num_rows, "dim": 0, "features": [], "pooling": fc.combiner})
+                tname, {"rows": sp.num_rows, "dim": 0, "features": [], "pooling": fc.combiner,
+                        "dynamic": dyn})
+            if t["dynamic"] != dyn:
+                raise ConfigError(
+                    f"{path}.embedding_name",
+                    f"table {tname!r} is shared by features with different dynamic-table "
+                    "settings (ev_params / zch / ctr_accessor_param must agree)")
             if t["rows"] != sp.num_rows:
                 raise ConfigError(
                     f"{path}.embedding_name",
@@ -268,7 +295,7 @@ class FeatureBuilder:
                                   f"table {tname!r} is shared by features with different combiners")
             t["features"].append(name)
         self._tables = [
-            TableSpec(n, t["rows"], t["dim"], tuple(t["features"]), t["pooling"])
+            TableSpec(n, t["rows"], t["dim"], tuple(t["features"]), t["pooling"], t["dynamic"])
             for n, t in tables.items()
         ]
         self._feature_to_table = {f: t.name for t in self._tables for f in t.feature_names}
@@ -499,10 +526,11 @@ class FeatureBuilder:
         for sp in self._sparse:
             if sp.kind == "hash":
                 _, _, lengths = pieces[sp.name]
-                ids = bucketize_hashes(hashed[sp.name], sp.num_rows)
+                ids = (_raw_ids(hashed[sp.name]) if sp.raw_ids
+                       else bucketize_hashes(hashed[sp.name], sp.num_rows))
             elif sp.kind == "int":
                 _, _, lengths, ints = pieces[sp.name]
-                ids = np.mod(ints, sp.num_rows)
+                ids = _raw_ids(ints) if sp.raw_ids else np.mod(ints, sp.num_rows)
             elif sp.kind == "bucket":
                 v = parsed.numeric[sp.inputs[0]]
                 ids = np.searchsorted(sp.boundaries, v, side="right").astype(np.int64)
@@ -544,8 +572,13 @@ class FeatureBuilder:
                 for byte in sp.combo_sep:
                     h = (h ^ np.uint64(byte)) * prime
             h = hash_segments(buf, s, e, init=h)
-        ids = bucketize_hashes(h[nonempty], sp.num_rows)
+        ids = _raw_ids(h[nonempty]) if sp.raw_ids else bucketize_hashes(h[nonempty], sp.num_rows)
         return ids, nonempty.astype(np.int64)
+
+
+def _raw_ids(values: np.ndarray) -> np.ndarray:
+    """The 63 low bits of hashes or integers as ``int64`` raw ids (module docstring)."""
+    return (np.asarray(values).astype(np.uint64) & np.uint64(RAW_ID_MASK)).astype(np.int64)
 
 
 def _split(

@@ -189,7 +189,8 @@ class CrashRecovery:
             var_map = (
                 read_var_map(tc.fine_tune_ckpt_var_map) if tc.fine_tune_ckpt_var_map else None
             )
-            report = self._module.load_parameters(ckpt.state["model"], var_map)
+            report = self._module.load_parameters(ckpt.state["model"], var_map,
+                                                  ckpt.state.get("dynamic_tables"))
             logger.info("warm-started parameters from %s: %s", path, report)
         return RestoredState()
 

@@ -21,12 +21,22 @@ Checkpoint state (``state_dict_for_checkpoint``), all plain CPU tensors::
     }
 
 Table weights are full tensors (one worker holds every shard). Wide tables keep their stored
-width (see ``odl.models.embedding_tables``).
+width (see ``odl.models.embedding_tables``). A model with dynamic tables
+(``odl.models.dynamic_table``) adds ``"dynamic_tables"``: ``DynamicTables.state_dict()``
+(id index, free rows, counters, sketch, pending deletes; tensors) plus ``"stream_time"``.
+
+Dynamic tables: a training step first maps the batch's raw ids to rows
+(``DynamicTables.remap``: admission, eviction), resets the weights and table-optimizer state
+of the rows evicted to make room (``reset_embedding_rows``, accumulators to 0), trains, then
+runs the tables' maintenance pass when due (expiry) and resets those rows too. ``predict``
+maps without admitting. Stream time for the tables is the newest event time trained on when
+the batches carry event times, else the clock.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,7 +54,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.embedding_tables import init_embedding_weights
+from odl.models.dynamic_table import DynamicTable, DynamicTables
+from odl.models.embedding_tables import WIDE_SUFFIX, init_embedding_weights, reset_embedding_rows
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
 from odl.train.optimizer_builder import (
@@ -189,6 +200,17 @@ class TrainModule:
             data_parallel_wrapper=_NoDataParallel(),
         )
         init_embedding_weights(self.embedding_tables(), self._seed)
+        specs = {s.name: s for s in feature_builder.table_specs
+                 if s.dynamic is not None and s.name in set(tables) | {
+                     t[: -len(WIDE_SUFFIX)] for t in tables if t.endswith(WIDE_SUFFIX)}}
+        self.dynamic = DynamicTables({n: s.dynamic for n, s in specs.items()},
+                                     {n: s.feature_names for n, s in specs.items()}, self._seed)
+        self._dynamic_torch_tables = {
+            base: [t for t in (base, base + WIDE_SUFFIX) if t in tables] for base in specs}
+        self._dynamic_of_torch = {t: self.dynamic.tables[base]
+                                  for base, ts in self._dynamic_torch_tables.items() for t in ts}
+        self._row_views: tuple[dict, dict] | None = None
+        self._stream_time = 0.0
         self._dense_opt = make_dense_optimizer(self._dense_spec, self._dense_module().parameters())
         self.global_step = 0
         self._lrs: tuple[float, float] | None = None
@@ -230,6 +252,10 @@ class TrainModule:
         out.update({f"dense.{k}": v for k, v in d.named_buffers()})
         return out
 
+    def dynamic_table(self, table: str) -> DynamicTable | None:
+        """The dynamic table behind a TorchRec table (``<t>`` or ``<t>_wide``), else None."""
+        return self._dynamic_of_torch.get(table)
+
     def feature_tables(self) -> dict[str, list[str]]:
         """Embedded feature name -> tables it is looked up in (deep and wide)."""
         return self._module().layout.feature_tables()
@@ -262,6 +288,36 @@ class TrainModule:
         """
         self._touched_rows_hook = hook
 
+    def _stream_now(self, batch: Batch) -> float:
+        if batch.event_times is not None and len(batch.event_times):
+            self._stream_time = max(self._stream_time, float(np.max(batch.event_times)))
+            return self._stream_time
+        return time.time()
+
+    def _row_state_views(self) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
+        """Live table weights and table-optimizer state tensors (cached views)."""
+        if self._row_views is None:
+            tables = self.embedding_tables()
+            states: dict[str, list[torch.Tensor]] = {}
+            for pname, st in self._dmp.fused_optimizer.state_dict()["state"].items():
+                states[pname] = [_local_view(v) for v in st.values()
+                                 if isinstance(v, torch.Tensor) or hasattr(v, "local_shards")]
+            self._row_views = (tables, states)
+        return self._row_views
+
+    @torch.no_grad()
+    def _reset_rows(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
+        """Fresh weights and zero optimizer state for evicted rows of dynamic tables."""
+        tables, states = self._row_state_views()
+        for base, rows in evicted.items():
+            r = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+            for t in self._dynamic_torch_tables[base]:
+                w = tables[t]
+                reset_embedding_rows(t, w, r, self._seed, step)
+                for v in states.get(f"{EBC_PREFIX}{t}.weight", []):
+                    if v.dim() >= 1 and v.shape[0] == w.shape[0]:
+                        v.index_fill_(0, r.to(v.device), 0)
+
     def record_touched_rows(self, kjt: KeyedJaggedTensor) -> None:
         """Called by ``train_step`` with the batch's ids (after the update)."""
         if self._touched_rows_hook is not None:
@@ -279,6 +335,13 @@ class TrainModule:
             dropout (the step's forward runs in train mode).
         """
         self._set_lrs()
+        now = 0.0
+        if self.dynamic:
+            now = self._stream_now(batch)
+            remapped = self.dynamic.remap(batch, self.global_step + 1, now, admit=True)
+            batch = remapped.batch
+            if remapped.evicted:
+                self._reset_rows(remapped.evicted, self.global_step + 1)
         batch = batch.to(self.device)
         self._dmp.train()
         output = self._dmp(batch)
@@ -303,12 +366,18 @@ class TrainModule:
         self._dense_opt.step()
         self.global_step += 1
         self.record_touched_rows(batch.sparse)
+        if self.dynamic:
+            expired = self.dynamic.maintain(self.global_step, now)
+            if expired:
+                self._reset_rows(expired, self.global_step)
         probs = torch.sigmoid(logits.detach()).to(torch.float64).cpu().numpy()
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
-        """Predictions (float64 ``[B]``) in eval mode; no update."""
+        """Predictions (float64 ``[B]``) in eval mode; no update (dynamic tables: no admission)."""
+        if self.dynamic:
+            batch = self.dynamic.remap(batch, self.global_step, time.time(), admit=False).batch
         batch = batch.to(self.device)
         self._dmp.eval()
         try:
@@ -334,13 +403,17 @@ class TrainModule:
         for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items():
             sparse[pname] = {k: to_full_cpu(v) for k, v in states.items()}
         dense_opt = _tensors_to_cpu(self._dense_opt.state_dict())
-        return {
+        out = {
             "format": CHECKPOINT_FORMAT,
             "global_step": int(self.global_step),
             "model": model,
             "dense_optimizer": dense_opt,
             "sparse_optimizer": sparse,
         }
+        if self.dynamic:
+            out["dynamic_tables"] = self.dynamic.state_dict()
+            out["stream_time"] = float(self._stream_time)
+        return out
 
     @torch.no_grad()
     def load_checkpoint_state(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -375,6 +448,15 @@ class TrainModule:
                                f"{pname}/{k}")
         if "dense_optimizer" in state:
             self._dense_opt.load_state_dict(state["dense_optimizer"])
+        if self.dynamic:
+            if "dynamic_tables" not in state:
+                raise KeyError("the checkpoint has no dynamic-table state but the model has "
+                               f"dynamic tables {sorted(self.dynamic.tables)}")
+            self.dynamic.load_state_dict(state["dynamic_tables"])
+            self._stream_time = float(state.get("stream_time", 0.0))
+        elif strict and "dynamic_tables" in state:
+            raise KeyError("the checkpoint has dynamic tables "
+                           f"{sorted(state['dynamic_tables'].get('tables', {}))}, the model none")
         self.global_step = int(state.get("global_step", 0))
         self._lrs = None
 
@@ -383,12 +465,19 @@ class TrainModule:
         self,
         named_tensors: Mapping[str, torch.Tensor],
         var_map: Mapping[str, str] | None = None,
+        dynamic_state: Mapping[str, Any] | None = None,
     ) -> WarmStartReport:
         """Warm start: copies parameters (and buffers) only, no optimizer state.
+
+        A dynamic table's rows mean nothing without its id index: its weights are copied only
+        with the source's dynamic-table state (``dynamic_state``, another checkpoint's
+        ``"dynamic_tables"``), which is then loaded too (ids, counters); otherwise the table
+        starts empty.
 
         Args:
             named_tensors: source name -> tensor (e.g. another checkpoint's ``"model"``).
             var_map: own (new) name -> source (old) name for renamed parameters.
+            dynamic_state: the source checkpoint's ``"dynamic_tables"``, if any.
 
         Returns:
             What was loaded, what is missing (kept initial values) and what was unused.
@@ -399,7 +488,19 @@ class TrainModule:
         var_map = dict(var_map or {})
         report = WarmStartReport()
         used = set()
+        dyn_saved = dict((dynamic_state or {}).get("tables", {}))
+        skip = set()
+        for base, torch_tables in self._dynamic_torch_tables.items():
+            if base in dyn_saved:
+                self.dynamic.tables[base].load_state_dict(dyn_saved[base])
+            else:
+                skip |= {f"{EBC_PREFIX}{t}.weight" for t in torch_tables}
+                logger.warning("warm start: dynamic table %s starts empty (the source has no "
+                               "id index for it)", base)
         for name, t in self._named_state().items():
+            if name in skip:
+                report.missing.append(name)
+                continue
             src = var_map.get(name, name)
             if src not in named_tensors:
                 report.missing.append(name)

@@ -1,0 +1,205 @@
+"""Dynamic embedding tables as configured: one spec behind three config forms.
+
+The forms are EasyRec's, TorchEasyRec's and PaddleRec's. A feature's table is *dynamic*
+when the feature (an ``IdFeature`` or ``ComboFeature``) sets
+one of these, or when ``model_config.ev_params`` is set and the feature sets none:
+
+* ``ev_params { filter_freq steps_to_live max_capacity }`` (EasyRec / DeepRec
+  EmbeddingVariable): admission after ``filter_freq`` sightings, eviction of rows unseen for
+  ``steps_to_live`` steps, least recently used rows make room when the table is full;
+  ``max_capacity`` rows (``hash_bucket_size`` when ``max_capacity`` is not written and the
+  feature has one);
+* ``zch { zch_size eviction_interval lfu{} | lru{} | distance_lfu{} }`` (TorchEasyRec
+  zero-collision hash): ``zch_size`` rows, the policy decides which rows make room;
+* ``ctr_accessor_param { ... }`` (PaddleRec ``CtrCommonAccessor``): rows scored by decayed
+  show / click counts; admission at ``embedx_threshold``, eviction below
+  ``delete_threshold`` or after ``delete_after_unseen_days``, publishing above
+  ``delta_threshold``, export above ``base_threshold``.
+
+:func:`dynamic_table_spec` turns a feature's config into a :class:`DynamicTableSpec` (or
+``None`` for a fixed, hashed table) and raises ``ConfigError`` naming the field for anything
+odl cannot honour. The engine that applies a spec is ``odl.models.dynamic_table``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from odl.config.config_error import ConfigError
+from odl.protos import pipeline_pb2
+
+__all__ = ["DynamicTableSpec", "dynamic_table_spec", "EV_MAINTENANCE_INTERVAL"]
+
+_FT = pipeline_pb2.FeatureConfig.FeatureType
+# Steps between two maintenance passes (expiry by steps_to_live) of an ev_params table.
+EV_MAINTENANCE_INTERVAL = 100
+# Largest table odl builds (rows); beyond it the memory estimate is meaningless anyway.
+MAX_DYNAMIC_CAPACITY = 1 << 34
+
+
+@dataclass(frozen=True)
+class DynamicTableSpec:
+    """How one dynamic table admits, evicts, publishes and exports rows.
+
+    Attributes:
+        form: the config form it came from: ``"ev_params"``, ``"zch"`` or
+            ``"ctr_accessor_param"``.
+        capacity: rows of the table (live ids at most).
+        admit_freq: sightings an id needs before it gets a row (<= 1: at once).
+        admit_score: score (show / click, counted before admission) an id needs (0: none).
+        policy: which rows make room when the table is full: ``"lru"``, ``"lfu"``,
+            ``"distance_lfu"`` or ``"score"``.
+        decay_exponent: ``distance_lfu``'s age exponent.
+        maintenance_interval: steps between maintenance passes (expiry, decay, deletes).
+        steps_to_live: evict rows unseen for this many steps (0: never by steps).
+        click_coeff: weight of a click in the score.
+        nonclk_coeff: weight of a shown, unclicked sample in the score.
+        decay_rate_per_day: show / click multiplier per day of stream time (1: no decay).
+        delete_threshold: evict rows whose score is below this (None: never by score).
+        delete_after_unseen_days: evict rows unseen for this many days (None: never by time).
+        delta_threshold: publish only rows whose score is at least this (None: every row).
+        delta_keep_days: publish only rows seen within this many days (None: every row).
+        base_threshold: export only rows whose score is at least this (None: every row).
+    """
+
+    form: str
+    capacity: int
+    admit_freq: int = 0
+    admit_score: float = 0.0
+    policy: str = "lru"
+    decay_exponent: float = 1.0
+    maintenance_interval: int = EV_MAINTENANCE_INTERVAL
+    steps_to_live: int = 0
+    click_coeff: float = 1.0
+    nonclk_coeff: float = 0.1
+    decay_rate_per_day: float = 1.0
+    delete_threshold: Optional[float] = None
+    delete_after_unseen_days: Optional[float] = None
+    delta_threshold: Optional[float] = None
+    delta_keep_days: Optional[float] = None
+    base_threshold: Optional[float] = None
+
+    @property
+    def counts_candidates(self) -> bool:
+        """Whether ids are counted before admission (a frequency or score threshold)."""
+        return self.admit_freq > 1 or self.admit_score > 0
+
+    @property
+    def keeps_scores(self) -> bool:
+        """Whether rows carry show / click counts (the score policy or a score threshold)."""
+        return (self.policy == "score" or self.delete_threshold is not None
+                or self.delta_threshold is not None or self.base_threshold is not None)
+
+
+def _capacity(value: int, path: str) -> int:
+    if value < 1:
+        raise ConfigError(path, "a dynamic table needs at least 1 row")
+    if value > MAX_DYNAMIC_CAPACITY:
+        raise ConfigError(path, f"{value} rows is more than odl builds ({MAX_DYNAMIC_CAPACITY})")
+    return int(value)
+
+
+def _from_ev(ev: pipeline_pb2.EVParams, fc: pipeline_pb2.FeatureConfig,
+             path: str) -> DynamicTableSpec:
+    if ev.HasField("max_capacity") or not fc.hash_bucket_size:
+        capacity = _capacity(int(ev.max_capacity), f"{path}.max_capacity")
+    else:
+        capacity = _capacity(int(fc.hash_bucket_size), "hash_bucket_size")
+    return DynamicTableSpec(
+        form="ev_params", capacity=capacity, admit_freq=int(ev.filter_freq), policy="lru",
+        maintenance_interval=EV_MAINTENANCE_INTERVAL, steps_to_live=int(ev.steps_to_live))
+
+
+def _from_zch(z: pipeline_pb2.ZeroCollisionHash, path: str) -> DynamicTableSpec:
+    if not z.zch_size:
+        raise ConfigError(f"{path}.zch_size", "required: the rows of the table")
+    if z.threshold_filtering_func:
+        raise ConfigError(f"{path}.threshold_filtering_func",
+                          "a TorchEasyRec field odl does not implement (it would run Python "
+                          "from the config); use zch.filter_freq for admission by count")
+    which = z.WhichOneof("eviction_policy") or "lru"
+    decay = 1.0
+    if which == "distance_lfu":
+        decay = float(z.distance_lfu.decay_exponent)
+        if not decay > 0:
+            raise ConfigError(f"{path}.distance_lfu.decay_exponent", "must be > 0")
+    if z.eviction_interval < 1:
+        raise ConfigError(f"{path}.eviction_interval", "must be >= 1")
+    return DynamicTableSpec(
+        form="zch", capacity=_capacity(int(z.zch_size), f"{path}.zch_size"),
+        admit_freq=int(z.filter_freq), policy=which, decay_exponent=decay,
+        maintenance_interval=int(z.eviction_interval))
+
+
+def _from_accessor(a: pipeline_pb2.CtrAccessorParameter, fc: pipeline_pb2.FeatureConfig,
+                   path: str) -> DynamicTableSpec:
+    rows = int(a.capacity or fc.hash_bucket_size)
+    if not rows:
+        raise ConfigError(f"{path}.capacity",
+                          "required when the feature has no hash_bucket_size: the rows of "
+                          "the table")
+    if not 0 < a.show_click_decay_rate <= 1:
+        raise ConfigError(f"{path}.show_click_decay_rate", "must be in (0, 1]")
+    if a.shrink_interval_steps < 1:
+        raise ConfigError(f"{path}.shrink_interval_steps", "must be >= 1")
+    for name in ("nonclk_coeff", "click_coeff", "delete_after_unseen_days", "delta_keep_days"):
+        if getattr(a, name) < 0:
+            raise ConfigError(f"{path}.{name}", "must be >= 0")
+    return DynamicTableSpec(
+        form="ctr_accessor_param",
+        capacity=_capacity(rows, f"{path}.capacity"),
+        admit_score=max(0.0, float(a.embedx_threshold)),
+        policy="score",
+        maintenance_interval=int(a.shrink_interval_steps),
+        click_coeff=float(a.click_coeff),
+        nonclk_coeff=float(a.nonclk_coeff),
+        decay_rate_per_day=float(a.show_click_decay_rate),
+        delete_threshold=float(a.delete_threshold),
+        delete_after_unseen_days=float(a.delete_after_unseen_days),
+        delta_threshold=float(a.delta_threshold),
+        delta_keep_days=float(a.delta_keep_days),
+        base_threshold=float(a.base_threshold),
+    )
+
+
+def dynamic_table_spec(
+    fc: pipeline_pb2.FeatureConfig,
+    model_ev: Optional[pipeline_pb2.EVParams],
+    path: str,
+) -> Optional[DynamicTableSpec]:
+    """The dynamic-table spec of a feature, or None when its table is a fixed hashed one.
+
+    Args:
+        fc: the feature's config.
+        model_ev: ``model_config.ev_params`` when the config sets it, else None.
+        path: the feature's config path (``feature_configs[3]``), for errors.
+
+    Returns:
+        The spec, or None.
+
+    Raises:
+        ConfigError: several forms on one feature, a form on a feature type that has no id
+            table, or a bad value (the message names the field).
+    """
+    forms = [f for f in ("ev_params", "zch", "ctr_accessor_param") if fc.HasField(f)]
+    if len(forms) > 1:
+        raise ConfigError(f"{path}.{forms[1]}",
+                          f"a feature sets at most one of ev_params, zch and "
+                          f"ctr_accessor_param (it sets {' and '.join(forms)})")
+    if not forms and model_ev is None:
+        return None
+    if fc.feature_type not in (_FT.IdFeature, _FT.ComboFeature):
+        if forms:
+            raise ConfigError(f"{path}.{forms[0]}",
+                              "only IdFeature and ComboFeature tables can be dynamic")
+        return None
+    if not forms:
+        return _from_ev(model_ev, fc, "model_config.ev_params")
+    form = forms[0]
+    sub = f"{path}.{form}"
+    if form == "ev_params":
+        return _from_ev(fc.ev_params, fc, sub)
+    if form == "zch":
+        return _from_zch(fc.zch, sub)
+    return _from_accessor(fc.ctr_accessor_param, fc, sub)

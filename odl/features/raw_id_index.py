@@ -1,0 +1,255 @@
+"""Raw id -> row index of a dynamic embedding table, vectorized with numpy.
+
+A dynamic table (``odl.config.dynamic_table_config``) uses ids as they are: a hashed string's
+63-bit FNV-1a value or an integer id (``FeatureBuilder``), never reduced modulo a bucket
+count. ``RawIdIndex`` maps such ids (``int64`` in ``[0, 2**63)``) to rows ``[0, capacity)``
+of the table's storage and keeps the free rows. The trainer's dynamic tables
+(``odl.models.dynamic_table``) and serving's (``serving_plugin.serving_model``) both use
+it, so the two sides drop and map ids by the same rules.
+
+Layout:
+
+* ``row_ids[row]``: the raw id a row holds, ``-1`` when free (the authoritative state; a
+  checkpoint stores it with the free-row stack, everything else is derived);
+* an open-addressing hash index of ``slots`` (a power of two >= 2 x capacity, so the load
+  stays <= 1/2): ``slot_row[slot]`` is a row, ``-1`` empty or ``-2`` a tombstone left by a
+  removal. The home slot of an id is ``splitmix64(id) & (slots - 1)``; collisions probe
+  linearly. Lookups run one vectorized probe round per step of the longest chain (a
+  handful at this load). Once tombstones exceed a quarter of the slots the index is rebuilt
+  from ``row_ids``;
+* ``free``: a stack of free rows; rows are taken from its top, freed rows pushed on it, so
+  allocation is deterministic and a restored stack allocates exactly as the saved one would.
+
+``drop_unmapped`` rewrites jagged ids (KeyedJaggedTensor values and lengths) after mapping:
+ids without a row are dropped from their bags, so they contribute nothing (sum pooling) and
+are not counted (mean pooling).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RAW_ID_MASK", "RawIdIndex", "drop_unmapped", "mix64"]
+
+# Raw ids are 63-bit: hashes and negative integers are masked to [0, 2**63).
+RAW_ID_MASK = (1 << 63) - 1
+_EMPTY = -1
+_TOMBSTONE = -2
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def mix64(ids: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer of ``ids`` (``uint64``): consecutive ids spread over the slots."""
+    z = np.asarray(ids).astype(np.uint64, copy=True)
+    z ^= z >> np.uint64(30)
+    z *= _M1
+    z ^= z >> np.uint64(27)
+    z *= _M2
+    z ^= z >> np.uint64(31)
+    return z
+
+
+class RawIdIndex:
+    """Raw id -> row map of one table with a fixed number of rows (module docstring).
+
+    Args:
+        capacity: rows of the table.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = int(capacity)
+        slots = 16
+        while slots < 2 * self.capacity:
+            slots *= 2
+        self._mask = np.uint64(slots - 1)
+        self._slots = slots
+        self.row_ids = np.full(self.capacity, _EMPTY, dtype=np.int64)
+        self._slot_row = np.full(slots, _EMPTY, dtype=np.int64)
+        self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # top = row 0
+        self._free_top = self.capacity
+        self._tombstones = 0
+
+    # -- queries ----------------------------------------------------------------------------
+
+    @property
+    def live(self) -> int:
+        """Rows holding an id."""
+        return self.capacity - self._free_top
+
+    @property
+    def free(self) -> int:
+        """Free rows."""
+        return self._free_top
+
+    def nbytes(self) -> int:
+        """Bytes of the index's arrays."""
+        return self.row_ids.nbytes + self._slot_row.nbytes + self._free.nbytes
+
+    def live_rows(self) -> np.ndarray:
+        """Rows holding an id, ascending."""
+        return np.flatnonzero(self.row_ids >= 0)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids`` (``int64``; ``-1`` where an id has none). Duplicates are fine."""
+        return self._find(np.asarray(ids, dtype=np.int64))[0]
+
+    def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows, slots)`` of ``ids``; ``-1`` for both where an id is absent."""
+        n = ids.shape[0]
+        rows = np.full(n, _EMPTY, dtype=np.int64)
+        slots = np.full(n, _EMPTY, dtype=np.int64)
+        if n == 0 or self.live == 0:
+            return rows, slots
+        home = mix64(ids) & self._mask
+        idx = np.arange(n)
+        probe = np.uint64(0)
+        while idx.shape[0]:
+            s = ((home + probe) & self._mask).astype(np.int64)
+            r = self._slot_row[s]
+            hit = r >= 0
+            hit[hit] = self.row_ids[r[hit]] == ids[idx[hit]]
+            rows[idx[hit]] = r[hit]
+            slots[idx[hit]] = s[hit]
+            more = (r != _EMPTY) & ~hit
+            idx = idx[more]
+            home = home[more]
+            probe += np.uint64(1)
+        return rows, slots
+
+    # -- changes ----------------------------------------------------------------------------
+
+    def insert(self, ids: np.ndarray) -> np.ndarray:
+        """Gives each id a free row and returns the rows, in order.
+
+        Args:
+            ids: ``int64`` ids in ``[0, 2**63)``, unique, none of them present.
+
+        Returns:
+            Their rows.
+
+        Raises:
+            ValueError: fewer free rows than ids.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        n = ids.shape[0]
+        if n > self._free_top:
+            raise ValueError(f"{n} ids but only {self._free_top} free rows")
+        if n == 0:
+            return np.empty(0, dtype=np.int64)
+        rows = self._free[self._free_top - n : self._free_top][::-1].copy()
+        self._free_top -= n
+        self.row_ids[rows] = ids
+        self._place(ids, rows)
+        return rows
+
+    def remove_rows(self, rows: np.ndarray) -> np.ndarray:
+        """Frees rows (each holding an id) and returns the ids they held, in order.
+
+        Args:
+            rows: distinct live rows.
+
+        Returns:
+            The ids removed.
+        """
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.shape[0] == 0:
+            return np.empty(0, dtype=np.int64)
+        ids = self.row_ids[rows].copy()
+        if (ids < 0).any():
+            raise ValueError("remove_rows: a row holds no id")
+        _, slots = self._find(ids)
+        self._slot_row[slots] = _TOMBSTONE
+        self._tombstones += rows.shape[0]
+        self.row_ids[rows] = _EMPTY
+        self._free[self._free_top : self._free_top + rows.shape[0]] = rows
+        self._free_top += rows.shape[0]
+        if self._tombstones * 4 > self._slots:
+            self._rebuild()
+        return ids
+
+    def remove_ids(self, ids: np.ndarray) -> np.ndarray:
+        """Frees the rows of the ids present (absent ids are ignored); returns those rows."""
+        rows = self.lookup(np.unique(np.asarray(ids, dtype=np.int64)))
+        rows = rows[rows >= 0]
+        self.remove_rows(rows)
+        return rows
+
+    def _place(self, ids: np.ndarray, rows: np.ndarray) -> None:
+        """Writes absent ``ids`` (unique) into the index at their first free slot."""
+        home = mix64(ids) & self._mask
+        probe = np.zeros(ids.shape[0], dtype=np.uint64)
+        pending = np.arange(ids.shape[0])
+        while pending.shape[0]:
+            s = ((home[pending] + probe[pending]) & self._mask).astype(np.int64)
+            open_ = self._slot_row[s] < 0
+            cand = pending[open_]
+            uniq, first = np.unique(s[open_], return_index=True)
+            self._tombstones -= int((self._slot_row[uniq] == _TOMBSTONE).sum())
+            self._slot_row[uniq] = rows[cand[first]]
+            placed = np.zeros(ids.shape[0], dtype=bool)
+            placed[cand[first]] = True
+            keep = ~placed[pending]
+            pending = pending[keep]
+            probe[pending] += np.uint64(1)
+
+    def _rebuild(self) -> None:
+        self._slot_row.fill(_EMPTY)
+        self._tombstones = 0
+        rows = self.live_rows()
+        if rows.shape[0]:
+            self._place(self.row_ids[rows], rows)
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """``row_ids`` and the free-row stack (bottom to top): everything needed to restore."""
+        return {"row_ids": self.row_ids.copy(), "free": self._free[: self._free_top].copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores a ``state_dict`` of a table with the same capacity.
+
+        Raises:
+            ValueError: the capacity differs or the state is inconsistent.
+        """
+        row_ids = np.asarray(state["row_ids"], dtype=np.int64)
+        free = np.asarray(state["free"], dtype=np.int64)
+        if row_ids.shape != (self.capacity,):
+            raise ValueError(f"saved table has {row_ids.shape[0]} rows, this one "
+                             f"{self.capacity}")
+        empty = np.flatnonzero(row_ids < 0)
+        if free.shape[0] != empty.shape[0] or not np.array_equal(np.sort(free), empty):
+            raise ValueError("saved free rows do not match the saved row ids")
+        live = row_ids[row_ids >= 0]
+        if np.unique(live).shape[0] != live.shape[0]:
+            raise ValueError("saved row ids are not unique")
+        self.row_ids = row_ids.copy()
+        self._free = np.empty(self.capacity, dtype=np.int64)
+        self._free[: free.shape[0]] = free
+        self._free_top = int(free.shape[0])
+        self._rebuild()
+
+
+def drop_unmapped(values: np.ndarray, lengths: np.ndarray,
+                  keep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drops the values where ``keep`` is false from their bags.
+
+    Args:
+        values: jagged values (one per id), bag after bag.
+        lengths: ids per bag (any integer dtype), ``sum(lengths) == len(values)``.
+        keep: bool per value.
+
+    Returns:
+        ``(kept values, new lengths)`` (lengths keep their dtype).
+    """
+    if keep.all():
+        return values, lengths
+    bag = np.repeat(np.arange(lengths.shape[0]), lengths.astype(np.int64))
+    new_lengths = np.bincount(bag[keep], minlength=lengths.shape[0]).astype(lengths.dtype)
+    return values[keep], new_lengths

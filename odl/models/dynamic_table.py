@@ -1,0 +1,556 @@
+"""Dynamic embedding tables: raw ids, admission, eviction, bounded memory.
+
+One engine behind the three config forms of ``odl.config.dynamic_table_config`` (EasyRec
+``ev_params``, TorchEasyRec ``zch``, PaddleRec ``ctr_accessor_param``). A dynamic table is a
+TorchRec table of ``capacity`` rows (allocated once: memory is flat) plus a
+:class:`~odl.features.raw_id_index.RawIdIndex` from raw ids to rows and per-row counters.
+
+Per training step (:meth:`DynamicTables.remap` with ``admit=True``), per dynamic table, over
+the ids of every feature reading it:
+
+1. ids with a row are mapped to it;
+2. the others are *candidates*: counted (when the spec has an admission threshold) in a
+   count-min sketch of show and click counts (depth 4, ``width`` a power of two near the
+   capacity, at most 2**20; every counter is halved once ``10 x width`` sightings have been
+   added, so old sightings fade). A count-min sketch never under-counts: an id seen
+   ``filter_freq`` times is always admitted, and one seen fewer times only when hash
+   collisions inflate its estimate. A candidate is admitted when its estimated count reaches
+   ``admit_freq`` and its estimated score reaches ``admit_score``; the rest are *rejected*
+   for this step (counted, no row: they contribute nothing to the lookup, like an id serving
+   does not know);
+3. admitted ids take free rows; when too few are free, the lowest-priority rows not used by
+   this batch are evicted first, in blocks of at least 1 % of the capacity so the ranking
+   (O(capacity)) runs rarely. Priority (higher = kept): ``lru`` last step seen; ``lfu``
+   sightings since admission; ``distance_lfu`` sightings / (steps since seen + 1) **
+   decay_exponent; ``score`` click_coeff * click + nonclk_coeff * (show - click);
+4. the rows used get their counters updated: sightings, last step, last stream time, show
+   (+1 per sample) and click (+1 per sample with a positive label).
+
+Every ``maintenance_interval`` steps (:meth:`DynamicTables.maintain`) rows expire: unseen
+for more than ``steps_to_live`` steps, show / click decayed by ``decay_rate_per_day`` per day
+of stream time and evicted below ``delete_threshold``, unseen for more than
+``delete_after_unseen_days`` days. Stream time is the newest event time trained on when the
+config has ``data_config.event_time_field``, else the trainer's clock.
+
+Evicted rows are returned to the caller (``TrainModule``), which resets their weights (the
+table's initializer, seeded by table and step) and optimizer state before the rows are
+reused; their ids are kept for the next delta version as deletes
+(:meth:`DynamicTables.take_deleted`). All decisions depend only on the ids, labels, steps and
+stream times trained on, so a checkpoint (:meth:`DynamicTables.state_dict`: the index, the
+free-row stack, the counters, the sketch) restores the tables exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import zlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from odl.config.dynamic_table_config import DynamicTableSpec
+from odl.features.batch import Batch
+from odl.features.raw_id_index import RawIdIndex, drop_unmapped, mix64
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CountMinSketch", "DynamicTable", "DynamicTables"]
+
+STATE_FORMAT = "odl.dynamic_tables/1"
+# Fraction of the capacity evicted at least, once a table has to make room.
+EVICT_BLOCK_FRACTION = 0.01
+_SKETCH_DEPTH = 4
+_SKETCH_MAX_WIDTH = 1 << 20
+_SECS_PER_DAY = 86400.0
+
+
+class CountMinSketch:
+    """Show and click counts of ids without a row (see the module docstring).
+
+    Args:
+        width: counters per row (rounded up to a power of two, at most 2**20).
+        seed: hash seed.
+    """
+
+    def __init__(self, width: int, seed: int) -> None:
+        w = 1024
+        while w < width and w < _SKETCH_MAX_WIDTH:
+            w *= 2
+        self.width = w
+        self._mask = np.uint64(w - 1)
+        rng = np.random.default_rng(seed)
+        self._salts = rng.integers(1, 1 << 62, size=_SKETCH_DEPTH, dtype=np.int64).astype(
+            np.uint64)
+        self.show = np.zeros((_SKETCH_DEPTH, w), dtype=np.float32)
+        self.click = np.zeros((_SKETCH_DEPTH, w), dtype=np.float32)
+        self.added = 0.0
+
+    def nbytes(self) -> int:
+        """Bytes of the counters."""
+        return self.show.nbytes + self.click.nbytes
+
+    def add(self, ids: np.ndarray, shows: np.ndarray,
+            clicks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Adds sightings of unique ``ids``; returns their estimated (show, click) totals."""
+        uids = ids.astype(np.uint64)
+        est_s = np.full(ids.shape[0], np.inf, dtype=np.float64)
+        est_c = np.full(ids.shape[0], np.inf, dtype=np.float64)
+        for d in range(_SKETCH_DEPTH):
+            col = (mix64(uids ^ self._salts[d]) & self._mask).astype(np.int64)
+            np.add.at(self.show[d], col, shows.astype(np.float32))
+            np.add.at(self.click[d], col, clicks.astype(np.float32))
+            est_s = np.minimum(est_s, self.show[d, col])
+            est_c = np.minimum(est_c, self.click[d, col])
+        self.added += float(shows.sum())
+        if self.added > 10.0 * self.width:
+            self.show *= 0.5
+            self.click *= 0.5
+            self.added *= 0.5
+        return est_s, est_c
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters."""
+        return {"show": self.show.copy(), "click": self.click.copy(),
+                "salts": self._salts.copy(), "added": self.added}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores ``state_dict``'s counters (same width)."""
+        if np.asarray(state["show"]).shape != self.show.shape:
+            raise ValueError("saved sketch has another width")
+        self.show = np.asarray(state["show"], dtype=np.float32).copy()
+        self.click = np.asarray(state["click"], dtype=np.float32).copy()
+        self._salts = np.asarray(state["salts"]).astype(np.uint64)
+        self.added = float(state["added"])
+
+
+@dataclass
+class TableCounters:
+    """Lifetime counts of one dynamic table.
+
+    Attributes:
+        admitted: ids given a row.
+        rejected: candidate ids refused a row (once per step they appeared in).
+        evicted: rows evicted (to make room or expired).
+        expired: of those, rows evicted by a maintenance pass.
+    """
+
+    admitted: int = 0
+    rejected: int = 0
+    evicted: int = 0
+    expired: int = 0
+
+
+class DynamicTable:
+    """One dynamic table's index, counters and policy (see the module docstring).
+
+    Args:
+        name: the table's name.
+        spec: its admission / eviction settings.
+        seed: the model's seed (sketch hashing).
+    """
+
+    def __init__(self, name: str, spec: DynamicTableSpec, seed: int = 0) -> None:
+        self.name = name
+        self.spec = spec
+        c = spec.capacity
+        self.index = RawIdIndex(c)
+        self.sightings = np.zeros(c, dtype=np.float64)
+        self.last_step = np.zeros(c, dtype=np.int64)
+        self.last_time = np.zeros(c, dtype=np.float64)
+        self.show = np.zeros(c if spec.keeps_scores else 0, dtype=np.float64)
+        self.click = np.zeros(c if spec.keeps_scores else 0, dtype=np.float64)
+        self.sketch = (CountMinSketch(c, seed ^ (hash_name(name) & 0xFFFF))
+                       if spec.counts_candidates else None)
+        self.counters = TableCounters()
+        self.decayed_at: Optional[float] = None
+        self._deleted: list[np.ndarray] = []
+
+    # -- queries ----------------------------------------------------------------------------
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """Rows of ``ids`` (``-1`` where none); no admission, no counters."""
+        return self.index.lookup(ids)
+
+    def score(self, rows: np.ndarray) -> np.ndarray:
+        """PaddleRec's score of rows (0 when the table keeps no show / click counts)."""
+        if not self.spec.keeps_scores:
+            return np.zeros(rows.shape[0])
+        s, c = self.show[rows], self.click[rows]
+        return self.spec.click_coeff * c + self.spec.nonclk_coeff * (s - c)
+
+    def publishable(self, rows: np.ndarray, now: float) -> np.ndarray:
+        """Bool per live row: published in a delta (``delta_threshold``, ``delta_keep_days``)."""
+        ok = np.ones(rows.shape[0], dtype=bool)
+        if self.spec.delta_threshold is not None:
+            ok &= self.score(rows) >= self.spec.delta_threshold
+        if self.spec.delta_keep_days is not None:
+            ok &= (now - self.last_time[rows]) <= self.spec.delta_keep_days * _SECS_PER_DAY
+        return ok
+
+    def exportable(self, rows: np.ndarray) -> np.ndarray:
+        """Bool per live row: written by ``odl-export`` (``base_threshold``)."""
+        if self.spec.base_threshold is None:
+            return np.ones(rows.shape[0], dtype=bool)
+        return self.score(rows) >= self.spec.base_threshold
+
+    def map_bytes(self) -> int:
+        """Bytes of the index, the counters and the sketch (the table rows not included)."""
+        n = (self.index.nbytes() + self.sightings.nbytes + self.last_step.nbytes
+             + self.last_time.nbytes + self.show.nbytes + self.click.nbytes)
+        return n + (self.sketch.nbytes() if self.sketch is not None else 0)
+
+    # -- training ---------------------------------------------------------------------------
+
+    def admit(self, ids: np.ndarray, clicks: np.ndarray, step: int,
+              now: float) -> tuple[np.ndarray, np.ndarray]:
+        """Maps one step's ids to rows, admitting and evicting (module docstring, 1-4).
+
+        Args:
+            ids: raw ids, one per lookup (duplicates allowed).
+            clicks: 1.0 where the id's sample has a positive label, else 0.0.
+            step: the step being trained (counters record it).
+            now: stream time (unix seconds).
+
+        Returns:
+            ``(rows, evicted rows)``; rows are ``-1`` for ids left without one.
+        """
+        rows = self.index.lookup(ids)
+        miss = rows < 0
+        evicted = np.empty(0, dtype=np.int64)
+        if miss.any():
+            u, inv, cnt = np.unique(ids[miss], return_inverse=True, return_counts=True)
+            clk = np.bincount(inv, weights=clicks[miss], minlength=u.shape[0])
+            ok = np.ones(u.shape[0], dtype=bool)
+            prior_s = prior_c = None
+            if self.sketch is not None:
+                est_s, est_c = self.sketch.add(u, cnt.astype(np.float64), clk)
+                if self.spec.admit_freq > 1:
+                    ok &= est_s >= self.spec.admit_freq
+                if self.spec.admit_score > 0:
+                    score = (self.spec.click_coeff * est_c
+                             + self.spec.nonclk_coeff * (est_s - est_c))
+                    ok &= score >= self.spec.admit_score
+                prior_s = np.maximum(est_s - cnt, 0.0)
+                prior_c = np.maximum(est_c - clk, 0.0)
+            want = np.flatnonzero(ok)
+            short = want.shape[0] - self.index.free
+            if short > 0:
+                evicted = self._evict_for_room(short, rows[~miss], step)
+                want = want[: self.index.free]
+            new_rows = self.index.insert(u[want])
+            self.sightings[new_rows] = 0.0
+            if self.spec.keeps_scores:
+                self.show[new_rows] = prior_s[want] if prior_s is not None else 0.0
+                self.click[new_rows] = prior_c[want] if prior_c is not None else 0.0
+            row_of_u = np.full(u.shape[0], -1, dtype=np.int64)
+            row_of_u[want] = new_rows
+            rows[miss] = row_of_u[inv]
+            self.counters.admitted += int(want.shape[0])
+            self.counters.rejected += int(u.shape[0] - want.shape[0])
+        used = rows >= 0
+        if used.any():
+            ur, first_inv, rc = np.unique(rows[used], return_inverse=True, return_counts=True)
+            self.sightings[ur] += rc
+            self.last_step[ur] = step
+            self.last_time[ur] = now
+            if self.spec.keeps_scores:
+                self.show[ur] += rc
+                self.click[ur] += np.bincount(first_inv, weights=clicks[used],
+                                              minlength=ur.shape[0])
+        return rows, evicted
+
+    def _priority(self, rows: np.ndarray, step: int) -> np.ndarray:
+        policy = self.spec.policy
+        if policy == "lru":
+            return self.last_step[rows].astype(np.float64)
+        if policy == "lfu":
+            return self.sightings[rows]
+        if policy == "distance_lfu":
+            age = (step - self.last_step[rows]).astype(np.float64) + 1.0
+            return self.sightings[rows] / np.power(age, self.spec.decay_exponent)
+        return self.score(rows)
+
+    def _evict_for_room(self, short: int, protect: np.ndarray, step: int) -> np.ndarray:
+        live = self.index.live_rows()
+        prio = self._priority(live, step)
+        if protect.shape[0]:
+            guard = np.zeros(self.spec.capacity, dtype=bool)
+            guard[protect] = True
+            prio[guard[live]] = np.inf
+            evictable = int(live.shape[0] - guard.sum())
+        else:
+            evictable = int(live.shape[0])
+        k = min(evictable, max(short, int(np.ceil(self.spec.capacity * EVICT_BLOCK_FRACTION))))
+        if k <= 0:
+            return np.empty(0, dtype=np.int64)
+        victims = live[np.argpartition(prio, k - 1)[:k]] if k < live.shape[0] else live
+        self._remove(victims)
+        return victims
+
+    def _remove(self, rows: np.ndarray) -> None:
+        rows = np.sort(rows)
+        self._deleted.append(self.index.remove_rows(rows))
+        self.sightings[rows] = 0.0
+        if self.spec.keeps_scores:
+            self.show[rows] = 0.0
+            self.click[rows] = 0.0
+        self.counters.evicted += int(rows.shape[0])
+
+    def maintain(self, step: int, now: float) -> np.ndarray:
+        """One maintenance pass (decay, expiry); returns the rows evicted."""
+        spec = self.spec
+        if spec.keeps_scores and spec.decay_rate_per_day < 1.0:
+            if self.decayed_at is not None and now > self.decayed_at:
+                f = spec.decay_rate_per_day ** ((now - self.decayed_at) / _SECS_PER_DAY)
+                self.show *= f
+                self.click *= f
+            if self.decayed_at is None or now > self.decayed_at:
+                self.decayed_at = now
+        live = self.index.live_rows()
+        if live.shape[0] == 0:
+            return np.empty(0, dtype=np.int64)
+        expired = np.zeros(live.shape[0], dtype=bool)
+        if spec.steps_to_live:
+            expired |= (step - self.last_step[live]) > spec.steps_to_live
+        if spec.delete_threshold is not None:
+            expired |= self.score(live) < spec.delete_threshold
+        if spec.delete_after_unseen_days is not None:
+            expired |= (now - self.last_time[live]) > spec.delete_after_unseen_days * _SECS_PER_DAY
+        victims = live[expired]
+        if victims.shape[0]:
+            self._remove(victims)
+            self.counters.expired += int(victims.shape[0])
+        return victims
+
+    def take_deleted(self) -> np.ndarray:
+        """Ids evicted since the last call (unique, sorted)."""
+        if not self._deleted:
+            return np.empty(0, dtype=np.int64)
+        out = np.unique(np.concatenate(self._deleted))
+        self._deleted = []
+        return out
+
+    def restore_deleted(self, ids: np.ndarray) -> None:
+        """Puts ids back for the next ``take_deleted`` (a snapshot that was not taken)."""
+        if ids.shape[0]:
+            self._deleted.append(np.asarray(ids, dtype=np.int64))
+
+    def upsert(self, ids: np.ndarray, step: int, now: float) -> tuple[np.ndarray, np.ndarray]:
+        """Gives ``ids`` (unique) rows whatever the admission rule (crash recovery).
+
+        Returns:
+            ``(rows of ids, evicted rows)``; ids that found no room get ``-1``.
+        """
+        rows = self.index.lookup(ids)
+        miss = np.flatnonzero(rows < 0)
+        evicted = np.empty(0, dtype=np.int64)
+        if miss.shape[0]:
+            short = miss.shape[0] - self.index.free
+            if short > 0:
+                evicted = self._evict_for_room(short, rows[rows >= 0], step)
+                miss = miss[: self.index.free]
+            rows[miss] = self.index.insert(ids[miss])
+            self.sightings[rows[miss]] = 1.0
+        ok = rows >= 0
+        self.last_step[rows[ok]] = step
+        self.last_time[rows[ok]] = now
+        return rows, evicted
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue exactly (index, counters, sketch, pending deletes)."""
+        return {
+            "index": self.index.state_dict(),
+            "sightings": self.sightings.copy(),
+            "last_step": self.last_step.copy(),
+            "last_time": self.last_time.copy(),
+            "show": self.show.copy(),
+            "click": self.click.copy(),
+            "sketch": self.sketch.state_dict() if self.sketch is not None else None,
+            "counters": dict(vars(self.counters)),
+            "decayed_at": self.decayed_at,
+            "deleted": (np.unique(np.concatenate(self._deleted)) if self._deleted
+                        else np.empty(0, dtype=np.int64)),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores ``state_dict`` (same capacity and form)."""
+        self.index.load_state_dict(state["index"])
+        self.sightings = np.asarray(state["sightings"], dtype=np.float64).copy()
+        self.last_step = np.asarray(state["last_step"], dtype=np.int64).copy()
+        self.last_time = np.asarray(state["last_time"], dtype=np.float64).copy()
+        if self.spec.keeps_scores:
+            if np.asarray(state["show"]).shape[0] != self.spec.capacity:
+                raise ValueError(f"dynamic table {self.name}: the checkpoint keeps no "
+                                 "show/click counts")
+            self.show = np.asarray(state["show"], dtype=np.float64).copy()
+            self.click = np.asarray(state["click"], dtype=np.float64).copy()
+        if self.sketch is not None and state.get("sketch") is not None:
+            self.sketch.load_state_dict(state["sketch"])
+        self.counters = TableCounters(**state.get("counters", {}))
+        self.decayed_at = state.get("decayed_at")
+        deleted = np.asarray(state.get("deleted", []), dtype=np.int64)
+        self._deleted = [deleted] if deleted.shape[0] else []
+
+
+def hash_name(name: str) -> int:
+    """A stable number of a table name (sketch seeds)."""
+    return zlib.crc32(name.encode("utf-8"))
+
+
+@dataclass
+class RemapResult:
+    """What :meth:`DynamicTables.remap` did.
+
+    Attributes:
+        batch: the batch with rows in place of raw ids (ids without a row dropped).
+        evicted: table -> rows evicted during admission (to reset before use).
+    """
+
+    batch: Batch
+    evicted: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class DynamicTables:
+    """The dynamic tables of one model, keyed by table name (module docstring).
+
+    Args:
+        specs: table name -> spec (only dynamic tables).
+        table_features: table name -> features looked up in it.
+        seed: the model's seed.
+    """
+
+    def __init__(self, specs: Mapping[str, DynamicTableSpec],
+                 table_features: Mapping[str, Sequence[str]], seed: int = 0) -> None:
+        self.tables = {name: DynamicTable(name, spec, seed) for name, spec in specs.items()}
+        self._table_features = {n: list(table_features[n]) for n in self.tables}
+        self._keys: Optional[list[str]] = None
+        self._plan: list[tuple[str, list[int]]] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def _build_plan(self, keys: list[str]) -> None:
+        pos = {k: i for i, k in enumerate(keys)}
+        self._plan = [(name, [pos[f] for f in feats if f in pos])
+                      for name, feats in self._table_features.items()]
+        self._keys = keys
+
+    def remap(self, batch: Batch, step: int, now: float, admit: bool) -> RemapResult:
+        """Replaces the raw ids of dynamic tables by rows.
+
+        Args:
+            batch: a batch as the feature builder made it (CPU tensors).
+            step: the step being trained (training) or the current step.
+            now: stream time (unix seconds).
+            admit: admit, evict and count (a training step) or only look up (prediction).
+
+        Returns:
+            The remapped batch and the rows evicted per table.
+        """
+        kjt = batch.sparse
+        keys = list(kjt.keys())
+        if keys != self._keys:
+            self._build_plan(keys)
+        values = kjt.values().numpy()
+        lengths = kjt.lengths().numpy()
+        b = batch.size
+        lengths2d = lengths.reshape(len(keys), b).astype(np.int64)
+        counts = lengths2d.sum(axis=1)
+        starts = np.cumsum(counts) - counts
+        new_values = values.copy()
+        keep = np.ones(values.shape[0], dtype=bool)
+        labels = (batch.labels.numpy() > 0).astype(np.float64) if admit else None
+        evicted: dict[str, np.ndarray] = {}
+        for name, key_idx in self._plan:
+            if not key_idx:
+                continue
+            spans = [np.arange(starts[k], starts[k] + counts[k]) for k in key_idx]
+            where = np.concatenate(spans) if len(spans) > 1 else spans[0]
+            ids = values[where]
+            table = self.tables[name]
+            if admit:
+                clicks = np.concatenate([np.repeat(labels, lengths2d[k]) for k in key_idx])
+                rows, ev = table.admit(ids, clicks, step, now)
+                if ev.shape[0]:
+                    evicted[name] = ev
+            else:
+                rows = table.lookup(ids)
+            new_values[where] = rows
+            keep[where] = rows >= 0
+        out_values, out_lengths = drop_unmapped(new_values, lengths, keep)
+        sparse = KeyedJaggedTensor(keys=keys, values=torch.from_numpy(out_values),
+                                   lengths=torch.from_numpy(np.ascontiguousarray(out_lengths)))
+        return RemapResult(Batch(sparse=sparse, dense=batch.dense, labels=batch.labels,
+                                 sample_ids=batch.sample_ids, event_times=batch.event_times,
+                                 extras=batch.extras), evicted)
+
+    def maintain(self, step: int, now: float) -> dict[str, np.ndarray]:
+        """Runs the maintenance pass of every table due at ``step``; returns evicted rows."""
+        out = {}
+        for name, table in self.tables.items():
+            if step % table.spec.maintenance_interval == 0:
+                ev = table.maintain(step, now)
+                if ev.shape[0]:
+                    out[name] = ev
+        return out
+
+    def take_deleted(self) -> dict[str, np.ndarray]:
+        """Table -> ids evicted since the last call (tables with none left out)."""
+        out = {}
+        for name, table in self.tables.items():
+            ids = table.take_deleted()
+            if ids.shape[0]:
+                out[name] = ids
+        return out
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Per table: form, capacity, live rows, admitted, rejected, evicted, map bytes."""
+        return {name: {"form": t.spec.form, "policy": t.spec.policy,
+                       "capacity": t.spec.capacity, "live_rows": t.index.live,
+                       "admitted": t.counters.admitted, "rejected": t.counters.rejected,
+                       "evicted": t.counters.evicted, "expired": t.counters.expired,
+                       "map_bytes": t.map_bytes()}
+                for name, t in self.tables.items()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"format", "tables": {name: DynamicTable.state_dict()}}``, arrays as tensors."""
+        return {"format": STATE_FORMAT,
+                "tables": {n: _to_tensors(t.state_dict()) for n, t in self.tables.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restores ``state_dict``.
+
+        Raises:
+            ValueError: the saved tables differ from these.
+        """
+        saved = state.get("tables", {})
+        if set(saved) != set(self.tables):
+            raise ValueError(f"checkpoint has dynamic tables {sorted(saved)}, the model "
+                             f"{sorted(self.tables)}")
+        for name, t in self.tables.items():
+            t.load_state_dict(_to_arrays(saved[name]))
+
+
+def _to_tensors(obj: Any) -> Any:
+    """Numpy arrays -> tensors, recursively (checkpoints load with ``weights_only``)."""
+    if isinstance(obj, np.ndarray):
+        arr = obj.astype(np.int64) if obj.dtype == np.uint64 else obj
+        return torch.from_numpy(np.ascontiguousarray(arr))
+    if isinstance(obj, dict):
+        return {k: _to_tensors(v) for k, v in obj.items()}
+    return obj
+
+
+def _to_arrays(obj: Any) -> Any:
+    """Tensors -> numpy arrays, recursively."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numpy()
+    if isinstance(obj, dict):
+        return {k: _to_arrays(v) for k, v in obj.items()}
+    return obj
