@@ -9,7 +9,8 @@ parsability, presence of ``payload`` / ``payload_crc32`` (any strict prefix of a
 one), ``format_version``, chunk index, kind, value type, checksum, payload parsability,
 then per dense variable rank, element count and value bytes, per table dim, id and value
 bytes and non-negative ids, at most one whole copy of a variable per chunk, one dim per
-table, and rows not beyond the header's ``version_rows``.
+table, rows not beyond the header's ``version_rows``, and per deleted-id list its length and
+non-negative ids (their bytes are bounded by the message size).
 """
 
 from __future__ import annotations
@@ -131,6 +132,17 @@ def decode_chunk(data: bytes, max_bytes: int = 64 << 20) -> DecodedChunk:
             ids = np.concatenate([old_ids, ids])
             values = np.concatenate([old_values, values])
         sparse[rows.table_id] = (ids, values)
+    deletes: dict[int, np.ndarray] = {}
+    for gone in payload.deleted:
+        if len(gone.ids) % 8:
+            raise DeltaFormatError("ids_length", f"deleted of table {gone.table_id}: "
+                                                 f"{len(gone.ids)} bytes")
+        ids = np.frombuffer(gone.ids, dtype=ID_DTYPE).astype(np.int64)
+        if ids.size and ids.min() < 0:
+            raise DeltaFormatError("ids", f"deleted of table {gone.table_id}: negative id")
+        if gone.table_id in deletes:
+            ids = np.concatenate([deletes[gone.table_id], ids])
+        deletes[gone.table_id] = ids
     header = VersionHeader(
         model_name=msg.model_name,
         version=int(msg.version),
@@ -145,7 +157,7 @@ def decode_chunk(data: bytes, max_bytes: int = 64 << 20) -> DecodedChunk:
     )
     chunk = DecodedChunk(header, int(msg.chunk_index), int(msg.chunk_count), value_type,
                          int(msg.version_rows), int(msg.version_variables), dense, slices,
-                         sparse, len(data))
+                         sparse, len(data), deletes)
     if chunk.num_rows > chunk.version_rows:
         raise DeltaFormatError("version_rows", f"chunk has {chunk.num_rows} rows, version "
                                                f"claims {chunk.version_rows}")

@@ -7,10 +7,14 @@ of a ``.delta`` file, ``publisher.fs_sink``) is one serialized ``DeltaChunk``::
                 payload = serialized DeltaPayload, payload_crc32 = zlib.crc32(payload),
                 version_rows, version_variables}
     DeltaPayload {dense: [DenseVariable {id, shape, values, offset}],
-                  sparse: [SparseRows {table_id, dim, ids, values}]}
+                  sparse: [SparseRows {table_id, dim, ids, values}],
+                  deleted: [DeletedRows {table_id, ids}]}
 
 * ``format_version`` is ``publisher.delta_format.FORMAT_VERSION``.
-* ``ids``: little-endian int64, one per row (the row index serving looks up).
+* ``ids``: little-endian int64, one per row (the row index serving looks up; a dynamic
+  table's raw id).
+* ``DeletedRows.ids``: little-endian int64 raw ids a dynamic table evicted; within a version
+  they apply before the rows (an id in both keeps the row).
 * ``values``: little-endian float32 (``value_type`` FP32) or float16 (FP16), row-major;
   ``rows x dim`` for sparse rows; for a dense variable ``prod(shape)`` elements, or a
   contiguous slice starting at flat element ``offset`` when the variable was too large for
@@ -50,6 +54,7 @@ from publisher.delta_format import (
 _CHUNK_FRAMING = 16          # payload tag + length varint + spare
 _SPARSE_FRAMING = 40         # SparseRows tag/len + table_id + dim + ids/values tags/lens
 _DENSE_FRAMING = 48          # DenseVariable tag/len + id + offset + values tag/len + shape
+_DELETED_FRAMING = 24        # DeletedRows tag/len + table_id + ids tag/len
 _MIN_CHUNK_BYTES = 1024
 
 
@@ -80,6 +85,7 @@ def encode_version(
     sparse: Mapping[int, tuple[np.ndarray, np.ndarray]],
     value_type: str = "fp32",
     max_chunk_bytes: int = 900_000,
+    deletes: Mapping[int, np.ndarray] | None = None,
 ) -> list[bytes]:
     """Encodes one version into chunks, each serialized chunk at most ``max_chunk_bytes``.
 
@@ -89,6 +95,7 @@ def encode_version(
         sparse: table id -> ``(ids int64 [n], values [n, dim])``; ids unique per table.
         value_type: ``"fp32"`` or ``"fp16"``.
         max_chunk_bytes: size limit of one serialized chunk (>= 1024).
+        deletes: table id -> raw ids deleted from a dynamic table (unique per table).
 
     Returns:
         The serialized chunks in order (at least one, even for an empty version).
@@ -173,6 +180,19 @@ def encode_version(
             left -= _SPARSE_FRAMING + take * row_bytes
             pos += take
 
+    for tid in sorted(deletes or {}):
+        gone = np.ascontiguousarray((deletes or {})[tid], dtype=ID_DTYPE).reshape(-1)
+        pos = 0
+        while pos < gone.size:
+            room = (left - _DELETED_FRAMING) // 8
+            if room <= 0:
+                new_chunk()
+                continue
+            take = min(room, gone.size - pos)
+            chunks[-1].append(("deleted", int(tid), gone[pos : pos + take]))
+            left -= _DELETED_FRAMING + take * 8
+            pos += take
+
     out: list[bytes] = []
     count = len(chunks)
     for index, items in enumerate(chunks):
@@ -181,10 +201,13 @@ def encode_version(
             if item[0] == "dense":
                 _, vid, shape, offset, flat = item
                 payload.dense.add(id=vid, shape=shape, values=flat.tobytes(), offset=offset)
-            else:
+            elif item[0] == "sparse":
                 _, tid, dim, ids, vals = item
                 payload.sparse.add(table_id=tid, dim=dim, ids=ids.tobytes(),
                                    values=vals.tobytes())
+            else:
+                _, tid, gone = item
+                payload.deleted.add(table_id=tid, ids=gone.tobytes())
         data = payload.SerializeToString()
         msg = delta_pb2.DeltaChunk()
         msg.CopyFrom(base)

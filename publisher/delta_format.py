@@ -136,6 +136,7 @@ class DecodedChunk(_HeaderFieldsAndRows):
         dense_slices: slices of variables split across chunks (see ``VersionAssembler``).
         sparse: table id -> ``(ids int64 [n], values float32 [n, dim])``.
         nbytes: serialized size of the chunk.
+        deletes: table id -> raw ids deleted from a dynamic table (before the rows apply).
     """
 
     header: VersionHeader
@@ -148,6 +149,7 @@ class DecodedChunk(_HeaderFieldsAndRows):
     dense_slices: list[DenseSlice]
     sparse: dict[int, tuple[np.ndarray, np.ndarray]]
     nbytes: int
+    deletes: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -161,6 +163,8 @@ class DeltaVersion(_HeaderFieldsAndRows):
         sparse: table id -> ``(ids int64 [n], values float32 [n, dim])``.
         chunk_count: number of chunks it arrived in.
         nbytes: total serialized bytes of its chunks.
+        deletes: table id -> raw ids deleted from a dynamic table (unique; applied before
+            ``sparse``).
     """
 
     header: VersionHeader
@@ -169,3 +173,9 @@ class DeltaVersion(_HeaderFieldsAndRows):
     sparse: dict[int, tuple[np.ndarray, np.ndarray]]
     chunk_count: int
     nbytes: int
+    deletes: dict[int, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def num_deletes(self) -> int:
+        """Deleted ids carried."""
+        return sum(len(ids) for ids in self.deletes.values())

@@ -32,13 +32,14 @@ import uuid
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 import numpy as np
 import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from odl.kafka.client_settings import delta_consumer_config
+from odl.models.dynamic_table import DynamicTable
 from publisher.delta_decoder import decode_chunk
 from publisher.delta_format import DeltaFormatError, DeltaVersion, VersionHeader
 from publisher.generation_fence import FENCED_REASON, GenerationFence
@@ -72,6 +73,7 @@ class RecoveredState:
         last_header: header of the last complete version merged (None: none).
         dense: variable id -> float32 array, the newest value of each variable.
         sparse: table id -> ``(ids int64 [n], values float32 [n, dim])``, newest row values.
+        deletes: table id -> raw ids of a dynamic table whose last event was a delete.
         generations: generations of the merged versions, in topic order.
         seconds: time spent reading and merging.
     """
@@ -87,6 +89,7 @@ class RecoveredState:
     last_header: Optional[VersionHeader] = None
     dense: dict[int, np.ndarray] = field(default_factory=dict)
     sparse: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+    deletes: dict[int, np.ndarray] = field(default_factory=dict)
     generations: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -132,6 +135,10 @@ class RecoveryMerger:
                                            max_pending_bytes=1 << 62)
         self._dense: dict[int, np.ndarray] = {}
         self._parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+        # table id -> (ids, order key) of every delete and row event, key 2*seq (delete) or
+        # 2*seq + 1 (row) so a version's deletes come before its rows
+        self._events: dict[int, list[tuple[np.ndarray, int]]] = {}
+        self._seq = 0
 
     def add(self, data: bytes, offset: int) -> None:
         """Handles the message at ``offset``: rejected, fenced, pending, skipped or merged.
@@ -172,8 +179,12 @@ class RecoveryMerger:
 
     def _merge(self, version: DeltaVersion) -> None:
         self._dense.update(version.dense)
+        self._seq += 1
+        for tid, gone in version.deletes.items():
+            self._events.setdefault(int(tid), []).append((gone, 2 * self._seq))
         for tid, part in version.sparse.items():
             self._parts.setdefault(int(tid), []).append(part)
+            self._events.setdefault(int(tid), []).append((part[0], 2 * self._seq + 1))
 
     def finish(self) -> RecoveredState:
         """Drops the versions still incomplete and fills in the merged values.
@@ -194,7 +205,24 @@ class RecoveryMerger:
             values = np.concatenate([p[1] for p in reversed(parts)])
             uniq, first = np.unique(ids, return_index=True)  # first = from the newest version
             sparse[tid] = (uniq, values[first])
+        deletes = {}
+        for tid, events in self._events.items():
+            if not any(key % 2 == 0 for _, key in events):
+                continue
+            ids = np.concatenate([e[0] for e in events])
+            keys = np.concatenate([np.full(len(e[0]), e[1], dtype=np.int64) for e in events])
+            order = np.lexsort((keys, ids))  # by id, then by event order
+            last = np.ones(order.shape[0], dtype=bool)
+            last[:-1] = ids[order][1:] != ids[order][:-1]
+            final_ids, final_keys = ids[order][last], keys[order][last]
+            gone = final_ids[final_keys % 2 == 0]
+            if gone.shape[0]:
+                deletes[tid] = gone
+            if tid in sparse and gone.shape[0]:
+                keep = ~np.isin(sparse[tid][0], gone)
+                sparse[tid] = (sparse[tid][0][keep], sparse[tid][1][keep])
         state.sparse = sparse
+        state.deletes = deletes
         return state
 
 
@@ -337,17 +365,34 @@ def _consume(consumer: Consumer, topic: str, begin: int, high: int, merger: Reco
     merger.finish()
 
 
+class DynamicRowOwner(Protocol):
+    """What crash recovery needs of a trainer with dynamic tables (``TrainModule``)."""
+
+    def dynamic_table(self, table: str) -> Optional[DynamicTable]:
+        """The dynamic table behind a table name, None for a fixed table."""
+
+    def reset_dynamic_rows(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
+        """Re-initializes rows evicted from dynamic tables (table name -> rows)."""
+
+
 @torch.no_grad()
 def apply_recovered_state(tables: Mapping[str, torch.Tensor],
                           dense: Mapping[str, torch.Tensor], id_maps: IdMaps,
-                          state: RecoveredState) -> int:
+                          state: RecoveredState,
+                          dynamic: Optional[DynamicRowOwner] = None) -> int:
     """Copies the recovered rows and variables onto live tensors (checks everything first).
+
+    Dynamic tables: the recovered deletes are forgotten (their rows freed and reset) and the
+    recovered raw ids are given rows (``DynamicTable.upsert``, evicting by the table's
+    policy when full) before their values are copied, so the trainer holds what serving
+    holds. Their counters restart from the recovery (sightings 1, last seen now).
 
     Args:
         tables: table name -> live weight tensor (``TrainModule.embedding_tables()``).
         dense: dense variable name -> live tensor (``TrainModule.dense_parameters()``).
         id_maps: the ids the versions use (as the publisher assigns them).
         state: what ``read_published_state`` returned.
+        dynamic: the owner of the dynamic tables (the train module), when it has any.
 
     Returns:
         Embedding rows copied.
@@ -368,10 +413,27 @@ def apply_recovered_state(tables: Mapping[str, torch.Tensor],
             raise ValueError(f"recovered {name} has shape {tuple(arr.shape)}, model "
                              f"{tuple(t.shape)}")
         plan.append((t, None, torch.from_numpy(np.ascontiguousarray(arr))))
+    step = int(state.version or 0)
+    now = time.time()
+    dyn_rows: list[tuple[str, DynamicTable, np.ndarray, np.ndarray]] = []
+    for tid in set(state.sparse) | set(state.deletes):
+        name = table_names.get(int(tid))
+        dyn = dynamic.dynamic_table(name) if dynamic is not None and name else None
+        if dyn is None and int(tid) in state.deletes:
+            raise ValueError(f"recovered deletes for table id {tid}, which is not dynamic")
+        if dyn is not None:
+            ids, values = state.sparse.get(tid, (np.empty(0, np.int64),
+                                                 np.empty((0, 1), np.float32)))
+            if len(ids) and int(values.shape[1]) > tables[name].shape[1]:
+                raise ValueError(f"recovered rows of table {name} are wider than the table")
+            dyn_rows.append((name, dyn, ids, values))
+    dynamic_names = {name for name, *_ in dyn_rows}
     for tid, (ids, values) in state.sparse.items():
         name = table_names.get(int(tid))
         if name is None or name not in tables:
             raise ValueError(f"recovered table id {tid} is not in the model")
+        if name in dynamic_names:
+            continue
         w = tables[name]
         dim = int(values.shape[1])
         if dim > w.shape[1] or (len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= w.shape[0])):
@@ -388,4 +450,23 @@ def apply_recovered_state(tables: Mapping[str, torch.Tensor],
         else:
             t[ids.to(t.device)] = values
             rows += int(ids.shape[0])
+    for tid, gone in state.deletes.items():
+        dyn = dynamic.dynamic_table(table_names[int(tid)]) if dynamic is not None else None
+        if dyn is not None and len(gone):
+            freed = dyn.forget(gone)
+            if freed.shape[0]:
+                dynamic.reset_dynamic_rows({dyn.name: freed}, step)
+    for name, dyn, ids, values in dyn_rows:
+        if not len(ids):
+            continue
+        slots, evicted = dyn.upsert(np.asarray(ids, dtype=np.int64), step, now)
+        if evicted.shape[0]:
+            dynamic.reset_dynamic_rows({dyn.name: evicted}, step)
+        ok = slots >= 0
+        w = tables[name]
+        dim = int(values.shape[1])
+        target = w[:, :dim] if dim < w.shape[1] else w
+        target[torch.from_numpy(slots[ok]).to(w.device)] = torch.from_numpy(
+            np.ascontiguousarray(values[ok])).to(device=w.device, dtype=w.dtype)
+        rows += int(ok.sum())
     return rows

@@ -264,7 +264,8 @@ class DeltaSender:
         kind = snap.kind
         try:
             chunks = encode_version(snap.header(self.model_name, self.generation), snap.dense,
-                                    snap.sparse, self.value_type, self.max_chunk_bytes)
+                                    snap.sparse, self.value_type, self.max_chunk_bytes,
+                                    snap.deletes)
             offset = self.sink.send(snap.version, self.generation, chunks, self.send_timeout)
         except DeltaSinkFenced:
             raise  # not retried: another trainer owns the topic now

@@ -123,7 +123,10 @@ def _merge_chunks(chunks: Sequence[DecodedChunk]) -> DeltaVersion:
     dense: dict[int, np.ndarray] = {}
     slices: dict[int, list[DenseSlice]] = {}
     sparse_parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    delete_parts: dict[int, list[np.ndarray]] = {}
     for c in chunks:
+        for tid, gone in c.deletes.items():
+            delete_parts.setdefault(tid, []).append(gone)
         dense.update(c.dense)
         for s in c.dense_slices:
             slices.setdefault(s.id, []).append(s)
@@ -151,5 +154,6 @@ def _merge_chunks(chunks: Sequence[DecodedChunk]) -> DeltaVersion:
         else:
             sparse[tid] = (np.concatenate([i for i, _ in parts]),
                            np.concatenate([v for _, v in parts]))
+    deletes = {tid: np.unique(np.concatenate(parts)) for tid, parts in delete_parts.items()}
     return DeltaVersion(first.header, first.value_type, dense, sparse, len(chunks),
-                        sum(c.nbytes for c in chunks))
+                        sum(c.nbytes for c in chunks), deletes)

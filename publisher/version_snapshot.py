@@ -16,6 +16,14 @@ Republishing: the snapshotter remembers every row it has ever put into a snapsho
 per row). ``take(..., republish_all=True)`` puts all of them, and every dense variable, into
 one snapshot (after the broker lost acknowledged versions).
 
+Dynamic tables (``odl.models.dynamic_table``; the module's ``dynamic_table(name)``): the
+touched rows are published under the raw ids they hold at snapshot time (a row freed since
+it was touched is left out, a row given to another id since is sent under that id), only
+rows the table says are publishable (``delta_threshold``, ``delta_keep_days``), and the ids
+the table evicted since the previous sparse snapshot go out as deletes. Republishing sends
+every live row. ``merge_snapshots`` keeps the order of deletes and rows: an id deleted by the
+newer snapshot leaves the older one's rows, and deletes always apply before rows.
+
 Header times outside ``[0, 2**63)`` ms, which the int64 header fields cannot hold, are
 written as 0 ("unknown"); the feature builder already rejects event times outside a sane
 window.
@@ -32,6 +40,7 @@ from typing import Optional, Protocol
 import numpy as np
 import torch
 
+from odl.models.dynamic_table import DynamicTable
 from publisher.delta_format import VersionHeader
 from publisher.delta_tracker import DeltaTracker
 from publisher.id_maps import IdMaps
@@ -49,6 +58,9 @@ class ParameterSource(Protocol):
 
     def dense_parameters(self) -> dict[str, torch.Tensor]:
         """Dense variable name -> live tensor."""
+
+    def dynamic_table(self, table: str) -> Optional[DynamicTable]:
+        """The dynamic table behind a table name, None for a fixed table."""
 
 
 def merge_time_range(a: Optional[list[int]], b: Optional[list[int]]) -> Optional[list[int]]:
@@ -83,6 +95,7 @@ class VersionSnapshot:
         publish_time_ms: when it was taken (unix ms).
         taken_at: when it was taken (``time.monotonic()``; the oldest, once merged).
         merged: snapshots merged into it.
+        deletes: table id -> raw ids deleted from a dynamic table (applied before ``sparse``).
         rows: embedding rows in it.
     """
 
@@ -97,6 +110,7 @@ class VersionSnapshot:
     publish_time_ms: int
     taken_at: float
     merged: int = 0
+    deletes: dict[int, np.ndarray] = field(default_factory=dict)
     rows: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -138,6 +152,7 @@ class VersionSnapshot:
         """Bytes of ids and values alone (the size an encoding cannot go below)."""
         rows = sum(len(ids) * (8 + bytes_per_value * v.shape[1])
                    for ids, v in self.sparse.values())
+        rows += sum(8 * len(ids) for ids in self.deletes.values())
         return rows + sum(a.size * bytes_per_value for a in self.dense.values())
 
 
@@ -152,6 +167,15 @@ def merge_snapshots(old: VersionSnapshot, new: VersionSnapshot) -> VersionSnapsh
         The merged snapshot.
     """
     sparse = dict(old.sparse)
+    for tid, gone in new.deletes.items():  # the newer deletes drop the older rows
+        if tid in sparse and len(gone):
+            old_ids, old_values = sparse[tid]
+            keep = ~np.isin(old_ids, gone)
+            sparse[tid] = (old_ids[keep], old_values[keep])
+    deletes = dict(old.deletes)
+    for tid, gone in new.deletes.items():
+        deletes[tid] = (np.union1d(deletes[tid], gone) if tid in deletes
+                        else np.asarray(gone, dtype=np.int64))
     for tid, (ids, values) in new.sparse.items():
         if tid not in sparse:
             sparse[tid] = (ids, values)
@@ -175,6 +199,7 @@ def merge_snapshots(old: VersionSnapshot, new: VersionSnapshot) -> VersionSnapsh
         publish_time_ms=new.publish_time_ms,
         taken_at=old.taken_at,
         merged=old.merged + new.merged + 1,
+        deletes=deletes,
     )
 
 
@@ -235,8 +260,9 @@ class ParameterSnapshotter:
         if republish_all:
             dense = sparse = True
         sparse_out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        deletes: dict[int, np.ndarray] = {}
         if sparse:
-            sparse_out = self._copy_rows(step, republish_all)
+            sparse_out, deletes = self._copy_rows(step, republish_all)
         dense_out: dict[int, np.ndarray] = {}
         if dense:
             params = self.module.dense_parameters()
@@ -253,16 +279,34 @@ class ParameterSnapshotter:
             positions=[(self.input_topic, int(p), int(o)) for p, o in sorted(positions.items())],
             publish_time_ms=int(time.time() * 1000),
             taken_at=taken_at,
+            deletes=deletes,
         )
         self._event_range = self._produce_range = None
         self.secs_total += time.perf_counter() - t0
         return snap
 
-    def _copy_rows(self, step: int,
-                   republish_all: bool) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    def _dynamic(self, name: str) -> Optional[DynamicTable]:
+        getter = getattr(self.module, "dynamic_table", None)
+        return getter(name) if getter is not None else None
+
+    def _copy_rows(self, step: int, republish_all: bool) -> tuple[
+            dict[int, tuple[np.ndarray, np.ndarray]], dict[int, np.ndarray]]:
         touched = self.tracker.take()
         tables = self.module.embedding_tables()
+        deletes: dict[int, np.ndarray] = {}
+        gone_by_table: dict[int, np.ndarray] = {}  # one take per dynamic table (id())
+        for name in tables:
+            dyn = self._dynamic(name)
+            info = self.id_maps.tables.get(name)
+            if dyn is None or info is None:
+                continue
+            if id(dyn) not in gone_by_table:
+                gone_by_table[id(dyn)] = dyn.take_deleted()
+            if gone_by_table[id(dyn)].shape[0]:
+                deletes[info.id] = gone_by_table[id(dyn)]
         for name, ids in touched.items():
+            if self._dynamic(name) is not None:
+                continue
             if name not in self._published_rows:
                 self._published_rows[name] = torch.zeros(int(tables[name].shape[0]),
                                                           dtype=torch.bool)
@@ -270,6 +314,10 @@ class ParameterSnapshotter:
         if republish_all:
             touched = {name: mask.nonzero().flatten()
                        for name, mask in self._published_rows.items()}
+            for name in tables:
+                dyn = self._dynamic(name)
+                if dyn is not None:
+                    touched[name] = torch.from_numpy(dyn.index.live_rows())
             logger.warning("delta version %d republishes all %d rows ever published (the "
                            "broker lost acknowledged versions)", step,
                            sum(len(v) for v in touched.values()))
@@ -278,7 +326,16 @@ class ParameterSnapshotter:
             info = self.id_maps.tables.get(name)
             if info is None:
                 continue
+            dyn = self._dynamic(name)
+            keys = ids.cpu().numpy().astype(np.int64, copy=False)
+            if dyn is not None:
+                raw = dyn.index.row_ids[keys]
+                ok = raw >= 0
+                ok[ok] = dyn.publishable(keys[ok], dyn.now)
+                keys, ids = raw[ok], ids[torch.from_numpy(ok).to(ids.device)]
+                if not keys.shape[0]:
+                    continue
             weight = tables[name]
             rows = weight.index_select(0, ids.to(weight.device))[:, : info.dim]
-            out[info.id] = (ids.cpu().numpy().astype(np.int64, copy=False), rows.cpu().numpy())
-        return out
+            out[info.id] = (keys, rows.cpu().numpy())
+        return out, deletes

@@ -19,7 +19,10 @@ considered, and every shard is verified after the download. It then loads:
   ``[rows, dim]`` tensor per table; every shard must exist, have the manifest's shape, cover
   its table and (``verify``) match its sha256. The tables of one pooled input are
   consecutive row ranges of one storage tensor, so serving looks a group up in one call; a
-  table belongs to the first pooled input that reads it;
+  table belongs to the first pooled input that reads it. A dynamic table (``"keys":
+  "raw_id"``) has ``rows`` = its capacity; its ``live`` exported rows fill the first rows of
+  its range and its raw ids (``ids-*.npy``, verified like the values) build a
+  ``RawIdIndex`` (``ExportContents.dynamic``);
 * ``dense_model.pt`` -> the TorchScript dense part (eval mode).
 
 ``read_kafka_txt`` reads ``kafka.txt``: the delta topic and the offset from which replay
@@ -32,7 +35,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -48,6 +51,7 @@ from odl.export.export_layout import (
     SERVING_MODEL_FILE,
 )
 from odl.features.feature_builder import FeatureBuilder
+from odl.features.raw_id_index import RawIdIndex
 from odl.models.ctr_model import PooledGroup
 from odl.protos import pipeline_pb2
 from odl.storage import file_store
@@ -143,6 +147,7 @@ class ExportContents:
         dense_module: the TorchScript dense part.
         pooled_inputs: the dense part's embedding inputs, in argument order.
         outputs: names of the dense part's outputs.
+        dynamic: dynamic table name -> its raw id -> row index (rows of ``tables[name]``).
     """
 
     path: str
@@ -155,6 +160,7 @@ class ExportContents:
     dense_module: torch.jit.ScriptModule
     pooled_inputs: tuple[PooledGroup, ...]
     outputs: tuple[str, ...]
+    dynamic: dict[str, RawIdIndex] = field(default_factory=dict)
 
 
 def pooled_inputs_of(signature: dict) -> tuple[PooledGroup, ...]:
@@ -220,16 +226,20 @@ def read_export(export_dir: str, verify: bool = True) -> ExportContents:
             raise ExportLoadError(f"cannot download embeddings {emb_dir}: {e}") from e
     elif not os.path.isabs(emb_dir):
         emb_dir = os.path.join(path, emb_dir)
-    tables = _load_tables(emb_dir, verify, groups)
+    tables, dynamic = _load_tables(emb_dir, verify, groups)
     dense = torch.jit.load(os.path.join(path, sig["dense_model"]), map_location="cpu")
     dense.eval()
     return ExportContents(path, origin, sig, config, fb, id_maps, tables, dense, groups,
-                          outputs)
+                          outputs, dynamic)
 
 
-def _load_tables(emb_dir: str, verify: bool,
-                 groups: tuple[PooledGroup, ...]) -> dict[str, torch.Tensor]:
-    """Loads the shards: table name -> float32 ``[rows, dim]`` tensor (module docstring)."""
+def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...]) -> tuple[
+        dict[str, torch.Tensor], dict[str, RawIdIndex]]:
+    """Loads the shards (module docstring).
+
+    Returns:
+        Table name -> float32 ``[rows, dim]`` tensor, and dynamic table -> its id index.
+    """
     try:
         with open(os.path.join(emb_dir, MANIFEST_FILE), encoding="utf-8") as f:
             manifest = json.load(f)
@@ -262,11 +272,16 @@ def _load_tables(emb_dir: str, verify: bool,
             rows = int(infos[n]["rows"])
             tables[n] = storage[row : row + rows]
             row += rows
+    dynamic: dict[str, RawIdIndex] = {}
     for name, info in infos.items():
         rows, dim = int(info["rows"]), int(info["dim"])
         if info.get("dtype", "float32") != "float32":
             raise ExportLoadError(f"table {name}: dtype {info['dtype']} is not supported")
         w = tables[name]
+        if info.get("keys", "row") == "raw_id":
+            dynamic[name] = RawIdIndex(rows)
+            _load_dynamic_parts(emb_dir, name, info, w, dynamic[name], verify)
+            continue
         covered = 0
         for part in info["parts"]:
             fp = os.path.join(emb_dir, name, part["file"])
@@ -283,4 +298,35 @@ def _load_tables(emb_dir: str, verify: bool,
             covered += n
         if covered != rows:
             raise ExportLoadError(f"table {name}: parts cover {covered} of {rows} rows")
-    return tables
+    return tables, dynamic
+
+
+def _load_dynamic_parts(emb_dir: str, name: str, info: dict, w: torch.Tensor,
+                        index: RawIdIndex, verify: bool) -> None:
+    """Fills a dynamic table's first rows and its index from its parts (raw ids + values)."""
+    w.zero_()
+    live = int(info.get("live", 0))
+    if live > w.shape[0]:
+        raise ExportLoadError(f"table {name}: {live} live rows in a table of {w.shape[0]}")
+    for part in info["parts"]:
+        fp = os.path.join(emb_dir, name, part["file"])
+        ids_fp = os.path.join(emb_dir, name, str(part.get("ids_file", "")))
+        for f, digest in ((fp, part["sha256"]), (ids_fp, part.get("ids_sha256"))):
+            if not os.path.isfile(f):
+                raise ExportLoadError(f"table {name}: {f} is missing")
+            if verify and sha256_file(f) != digest:
+                raise ExportLoadError(f"table {name}: {f} does not match its sha256")
+        arr = np.load(fp, allow_pickle=False)
+        ids = np.load(ids_fp, allow_pickle=False)
+        n = int(part["rows"])
+        if (arr.shape != (n, w.shape[1]) or ids.shape != (n,) or ids.dtype != np.int64
+                or (n and int(ids.min()) < 0) or np.unique(ids).shape[0] != n):
+            raise ExportLoadError(f"table {name}: part {part['file']} has values {arr.shape} "
+                                  f"and ids {ids.shape} ({ids.dtype}), manifest says {n} "
+                                  "unique non-negative ids")
+        if n > index.free or index.lookup(ids).max(initial=-1) >= 0:
+            raise ExportLoadError(f"table {name}: parts hold more or repeated ids than fit")
+        rows = index.insert(ids)
+        w[torch.from_numpy(rows)] = torch.from_numpy(arr.astype(np.float32, copy=False))
+    if index.live != live:
+        raise ExportLoadError(f"table {name}: parts hold {index.live} ids, manifest says {live}")

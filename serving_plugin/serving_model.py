@@ -10,10 +10,17 @@ training model's own dense module, scripted - maps those tensors and the raw den
 to logits, then a sigmoid. There is no serving copy of the model's math.
 
 Updates: ``apply_version`` checks a whole ``DeltaVersion`` first (known table and variable
-ids, dims, shapes, row ids in range) and only then copies it in under the model lock, so a
-version is applied completely or not at all, and a prediction never sees half a version.
-Dense variables are addressed by the names in ``DENSE_UPDATE_VARIABLES``, which are the
-parameter names inside ``dense_model.pt``.
+ids, dims, shapes, row ids in range, room in dynamic tables) and only then copies it in under
+the model lock, so a version is applied completely or not at all, and a prediction never sees
+half a version. Dense variables are addressed by the names in ``DENSE_UPDATE_VARIABLES``,
+which are the parameter names inside ``dense_model.pt``.
+
+Dynamic tables (raw ids, ``odl.models.dynamic_table``): each has its own
+``RawIdIndex`` over its rows (built from the export). A lookup maps the raw ids of the
+lookups reading it through that index; an id without a row (never published, or deleted) is
+dropped from its bag, exactly as the trainer drops an id it has not admitted, so it
+contributes nothing (sum) and is not counted (mean). A version's deletes free rows first
+(zeroed), then its rows are written, new ids taking free rows.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from odl.features.batch import Batch
+from odl.features.raw_id_index import RawIdIndex, drop_unmapped
 from odl.protos import pipeline_pb2
 from publisher.delta_format import DeltaVersion
 from serving_plugin.export_reader import ExportContents, ExportLoadError, read_export
@@ -95,6 +103,7 @@ class ServingModel:
         self.signature = export.signature
         self.feature_builder = export.feature_builder
         self.tables = export.tables
+        self.dynamic = export.dynamic
         self.dense_module = export.dense_module
         self.id_maps = export.id_maps
         self.lock = threading.Lock()
@@ -134,7 +143,7 @@ class ServingModel:
         self._num_keys = len(keys)
         self._groups = [
             _LookupGroup.build([(key_idx[f], t, pooling[t]) for f, t in g.lookups],
-                               self.tables, g.dim)
+                               self.tables, g.dim, self.dynamic)
             for g in export.pooled_inputs
         ]
         gen = str(self.signature.get("generation", ""))
@@ -248,9 +257,24 @@ class ServingModel:
 
     # -- updates ----------------------------------------------------------------------------
 
+    def dynamic_status(self) -> dict[str, dict[str, int]]:
+        """Dynamic table -> ``{"capacity", "live_rows"}``."""
+        return {n: {"capacity": ix.capacity, "live_rows": ix.live}
+                for n, ix in self.dynamic.items()}
+
     def _check_version(self, version: DeltaVersion) -> list[tuple[torch.Tensor, Any, Any]]:
-        """Validates a whole version; returns the copy plan (nothing is modified)."""
+        """Validates a whole version; returns the copy plan (nothing is modified).
+
+        A dynamic table's entry is ``(table, ("raw", name, deletes), values)`` with the raw
+        ids in place of rows; its rows are found (and taken) when the version is applied.
+        """
         plan: list[tuple[torch.Tensor, Any, Any]] = []
+        for tid in version.deletes:
+            entry = self._table_by_id.get(int(tid))
+            if entry is None:
+                raise DeltaApplyError("unknown_table_id", f"table id {tid}")
+            if entry[0] not in self.dynamic:
+                raise DeltaApplyError("not_dynamic", f"deletes for fixed table {entry[0]}")
         for vid, arr in version.dense.items():
             entry = self._dense_by_id.get(int(vid))
             if entry is None:
@@ -268,6 +292,18 @@ class ServingModel:
             if vals.ndim != 2 or vals.shape[1] != t.shape[1] or vals.shape[0] != ids.shape[0]:
                 raise DeltaApplyError("dim", f"table {name}: rows {tuple(vals.shape)}, table "
                                              f"dim {t.shape[1]}")
+            index = self.dynamic.get(name)
+            if index is not None:
+                gone = version.deletes.get(tid, np.empty(0, dtype=np.int64))
+                present = index.lookup(ids)
+                new = int(((present < 0) | np.isin(ids, gone)).sum())
+                room = index.free + int((index.lookup(gone) >= 0).sum())
+                if new > room:
+                    raise DeltaApplyError("capacity", f"table {name}: {new} new ids, "
+                                                      f"{room} free rows")
+                plan.append((t, ("raw", name, np.ascontiguousarray(ids, np.int64)),
+                             torch.from_numpy(np.ascontiguousarray(vals, np.float32))))
+                continue
             if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= t.shape[0]):
                 raise DeltaApplyError("row_range", f"table {name}: ids outside "
                                                    f"[0, {t.shape[0]})")
@@ -291,13 +327,27 @@ class ServingModel:
         t0 = time.perf_counter()
         plan = self._check_version(version)
         rows = 0
+        names = self.id_maps.table_names()
         with self.lock:
+            for tid, gone in version.deletes.items():
+                name = names[int(tid)]
+                freed = self.dynamic[name].remove_ids(gone)
+                if freed.shape[0]:
+                    self.tables[name].index_fill_(0, torch.from_numpy(freed), 0.0)
             for t, ids, vals in plan:
                 if ids is None:
                     t.copy_(vals.to(t.dtype))
-                else:
-                    t.index_copy_(0, ids, vals)
-                    rows += int(ids.shape[0])
+                    continue
+                if isinstance(ids, tuple):
+                    index = self.dynamic[ids[1]]
+                    raw = ids[2]
+                    slots = index.lookup(raw)
+                    new = slots < 0
+                    if new.any():
+                        slots[new] = index.insert(raw[new])
+                    ids = torch.from_numpy(slots)
+                t.index_copy_(0, ids, vals)
+                rows += int(ids.shape[0])
             h = version.header
             st = self.state
             st.version = int(h.version)
@@ -330,10 +380,11 @@ class _LookupGroup:
     any_mean: bool
     storage: Optional[torch.Tensor]
     dim: int
+    indexes: tuple[Optional[RawIdIndex], ...] = ()  # per lookup: its dynamic table's index
 
     @classmethod
     def build(cls, lookups: list[tuple[int, str, str]], tables: dict[str, torch.Tensor],
-              dim: int) -> _LookupGroup:
+              dim: int, dynamic: Optional[dict[str, RawIdIndex]] = None) -> _LookupGroup:
         storage = None
         offs = []
         for _k, t, _m in lookups:
@@ -351,6 +402,7 @@ class _LookupGroup:
             any_mean=any(m == "mean" for _k, _t, m in lookups),
             storage=storage,
             dim=dim,
+            indexes=tuple((dynamic or {}).get(t) for _k, t, _m in lookups),
         )
 
     def pooled(self, values: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
@@ -366,8 +418,12 @@ class _LookupGroup:
         out_start = torch.cumsum(cnt, 0) - cnt
         src = (torch.arange(total) - out_start.index_select(0, which)
                + starts.index_select(0, self.keys).index_select(0, which))
-        ids = values.index_select(0, src) + self.row_offsets.index_select(0, which)
+        vals = values.index_select(0, src)
         flat_len = bag_len.reshape(-1)
+        if any(ix is not None for ix in self.indexes):
+            vals, which, flat_len = self._map_raw_ids(vals, which, flat_len, b)
+            total = int(vals.shape[0])
+        ids = vals + self.row_offsets.index_select(0, which)
         offsets = torch.cumsum(flat_len, 0) - flat_len
         weights = None
         if self.any_mean:
@@ -378,3 +434,20 @@ class _LookupGroup:
         out = F.embedding_bag(ids, self.storage, offsets, mode="sum",
                               per_sample_weights=weights)
         return out.view(n, b, self.dim).transpose(0, 1).reshape(b, n * self.dim)
+
+    def _map_raw_ids(self, vals: torch.Tensor, which: torch.Tensor, flat_len: torch.Tensor,
+                     b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Raw ids of dynamic lookups -> rows; ids without a row leave their bags."""
+        v = vals.numpy().copy()
+        w = which.numpy()
+        keep = np.ones(v.shape[0], dtype=bool)
+        for j, index in enumerate(self.indexes):
+            if index is None:
+                continue
+            sel = np.flatnonzero(w == j)
+            rows = index.lookup(v[sel])
+            v[sel] = rows
+            keep[sel] = rows >= 0
+        kept, lengths = drop_unmapped(v, flat_len.numpy(), keep)
+        return (torch.from_numpy(kept), torch.from_numpy(w[keep]),
+                torch.from_numpy(np.ascontiguousarray(lengths)))

@@ -23,6 +23,8 @@ EMBEDDINGS_DIR = "embeddings"
 ASSETS_DIR = "assets"
 # A table's shard ``index`` inside ``embeddings/<table>/``.
 SHARD_FILE = "part-{index:05d}.npy"
+# A dynamic table's raw ids, one per row of the part of the same index.
+IDS_FILE = "ids-{index:05d}.npy"
 
 # A committed export directory's name: its unix time in seconds.
 EXPORT_NAME = re.compile(r"^\d+$")

@@ -27,6 +27,10 @@ On-disk layout of one export (``<export_dir>/<unix-seconds>/``; names in
           <table>/part-00000.npy      float32 [rows, dim] (numpy .npy); row i of the part is
                                       the vector of id start_id + i; only the columns the
                                       model reads (wide tables: wide_output_dim)
+          <table>/ids-00000.npy       dynamic tables only: int64 [n] raw ids, id i's vector
+                                      is row i of part-00000.npy (n live rows; the table
+                                      entry adds "keys": "raw_id", "live": n, and the part
+                                      "ids_file", "ids_sha256"; "rows" is the capacity)
         MANIFEST.json                 {"format": 1, "files": {relpath: {"bytes", "sha256"}}}
                                       over every file above except DONE
         DONE                          completion marker, written last
@@ -51,7 +55,8 @@ OSS too (``odl.checkpoint.checkpoint_manager``), and so may ``--asset_files``.
      "pooled_inputs": [{"name": str, "lookups": [[feature, table], ...], "dim": int}, ...],
      "outputs": [str, ...],
      "dense_features": [str, ...], "sparse_features": [str, ...],
-     "tables": {"<table>": {"rows": int, "dim": int, "pooling": "sum"|"mean"}},
+     "tables": {"<table>": {"rows": int, "dim": int, "pooling": "sum"|"mean",
+                            "dynamic": bool}},
      "deep_dim": int, "wide_output_dim": int,
      "deep_lookups": [[feature, table], ...], "wide_lookups": [[feature, table], ...]}
 
@@ -65,6 +70,10 @@ the probability is ``sigmoid(logit)``. For DeepFM the inputs are ``deep [B, num_
 (``dense.dnn.0.weight``, ``dense.wide_bias``, ...), the keys of ``DENSE_UPDATE_VARIABLES``, so
 replayed dense variables are copied in by name. ``deep_dim`` ... ``wide_lookups`` repeat the
 model's embedding layout (deep and wide lookups) for readers that know DeepFM.
+
+A dynamic table (``odl.models.dynamic_table``) is exported as its live rows only, keyed by
+raw id (rows below the table's ``base_threshold`` are left out); serving rebuilds its own id
+index from them, so nothing depends on the trainer's row layout.
 
 ``kafka.txt``'s offset comes from the checkpoint's ``positions.json`` key
 ``"delta_topic_offset"`` (the publisher records there the delta-topic offset after the last
@@ -98,6 +107,7 @@ from odl.export.export_layout import (
     DONE_FILE,
     EMBEDDINGS_DIR,
     EXPORT_FORMAT,
+    IDS_FILE,
     KAFKA_FILE,
     MANIFEST_FILE,
     SERVING_MODEL_FILE,
@@ -106,6 +116,7 @@ from odl.export.export_layout import (
 )
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import CtrModel
+from odl.models.dynamic_table import DynamicTables
 from odl.models.embedding_tables import WIDE_SUFFIX
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
@@ -265,7 +276,7 @@ def _new_export_name(export_dir: str, now: float) -> str:
 def _signature(model: CtrModel, fb: FeatureBuilder, global_step: int, generation: str,
                checkpoint: str, now: float, embeddings_ref: str,
                table_shapes: Mapping[str, tuple[int, int]],
-               table_pooling: Mapping[str, str]) -> dict:
+               table_pooling: Mapping[str, str], raw_ids: Mapping[str, np.ndarray]) -> dict:
     """The ``serving_model.json`` document (module docstring)."""
     layout = model.layout
     return {
@@ -282,7 +293,8 @@ def _signature(model: CtrModel, fb: FeatureBuilder, global_step: int, generation
         "outputs": list(model.output_names),
         "dense_features": fb.dense_feature_names,
         "sparse_features": fb.sparse_feature_names,
-        "tables": {n: {"rows": r, "dim": d, "pooling": table_pooling[n]}
+        "tables": {n: {"rows": r, "dim": d, "pooling": table_pooling[n],
+                       "dynamic": n in raw_ids}
                    for n, (r, d) in table_shapes.items()},
         "deep_dim": layout.deep_dim,
         "wide_output_dim": layout.wide_output_dim,
@@ -354,18 +366,25 @@ def export_checkpoint(
         raise ExportError(f"checkpoint {ckpt_dir} does not match the config's model: {e}") from e
     used = _used_columns(model)
     pooling = {spec.name: spec.pooling for spec in fb.table_specs}
+    live = _live_dynamic_rows(fb, ckpt.state, ckpt_dir)
     tables: dict[str, np.ndarray] = {}
     table_pooling: dict[str, str] = {}
+    raw_ids: dict[str, np.ndarray] = {}
+    table_shapes: dict[str, tuple[int, int]] = {}
     for cfg in model.layout.configs:
         key = f"{EBC_PREFIX}{cfg.name}.weight"
         if key not in state:
             raise ExportError(f"checkpoint {ckpt_dir} has no table {cfg.name} ({key})")
         w = state[key].detach().to(torch.float32).cpu().numpy()
         w = w[:, : used.get(cfg.name, w.shape[1])]
-        tables[cfg.name] = np.ascontiguousarray(w)
+        table_shapes[cfg.name] = (int(w.shape[0]), int(w.shape[1]))
         base = cfg.name[: -len(WIDE_SUFFIX)] if cfg.name.endswith(WIDE_SUFFIX) else cfg.name
+        if base in live:
+            rows, ids = live[base]
+            w = w[rows]
+            raw_ids[cfg.name] = ids
+        tables[cfg.name] = np.ascontiguousarray(w)
         table_pooling[cfg.name] = pooling.get(base, "sum")
-    table_shapes = {n: (int(w.shape[0]), int(w.shape[1])) for n, w in tables.items()}
     dense_shapes = _dense_variable_shapes(model)
 
     # Id maps: the publisher's (checkpoint dir or model_dir) when present, else the same
@@ -401,7 +420,7 @@ def export_checkpoint(
         if oss_path and is_remote(oss_path):
             emb_ref = join(oss_path, name, EMBEDDINGS_DIR)
             shutil.rmtree(emb_staging, ignore_errors=True)
-            _write_embeddings(emb_staging, tables, id_maps, table_pooling)
+            _write_embeddings(emb_staging, tables, id_maps, table_pooling, raw_ids)
             try:
                 file_store.remove_tree(emb_ref)
                 file_store.upload_tree(emb_staging, emb_ref, last=(MANIFEST_FILE,))
@@ -414,15 +433,16 @@ def export_checkpoint(
             emb_ref = os.path.abspath(os.path.join(oss_path, name, EMBEDDINGS_DIR))
             if os.path.exists(emb_ref):
                 shutil.rmtree(emb_ref)
-            _write_embeddings(emb_ref, tables, id_maps, table_pooling)
+            _write_embeddings(emb_ref, tables, id_maps, table_pooling, raw_ids)
         else:
             emb_ref = EMBEDDINGS_DIR
-            _write_embeddings(os.path.join(tmp, EMBEDDINGS_DIR), tables, id_maps, table_pooling)
+            _write_embeddings(os.path.join(tmp, EMBEDDINGS_DIR), tables, id_maps, table_pooling,
+                              raw_ids)
         torch.jit.save(script_dense(model), os.path.join(tmp, DENSE_MODEL_FILE))
         ckpt_ref = ckpt_dir if is_remote(ckpt_dir) else os.path.abspath(ckpt_dir)
         write_json_durable(os.path.join(tmp, SERVING_MODEL_FILE), _signature(
             model, fb, ckpt.global_step, ckpt.manifest.get("generation", ""),
-            ckpt_ref, now, emb_ref, table_shapes, table_pooling))
+            ckpt_ref, now, emb_ref, table_shapes, table_pooling, raw_ids))
         if id_src is not None:
             for fname in (DENSE_UPDATE_VARIABLES, EMBED_NAME_TO_IDS):
                 write_durable(os.path.join(tmp, fname),
@@ -462,11 +482,39 @@ def export_checkpoint(
     return ExportResult(path, emb_dir, ckpt.global_step, delta_offset)
 
 
+def _live_dynamic_rows(fb: FeatureBuilder, state: Mapping,
+                       ckpt_dir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Dynamic table -> ``(rows, raw ids)`` of its exported rows (live, >= base_threshold)."""
+    specs = {s.name: s.dynamic for s in fb.table_specs if s.dynamic is not None}
+    if not specs:
+        return {}
+    saved = state.get("dynamic_tables")
+    if saved is None:
+        raise ExportError(f"checkpoint {ckpt_dir} has no dynamic-table state but the config "
+                          f"has dynamic tables {sorted(specs)}")
+    tables = DynamicTables(specs, {n: () for n in specs})
+    tables.load_state_dict(saved)
+    out = {}
+    for name, table in tables.tables.items():
+        rows = table.index.live_rows()
+        rows = rows[table.exportable(rows)]
+        out[name] = (rows, table.index.row_ids[rows].copy())
+    return out
+
+
+def _save_npy(fp: str, arr: np.ndarray) -> None:
+    with open(fp, "wb") as f:
+        np.save(f, arr)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _write_embeddings(
     root: str,
     tables: Mapping[str, np.ndarray],
     ids: IdMaps,
     pooling: Mapping[str, str],
+    raw_ids: Mapping[str, np.ndarray],
 ) -> None:
     """Writes ``root/<table>/part-00000.npy`` per table and ``root/MANIFEST.json`` last."""
     os.makedirs(root, exist_ok=True)
@@ -476,17 +524,23 @@ def _write_embeddings(
         os.makedirs(tdir, exist_ok=True)
         part = SHARD_FILE.format(index=0)
         fp = os.path.join(tdir, part)
-        with open(fp, "wb") as f:
-            np.save(f, w.astype(np.float32, copy=False))
-            f.flush()
-            os.fsync(f.fileno())
-        manifest["tables"][name] = {
+        _save_npy(fp, w.astype(np.float32, copy=False))
+        entry = {"file": part, "start_id": 0, "rows": int(w.shape[0]),
+                 "bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}
+        info = {
             "id": int(ids.tables[name].id),
             "rows": int(w.shape[0]),
             "dim": int(w.shape[1]),
             "dtype": "float32",
             "pooling": pooling[name],
-            "parts": [{"file": part, "start_id": 0, "rows": int(w.shape[0]),
-                       "bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}],
+            "parts": [entry],
         }
+        if name in raw_ids:
+            ids_file = IDS_FILE.format(index=0)
+            ids_fp = os.path.join(tdir, ids_file)
+            _save_npy(ids_fp, np.asarray(raw_ids[name], dtype=np.int64))
+            entry.update(ids_file=ids_file, ids_sha256=sha256_file(ids_fp))
+            info.update(keys="raw_id", live=int(w.shape[0]),
+                        rows=int(ids.tables[name].num_rows))
+        manifest["tables"][name] = info
     write_json_durable(os.path.join(root, MANIFEST_FILE), manifest)

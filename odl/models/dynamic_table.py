@@ -167,6 +167,7 @@ class DynamicTable:
                        if spec.counts_candidates else None)
         self.counters = TableCounters()
         self.decayed_at: Optional[float] = None
+        self.now = 0.0  # newest stream time seen (unix seconds)
         self._deleted: list[np.ndarray] = []
 
     # -- queries ----------------------------------------------------------------------------
@@ -218,6 +219,7 @@ class DynamicTable:
         Returns:
             ``(rows, evicted rows)``; rows are ``-1`` for ids left without one.
         """
+        self.now = max(self.now, now)
         rows = self.index.lookup(ids)
         miss = rows < 0
         evicted = np.empty(0, dtype=np.int64)
@@ -339,6 +341,21 @@ class DynamicTable:
         if ids.shape[0]:
             self._deleted.append(np.asarray(ids, dtype=np.int64))
 
+    def forget(self, ids: np.ndarray) -> np.ndarray:
+        """Removes ids (absent ones ignored) without publishing a delete; returns freed rows.
+
+        Used by crash recovery for ids whose delete serving already has.
+        """
+        rows = self.index.lookup(np.unique(np.asarray(ids, dtype=np.int64)))
+        rows = np.sort(rows[rows >= 0])
+        if rows.shape[0]:
+            self.index.remove_rows(rows)
+            self.sightings[rows] = 0.0
+            if self.spec.keeps_scores:
+                self.show[rows] = 0.0
+                self.click[rows] = 0.0
+        return rows
+
     def upsert(self, ids: np.ndarray, step: int, now: float) -> tuple[np.ndarray, np.ndarray]:
         """Gives ``ids`` (unique) rows whatever the admission rule (crash recovery).
 
@@ -374,6 +391,7 @@ class DynamicTable:
             "sketch": self.sketch.state_dict() if self.sketch is not None else None,
             "counters": dict(vars(self.counters)),
             "decayed_at": self.decayed_at,
+            "now": self.now,
             "deleted": (np.unique(np.concatenate(self._deleted)) if self._deleted
                         else np.empty(0, dtype=np.int64)),
         }
@@ -394,6 +412,7 @@ class DynamicTable:
             self.sketch.load_state_dict(state["sketch"])
         self.counters = TableCounters(**state.get("counters", {}))
         self.decayed_at = state.get("decayed_at")
+        self.now = float(state.get("now", 0.0))
         deleted = np.asarray(state.get("deleted", []), dtype=np.int64)
         self._deleted = [deleted] if deleted.shape[0] else []
 

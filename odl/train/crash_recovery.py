@@ -283,7 +283,8 @@ class CrashRecovery:
             return
         module = self._module
         id_maps = build_id_maps(dense_variable_shapes(module), published_table_dims(module))
-        apply_recovered_state(module.embedding_tables(), module.dense_parameters(), id_maps, state)
+        apply_recovered_state(module.embedding_tables(), module.dense_parameters(), id_maps, state,
+                              module if module.dynamic else None)
         module.global_step = int(state.version)
         input_topic = online_input_name(self._config)
         recovered = state.positions_for(input_topic)

@@ -306,8 +306,8 @@ class TrainModule:
         return self._row_views
 
     @torch.no_grad()
-    def _reset_rows(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
-        """Fresh weights and zero optimizer state for evicted rows of dynamic tables."""
+    def reset_dynamic_rows(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
+        """Fresh weights and zero optimizer state for evicted rows (dynamic table -> rows)."""
         tables, states = self._row_state_views()
         for base, rows in evicted.items():
             r = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
@@ -341,7 +341,7 @@ class TrainModule:
             remapped = self.dynamic.remap(batch, self.global_step + 1, now, admit=True)
             batch = remapped.batch
             if remapped.evicted:
-                self._reset_rows(remapped.evicted, self.global_step + 1)
+                self.reset_dynamic_rows(remapped.evicted, self.global_step + 1)
         batch = batch.to(self.device)
         self._dmp.train()
         output = self._dmp(batch)
@@ -369,7 +369,7 @@ class TrainModule:
         if self.dynamic:
             expired = self.dynamic.maintain(self.global_step, now)
             if expired:
-                self._reset_rows(expired, self.global_step)
+                self.reset_dynamic_rows(expired, self.global_step)
         probs = torch.sigmoid(logits.detach()).to(torch.float64).cpu().numpy()
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
