@@ -185,6 +185,9 @@ class DeltaReplayer(ReportsBrokerHealth):
                     self.metrics.versions.inc()
                     self.metrics.rows.inc(rows)
                     self.metrics.version.set(applied)
+                    self.metrics.deletes.inc(version.num_deletes)
+                    for table, st in self.model.dynamic_status().items():
+                        self.metrics.dynamic_rows.labels(table=table).set(st["live_rows"])
                 logger.debug("applied version %d (generation %s, %d rows, %d chunks)",
                              applied, version.header.generation, rows, version.chunk_count)
         except (DeltaFormatError, DeltaApplyError) as exc:

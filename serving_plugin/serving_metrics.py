@@ -45,3 +45,7 @@ class ServingMetrics:
                          registry=r)
         self.broker_up = Gauge("odl_serving_broker_up", "1 when the delta broker is reachable",
                                registry=r)
+        self.dynamic_rows = Gauge("odl_serving_dynamic_table_live_rows",
+                                  "Ids with a row in a dynamic table", ["table"], registry=r)
+        self.deletes = Counter("odl_serving_ids_deleted",
+                               "Ids deleted from dynamic tables by versions", registry=r)

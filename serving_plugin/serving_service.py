@@ -170,6 +170,7 @@ class ServingService:
             "broker_error_since": r.broker_error_since if r else None,
             "state": self.state(),
             "uptime_seconds": now - self.started,
+            "dynamic_tables": self.model.dynamic_status() or None,
         }
 
     def state(self) -> str:

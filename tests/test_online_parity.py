@@ -7,6 +7,7 @@ import os
 import time
 
 import numpy as np
+from prometheus_client import generate_latest
 
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.pipeline_config import load_pipeline_config
@@ -30,13 +31,21 @@ def _incr_save(kind: str, where: str, value_type: str = "FP32", chunk: int = 900
             f"value_type: {value_type} max_chunk_bytes: {chunk} }}")
 
 
-def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int = 1500):
+# Every id feature's table dynamic (EasyRec's model-wide form), small enough to evict.
+DYNAMIC_TABLES = 'model_class: "DeepFM"\n  ev_params { filter_freq: 2 max_capacity: 120 }'
+
+
+def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int = 1500,
+                           dynamic: bool = False):
     topic = topic_factory(partitions=PARTS)
     batch = SyntheticCtrStream(seed=41).next_batch(n)
     produce(bootstrap, topic, batch.encode("csv"), PARTS)
     ends = end_offsets(bootstrap, topic)
     cfg = write_config(tmp_path, bootstrap, topic, batch_size=100, extra_train=incr)
     text = open(cfg).read().replace("save_checkpoints_steps: 50", "save_checkpoints_steps: 4")
+    if dynamic:
+        text = text.replace('model_class: "DeepFM"', DYNAMIC_TABLES).replace(
+            "log_step_count_steps: 20", "log_step_count_steps: 5")
     open(cfg, "w").write(text.replace("keep_checkpoint_max: 3", "keep_checkpoint_max: 10"))
     trainer = run_in_process(cfg, ends)
     return trainer, cfg
@@ -93,6 +102,28 @@ def test_serving_replay_matches_trainer_predictions(
     # after its last chunk, i.e. at its transaction's commit marker, the topic's last offset
     last = read_checkpoint(list_checkpoints(trainer.model_dir)[-1])
     assert last.source["delta_topic_offset"] == end_offsets(kafka_bootstrap, delta_topic)[0] - 1
+
+
+def test_dynamic_tables_replay_matches_trainer_predictions(
+    kafka_bootstrap, kafka_topic_factory, tmp_path
+):
+    delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
+    trainer, cfg = _train_with_publishing(
+        tmp_path, kafka_bootstrap, kafka_topic_factory,
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), dynamic=True,
+    )
+    tables = trainer.status()["dynamic_tables"]
+    assert tables == trainer.module.dynamic_status()
+    metrics = generate_latest(trainer.metrics.registry).decode()
+    for key in ("live_rows", "capacity", "admitted", "rejected", "evicted", "memory_bytes"):
+        assert f'odl_dynamic_table_{key}{{table="C1"}}' in metrics, key
+    assert sum(t["evicted"] for t in tables.values()) > 0  # full tables evicted
+    assert sum(t["rejected"] for t in tables.values()) > 0  # ids seen once got no row
+    status, _ = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)
+    assert status["versions_applied"] >= 2
+    for name, st in status["dynamic_tables"].items():
+        base = name[: -len("_wide")] if name.endswith("_wide") else name
+        assert st["live_rows"] == tables[base]["live_rows"], name
 
 
 def test_chunked_fp16_versions_replay_within_tolerance(

@@ -256,6 +256,23 @@ class TrainModule:
         """The dynamic table behind a TorchRec table (``<t>`` or ``<t>_wide``), else None."""
         return self._dynamic_of_torch.get(table)
 
+    def dynamic_status(self) -> dict[str, dict[str, Any]]:
+        """Per dynamic table: ``DynamicTables.status()`` plus ``memory_bytes``.
+
+        ``memory_bytes`` counts its rows and their optimizer state in every TorchRec table it
+        backs, and its id index, counters and sketch.
+        """
+        tables, states = self._row_state_views()
+        out = self.dynamic.status()
+        for base, st in out.items():
+            nbytes = st["map_bytes"]
+            for t in self._dynamic_torch_tables[base]:
+                nbytes += tables[t].numel() * tables[t].element_size()
+                nbytes += sum(v.numel() * v.element_size()
+                              for v in states.get(f"{EBC_PREFIX}{t}.weight", []))
+            st["memory_bytes"] = int(nbytes)
+        return out
+
     def feature_tables(self) -> dict[str, list[str]]:
         """Embedded feature name -> tables it is looked up in (deep and wide)."""
         return self._module().layout.feature_tables()

@@ -43,3 +43,20 @@ class TrainerMetrics:
             "odl_checkpoint_failures", "Checkpoints that could not be written", registry=r
         )
         self.broker_up = Gauge("odl_broker_up", "1 when the input broker is reachable", registry=r)
+        self.dynamic = {
+            key: Gauge(f"odl_dynamic_table_{key}", text, ["table"], registry=r)
+            for key, text in (
+                ("live_rows", "Rows of a dynamic table holding an id"),
+                ("capacity", "Rows of a dynamic table"),
+                ("admitted", "Ids given a row since the table was created"),
+                ("rejected", "Candidate ids refused a row (once per step they appeared in)"),
+                ("evicted", "Rows evicted (to make room or expired)"),
+                ("memory_bytes", "Bytes of a dynamic table: rows, optimizer state, id index"),
+            )
+        }
+
+    def set_dynamic_tables(self, status: dict) -> None:
+        """Sets the per-table gauges from ``TrainModule.dynamic_status()``."""
+        for table, st in status.items():
+            for key, gauge in self.dynamic.items():
+                gauge.labels(table=table).set(st[key])

@@ -177,6 +177,7 @@ class TrainerStatus:
             "failure": t.failure,
             "device": str(t.module.device),
             "publisher": t.publisher.status() if t.publisher is not None else None,
+            "dynamic_tables": t.module.dynamic_status() if t.module.dynamic else None,
             "recovery": t.recovery,
             "dead_letter": dead_letter.status() if dead_letter is not None else None,
         }
@@ -253,6 +254,12 @@ class TrainerStatus:
             metrics.lag.labels(partition=str(p)).set(lag)
         for p, pos in positions.items():
             metrics.position.labels(partition=str(p)).set(pos)
+        if t.module.dynamic:
+            dynamic = t.module.dynamic_status()
+            metrics.set_dynamic_tables(dynamic)
+            logger.info("dynamic tables: %s", ", ".join(
+                f"{n} {d['live_rows']}/{d['capacity']} rows, +{d['admitted']} "
+                f"-{d['evicted']} refused {d['rejected']}" for n, d in dynamic.items()))
         logger.info(
             "step %d samples %d %.0f samples/s loss %.4f auc %s logloss %s (total auc %s) lag %s",
             t.module.global_step,
