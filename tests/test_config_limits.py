@@ -458,3 +458,26 @@ def test_real_processes_exit_2_with_one_line(tmp_path: Path) -> None:
         lines = [ln for ln in err.splitlines() if ln.startswith("odl-train")]
         assert proc.returncode == 2 and "Traceback" not in err, err
         assert len(lines) == 1 and f"'{field}'" in lines[0], err
+
+
+def test_memory_estimate_counts_dynamic_tables_and_their_index() -> None:
+    """A dynamic table is its capacity plus its id index and counters, as the engine builds."""
+    from odl.config.memory_estimate import estimate_memory
+    from odl.features.feature_builder import FeatureBuilder
+    from odl.models.dynamic_table import DynamicTables
+
+    config = load_pipeline_config(ONLINE, {
+        "model_config.ev_params": {"max_capacity": 4096},
+        "feature_configs[1].zch": {"zch_size": 1024, "lfu": {}},
+        "feature_configs[2].ev_params": {"filter_freq": 2, "max_capacity": 2048},
+    })
+    fb = FeatureBuilder(config)
+    specs = {s.name: s for s in fb.table_specs if s.dynamic is not None}
+    est = estimate_memory(config, "cpu")
+    rows = {t.name: t.rows for t in est.tables}
+    for name, spec in specs.items():
+        assert rows[name] == spec.dynamic.capacity
+    engine = DynamicTables({n: s.dynamic for n, s in specs.items()},
+                           {n: s.feature_names for n, s in specs.items()})
+    index_bytes = sum(t.map_bytes() for t in engine.tables.values())
+    assert est.table_state_bytes - est.table_bytes == index_bytes

@@ -263,9 +263,14 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
 
     model_ev = mc.ev_params if mc.HasField("ev_params") else None
 
-    def add_table(name: str, rows: int, dim: int, map_bytes: int = 0) -> None:
+    mapped: set[str] = set()  # dynamic tables whose index is counted (once per deep/wide pair)
+
+    def add_table(name: str, rows: int, dim: int, fc: pipeline_pb2.FeatureConfig) -> None:
         if name in tables:
             return
+        base = fc.embedding_name or fc.feature_name
+        map_bytes = 0 if base in mapped else _map_bytes(fc, model_ev)
+        mapped.add(base)
         tables[name] = TableEstimate(
             name, rows, dim, BYTES_PER_VALUE * rows * dim,
             BYTES_PER_VALUE * rows * (per_row + per_value * dim) + map_bytes)
@@ -279,7 +284,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
             deep_in += 1
             continue
         dim = int(fc.embedding_dim)
-        add_table(fc.embedding_name or name, _rows(fc, model_ev), dim, _map_bytes(fc, model_ev))
+        add_table(fc.embedding_name or name, _rows(fc, model_ev), dim, fc)
         deep_in += dim
         pooled += dim
         fm_dim = max(fm_dim, dim)
@@ -291,7 +296,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
         if not _embedded(fc):
             wide_dense += 1
             continue
-        add_table(f"{fc.embedding_name or name}_wide", _rows(fc, model_ev), wide_dim)
+        add_table(f"{fc.embedding_name or name}_wide", _rows(fc, model_ev), wide_dim, fc)
         pooled += wide_dim
 
     d = mc.deepfm

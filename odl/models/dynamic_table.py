@@ -225,7 +225,8 @@ class DynamicTable:
         evicted = np.empty(0, dtype=np.int64)
         if miss.any():
             u, inv, cnt = np.unique(ids[miss], return_inverse=True, return_counts=True)
-            clk = np.bincount(inv, weights=clicks[miss], minlength=u.shape[0])
+            clk = (np.bincount(inv, weights=clicks[miss], minlength=u.shape[0])
+                   if self.needs_clicks else np.zeros(u.shape[0]))
             ok = np.ones(u.shape[0], dtype=bool)
             prior_s = prior_c = None
             if self.sketch is not None:
@@ -254,16 +255,20 @@ class DynamicTable:
             self.counters.admitted += int(want.shape[0])
             self.counters.rejected += int(u.shape[0] - want.shape[0])
         used = rows >= 0
-        if used.any():
-            ur, first_inv, rc = np.unique(rows[used], return_inverse=True, return_counts=True)
-            self.sightings[ur] += rc
-            self.last_step[ur] = step
-            self.last_time[ur] = now
+        r = rows[used] if not used.all() else rows
+        if r.shape[0]:
+            np.add.at(self.sightings, r, 1.0)
+            self.last_step[r] = step
+            self.last_time[r] = now
             if self.spec.keeps_scores:
-                self.show[ur] += rc
-                self.click[ur] += np.bincount(first_inv, weights=clicks[used],
-                                              minlength=ur.shape[0])
+                np.add.at(self.show, r, 1.0)
+                np.add.at(self.click, r, clicks[used] if r is not rows else clicks)
         return rows, evicted
+
+    @property
+    def needs_clicks(self) -> bool:
+        """Whether ``admit`` reads the clicks (show / click counts or candidate counting)."""
+        return self.spec.keeps_scores or self.sketch is not None
 
     def _priority(self, rows: np.ndarray, step: int) -> np.ndarray:
         policy = self.spec.policy
@@ -489,12 +494,17 @@ class DynamicTables:
         for name, key_idx in self._plan:
             if not key_idx:
                 continue
-            spans = [np.arange(starts[k], starts[k] + counts[k]) for k in key_idx]
-            where = np.concatenate(spans) if len(spans) > 1 else spans[0]
+            if len(key_idx) == 1:
+                k = key_idx[0]
+                where = slice(int(starts[k]), int(starts[k] + counts[k]))
+            else:
+                where = np.concatenate([np.arange(starts[k], starts[k] + counts[k])
+                                        for k in key_idx])
             ids = values[where]
             table = self.tables[name]
             if admit:
-                clicks = np.concatenate([np.repeat(labels, lengths2d[k]) for k in key_idx])
+                clicks = (np.concatenate([np.repeat(labels, lengths2d[k]) for k in key_idx])
+                          if table.needs_clicks else np.zeros(ids.shape[0]))
                 rows, ev = table.admit(ids, clicks, step, now)
                 if ev.shape[0]:
                     evicted[name] = ev
