@@ -226,6 +226,11 @@ class ParameterSnapshotter:
         self._produce_range: Optional[list[int]] = None
         self._published_rows: dict[str, torch.Tensor] = {}  # table -> rows ever published
         self.secs_total = 0.0
+        tables = getattr(module, "embedding_tables", dict)()
+        for name in tables:  # evictions become deletes from now on
+            dyn = self._dynamic(name)
+            if dyn is not None:
+                dyn.record_deletes = True
 
     def note_times(self, event_time_ms: Optional[tuple[int, int]] = None,
                    produce_time_ms: Optional[tuple[int, int]] = None) -> None:

@@ -119,8 +119,10 @@ def test_raw_id_index_matches_a_dict_through_inserts_and_removals():
 
 
 def _table(policy: str, capacity: int = 100, **kw) -> DynamicTable:
-    return DynamicTable("t", DynamicTableSpec(form="zch", capacity=capacity, policy=policy,
-                                              **kw), seed=1)
+    table = DynamicTable("t", DynamicTableSpec(form="zch", capacity=capacity, policy=policy,
+                                               **kw), seed=1)
+    table.record_deletes = True  # as when a publisher takes them
+    return table
 
 
 def test_admission_by_frequency():
@@ -143,29 +145,52 @@ def _fill(t: DynamicTable) -> None:
     assert t.index.live == 100 and t.index.free == 0
 
 
-@pytest.mark.parametrize("policy,victim", [
-    ("lru", 0),            # seen least recently
-    ("lfu", 99),           # seen least often
-    ("distance_lfu", 99),  # 1 sighting / age 2 is the lowest
+@pytest.mark.parametrize("policy,victims", [
+    ("lru", range(0, 8)),            # seen least recently
+    ("lfu", range(92, 100)),         # seen least often
+    ("distance_lfu", range(92, 100)),  # (100 - i) sightings / age (101 - i): lowest for i=99
 ])
-def test_eviction_policies_pick_their_victim(policy, victim):
+def test_eviction_policies_pick_their_victims(policy, victims):
     t = _table(policy)
     _fill(t)
+    # one row is needed; a block of 8 x the rows needed goes at once
     rows, evicted = t.admit(np.array([1000], dtype=np.int64), np.zeros(1), step=101, now=0.0)
-    assert evicted.shape[0] == 1 and rows[0] == evicted[0]
-    assert t.index.lookup(np.array([victim]))[0] == -1
-    assert t.take_deleted().tolist() == [victim]
-    assert t.index.live == 100 and t.counters.evicted == 1
+    assert evicted.shape[0] == 8 and rows[0] in evicted
+    assert t.take_deleted().tolist() == list(victims)
+    assert (t.index.lookup(np.array(list(victims))) == -1).all()
+    assert t.index.live == 93 and t.counters.evicted == 8
+    t.record_deletes = False  # no publisher: evicted ids are not kept (memory stays flat)
+    t.admit(np.arange(2000, 2008, dtype=np.int64), np.zeros(8), step=102, now=0.0)
+    assert t.counters.evicted > 8 and t.take_deleted().shape[0] == 0
+
+
+def test_large_table_evicts_exactly_the_lowest_rows():
+    """Beyond 65,536 rows the victims come from a sampled threshold: still the k lowest."""
+    rng = np.random.default_rng(3)
+    t = _table("lfu", capacity=100_000)
+    ids = np.arange(100_000, dtype=np.int64)
+    t.admit(ids, np.zeros(ids.shape[0]), step=1, now=0.0)
+    hot = rng.choice(ids, 60_000, replace=False)
+    for s in range(3):  # sightings 1..4, many ties
+        t.admit(hot[: 20_000 * (s + 1)], np.zeros(20_000 * (s + 1)), step=2 + s, now=0.0)
+    before = t.sightings.copy()
+    protect_ids = ids[:10]  # in the batch: never evicted
+    rows, evicted = t.admit(np.concatenate([protect_ids, [10**12]]), np.zeros(11), step=9,
+                            now=0.0)
+    assert evicted.shape[0] == 1000  # 1 % of the capacity at once
+    assert not np.isin(evicted, rows[:10]).any()
+    kept = np.setdiff1d(np.arange(100_000), np.concatenate([evicted, rows[:10]]))
+    assert before[evicted].max() <= before[kept].min()
 
 
 def test_score_policy_and_protected_rows():
     t = _table("score", delete_threshold=None)
     _fill(t)  # ids with more sightings have a higher score (0.1 per unclicked show)
-    # id 99 has the lowest score but is in the batch: it is protected, 98 goes
+    # id 99 has the lowest score but is in the batch: it is protected, 91..98 go
     ids = np.array([99, 2000], dtype=np.int64)
     rows, evicted = t.admit(ids, np.zeros(2), step=101, now=0.0)
     assert t.index.lookup(np.array([98]))[0] == -1 and rows[0] >= 0 and rows[1] >= 0
-    assert t.take_deleted().tolist() == [98]
+    assert t.take_deleted().tolist() == list(range(91, 99))
     # clicks weigh more: a clicked newcomer outranks an id shown 5 times
     t.admit(np.array([2000] * 3, dtype=np.int64), np.ones(3), step=102, now=0.0)
     assert t.score(t.index.lookup(np.array([2000])))[0] > t.score(

@@ -11,12 +11,12 @@ Layout:
 
 * ``row_ids[row]``: the raw id a row holds, ``-1`` when free (the authoritative state; a
   checkpoint stores it with the free-row stack, everything else is derived);
-* an open-addressing hash index of ``slots`` (a power of two >= 2 x capacity, so the load
-  stays <= 1/2): ``slot_row[slot]`` is a row, ``-1`` empty or ``-2`` a tombstone left by a
-  removal. The home slot of an id is ``splitmix64(id) & (slots - 1)``; collisions probe
-  linearly. Lookups run one vectorized probe round per step of the longest chain (a
-  handful at this load). Once tombstones exceed a quarter of the slots the index is rebuilt
-  from ``row_ids``;
+* an open-addressing hash index of ``slots`` (a power of two >= 4 x capacity, ``int32``, so
+  the load stays <= 1/4 and the index costs 16 bytes a row): ``slot_row[slot]`` is a row,
+  ``-1`` empty or ``-2`` a tombstone left by a removal. The home slot of an id is
+  ``splitmix64(id) & (slots - 1)``; collisions probe linearly. Lookups run one vectorized
+  probe round per step of the longest chain (a handful at this load). Once tombstones
+  exceed a quarter of the slots the index is rebuilt from ``row_ids``;
 * ``free``: a stack of free rows; rows are taken from its top, freed rows pushed on it, so
   allocation is deterministic and a restored stack allocates exactly as the saved one would.
 
@@ -65,13 +65,15 @@ class RawIdIndex:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = int(capacity)
+        if self.capacity >= 1 << 31:
+            raise ValueError(f"capacity must be < 2**31, got {capacity}")
         slots = 16
-        while slots < 2 * self.capacity:
+        while slots < 4 * self.capacity:
             slots *= 2
         self._mask = np.uint64(slots - 1)
         self._slots = slots
         self.row_ids = np.full(self.capacity, _EMPTY, dtype=np.int64)
-        self._slot_row = np.full(slots, _EMPTY, dtype=np.int64)
+        self._slot_row = np.full(slots, _EMPTY, dtype=np.int32)
         self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # top = row 0
         self._free_top = self.capacity
         self._tombstones = 0
@@ -188,15 +190,18 @@ class RawIdIndex:
         pending = np.arange(ids.shape[0])
         while pending.shape[0]:
             s = ((home[pending] + probe[pending]) & self._mask).astype(np.int64)
-            open_ = self._slot_row[s] < 0
+            before = self._slot_row[s]
+            open_ = before < 0
             cand = pending[open_]
-            uniq, first = np.unique(s[open_], return_index=True)
-            self._tombstones -= int((self._slot_row[uniq] == _TOMBSTONE).sum())
-            self._slot_row[uniq] = rows[cand[first]]
+            so = s[open_]
+            # several candidates for one slot: the last write wins, so write in reverse
+            # order and the first candidate keeps the slot
+            self._slot_row[so[::-1]] = rows[cand[::-1]]
+            won = self._slot_row[so] == rows[cand]
+            self._tombstones -= int((before[open_][won] == _TOMBSTONE).sum())
             placed = np.zeros(ids.shape[0], dtype=bool)
-            placed[cand[first]] = True
-            keep = ~placed[pending]
-            pending = pending[keep]
+            placed[cand[won]] = True
+            pending = pending[~placed[pending]]
             probe[pending] += np.uint64(1)
 
     def _rebuild(self) -> None:

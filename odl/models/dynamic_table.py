@@ -19,10 +19,11 @@ the ids of every feature reading it:
    for this step (counted, no row: they contribute nothing to the lookup, like an id serving
    does not know);
 3. admitted ids take free rows; when too few are free, the lowest-priority rows not used by
-   this batch are evicted first, in blocks of at least 1 % of the capacity so the ranking
-   (O(capacity)) runs rarely. Priority (higher = kept): ``lru`` last step seen; ``lfu``
-   sightings since admission; ``distance_lfu`` sightings / (steps since seen + 1) **
-   decay_exponent; ``score`` click_coeff * click + nonclk_coeff * (show - click);
+   this batch are evicted first, in blocks of at least 1 % of the capacity (and 8 times the
+   rows needed) so the ranking (O(capacity)) runs rarely. Priority (higher = kept): ``lru``
+   last step seen; ``lfu`` sightings since admission; ``distance_lfu`` sightings / (steps
+   since seen + 1) ** decay_exponent; ``score`` click_coeff * click + nonclk_coeff * (show -
+   click);
 4. the rows used get their counters updated: sightings, last step, last stream time, show
    (+1 per sample) and click (+1 per sample with a positive label).
 
@@ -34,10 +35,14 @@ config has ``data_config.event_time_field``, else the trainer's clock.
 
 Evicted rows are returned to the caller (``TrainModule``), which resets their weights (the
 table's initializer, seeded by table and step) and optimizer state before the rows are
-reused; their ids are kept for the next delta version as deletes
-(:meth:`DynamicTables.take_deleted`). All decisions depend only on the ids, labels, steps and
-stream times trained on, so a checkpoint (:meth:`DynamicTables.state_dict`: the index, the
-free-row stack, the counters, the sketch) restores the tables exactly.
+reused; when the trainer publishes deltas (``record_deletes``) their ids are kept for the
+next delta version as deletes (:meth:`DynamicTables.take_deleted`). A table that has to make
+room ranks its rows once per block (at least 1 % of the capacity and 8 times the rows the
+step needs): exactly, by one ``argpartition`` up to 65,536 rows, beyond that from a
+threshold taken on a strided sample of 32,768 rows, then exactly among the rows at or below
+it. All decisions depend only on the ids, labels, steps and stream times trained on, so a
+checkpoint (:meth:`DynamicTables.state_dict`: the index, the free-row stack, the counters,
+the sketch) restores the tables exactly.
 """
 
 from __future__ import annotations
@@ -61,8 +66,10 @@ logger = logging.getLogger(__name__)
 __all__ = ["CountMinSketch", "DynamicTable", "DynamicTables"]
 
 STATE_FORMAT = "odl.dynamic_tables/1"
-# Fraction of the capacity evicted at least, once a table has to make room.
+# Once a table has to make room it evicts at least this fraction of its capacity, and at
+# least this many times the rows the step needs, so the ranking runs rarely.
 EVICT_BLOCK_FRACTION = 0.01
+EVICT_BLOCK_SHORTS = 8
 _SKETCH_DEPTH = 4
 _SKETCH_MAX_WIDTH = 1 << 20
 _SECS_PER_DAY = 86400.0
@@ -156,6 +163,8 @@ class DynamicTable:
     def __init__(self, name: str, spec: DynamicTableSpec, seed: int = 0) -> None:
         self.name = name
         self.spec = spec
+        # evicted ids are kept for take_deleted only when someone publishes them
+        self.record_deletes = False
         c = spec.capacity
         self.index = RawIdIndex(c)
         self.sightings = np.zeros(c, dtype=np.float64)
@@ -266,41 +275,58 @@ class DynamicTable:
         return rows, evicted
 
     @property
+    def has_maintenance(self) -> bool:
+        """Whether a maintenance pass can change anything (decay or an expiry rule)."""
+        spec = self.spec
+        return bool(spec.steps_to_live or spec.delete_threshold is not None
+                    or spec.delete_after_unseen_days is not None
+                    or (spec.keeps_scores and spec.decay_rate_per_day < 1.0))
+
+    @property
     def needs_clicks(self) -> bool:
         """Whether ``admit`` reads the clicks (show / click counts or candidate counting)."""
         return self.spec.keeps_scores or self.sketch is not None
 
-    def _priority(self, rows: np.ndarray, step: int) -> np.ndarray:
+    def _priority(self, rows: Optional[np.ndarray], step: int) -> np.ndarray:
+        """Keep priority of ``rows`` (None: every row, without copying where possible)."""
         policy = self.spec.policy
+        sel = slice(None) if rows is None else rows
         if policy == "lru":
-            return self.last_step[rows].astype(np.float64)
+            return self.last_step[sel]
         if policy == "lfu":
-            return self.sightings[rows]
+            return self.sightings[sel]
         if policy == "distance_lfu":
-            age = (step - self.last_step[rows]).astype(np.float64) + 1.0
-            return self.sightings[rows] / np.power(age, self.spec.decay_exponent)
-        return self.score(rows)
+            age = (step - self.last_step[sel]).astype(np.float64) + 1.0
+            return self.sightings[sel] / np.power(age, self.spec.decay_exponent)
+        return self.score(np.arange(self.spec.capacity) if rows is None else rows)
 
     def _evict_for_room(self, short: int, protect: np.ndarray, step: int) -> np.ndarray:
-        live = self.index.live_rows()
+        full = self.index.free == 0
+        live = None if full else self.index.live_rows()
         prio = self._priority(live, step)
-        if protect.shape[0]:
-            guard = np.zeros(self.spec.capacity, dtype=bool)
-            guard[protect] = True
-            prio[guard[live]] = np.inf
-            evictable = int(live.shape[0] - guard.sum())
-        else:
-            evictable = int(live.shape[0])
-        k = min(evictable, max(short, int(np.ceil(self.spec.capacity * EVICT_BLOCK_FRACTION))))
+        protect = np.unique(protect)
+        n_live = self.spec.capacity if live is None else int(live.shape[0])
+        evictable = n_live - int(protect.shape[0])
+        block = max(EVICT_BLOCK_SHORTS * short,
+                    int(np.ceil(self.spec.capacity * EVICT_BLOCK_FRACTION)))
+        k = min(evictable, max(short, block))
         if k <= 0:
             return np.empty(0, dtype=np.int64)
-        victims = live[np.argpartition(prio, k - 1)[:k]] if k < live.shape[0] else live
+        # the k + |protect| lowest, then the protected ones left out: exactly the k lowest
+        # evictable rows
+        pos = _lowest(prio, min(n_live, k + protect.shape[0]))
+        victims = pos if live is None else live[pos]
+        if protect.shape[0]:
+            free = ~np.isin(victims, protect, assume_unique=True)
+            victims = victims[free][np.argsort(prio[pos][free], kind="stable")[:k]]
         self._remove(victims)
         return victims
 
     def _remove(self, rows: np.ndarray) -> None:
         rows = np.sort(rows)
-        self._deleted.append(self.index.remove_rows(rows))
+        gone = self.index.remove_rows(rows)
+        if self.record_deletes:
+            self._deleted.append(gone)
         self.sightings[rows] = 0.0
         if self.spec.keeps_scores:
             self.show[rows] = 0.0
@@ -422,6 +448,30 @@ class DynamicTable:
         self._deleted = [deleted] if deleted.shape[0] else []
 
 
+# Above this many rows the k lowest priorities are found from a strided sample's threshold
+# (two passes over the rows) instead of one argpartition of all of them.
+_EXACT_SELECT_ROWS = 1 << 16
+_SAMPLE_ROWS = 1 << 15
+
+
+def _lowest(prio: np.ndarray, k: int) -> np.ndarray:
+    """Positions of the ``k`` lowest values of ``prio`` (any order; deterministic)."""
+    n = prio.shape[0]
+    if k >= n:
+        return np.arange(n)
+    if n > _EXACT_SELECT_ROWS:
+        stride = n // _SAMPLE_ROWS
+        sample = prio[::stride]
+        q = min(sample.shape[0] - 1, int(np.ceil(1.2 * k / stride)) + 1)
+        threshold = np.partition(sample, q)[q]
+        cand = np.flatnonzero(prio <= threshold)
+        if cand.shape[0] >= k:
+            if cand.shape[0] == k:
+                return cand
+            return cand[np.argpartition(prio[cand], k - 1)[:k]]
+    return np.argpartition(prio, k - 1)[:k]
+
+
 def hash_name(name: str) -> int:
     """A stable number of a table name (sketch seeds)."""
     return zlib.crc32(name.encode("utf-8"))
@@ -450,8 +500,11 @@ class DynamicTables:
     """
 
     def __init__(self, specs: Mapping[str, DynamicTableSpec],
-                 table_features: Mapping[str, Sequence[str]], seed: int = 0) -> None:
+                 table_features: Mapping[str, Sequence[str]], seed: int = 0,
+                 record_deletes: bool = False) -> None:
         self.tables = {name: DynamicTable(name, spec, seed) for name, spec in specs.items()}
+        for t in self.tables.values():
+            t.record_deletes = record_deletes
         self._table_features = {n: list(table_features[n]) for n in self.tables}
         self._keys: Optional[list[str]] = None
         self._plan: list[tuple[str, list[int]]] = []
@@ -523,7 +576,7 @@ class DynamicTables:
         """Runs the maintenance pass of every table due at ``step``; returns evicted rows."""
         out = {}
         for name, table in self.tables.items():
-            if step % table.spec.maintenance_interval == 0:
+            if step % table.spec.maintenance_interval == 0 and table.has_maintenance:
                 ev = table.maintain(step, now)
                 if ev.shape[0]:
                     out[name] = ev

@@ -203,8 +203,10 @@ class TrainModule:
         specs = {s.name: s for s in feature_builder.table_specs
                  if s.dynamic is not None and s.name in set(tables) | {
                      t[: -len(WIDE_SUFFIX)] for t in tables if t.endswith(WIDE_SUFFIX)}}
-        self.dynamic = DynamicTables({n: s.dynamic for n, s in specs.items()},
-                                     {n: s.feature_names for n, s in specs.items()}, self._seed)
+        self.dynamic = DynamicTables(
+            {n: s.dynamic for n, s in specs.items()},
+            {n: s.feature_names for n, s in specs.items()}, self._seed,
+            record_deletes=config.train_config.HasField("incr_save_config"))
         self._dynamic_torch_tables = {
             base: [t for t in (base, base + WIDE_SUFFIX) if t in tables] for base in specs}
         self._dynamic_of_torch = {t: self.dynamic.tables[base]
