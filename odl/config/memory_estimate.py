@@ -12,7 +12,7 @@ Formula (bytes; every value is fp32, 4 bytes):
   ``WIDE_AND_DEEP`` group is also a wide table of ``rows x ceil4(wide_output_dim)``.
   ``rows`` = ``hash_bucket_size``, ``num_buckets`` or ``len(boundaries) + 1``; a dynamic
   table's capacity, plus 56 bytes per row (72 with show / click) for its id index and
-  counters and 32 MiB at most for its admission sketch.
+  counters and 16 MiB at most for its admission sketch (32 MiB when it counts clicks).
   ``tables = 4 x sum(rows x stored dim)``.
 * Table optimizer state (fbgemm's fused optimizer, one state per table):
   ``sgd`` none; ``adagrad`` (element-wise, odl's default and EasyRec's) ``rows x dim``
@@ -210,7 +210,12 @@ def _map_bytes(fc: pipeline_pb2.FeatureConfig, model_ev: pipeline_pb2.EVParams |
     if dyn is None:
         return 0
     per_row = DYNAMIC_MAP_BYTES_PER_ROW + (16 if dyn.keeps_scores else 0)
-    sketch = 32 * min(max(dyn.capacity, 1024), 1 << 20) if dyn.counts_candidates else 0
+    sketch = 0
+    if dyn.counts_candidates:  # 4 rows of float32 show (and click) counters
+        width = 1024
+        while width < dyn.capacity and width < 1 << 20:
+            width *= 2
+        sketch = 16 * width * (2 if dyn.admit_score > 0 or dyn.keeps_scores else 1)
     return per_row * dyn.capacity + sketch
 
 

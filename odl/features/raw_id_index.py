@@ -33,7 +33,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RAW_ID_MASK", "RawIdIndex", "drop_unmapped", "mix64"]
+__all__ = ["RAW_ID_MASK", "RawIdIndex", "RawIdIndexGroup", "drop_unmapped", "mix64",
+           "slots_for"]
 
 # Raw ids are 63-bit: hashes and negative integers are masked to [0, 2**63).
 RAW_ID_MASK = (1 << 63) - 1
@@ -59,21 +60,25 @@ class RawIdIndex:
 
     Args:
         capacity: rows of the table.
+        row_ids: storage for ``row_ids`` (``int64 [capacity]``, filled with -1), e.g. a view of
+            a :class:`RawIdIndexGroup`'s buffer; None: its own.
+        slot_row: storage for the slots (``int32 [slots_for(capacity)]``, filled with -1).
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, row_ids: np.ndarray | None = None,
+                 slot_row: np.ndarray | None = None) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = int(capacity)
         if self.capacity >= 1 << 31:
             raise ValueError(f"capacity must be < 2**31, got {capacity}")
-        slots = 16
-        while slots < 4 * self.capacity:
-            slots *= 2
+        slots = slots_for(self.capacity)
         self._mask = np.uint64(slots - 1)
         self._slots = slots
-        self.row_ids = np.full(self.capacity, _EMPTY, dtype=np.int64)
-        self._slot_row = np.full(slots, _EMPTY, dtype=np.int32)
+        self.row_ids = (np.full(self.capacity, _EMPTY, dtype=np.int64) if row_ids is None
+                        else row_ids)
+        self._slot_row = (np.full(slots, _EMPTY, dtype=np.int32) if slot_row is None
+                          else slot_row)
         self._free = np.arange(self.capacity - 1, -1, -1, dtype=np.int64)  # top = row 0
         self._free_top = self.capacity
         self._tombstones = 0
@@ -234,11 +239,79 @@ class RawIdIndex:
         live = row_ids[row_ids >= 0]
         if np.unique(live).shape[0] != live.shape[0]:
             raise ValueError("saved row ids are not unique")
-        self.row_ids = row_ids.copy()
+        self.row_ids[:] = row_ids  # in place: the storage may be a group's buffer
         self._free = np.empty(self.capacity, dtype=np.int64)
         self._free[: free.shape[0]] = free
         self._free_top = int(free.shape[0])
         self._rebuild()
+
+
+def slots_for(capacity: int) -> int:
+    """Hash slots of an index of ``capacity`` rows: a power of two >= 4 x capacity, >= 16."""
+    slots = 16
+    while slots < 4 * int(capacity):
+        slots *= 2
+    return slots
+
+
+class RawIdIndexGroup:
+    """Several indexes in two shared buffers, so one call looks ids up in all of them.
+
+    Each member is a normal :class:`RawIdIndex` (inserts, removals, checkpoints) whose
+    ``row_ids`` and slots are views of the group's buffers; :meth:`lookup` probes every
+    member at once (a model's dynamic tables, one vectorized pass per step instead of one
+    per table).
+
+    Args:
+        capacities: rows of each member, in order.
+    """
+
+    def __init__(self, capacities: list[int]) -> None:
+        caps = [int(c) for c in capacities]
+        slots = [slots_for(c) for c in caps]
+        self.row_offsets = np.concatenate([[0], np.cumsum(caps)]).astype(np.int64)
+        self.slot_offsets = np.concatenate([[0], np.cumsum(slots)]).astype(np.int64)
+        self._masks = np.asarray([s - 1 for s in slots], dtype=np.uint64)
+        self._row_ids = np.full(int(self.row_offsets[-1]), _EMPTY, dtype=np.int64)
+        self._slot_row = np.full(int(self.slot_offsets[-1]), _EMPTY, dtype=np.int32)
+        self.members = [
+            RawIdIndex(c, self._row_ids[self.row_offsets[i] : self.row_offsets[i + 1]],
+                       self._slot_row[self.slot_offsets[i] : self.slot_offsets[i + 1]])
+            for i, c in enumerate(caps)
+        ]
+
+    def lookup(self, ids: np.ndarray, member: np.ndarray) -> np.ndarray:
+        """Rows (each in its member's ``[0, capacity)``) of ``ids[i]`` in ``member[i]``; -1: none.
+
+        Args:
+            ids: raw ids.
+            member: index of the member each id is looked up in.
+
+        Returns:
+            ``int64`` rows.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        n = ids.shape[0]
+        rows = np.full(n, _EMPTY, dtype=np.int64)
+        if n == 0:
+            return rows
+        mask = self._masks[member]
+        home = mix64(ids) & mask
+        base = self.slot_offsets[member]
+        row_base = self.row_offsets[member]
+        idx = np.arange(n)
+        probe = np.uint64(0)
+        while idx.shape[0]:
+            s = ((home + probe) & mask).astype(np.int64) + base
+            r = self._slot_row[s].astype(np.int64)
+            hit = r >= 0
+            hit[hit] = self._row_ids[r[hit] + row_base[hit]] == ids[idx[hit]]
+            rows[idx[hit]] = r[hit]
+            more = (r != _EMPTY) & ~hit
+            idx, home, mask, base, row_base = (idx[more], home[more], mask[more], base[more],
+                                               row_base[more])
+            probe += np.uint64(1)
+        return rows
 
 
 def drop_unmapped(values: np.ndarray, lengths: np.ndarray,

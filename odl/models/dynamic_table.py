@@ -59,7 +59,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.config.dynamic_table_config import DynamicTableSpec
 from odl.features.batch import Batch
-from odl.features.raw_id_index import RawIdIndex, drop_unmapped, mix64
+from odl.features.raw_id_index import RawIdIndex, RawIdIndexGroup, drop_unmapped, mix64
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +73,7 @@ EVICT_BLOCK_SHORTS = 8
 _SKETCH_DEPTH = 4
 _SKETCH_MAX_WIDTH = 1 << 20
 _SECS_PER_DAY = 86400.0
+_NO_CLICKS = np.zeros(0)
 
 
 class CountMinSketch:
@@ -81,9 +82,10 @@ class CountMinSketch:
     Args:
         width: counters per row (rounded up to a power of two, at most 2**20).
         seed: hash seed.
+        clicks: count clicks too (a score threshold needs them; a frequency one does not).
     """
 
-    def __init__(self, width: int, seed: int) -> None:
+    def __init__(self, width: int, seed: int, clicks: bool = True) -> None:
         w = 1024
         while w < width and w < _SKETCH_MAX_WIDTH:
             w *= 2
@@ -93,7 +95,7 @@ class CountMinSketch:
         self._salts = rng.integers(1, 1 << 62, size=_SKETCH_DEPTH, dtype=np.int64).astype(
             np.uint64)
         self.show = np.zeros((_SKETCH_DEPTH, w), dtype=np.float32)
-        self.click = np.zeros((_SKETCH_DEPTH, w), dtype=np.float32)
+        self.click = np.zeros((_SKETCH_DEPTH, w if clicks else 0), dtype=np.float32)
         self.added = 0.0
 
     def nbytes(self) -> int:
@@ -104,14 +106,16 @@ class CountMinSketch:
             clicks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Adds sightings of unique ``ids``; returns their estimated (show, click) totals."""
         uids = ids.astype(np.uint64)
+        counts_clicks = self.click.shape[1] > 0
         est_s = np.full(ids.shape[0], np.inf, dtype=np.float64)
-        est_c = np.full(ids.shape[0], np.inf, dtype=np.float64)
+        est_c = np.full(ids.shape[0], np.inf if counts_clicks else 0.0, dtype=np.float64)
         for d in range(_SKETCH_DEPTH):
             col = (mix64(uids ^ self._salts[d]) & self._mask).astype(np.int64)
             np.add.at(self.show[d], col, shows.astype(np.float32))
-            np.add.at(self.click[d], col, clicks.astype(np.float32))
             est_s = np.minimum(est_s, self.show[d, col])
-            est_c = np.minimum(est_c, self.click[d, col])
+            if counts_clicks:
+                np.add.at(self.click[d], col, clicks.astype(np.float32))
+                est_c = np.minimum(est_c, self.click[d, col])
         self.added += float(shows.sum())
         if self.added > 10.0 * self.width:
             self.show *= 0.5
@@ -126,7 +130,8 @@ class CountMinSketch:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores ``state_dict``'s counters (same width)."""
-        if np.asarray(state["show"]).shape != self.show.shape:
+        if (np.asarray(state["show"]).shape != self.show.shape
+                or np.asarray(state["click"]).shape != self.click.shape):
             raise ValueError("saved sketch has another width")
         self.show = np.asarray(state["show"], dtype=np.float32).copy()
         self.click = np.asarray(state["click"], dtype=np.float32).copy()
@@ -158,21 +163,28 @@ class DynamicTable:
         name: the table's name.
         spec: its admission / eviction settings.
         seed: the model's seed (sketch hashing).
+        index: its id index (e.g. a member of a ``RawIdIndexGroup``); None: its own.
+        counters: ``(sightings, last_step, last_time)`` storage (views of shared buffers,
+            zero-filled); None: its own.
     """
 
-    def __init__(self, name: str, spec: DynamicTableSpec, seed: int = 0) -> None:
+    def __init__(self, name: str, spec: DynamicTableSpec, seed: int = 0,
+                 index: Optional[RawIdIndex] = None,
+                 counters: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None) -> None:
         self.name = name
         self.spec = spec
         # evicted ids are kept for take_deleted only when someone publishes them
         self.record_deletes = False
         c = spec.capacity
-        self.index = RawIdIndex(c)
-        self.sightings = np.zeros(c, dtype=np.float64)
-        self.last_step = np.zeros(c, dtype=np.int64)
-        self.last_time = np.zeros(c, dtype=np.float64)
+        self.index = RawIdIndex(c) if index is None else index
+        if counters is None:
+            counters = (np.zeros(c, dtype=np.float64), np.zeros(c, dtype=np.int64),
+                        np.zeros(c, dtype=np.float64))
+        self.sightings, self.last_step, self.last_time = counters
         self.show = np.zeros(c if spec.keeps_scores else 0, dtype=np.float64)
         self.click = np.zeros(c if spec.keeps_scores else 0, dtype=np.float64)
-        self.sketch = (CountMinSketch(c, seed ^ (hash_name(name) & 0xFFFF))
+        self.sketch = (CountMinSketch(c, seed ^ (hash_name(name) & 0xFFFF),
+                                      clicks=spec.admit_score > 0 or spec.keeps_scores)
                        if spec.counts_candidates else None)
         self.counters = TableCounters()
         self.decayed_at: Optional[float] = None
@@ -228,8 +240,24 @@ class DynamicTable:
         Returns:
             ``(rows, evicted rows)``; rows are ``-1`` for ids left without one.
         """
-        self.now = max(self.now, now)
         rows = self.index.lookup(ids)
+        evicted = self.admit_missing(ids, clicks, rows, step)
+        self.count_used(rows, clicks, step, now)
+        used = rows >= 0
+        r = rows[used] if not used.all() else rows
+        if r.shape[0]:
+            np.add.at(self.sightings, r, 1.0)
+            self.last_step[r] = step
+            self.last_time[r] = now
+        return rows, evicted
+
+    def admit_missing(self, ids: np.ndarray, clicks: np.ndarray, rows: np.ndarray,
+                      step: int) -> np.ndarray:
+        """Steps 2-3 of ``admit`` for the ids whose ``rows`` are -1 (``rows`` is filled in).
+
+        Returns:
+            The rows evicted to make room.
+        """
         miss = rows < 0
         evicted = np.empty(0, dtype=np.int64)
         if miss.any():
@@ -263,16 +291,20 @@ class DynamicTable:
             rows[miss] = row_of_u[inv]
             self.counters.admitted += int(want.shape[0])
             self.counters.rejected += int(u.shape[0] - want.shape[0])
-        used = rows >= 0
-        r = rows[used] if not used.all() else rows
-        if r.shape[0]:
-            np.add.at(self.sightings, r, 1.0)
-            self.last_step[r] = step
-            self.last_time[r] = now
-            if self.spec.keeps_scores:
-                np.add.at(self.show, r, 1.0)
-                np.add.at(self.click, r, clicks[used] if r is not rows else clicks)
-        return rows, evicted
+        return evicted
+
+    def count_used(self, rows: np.ndarray, clicks: np.ndarray, step: int, now: float) -> None:
+        """Counts show / click of the rows used (step 4, per table) and the stream time.
+
+        Sightings and last step / time are counted by the caller (``admit``, or
+        ``DynamicTables.remap`` for all tables at once).
+        """
+        self.now = max(self.now, now)
+        if self.spec.keeps_scores:
+            used = rows >= 0
+            r = rows[used] if not used.all() else rows
+            np.add.at(self.show, r, 1.0)
+            np.add.at(self.click, r, clicks[used] if r is not rows else clicks)
 
     @property
     def has_maintenance(self) -> bool:
@@ -284,8 +316,8 @@ class DynamicTable:
 
     @property
     def needs_clicks(self) -> bool:
-        """Whether ``admit`` reads the clicks (show / click counts or candidate counting)."""
-        return self.spec.keeps_scores or self.sketch is not None
+        """Whether ``admit`` reads the clicks (show / click counts or a score threshold)."""
+        return self.spec.keeps_scores or self.spec.admit_score > 0
 
     def _priority(self, rows: Optional[np.ndarray], step: int) -> np.ndarray:
         """Keep priority of ``rows`` (None: every row, without copying where possible)."""
@@ -430,9 +462,10 @@ class DynamicTable:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores ``state_dict`` (same capacity and form)."""
         self.index.load_state_dict(state["index"])
-        self.sightings = np.asarray(state["sightings"], dtype=np.float64).copy()
-        self.last_step = np.asarray(state["last_step"], dtype=np.int64).copy()
-        self.last_time = np.asarray(state["last_time"], dtype=np.float64).copy()
+        # in place: the counters may be views of shared buffers
+        self.sightings[:] = np.asarray(state["sightings"], dtype=np.float64)
+        self.last_step[:] = np.asarray(state["last_step"], dtype=np.int64)
+        self.last_time[:] = np.asarray(state["last_time"], dtype=np.float64)
         if self.spec.keeps_scores:
             if np.asarray(state["show"]).shape[0] != self.spec.capacity:
                 raise ValueError(f"dynamic table {self.name}: the checkpoint keeps no "
@@ -502,9 +535,21 @@ class DynamicTables:
     def __init__(self, specs: Mapping[str, DynamicTableSpec],
                  table_features: Mapping[str, Sequence[str]], seed: int = 0,
                  record_deletes: bool = False) -> None:
-        self.tables = {name: DynamicTable(name, spec, seed) for name, spec in specs.items()}
-        for t in self.tables.values():
-            t.record_deletes = record_deletes
+        names = list(specs)
+        caps = [specs[n].capacity for n in names]
+        self.group = RawIdIndexGroup(caps)
+        total = int(self.group.row_offsets[-1])
+        self._sightings = np.zeros(total, dtype=np.float64)
+        self._last_step = np.zeros(total, dtype=np.int64)
+        self._last_time = np.zeros(total, dtype=np.float64)
+        self.tables = {}
+        for i, name in enumerate(names):
+            lo, hi = self.group.row_offsets[i], self.group.row_offsets[i + 1]
+            self.tables[name] = DynamicTable(
+                name, specs[name], seed, self.group.members[i],
+                (self._sightings[lo:hi], self._last_step[lo:hi], self._last_time[lo:hi]))
+            self.tables[name].record_deletes = record_deletes
+        self._member = {name: i for i, name in enumerate(names)}
         self._table_features = {n: list(table_features[n]) for n in self.tables}
         self._keys: Optional[list[str]] = None
         self._plan: list[tuple[str, list[int]]] = []
@@ -514,8 +559,9 @@ class DynamicTables:
 
     def _build_plan(self, keys: list[str]) -> None:
         pos = {k: i for i, k in enumerate(keys)}
-        self._plan = [(name, [pos[f] for f in feats if f in pos])
-                      for name, feats in self._table_features.items()]
+        plan = [(name, [pos[f] for f in feats if f in pos])
+                for name, feats in self._table_features.items()]
+        self._plan = [(name, idx) for name, idx in plan if idx]
         self._keys = keys
 
     def remap(self, batch: Batch, step: int, now: float, admit: bool) -> RemapResult:
@@ -540,31 +586,42 @@ class DynamicTables:
         lengths2d = lengths.reshape(len(keys), b).astype(np.int64)
         counts = lengths2d.sum(axis=1)
         starts = np.cumsum(counts) - counts
-        new_values = values.copy()
-        keep = np.ones(values.shape[0], dtype=bool)
-        labels = (batch.labels.numpy() > 0).astype(np.float64) if admit else None
-        evicted: dict[str, np.ndarray] = {}
+        # every dynamic lookup of the batch, table after table (one segment per table)
+        spans, members, seg = [], [], [0]
         for name, key_idx in self._plan:
-            if not key_idx:
-                continue
-            if len(key_idx) == 1:
-                k = key_idx[0]
-                where = slice(int(starts[k]), int(starts[k] + counts[k]))
-            else:
-                where = np.concatenate([np.arange(starts[k], starts[k] + counts[k])
-                                        for k in key_idx])
-            ids = values[where]
-            table = self.tables[name]
-            if admit:
+            for k in key_idx:
+                spans.append(np.arange(starts[k], starts[k] + counts[k]))
+            seg.append(seg[-1] + int(sum(counts[k] for k in key_idx)))
+            members.append(self._member[name])
+        new_values = values.copy()
+        if not spans:
+            return RemapResult(batch)
+        where = np.concatenate(spans)
+        member = np.repeat(np.asarray(members, dtype=np.int64), np.diff(seg))
+        ids = values[where]
+        rows = self.group.lookup(ids, member)
+        evicted: dict[str, np.ndarray] = {}
+        if admit:
+            labels = (batch.labels.numpy() > 0).astype(np.float64)
+            for j, (name, key_idx) in enumerate(self._plan):
+                table = self.tables[name]
+                part = slice(seg[j], seg[j + 1])
                 clicks = (np.concatenate([np.repeat(labels, lengths2d[k]) for k in key_idx])
-                          if table.needs_clicks else np.zeros(ids.shape[0]))
-                rows, ev = table.admit(ids, clicks, step, now)
-                if ev.shape[0]:
-                    evicted[name] = ev
-            else:
-                rows = table.lookup(ids)
-            new_values[where] = rows
-            keep[where] = rows >= 0
+                          if table.needs_clicks else _NO_CLICKS)
+                t_rows = rows[part]  # a view: admit_missing fills it in
+                if (t_rows < 0).any():
+                    ev = table.admit_missing(ids[part], clicks, t_rows, step)
+                    if ev.shape[0]:
+                        evicted[name] = ev
+                table.count_used(t_rows, clicks, step, now)
+            used = rows >= 0
+            g = rows[used] + self.group.row_offsets[member[used]]
+            np.add.at(self._sightings, g, 1.0)
+            self._last_step[g] = step
+            self._last_time[g] = now
+        new_values[where] = rows
+        keep = np.ones(values.shape[0], dtype=bool)
+        keep[where] = rows >= 0
         out_values, out_lengths = drop_unmapped(new_values, lengths, keep)
         sparse = KeyedJaggedTensor(keys=keys, values=torch.from_numpy(out_values),
                                    lengths=torch.from_numpy(np.ascontiguousarray(out_lengths)))
