@@ -137,6 +137,21 @@ def test_admission_by_frequency():
     assert t.counters.admitted == 1 and t.counters.rejected == 5
 
 
+def test_admission_by_probability_is_seeded_by_id_and_step():
+    ids = np.arange(10_000, dtype=np.int64) * 7919
+    runs = []
+    for _ in range(2):
+        t = _table("lru", capacity=20_000, admit_probability=0.3)
+        first, _ = t.admit(ids, np.zeros(ids.shape[0]), step=1, now=0.0)
+        second, _ = t.admit(ids, np.zeros(ids.shape[0]), step=2, now=0.0)
+        runs.append((first >= 0, second >= 0))
+    assert np.array_equal(runs[0][0], runs[1][0]) and np.array_equal(runs[0][1], runs[1][1])
+    once, twice = runs[0][0].mean(), runs[0][1].mean()
+    assert 0.27 < once < 0.33  # one chance
+    assert 0.48 < twice < 0.54  # a second chance: 1 - 0.7 ** 2 = 0.51
+    assert runs[0][1][runs[0][0]].all()  # admitted ids keep their rows
+
+
 def _fill(t: DynamicTable) -> None:
     """Ids 0..99 with sightings 100 - id at steps 1..100 (id i last seen at step i + 1)."""
     for i in range(100):
@@ -240,6 +255,10 @@ def test_config_forms_and_errors():
     bad.feature_config.features[1].zch.threshold_filtering_func = "lambda x: x"
     with pytest.raises(ConfigError, match="threshold_filtering_func"):
         FeatureBuilder(bad)
+    never = _config()
+    never.feature_config.features[1].zch.admit_probability = 0.0
+    with pytest.raises(ConfigError, match="admit_probability"):
+        FeatureBuilder(never)
     both = _config()
     both.feature_config.features[1].ev_params.filter_freq = 2
     with pytest.raises(ConfigError, match="at most one"):

@@ -5,7 +5,8 @@ when the feature (an ``IdFeature`` or ``ComboFeature``) sets
 one of these, or when ``model_config.ev_params`` is set and the feature sets none:
 
 * ``ev_params { filter_freq steps_to_live max_capacity }`` (EasyRec / DeepRec
-  EmbeddingVariable): admission after ``filter_freq`` sightings, eviction of rows unseen for
+  EmbeddingVariable): admission after ``filter_freq`` sightings (and, odl's extension, with
+  ``admit_probability`` at each step), eviction of rows unseen for
   ``steps_to_live`` steps, least recently used rows make room when the table is full;
   ``max_capacity`` rows (``hash_bucket_size`` when ``max_capacity`` is not written and the
   feature has one);
@@ -49,6 +50,8 @@ class DynamicTableSpec:
         capacity: rows of the table (live ids at most).
         admit_freq: sightings an id needs before it gets a row (<= 1: at once).
         admit_score: score (show / click, counted before admission) an id needs (0: none).
+        admit_probability: chance that a candidate passing the thresholds gets a row at a
+            step it appears in (1: always).
         policy: which rows make room when the table is full: ``"lru"``, ``"lfu"``,
             ``"distance_lfu"`` or ``"score"``.
         decay_exponent: ``distance_lfu``'s age exponent.
@@ -68,6 +71,7 @@ class DynamicTableSpec:
     capacity: int
     admit_freq: int = 0
     admit_score: float = 0.0
+    admit_probability: float = 1.0
     policy: str = "lru"
     decay_exponent: float = 1.0
     maintenance_interval: int = EV_MAINTENANCE_INTERVAL
@@ -101,6 +105,12 @@ def _capacity(value: int, path: str) -> int:
     return int(value)
 
 
+def _probability(value: float, path: str) -> float:
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(path, f"must be in (0, 1], got {value}")
+    return float(value)
+
+
 def _from_ev(ev: pipeline_pb2.EVParams, fc: pipeline_pb2.FeatureConfig,
              path: str) -> DynamicTableSpec:
     if ev.HasField("max_capacity") or not fc.hash_bucket_size:
@@ -110,7 +120,9 @@ def _from_ev(ev: pipeline_pb2.EVParams, fc: pipeline_pb2.FeatureConfig,
     ttl = int(ev.steps_to_live)
     interval = min(EV_MAINTENANCE_INTERVAL, max(1, ttl // 4)) if ttl else EV_MAINTENANCE_INTERVAL
     return DynamicTableSpec(
-        form="ev_params", capacity=capacity, admit_freq=int(ev.filter_freq), policy="lru",
+        form="ev_params", capacity=capacity, admit_freq=int(ev.filter_freq),
+        admit_probability=_probability(ev.admit_probability, f"{path}.admit_probability"),
+        policy="lru",
         maintenance_interval=interval, steps_to_live=ttl)
 
 
@@ -132,6 +144,7 @@ def _from_zch(z: pipeline_pb2.ZeroCollisionHash, path: str) -> DynamicTableSpec:
     return DynamicTableSpec(
         form="zch", capacity=_capacity(int(z.zch_size), f"{path}.zch_size"),
         admit_freq=int(z.filter_freq), policy=which, decay_exponent=decay,
+        admit_probability=_probability(z.admit_probability, f"{path}.admit_probability"),
         maintenance_interval=int(z.eviction_interval))
 
 

@@ -15,7 +15,9 @@ the ids of every feature reading it:
    added, so old sightings fade). A count-min sketch never under-counts: an id seen
    ``filter_freq`` times is always admitted, and one seen fewer times only when hash
    collisions inflate its estimate. A candidate is admitted when its estimated count reaches
-   ``admit_freq`` and its estimated score reaches ``admit_score``; the rest are *rejected*
+   ``admit_freq``, its estimated score reaches ``admit_score`` and, with an
+   ``admit_probability`` below 1, a draw seeded by (id, step) falls below it (a new chance at
+   every step the id appears in); the rest are *rejected*
    for this step (counted, no row: they contribute nothing to the lookup, like an id serving
    does not know);
 3. admitted ids take free rows; when too few are free, the lowest-priority rows not used by
@@ -276,6 +278,8 @@ class DynamicTable:
                     ok &= score >= self.spec.admit_score
                 prior_s = np.maximum(est_s - cnt, 0.0)
                 prior_c = np.maximum(est_c - clk, 0.0)
+            if self.spec.admit_probability < 1.0:
+                ok &= _chance(u, step) < self.spec.admit_probability
             want = np.flatnonzero(ok)
             short = want.shape[0] - self.index.free
             if short > 0:
@@ -503,6 +507,12 @@ def _lowest(prio: np.ndarray, k: int) -> np.ndarray:
                 return cand
             return cand[np.argpartition(prio[cand], k - 1)[:k]]
     return np.argpartition(prio, k - 1)[:k]
+
+
+def _chance(ids: np.ndarray, step: int) -> np.ndarray:
+    """A uniform number in [0, 1) per (id, step), the same in every run (no RNG state)."""
+    salt = mix64(np.asarray([step], dtype=np.int64))[0]
+    return (mix64(ids.astype(np.uint64) ^ salt) >> np.uint64(11)).astype(np.float64) / 2.0**53
 
 
 def hash_name(name: str) -> int:
