@@ -438,3 +438,28 @@ def test_crash_recovery_applies_rows_and_deletes(tmp_path):
     got = restarted.predict(batch)
     want = run.serving.predict_batch(run.fb.build(_records(200, 999)).batch)
     assert np.abs(got - want).max() <= 1e-6
+
+
+def test_show_and_click_fields_count_like_paddlerec_slots():
+    text = CONFIG.replace(
+        'input_fields { input_name: "cat" }',
+        'input_fields { input_name: "cat" }\n'
+        '  input_fields { input_name: "shows" input_type: INT32 }\n'
+        '  input_fields { input_name: "clicks" input_type: INT32 }').replace(
+        'hash_bucket_size: 50 embedding_dim: 8 }',
+        'hash_bucket_size: 50 embedding_dim: 8 ctr_accessor_param { embedx_threshold: 0 '
+        'show_field: "shows" click_field: "clicks" } }')
+    cfg = text_format.Parse(text, pipeline_pb2.EasyRecConfig())
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    # the label says 0 but the click field counts 2 of 5 shows, twice for k1, once for k2
+    batch = fb.build([b"0,0.1,u1,1,k1,5,2", b"1,0.2,u2,2,k1,5,2", b"0,0.3,u3,3,k2,4,0"]).batch
+    tm.train_step(batch)
+    cat = tm.dynamic.tables["cat"]
+    from odl.features.id_hashing import fnv1a64
+    rows = cat.lookup(np.array([fnv1a64("k1") & ((1 << 63) - 1), fnv1a64("k2") & ((1 << 63) - 1)]))
+    assert cat.show[rows].tolist() == [10.0, 4.0] and cat.click[rows].tolist() == [4.0, 0.0]
+    assert np.allclose(cat.score(rows), [4 + 0.1 * 6, 0.1 * 4])
+    bad = text.replace('click_field: "clicks"', 'click_field: "cat"')
+    with pytest.raises(ConfigError, match="click_field"):
+        FeatureBuilder(text_format.Parse(bad, pipeline_pb2.EasyRecConfig()))

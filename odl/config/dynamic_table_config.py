@@ -65,6 +65,8 @@ class DynamicTableSpec:
         delta_threshold: publish only rows whose score is at least this (None: every row).
         delta_keep_days: publish only rows seen within this many days (None: every row).
         base_threshold: export only rows whose score is at least this (None: every row).
+        show_field: input field counting a sample's shows ("": 1 per sample).
+        click_field: input field counting a sample's clicks ("": the label, positive = 1).
     """
 
     form: str
@@ -84,6 +86,8 @@ class DynamicTableSpec:
     delta_threshold: Optional[float] = None
     delta_keep_days: Optional[float] = None
     base_threshold: Optional[float] = None
+    show_field: str = ""
+    click_field: str = ""
 
     @property
     def counts_candidates(self) -> bool:
@@ -176,6 +180,8 @@ def _from_accessor(a: pipeline_pb2.CtrAccessorParameter, fc: pipeline_pb2.Featur
         delta_threshold=float(a.delta_threshold),
         delta_keep_days=float(a.delta_keep_days),
         base_threshold=float(a.base_threshold),
+        show_field=a.show_field,
+        click_field=a.click_field,
     )
 
 

@@ -23,6 +23,8 @@ class Batch:
         labels: float32 ``[B]`` binary labels.
         sample_ids: per-sample ids when ``data_config.sample_id_field`` is set.
         event_times: float64 unix seconds per sample when ``data_config.event_time_field`` is set.
+        counts: float32 per-sample show / click counts of dynamic tables' ``show_field`` /
+            ``click_field``, by field name (None when no table names one).
     """
 
     sparse: KeyedJaggedTensor
@@ -31,6 +33,7 @@ class Batch:
     sample_ids: Optional[list[str]] = None
     event_times: Optional[np.ndarray] = None
     extras: dict = field(default_factory=dict)
+    counts: Optional[dict[str, np.ndarray]] = None
 
     @property
     def size(self) -> int:
@@ -65,6 +68,8 @@ class Batch:
                         if self.sample_ids is not None else None),
             event_times=self.event_times[rows] if self.event_times is not None else None,
             extras=self.extras,
+            counts=({k: v[rows] for k, v in self.counts.items()}
+                    if self.counts is not None else None),
         )
 
     def to(self, device: torch.device, non_blocking: bool = True) -> Batch:
@@ -76,4 +81,5 @@ class Batch:
             sample_ids=self.sample_ids,
             event_times=self.event_times,
             extras=self.extras,
+            counts=self.counts,
         )

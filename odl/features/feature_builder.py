@@ -118,6 +118,8 @@ class BatchArrays:
         labels: ``float32 [B]`` labels.
         sample_ids: per-sample ids when ``data_config.sample_id_field`` is set.
         event_times: ``float64`` unix seconds when ``data_config.event_time_field`` is set.
+        counts: ``float32`` per-sample values of the dynamic tables' ``show_field`` /
+            ``click_field``, by field name, when a table names one.
     """
 
     values: np.ndarray
@@ -126,6 +128,7 @@ class BatchArrays:
     labels: np.ndarray
     sample_ids: list[str] | None = None
     event_times: np.ndarray | None = None
+    counts: dict[str, np.ndarray] | None = None
 
 
 @dataclass
@@ -294,6 +297,21 @@ class FeatureBuilder:
                 raise ConfigError(f"{path}.combiner",
                                   f"table {tname!r} is shared by features with different combiners")
             t["features"].append(name)
+        self._count_fields: list[str] = []
+        for tname, t in tables.items():
+            dyn = t["dynamic"]
+            for attr in ("show_field", "click_field"):
+                f = getattr(dyn, attr, "") if dyn is not None else ""
+                if not f:
+                    continue
+                if f not in field_types or field_types[f] == _DT.STRING:
+                    raise ConfigError(
+                        f"ctr_accessor_param.{attr}",
+                        f"table {tname!r}: {f!r} must be a numeric data_config.input_fields "
+                        "field")
+                numeric_fields.append(f)
+                if f not in self._count_fields:
+                    self._count_fields.append(f)
         self._tables = [
             TableSpec(n, t["rows"], t["dim"], tuple(t["features"]), t["pooling"], t["dynamic"])
             for n, t in tables.items()
@@ -382,6 +400,7 @@ class FeatureBuilder:
             labels=torch.from_numpy(arrays.labels),
             sample_ids=arrays.sample_ids,
             event_times=arrays.event_times,
+            counts=arrays.counts,
         )
 
     def build_arrays(self, values: Sequence[bytes]) -> ArraysResult:
@@ -556,6 +575,8 @@ class FeatureBuilder:
             sample_ids=parsed.texts(self._sample_id_field) if self._sample_id_field else None,
             event_times=(parsed.numeric[self._event_time_field].astype(np.float64)
                          if self._check_event_time else None),
+            counts=({f: parsed.numeric[f].astype(np.float32) for f in self._count_fields}
+                    if self._count_fields else None),
         )
         return ArraysResult(arrays, parsed.accepted, rejected)
 

@@ -27,7 +27,8 @@ the ids of every feature reading it:
    since seen + 1) ** decay_exponent; ``score`` click_coeff * click + nonclk_coeff * (show -
    click);
 4. the rows used get their counters updated: sightings, last step, last stream time, show
-   (+1 per sample) and click (+1 per sample with a positive label).
+   (+1 per sample, or its ``show_field``) and click (+1 per sample with a positive label, or
+   its ``click_field``).
 
 Every ``maintenance_interval`` steps (:meth:`DynamicTables.maintain`) rows expire: unseen
 for more than ``steps_to_live`` steps, show / click decayed by ``decay_rate_per_day`` per day
@@ -254,8 +255,15 @@ class DynamicTable:
         return rows, evicted
 
     def admit_missing(self, ids: np.ndarray, clicks: np.ndarray, rows: np.ndarray,
-                      step: int) -> np.ndarray:
+                      step: int, shows: Optional[np.ndarray] = None) -> np.ndarray:
         """Steps 2-3 of ``admit`` for the ids whose ``rows`` are -1 (``rows`` is filled in).
+
+        Args:
+            ids: raw ids, one per lookup.
+            clicks: clicks per lookup (read when the table counts clicks).
+            rows: their rows, -1 where none (filled in for the ids admitted).
+            step: the step being trained.
+            shows: shows per lookup (``show_field``); None: 1 each.
 
         Returns:
             The rows evicted to make room.
@@ -264,6 +272,8 @@ class DynamicTable:
         evicted = np.empty(0, dtype=np.int64)
         if miss.any():
             u, inv, cnt = np.unique(ids[miss], return_inverse=True, return_counts=True)
+            if shows is not None:
+                cnt = np.bincount(inv, weights=shows[miss], minlength=u.shape[0])
             clk = (np.bincount(inv, weights=clicks[miss], minlength=u.shape[0])
                    if self.needs_clicks else np.zeros(u.shape[0]))
             ok = np.ones(u.shape[0], dtype=bool)
@@ -297,7 +307,8 @@ class DynamicTable:
             self.counters.rejected += int(u.shape[0] - want.shape[0])
         return evicted
 
-    def count_used(self, rows: np.ndarray, clicks: np.ndarray, step: int, now: float) -> None:
+    def count_used(self, rows: np.ndarray, clicks: np.ndarray, step: int, now: float,
+                   shows: Optional[np.ndarray] = None) -> None:
         """Counts show / click of the rows used (step 4, per table) and the stream time.
 
         Sightings and last step / time are counted by the caller (``admit``, or
@@ -307,7 +318,10 @@ class DynamicTable:
         if self.spec.keeps_scores:
             used = rows >= 0
             r = rows[used] if not used.all() else rows
-            np.add.at(self.show, r, 1.0)
+            if shows is None:
+                np.add.at(self.show, r, 1.0)
+            else:
+                np.add.at(self.show, r, shows[used] if r is not rows else shows)
             np.add.at(self.click, r, clicks[used] if r is not rows else clicks)
 
     @property
@@ -613,17 +627,26 @@ class DynamicTables:
         evicted: dict[str, np.ndarray] = {}
         if admit:
             labels = (batch.labels.numpy() > 0).astype(np.float64)
+            counts = batch.counts or {}
+
+            def per_lookup(per_sample: np.ndarray, key_idx: list[int]) -> np.ndarray:
+                return np.concatenate([np.repeat(per_sample, lengths2d[k]) for k in key_idx])
+
             for j, (name, key_idx) in enumerate(self._plan):
                 table = self.tables[name]
+                spec = table.spec
                 part = slice(seg[j], seg[j + 1])
-                clicks = (np.concatenate([np.repeat(labels, lengths2d[k]) for k in key_idx])
-                          if table.needs_clicks else _NO_CLICKS)
+                clicks = _NO_CLICKS
+                if table.needs_clicks:
+                    clicks = per_lookup(counts[spec.click_field] if spec.click_field
+                                        else labels, key_idx)
+                shows = per_lookup(counts[spec.show_field], key_idx) if spec.show_field else None
                 t_rows = rows[part]  # a view: admit_missing fills it in
                 if (t_rows < 0).any():
-                    ev = table.admit_missing(ids[part], clicks, t_rows, step)
+                    ev = table.admit_missing(ids[part], clicks, t_rows, step, shows)
                     if ev.shape[0]:
                         evicted[name] = ev
-                table.count_used(t_rows, clicks, step, now)
+                table.count_used(t_rows, clicks, step, now, shows)
             used = rows >= 0
             g = rows[used] + self.group.row_offsets[member[used]]
             np.add.at(self._sightings, g, 1.0)
@@ -637,6 +660,7 @@ class DynamicTables:
                                    lengths=torch.from_numpy(np.ascontiguousarray(out_lengths)))
         return RemapResult(Batch(sparse=sparse, dense=batch.dense, labels=batch.labels,
                                  sample_ids=batch.sample_ids, event_times=batch.event_times,
+                                 counts=batch.counts,
                                  extras=batch.extras), evicted)
 
     def maintain(self, step: int, now: float) -> dict[str, np.ndarray]:
