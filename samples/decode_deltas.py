@@ -78,6 +78,7 @@ class Chunk:
         dense: ``(variable id, full shape, flat offset, float32 values)`` per variable or slice.
         nbytes: serialized size of the chunk.
         where: Kafka offset (int) or file path (str) it came from.
+        deleted: table id -> raw ids a dynamic table evicted (apply before ``sparse``).
     """
 
     msg: delta_pb2.DeltaChunk
@@ -85,6 +86,7 @@ class Chunk:
     dense: list[tuple[int, tuple[int, ...], int, np.ndarray]]
     nbytes: int
     where: int | str
+    deleted: dict[int, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass
@@ -156,13 +158,20 @@ def decode_chunk(data: bytes, where: int | str) -> Chunk:
             raise BadChunk(f"dense {var.id}: {values.size} values at offset {var.offset} "
                            f"exceed shape {shape}")
         dense.append((int(var.id), shape, int(var.offset), values))
-    return Chunk(msg, sparse, dense, len(data), where)
+    deleted: dict[int, np.ndarray] = {}
+    for gone in payload.deleted:  # dynamic tables: raw ids to forget
+        if len(gone.ids) % ID_DTYPE.itemsize:
+            raise BadChunk(f"deleted ids of table {gone.table_id}: {len(gone.ids)} bytes")
+        ids = np.frombuffer(gone.ids, dtype=ID_DTYPE).astype(np.int64)
+        deleted[gone.table_id] = np.concatenate([deleted.get(gone.table_id, ids[:0]), ids])
+    return Chunk(msg, sparse, dense, len(data), where, deleted)
 
 
 def merge_version(chunks: list[Chunk]) -> dict:
     """Summarizes a complete version (chunks in index order) as one printable record.
 
-    A serving engine would, at this point, apply ``sparse`` (``table[ids] = values``) and the
+    A serving engine would, at this point, forget the ``deleted`` ids of dynamic tables, then
+    apply ``sparse`` (``table[ids] = values``; a dynamic table's ids are raw ids) and the
     dense variables (slices joined by ``offset``, reshaped to ``shape``) under one lock.
 
     Raises:
@@ -170,8 +179,11 @@ def merge_version(chunks: list[Chunk]) -> dict:
     """
     head = chunks[0].msg
     rows: dict[int, int] = {}
+    deleted: dict[int, int] = {}
     covered: dict[int, tuple[int, int]] = {}  # variable id -> (elements seen, total)
     for c in chunks:
+        for tid, ids in c.deleted.items():
+            deleted[tid] = deleted.get(tid, 0) + len(ids)
         for tid, (ids, _values) in c.sparse.items():
             rows[tid] = rows.get(tid, 0) + len(ids)
         for vid, shape, _offset, values in c.dense:
@@ -193,6 +205,7 @@ def merge_version(chunks: list[Chunk]) -> dict:
         "chunks": len(chunks),
         "bytes": sum(c.nbytes for c in chunks),
         "rows": {str(t): n for t, n in sorted(rows.items())},
+        "deleted": {str(t): n for t, n in sorted(deleted.items())},
         "dense_vars": len(covered),
         "event_ms": [head.min_event_time_ms, head.max_event_time_ms],
         "produce_ms": [head.min_produce_time_ms, head.max_produce_time_ms],
@@ -319,6 +332,9 @@ def _range(pair: list[int]) -> str:
 def format_line(v: dict, table_names: dict[int, str]) -> str:
     """The one-line text form of a version summary."""
     rows = ",".join(f"{table_names.get(int(t), t)}:{n}" for t, n in v["rows"].items())
+    if v.get("deleted"):
+        rows += " deleted " + ",".join(f"{table_names.get(int(t), t)}:{n}"
+                                        for t, n in v["deleted"].items())
     positions = ",".join(f"{t}:{p}@{o}" for t, p, o in v["positions"]) or "-"
     where = (f"offsets={v['offsets'][0]}..{v['offsets'][1]}" if "offsets" in v
              else f"file={os.path.basename(v['file'])}")

@@ -36,10 +36,11 @@ def _versions(directory: str) -> None:
                              max_chunk_bytes=2048)
     assert len(chunks7) > 2
     sink.send(7, "genA", chunks7)
-    # v9: fp16, sparse only, one chunk.
+    # v9: fp16, sparse only, one chunk, with ids a dynamic table deleted.
     h9 = VersionHeader("m", 9, "genA", "sparse", 0, 0, 0, 0, [("events", 0, 70)], 3100)
     sink.send(9, "genA", encode_version(h9, {}, {0: (np.array([5], np.int64),
-                                                       rng.normal(size=(1, 8)))}, "fp16"))
+                                                       rng.normal(size=(1, 8)))}, "fp16",
+                                        deletes={0: np.array([(1 << 62) + 1, 42], np.int64)}))
     # v3 of a new generation (a restart from an older checkpoint): dense only.
     h3 = VersionHeader("m", 3, "genB", "dense", positions=[("events", 0, 40)])
     sink.send(3, "genB", encode_version(h3, {0: np.ones(4), 1: np.zeros((40, 16))}, {}))
@@ -66,6 +67,7 @@ def test_decodes_fs_versions(tmp_path):
     assert v7["positions"] == [["events", 0, 50], ["events", 1, 61]]
     assert v7["file"].endswith(version_file_name(7, "genA"))
     assert v9["kind"] == "SPARSE" and v9["value_type"] == "FP16" and v9["rows"] == {"0": 1}
+    assert v9["deleted"] == {"0": 2} and v7["deleted"] == {}
     assert v3["kind"] == "DENSE" and v3["rows"] == {} and v3["dense_vars"] == 2
     assert "3 versions, 0 incomplete, 0 chunks rejected" in res.stderr
 
