@@ -10,7 +10,9 @@ naming the first offending field:
 * the input: ``kafka_train_input`` online (servers as host:port, topic, group, at most one
   start position, a dead-letter topic other than the input topic), or
   ``datahub_train_input`` (project, topic, endpoint or region, the start as EasyRec writes
-  it; no dead-letter topic), never both; ``train_input_path`` offline;
+  it; no dead-letter topic), or ``file_stream_input`` (``train_data_dir``, a
+  ``split_interval`` dividing a day, ``start_day`` / ``end_day`` as YYYYMMDD; no
+  dead-letter topic), only one of them; ``train_input_path`` offline;
 * ``data_config``: input fields, one numeric label, sample id and event time fields, sizes
   within :mod:`odl.config.limits`;
 * the features and the model (:mod:`odl.config.model_validation`);
@@ -25,6 +27,7 @@ settings) are :mod:`odl.train.startup_checks`.
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 import os
 import re
@@ -75,11 +78,15 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
         raise ConfigError("model_dir", "required (set it in the config or pass --model_dir)")
     check_path_schemes(config, online)
     if online:
-        if config.HasField("datahub_train_input") and config.HasField("kafka_train_input"):
-            raise ConfigError("datahub_train_input", "give one online input: "
-                                                     "kafka_train_input or datahub_train_input")
+        inputs = [f for f in ("kafka_train_input", "datahub_train_input", "file_stream_input")
+                  if config.HasField(f)]
+        if len(inputs) > 1:
+            raise ConfigError(inputs[1], "give one online input: kafka_train_input, "
+                                         "datahub_train_input or file_stream_input")
         if config.HasField("datahub_train_input"):
             _validate_datahub(config)
+        elif config.HasField("file_stream_input"):
+            _validate_file_stream(config)
         else:
             _validate_kafka(config)
     else:
@@ -139,11 +146,36 @@ def _validate_datahub(config: pipeline_pb2.EasyRecConfig) -> None:
                           "datahub_train_input")
 
 
+def _validate_file_stream(config: pipeline_pb2.EasyRecConfig) -> None:
+    f = config.file_stream_input
+    if not f.train_data_dir.strip():
+        raise ConfigError("file_stream_input.train_data_dir", "required")
+    if not 1 <= f.split_interval <= 1440 or 1440 % f.split_interval:
+        raise ConfigError("file_stream_input.split_interval",
+                          f"must divide a day (1440 minutes), got {f.split_interval}")
+    for name in ("start_day", "end_day"):
+        value = getattr(f, name)
+        if not value and name == "end_day":
+            continue
+        try:
+            dt.datetime.strptime(value, "%Y%m%d")
+        except ValueError:
+            raise ConfigError(f"file_stream_input.{name}",
+                              f"expected YYYYMMDD, got {value!r}") from None
+    if f.end_day and f.end_day < f.start_day:
+        raise ConfigError("file_stream_input.end_day", "is before start_day")
+    if config.data_config.dead_letter_topic:
+        raise ConfigError("data_config.dead_letter_topic",
+                          "needs a Kafka input (its server and settings); not available with "
+                          "file_stream_input")
+
+
 def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
     if not config.HasField("kafka_train_input"):
         raise ConfigError("kafka_train_input", "required for online training "
-                                               "(kafka_train_input { server topic group } or "
-                                               "datahub_train_input { ... })")
+                                               "(kafka_train_input { server topic group }, "
+                                               "datahub_train_input { ... } or "
+                                               "file_stream_input { ... })")
     k = config.kafka_train_input
     if not k.server.strip():
         raise ConfigError("kafka_train_input.server", "required: the bootstrap servers, "
@@ -186,7 +218,8 @@ def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
 def check_path_schemes(config: pipeline_pb2.EasyRecConfig, online: bool) -> None:
     """Refuses paths odl cannot use: local paths and ``oss://bucket/key`` only.
 
-    Checked: ``model_dir``, ``train_input_path`` (offline), ``train_config.fine_tune_checkpoint``,
+    Checked: ``model_dir``, ``train_input_path`` (offline), ``file_stream_input.train_data_dir``
+    (online), ``train_config.fine_tune_checkpoint``,
     ``train_config.fine_tune_ckpt_var_map`` and ``train_config.incr_save_config.fs
     .incr_save_dir``.
 
@@ -203,6 +236,9 @@ def check_path_schemes(config: pipeline_pb2.EasyRecConfig, online: bool) -> None
     paths = [("model_dir", config.model_dir)]
     if not online:
         paths.append(("train_input_path", config.train_input_path))
+    elif config.HasField("file_stream_input"):
+        paths.append(("file_stream_input.train_data_dir",
+                      config.file_stream_input.train_data_dir))
     paths += [("train_config.fine_tune_checkpoint", tc.fine_tune_checkpoint),
               ("train_config.fine_tune_ckpt_var_map", tc.fine_tune_ckpt_var_map)]
     if tc.incr_save_config.WhichOneof("incr_update") == "fs":

@@ -21,7 +21,8 @@ Child -> trainer (``ToTrainer``):
   ``InputBatch``).
 * ``InputFailure(kind, text)``: ``kind`` ``"timeout"`` (the topic did not appear in time)
   or ``"failed"`` (``text`` is a traceback); the child's last message, then it exits 1.
-* ``InputClosed``: the last message after a ``CloseRequest``.
+* ``InputClosed``: the last message after a ``CloseRequest``, or, unasked, when a finite
+  input (``file_stream_input`` past its ``end_day``) handed out its last batch.
 
 Flow control is by credit: the trainer grants its initial credit in ``InputProcessInit``
 and one more batch for each batch it takes, and the child sends a batch only against a

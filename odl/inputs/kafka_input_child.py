@@ -161,9 +161,9 @@ def _serve(conn: Connection) -> int:
         while session.take_credit():
             item = None
             while item is None and not session.stop.is_set():
-                item = prefetcher.get(timeout=0.1)
+                item = prefetcher.get(timeout=0.1)  # raises the input's failure, if any
                 if item is None and prefetcher.finished:
-                    raise RuntimeError("the Kafka input ended")
+                    break  # a finite stream (file_stream_input's end_day) ended
             if item is None:
                 break
             rejected_values = ({i: item.raw.values[i] for i, _ in item.rejected

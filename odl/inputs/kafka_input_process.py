@@ -195,6 +195,8 @@ class KafkaInputProcess(PreparedBatchQueue):
                     self._queue.put(END)
                     return
                 elif isinstance(msg, InputClosed):
+                    if not self._closing:  # a finite input (file_stream_input) ended
+                        self._queue.put(END)
                     self._closed.set()
                     return
         except (EOFError, OSError) as exc:

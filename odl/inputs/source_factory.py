@@ -1,7 +1,8 @@
-"""The online source of a pipeline config: ``kafka_train_input`` or ``datahub_train_input``.
+"""The online source of a pipeline config: Kafka, DataHub or a file stream.
 
-One place decides which source reads the stream and with which arguments, for both online
-layouts (the input process and in-process threads): :func:`online_source_args` turns the
+``kafka_train_input``, ``datahub_train_input`` or ``file_stream_input``: one place decides
+which source reads the stream and with which arguments, for both online layouts (the input
+process and in-process threads): :func:`online_source_args` turns the
 config (and restored positions) into picklable start rules and keyword arguments, with a
 ``"kind"`` key; :func:`build_source` makes the source from them.
 """
@@ -17,22 +18,33 @@ from odl.inputs.datahub_source import (
     datahub_endpoint,
     parse_datahub_start,
 )
+from odl.inputs.file_stream_source import FileStreamSource, FileStreamStart
 from odl.inputs.kafka_source import KafkaSource, StartPositions, start_positions_from_config
 from odl.protos import pipeline_pb2
 
-Start = Union[StartPositions, DatahubStart]
+Start = Union[StartPositions, DatahubStart, FileStreamStart]
 
 
 def online_input_kind(config: pipeline_pb2.EasyRecConfig) -> str:
-    """``"datahub"`` when ``datahub_train_input`` is set, else ``"kafka"``."""
-    return "datahub" if config.HasField("datahub_train_input") else "kafka"
+    """``"datahub"``, ``"file_stream"`` or ``"kafka"``: which online input the config sets."""
+    if config.HasField("datahub_train_input"):
+        return "datahub"
+    if config.HasField("file_stream_input"):
+        return "file_stream"
+    return "kafka"
 
 
 def online_input_name(config: pipeline_pb2.EasyRecConfig) -> str:
-    """The stream's name for status and checkpoints: the Kafka topic or ``project/topic``."""
-    if online_input_kind(config) == "datahub":
+    """The stream's name for status and checkpoints.
+
+    The Kafka topic, DataHub's ``project/topic`` or the file stream's ``train_data_dir``.
+    """
+    kind = online_input_kind(config)
+    if kind == "datahub":
         d = config.datahub_train_input
         return f"{d.project}/{d.topic}"
+    if kind == "file_stream":
+        return config.file_stream_input.train_data_dir.rstrip("/")
     return config.kafka_train_input.topic
 
 
@@ -41,6 +53,20 @@ def online_source_args(config: pipeline_pb2.EasyRecConfig,
                        ) -> tuple[Start, dict[str, Any]]:
     """The start rules and source keyword arguments (plus ``"kind"``) of the online input."""
     dc = config.data_config
+    if online_input_kind(config) == "file_stream":
+        f = config.file_stream_input
+        return FileStreamStart(restored_positions, f.start_day), {
+            "kind": "file_stream",
+            "train_data_dir": f.train_data_dir,
+            "batch_size": dc.batch_size,
+            "split_interval": f.split_interval,
+            "end_day": f.end_day,
+            "data_donefile": f.data_donefile,
+            "data_sleep_second": f.data_sleep_second,
+            "missing_split_wait_secs": f.missing_split_wait_secs,
+            "file_pattern": f.file_pattern,
+            "batch_timeout_ms": dc.batch_timeout_ms,
+        }
     if online_input_kind(config) == "datahub":
         d = config.datahub_train_input
         start = parse_datahub_start(d.offset_info, d.offset_time, restored_positions)
@@ -74,10 +100,14 @@ def online_source_args(config: pipeline_pb2.EasyRecConfig,
     }
 
 
-def build_source(start: Start, args: dict[str, Any]) -> Union[KafkaSource, DatahubSource]:
+def build_source(start: Start, args: dict[str, Any]) -> Union[KafkaSource, DatahubSource,
+                                                             FileStreamSource]:
     """The source ``online_source_args`` describes (not yet open)."""
     args = dict(args)
     kind = args.pop("kind", "kafka")
+    if kind == "file_stream":
+        assert isinstance(start, FileStreamStart)
+        return FileStreamSource(start=start, **args)
     if kind == "datahub":
         assert isinstance(start, DatahubStart)
         return DatahubSource(start=start, **args)

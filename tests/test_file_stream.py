@@ -1,0 +1,213 @@
+"""PaddleRec-style file streams: splits read in time order once complete (donefile), late and
+missing splits, day boundaries, restarts inside a file, end_day, and the trainer on it."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+
+import pytest
+
+from odl.config.config_error import ConfigError
+from odl.config.config_validation import validate_pipeline_config
+from odl.config.pipeline_config import parse_pipeline_config_text
+from odl.datagen.datagen_config import deepfm_config_text
+from odl.harness.topic_records import make_records
+from odl.inputs.file_stream_source import (
+    FILE_KEY,
+    RECORD_KEY,
+    SPLIT_KEY,
+    FileStreamSource,
+    FileStreamStart,
+    split_minute,
+)
+from odl.train.sample_ledger import read_ledger
+from odl.train.trainer import Trainer, TrainerOptions
+
+DONE = "to.hadoop.done"
+
+
+def _write_split(root, day: str, hhmm: str, parts: list[list[bytes]], done: bool = True) -> None:
+    d = os.path.join(root, day, hhmm)
+    os.makedirs(d, exist_ok=True)
+    for i, lines in enumerate(parts):
+        with open(os.path.join(d, f"part-{i:05d}"), "wb") as f:
+            f.write(b"".join(line + b"\n" for line in lines))
+    if done:
+        open(os.path.join(d, DONE), "wb").close()
+
+
+def _source(root, day="20261124", checkpoint=None, **kw) -> FileStreamSource:
+    args = {"batch_size": 4, "split_interval": 5, "data_donefile": DONE,
+            "data_sleep_second": 0.0, "batch_timeout_ms": 20} | kw
+    src = FileStreamSource(str(root), FileStreamStart(checkpoint, day), **args)
+    src.open()
+    return src
+
+
+def _drain(src: FileStreamSource, want: int, timeout: float = 20.0) -> list[tuple]:
+    """Reads batches until ``want`` records arrived (a batch may bring more; the assert says
+    when it did); returns (value, positions after its batch)."""
+    out: list[tuple] = []
+    stop = threading.Event()
+    deadline = time.monotonic() + timeout
+    while len(out) < want and time.monotonic() < deadline:
+        b = src.read_batch(stop)
+        if b is not None:
+            out += [(v, dict(b.positions)) for v in b.values]
+    assert len(out) == want, (len(out), want)
+    return out
+
+
+def _lines(tag: str, n: int) -> list[bytes]:
+    return [f"{tag}-{i}".encode() for i in range(n)]
+
+
+def test_splits_in_time_order_across_a_day_and_files(tmp_path):
+    _write_split(tmp_path, "20261124", "2355", [_lines("a0", 3), _lines("a1", 2)])
+    _write_split(tmp_path, "20261125", "0000", [_lines("b0", 5)])
+    _write_split(tmp_path, "20261124", "2350", [_lines("z", 2)])
+    src = _source(tmp_path, checkpoint={SPLIT_KEY: split_minute("20261124", "2350")})
+    got = [v for v, _ in _drain(src, 12)]
+    assert got == _lines("z", 2) + _lines("a0", 3) + _lines("a1", 2) + _lines("b0", 5)
+    # the batch ended on the file's last record: the next one is its 6th (none, so file 1)
+    assert src.positions == {SPLIT_KEY: split_minute("20261125", "0000"), FILE_KEY: 0,
+                             RECORD_KEY: 5}
+
+
+def test_donefile_later_than_the_data(tmp_path):
+    _write_split(tmp_path, "20261124", "0000", [_lines("x", 6)], done=False)
+    src = _source(tmp_path)
+    stop = threading.Event()
+    got: list[bytes] = []
+
+    def read() -> None:
+        while not stop.is_set() and len(got) < 6:
+            b = src.read_batch(stop)
+            if b is not None:
+                got.extend(b.values)
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while src.looks < 3 and time.monotonic() < deadline:  # it looked, and waited
+        time.sleep(0.01)
+    assert src.looks >= 3 and got == []
+    open(os.path.join(tmp_path, "20261124", "0000", DONE), "wb").close()
+    t.join(10)
+    stop.set()
+    assert got == _lines("x", 6)
+
+
+def test_late_split_is_read_in_order_and_a_missing_one_skipped(tmp_path):
+    _write_split(tmp_path, "20261124", "0000", [_lines("s0", 2)])
+    _write_split(tmp_path, "20261124", "0010", [_lines("s10", 2)])
+    _write_split(tmp_path, "20261124", "0005", [_lines("s5", 2)], done=False)
+    src = _source(tmp_path, missing_split_wait_secs=30.0)
+    assert [v for v, _ in _drain(src, 2)] == _lines("s0", 2)
+    # 0005 is late (0010 is complete): it is waited for, and read first once complete
+    open(os.path.join(tmp_path, "20261124", "0005", DONE), "wb").close()
+    assert [v for v, _ in _drain(src, 4)] == _lines("s5", 2) + _lines("s10", 2)
+    assert src.skipped_splits == 0
+    # 0015 never comes; 0020 is complete: 0015 is skipped after the wait, and counted
+    _write_split(tmp_path, "20261124", "0020", [_lines("s20", 2)])
+    src.missing_wait = 0.2
+    t0 = time.monotonic()
+    assert [v for v, _ in _drain(src, 2)] == _lines("s20", 2)
+    assert time.monotonic() - t0 >= 0.2
+    assert src.skipped_splits == 1
+
+
+def test_restart_inside_a_file_reads_every_record_once(tmp_path):
+    _write_split(tmp_path, "20261124", "0000", [_lines("p0", 7), _lines("p1", 5)])
+    _write_split(tmp_path, "20261124", "0005", [_lines("q0", 6)])
+    everything = _lines("p0", 7) + _lines("p1", 5) + _lines("q0", 6)
+    for batches in range(1, 5):  # a checkpoint after 1, 2, 3, 4 batches of 4
+        src = _source(tmp_path)
+        trained: list[bytes] = []
+        positions: dict = {}
+        while len(trained) < 4 * batches:
+            b = src.read_batch(threading.Event())
+            if b is not None:
+                trained += b.values
+                positions = dict(b.positions)
+        assert len(trained) == 4 * batches  # batches never span short: files are ready
+        rest = _drain(_source(tmp_path, checkpoint=positions), len(everything) - len(trained))
+        assert trained + [v for v, _ in rest] == everything, batches
+
+
+def test_end_day_ends_the_stream(tmp_path):
+    _write_split(tmp_path, "20261124", "2355", [_lines("d1", 3)])
+    _write_split(tmp_path, "20261125", "0000", [_lines("d2", 3)])
+    src = _source(tmp_path, checkpoint={SPLIT_KEY: split_minute("20261124", "2355")},
+                  end_day="20261124")
+    assert [v for v, _ in _drain(src, 3)] == _lines("d1", 3)
+    with pytest.raises(StopIteration):
+        src.read_batch(threading.Event())
+
+
+def test_without_donefile_a_split_is_complete_once_a_later_one_exists(tmp_path):
+    _write_split(tmp_path, "20261124", "0000", [_lines("n", 2)], done=False)
+    src = _source(tmp_path, data_donefile="")
+    stop = threading.Event()
+
+    def stop_after_looks() -> None:
+        deadline = time.monotonic() + 10
+        while src.looks < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stop.set()
+
+    threading.Thread(target=stop_after_looks, daemon=True).start()
+    assert src.read_batch(stop) is None and src.looks >= 3  # looked, found nothing complete
+    _write_split(tmp_path, "20261124", "0005", [], done=False)
+    assert [v for v, _ in _drain(src, 2)] == _lines("n", 2)
+
+
+def _config(tmp_path, data_dir: str, end_day: str) -> str:
+    text = deepfm_config_text(str(tmp_path / "model_dir"), batch_size=50)
+    fs = (f'file_stream_input {{ train_data_dir: "{data_dir}" split_interval: 60 '
+          f'start_day: "20261124" end_day: "{end_day}" data_donefile: "{DONE}" '
+          f"data_sleep_second: 0 missing_split_wait_secs: 0 }}")
+    return re.sub(r"kafka_train_input \{[^}]*\}", fs, text, count=1)
+
+
+def _train(tmp_path, text: str, ledger: str) -> Trainer:
+    config = parse_pipeline_config_text(text)
+    validate_pipeline_config(config, online=True)
+    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
+                                             sample_ledger=ledger))
+    assert trainer.run() == 0
+    assert trainer.stop_reason == "end of input"
+    return trainer
+
+
+def test_trainer_reads_a_file_stream_exactly_once_across_a_restart(tmp_path):
+    data = tmp_path / "data"
+    ids, values = make_records(900, seed=5)
+    chunks = [values[i : i + 150] for i in range(0, 900, 150)]
+    _write_split(data, "20261124", "2200", [chunks[0], chunks[1][:70]])
+    _write_split(data, "20261124", "2300", [chunks[1][70:], chunks[2]])
+    _write_split(data, "20261125", "0000", [chunks[3]])
+    # the second day's last split: 0100 .. 2200 never come (skipped: missing_split_wait_secs 0)
+    _write_split(data, "20261125", "2300", [chunks[4], chunks[5]])
+    ledger = str(tmp_path / "ledger.tsv")
+    first = _train(tmp_path, _config(tmp_path, str(data), "20261124"), ledger)
+    assert first.samples_trained == 450  # the first day's splits (0000 .. 2100 skipped)
+    second = _train(tmp_path, _config(tmp_path, str(data), "20261125"), ledger)
+    assert second.samples_trained == 450  # only the second day: the checkpoint resumed
+    trained = [sid for _g, _s, sid in read_ledger(ledger)]
+    assert sorted(trained) == sorted(ids) and len(set(trained)) == len(trained)
+    assert second.positions == {SPLIT_KEY: split_minute("20261125", "2300"), FILE_KEY: 1,
+                                RECORD_KEY: 150}
+
+
+def test_file_stream_config_errors(tmp_path):
+    text = _config(tmp_path, str(tmp_path / "data"), "20261125")
+    for bad, field in (('start_day: "20261124"', "start_day"),
+                       ("split_interval: 60", "split_interval")):
+        broken = text.replace(bad, {"start_day": 'start_day: "2026-11-24"',
+                                    "split_interval": "split_interval: 7"}[field])
+        with pytest.raises(ConfigError, match=field):
+            validate_pipeline_config(parse_pipeline_config_text(broken), online=True)
