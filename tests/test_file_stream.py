@@ -3,6 +3,7 @@ missing splits, day boundaries, restarts inside a file, end_day, and the trainer
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -211,3 +212,19 @@ def test_file_stream_config_errors(tmp_path):
                                     "split_interval": "split_interval: 7"}[field])
         with pytest.raises(ConfigError, match=field):
             validate_pipeline_config(parse_pipeline_config_text(broken), online=True)
+
+
+def test_datagen_writes_splits_the_source_reads(tmp_path, capsys):
+    from odl.cli.datagen_cli import main as datagen
+
+    assert datagen(["--split-dir", str(tmp_path), "--day", "20261124", "--start", "2350",
+                    "--splits", "3", "--count", "7", "--parts", "2", "-q"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["splits"] == ["20261124/2350", "20261124/2355", "20261125/0000"]
+    assert sorted(os.listdir(tmp_path / "20261125" / "0000")) == [
+        "part-00000", "part-00001", DONE]
+    src = _source(tmp_path, checkpoint={SPLIT_KEY: split_minute("20261124", "2350")},
+                  end_day="20261125", missing_split_wait_secs=0.0)
+    got = _drain(src, 21)
+    assert len({v for v, _ in got}) == 21  # every record once (sample ids differ)
+    assert datagen(["--split-dir", str(tmp_path), "--splits", "1"]) == 2  # no --count

@@ -1,4 +1,9 @@
-"""``odl-datagen``: produce the synthetic CTR stream to a Kafka topic.
+"""``odl-datagen``: produce the synthetic CTR stream to a Kafka topic, or write it as files.
+
+With ``--split-dir DIR`` it writes a PaddleRec-style file stream instead
+(``DIR/YYYYMMDD/HHMM/part-*`` and a donefile per split, ``odl.datagen.split_writer``) for
+``file_stream_input``: ``--day``, ``--start``, ``--splits``, ``--split-interval``,
+``--count`` records per split, ``--parts``, ``--donefile``; it prints one JSON summary line.
 
 Message layout (the value formats are described in ``odl.datagen.synthetic_ctr``):
 
@@ -30,6 +35,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from odl.datagen.split_writer import write_splits
 from odl.datagen.synthetic_ctr import FORMATS, SyntheticCtrStream
 from odl.kafka.client_settings import producer_config, redact_settings
 from odl.kafka.topic_admin import TopicAdminError, create_topic, list_topics
@@ -79,8 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="odl-datagen", description="Produce a synthetic CTR stream with a known answer."
     )
-    p.add_argument("--bootstrap", required=True, help="Kafka bootstrap servers host:port[,..]")
-    p.add_argument("--topic", required=True)
+    p.add_argument("--bootstrap", help="Kafka bootstrap servers host:port[,..] (required "
+                   "unless --split-dir)")
+    p.add_argument("--topic", help="the topic (required unless --split-dir)")
+    files = p.add_argument_group("file stream (instead of Kafka)")
+    files.add_argument("--split-dir", help="write DIR/YYYYMMDD/HHMM/part-* splits instead")
+    files.add_argument("--day", default="", help="first day, YYYYMMDD (default: today, UTC)")
+    files.add_argument("--start", default="0000", help="first split, HHMM")
+    files.add_argument("--splits", type=int, default=4, help="splits to write")
+    files.add_argument("--split-interval", type=int, default=5, help="minutes between splits")
+    files.add_argument("--parts", type=int, default=2, help="files per split")
+    files.add_argument("--donefile", default="to.hadoop.done",
+                       help="completion marker written last in each split ('' for none)")
     p.add_argument(
         "--partitions",
         type=int,
@@ -248,6 +264,25 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.WARNING if args.quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    if args.split_dir:
+        if args.count is None or args.count <= 0 or args.splits <= 0 or args.parts <= 0:
+            print("odl-datagen: error: --split-dir needs --count (records per split) > 0, "
+                  "--splits > 0 and --parts > 0", file=sys.stderr)
+            return 2
+        day = args.day or time.strftime("%Y%m%d", time.gmtime())
+        try:
+            summary = write_splits(args.split_dir, day, args.splits, args.count,
+                                   args.split_interval, args.start, args.parts, args.donefile,
+                                   args.seed, args.format)
+        except (ValueError, OSError) as exc:
+            print(f"odl-datagen: error: {exc}", file=sys.stderr)
+            return 2
+        print(json.dumps(summary), flush=True)
+        return 0
+    if not args.bootstrap or not args.topic:
+        print("odl-datagen: error: --bootstrap and --topic are required (or --split-dir)",
+              file=sys.stderr)
+        return 2
     if args.rate < 0 or (args.count is not None and args.count < 0) or args.partitions < 0:
         print("odl-datagen: error: --rate, --count and --partitions must be >= 0", file=sys.stderr)
         return 2
