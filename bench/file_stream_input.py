@@ -1,0 +1,116 @@
+"""File-stream input rate vs the trainer's step rate (target: the trainer, not the reader, is
+the limit).
+
+One run, one machine. ``odl-datagen --split-dir``'s writer (``odl.datagen.split_writer``)
+writes ``--splits`` splits of ``--per-split`` synthetic CTR records (CSV, the datagen schema,
+``--parts`` files each, donefile last) into a temporary ``train_data_dir``. In this process,
+measured one after the other:
+
+1. ``read``: ``FileStreamSource`` reads every record in batches of ``--batch-size`` (listing
+   splits, checking donefiles, reading the files): records/s;
+2. ``read+build``: the same plus ``FeatureBuilder.build_arrays`` per batch, which is what the
+   input child process does for the trainer: records/s;
+3. ``train``: ``TrainModule.train_step`` of ``samples/deepfm_online.config``'s DeepFM on
+   batches built from the same records, in memory: samples/s.
+
+``input_over_train`` = read+build / train: above 1 the trainer is the limit (the input runs in
+its own child process, so on a machine with a core for it both run at once). Prints JSON.
+
+    .venv/bin/python bench/file_stream_input.py [--splits 12] [--per-split 20000] [--parts 4]
+                                                [--batch-size 1024] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+
+from bench.run_output import add_output_args, finish_run  # noqa: E402
+from odl.config.pipeline_config import load_pipeline_config  # noqa: E402
+from odl.datagen.split_writer import write_splits  # noqa: E402
+from odl.features.feature_builder import FeatureBuilder  # noqa: E402
+from odl.inputs.file_stream_source import FileStreamSource, FileStreamStart  # noqa: E402
+from odl.train.torch_runtime import configure_torch_threads  # noqa: E402
+from odl.train.train_module import TrainModule  # noqa: E402
+
+DAY = time.strftime("%Y%m%d", time.gmtime())
+
+
+def _read(root: str, batch_size: int, total: int, builder=None) -> tuple[float, float, list]:
+    """(records per wall second, per CPU second of this process, the values read)."""
+    src = FileStreamSource(root, FileStreamStart(None, DAY), batch_size, split_interval=5,
+                           data_donefile="to.hadoop.done", data_sleep_second=0.0,
+                           missing_split_wait_secs=0.0)
+    src.open()
+    stop = threading.Event()
+    values: list[bytes] = []
+    t0, c0 = time.perf_counter(), time.process_time()
+    while len(values) < total:
+        b = src.read_batch(stop)
+        if b is None:
+            continue
+        if builder is not None:
+            builder.build_arrays(b.values)
+        values += b.values
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return len(values) / wall, len(values) / max(cpu, 1e-9), values
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--splits", type=int, default=12)
+    ap.add_argument("--per-split", type=int, default=20_000)
+    ap.add_argument("--parts", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=1024)
+    add_output_args(ap)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    configure_torch_threads(0)
+    work = tempfile.mkdtemp(prefix="odl-bench-filestream-")
+    root = os.path.join(work, "data")
+    t0 = time.perf_counter()
+    written = write_splits(root, DAY, args.splits, args.per_split, parts=args.parts, seed=3)
+    write_s = time.perf_counter() - t0
+    total = written["records"]
+    config = load_pipeline_config(os.path.join(_ROOT, "samples", "deepfm_online.config"))
+    config.data_config.batch_size = args.batch_size
+    builder = FeatureBuilder(config)
+    read_rate, read_cpu, _ = _read(root, args.batch_size, total)
+    build_rate, build_cpu, values = _read(root, args.batch_size, total, builder)
+    module = TrainModule(config, builder, device="cpu")
+    batches = [builder.build(values[i:i + args.batch_size]).batch
+               for i in range(0, min(len(values), 60 * args.batch_size), args.batch_size)]
+    for b in batches[:5]:
+        module.train_step(b)
+    t0 = time.perf_counter()
+    n = 0
+    for b in batches[5:]:
+        module.train_step(b)
+        n += b.size
+    train_rate = n / (time.perf_counter() - t0)
+    result = {
+        "splits": args.splits, "per_split": args.per_split, "parts": args.parts,
+        "batch_size": args.batch_size, "write_s": round(write_s, 2),
+        "read_records_per_s": round(read_rate),
+        "read_records_per_cpu_s": round(read_cpu),
+        "read_build_records_per_s": round(build_rate),
+        "read_build_records_per_cpu_s": round(build_cpu),
+        "train_samples_per_s": round(train_rate),
+        "input_over_train": round(build_rate / train_rate, 2),
+    }
+    print(json.dumps(result, indent=1))
+    finish_run(args, result, work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
