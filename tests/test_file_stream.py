@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client import generate_latest
 
 from odl.config.config_error import ConfigError
 from odl.config.config_validation import validate_pipeline_config
@@ -196,6 +197,13 @@ def test_trainer_reads_a_file_stream_exactly_once_across_a_restart(tmp_path):
     ledger = str(tmp_path / "ledger.tsv")
     first = _train(tmp_path, _config(tmp_path, str(data), "20261124"), ledger)
     assert first.samples_trained == 450  # the first day's splits (0000 .. 2100 skipped)
+    # one split per pass: pass 23 (2200) and pass 24 (2300), each with its progressive AUC
+    passes = first.status()["passes"]
+    assert [(p["day"], p["pass"], p["samples"]) for p in passes["passes"]] == [
+        ("20261124", 23, 200), ("20261124", 24, 250)]  # the batch across both: the later one
+    assert all(0.0 < p["auc"] < 1.0 and p["logloss"] > 0 for p in passes["passes"])
+    metrics = generate_latest(first.metrics.registry).decode()
+    assert "odl_pass_samples 250.0" in metrics
     second = _train(tmp_path, _config(tmp_path, str(data), "20261125"), ledger)
     assert second.samples_trained == 450  # only the second day: the checkpoint resumed
     trained = [sid for _g, _s, sid in read_ledger(ledger)]

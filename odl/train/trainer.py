@@ -42,11 +42,13 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.http.server import BackgroundHttpServer
 from odl.inputs.batch_prefetcher import PreparedBatch
 from odl.inputs.dead_letter import DeadLetterSink
+from odl.inputs.file_stream_source import SPLIT_KEY
 from odl.inputs.input_pipeline import InputPipeline, build_input_pipeline
 from odl.inputs.source_factory import online_input_kind, online_input_name
 from odl.protos import pipeline_pb2
 from odl.storage.oss_store import StorageError
 from odl.train.crash_recovery import CrashRecovery, RestoredState
+from odl.train.pass_metrics import PassMetrics
 from odl.train.progressive_metrics import ProgressiveMetrics
 from odl.train.record_rejects import RejectedRecords
 from odl.train.sample_ledger import SampleLedger
@@ -138,6 +140,9 @@ class Trainer:
         self.started_at = time.time()
         self.metrics = TrainerMetrics()
         self.progress = ProgressiveMetrics(tc.metrics_window_samples)
+        fs = config.file_stream_input
+        self.passes = (PassMetrics(fs.split_interval, fs.split_per_pass)
+                       if options.online and config.HasField("file_stream_input") else None)
         self.checkpoints = CheckpointManager(self.model_dir, tc.keep_checkpoint_max)
         self.features = FeatureBuilder(config)
         self.module = TrainModule(config, self.features, device=options.device)
@@ -307,6 +312,9 @@ class Trainer:
             self._update_input_state()
             if item is None:
                 if pipeline.finished:
+                    if self.passes is not None:  # the stream ended with the last pass
+                        self.passes.close_current()
+                        self._pass_gauges()
                     self._stops.request("end of input")
                     break
                 if self.publisher is not None:  # idle input: publish the last steps now
@@ -360,6 +368,11 @@ class Trainer:
             trained = out.trained
         if trained:
             self.progress.update(out.probs, labels)
+            if self.passes is not None and SPLIT_KEY in item.positions:
+                closed = len(self.passes.closed)
+                self.passes.update(item.positions[SPLIT_KEY], out.probs, labels)
+                if len(self.passes.closed) != closed:
+                    self._pass_gauges()
             self.samples_trained += trained
             self.last_loss = float(out.loss)
             self.metrics.samples_trained.inc(trained)
@@ -376,6 +389,17 @@ class Trainer:
         if self.publisher is not None:
             self._maybe_publish(item)
         return trained
+
+    def _pass_gauges(self) -> None:
+        assert self.passes is not None
+        last = self.passes.last_closed()
+        if last is None:
+            return
+        self.metrics.pass_samples.set(last["samples"])
+        if last["auc"] is not None:
+            self.metrics.pass_auc.set(last["auc"])
+        if last["logloss"] is not None:
+            self.metrics.pass_logloss.set(last["logloss"])
 
     def _maybe_publish(self, item: PreparedBatch) -> None:
         """Hands the step's positions and time ranges to the delta publisher."""

@@ -43,6 +43,12 @@ class TrainerMetrics:
             "odl_checkpoint_failures", "Checkpoints that could not be written", registry=r
         )
         self.broker_up = Gauge("odl_broker_up", "1 when the input broker is reachable", registry=r)
+        self.pass_auc = Gauge("odl_pass_auc", "Progressive AUC of the last closed pass (file "
+                              "stream)", registry=r)
+        self.pass_logloss = Gauge("odl_pass_logloss", "Progressive logloss of the last closed "
+                                  "pass (file stream)", registry=r)
+        self.pass_samples = Gauge("odl_pass_samples", "Samples of the last closed pass (file "
+                                  "stream)", registry=r)
         self.dynamic = {
             key: Gauge(f"odl_dynamic_table_{key}", text, ["table"], registry=r)
             for key, text in (

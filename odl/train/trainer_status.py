@@ -178,6 +178,7 @@ class TrainerStatus:
             "device": str(t.module.device),
             "publisher": t.publisher.status() if t.publisher is not None else None,
             "dynamic_tables": t.module.dynamic_status() if t.module.dynamic else None,
+            "passes": t.passes.status() if t.passes is not None else None,
             "recovery": t.recovery,
             "dead_letter": dead_letter.status() if dead_letter is not None else None,
         }
