@@ -39,13 +39,13 @@ from datahub import DataHub  # noqa: E402
 from datahub.models import BlobRecord  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
+from bench.trainer_rate import train_samples_per_sec  # noqa: E402
 from odl.config.pipeline_config import load_pipeline_config  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.harness.loopback_server import run_in_child  # noqa: E402
 from odl.harness.topic_records import make_records  # noqa: E402
 from odl.inputs.datahub_source import DatahubSource, parse_datahub_start  # noqa: E402
 from odl.train.torch_runtime import configure_torch_threads  # noqa: E402
-from odl.train.train_module import TrainModule  # noqa: E402
 
 _DOUBLE = ("from odl.harness.datahub_double import DatahubDouble\n"
            "d = DatahubDouble().start()\nd.create_topic('bench', 'samples', shards={shards})")
@@ -92,17 +92,7 @@ def main() -> int:
         builder = FeatureBuilder(config)
         read_rate, read_cpu = _read(endpoint, args.batch_size, args.records)
         build_rate, build_cpu = _read(endpoint, args.batch_size, args.records, builder)
-        module = TrainModule(config, builder, device="cpu")
-        batches = [builder.build(values[i:i + args.batch_size]).batch
-                   for i in range(0, min(len(values), 60 * args.batch_size), args.batch_size)]
-        for b in batches[:5]:
-            module.train_step(b)
-        t0 = time.perf_counter()
-        n = 0
-        for b in batches[5:]:
-            module.train_step(b)
-            n += args.batch_size
-        train_rate = n / (time.perf_counter() - t0)
+        train_rate = train_samples_per_sec(config, builder, values, args.batch_size)
         result = {
             "records": args.records, "shards": args.shards, "batch_size": args.batch_size,
             "load_s": round(load_s, 2),

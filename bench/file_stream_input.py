@@ -35,12 +35,12 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
+from bench.trainer_rate import train_samples_per_sec  # noqa: E402
 from odl.config.pipeline_config import load_pipeline_config  # noqa: E402
 from odl.datagen.split_writer import write_splits  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.inputs.file_stream_source import FileStreamSource, FileStreamStart  # noqa: E402
 from odl.train.torch_runtime import configure_torch_threads  # noqa: E402
-from odl.train.train_module import TrainModule  # noqa: E402
 
 DAY = time.strftime("%Y%m%d", time.gmtime())
 
@@ -86,17 +86,7 @@ def main() -> int:
     builder = FeatureBuilder(config)
     read_rate, read_cpu, _ = _read(root, args.batch_size, total)
     build_rate, build_cpu, values = _read(root, args.batch_size, total, builder)
-    module = TrainModule(config, builder, device="cpu")
-    batches = [builder.build(values[i:i + args.batch_size]).batch
-               for i in range(0, min(len(values), 60 * args.batch_size), args.batch_size)]
-    for b in batches[:5]:
-        module.train_step(b)
-    t0 = time.perf_counter()
-    n = 0
-    for b in batches[5:]:
-        module.train_step(b)
-        n += b.size
-    train_rate = n / (time.perf_counter() - t0)
+    train_rate = train_samples_per_sec(config, builder, values, args.batch_size)
     result = {
         "splits": args.splits, "per_split": args.per_split, "parts": args.parts,
         "batch_size": args.batch_size, "write_s": round(write_s, 2),
