@@ -202,6 +202,8 @@ def test_trainer_reads_a_file_stream_exactly_once_across_a_restart(tmp_path):
     assert [(p["day"], p["pass"], p["samples"]) for p in passes["passes"]] == [
         ("20261124", 23, 200), ("20261124", 24, 250)]  # the batch across both: the later one
     assert all(0.0 < p["auc"] < 1.0 and p["logloss"] > 0 for p in passes["passes"])
+    source = first.status()["input"]["source"]  # as the input process last reported
+    assert source["skipped_splits"] == 22 and source["splits_read"] >= 1  # 0000 .. 2100
     metrics = generate_latest(first.metrics.registry).decode()
     assert "odl_pass_samples 250.0" in metrics
     second = _train(tmp_path, _config(tmp_path, str(data), "20261125"), ledger)

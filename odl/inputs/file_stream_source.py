@@ -145,6 +145,13 @@ class FileStreamSource:
         """The next record to read, as positions (module docstring)."""
         return {SPLIT_KEY: self.split, FILE_KEY: self.file, RECORD_KEY: self.record}
 
+    def status_report(self) -> dict[str, object]:
+        """For ``/status``: the split being read or waited for, splits read and skipped."""
+        return {"split": split_dir("", self.split).lstrip("/"), "file": self.file,
+                "record": self.record, "splits_read": self.splits_read,
+                "skipped_splits": self.skipped_splits,
+                "waiting": self._files is None}
+
     def open(self, stop_event: Optional[threading.Event] = None) -> dict[int, int]:
         """Sets the start position; returns it."""
         cp = self._start.checkpoint

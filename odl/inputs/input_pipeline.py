@@ -42,7 +42,7 @@ from odl.inputs.kafka_source import (
     PartitionState,
     RawBatch,
 )
-from odl.inputs.source_factory import build_source, online_source_args
+from odl.inputs.source_factory import build_source, online_source_args, source_status
 from odl.protos import pipeline_pb2
 
 if TYPE_CHECKING:
@@ -86,6 +86,11 @@ class InputPipeline(Protocol):
     @property
     def records_consumed(self) -> int:
         """Records read from the input so far."""
+        ...
+
+    @property
+    def source_status(self) -> dict[str, Any]:
+        """What the source reports of itself beyond partitions (a file stream's splits)."""
         ...
 
     def open(self, stop_event: threading.Event) -> dict[int, int]:
@@ -229,6 +234,11 @@ class KafkaThreadInput(_PrefetchedInput):
         return self._source.broker_error
 
     @property
+    def source_status(self) -> dict[str, Any]:
+        """The source's own report (a file stream's splits), empty for Kafka and DataHub."""
+        return source_status(self._source)
+
+    @property
     def records_consumed(self) -> int:
         """Records read from Kafka so far."""
         return self._source.records_consumed
@@ -299,6 +309,11 @@ class FileInput(_PrefetchedInput):
         return None
 
     @property
+    def source_status(self) -> dict[str, Any]:
+        """Empty: offline files report nothing more."""
+        return {}
+
+    @property
     def records_consumed(self) -> int:
         """Records read from the files so far."""
         return self._source.records_consumed if self._source is not None else 0
@@ -363,6 +378,11 @@ class KafkaProcessInput:
     def broker_error(self) -> Optional[str]:
         """The child's broker error, as it last reported it."""
         return self._process.broker_error
+
+    @property
+    def source_status(self) -> dict[str, Any]:
+        """The source's own report, as the child last sent it."""
+        return self._process.source_status
 
     @property
     def records_consumed(self) -> int:

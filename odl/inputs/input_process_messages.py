@@ -129,11 +129,13 @@ class InputStatus:
         partition_state: per partition ``(position, high_watermark, low_watermark)``.
         broker_error: why the broker is unreachable, or None.
         records_consumed: records read from Kafka so far.
+        source: the source's own report (a file stream's splits; empty for Kafka).
     """
 
     partition_state: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     broker_error: Optional[str] = None
     records_consumed: int = 0
+    source: dict = field(default_factory=dict)
 
 
 @dataclass

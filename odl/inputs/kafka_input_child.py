@@ -92,8 +92,10 @@ class _ChildSession:
                       for p, st in list(src.partition_state.items())}
         except RuntimeError:  # resized while copied; the next report has it
             states = {}
+        from odl.inputs.source_factory import source_status  # imported after start-up
+
         return InputStatus(partition_state=states, broker_error=src.broker_error,
-                           records_consumed=src.records_consumed)
+                           records_consumed=src.records_consumed, source=source_status(src))
 
     def report_status(self) -> None:
         """Status thread: the consumer's state every ``STATUS_INTERVAL_SECS`` until stopped."""

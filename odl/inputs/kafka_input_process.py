@@ -115,6 +115,7 @@ class KafkaInputProcess(PreparedBatchQueue):
         self.partition_state: dict[int, PartitionState] = {}
         self.broker_error: Optional[str] = None
         self.records_consumed = 0
+        self.source_status: dict = {}
 
     # ------------------------------------------------------------------ start
     def start(self) -> KafkaInputProcess:
@@ -222,6 +223,7 @@ class KafkaInputProcess(PreparedBatchQueue):
                 st.position, st.high_watermark, st.low_watermark = pos, high, low
         self.broker_error = status.broker_error
         self.records_consumed = status.records_consumed
+        self.source_status = dict(status.source)
 
     def _prepared(self, item: InputBatch) -> PreparedBatch:
         n = len(item.partitions)

@@ -113,3 +113,10 @@ def build_source(start: Start, args: dict[str, Any]) -> Union[KafkaSource, Datah
         return DatahubSource(start=start, **args)
     assert isinstance(start, StartPositions)
     return KafkaSource(start=start, **args)
+
+
+def source_status(source: Any) -> dict[str, Any]:
+    """A source's own report for ``/status`` (a file stream's splits); empty when it has none."""
+    report = getattr(source, "status_report", None)
+    return dict(report()) if report is not None else {}
+

@@ -172,6 +172,7 @@ class TrainerStatus:
                 "queued_batches": src.queued if src is not None else 0,
                 "last_sample_time_ms": t.last_sample_time_ms,
                 "partitions": partitions,
+                "source": src.source_status if src is not None else {},
             },
             "stop_reason": t.stop_reason,
             "failure": t.failure,
