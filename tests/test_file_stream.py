@@ -12,6 +12,7 @@ import time
 import pytest
 from prometheus_client import generate_latest
 
+from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.config_error import ConfigError
 from odl.config.config_validation import validate_pipeline_config
 from odl.config.pipeline_config import parse_pipeline_config_text
@@ -206,6 +207,9 @@ def test_trainer_reads_a_file_stream_exactly_once_across_a_restart(tmp_path):
     assert source["skipped_splits"] == 22 and source["splits_read"] >= 1  # 0000 .. 2100
     metrics = generate_latest(first.metrics.registry).decode()
     assert "odl_pass_samples 250.0" in metrics
+    # checkpoint_per_pass 1: a checkpoint at each pass's end (before the next pass's records)
+    steps = sorted(read_checkpoint(c).global_step for c in list_checkpoints(first.model_dir))
+    assert steps == [4, 9]  # pass 23 ended after 200 samples = 4 steps; 9 at the end
     second = _train(tmp_path, _config(tmp_path, str(data), "20261125"), ledger)
     assert second.samples_trained == 450  # only the second day: the checkpoint resumed
     trained = [sid for _g, _s, sid in read_ledger(ledger)]

@@ -7,7 +7,8 @@ position after the batch), so a batch that straddles two passes counts in the la
 
 For the pass in progress the tracker keeps the predictions made before each step's update
 (predict-then-train, as the windowed progressive metrics) and the labels; when the first
-batch of the next pass arrives the pass is closed: its AUC, logloss, samples and positive
+batch of the next pass arrives, before it is trained, the pass is closed (and the trainer
+checkpoints every ``checkpoint_per_pass`` passes): its AUC, logloss, samples and positive
 rate go to the log, to ``/status`` (``"passes"``, the last ``keep`` of them, and
 ``"current_pass"``) and to ``/metrics`` (``odl_pass_auc``, ``odl_pass_logloss``,
 ``odl_pass_samples`` of the last closed pass). The AUC of a pass after training on it
@@ -51,18 +52,30 @@ class PassMetrics:
         self.interval = max(1, int(split_interval))
         self.per_pass = max(1, int(split_per_pass))
         self.closed: deque[dict[str, Any]] = deque(maxlen=keep)
+        self.passes_closed = 0  # passes closed by this process
         self._current: Optional[tuple[str, int]] = None
         self._probs: list[np.ndarray] = []
         self._labels: list[np.ndarray] = []
         self._lock = threading.Lock()
 
-    def update(self, split_minute: int, probs: np.ndarray, labels: np.ndarray) -> None:
-        """Adds a trained batch's predictions; closes the previous pass when this is a new one."""
+    def begin(self, split_minute: int) -> bool:
+        """Closes the pass in progress when the next batch belongs to another one.
+
+        Called before the batch is trained; returns whether a pass was closed.
+        """
         key = pass_of(split_minute, self.interval, self.per_pass)
         with self._lock:
-            if self._current is not None and key != self._current:
+            closed = self._current is not None and key != self._current and bool(self._probs)
+            if closed:
                 self._close()
             self._current = key
+            return closed
+
+    def update(self, split_minute: int, probs: np.ndarray, labels: np.ndarray) -> None:
+        """Adds a trained batch's predictions (to the pass ``begin`` opened)."""
+        if self._current is None:
+            self.begin(split_minute)
+        with self._lock:
             self._probs.append(np.asarray(probs, dtype=np.float64))
             self._labels.append(np.asarray(labels, dtype=np.float64))
 
@@ -72,17 +85,20 @@ class PassMetrics:
         y = np.concatenate(self._labels) if self._labels else np.zeros(0)
         summary = _summary(self._current, p, y)
         self.closed.append(summary)
+        self.passes_closed += 1
         self._probs, self._labels = [], []
         logger.info("pass %s/%d: %d samples, progressive auc %s logloss %s, positive rate %s",
                     summary["day"], summary["pass"], summary["samples"], summary["auc"],
                     summary["logloss"], summary["positive_rate"])
 
-    def close_current(self) -> None:
-        """Closes the pass in progress (the stream ended with it)."""
+    def close_current(self) -> bool:
+        """Closes the pass in progress (the stream ended with it); returns whether one was."""
         with self._lock:
-            if self._current is not None and self._probs:
+            closed = self._current is not None and bool(self._probs)
+            if closed:
                 self._close()
             self._current = None
+            return closed
 
     def status(self) -> dict[str, Any]:
         """``{"current_pass": {...} or None, "passes": [closed passes, oldest first]}``."""

@@ -312,9 +312,8 @@ class Trainer:
             self._update_input_state()
             if item is None:
                 if pipeline.finished:
-                    if self.passes is not None:  # the stream ended with the last pass
-                        self.passes.close_current()
-                        self._pass_gauges()
+                    if self.passes is not None and self.passes.close_current():
+                        self._pass_ended()  # the stream ended with the last pass
                     self._stops.request("end of input")
                     break
                 if self.publisher is not None:  # idle input: publish the last steps now
@@ -343,11 +342,15 @@ class Trainer:
             due_secs = (
                 every_secs and time.monotonic() - last_ckpt_time >= every_secs
             )
-            if (due_steps or due_secs) and step != last_ckpt_step:
+            if ((due_steps or due_secs) and step != last_ckpt_step
+                    and step != self.checkpoints.last_saved_step):
                 self._checkpoint()
                 last_ckpt_time, last_ckpt_step = time.monotonic(), step
 
     def _train_on(self, item: PreparedBatch) -> int:
+        if (self.passes is not None and SPLIT_KEY in item.positions
+                and self.passes.begin(item.positions[SPLIT_KEY])):
+            self._pass_ended()
         self.metrics.records_consumed.inc(item.num_records)
         if item.rejected:
             self._rejects.built_rejects(item)
@@ -369,10 +372,7 @@ class Trainer:
         if trained:
             self.progress.update(out.probs, labels)
             if self.passes is not None and SPLIT_KEY in item.positions:
-                closed = len(self.passes.closed)
                 self.passes.update(item.positions[SPLIT_KEY], out.probs, labels)
-                if len(self.passes.closed) != closed:
-                    self._pass_gauges()
             self.samples_trained += trained
             self.last_loss = float(out.loss)
             self.metrics.samples_trained.inc(trained)
@@ -390,7 +390,12 @@ class Trainer:
             self._maybe_publish(item)
         return trained
 
-    def _pass_gauges(self) -> None:
+    def _pass_ended(self) -> None:
+        """Handles a closed file-stream pass: gauges, and a checkpoint every N passes.
+
+        N is ``checkpoint_per_pass``; the checkpoint comes before any record of the next pass
+        is trained.
+        """
         assert self.passes is not None
         last = self.passes.last_closed()
         if last is None:
@@ -400,6 +405,12 @@ class Trainer:
             self.metrics.pass_auc.set(last["auc"])
         if last["logloss"] is not None:
             self.metrics.pass_logloss.set(last["logloss"])
+        every = int(self.config.file_stream_input.checkpoint_per_pass)
+        step = self.module.global_step
+        if (every and self.passes.passes_closed % every == 0 and step
+                and step != self.checkpoints.last_saved_step):
+            logger.info("pass %s/%d ended: checkpoint", last["day"], last["pass"])
+            self._checkpoint()
 
     def _maybe_publish(self, item: PreparedBatch) -> None:
         """Hands the step's positions and time ranges to the delta publisher."""
