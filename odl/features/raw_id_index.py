@@ -109,26 +109,12 @@ class RawIdIndex:
 
     def _find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(rows, slots)`` of ``ids``; ``-1`` for both where an id is absent."""
-        n = ids.shape[0]
-        rows = np.full(n, _EMPTY, dtype=np.int64)
-        slots = np.full(n, _EMPTY, dtype=np.int64)
-        if n == 0 or self.live == 0:
-            return rows, slots
-        home = mix64(ids) & self._mask
-        idx = np.arange(n)
-        probe = np.uint64(0)
-        while idx.shape[0]:
-            s = ((home + probe) & self._mask).astype(np.int64)
-            r = self._slot_row[s]
-            hit = r >= 0
-            hit[hit] = self.row_ids[r[hit]] == ids[idx[hit]]
-            rows[idx[hit]] = r[hit]
-            slots[idx[hit]] = s[hit]
-            more = (r != _EMPTY) & ~hit
-            idx = idx[more]
-            home = home[more]
-            probe += np.uint64(1)
-        return rows, slots
+        if ids.shape[0] == 0 or self.live == 0:
+            empty = np.full(ids.shape[0], _EMPTY, dtype=np.int64)
+            return empty, empty.copy()
+        zero = np.zeros(ids.shape[0], dtype=np.int64)
+        return _probe(self._slot_row, self.row_ids, ids,
+                      np.full(ids.shape[0], self._mask, dtype=np.uint64), zero, zero)
 
     # -- changes ----------------------------------------------------------------------------
 
@@ -291,27 +277,43 @@ class RawIdIndexGroup:
             ``int64`` rows.
         """
         ids = np.asarray(ids, dtype=np.int64)
-        n = ids.shape[0]
-        rows = np.full(n, _EMPTY, dtype=np.int64)
-        if n == 0:
-            return rows
-        mask = self._masks[member]
-        home = mix64(ids) & mask
-        base = self.slot_offsets[member]
-        row_base = self.row_offsets[member]
-        idx = np.arange(n)
-        probe = np.uint64(0)
-        while idx.shape[0]:
-            s = ((home + probe) & mask).astype(np.int64) + base
-            r = self._slot_row[s].astype(np.int64)
-            hit = r >= 0
-            hit[hit] = self._row_ids[r[hit] + row_base[hit]] == ids[idx[hit]]
-            rows[idx[hit]] = r[hit]
-            more = (r != _EMPTY) & ~hit
-            idx, home, mask, base, row_base = (idx[more], home[more], mask[more], base[more],
-                                               row_base[more])
-            probe += np.uint64(1)
-        return rows
+        return _probe(self._slot_row, self._row_ids, ids, self._masks[member],
+                      self.slot_offsets[member], self.row_offsets[member])[0]
+
+
+def _probe(slot_row: np.ndarray, row_ids: np.ndarray, ids: np.ndarray, mask: np.ndarray,
+           slot_base: np.ndarray, row_base: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The linear-probing search behind every lookup, vectorized over the ids.
+
+    Args:
+        slot_row: slots (local rows, -1 empty, -2 tombstone), one buffer for all indexes.
+        row_ids: raw id per row, one buffer for all indexes.
+        ids: raw ids to find.
+        mask: per id, its index's ``slots - 1``.
+        slot_base: per id, where its index's slots start in ``slot_row``.
+        row_base: per id, where its index's rows start in ``row_ids``.
+
+    Returns:
+        ``(rows, slots)`` per id, local to its index; ``-1`` for both where absent.
+    """
+    n = ids.shape[0]
+    rows = np.full(n, _EMPTY, dtype=np.int64)
+    slots = np.full(n, _EMPTY, dtype=np.int64)
+    home = mix64(ids) & mask
+    idx = np.arange(n)
+    probe = np.uint64(0)
+    while idx.shape[0]:
+        s = ((home + probe) & mask).astype(np.int64)
+        r = slot_row[s + slot_base].astype(np.int64)
+        hit = r >= 0
+        hit[hit] = row_ids[r[hit] + row_base[hit]] == ids[idx[hit]]
+        rows[idx[hit]] = r[hit]
+        slots[idx[hit]] = s[hit]
+        more = (r != _EMPTY) & ~hit
+        idx, home, mask, slot_base, row_base = (idx[more], home[more], mask[more],
+                                                slot_base[more], row_base[more])
+        probe += np.uint64(1)
+    return rows, slots
 
 
 def drop_unmapped(values: np.ndarray, lengths: np.ndarray,
