@@ -34,6 +34,42 @@ def _json_default(value: object) -> object:
     return str(value)
 
 
+def file_records(path: str, parquet_batch: int = 1024) -> Iterator[bytes]:
+    """The records of one file, in order.
+
+    CSV / text lines (empty ones skipped) or Parquet rows as JSON objects. A remote
+    (``oss://``) file is downloaded into the local cache while it is read and removed
+    afterwards.
+
+    Args:
+        path: the file, local or ``oss://``.
+        parquet_batch: Parquet rows decoded at a time.
+    """
+    local = path
+    if is_remote(path):
+        cached = file_store.cache_dir_for(path)  # keeps the name's extension
+        local = os.path.join(os.path.dirname(cached),
+                             f".read-{os.getpid()}-{os.path.basename(cached)}")
+        file_store.download_file(path, local)
+    try:
+        logger.debug("reading %s (%.1f MB)", path, os.path.getsize(local) / 1e6)
+        if path.endswith(".parquet"):
+            import pyarrow.parquet as pq
+
+            for rb in pq.ParquetFile(local).iter_batches(batch_size=parquet_batch):
+                for row in rb.to_pylist():
+                    yield json.dumps(row, default=_json_default).encode()
+            return
+        with open(local, "rb") as f:
+            for line in f:
+                line = line.rstrip(b"\r\n")
+                if line:
+                    yield line
+    finally:
+        if local != path:
+            os.remove(local)
+
+
 class FileSource:
     """Reads raw record batches from files.
 
@@ -55,43 +91,17 @@ class FileSource:
         self.num_epochs = max(1, int(num_epochs))
         self.records_consumed = 0
 
-    def _records(self, path: str) -> Iterator[bytes]:
-        if path.endswith(".parquet"):
-            import pyarrow.parquet as pq
-
-            pf = pq.ParquetFile(path)
-            for rb in pf.iter_batches(batch_size=self.batch_size):
-                for row in rb.to_pylist():
-                    yield json.dumps(row, default=_json_default).encode()
-            return
-        with open(path, "rb") as f:
-            for line in f:
-                line = line.rstrip(b"\r\n")
-                if line:
-                    yield line
-
     def batches(self) -> Iterator[RawBatch]:
         """Yields batches over all files and epochs."""
         values: list[bytes] = []
         for epoch in range(self.num_epochs):
             for path in self.files:
-                local = path
-                if is_remote(path):
-                    cached = file_store.cache_dir_for(path)  # keeps the name's extension
-                    local = os.path.join(os.path.dirname(cached),
-                                         f".read-{os.getpid()}-{os.path.basename(cached)}")
-                    file_store.download_file(path, local)
-                try:
-                    size_mb = os.path.getsize(local) / 1e6
-                    logger.info("epoch %d: reading %s (%.1f MB)", epoch, path, size_mb)
-                    for rec in self._records(local):
-                        values.append(rec)
-                        if len(values) == self.batch_size:
-                            yield self._make(values)
-                            values = []
-                finally:
-                    if local != path:
-                        os.remove(local)
+                logger.info("epoch %d: reading %s", epoch, path)
+                for rec in file_records(path, self.batch_size):
+                    values.append(rec)
+                    if len(values) == self.batch_size:
+                        yield self._make(values)
+                        values = []
         if values:
             yield self._make(values)
 

@@ -34,9 +34,8 @@ record index (for reject reports).
 from __future__ import annotations
 
 import datetime as dt
-import json
+import itertools
 import logging
-import os
 import re
 import threading
 import time
@@ -46,10 +45,11 @@ from typing import Optional
 
 import numpy as np
 
+from odl.inputs.file_source import file_records
 from odl.inputs.kafka_source import PartitionState, RawBatch
 from odl.storage import file_store
 from odl.storage.oss_store import StorageError
-from odl.storage.storage_path import is_remote, join
+from odl.storage.storage_path import join
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,6 @@ class FileStreamSource:
         self.records_consumed = 0
         self.broker_error: Optional[str] = None
         self.partition_state: dict[int, PartitionState] = {}
-        self._ended = False
 
     def __repr__(self) -> str:
         return f"FileStreamSource({self.root})"
@@ -139,6 +138,11 @@ class FileStreamSource:
     def partitions(self) -> list[int]:
         """The three position keys."""
         return [SPLIT_KEY, FILE_KEY, RECORD_KEY]
+
+    @property
+    def ended(self) -> bool:
+        """Past ``end_day``: nothing more will be read."""
+        return self.end_minute is not None and self.split >= self.end_minute
 
     @property
     def positions(self) -> dict[int, int]:
@@ -236,36 +240,6 @@ class FileStreamSource:
         self._next_look = 0.0
         return False
 
-    def _records_of(self, path: str, skip: int) -> Iterator[bytes]:
-        local = path
-        if is_remote(path):
-            cached = file_store.cache_dir_for(path)
-            local = os.path.join(os.path.dirname(cached),
-                                 f".read-{os.getpid()}-{os.path.basename(cached)}")
-            file_store.download_file(path, local)
-        try:
-            n = 0
-            if path.endswith(".parquet"):
-                import pyarrow.parquet as pq
-
-                for rb in pq.ParquetFile(local).iter_batches(batch_size=self.batch_size):
-                    for row in rb.to_pylist():
-                        if n >= skip:
-                            yield json.dumps(row, default=str).encode()
-                        n += 1
-                return
-            with open(local, "rb") as f:
-                for line in f:
-                    line = line.rstrip(b"\r\n")
-                    if not line:
-                        continue
-                    if n >= skip:
-                        yield line
-                    n += 1
-        finally:
-            if local != path:
-                os.remove(local)
-
     def _advance_split(self) -> None:
         self.splits_read += 1
         self.split += self.interval
@@ -290,8 +264,7 @@ class FileStreamSource:
         while len(values) < self.batch_size:
             if stop_event is not None and stop_event.is_set():
                 break
-            if self.end_minute is not None and self.split >= self.end_minute:
-                self._ended = True
+            if self.ended:
                 break
             if self._files is None and not self._open_split():
                 if values and time.monotonic() >= deadline:
@@ -307,7 +280,8 @@ class FileStreamSource:
                 self._advance_split()
                 continue
             if self._records is None:
-                self._records = self._records_of(self._files[self.file], self.record)
+                self._records = itertools.islice(
+                    file_records(self._files[self.file], self.batch_size), self.record, None)
             for rec in self._records:
                 values.append(rec)
                 files.append(self.file)
@@ -320,7 +294,7 @@ class FileStreamSource:
                 self.file += 1
                 self.record = 0
         if not values:
-            if self._ended:
+            if self.ended:
                 logger.info("file stream: end_day reached after %d splits (%d skipped)",
                             self.splits_read, self.skipped_splits)
                 raise StopIteration
