@@ -265,8 +265,8 @@ class ServingModel:
     def _check_version(self, version: DeltaVersion) -> list[tuple[torch.Tensor, Any, Any]]:
         """Validates a whole version; returns the copy plan (nothing is modified).
 
-        A dynamic table's entry is ``(table, ("raw", name, deletes), values)`` with the raw
-        ids in place of rows; its rows are found (and taken) when the version is applied.
+        A dynamic table's entry is ``(table, ("raw", name, raw ids), values)``: its rows are
+        found (and taken) when the version is applied.
         """
         plan: list[tuple[torch.Tensor, Any, Any]] = []
         for tid in version.deletes:
@@ -421,7 +421,7 @@ class _LookupGroup:
         vals = values.index_select(0, src)
         flat_len = bag_len.reshape(-1)
         if any(ix is not None for ix in self.indexes):
-            vals, which, flat_len = self._map_raw_ids(vals, which, flat_len, b)
+            vals, which, flat_len = self._map_raw_ids(vals, which, flat_len)
             total = int(vals.shape[0])
         ids = vals + self.row_offsets.index_select(0, which)
         offsets = torch.cumsum(flat_len, 0) - flat_len
@@ -435,8 +435,8 @@ class _LookupGroup:
                               per_sample_weights=weights)
         return out.view(n, b, self.dim).transpose(0, 1).reshape(b, n * self.dim)
 
-    def _map_raw_ids(self, vals: torch.Tensor, which: torch.Tensor, flat_len: torch.Tensor,
-                     b: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _map_raw_ids(self, vals: torch.Tensor, which: torch.Tensor,
+                     flat_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Raw ids of dynamic lookups -> rows; ids without a row leave their bags."""
         v = vals.numpy().copy()
         w = which.numpy()

@@ -70,6 +70,7 @@ def validate_features(
     for i, fc in enumerate(features):
         where = f"{prefix}[{i}]"
         kind = _FT.Name(fc.feature_type)
+        dyn = None
         if not fc.input_names:
             raise ConfigError(f"{where}.input_names", "required")
         if fc.feature_name in by_name:
@@ -152,8 +153,7 @@ def validate_features(
                               f"{fc.embedding_dim} is above the limit of "
                               f"{limits.MAX_EMBEDDING_DIM}")
         table = fc.embedding_name or fc.feature_name
-        shape = (fc.embedding_dim, fc.hash_bucket_size, fc.num_buckets, kind,
-                 dynamic_table_spec(fc, model_ev, where))
+        shape = (fc.embedding_dim, fc.hash_bucket_size, fc.num_buckets, kind, dyn)
         if fc.embedding_name and table in tables and tables[table] != shape:
             raise ConfigError(f"{where}.embedding_name",
                               f"features sharing embedding {table!r} must have the same "

@@ -372,16 +372,21 @@ class DynamicTable:
         self._remove(victims)
         return victims
 
-    def _remove(self, rows: np.ndarray) -> None:
+    def _remove(self, rows: np.ndarray, evicted: bool = True) -> None:
+        """Frees rows and clears their counters.
+
+        An eviction is counted and, when deltas are published, its ids kept as deletes.
+        """
         rows = np.sort(rows)
         gone = self.index.remove_rows(rows)
-        if self.record_deletes:
-            self._deleted.append(gone)
         self.sightings[rows] = 0.0
         if self.spec.keeps_scores:
             self.show[rows] = 0.0
             self.click[rows] = 0.0
-        self.counters.evicted += int(rows.shape[0])
+        if evicted:
+            if self.record_deletes:
+                self._deleted.append(gone)
+            self.counters.evicted += int(rows.shape[0])
 
     def maintain(self, step: int, now: float) -> np.ndarray:
         """One maintenance pass (decay, expiry); returns the rows evicted."""
@@ -417,11 +422,6 @@ class DynamicTable:
         self._deleted = []
         return out
 
-    def restore_deleted(self, ids: np.ndarray) -> None:
-        """Puts ids back for the next ``take_deleted`` (a snapshot that was not taken)."""
-        if ids.shape[0]:
-            self._deleted.append(np.asarray(ids, dtype=np.int64))
-
     def forget(self, ids: np.ndarray) -> np.ndarray:
         """Removes ids (absent ones ignored) without publishing a delete; returns freed rows.
 
@@ -430,11 +430,7 @@ class DynamicTable:
         rows = self.index.lookup(np.unique(np.asarray(ids, dtype=np.int64)))
         rows = np.sort(rows[rows >= 0])
         if rows.shape[0]:
-            self.index.remove_rows(rows)
-            self.sightings[rows] = 0.0
-            if self.spec.keeps_scores:
-                self.show[rows] = 0.0
-                self.click[rows] = 0.0
+            self._remove(rows, evicted=False)
         return rows
 
     def upsert(self, ids: np.ndarray, step: int, now: float) -> tuple[np.ndarray, np.ndarray]:
@@ -617,9 +613,9 @@ class DynamicTables:
                 spans.append(np.arange(starts[k], starts[k] + counts[k]))
             seg.append(seg[-1] + int(sum(counts[k] for k in key_idx)))
             members.append(self._member[name])
-        new_values = values.copy()
         if not spans:
             return RemapResult(batch)
+        new_values = values.copy()
         where = np.concatenate(spans)
         member = np.repeat(np.asarray(members, dtype=np.int64), np.diff(seg))
         ids = values[where]
