@@ -204,7 +204,7 @@ def run_variant(args: argparse.Namespace) -> int:
         if dyn is None:
             return (step, pos, rss_mb(), -1, 0, 0)
         # ids evicted but not yet taken by a publisher (DynamicTable.take_deleted)
-        pending = sum(a.shape[0] for a in dyn._deleted)
+        pending = dyn.pending_deletes()
         return (step, pos, rss_mb(), dyn.index.live, dyn.counters.evicted, pending)
 
     drained = 0

@@ -40,7 +40,7 @@ from typing import Optional, Protocol
 import numpy as np
 import torch
 
-from odl.models.dynamic_table import DynamicTable
+from odl.models.dynamic_table import PUBLISHER_DELETES, DynamicTable
 from publisher.delta_format import VersionHeader
 from publisher.delta_tracker import DeltaTracker
 from publisher.id_maps import IdMaps
@@ -211,17 +211,20 @@ class ParameterSnapshotter:
         id_maps: ids and published widths of variables and tables.
         tracker: the touched-rows tracker registered on the module.
         input_topic: input topic name written into the positions.
+        delete_consumer: whose evicted ids of dynamic tables this snapshotter takes as deletes
+            (``DynamicTable.take_deleted``): the delta publisher's, or another writer's.
 
     Attributes:
         secs_total: seconds spent taking snapshots so far.
     """
 
     def __init__(self, module: ParameterSource, id_maps: IdMaps, tracker: DeltaTracker,
-                 input_topic: str = "") -> None:
+                 input_topic: str = "", delete_consumer: str = PUBLISHER_DELETES) -> None:
         self.module = module
         self.id_maps = id_maps
         self.tracker = tracker
         self.input_topic = input_topic
+        self.delete_consumer = delete_consumer
         self._event_range: Optional[list[int]] = None
         self._produce_range: Optional[list[int]] = None
         self._published_rows: dict[str, torch.Tensor] = {}  # table -> rows ever published
@@ -230,7 +233,7 @@ class ParameterSnapshotter:
         for name in tables:  # evictions become deletes from now on
             dyn = self._dynamic(name)
             if dyn is not None:
-                dyn.record_deletes = True
+                dyn.add_delete_consumer(delete_consumer)
 
     def note_times(self, event_time_ms: Optional[tuple[int, int]] = None,
                    produce_time_ms: Optional[tuple[int, int]] = None) -> None:
@@ -306,7 +309,7 @@ class ParameterSnapshotter:
             if dyn is None or info is None:
                 continue
             if id(dyn) not in gone_by_table:
-                gone_by_table[id(dyn)] = dyn.take_deleted()
+                gone_by_table[id(dyn)] = dyn.take_deleted(self.delete_consumer)
             if gone_by_table[id(dyn)].shape[0]:
                 deletes[info.id] = gone_by_table[id(dyn)]
         for name, ids in touched.items():

@@ -45,7 +45,8 @@ from starlette.requests import ClientDisconnect
 
 from odl.http.server import BackgroundHttpServer
 from serving_plugin.delta_replayer import DeltaReplayer
-from serving_plugin.export_reader import read_kafka_txt
+from serving_plugin.export_reader import ExportLoadError, KafkaReplaySource, read_kafka_txt
+from serving_plugin.pass_delta_follower import PassDeltaFollower, base_day_of
 from serving_plugin.predict_body import RequestError, content_length, split_body
 from serving_plugin.predict_limits import (
     DRAIN_FACTOR,
@@ -74,6 +75,11 @@ class ServingService:
         verify: check embedding shard checksums at load.
         fetch_interval_ms: delta consumer fetch pacing (0 = librdkafka's own).
         limits: bounds on ``/predict`` bodies (default :class:`PredictLimits`).
+        delta_dir: a file stream's ``model_save_path``: apply its day/pass deltas after the
+            base's day (:mod:`serving_plugin.pass_delta_follower`) instead of the delta topic.
+        delta_after_day: the base's day (``YYYYMMDD``); default: from the export's path
+            (``<root>/<day>/base/...``).
+        delta_poll_secs: seconds between two looks for new delta directories.
     """
 
     def __init__(
@@ -85,6 +91,9 @@ class ServingService:
         verify: bool = True,
         fetch_interval_ms: int = 10,
         limits: Optional[PredictLimits] = None,
+        delta_dir: str = "",
+        delta_after_day: str = "",
+        delta_poll_secs: float = 5.0,
     ) -> None:
         self.started = time.time()
         self.limits = limits or PredictLimits()
@@ -96,7 +105,16 @@ class ServingService:
         if server_override:
             self.source.server = server_override
         self.replayer: Optional[DeltaReplayer] = None
-        if replay and self.source.topic and self.source.server:
+        self.follower: Optional[PassDeltaFollower] = None
+        if replay and delta_dir:
+            after = delta_after_day or base_day_of(self.model.path)
+            if not after:
+                raise ExportLoadError(
+                    f"{self.model.path} is not a day base (<root>/<YYYYMMDD>/base/...): say "
+                    "after which day the deltas of --delta_dir apply (--delta_after_day)")
+            applier = DeltaReplayer(self.model, KafkaReplaySource("", "", 0), self.metrics)
+            self.follower = PassDeltaFollower(applier, delta_dir, after, delta_poll_secs)
+        elif replay and self.source.topic and self.source.server:
             self.replayer = DeltaReplayer(self.model, self.source, self.metrics, kafka_extra,
                                           fetch_interval_ms=fetch_interval_ms)
         elif replay:
@@ -118,6 +136,8 @@ class ServingService:
         """
         if self.replayer is not None:
             self.replayer.start()
+        if self.follower is not None:
+            self.follower.start()
         self._http = BackgroundHttpServer(self.app, host=host, port=port, auth_token=auth_token,
                                           name="odl-serve prediction API")
         return self._http.start()
@@ -129,6 +149,8 @@ class ServingService:
             self._http.stop()
         if self.replayer is not None:
             self.replayer.stop()
+        if self.follower is not None:
+            self.follower.stop()
 
     def status(self) -> dict[str, Any]:
         """The /status document."""
@@ -137,7 +159,7 @@ class ServingService:
         freshness = None if st.newest_event_time is None else now - st.newest_event_time
         if freshness is not None:
             self.metrics.freshness.set(freshness)
-        r = self.replayer
+        r = self.replayer or (self.follower.replayer if self.follower is not None else None)
         h = st.last_header
         return {
             "base_export": self.model.origin,
@@ -171,6 +193,7 @@ class ServingService:
             "state": self.state(),
             "uptime_seconds": now - self.started,
             "dynamic_tables": self.model.dynamic_status() or None,
+            "pass_deltas": self.follower.status() if self.follower is not None else None,
         }
 
     def state(self) -> str:

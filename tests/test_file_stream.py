@@ -242,3 +242,172 @@ def test_datagen_writes_splits_the_source_reads(tmp_path, capsys):
     got = _drain(src, 21)
     assert len({v for v, _ in got}) == 21  # every record once (sample ids differ)
     assert datagen(["--split-dir", str(tmp_path), "--splits", "1"]) == 2  # no --count
+
+
+# Every id feature's table dynamic and small enough to evict: deltas carry deletes.
+_DYNAMIC = 'model_class: "DeepFM"\n  ev_params { filter_freq: 2 max_capacity: 120 }'
+# C1 as a PaddleRec table whose only maintenance is the day's shrink (rows shown under 8
+# times without a click score under 0.8 and are deleted then); the rest fixed-size
+_SHRINK = ('hash_bucket_size: 2000 ctr_accessor_param { embedx_threshold: 0 delete_threshold: '
+           '0.8 shrink_interval_steps: 100000 capacity: 400 base_threshold: 0 '
+           'delta_threshold: 0 } }')
+
+
+def _saves_config(tmp_path, data_dir: str, saves: str, extra_train: str = "",
+                  dynamic: str = _DYNAMIC) -> str:
+    text = _config(tmp_path, data_dir, "20261125").replace('model_class: "DeepFM"', dynamic)
+    text = text.replace("missing_split_wait_secs: 0", f'missing_split_wait_secs: 0 '
+                        f'model_save_path: "{saves}" train_auc_samples: 100')
+    return text.replace("train_config {", "train_config {\n  " + extra_train, 1)
+
+
+def _serve_from(base: str, saves: str):
+    from serving_plugin.serving_service import ServingService
+
+    service = ServingService(base, delta_dir=saves)
+    assert service.follower is not None
+    service.follower.catch_up()
+    return service
+
+
+def _parity(service, trainer, seed: int, records: list[bytes] | None = None) -> float:
+    from odl.features.feature_builder import FeatureBuilder
+
+    records = records or make_records(300, seed=seed)[1]
+    fb = FeatureBuilder(trainer.config)
+    want = trainer.module.predict(fb.build(records).batch)
+    got = service.model.predict_batch(fb.build(records).batch)
+    return float(abs(want - got).max())
+
+
+def _write_two_days(data) -> tuple[list[str], list[bytes]]:
+    ids, values = make_records(1200, seed=8)
+    chunks = [values[i : i + 200] for i in range(0, 1200, 200)]
+    _write_split(data, "20261124", "2200", [chunks[0]])
+    _write_split(data, "20261124", "2300", [chunks[1][:120], chunks[1][120:]])
+    _write_split(data, "20261125", "0000", [chunks[2], chunks[3]])
+    _write_split(data, "20261125", "0100", [chunks[4]])
+    _write_split(data, "20261125", "2300", [chunks[5]])
+    return ids, values
+
+
+def test_day_and_pass_saves_replay_in_order_to_serving_parity(tmp_path):
+    from odl.export.exporter import export_checkpoint
+
+    data, saves = tmp_path / "data", tmp_path / "saves"
+    ids, values = _write_two_days(data)
+    text = _saves_config(tmp_path, str(data), str(saves), dynamic='model_class: "DeepFM"')
+    text = text.replace('input_names: "C1" feature_type: IdFeature embedding_dim: 8 '
+                        'hash_bucket_size: 2000 }',
+                        'input_names: "C1" feature_type: IdFeature embedding_dim: 8 ' + _SHRINK)
+    text = text.replace('input_names: "C2" feature_type: IdFeature embedding_dim: 8 '
+                        'hash_bucket_size: 2000 }',
+                        'input_names: "C2" feature_type: IdFeature embedding_dim: 8 '
+                        'hash_bucket_size: 2000 ev_params { filter_freq: 2 max_capacity: 60 } }')
+    config = parse_pipeline_config_text(text)
+    validate_pipeline_config(config, online=True)
+    ledger = str(tmp_path / "ledger.tsv")
+    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
+                                             sample_ledger=ledger,
+                                             export_base=export_checkpoint))
+    assert trainer.run() == 0 and trainer.samples_trained == 1200
+    assert sorted(sid for _g, _s, sid in read_ledger(ledger)) == sorted(ids)
+    # the layout: a starting base (the day before the first split), per pass a delta and a
+    # checkpoint (checkpoint_per_pass 1), a base at each day's end
+    day1, day2 = sorted(os.listdir(saves / "20261124")), sorted(os.listdir(saves / "20261125"))
+    assert sorted(os.listdir(saves)) == ["20261123", "20261124", "20261125"]
+    assert day1 == ["23", "24", "base", "delta_23", "delta_24"]
+    assert day2 == ["1", "2", "24", "base", "delta_1", "delta_2", "delta_24"]
+    final_step = trainer.module.global_step
+    assert read_checkpoint(str(saves / "20261125" / "24")).global_step == final_step
+    passes = trainer.status()["passes"]["passes"]
+    assert [(p["day"], p["pass"]) for p in passes] == [
+        ("20261124", 23), ("20261124", 24), ("20261125", 1), ("20261125", 2), ("20261125", 24)]
+    # train AUC: each pass's sampled records scored after training on the pass; the model
+    # fits what it trained on better than it predicted it
+    assert all(p["train_auc_samples"] >= 100 and 0 < p["train_auc"] <= 1 for p in passes)
+    assert sum(p["train_auc"] for p in passes) > sum(p["auc"] for p in passes)
+    assert "odl_pass_train_auc" in generate_latest(trainer.metrics.registry).decode()
+    shrunk = trainer.module.dynamic.tables["C1"].counters
+    assert shrunk.expired > 0 and shrunk.expired == shrunk.evicted  # only the days' shrinks
+    metrics = generate_latest(trainer.metrics.registry).decode()
+    assert "odl_pass_deltas_total 5.0" in metrics and "odl_day_bases_total 3.0" in metrics
+    # serving: the starting base + every delta in (day, pass) order = the trainer's model
+    first = _serve_from(str(saves / "20261123" / "base"), str(saves))
+    assert first.follower.deltas_applied == 5
+    assert first.model.state.version == trainer.module.global_step
+    assert _parity(first, trainer, 31) <= 1e-6
+    assert _parity(first, trainer, 0, values) <= 1e-6  # every id trained on
+    # the first day's base + the second day's deltas: the same model
+    second = _serve_from(str(saves / "20261124" / "base"), str(saves))
+    assert second.follower.deltas_applied == 3
+    assert _parity(second, trainer, 0, values) <= 1e-6
+    assert first.status()["pass_deltas"]["last_applied"] == "20261125/delta_24"
+    assert first.metrics.deletes._value.get() > 0  # evictions reached serving as deletes
+    # the last day's base alone is the final model
+    last = _serve_from(str(saves / "20261125" / "base"), str(saves))
+    assert last.follower.deltas_applied == 0 and _parity(last, trainer, 0, values) <= 1e-6
+
+
+def test_restart_inside_a_pass_keeps_every_record_once_and_the_pass_delta_whole(tmp_path):
+    from odl.export.exporter import export_checkpoint
+
+    data, saves = tmp_path / "data", tmp_path / "saves"
+    ids, values = _write_two_days(data)
+    ledger = str(tmp_path / "ledger.tsv")
+    # stopped at step 22, inside the last pass (20261125/24: steps 21 .. 24), with a
+    # checkpoint there; the restart must still write that pass's whole delta, rows touched
+    # before the stop included (every id admitted: rare ids touched only before the stop)
+    runs = []
+    for extra in ("num_steps: 22", ""):
+        config = parse_pipeline_config_text(_saves_config(
+            tmp_path, str(data), str(saves), extra,
+            dynamic='model_class: "DeepFM"\n  ev_params { max_capacity: 4000 }'))
+        trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
+                                                 sample_ledger=ledger,
+                                                 export_base=export_checkpoint))
+        assert trainer.run() == 0
+        if not runs:
+            assert trainer.module.global_step == 22
+            assert not os.path.exists(saves / "20261125" / "delta_24")
+        runs.append(trainer)
+    assert os.path.exists(saves / "20261125" / "delta_24")
+    trained = [sid for _g, _s, sid in read_ledger(ledger)]
+    assert sorted(trained) == sorted(ids) and len(set(trained)) == len(trained)
+    service = _serve_from(str(saves / "20261123" / "base"), str(saves))
+    assert service.model.state.version == runs[1].module.global_step
+    assert _parity(service, runs[1], 34, values[-200:]) <= 1e-6  # the last pass's records
+
+
+def test_kafka_publishing_and_pass_deltas_both_reach_serving_parity(kafka_bootstrap, tmp_path):
+    from odl.export.exporter import export_checkpoint
+    from serving_plugin.serving_service import ServingService
+
+    data, saves = tmp_path / "data", tmp_path / "saves"
+    _ids, values = _write_two_days(data)
+    topic = f"odl-fs-deltas-{os.getpid()}-{time.time_ns()}"
+    incr = (f'incr_save_config {{ sparse_save_steps: 3 dense_save_steps: 3 kafka {{ server: '
+            f'"{kafka_bootstrap}" topic: "{topic}" }} }}')
+    config = parse_pipeline_config_text(_saves_config(tmp_path, str(data), str(saves), incr))
+    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
+                                             export_base=export_checkpoint))
+    assert trainer.run() == 0 and trainer.samples_trained == 1200
+    final = trainer.module.global_step
+    assert trainer.status()["publisher"]["last_version"] == final
+    # the delta topic, replayed onto an export of the first pass's checkpoint
+    export = export_checkpoint(config, str(saves / "20261124" / "23"), str(tmp_path / "export"))
+    kafka = ServingService(export.path)
+    assert kafka.replayer is not None
+    kafka.replayer.start()
+    try:
+        deadline = time.monotonic() + 60
+        while kafka.model.state.version != final and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert kafka.model.state.version == final
+        assert _parity(kafka, trainer, 0, values) <= 1e-6
+    finally:
+        kafka.stop()
+    # the pass deltas: the same model; each writer got every delete
+    files = _serve_from(str(saves / "20261123" / "base"), str(saves))
+    assert _parity(files, trainer, 0, values) <= 1e-6
+    assert files.metrics.deletes._value.get() > 0 and kafka.metrics.deletes._value.get() > 0

@@ -314,6 +314,7 @@ class CheckpointManager:
         source: dict,
         config_text: str,
         generation: str = "",
+        overwrite: bool = False,
     ) -> str:
         """Writes one checkpoint atomically and prunes old ones.
 
@@ -324,6 +325,9 @@ class CheckpointManager:
             source: description of the input (e.g. {"source": "kafka", "topic": ...}).
             config_text: the effective pipeline config, already redacted.
             generation: the trainer run's generation id.
+            overwrite: replace a complete checkpoint of the same step (the state changed
+                without a step, e.g. a day's shrink of the dynamic tables); otherwise it is
+                kept and returned.
 
         Returns:
             The checkpoint directory (an ``oss://`` path for a remote model_dir).
@@ -335,7 +339,7 @@ class CheckpointManager:
         final = os.path.join(self.local_dir, name)
         target = join(self.model_dir, name)
         try:
-            if file_store.is_file(join(target, DONE_FILE)):
+            if not overwrite and file_store.is_file(join(target, DONE_FILE)):
                 logger.info("checkpoint %s exists already", target)
                 self._mark_saved(target, global_step)
                 return target

@@ -4,9 +4,11 @@ Examples::
 
     odl-serve --export_dir exports --port 8500
     odl-serve --export_dir exports/1767225600 --no_replay
+    odl-serve --export_dir saves/20261124/base --delta_dir saves
 
 Loads the newest complete export under ``--export_dir`` (see ``odl.export.exporter``),
-replays the delta topic from ``kafka.txt``'s offset, and answers ``POST /predict``,
+replays the delta topic from ``kafka.txt``'s offset (or, with ``--delta_dir``, a file
+stream's day/pass deltas after the base's day), and answers ``POST /predict``,
 ``GET /status``, ``GET /healthz`` and ``GET /metrics`` (see ``serving_plugin``). Runs until
 SIGTERM / SIGINT. Exit codes: 0 clean stop; 2 bad command line (a bad ``/predict`` limit,
 an unusable ``--auth_token_file``) or no usable export.
@@ -41,6 +43,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file holding a bearer token required on every endpoint but /healthz "
                         "(default: env ODL_AUTH_TOKEN; none = open)")
     p.add_argument("--no_replay", action="store_true", help="serve the base only")
+    p.add_argument("--delta_dir", default="",
+                   help="a file stream's model_save_path: apply its <day>/delta_<pass> "
+                        "directories after the base's day, in order, instead of the delta topic")
+    p.add_argument("--delta_after_day", default="",
+                   help="YYYYMMDD: apply the deltas of the days after this one (default: the "
+                        "day of --export_dir's <root>/<day>/base path)")
+    p.add_argument("--delta_poll_secs", type=float, default=5.0,
+                   help="seconds between two looks for new delta directories (default 5)")
     p.add_argument("--kafka_server", default="", help="delta servers instead of kafka.txt's")
     p.add_argument("--kafka_config", default="",
                    help='extra librdkafka settings as JSON, e.g. {"security.protocol": "SSL"}')
@@ -112,7 +122,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         service = ServingService(args.export_dir, replay=not args.no_replay, kafka_extra=extra,
                                  server_override=args.kafka_server, verify=not args.no_verify,
                                  fetch_interval_ms=max(0, args.fetch_interval_ms),
-                                 limits=limits)
+                                 limits=limits, delta_dir=args.delta_dir,
+                                 delta_after_day=args.delta_after_day,
+                                 delta_poll_secs=max(0.1, args.delta_poll_secs))
     except (ExportLoadError, ConfigError) as exc:
         print(f"odl-serve: {exc}", file=sys.stderr)
         return 2

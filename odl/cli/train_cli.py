@@ -115,6 +115,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("config OK")
         return 0
 
+    from odl.export.exporter import export_checkpoint
     from odl.train.torch_runtime import configure_torch_threads
     from odl.train.trainer import Trainer, TrainerOptions
 
@@ -127,6 +128,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sample_ledger=args.sample_ledger,
         continue_train=True,
         auth_token=token,
+        export_base=export_checkpoint,
     )
     try:
         trainer = Trainer(config, options)

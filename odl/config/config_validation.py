@@ -164,6 +164,11 @@ def _validate_file_stream(config: pipeline_pb2.EasyRecConfig) -> None:
                               f"expected YYYYMMDD, got {value!r}") from None
     if f.end_day and f.end_day < f.start_day:
         raise ConfigError("file_stream_input.end_day", "is before start_day")
+    if f.model_save_path:
+        try:
+            check_supported(f.model_save_path)
+        except UnsupportedPathError as exc:
+            raise ConfigError("file_stream_input.model_save_path", str(exc)) from None
     if config.data_config.dead_letter_topic:
         raise ConfigError("data_config.dead_letter_topic",
                           "needs a Kafka input (its server and settings); not available with "

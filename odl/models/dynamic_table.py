@@ -38,8 +38,10 @@ config has ``data_config.event_time_field``, else the trainer's clock.
 
 Evicted rows are returned to the caller (``TrainModule``), which resets their weights (the
 table's initializer, seeded by table and step) and optimizer state before the rows are
-reused; when the trainer publishes deltas (``record_deletes``) their ids are kept for the
-next delta version as deletes (:meth:`DynamicTables.take_deleted`). A table that has to make
+reused; when the trainer publishes deltas their ids are kept for the next delta version as
+deletes (:meth:`DynamicTables.take_deleted`), once per *delete consumer*: the delta
+publisher (``"publisher"``, ``record_deletes``) and the per-pass delta files of a file
+stream (``"pass_delta"``) each take their own copy. A table that has to make
 room ranks its rows once per block (at least 1 % of the capacity and 8 times the rows the
 step needs): exactly, by one ``argpartition`` up to 65,536 rows, beyond that from a
 threshold taken on a strided sample of 32,768 rows, then exactly among the rows at or below
@@ -69,6 +71,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["CountMinSketch", "DynamicTable", "DynamicTables"]
 
 STATE_FORMAT = "odl.dynamic_tables/1"
+# the delete consumer of the delta publisher (``DynamicTable.record_deletes``)
+PUBLISHER_DELETES = "publisher"
 # Once a table has to make room it evicts at least this fraction of its capacity, and at
 # least this many times the rows the step needs, so the ranking runs rarely.
 EVICT_BLOCK_FRACTION = 0.01
@@ -176,8 +180,8 @@ class DynamicTable:
                  counters: Optional[tuple[np.ndarray, np.ndarray, np.ndarray]] = None) -> None:
         self.name = name
         self.spec = spec
-        # evicted ids are kept for take_deleted only when someone publishes them
-        self.record_deletes = False
+        # evicted ids are kept for take_deleted only for the consumers that publish them
+        self.delete_consumers: set[str] = set()
         c = spec.capacity
         self.index = RawIdIndex(c) if index is None else index
         if counters is None:
@@ -192,7 +196,24 @@ class DynamicTable:
         self.counters = TableCounters()
         self.decayed_at: Optional[float] = None
         self.now = 0.0  # newest stream time seen (unix seconds)
-        self._deleted: list[np.ndarray] = []
+        self._deleted: dict[str, list[np.ndarray]] = {}
+
+    @property
+    def record_deletes(self) -> bool:
+        """Whether evicted ids are kept for the delta publisher (consumer ``"publisher"``)."""
+        return PUBLISHER_DELETES in self.delete_consumers
+
+    @record_deletes.setter
+    def record_deletes(self, on: bool) -> None:
+        if on:
+            self.add_delete_consumer(PUBLISHER_DELETES)
+        else:
+            self.delete_consumers.discard(PUBLISHER_DELETES)
+            self._deleted.pop(PUBLISHER_DELETES, None)
+
+    def add_delete_consumer(self, consumer: str) -> None:
+        """Keeps evicted ids from now on for ``take_deleted(consumer)``."""
+        self.delete_consumers.add(consumer)
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -384,8 +405,8 @@ class DynamicTable:
             self.show[rows] = 0.0
             self.click[rows] = 0.0
         if evicted:
-            if self.record_deletes:
-                self._deleted.append(gone)
+            for consumer in self.delete_consumers:
+                self._deleted.setdefault(consumer, []).append(gone)
             self.counters.evicted += int(rows.shape[0])
 
     def maintain(self, step: int, now: float) -> np.ndarray:
@@ -414,13 +435,16 @@ class DynamicTable:
             self.counters.expired += int(victims.shape[0])
         return victims
 
-    def take_deleted(self) -> np.ndarray:
-        """Ids evicted since the last call (unique, sorted)."""
-        if not self._deleted:
+    def take_deleted(self, consumer: str = "publisher") -> np.ndarray:
+        """Ids evicted since ``consumer``'s last call (unique, sorted)."""
+        pending = self._deleted.pop(consumer, None)
+        if not pending:
             return np.empty(0, dtype=np.int64)
-        out = np.unique(np.concatenate(self._deleted))
-        self._deleted = []
-        return out
+        return np.unique(np.concatenate(pending))
+
+    def pending_deletes(self, consumer: str = "publisher") -> int:
+        """Evicted ids not yet taken by ``consumer`` (duplicates counted)."""
+        return sum(a.shape[0] for a in self._deleted.get(consumer, ()))
 
     def forget(self, ids: np.ndarray) -> np.ndarray:
         """Removes ids (absent ones ignored) without publishing a delete; returns freed rows.
@@ -469,9 +493,14 @@ class DynamicTable:
             "counters": dict(vars(self.counters)),
             "decayed_at": self.decayed_at,
             "now": self.now,
-            "deleted": (np.unique(np.concatenate(self._deleted)) if self._deleted
-                        else np.empty(0, dtype=np.int64)),
+            "deleted": self._pending(PUBLISHER_DELETES),
+            "deleted_by": {c: self._pending(c) for c in sorted(self._deleted)
+                           if c != PUBLISHER_DELETES},
         }
+
+    def _pending(self, consumer: str) -> np.ndarray:
+        pending = self._deleted.get(consumer)
+        return np.unique(np.concatenate(pending)) if pending else np.empty(0, dtype=np.int64)
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restores ``state_dict`` (same capacity and form)."""
@@ -491,8 +520,13 @@ class DynamicTable:
         self.counters = TableCounters(**state.get("counters", {}))
         self.decayed_at = state.get("decayed_at")
         self.now = float(state.get("now", 0.0))
-        deleted = np.asarray(state.get("deleted", []), dtype=np.int64)
-        self._deleted = [deleted] if deleted.shape[0] else []
+        self._deleted = {}
+        saved = {PUBLISHER_DELETES: state.get("deleted", [])}
+        saved.update(state.get("deleted_by") or {})
+        for consumer, ids in saved.items():
+            ids = np.asarray(ids, dtype=np.int64)
+            if ids.shape[0] and consumer in self.delete_consumers:
+                self._deleted[consumer] = [ids]
 
 
 # Above this many rows the k lowest priorities are found from a strided sample's threshold
@@ -669,11 +703,26 @@ class DynamicTables:
                     out[name] = ev
         return out
 
-    def take_deleted(self) -> dict[str, np.ndarray]:
-        """Table -> ids evicted since the last call (tables with none left out)."""
+    def shrink(self, step: int, now: float) -> dict[str, np.ndarray]:
+        """Runs every table's maintenance pass now (a day's end); returns evicted rows."""
         out = {}
         for name, table in self.tables.items():
-            ids = table.take_deleted()
+            if table.has_maintenance:
+                ev = table.maintain(step, now)
+                if ev.shape[0]:
+                    out[name] = ev
+        return out
+
+    def add_delete_consumer(self, consumer: str) -> None:
+        """Keeps evicted ids of every table for ``take_deleted(consumer)`` from now on."""
+        for table in self.tables.values():
+            table.add_delete_consumer(consumer)
+
+    def take_deleted(self, consumer: str = "publisher") -> dict[str, np.ndarray]:
+        """Table -> ids evicted since ``consumer``'s last call (tables with none left out)."""
+        out = {}
+        for name, table in self.tables.items():
+            ids = table.take_deleted(consumer)
             if ids.shape[0]:
                 out[name] = ids
         return out

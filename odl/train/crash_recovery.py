@@ -78,6 +78,10 @@ class RestoredState:
         replays_delta_topic: the trainer publishes to a Kafka delta topic it recovers from.
         incomplete: recovery was abandoned (stop requested): no checkpoint may be written.
         report: the ``/status`` ``recovery`` object, None when the delta topic was not read.
+        pass_saves_state: the restored checkpoint's ``"pass_saves"`` entry (rows pending for
+            the next pass delta), None when it has none.
+        recovered_version: the published version crash recovery brought the model to, None
+            when it stayed at the checkpoint.
     """
 
     positions: Optional[dict[int, int]] = None
@@ -87,6 +91,8 @@ class RestoredState:
     replays_delta_topic: bool = False
     incomplete: bool = False
     report: Optional[dict] = None
+    pass_saves_state: Optional[dict] = None
+    recovered_version: Optional[int] = None
 
     @property
     def needs_base_checkpoint(self) -> bool:
@@ -164,7 +170,8 @@ class CrashRecovery:
                     step=ckpt.global_step,
                     generation=ckpt.manifest.get("generation") or None,
                     delta_offset=(int(ckpt.source["delta_topic_offset"])
-                                  if "delta_topic_offset" in ckpt.source else None))
+                                  if "delta_topic_offset" in ckpt.source else None),
+                    pass_saves_state=ckpt.state.get("pass_saves"))
                 logger.info(
                     "restored %s: step %d, positions %s", latest, ckpt.global_step, ckpt.positions
                 )
@@ -286,6 +293,7 @@ class CrashRecovery:
         apply_recovered_state(module.embedding_tables(), module.dense_parameters(), id_maps, state,
                               module if module.dynamic else None)
         module.global_step = int(state.version)
+        restored.recovered_version = int(state.version)
         input_topic = online_input_name(self._config)
         recovered = state.positions_for(input_topic)
         if recovered:

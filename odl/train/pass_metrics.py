@@ -11,8 +11,15 @@ batch of the next pass arrives, before it is trained, the pass is closed (and th
 checkpoints every ``checkpoint_per_pass`` passes): its AUC, logloss, samples and positive
 rate go to the log, to ``/status`` (``"passes"``, the last ``keep`` of them, and
 ``"current_pass"``) and to ``/metrics`` (``odl_pass_auc``, ``odl_pass_logloss``,
-``odl_pass_samples`` of the last closed pass). The AUC of a pass after training on it
-(PaddleRec's train AUC) is not computed.
+``odl_pass_samples`` of the last closed pass).
+
+Train AUC (PaddleRec's AUC of a pass after training on it): the tracker keeps a uniform
+sample of the pass's batches (reservoir sampling over batches, seeded, about
+``train_auc_samples`` records); when the pass closes, the trainer scores them again with the
+model that trained on the whole pass (``TrainModule.predict``, no update) and hands the
+predictions to ``set_train_auc``: ``"train_auc"`` / ``"train_logloss"`` in the pass's entry,
+``odl_pass_train_auc`` in ``/metrics``. The gap between train and progressive AUC is how much
+the model fits what it has seen beyond what it predicts.
 """
 
 from __future__ import annotations
@@ -46,9 +53,11 @@ class PassMetrics:
         split_interval: minutes between splits.
         split_per_pass: splits per pass.
         keep: closed passes kept for ``/status``.
+        train_auc_samples: records of each pass kept to compute its train AUC (0: none).
     """
 
-    def __init__(self, split_interval: int, split_per_pass: int, keep: int = 48) -> None:
+    def __init__(self, split_interval: int, split_per_pass: int, keep: int = 48,
+                 train_auc_samples: int = 65536) -> None:
         self.interval = max(1, int(split_interval))
         self.per_pass = max(1, int(split_per_pass))
         self.closed: deque[dict[str, Any]] = deque(maxlen=keep)
@@ -57,6 +66,17 @@ class PassMetrics:
         self._probs: list[np.ndarray] = []
         self._labels: list[np.ndarray] = []
         self._lock = threading.Lock()
+        self.train_auc_samples = int(train_auc_samples)
+        self._kept: list[Any] = []  # sampled batches of the pass in progress
+        self._seen_batches = 0
+        self._rng = np.random.default_rng(0)
+        self._to_rescore: list[Any] = []  # the closed pass's sample, until taken
+
+    @property
+    def current_day(self) -> Optional[str]:
+        """``YYYYMMDD`` of the pass in progress, None before the first batch."""
+        current = self._current
+        return current[0] if current is not None else None
 
     def begin(self, split_minute: int) -> bool:
         """Closes the pass in progress when the next batch belongs to another one.
@@ -79,6 +99,43 @@ class PassMetrics:
             self._probs.append(np.asarray(probs, dtype=np.float64))
             self._labels.append(np.asarray(labels, dtype=np.float64))
 
+    def keep_batch(self, batch: Any) -> None:
+        """Offers a trained batch to the pass's train-AUC sample (reservoir over batches)."""
+        if self.train_auc_samples <= 0 or batch is None or not batch.size:
+            return
+        slots = max(1, -(-self.train_auc_samples // int(batch.size)))
+        with self._lock:
+            self._seen_batches += 1
+            if len(self._kept) < slots:
+                self._kept.append(batch)
+                return
+            j = int(self._rng.integers(self._seen_batches))
+            if j < slots:
+                self._kept[j] = batch
+
+    def take_rescore(self) -> list[Any]:
+        """The sampled batches of the pass closed last, once: score them for ``set_train_auc``."""
+        with self._lock:
+            out, self._to_rescore = self._to_rescore, []
+            return out
+
+    def set_train_auc(self, probs: np.ndarray, labels: np.ndarray) -> Optional[float]:
+        """Records the train AUC of the pass closed last from its rescored sample."""
+        p = np.asarray(probs, dtype=np.float64)
+        y = np.asarray(labels, dtype=np.float64)
+        summary = _summary(("", 0), p, y)
+        with self._lock:
+            if not self.closed:
+                return None
+            last = self.closed[-1]
+            last["train_auc"] = summary["auc"]
+            last["train_logloss"] = summary["logloss"]
+            last["train_auc_samples"] = summary["samples"]
+        logger.info("pass %s/%d: train auc %s logloss %s (%d samples rescored after the pass)",
+                    last["day"], last["pass"], summary["auc"], summary["logloss"],
+                    summary["samples"])
+        return summary["auc"]
+
     def _close(self) -> None:
         assert self._current is not None
         p = np.concatenate(self._probs) if self._probs else np.zeros(0)
@@ -87,6 +144,7 @@ class PassMetrics:
         self.closed.append(summary)
         self.passes_closed += 1
         self._probs, self._labels = [], []
+        self._to_rescore, self._kept, self._seen_batches = self._kept, [], 0
         logger.info("pass %s/%d: %d samples, progressive auc %s logloss %s, positive rate %s",
                     summary["day"], summary["pass"], summary["samples"], summary["auc"],
                     summary["logloss"], summary["positive_rate"])
@@ -125,4 +183,5 @@ def _summary(key: tuple[str, int], p: np.ndarray, y: np.ndarray) -> dict[str, An
         q = np.clip(p, _EPS, 1 - _EPS)
         logloss = round(float(-np.mean(y * np.log(q) + (1 - y) * np.log(1 - q))), 6)
     return {"day": key[0], "pass": key[1], "samples": n, "auc": auc, "logloss": logloss,
-            "positive_rate": round(float(y.mean()), 6) if n else None}
+            "positive_rate": round(float(y.mean()), 6) if n else None,
+            "train_auc": None, "train_logloss": None, "train_auc_samples": 0}

@@ -217,6 +217,7 @@ class TrainModule:
         self.global_step = 0
         self._lrs: tuple[float, float] | None = None
         self._touched_rows_hook: Callable[[KeyedJaggedTensor], None] | None = None
+        self._extra_touched_rows_hooks: list[Callable[[KeyedJaggedTensor], None]] = []
         logger.info(
             "TrainModule on %s: %d tables, sparse %s, dense %s", self.device, len(tables),
             self._sparse_spec.kind, self._dense_spec.kind)
@@ -307,6 +308,33 @@ class TrainModule:
         """
         self._touched_rows_hook = hook
 
+    def add_touched_rows_hook(self, hook: Callable[[KeyedJaggedTensor], None]) -> None:
+        """Registers one more ``hook(kjt)`` beside ``set_touched_rows_hook``'s.
+
+        A second delta tracker uses it, e.g. the per-pass delta files of a file stream.
+        """
+        self._extra_touched_rows_hooks.append(hook)
+
+    @torch.no_grad()
+    def shrink_dynamic(self, now: float | None = None) -> dict[str, int]:
+        """Runs every dynamic table's maintenance pass now (decay, expiry; a day's end).
+
+        Args:
+            now: stream time (unix seconds); default: the newest stream time trained on, or
+                the clock without ``event_time_field``.
+
+        Returns:
+            Dynamic table -> rows evicted (their rows are reset).
+        """
+        if not self.dynamic:
+            return {}
+        if now is None:
+            now = self._stream_time if self._stream_time > 0 else time.time()
+        evicted = self.dynamic.shrink(self.global_step, now)
+        if evicted:
+            self.reset_dynamic_rows(evicted, self.global_step)
+        return {name: int(rows.shape[0]) for name, rows in evicted.items()}
+
     def _stream_now(self, batch: Batch) -> float:
         if batch.event_times is not None and len(batch.event_times):
             self._stream_time = max(self._stream_time, float(np.max(batch.event_times)))
@@ -341,6 +369,8 @@ class TrainModule:
         """Called by ``train_step`` with the batch's ids (after the update)."""
         if self._touched_rows_hook is not None:
             self._touched_rows_hook(kjt)
+        for hook in self._extra_touched_rows_hooks:
+            hook(kjt)
 
     def train_step(self, batch: Batch) -> StepOutput:
         """One predict-then-train step.

@@ -48,7 +48,8 @@ from odl.inputs.source_factory import online_input_kind, online_input_name
 from odl.protos import pipeline_pb2
 from odl.storage.oss_store import StorageError
 from odl.train.crash_recovery import CrashRecovery, RestoredState
-from odl.train.pass_metrics import PassMetrics
+from odl.train.pass_metrics import PassMetrics, pass_of
+from odl.train.pass_saves import BaseExporter, PassSaves, day_before
 from odl.train.progressive_metrics import ProgressiveMetrics
 from odl.train.record_rejects import RejectedRecords
 from odl.train.sample_ledger import SampleLedger
@@ -81,6 +82,9 @@ class TrainerOptions:
             sample to this file (flushed every step).
         continue_train: restore from model_dir's newest checkpoint when there is one.
         auth_token: bearer token the status API requires (all but /healthz); never logged.
+        export_base: writes an export of a checkpoint (``odl.export.exporter.
+            export_checkpoint``; the CLI hands it in): the day bases of
+            ``file_stream_input.model_save_path``. None: no bases.
     """
 
     online: bool = True
@@ -90,6 +94,7 @@ class TrainerOptions:
     sample_ledger: Optional[str] = None
     continue_train: bool = True
     auth_token: Optional[str] = field(default=None, repr=False)
+    export_base: Optional[BaseExporter] = field(default=None, repr=False)
 
 
 # data_config.num_workers when unset and training on CUDA: the step there is short and mostly
@@ -141,11 +146,16 @@ class Trainer:
         self.metrics = TrainerMetrics()
         self.progress = ProgressiveMetrics(tc.metrics_window_samples)
         fs = config.file_stream_input
-        self.passes = (PassMetrics(fs.split_interval, fs.split_per_pass)
-                       if options.online and config.HasField("file_stream_input") else None)
+        file_stream = options.online and config.HasField("file_stream_input")
+        self.passes = (PassMetrics(fs.split_interval, fs.split_per_pass,
+                                   train_auc_samples=fs.train_auc_samples)
+                       if file_stream else None)
         self.checkpoints = CheckpointManager(self.model_dir, tc.keep_checkpoint_max)
         self.features = FeatureBuilder(config)
         self.module = TrainModule(config, self.features, device=options.device)
+        # day/pass saves (before restore: the checkpoint holds their pending rows and deletes)
+        self.pass_saves = (PassSaves(config, self.module, self.generation, options.export_base)
+                           if file_stream and fs.model_save_path else None)
         self.positions: dict[int, int] = {}
         self.samples_trained = 0
         self.last_loss: Optional[float] = None
@@ -223,6 +233,10 @@ class Trainer:
             self.config, self.options.online, self.options.continue_train, self.module,
             self.checkpoints, self.metrics, self.stop_event, self._delta_sink, self._set_state)
         restored = recovery.restore()
+        if self.pass_saves is not None:
+            self.pass_saves.load_state_dict(restored.pass_saves_state)
+            if restored.recovered_version is not None:
+                self.pass_saves.mark_all_rows()
         self._restored = restored
         self._restored_delta_offset = restored.delta_offset
         self.recovery = restored.report
@@ -262,6 +276,8 @@ class Trainer:
             if self._restored.needs_base_checkpoint and not self._stops.requested:
                 # the first recovery point of a fresh start: where its versions begin
                 self._checkpoint()
+            if self.pass_saves is not None and not self._stops.requested:
+                self._first_base()
             self.state = "training"
             self._loop()
         except DeltaSinkUnsupported as exc:  # the broker refuses fencing: a setup error
@@ -313,7 +329,7 @@ class Trainer:
             if item is None:
                 if pipeline.finished:
                     if self.passes is not None and self.passes.close_current():
-                        self._pass_ended()  # the stream ended with the last pass
+                        self._pass_ended(day_ended=True)  # the stream ended with the last pass
                     self._stops.request("end of input")
                     break
                 if self.publisher is not None:  # idle input: publish the last steps now
@@ -348,9 +364,10 @@ class Trainer:
                 last_ckpt_time, last_ckpt_step = time.monotonic(), step
 
     def _train_on(self, item: PreparedBatch) -> int:
-        if (self.passes is not None and SPLIT_KEY in item.positions
-                and self.passes.begin(item.positions[SPLIT_KEY])):
-            self._pass_ended()
+        if self.passes is not None and SPLIT_KEY in item.positions:
+            prev = self.passes.current_day
+            if self.passes.begin(item.positions[SPLIT_KEY]):
+                self._pass_ended(day_ended=self.passes.current_day != prev)
         self.metrics.records_consumed.inc(item.num_records)
         if item.rejected:
             self._rejects.built_rejects(item)
@@ -373,6 +390,7 @@ class Trainer:
             self.progress.update(out.probs, labels)
             if self.passes is not None and SPLIT_KEY in item.positions:
                 self.passes.update(item.positions[SPLIT_KEY], out.probs, labels)
+                self.passes.keep_batch(batch)
             self.samples_trained += trained
             self.last_loss = float(out.loss)
             self.metrics.samples_trained.inc(trained)
@@ -390,11 +408,15 @@ class Trainer:
             self._maybe_publish(item)
         return trained
 
-    def _pass_ended(self) -> None:
-        """Handles a closed file-stream pass: gauges, and a checkpoint every N passes.
+    def _pass_ended(self, day_ended: bool) -> None:
+        """Handles a closed file-stream pass, before any record of the next pass is trained.
 
-        N is ``checkpoint_per_pass``; the checkpoint comes before any record of the next pass
-        is trained.
+        Gauges and the pass's train AUC; with ``model_save_path``, the day's end shrink and
+        ``<day>/delta_<pass>``; a checkpoint every ``checkpoint_per_pass`` passes (copied to
+        ``<day>/<pass>``); at a day's end the checkpoint after the shrink and ``<day>/base``.
+
+        Args:
+            day_ended: the next batch belongs to another day, or the stream ended.
         """
         assert self.passes is not None
         last = self.passes.last_closed()
@@ -405,12 +427,81 @@ class Trainer:
             self.metrics.pass_auc.set(last["auc"])
         if last["logloss"] is not None:
             self.metrics.pass_logloss.set(last["logloss"])
-        every = int(self.config.file_stream_input.checkpoint_per_pass)
+        self._train_auc()
+        day, pass_id = last["day"], int(last["pass"])
         step = self.module.global_step
-        if (every and self.passes.passes_closed % every == 0 and step
-                and step != self.checkpoints.last_saved_step):
-            logger.info("pass %s/%d ended: checkpoint", last["day"], last["pass"])
-            self._checkpoint()
+        saves = self.pass_saves
+        shrunk = False
+        if day_ended and self.module.dynamic:
+            evicted = self.module.shrink_dynamic()
+            shrunk = bool(evicted)
+            logger.info("day %s ended: shrink evicted %s", day, evicted or "nothing")
+        if saves is not None:
+            try:
+                saves.write_delta(day, pass_id, step, self.positions_snapshot())
+                self.metrics.pass_deltas.inc()
+            except (OSError, StorageError) as exc:
+                logger.error("pass %s/%d: delta not written: %s", day, pass_id, exc)
+        every = int(self.config.file_stream_input.checkpoint_per_pass)
+        due = bool(every and self.passes.passes_closed % every == 0)
+        base_due = day_ended and saves is not None and saves.export_base is not None
+        if not (due or base_due) or not step:
+            return
+        logger.info("pass %s/%d ended: checkpoint%s", day, pass_id,
+                    " and day base" if base_due else "")
+        if step != self.checkpoints.last_saved_step or shrunk:
+            if not self._checkpoint(overwrite=shrunk):
+                logger.warning("pass %s/%d: no checkpoint, so no pass copy or base", day,
+                               pass_id)
+                return
+        path = self.checkpoints.last_saved_path
+        if saves is None or path is None:
+            return
+        try:
+            if due:
+                saves.copy_checkpoint(path, day, pass_id)
+            if base_due:
+                saves.write_base(day, path)
+                self.metrics.day_bases.inc()
+        except (OSError, StorageError, CheckpointError) as exc:
+            logger.error("pass %s/%d: day/pass save failed: %s", day, pass_id, exc)
+        except Exception as exc:  # noqa: BLE001 - the exporter's errors must not stop training
+            logger.exception("day %s: base export failed: %s", day, exc)
+
+    def _train_auc(self) -> None:
+        """Scores the closed pass's sampled batches with the model after the pass."""
+        assert self.passes is not None
+        batches = self.passes.take_rescore()
+        if not batches:
+            return
+        probs = [self.module.predict(b) for b in batches]
+        labels = [b.labels.detach().cpu().numpy() for b in batches]
+        auc = self.passes.set_train_auc(np.concatenate(probs), np.concatenate(labels))
+        if auc is not None:
+            self.metrics.pass_train_auc.set(auc)
+
+    def _first_base(self) -> None:
+        """Writes the starting model as a base when ``model_save_path`` holds none yet.
+
+        It is the base of the day before the first split to train, so that day's deltas
+        apply to it.
+        """
+        saves = self.pass_saves
+        assert saves is not None
+        if saves.export_base is None or saves.has_base():
+            return
+        fs = self.config.file_stream_input
+        first = self.positions_snapshot().get(SPLIT_KEY)
+        day = (pass_of(int(first), fs.split_interval, fs.split_per_pass)[0] if first
+               else fs.start_day)
+        step = self.module.global_step
+        if step != self.checkpoints.last_saved_step and not self._checkpoint():
+            logger.warning("no starting base: the checkpoint failed")
+            return
+        path = self.checkpoints.last_saved_path
+        if path is not None:
+            saves.write_base(day_before(day), path)
+            self.metrics.day_bases.inc()
 
     def _maybe_publish(self, item: PreparedBatch) -> None:
         """Hands the step's positions and time ranges to the delta publisher."""
@@ -441,7 +532,7 @@ class Trainer:
                 self.state = "training"
 
     # ------------------------------------------------------------------ checkpoint
-    def _checkpoint(self) -> bool:
+    def _checkpoint(self, overwrite: bool = False) -> bool:
         if self._restored.incomplete:
             logger.warning("not checkpointing: crash recovery did not finish")
             return False
@@ -469,13 +560,17 @@ class Trainer:
                 else {"source": "files", "path": self.config.train_input_path}
             )
             source.update(self._delta_replay_point())
+            state = self.module.state_dict_for_checkpoint()
+            if self.pass_saves is not None:
+                state["pass_saves"] = self.pass_saves.state_dict()
             self.checkpoints.save(
                 self.module.global_step,
-                self.module.state_dict_for_checkpoint(),
+                state,
                 positions,
                 source,
                 self._config_text,
                 self.generation,
+                overwrite=overwrite,
             )
             self.metrics.checkpoint_step.set(self.module.global_step)
             self.last_checkpoint_error = None

@@ -49,6 +49,13 @@ class TrainerMetrics:
                                   "pass (file stream)", registry=r)
         self.pass_samples = Gauge("odl_pass_samples", "Samples of the last closed pass (file "
                                   "stream)", registry=r)
+        self.pass_train_auc = Gauge("odl_pass_train_auc", "AUC of the last closed pass's "
+                                    "sampled records scored after training on the pass (file "
+                                    "stream)", registry=r)
+        self.pass_deltas = Counter("odl_pass_deltas", "Pass delta directories written "
+                                   "(file_stream_input.model_save_path)", registry=r)
+        self.day_bases = Counter("odl_day_bases", "Day bases written "
+                                 "(file_stream_input.model_save_path)", registry=r)
         self.dynamic = {
             key: Gauge(f"odl_dynamic_table_{key}", text, ["table"], registry=r)
             for key, text in (

@@ -41,6 +41,8 @@ from odl.protos import pipeline_pb2
 from odl.storage import file_store
 from odl.storage.oss_store import StorageError, oss_health
 from odl.storage.storage_path import is_remote, join
+from odl.train.pass_metrics import PassMetrics
+from odl.train.pass_saves import PassSaves
 from odl.train.progressive_metrics import ProgressiveMetrics
 from odl.train.status_app import TrainerStatusProvider, build_status_app
 from odl.train.train_module import TrainModule
@@ -76,6 +78,8 @@ class TrainerView(Protocol):
     publisher: Optional[IncrementalPublisher]
     recovery: Optional[dict]
     input_pipeline: Optional[InputPipeline]
+    passes: Optional[PassMetrics]
+    pass_saves: Optional[PassSaves]
 
     @property
     def online(self) -> bool:
@@ -180,6 +184,7 @@ class TrainerStatus:
             "publisher": t.publisher.status() if t.publisher is not None else None,
             "dynamic_tables": t.module.dynamic_status() if t.module.dynamic else None,
             "passes": t.passes.status() if t.passes is not None else None,
+            "pass_saves": t.pass_saves.status() if t.pass_saves is not None else None,
             "recovery": t.recovery,
             "dead_letter": dead_letter.status() if dead_letter is not None else None,
         }
