@@ -6,7 +6,7 @@ STAMP := $(VENV)/.odl-installed
 PROTO_SRC := $(wildcard protos/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,odl/protos/%_pb2.py,$(PROTO_SRC))
 
-.PHONY: venv protos test demo demo-cloud lint bench clean
+.PHONY: venv protos test demo demo-cloud demo-filestream lint bench clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,10 @@ demo: venv protos
 # The same loop on DataHub and OSS, played by local test doubles (no cloud account needed).
 demo-cloud: venv protos
 	$(BIN)/python -m odl.demo_cloud
+
+# PaddleRec-style file stream: day/pass splits, day/pass saves, serving from base + deltas.
+demo-filestream: venv protos
+	$(BIN)/python -m odl.demo_filestream
 
 lint: venv
 	$(BIN)/ruff check .

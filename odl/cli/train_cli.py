@@ -27,6 +27,7 @@ continues from the last checkpoint).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import signal
 import sys
@@ -128,7 +129,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         sample_ledger=args.sample_ledger,
         continue_train=True,
         auth_token=token,
-        export_base=export_checkpoint,
+        export_base=functools.partial(export_checkpoint, warn_without_topic=False),
     )
     try:
         trainer = Trainer(config, options)

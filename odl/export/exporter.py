@@ -315,6 +315,7 @@ def export_checkpoint(
     delta_server: str = "",
     delta_topic: str = "",
     now: Optional[float] = None,
+    warn_without_topic: bool = True,
 ) -> ExportResult:
     """Writes one export of a checkpoint (layout: module docstring).
 
@@ -330,6 +331,8 @@ def export_checkpoint(
             config's.
         delta_topic: delta topic; likewise.
         now: the export time (unix seconds; default: now); names the directory.
+        warn_without_topic: warn when no delta topic is known (off for a file stream's day
+            bases, whose deltas serving reads from files).
 
     Returns:
         What was written.
@@ -405,7 +408,7 @@ def export_checkpoint(
     cfg_server, cfg_topic = _delta_topic_from_config(config)
     server = str(delta_server or source.get("delta_server") or cfg_server)
     topic = str(delta_topic or source.get("delta_topic") or cfg_topic)
-    if not topic:
+    if not topic and warn_without_topic:
         logger.warning("no delta topic known (checkpoint, config or --delta_topic): "
                        "kafka.txt names none and serving will not replay")
 

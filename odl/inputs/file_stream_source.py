@@ -28,7 +28,9 @@ A checkpoint stores them with the model, so a restart (or kill -9 followed by cr
 reopens that split, that file and skips to that record: every record is trained exactly
 once, as with Kafka offsets. The split's file list must not change once the split is
 complete. Each record's ``partitions`` / ``offsets`` in a batch are its file index and
-record index (for reject reports).
+record index (for reject reports). A batch never spans two splits: the last batch of a split
+may be short, and its positions (``file`` = the split's file count) still name its split, so
+the trainer counts it in its split's pass and day.
 """
 
 from __future__ import annotations
@@ -277,6 +279,8 @@ class FileStreamSource:
                 continue
             assert self._files is not None
             if self.file >= len(self._files):
+                if values:  # a batch never spans two splits: it ends with its split
+                    break
                 self._advance_split()
                 continue
             if self._records is None:

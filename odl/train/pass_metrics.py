@@ -2,8 +2,8 @@
 
 A pass is ``split_per_pass`` consecutive splits of one day; pass ids count from 1 at 0000
 (PaddleRec's numbering): ``pass = minute_of_day // (split_interval * split_per_pass) + 1``.
-Each trained batch counts in the pass of the split its last record came from (the input's
-position after the batch), so a batch that straddles two passes counts in the later one.
+Each trained batch counts in the pass of its split (the input's position after the batch; the
+file stream never puts two splits in one batch).
 
 For the pass in progress the tracker keeps the predictions made before each step's update
 (predict-then-train, as the windowed progressive metrics) and the labels; when the first

@@ -302,7 +302,7 @@ class Trainer:
         num_workers = effective_num_workers(self.config.data_config, self.module.device.type)
         self.input_pipeline = build_input_pipeline(
             self.config, self.features, self.options.online, restored_positions, num_workers)
-        if self.options.online:
+        if self.options.online and online_input_kind(self.config) != "file_stream":
             self.state = "waiting_for_topic"
         self.positions = self.input_pipeline.open(self.stop_event)
 
