@@ -477,3 +477,30 @@ def test_kill_9_inside_passes_every_record_once_and_deltas_replay_to_the_last_ba
     got = chain.model.predict_batch(fb.build(values).batch)
     want = last.model.predict_batch(fb.build(values).batch)
     assert float(abs(got - want).max()) <= 1e-6
+
+
+def test_bad_records_of_a_file_stream_are_dead_lettered_with_their_split(kafka_bootstrap,
+                                                                         tmp_path):
+    from odl.harness.topic_records import read_messages
+    from odl.inputs.dead_letter import REASON_HEADER, SOURCE_HEADER
+
+    data = tmp_path / "data"
+    ids, values = make_records(200, seed=12)
+    bad = [b"not,a,record", b"also-bad"]
+    _write_split(data, "20261124", "2300", [values[:100], values[100:150] + bad + values[150:]])
+    text = _config(tmp_path, str(data), "20261124")
+    dlq = f"odl-fs-dlq-{os.getpid()}-{time.time_ns()}"
+    text = text.replace("batch_size: 50", f'batch_size: 50 dead_letter_topic: "{dlq}"')
+    config = parse_pipeline_config_text(text)
+    with pytest.raises(ConfigError, match="dead_letter_server"):  # no Kafka input to borrow
+        validate_pipeline_config(config, online=True)
+    config.data_config.dead_letter_server = kafka_bootstrap
+    validate_pipeline_config(config, online=True)
+    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
+    assert trainer.run() == 0 and trainer.samples_trained == 200
+    assert trainer.records_rejected == {"field_count": 2}
+    letters = read_messages(kafka_bootstrap, dlq, 2)
+    assert [v for v, _h in letters] == bad  # unchanged, where they were in the split
+    split = str(data / "20261124" / "2300")
+    assert [h[SOURCE_HEADER].decode() for _v, h in letters] == [f"{split}/1/50", f"{split}/1/51"]
+    assert all(h[REASON_HEADER] == b"field_count" for _v, h in letters)

@@ -19,15 +19,13 @@ import time
 
 import numpy as np
 import torch
-from confluent_kafka import Consumer, TopicPartition
 
 from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_config_text
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.features.feature_builder import EVENT_TIME_MIN_SECS, FeatureBuilder
 from odl.harness.exactly_once_audit import ledger_sample_ids
-from odl.harness.topic_records import make_records, produce
+from odl.harness.topic_records import make_records, produce, read_messages
 from odl.inputs.dead_letter import REASON_HEADER, SOURCE_HEADER
-from odl.kafka.client_settings import consumer_config
 from odl.kafka.topic_admin import end_offsets
 from odl.train.train_module import TrainModule
 from odl.train.trainer import Trainer, TrainerOptions
@@ -91,19 +89,6 @@ def test_a_record_whose_build_raises_is_rejected_alone(tmp_path, monkeypatch):
     assert res.arrays.sample_ids == ids[:2] + ids[3:]
 
 
-def _dead_letters(bootstrap: str, topic: str, n: int) -> list[tuple[bytes, dict]]:
-    consumer = Consumer(consumer_config(bootstrap, "odl-test-dlq-reader"))
-    consumer.assign([TopicPartition(topic, 0, 0)])
-    out: list[tuple[bytes, dict]] = []
-    deadline = time.time() + 30
-    while len(out) < n and time.time() < deadline:
-        msg = consumer.poll(0.5)
-        if msg is not None and msg.error() is None:
-            out.append((msg.value() or b"", {k: v for k, v in msg.headers() or []}))
-    consumer.close()
-    return out
-
-
 def test_poison_records_are_dead_lettered_and_publishing_goes_on(
         kafka_bootstrap, kafka_topic_factory, tmp_path):
     topic = kafka_topic_factory(partitions=2)
@@ -133,7 +118,7 @@ def test_poison_records_are_dead_lettered_and_publishing_goes_on(
     assert pub["fatal_error"] is None and pub["failures"] == 0, pub
     assert pub["last_version"] == trainer.module.global_step  # published to the end
     assert trainer.checkpoints.last_saved_step == trainer.module.global_step
-    letters = _dead_letters(kafka_bootstrap, dlq, len(poison))
+    letters = read_messages(kafka_bootstrap, dlq, len(poison))
     by_source = {f"{topic}/{p}/{o}": i for i, (p, o) in enumerate(where)}
     got = sorted((by_source[h[SOURCE_HEADER].decode()], h[REASON_HEADER].decode(), v)
                  for v, h in letters)
@@ -180,7 +165,7 @@ def test_non_finite_predictions_are_left_out_and_dead_lettered(
         assert torch.isfinite(t).all()
     for t in trainer.module.embedding_tables().values():
         assert torch.isfinite(t).all()
-    letters = _dead_letters(kafka_bootstrap, dlq, 1)
+    letters = read_messages(kafka_bootstrap, dlq, 1)
     assert [(h[REASON_HEADER], h[SOURCE_HEADER]) for _, h in letters] == [
         (b"non_finite_output", f"{topic}/{where[10][0]}/{where[10][1]}".encode())]
 

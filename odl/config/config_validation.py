@@ -140,10 +140,7 @@ def _validate_datahub(config: pipeline_pb2.EasyRecConfig) -> None:
     except ValueError as exc:
         field = "offset_info" if d.offset_info else "offset_time"
         raise ConfigError(f"datahub_train_input.{field}", str(exc)) from None
-    if config.data_config.dead_letter_topic:
-        raise ConfigError("data_config.dead_letter_topic",
-                          "needs a Kafka input (its server and settings); not available with "
-                          "datahub_train_input")
+    _validate_dead_letter(config, "datahub_train_input")
 
 
 def _validate_file_stream(config: pipeline_pb2.EasyRecConfig) -> None:
@@ -169,10 +166,7 @@ def _validate_file_stream(config: pipeline_pb2.EasyRecConfig) -> None:
             check_supported(f.model_save_path)
         except UnsupportedPathError as exc:
             raise ConfigError("file_stream_input.model_save_path", str(exc)) from None
-    if config.data_config.dead_letter_topic:
-        raise ConfigError("data_config.dead_letter_topic",
-                          "needs a Kafka input (its server and settings); not available with "
-                          "file_stream_input")
+    _validate_dead_letter(config, "file_stream_input")
 
 
 def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
@@ -185,11 +179,7 @@ def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
     if not k.server.strip():
         raise ConfigError("kafka_train_input.server", "required: the bootstrap servers, "
                                                       "host:port[,host:port...]")
-    for server in k.server.split(","):
-        host, _, port = server.strip().rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ConfigError("kafka_train_input.server",
-                              f"expected host:port[,host:port...], got {server.strip()!r}")
+    _check_servers("kafka_train_input.server", k.server)
     if not k.topic.strip():
         raise ConfigError("kafka_train_input.topic", "required: the topic to train on")
     if not k.group.strip():
@@ -211,13 +201,38 @@ def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
                           f"{len(k.offset)} offsets given for {k.partitions} partitions")
     if any(o < 0 for o in k.offset):
         raise ConfigError("kafka_train_input.offset", "offsets must be >= 0")
+    _validate_dead_letter(config, "kafka_train_input")
     dlq = config.data_config.dead_letter_topic
-    if dlq and dlq.strip() != dlq:
-        raise ConfigError("data_config.dead_letter_topic", f"{dlq!r} has surrounding spaces")
-    if dlq and dlq == k.topic:
+    same_server = (not config.data_config.dead_letter_server
+                   or config.data_config.dead_letter_server == k.server)
+    if dlq and dlq == k.topic and same_server:
         raise ConfigError("data_config.dead_letter_topic",
                           "must differ from kafka_train_input.topic (rejected records would be "
                           "read again)")
+
+
+def _check_servers(path: str, servers: str) -> None:
+    """Refuses a bootstrap list that is not ``host:port[,host:port...]``."""
+    for server in servers.split(","):
+        host, _, port = server.strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(path, f"expected host:port[,host:port...], got {server.strip()!r}")
+
+
+def _validate_dead_letter(config: pipeline_pb2.EasyRecConfig, input_name: str) -> None:
+    """``data_config.dead_letter_topic`` / ``_server``: a Kafka topic on a known broker."""
+    dc = config.data_config
+    dlq = dc.dead_letter_topic
+    if not dlq:
+        return
+    if dlq.strip() != dlq:
+        raise ConfigError("data_config.dead_letter_topic", f"{dlq!r} has surrounding spaces")
+    if dc.dead_letter_server:
+        _check_servers("data_config.dead_letter_server", dc.dead_letter_server)
+    elif input_name != "kafka_train_input":
+        raise ConfigError("data_config.dead_letter_server",
+                          f"required for dead letters with {input_name}: the bootstrap servers "
+                          "of the Kafka cluster that holds dead_letter_topic")
 
 
 def check_path_schemes(config: pipeline_pb2.EasyRecConfig, online: bool) -> None:

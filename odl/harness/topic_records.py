@@ -1,19 +1,21 @@
-"""Records on real broker topics: synthetic samples and the one producer helper.
+"""Records on real broker topics: synthetic samples, the one producer helper, a reader.
 
 ``produce`` writes values round robin over a topic's partitions and returns where each one
 landed; tests and benchmarks use it for sample topics and for hand-made delta topics alike.
+``read_messages`` reads a one-partition topic (a dead-letter topic) from its start.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Optional
 
-from confluent_kafka import KafkaError, Message, Producer
+from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
 from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
-from odl.kafka.client_settings import producer_config
+from odl.kafka.client_settings import consumer_config, producer_config
 
 logger = logging.getLogger(__name__)
 
@@ -114,3 +116,30 @@ def make_records(n: int, seed: int = 0, fmt: str = "csv") -> tuple[list[str], li
     """
     records = SyntheticCtrStream(seed=seed).next_records(n)
     return [r["sample_id"] for r in records], [encode(r, fmt) for r in records]
+
+
+def read_messages(bootstrap: str, topic: str, n: int,
+                  timeout: float = 30.0) -> list[tuple[bytes, dict[str, bytes]]]:
+    """Reads up to ``n`` messages of partition 0 of ``topic`` from offset 0.
+
+    Args:
+        bootstrap: bootstrap servers.
+        topic: the topic.
+        n: messages wanted.
+        timeout: seconds to wait for them.
+
+    Returns:
+        ``(value, headers)`` per message, in order (fewer than ``n`` on timeout).
+    """
+    consumer = Consumer(consumer_config(bootstrap, "odl-test-reader"))
+    consumer.assign([TopicPartition(topic, 0, 0)])
+    out: list[tuple[bytes, dict[str, bytes]]] = []
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < n and time.monotonic() < deadline:
+            msg = consumer.poll(0.5)
+            if msg is not None and msg.error() is None:
+                out.append((msg.value() or b"", dict(msg.headers() or [])))
+    finally:
+        consumer.close()
+    return out

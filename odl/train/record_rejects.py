@@ -21,7 +21,8 @@ import numpy as np
 
 from odl.inputs.batch_prefetcher import PreparedBatch
 from odl.inputs.dead_letter import DeadLetterSink
-from odl.inputs.source_factory import online_input_name
+from odl.inputs.file_stream_source import SPLIT_KEY, split_dir
+from odl.inputs.source_factory import online_input_kind, online_input_name
 from odl.protos import pipeline_pb2
 from odl.train.trainer_metrics import TrainerMetrics
 
@@ -87,10 +88,11 @@ class RejectedRecords:
         if not self._online:
             logger.warning("data_config.dead_letter_topic is ignored in offline training")
             return
-        ki = self._config.kafka_train_input
-        logger.info("forwarding rejected records to dead-letter topic %s", topic)
-        self.dead_letter = DeadLetterSink(ki.server, topic, dict(ki.kafka_config),
-                                          self._metrics.registry)
+        dc, ki = self._config.data_config, self._config.kafka_train_input
+        server = dc.dead_letter_server or ki.server
+        settings = dict(dc.dead_letter_kafka_config) or dict(ki.kafka_config)
+        logger.info("forwarding rejected records to dead-letter topic %s on %s", topic, server)
+        self.dead_letter = DeadLetterSink(server, topic, settings, self._metrics.registry)
 
     def built_rejects(self, item: PreparedBatch) -> None:
         """Takes the records the feature builder rejected in ``item``.
@@ -123,6 +125,16 @@ class RejectedRecords:
         if self.dead_letter is not None:
             self.dead_letter.close(timeout=10.0)
 
+    def _source_name(self, item: PreparedBatch) -> str:
+        """The ``odl-source`` prefix: the topic, DataHub's ``project/topic`` or the split.
+
+        A file-stream batch never spans two splits, so its split directory is the batch's.
+        """
+        name = online_input_name(self._config)
+        if online_input_kind(self._config) == "file_stream" and SPLIT_KEY in item.positions:
+            return split_dir(name, int(item.positions[SPLIT_KEY]))
+        return name
+
     def _reject(self, item: PreparedBatch, idx: int, reason: str) -> None:
         """Counts, logs (bounded) and dead-letters raw record ``idx`` of ``item``."""
         self.counts[reason] = self.counts.get(reason, 0) + 1
@@ -134,6 +146,6 @@ class RejectedRecords:
             # building is forwarded with an empty value and its source position
             value = item.raw.values[idx] if idx < len(item.raw.values) else None
             self.dead_letter.send(
-                value, reason, online_input_name(self._config),
+                value, reason, self._source_name(item),
                 int(item.raw.partitions[idx]), int(item.raw.offsets[idx]),
                 int(item.raw.timestamps_ms[idx]) if len(item.raw.timestamps_ms) else 0)
