@@ -112,6 +112,20 @@ class PassSaves:
         self.last_pass_checkpoint: Optional[str] = None
         self.deltas_written = 0
         self.bases_written = 0
+        self._remove_stale_temporaries()
+
+    def _remove_stale_temporaries(self) -> None:
+        """Removes directories a killed trainer left half written (local roots)."""
+        if is_remote(self.root) or not os.path.isdir(self.root):
+            return
+        for day in os.listdir(self.root):
+            day_dir = os.path.join(self.root, day)
+            if not os.path.isdir(day_dir):
+                continue
+            for name in os.listdir(day_dir):
+                if name.startswith(".") and ".tmp-" in name:
+                    shutil.rmtree(os.path.join(day_dir, name), ignore_errors=True)
+                    logger.info("removed %s (left half written)", os.path.join(day_dir, name))
 
     # ------------------------------------------------------------------ checkpoint state
     def state_dict(self) -> dict[str, Any]:
@@ -146,10 +160,7 @@ class PassSaves:
     # ------------------------------------------------------------------ writes
     def has_base(self) -> bool:
         """Whether ``model_save_path`` holds any day's base."""
-        try:
-            days, _ = file_store.list_dir(self.root)
-        except FileNotFoundError:
-            return False
+        days, _ = file_store.list_dir(self.root)
         return any(file_store.exists(join(self.root, d, BASE_DIR)) for d in days
                    if len(d) == 8 and d.isdigit())
 
