@@ -25,7 +25,8 @@ records are produced once, before the first round, and the bench waits for the e
 broker's save of them to finish (see ``odl.broker.embedded_broker``).
 
     .venv/bin/python bench/train_throughput.py [--batches 120] [--rounds 5] [--num-workers 0]
-        [--input-process 1|0|both] [--device cpu|cuda|auto] [--torch-threads 0] [--json out.json]
+        [--input-process 1|0|both] [--device cpu|cuda|auto] [--torch-threads 0]
+        [--model DeepFM|WideAndDeep] [--json out.json]
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ import psutil  # noqa: E402
 from bench.plain_pytorch_deepfm import PlainDeepFM  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
+from odl.config.model_classes import MODEL_MESSAGES  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
@@ -63,12 +65,16 @@ PARTITIONS = 4
 TOPIC = "bench"
 
 
-def make_config(model_dir: str, server: str, topic: str):
+def make_config(model_dir: str, server: str, topic: str, model: str = "DeepFM"):
     text = deepfm_config_text(
         model_dir, server=server, topic=topic, batch_size=BATCH, dim=16, buckets=100_000,
         hidden_units=(256, 128, 64), save_checkpoints_steps=0,
         extra_train="metrics_window_samples: 100000",
     )
+    if model != "DeepFM":  # same groups and towers under the model's own message
+        field = MODEL_MESSAGES[model]
+        text = text.replace('model_class: "DeepFM"', f'model_class: "{model}"').replace(
+            "deepfm {", f"{field} {{", 1)
     return parse_pipeline_config_text(text)
 
 
@@ -146,6 +152,9 @@ def main() -> int:
                     help="cpu, cuda or auto, for all three (the online trainer's --device)")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads for all three (0 = odl's auto: half the CPUs)")
+    ap.add_argument("--model", choices=tuple(MODEL_MESSAGES), default="DeepFM",
+                    help="the model (its sample towers); the plain PyTorch baseline is "
+                         "DeepFM's only")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     threads = configure_torch_threads(args.torch_threads)
@@ -155,7 +164,9 @@ def main() -> int:
     stream = SyntheticCtrStream(seed=5)
     values = [v for v in stream.next_batch(n).encode("csv")]
     names = {"1": ["online"], "0": ["online_threads"],
-             "both": ["online", "online_threads"]}[args.input_process] + ["torchrec", "plain"]
+             "both": ["online", "online_threads"]}[args.input_process] + ["torchrec"]
+    if args.model == "DeepFM":
+        names.append("plain")
     rates: dict[str, list[float]] = {k: [] for k in names}
     broker_cpu: dict[str, list[float]] = {k: [] for k in names}
     online = names[0]  # the headline online variant
@@ -169,7 +180,8 @@ def main() -> int:
         broker.wait_until_idle()
         broker_proc = psutil.Process(broker.pid)
         for r in range(args.rounds):
-            config = make_config(os.path.join(work, f"model_dir_{r}"), broker.bootstrap, TOPIC)
+            config = make_config(os.path.join(work, f"model_dir_{r}"), broker.bootstrap, TOPIC,
+                                 args.model)
             config.data_config.num_workers = args.num_workers  # used by the online trainer
             features = FeatureBuilder(config)
             batches = [features.build(values[i : i + BATCH]).batch for i in range(0, n, BATCH)]
@@ -204,10 +216,11 @@ def main() -> int:
     def paired(a: str, b: str) -> list[float]:
         return [round(x / y, 3) for x, y in zip(rates[a], rates[b], strict=True)]
 
-    pairs = {"online_over_torchrec": paired(online, "torchrec"),
-             "torchrec_over_plain": paired("torchrec", "plain"),
-             "online_over_plain": paired(online, "plain")}
-    if len(names) == 4:
+    pairs = {"online_over_torchrec": paired(online, "torchrec")}
+    if "plain" in rates:
+        pairs["torchrec_over_plain"] = paired("torchrec", "plain")
+        pairs["online_over_plain"] = paired(online, "plain")
+    if "online_threads" in rates and online != "online_threads":
         pairs["online_threads_over_torchrec"] = paired("online_threads", "torchrec")
     result = {
         "samples_per_sec": {k: round(v) for k, v in med.items()},
@@ -217,8 +230,10 @@ def main() -> int:
         "per_round": pairs,
         "ratio_of_medians": {
             "online_over_torchrec": round(med[online] / med["torchrec"], 3),
-            "online_over_plain": round(med[online] / med["plain"], 3),
+            **({"online_over_plain": round(med[online] / med["plain"], 3)}
+               if "plain" in med else {}),
         },
+        "model": args.model,
         "input_process": args.input_process,
         "batches": args.batches,
         "torch_threads": threads,

@@ -260,3 +260,10 @@ def apply_to_module(tm: TrainModule, maps, dense: dict, sparse: dict) -> None:
         t = tables[table_names[tid]]
         v = torch.from_numpy(np.asarray(vals, np.float32))
         t[torch.from_numpy(ids), : v.shape[1]] = v
+
+
+def as_wide_and_deep(text: str, final_dnn: bool = False) -> str:
+    """A datagen DeepFM config as EasyRec's WideAndDeep (same groups and towers)."""
+    tower = "final_dnn { hidden_units: [8] }\n    " if final_dnn else ""
+    return text.replace('model_class: "DeepFM"', 'model_class: "WideAndDeep"').replace(
+        "deepfm {", "wide_and_deep {\n    " + tower, 1)

@@ -28,6 +28,7 @@ from odl.inputs.file_stream_source import (
 )
 from odl.train.sample_ledger import read_ledger
 from odl.train.trainer import Trainer, TrainerOptions
+from tests.harness import as_wide_and_deep
 
 DONE = "to.hadoop.done"
 
@@ -351,7 +352,9 @@ def test_day_and_pass_saves_replay_in_order_to_serving_parity(tmp_path):
     assert last.follower.deltas_applied == 0 and _parity(last, trainer, 0, values) <= 1e-6
 
 
-def test_restart_inside_a_pass_keeps_every_record_once_and_the_pass_delta_whole(tmp_path):
+@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep"])
+def test_restart_inside_a_pass_keeps_every_record_once_and_the_pass_delta_whole(tmp_path,
+                                                                               model):
     from odl.export.exporter import export_checkpoint
 
     data, saves = tmp_path / "data", tmp_path / "saves"
@@ -362,9 +365,11 @@ def test_restart_inside_a_pass_keeps_every_record_once_and_the_pass_delta_whole(
     # before the stop included (every id admitted: rare ids touched only before the stop)
     runs = []
     for extra in ("num_steps: 22", ""):
-        config = parse_pipeline_config_text(_saves_config(
-            tmp_path, str(data), str(saves), extra,
-            dynamic='model_class: "DeepFM"\n  ev_params { max_capacity: 4000 }'))
+        text = _saves_config(tmp_path, str(data), str(saves), extra,
+                             dynamic='model_class: "DeepFM"\n  ev_params { max_capacity: 4000 }')
+        if model == "WideAndDeep":  # with final_dnn: [wide, deep] joined by a tower
+            text = as_wide_and_deep(text, final_dnn=True)
+        config = parse_pipeline_config_text(text)
         trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
                                                  sample_ledger=ledger,
                                                  export_base=export_checkpoint))

@@ -7,6 +7,7 @@ import os
 import time
 
 import numpy as np
+import pytest
 from prometheus_client import generate_latest
 
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
@@ -19,7 +20,7 @@ from odl.harness.topic_records import produce
 from odl.kafka.topic_admin import end_offsets
 from publisher.fs_sink import list_versions
 from serving_plugin.serving_service import ServingService
-from tests.harness import run_in_process, write_config
+from tests.harness import as_wide_and_deep, run_in_process, write_config
 
 PARTS = 3
 
@@ -35,8 +36,9 @@ def _incr_save(kind: str, where: str, value_type: str = "FP32", chunk: int = 900
 DYNAMIC_TABLES = 'model_class: "DeepFM"\n  ev_params { filter_freq: 2 max_capacity: 120 }'
 
 
+
 def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int = 1500,
-                           dynamic: bool = False):
+                           dynamic: bool = False, model: str = "DeepFM"):
     topic = topic_factory(partitions=PARTS)
     batch = SyntheticCtrStream(seed=41).next_batch(n)
     produce(bootstrap, topic, batch.encode("csv"), PARTS)
@@ -46,6 +48,8 @@ def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int
     if dynamic:
         text = text.replace('model_class: "DeepFM"', DYNAMIC_TABLES).replace(
             "log_step_count_steps: 20", "log_step_count_steps: 5")
+    if model == "WideAndDeep":
+        text = as_wide_and_deep(text)
     open(cfg, "w").write(text.replace("keep_checkpoint_max: 3", "keep_checkpoint_max: 10"))
     trainer = run_in_process(cfg, ends)
     return trainer, cfg
@@ -86,14 +90,17 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
         service.stop()
 
 
+@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep"])
 def test_serving_replay_matches_trainer_predictions(
-    kafka_bootstrap, kafka_topic_factory, tmp_path
+    kafka_bootstrap, kafka_topic_factory, tmp_path, model
 ):
     delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
     trainer, cfg = _train_with_publishing(
         tmp_path, kafka_bootstrap, kafka_topic_factory,
-        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"),
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), model=model,
     )
+    assert type(trainer.module.model.dense).__name__ == "DeepFMDense"
+    assert trainer.module.model.dense.use_fm == (model == "DeepFM")
     pub = trainer.publisher.status()
     assert pub["last_version"] == trainer.module.global_step
     status, diff = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)

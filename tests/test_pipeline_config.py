@@ -221,6 +221,25 @@ def test_torcheasyrec_style_model_class_inferred(tmp_path: Path) -> None:
     text = EASYREC_STYLE.replace("model_class: 'DeepFM'", "")
     config = load_text(tmp_path, text)
     assert config.model_config.model_class == "DeepFM"
+    wide_and_deep = load_text(tmp_path, text.replace("deepfm {", "wide_and_deep {"))
+    assert wide_and_deep.model_config.model_class == "WideAndDeep"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "samples").glob("*.config")),
+                         ids=lambda p: p.name)
+def test_every_sample_config_validates(path: Path) -> None:
+    config = load_pipeline_config(str(path))
+    online = any(config.HasField(f) for f in ("kafka_train_input", "datahub_train_input",
+                                              "file_stream_input"))
+    validate_pipeline_config(config, online=online)
+
+
+def test_wide_and_deep_sample_is_the_deepfm_sample_without_fm() -> None:
+    wd = load_pipeline_config(str(ROOT / "samples" / "wide_and_deep_online.config"))
+    fm = load_pipeline_config(str(ONLINE))
+    assert wd.model_config.model_class == "WideAndDeep"
+    assert list(wd.model_config.feature_groups) == list(fm.model_config.feature_groups)
+    assert wd.model_config.wide_and_deep.dnn == fm.model_config.deepfm.dnn
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -651,3 +670,12 @@ def test_round_trip_easyrec_style(tmp_path: Path) -> None:
     save_pipeline_config(config, str(path))
     assert load_pipeline_config(str(path)) == config
     assert json.loads(config.kafka_train_input.offset_info)["1"] == 20
+
+
+def test_wide_and_deep_deep_group_needs_one_embedding_dim(tmp_path: Path) -> None:
+    text = (ROOT / "samples" / "wide_and_deep_online.config").read_text().replace(
+        'input_names: "C1" feature_type: IdFeature embedding_dim: 16',
+        'input_names: "C1" feature_type: IdFeature embedding_dim: 8')
+    err = error_of(validate_pipeline_config, load_text(tmp_path, text), online=True)
+    assert err.field.startswith("model_config.feature_groups[")
+    assert "deep tower's pooled input" in str(err) and "C1=8" in str(err)

@@ -9,15 +9,17 @@ for the subset odl implements. What odl does not implement is never silently ign
   :mod:`odl.config.pipeline_config`, and the editor, :mod:`odl.config.config_edit`);
 * enum values odl's enums lack are listed in :data:`EASYREC_NOT_IMPLEMENTED_VALUES`, refused
   the same way;
-* values that parse but that odl does not implement (a model class other than DeepFM,
+* values that parse but that odl does not implement (a model class odl lacks,
   ``num_class`` other than 1, several label fields) are refused by :func:`check_implemented`;
-* TorchEasyRec's way of naming the model by its message alone (``deepfm { ... }`` without
-  ``model_class``) is accepted by :func:`infer_model_class`.
+* TorchEasyRec's way of naming the model by its message alone (``deepfm { ... }`` or
+  ``wide_and_deep { ... }`` without ``model_class``) is accepted by
+  :func:`infer_model_class`.
 """
 
 from __future__ import annotations
 
 from odl.config.config_error import ConfigError
+from odl.config.model_classes import IMPLEMENTED_MODEL_CLASSES, MODEL_MESSAGES
 from odl.protos import pipeline_pb2
 
 __all__ = [
@@ -68,7 +70,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     }),
     "FeatureGroupConfig": frozenset({"sequence_features", "negative_sampler", "group_type"}),
     "EasyRecModel": frozenset({
-        "model_name", "model_params", "dummy", "wide_and_deep", "multi_tower", "fm", "dcn",
+        "model_name", "model_params", "dummy", "multi_tower", "fm", "dcn",
         "autoint", "dlrm", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat", "mmoe", "esmm", "dbmtl",
         "simple_multi_task", "ple", "rocket_launching", "seq_att_groups", "kd",
@@ -139,21 +141,22 @@ EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
     }),
 }
 
-# Model classes odl implements (EasyRecModel.model_class).
-IMPLEMENTED_MODEL_CLASSES = ("DeepFM",)
-
-
 def infer_model_class(config: pipeline_pb2.EasyRecConfig) -> None:
-    """Sets ``model_config.model_class`` to "DeepFM" when only the ``deepfm`` message is given.
+    """Sets ``model_config.model_class`` from the model's message when only that is given.
 
-    TorchEasyRec names the model by its message alone; EasyRec by ``model_class``.
+    TorchEasyRec names the model by its message alone (``deepfm { ... }``,
+    ``wide_and_deep { ... }``); EasyRec by ``model_class``.
 
     Args:
         config: a parsed config, changed in place.
     """
     mc = config.model_config
-    if config.HasField("model_config") and not mc.model_class and mc.HasField("deepfm"):
-        mc.model_class = "DeepFM"
+    if not config.HasField("model_config") or mc.model_class:
+        return
+    for model_class, field in MODEL_MESSAGES.items():
+        if mc.HasField(field):
+            mc.model_class = model_class
+            return
 
 
 def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:
@@ -163,7 +166,7 @@ def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:
         config: a parsed config.
 
     Raises:
-        ConfigError: e.g. a model_class other than DeepFM, or num_class != 1.
+        ConfigError: e.g. a model_class odl lacks, or num_class != 1.
 
     """
     mc = config.model_config

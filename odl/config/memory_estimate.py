@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import dynamic_table_spec
 from odl.config.feature_configs import feature_configs
+from odl.config.model_classes import uses_fm, wide_deep_settings
 from odl.config.optimizer_support import optimizer_choices
 from odl.protos import pipeline_pb2
 
@@ -261,7 +262,8 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
                 wide_feats.append(name)
     sparse, dense = optimizer_choices(config.train_config)
     per_row, per_value = _SPARSE_STATE.get(sparse.kind, (0, 2))
-    wide_out = max(1, int(mc.deepfm.wide_output_dim))
+    _field, d = wide_deep_settings(mc)
+    wide_out = max(1, int(d.wide_output_dim))
     wide_dim = -(-wide_out // WIDE_DIM_ALIGN) * WIDE_DIM_ALIGN
 
     tables: dict[str, TableEstimate] = {}
@@ -304,7 +306,8 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
         add_table(f"{fc.embedding_name or name}_wide", _rows(fc, model_ev), wide_dim, fc)
         pooled += wide_dim
 
-    d = mc.deepfm
+    if not uses_fm(mc):
+        fm_dim = 0
     params, deep_width = _mlp_params(deep_in, d.dnn)
     params += 1 + wide_dense * wide_out  # wide bias, wide linear term over dense features
     hidden = sum(int(u) for u in d.dnn.hidden_units)
@@ -457,10 +460,10 @@ def _blame(config: pipeline_pb2.EasyRecConfig, est: MemoryEstimate, sparse: int)
     }
     largest = max(parts, key=lambda k: parts[k])
     if largest == "dense":
-        d = config.model_config.deepfm
+        field, d = wide_deep_settings(config.model_config)
         if d.HasField("final_dnn") and sum(d.final_dnn.hidden_units) > sum(d.dnn.hidden_units):
-            return "model_config.deepfm.final_dnn.hidden_units"
-        return "model_config.deepfm.dnn.hidden_units"
+            return f"model_config.{field}.final_dnn.hidden_units"
+        return f"model_config.{field}.dnn.hidden_units"
     if largest == "activations":
         return "data_config.batch_size"
     if largest == "metrics":

@@ -32,6 +32,7 @@ from odl.config.feature_configs import (
     feature_configs,
     feature_list_path,
 )
+from odl.config.model_classes import IMPLEMENTED_MODEL_CLASSES, uses_fm, wide_deep_settings
 from odl.protos import pipeline_pb2
 
 __all__ = ["SUPPORTED_ACTIVATIONS", "validate_features", "validate_model"]
@@ -165,7 +166,7 @@ def validate_features(
 def validate_model(
     config: pipeline_pb2.EasyRecConfig, features: dict[str, FeatureConfig]
 ) -> None:
-    """Checks ``model_config``: losses, feature groups and the DeepFM towers.
+    """Checks ``model_config``: losses, feature groups and the DeepFM / WideAndDeep towers.
 
     Args:
         config: the config.
@@ -178,7 +179,8 @@ def validate_model(
         raise ConfigError("model_config", "required")
     mc = config.model_config
     if not mc.model_class:
-        raise ConfigError("model_config.model_class", 'required ("DeepFM")')
+        raise ConfigError("model_config.model_class",
+                          f"required ({', '.join(IMPLEMENTED_MODEL_CLASSES)})")
     if mc.embedding_regularization < 0:
         raise ConfigError("model_config.embedding_regularization", "must be >= 0")
     for i, loss in enumerate(mc.losses):
@@ -203,42 +205,46 @@ def validate_model(
             if name in seen:
                 raise ConfigError(f"{where}.feature_names[{j}]", f"{name!r} listed twice")
             seen.add(name)
-    # DeepFM (the only class check_implemented lets through).
+    # DeepFM / WideAndDeep (the classes check_implemented lets through)
+    field, d = wide_deep_settings(mc)
+    where = f"model_config.{field}"
     for required in ("wide", "deep"):
         if required not in groups:
             raise ConfigError("model_config.feature_groups",
-                              f'DeepFM needs a feature group named "{required}"')
-    if not mc.HasField("deepfm"):
-        raise ConfigError("model_config.deepfm", "DeepFM needs deepfm { dnn { hidden_units } }")
-    d = mc.deepfm
-    _validate_dnn(d.dnn, "model_config.deepfm.dnn", required=True)
+                              f'{mc.model_class} needs a feature group named "{required}"')
+    if not mc.HasField(field):
+        raise ConfigError(where, f"{mc.model_class} needs {field} {{ dnn {{ hidden_units }} }}")
+    _validate_dnn(d.dnn, f"{where}.dnn", required=True)
     if d.HasField("final_dnn"):
-        _validate_dnn(d.final_dnn, "model_config.deepfm.final_dnn", required=True)
+        _validate_dnn(d.final_dnn, f"{where}.final_dnn", required=True)
     if d.wide_output_dim <= 0:
-        raise ConfigError("model_config.deepfm.wide_output_dim", "must be > 0")
+        raise ConfigError(f"{where}.wide_output_dim", "must be > 0")
     if d.wide_output_dim > limits.MAX_WIDE_OUTPUT_DIM:
-        raise ConfigError("model_config.deepfm.wide_output_dim",
+        raise ConfigError(f"{where}.wide_output_dim",
                           f"{d.wide_output_dim} is above the limit of "
                           f"{limits.MAX_WIDE_OUTPUT_DIM}")
     if not d.HasField("final_dnn") and d.wide_output_dim != mc.num_class:
-        raise ConfigError("model_config.deepfm.wide_output_dim",
-                          "without final_dnn the wide, FM and deep outputs are summed, so "
+        raise ConfigError(f"{where}.wide_output_dim",
+                          "without final_dnn the wide and deep outputs are summed, so "
                           f"wide_output_dim must equal num_class ({mc.num_class})")
     for name in ("l2_regularization", "wide_regularization", "dense_regularization"):
-        if getattr(d, name) < 0:
-            raise ConfigError(f"model_config.deepfm.{name}", "must be >= 0")
+        if name in d.DESCRIPTOR.fields_by_name and getattr(d, name) < 0:
+            raise ConfigError(f"{where}.{name}", "must be >= 0")
     _check_deep_dims(config, features)
-    fm_group = "fm" if "fm" in groups else "deep"
-    gi = groups[fm_group]
+    fm = uses_fm(mc)
+    # FM takes inner products; without FM the deep group is still one pooled input of one width
+    group = "fm" if fm and "fm" in groups else "deep"
+    why = "FM needs" if fm else "the deep tower's pooled input needs"
+    gi = groups[group]
     dims = {n: features[n].embedding_dim for n in mc.feature_groups[gi].feature_names
             if embedded_feature(features[n])}
-    if not dims:
+    if not dims and fm:
         raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
-                          f'the "{fm_group}" group needs at least one embedded feature for FM')
+                          f'the "{group}" group needs at least one embedded feature for FM')
     if len(set(dims.values())) > 1:
         shown = ", ".join(f"{n}={v}" for n, v in list(dims.items())[:6])
         raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
-                          f'FM needs every embedded feature of the "{fm_group}" group to have '
+                          f'{why} every embedded feature of the "{group}" group to have '
                           f"the same embedding_dim; got {shown}"
                           f"{', ...' if len(dims) > 6 else ''}")
 

@@ -1,7 +1,9 @@
-"""EasyRec's DeepFM as a ``CtrModel`` (contract: ``odl.models.ctr_model``).
+"""EasyRec's DeepFM and WideAndDeep as ``CtrModel``s (contract: ``odl.models.ctr_model``).
 
-Dense part (``DeepFMDense``), fed ``deep [B, num_deep * dim]``, ``wide [B, num_wide *
-wide_output_dim]`` (the two pooled groups) and the raw dense features::
+Both share one dense part (``DeepFMDense``); WideAndDeep is DeepFM without the FM term
+(``use_fm`` false: no ``fm`` below, in the sum or in ``final_dnn``'s input). The dense part
+is fed ``deep [B, num_deep * dim]``, ``wide [B, num_wide * wide_output_dim]`` (the two
+pooled groups) and the raw dense features::
 
     wide  = sum over wide lookups of their wide_output_dim weights              [B, W]
             (+ a linear term over the dense features of a wide group) + bias
@@ -33,6 +35,7 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
+from odl.config.model_classes import uses_fm, wide_deep_settings
 from odl.features.batch import Batch
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
@@ -73,7 +76,7 @@ class DeepFMDense(nn.Module):
     """DeepFM after the embedding lookup (see the module docstring); scriptable.
 
     Args:
-        cfg: the DeepFM settings (towers).
+        cfg: the DeepFM or WideAndDeep settings (towers).
         num_deep: deep lookups.
         dim: deep embedding dim.
         num_wide: wide lookups.
@@ -81,19 +84,20 @@ class DeepFMDense(nn.Module):
         deep_dense_idx: dense-feature columns fed to the deep tower.
         wide_dense_idx: dense-feature columns fed to the wide linear term.
         num_dense: dense-feature columns in a batch.
+        use_fm: add the FM term (DeepFM); false: WideAndDeep.
 
     Raises:
         ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
     """
 
     __constants__ = ["num_deep", "dim", "num_wide", "wide_output_dim", "has_deep_dense",
-                     "all_deep_dense"]
+                     "all_deep_dense", "use_fm"]
     deep_dense_idx: list[int]
     wide_dense_idx: list[int]
 
     def __init__(
         self,
-        cfg: pipeline_pb2.DeepFM,
+        cfg: "pipeline_pb2.DeepFM | pipeline_pb2.WideAndDeep",
         num_deep: int,
         dim: int,
         num_wide: int,
@@ -101,8 +105,10 @@ class DeepFMDense(nn.Module):
         deep_dense_idx: Sequence[int],
         wide_dense_idx: Sequence[int],
         num_dense: int,
+        use_fm: bool = True,
     ) -> None:
         super().__init__()
+        self.use_fm = bool(use_fm) and int(num_deep) > 0
         self.num_deep = int(num_deep)
         self.dim = int(dim)
         self.num_wide = int(num_wide)
@@ -120,7 +126,7 @@ class DeepFMDense(nn.Module):
         self.wide_dense = (nn.Linear(len(self.wide_dense_idx), self.wide_output_dim, bias=False)
                            if self.wide_dense_idx else None)
         if cfg.HasField("final_dnn"):
-            fm_dim = self.dim if self.num_deep else 0
+            fm_dim = self.dim if self.use_fm else 0
             final_in = self.wide_output_dim + fm_dim + deep_width
             self.final_dnn, final_width = build_mlp(final_in, cfg.final_dnn)
             self.final_out = nn.Linear(final_width, 1)
@@ -152,8 +158,9 @@ class DeepFMDense(nn.Module):
         parts: list[torch.Tensor] = []
         fm = torch.zeros(0)
         if self.num_deep > 0:
-            v = deep.reshape(b, self.num_deep, self.dim)
-            fm = 0.5 * (v.sum(dim=1).square() - v.square().sum(dim=1))
+            if self.use_fm:
+                v = deep.reshape(b, self.num_deep, self.dim)
+                fm = 0.5 * (v.sum(dim=1).square() - v.square().sum(dim=1))
             parts.append(deep)
         if self.has_deep_dense:
             if self.all_deep_dense:
@@ -166,14 +173,14 @@ class DeepFMDense(nn.Module):
         final_out = self.final_out
         if final_dnn is not None and final_out is not None:
             cat = [w]
-            if self.num_deep > 0:
+            if self.use_fm:
                 cat.append(fm)
             cat.append(h)
             return final_out(final_dnn(torch.cat(cat, dim=1))).squeeze(1)
         deep_out = self.deep_out
         assert deep_out is not None
         logit = deep_out(h).squeeze(1) + w.sum(dim=1)
-        if self.num_deep > 0:
+        if self.use_fm:
             logit = logit + fm.sum(dim=1)
         return logit
 
@@ -197,16 +204,19 @@ class DeepFMRegularization:
         """The weights an ``EasyRecModel`` config asks for.
 
         Args:
-            model_config: the model config (its ``deepfm`` and ``embedding_regularization``).
+            model_config: the model config (its ``deepfm`` or ``wide_and_deep`` and
+                ``embedding_regularization``).
 
         Returns:
             The weights.
         """
-        cfg = model_config.deepfm
+        _field, cfg = wide_deep_settings(model_config)
+        dense_reg = getattr(cfg, "dense_regularization", 0.0)
+        wide_reg = getattr(cfg, "wide_regularization", 0.0)
         return cls(
-            l2=float(cfg.l2_regularization or cfg.dense_regularization),
+            l2=float(cfg.l2_regularization or dense_reg),
             embedding=float(model_config.embedding_regularization),
-            wide=float(cfg.wide_regularization or model_config.embedding_regularization),
+            wide=float(wide_reg or model_config.embedding_regularization),
         )
 
 
@@ -246,14 +256,15 @@ def deepfm_loss(
 
 
 class DeepFM(CtrModel):
-    """DeepFM over an ``EmbeddingBagCollection`` built on ``ebc_device``.
+    """DeepFM (or WideAndDeep) over an ``EmbeddingBagCollection`` built on ``ebc_device``.
 
     Args:
         layout: table layout (deep and wide lookups).
         dense_features: names of ``Batch.dense`` columns, in order.
         deep_dense: dense features in the deep group.
         wide_dense: dense features in a wide group.
-        model_config: the ``EasyRecModel`` (DeepFM settings and regularization).
+        model_config: the ``EasyRecModel`` (DeepFM / WideAndDeep settings, regularization;
+            ``model_class`` says which).
         output_name: the name of the model's one output (the label it predicts).
         ebc_device: device of the tables (``meta``: materialized by DMP).
 
@@ -275,8 +286,9 @@ class DeepFM(CtrModel):
         self.layout = layout
         self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device))
         col = {n: i for i, n in enumerate(dense_features)}
+        _field, settings = wide_deep_settings(model_config)
         self.dense = DeepFMDense(
-            model_config.deepfm,
+            settings,
             num_deep=len(layout.deep_keys),
             dim=layout.deep_dim,
             num_wide=len(layout.wide_keys),
@@ -284,6 +296,7 @@ class DeepFM(CtrModel):
             deep_dense_idx=[col[n] for n in deep_dense],
             wide_dense_idx=[col[n] for n in wide_dense],
             num_dense=len(dense_features),
+            use_fm=uses_fm(model_config),
         )
         self.pooled_layout = (
             PooledGroup("deep", tuple(layout.deep_keys), layout.deep_dim),

@@ -1,7 +1,8 @@
 """Builds the model named by ``model_config.model_class`` (a ``CtrModel``).
 
 Every model follows the contract of ``odl.models.ctr_model``; a new model class is added to
-``SUPPORTED_MODELS`` and to ``build_model``.
+``odl.config.model_classes`` and to ``build_model``. DeepFM and WideAndDeep are one class
+(``odl.models.deepfm.DeepFM``; WideAndDeep has no FM term).
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from odl.config.config_error import ConfigError
+from odl.config.model_classes import IMPLEMENTED_MODEL_CLASSES, wide_deep_settings
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import CtrModel
 from odl.models.deepfm import DeepFM
@@ -17,7 +19,7 @@ from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODELS = ("DeepFM",)
+SUPPORTED_MODELS = IMPLEMENTED_MODEL_CLASSES
 
 
 def model_groups(
@@ -83,17 +85,19 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
     if mc.num_class not in (0, 1):
         raise ConfigError("model_config.num_class", "only 1 (binary classification) is supported")
     groups = model_groups(mc, feature_builder)
-    wide_dim = int(mc.deepfm.wide_output_dim) or 1
+    field, settings = wide_deep_settings(mc)
+    wide_dim = int(settings.wide_output_dim) or 1
     try:
         layout = build_embedding_layout(
             feature_builder.table_specs, groups["deep_sparse"], groups["wide_sparse"], wide_dim)
     except ValueError as e:
         raise ConfigError("model_config.feature_groups", str(e)) from e
-    if not mc.deepfm.dnn.hidden_units:
-        raise ConfigError("model_config.deepfm.dnn.hidden_units", "at least one layer is needed")
+    if not settings.dnn.hidden_units:
+        raise ConfigError(f"model_config.{field}.dnn.hidden_units",
+                          "at least one layer is needed")
     labels = list(config.data_config.label_fields) or ["label"]
     try:
         return DeepFM(layout, feature_builder.dense_feature_names, groups["deep_dense"],
                       groups["wide_dense"], mc, output_name=labels[0])
     except ValueError as e:
-        raise ConfigError("model_config.deepfm", str(e)) from e
+        raise ConfigError(f"model_config.{field}", str(e)) from e
