@@ -679,3 +679,25 @@ def test_wide_and_deep_deep_group_needs_one_embedding_dim(tmp_path: Path) -> Non
     err = error_of(validate_pipeline_config, load_text(tmp_path, text), online=True)
     assert err.field.startswith("model_config.feature_groups[")
     assert "deep tower's pooled input" in str(err) and "C1=8" in str(err)
+
+
+@pytest.mark.parametrize("form", ["'1650765731'", "1650765731", '"20220424 02:02:11"'])
+def test_kafka_offset_time_takes_easyrec_strings_and_numbers(tmp_path: Path, form: str) -> None:
+    from odl.inputs.source_factory import online_source_args
+
+    text = ONLINE.read_text().replace('group: "odl_deepfm"',
+                                      f'group: "odl_deepfm"\n  offset_time: {form}')
+    config = load_text(tmp_path, text)
+    validate_pipeline_config(config, online=True)
+    start, _args = online_source_args(config, None)
+    assert start.timestamp_s == 1650765731.0
+
+
+@pytest.mark.parametrize("form, why", [('"yesterday"', "neither unix seconds"),
+                                       ("1650765731000", "milliseconds")])
+def test_kafka_offset_time_refuses_what_it_cannot_read(tmp_path: Path, form: str,
+                                                        why: str) -> None:
+    text = ONLINE.read_text().replace('group: "odl_deepfm"',
+                                      f'group: "odl_deepfm"\n  offset_time: {form}')
+    err = error_of(validate_pipeline_config, load_text(tmp_path, text), online=True)
+    assert err.field == "kafka_train_input.offset_time" and why in str(err)

@@ -45,6 +45,7 @@ from odl.config.field_formats import (
     parse_datahub_offsets,
     parse_dead_line,
     parse_offset_info,
+    parse_offset_time,
     path_scheme,
 )
 from odl.config.model_validation import validate_features, validate_model
@@ -186,15 +187,14 @@ def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
         raise ConfigError("kafka_train_input.group", "must not be empty")
     starts = [name for name, used in (("offset", len(k.offset) > 0),
                                       ("offset_info", bool(k.offset_info.strip())),
-                                      ("offset_time", k.offset_time != 0)) if used]
+                                      ("offset_time", bool(k.offset_time.strip()))) if used]
     if len(starts) > 1:
         raise ConfigError(f"kafka_train_input.{starts[1]}",
                           f"give only one start position; {' and '.join(starts)} are both set")
-    if k.offset_time < 0:
-        raise ConfigError("kafka_train_input.offset_time", "must be unix seconds >= 0")
-    if k.offset_time > 1e11:
-        raise ConfigError("kafka_train_input.offset_time",
-                          f"{k.offset_time} looks like milliseconds; give unix seconds")
+    try:
+        parse_offset_time(k.offset_time)
+    except ValueError as exc:
+        raise ConfigError("kafka_train_input.offset_time", str(exc)) from None
     parse_offset_info(k.offset_info)
     if k.offset and k.partitions and len(k.offset) > k.partitions:
         raise ConfigError("kafka_train_input.offset",

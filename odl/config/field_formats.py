@@ -14,11 +14,12 @@ the values.
 
 from __future__ import annotations
 
+import calendar
 import json
 import math
 import re
 import time
-from typing import Any
+from typing import Any, Optional
 
 from odl.config.config_error import ConfigError
 from odl.config.config_fields import describe_value
@@ -163,14 +164,32 @@ def parse_datahub_offsets(offset_info: str, offset_time: str) -> dict[str, Any]:
                 raise ValueError(f'shard "{shard}": expected {{"cursor": "..."}} or a '
                                  "sequence >= 0")
         return {"cursors": cursors, "sequences": sequences}
-    if offset_time:
-        text = offset_time.strip()
-        if text.isdigit():
-            return {"timestamp_s": float(text)}
-        try:
-            import calendar
+    seconds = parse_offset_time(offset_time)
+    return {"timestamp_s": seconds} if seconds is not None else {}
 
-            return {"timestamp_s": float(calendar.timegm(time.strptime(text, _DEAD_LINE_FORMAT)))}
-        except ValueError:
-            raise ValueError(f"{text!r} is neither unix seconds nor 'YYYYMMDD HH:MM:SS'") from None
-    return {}
+
+def parse_offset_time(offset_time: str) -> Optional[float]:
+    """Unix seconds of an EasyRec ``offset_time``.
+
+    Args:
+        offset_time: unix seconds (``"1650765731"``) or ``"YYYYMMDD HH:MM:SS"`` (UTC);
+            "" = none.
+
+    Returns:
+        The seconds, or None when empty.
+
+    Raises:
+        ValueError: neither form, or a number that looks like milliseconds.
+    """
+    text = (offset_time or "").strip()
+    if not text:
+        return None
+    if text.isdigit():
+        seconds = float(text)
+        if seconds > 1e11:
+            raise ValueError(f"{text} looks like milliseconds; give unix seconds")
+        return seconds
+    try:
+        return float(calendar.timegm(time.strptime(text, _DEAD_LINE_FORMAT)))
+    except ValueError:
+        raise ValueError(f"{text!r} is neither unix seconds nor 'YYYYMMDD HH:MM:SS'") from None

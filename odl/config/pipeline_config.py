@@ -96,6 +96,9 @@ def load_pipeline_config(
     return config
 
 
+_BARE_OFFSET_TIME = re.compile(r"(\boffset_time\s*:\s*)(\d+)(?=\s|$|[;,}#])", re.MULTILINE)
+
+
 def parse_pipeline_config_text(text: str, source: str = "<text>") -> pipeline_pb2.EasyRecConfig:
     """Parse config text, turning protobuf's ParseError into a :class:`ConfigError`.
 
@@ -111,6 +114,8 @@ def parse_pipeline_config_text(text: str, source: str = "<text>") -> pipeline_pb
 
     """
     config = pipeline_pb2.EasyRecConfig()
+    # EasyRec's offset_time is a string; configs often give it as a bare number
+    text = _BARE_OFFSET_TIME.sub(r'\1"\2"', text)
     try:
         text_format.Parse(text, config)
     except text_format.ParseError as e:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from odl.config.field_formats import parse_offset_info
+from odl.config.field_formats import parse_offset_info, parse_offset_time
 from odl.inputs.datahub_source import (
     DatahubSource,
     DatahubStart,
@@ -84,7 +84,7 @@ def online_source_args(config: pipeline_pb2.EasyRecConfig,
     ki = config.kafka_train_input
     start = start_positions_from_config(
         parse_offset_info(ki.offset_info) if ki.offset_info else None,
-        ki.offset_time,
+        parse_offset_time(ki.offset_time) or 0,
         list(ki.offset),
         restored_positions,
     )
