@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from odl.config.config_edit import apply_edit_config_json
-from odl.config.config_error import ConfigError
+from odl.config.config_error import ConfigError, ConfigErrors
 from odl.config.config_redaction import config_to_text, save_pipeline_config
 from odl.config.config_validation import validate_pipeline_config
 from odl.config.feature_configs import feature_configs
@@ -274,16 +274,9 @@ def test_unknown_field(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "text, field",
     [
-        ('eval_config { metrics_set { auc {} } }', "eval_config"),
-        ('export_config { exporter_type: "final" }', "export_config"),
         ('fg_json_path: "fg.json"', "fg_json_path"),
-        ("train_config { sync_replicas: true }", "train_config.sync_replicas"),
-        ("train_config { incr_save_config { debug_save_update: true } }",
-         "train_config.incr_save_config.debug_save_update"),
         ("train_config { gradient_clipping_by_norm: 1.0 }",
          "train_config.gradient_clipping_by_norm"),
-        ("train_config { optimizer_config { use_moving_average: false } }",
-         "train_config.optimizer_config[0].use_moving_average"),
         ("model_config { dbmtl { } }", "model_config.dbmtl"),
         ('feature_configs { input_names: "a" } feature_configs { shared_names: "b" }',
          "feature_configs[1].shared_names"),
@@ -293,6 +286,45 @@ def test_easyrec_field_not_implemented(tmp_path: Path, text: str, field: str) ->
     err = error_of(load_text, tmp_path, text)
     assert err.field == field
     assert "is an EasyRec field that odl does not implement yet" in str(err)
+
+
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ('eval_config { metrics_set { auc {} } }', "eval_config"),
+        ('export_config { exporter_type: "final" }', "export_config"),
+        ("train_config { sync_replicas: true }", "train_config.sync_replicas"),
+        ("train_config { incr_save_config { debug_save_update: true } }",
+         "train_config.incr_save_config.debug_save_update"),
+        ("train_config { optimizer_config { use_moving_average: false } }",
+         "train_config.optimizer_config[0].use_moving_average"),
+        ("data_config { prefetch_size: 32 chief_redundant: true }", "data_config.prefetch_size"),
+    ],
+)
+def test_easyrec_field_without_effect_is_accepted_with_a_warning(
+        tmp_path: Path, text: str, field: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="odl.config.pipeline_config"):
+        config = load_text(tmp_path, text + '\nmodel_dir: "m"')
+    assert config.model_dir == "m"  # parsed on past the field
+    warnings = [r.getMessage() for r in caplog.records]
+    assert any(f"config field {field} has no effect in odl" in w for w in warnings), warnings
+
+
+def test_easyrec_field_that_would_change_the_model_is_refused(tmp_path: Path) -> None:
+    err = error_of(load_text, tmp_path, "train_config { use_moving_average: true }")
+    assert err.field == "train_config.use_moving_average"
+    assert "would change the trained model" in str(err) and ":1:16" in str(err)
+
+
+def test_every_field_error_of_a_config_in_one_run(tmp_path: Path) -> None:
+    text = ("train_config {\n  num_stepz: 3\n  gradient_clipping_by_norm: 1.0\n"
+            "  sync_replicas: true\n}\nmodel_config { dbmtl { } }\nmodl_dir: 'x'\n")
+    err = error_of(load_text, tmp_path, text)
+    assert isinstance(err, ConfigErrors)
+    assert [e.field for e in err.errors] == [
+        "train_config.num_stepz", "train_config.gradient_clipping_by_norm",
+        "model_config.dbmtl", "modl_dir"]
+    assert str(err).startswith("4 config errors:") and ":7:1" in str(err)
 
 
 @pytest.mark.parametrize(
@@ -453,7 +485,10 @@ def test_edit_null_clears(online) -> None:
          "expected an integer, got \"abc\""),
         ({"train_config.num_steps": -1}, "train_config.num_steps", "out of range"),
         ({"train_config.bogus": 1}, "train_config.bogus", "unknown field 'bogus'"),
-        ({"train_config.sync_replicas": True}, "train_config.sync_replicas",
+        ({"train_config.use_moving_average": True}, "train_config.use_moving_average",
+         "would change the trained model"),
+        ({"train_config.gradient_clipping_by_norm": 1.0},
+         "train_config.gradient_clipping_by_norm",
          "EasyRec field that odl does not implement yet"),
         ({"nothing.at_all": 1}, "nothing.at_all", "unknown field 'nothing'"),
         ({"feature_configs[99].embedding_dim": 1}, "feature_configs[99].embedding_dim",

@@ -19,6 +19,7 @@ edit; values under a secret name are never echoed (:mod:`odl.config.config_redac
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from typing import Any, Union
@@ -38,10 +39,13 @@ from odl.config.config_fields import (
 )
 from odl.config.config_redaction import mask_echoed_values, may_hold_secret
 from odl.config.easyrec_compat import (
+    EASYREC_NO_EFFECT_FIELDS,
     EASYREC_NOT_IMPLEMENTED_FIELDS,
     EASYREC_NOT_IMPLEMENTED_VALUES,
 )
 from odl.protos import pipeline_pb2
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["apply_edit_config_json"]
 
@@ -127,8 +131,26 @@ def _apply_edit(msg: Message, key: str, value: Any, prefix: str) -> None:
             and isinstance(msg, pipeline_pb2.EasyRecConfig)
             and not msg.feature_configs and msg.feature_config.features):
         segments = [("feature_config", []), ("features", segments[0][1]), *segments[1:]]
-    for parent, fd, index in _resolve(msg, segments, full):
+    try:
+        targets = list(_resolve(msg, segments, full))
+    except _NoEffect as skipped:
+        harmful = str(value).strip().lower() in skipped.harmful
+        if harmful:
+            raise ConfigError(full, f"{skipped.name}: {value} would change the trained model, "
+                                    f"and odl does not implement it: {skipped.why}") from None
+        logger.warning("config field %s has no effect in odl and is ignored: %s", full,
+                       skipped.why)
+        return
+    for parent, fd, index in targets:
         _set_value(parent, fd, index, value, full)
+
+
+class _NoEffect(Exception):
+    """An edit of a field that changes nothing in odl (``EASYREC_NO_EFFECT_FIELDS``)."""
+
+    def __init__(self, name: str, why: str, harmful: frozenset[str]) -> None:
+        super().__init__(name)
+        self.name, self.why, self.harmful = name, why, harmful
 
 
 def _split_path(key: str, full: str) -> list[tuple[str, list[str]]]:
@@ -174,6 +196,8 @@ def _field(msg: Message, name: str, full: str) -> FieldDescriptor:
     if fd is not None:
         return fd
     short = short_name(desc.full_name)
+    if name in EASYREC_NO_EFFECT_FIELDS.get(short, {}):
+        raise _NoEffect(name, *EASYREC_NO_EFFECT_FIELDS[short][name])
     if name in EASYREC_NOT_IMPLEMENTED_FIELDS.get(short, ()):
         raise ConfigError(full, f"{name} is an EasyRec field that odl does not implement yet")
     raise ConfigError(full, f"unknown field {name!r} in {short}{suggest_field(name, desc)}")

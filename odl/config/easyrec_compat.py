@@ -23,6 +23,7 @@ from odl.config.model_classes import IMPLEMENTED_MODEL_CLASSES, MODEL_MESSAGES
 from odl.protos import pipeline_pb2
 
 __all__ = [
+    "EASYREC_NO_EFFECT_FIELDS",
     "EASYREC_NOT_IMPLEMENTED_FIELDS",
     "EASYREC_NOT_IMPLEMENTED_VALUES",
     "IMPLEMENTED_MODEL_CLASSES",
@@ -36,23 +37,18 @@ __all__ = [
 # table when odl implements the field (and pipeline.proto gains it).
 EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "EasyRecConfig": frozenset({
-        "eval_config", "export_config",
-        "hive_train_input", "hive_eval_input", "binary_train_input", "binary_eval_input",
-        "parquet_train_input", "parquet_eval_input", "odps_train_input", "odps_eval_input",
-        "oss_train_input", "oss_eval_input", "fg_json_path",
+        "hive_train_input", "binary_train_input", "parquet_train_input", "odps_train_input",
+        "oss_train_input", "fg_json_path",
     }),
     "KafkaServer": frozenset({"consumer", "sink"}),
     "DatasetConfig": frozenset({
-        "auto_expand_input_fields", "label_sep", "label_dim", "extra_label_func", "shuffle",
-        "shuffle_buffer_size", "prefetch_size", "shard", "file_shard", "num_parallel_calls",
-        "selected_cols", "selected_col_types", "rtp_separator", "ignore_error",
-        "pai_worker_queue", "pai_worker_slice_num", "chief_redundant", "sample_weight",
-        "data_compression_type", "n_data_batch_tfrecord", "with_header", "feature_fields",
-        "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
-        "hard_negative_sampler_v2", "negative_sampler_in_memory", "eval_batch_size",
-        "drop_remainder", "fg_encoded", "fg_encoded_multival_sep",
-        "dataset_type", "fg_mode", "fg_threads",
-    }),
+        "auto_expand_input_fields", "label_sep", "label_dim", "extra_label_func", "shard",
+        "file_shard", "selected_cols", "selected_col_types", "rtp_separator", "ignore_error",
+        "sample_weight", "data_compression_type", "n_data_batch_tfrecord", "with_header",
+        "feature_fields", "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
+        "hard_negative_sampler_v2", "negative_sampler_in_memory", "drop_remainder",
+        "fg_encoded", "fg_encoded_multival_sep",
+        "fg_mode", }),
     "DatasetConfig.Field": frozenset({
         "input_dim", "input_shape", "user_define_fn", "user_define_fn_path",
         "user_define_fn_res_type", "ignore_val",
@@ -85,25 +81,20 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     }),
     "DNN": frozenset({"use_final_bn", "final_activation", "use_final_bias", "use_bias"}),
     "TrainConfig": frozenset({
-        "gradient_clipping_by_norm", "sync_replicas", "sparse_accumulator_type",
-        "startup_delay_steps", "save_summary_steps", "is_profiling",
-        "force_restore_shape_compatible", "train_distribute", "num_gpus_per_worker",
-        "summary_model_vars", "protocol", "inter_op_parallelism_threads",
-        "intra_op_parallelism_threads", "tensor_fuse", "write_graph", "freeze_gradient",
-        "num_epochs", "use_moving_average", "moving_average_decay",
-        "save_checkpoints_epochs", "fine_tune_ckpt_param_map", "use_tensorboard",
-        "tensorboard_summaries", "cudnn_allow_tf32", "cuda_matmul_allow_tf32",
+        "gradient_clipping_by_norm", "sparse_accumulator_type",
+        "force_restore_shape_compatible", "freeze_gradient", "num_epochs",
+        "save_checkpoints_epochs", "fine_tune_ckpt_param_map", "cudnn_allow_tf32",
+        "cuda_matmul_allow_tf32",
         "global_embedding_constraints", "mixed_precision", "grad_scaler",
         "gradient_accumulation_steps",
     }),
-    "IncrementSaveConfig": frozenset({"debug_save_update", "datahub"}),
+    "IncrementSaveConfig": frozenset({"datahub"}),
     "IncrementSaveConfig.Kafka.Consumer": frozenset({"config_topic", "config_global", "timeout"}),
     "IncrementSaveConfig.File": frozenset({"relative", "mount_path"}),
     "OptimizerConfig": frozenset({
         "rms_prop_optimizer", "momentum_optimizer", "momentumw_optimizer", "adamw_optimizer",
         "adam_async_optimizer", "adam_asyncw_optimizer", "ftrl_optimizer",
-        "lazy_adam_optimizer", "use_moving_average", "moving_average_decay",
-        "embedding_learning_rate_multiplier",
+        "lazy_adam_optimizer", "embedding_learning_rate_multiplier",
     }),
     "LearningRate": frozenset({
         "manual_step_learning_rate", "cosine_decay_learning_rate", "poly_decay_learning_rate",
@@ -119,6 +110,64 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "adamw_optimizer", "manual_step_learning_rate", "cosine_decay_learning_rate",
     }),
 }
+
+# Fields of EasyRec's / TorchEasyRec's pipeline config that change nothing in an odl run:
+# accepted with one warning naming the field and why, and dropped. Keyed by the odl message
+# that would hold them; each maps to (why it has no effect, values that WOULD change the
+# trained model and are refused as not implemented, lower case, empty: none).
+EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
+    "EasyRecConfig": {
+        "eval_config": ("odl reports progressive (predict-then-train) metrics while training; "
+                        "a separate evaluation run is not part of online training",
+                        frozenset()),
+        "export_config": ("odl-export has its own options (docs/serving.md)", frozenset()),
+        **{name: ("there is no separate evaluation run", frozenset()) for name in (
+            "hive_eval_input", "binary_eval_input", "parquet_eval_input", "odps_eval_input",
+            "oss_eval_input")},
+    },
+    "DatasetConfig": {
+        "shuffle": ("a stream is trained in arrival order", frozenset()),
+        "shuffle_buffer_size": ("a stream is trained in arrival order", frozenset()),
+        "prefetch_size": ("the input process prefetches on its own", frozenset()),
+        "num_parallel_calls": ("parsing runs in the input process (data_config.num_workers)",
+                               frozenset()),
+        "chief_redundant": ("one trainer process reads the whole stream", frozenset()),
+        "pai_worker_queue": ("a PAI-only input setting", frozenset()),
+        "pai_worker_slice_num": ("a PAI-only input setting", frozenset()),
+        "eval_batch_size": ("there is no separate evaluation run", frozenset()),
+        "dataset_type": ("the input section (kafka_train_input, datahub_train_input, "
+                         "file_stream_input) says what is read", frozenset()),
+        "fg_threads": ("features are built in the input process", frozenset()),
+    },
+    "TrainConfig": {
+        "sync_replicas": ("one trainer process (no parameter-server replicas)", frozenset()),
+        "startup_delay_steps": ("one trainer process", frozenset()),
+        "train_distribute": ("one trainer process", frozenset()),
+        "num_gpus_per_worker": ("the device is --device", frozenset()),
+        "save_summary_steps": ("metrics go to /status and /metrics", frozenset()),
+        "summary_model_vars": ("metrics go to /status and /metrics", frozenset()),
+        "use_tensorboard": ("metrics go to /status and /metrics", frozenset()),
+        "tensorboard_summaries": ("metrics go to /status and /metrics", frozenset()),
+        "is_profiling": ("no TensorFlow profiler", frozenset()),
+        "protocol": ("no TensorFlow server", frozenset()),
+        "inter_op_parallelism_threads": ("threads are --torch_threads", frozenset()),
+        "intra_op_parallelism_threads": ("threads are --torch_threads", frozenset()),
+        "tensor_fuse": ("a TensorFlow setting", frozenset()),
+        "write_graph": ("no TensorFlow graph", frozenset()),
+        "use_moving_average": ("odl keeps no moving average of the weights",
+                               frozenset({"true", "1", "t", "yes"})),
+        "moving_average_decay": ("odl keeps no moving average of the weights", frozenset()),
+    },
+    "OptimizerConfig": {
+        "use_moving_average": ("odl keeps no moving average of the weights",
+                               frozenset({"true", "1", "t", "yes"})),
+        "moving_average_decay": ("odl keeps no moving average of the weights", frozenset()),
+    },
+    "IncrementSaveConfig": {
+        "debug_save_update": ("a debugging dump of EasyRec's", frozenset()),
+    },
+}
+
 
 # Enum values of EasyRec that odl's enums lack, keyed by odl's enum (short name).
 EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {

@@ -23,7 +23,7 @@ from typing import Any, Union
 from google.protobuf import text_format
 
 from odl.config.config_edit import apply_edit_config_json
-from odl.config.config_error import ConfigError
+from odl.config.config_error import ConfigError, raise_all
 from odl.config.config_fields import (
     enum_value_names,
     is_map_field,
@@ -34,6 +34,7 @@ from odl.config.config_fields import (
 )
 from odl.config.config_redaction import REDACTED, mask_echoed_values, may_hold_secret
 from odl.config.easyrec_compat import (
+    EASYREC_NO_EFFECT_FIELDS,
     EASYREC_NOT_IMPLEMENTED_FIELDS,
     EASYREC_NOT_IMPLEMENTED_VALUES,
     check_implemented,
@@ -113,17 +114,110 @@ def parse_pipeline_config_text(text: str, source: str = "<text>") -> pipeline_pb
         ConfigError: naming the field and the line:column of the problem.
 
     """
-    config = pipeline_pb2.EasyRecConfig()
     # EasyRec's offset_time is a string; configs often give it as a bare number
     text = _BARE_OFFSET_TIME.sub(r'\1"\2"', text)
-    try:
-        text_format.Parse(text, config)
-    except text_format.ParseError as e:
-        raise _parse_error_to_config_error(e, text, source) from None
-    except RecursionError:
-        raise ConfigError("pipeline_config_path",
-                          f"{source} is nested too deeply to parse") from None
+    errors: list[ConfigError] = []
+    ignored: list[tuple[str, str]] = []
+    for _ in range(_MAX_PARSE_ERRORS):
+        config = pipeline_pb2.EasyRecConfig()
+        try:
+            text_format.Parse(text, config)
+            break
+        except text_format.ParseError as e:
+            error = _parse_error_to_config_error(e, text, source)
+            field = _unknown_field(e)
+            span = _field_span(text, e.GetLine(), e.GetColumn()) if field else None
+            if span is None:  # not a field that can be cut out: parsing cannot go on
+                errors.append(error)
+                break
+            msg_name, name = field
+            why, harmful = EASYREC_NO_EFFECT_FIELDS.get(msg_name, {}).get(name, ("", None))
+            value = _scalar_value(text, span).lower()
+            if why and value not in (harmful or ()):
+                ignored.append((error.field, why))
+            elif why:
+                at = re.search(r"\(at [^)]*\)$", error.message)
+                where = f" {at.group()}" if at else ""
+                errors.append(ConfigError(
+                    error.field, f"{name}: {value} would change the trained model, and odl "
+                                 f"does not implement it: {why}{where}"))
+            else:
+                errors.append(error)
+            # blank the field out (lines and columns of what follows stay where they were)
+            text = text[:span[0]] + re.sub(r"[^\n]", " ", text[span[0]:span[1]]) + text[span[1]:]
+        except RecursionError:
+            raise ConfigError("pipeline_config_path",
+                              f"{source} is nested too deeply to parse") from None
+    raise_all(errors)
+    for path, why in ignored:
+        logger.warning("config field %s has no effect in odl and is ignored: %s", path, why)
     return config
+
+
+_MAX_PARSE_ERRORS = 200
+
+
+def _unknown_field(err: text_format.ParseError) -> tuple[str, str] | None:
+    """``(message short name, field)`` of a "has no field named" error, else None."""
+    m = re.search(r'Message type "([\w.]+)" has no field named "(\w+)"', str(err))
+    return (short_name(m.group(1)), m.group(2)) if m else None
+
+
+def _field_span(text: str, line: int, col: int) -> tuple[int, int] | None:
+    """Character span of the field whose name starts at ``line``:``col`` (1-based).
+
+    The span holds the name and its value (a scalar, a list or a message block); None when it
+    cannot be delimited.
+    """
+    if not line:
+        return None
+    lines = text.split("\n")
+    start = sum(len(ln) + 1 for ln in lines[: line - 1]) + max(col - 1, 0)
+    tokens = _TOKEN_RE.finditer(text, start)
+    depth, seen_name, seen_colon = 0, False, False
+    for m in tokens:
+        kind, tok = m.lastgroup, m.group()
+        if kind in ("ws", "comment"):
+            continue
+        if not seen_name:
+            if kind != "word":
+                return None
+            seen_name = True
+            continue
+        if depth == 0 and not seen_colon and tok == ":":
+            seen_colon = True
+            continue
+        if tok in "{<[":
+            depth += 1
+            continue
+        if tok in "}>]":
+            depth -= 1
+            if depth < 0:
+                return None
+            if depth == 0:
+                return start, m.end()
+            continue
+        if depth == 0:
+            if not seen_colon:
+                return None
+            end = m.end()
+            for more in _TOKEN_RE.finditer(text, end):  # adjacent strings concatenate
+                if more.lastgroup == "ws":
+                    continue
+                if more.lastgroup == "str" and kind == "str":
+                    end = more.end()
+                    continue
+                break
+            return start, end
+    return None
+
+
+def _scalar_value(text: str, span: tuple[int, int]) -> str:
+    """The value of a ``name: value`` span ("" for a message or list)."""
+    body = text[span[0]:span[1]]
+    _, _, value = body.partition(":")
+    value = value.strip()
+    return "" if value[:1] in ("{", "<", "[") else value.strip("'\"")
 
 
 def _parse_error_to_config_error(

@@ -1,0 +1,242 @@
+"""Try loading the third-party sample configs in this folder as odl online (Kafka) configs.
+
+Not a test: a report. For each ``easyrec/*.config`` and ``torcheasyrec/*.config`` it
+
+1. replaces the input section with ``kafka_train_input { server: "127.0.0.1:9092" topic: "t"
+   group: "g" }``: removes the top-level ``train_input_path``, ``eval_input_path`` and every
+   top-level ``*_train_input`` / ``*_eval_input`` block; for EasyRec configs also
+   ``data_config.input_type`` (TorchEasyRec's ``data_config.dataset_type`` stays);
+2. loads it like ``odl-train`` does (:func:`odl.config.pipeline_config.load_pipeline_config`
+   on a temporary file) and runs
+   :func:`odl.config.config_validation.validate_pipeline_config` with ``online=True``;
+3. prints one line per file (file, model class, OK or the error) and the OK count.
+
+Run from the repository root: ``.venv/bin/python tests/compat_configs/try_load.py``
+(``-v`` also prints the rewritten text's removed spans).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+import tempfile
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+
+from odl.config.config_error import ConfigError  # noqa: E402
+from odl.config.config_validation import validate_pipeline_config  # noqa: E402
+from odl.config.pipeline_config import load_pipeline_config  # noqa: E402
+
+KAFKA_INPUT = '\nkafka_train_input {\n  server: "127.0.0.1:9092"\n  topic: "t"\n  group: "g"\n}\n'
+
+# TorchEasyRec names the model by its message inside model_config
+TZREC_MODEL_MESSAGES = {
+    "deepfm": "DeepFM", "wide_and_deep": "WideAndDeep", "multi_tower": "MultiTower",
+    "multi_tower_din": "MultiTowerDIN", "dbmtl": "DBMTL", "mmoe": "MMoE", "dcn": "DCN",
+    "dcn_v2": "DCNV2", "dlrm": "DLRM", "ple": "PLE", "rank_model": "RankModel",
+}
+
+
+# --- a small protobuf text-format scanner: enough to find fields and their spans -----------
+
+_TOKEN = re.compile(r"""
+    (?P<ws>\s+)
+  | (?P<comment>\#[^\n]*)
+  | (?P<str>"(?:[^"\\\n]|\\.)*"|'(?:[^'\\\n]|\\.)*')
+  | (?P<punct>[{}\[\]:,;<>])
+  | (?P<word>[^\s{}\[\]:,;<>"'\#]+)
+""", re.VERBOSE)
+
+
+@dataclass
+class Tok:
+    kind: str
+    text: str
+    start: int
+    end: int
+
+
+@dataclass
+class Field:
+    path: str      # dotted path of the enclosing message ("" at top level)
+    name: str
+    start: int     # offset of the field name
+    end: int       # offset after the value (and a trailing , or ;)
+    value: str     # scalar text, "" for a message or list
+
+
+def tokenize(text: str) -> list[Tok]:
+    toks = []
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:  # stray character: make it a word so the scan goes on
+            toks.append(Tok("word", text[pos], pos, pos + 1))
+            pos += 1
+            continue
+        if m.lastgroup not in ("ws", "comment"):
+            toks.append(Tok(m.lastgroup, m.group(), m.start(), m.end()))
+        pos = m.end()
+    return toks
+
+
+def scan_fields(text: str) -> list[Field]:
+    """Every field of the text, nested ones included, in order."""
+    toks = tokenize(text)
+    fields: list[Field] = []
+
+    def skip_value(i: int) -> int:
+        """Index after the value starting at toks[i] (message, list or scalar)."""
+        t = toks[i]
+        if t.text in ("{", "<"):
+            return i  # handled by the caller
+        if t.text == "[":
+            depth = 0
+            while i < len(toks):
+                if toks[i].text in ("[", "{", "<"):
+                    depth += 1
+                elif toks[i].text in ("]", "}", ">"):
+                    depth -= 1
+                    if depth == 0:
+                        return i + 1
+                i += 1
+            return i
+        if t.kind == "str":
+            while i < len(toks) and toks[i].kind == "str":  # "a" "b" concatenation
+                i += 1
+            return i
+        if t.text == "-" and i + 1 < len(toks):
+            return i + 2
+        return i + 1
+
+    def message(i: int, path: str, close: str | None) -> int:
+        while i < len(toks):
+            t = toks[i]
+            if close is not None and t.text == close:
+                return i + 1
+            if t.kind != "word" and t.text != "[":  # stray token
+                i += 1
+                continue
+            if t.text == "[":  # extension / Any name: [type.googleapis.com/x]
+                while i < len(toks) and toks[i].text != "]":
+                    i += 1
+            name_tok = t
+            i += 1
+            if i < len(toks) and toks[i].text == ":":
+                i += 1
+            if i >= len(toks):
+                break
+            sub = join(path, name_tok.text)
+            if toks[i].text in ("{", "<"):
+                end_char = "}" if toks[i].text == "{" else ">"
+                i = message(i + 1, sub, end_char)
+                value = ""
+            elif toks[i].text == "[" and i + 1 < len(toks) and toks[i + 1].text in ("{", "<"):
+                # list of messages
+                i += 1
+                while i < len(toks) and toks[i].text != "]":
+                    if toks[i].text in ("{", "<"):
+                        i = message(i + 1, sub, "}" if toks[i].text == "{" else ">")
+                    else:
+                        i += 1
+                i += 1
+                value = ""
+            else:
+                j = skip_value(i)
+                value = text[toks[i].start:toks[j - 1].end] if j > i else ""
+                i = j
+            if i < len(toks) and toks[i].text in (",", ";"):
+                i += 1
+            end = toks[i - 1].end
+            fields.append(Field(path, name_tok.text, name_tok.start, end, value))
+        return i
+
+    message(0, "", None)
+    return fields
+
+
+def join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+# --- the rewrite -----------------------------------------------------------------------------
+
+def to_kafka_input(text: str, flavor: str) -> tuple[str, list[str]]:
+    """The text with its input section replaced by kafka_train_input; and what was removed."""
+    spans = []
+    for f in scan_fields(text):
+        top_input = f.path == "" and (
+            f.name in ("train_input_path", "eval_input_path")
+            or f.name.endswith("_train_input") or f.name.endswith("_eval_input"))
+        easyrec_input_type = (flavor == "easyrec" and f.path == "data_config"
+                              and f.name == "input_type")
+        if top_input or easyrec_input_type:
+            spans.append((f.start, f.end, join(f.path, f.name)))
+    out = []
+    pos = 0
+    for start, end, _ in sorted(spans):
+        out.append(text[pos:start])
+        pos = end
+    out.append(text[pos:])
+    return "".join(out).rstrip() + "\n" + KAFKA_INPUT, [s[2] for s in sorted(spans)]
+
+
+def model_class_of(text: str) -> str:
+    fields = scan_fields(text)
+    for f in fields:
+        if f.path == "model_config" and f.name == "model_class":
+            return f.value.strip("\"'")
+    for f in fields:
+        if f.path == "model_config" and f.name in TZREC_MODEL_MESSAGES:
+            return TZREC_MODEL_MESSAGES[f.name] + " (msg)"
+    return "?"
+
+
+def try_one(path: str, flavor: str, verbose: bool) -> tuple[str, str, bool]:
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    model_class = model_class_of(text)
+    new_text, removed = to_kafka_input(text, flavor)
+    if verbose:
+        print(f"  {os.path.basename(path)}: removed {removed}", file=sys.stderr)
+    fd, tmp = tempfile.mkstemp(suffix=".config", prefix="compat_")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(new_text)
+        config = load_pipeline_config(tmp)
+        validate_pipeline_config(config, online=True)
+        return model_class, "OK", True
+    except ConfigError as e:
+        msg = e.message.replace(tmp, "<file>")
+        return model_class, f"ConfigError [{e.field}] {msg}", False
+    except Exception as e:  # noqa: BLE001 - a report, not a test: show anything
+        return model_class, f"{type(e).__name__} (not ConfigError): {e}".replace(tmp, "<file>"), \
+            False
+    finally:
+        os.unlink(tmp)
+
+
+def main() -> int:
+    verbose = "-v" in sys.argv[1:]
+    rows = []
+    for flavor in ("easyrec", "torcheasyrec"):
+        folder = os.path.join(HERE, flavor)
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".config"):
+                mc, result, ok = try_one(os.path.join(folder, name), flavor, verbose)
+                rows.append((f"{flavor}/{name}", mc, result.replace("\n", " "), ok))
+    w1 = max(len(r[0]) for r in rows)
+    w2 = max(len(r[1]) for r in rows)
+    print(f"{'file':<{w1}}  {'model class':<{w2}}  result")
+    for file, mc, result, _ in rows:
+        print(f"{file:<{w1}}  {mc:<{w2}}  {result}")
+    n_ok = sum(r[3] for r in rows)
+    print(f"\nOK {n_ok} / {len(rows)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
