@@ -187,3 +187,24 @@ def test_progressive_auc_reaches_90_percent_of_oracle(
     auc = trainer.progress.window_auc()
     print(f"progressive AUC (last 30k) {auc:.4f}, oracle {oracle:.4f}, ratio {auc / oracle:.3f}")
     assert auc >= 0.9 * oracle
+
+
+def test_ctrl_c_during_start_up_exits_130_with_one_line(tmp_path):
+    """SIGINT while odl-train imports and builds: one line, exit 130, no traceback."""
+    import signal as _signal
+
+    cfg = tmp_path / "p.config"
+    cfg.write_text(open(f"{REPO}/samples/deepfm_online.config").read().replace(
+        'model_dir: ".odl/deepfm_online"', f'model_dir: "{tmp_path / "m"}"'))
+    proc = subprocess.Popen([sys.executable, "-m", "odl.cli.train_cli", "--online",
+                             "--pipeline_config_path", str(cfg)], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)  # inside the heavy imports and the model build (several seconds)
+    proc.send_signal(_signal.SIGINT)
+    _out, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err, err
+    if proc.returncode == 130:  # as intended: the signal came during start-up
+        lines = [ln for ln in err.splitlines() if ln.startswith("odl-train:")]
+        assert lines == ["odl-train: SIGINT during start-up: stopped before training"], err
+    else:  # a very fast machine got past start-up: the clean stop then
+        assert proc.returncode == 0, err

@@ -20,8 +20,9 @@ settings, estimated memory).
 Exit codes: 0 clean stop (stop signal, SIGTERM/SIGINT, dead_line, num_steps, end of offline
 input); 2 bad command line or config (one line naming the field), or a broker that refuses the
 delta topic's transactional producer; 3 fenced: a newer trainer took over the delta topic
-(docs/publishing.md, topic ownership); 1 anything else (a failed input or publisher: a restart
-continues from the last checkpoint).
+(docs/publishing.md, topic ownership); 130 SIGINT/SIGTERM during start-up, before the trainer
+was built (nothing trained or written); 1 anything else (a failed input or publisher: a
+restart continues from the last checkpoint).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import functools
 import logging
 import signal
 import sys
+import threading
 from typing import Optional
 
 from odl.cli.cli_logging import setup_logging
@@ -81,8 +83,35 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _StartupInterrupted(Exception):
+    """SIGINT / SIGTERM before the trainer could take signals itself."""
+
+
+def _interrupt_startup(signum: int, _frame: object) -> None:
+    raise _StartupInterrupted(signal.Signals(signum).name)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    """Entry point of ``odl-train``."""
+    """Entry point of ``odl-train``.
+
+    From the start, SIGINT and SIGTERM stop start-up with one line on stderr and exit code
+    130 (nothing is trained or written); once the trainer is built they ask it for a clean
+    stop (finish the step, checkpoint, exit 0).
+    """
+    previous = ({sig: signal.signal(sig, _interrupt_startup)
+                 for sig in (signal.SIGINT, signal.SIGTERM)}
+                if threading.current_thread() is threading.main_thread() else {})
+    try:
+        return _main(argv)
+    except _StartupInterrupted as exc:
+        print(f"odl-train: {exc} during start-up: stopped before training", file=sys.stderr)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _main(argv: Optional[list[str]]) -> int:
     args = build_parser().parse_args(argv)
     apply_oss_arguments(args)
     setup_logging(args.log_level)
