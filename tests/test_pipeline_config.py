@@ -330,8 +330,8 @@ def test_every_field_error_of_a_config_in_one_run(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "text, field, value",
     [
-        ('feature_configs { input_names: "a" feature_type: TagFeature }',
-         "feature_configs[0].feature_type", "TagFeature"),
+        ('feature_configs { input_names: "a" feature_type: LookupFeature }',
+         "feature_configs[0].feature_type", "LookupFeature"),
         ('feature_configs { input_names: "a" feature_type: SequenceFeature }',
          "feature_configs[0].feature_type", "SequenceFeature"),
         ("model_config { loss_type: L2_LOSS }", "model_config.loss_type", "L2_LOSS"),
@@ -736,3 +736,25 @@ def test_kafka_offset_time_refuses_what_it_cannot_read(tmp_path: Path, form: str
                                       f'group: "odl_deepfm"\n  offset_time: {form}')
     err = error_of(validate_pipeline_config, load_text(tmp_path, text), online=True)
     assert err.field == "kafka_train_input.offset_time" and why in str(err)
+
+
+def test_easyrec_and_torcheasyrec_spellings_become_odl_forms(tmp_path: Path) -> None:
+    text = ONLINE.read_text()
+    text = text.replace('feature_configs { input_names: "C1" feature_type: IdFeature',
+                        'feature_configs { input_names: "C1" feature_type: TagFeature')
+    text = text.replace("  deepfm {\n    dnn {", "  losses { binary_cross_entropy {} }\n"
+                                             "  deepfm {\n    deep {")
+    text = text.replace("train_config {", "train_config {\n  num_epochs: 3", 1)
+    config = load_text(tmp_path, text)
+    validate_pipeline_config(config, online=True)
+    ft = pipeline_pb2.FeatureConfig.FeatureType
+    assert feature_configs(config)[0].feature_type == ft.IdFeature  # tags: a multi-valued id
+    assert config.model_config.deepfm.dnn.hidden_units == [256, 128, 64]
+    assert not config.model_config.deepfm.HasField("deep")
+    assert config.model_config.losses[0].loss_type == pipeline_pb2.CLASSIFICATION
+    assert config.data_config.num_epochs == 3 and not config.train_config.HasField("num_epochs")
+    weighted = text.replace('input_names: "C1" feature_type: TagFeature',
+                            'input_names: "C1" input_names: "C2" feature_type: TagFeature')
+    err = error_of(load_text, tmp_path, weighted)
+    assert err.field == "feature_configs[0].input_names" and "per-tag weights" in str(err)
+

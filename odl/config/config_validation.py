@@ -39,7 +39,7 @@ from google.protobuf.message import Message
 from odl.config import limits
 from odl.config.config_error import ConfigError
 from odl.config.config_fields import is_map_field, join_path
-from odl.config.easyrec_compat import check_implemented
+from odl.config.easyrec_compat import check_implemented, normalize_config_forms
 from odl.config.feature_configs import NUMERIC_FIELD_TYPES
 from odl.config.field_formats import (
     parse_datahub_offsets,
@@ -73,6 +73,7 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
         ConfigError: naming the offending field.
 
     """
+    normalize_config_forms(config)
     check_implemented(config)
     _check_finite(config, "")
     if not config.model_dir:

@@ -29,6 +29,7 @@ __all__ = [
     "IMPLEMENTED_MODEL_CLASSES",
     "check_implemented",
     "infer_model_class",
+    "normalize_config_forms",
 ]
 
 # Fields of Alibaba EasyRec's (and TorchEasyRec's) pipeline config that odl does not implement,
@@ -48,7 +49,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "feature_fields", "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
         "hard_negative_sampler_v2", "negative_sampler_in_memory", "drop_remainder",
         "fg_encoded", "fg_encoded_multival_sep",
-        "fg_mode", }),
+    }),
     "DatasetConfig.Field": frozenset({
         "input_dim", "input_shape", "user_define_fn", "user_define_fn_path",
         "user_define_fn_res_type", "ignore_val",
@@ -64,7 +65,10 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "expr_feature", "overlap_feature", "tokenize_feature", "custom_feature",
         "sequence_feature", "sequence_id_feature", "sequence_raw_feature", "bool_mask_feature",
     }),
-    "FeatureGroupConfig": frozenset({"sequence_features", "negative_sampler", "group_type"}),
+    "FeatureGroupConfig": frozenset({
+        "sequence_features", "negative_sampler", "group_type", "sequence_groups",
+        "sequence_encoders",
+    }),
     "EasyRecModel": frozenset({
         "model_name", "model_params", "dummy", "multi_tower", "fm", "dcn",
         "autoint", "dlrm", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
@@ -72,7 +76,8 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "simple_multi_task", "ple", "rocket_launching", "seq_att_groups", "kd",
         "restore_filters", "variational_dropout", "loss_weight_strategy", "backbone",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet", "wukong",
-        "rank_model", "metrics", "train_metrics",
+        "rank_model", "metrics", "train_metrics", "multi_tower_din", "dlrm_hstu",
+        "dcn_v2",
     }),
     "Loss": frozenset({
         "loss_name", "f1_reweighted_loss", "softmax_loss", "circle_loss", "multi_simi_loss",
@@ -82,7 +87,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "DNN": frozenset({"use_final_bn", "final_activation", "use_final_bias", "use_bias"}),
     "TrainConfig": frozenset({
         "gradient_clipping_by_norm", "sparse_accumulator_type",
-        "force_restore_shape_compatible", "freeze_gradient", "num_epochs",
+        "force_restore_shape_compatible", "freeze_gradient",
         "save_checkpoints_epochs", "fine_tune_ckpt_param_map", "cudnn_allow_tf32",
         "cuda_matmul_allow_tf32",
         "global_embedding_constraints", "mixed_precision", "grad_scaler",
@@ -138,6 +143,11 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "dataset_type": ("the input section (kafka_train_input, datahub_train_input, "
                          "file_stream_input) says what is read", frozenset()),
         "fg_threads": ("features are built in the input process", frozenset()),
+        "fg_mode": ("odl reads the features from the record's columns (FG_NONE); running a "
+                    "feature generator over them is not implemented",
+                    frozenset({"fg_normal", "fg_dag", "fg_bucketize"})),
+        "odps_data_quota_name": ("an ODPS table setting (the input section names what is "
+                                 "read)", frozenset()),
     },
     "TrainConfig": {
         "sync_replicas": ("one trainer process (no parameter-server replicas)", frozenset()),
@@ -172,7 +182,7 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
 # Enum values of EasyRec that odl's enums lack, keyed by odl's enum (short name).
 EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
     "FeatureConfig.FeatureType": frozenset({
-        "TagFeature", "LookupFeature", "SequenceFeature", "ExprFeature", "PassThroughFeature",
+        "LookupFeature", "SequenceFeature", "ExprFeature", "PassThroughFeature",
     }),
     "DatasetConfig.InputType": frozenset({
         "CSVInputV2", "CSVInputEx", "OdpsInput", "OdpsInputV2", "OdpsInputV3", "DataHubInput",
@@ -206,6 +216,63 @@ def infer_model_class(config: pipeline_pb2.EasyRecConfig) -> None:
         if mc.HasField(field):
             mc.model_class = model_class
             return
+
+
+def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
+    """Rewrites EasyRec's and TorchEasyRec's other spellings of what odl implements, in place.
+
+    * ``feature_type: TagFeature`` (one input, tags split on ``separator``) becomes the
+      multi-valued ``IdFeature`` it is; a second input (per-tag weights) is refused;
+    * TorchEasyRec's ``deepfm { deep {} final {} }`` become ``dnn`` / ``final_dnn``;
+    * TorchEasyRec's ``losses { binary_cross_entropy {} }`` becomes ``loss_type:
+      CLASSIFICATION``;
+    * TorchEasyRec's ``train_config.num_epochs`` moves to ``data_config.num_epochs`` when that
+      is unset.
+
+    Idempotent; the loader and the validator both call it.
+
+    Args:
+        config: a parsed config.
+
+    Raises:
+        ConfigError: a form that cannot be rewritten (both names given, tag weights).
+    """
+    ft = pipeline_pb2.FeatureConfig.FeatureType
+    for path, fc in _feature_entries(config):
+        if fc.feature_type != ft.TagFeature:
+            continue
+        if len(fc.input_names) > 1:
+            raise ConfigError(f"{path}.input_names",
+                              "a TagFeature with a weights input is an EasyRec feature that odl "
+                              "does not implement yet (per-tag weights); give only the tags")
+        fc.feature_type = ft.IdFeature
+    mc = config.model_config
+    if mc.HasField("deepfm"):
+        d = mc.deepfm
+        for alias, name in (("deep", "dnn"), ("final", "final_dnn")):
+            if d.HasField(alias):
+                if d.HasField(name):
+                    raise ConfigError(f"model_config.deepfm.{alias}",
+                                      f"give one of {alias} (TorchEasyRec) and {name} (EasyRec)")
+                getattr(d, name).CopyFrom(getattr(d, alias))
+                d.ClearField(alias)
+    for loss in mc.losses:
+        if loss.HasField("binary_cross_entropy"):
+            loss.loss_type = pipeline_pb2.CLASSIFICATION
+            loss.ClearField("binary_cross_entropy")
+    tc = config.train_config
+    if tc.HasField("num_epochs"):
+        if not config.data_config.HasField("num_epochs"):
+            config.data_config.num_epochs = tc.num_epochs
+        tc.ClearField("num_epochs")
+
+
+def _feature_entries(config: pipeline_pb2.EasyRecConfig):
+    """``(path, FeatureConfig)`` of both feature list forms, as written."""
+    for i, fc in enumerate(config.feature_configs):
+        yield f"feature_configs[{i}]", fc
+    for i, fc in enumerate(config.feature_config.features):
+        yield f"feature_config.features[{i}]", fc
 
 
 def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:

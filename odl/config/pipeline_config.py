@@ -39,6 +39,7 @@ from odl.config.easyrec_compat import (
     EASYREC_NOT_IMPLEMENTED_VALUES,
     check_implemented,
     infer_model_class,
+    normalize_config_forms,
 )
 from odl.protos import pipeline_pb2
 from odl.storage import file_store
@@ -92,6 +93,7 @@ def load_pipeline_config(
     if model_dir:
         config.model_dir = model_dir
     infer_model_class(config)
+    normalize_config_forms(config)
     check_implemented(config)
     logger.debug("loaded pipeline config %s", path)
     return config
