@@ -12,7 +12,8 @@ Not a test: a report. For each ``easyrec/*.config`` and ``torcheasyrec/*.config`
 3. prints one line per file (file, model class, OK or the error) and the OK count.
 
 Run from the repository root: ``.venv/bin/python tests/compat_configs/try_load.py``
-(``-v`` also prints the rewritten text's removed spans).
+(``-v`` also prints, on stderr, the fields removed by the rewrite and every error of a file
+that has several).
 """
 
 from __future__ import annotations
@@ -210,8 +211,14 @@ def try_one(path: str, flavor: str, verbose: bool) -> tuple[str, str, bool]:
         validate_pipeline_config(config, online=True)
         return model_class, "OK", True
     except ConfigError as e:
-        msg = e.message.replace(tmp, "<file>")
-        return model_class, f"ConfigError [{e.field}] {msg}", False
+        # ConfigErrors (a ConfigError subclass, where the loader has one) carries every
+        # problem of the file in .errors; the row shows the first and counts the rest
+        errors = getattr(e, "errors", None) or [e]
+        lines = [f"[{x.field}] {x.message}".replace(tmp, "<file>") for x in errors]
+        more = f" (+{len(lines) - 1} more)" if len(lines) > 1 else ""
+        if verbose and len(lines) > 1:
+            print("\n".join(f"    {line}" for line in lines), file=sys.stderr)
+        return model_class, f"ConfigError {lines[0]}{more}", False
     except Exception as e:  # noqa: BLE001 - a report, not a test: show anything
         return model_class, f"{type(e).__name__} (not ConfigError): {e}".replace(tmp, "<file>"), \
             False
