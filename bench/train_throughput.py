@@ -26,7 +26,7 @@ broker's save of them to finish (see ``odl.broker.embedded_broker``).
 
     .venv/bin/python bench/train_throughput.py [--batches 120] [--rounds 5] [--num-workers 0]
         [--input-process 1|0|both] [--device cpu|cuda|auto] [--torch-threads 0]
-        [--model DeepFM|WideAndDeep] [--json out.json]
+        [--model DeepFM|WideAndDeep|MultiTower|DCN] [--json out.json]
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ import psutil  # noqa: E402
 from bench.plain_pytorch_deepfm import PlainDeepFM  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
-from odl.config.model_classes import MODEL_MESSAGES  # noqa: E402
+from odl.config.model_classes import IMPLEMENTED_MODEL_CLASSES  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
-from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
+from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.harness.topic_records import produce  # noqa: E402
@@ -71,11 +71,7 @@ def make_config(model_dir: str, server: str, topic: str, model: str = "DeepFM"):
         hidden_units=(256, 128, 64), save_checkpoints_steps=0,
         extra_train="metrics_window_samples: 100000",
     )
-    if model != "DeepFM":  # same groups and towers under the model's own message
-        field = MODEL_MESSAGES[model]
-        text = text.replace('model_class: "DeepFM"', f'model_class: "{model}"').replace(
-            "deepfm {", f"{field} {{", 1)
-    return parse_pipeline_config_text(text)
+    return parse_pipeline_config_text(as_model_config_text(text, model))
 
 
 def _cpu_seconds(proc: psutil.Process) -> float:
@@ -152,9 +148,9 @@ def main() -> int:
                     help="cpu, cuda or auto, for all three (the online trainer's --device)")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads for all three (0 = odl's auto: half the CPUs)")
-    ap.add_argument("--model", choices=tuple(MODEL_MESSAGES), default="DeepFM",
-                    help="the model (its sample towers); the plain PyTorch baseline is "
-                         "DeepFM's only")
+    ap.add_argument("--model", choices=IMPLEMENTED_MODEL_CLASSES, default="DeepFM",
+                    help="the model over the same features (as_model_config_text); the plain "
+                         "PyTorch baseline is DeepFM's only")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     threads = configure_torch_threads(args.torch_threads)

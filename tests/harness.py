@@ -22,7 +22,7 @@ from odl.checkpoint.checkpoint_manager import CheckpointManager
 from odl.config.config_redaction import config_to_text
 from odl.config.config_validation import validate_pipeline_config
 from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_config_text
-from odl.datagen.datagen_config import deepfm_config_text
+from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
 from odl.features.feature_builder import FeatureBuilder
 from odl.harness.topic_records import make_records
 from odl.protos import pipeline_pb2
@@ -264,6 +264,9 @@ def apply_to_module(tm: TrainModule, maps, dense: dict, sparse: dict) -> None:
 
 def as_wide_and_deep(text: str, final_dnn: bool = False) -> str:
     """A datagen DeepFM config as EasyRec's WideAndDeep (same groups and towers)."""
-    tower = "final_dnn { hidden_units: [8] }\n    " if final_dnn else ""
-    return text.replace('model_class: "DeepFM"', 'model_class: "WideAndDeep"').replace(
-        "deepfm {", "wide_and_deep {\n    " + tower, 1)
+    return as_model_config_text(text, "WideAndDeep", final_dnn=final_dnn)
+
+
+def as_model(text: str, model: str) -> str:
+    """A datagen DeepFM config as another model class (``as_model_config_text``)."""
+    return as_model_config_text(text, model)

@@ -33,6 +33,8 @@ LOADS = {
     "easyrec/deepfm_combo_avazu_kafka_time_offset.config",
     "easyrec/deepfm_combo_on_avazu_ctr.config",
     "easyrec/deepfm_combo_on_avazu_embed_adagrad.config",
+    "easyrec/dcn_on_taobao.config",
+    "easyrec/multi_tower_early_stop_on_taobao.config",
 }
 
 

@@ -481,3 +481,20 @@ def test_memory_estimate_counts_dynamic_tables_and_their_index() -> None:
                            {n: s.feature_names for n, s in specs.items()})
     index_bytes = sum(t.map_bytes() for t in engine.tables.values())
     assert est.table_state_bytes - est.table_bytes == index_bytes
+
+
+@pytest.mark.parametrize("sample", ["wide_and_deep_online", "multi_tower_online",
+                                    "dcn_online"])
+def test_memory_estimate_follows_every_model_class(sample: str) -> None:
+    from odl.config.memory_estimate import estimate_memory
+    from odl.features.feature_builder import FeatureBuilder
+    from odl.models.model_factory import build_model
+
+    config = load_pipeline_config(ONLINE.replace("deepfm_online", sample))
+    model = build_model(config, FeatureBuilder(config))
+    est = estimate_memory(config, "cpu")
+    tables = {c.name: (c.num_embeddings, c.embedding_dim)
+              for c in model.ebc.embedding_bag_configs()}
+    assert {t.name: (t.rows, t.dim) for t in est.tables} == tables
+    assert est.dense_parameters == sum(p.numel() for p in model.dense.parameters())
+

@@ -28,7 +28,7 @@ from odl.inputs.file_stream_source import (
 )
 from odl.train.sample_ledger import read_ledger
 from odl.train.trainer import Trainer, TrainerOptions
-from tests.harness import as_wide_and_deep
+from tests.harness import as_model, as_wide_and_deep
 
 DONE = "to.hadoop.done"
 
@@ -352,7 +352,7 @@ def test_day_and_pass_saves_replay_in_order_to_serving_parity(tmp_path):
     assert last.follower.deltas_applied == 0 and _parity(last, trainer, 0, values) <= 1e-6
 
 
-@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep"])
+@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "DCN"])
 def test_restart_inside_a_pass_keeps_every_record_once_and_the_pass_delta_whole(tmp_path,
                                                                                model):
     from odl.export.exporter import export_checkpoint
@@ -369,6 +369,8 @@ def test_restart_inside_a_pass_keeps_every_record_once_and_the_pass_delta_whole(
                              dynamic='model_class: "DeepFM"\n  ev_params { max_capacity: 4000 }')
         if model == "WideAndDeep":  # with final_dnn: [wide, deep] joined by a tower
             text = as_wide_and_deep(text, final_dnn=True)
+        else:
+            text = as_model(text, model)
         config = parse_pipeline_config_text(text)
         trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
                                                  sample_ledger=ledger,

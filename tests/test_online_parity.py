@@ -20,7 +20,7 @@ from odl.harness.topic_records import produce
 from odl.kafka.topic_admin import end_offsets
 from publisher.fs_sink import list_versions
 from serving_plugin.serving_service import ServingService
-from tests.harness import as_wide_and_deep, run_in_process, write_config
+from tests.harness import as_model, run_in_process, write_config
 
 PARTS = 3
 
@@ -48,8 +48,7 @@ def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int
     if dynamic:
         text = text.replace('model_class: "DeepFM"', DYNAMIC_TABLES).replace(
             "log_step_count_steps: 20", "log_step_count_steps: 5")
-    if model == "WideAndDeep":
-        text = as_wide_and_deep(text)
+    text = as_model(text, model)
     open(cfg, "w").write(text.replace("keep_checkpoint_max: 3", "keep_checkpoint_max: 10"))
     trainer = run_in_process(cfg, ends)
     return trainer, cfg
@@ -90,7 +89,7 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
         service.stop()
 
 
-@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep"])
+@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "DCN"])
 def test_serving_replay_matches_trainer_predictions(
     kafka_bootstrap, kafka_topic_factory, tmp_path, model
 ):
@@ -99,8 +98,13 @@ def test_serving_replay_matches_trainer_predictions(
         tmp_path, kafka_bootstrap, kafka_topic_factory,
         _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), model=model,
     )
-    assert type(trainer.module.model.dense).__name__ == "DeepFMDense"
-    assert trainer.module.model.dense.use_fm == (model == "DeepFM")
+    dense = trainer.module.model.dense
+    if model in ("DeepFM", "WideAndDeep"):
+        assert type(dense).__name__ == "DeepFMDense" and dense.use_fm == (model == "DeepFM")
+    else:  # one tower per group for MultiTower; a DNN and a cross network for DCN
+        kinds = [type(t).__name__ for t in dense.towers]
+        assert kinds == (["Sequential", "Sequential"] if model == "MultiTower"
+                         else ["Sequential", "CrossNet"])
     pub = trainer.publisher.status()
     assert pub["last_version"] == trainer.module.global_step
     status, diff = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)

@@ -232,6 +232,10 @@ def test_every_sample_config_validates(path: Path) -> None:
     online = any(config.HasField(f) for f in ("kafka_train_input", "datahub_train_input",
                                               "file_stream_input"))
     validate_pipeline_config(config, online=online)
+    from odl.config.memory_estimate import estimate_memory
+
+    est = estimate_memory(config, "cpu")  # what odl-train --validate_only checks next
+    assert est.dense_parameters > 10_000 and est.tables
 
 
 def test_wide_and_deep_sample_is_the_deepfm_sample_without_fm() -> None:

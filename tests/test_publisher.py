@@ -360,8 +360,7 @@ def _validated(tmp_path, incr: str):
      "train_config.incr_save_config.kafka.topic"),
     ('incr_save_config { sparse_save_steps: 5 fs { } max_chunk_bytes: 10 }',
      "train_config.incr_save_config.max_chunk_bytes"),
-    ("incr_save_config { debug_save_update: true }",
-     "train_config.incr_save_config.debug_save_update"),
+    ("incr_save_config { datahub { } }", "train_config.incr_save_config.datahub"),
 ])
 def test_incr_save_config_validation(tmp_path, incr, field):
     from odl.config.config_error import ConfigError

@@ -65,12 +65,13 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "expr_feature", "overlap_feature", "tokenize_feature", "custom_feature",
         "sequence_feature", "sequence_id_feature", "sequence_raw_feature", "bool_mask_feature",
     }),
+    "MultiTower": frozenset({"din_towers", "bst_towers"}),
     "FeatureGroupConfig": frozenset({
         "sequence_features", "negative_sampler", "group_type", "sequence_groups",
         "sequence_encoders",
     }),
     "EasyRecModel": frozenset({
-        "model_name", "model_params", "dummy", "multi_tower", "fm", "dcn",
+        "model_name", "model_params", "dummy", "fm",
         "autoint", "dlrm", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat", "mmoe", "esmm", "dbmtl",
         "simple_multi_task", "ple", "rocket_launching", "seq_att_groups", "kd",

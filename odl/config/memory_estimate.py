@@ -57,7 +57,12 @@ from dataclasses import dataclass, field
 from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import dynamic_table_spec
 from odl.config.feature_configs import feature_configs
-from odl.config.model_classes import uses_fm, wide_deep_settings
+from odl.config.model_classes import (
+    is_tower_model,
+    tower_settings,
+    uses_fm,
+    wide_deep_settings,
+)
 from odl.config.optimizer_support import optimizer_choices
 from odl.protos import pipeline_pb2
 
@@ -236,6 +241,31 @@ def _mlp_params(in_dim: int, dnn: pipeline_pb2.DNN) -> tuple[int, int]:
     return params, width
 
 
+def _tower_params(mc: pipeline_pb2.EasyRecModel,
+                  features: dict[str, pipeline_pb2.FeatureConfig]) -> tuple[int, int]:
+    """``(dense parameters, hidden units)`` of a MultiTower / DCN model."""
+    _field, settings, towers = tower_settings(mc)
+    groups = {g.group_name: list(g.feature_names) for g in mc.feature_groups}
+    params = hidden = width = 0
+    for kind, group, tower in towers:
+        in_width = 0
+        for name in groups.get(group, []):
+            fc = features.get(name)
+            if fc is not None:
+                in_width += int(fc.embedding_dim) if _embedded(fc) else 1
+        if kind == "cross":
+            params += 2 * int(tower) * in_width
+            width += in_width
+        else:
+            p, out = _mlp_params(in_width, tower)
+            params += p
+            width += out
+            hidden += sum(int(u) for u in tower.hidden_units)
+    final_params, final_width = _mlp_params(width, settings.final_dnn)
+    hidden += sum(int(u) for u in settings.final_dnn.hidden_units)
+    return params + final_params + final_width + 1, hidden
+
+
 def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> MemoryEstimate:
     """Estimates the memory of training ``config`` on ``device_type``.
 
@@ -252,7 +282,12 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
     mc = config.model_config
     deep_feats: list[str] = []
     wide_feats: list[str] = []
+    towers = tower_settings(mc)[2] if is_tower_model(mc) else None
     for g in mc.feature_groups:
+        if towers is not None:  # towers read their groups through deep tables only
+            if any(group == g.group_name for _kind, group, _t in towers):
+                deep_feats += [n for n in g.feature_names if n not in deep_feats]
+            continue
         for name in g.feature_names:
             if g.wide_deep in (pipeline_pb2.DEEP, pipeline_pb2.WIDE_AND_DEEP) \
                     and name not in deep_feats:
@@ -306,17 +341,21 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
         add_table(f"{fc.embedding_name or name}_wide", _rows(fc, model_ev), wide_dim, fc)
         pooled += wide_dim
 
-    if not uses_fm(mc):
-        fm_dim = 0
-    params, deep_width = _mlp_params(deep_in, d.dnn)
-    params += 1 + wide_dense * wide_out  # wide bias, wide linear term over dense features
-    hidden = sum(int(u) for u in d.dnn.hidden_units)
-    if d.HasField("final_dnn"):
-        final_params, final_width = _mlp_params(wide_out + fm_dim + deep_width, d.final_dnn)
-        params += final_params + final_width + 1
-        hidden += sum(int(u) for u in d.final_dnn.hidden_units)
+    if is_tower_model(mc):
+        params, hidden = _tower_params(mc, features)
     else:
-        params += deep_width + 1
+        if not uses_fm(mc):
+            fm_dim = 0
+        params, deep_width = _mlp_params(deep_in, d.dnn)
+        params += 1 + wide_dense * wide_out  # wide bias, wide linear term over dense features
+        hidden = sum(int(u) for u in d.dnn.hidden_units)
+        if d.HasField("final_dnn"):
+            final_params, final_width = _mlp_params(wide_out + fm_dim + deep_width,
+                                                    d.final_dnn)
+            params += final_params + final_width + 1
+            hidden += sum(int(u) for u in d.final_dnn.hidden_units)
+        else:
+            params += deep_width + 1
     dense_bytes = BYTES_PER_VALUE * params * (2 + _DENSE_STATE.get(dense.kind, 2))
     batch = int(config.data_config.batch_size)
     activations = BYTES_PER_VALUE * ACTIVATION_COPIES * batch * (pooled + deep_in + hidden)
@@ -459,6 +498,9 @@ def _blame(config: pipeline_pb2.EasyRecConfig, est: MemoryEstimate, sparse: int)
         "metrics": est.metrics_bytes,
     }
     largest = max(parts, key=lambda k: parts[k])
+    if largest == "dense" and is_tower_model(config.model_config):
+        field, _settings, _towers = tower_settings(config.model_config)
+        return f"model_config.{field}.final_dnn.hidden_units"
     if largest == "dense":
         field, d = wide_deep_settings(config.model_config)
         if d.HasField("final_dnn") and sum(d.final_dnn.hidden_units) > sum(d.dnn.hidden_units):

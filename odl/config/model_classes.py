@@ -14,10 +14,15 @@ from typing import Any
 from odl.protos import pipeline_pb2
 
 # model_class -> the EasyRecModel field with its settings
-MODEL_MESSAGES: dict[str, str] = {"DeepFM": "deepfm", "WideAndDeep": "wide_and_deep"}
+MODEL_MESSAGES: dict[str, str] = {"DeepFM": "deepfm", "WideAndDeep": "wide_and_deep",
+                                  "MultiTower": "multi_tower", "DCN": "dcn"}
 IMPLEMENTED_MODEL_CLASSES = tuple(MODEL_MESSAGES)
 # classes with an FM term over the deep group's embeddings
 FM_MODEL_CLASSES = ("DeepFM",)
+# the wide-and-deep family (wide part, deep tower, optional final_dnn)
+WIDE_DEEP_MODEL_CLASSES = ("DeepFM", "WideAndDeep")
+# the tower family (towers over named feature groups, concatenated into final_dnn)
+TOWER_MODEL_CLASSES = ("MultiTower", "DCN")
 
 
 def wide_deep_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, Any]:
@@ -27,12 +32,40 @@ def wide_deep_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, An
         model_config: the model config.
 
     Returns:
-        e.g. ``("deepfm", model_config.deepfm)``; DeepFM's for an unknown class.
+        e.g. ``("deepfm", model_config.deepfm)``; DeepFM's for any other class.
     """
-    name = MODEL_MESSAGES.get(model_config.model_class, "deepfm")
+    name = (MODEL_MESSAGES[model_config.model_class]
+            if model_config.model_class in WIDE_DEEP_MODEL_CLASSES else "deepfm")
     return name, getattr(model_config, name)
 
 
 def uses_fm(model_config: pipeline_pb2.EasyRecModel) -> bool:
     """Whether the model has DeepFM's FM term."""
     return model_config.model_class in FM_MODEL_CLASSES or not model_config.model_class
+
+
+def is_tower_model(model_config: pipeline_pb2.EasyRecModel) -> bool:
+    """Whether the model is MultiTower or DCN."""
+    return model_config.model_class in TOWER_MODEL_CLASSES
+
+
+TowerSpec = tuple[str, str, Any]  # (kind "dnn" | "cross", group name, DNN | cross_num)
+
+
+def tower_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, Any, list[TowerSpec]]:
+    """``(field name, message, towers)`` of a tower-family model.
+
+    Args:
+        model_config: the model config (MultiTower or DCN).
+
+    Returns:
+        The settings message and its towers in order, each ``(kind, group name, settings)``:
+        ``("dnn", group, DNN)`` or ``("cross", group, cross_num)``.
+    """
+    if model_config.model_class == "DCN":
+        d = model_config.dcn
+        return "dcn", d, [("dnn", d.deep_tower.input, d.deep_tower.dnn),
+                          ("cross", d.cross_tower.input, int(d.cross_tower.cross_num))]
+    m = model_config.multi_tower
+    return "multi_tower", m, [("dnn", t.input, t.dnn) for t in m.towers]
+

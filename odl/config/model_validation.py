@@ -32,7 +32,13 @@ from odl.config.feature_configs import (
     feature_configs,
     feature_list_path,
 )
-from odl.config.model_classes import IMPLEMENTED_MODEL_CLASSES, uses_fm, wide_deep_settings
+from odl.config.model_classes import (
+    IMPLEMENTED_MODEL_CLASSES,
+    is_tower_model,
+    tower_settings,
+    uses_fm,
+    wide_deep_settings,
+)
 from odl.protos import pipeline_pb2
 
 __all__ = ["SUPPORTED_ACTIVATIONS", "validate_features", "validate_model"]
@@ -205,7 +211,10 @@ def validate_model(
             if name in seen:
                 raise ConfigError(f"{where}.feature_names[{j}]", f"{name!r} listed twice")
             seen.add(name)
-    # DeepFM / WideAndDeep (the classes check_implemented lets through)
+    if is_tower_model(mc):
+        _validate_towers(config, features, groups)
+        return
+    # DeepFM / WideAndDeep
     field, d = wide_deep_settings(mc)
     where = f"model_config.{field}"
     for required in ("wide", "deep"):
@@ -247,6 +256,50 @@ def validate_model(
                           f'{why} every embedded feature of the "{group}" group to have '
                           f"the same embedding_dim; got {shown}"
                           f"{', ...' if len(dims) > 6 else ''}")
+
+
+def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, FeatureConfig],
+                     groups: dict[str, int]) -> None:
+    """MultiTower / DCN: towers over existing groups, final_dnn, one embedding_dim."""
+    mc = config.model_config
+    field, settings, towers = tower_settings(mc)
+    where = f"model_config.{field}"
+    if not mc.HasField(field):
+        raise ConfigError(where, f"{mc.model_class} needs {field} {{ ... final_dnn {{ ... }} }}")
+    if field == "multi_tower":
+        if not towers:
+            raise ConfigError(f"{where}.towers", "at least one tower is needed")
+        paths = [f"{where}.towers[{i}]" for i in range(len(towers))]
+    else:
+        for name in ("deep_tower", "cross_tower"):
+            if not settings.HasField(name):
+                raise ConfigError(f"{where}.{name}", "required")
+        paths = [f"{where}.deep_tower", f"{where}.cross_tower"]
+    for path, (kind, group, tower) in zip(paths, towers, strict=True):
+        if group not in groups:
+            raise ConfigError(f"{path}.input", f"no feature group named {group!r}")
+        if kind == "dnn":
+            _validate_dnn(tower, f"{path}.dnn", required=True)
+        elif not 1 <= tower <= limits.MAX_HIDDEN_LAYERS:
+            raise ConfigError(f"{path}.cross_num",
+                              f"must be 1 to {limits.MAX_HIDDEN_LAYERS}, got {tower}")
+    if not settings.HasField("final_dnn"):
+        raise ConfigError(f"{where}.final_dnn", "required (e.g. { hidden_units: [64] })")
+    _validate_dnn(settings.final_dnn, f"{where}.final_dnn", required=True)
+    if settings.l2_regularization < 0:
+        raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
+    _check_deep_dims(config, features)
+    dims: dict[str, int] = {}
+    for _kind, group, _tower in towers:
+        gi = groups[group]
+        for n in mc.feature_groups[gi].feature_names:
+            if embedded_feature(features[n]):
+                dims[n] = features[n].embedding_dim
+                if len(set(dims.values())) > 1:
+                    shown = ", ".join(f"{k}={v}" for k, v in list(dims.items())[:6])
+                    raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
+                                      "the towers' embedded features must share one "
+                                      f"embedding_dim; got {shown}")
 
 
 def _check_deep_dims(

@@ -1,4 +1,7 @@
-"""DeepFM pipeline configs over the synthetic stream's schema, generated with chosen sizes.
+"""Pipeline configs over the synthetic stream's schema, generated with chosen sizes.
+
+``deepfm_config_text`` writes a DeepFM config; ``as_model_config_text`` turns it into the
+other model classes over the same feature groups.
 
 Tests use small tables for speed; ``bench/train_throughput.py`` uses the benchmark shape
 (26 id features of dim 16, 13 dense, batch 1024). ``samples/deepfm_online.config`` is the
@@ -6,6 +9,8 @@ hand-written, commented counterpart for users.
 """
 
 from __future__ import annotations
+
+import re
 
 from odl.datagen.synthetic_ctr import DENSE_FIELDS, SPARSE_FIELDS
 
@@ -98,3 +103,43 @@ train_config {{
   {extra_train}
 }}
 """
+
+
+_TOWER_BLOCKS = {
+    "WideAndDeep": "wide_and_deep {{\n    {final}dnn {{ hidden_units: [{units}] }}\n"
+                   "    wide_output_dim: 1\n  }}",
+    "MultiTower": ('multi_tower {{\n'
+                   '    towers {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
+                   '    towers {{ input: "wide" dnn {{ hidden_units: [8] }} }}\n'
+                   "    final_dnn {{ hidden_units: [8] }}\n  }}"),
+    "DCN": ('dcn {{\n    deep_tower {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
+            '    cross_tower {{ input: "deep" cross_num: 2 }}\n'
+            "    final_dnn {{ hidden_units: [8] }}\n  }}"),
+}
+
+
+def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
+    """A ``deepfm_config_text`` config as another model class over the same feature groups.
+
+    WideAndDeep keeps the deep tower (with ``final_dnn``: a tower of 8 over [wide, deep]);
+    MultiTower gets one tower per group ("deep", "wide"); DCN a deep tower and a cross
+    network of 2 layers over "deep". Both tower models end in a ``final_dnn`` of 8.
+
+    Args:
+        text: the DeepFM config text.
+        model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"`` or ``"DCN"``.
+        final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
+
+    Returns:
+        The config text.
+    """
+    if model == "DeepFM":
+        return text
+    m = re.search(r"deepfm \{\n    dnn \{ hidden_units: \[([^\]]*)\] \}.*?\n  \}", text, re.S)
+    if m is None:
+        raise ValueError("not a deepfm_config_text config")
+    block = _TOWER_BLOCKS[model].format(
+        units=m.group(1), final="final_dnn { hidden_units: [8] }\n    " if final_dnn else "")
+    text = text[:m.start()] + block + text[m.end():]
+    return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
+

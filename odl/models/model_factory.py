@@ -10,11 +10,17 @@ from __future__ import annotations
 import logging
 
 from odl.config.config_error import ConfigError
-from odl.config.model_classes import IMPLEMENTED_MODEL_CLASSES, wide_deep_settings
+from odl.config.model_classes import (
+    IMPLEMENTED_MODEL_CLASSES,
+    is_tower_model,
+    tower_settings,
+    wide_deep_settings,
+)
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import CtrModel
 from odl.models.deepfm import DeepFM
 from odl.models.embedding_tables import build_embedding_layout
+from odl.models.tower_models import TowerModel
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -84,6 +90,9 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
             f"unknown model class {mc.model_class!r}; supported: {', '.join(SUPPORTED_MODELS)}")
     if mc.num_class not in (0, 1):
         raise ConfigError("model_config.num_class", "only 1 (binary classification) is supported")
+    labels = list(config.data_config.label_fields) or ["label"]
+    if is_tower_model(mc):
+        return _build_tower_model(mc, feature_builder, labels[0])
     groups = model_groups(mc, feature_builder)
     field, settings = wide_deep_settings(mc)
     wide_dim = int(settings.wide_output_dim) or 1
@@ -95,9 +104,40 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
     if not settings.dnn.hidden_units:
         raise ConfigError(f"model_config.{field}.dnn.hidden_units",
                           "at least one layer is needed")
-    labels = list(config.data_config.label_fields) or ["label"]
     try:
         return DeepFM(layout, feature_builder.dense_feature_names, groups["deep_dense"],
                       groups["wide_dense"], mc, output_name=labels[0])
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
+
+
+def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder,
+                       output_name: str) -> CtrModel:
+    """MultiTower / DCN: the towers' feature groups, split into embedded and dense features."""
+    sparse = set(feature_builder.sparse_feature_names)
+    dense = set(feature_builder.dense_feature_names)
+    field, _settings, towers = tower_settings(mc)
+    groups: dict[str, tuple[list[str], list[str]]] = {}
+    for gi, g in enumerate(mc.feature_groups):
+        emb, raw = [], []
+        for f in g.feature_names:
+            if f in sparse:
+                emb.append(f)
+            elif f in dense:
+                raw.append(f)
+            else:
+                raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
+                                  f"group {g.group_name!r} names unknown feature {f!r}")
+        groups[g.group_name] = (emb, raw)
+    embedded: list[str] = []
+    for _kind, group, _tower in towers:
+        for f in groups.get(group, ([], []))[0]:
+            if f not in embedded:
+                embedded.append(f)
+    try:
+        layout = build_embedding_layout(feature_builder.table_specs, embedded, [], 1)
+        return TowerModel(layout, feature_builder.dense_feature_names, groups, mc,
+                          output_name=output_name)
+    except ValueError as e:
+        raise ConfigError(f"model_config.{field}", str(e)) from e
+

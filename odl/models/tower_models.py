@@ -1,0 +1,203 @@
+"""EasyRec's MultiTower and DCN as ``CtrModel``s (contract: ``odl.models.ctr_model``).
+
+Both are towers over named feature groups whose outputs are concatenated into ``final_dnn``
+and one logit::
+
+    tower_i = DNN_i(x_i)                  MultiTower: one per multi_tower.towers[i]
+    tower_i = Cross(x_i)                  DCN: deep_tower (a DNN) and cross_tower (Cross)
+    logit   = Linear(final_dnn(concat(tower_0, tower_1, ...)) -> 1)
+
+``x_i`` is the tower's feature group: the pooled embeddings of its embedded features, then
+its dense (raw) features. The cross network is DCN v1's,
+``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l`` for ``cross_num`` layers (``w_l``, ``b_l`` of
+the input's width). The sparse part has one pooled group, ``towers``: every tower's lookups,
+tower after tower (a feature read by two towers is looked up twice, which is also how
+embedding regularization counts it); all embedded features of the towers share one
+``embedding_dim``.
+
+Loss: mean binary cross entropy with logits + ``l2_regularization`` * the sum of squared
+dense Linear kernels and cross weights + ``embedding_regularization`` * mean over (sample,
+lookup) of the squared pooled embedding.
+
+Parameter names: ``dense.towers.<i>.*`` (a DNN: ``Sequential`` layers; a cross network:
+``weights``, ``biases``), ``dense.final_dnn.*``, ``dense.final_out.*``.
+
+This module has no ``from __future__ import annotations``: TorchScript reads the dense
+class's annotations as types.
+"""
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from odl.config.model_classes import tower_settings
+from odl.features.batch import Batch
+from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
+from odl.models.deepfm import build_mlp
+from odl.models.embedding_tables import EmbeddingLayout
+from odl.protos import pipeline_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class CrossNet(nn.Module):
+    """DCN v1's cross network over ``[B, width]`` inputs; scriptable.
+
+    Args:
+        width: input (and output) width.
+        layers: number of cross layers (``cross_num``).
+    """
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.weights = nn.Parameter(torch.empty(int(layers), int(width)))
+        self.biases = nn.Parameter(torch.zeros(int(layers), int(width)))
+        nn.init.normal_(self.weights, std=(1.0 / max(1, int(width))) ** 0.5)
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        """``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l`` for every layer."""
+        x = x0
+        for i in range(self.weights.shape[0]):
+            x = x0 * (x * self.weights[i]).sum(dim=1, keepdim=True) + self.biases[i] + x
+        return x
+
+
+class TowerDense(nn.Module):
+    """The towers, ``final_dnn`` and the logit (module docstring); scriptable.
+
+    Args:
+        towers: per tower ``(kind, lookups, dense columns, settings)``: kind ``"dnn"``
+            (settings: a ``DNN``) or ``"cross"`` (settings: ``cross_num``), its number of
+            lookups in the ``towers`` group, its columns of the raw dense features.
+        dim: embedding dim of every lookup.
+        final_dnn: the ``final_dnn`` settings.
+
+    Raises:
+        ValueError: a tower with no input, or an unsupported DNN setting.
+    """
+
+    __constants__ = ["dim"]
+    tower_cols: list[int]
+    tower_dense: list[list[int]]
+
+    def __init__(self, towers: Sequence[tuple[str, int, Sequence[int], object]], dim: int,
+                 final_dnn: pipeline_pb2.DNN) -> None:
+        super().__init__()
+        self.dim = int(dim)
+        self.tower_cols = [0]
+        self.tower_dense = []
+        self.towers = nn.ModuleList()
+        width = 0
+        for i, (kind, lookups, dense_cols, settings) in enumerate(towers):
+            in_width = int(lookups) * self.dim + len(dense_cols)
+            if in_width == 0:
+                raise ValueError(f"tower {i} reads no feature")
+            self.tower_cols.append(self.tower_cols[-1] + int(lookups) * self.dim)
+            self.tower_dense.append([int(c) for c in dense_cols])
+            if kind == "cross":
+                self.towers.append(CrossNet(in_width, int(settings)))
+                width += in_width
+            else:
+                mlp, out = build_mlp(in_width, settings)
+                self.towers.append(mlp)
+                width += out
+        self.final_dnn, final_width = build_mlp(width, final_dnn)
+        self.final_out = nn.Linear(final_width, 1)
+
+    def forward(self, towers: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B]``.
+
+        Args:
+            towers: ``[B, total lookups * dim]``, every tower's pooled lookups in order.
+            dense: ``[B, num_dense]`` raw dense features.
+
+        Returns:
+            The logits.
+        """
+        outs: list[torch.Tensor] = []
+        for i, tower in enumerate(self.towers):
+            parts: list[torch.Tensor] = []
+            start = self.tower_cols[i]
+            end = self.tower_cols[i + 1]
+            if end > start:
+                parts.append(towers[:, start:end])
+            cols = self.tower_dense[i]
+            if len(cols) > 0:
+                parts.append(dense[:, cols])
+            x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+            outs.append(tower(x))
+        h = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return self.final_out(self.final_dnn(h)).squeeze(1)
+
+
+class TowerModel(CtrModel):
+    """MultiTower or DCN over an ``EmbeddingBagCollection`` built on ``ebc_device``.
+
+    Args:
+        layout: table layout (every embedded feature of the towers' groups, as deep lookups).
+        dense_features: names of ``Batch.dense`` columns, in order.
+        groups: feature group name -> ``(embedded features, dense features)``.
+        model_config: the ``EasyRecModel`` (``multi_tower`` or ``dcn``).
+        output_name: the name of the model's one output (the label it predicts).
+        ebc_device: device of the tables (``meta``: materialized by DMP).
+
+    Raises:
+        ValueError: a tower names an unknown group or reads nothing.
+    """
+
+    def __init__(
+        self,
+        layout: EmbeddingLayout,
+        dense_features: Sequence[str],
+        groups: dict[str, tuple[list[str], list[str]]],
+        model_config: pipeline_pb2.EasyRecModel,
+        output_name: str = "label",
+        ebc_device: "torch.device | str" = "meta",
+    ) -> None:
+        super().__init__()
+        self.layout = layout
+        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device))
+        table_of = dict(layout.deep_keys)
+        col = {n: i for i, n in enumerate(dense_features)}
+        _field, settings, towers = tower_settings(model_config)
+        lookups: list[tuple[str, str]] = []
+        specs = []
+        for kind, group, tower in towers:
+            if group not in groups:
+                raise ValueError(f"a tower reads feature group {group!r}, which does not exist")
+            sparse, dense = groups[group]
+            lookups += [(f, table_of[f]) for f in sparse]
+            specs.append((kind, len(sparse), [col[n] for n in dense], tower))
+        self.dense = TowerDense(specs, layout.deep_dim, settings.final_dnn)
+        self.pooled_layout = (PooledGroup("towers", tuple(lookups), layout.deep_dim),)
+        self.output_names = (output_name,)
+        self.l2 = float(settings.l2_regularization)
+        self.embedding_regularization = float(model_config.embedding_regularization)
+
+    def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
+        """Mean BCE with logits plus the regularization terms (module docstring).
+
+        Args:
+            output: ``forward(batch)``'s result.
+            batch: the batch (labels).
+
+        Returns:
+            Scalar loss.
+        """
+        logits = output.logits
+        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        if self.l2:
+            sq = sum(m.weight.square().sum() for m in self.dense.modules()
+                     if isinstance(m, nn.Linear))
+            sq = sq + sum(m.weights.square().sum() for m in self.dense.modules()
+                          if isinstance(m, CrossNet))
+            loss = loss + self.l2 * sq
+        (pooled,) = output.pooled
+        dim = self.pooled_layout[0].dim
+        if self.embedding_regularization and pooled.shape[1] and dim:
+            v = pooled.reshape(pooled.shape[0], -1, dim)
+            loss = loss + self.embedding_regularization * v.square().sum(dim=-1).mean()
+        return loss
