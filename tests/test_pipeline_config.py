@@ -762,3 +762,24 @@ def test_easyrec_and_torcheasyrec_spellings_become_odl_forms(tmp_path: Path) -> 
     err = error_of(load_text, tmp_path, weighted)
     assert err.field == "feature_configs[0].input_names" and "per-tag weights" in str(err)
 
+
+
+def test_torcheasyrec_feature_schema_becomes_the_flat_form(tmp_path: Path) -> None:
+    text = ONLINE.read_text()
+    text = text.replace(
+        'feature_configs { input_names: "C1" feature_type: IdFeature embedding_dim: 16 '
+        'hash_bucket_size: 10000 }',
+        'feature_configs { id_feature { feature_name: "C1" expression: "item:C1" '
+        'hash_bucket_size: 10000 embedding_dim: 16 pooling: "mean" } }')
+    text = text.replace('group_name: "wide"', 'group_name: "wide" group_type: WIDE')
+    assert "id_feature" in text and "group_type" in text
+    config = load_text(tmp_path, text)
+    validate_pipeline_config(config, online=True)
+    c1 = feature_configs(config)[0]
+    assert (c1.feature_name, list(c1.input_names), c1.hash_bucket_size, c1.combiner) == (
+        "C1", ["C1"], 10000, "mean")
+    assert config.model_config.feature_groups[0].wide_deep == pipeline_pb2.WIDE
+    both = text.replace('id_feature { feature_name: "C1"',
+                        'embedding_dim: 8 id_feature { feature_name: "C1"')
+    err = error_of(load_text, tmp_path, both)
+    assert err.field == "feature_configs[0].id_feature" and "not both" in str(err)

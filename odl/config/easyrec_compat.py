@@ -55,19 +55,26 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "user_define_fn_res_type", "ignore_val",
     }),
     "FeatureConfigV2": frozenset({"embedding_on_cpu"}),
+    "TzIdFeature": frozenset({"value_dim", "vocab_list", "vocab_dict", "vocab_file",
+                              "default_value", "weighted", "init_fn", "zch", "mc_modules",
+                              "dynamicemb", "trainable", "data_type", "fg_value_type",
+                              "constraints", "stub_type"}),
+    "TzRawFeature": frozenset({"value_dim", "normalizer", "default_value", "init_fn",
+                               "mlp", "autodis", "separator", "fg_value_type",
+                               "stub_type"}),
     "FeatureConfig": frozenset({
         "kv_separator", "seq_multi_sep", "max_seq_len", "vocab_file", "vocab_list",
         "shared_names", "lookup_max_sel_elem_num", "max_partitions", "initializer",
         "precision", "min_val", "max_val", "normalizer_fn", "sequence_combiner",
         "sub_feature_type", "sequence_length", "expression", "combo_input_seps",
-        # TorchEasyRec's per-kind feature messages.
-        "id_feature", "raw_feature", "combo_feature", "lookup_feature", "match_feature",
+        # TorchEasyRec's other per-kind feature messages.
+        "combo_feature", "lookup_feature", "match_feature",
         "expr_feature", "overlap_feature", "tokenize_feature", "custom_feature",
         "sequence_feature", "sequence_id_feature", "sequence_raw_feature", "bool_mask_feature",
     }),
     "MultiTower": frozenset({"din_towers", "bst_towers"}),
     "FeatureGroupConfig": frozenset({
-        "sequence_features", "negative_sampler", "group_type", "sequence_groups",
+        "sequence_features", "negative_sampler", "sequence_groups",
         "sequence_encoders",
     }),
     "EasyRecModel": frozenset({
@@ -77,7 +84,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "simple_multi_task", "ple", "rocket_launching", "seq_att_groups", "kd",
         "restore_filters", "variational_dropout", "loss_weight_strategy", "backbone",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet", "wukong",
-        "rank_model", "metrics", "train_metrics", "multi_tower_din", "dlrm_hstu",
+        "rank_model", "multi_tower_din", "dlrm_hstu",
         "dcn_v2",
     }),
     "Loss": frozenset({
@@ -177,6 +184,12 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     "IncrementSaveConfig": {
         "debug_save_update": ("a debugging dump of EasyRec's", frozenset()),
     },
+    "EasyRecModel": {
+        "metrics": ("odl reports progressive AUC and logloss for every model (/status, "
+                    "/metrics); other metrics are not computed", frozenset()),
+        "train_metrics": ("odl reports progressive AUC and logloss for every model",
+                          frozenset()),
+    },
 }
 
 
@@ -185,6 +198,7 @@ EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
     "FeatureConfig.FeatureType": frozenset({
         "LookupFeature", "SequenceFeature", "ExprFeature", "PassThroughFeature",
     }),
+    "WideOrDeep": frozenset({"SEQUENCE", "JAGGED_SEQUENCE"}),
     "DatasetConfig.InputType": frozenset({
         "CSVInputV2", "CSVInputEx", "OdpsInput", "OdpsInputV2", "OdpsInputV3", "DataHubInput",
         "RTPInput", "RTPInputV2", "OdpsRTPInput", "OdpsRTPInputV2", "TFRecordInput",
@@ -228,7 +242,10 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
     * TorchEasyRec's ``losses { binary_cross_entropy {} }`` becomes ``loss_type:
       CLASSIFICATION``;
     * TorchEasyRec's ``train_config.num_epochs`` moves to ``data_config.num_epochs`` when that
-      is unset.
+      is unset;
+    * TorchEasyRec's ``feature_configs { id_feature {} }`` / ``raw_feature {}`` become EasyRec's
+      flat ``IdFeature`` / ``RawFeature`` (input column: the expression after ``:``, or the
+      feature name), and ``feature_groups[].group_type`` becomes ``wide_deep``.
 
     Idempotent; the loader and the validator both call it.
 
@@ -240,6 +257,7 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
     """
     ft = pipeline_pb2.FeatureConfig.FeatureType
     for path, fc in _feature_entries(config):
+        _flatten_torcheasyrec_feature(path, fc)
         if fc.feature_type != ft.TagFeature:
             continue
         if len(fc.input_names) > 1:
@@ -248,6 +266,13 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
                               "does not implement yet (per-tag weights); give only the tags")
         fc.feature_type = ft.IdFeature
     mc = config.model_config
+    for i, g in enumerate(mc.feature_groups):
+        if g.HasField("group_type"):
+            if g.HasField("wide_deep") and g.wide_deep != g.group_type:
+                raise ConfigError(f"model_config.feature_groups[{i}].group_type",
+                                  "give one of group_type (TorchEasyRec) and wide_deep (EasyRec)")
+            g.wide_deep = g.group_type
+            g.ClearField("group_type")
     if mc.HasField("deepfm"):
         d = mc.deepfm
         for alias, name in (("deep", "dnn"), ("final", "final_dnn")):
@@ -266,6 +291,41 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
         if not config.data_config.HasField("num_epochs"):
             config.data_config.num_epochs = tc.num_epochs
         tc.ClearField("num_epochs")
+
+
+_TZ_FIELDS = {"id_feature": ("feature_name", "hash_bucket_size", "num_buckets", "embedding_dim",
+                              "embedding_name", "separator"),
+              "raw_feature": ("feature_name", "embedding_dim", "embedding_name")}
+
+
+def _flatten_torcheasyrec_feature(path: str, fc: pipeline_pb2.FeatureConfig) -> None:
+    """``feature_configs { id_feature { ... } }`` / ``raw_feature`` into EasyRec's flat form.
+
+    The input column is the expression's part after ``:`` (``"user:user_id"`` reads column
+    ``user_id``), or the feature name.
+    """
+    kind = ("id_feature" if fc.HasField("id_feature") else
+            "raw_feature" if fc.HasField("raw_feature") else None)
+    if kind is None:
+        return
+    tz = getattr(fc, kind)
+    flat = [f.name for f, _v in fc.ListFields() if f.name not in (kind,)]
+    if flat:
+        raise ConfigError(f"{path}.{kind}",
+                          f"give the feature either as {kind} {{ }} (TorchEasyRec) or with "
+                          f"EasyRec's fields, not both ({', '.join(flat)} set)")
+    ft = pipeline_pb2.FeatureConfig.FeatureType
+    fc.feature_type = ft.IdFeature if kind == "id_feature" else ft.RawFeature
+    for name in _TZ_FIELDS[kind]:
+        if tz.HasField(name):
+            setattr(fc, name, getattr(tz, name))
+    column = tz.expression.split(":", 1)[-1].strip() if tz.expression else tz.feature_name
+    fc.input_names.append(column)
+    if kind == "id_feature" and tz.HasField("pooling"):
+        fc.combiner = tz.pooling
+    if kind == "raw_feature":
+        fc.boundaries.extend(tz.boundaries)
+    fc.ClearField(kind)
 
 
 def _feature_entries(config: pipeline_pb2.EasyRecConfig):
