@@ -511,3 +511,28 @@ def test_bad_records_of_a_file_stream_are_dead_lettered_with_their_split(kafka_b
     split = str(data / "20261124" / "2300")
     assert [h[SOURCE_HEADER].decode() for _v, h in letters] == [f"{split}/1/50", f"{split}/1/51"]
     assert all(h[REASON_HEADER] == b"field_count" for _v, h in letters)
+
+
+def test_file_stream_and_day_pass_saves_on_oss(oss, tmp_path):
+    """train_data_dir and model_save_path on OSS (the loopback double): same layout, same
+    exactly-once reading, and serving from the OSS base plus the OSS deltas."""
+    from odl.export.exporter import export_checkpoint
+    from odl.storage import file_store
+
+    local = tmp_path / "local-data"
+    ids, values = _write_two_days(local)
+    data, saves = "oss://odl-test/stream", "oss://odl-test/saves"
+    file_store.upload_tree(str(local), data, last=(DONE,))
+    config = parse_pipeline_config_text(_saves_config(tmp_path, data, saves))
+    validate_pipeline_config(config, online=True)
+    ledger = str(tmp_path / "ledger.tsv")
+    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
+                                             sample_ledger=ledger,
+                                             export_base=export_checkpoint))
+    assert trainer.run() == 0 and trainer.samples_trained == 1200
+    assert sorted(sid for _g, _s, sid in read_ledger(ledger)) == sorted(ids)
+    assert file_store.list_dir(saves)[0] == ["20261123", "20261124", "20261125"]
+    assert "delta_24" in file_store.list_dir(f"{saves}/20261125")[0]
+    service = _serve_from(f"{saves}/20261123/base", saves)
+    assert service.follower.deltas_applied == 5
+    assert _parity(service, trainer, 0, values) <= 1e-6
