@@ -89,7 +89,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     }),
     "Loss": frozenset({
         "loss_name", "f1_reweighted_loss", "softmax_loss", "circle_loss", "multi_simi_loss",
-        "binary_focal_loss", "pairwise_loss", "pairwise_focal_loss", "pairwise_logistic_loss",
+        "pairwise_focal_loss",
         "jrc_loss", "pairwise_hinge_loss", "listwise_rank_loss", "listwise_distill_loss",
     }),
     "DNN": frozenset({"use_final_bn", "final_activation", "use_final_bias", "use_bias"}),
@@ -206,10 +206,10 @@ EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
         "ParquetInputV2", "ParquetInputV3", "CriteoInput",
     }),
     "LossType": frozenset({
-        "L2_LOSS", "SIGMOID_L2_LOSS", "CROSS_ENTROPY_LOSS", "SOFTMAX_CROSS_ENTROPY",
+        "L2_LOSS", "SOFTMAX_CROSS_ENTROPY",
         "CIRCLE_LOSS", "MULTI_SIMILARITY_LOSS", "SOFTMAX_CROSS_ENTROPY_WITH_NEGATIVE_MINING",
-        "PAIR_WISE_LOSS", "PAIRWISE_LOSS", "PAIRWISE_FOCAL_LOSS", "PAIRWISE_LOGISTIC_LOSS",
-        "JRC_LOSS", "F1_REWEIGHTED_LOSS", "BINARY_FOCAL_LOSS", "BINARY_CROSS_ENTROPY_LOSS",
+        "PAIRWISE_LOSS", "PAIRWISE_FOCAL_LOSS",
+        "JRC_LOSS", "F1_REWEIGHTED_LOSS", "BINARY_CROSS_ENTROPY_LOSS",
         "ZILN_LOSS", "PAIRWISE_HINGE_LOSS", "LISTWISE_RANK_LOSS", "LISTWISE_DISTILL_LOSS",
         "KL_DIVERGENCE_LOSS",
     }),

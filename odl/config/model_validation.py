@@ -190,8 +190,20 @@ def validate_model(
     if mc.embedding_regularization < 0:
         raise ConfigError("model_config.embedding_regularization", "must be >= 0")
     for i, loss in enumerate(mc.losses):
+        where = f"model_config.losses[{i}]"
         if loss.weight <= 0:
-            raise ConfigError(f"model_config.losses[{i}].weight", "must be > 0")
+            raise ConfigError(f"{where}.weight", "must be > 0")
+        if loss.binary_focal_loss.gamma < 0:
+            raise ConfigError(f"{where}.binary_focal_loss.gamma", "must be >= 0")
+        if loss.binary_focal_loss.HasField("alpha") and not 0 < loss.binary_focal_loss.alpha < 1:
+            raise ConfigError(f"{where}.binary_focal_loss.alpha", "must be in (0, 1)")
+        if loss.pairwise_logistic_loss.temperature <= 0:
+            raise ConfigError(f"{where}.pairwise_logistic_loss.temperature", "must be > 0")
+        for name in ("pairwise_loss", "pairwise_logistic_loss"):
+            if getattr(loss, name).session_name:
+                raise ConfigError(f"{where}.{name}.session_name",
+                                  "pairs within a session are an EasyRec feature that odl does "
+                                  "not implement yet (pairs are formed over the batch)")
     if not mc.feature_groups:
         raise ConfigError("model_config.feature_groups", "required")
     groups: dict[str, int] = {}

@@ -12,7 +12,8 @@ pooled groups) and the raw dense features::
     logit = sum(wide) + sum(fm) + Linear(deep -> 1)              (no final_dnn)
     logit = Linear(final_dnn(concat(wide, fm, deep)) -> 1)       (with final_dnn)
 
-Loss (``deepfm_loss``): mean binary cross entropy with logits
+Loss (``deepfm_loss``): the configured prediction loss (``odl.models.ctr_losses``; binary
+cross entropy by default)
     + l2_regularization * sum of squared dense Linear weights (kernels, not biases)
     + embedding_regularization * mean over (sample, deep lookup) of ||pooled embedding||**2
     + wide_regularization (or embedding_regularization when 0) * same over wide lookups.
@@ -37,6 +38,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import uses_fm, wide_deep_settings
 from odl.features.batch import Batch
+from odl.models.ctr_losses import ctr_loss, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
 from odl.protos import pipeline_pb2
@@ -227,8 +229,9 @@ def deepfm_loss(
     wide: torch.Tensor,
     dense: DeepFMDense,
     weights: DeepFMRegularization,
+    terms: "list[pipeline_pb2.Loss] | None" = None,
 ) -> torch.Tensor:
-    """Mean BCE with logits plus DeepFM's regularization (module docstring).
+    """The prediction loss plus DeepFM's regularization (module docstring).
 
     Args:
         logits: ``[B]`` logits of ``dense`` on ``deep``, ``wide``.
@@ -237,11 +240,14 @@ def deepfm_loss(
         wide: the step's pooled wide lookups ``[B, num_wide * wide_output_dim]``.
         dense: the dense part (its Linear kernels and the lookup counts).
         weights: the regularization weights.
+        terms: the configured loss terms (``odl.models.ctr_losses``); None: binary cross
+            entropy.
 
     Returns:
         Scalar loss.
     """
-    loss = nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    loss = ctr_loss(logits, labels, terms) if terms else (
+        nn.functional.binary_cross_entropy_with_logits(logits, labels))
     b = logits.shape[0]
     if weights.l2:
         sq = sum(m.weight.square().sum() for m in dense.modules() if isinstance(m, nn.Linear))
@@ -304,6 +310,7 @@ class DeepFM(CtrModel):
         )
         self.output_names = (output_name,)
         self.regularization = DeepFMRegularization.from_config(model_config)
+        self.loss_terms = loss_terms(model_config)
 
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
         """``deepfm_loss`` of the step's logits and pooled lookups.
@@ -317,4 +324,4 @@ class DeepFM(CtrModel):
         """
         deep, wide = output.pooled
         return deepfm_loss(output.logits, batch.labels, deep, wide, self.dense,
-                           self.regularization)
+                           self.regularization, self.loss_terms)

@@ -15,7 +15,8 @@ tower after tower (a feature read by two towers is looked up twice, which is als
 embedding regularization counts it); all embedded features of the towers share one
 ``embedding_dim``.
 
-Loss: mean binary cross entropy with logits + ``l2_regularization`` * the sum of squared
+Loss: the configured prediction loss (``odl.models.ctr_losses``; binary cross entropy by
+default) + ``l2_regularization`` * the sum of squared
 dense Linear kernels and cross weights + ``embedding_regularization`` * mean over (sample,
 lookup) of the squared pooled embedding.
 
@@ -35,6 +36,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import tower_settings
 from odl.features.batch import Batch
+from odl.models.ctr_losses import ctr_loss, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.deepfm import build_mlp
 from odl.models.embedding_tables import EmbeddingLayout
@@ -176,9 +178,10 @@ class TowerModel(CtrModel):
         self.output_names = (output_name,)
         self.l2 = float(settings.l2_regularization)
         self.embedding_regularization = float(model_config.embedding_regularization)
+        self.loss_terms = loss_terms(model_config)
 
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
-        """Mean BCE with logits plus the regularization terms (module docstring).
+        """The prediction loss plus the regularization terms (module docstring).
 
         Args:
             output: ``forward(batch)``'s result.
@@ -187,8 +190,7 @@ class TowerModel(CtrModel):
         Returns:
             Scalar loss.
         """
-        logits = output.logits
-        loss = nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
+        loss = ctr_loss(output.logits, batch.labels, self.loss_terms)
         if self.l2:
             sq = sum(m.weight.square().sum() for m in self.dense.modules()
                      if isinstance(m, nn.Linear))
