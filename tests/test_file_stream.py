@@ -294,8 +294,22 @@ def _write_two_days(data) -> tuple[list[str], list[bytes]]:
     return ids, values
 
 
-def test_day_and_pass_saves_replay_in_order_to_serving_parity(tmp_path):
+def _train_all_once(tmp_path, text: str, ids: list[str]) -> Trainer:
+    """Trains a saving config's two days to the end: every record once (ledger)."""
     from odl.export.exporter import export_checkpoint
+
+    config = parse_pipeline_config_text(text)
+    validate_pipeline_config(config, online=True)
+    ledger = str(tmp_path / "ledger.tsv")
+    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
+                                             sample_ledger=ledger,
+                                             export_base=export_checkpoint))
+    assert trainer.run() == 0 and trainer.samples_trained == len(ids)
+    assert sorted(sid for _g, _s, sid in read_ledger(ledger)) == sorted(ids)
+    return trainer
+
+
+def test_day_and_pass_saves_replay_in_order_to_serving_parity(tmp_path):
 
     data, saves = tmp_path / "data", tmp_path / "saves"
     ids, values = _write_two_days(data)
@@ -307,14 +321,7 @@ def test_day_and_pass_saves_replay_in_order_to_serving_parity(tmp_path):
                         'hash_bucket_size: 2000 }',
                         'input_names: "C2" feature_type: IdFeature embedding_dim: 8 '
                         'hash_bucket_size: 2000 ev_params { filter_freq: 2 max_capacity: 60 } }')
-    config = parse_pipeline_config_text(text)
-    validate_pipeline_config(config, online=True)
-    ledger = str(tmp_path / "ledger.tsv")
-    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
-                                             sample_ledger=ledger,
-                                             export_base=export_checkpoint))
-    assert trainer.run() == 0 and trainer.samples_trained == 1200
-    assert sorted(sid for _g, _s, sid in read_ledger(ledger)) == sorted(ids)
+    trainer = _train_all_once(tmp_path, text, ids)
     # the layout: a starting base (the day before the first split), per pass a delta and a
     # checkpoint (checkpoint_per_pass 1), a base at each day's end
     day1, day2 = sorted(os.listdir(saves / "20261124")), sorted(os.listdir(saves / "20261125"))
@@ -516,21 +523,13 @@ def test_bad_records_of_a_file_stream_are_dead_lettered_with_their_split(kafka_b
 def test_file_stream_and_day_pass_saves_on_oss(oss, tmp_path):
     """train_data_dir and model_save_path on OSS (the loopback double): same layout, same
     exactly-once reading, and serving from the OSS base plus the OSS deltas."""
-    from odl.export.exporter import export_checkpoint
     from odl.storage import file_store
 
     local = tmp_path / "local-data"
     ids, values = _write_two_days(local)
     data, saves = "oss://odl-test/stream", "oss://odl-test/saves"
     file_store.upload_tree(str(local), data, last=(DONE,))
-    config = parse_pipeline_config_text(_saves_config(tmp_path, data, saves))
-    validate_pipeline_config(config, online=True)
-    ledger = str(tmp_path / "ledger.tsv")
-    trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
-                                             sample_ledger=ledger,
-                                             export_base=export_checkpoint))
-    assert trainer.run() == 0 and trainer.samples_trained == 1200
-    assert sorted(sid for _g, _s, sid in read_ledger(ledger)) == sorted(ids)
+    trainer = _train_all_once(tmp_path, _saves_config(tmp_path, data, saves), ids)
     assert file_store.list_dir(saves)[0] == ["20261123", "20261124", "20261125"]
     assert "delta_24" in file_store.list_dir(f"{saves}/20261125")[0]
     service = _serve_from(f"{saves}/20261123/base", saves)
