@@ -21,6 +21,7 @@ from torch import nn
 
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
+from odl.models.ctr_losses import loss_terms
 from odl.models.deepfm import DeepFMDense, DeepFMRegularization, deepfm_loss
 from odl.models.embedding_tables import WIDE_SUFFIX, build_embedding_layout
 from odl.models.model_factory import model_groups
@@ -84,6 +85,7 @@ class PlainDeepFM(nn.Module):
             wide_dense_idx=[col[n] for n in groups["wide_dense"]],
             num_dense=len(feature_builder.dense_feature_names))
         self.regularization = DeepFMRegularization.from_config(mc)
+        self.loss_terms = loss_terms(mc)
         self.device = torch.device(device)
         self.to(self.device)
         self.sparse_opt = torch.optim.Adagrad(list(self.tables.parameters()), lr=sparse_lr)
@@ -111,7 +113,8 @@ class PlainDeepFM(nn.Module):
         self.sparse_opt.zero_grad(set_to_none=True)
         self.dense_opt.zero_grad(set_to_none=True)
         logits, deep, wide = self(batch)
-        loss = deepfm_loss(logits, batch.labels, deep, wide, self.dense, self.regularization)
+        loss = deepfm_loss(logits, batch.labels, deep, wide, self.dense, self.regularization,
+                           self.loss_terms)
         loss.backward()
         self.sparse_opt.step()
         self.dense_opt.step()

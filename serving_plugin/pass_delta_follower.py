@@ -13,7 +13,8 @@ same path as the delta topic (:class:`serving_plugin.delta_replayer.DeltaReplaye
 ``handle``: decode and check, generation fence, assemble, apply all-or-nothing). A delta
 directory is applied once; a polling thread (``start``) looks for new ones every
 ``poll_secs``. Days are directories named ``YYYYMMDD``; anything else in ``root`` is ignored.
-A delta directory that appears for a day and pass before the last applied one is skipped: the
+A directory that is not complete yet (no ``.done`` marker) holds back the later ones. A delta
+directory that appears for a day and pass before the last applied one is skipped: the
 trainer writes them in order, and one rewritten by a trainer that retrained the pass after a
 crash holds the rows serving already applied.
 """
@@ -99,8 +100,8 @@ class PassDeltaFollower:
         for day, pass_id, directory in pending:
             try:
                 files = list(list_versions(directory))
-                if not files:
-                    continue  # not complete yet (OSS: the marker object comes last)
+                if not files:  # not complete yet (OSS: the marker object comes last):
+                    break      # the later ones wait for it, deltas apply in order
                 for path in files:
                     for chunk in read_chunks(path):
                         if self.replayer.handle(chunk) is not None:
@@ -108,7 +109,7 @@ class PassDeltaFollower:
             except (OSError, StorageError, ValueError) as exc:
                 self.last_error = f"{directory}: {exc}"
                 logger.warning("delta %s not applied: %s", directory, exc)
-                return applied
+                break
             self.last_applied = (day, pass_id)
             self.deltas_applied += 1
             logger.info("applied %s (model version %d)", directory,

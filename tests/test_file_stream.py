@@ -343,7 +343,13 @@ def test_day_and_pass_saves_replay_in_order_to_serving_parity(tmp_path):
     metrics = generate_latest(trainer.metrics.registry).decode()
     assert "odl_pass_deltas_total 5.0" in metrics and "odl_day_bases_total 3.0" in metrics
     # serving: the starting base + every delta in (day, pass) order = the trainer's model
+    # a delta not complete yet (no marker) holds back the later ones: deltas apply in order
+    marker = next((saves / "20261124" / "delta_24").glob("*.delta.done"))
+    marker.rename(marker.with_name("held-back"))
     first = _serve_from(str(saves / "20261123" / "base"), str(saves))
+    assert first.follower.deltas_applied == 1  # 20261124/delta_23 only
+    marker.with_name("held-back").rename(marker)
+    first.follower.catch_up()
     assert first.follower.deltas_applied == 5
     assert first.model.state.version == trainer.module.global_step
     assert _parity(first, trainer, 31) <= 1e-6

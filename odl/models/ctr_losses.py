@@ -83,3 +83,9 @@ def _term(s: torch.Tensor, y: torch.Tensor, term: pipeline_pb2.Loss) -> torch.Te
             diff = diff / float(term.pairwise_logistic_loss.temperature)
         return nn.functional.softplus(-diff).mean()
     raise ValueError(f"loss type {pipeline_pb2.LossType.Name(kind)} is not implemented")
+
+
+def linear_kernel_l2(module: nn.Module) -> torch.Tensor:
+    """Sum of the squared weights of every ``nn.Linear`` in ``module`` (biases left out)."""
+    return sum(m.weight.square().sum() for m in module.modules() if isinstance(m, nn.Linear))
+

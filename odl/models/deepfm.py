@@ -38,7 +38,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import uses_fm, wide_deep_settings
 from odl.features.batch import Batch
-from odl.models.ctr_losses import ctr_loss, loss_terms
+from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
 from odl.protos import pipeline_pb2
@@ -229,7 +229,7 @@ def deepfm_loss(
     wide: torch.Tensor,
     dense: DeepFMDense,
     weights: DeepFMRegularization,
-    terms: "list[pipeline_pb2.Loss] | None" = None,
+    terms: list[pipeline_pb2.Loss],
 ) -> torch.Tensor:
     """The prediction loss plus DeepFM's regularization (module docstring).
 
@@ -240,18 +240,15 @@ def deepfm_loss(
         wide: the step's pooled wide lookups ``[B, num_wide * wide_output_dim]``.
         dense: the dense part (its Linear kernels and the lookup counts).
         weights: the regularization weights.
-        terms: the configured loss terms (``odl.models.ctr_losses``); None: binary cross
-            entropy.
+        terms: the configured loss terms (``odl.models.ctr_losses.loss_terms``).
 
     Returns:
         Scalar loss.
     """
-    loss = ctr_loss(logits, labels, terms) if terms else (
-        nn.functional.binary_cross_entropy_with_logits(logits, labels))
+    loss = ctr_loss(logits, labels, terms)
     b = logits.shape[0]
     if weights.l2:
-        sq = sum(m.weight.square().sum() for m in dense.modules() if isinstance(m, nn.Linear))
-        loss = loss + weights.l2 * sq
+        loss = loss + weights.l2 * linear_kernel_l2(dense)
     if weights.embedding and dense.num_deep:
         v = deep.reshape(b, dense.num_deep, dense.dim)
         loss = loss + weights.embedding * v.square().sum(dim=-1).mean()

@@ -36,7 +36,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import tower_settings
 from odl.features.batch import Batch
-from odl.models.ctr_losses import ctr_loss, loss_terms
+from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.deepfm import build_mlp
 from odl.models.embedding_tables import EmbeddingLayout
@@ -192,10 +192,8 @@ class TowerModel(CtrModel):
         """
         loss = ctr_loss(output.logits, batch.labels, self.loss_terms)
         if self.l2:
-            sq = sum(m.weight.square().sum() for m in self.dense.modules()
-                     if isinstance(m, nn.Linear))
-            sq = sq + sum(m.weights.square().sum() for m in self.dense.modules()
-                          if isinstance(m, CrossNet))
+            sq = linear_kernel_l2(self.dense) + sum(
+                m.weights.square().sum() for m in self.dense.modules() if isinstance(m, CrossNet))
             loss = loss + self.l2 * sq
         (pooled,) = output.pooled
         dim = self.pooled_layout[0].dim

@@ -238,16 +238,17 @@ class PassSaves:
         Returns:
             The base directory, or None without an exporter.
         """
-        # pending changes are in the base: the next delta starts from it
-        self.tracker.take()
-        if self.module.dynamic:
-            self.module.dynamic.take_deleted(PASS_DELETES)
         if self.export_base is None:
             logger.warning("no exporter: %s/%s not written", day, BASE_DIR)
             return None
         t0 = time.monotonic()
         target = join(self.root, day, BASE_DIR)
         result = self.export_base(self.config, checkpoint, target)
+        # what was pending is in the base now: the next delta starts from it (kept when the
+        # export failed, so the deltas still cover it)
+        self.tracker.take()
+        if self.module.dynamic:
+            self.module.dynamic.take_deleted(PASS_DELETES)
         path = getattr(result, "path", target)
         self.last_base = str(path)
         self.bases_written += 1
