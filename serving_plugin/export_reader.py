@@ -173,8 +173,15 @@ def pooled_inputs_of(signature: dict) -> tuple[PooledGroup, ...]:
         One group per dense-part embedding argument, in order.
     """
     if "pooled_inputs" in signature:
-        return tuple(PooledGroup(str(g["name"]), tuple((str(f), str(t)) for f, t in g["lookups"]),
-                                 int(g["dim"])) for g in signature["pooled_inputs"])
+        groups = []
+        for g in signature["pooled_inputs"]:
+            lookups = tuple((str(f), str(t)) for f, t in g["lookups"])
+            dims = [int(d) for d in g.get("dims", [g["dim"]] * len(lookups))]
+            if len(dims) != len(lookups):
+                raise ValueError(f"pooled input {g['name']!r}: {len(dims)} dims for "
+                                 f"{len(lookups)} lookups")
+            groups.append(PooledGroup.of(str(g["name"]), lookups, dims))
+        return tuple(groups)
     return (
         PooledGroup("deep", tuple((str(f), str(t)) for f, t in signature["deep_lookups"]),
                     int(signature["deep_dim"])),
@@ -246,24 +253,26 @@ def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...]) ->
     except (OSError, ValueError) as e:
         raise ExportLoadError(f"cannot read the embeddings manifest in {emb_dir}: {e}") from e
     infos = manifest["tables"]
-    group_of: dict[str, int] = {}
+    # table -> (its pooled input, the columns that input reads of it): the tables one input
+    # reads at one width share a storage (one embedding_bag per input and width)
+    group_of: dict[str, tuple[int, int]] = {}
     for gi, g in enumerate(groups):
-        for _f, t in g.lookups:
-            group_of.setdefault(t, gi)
+        for (_f, t), dim in zip(g.lookups, g.dims, strict=True):
+            group_of.setdefault(t, (gi, dim))
     missing = set(group_of) - set(infos)
     if missing:
         raise ExportLoadError(f"embeddings manifest in {emb_dir} lacks tables {sorted(missing)}")
-    for t, gi in group_of.items():
-        if int(infos[t]["dim"]) != groups[gi].dim:
+    for t, (gi, dim) in group_of.items():
+        if int(infos[t]["dim"]) != dim:
             raise ExportLoadError(f"table {t} has dim {infos[t]['dim']}, its pooled input "
-                                  f"{groups[gi].name!r} reads {groups[gi].dim}")
+                                  f"{groups[gi].name!r} reads {dim}")
     tables: dict[str, torch.Tensor] = {}
-    for g in sorted(set(group_of.values()) | {-1}):
-        names = [n for n in infos if group_of.get(n, -1) == g]
+    for key in sorted(set(group_of.values()) | {(-1, -1)}):
+        names = [n for n in infos if group_of.get(n, (-1, -1)) == key]
         if not names:
             continue
         dims = {int(infos[n]["dim"]) for n in names}
-        if len(dims) != 1:
+        if len(dims) != 1:  # only tables no input reads (key (-1, -1)) can differ
             raise ExportLoadError(f"tables {names} of one lookup group have dims {dims}")
         storage = torch.empty((sum(int(infos[n]["rows"]) for n in names), dims.pop()),
                               dtype=torch.float32)

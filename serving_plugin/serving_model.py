@@ -107,13 +107,11 @@ class ServingModel:
         self.dense_module = export.dense_module
         self.id_maps = export.id_maps
         self.lock = threading.Lock()
-        if len(export.outputs) != 1:
-            raise ExportLoadError(f"the export's model has outputs {list(export.outputs)}; "
-                                  "serving predicts models with one output")
+        self.outputs = tuple(export.outputs)
         dc = export.config.data_config
-        self._label = dc.label_fields[0]
+        self._labels = list(dc.label_fields)
         self._fields = [f.input_name for f in dc.input_fields]
-        self._label_idx = self._fields.index(self._label)
+        self._label_idx = sorted(self._fields.index(lf) for lf in self._labels)
         self._sep = dc.separator
         self._record_format = dc.record_format
         params = dict(self.dense_module.named_parameters())
@@ -142,8 +140,8 @@ class ServingModel:
         pooling = {n: t["pooling"] for n, t in self.signature["tables"].items()}
         self._num_keys = len(keys)
         self._groups = [
-            _LookupGroup.build([(key_idx[f], t, pooling[t]) for f, t in g.lookups],
-                               self.tables, g.dim, self.dynamic)
+            _PooledInput.build([(key_idx[f], t, pooling[t]) for f, t in g.lookups], g.dims,
+                               self.tables, self.dynamic)
             for g in export.pooled_inputs
         ]
         gen = str(self.signature.get("generation", ""))
@@ -176,11 +174,11 @@ class ServingModel:
     # -- prediction -------------------------------------------------------------------------
 
     def fill_labels(self, values: Sequence[bytes]) -> list[bytes]:
-        """Adds a dummy label ("0") to records that lack one (requests need not carry labels).
+        """Adds dummy labels ("0") to records that lack them (requests need not carry labels).
 
-        CSV: a record with one field fewer than ``input_fields`` gets the label inserted at
-        the label column; an empty label becomes "0". JSON: a missing/null label becomes 0.
-        Anything else is passed through for the parser to judge.
+        CSV: a record with as many fields fewer than ``input_fields`` as there are labels gets
+        them inserted at the label columns; an empty label becomes "0". JSON: a missing/null
+        label becomes 0. Anything else is passed through for the parser to judge.
         """
         out = []
         fmt = self._record_format
@@ -196,8 +194,10 @@ class ServingModel:
                 except (ValueError, RecursionError):
                     out.append(v)
                     continue
-                if isinstance(obj, dict) and obj.get(self._label) is None:
-                    obj[self._label] = 0
+                if isinstance(obj, dict) and any(obj.get(lf) is None for lf in self._labels):
+                    for lf in self._labels:
+                        if obj.get(lf) is None:
+                            obj[lf] = 0
                     v = json.dumps(obj).encode("utf-8")
                 out.append(v)
                 continue
@@ -207,10 +207,13 @@ class ServingModel:
                 out.append(v)
                 continue
             parts = text.split(sep)
-            if len(parts) == n - 1:
-                parts.insert(self._label_idx, "0")
-            elif len(parts) == n and parts[self._label_idx] == "":
-                parts[self._label_idx] = "0"
+            if len(parts) == n - len(self._label_idx):
+                for i in self._label_idx:  # ascending: each insert lands at its column
+                    parts.insert(i, "0")
+            elif len(parts) == n:
+                for i in self._label_idx:
+                    if parts[i] == "":
+                        parts[i] = "0"
             out.append(sep.join(parts).encode("utf-8"))
         return out
 
@@ -221,7 +224,11 @@ class ServingModel:
 
     @torch.no_grad()
     def predict_batch(self, batch: Batch) -> np.ndarray:
-        """Probabilities (float64 ``[B]``) of a batch built by this model's feature builder."""
+        """Probabilities of a batch built by this model's feature builder.
+
+        Returns:
+            float64 ``[B]`` (one output) or ``[B, outputs]`` (columns in ``outputs`` order).
+        """
         return self.predict_versioned(batch)[0]
 
     @torch.no_grad()
@@ -362,6 +369,46 @@ class ServingModel:
             st.last_header = h
         self.state.apply_seconds += time.perf_counter() - t0
         return rows
+
+
+@dataclass
+class _PooledInput:
+    """One pooled input of the dense part: a ``_LookupGroup`` per lookup width.
+
+    A pooled input whose lookups share one width is one group; one of mixed widths (tables
+    of different dims, concatenated) is one group per width, their columns put back in the
+    input's lookup order by ``order``.
+    """
+
+    parts: list[_LookupGroup]
+    order: Optional[torch.Tensor]  # columns of cat(parts) in lookup order (None: as they are)
+
+    @classmethod
+    def build(cls, lookups: list[tuple[int, str, str]], dims: Sequence[int],
+              tables: dict[str, torch.Tensor],
+              dynamic: Optional[dict[str, RawIdIndex]] = None) -> _PooledInput:
+        widths = sorted(set(dims))
+        if len(widths) <= 1:
+            return cls([_LookupGroup.build(lookups, tables, widths[0] if widths else 0,
+                                           dynamic)], None)
+        parts, starts = [], {}
+        col = 0
+        for w in widths:
+            idx = [i for i, d in enumerate(dims) if d == w]
+            parts.append(_LookupGroup.build([lookups[i] for i in idx], tables, w, dynamic))
+            for i in idx:
+                starts[i] = col
+                col += w
+        order = [c for i, d in enumerate(dims) for c in range(starts[i], starts[i] + d)]
+        return cls(parts, torch.tensor(order, dtype=torch.int64))
+
+    def pooled(self, values: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
+               starts: torch.Tensor, b: int) -> torch.Tensor:
+        """``[B, input width]`` pooled vectors of this input, in lookup order."""
+        outs = [p.pooled(values, lengths, counts, starts, b) for p in self.parts]
+        if self.order is None:
+            return outs[0]
+        return torch.cat(outs, dim=1).index_select(1, self.order)
 
 
 @dataclass

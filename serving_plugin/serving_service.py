@@ -8,8 +8,11 @@ Endpoints (bound to 127.0.0.1 unless told otherwise; with a token, all but /heal
                     * JSON: one object (a record: its keys are input field names), an
                       array of objects (or of CSV strings), or exactly {"records": [...]} /
                       {"instances": [...]}.
-                    The label column may be omitted (a dummy 0 is filled in).
-                    200 {"probabilities": [...], "version": v, "generation": g}
+                    The label columns may be omitted (dummy 0s are filled in).
+                    200 {"probabilities": [...], "outputs": {name: [...]}, "version": v,
+                    "generation": g}: one probability per record and output ("outputs",
+                    by the model's output names: one per task of a multi-task model);
+                    "probabilities" is the first output's
                     400 {"detail": {"error": str, "rejected": [{"index", "reason"}]}} when
                     the body or any record is malformed (unknown JSON keys included);
                     413 when too large (refused by Content-Length before any of the body
@@ -229,14 +232,18 @@ class ServingService:
                 rejected=[{"index": int(i), "reason": r} for i, r in rejected[:100]])
         assert batch is not None
         probs, version, generation = self.model.predict_versioned(batch)
-        bad = np.flatnonzero(~np.isfinite(probs))
+        bad = np.flatnonzero(~np.isfinite(probs.reshape(len(probs), -1)).all(axis=1))
         if bad.size:  # extreme (finite) inputs can overflow the network
             raise RequestError(
                 f"{bad.size} of {len(records)} records give a non-finite prediction (numeric "
                 "values out of the model's range)",
                 rejected=[{"index": int(i), "reason": "non_finite_prediction"}
                           for i in bad[:100]])
-        return {"probabilities": probs.tolist(), "version": version, "generation": generation}
+        names = self.model.outputs
+        columns = [probs] if probs.ndim == 1 else [probs[:, i] for i in range(probs.shape[1])]
+        return {"probabilities": columns[0].tolist(),
+                "outputs": {n: c.tolist() for n, c in zip(names, columns, strict=True)},
+                "version": version, "generation": generation}
 
 
 def build_app(service: ServingService) -> FastAPI:

@@ -34,6 +34,14 @@ LOADS = {
     "easyrec/deepfm_combo_on_avazu_ctr.config",
     "easyrec/deepfm_combo_on_avazu_embed_adagrad.config",
     "easyrec/dcn_on_taobao.config",
+    "easyrec/dbmtl_on_taobao.config",
+    "easyrec/dbmtl_mmoe_on_taobao.config",
+    "easyrec/mmoe_on_taobao.config",
+    "easyrec/multi_tower_on_taobao.config",
+    "easyrec/wide_and_deep_on_avazau_ctr.config",
+    "easyrec/wide_and_deep_two_opti.config",
+    "easyrec/deepfm.config",
+    "easyrec/deepfm_vocab_list_on_taobao.config",
     "easyrec/multi_tower_early_stop_on_taobao.config",
 }
 

@@ -64,11 +64,129 @@ def test_each_loss_is_its_formula() -> None:
     assert float(ctr_loss(S[:3], one_class, _terms("losses { loss_type: PAIR_WISE_LOSS }"))) == 0
 
 
+def _f1_reference(s: np.ndarray, y: np.ndarray, beta2: float, ls: float) -> float:
+    """EasyRec's f1_reweight_sigmoid_cross_entropy, written out in numpy."""
+    p = _sig(s)
+    n = len(s)
+    num_pos = y.sum()
+    tp = p.sum()
+    neg_w = tp / (beta2 * num_pos + (n - num_pos) - (n - tp) + 1e-8)
+    w = np.where(y == 1, 1.0, neg_w)
+    t = y * (1 - ls) + 0.5 * ls
+    ce = -(t * np.log(p) + (1 - t) * np.log(1 - p))
+    return float((w * ce).sum() / (w != 0).sum())
+
+
+def _pairwise_focal_reference(s: np.ndarray, y: np.ndarray, gamma: float = 2.0,
+                              alpha: float | None = None, hinge: float | None = None,
+                              temperature: float = 1.0, ohem: float = 1.0) -> float:
+    """EasyRec's pairwise_focal_loss (sigmoid_focal_loss_with_logits on pair differences)."""
+    losses, weights = [], []
+    for i in range(len(s)):
+        for j in range(len(s)):
+            if not y[i] > y[j]:
+                continue
+            d = (s[i] - s[j]) / temperature
+            if hinge is not None and not d < hinge:
+                continue
+            q = min(max(_sig(d), 1e-7), 1 - 1e-7)
+            w = (1 - q) ** gamma * (alpha if alpha is not None else 1.0)
+            weights.append(w)
+            losses.append(w * np.log1p(np.exp(-d)))
+    losses_a = np.array(losses)
+    if ohem == 1.0:
+        return float(losses_a.sum() / (np.array(weights) != 0).sum())
+    k = int(np.rint(len(losses_a) * ohem))
+    top = np.sort(losses_a)[::-1][:k]
+    return float(top[top > 0].mean())
+
+
+def test_easyrec_losses_match_their_references() -> None:
+    s, y = S.numpy(), Y.numpy()
+    cases = {
+        "losses { loss_type: L2_LOSS }": ((s - y) ** 2).mean(),
+        "losses { loss_type: F1_REWEIGHTED_LOSS }": _f1_reference(s, y, 1.0, 0.0),
+        "losses { loss_type: F1_REWEIGHTED_LOSS f1_reweighted_loss { f1_beta_square: 2.25 } }":
+            _f1_reference(s, y, 2.25, 0.0),
+        "losses { loss_type: F1_REWEIGHTED_LOSS "
+        "f1_reweighted_loss { f1_beta_square: 0.5 label_smoothing: 0.25 } }":
+            _f1_reference(s, y, 0.5, 0.25),
+        "losses { loss_type: PAIRWISE_FOCAL_LOSS }": _pairwise_focal_reference(s, y),
+        "losses { loss_type: PAIRWISE_FOCAL_LOSS pairwise_focal_loss { gamma: 1 alpha: 0.25 "
+        "temperature: 2 } }": _pairwise_focal_reference(s, y, 1.0, 0.25, temperature=2.0),
+        "losses { loss_type: PAIRWISE_FOCAL_LOSS pairwise_focal_loss { hinge_margin: 1 } }":
+            _pairwise_focal_reference(s, y, hinge=1.0),
+        "losses { loss_type: PAIRWISE_FOCAL_LOSS pairwise_focal_loss { ohem_ratio: 0.5 } }":
+            _pairwise_focal_reference(s, y, ohem=0.5),
+    }
+    for text, want in cases.items():
+        assert float(ctr_loss(S, Y, _terms(text))) == pytest.approx(want, rel=1e-9), text
+    # the hinge drops pairs already apart by the margin; OHEM keeps the hardest half
+    base = cases["losses { loss_type: PAIRWISE_FOCAL_LOSS }"]
+    assert cases["losses { loss_type: PAIRWISE_FOCAL_LOSS pairwise_focal_loss { "
+                 "hinge_margin: 1 } }"] != pytest.approx(base)
+    # F1 reweighting moves only the negatives' weight: a batch of positives is plain BCE
+    pos = torch.ones(3, dtype=torch.float64)
+    f1 = float(ctr_loss(S[:3], pos, _terms("losses { loss_type: F1_REWEIGHTED_LOSS "
+                                            "f1_reweighted_loss { f1_beta_square: 4 } }")))
+    assert f1 == pytest.approx(float(-np.log(_sig(s[:3])).mean()), rel=1e-9)
+    # no pair: the pairwise focal term is 0 (and keeps a gradient path)
+    x = S[:3].clone().requires_grad_(True)
+    zero = ctr_loss(x, pos, _terms("losses { loss_type: PAIRWISE_FOCAL_LOSS }"))
+    zero.backward()
+    assert float(zero) == 0 and x.grad is not None
+
+
+def test_easyrec_losses_give_gradients_toward_the_labels() -> None:
+    for text in ("losses { loss_type: F1_REWEIGHTED_LOSS }",
+                 "losses { loss_type: PAIRWISE_FOCAL_LOSS }"):
+        x = S.clone().requires_grad_(True)
+        ctr_loss(x, Y, _terms(text)).backward()
+        g = x.grad.numpy()
+        # a descent step raises the positives' logits against the negatives'
+        assert g[Y.numpy() > 0.5].mean() < g[Y.numpy() < 0.5].mean(), text
+    x = S.clone().requires_grad_(True)  # L2_LOSS regresses the logit itself onto the label
+    ctr_loss(x, Y, _terms("losses { loss_type: L2_LOSS }")).backward()
+    np.testing.assert_allclose(x.grad.numpy(), 2 * (S - Y).numpy() / len(S), rtol=1e-12)
+
+
+@pytest.mark.parametrize("settings, field", [
+    ("loss_type: F1_REWEIGHTED_LOSS f1_reweighted_loss { f1_beta_square: 0 }",
+     "f1_reweighted_loss.f1_beta_square"),
+    ("loss_type: F1_REWEIGHTED_LOSS f1_reweighted_loss { label_smoothing: 1 }",
+     "f1_reweighted_loss.label_smoothing"),
+    ("loss_type: PAIRWISE_FOCAL_LOSS pairwise_focal_loss { ohem_ratio: 0 }",
+     "pairwise_focal_loss.ohem_ratio"),
+    ("loss_type: PAIRWISE_FOCAL_LOSS pairwise_focal_loss { temperature: 0 }",
+     "pairwise_focal_loss.temperature"),
+    ("loss_type: PAIRWISE_FOCAL_LOSS pairwise_focal_loss { alpha: 1.5 }",
+     "pairwise_focal_loss.alpha"),
+    ("loss_type: PAIRWISE_FOCAL_LOSS pairwise_focal_loss { session_name: \"user_id\" }",
+     "pairwise_focal_loss.session_name"),
+])
+def test_easyrec_loss_settings_are_checked_by_field(tmp_path, settings: str, field: str) -> None:
+    text = deepfm_config_text(str(tmp_path / "m"), batch_size=64).replace(
+        'model_class: "DeepFM"', f'model_class: "DeepFM"\n  losses {{ {settings} }}')
+    with pytest.raises(ConfigError) as info:
+        validate_pipeline_config(parse_pipeline_config_text(text), online=True)
+    assert info.value.field == f"model_config.losses[0].{field}"
+
+
+def test_jrc_loss_is_refused_when_parsed(tmp_path) -> None:
+    text = deepfm_config_text(str(tmp_path / "m"), batch_size=64).replace(
+        'model_class: "DeepFM"', 'model_class: "DeepFM"\n  losses { loss_type: JRC_LOSS }')
+    with pytest.raises(ConfigError, match="JRC_LOSS is an EasyRec value that odl does not"):
+        parse_pipeline_config_text(text)
+
+
 @pytest.mark.parametrize("model, losses", [
     ("DeepFM", "losses { loss_type: BINARY_FOCAL_LOSS binary_focal_loss { gamma: 2 } }"),
     ("DeepFM", "losses { loss_type: SIGMOID_L2_LOSS }"),
     ("DCN", "losses { loss_type: CLASSIFICATION weight: 1 } "
             "losses { loss_type: PAIRWISE_LOGISTIC_LOSS weight: 0.5 }"),
+    ("DeepFM", "losses { loss_type: F1_REWEIGHTED_LOSS f1_reweighted_loss { f1_beta_square: "
+               "2.25 } } losses { loss_type: PAIRWISE_FOCAL_LOSS }"),
+    ("DeepFM", "losses { loss_type: L2_LOSS }"),
 ])
 def test_training_with_each_loss_learns(tmp_path, model: str, losses: str) -> None:
     text = as_model_config_text(deepfm_config_text(str(tmp_path / "m"), batch_size=256), model)

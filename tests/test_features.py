@@ -266,3 +266,83 @@ def test_feature_builder_config_errors():
     c.feature_config.features[5].num_buckets = 8  # shared table with different sizes
     with pytest.raises(ValueError, match="shared"):
         FeatureBuilder(c)
+
+
+# -- vocabularies and raw value normalization (odl.config.feature_settings) ------------------
+
+VOCAB_CONFIG = """
+data_config {
+  input_fields { input_name: "label" input_type: INT32 }
+  input_fields { input_name: "hour" input_type: STRING }
+  input_fields { input_name: "tags" input_type: STRING }
+  input_fields { input_name: "price" input_type: DOUBLE }
+  input_fields { input_name: "age" input_type: INT64 }
+  label_fields: "label"
+}
+feature_config {
+  features { input_names: "hour" vocab_list: ["7", "8", "9"] embedding_dim: 4 }
+  features { input_names: "tags" feature_type: TagFeature vocab_file: "%s" embedding_dim: 4 }
+  features { input_names: "price" feature_type: RawFeature min_val: -2 max_val: 8 }
+  features { feature_name: "age_b" input_names: "age" feature_type: RawFeature min_val: 0
+             max_val: 100 boundaries: [0.25, 0.5] embedding_dim: 4 }
+}
+"""
+
+
+def _vocab_builder(tmp_path, file_text="a\r\nü\nbb\n", extra=""):
+    from odl.config.easyrec_compat import normalize_config_forms
+
+    vocab = tmp_path / "tags.txt"
+    vocab.write_bytes(file_text.encode())
+    c = text_format.Parse(VOCAB_CONFIG % vocab + extra, pipeline_pb2.EasyRecConfig())
+    normalize_config_forms(c)  # TagFeature -> IdFeature
+    return FeatureBuilder(c)
+
+
+def test_vocabulary_ids_are_list_indices_and_oov_is_row_0(tmp_path):
+    fb = _vocab_builder(tmp_path)
+    specs = {t.name: t for t in fb.table_specs}
+    assert specs["hour"].num_rows == 3 and specs["tags"].num_rows == 3  # one row per entry
+    res = fb.build([csv(1, 9, "bb|ü|zz|a", 3, 10), csv(0, 7, "", 8, 50),
+                    csv(1, 10, "b|aa|ü", -2, 75), csv(0, "", "a", 13, 100)])
+    kjt = res.batch.sparse.to_dict()
+    # "10" is not "7"/"8"/"9": EasyRec's default_value 0, the first entry's row
+    assert kjt["hour"].values().tolist() == [2, 0, 0]
+    assert kjt["hour"].lengths().tolist() == [1, 1, 1, 0]  # an empty value has no id
+    # file lines, \r\n or \n, are rows 0, 1, 2; "zz", "b", "aa" are out of vocabulary
+    assert kjt["tags"].values().tolist() == [2, 1, 0, 0, 0, 0, 1, 0]
+    assert kjt["tags"].lengths().tolist() == [4, 0, 3, 1]
+
+
+def test_raw_values_are_normalized_by_min_and_max_without_clipping(tmp_path):
+    fb = _vocab_builder(tmp_path)
+    assert fb.dense_feature_names == ["price"]
+    res = fb.build([csv(1, 7, "a", 3, 10), csv(0, 7, "a", -2, 50), csv(1, 7, "a", 13, 75),
+                    csv(0, 7, "a", -7, 100)])
+    b = res.batch
+    # (x - (-2)) / (8 - (-2)); 13 and -7 lie outside [min, max] and stay outside [0, 1]
+    np.testing.assert_allclose(b.dense[:, 0].numpy(), [0.5, 0.0, 1.5, -0.5], rtol=1e-7)
+    # boundaries [0.25, 0.5] apply to age / 100: 0.1 -> 0, 0.5 -> 2, 0.75 -> 2, 1.0 -> 2
+    assert b.sparse.to_dict()["age_b"].values().tolist() == [0, 2, 2, 2]
+
+
+@pytest.mark.parametrize("max_val, values, rejected, kept", [
+    (1e-30, [1e10, 1e-31], [(0, "non_finite")], 0.1),  # 1e40 is beyond float32
+    (1e30, [1e39, 1e29], [], 1e9),  # 1e39 is beyond float32, its normalized 1e9 is not
+])
+def test_the_normalized_value_must_fit_float32(tmp_path, max_val, values, rejected, kept):
+    text = VOCAB_CONFIG.replace("min_val: -2 max_val: 8", f"min_val: 0 max_val: {max_val}")
+    (tmp_path / "v.txt").write_text("a\n")
+    c = text_format.Parse(text % (tmp_path / "v.txt"), pipeline_pb2.EasyRecConfig())
+    c.feature_config.features[1].feature_type = pipeline_pb2.FeatureConfig.IdFeature
+    res = FeatureBuilder(c).build([csv(1, 7, "a", v, 1) for v in values])
+    assert res.rejected == rejected
+    assert res.batch.dense[0, 0].item() == pytest.approx(kept, rel=1e-6)
+
+
+def test_vocabulary_feature_of_a_dynamic_table_gives_the_index_as_raw_id(tmp_path):
+    fb = _vocab_builder(tmp_path, extra="model_config { ev_params { max_capacity: 64 } }")
+    assert {t.name: t.num_rows for t in fb.table_specs}["hour"] == 64
+    kjt = fb.build([csv(1, 8, "bb|x", 3, 10)]).batch.sparse.to_dict()
+    assert kjt["hour"].values().tolist() == [1]
+    assert kjt["tags"].values().tolist() == [2, 0]

@@ -12,6 +12,8 @@ from prometheus_client import generate_latest
 
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.pipeline_config import load_pipeline_config
+from odl.datagen.conversion_labels import conversion_labels, encode_with_conversions
+from odl.datagen.datagen_config import MULTI_TASK_MODELS
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
@@ -37,11 +39,18 @@ DYNAMIC_TABLES = 'model_class: "DeepFM"\n  ev_params { filter_freq: 2 max_capaci
 
 
 
+# model_dir -> the records _train_with_publishing sent
+_SENT: dict[str, object] = {}
+
+
 def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int = 1500,
-                           dynamic: bool = False, model: str = "DeepFM"):
+                           dynamic: bool = False, model: str = "DeepFM",
+                           edits: tuple[tuple[str, str], ...] = ()):
     topic = topic_factory(partitions=PARTS)
     batch = SyntheticCtrStream(seed=41).next_batch(n)
-    produce(bootstrap, topic, batch.encode("csv"), PARTS)
+    values = (encode_with_conversions(batch, 41) if model in MULTI_TASK_MODELS
+              else batch.encode("csv"))
+    produce(bootstrap, topic, values, PARTS)
     ends = end_offsets(bootstrap, topic)
     cfg = write_config(tmp_path, bootstrap, topic, batch_size=100, extra_train=incr)
     text = open(cfg).read().replace("save_checkpoints_steps: 50", "save_checkpoints_steps: 4")
@@ -49,13 +58,17 @@ def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int
         text = text.replace('model_class: "DeepFM"', DYNAMIC_TABLES).replace(
             "log_step_count_steps: 20", "log_step_count_steps: 5")
     text = as_model(text, model)
+    for edit in edits:
+        text = text.replace(*edit)
     open(cfg, "w").write(text.replace("keep_checkpoint_max: 3", "keep_checkpoint_max: 10"))
     trainer = run_in_process(cfg, ends)
+    _SENT[trainer.config.model_dir] = batch
     return trainer, cfg
 
 
 def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool = True,
                           tolerance: float = 1e-6):
+    """Serving (an early export + replay) predicts what the trainer predicts, every output."""
     model_dir = trainer.model_dir
     final_step = trainer.module.global_step
     ckpts = list_checkpoints(model_dir)
@@ -76,20 +89,30 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
                 break
             time.sleep(0.2)
         assert status.get("version") == final_step, status
-        records = SyntheticCtrStream(seed=99).next_batch(1000).encode("csv")
+        sample = SyntheticCtrStream(seed=99).next_batch(1000)
+        outputs = trainer.module.model.output_names
+        records = (encode_with_conversions(sample, 99) if len(outputs) > 1
+                   else sample.encode("csv"))
         served = post_json(url + "/predict", b"\n".join(records))
         assert served["version"] == final_step
+        assert list(served["outputs"]) == list(outputs)
         built = FeatureBuilder(config).build(records)
-        expected = trainer.module.predict(built.batch)
-        got = np.asarray(served["probabilities"], dtype=np.float64)
+        expected = trainer.module.predict(built.batch).reshape(len(records), -1)
+        got = np.stack([served["outputs"][n] for n in outputs], axis=1)
+        assert served["probabilities"] == served["outputs"][outputs[0]]
         diff = float(np.abs(got - expected).max())
         assert diff <= tolerance, diff
+        if len(outputs) > 1:  # requests may leave out every label column
+            bare = [b",".join(r.split(b",")[:2] + r.split(b",")[3:-1]) for r in records]
+            again = post_json(url + "/predict", b"\n".join(bare))
+            assert again["outputs"] == served["outputs"]
         return status, diff
     finally:
         service.stop()
 
 
-@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "DCN"])
+@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "DCN", "MMoE",
+                                   "DBMTL"])
 def test_serving_replay_matches_trainer_predictions(
     kafka_bootstrap, kafka_topic_factory, tmp_path, model
 ):
@@ -101,6 +124,17 @@ def test_serving_replay_matches_trainer_predictions(
     dense = trainer.module.model.dense
     if model in ("DeepFM", "WideAndDeep"):
         assert type(dense).__name__ == "DeepFMDense" and dense.use_fm == (model == "DeepFM")
+    elif model in MULTI_TASK_MODELS:  # two tasks; MMoE mixes experts, DBMTL relates cvr
+        assert trainer.module.model.output_names == ("ctr", "cvr")
+        assert (dense.experts is not None) == (model == "MMoE")
+        assert [h.relations for h in dense.heads] == ([[], []] if model == "MMoE" else [[], [0]])
+        tasks = trainer.tasks.summary()
+        sent = _SENT[trainer.config.model_dir]
+        assert set(tasks) == {"ctr", "cvr"} and tasks["cvr"]["samples"] == 1500
+        # each task is scored on its own label column (the window holds all 1500)
+        assert tasks["ctr"]["positive_rate"] == pytest.approx(sent.labels.mean(), abs=1e-6)
+        assert tasks["cvr"]["positive_rate"] == pytest.approx(
+            conversion_labels(sent, 41).mean(), abs=1e-6)
     else:  # one tower per group for MultiTower; a DNN and a cross network for DCN
         kinds = [type(t).__name__ for t in dense.towers]
         assert kinds == (["Sequential", "Sequential"] if model == "MultiTower"
@@ -113,6 +147,24 @@ def test_serving_replay_matches_trainer_predictions(
     # after its last chunk, i.e. at its transaction's commit marker, the topic's last offset
     last = read_checkpoint(list_checkpoints(trainer.model_dir)[-1])
     assert last.source["delta_topic_offset"] == end_offsets(kafka_bootstrap, delta_topic)[0] - 1
+
+
+@pytest.mark.parametrize("model", ["WideAndDeep", "MMoE"])
+def test_mixed_embedding_dims_replay_to_parity(kafka_bootstrap, kafka_topic_factory, tmp_path,
+                                               model):
+    """EasyRec concatenates embeddings of different dims: C2 and C5 16 wide among 8s."""
+    delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
+    edits = tuple((f'input_names: "{c}" feature_type: IdFeature embedding_dim: 8',
+                   f'input_names: "{c}" feature_type: IdFeature embedding_dim: 16')
+                  for c in ("C2", "C5"))
+    trainer, cfg = _train_with_publishing(
+        tmp_path, kafka_bootstrap, kafka_topic_factory,
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), model=model, edits=edits)
+    group = trainer.module.model.pooled_layout[0]
+    dims = dict(zip((f for f, _t in group.lookups), group.dims, strict=True))
+    assert group.dim == 0 and dims["C2"] == dims["C5"] == 16 and dims["C1"] == 8
+    _status, diff = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)
+    assert diff <= 1e-6
 
 
 def test_dynamic_tables_replay_matches_trainer_predictions(

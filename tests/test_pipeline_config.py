@@ -279,9 +279,8 @@ def test_unknown_field(tmp_path: Path) -> None:
     "text, field",
     [
         ('fg_json_path: "fg.json"', "fg_json_path"),
-        ("train_config { gradient_clipping_by_norm: 1.0 }",
-         "train_config.gradient_clipping_by_norm"),
-        ("model_config { dbmtl { } }", "model_config.dbmtl"),
+        ("train_config { freeze_gradient: true }", "train_config.freeze_gradient"),
+        ("model_config { esmm { } }", "model_config.esmm"),
         ('feature_configs { input_names: "a" } feature_configs { shared_names: "b" }',
          "feature_configs[1].shared_names"),
     ],
@@ -321,13 +320,13 @@ def test_easyrec_field_that_would_change_the_model_is_refused(tmp_path: Path) ->
 
 
 def test_every_field_error_of_a_config_in_one_run(tmp_path: Path) -> None:
-    text = ("train_config {\n  num_stepz: 3\n  gradient_clipping_by_norm: 1.0\n"
-            "  sync_replicas: true\n}\nmodel_config { dbmtl { } }\nmodl_dir: 'x'\n")
+    text = ("train_config {\n  num_stepz: 3\n  freeze_gradient: true\n"
+            "  sync_replicas: true\n}\nmodel_config { esmm { } }\nmodl_dir: 'x'\n")
     err = error_of(load_text, tmp_path, text)
     assert isinstance(err, ConfigErrors)
     assert [e.field for e in err.errors] == [
-        "train_config.num_stepz", "train_config.gradient_clipping_by_norm",
-        "model_config.dbmtl", "modl_dir"]
+        "train_config.num_stepz", "train_config.freeze_gradient",
+        "model_config.esmm", "modl_dir"]
     assert str(err).startswith("4 config errors:") and ":7:1" in str(err)
 
 
@@ -338,7 +337,7 @@ def test_every_field_error_of_a_config_in_one_run(tmp_path: Path) -> None:
          "feature_configs[0].feature_type", "LookupFeature"),
         ('feature_configs { input_names: "a" feature_type: SequenceFeature }',
          "feature_configs[0].feature_type", "SequenceFeature"),
-        ("model_config { loss_type: L2_LOSS }", "model_config.loss_type", "L2_LOSS"),
+        ("model_config { loss_type: JRC_LOSS }", "model_config.loss_type", "JRC_LOSS"),
         ("data_config { input_type: OdpsInputV2 }", "data_config.input_type", "OdpsInputV2"),
     ],
 )
@@ -355,7 +354,7 @@ def test_unknown_enum_value(tmp_path: Path) -> None:
 
 
 def test_model_class_and_num_class_not_implemented(tmp_path: Path) -> None:
-    err = error_of(load_text, tmp_path, 'model_config { model_class: "DBMTL" }')
+    err = error_of(load_text, tmp_path, 'model_config { model_class: "ESMM" }')
     assert err.field == "model_config.model_class"
     assert "EasyRec value that odl does not implement yet" in str(err)
     err = error_of(load_text, tmp_path, 'model_config { model_class: "DeepFM" num_class: 3 }')
@@ -491,8 +490,7 @@ def test_edit_null_clears(online) -> None:
         ({"train_config.bogus": 1}, "train_config.bogus", "unknown field 'bogus'"),
         ({"train_config.use_moving_average": True}, "train_config.use_moving_average",
          "would change the trained model"),
-        ({"train_config.gradient_clipping_by_norm": 1.0},
-         "train_config.gradient_clipping_by_norm",
+        ({"train_config.freeze_gradient": True}, "train_config.freeze_gradient",
          "EasyRec field that odl does not implement yet"),
         ({"nothing.at_all": 1}, "nothing.at_all", "unknown field 'nothing'"),
         ({"feature_configs[99].embedding_dim": 1}, "feature_configs[99].embedding_dim",
@@ -545,8 +543,8 @@ def test_edit_malformed_json(online) -> None:
         ({"data_config.input_fields[3].default_val": "x"}, True,
          "data_config.input_fields[3].default_val"),
         ({"data_config.label_fields": []}, True, "data_config.label_fields"),
-        ({"data_config.label_fields": ["nope"]}, True, "data_config.label_fields"),
-        ({"data_config.label_fields": ["C1"]}, True, "data_config.label_fields"),
+        ({"data_config.label_fields": ["nope"]}, True, "data_config.label_fields[0]"),
+        ({"data_config.label_fields": ["C1"]}, True, "data_config.label_fields[0]"),
         ({"data_config.sample_id_field": "nope"}, True, "data_config.sample_id_field"),
         ({"data_config.event_time_field": "C1"}, True, "data_config.event_time_field"),
         ({"feature_configs[2].input_names": ["nope"]}, True, "feature_configs[2].input_names[0]"),
@@ -711,13 +709,23 @@ def test_round_trip_easyrec_style(tmp_path: Path) -> None:
     assert json.loads(config.kafka_train_input.offset_info)["1"] == 20
 
 
-def test_wide_and_deep_deep_group_needs_one_embedding_dim(tmp_path: Path) -> None:
-    text = (ROOT / "samples" / "wide_and_deep_online.config").read_text().replace(
-        'input_names: "C1" feature_type: IdFeature embedding_dim: 16',
-        'input_names: "C1" feature_type: IdFeature embedding_dim: 8')
-    err = error_of(validate_pipeline_config, load_text(tmp_path, text), online=True)
+def test_wide_and_deep_concatenates_mixed_embedding_dims_and_fm_refuses_them(
+        tmp_path: Path) -> None:
+    from odl.features.feature_builder import FeatureBuilder
+    from odl.models.model_factory import build_model
+
+    edit = ('input_names: "C1" feature_type: IdFeature embedding_dim: 16',
+            'input_names: "C1" feature_type: IdFeature embedding_dim: 8')
+    text = (ROOT / "samples" / "wide_and_deep_online.config").read_text().replace(*edit)
+    config = load_text(tmp_path, text)
+    validate_pipeline_config(config, online=True)
+    deep = build_model(config, FeatureBuilder(config)).pooled_layout[0]
+    assert deep.dim == 0 and dict(zip(deep.lookups, deep.dims, strict=True))[("C1", "C1")] == 8
+    assert deep.width == 8 + 16 * (len(deep.lookups) - 1)
+    err = error_of(validate_pipeline_config, load_text(tmp_path, ONLINE.read_text().replace(
+        *edit)), online=True)
     assert err.field.startswith("model_config.feature_groups[")
-    assert "deep tower's pooled input" in str(err) and "C1=8" in str(err)
+    assert "FM needs" in str(err) and "C1=8" in str(err)
 
 
 @pytest.mark.parametrize("form", ["'1650765731'", "1650765731", '"20220424 02:02:11"'])

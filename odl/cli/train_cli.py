@@ -135,13 +135,16 @@ def _main(argv: Optional[list[str]]) -> int:
         FeatureBuilder(config)  # the feature checks the trainer does at start
         token = resolve_auth_token(args.auth_token_file or None)
         # the checks against this machine, before anything is allocated
-        check_start(config, online=args.online, device=args.device,
-                    max_memory_fraction=args.max_memory_fraction,
-                    sample_ledger=args.sample_ledger, create_dirs=not args.validate_only)
+        start = check_start(config, online=args.online, device=args.device,
+                            max_memory_fraction=args.max_memory_fraction,
+                            sample_ledger=args.sample_ledger,
+                            create_dirs=not args.validate_only)
     except (ConfigError, AuthConfigError) as exc:
         print(f"odl-train: {exc}", file=sys.stderr)
         return 2
     if args.validate_only:
+        for note in start.notes:
+            print(f"note: {note}")
         print("config OK")
         return 0
 

@@ -15,9 +15,12 @@ naming the first offending field:
   dead-letter topic), only one of them; ``train_input_path`` offline;
 * ``data_config``: input fields, one numeric label, sample id and event time fields, sizes
   within :mod:`odl.config.limits`;
-* the features and the model (:mod:`odl.config.model_validation`);
+* the features and the model (:mod:`odl.config.model_validation`), vocabularies and raw value
+  normalization (:mod:`odl.config.feature_settings`), the loss terms' settings
+  (:mod:`odl.config.loss_settings`);
 * ``train_config``: one optimizer form (EasyRec's ``optimizer_config`` or TorchEasyRec's
-  ``sparse_optimizer`` + ``dense_optimizer``) with valid rates, stop and logging intervals,
+  ``sparse_optimizer`` + ``dense_optimizer``) with valid rates, schedules and optimizer
+  settings, at most one gradient clipping form, stop and logging intervals,
   ``dead_line``, the fine-tune var map, and ``incr_save_config`` (where versions go, chunk
   size).
 
@@ -41,6 +44,7 @@ from odl.config.config_error import ConfigError
 from odl.config.config_fields import is_map_field, join_path
 from odl.config.easyrec_compat import check_implemented, normalize_config_forms
 from odl.config.feature_configs import NUMERIC_FIELD_TYPES
+from odl.config.feature_settings import validate_feature_settings, with_vocabularies_as_buckets
 from odl.config.field_formats import (
     parse_datahub_offsets,
     parse_dead_line,
@@ -48,6 +52,8 @@ from odl.config.field_formats import (
     parse_offset_time,
     path_scheme,
 )
+from odl.config.loss_settings import validate_loss_settings
+from odl.config.model_classes import is_multi_task_model
 from odl.config.model_validation import validate_features, validate_model
 from odl.protos import pipeline_pb2
 from odl.storage.storage_path import UnsupportedPathError, check_supported, parse_oss
@@ -94,8 +100,11 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
     else:
         _validate_offline_input(config)
     fields = _validate_data_config(config)
-    features = validate_features(config, fields)
-    validate_model(config, features)
+    validate_feature_settings(config)
+    validate_loss_settings(config)
+    checked = with_vocabularies_as_buckets(config)
+    features = validate_features(checked, fields)
+    validate_model(checked, features)
     _validate_train(config)
 
 
@@ -319,14 +328,22 @@ def _validate_data_config(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
                 raise ConfigError(f"{where}.default_val",
                                   f"{f.default_val!r} is not a valid "
                                   f"{_FIELD_TYPE.Name(f.input_type)}")
-    if len(dc.label_fields) != 1:
+    if not dc.label_fields:
+        raise ConfigError("data_config.label_fields", "required (the label column)")
+    if len(dc.label_fields) > 1 and not is_multi_task_model(config.model_config):
         raise ConfigError("data_config.label_fields",
-                          f"exactly one label field is supported, got {len(dc.label_fields)}")
-    label = dc.label_fields[0]
-    if label not in fields:
-        raise ConfigError("data_config.label_fields", f"label {label!r} is not an input field")
-    if fields[label] not in NUMERIC_FIELD_TYPES:
-        raise ConfigError("data_config.label_fields", f"label {label!r} must be a numeric field")
+                          f"{len(dc.label_fields)} label fields need a multi-task model (MMoE, "
+                          f"DBMTL); {config.model_config.model_class or 'this model'} trains "
+                          "on one")
+    for i, label in enumerate(dc.label_fields):
+        if label not in fields:
+            raise ConfigError(f"data_config.label_fields[{i}]",
+                              f"label {label!r} is not an input field")
+        if fields[label] not in NUMERIC_FIELD_TYPES:
+            raise ConfigError(f"data_config.label_fields[{i}]",
+                              f"label {label!r} must be a numeric field")
+        if label in dc.label_fields[:i]:
+            raise ConfigError(f"data_config.label_fields[{i}]", f"label {label!r} repeats")
     if dc.sample_id_field and dc.sample_id_field not in fields:
         raise ConfigError("data_config.sample_id_field",
                           f"{dc.sample_id_field!r} is not an input field")
@@ -374,6 +391,7 @@ def _validate_train(config: pipeline_pb2.EasyRecConfig) -> None:
         raise ConfigError(f"{where}.optimizer_config",
                           "no optimizer configured: set optimizer_config (EasyRec) or "
                           "sparse_optimizer + dense_optimizer (TorchEasyRec)")
+    _validate_grad_clipping(tc, where)
     if tc.HasField("num_steps") and tc.num_steps == 0:
         raise ConfigError(f"{where}.num_steps", "must be > 0 (leave it unset to run until "
                                                 "stopped)")
@@ -430,11 +448,31 @@ def _validate_incr_save(isc: Any, where: str) -> None:
 def _validate_easyrec_optimizer(opt: Any, where: str) -> None:
     kind = opt.WhichOneof("optimizer")
     if kind is None:
-        raise ConfigError(where, "choose an optimizer (sgd_optimizer, adagrad_optimizer or "
-                                 "adam_optimizer)")
+        raise ConfigError(where, "choose an optimizer (sgd_optimizer, momentum_optimizer, "
+                                 "adagrad_optimizer, adam_optimizer, adamw_optimizer, "
+                                 "lazy_adam_optimizer or ftrl_optimizer)")
     inner = getattr(opt, kind)
-    lr_where = f"{where}.{kind}.learning_rate"
-    lr = inner.learning_rate
+    _validate_easyrec_lr(inner.learning_rate, f"{where}.{kind}.learning_rate")
+    w = f"{where}.{kind}"
+    if kind in ("adam_optimizer", "adamw_optimizer", "lazy_adam_optimizer"):
+        _check_betas(inner, w)
+    if kind == "adamw_optimizer" and not 0 <= inner.weight_decay < 1:
+        raise ConfigError(f"{w}.weight_decay", "must be in [0, 1) (the decay per step)")
+    if kind == "momentum_optimizer" and not 0 <= inner.momentum_optimizer_value < 1:
+        raise ConfigError(f"{w}.momentum_optimizer_value", "must be in [0, 1)")
+    if kind == "adagrad_optimizer" and inner.initial_accumulator_value < 0:
+        raise ConfigError(f"{w}.initial_accumulator_value", "must be >= 0")
+    if kind == "ftrl_optimizer":
+        if not inner.learning_rate_power <= 0:
+            raise ConfigError(f"{w}.learning_rate_power", "must be <= 0")
+        if not inner.initial_accumulator_value > 0:
+            raise ConfigError(f"{w}.initial_accumulator_value", "must be > 0")
+        for name in ("l1_reg", "l2_reg", "l2_shrinkage_reg"):
+            if not getattr(inner, name) >= 0:
+                raise ConfigError(f"{w}.{name}", "must be >= 0")
+
+
+def _validate_easyrec_lr(lr: Any, lr_where: str) -> None:
     which = lr.WhichOneof("learning_rate")
     if which == "constant_learning_rate":
         if not lr.constant_learning_rate.learning_rate > 0:
@@ -450,10 +488,35 @@ def _validate_easyrec_optimizer(opt: Any, where: str) -> None:
             raise ConfigError(f"{ew}.decay_factor", "must be in (0, 1]")
         if e.min_learning_rate < 0:
             raise ConfigError(f"{ew}.min_learning_rate", "must be >= 0")
-    if kind == "adam_optimizer":
-        _check_betas(inner, f"{where}.{kind}")
-    if kind == "adagrad_optimizer" and inner.initial_accumulator_value < 0:
-        raise ConfigError(f"{where}.{kind}.initial_accumulator_value", "must be >= 0")
+        if e.burnin_learning_rate < 0:
+            raise ConfigError(f"{ew}.burnin_learning_rate", "must be >= 0")
+        if e.burnin_learning_rate > 0 and e.burnin_steps == 0:
+            raise ConfigError(f"{ew}.burnin_steps", "must be > 0 when burnin_learning_rate "
+                                                    "is set")
+    elif which == "cosine_decay_learning_rate":
+        c = lr.cosine_decay_learning_rate
+        cw = f"{lr_where}.cosine_decay_learning_rate"
+        if not c.learning_rate_base > 0:
+            raise ConfigError(f"{cw}.learning_rate_base", "must be > 0")
+        if not 0 <= c.warmup_learning_rate <= c.learning_rate_base:
+            raise ConfigError(f"{cw}.warmup_learning_rate",
+                              "must be in [0, learning_rate_base]")
+        if not c.total_steps > c.warmup_steps + c.hold_base_rate_steps:
+            raise ConfigError(f"{cw}.total_steps",
+                              f"must be > warmup_steps + hold_base_rate_steps "
+                              f"({c.warmup_steps + c.hold_base_rate_steps}), got "
+                              f"{c.total_steps}")
+    elif which == "poly_decay_learning_rate":
+        p = lr.poly_decay_learning_rate
+        pw = f"{lr_where}.poly_decay_learning_rate"
+        if not p.learning_rate_base > 0:
+            raise ConfigError(f"{pw}.learning_rate_base", "required, > 0")
+        if p.total_steps <= 0:
+            raise ConfigError(f"{pw}.total_steps", "required, > 0")
+        if not p.power > 0:
+            raise ConfigError(f"{pw}.power", "required, > 0 (1: linear)")
+        if not 0 <= p.end_learning_rate:
+            raise ConfigError(f"{pw}.end_learning_rate", "must be >= 0")
 
 
 def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
@@ -461,21 +524,72 @@ def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
     if kind is None:
         raise ConfigError(where, "choose an optimizer (e.g. adagrad_optimizer { lr: 0.05 })")
     inner = getattr(opt, kind)
+    w = f"{where}.{kind}"
     if not inner.lr > 0:
-        raise ConfigError(f"{where}.{kind}.lr", "must be > 0")
-    if kind == "adam_optimizer":
-        _check_betas(inner, f"{where}.{kind}")
-    if kind == "adagrad_optimizer" and inner.initial_accumulator_value < 0:
-        raise ConfigError(f"{where}.{kind}.initial_accumulator_value", "must be >= 0")
-    if opt.WhichOneof("learning_rate") == "exponential_decay_learning_rate":
+        raise ConfigError(f"{w}.lr", "must be > 0")
+    fields = inner.DESCRIPTOR.fields_by_name
+    if "beta1" in fields:
+        _check_betas(inner, w)
+    for name in ("weight_decay", "initial_accumulator_value", "dampening"):
+        if name in fields and not getattr(inner, name) >= 0:
+            raise ConfigError(f"{w}.{name}", "must be >= 0")
+    if "eps" in fields and not inner.eps > 0:
+        raise ConfigError(f"{w}.eps", "must be > 0")
+    if "momentum" in fields:
+        if not 0 <= inner.momentum < 1:
+            raise ConfigError(f"{w}.momentum", "must be in [0, 1)")
+        if inner.nesterov and (inner.momentum == 0 or inner.dampening != 0):
+            raise ConfigError(f"{w}.nesterov", "needs momentum > 0 and dampening 0")
+    which = opt.WhichOneof("learning_rate")
+    if which == "exponential_decay_learning_rate":
         e = opt.exponential_decay_learning_rate
         ew = f"{where}.exponential_decay_learning_rate"
-        if e.decay_steps <= 0:
-            raise ConfigError(f"{ew}.decay_steps", "must be > 0")
-        if not 0 < e.decay_rate <= 1:
-            raise ConfigError(f"{ew}.decay_rate", "must be in (0, 1]")
+        size = "decay_size" if e.HasField("decay_size") else "decay_steps"
+        if getattr(e, size) <= 0:
+            raise ConfigError(f"{ew}.{size}", "must be > 0")
+        factor = ("decay_rate" if e.HasField("decay_rate") and not e.HasField("decay_factor")
+                  else "decay_factor")
+        if not 0 < getattr(e, factor) <= 1:
+            raise ConfigError(f"{ew}.{factor}", "must be in (0, 1]")
         if e.min_learning_rate < 0:
             raise ConfigError(f"{ew}.min_learning_rate", "must be >= 0")
+        _check_tzrec_warmup(e, ew)
+    elif which == "cosine_annealing_learning_rate":
+        c = opt.cosine_annealing_learning_rate
+        cw = f"{where}.cosine_annealing_learning_rate"
+        if c.T_max <= 0:
+            raise ConfigError(f"{cw}.T_max", "required, > 0 (steps)")
+        if c.min_learning_rate < 0:
+            raise ConfigError(f"{cw}.min_learning_rate", "must be >= 0")
+        _check_tzrec_warmup(c, cw)
+
+
+def _check_tzrec_warmup(msg: Any, where: str) -> None:
+    if msg.by_epoch:
+        raise ConfigError(f"{where}.by_epoch", "schedules by epoch are not implemented (a "
+                                               "stream has no epochs): give sizes in steps")
+    if msg.warmup_learning_rate < 0:
+        raise ConfigError(f"{where}.warmup_learning_rate", "must be >= 0")
+
+
+def _validate_grad_clipping(tc: Any, where: str) -> None:
+    if not tc.gradient_clipping_by_norm >= 0 or not math.isfinite(tc.gradient_clipping_by_norm):
+        raise ConfigError(f"{where}.gradient_clipping_by_norm", "must be >= 0 (0: no clipping)")
+    if not tc.HasField("grad_clipping"):
+        return
+    gc = tc.grad_clipping
+    gw = f"{where}.grad_clipping"
+    kind = gc.clipping_type.strip().lower()
+    if kind not in ("norm", "value", "none"):
+        raise ConfigError(f"{gw}.clipping_type", f"expected norm, value or none, got "
+                                                 f"{gc.clipping_type!r}")
+    if kind != "none" and tc.gradient_clipping_by_norm > 0:
+        raise ConfigError(f"{gw}", "give gradient_clipping_by_norm (EasyRec) or grad_clipping "
+                                   "(TorchEasyRec), not both")
+    if not gc.max_gradient > 0 or not math.isfinite(gc.max_gradient):
+        raise ConfigError(f"{gw}.max_gradient", "must be > 0")
+    if not gc.norm_type > 0:
+        raise ConfigError(f"{gw}.norm_type", "must be > 0 (2.0: L2, inf: max)")
 
 
 def _check_betas(inner: Any, where: str) -> None:

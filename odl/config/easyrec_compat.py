@@ -18,8 +18,15 @@ for the subset odl implements. What odl does not implement is never silently ign
 
 from __future__ import annotations
 
+from typing import Any
+
 from odl.config.config_error import ConfigError
-from odl.config.model_classes import IMPLEMENTED_MODEL_CLASSES, MODEL_MESSAGES
+from odl.config.feature_settings import expand_config_names, raw_num_buckets_to_boundaries
+from odl.config.model_classes import (
+    IMPLEMENTED_MODEL_CLASSES,
+    MODEL_MESSAGES,
+    MULTI_TASK_MODEL_CLASSES,
+)
 from odl.protos import pipeline_pb2
 
 __all__ = [
@@ -43,7 +50,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     }),
     "KafkaServer": frozenset({"consumer", "sink"}),
     "DatasetConfig": frozenset({
-        "auto_expand_input_fields", "label_sep", "label_dim", "extra_label_func", "shard",
+        "label_sep", "label_dim", "extra_label_func", "shard",
         "file_shard", "selected_cols", "selected_col_types", "rtp_separator", "ignore_error",
         "sample_weight", "data_compression_type", "n_data_batch_tfrecord", "with_header",
         "feature_fields", "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
@@ -63,9 +70,9 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
                                "mlp", "autodis", "separator", "fg_value_type",
                                "stub_type"}),
     "FeatureConfig": frozenset({
-        "kv_separator", "seq_multi_sep", "max_seq_len", "vocab_file", "vocab_list",
+        "kv_separator", "seq_multi_sep", "max_seq_len",
         "shared_names", "lookup_max_sel_elem_num", "max_partitions", "initializer",
-        "precision", "min_val", "max_val", "normalizer_fn", "sequence_combiner",
+        "precision", "normalizer_fn", "sequence_combiner",
         "sub_feature_type", "sequence_length", "expression", "combo_input_seps",
         # TorchEasyRec's other per-kind feature messages.
         "combo_feature", "lookup_feature", "match_feature",
@@ -80,7 +87,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "EasyRecModel": frozenset({
         "model_name", "model_params", "dummy", "fm",
         "autoint", "dlrm", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
-        "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat", "mmoe", "esmm", "dbmtl",
+        "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat", "esmm",
         "simple_multi_task", "ple", "rocket_launching", "seq_att_groups", "kd",
         "restore_filters", "variational_dropout", "loss_weight_strategy", "backbone",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet", "wukong",
@@ -88,13 +95,18 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "dcn_v2",
     }),
     "Loss": frozenset({
-        "loss_name", "f1_reweighted_loss", "softmax_loss", "circle_loss", "multi_simi_loss",
-        "pairwise_focal_loss",
+        "loss_name", "softmax_loss", "circle_loss", "multi_simi_loss",
         "jrc_loss", "pairwise_hinge_loss", "listwise_rank_loss", "listwise_distill_loss",
     }),
     "DNN": frozenset({"use_final_bn", "final_activation", "use_final_bias", "use_bias"}),
+    "TaskTower": frozenset({"task_space_indicator_label", "in_task_space_weight",
+                            "out_task_space_weight", "use_sample_weight", "bias_tower",
+                            "pareto_min_loss_weight", "sample_weight_name"}),
+    "MMoE": frozenset({"experts"}),
+    "DBMTL": frozenset({"bottom_cmbf", "bottom_uniter", "use_feature_bn", "use_feature_ln",
+                        "sequence_dnn"}),
     "TrainConfig": frozenset({
-        "gradient_clipping_by_norm", "sparse_accumulator_type",
+        "sparse_accumulator_type",
         "force_restore_shape_compatible", "freeze_gradient",
         "save_checkpoints_epochs", "fine_tune_ckpt_param_map", "cudnn_allow_tf32",
         "cuda_matmul_allow_tf32",
@@ -105,23 +117,28 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "IncrementSaveConfig.Kafka.Consumer": frozenset({"config_topic", "config_global", "timeout"}),
     "IncrementSaveConfig.File": frozenset({"relative", "mount_path"}),
     "OptimizerConfig": frozenset({
-        "rms_prop_optimizer", "momentum_optimizer", "momentumw_optimizer", "adamw_optimizer",
-        "adam_async_optimizer", "adam_asyncw_optimizer", "ftrl_optimizer",
-        "lazy_adam_optimizer", "embedding_learning_rate_multiplier",
+        "rms_prop_optimizer", "momentumw_optimizer", "adam_async_optimizer",
+        "adam_asyncw_optimizer", "embedding_learning_rate_multiplier",
     }),
-    "LearningRate": frozenset({
-        "manual_step_learning_rate", "cosine_decay_learning_rate", "poly_decay_learning_rate",
-        "transformer_learning_rate",
-    }),
-    "ExponentialDecayLearningRate": frozenset({"burnin_learning_rate", "burnin_steps"}),
+    "LearningRate": frozenset({"manual_step_learning_rate", "transformer_learning_rate"}),
     "SparseOptimizer": frozenset({
-        "lars_sgd_optimizer", "lamb_optimizer", "partial_rowwise_adam_optimizer",
+        "lars_sgd_optimizer", "partial_rowwise_adam_optimizer",
         "partial_rowwise_lamb_optimizer", "rowwise_adagrad_optimizer_with_decay",
-        "manual_step_learning_rate", "cosine_decay_learning_rate",
+        "adadelta_optimizer", "rmsprop_optimizer", "manual_step_learning_rate",
+        "cosine_annealing_warm_restarts_learning_rate",
     }),
     "DenseOptimizer": frozenset({
-        "adamw_optimizer", "manual_step_learning_rate", "cosine_decay_learning_rate",
+        "adadelta_optimizer", "rmsprop_optimizer", "part_optimizers", "ema",
+        "manual_step_learning_rate", "cosine_annealing_warm_restarts_learning_rate",
     }),
+    # TorchEasyRec's per-kernel clipping of the table gradients (fbgemm's gradient_clipping)
+    "TzrecSgdOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
+    "TzrecAdagradOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
+    "TzrecAdamOptimizer": frozenset({"weight_decay", "gradient_clipping", "max_gradient"}),
+    "TzrecRowWiseAdagradOptimizer": frozenset({
+        "weight_decay", "weight_decay_mode", "gradient_clipping", "max_gradient"}),
+    "TzrecLambOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
+    "GradClipping": frozenset({"enable_global_grad_clip"}),
 }
 
 # Fields of EasyRec's / TorchEasyRec's pipeline config that change nothing in an odl run:
@@ -176,6 +193,9 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
                                frozenset({"true", "1", "t", "yes"})),
         "moving_average_decay": ("odl keeps no moving average of the weights", frozenset()),
     },
+    **{name: {"fused": ("a torch implementation choice with the same update", frozenset())}
+       for name in ("TzrecDenseSgdOptimizer", "TzrecDenseAdagradOptimizer",
+                    "TzrecDenseAdamOptimizer")},
     "OptimizerConfig": {
         "use_moving_average": ("odl keeps no moving average of the weights",
                                frozenset({"true", "1", "t", "yes"})),
@@ -183,6 +203,12 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     },
     "IncrementSaveConfig": {
         "debug_save_update": ("a debugging dump of EasyRec's", frozenset()),
+    },
+    "TaskTower": {
+        "metrics_set": ("odl reports progressive AUC and logloss per task (/status, /metrics); "
+                        "other metrics are not computed", frozenset()),
+        "metrics": ("odl reports progressive AUC and logloss per task (/status, /metrics); "
+                    "other metrics are not computed", frozenset()),
     },
     "EasyRecModel": {
         "metrics": ("odl reports progressive AUC and logloss for every model (/status, "
@@ -206,10 +232,10 @@ EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
         "ParquetInputV2", "ParquetInputV3", "CriteoInput",
     }),
     "LossType": frozenset({
-        "L2_LOSS", "SOFTMAX_CROSS_ENTROPY",
+        "SOFTMAX_CROSS_ENTROPY",
         "CIRCLE_LOSS", "MULTI_SIMILARITY_LOSS", "SOFTMAX_CROSS_ENTROPY_WITH_NEGATIVE_MINING",
-        "PAIRWISE_LOSS", "PAIRWISE_FOCAL_LOSS",
-        "JRC_LOSS", "F1_REWEIGHTED_LOSS", "BINARY_CROSS_ENTROPY_LOSS",
+        "PAIRWISE_LOSS",
+        "JRC_LOSS", "BINARY_CROSS_ENTROPY_LOSS",
         "ZILN_LOSS", "PAIRWISE_HINGE_LOSS", "LISTWISE_RANK_LOSS", "LISTWISE_DISTILL_LOSS",
         "KL_DIVERGENCE_LOSS",
     }),
@@ -238,9 +264,15 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
 
     * ``feature_type: TagFeature`` (one input, tags split on ``separator``) becomes the
       multi-valued ``IdFeature`` it is; a second input (per-tag weights) is refused;
-    * TorchEasyRec's ``deepfm { deep {} final {} }`` become ``dnn`` / ``final_dnn``;
-    * TorchEasyRec's ``losses { binary_cross_entropy {} }`` becomes ``loss_type:
-      CLASSIFICATION``;
+    * names ``c[1-3]`` of input fields (with ``data_config.auto_expand_input_fields``) and of
+      feature groups become ``c1, c2, c3``, and a RawFeature's ``num_buckets`` over
+      ``min_val`` / ``max_val`` becomes its boundaries
+      (:mod:`odl.config.feature_settings`);
+    * TorchEasyRec's ``deepfm { deep {} final {} }`` become ``dnn`` / ``final_dnn``; its
+      ``*_mlp`` / ``mlp`` of MMoE, DBMTL and their task towers become EasyRec's ``*_dnn`` /
+      ``dnn``;
+    * TorchEasyRec's ``losses { binary_cross_entropy {} }`` (of the model or of a task tower)
+      becomes ``loss_type: CLASSIFICATION``;
     * TorchEasyRec's ``train_config.num_epochs`` moves to ``data_config.num_epochs`` when that
       is unset;
     * TorchEasyRec's ``feature_configs { id_feature {} }`` / ``raw_feature {}`` become EasyRec's
@@ -256,8 +288,10 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
         ConfigError: a form that cannot be rewritten (both names given, tag weights).
     """
     ft = pipeline_pb2.FeatureConfig.FeatureType
+    expand_config_names(config)
     for path, fc in _feature_entries(config):
         _flatten_torcheasyrec_feature(path, fc)
+        raw_num_buckets_to_boundaries(fc)
         if fc.feature_type != ft.TagFeature:
             continue
         if len(fc.input_names) > 1:
@@ -274,15 +308,19 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
             g.wide_deep = g.group_type
             g.ClearField("group_type")
     if mc.HasField("deepfm"):
-        d = mc.deepfm
-        for alias, name in (("deep", "dnn"), ("final", "final_dnn")):
-            if d.HasField(alias):
-                if d.HasField(name):
-                    raise ConfigError(f"model_config.deepfm.{alias}",
-                                      f"give one of {alias} (TorchEasyRec) and {name} (EasyRec)")
-                getattr(d, name).CopyFrom(getattr(d, alias))
-                d.ClearField(alias)
-    for loss in mc.losses:
+        _rename(mc.deepfm, "model_config.deepfm", (("deep", "dnn"), ("final", "final_dnn")))
+    if mc.HasField("mmoe"):
+        _rename(mc.mmoe, "model_config.mmoe", (("expert_mlp", "expert_dnn"),))
+    if mc.HasField("dbmtl"):
+        _rename(mc.dbmtl, "model_config.dbmtl",
+                (("bottom_mlp", "bottom_dnn"), ("expert_mlp", "expert_dnn")))
+    losses = list(mc.losses)
+    for field in ("mmoe", "dbmtl"):
+        for i, task in enumerate(getattr(mc, field).task_towers):
+            _rename(task, f"model_config.{field}.task_towers[{i}]",
+                    (("mlp", "dnn"), ("relation_mlp", "relation_dnn")))
+            losses += list(task.losses)
+    for loss in losses:
         if loss.HasField("binary_cross_entropy"):
             loss.loss_type = pipeline_pb2.CLASSIFICATION
             loss.ClearField("binary_cross_entropy")
@@ -291,6 +329,17 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
         if not config.data_config.HasField("num_epochs"):
             config.data_config.num_epochs = tc.num_epochs
         tc.ClearField("num_epochs")
+
+
+def _rename(msg: Any, where: str, pairs: tuple[tuple[str, str], ...]) -> None:
+    """Moves TorchEasyRec's ``alias`` fields of ``msg`` to EasyRec's ``name`` (one of the two)."""
+    for alias, name in pairs:
+        if msg.HasField(alias):
+            if msg.HasField(name):
+                raise ConfigError(f"{where}.{alias}",
+                                  f"give one of {alias} (TorchEasyRec) and {name} (EasyRec)")
+            getattr(msg, name).CopyFrom(getattr(msg, alias))
+            msg.ClearField(alias)
 
 
 _TZ_FIELDS = {"id_feature": ("feature_name", "hash_bucket_size", "num_buckets", "embedding_dim",
@@ -355,7 +404,9 @@ def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:
         raise ConfigError("model_config.num_class",
                           f"num_class {mc.num_class} is an EasyRec value that odl does not "
                           "implement yet (only 1: binary classification)")
-    if len(config.data_config.label_fields) > 1:
+    multi_task = (mc.model_class in MULTI_TASK_MODEL_CLASSES if mc.model_class
+                  else any(mc.HasField(MODEL_MESSAGES[c]) for c in MULTI_TASK_MODEL_CLASSES))
+    if len(config.data_config.label_fields) > 1 and not multi_task:
         raise ConfigError("data_config.label_fields",
-                          "several label fields (multi-task) is an EasyRec feature that odl does "
-                          "not implement yet; give exactly one")
+                          "several label fields train a multi-task model (MMoE, DBMTL); "
+                          f"{mc.model_class or 'this model'} trains on one label")

@@ -34,6 +34,8 @@ MAX_WIDE_OUTPUT_DIM = 4096
 # DNN towers (deepfm.dnn, deepfm.final_dnn): units per layer and number of layers.
 MAX_HIDDEN_UNITS = 65536
 MAX_HIDDEN_LAYERS = 64
+# Experts of an MMoE / DBMTL model.
+MAX_EXPERTS = 256
 
 # Samples per training step (data_config.batch_size).
 MAX_BATCH_SIZE = 1 << 20

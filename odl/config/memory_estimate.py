@@ -10,9 +10,10 @@ Formula (bytes; every value is fp32, 4 bytes):
   (``embedding_name``, or the feature name) with a feature in a ``DEEP`` / ``WIDE_AND_DEEP``
   group is a deep table of ``rows x embedding_dim``; each with a feature in a ``WIDE`` /
   ``WIDE_AND_DEEP`` group is also a wide table of ``rows x ceil4(wide_output_dim)``.
-  ``rows`` = ``hash_bucket_size``, ``num_buckets`` or ``len(boundaries) + 1``; a dynamic
-  table's capacity, plus 56 bytes per row (72 with show / click) for its id index and
-  counters and 16 MiB at most for its admission sketch (32 MiB when it counts clicks).
+  ``rows`` = ``hash_bucket_size``, ``num_buckets``, the entries of ``vocab_list`` /
+  ``vocab_file`` or ``len(boundaries) + 1``; a dynamic table's capacity, plus 56 bytes per
+  row (72 with show / click) for its id index and counters and 16 MiB at most for its
+  admission sketch (32 MiB when it counts clicks).
   ``tables = 4 x sum(rows x stored dim)``.
 * Table optimizer state (fbgemm's fused optimizer, one state per table):
   ``sgd`` none; ``adagrad`` (element-wise, odl's default and EasyRec's) ``rows x dim``
@@ -57,13 +58,16 @@ from dataclasses import dataclass, field
 from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import dynamic_table_spec
 from odl.config.feature_configs import feature_configs
+from odl.config.feature_settings import has_vocabulary, vocabulary_size
 from odl.config.model_classes import (
+    is_multi_task_model,
     is_tower_model,
+    multi_task_settings,
     tower_settings,
     uses_fm,
     wide_deep_settings,
 )
-from odl.config.optimizer_support import optimizer_choices
+from odl.config.optimizer_support import optimizer_choices, table_kernel_kind
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -94,9 +98,11 @@ DEFAULT_MAX_MEMORY_FRACTION = 0.8
 MAX_MEMORY_FRACTION_ENV = "ODL_MAX_MEMORY_FRACTION"
 
 # Table optimizer state: (floats per row, floats per row and dimension).
-_SPARSE_STATE = {"sgd": (0, 0), "adagrad": (0, 1), "rowwise_adagrad": (1, 0), "adam": (0, 2)}
+_SPARSE_STATE = {"sgd": (0, 0), "adagrad": (0, 1), "rowwise_adagrad": (1, 0), "adam": (0, 2),
+                 "lamb": (0, 2)}
 # Dense optimizer state floats per parameter.
-_DENSE_STATE = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2}
+_DENSE_STATE = {"sgd": 0, "momentum": 1, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2,
+                "adamw": 2, "ftrl": 2}
 
 _FT = pipeline_pb2.FeatureConfig.FeatureType
 _UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a number close to 2**63
@@ -205,6 +211,8 @@ def _rows(fc: pipeline_pb2.FeatureConfig, model_ev: pipeline_pb2.EVParams | None
     dyn = dynamic_table_spec(fc, model_ev, "feature")
     if dyn is not None:
         return dyn.capacity
+    if has_vocabulary(fc):
+        return vocabulary_size(fc)
     return int(fc.hash_bucket_size or fc.num_buckets)
 
 
@@ -266,6 +274,47 @@ def _tower_params(mc: pipeline_pb2.EasyRecModel,
     return params + final_params + final_width + 1, hidden
 
 
+def _multi_task_params(mc: pipeline_pb2.EasyRecModel,
+                       features: dict[str, pipeline_pb2.FeatureConfig]) -> tuple[int, int]:
+    """``(dense parameters, hidden units)`` of an MMoE / DBMTL model."""
+    field, settings = multi_task_settings(mc)
+    names = [g.group_name for g in mc.feature_groups]
+    group = "all" if "all" in names else (names[0] if names else "")
+    width = 0
+    for g in mc.feature_groups:
+        if g.group_name == group:
+            for name in g.feature_names:
+                fc = features.get(name)
+                if fc is not None:
+                    width += int(fc.embedding_dim) if _embedded(fc) else 1
+    params = hidden = 0
+    if field == "dbmtl" and settings.HasField("bottom_dnn"):
+        p, width = _mlp_params(width, settings.bottom_dnn)
+        params += p
+        hidden += sum(int(u) for u in settings.bottom_dnn.hidden_units)
+    num_tasks = len(settings.task_towers)
+    if field == "mmoe" or settings.HasField("expert_dnn"):
+        experts = max(1, int(settings.num_expert))
+        gate_in = width
+        if field == "mmoe" and settings.HasField("gate_mlp"):
+            gp, gate_in = _mlp_params(width, settings.gate_mlp)
+            params += num_tasks * gp
+        params += num_tasks * (gate_in * experts + experts)
+        p, width = _mlp_params(width, settings.expert_dnn)
+        params += experts * p
+        hidden += experts * sum(int(u) for u in settings.expert_dnn.hidden_units)
+    outs: dict[str, int] = {}
+    for t in settings.task_towers:
+        p, tower_width = _mlp_params(width, t.dnn)
+        rel_in = tower_width + sum(outs.get(r, 0) for r in t.relation_tower_names)
+        rp, rel_width = _mlp_params(rel_in, t.relation_dnn)
+        outs[t.tower_name] = rel_width
+        params += p + rp + rel_width + 1
+        hidden += sum(int(u) for u in t.dnn.hidden_units) + sum(
+            int(u) for u in t.relation_dnn.hidden_units)
+    return params, hidden
+
+
 def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> MemoryEstimate:
     """Estimates the memory of training ``config`` on ``device_type``.
 
@@ -283,6 +332,9 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
     deep_feats: list[str] = []
     wide_feats: list[str] = []
     towers = tower_settings(mc)[2] if is_tower_model(mc) else None
+    if is_multi_task_model(mc):  # one group, read through deep tables
+        names = [g.group_name for g in mc.feature_groups]
+        towers = [("dnn", "all" if "all" in names else names[0], None)] if names else []
     for g in mc.feature_groups:
         if towers is not None:  # towers read their groups through deep tables only
             if any(group == g.group_name for _kind, group, _t in towers):
@@ -296,7 +348,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
                     and name not in wide_feats:
                 wide_feats.append(name)
     sparse, dense = optimizer_choices(config.train_config)
-    per_row, per_value = _SPARSE_STATE.get(sparse.kind, (0, 2))
+    per_row, per_value = _SPARSE_STATE.get(table_kernel_kind(sparse.kind), (0, 2))
     _field, d = wide_deep_settings(mc)
     wide_out = max(1, int(d.wide_output_dim))
     wide_dim = -(-wide_out // WIDE_DIM_ALIGN) * WIDE_DIM_ALIGN
@@ -343,6 +395,8 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
 
     if is_tower_model(mc):
         params, hidden = _tower_params(mc, features)
+    elif is_multi_task_model(mc):
+        params, hidden = _multi_task_params(mc, features)
     else:
         if not uses_fm(mc):
             fm_dim = 0
@@ -498,6 +552,9 @@ def _blame(config: pipeline_pb2.EasyRecConfig, est: MemoryEstimate, sparse: int)
         "metrics": est.metrics_bytes,
     }
     largest = max(parts, key=lambda k: parts[k])
+    if largest == "dense" and is_multi_task_model(config.model_config):
+        field, _settings = multi_task_settings(config.model_config)
+        return f"model_config.{field}"
     if largest == "dense" and is_tower_model(config.model_config):
         field, _settings, _towers = tower_settings(config.model_config)
         return f"model_config.{field}.final_dnn.hidden_units"

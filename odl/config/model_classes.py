@@ -15,7 +15,8 @@ from odl.protos import pipeline_pb2
 
 # model_class -> the EasyRecModel field with its settings
 MODEL_MESSAGES: dict[str, str] = {"DeepFM": "deepfm", "WideAndDeep": "wide_and_deep",
-                                  "MultiTower": "multi_tower", "DCN": "dcn"}
+                                  "MultiTower": "multi_tower", "DCN": "dcn", "MMoE": "mmoe",
+                                  "DBMTL": "dbmtl"}
 IMPLEMENTED_MODEL_CLASSES = tuple(MODEL_MESSAGES)
 # classes with an FM term over the deep group's embeddings
 FM_MODEL_CLASSES = ("DeepFM",)
@@ -23,6 +24,8 @@ FM_MODEL_CLASSES = ("DeepFM",)
 WIDE_DEEP_MODEL_CLASSES = ("DeepFM", "WideAndDeep")
 # the tower family (towers over named feature groups, concatenated into final_dnn)
 TOWER_MODEL_CLASSES = ("MultiTower", "DCN")
+# multi-task models (several task towers, one output per task)
+MULTI_TASK_MODEL_CLASSES = ("MMoE", "DBMTL")
 
 
 def wide_deep_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, Any]:
@@ -42,6 +45,45 @@ def wide_deep_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, An
 def uses_fm(model_config: pipeline_pb2.EasyRecModel) -> bool:
     """Whether the model has DeepFM's FM term."""
     return model_config.model_class in FM_MODEL_CLASSES or not model_config.model_class
+
+
+def is_multi_task_model(model_config: pipeline_pb2.EasyRecModel) -> bool:
+    """Whether the model is MMoE or DBMTL."""
+    return model_config.model_class in MULTI_TASK_MODEL_CLASSES
+
+
+def multi_task_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, Any]:
+    """``(field name, message)`` of a multi-task model (``("mmoe", model_config.mmoe)``, ...).
+
+    Args:
+        model_config: the model config (MMoE or DBMTL).
+
+    Returns:
+        The settings message with its ``task_towers``.
+    """
+    name = MODEL_MESSAGES[model_config.model_class]
+    return name, getattr(model_config, name)
+
+
+def task_label_names(model_config: pipeline_pb2.EasyRecModel,
+                     label_fields: list[str]) -> list[str]:
+    """The label each task of a multi-task model trains on, in task order.
+
+    EasyRec's rule: a task's ``label_name``, else the ``label_fields`` entry at the task's
+    position.
+
+    Args:
+        model_config: the model config (MMoE or DBMTL).
+        label_fields: ``data_config.label_fields``.
+
+    Returns:
+        One label name per task (``""`` where neither gives one).
+    """
+    _field, settings = multi_task_settings(model_config)
+    out = []
+    for i, task in enumerate(settings.task_towers):
+        out.append(task.label_name or (label_fields[i] if i < len(label_fields) else ""))
+    return out
 
 
 def is_tower_model(model_config: pipeline_pb2.EasyRecModel) -> bool:

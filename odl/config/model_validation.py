@@ -11,7 +11,8 @@ The rules DeepFM and its embedding tables rely on, checked before anything is bu
 * model: unique, non-empty feature groups naming existing features; DeepFM's ``wide`` and
   ``deep`` groups and its ``dnn``; ``wide_output_dim`` equal to ``num_class`` without a
   ``final_dnn``; deep-table dims that are multiples of ``limits.EMBEDDING_DIM_ALIGN``; one
-  embedding dim across the FM group.
+  embedding dim across the FM group (the other models concatenate embeddings of any dims);
+  MultiTower / DCN towers over existing groups; MMoE / DBMTL tasks, labels and relations.
 
 Called by :func:`odl.config.config_validation.validate_pipeline_config`.
 """
@@ -34,7 +35,10 @@ from odl.config.feature_configs import (
 )
 from odl.config.model_classes import (
     IMPLEMENTED_MODEL_CLASSES,
+    is_multi_task_model,
     is_tower_model,
+    multi_task_settings,
+    task_label_names,
     tower_settings,
     uses_fm,
     wide_deep_settings,
@@ -69,7 +73,7 @@ def validate_features(
     prefix = feature_list_path(config)
     if not features:
         raise ConfigError(prefix, "no features configured")
-    label = config.data_config.label_fields[0]
+    labels = set(config.data_config.label_fields)
     by_name: dict[str, FeatureConfig] = {}
     tables: dict[str, tuple] = {}
     mc = config.model_config
@@ -88,7 +92,7 @@ def validate_features(
             if name not in fields:
                 raise ConfigError(f"{where}.input_names[{j}]",
                                   f"{name!r} is not in data_config.input_fields")
-            if name == label:
+            if name in labels:
                 raise ConfigError(f"{where}.input_names[{j}]",
                                   f"the label {name!r} cannot be a feature input")
         if fc.feature_type == _FT.ComboFeature:
@@ -189,21 +193,7 @@ def validate_model(
                           f"required ({', '.join(IMPLEMENTED_MODEL_CLASSES)})")
     if mc.embedding_regularization < 0:
         raise ConfigError("model_config.embedding_regularization", "must be >= 0")
-    for i, loss in enumerate(mc.losses):
-        where = f"model_config.losses[{i}]"
-        if loss.weight <= 0:
-            raise ConfigError(f"{where}.weight", "must be > 0")
-        if loss.binary_focal_loss.gamma < 0:
-            raise ConfigError(f"{where}.binary_focal_loss.gamma", "must be >= 0")
-        if loss.binary_focal_loss.HasField("alpha") and not 0 < loss.binary_focal_loss.alpha < 1:
-            raise ConfigError(f"{where}.binary_focal_loss.alpha", "must be in (0, 1)")
-        if loss.pairwise_logistic_loss.temperature <= 0:
-            raise ConfigError(f"{where}.pairwise_logistic_loss.temperature", "must be > 0")
-        for name in ("pairwise_loss", "pairwise_logistic_loss"):
-            if getattr(loss, name).session_name:
-                raise ConfigError(f"{where}.{name}.session_name",
-                                  "pairs within a session are an EasyRec feature that odl does "
-                                  "not implement yet (pairs are formed over the batch)")
+    _validate_losses(mc.losses, "model_config.losses")
     if not mc.feature_groups:
         raise ConfigError("model_config.feature_groups", "required")
     groups: dict[str, int] = {}
@@ -225,6 +215,9 @@ def validate_model(
             seen.add(name)
     if is_tower_model(mc):
         _validate_towers(config, features, groups)
+        return
+    if is_multi_task_model(mc):
+        _validate_multi_task(config, features, groups)
         return
     # DeepFM / WideAndDeep
     field, d = wide_deep_settings(mc)
@@ -253,13 +246,15 @@ def validate_model(
             raise ConfigError(f"{where}.{name}", "must be >= 0")
     _check_deep_dims(config, features)
     fm = uses_fm(mc)
-    # FM takes inner products; without FM the deep group is still one pooled input of one width
-    group = "fm" if fm and "fm" in groups else "deep"
-    why = "FM needs" if fm else "the deep tower's pooled input needs"
+    if not fm:  # WideAndDeep concatenates the deep group's embeddings, whatever their dims
+        return
+    # FM takes inner products of the group's embeddings: one dim
+    group = "fm" if "fm" in groups else "deep"
+    why = "FM needs"
     gi = groups[group]
     dims = {n: features[n].embedding_dim for n in mc.feature_groups[gi].feature_names
             if embedded_feature(features[n])}
-    if not dims and fm:
+    if not dims:
         raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
                           f'the "{group}" group needs at least one embedded feature for FM')
     if len(set(dims.values())) > 1:
@@ -268,6 +263,88 @@ def validate_model(
                           f'{why} every embedded feature of the "{group}" group to have '
                           f"the same embedding_dim; got {shown}"
                           f"{', ...' if len(dims) > 6 else ''}")
+
+
+def _validate_losses(losses: Any, prefix: str) -> None:
+    """Checks the settings of each loss term (``model_config.losses`` or a task's)."""
+    for i, loss in enumerate(losses):
+        where = f"{prefix}[{i}]"
+        if loss.weight <= 0:
+            raise ConfigError(f"{where}.weight", "must be > 0")
+        if loss.binary_focal_loss.gamma < 0:
+            raise ConfigError(f"{where}.binary_focal_loss.gamma", "must be >= 0")
+        if loss.binary_focal_loss.HasField("alpha") and not 0 < loss.binary_focal_loss.alpha < 1:
+            raise ConfigError(f"{where}.binary_focal_loss.alpha", "must be in (0, 1)")
+        if loss.pairwise_logistic_loss.temperature <= 0:
+            raise ConfigError(f"{where}.pairwise_logistic_loss.temperature", "must be > 0")
+        for name in ("pairwise_loss", "pairwise_logistic_loss"):
+            if getattr(loss, name).session_name:
+                raise ConfigError(f"{where}.{name}.session_name",
+                                  "pairs within a session are an EasyRec feature that odl does "
+                                  "not implement yet (pairs are formed over the batch)")
+
+
+def _validate_multi_task(config: pipeline_pb2.EasyRecConfig,
+                         features: dict[str, FeatureConfig], groups: dict[str, int]) -> None:
+    """MMoE / DBMTL: the input group, the experts, the tasks and their labels and relations."""
+    mc = config.model_config
+    field, settings = multi_task_settings(mc)
+    where = f"model_config.{field}"
+    if not mc.HasField(field):
+        raise ConfigError(where, f"{mc.model_class} needs {field} {{ ... task_towers {{ ... }} }}")
+    if "all" not in groups and len(groups) != 1:
+        raise ConfigError("model_config.feature_groups",
+                          f'{mc.model_class} reads the feature group named "all" (or the only '
+                          f"group); groups are {sorted(groups)}")
+    if field == "mmoe" or settings.HasField("expert_dnn"):
+        _validate_dnn(settings.expert_dnn, f"{where}.expert_dnn", required=True)
+        if not 1 <= settings.num_expert <= limits.MAX_EXPERTS:
+            raise ConfigError(f"{where}.num_expert",
+                              f"must be 1 to {limits.MAX_EXPERTS}, got {settings.num_expert}")
+    if field == "mmoe" and settings.HasField("gate_mlp"):
+        _validate_dnn(settings.gate_mlp, f"{where}.gate_mlp", required=False)
+    if field == "dbmtl" and settings.HasField("bottom_dnn"):
+        _validate_dnn(settings.bottom_dnn, f"{where}.bottom_dnn", required=False)
+    if settings.l2_regularization < 0:
+        raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
+    if not settings.task_towers:
+        raise ConfigError(f"{where}.task_towers", "at least one task is needed")
+    label_fields = list(config.data_config.label_fields)
+    labels = task_label_names(mc, label_fields)
+    names: list[str] = []
+    for i, task in enumerate(settings.task_towers):
+        tw = f"{where}.task_towers[{i}]"
+        if not task.tower_name:
+            raise ConfigError(f"{tw}.tower_name", "required (the task's output name)")
+        if task.tower_name in names:
+            raise ConfigError(f"{tw}.tower_name", f"duplicate task {task.tower_name!r}")
+        if labels[i] not in label_fields:
+            raise ConfigError(f"{tw}.label_name",
+                              f"{labels[i] or 'no label'!r} is not one of "
+                              f"data_config.label_fields {label_fields}")
+        if task.num_class != 1:
+            raise ConfigError(f"{tw}.num_class",
+                              f"num_class {task.num_class} is an EasyRec value that odl does not "
+                              "implement yet (only 1: binary classification)")
+        if task.weight < 0:
+            raise ConfigError(f"{tw}.weight", "must be >= 0")
+        if task.HasField("dnn"):
+            _validate_dnn(task.dnn, f"{tw}.dnn", required=False)
+        if task.HasField("relation_dnn"):
+            _validate_dnn(task.relation_dnn, f"{tw}.relation_dnn", required=False)
+        for j, r in enumerate(task.relation_tower_names):
+            if field != "dbmtl":
+                raise ConfigError(f"{tw}.relation_tower_names", "only DBMTL has relations")
+            if r not in names:
+                raise ConfigError(f"{tw}.relation_tower_names[{j}]",
+                                  f"{r!r} is not an earlier task (tasks so far: {names})")
+        _validate_losses(task.losses, f"{tw}.losses")
+        names.append(task.tower_name)
+    unused = [lf for lf in label_fields if lf not in labels]
+    if unused:
+        raise ConfigError("data_config.label_fields",
+                          f"label fields {unused} are not trained by any task")
+    _check_deep_dims(config, features)
 
 
 def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, FeatureConfig],
@@ -301,17 +378,6 @@ def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, Fea
     if settings.l2_regularization < 0:
         raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
     _check_deep_dims(config, features)
-    dims: dict[str, int] = {}
-    for _kind, group, _tower in towers:
-        gi = groups[group]
-        for n in mc.feature_groups[gi].feature_names:
-            if embedded_feature(features[n]):
-                dims[n] = features[n].embedding_dim
-                if len(set(dims.values())) > 1:
-                    shown = ", ".join(f"{k}={v}" for k, v in list(dims.items())[:6])
-                    raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
-                                      "the towers' embedded features must share one "
-                                      f"embedding_dim; got {shown}")
 
 
 def _check_deep_dims(

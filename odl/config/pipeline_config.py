@@ -41,6 +41,7 @@ from odl.config.easyrec_compat import (
     infer_model_class,
     normalize_config_forms,
 )
+from odl.config.feature_settings import resolve_vocab_files
 from odl.protos import pipeline_pb2
 from odl.storage import file_store
 from odl.storage.oss_credentials import OssCredentialsError
@@ -61,8 +62,9 @@ def load_pipeline_config(
 
     Steps: parse ``path``; apply ``edit_config_json`` (EasyRec's ``--edit_config_json``);
     override ``model_dir``; infer ``model_config.model_class`` ("DeepFM") when only the
-    ``deepfm`` message is given (TorchEasyRec style); reject EasyRec values odl does not
-    implement. Cross-field checks are :func:`validate_pipeline_config`'s job.
+    ``deepfm`` message is given (TorchEasyRec style); make a relative ``vocab_file``
+    relative to ``path``'s directory; reject EasyRec values odl does not implement.
+    Cross-field checks are :func:`validate_pipeline_config`'s job.
 
     Args:
         path: the config file, local or ``oss://bucket/key``.
@@ -94,6 +96,7 @@ def load_pipeline_config(
         config.model_dir = model_dir
     infer_model_class(config)
     normalize_config_forms(config)
+    resolve_vocab_files(config, path)
     check_implemented(config)
     logger.debug("loaded pipeline config %s", path)
     return config

@@ -118,16 +118,37 @@ _TOWER_BLOCKS = {
 }
 
 
+_MULTI_TASK_BLOCKS = {
+    "MMoE": ('mmoe {{\n    expert_dnn {{ hidden_units: [{units}] }}\n    num_expert: 3\n'
+             '    task_towers {{ tower_name: "ctr" label_name: "label" '
+             'dnn {{ hidden_units: [8] }} }}\n'
+             '    task_towers {{ tower_name: "cvr" label_name: "buy" '
+             'dnn {{ hidden_units: [8] }} }}\n  }}'),
+    "DBMTL": ('dbmtl {{\n    bottom_dnn {{ hidden_units: [{units}] }}\n'
+              '    task_towers {{ tower_name: "ctr" label_name: "label" '
+              'dnn {{ hidden_units: [8] }} relation_dnn {{ hidden_units: [8] }} }}\n'
+              '    task_towers {{ tower_name: "cvr" label_name: "buy" '
+              'dnn {{ hidden_units: [8] }} relation_tower_names: "ctr" '
+              'relation_dnn {{ hidden_units: [8] }} }}\n  }}'),
+}
+MULTI_TASK_MODELS = tuple(_MULTI_TASK_BLOCKS)
+
+
 def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     """A ``deepfm_config_text`` config as another model class over the same feature groups.
 
     WideAndDeep keeps the deep tower (with ``final_dnn``: a tower of 8 over [wide, deep]);
     MultiTower gets one tower per group ("deep", "wide"); DCN a deep tower and a cross
-    network of 2 layers over "deep". Both tower models end in a ``final_dnn`` of 8.
+    network of 2 layers over "deep". Both tower models end in a ``final_dnn`` of 8. MMoE and
+    DBMTL read the "deep" group (renamed "all"; the "wide" group goes) and train two tasks,
+    "ctr" on ``label`` and "cvr" on ``buy``, a column added after the stream's 42
+    (``odl.datagen.conversion_labels``): MMoE with 3 experts like the DeepFM tower, DBMTL
+    with the DeepFM tower as its bottom and "cvr" related to "ctr".
 
     Args:
         text: the DeepFM config text.
-        model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"`` or ``"DCN"``.
+        model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
+            ``"MMoE"`` or ``"DBMTL"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:
@@ -138,6 +159,17 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     m = re.search(r"deepfm \{\n    dnn \{ hidden_units: \[([^\]]*)\] \}.*?\n  \}", text, re.S)
     if m is None:
         raise ValueError("not a deepfm_config_text config")
+    if model in _MULTI_TASK_BLOCKS:
+        block = _MULTI_TASK_BLOCKS[model].format(units=m.group(1))
+        text = text[:m.start()] + block + text[m.end():]
+        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
+        text = text.replace('group_name: "deep"', 'group_name: "all"')
+        last = text.rindex("  input_fields {")
+        end = text.index("\n", last) + 1
+        text = (text[:end] + '  input_fields { input_name: "buy" input_type: INT32 }\n'
+                + text[end:])
+        text = text.replace('label_fields: "label"', 'label_fields: "label"\n  label_fields: "buy"')
+        return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
     block = _TOWER_BLOCKS[model].format(
         units=m.group(1), final="final_dnn { hidden_units: [8] }\n    " if final_dnn else "")
     text = text[:m.start()] + block + text[m.end():]

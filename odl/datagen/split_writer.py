@@ -19,6 +19,7 @@ import logging
 import os
 from typing import Any
 
+from odl.datagen.conversion_labels import encode_with_conversions
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def write_splits(root: str, day: str, splits: int, per_split: int, interval: int = 5,
                  start: str = "0000", parts: int = 2, donefile: str = "to.hadoop.done",
-                 seed: int = 0, fmt: str = "csv") -> dict[str, Any]:
+                 seed: int = 0, fmt: str = "csv", conversions: bool = False) -> dict[str, Any]:
     """Writes ``splits`` splits of ``per_split`` records each.
 
     Args:
@@ -40,6 +41,7 @@ def write_splits(root: str, day: str, splits: int, per_split: int, interval: int
         donefile: completion marker's name ("" for none).
         seed: the stream's seed.
         fmt: ``"csv"`` or ``"json"``.
+        conversions: add the ``buy`` label (``odl.datagen.conversion_labels``).
 
     Returns:
         A summary: records, the splits written (``YYYYMMDD/HHMM``), oracle AUC.
@@ -57,7 +59,9 @@ def write_splits(root: str, day: str, splits: int, per_split: int, interval: int
             batch = stream.next_batch(n, now=base + 60.0 * interval * (p + 1) / parts)
             tmp = os.path.join(d, f".part-{p:05d}.tmp")
             with open(tmp, "wb") as f:
-                f.write(b"".join(v + b"\n" for v in batch.encode(fmt)))
+                values = (encode_with_conversions(batch, seed, fmt) if conversions
+                          else batch.encode(fmt))
+                f.write(b"".join(v + b"\n" for v in values))
             os.replace(tmp, os.path.join(d, f"part-{p:05d}"))
         if donefile:
             open(os.path.join(d, donefile), "wb").close()

@@ -15,7 +15,8 @@ On-disk layout of one export (``<export_dir>/<unix-seconds>/``; names in
         kafka.txt                     JSON {"storage": "kafka", "server": str, "topic": str,
                                             "consumer": {"offset": int}}: the delta topic and
                                       the offset from which replay continues this base
-        pipeline.config               the effective pipeline config, secrets redacted
+        pipeline.config               the effective pipeline config, secrets redacted,
+                                      vocab_file entries written as vocab_list
         assets/<name>                 copies of --asset_files (e.g. fg.json)
         embeddings/                   (here unless --oss_path was given)
           MANIFEST.json               {"format": 1, "tables": {"<table>": {
@@ -52,7 +53,8 @@ OSS too (``odl.checkpoint.checkpoint_manager``), and so may ``--asset_files``.
     {"format": "odl.export/1", "model_class": str, "global_step": int, "generation": str,
      "checkpoint": abs path, "created": unix s, "dense_model": "dense_model.pt",
      "embeddings_dir": "embeddings" | abs path,
-     "pooled_inputs": [{"name": str, "lookups": [[feature, table], ...], "dim": int}, ...],
+     "pooled_inputs": [{"name": str, "lookups": [[feature, table], ...], "dim": int,
+                        "dims": [int, ...]}, ...],
      "outputs": [str, ...],
      "dense_features": [str, ...], "sparse_features": [str, ...],
      "tables": {"<table>": {"rows": int, "dim": int, "pooling": "sum"|"mean",
@@ -61,8 +63,9 @@ OSS too (``odl.checkpoint.checkpoint_manager``), and so may ``--asset_files``.
      "deep_lookups": [[feature, table], ...], "wide_lookups": [[feature, table], ...]}
 
 ``dense_model.pt``'s ``forward`` takes, all float32 for ``B`` samples, one tensor per entry of
-``pooled_inputs`` in that order - ``[B, len(lookups) * dim]``: per lookup, the feature's ids
-pooled in the table (sum or mean as the table says), the table's first ``dim`` columns - then
+``pooled_inputs`` in that order - ``[B, sum(dims)]``: per lookup, the feature's ids pooled in
+the table (sum or mean as the table says), the table's first ``dims[i]`` columns (``dim``
+is their common value, 0 when they differ) - then
 the raw dense features ``[B, len(dense_features)]`` (``FeatureBuilder.dense_feature_names``
 order); it returns the logits, ``[B]`` for one output (``[B, len(outputs)]`` for several);
 the probability is ``sigmoid(logit)``. For DeepFM the inputs are ``deep [B, num_deep * dim]``,
@@ -99,6 +102,7 @@ import torch
 from odl.checkpoint.checkpoint_manager import read_checkpoint, resolve_checkpoint_path
 from odl.checkpoint.file_digest import sha256_file
 from odl.config.config_redaction import config_to_text
+from odl.config.feature_settings import with_vocab_files_inlined
 from odl.export.dense_export import script_dense
 from odl.export.export_layout import (
     ASSETS_DIR,
@@ -256,8 +260,8 @@ def _used_columns(model: CtrModel) -> dict[str, int]:
     """Table -> columns the dense part reads (the widest pooled group looking it up)."""
     used: dict[str, int] = {}
     for group in model.pooled_layout:
-        for _f, t in group.lookups:
-            used[t] = max(used.get(t, 0), group.dim)
+        for (_f, t), dim in zip(group.lookups, group.dims, strict=True):
+            used[t] = max(used.get(t, 0), dim)
     return used
 
 
@@ -289,7 +293,7 @@ def _signature(model: CtrModel, fb: FeatureBuilder, global_step: int, generation
         "dense_model": DENSE_MODEL_FILE,
         "embeddings_dir": embeddings_ref,
         "pooled_inputs": [{"name": g.name, "lookups": [[f, t] for f, t in g.lookups],
-                           "dim": g.dim} for g in model.pooled_layout],
+                           "dim": g.dim, "dims": list(g.dims)} for g in model.pooled_layout],
         "outputs": list(model.output_names),
         "dense_features": fb.dense_feature_names,
         "sparse_features": fb.sparse_feature_names,
@@ -456,7 +460,8 @@ def export_checkpoint(
             "storage": "kafka", "server": server, "topic": topic,
             "consumer": {"offset": delta_offset},
         })
-        write_durable(os.path.join(tmp, CONFIG_FILE), config_to_text(config).encode())
+        write_durable(os.path.join(tmp, CONFIG_FILE),
+                      config_to_text(with_vocab_files_inlined(config)).encode())
         if asset_files:
             os.makedirs(os.path.join(tmp, ASSETS_DIR))
             for a in asset_files:

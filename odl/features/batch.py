@@ -20,7 +20,8 @@ class Batch:
             ``[0, num_rows)`` of the feature's table.
         dense: float32 ``[B, num_dense]`` raw (un-bucketized) numeric features, in
             ``FeatureBuilder.dense_feature_names`` order (``[B, 0]`` when there are none).
-        labels: float32 ``[B]`` binary labels.
+        labels: float32 ``[B]`` binary labels; ``[B, n]`` with ``n`` label fields (columns in
+            ``data_config.label_fields`` order; multi-task models).
         sample_ids: per-sample ids when ``data_config.sample_id_field`` is set.
         event_times: float64 unix seconds per sample when ``data_config.event_time_field`` is set.
         counts: float32 per-sample show / click counts of dynamic tables' ``show_field`` /

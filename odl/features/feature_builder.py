@@ -7,9 +7,15 @@ Feature kinds (``FeatureConfig.feature_type``):
 * ``IdFeature`` with ``num_buckets``: row = ``int(value) % num_buckets`` (Python modulo, so
   negative ids wrap to ``[0, num_buckets)``); a value that is not a decimal integer rejects
   the record as ``bad_number``.
-* Both IdFeature forms are multi-valued: the value is split on the feature's ``separator``
+* ``IdFeature`` with ``vocab_list`` / ``vocab_file``: row = the value's index in the
+  vocabulary, 0 for a value not in it (EasyRec's ``default_value=0``); a table of one row
+  per entry (``odl.config.feature_settings``). Values are matched by their FNV-1a 64 hash
+  and byte length.
+* All IdFeature forms are multi-valued: the value is split on the feature's ``separator``
   (default ``|``), empty pieces are dropped; an empty value gives no id (a zero-length bag,
   pooled to zeros).
+* ``RawFeature`` with ``max_val > min_val``: the value is first normalized to
+  ``(x - min_val) / (max_val - min_val)`` (not clipped).
 * ``RawFeature`` without ``boundaries``: one float32 column of ``Batch.dense``; a value
   beyond float32's range (it would reach the model as inf) rejects the record as
   ``non_finite``.
@@ -19,10 +25,10 @@ Feature kinds (``FeatureConfig.feature_type``):
   the input values' texts (not split); no id when any input is empty.
 * Features of a *dynamic* table (``ev_params`` / ``zch`` / ``ctr_accessor_param``, see
   ``odl.config.dynamic_table_config``) are not reduced to a bucket: their ids are *raw ids*
-  in ``[0, 2**63)``, the 63 low bits of the FNV-1a hash for hashed and combo features and the
+  in ``[0, 2**63)``, the 63 low bits of the FNV-1a hash for hashed and combo features, the
   integer itself for ``num_buckets`` features (a negative integer keeps its 63 low bits, so
-  -1 becomes 2**63 - 1). The trainer and serving map raw ids to rows
-  (``odl.models.dynamic_table``, ``odl.features.raw_id_index``).
+  -1 becomes 2**63 - 1) and the vocabulary index for vocabulary features. The trainer and
+  serving map raw ids to rows (``odl.models.dynamic_table``, ``odl.features.raw_id_index``).
 
 Tables: features with the same ``embedding_name`` share one table (their row count and
 dimension must agree); otherwise a feature's table is named after the feature.
@@ -63,7 +69,8 @@ import numpy as np
 from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import DynamicTableSpec, dynamic_table_spec
 from odl.config.feature_configs import feature_configs
-from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments
+from odl.config.feature_settings import has_vocabulary, normalizes, read_vocabulary
+from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments, pack_strings
 from odl.features.raw_id_index import RAW_ID_MASK
 from odl.features.record_parser import ParsedColumns, RecordParser, parse_numbers
 from odl.protos import pipeline_pb2
@@ -115,7 +122,8 @@ class BatchArrays:
             (KeyedJaggedTensor values in ``sparse_feature_names`` order).
         lengths: ``int32`` ids per (feature, sample), feature-major (KJT lengths).
         dense: ``float32 [B, num_dense]`` raw numeric features.
-        labels: ``float32 [B]`` labels.
+        labels: ``float32 [B]`` labels (``[B, n]`` with ``n`` label fields, in
+            ``label_fields`` order).
         sample_ids: per-sample ids when ``data_config.sample_id_field`` is set.
         event_times: ``float64`` unix seconds when ``data_config.event_time_field`` is set.
         counts: ``float32`` per-sample values of the dynamic tables' ``show_field`` /
@@ -164,13 +172,40 @@ class BuildResult:
 @dataclass(frozen=True)
 class _Sparse:
     name: str
-    kind: str  # "hash" | "int" | "bucket" | "combo"
+    kind: str  # "hash" | "int" | "vocab" | "bucket" | "combo"
     inputs: tuple[str, ...]
     num_rows: int
     separator: bytes = b""
     combo_sep: bytes = b""
     boundaries: np.ndarray | None = None
     raw_ids: bool = False
+    vocab: _Vocabulary | None = None
+    norm: tuple[float, float] | None = None  # (min_val, max_val - min_val)
+
+
+@dataclass(frozen=True)
+class _Vocabulary:
+    """A vocabulary as sorted FNV-1a 64 hashes with the byte length and row of each entry."""
+
+    hashes: np.ndarray  # uint64, ascending
+    lengths: np.ndarray  # int64
+    rows: np.ndarray  # int64
+
+    @classmethod
+    def of(cls, entries: list[str], where: str) -> _Vocabulary:
+        buf, starts, ends = pack_strings(entries)
+        h = hash_segments(buf, starts, ends)
+        order = np.argsort(h, kind="stable")
+        h = h[order]
+        if h.shape[0] > 1 and np.any(h[1:] == h[:-1]):
+            raise ConfigError(where, "two vocabulary entries have the same FNV-1a 64 hash")
+        return cls(h, (ends - starts)[order], order.astype(np.int64))
+
+    def lookup(self, h: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """Rows of the values with hashes ``h`` and byte lengths ``lengths`` (0 when absent)."""
+        pos = np.minimum(np.searchsorted(self.hashes, h), self.hashes.shape[0] - 1)
+        found = (self.hashes[pos] == h) & (self.lengths[pos] == lengths)
+        return np.where(found, self.rows[pos], 0).astype(np.int64)
 
 
 class FeatureBuilder:
@@ -194,16 +229,17 @@ class FeatureBuilder:
     ) -> None:
         dc = pipeline_config.data_config
         field_types = {f.input_name: f.input_type for f in dc.input_fields}
-        if len(dc.label_fields) != 1:
-            raise ConfigError(
-                "data_config.label_fields",
-                f"exactly one label field is supported, got {len(dc.label_fields)}",
-            )
-        self._label = dc.label_fields[0]
+        if not dc.label_fields:
+            raise ConfigError("data_config.label_fields", "at least one label field is needed")
+        if len(set(dc.label_fields)) != len(dc.label_fields):
+            raise ConfigError("data_config.label_fields",
+                              f"label fields repeat: {list(dc.label_fields)}")
+        self._labels = list(dc.label_fields)
+        self._label = self._labels[0]
         self._sample_id_field = dc.sample_id_field
         self._event_time_field = dc.event_time_field
         self._check_event_time = bool(check_event_time and dc.event_time_field)
-        for fname, path in ((self._label, "data_config.label_fields"),
+        for fname, path in (*((lf, "data_config.label_fields") for lf in self._labels),
                             (dc.sample_id_field, "data_config.sample_id_field"),
                             (dc.event_time_field, "data_config.event_time_field")):
             if fname and fname not in field_types:
@@ -211,6 +247,8 @@ class FeatureBuilder:
 
         self._sparse: list[_Sparse] = []
         self._dense: list[tuple[str, str]] = []  # (feature name, input field)
+        # dense feature name -> (min_val, max_val - min_val) of a normalized RawFeature
+        self._dense_norm: dict[str, tuple[float, float]] = {}
         tables: dict[str, dict] = {}
         numeric_fields: list[str] = []
         list_seps: dict[str, str] = {}
@@ -238,15 +276,26 @@ class FeatureBuilder:
                 numeric_fields.append(inp0)
                 if fc.raw_input_dim != 1:
                     raise ConfigError(f"{path}.raw_input_dim", "only 1 is supported")
+                norm = ((float(fc.min_val), float(fc.max_val) - float(fc.min_val))
+                        if normalizes(fc) else None)
                 if not fc.boundaries:
                     self._dense.append((name, inp0))
+                    if norm is not None:
+                        self._dense_norm[name] = norm
                     continue
                 b = np.asarray(list(fc.boundaries), dtype=np.float64)
                 if np.any(np.diff(b) <= 0):
                     raise ConfigError(f"{path}.boundaries", "must be strictly ascending")
-                sp = _Sparse(name, "bucket", (inp0,), len(b) + 1, boundaries=b)
+                sp = _Sparse(name, "bucket", (inp0,), len(b) + 1, boundaries=b, norm=norm)
             elif fc.feature_type == _FT.IdFeature:
-                if bool(fc.hash_bucket_size) == bool(fc.num_buckets) and not (
+                vocab = None
+                if has_vocabulary(fc):
+                    if fc.hash_bucket_size or fc.num_buckets:
+                        raise ConfigError(
+                            f"{path}.hash_bucket_size",
+                            "give one of hash_bucket_size, num_buckets, vocab_list, vocab_file")
+                    vocab = _Vocabulary.of(read_vocabulary(fc, path), f"{path}.vocab_list")
+                elif bool(fc.hash_bucket_size) == bool(fc.num_buckets) and not (
                         dyn is not None and not fc.num_buckets):
                     raise ConfigError(
                         f"{path}.hash_bucket_size",
@@ -255,11 +304,14 @@ class FeatureBuilder:
                     raise ConfigError(f"{path}.separator", "must not be empty")
                 kind = "hash" if fc.hash_bucket_size else "int"
                 rows = int(fc.hash_bucket_size or fc.num_buckets)
+                if vocab is not None:
+                    kind, rows = "vocab", int(vocab.rows.shape[0])
                 if dyn is not None:
-                    kind = "int" if fc.num_buckets and not fc.hash_bucket_size else "hash"
+                    if vocab is None:
+                        kind = "int" if fc.num_buckets and not fc.hash_bucket_size else "hash"
                     rows = dyn.capacity
                 sp = _Sparse(name, kind, (inp0,), rows, separator=fc.separator.encode(),
-                             raw_ids=dyn is not None)
+                             raw_ids=dyn is not None, vocab=vocab)
                 list_seps[inp0] = fc.separator
             elif fc.feature_type == _FT.ComboFeature:
                 if not fc.hash_bucket_size and dyn is None:
@@ -325,7 +377,8 @@ class FeatureBuilder:
             list_separators=list_seps,
             numeric_fields=list(dict.fromkeys(numeric_fields)),
         )
-        self._seps = sorted({sp.separator for sp in self._sparse if sp.kind in ("hash", "int")})
+        self._seps = sorted({sp.separator for sp in self._sparse
+                             if sp.kind in ("hash", "int", "vocab")})
         self._last_guard_log = -_GUARD_LOG_INTERVAL_SECS
 
     # -- introspection ----------------------------------------------------------------------
@@ -352,8 +405,13 @@ class FeatureBuilder:
 
     @property
     def label_field(self) -> str:
-        """The label column."""
+        """The first label column."""
         return self._label
+
+    @property
+    def label_fields(self) -> list[str]:
+        """The label columns (``Batch.labels`` is ``[B]`` for one, ``[B, n]`` for several)."""
+        return list(self._labels)
 
     @property
     def parser(self) -> RecordParser:
@@ -466,7 +524,7 @@ class FeatureBuilder:
         pieces = {}
         bad = np.zeros(parsed.num_rows, dtype=bool)
         for sp in self._sparse:
-            if sp.kind in ("hash", "int"):
+            if sp.kind in ("hash", "int", "vocab"):
                 pieces[sp.name] = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
             if sp.kind == "int":
                 s, e, lengths = pieces[sp.name]
@@ -476,8 +534,8 @@ class FeatureBuilder:
                     bad[row[~ok]] = True
                 pieces[sp.name] = (s, e, lengths, ints)
         overflow = np.zeros(parsed.num_rows, dtype=bool)
-        for _, inp in self._dense:
-            overflow |= np.abs(parsed.numeric[inp]) > _FLOAT32_MAX
+        for name, inp in self._dense:
+            overflow |= ~(np.abs(self._dense_values(parsed, name, inp)) <= _FLOAT32_MAX)
         overflow &= ~bad
         bad_time = np.zeros(parsed.num_rows, dtype=bool)
         if self._check_event_time:
@@ -495,6 +553,15 @@ class FeatureBuilder:
                 return ArraysResult(None, parsed.accepted, rejected)
             return self._build_parsed(parsed, rejected, raw)
         return self._build_parsed(parsed, rejected, raw, pieces, sep_pos)
+
+    def _dense_values(self, parsed: ParsedColumns, name: str, inp: str) -> np.ndarray:
+        """A dense feature's values, normalized by ``min_val`` / ``max_val`` when set."""
+        v = parsed.numeric[inp]
+        norm = self._dense_norm.get(name)
+        if norm is None:
+            return v
+        with np.errstate(over="ignore"):
+            return (v.astype(np.float64) - norm[0]) / norm[1]
 
     def _separator_positions(self, raw: bytes) -> dict[bytes, np.ndarray | None]:
         out: dict[bytes, np.ndarray | None] = {}
@@ -522,14 +589,14 @@ class FeatureBuilder:
             sep_pos = self._separator_positions(raw)
         pieces = dict(pieces or {})
         for sp in self._sparse:
-            if sp.kind in ("hash", "int") and sp.name not in pieces:
+            if sp.kind in ("hash", "int", "vocab") and sp.name not in pieces:
                 pieces[sp.name] = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
             if sp.kind == "int" and len(pieces[sp.name]) == 3:
                 s, e, lengths = pieces[sp.name]
                 ints, _ = parse_numbers(buf, s, e, "int")
                 pieces[sp.name] = (s, e, lengths, ints)
         # Hash every hashed id feature's pieces in one vectorized call.
-        hash_feats = [sp for sp in self._sparse if sp.kind == "hash"]
+        hash_feats = [sp for sp in self._sparse if sp.kind in ("hash", "vocab")]
         hashed: dict[str, np.ndarray] = {}
         if hash_feats:
             all_s = np.concatenate([pieces[sp.name][0] for sp in hash_feats])
@@ -550,8 +617,13 @@ class FeatureBuilder:
             elif sp.kind == "int":
                 _, _, lengths, ints = pieces[sp.name]
                 ids = _raw_ids(ints) if sp.raw_ids else np.mod(ints, sp.num_rows)
+            elif sp.kind == "vocab":
+                s, e, lengths = pieces[sp.name]
+                ids = sp.vocab.lookup(hashed[sp.name], e - s)
             elif sp.kind == "bucket":
                 v = parsed.numeric[sp.inputs[0]]
+                if sp.norm is not None:
+                    v = (v - sp.norm[0]) / sp.norm[1]
                 ids = np.searchsorted(sp.boundaries, v, side="right").astype(np.int64)
                 lengths = np.ones(n, dtype=np.int64)
             else:
@@ -563,15 +635,17 @@ class FeatureBuilder:
                    else np.zeros(0, dtype=np.int64)).astype(np.int32)
         if self._dense:
             dense_np = np.empty((n, len(self._dense)), dtype=np.float32)
-            for j, (_, inp) in enumerate(self._dense):
-                dense_np[:, j] = parsed.numeric[inp]
+            for j, (name, inp) in enumerate(self._dense):
+                dense_np[:, j] = self._dense_values(parsed, name, inp)
         else:
             dense_np = np.zeros((n, 0), dtype=np.float32)
         arrays = BatchArrays(
             values=np.ascontiguousarray(values, dtype=np.int64),
             lengths=lengths,
             dense=dense_np,
-            labels=parsed.numeric[self._label].astype(np.float32),
+            labels=(parsed.numeric[self._label].astype(np.float32) if len(self._labels) == 1
+                    else np.stack([parsed.numeric[lf] for lf in self._labels],
+                                  axis=1).astype(np.float32)),
             sample_ids=parsed.texts(self._sample_id_field) if self._sample_id_field else None,
             event_times=(parsed.numeric[self._event_time_field].astype(np.float64)
                          if self._check_event_time else None),

@@ -14,6 +14,7 @@ from typing import NamedTuple, Optional
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
+from odl.datagen.conversion_labels import encode_with_conversions
 from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
 from odl.kafka.client_settings import consumer_config, producer_config
 
@@ -103,17 +104,23 @@ def produce(
     return positions
 
 
-def make_records(n: int, seed: int = 0, fmt: str = "csv") -> tuple[list[str], list[bytes]]:
+def make_records(n: int, seed: int = 0, fmt: str = "csv",
+                 conversions: bool = False) -> tuple[list[str], list[bytes]]:
     """``n`` synthetic CTR records of the datagen schema.
 
     Args:
         n: records.
         seed: the stream's seed (same seed, same records).
         fmt: ``"csv"`` or ``"json"``.
+        conversions: add the ``buy`` label of ``odl.datagen.conversion_labels`` (the
+            multi-task configs of ``as_model_config_text``).
 
     Returns:
         ``(sample_ids, encoded values)``.
     """
+    if conversions:
+        batch = SyntheticCtrStream(seed=seed).next_batch(n)
+        return list(batch.sample_ids), encode_with_conversions(batch, seed, fmt)
     records = SyntheticCtrStream(seed=seed).next_records(n)
     return [r["sample_id"] for r in records], [encode(r, fmt) for r in records]
 

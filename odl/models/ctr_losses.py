@@ -2,21 +2,34 @@
 
 ``ctr_loss`` is the weighted sum of the configured terms (EasyRec's ``losses { loss_type
 weight }``; with no ``losses``, the single ``loss_type``), each a mean over the batch, for
-logits ``s`` and 0/1 labels ``y``:
+logits ``s`` and 0/1 labels ``y``, as EasyRec computes them (``easy_rec/python/loss``):
 
 * ``CLASSIFICATION``, ``CROSS_ENTROPY_LOSS``: binary cross entropy with logits;
+* ``L2_LOSS``: ``(s - y)**2`` (EasyRec's regression loss, on the logit itself);
 * ``SIGMOID_L2_LOSS``: ``(sigmoid(s) - y)**2``;
 * ``BINARY_FOCAL_LOSS``: ``-alpha_t * (1 - p_t)**gamma * log(p_t)`` with ``p_t`` the
   probability of the true class and ``alpha_t = alpha`` for positives, ``1 - alpha`` for
   negatives (no class weight without ``alpha``);
+* ``F1_REWEIGHTED_LOSS``: binary cross entropy (labels smoothed to ``y * (1 - ls) + ls / 2``
+  with ``label_smoothing`` ls) where positives weigh 1 and negatives
+  ``sum(p) / (f1_beta_square * n_pos + n_neg - (B - sum(p)) + 1e-8)`` with ``p = sigmoid(s)``
+  over the batch of B samples (gradients flow through the weight, as in EasyRec); the mean
+  over the samples of nonzero weight;
 * ``PAIR_WISE_LOSS``: over every (positive, negative) pair of the batch,
   ``softplus(-(s_pos - s_neg - margin))``;
 * ``PAIRWISE_LOGISTIC_LOSS``: over every (positive, negative) pair,
-  ``softplus(-(s_pos - s_neg) / temperature)``.
+  ``softplus(-(s_pos - s_neg) / temperature)``;
+* ``PAIRWISE_FOCAL_LOSS``: over every pair ``(i, j)`` with ``y_i > y_j`` (and, when
+  ``hinge_margin`` is written, ``d < hinge_margin``), with ``d = (s_i - s_j) / temperature``
+  and ``q = clip(sigmoid(d), 1e-7, 1 - 1e-7)``: ``w * softplus(-d)`` with
+  ``w = (1 - q)**gamma`` (times ``alpha`` when set); the mean over the pairs of nonzero
+  ``w``, or with ``ohem_ratio < 1`` the mean of the positive values among the largest
+  ``round(ohem_ratio * pairs)``.
 
-A pairwise term of a batch without both classes is 0. The model's regularization terms are
-added by the model (``odl.models.deepfm``, ``odl.models.tower_models``). The predictions
-reported and served are ``sigmoid(s)`` for every loss.
+A pairwise term of a batch without a pair is 0. The model's regularization terms are added
+by the model (``odl.models.deepfm``, ``odl.models.tower_models``). The predictions reported
+and served are ``sigmoid(s)`` for every loss, ``L2_LOSS`` included (EasyRec serves ``s``
+itself there; ``sigmoid`` keeps the order, so AUC is the same).
 """
 
 from __future__ import annotations
@@ -60,29 +73,105 @@ def _term(s: torch.Tensor, y: torch.Tensor, term: pipeline_pb2.Loss) -> torch.Te
     kind = term.loss_type
     if kind in (_L.CLASSIFICATION, _L.CROSS_ENTROPY_LOSS):
         return nn.functional.binary_cross_entropy_with_logits(s, y)
+    if kind == _L.L2_LOSS:
+        return l2_loss(s, y)
     if kind == _L.SIGMOID_L2_LOSS:
         return (torch.sigmoid(s) - y).square().mean()
     if kind == _L.BINARY_FOCAL_LOSS:
-        cfg = term.binary_focal_loss
-        ce = nn.functional.binary_cross_entropy_with_logits(s, y, reduction="none")
-        p = torch.sigmoid(s)
-        p_t = p * y + (1 - p) * (1 - y)
-        loss = (1 - p_t).pow(float(cfg.gamma)) * ce
-        if cfg.HasField("alpha"):
-            a = float(cfg.alpha)
-            loss = (a * y + (1 - a) * (1 - y)) * loss
-        return loss.mean()
+        return binary_focal_loss(s, y, term.binary_focal_loss)
+    if kind == _L.F1_REWEIGHTED_LOSS:
+        return f1_reweighted_loss(s, y, term.f1_reweighted_loss)
     if kind in (_L.PAIR_WISE_LOSS, _L.PAIRWISE_LOGISTIC_LOSS):
-        pos, neg = s[y > 0.5], s[y <= 0.5]
-        if pos.numel() == 0 or neg.numel() == 0:
-            return s.sum() * 0.0
-        diff = pos.unsqueeze(1) - neg.unsqueeze(0)
-        if kind == _L.PAIR_WISE_LOSS:
-            diff = diff - float(term.pairwise_loss.margin)
-        else:
-            diff = diff / float(term.pairwise_logistic_loss.temperature)
-        return nn.functional.softplus(-diff).mean()
+        return pairwise_loss(s, y, term)
+    if kind == _L.PAIRWISE_FOCAL_LOSS:
+        return pairwise_focal_loss(s, y, term.pairwise_focal_loss)
     raise ValueError(f"loss type {pipeline_pb2.LossType.Name(kind)} is not implemented")
+
+
+def l2_loss(s: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``L2_LOSS``: the mean of ``(s - y)**2`` (the logit itself as the prediction)."""
+    return (s - y).square().mean()
+
+
+def binary_focal_loss(s: torch.Tensor, y: torch.Tensor,
+                      cfg: pipeline_pb2.BinaryFocalLoss) -> torch.Tensor:
+    """``BINARY_FOCAL_LOSS`` (module docstring)."""
+    ce = nn.functional.binary_cross_entropy_with_logits(s, y, reduction="none")
+    p = torch.sigmoid(s)
+    p_t = p * y + (1 - p) * (1 - y)
+    loss = (1 - p_t).pow(float(cfg.gamma)) * ce
+    if cfg.HasField("alpha"):
+        a = float(cfg.alpha)
+        loss = (a * y + (1 - a) * (1 - y)) * loss
+    return loss.mean()
+
+
+def f1_reweighted_loss(s: torch.Tensor, y: torch.Tensor,
+                       cfg: pipeline_pb2.F1ReweighedLoss) -> torch.Tensor:
+    """``F1_REWEIGHTED_LOSS`` (module docstring; EasyRec's f1_reweight_sigmoid_cross_entropy)."""
+    p = torch.sigmoid(s)
+    n = float(s.shape[0])
+    num_pos = y.sum()
+    num_neg = n - num_pos
+    tp = p.sum()
+    tn = n - tp
+    neg_weight = tp / (float(cfg.f1_beta_square) * num_pos + num_neg - tn + 1e-8)
+    weights = torch.where(y == 1.0, torch.ones_like(s), neg_weight.expand_as(s))
+    ls = float(cfg.label_smoothing)
+    target = y * (1 - ls) + 0.5 * ls if ls > 0 else y
+    ce = nn.functional.binary_cross_entropy_with_logits(s, target, reduction="none")
+    return _mean_over_nonzero_weights(weights * ce, weights)
+
+
+def pairwise_loss(s: torch.Tensor, y: torch.Tensor, term: pipeline_pb2.Loss) -> torch.Tensor:
+    """``PAIR_WISE_LOSS`` and ``PAIRWISE_LOGISTIC_LOSS`` (module docstring)."""
+    pos, neg = s[y > 0.5], s[y <= 0.5]
+    if pos.numel() == 0 or neg.numel() == 0:
+        return s.sum() * 0.0
+    diff = pos.unsqueeze(1) - neg.unsqueeze(0)
+    if term.loss_type == _L.PAIR_WISE_LOSS:
+        diff = diff - float(term.pairwise_loss.margin)
+    else:
+        diff = diff / float(term.pairwise_logistic_loss.temperature)
+    return nn.functional.softplus(-diff).mean()
+
+
+# EasyRec's focal loss clips probabilities to [eps, 1 - eps].
+_FOCAL_EPS = 1e-7
+
+
+def pairwise_focal_loss(s: torch.Tensor, y: torch.Tensor,
+                        cfg: pipeline_pb2.PairwiseFocalLoss) -> torch.Tensor:
+    """``PAIRWISE_FOCAL_LOSS`` (module docstring; EasyRec's ``pairwise_focal_loss``)."""
+    if float(cfg.temperature) != 1.0:
+        s = s / float(cfg.temperature)
+    d = s.unsqueeze(1) - s.unsqueeze(0)
+    mask = y.unsqueeze(1) > y.unsqueeze(0)
+    if cfg.HasField("hinge_margin"):
+        mask = mask & (d < float(cfg.hinge_margin))
+    d = d[mask]
+    if d.numel() == 0:
+        return s.sum() * 0.0
+    q = torch.sigmoid(d).clamp(_FOCAL_EPS, 1 - _FOCAL_EPS)
+    weights = (1 - q).pow(float(cfg.gamma))
+    if cfg.HasField("alpha"):
+        weights = weights * float(cfg.alpha)
+    losses = weights * nn.functional.softplus(-d)
+    ratio = float(cfg.ohem_ratio)
+    if ratio >= 1.0:
+        return _mean_over_nonzero_weights(losses, weights)
+    k = int(round(d.numel() * ratio))  # round half to even, as tf.math.rint
+    top = torch.topk(losses, k).values
+    top = top[top > 0]
+    return top.mean() if top.numel() else s.sum() * 0.0
+
+
+def _mean_over_nonzero_weights(losses: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """TensorFlow's ``SUM_BY_NONZERO_WEIGHTS``: sum / count of nonzero weights (0 if none)."""
+    count = (weights != 0).sum()
+    if int(count) == 0:
+        return losses.sum() * 0.0
+    return losses.sum() / count
 
 
 def linear_kernel_l2(module: nn.Module) -> torch.Tensor:

@@ -11,15 +11,19 @@ Every model is a ``CtrModel`` made of two parts:
   ``model.pooled_layout``, in that order, then the raw dense features (``Batch.dense``,
   ``[B, num_dense]`` in ``FeatureBuilder.dense_feature_names`` order), and returns the logits:
   ``[B]`` for a model with one output, ``[B, len(output_names)]`` for several (columns in
-  ``model.output_names`` order). It must compile with ``torch.jit.script`` and keep no state
+  ``model.output_names`` order; output ``i`` predicts label column ``model.output_labels[i]``
+  of ``Batch.labels``). It must compile with ``torch.jit.script`` and keep no state
   between calls. Its parameter names and registration order are part of the checkpoint
   format (the dense optimizer's state is stored by parameter position): keep them when
   changing a model.
 
 ``model.pooled_layout`` declares the dense part's embedding inputs: group ``g`` is a
-``[B, len(g.lookups) * g.dim]`` tensor holding, lookup after lookup, the ids of ``feature``
-pooled in ``table`` (sum or mean, as the table's pooling says), first ``g.dim`` columns of
-the table (a table may be stored wider, see ``odl.models.embedding_tables``).
+``[B, g.width]`` tensor holding, lookup after lookup, the ids of ``feature`` pooled in
+``table`` (sum or mean, as the table's pooling says), the first ``g.dims[i]`` columns of the
+table for lookup ``i`` (a table may be stored wider, see ``odl.models.embedding_tables``).
+Usually every lookup of a group has the same width, ``g.dim``; a group of mixed widths
+(e.g. a WideAndDeep deep group of 16- and 32-wide features, which EasyRec concatenates) has
+``g.dim == 0`` and its widths in ``g.lookup_dims``.
 
 ``CtrModel.forward(batch)`` is the lookup (``lookup``: the EBC, then the columns rearranged
 into the declared layout) followed by ``model.dense``; it returns a ``ModelOutput`` with the
@@ -57,17 +61,43 @@ class PooledGroup:
     Attributes:
         name: the group's name (the dense ``forward`` argument it feeds, e.g. ``"deep"``).
         lookups: ``(feature, table)`` per lookup, in column order.
-        dim: columns each lookup contributes (the first ``dim`` columns of its table).
+        dim: columns each lookup contributes (the first ``dim`` columns of its table); 0
+            when the lookups differ (``lookup_dims``).
+        lookup_dims: per lookup, its columns, when they differ (empty: ``dim`` each).
     """
 
     name: str
     lookups: tuple[tuple[str, str], ...]
     dim: int
+    lookup_dims: tuple[int, ...] = ()
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        """Columns each lookup contributes, in lookup order."""
+        return self.lookup_dims if self.lookup_dims else (self.dim,) * len(self.lookups)
 
     @property
     def width(self) -> int:
         """Columns of the group's tensor."""
-        return len(self.lookups) * self.dim
+        return sum(self.dims)
+
+    @classmethod
+    def of(cls, name: str, lookups: tuple[tuple[str, str], ...],
+           dims: tuple[int, ...] | list[int]) -> PooledGroup:
+        """A group from per-lookup widths: ``dim`` set when they are all equal, else 0.
+
+        Args:
+            name: the group's name.
+            lookups: ``(feature, table)`` per lookup.
+            dims: columns per lookup.
+
+        Returns:
+            The group.
+        """
+        dims = tuple(int(d) for d in dims)
+        if len(set(dims)) <= 1:
+            return cls(name, tuple(lookups), dims[0] if dims else 0)
+        return cls(name, tuple(lookups), 0, dims)
 
 
 @dataclass
@@ -127,6 +157,8 @@ class CtrModel(nn.Module):
     dense: nn.Module
     pooled_layout: tuple[PooledGroup, ...]
     output_names: tuple[str, ...]
+    # per output, its column of Batch.labels (a [B] label tensor is column 0)
+    output_labels: tuple[int, ...] = (0,)
 
     def __init__(self) -> None:
         super().__init__()
@@ -172,6 +204,17 @@ class CtrModel(nn.Module):
                 if first is None:
                     raise RuntimeError(f"pooled embeddings {list(keys)} lack {f}@{t}")
                 starts.append(first)
+            if group.lookup_dims:  # mixed widths: one slice when contiguous, else an index
+                dims = group.dims
+                first = starts[0] if starts else 0
+                if all(starts[i + 1] == starts[i] + dims[i] for i in range(len(starts) - 1)):
+                    gathers.append(_ColumnGather(first, 1, group.width, group.width))
+                else:
+                    cols = [c for s0, d in zip(starts, dims, strict=True)
+                            for c in range(s0, s0 + d)]
+                    index = torch.tensor(cols, dtype=torch.long, device=device)
+                    gathers.append(_ColumnGather(first, len(starts), 0, 0, index))
+                continue
             n, dim = len(starts), group.dim
             first = starts[0] if starts else 0
             stride = starts[1] - starts[0] if n > 1 else dim

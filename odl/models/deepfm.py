@@ -38,40 +38,13 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import uses_fm, wide_deep_settings
 from odl.features.batch import Batch
+from odl.models.building_blocks import build_mlp, fm_term
 from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
-
-
-def build_mlp(in_dim: int, dnn: pipeline_pb2.DNN) -> tuple[nn.Sequential, int]:
-    """EasyRec's DNN: per hidden layer Linear, [BatchNorm], ReLU, [Dropout].
-
-    Args:
-        in_dim: input width.
-        dnn: the layer settings.
-
-    Returns:
-        ``(module, output width)``.
-
-    Raises:
-        ValueError: unsupported activation.
-    """
-    if dnn.activation not in ("relu", "tf.nn.relu"):
-        raise ValueError(f"DNN activation {dnn.activation!r} is not supported (use relu)")
-    layers: list[nn.Module] = []
-    width = in_dim
-    for i, units in enumerate(dnn.hidden_units):
-        layers.append(nn.Linear(width, int(units)))
-        if dnn.use_bn:
-            layers.append(nn.BatchNorm1d(int(units)))
-        layers.append(nn.ReLU())
-        if i < len(dnn.dropout_ratio) and dnn.dropout_ratio[i] > 0:
-            layers.append(nn.Dropout(float(dnn.dropout_ratio[i])))
-        width = int(units)
-    return nn.Sequential(*layers), width
 
 
 class DeepFMDense(nn.Module):
@@ -87,6 +60,8 @@ class DeepFMDense(nn.Module):
         wide_dense_idx: dense-feature columns fed to the wide linear term.
         num_dense: dense-feature columns in a batch.
         use_fm: add the FM term (DeepFM); false: WideAndDeep.
+        deep_width: columns of the deep group when its lookups differ in width (``dim``
+            0; WideAndDeep only); None: ``num_deep * dim``.
 
     Raises:
         ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
@@ -108,9 +83,12 @@ class DeepFMDense(nn.Module):
         wide_dense_idx: Sequence[int],
         num_dense: int,
         use_fm: bool = True,
+        deep_width: "int | None" = None,
     ) -> None:
         super().__init__()
         self.use_fm = bool(use_fm) and int(num_deep) > 0
+        if self.use_fm and int(dim) <= 0:
+            raise ValueError("FM needs one embedding_dim for every deep lookup")
         self.num_deep = int(num_deep)
         self.dim = int(dim)
         self.num_wide = int(num_wide)
@@ -119,7 +97,8 @@ class DeepFMDense(nn.Module):
         self.wide_dense_idx = [int(i) for i in wide_dense_idx]
         self.has_deep_dense = len(self.deep_dense_idx) > 0
         self.all_deep_dense = self.deep_dense_idx == list(range(int(num_dense)))
-        deep_in = self.num_deep * self.dim + len(self.deep_dense_idx)
+        width = self.num_deep * self.dim if deep_width is None else int(deep_width)
+        deep_in = width + len(self.deep_dense_idx)
         if deep_in == 0:
             raise ValueError("DeepFM needs at least one feature in a deep group")
         # Registration order fixes the dense optimizer's parameter order in checkpoints.
@@ -161,8 +140,7 @@ class DeepFMDense(nn.Module):
         fm = torch.zeros(0)
         if self.num_deep > 0:
             if self.use_fm:
-                v = deep.reshape(b, self.num_deep, self.dim)
-                fm = 0.5 * (v.sum(dim=1).square() - v.square().sum(dim=1))
+                fm = fm_term(deep.reshape(b, self.num_deep, self.dim))
             parts.append(deep)
         if self.has_deep_dense:
             if self.all_deep_dense:
@@ -250,8 +228,7 @@ def deepfm_loss(
     if weights.l2:
         loss = loss + weights.l2 * linear_kernel_l2(dense)
     if weights.embedding and dense.num_deep:
-        v = deep.reshape(b, dense.num_deep, dense.dim)
-        loss = loss + weights.embedding * v.square().sum(dim=-1).mean()
+        loss = loss + weights.embedding * deep.square().sum() / (b * dense.num_deep)
     if weights.wide and dense.num_wide:
         w = wide.reshape(b, dense.num_wide, dense.wide_output_dim)
         loss = loss + weights.wide * w.square().sum(dim=-1).mean()
@@ -300,9 +277,10 @@ class DeepFM(CtrModel):
             wide_dense_idx=[col[n] for n in wide_dense],
             num_dense=len(dense_features),
             use_fm=uses_fm(model_config),
+            deep_width=sum(layout.deep_dims),
         )
         self.pooled_layout = (
-            PooledGroup("deep", tuple(layout.deep_keys), layout.deep_dim),
+            PooledGroup.of("deep", tuple(layout.deep_keys), layout.deep_dims),
             PooledGroup("wide", tuple(layout.wide_keys), layout.wide_output_dim),
         )
         self.output_names = (output_name,)

@@ -28,7 +28,7 @@ the ids of every feature reading it:
    click);
 4. the rows used get their counters updated: sightings, last step, last stream time, show
    (+1 per sample, or its ``show_field``) and click (+1 per sample with a positive label, or
-   its ``click_field``).
+   its ``click_field``; a multi-task model's first label).
 
 Every ``maintenance_interval`` steps (:meth:`DynamicTables.maintain`) rows expire: unseen
 for more than ``steps_to_live`` steps, show / click decayed by ``decay_rate_per_day`` per day
@@ -656,7 +656,9 @@ class DynamicTables:
         rows = self.group.lookup(ids, member)
         evicted: dict[str, np.ndarray] = {}
         if admit:
-            labels = (batch.labels.numpy() > 0).astype(np.float64)
+            y = batch.labels.numpy()
+            # a multi-task batch's clicks are its first label column
+            labels = ((y if y.ndim == 1 else y[:, 0]) > 0).astype(np.float64)
             counts = batch.counts or {}
 
             def per_lookup(per_sample: np.ndarray, key_idx: list[int]) -> np.ndarray:

@@ -56,7 +56,8 @@ class EmbeddingLayout:
         deep_keys: ``(feature, table)`` per deep lookup, in pooled-output order.
         wide_keys: ``(feature, table)`` per wide lookup, in pooled-output order.
         wide_output_dim: used columns of each wide table.
-        deep_dim: common dim of the deep tables (0 when there are none).
+        deep_dim: common dim of the deep tables (0 when there are none, or when they differ).
+        deep_dims: dim of each deep lookup's table, in ``deep_keys`` order.
     """
 
     configs: list[EmbeddingBagConfig]
@@ -64,6 +65,7 @@ class EmbeddingLayout:
     wide_keys: list[tuple[str, str]]
     wide_output_dim: int
     deep_dim: int
+    deep_dims: list[int]
 
     @property
     def wide_tables(self) -> list[str]:
@@ -83,6 +85,7 @@ def build_embedding_layout(
     deep_features: Sequence[str],
     wide_features: Sequence[str],
     wide_output_dim: int = 1,
+    mixed_dims: bool = False,
 ) -> EmbeddingLayout:
     """Builds the table configs for a model's deep and wide embedded features.
 
@@ -91,12 +94,15 @@ def build_embedding_layout(
         deep_features: embedded features feeding the deep part (and FM), in group order.
         wide_features: embedded features feeding the wide part, in group order.
         wide_output_dim: used columns of each wide table.
+        mixed_dims: deep tables may have different dims (models that concatenate their
+            lookups; FM needs one dim).
 
     Returns:
         The layout.
 
     Raises:
-        ValueError: a deep feature's table has no ``embedding_dim``, or deep dims differ.
+        ValueError: a deep feature's table has no ``embedding_dim``, or deep dims differ
+            without ``mixed_dims``.
     """
     by_feature = {f: spec for spec in table_specs for f in spec.feature_names}
     for f in list(deep_features) + list(wide_features):
@@ -116,25 +122,27 @@ def build_embedding_layout(
     configs: list[EmbeddingBagConfig] = []
     deep_keys: list[tuple[str, str]] = []
     wide_keys: list[tuple[str, str]] = []
-    deep_dim = 0
+    deep_dims: list[int] = []
     for spec, feats in grouped(deep_features):
         if spec.dim <= 0:
             raise ValueError(
                 f"table {spec.name!r} (features {', '.join(feats)}) is used by a deep group "
                 "but has no embedding_dim")
-        if deep_dim and spec.dim != deep_dim:
+        if deep_dims and spec.dim != deep_dims[0] and not mixed_dims:
             raise ValueError(
                 f"DeepFM needs one embedding_dim for all deep features: table {spec.name!r} "
-                f"has {spec.dim}, others {deep_dim}")
-        deep_dim = spec.dim
+                f"has {spec.dim}, others {deep_dims[0]}")
         configs.append(_config(spec.name, spec.num_rows, spec.dim, feats, spec.pooling))
         deep_keys += [(f, spec.name) for f in feats]
+        deep_dims += [spec.dim] * len(feats)
+    deep_dim = deep_dims[0] if deep_dims and len(set(deep_dims)) == 1 else 0
     wdim = wide_storage_dim(wide_output_dim)
     for spec, feats in grouped(wide_features):
         name = spec.name + WIDE_SUFFIX
         configs.append(_config(name, spec.num_rows, wdim, feats, spec.pooling))
         wide_keys += [(f, name) for f in feats]
-    return EmbeddingLayout(configs, deep_keys, wide_keys, int(wide_output_dim), deep_dim)
+    return EmbeddingLayout(configs, deep_keys, wide_keys, int(wide_output_dim), deep_dim,
+                           deep_dims)
 
 
 def _config(name: str, rows: int, dim: int, feats: list[str], pooling: str) -> EmbeddingBagConfig:

@@ -2,7 +2,9 @@
 
 Every model follows the contract of ``odl.models.ctr_model``; a new model class is added to
 ``odl.config.model_classes`` and to ``build_model``. DeepFM and WideAndDeep are one class
-(``odl.models.deepfm.DeepFM``; WideAndDeep has no FM term).
+(``odl.models.deepfm.DeepFM``; WideAndDeep has no FM term); MultiTower and DCN are
+``odl.models.tower_models.TowerModel``; MMoE and DBMTL are
+``odl.models.multi_task_models.MultiTaskModel``.
 """
 
 from __future__ import annotations
@@ -12,14 +14,19 @@ import logging
 from odl.config.config_error import ConfigError
 from odl.config.model_classes import (
     IMPLEMENTED_MODEL_CLASSES,
+    is_multi_task_model,
     is_tower_model,
+    multi_task_settings,
+    task_label_names,
     tower_settings,
+    uses_fm,
     wide_deep_settings,
 )
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import CtrModel
 from odl.models.deepfm import DeepFM
 from odl.models.embedding_tables import build_embedding_layout
+from odl.models.multi_task_models import MultiTaskModel
 from odl.models.tower_models import TowerModel
 from odl.protos import pipeline_pb2
 
@@ -91,6 +98,8 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
     if mc.num_class not in (0, 1):
         raise ConfigError("model_config.num_class", "only 1 (binary classification) is supported")
     labels = list(config.data_config.label_fields) or ["label"]
+    if is_multi_task_model(mc):
+        return _build_multi_task_model(mc, feature_builder, labels)
     if is_tower_model(mc):
         return _build_tower_model(mc, feature_builder, labels[0])
     groups = model_groups(mc, feature_builder)
@@ -98,7 +107,8 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
     wide_dim = int(settings.wide_output_dim) or 1
     try:
         layout = build_embedding_layout(
-            feature_builder.table_specs, groups["deep_sparse"], groups["wide_sparse"], wide_dim)
+            feature_builder.table_specs, groups["deep_sparse"], groups["wide_sparse"], wide_dim,
+            mixed_dims=not uses_fm(mc))
     except ValueError as e:
         raise ConfigError("model_config.feature_groups", str(e)) from e
     if not settings.dnn.hidden_units:
@@ -111,12 +121,11 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
         raise ConfigError(f"model_config.{field}", str(e)) from e
 
 
-def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder,
-                       output_name: str) -> CtrModel:
-    """MultiTower / DCN: the towers' feature groups, split into embedded and dense features."""
+def _embedded_and_dense(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder
+                        ) -> dict[str, tuple[list[str], list[str]]]:
+    """Feature group name -> (embedded features, dense features), in group order."""
     sparse = set(feature_builder.sparse_feature_names)
     dense = set(feature_builder.dense_feature_names)
-    field, _settings, towers = tower_settings(mc)
     groups: dict[str, tuple[list[str], list[str]]] = {}
     for gi, g in enumerate(mc.feature_groups):
         emb, raw = [], []
@@ -129,13 +138,58 @@ def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBu
                 raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
                                   f"group {g.group_name!r} names unknown feature {f!r}")
         groups[g.group_name] = (emb, raw)
+    return groups
+
+
+def multi_task_group(mc: pipeline_pb2.EasyRecModel) -> str:
+    """The feature group a multi-task model reads: ``"all"``, or the model's only group.
+
+    Raises:
+        ConfigError: neither exists.
+    """
+    names = [g.group_name for g in mc.feature_groups]
+    if "all" in names:
+        return "all"
+    if len(names) == 1:
+        return names[0]
+    raise ConfigError("model_config.feature_groups",
+                      f"{mc.model_class} reads the feature group named \"all\" (or the only "
+                      f"group); groups are {names}")
+
+
+def _build_multi_task_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder,
+                            label_fields: list[str]) -> CtrModel:
+    """MMoE / DBMTL over the "all" group; each task's label column."""
+    field, settings = multi_task_settings(mc)
+    emb, raw = _embedded_and_dense(mc, feature_builder)[multi_task_group(mc)]
+    columns = []
+    for i, name in enumerate(task_label_names(mc, label_fields)):
+        if name not in label_fields:
+            raise ConfigError(f"model_config.{field}.task_towers[{i}].label_name",
+                              f"label {name!r} is not one of data_config.label_fields "
+                              f"{label_fields}")
+        columns.append(label_fields.index(name))
+    try:
+        layout = build_embedding_layout(feature_builder.table_specs, emb, [], 1,
+                                        mixed_dims=True)
+        return MultiTaskModel(layout, feature_builder.dense_feature_names, raw, mc, columns)
+    except ValueError as e:
+        raise ConfigError(f"model_config.{field}", str(e)) from e
+
+
+def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder,
+                       output_name: str) -> CtrModel:
+    """MultiTower / DCN: the towers' feature groups, split into embedded and dense features."""
+    field, _settings, towers = tower_settings(mc)
+    groups = _embedded_and_dense(mc, feature_builder)
     embedded: list[str] = []
     for _kind, group, _tower in towers:
         for f in groups.get(group, ([], []))[0]:
             if f not in embedded:
                 embedded.append(f)
     try:
-        layout = build_embedding_layout(feature_builder.table_specs, embedded, [], 1)
+        layout = build_embedding_layout(feature_builder.table_specs, embedded, [], 1,
+                                        mixed_dims=True)
         return TowerModel(layout, feature_builder.dense_feature_names, groups, mc,
                           output_name=output_name)
     except ValueError as e:

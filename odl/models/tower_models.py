@@ -12,8 +12,8 @@ its dense (raw) features. The cross network is DCN v1's,
 ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l`` for ``cross_num`` layers (``w_l``, ``b_l`` of
 the input's width). The sparse part has one pooled group, ``towers``: every tower's lookups,
 tower after tower (a feature read by two towers is looked up twice, which is also how
-embedding regularization counts it); all embedded features of the towers share one
-``embedding_dim``.
+embedding regularization counts it), each as wide as its table (features of different
+``embedding_dim`` are concatenated, as in EasyRec).
 
 Loss: the configured prediction loss (``odl.models.ctr_losses``; binary cross entropy by
 default) + ``l2_regularization`` * the sum of squared
@@ -36,68 +36,43 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import tower_settings
 from odl.features.batch import Batch
+from odl.models.building_blocks import CrossNet, build_mlp
 from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
-from odl.models.deepfm import build_mlp
 from odl.models.embedding_tables import EmbeddingLayout
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
 
 
-class CrossNet(nn.Module):
-    """DCN v1's cross network over ``[B, width]`` inputs; scriptable.
-
-    Args:
-        width: input (and output) width.
-        layers: number of cross layers (``cross_num``).
-    """
-
-    def __init__(self, width: int, layers: int) -> None:
-        super().__init__()
-        self.weights = nn.Parameter(torch.empty(int(layers), int(width)))
-        self.biases = nn.Parameter(torch.zeros(int(layers), int(width)))
-        nn.init.normal_(self.weights, std=(1.0 / max(1, int(width))) ** 0.5)
-
-    def forward(self, x0: torch.Tensor) -> torch.Tensor:
-        """``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l`` for every layer."""
-        x = x0
-        for i in range(self.weights.shape[0]):
-            x = x0 * (x * self.weights[i]).sum(dim=1, keepdim=True) + self.biases[i] + x
-        return x
-
-
 class TowerDense(nn.Module):
     """The towers, ``final_dnn`` and the logit (module docstring); scriptable.
 
     Args:
-        towers: per tower ``(kind, lookups, dense columns, settings)``: kind ``"dnn"``
-            (settings: a ``DNN``) or ``"cross"`` (settings: ``cross_num``), its number of
-            lookups in the ``towers`` group, its columns of the raw dense features.
-        dim: embedding dim of every lookup.
+        towers: per tower ``(kind, width, dense columns, settings)``: kind ``"dnn"``
+            (settings: a ``DNN``) or ``"cross"`` (settings: ``cross_num``), the columns of
+            its lookups in the ``towers`` group, its columns of the raw dense features.
         final_dnn: the ``final_dnn`` settings.
 
     Raises:
         ValueError: a tower with no input, or an unsupported DNN setting.
     """
 
-    __constants__ = ["dim"]
     tower_cols: list[int]
     tower_dense: list[list[int]]
 
-    def __init__(self, towers: Sequence[tuple[str, int, Sequence[int], object]], dim: int,
+    def __init__(self, towers: Sequence[tuple[str, int, Sequence[int], object]],
                  final_dnn: pipeline_pb2.DNN) -> None:
         super().__init__()
-        self.dim = int(dim)
         self.tower_cols = [0]
         self.tower_dense = []
         self.towers = nn.ModuleList()
         width = 0
-        for i, (kind, lookups, dense_cols, settings) in enumerate(towers):
-            in_width = int(lookups) * self.dim + len(dense_cols)
+        for i, (kind, lookup_width, dense_cols, settings) in enumerate(towers):
+            in_width = int(lookup_width) + len(dense_cols)
             if in_width == 0:
                 raise ValueError(f"tower {i} reads no feature")
-            self.tower_cols.append(self.tower_cols[-1] + int(lookups) * self.dim)
+            self.tower_cols.append(self.tower_cols[-1] + int(lookup_width))
             self.tower_dense.append([int(c) for c in dense_cols])
             if kind == "cross":
                 self.towers.append(CrossNet(in_width, int(settings)))
@@ -163,18 +138,21 @@ class TowerModel(CtrModel):
         self.layout = layout
         self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device))
         table_of = dict(layout.deep_keys)
+        dim_of = {f: d for (f, _t), d in zip(layout.deep_keys, layout.deep_dims, strict=True)}
         col = {n: i for i, n in enumerate(dense_features)}
         _field, settings, towers = tower_settings(model_config)
         lookups: list[tuple[str, str]] = []
+        dims: list[int] = []
         specs = []
         for kind, group, tower in towers:
             if group not in groups:
                 raise ValueError(f"a tower reads feature group {group!r}, which does not exist")
             sparse, dense = groups[group]
             lookups += [(f, table_of[f]) for f in sparse]
-            specs.append((kind, len(sparse), [col[n] for n in dense], tower))
-        self.dense = TowerDense(specs, layout.deep_dim, settings.final_dnn)
-        self.pooled_layout = (PooledGroup("towers", tuple(lookups), layout.deep_dim),)
+            dims += [dim_of[f] for f in sparse]
+            specs.append((kind, sum(dim_of[f] for f in sparse), [col[n] for n in dense], tower))
+        self.dense = TowerDense(specs, settings.final_dnn)
+        self.pooled_layout = (PooledGroup.of("towers", tuple(lookups), dims),)
         self.output_names = (output_name,)
         self.l2 = float(settings.l2_regularization)
         self.embedding_regularization = float(model_config.embedding_regularization)
@@ -196,8 +174,8 @@ class TowerModel(CtrModel):
                 m.weights.square().sum() for m in self.dense.modules() if isinstance(m, CrossNet))
             loss = loss + self.l2 * sq
         (pooled,) = output.pooled
-        dim = self.pooled_layout[0].dim
-        if self.embedding_regularization and pooled.shape[1] and dim:
-            v = pooled.reshape(pooled.shape[0], -1, dim)
-            loss = loss + self.embedding_regularization * v.square().sum(dim=-1).mean()
+        lookups = len(self.pooled_layout[0].lookups)
+        if self.embedding_regularization and lookups:
+            loss = loss + self.embedding_regularization * (
+                pooled.square().sum() / (pooled.shape[0] * lookups))
         return loss

@@ -1,4 +1,4 @@
-"""Optimizers and learning-rate schedules from either config form.
+"""Optimizers, learning-rate schedules and gradient clipping from either config form.
 
 * EasyRec: ``train_config.optimizer_config`` with 1 entry (same kind for tables and dense
   parameters) or 2 entries (``[embeddings, dense]``); the schedule is inside the optimizer.
@@ -6,26 +6,51 @@
   ``lr`` and a schedule beside it.
 * Nothing configured: Adagrad lr 0.05 for tables, Adam lr 1e-3 for dense parameters.
 
-Schedules (``LrSchedule.__call__(step)``):
+Schedules (``schedule(step)``, ``step`` = steps taken before this one):
 
 * constant: ``lr``.
-* EasyRec exponential decay: ``max(initial * factor ** p, min_lr)``,
-  ``p = step / decay_steps`` (``floor``-ed when ``staircase``).
-* TorchEasyRec exponential decay: ``max(lr * decay_rate ** p, min_lr)``, same ``p``.
+* exponential decay (:class:`LrSchedule`), EasyRec: ``max(initial * factor ** p, min_lr)``,
+  ``p = (step - burnin_steps) / decay_steps`` (``floor``-ed when ``staircase``); during the
+  burn-in (``step < burnin_steps``) ``max(burnin + (initial - burnin) * step / burnin_steps,
+  min_lr)``, or ``initial`` when ``burnin_learning_rate`` is 0. TorchEasyRec: the same with
+  ``lr``, ``decay_size``, ``decay_factor``, ``warmup_size``, ``warmup_learning_rate``, except
+  that the warm-up always ramps and is not floored at ``min_learning_rate``.
+* EasyRec cosine decay (:class:`CosineDecaySchedule`) and polynomial decay
+  (:class:`PolynomialDecaySchedule`), TorchEasyRec cosine annealing
+  (:class:`CosineAnnealingSchedule`): the formulas in their docstrings, as in EasyRec's
+  ``learning_schedules.py`` / TF's ``polynomial_decay`` and TorchEasyRec's
+  ``lr_scheduler.py``.
 
-Embedding tables are updated by fbgemm's fused kernel inside backward: ``sgd`` -> exact SGD,
-``adagrad`` -> exact element-wise Adagrad (as EasyRec's TF Adagrad), ``rowwise_adagrad``
-(TorchEasyRec's ``rowwise_adagrad_optimizer``) -> exact row-wise Adagrad (one accumulator per
-row), ``adam`` -> fbgemm Adam, which exists only for CUDA tables (on CPU it is a
-``ConfigError``). Table accumulators start at 0; ``initial_accumulator_value`` applies to
-dense parameters only. A ``rowwise_adagrad`` dense optimizer is plain Adagrad.
+The same schedule drives the dense optimizer and the fused table optimizer: the train module
+sets both rates before every step.
+
+Dense parameters (``torch.optim``): ``sgd`` -> SGD (TorchEasyRec: with its ``momentum``,
+default 0.9, ``weight_decay``, ``dampening``, ``nesterov``), ``momentum`` -> SGD with momentum
+(as TF's MomentumOptimizer), ``adagrad`` / ``rowwise_adagrad`` -> Adagrad, ``adam`` -> Adam,
+``adamw`` -> EasyRec: :class:`DecoupledAdamW` (``var -= weight_decay * var`` per step, not
+scaled by the rate, as EasyRec's TF AdamW), TorchEasyRec: ``torch.optim.AdamW``; ``ftrl`` ->
+:class:`FtrlProximal` (TF's FTRL-Proximal update with l1, l2 and l2 shrinkage).
+
+Embedding tables are updated by fbgemm's fused kernel inside backward (see
+:mod:`odl.config.optimizer_support` for which kernel runs per kind and device, and the
+substitutes): ``sgd`` -> exact SGD, ``adagrad`` -> exact element-wise Adagrad (as EasyRec's TF
+Adagrad), ``rowwise_adagrad`` (TorchEasyRec's ``rowwise_adagrad_optimizer``) -> exact row-wise
+Adagrad (one accumulator per row), ``adam`` -> fbgemm Adam and ``lamb`` -> fbgemm LAMB (CUDA
+only), ``ftrl`` -> exact Adagrad at the FTRL rate, ``momentum`` -> exact SGD at the same rate,
+``adamw`` -> fbgemm Adam without weight decay. A substitute is logged as a warning when the
+tables are built. Table accumulators start at 0; ``initial_accumulator_value`` applies to
+dense parameters only.
+
+Gradient clipping (EasyRec ``gradient_clipping_by_norm``, TorchEasyRec ``grad_clipping``)
+applies to the dense gradients, between backward and the dense step. Table gradients are
+applied inside the fused backward and are never clipped.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,29 +58,58 @@ import torch
 import torchrec.optim as trec_optim
 
 from odl.config.config_error import ConfigError
-from odl.config.optimizer_support import supported_sparse_optimizers
+from odl.config.optimizer_support import (
+    DEFAULT_DENSE_KIND,
+    DEFAULT_SPARSE_KIND,
+    OptimizerChoice,
+    optimizer_choices,
+    table_optimizer_plan,
+)
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SPARSE_LR = 0.05
-# Element-wise Adagrad for tables by default: EasyRec's (TF) Adagrad is element-wise, and
-# fbgemm's CPU backward for exact row-wise Adagrad is several times slower. Row-wise:
-# TorchEasyRec's rowwise_adagrad_optimizer.
-DEFAULT_SPARSE_KIND = "adagrad"
 DEFAULT_DENSE_LR = 1e-3
+# eps of the fused Adagrad / Adam / LAMB table kernels.
+TABLE_EPS = 1e-8
+
+__all__ = [
+    "CosineAnnealingSchedule",
+    "CosineDecaySchedule",
+    "DecoupledAdamW",
+    "FtrlProximal",
+    "GradientClipping",
+    "LrSchedule",
+    "OptimizerSpec",
+    "PolynomialDecaySchedule",
+    "gradient_clipping",
+    "make_dense_optimizer",
+    "optimizer_specs",
+    "sparse_optimizer_args",
+]
+
+
+# --------------------------------------------------------------------------- schedules
+
+
+def _warmup(step: int, steps: int, start: float, end: float) -> float:
+    return start + (end - start) * step / steps
 
 
 @dataclass(frozen=True)
 class LrSchedule:
-    """Learning rate as a function of the global step.
+    """Exponential decay after an optional linear warm-up (constant when ``decay_steps`` is 0).
 
     Attributes:
-        base_lr: rate at step 0.
-        decay_steps: steps per decay period (0: constant).
+        base_lr: rate at the end of the warm-up (step 0 without one).
+        decay_steps: steps per decay period (0: no decay).
         decay_rate: multiplier per period.
         staircase: decay in whole periods.
         min_lr: lower bound.
+        warmup_steps: warm-up length; the decay counts from its end.
+        warmup_lr: rate at step 0 of the warm-up.
+        floor_warmup: apply ``min_lr`` during the warm-up too (EasyRec's burn-in).
     """
 
     base_lr: float
@@ -63,15 +117,115 @@ class LrSchedule:
     decay_rate: float = 1.0
     staircase: bool = True
     min_lr: float = 0.0
+    warmup_steps: int = 0
+    warmup_lr: float = 0.0
+    floor_warmup: bool = False
 
     def __call__(self, step: int) -> float:
         """Rate to use for global step ``step``."""
+        if step < self.warmup_steps:
+            lr = _warmup(step, self.warmup_steps, self.warmup_lr, self.base_lr)
+            return float(max(lr, self.min_lr) if self.floor_warmup else lr)
         if self.decay_steps <= 0:
             return float(self.base_lr)
-        p = step / self.decay_steps
+        p = (step - self.warmup_steps) / self.decay_steps
         if self.staircase:
             p = math.floor(p)
         return float(max(self.base_lr * self.decay_rate**p, self.min_lr))
+
+
+@dataclass(frozen=True)
+class CosineDecaySchedule:
+    """EasyRec's ``cosine_decay_learning_rate`` (``cosine_decay_with_warmup``).
+
+    ``warmup_lr + (base_lr - warmup_lr) * step / warmup_steps`` while
+    ``step < warmup_steps``; ``base_lr`` up to ``warmup_steps + hold_steps``; then
+    ``0.5 * base_lr * (1 + cos(pi * (step - warmup - hold) / (total - warmup - hold)))``;
+    0 after ``total_steps``.
+
+    Attributes:
+        base_lr: peak rate.
+        total_steps: step at which the rate reaches 0.
+        warmup_lr: rate at step 0.
+        warmup_steps: warm-up length.
+        hold_steps: steps at ``base_lr`` after the warm-up.
+    """
+
+    base_lr: float
+    total_steps: int
+    warmup_lr: float = 0.0
+    warmup_steps: int = 0
+    hold_steps: int = 0
+
+    def __call__(self, step: int) -> float:
+        """Rate to use for global step ``step``."""
+        if step > self.total_steps:
+            return 0.0
+        if step < self.warmup_steps:
+            return float(_warmup(step, self.warmup_steps, self.warmup_lr, self.base_lr))
+        start = self.warmup_steps + self.hold_steps
+        if step <= start:
+            return float(self.base_lr)
+        frac = (step - start) / (self.total_steps - start)
+        return float(0.5 * self.base_lr * (1.0 + math.cos(math.pi * frac)))
+
+
+@dataclass(frozen=True)
+class PolynomialDecaySchedule:
+    """EasyRec's ``poly_decay_learning_rate`` (TF ``polynomial_decay``, no cycling).
+
+    ``(base_lr - end_lr) * (1 - min(step, total_steps) / total_steps) ** power + end_lr``.
+
+    Attributes:
+        base_lr: rate at step 0.
+        total_steps: steps to reach ``end_lr``.
+        power: exponent.
+        end_lr: final rate.
+    """
+
+    base_lr: float
+    total_steps: int
+    power: float = 1.0
+    end_lr: float = 0.0
+
+    def __call__(self, step: int) -> float:
+        """Rate to use for global step ``step``."""
+        frac = min(step, self.total_steps) / self.total_steps
+        return float((self.base_lr - self.end_lr) * (1.0 - frac) ** self.power + self.end_lr)
+
+
+@dataclass(frozen=True)
+class CosineAnnealingSchedule:
+    """TorchEasyRec's ``cosine_annealing_learning_rate`` (``CosineAnnealingLR``).
+
+    ``warmup_lr + (base_lr - warmup_lr) * step / warmup_steps`` while
+    ``step < warmup_steps``; then ``min_lr + (base_lr - min_lr) * 0.5 * (1 + cos(pi * t /
+    t_max))`` with ``t = min(step - warmup_steps, t_max)``.
+
+    Attributes:
+        base_lr: the optimizer's ``lr``.
+        t_max: cosine length in steps.
+        min_lr: final rate.
+        warmup_lr: rate at step 0.
+        warmup_steps: warm-up length.
+    """
+
+    base_lr: float
+    t_max: int
+    min_lr: float = 0.0
+    warmup_lr: float = 0.0
+    warmup_steps: int = 0
+
+    def __call__(self, step: int) -> float:
+        """Rate to use for global step ``step``."""
+        if step < self.warmup_steps:
+            return float(_warmup(step, self.warmup_steps, self.warmup_lr, self.base_lr))
+        t = min(step - self.warmup_steps, self.t_max)
+        scale = 0.5 * (1.0 + math.cos(math.pi * t / self.t_max))
+        return float(self.min_lr + (self.base_lr - self.min_lr) * scale)
+
+
+Schedule = LrSchedule | CosineDecaySchedule | PolynomialDecaySchedule | CosineAnnealingSchedule
 
 
 @dataclass(frozen=True)
@@ -79,69 +233,114 @@ class OptimizerSpec:
     """One optimizer choice.
 
     Attributes:
-        kind: ``"sgd"``, ``"adagrad"``, ``"rowwise_adagrad"`` (tables only) or ``"adam"``.
+        kind: ``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"rowwise_adagrad"`` (tables only),
+            ``"adam"``, ``"adamw"``, ``"ftrl"`` or ``"lamb"`` (tables only).
         schedule: learning-rate schedule.
-        params: extra settings (``initial_accumulator_value``, ``beta1``, ``beta2``).
+        params: extra settings (``initial_accumulator_value``, ``beta1``, ``beta2``,
+            ``momentum``, ``weight_decay``, ``eps``, FTRL's ``lr_power``, ``l1``, ``l2``,
+            ``l2_shrinkage``, ...).
         source: config path, for error messages.
+        choice: the config choice it was read from.
     """
 
     kind: str
-    schedule: LrSchedule
+    schedule: Schedule
     params: dict[str, Any] = field(default_factory=dict)
     source: str = "train_config"
+    choice: OptimizerChoice | None = field(default=None, compare=False, repr=False)
 
 
-def _easyrec_schedule(lr: pipeline_pb2.LearningRate) -> LrSchedule:
+def _easyrec_schedule(lr: pipeline_pb2.LearningRate) -> Schedule:
     which = lr.WhichOneof("learning_rate")
     if which == "exponential_decay_learning_rate":
         e = lr.exponential_decay_learning_rate
-        return LrSchedule(float(e.initial_learning_rate), int(e.decay_steps),
-                          float(e.decay_factor), bool(e.staircase), float(e.min_learning_rate))
+        burnin = int(e.burnin_steps)
+        return LrSchedule(
+            float(e.initial_learning_rate), int(e.decay_steps), float(e.decay_factor),
+            bool(e.staircase), float(e.min_learning_rate), warmup_steps=burnin,
+            warmup_lr=float(e.burnin_learning_rate or e.initial_learning_rate),
+            floor_warmup=True)
+    if which == "cosine_decay_learning_rate":
+        c = lr.cosine_decay_learning_rate
+        return CosineDecaySchedule(float(c.learning_rate_base), int(c.total_steps),
+                                   float(c.warmup_learning_rate), int(c.warmup_steps),
+                                   int(c.hold_base_rate_steps))
+    if which == "poly_decay_learning_rate":
+        p = lr.poly_decay_learning_rate
+        return PolynomialDecaySchedule(float(p.learning_rate_base), int(p.total_steps),
+                                       float(p.power), float(p.end_learning_rate))
     if which == "constant_learning_rate":
         return LrSchedule(float(lr.constant_learning_rate.learning_rate))
     return LrSchedule(float(pipeline_pb2.ConstantLearningRate().learning_rate))
 
 
-def _easyrec_spec(oc: pipeline_pb2.OptimizerConfig, path: str) -> OptimizerSpec:
-    which = oc.WhichOneof("optimizer")
-    if which is None:
-        raise ConfigError(
-            path, "no optimizer set (sgd_optimizer, adagrad_optimizer, adam_optimizer)")
-    msg = getattr(oc, which)
-    sched = _easyrec_schedule(msg.learning_rate)
-    if which == "sgd_optimizer":
-        return OptimizerSpec("sgd", sched, {}, path)
-    if which == "adagrad_optimizer":
-        return OptimizerSpec("adagrad", sched,
-                             {"initial_accumulator_value": float(msg.initial_accumulator_value)},
-                             path)
-    return OptimizerSpec("adam", sched, {"beta1": float(msg.beta1), "beta2": float(msg.beta2)},
-                         path)
+def _easyrec_params(kind: str, msg: Any) -> dict[str, Any]:
+    if kind == "adagrad":
+        return {"initial_accumulator_value": float(msg.initial_accumulator_value)}
+    if kind == "momentum":
+        return {"momentum": float(msg.momentum_optimizer_value)}
+    if kind in ("adam", "adamw"):
+        out = {"beta1": float(msg.beta1), "beta2": float(msg.beta2)}
+        if kind == "adamw":
+            out.update(weight_decay=float(msg.weight_decay), decay_scaled_by_lr=False)
+        return out
+    if kind == "ftrl":
+        return {"lr_power": float(msg.learning_rate_power),
+                "initial_accumulator_value": float(msg.initial_accumulator_value),
+                "l1": float(msg.l1_reg), "l2": float(msg.l2_reg),
+                "l2_shrinkage": float(msg.l2_shrinkage_reg)}
+    return {}
 
 
-def _tzrec_spec(
-    msg: pipeline_pb2.SparseOptimizer | pipeline_pb2.DenseOptimizer, path: str
-) -> OptimizerSpec:
-    which = msg.WhichOneof("optimizer")
-    if which is None:
-        raise ConfigError(path, "no optimizer set")
-    opt = getattr(msg, which)
-    lr = float(opt.lr)
-    if msg.WhichOneof("learning_rate") == "exponential_decay_learning_rate":
+def _easyrec_spec(choice: OptimizerChoice) -> OptimizerSpec:
+    if not choice.kind:
+        raise ConfigError(choice.field, "no optimizer set (e.g. adagrad_optimizer, "
+                                        "adam_optimizer, ftrl_optimizer)")
+    msg = choice.message
+    return OptimizerSpec(choice.kind, _easyrec_schedule(msg.learning_rate),
+                         _easyrec_params(choice.kind, msg), choice.field, choice)
+
+
+def _tzrec_schedule(msg: pipeline_pb2.SparseOptimizer | pipeline_pb2.DenseOptimizer,
+                    lr: float) -> Schedule:
+    which = msg.WhichOneof("learning_rate")
+    if which == "exponential_decay_learning_rate":
         e = msg.exponential_decay_learning_rate
-        sched = LrSchedule(lr, int(e.decay_steps), float(e.decay_rate), bool(e.staircase),
-                           float(e.min_learning_rate))
-    else:
-        sched = LrSchedule(lr)
-    if which == "sgd_optimizer":
-        return OptimizerSpec("sgd", sched, {}, path)
-    if which == "rowwise_adagrad_optimizer":
-        return OptimizerSpec("rowwise_adagrad", sched, {}, path)
-    if which == "adagrad_optimizer":
-        init = float(opt.initial_accumulator_value)
-        return OptimizerSpec("adagrad", sched, {"initial_accumulator_value": init}, path)
-    return OptimizerSpec("adam", sched, {"beta1": float(opt.beta1), "beta2": float(opt.beta2)},
-                         path)
+        decay = int(e.decay_size if e.HasField("decay_size") else e.decay_steps)
+        if e.HasField("decay_factor") or not e.HasField("decay_rate"):
+            factor = float(e.decay_factor)
+        else:
+            factor = float(e.decay_rate)
+        return LrSchedule(lr, decay, factor, bool(e.staircase), float(e.min_learning_rate),
+                          warmup_steps=int(e.warmup_size),
+                          warmup_lr=float(e.warmup_learning_rate))
+    if which == "cosine_annealing_learning_rate":
+        c = msg.cosine_annealing_learning_rate
+        return CosineAnnealingSchedule(lr, int(c.T_max), float(c.min_learning_rate),
+                                       float(c.warmup_learning_rate), int(c.warmup_size))
+    return LrSchedule(lr)
+
+
+def _tzrec_params(kind: str, opt: Any) -> dict[str, Any]:
+    names = [n for n in ("momentum", "weight_decay", "dampening", "nesterov",
+                         "initial_accumulator_value", "eps", "amsgrad", "beta1", "beta2")
+             if n in opt.DESCRIPTOR.fields_by_name]
+    out: dict[str, Any] = {n: getattr(opt, n) for n in names}
+    for n in ("nesterov", "amsgrad"):
+        if n in out:
+            out[n] = bool(out[n])
+    if kind == "adamw":
+        out["decay_scaled_by_lr"] = True
+    return out
+
+
+def _tzrec_spec(choice: OptimizerChoice,
+                msg: pipeline_pb2.SparseOptimizer | pipeline_pb2.DenseOptimizer) -> OptimizerSpec:
+    if not choice.kind:
+        raise ConfigError(choice.field, "no optimizer set")
+    opt = choice.message
+    return OptimizerSpec(choice.kind, _tzrec_schedule(msg, float(opt.lr)),
+                         _tzrec_params(choice.kind, opt), choice.field, choice)
 
 
 def optimizer_specs(train_config: pipeline_pb2.TrainConfig) -> tuple[OptimizerSpec, OptimizerSpec]:
@@ -166,26 +365,31 @@ def optimizer_specs(train_config: pipeline_pb2.TrainConfig) -> tuple[OptimizerSp
     if len(ocs) > 2:
         raise ConfigError("train_config.optimizer_config",
                           f"expected 1 or 2 entries ([embeddings, dense]), got {len(ocs)}")
-    if len(ocs) == 1:
-        spec = _easyrec_spec(ocs[0], "train_config.optimizer_config[0]")
-        return spec, spec
-    if len(ocs) == 2:
-        return (_easyrec_spec(ocs[0], "train_config.optimizer_config[0]"),
-                _easyrec_spec(ocs[1], "train_config.optimizer_config[1]"))
-    sparse = (_tzrec_spec(train_config.sparse_optimizer, "train_config.sparse_optimizer")
+    sparse_choice, dense_choice = optimizer_choices(train_config)
+    if ocs:
+        sparse = _easyrec_spec(sparse_choice)
+        return sparse, (sparse if len(ocs) == 1 else _easyrec_spec(dense_choice))
+    sparse = (_tzrec_spec(sparse_choice, train_config.sparse_optimizer)
               if train_config.HasField("sparse_optimizer")
               else OptimizerSpec(DEFAULT_SPARSE_KIND, LrSchedule(DEFAULT_SPARSE_LR), {},
-                                 "default"))
-    dense = (_tzrec_spec(train_config.dense_optimizer, "train_config.dense_optimizer")
+                                 "default", sparse_choice))
+    dense = (_tzrec_spec(dense_choice, train_config.dense_optimizer)
              if train_config.HasField("dense_optimizer")
-             else OptimizerSpec("adam", LrSchedule(DEFAULT_DENSE_LR), {}, "default"))
+             else OptimizerSpec(DEFAULT_DENSE_KIND, LrSchedule(DEFAULT_DENSE_LR), {},
+                                "default", dense_choice))
     return sparse, dense
+
+
+# --------------------------------------------------------------------------- tables
 
 
 def sparse_optimizer_args(
     spec: OptimizerSpec, device_type: str
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """Optimizer class and kwargs for ``apply_optimizer_in_backward`` on the tables.
+
+    Logs a warning when the tables run a substitute for the configured optimizer
+    (:func:`odl.config.optimizer_support.table_optimizer_plan`).
 
     Args:
         spec: the sparse optimizer choice.
@@ -195,25 +399,121 @@ def sparse_optimizer_args(
         ``(optimizer class, kwargs)``; the class maps to an fbgemm fused optimizer.
 
     Raises:
-        ConfigError: the kind has no fused kernel on this device (Adam on CPU).
+        ConfigError: the kind has no fused kernel on this device (Adam, LAMB on CPU).
     """
+    choice = spec.choice or OptimizerChoice(spec.kind, spec.source)
+    plan = table_optimizer_plan(choice, device_type)
+    if plan.note:
+        logger.warning("%s", plan.note)
     lr = spec.schedule(0)
-    if spec.kind not in supported_sparse_optimizers(device_type):
-        raise ConfigError(
-            spec.source,
-            f"{spec.kind} for embedding tables is not supported on {device_type} (fbgemm's "
-            "fused kernels there: "
-            f"{', '.join(sorted(supported_sparse_optimizers(device_type)))}); use adagrad "
-            "for the tables or train on CUDA")
-    if spec.kind == "sgd":
+    if plan.kernel == "sgd":
         return torch.optim.SGD, {"lr": lr}
-    if spec.kind == "rowwise_adagrad":
-        return trec_optim.RowWiseAdagrad, {"lr": lr, "eps": 1e-8}
-    if spec.kind == "adagrad":
-        return torch.optim.Adagrad, {"lr": lr, "eps": 1e-8}
-    # fbgemm's table kernel takes beta1/beta2, not torch's betas tuple
-    return trec_optim.Adam, {"lr": lr, "eps": 1e-8, "beta1": spec.params.get("beta1", 0.9),
-                             "beta2": spec.params.get("beta2", 0.999)}
+    if plan.kernel == "rowwise_adagrad":
+        return trec_optim.RowWiseAdagrad, {"lr": lr, "eps": TABLE_EPS}
+    if plan.kernel == "adagrad":
+        return torch.optim.Adagrad, {"lr": lr, "eps": TABLE_EPS}
+    # fbgemm's table kernels take beta1/beta2, not torch's betas tuple
+    kwargs = {"lr": lr, "eps": TABLE_EPS, "beta1": spec.params.get("beta1", 0.9),
+              "beta2": spec.params.get("beta2", 0.999)}
+    if plan.kernel == "lamb":
+        return trec_optim.LAMB, {**kwargs, "weight_decay": spec.params.get("weight_decay", 0.0)}
+    return trec_optim.Adam, kwargs
+
+
+# --------------------------------------------------------------------------- dense
+
+
+class DecoupledAdamW(torch.optim.Adam):
+    """EasyRec's (TF contrib) AdamW: ``p -= weight_decay * p``, then an Adam step.
+
+    Unlike ``torch.optim.AdamW`` the decay is not multiplied by the learning rate. Only
+    parameters with a gradient decay (TF decays the variables it updates).
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        betas: Adam's ``(beta1, beta2)``.
+        weight_decay: decay per step.
+        eps: Adam's epsilon.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 1e-6,
+                 eps: float = 1e-8) -> None:
+        super().__init__(params, lr=lr, betas=betas, eps=eps)
+        for group in self.param_groups:
+            group.setdefault("step_weight_decay", float(weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Decays every parameter that has a gradient, then takes an Adam step."""
+        for group in self.param_groups:
+            decay = group["step_weight_decay"]
+            if decay:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.mul_(1.0 - decay)
+        return super().step(closure)
+
+
+class FtrlProximal(torch.optim.Optimizer):
+    """FTRL-Proximal as TF's ``FtrlOptimizer`` (the ApplyFtrlV2 update), per coordinate.
+
+    With ``g`` the gradient, ``n`` the accumulator and ``z`` the linear term::
+
+        g_s = g + 2 * l2_shrinkage * w
+        n'  = n + g * g
+        z  += g_s - (n' ** -lr_power - n ** -lr_power) / lr * w
+        w   = (sign(z) * l1 - z) / (n' ** -lr_power / lr + 2 * l2)   if |z| > l1 else 0
+        n   = n'
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (> 0; read from the group every step, so schedules apply).
+        lr_power: power of the per-coordinate rate (<= 0).
+        initial_accumulator_value: starting ``n`` (> 0).
+        l1: L1 strength.
+        l2: L2 strength.
+        l2_shrinkage: L2 shrinkage strength.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, lr_power: float = -0.5,
+                 initial_accumulator_value: float = 0.1, l1: float = 0.0, l2: float = 0.0,
+                 l2_shrinkage: float = 0.0) -> None:
+        defaults = {"lr": lr, "lr_power": lr_power,
+                    "initial_accumulator_value": initial_accumulator_value, "l1": l1, "l2": l2,
+                    "l2_shrinkage": l2_shrinkage}
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One FTRL update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, power = group["lr"], group["lr_power"]
+            l1, l2, shrink = group["l1"], group["l2"], group["l2_shrinkage"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if not state:
+                    state["accumulator"] = torch.full_like(
+                        p, group["initial_accumulator_value"])
+                    state["linear"] = torch.zeros_like(p)
+                n, z = state["accumulator"], state["linear"]
+                g_s = g + 2.0 * shrink * p if shrink else g
+                n_new = n + g * g
+                n_pow_new = n_new.pow(-power)
+                z.add_(g_s - (n_pow_new - n.pow(-power)) / lr * p)
+                quadratic = n_pow_new / lr + 2.0 * l2
+                w = (torch.sign(z) * l1 - z) / quadratic
+                p.copy_(torch.where(z.abs() > l1, w, torch.zeros_like(w)))
+                n.copy_(n_new)
+        return loss
 
 
 def make_dense_optimizer(
@@ -230,11 +530,85 @@ def make_dense_optimizer(
     """
     params = list(params)
     lr = spec.schedule(0)
-    if spec.kind == "sgd":
-        return torch.optim.SGD(params, lr=lr)
+    p = spec.params
+    if spec.kind in ("sgd", "momentum"):
+        return torch.optim.SGD(params, lr=lr, momentum=p.get("momentum", 0.0),
+                               weight_decay=p.get("weight_decay", 0.0),
+                               dampening=p.get("dampening", 0.0),
+                               nesterov=p.get("nesterov", False))
     if spec.kind in ("adagrad", "rowwise_adagrad"):
         return torch.optim.Adagrad(
-            params, lr=lr,
-            initial_accumulator_value=spec.params.get("initial_accumulator_value", 0.0))
-    return torch.optim.Adam(params, lr=lr, betas=(spec.params.get("beta1", 0.9),
-                                                  spec.params.get("beta2", 0.999)))
+            params, lr=lr, initial_accumulator_value=p.get("initial_accumulator_value", 0.0),
+            weight_decay=p.get("weight_decay", 0.0), eps=p.get("eps", 1e-10))
+    if spec.kind == "ftrl":
+        return FtrlProximal(params, lr=lr, lr_power=p["lr_power"],
+                            initial_accumulator_value=p["initial_accumulator_value"],
+                            l1=p["l1"], l2=p["l2"], l2_shrinkage=p["l2_shrinkage"])
+    betas = (p.get("beta1", 0.9), p.get("beta2", 0.999))
+    if spec.kind == "adamw" and not p.get("decay_scaled_by_lr", True):
+        return DecoupledAdamW(params, lr=lr, betas=betas, weight_decay=p["weight_decay"])
+    if spec.kind == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas,
+                                 weight_decay=p.get("weight_decay", 0.0),
+                                 eps=p.get("eps", 1e-8), amsgrad=p.get("amsgrad", False))
+    if spec.kind == "lamb":
+        raise ConfigError(spec.source, "lamb is a table optimizer (sparse_optimizer only)")
+    return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=p.get("weight_decay", 0.0),
+                            eps=p.get("eps", 1e-8), amsgrad=p.get("amsgrad", False))
+
+
+# --------------------------------------------------------------------------- clipping
+
+
+@dataclass(frozen=True)
+class GradientClipping:
+    """Clipping of the dense gradients before the dense step.
+
+    Attributes:
+        kind: ``"norm"`` (scale all gradients by ``min(1, max_value / global_norm)``) or
+            ``"value"`` (clamp each value to ``[-max_value, max_value]``).
+        max_value: the bound.
+        norm_type: the norm of ``"norm"`` (2.0: L2; ``inf``: largest absolute value).
+    """
+
+    kind: str
+    max_value: float
+    norm_type: float = 2.0
+
+    def __call__(self, optimizer: torch.optim.Optimizer) -> float | None:
+        """Clips the gradients of the optimizer's parameters in place.
+
+        Args:
+            optimizer: the dense optimizer.
+
+        Returns:
+            The global gradient norm before clipping (``"norm"``), else None.
+        """
+        params = [q for g in optimizer.param_groups for q in g["params"] if q.grad is not None]
+        if not params:
+            return None
+        if self.kind == "norm":
+            return float(torch.nn.utils.clip_grad_norm_(params, self.max_value, self.norm_type))
+        torch.nn.utils.clip_grad_value_(params, self.max_value)
+        return None
+
+
+def gradient_clipping(train_config: pipeline_pb2.TrainConfig) -> GradientClipping | None:
+    """The dense gradient clipping a train config asks for, or None.
+
+    Args:
+        train_config: the train config.
+
+    Returns:
+        EasyRec's ``gradient_clipping_by_norm`` (> 0) as global L2-norm clipping, or
+        TorchEasyRec's ``grad_clipping`` (``clipping_type`` ``"norm"`` / ``"value"``), else
+        None.
+    """
+    if train_config.gradient_clipping_by_norm > 0:
+        return GradientClipping("norm", float(train_config.gradient_clipping_by_norm))
+    if train_config.HasField("grad_clipping"):
+        gc = train_config.grad_clipping
+        kind = gc.clipping_type.strip().lower()
+        if kind in ("norm", "value"):
+            return GradientClipping(kind, float(gc.max_gradient), float(gc.norm_type))
+    return None

@@ -112,7 +112,7 @@ class ProgressiveMetrics:
         return self._total_logloss / self.samples if self.samples else float("nan")
 
     def summary(self) -> dict:
-        """All four figures as a dict (NaN replaced by None for JSON)."""
+        """The four figures and the window's positive-label rate (NaN replaced by None)."""
 
         def clean(v: float):
             return None if v != v else round(v, 6)
@@ -122,6 +122,46 @@ class ProgressiveMetrics:
             "logloss": clean(self.window_logloss()),
             "auc_total": clean(self.total_auc()),
             "logloss_total": clean(self.total_logloss()),
+            "positive_rate": clean(float(self._labels[: self._filled].mean())
+                                   if self._filled else float("nan")),
             "window_samples": int(self._filled),
             "samples": int(self.samples),
         }
+
+
+def output_column(values: np.ndarray, column: int) -> np.ndarray:
+    """Column ``column`` of ``[B, n]`` values; ``[B]`` values are their own only column."""
+    return values if values.ndim == 1 else values[:, column]
+
+
+class TaskMetrics:
+    """Progressive metrics per output of a model with several (a multi-task model).
+
+    The first output's metrics are the trainer's main ``ProgressiveMetrics`` (passed in, so
+    they are kept once); the others get their own.
+
+    Args:
+        outputs: ``(output name, label column)`` per output, in output order.
+        first: the main metrics (the first output's).
+        window: window of the other outputs' metrics.
+    """
+
+    def __init__(self, outputs: list[tuple[str, int]], first: ProgressiveMetrics,
+                 window: int) -> None:
+        self.outputs = list(outputs)
+        self.metrics = {name: first if i == 0 else ProgressiveMetrics(window)
+                        for i, (name, _col) in enumerate(self.outputs)}
+
+    def update(self, probs: np.ndarray, labels: np.ndarray) -> None:
+        """Adds a scored batch to every output but the first (the caller updates that one).
+
+        Args:
+            probs: ``[B, outputs]`` probabilities predicted before the update.
+            labels: ``[B]`` or ``[B, label columns]`` labels.
+        """
+        for i, (name, col) in enumerate(self.outputs[1:], start=1):
+            self.metrics[name].update(probs[:, i], output_column(labels, col))
+
+    def summary(self) -> dict[str, dict]:
+        """Output name -> ``ProgressiveMetrics.summary()``."""
+        return {name: m.summary() for name, m in self.metrics.items()}

@@ -8,7 +8,9 @@ and a normal start run it. In order:
 
 1. Device: ``--device cuda`` needs a CUDA device; ``auto`` resolves to CUDA when one is
    available, else CPU. The table optimizer must have a fused kernel on that device (Adam
-   tables need CUDA, see :mod:`odl.config.optimizer_support`).
+   and LAMB tables need CUDA); where the tables run a substitute (FTRL as Adagrad, momentum
+   as plain SGD, see :mod:`odl.config.optimizer_support`) the check returns a note saying
+   so, which ``--validate_only`` prints and a start logs as a warning.
 2. Kafka client settings: the consumer of ``kafka_train_input``, the dead-letter producer
    and the delta producer (and its recovery consumer) of ``incr_save_config.kafka`` are
    constructed with the settings the trainer will use and closed at once, without a broker
@@ -42,7 +44,7 @@ from typing import Any
 from odl.config.config_error import ConfigError
 from odl.config.config_redaction import REDACTED, SECRET_FIELD_MARKERS
 from odl.config.memory_estimate import MemoryEstimate, check_memory, resolve_max_memory_fraction
-from odl.config.optimizer_support import optimizer_choices, supported_sparse_optimizers
+from odl.config.optimizer_support import optimizer_choices, table_optimizer_plan
 from odl.kafka.client_settings import consumer_config, delta_consumer_config, producer_config
 from odl.protos import pipeline_pb2
 from odl.storage import file_store
@@ -78,10 +80,13 @@ class StartCheck:
     Attributes:
         device_type: the resolved device, ``"cpu"`` or ``"cuda"``.
         memory: the memory estimate.
+        notes: what the start will do differently from the config (e.g. the table
+            optimizer's substitute), one sentence each.
     """
 
     device_type: str
     memory: MemoryEstimate
+    notes: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------- device
@@ -118,24 +123,26 @@ def resolve_device_type(device: str) -> str:
     return "cuda"
 
 
-def check_device_support(config: pipeline_pb2.EasyRecConfig, device_type: str) -> None:
+def check_device_support(
+    config: pipeline_pb2.EasyRecConfig, device_type: str
+) -> tuple[str, ...]:
     """Refuses a table optimizer that has no fused kernel on ``device_type``.
 
     Args:
         config: the config.
         device_type: ``"cpu"`` or ``"cuda"``.
 
+    Returns:
+        Notes on substitutes the tables will run (empty: the configured optimizer runs).
+
     Raises:
         ConfigError: naming the optimizer field, e.g. Adam tables on CPU.
     """
     sparse, _dense = optimizer_choices(config.train_config)
-    supported = supported_sparse_optimizers(device_type)
-    if sparse.kind and sparse.kind not in supported:
-        raise ConfigError(
-            sparse.field or "train_config.sparse_optimizer",
-            f"{sparse.kind} for the embedding tables is not supported on {device_type} "
-            f"(fbgemm's fused kernels there: {', '.join(sorted(supported))}); use adagrad for "
-            "the tables or train on CUDA")
+    if not sparse.kind:
+        return ()
+    plan = table_optimizer_plan(sparse, device_type)
+    return (plan.note,) if plan.note else ()
 
 
 def _cuda_free_bytes() -> int | None:
@@ -473,9 +480,9 @@ def check_start(
     """
     fraction = resolve_max_memory_fraction(max_memory_fraction)
     device_type = resolve_device_type(device)
-    check_device_support(config, device_type)
+    notes = check_device_support(config, device_type)
     check_kafka_settings(config, online)
     device_free = _cuda_free_bytes() if device_type == "cuda" and fraction > 0 else None
     estimate = check_memory(config, device_type, fraction, device_available=device_free)
     _check_paths(config, sample_ledger, create_dirs)  # last: may leave model_dir created
-    return StartCheck(device_type, estimate)
+    return StartCheck(device_type, estimate, notes)

@@ -59,6 +59,7 @@ from odl.models.embedding_tables import WIDE_SUFFIX, init_embedding_weights, res
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
 from odl.train.optimizer_builder import (
+    gradient_clipping,
     make_dense_optimizer,
     optimizer_specs,
     sparse_optimizer_args,
@@ -214,6 +215,7 @@ class TrainModule:
         self._row_views: tuple[dict, dict] | None = None
         self._stream_time = 0.0
         self._dense_opt = make_dense_optimizer(self._dense_spec, self._dense_module().parameters())
+        self._grad_clip = gradient_clipping(config.train_config)  # dense gradients only
         self.global_step = 0
         self._lrs: tuple[float, float] | None = None
         self._touched_rows_hook: Callable[[KeyedJaggedTensor], None] | None = None
@@ -412,6 +414,8 @@ class TrainModule:
         loss = self._module().loss(output, batch)
         self._dense_opt.zero_grad(set_to_none=True)
         loss.backward()  # table rows are updated inside backward (fused)
+        if self._grad_clip is not None:
+            self._grad_clip(self._dense_opt)
         self._dense_opt.step()
         self.global_step += 1
         self.record_touched_rows(batch.sparse)

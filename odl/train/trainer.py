@@ -50,7 +50,7 @@ from odl.storage.oss_store import StorageError
 from odl.train.crash_recovery import CrashRecovery, RestoredState
 from odl.train.pass_metrics import PassMetrics, pass_of
 from odl.train.pass_saves import BaseExporter, PassSaves, day_before
-from odl.train.progressive_metrics import ProgressiveMetrics
+from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics, output_column
 from odl.train.record_rejects import RejectedRecords
 from odl.train.sample_ledger import SampleLedger
 from odl.train.stop_conditions import StopConditions
@@ -153,6 +153,13 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.model_dir, tc.keep_checkpoint_max)
         self.features = FeatureBuilder(config)
         self.module = TrainModule(config, self.features, device=options.device)
+        model = self.module.model
+        self._label_column = int(model.output_labels[0])
+        # several outputs (multi-task): per-task progressive metrics beside the first's
+        self.tasks = (TaskMetrics(list(zip(model.output_names, model.output_labels,
+                                           strict=True)),
+                                  self.progress, tc.metrics_window_samples)
+                      if len(model.output_names) > 1 else None)
         # day/pass saves (before restore: the checkpoint holds their pending rows and deletes)
         self.pass_saves = (PassSaves(config, self.module, self.generation, options.export_base)
                            if file_stream and fs.model_save_path else None)
@@ -387,9 +394,13 @@ class Trainer:
                 self._rejects.untrained_rows(item, out.dropped, "non_finite_output")
             trained = out.trained
         if trained:
-            self.progress.update(out.probs, labels)
+            probs = output_column(out.probs, 0)
+            if self.tasks is not None:
+                self.tasks.update(out.probs, labels)
+            labels = output_column(labels, self._label_column)
+            self.progress.update(probs, labels)
             if self.passes is not None and SPLIT_KEY in item.positions:
-                self.passes.update(item.positions[SPLIT_KEY], out.probs, labels)
+                self.passes.update(item.positions[SPLIT_KEY], probs, labels)
                 self.passes.keep_batch(batch)
             self.samples_trained += trained
             self.last_loss = float(out.loss)
@@ -474,8 +485,9 @@ class Trainer:
         batches = self.passes.take_rescore()
         if not batches:
             return
-        probs = [self.module.predict(b) for b in batches]
-        labels = [b.labels.detach().cpu().numpy() for b in batches]
+        probs = [output_column(self.module.predict(b), 0) for b in batches]
+        labels = [output_column(b.labels.detach().cpu().numpy(), self._label_column)
+                  for b in batches]
         auc = self.passes.set_train_auc(np.concatenate(probs), np.concatenate(labels))
         if auc is not None:
             self.metrics.pass_train_auc.set(auc)

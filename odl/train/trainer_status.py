@@ -43,7 +43,7 @@ from odl.storage.oss_store import StorageError, oss_health
 from odl.storage.storage_path import is_remote, join
 from odl.train.pass_metrics import PassMetrics
 from odl.train.pass_saves import PassSaves
-from odl.train.progressive_metrics import ProgressiveMetrics
+from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics
 from odl.train.status_app import TrainerStatusProvider, build_status_app
 from odl.train.train_module import TrainModule
 from odl.train.trainer_metrics import TrainerMetrics
@@ -67,6 +67,7 @@ class TrainerView(Protocol):
     state: str
     module: TrainModule
     progress: ProgressiveMetrics
+    tasks: Optional[TaskMetrics]
     checkpoints: CheckpointManager
     metrics: TrainerMetrics
     samples_trained: int
@@ -118,6 +119,7 @@ class TrainerStatus:
         # (monotonic time, progress.summary()): the window AUC sorts up to
         # metrics_window_samples predictions, too slow for every /status request
         self._progress_cache: Optional[tuple[float, dict]] = None
+        self._tasks_cache: Optional[dict] = None
 
     def _topic(self) -> Optional[str]:
         t = self._trainer
@@ -162,6 +164,7 @@ class TrainerStatus:
             "records_rejected": dict(t.records_rejected),
             "loss": t.last_loss,
             "progressive": self.progress_summary(),
+            "tasks": self.tasks_summary(),
             "last_checkpoint": {
                 "path": t.checkpoints.last_saved_path,
                 "step": t.checkpoints.last_saved_step,
@@ -202,6 +205,23 @@ class TrainerStatus:
             cached = (time.monotonic(), progress.summary())
             self._progress_cache = cached
         return cached[1]
+
+    def tasks_summary(self) -> Optional[dict]:
+        """Per-task progressive metrics of a multi-task model (None for one output).
+
+        Recomputed with :meth:`progress_summary` (same cache rule).
+
+        Returns:
+            Task name -> ``ProgressiveMetrics.summary()``.
+        """
+        tasks = self._trainer.tasks
+        if tasks is None:
+            return None
+        before = self._progress_cache
+        self.progress_summary()
+        if self._tasks_cache is None or self._progress_cache is not before:
+            self._tasks_cache = tasks.summary()
+        return self._tasks_cache
 
     def offsets(self) -> dict:
         """Trained positions served at ``/offsets``.
@@ -255,6 +275,13 @@ class TrainerStatus:
             metrics.auc.set(m["auc"])
         if m["logloss"] is not None:
             metrics.logloss.set(m["logloss"])
+        if t.tasks is not None:
+            self._tasks_cache = t.tasks.summary()
+            for name, tm in self._tasks_cache.items():
+                if tm["auc"] is not None:
+                    metrics.task_auc.labels(task=name).set(tm["auc"])
+                if tm["logloss"] is not None:
+                    metrics.task_logloss.labels(task=name).set(tm["logloss"])
         positions = t.positions_snapshot()
         lags = self._lags(positions)
         for p, lag in lags.items():
@@ -278,6 +305,10 @@ class TrainerStatus:
             m["auc_total"],
             lags,
         )
+        if self._tasks_cache is not None and t.tasks is not None:
+            logger.info("tasks: %s", ", ".join(
+                f"{name} auc {tm['auc']} logloss {tm['logloss']}"
+                for name, tm in self._tasks_cache.items()))
 
     def _lags(self, positions: Mapping[int, int]) -> dict[int, int]:
         """Records behind the log end per partition (-1: the end is not known yet)."""

@@ -1,0 +1,142 @@
+"""Layers the models are built from: the MLP, the FM term, the cross layer, the expert gates.
+
+Each block is scriptable (``torch.jit.script``), keeps no state between calls, and keeps the
+parameter names the models' checkpoints use (``<module>.<layer index>.weight`` for an MLP,
+``weights`` / ``biases`` for a cross network, ``experts.<i>.*`` / ``gates.<t>.*`` for expert
+gates).
+
+* :func:`build_mlp`: EasyRec's DNN, per hidden layer ``Linear``, [``BatchNorm1d``], ``ReLU``,
+  [``Dropout``]; no hidden units is the identity.
+* :func:`fm_term`: ``0.5 * ((sum_i v_i)**2 - sum_i v_i**2)`` over ``[B, n, d]`` vectors.
+* :class:`CrossNet`: DCN v1's cross network, ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l``.
+* :class:`ExpertGates`: MMoE's experts and per-task softmax gates,
+  ``task_t = sum_e softmax(G_t(x))_e * expert_e(x)``.
+
+This module has no ``from __future__ import annotations``: TorchScript reads the classes'
+annotations as types.
+"""
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from odl.protos import pipeline_pb2
+
+logger = logging.getLogger(__name__)
+
+
+def build_mlp(in_dim: int, dnn: pipeline_pb2.DNN) -> tuple[nn.Sequential, int]:
+    """EasyRec's DNN: per hidden layer Linear, [BatchNorm], ReLU, [Dropout].
+
+    Args:
+        in_dim: input width.
+        dnn: the layer settings.
+
+    Returns:
+        ``(module, output width)``.
+
+    Raises:
+        ValueError: unsupported activation.
+    """
+    if dnn.activation not in ("relu", "tf.nn.relu", "nn.ReLU"):
+        raise ValueError(f"DNN activation {dnn.activation!r} is not supported (use relu)")
+    layers: list[nn.Module] = []
+    width = in_dim
+    for i, units in enumerate(dnn.hidden_units):
+        layers.append(nn.Linear(width, int(units)))
+        if dnn.use_bn:
+            layers.append(nn.BatchNorm1d(int(units)))
+        layers.append(nn.ReLU())
+        if i < len(dnn.dropout_ratio) and dnn.dropout_ratio[i] > 0:
+            layers.append(nn.Dropout(float(dnn.dropout_ratio[i])))
+        width = int(units)
+    return nn.Sequential(*layers), width
+
+
+def fm_term(v: torch.Tensor) -> torch.Tensor:
+    """FM's pairwise interactions of ``[B, n, d]`` vectors: ``[B, d]``."""
+    return 0.5 * (v.sum(dim=1).square() - v.square().sum(dim=1))
+
+
+class CrossNet(nn.Module):
+    """DCN v1's cross network over ``[B, width]`` inputs; scriptable.
+
+    Args:
+        width: input (and output) width.
+        layers: number of cross layers (``cross_num``).
+    """
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.weights = nn.Parameter(torch.empty(int(layers), int(width)))
+        self.biases = nn.Parameter(torch.zeros(int(layers), int(width)))
+        nn.init.normal_(self.weights, std=(1.0 / max(1, int(width))) ** 0.5)
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        """``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l`` for every layer."""
+        x = x0
+        for i in range(self.weights.shape[0]):
+            x = x0 * (x * self.weights[i]).sum(dim=1, keepdim=True) + self.biases[i] + x
+        return x
+
+
+class _Gate(nn.Module):
+    """One task's gate: [an MLP,] a Linear to ``num_expert`` logits, a softmax."""
+
+    def __init__(self, in_width: int, num_expert: int,
+                 gate_dnn: Optional[pipeline_pb2.DNN]) -> None:
+        super().__init__()
+        if gate_dnn is not None and len(gate_dnn.hidden_units):
+            self.mlp, width = build_mlp(in_width, gate_dnn)
+        else:
+            self.mlp, width = nn.Sequential(), in_width
+        self.out = nn.Linear(width, num_expert)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.out(self.mlp(x)), dim=1)
+
+
+class ExpertGates(nn.Module):
+    """MMoE: ``num_expert`` expert MLPs and one softmax gate per task; scriptable.
+
+    Args:
+        in_width: input width.
+        expert_dnn: each expert's layers (all experts alike).
+        num_expert: number of experts (≥ 1).
+        num_tasks: number of gates.
+        gate_dnn: layers before each gate's Linear (TorchEasyRec's ``gate_mlp``), or None.
+
+    Raises:
+        ValueError: no expert, or experts without layers.
+    """
+
+    def __init__(self, in_width: int, expert_dnn: pipeline_pb2.DNN, num_expert: int,
+                 num_tasks: int, gate_dnn: Optional[pipeline_pb2.DNN] = None) -> None:
+        super().__init__()
+        if int(num_expert) < 1:
+            raise ValueError("num_expert must be at least 1")
+        if not expert_dnn.hidden_units:
+            raise ValueError("expert_dnn needs at least one layer")
+        experts = []
+        width = in_width
+        for _ in range(int(num_expert)):
+            mlp, width = build_mlp(in_width, expert_dnn)
+            experts.append(mlp)
+        self.experts = nn.ModuleList(experts)
+        self.gates = nn.ModuleList(_Gate(in_width, int(num_expert), gate_dnn)
+                                   for _ in range(int(num_tasks)))
+        self.out_width = width
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """One ``[B, expert width]`` input per task."""
+        outs: list[torch.Tensor] = []
+        for expert in self.experts:
+            outs.append(expert(x))
+        stacked = torch.stack(outs, dim=1)  # [B, E, H]
+        tasks: list[torch.Tensor] = []
+        for gate in self.gates:
+            g = gate(x)  # [B, E]
+            tasks.append((stacked * g.unsqueeze(2)).sum(dim=1))
+        return tasks

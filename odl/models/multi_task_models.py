@@ -1,0 +1,245 @@
+"""EasyRec's multi-task models MMoE and DBMTL as ``CtrModel``s (contract: ``odl.models.ctr_model``).
+
+Both read one feature group (``"all"``, or the model's only group): the pooled embeddings of
+its embedded features, then its dense (raw) features, ``x``. Per task ``t`` (``task_towers``
+in order)::
+
+    h       = bottom_dnn(x)                       DBMTL with bottom_dnn; else h = x
+    in_t    = sum_e gate_t(h)_e * expert_e(h)     with expert_dnn (MMoE always); else in_t = h
+    tower_t = dnn_t(in_t)                          (no dnn: in_t)
+    rel_t   = relation_dnn_t(concat(tower_t, rel_r for r in relation_tower_names_t))
+    logit_t = Linear(rel_t -> 1)                   (DBMTL; MMoE: rel_t = tower_t)
+
+The blocks are those of ``odl.models.building_blocks``. A relation names an earlier task (it
+reads that task's ``rel`` output), as in EasyRec's DBMTL.
+
+Outputs: one logit per task, ``[B, T]`` (``[B]`` with one task), named by the tasks'
+``tower_name`` (``model.output_names``); task ``t`` is trained on the label column
+``model.output_labels[t]`` of ``Batch.labels`` (its ``label_name``, else the ``label_fields``
+entry at its position; ``odl.config.model_classes.task_label_names``).
+
+Loss: sum over tasks of ``weight_t`` * the task's prediction loss (``losses`` / ``loss_type``
+of the task, ``odl.models.ctr_losses``) + ``l2_regularization`` * the squared dense Linear
+kernels + ``embedding_regularization`` * mean over (sample, lookup) of the squared pooled
+embedding.
+
+Parameter names: ``dense.bottom.*``, ``dense.experts.experts.<e>.*``,
+``dense.experts.gates.<t>.*``, ``dense.heads.<t>.dnn.*``, ``dense.heads.<t>.relation_dnn.*``,
+``dense.heads.<t>.out.*``.
+
+This module has no ``from __future__ import annotations``: TorchScript reads the dense
+class's annotations as types.
+"""
+
+import logging
+from collections.abc import Sequence
+from typing import Optional
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from odl.config.model_classes import multi_task_settings
+from odl.features.batch import Batch
+from odl.models.building_blocks import ExpertGates, build_mlp
+from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
+from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
+from odl.models.embedding_tables import EmbeddingLayout
+from odl.protos import pipeline_pb2
+
+logger = logging.getLogger(__name__)
+
+
+def _mlp_or_identity(in_width: int, dnn: Optional[pipeline_pb2.DNN]) -> tuple[nn.Module, int]:
+    if dnn is None:
+        return nn.Sequential(), in_width
+    return build_mlp(in_width, dnn)
+
+
+class TaskHead(nn.Module):
+    """One task: its DNN, its relation DNN and its logit; scriptable.
+
+    Args:
+        in_width: width of the task's input.
+        dnn: the task's DNN, or None.
+        relations: indices of the earlier tasks whose relation outputs it reads.
+        relation_width: sum of those outputs' widths.
+        relation_dnn: the relation DNN, or None (identity).
+    """
+
+    relations: list[int]
+
+    def __init__(self, in_width: int, dnn: Optional[pipeline_pb2.DNN], relations: Sequence[int],
+                 relation_width: int, relation_dnn: Optional[pipeline_pb2.DNN]) -> None:
+        super().__init__()
+        self.dnn, width = _mlp_or_identity(in_width, dnn)
+        self.relations = [int(r) for r in relations]
+        self.relation_dnn, self.out_width = _mlp_or_identity(width + relation_width,
+                                                             relation_dnn)
+        self.out = nn.Linear(self.out_width, 1)
+
+
+class MultiTaskDense(nn.Module):
+    """The bottom, the experts and the task heads (module docstring); scriptable.
+
+    Args:
+        embedded_width: columns of the pooled ``all`` group.
+        dense_idx: the group's columns of the raw dense features.
+        bottom: DBMTL's ``bottom_dnn``, or None.
+        experts: ``(expert_dnn, num_expert, gate_dnn or None)``, or None.
+        tasks: per task ``(dnn or None, relation task indices, relation_dnn or None)``.
+
+    Raises:
+        ValueError: no input, no task, a bad expert setting.
+    """
+
+    __constants__ = ["has_embedded", "has_dense", "num_tasks"]
+    dense_idx: list[int]
+
+    def __init__(self, embedded_width: int, dense_idx: Sequence[int],
+                 bottom: Optional[pipeline_pb2.DNN],
+                 experts: Optional[tuple[pipeline_pb2.DNN, int, Optional[pipeline_pb2.DNN]]],
+                 tasks: Sequence[tuple[Optional[pipeline_pb2.DNN], Sequence[int],
+                                       Optional[pipeline_pb2.DNN]]]) -> None:
+        super().__init__()
+        self.dense_idx = [int(i) for i in dense_idx]
+        self.has_embedded = int(embedded_width) > 0
+        self.has_dense = len(self.dense_idx) > 0
+        self.num_tasks = len(tasks)
+        in_width = int(embedded_width) + len(self.dense_idx)
+        if in_width == 0:
+            raise ValueError("the model's feature group has no feature")
+        if not tasks:
+            raise ValueError("at least one task tower is needed")
+        # Registration order fixes the dense optimizer's parameter order in checkpoints.
+        self.bottom, width = _mlp_or_identity(in_width, bottom)
+        self.experts: Optional[ExpertGates] = None
+        if experts is not None:
+            expert_dnn, num_expert, gate_dnn = experts
+            self.experts = ExpertGates(width, expert_dnn, num_expert, len(tasks), gate_dnn)
+            width = self.experts.out_width
+        heads: list[TaskHead] = []
+        for dnn, relations, relation_dnn in tasks:
+            rel_width = sum(heads[r].out_width for r in relations)
+            heads.append(TaskHead(width, dnn, relations, rel_width, relation_dnn))
+        self.heads = nn.ModuleList(heads)
+
+    def forward(self, group: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, num_tasks]`` (``[B]`` with one task).
+
+        Args:
+            group: ``[B, lookups * dim]`` pooled lookups of the group.
+            dense: ``[B, num_dense]`` raw dense features.
+
+        Returns:
+            The logits.
+        """
+        parts: list[torch.Tensor] = []
+        if self.has_embedded:
+            parts.append(group)
+        if self.has_dense:
+            parts.append(dense[:, self.dense_idx])
+        x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        h = self.bottom(x)
+        experts = self.experts
+        if experts is not None:
+            inputs = experts(h)
+        else:
+            inputs = [h for _ in range(self.num_tasks)]
+        rel: list[torch.Tensor] = []
+        logits: list[torch.Tensor] = []
+        for i, head in enumerate(self.heads):
+            cat = [head.dnn(inputs[i])]
+            for r in head.relations:
+                cat.append(rel[r])
+            r_out = head.relation_dnn(cat[0] if len(cat) == 1 else torch.cat(cat, dim=1))
+            rel.append(r_out)
+            logits.append(head.out(r_out))
+        if self.num_tasks == 1:
+            return logits[0].squeeze(1)
+        return torch.cat(logits, dim=1)
+
+
+def _dnn(msg: object, name: str) -> Optional[pipeline_pb2.DNN]:
+    return getattr(msg, name) if msg.HasField(name) else None  # type: ignore[attr-defined]
+
+
+class MultiTaskModel(CtrModel):
+    """MMoE or DBMTL over an ``EmbeddingBagCollection`` built on ``ebc_device``.
+
+    Args:
+        layout: table layout (the group's embedded features, as deep lookups).
+        dense_features: names of ``Batch.dense`` columns, in order.
+        group_dense: the group's dense features.
+        model_config: the ``EasyRecModel`` (``mmoe`` or ``dbmtl``).
+        label_columns: per task, its column of ``Batch.labels``.
+        ebc_device: device of the tables (``meta``: materialized by DMP).
+
+    Raises:
+        ValueError: a relation names an unknown or later task, or a bad setting.
+    """
+
+    def __init__(
+        self,
+        layout: EmbeddingLayout,
+        dense_features: Sequence[str],
+        group_dense: Sequence[str],
+        model_config: pipeline_pb2.EasyRecModel,
+        label_columns: Sequence[int],
+        ebc_device: "torch.device | str" = "meta",
+    ) -> None:
+        super().__init__()
+        self.layout = layout
+        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device))
+        col = {n: i for i, n in enumerate(dense_features)}
+        field, settings = multi_task_settings(model_config)
+        names = [t.tower_name or f"task{i}" for i, t in enumerate(settings.task_towers)]
+        if len(set(names)) != len(names):
+            raise ValueError(f"task tower names must differ: {names}")
+        tasks = []
+        for i, t in enumerate(settings.task_towers):
+            relations = []
+            for r in t.relation_tower_names:
+                if r not in names[:i]:
+                    raise ValueError(f"task {names[i]!r}: relation tower {r!r} is not an "
+                                     "earlier task")
+                relations.append(names.index(r))
+            tasks.append((_dnn(t, "dnn"), relations, _dnn(t, "relation_dnn")))
+        experts = None
+        if field == "mmoe" or settings.HasField("expert_dnn"):
+            experts = (settings.expert_dnn, int(settings.num_expert),
+                       _dnn(settings, "gate_mlp") if field == "mmoe" else None)
+        bottom = _dnn(settings, "bottom_dnn") if field == "dbmtl" else None
+        self.dense = MultiTaskDense(sum(layout.deep_dims), [col[n] for n in group_dense],
+                                    bottom, experts, tasks)
+        self.pooled_layout = (PooledGroup.of("all", tuple(layout.deep_keys), layout.deep_dims),)
+        self.output_names = tuple(names)
+        self.output_labels = tuple(int(c) for c in label_columns)
+        self.task_weights = [float(t.weight) for t in settings.task_towers]
+        self.task_terms = [loss_terms(t) for t in settings.task_towers]
+        self.l2 = float(settings.l2_regularization)
+        self.embedding_regularization = float(model_config.embedding_regularization)
+
+    def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
+        """The weighted task losses plus the regularization terms (module docstring).
+
+        Args:
+            output: ``forward(batch)``'s result.
+            batch: the batch (labels ``[B]`` or ``[B, label columns]``).
+
+        Returns:
+            Scalar loss.
+        """
+        logits = output.logits if output.logits.dim() == 2 else output.logits.unsqueeze(1)
+        labels = batch.labels if batch.labels.dim() == 2 else batch.labels.unsqueeze(1)
+        loss = logits.new_zeros(())
+        for t, (w, terms) in enumerate(zip(self.task_weights, self.task_terms, strict=True)):
+            loss = loss + w * ctr_loss(logits[:, t], labels[:, self.output_labels[t]], terms)
+        if self.l2:
+            loss = loss + self.l2 * linear_kernel_l2(self.dense)
+        (pooled,) = output.pooled
+        lookups = len(self.pooled_layout[0].lookups)
+        if self.embedding_regularization and lookups:
+            loss = loss + self.embedding_regularization * (
+                pooled.square().sum() / (pooled.shape[0] * lookups))
+        return loss

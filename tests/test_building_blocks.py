@@ -1,0 +1,66 @@
+"""The shared model blocks against their formulas, written out here independently."""
+
+from __future__ import annotations
+
+import torch
+
+from odl.models.building_blocks import CrossNet, CrossNetV2, ExpertGates, build_mlp, fm_term
+from odl.protos import pipeline_pb2
+
+
+def test_fm_term_is_the_sum_of_pairwise_products():
+    v = torch.randn(3, 4, 5)
+    want = sum(v[:, i] * v[:, j] for i in range(4) for j in range(i + 1, 4))
+    assert torch.allclose(fm_term(v), want, atol=1e-5)
+
+
+def test_cross_network_v1():
+    torch.manual_seed(0)
+    net = CrossNet(6, 2)
+    with torch.no_grad():
+        net.biases.normal_()
+    x0 = torch.randn(4, 6)
+    x = x0
+    for layer in range(2):
+        w, b = net.weights[layer], net.biases[layer]
+        x = x0 * (x @ w).unsqueeze(1) + b + x
+    assert torch.allclose(net(x0), x, atol=1e-6)
+    assert torch.allclose(torch.jit.script(net)(x0), x, atol=1e-6)
+
+
+def test_cross_network_v2_is_low_rank():
+    torch.manual_seed(0)
+    net = CrossNetV2(6, 3, 2)
+    x0 = torch.randn(4, 6)
+    x = x0
+    for layer in net.layers:
+        u, v = layer[0].weight, layer[1]  # U: 6 -> 2 (no bias), V: 2 -> 6
+        assert u.shape == (2, 6) and layer[0].bias is None and v.weight.shape == (6, 2)
+        x = x0 * (x @ u.T @ v.weight.T + v.bias) + x
+    assert torch.allclose(net(x0), x, atol=1e-5)
+    assert torch.allclose(torch.jit.script(net)(x0), x, atol=1e-5)
+
+
+def test_expert_gates_mix_the_experts_by_each_tasks_softmax():
+    torch.manual_seed(0)
+    dnn = pipeline_pb2.DNN(hidden_units=[6])
+    gates = ExpertGates(5, dnn, num_expert=3, num_tasks=2)
+    x = torch.randn(4, 5)
+    got = gates(x)
+    experts = torch.stack([e(x) for e in gates.experts], dim=1)  # [B, E, H]
+    for t, gate in enumerate(gates.gates):
+        g = torch.softmax(gate.out(x), dim=1)
+        want = sum(g[:, e : e + 1] * experts[:, e] for e in range(3))
+        assert torch.allclose(got[t], want, atol=1e-6)
+    assert torch.jit.script(gates)(x)[1].shape == (4, 6)
+
+
+def test_mlp_layers_and_identity():
+    mlp, width = build_mlp(5, pipeline_pb2.DNN(hidden_units=[4, 3], use_bn=True,
+                                                dropout_ratio=[0.0, 0.5]))
+    kinds = [type(m).__name__ for m in mlp]
+    assert kinds == ["Linear", "BatchNorm1d", "ReLU", "Linear", "BatchNorm1d", "ReLU", "Dropout"]
+    assert width == 3
+    identity, same = build_mlp(5, pipeline_pb2.DNN())
+    x = torch.randn(2, 5)
+    assert same == 5 and torch.equal(identity(x), x)

@@ -1,0 +1,119 @@
+"""MMoE and DBMTL: the blocks' math, per-task labels and losses, and their config forms."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from odl.config.config_error import ConfigError
+from odl.config.config_validation import validate_pipeline_config
+from odl.config.pipeline_config import load_pipeline_config
+from odl.datagen.conversion_labels import conversion_labels, encode_with_conversions
+from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
+from odl.datagen.synthetic_ctr import SyntheticCtrStream
+from odl.features.feature_builder import FeatureBuilder
+from odl.models.model_factory import build_model
+from odl.protos import pipeline_pb2
+
+
+def _text(model: str) -> str:
+    return as_model_config_text(deepfm_config_text("/tmp/odl-mt-unused", dim=8, buckets=50,
+                                                   hidden_units=(16,)), model)
+
+
+def _config(text: str) -> pipeline_pb2.EasyRecConfig:
+    """Loads (as odl-train does: TorchEasyRec's forms normalized) and validates ``text``."""
+    with tempfile.NamedTemporaryFile("w", suffix=".config", delete=False) as f:
+        f.write(text)
+    try:
+        config = load_pipeline_config(f.name)
+    finally:
+        os.unlink(f.name)
+    validate_pipeline_config(config, online=True)
+    return config
+
+
+def _model_and_batch(model: str, n: int = 64):
+    config = _config(_text(model))
+    fb = FeatureBuilder(config)
+    m = build_model(config, fb)
+    m.ebc = m.ebc.__class__(tables=m.layout.configs, device=torch.device("cpu"))
+    sample = SyntheticCtrStream(seed=5, start_time=1.7e9).next_batch(n)
+    batch = fb.build(encode_with_conversions(sample, 5)).batch
+    return m, batch, sample
+
+
+def test_labels_are_one_column_per_label_field_and_tasks_train_on_their_own():
+    m, batch, sample = _model_and_batch("MMoE")
+    assert batch.labels.shape == (64, 2)
+    assert np.array_equal(batch.labels[:, 0].numpy(), sample.labels)
+    assert np.array_equal(batch.labels[:, 1].numpy(), conversion_labels(sample, 5))
+    assert m.output_names == ("ctr", "cvr") and m.output_labels == (0, 1)
+    out = m(batch)
+    assert out.logits.shape == (64, 2)
+    m.l2 = m.embedding_regularization = 0.0
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    want = bce(out.logits[:, 0], batch.labels[:, 0]) + bce(out.logits[:, 1], batch.labels[:, 1])
+    assert torch.allclose(m.loss(out, batch), want, atol=1e-6)
+    # a task of weight 0 sends no gradient into its own tower
+    m.task_weights = [1.0, 0.0]
+    m.zero_grad()
+    m.loss(m(batch), batch).backward()
+    assert float(m.dense.heads[1].out.weight.grad.abs().sum()) == 0.0
+    assert float(m.dense.heads[0].out.weight.grad.abs().sum()) > 0.0
+
+
+def test_dbmtl_relations_feed_later_tasks_only():
+    m, batch, _ = _model_and_batch("DBMTL")
+    with torch.no_grad():
+        before = m(batch).logits.clone()
+        m.dense.heads[0].relation_dnn[0].bias.add_(1.0)  # ctr's relation output changes
+        after_ctr = m(batch).logits.clone()
+        m.dense.heads[1].relation_dnn[0].bias.add_(1.0)  # cvr's relation output changes
+        after_cvr = m(batch).logits
+    assert not torch.allclose(before[:, 0], after_ctr[:, 0])
+    assert not torch.allclose(before[:, 1], after_ctr[:, 1])  # cvr reads ctr's relation output
+    assert torch.equal(after_ctr[:, 0], after_cvr[:, 0])  # ctr does not read cvr
+
+
+@pytest.mark.parametrize("edit, field", [
+    (('relation_tower_names: "ctr"', 'relation_tower_names: "cvr"'),
+     "model_config.dbmtl.task_towers[1].relation_tower_names[0]"),
+    (('label_name: "buy"', 'label_name: "pay"'), "model_config.dbmtl.task_towers[1].label_name"),
+    (('  label_fields: "buy"\n', '  label_fields: "buy"\n  label_fields: "event_time"\n'),
+     "data_config.label_fields"),
+    (('tower_name: "cvr"', 'tower_name: "ctr"'), "model_config.dbmtl.task_towers[1].tower_name"),
+])
+def test_multi_task_config_errors_name_the_field(edit, field):
+    with pytest.raises(ConfigError) as e:
+        _config(_text("DBMTL").replace(*edit))
+    assert e.value.field == field, e.value
+
+
+def test_several_labels_need_a_multi_task_model():
+    text = _text("DeepFM").replace('  label_fields: "label"\n',
+                                   '  label_fields: "label"\n  label_fields: "event_time"\n')
+    with pytest.raises(ConfigError) as e:
+        _config(text)
+    assert e.value.field == "data_config.label_fields" and "multi-task" in str(e.value)
+
+
+def test_torcheasyrec_form_builds_the_same_model():
+    easyrec = _text("DBMTL")
+    tz = (easyrec.replace('model_class: "DBMTL"\n', "")
+          .replace("bottom_dnn {", "bottom_mlp {")
+          .replace("relation_dnn {", "relation_mlp {")
+          .replace('label_name: "buy" dnn {', 'label_name: "buy" mlp {')
+          .replace('label_name: "label" dnn {', 'label_name: "label" metrics { auc {} } '
+                   "losses { binary_cross_entropy {} } mlp {"))
+    assert "bottom_mlp" in tz and "relation_mlp" in tz and " mlp {" in tz
+    shapes = []
+    for text in (easyrec, tz):
+        config = _config(text)
+        model = build_model(config, FeatureBuilder(config))
+        shapes.append([(n, tuple(p.shape)) for n, p in model.dense.named_parameters()])
+    assert shapes[0] == shapes[1]
