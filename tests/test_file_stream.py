@@ -365,8 +365,8 @@ def test_day_and_pass_saves_replay_in_order_to_serving_parity(tmp_path):
     assert last.follower.deltas_applied == 0 and _parity(last, trainer, 0, values) <= 1e-6
 
 
-@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "DCN", "MMoE",
-                                   "DBMTL"])
+@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "DCN", "DCNV2",
+                                   "MMoE", "DBMTL"])
 def test_restart_inside_a_pass_keeps_every_record_once_and_the_pass_delta_whole(tmp_path,
                                                                                model):
     from odl.export.exporter import export_checkpoint

@@ -111,8 +111,8 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
         service.stop()
 
 
-@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "DCN", "MMoE",
-                                   "DBMTL"])
+@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "DCN", "DCNV2",
+                                   "MMoE", "DBMTL"])
 def test_serving_replay_matches_trainer_predictions(
     kafka_bootstrap, kafka_topic_factory, tmp_path, model
 ):
@@ -135,6 +135,9 @@ def test_serving_replay_matches_trainer_predictions(
         assert tasks["ctr"]["positive_rate"] == pytest.approx(sent.labels.mean(), abs=1e-6)
         assert tasks["cvr"]["positive_rate"] == pytest.approx(
             conversion_labels(sent, 41).mean(), abs=1e-6)
+    elif model == "DCNV2":  # the v2 cross network (no backbone), then the deep DNN
+        assert [type(m).__name__ for m in dense.towers[0]] == ["Sequential", "CrossNetV2"]
+        assert len(dense.towers) == 2 and len(dense.towers[0][1].layers) == 2
     else:  # one tower per group for MultiTower; a DNN and a cross network for DCN
         kinds = [type(t).__name__ for t in dense.towers]
         assert kinds == (["Sequential", "Sequential"] if model == "MultiTower"

@@ -92,7 +92,6 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "restore_filters", "variational_dropout", "loss_weight_strategy", "backbone",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet", "wukong",
         "rank_model", "multi_tower_din", "dlrm_hstu",
-        "dcn_v2",
     }),
     "Loss": frozenset({
         "loss_name", "softmax_loss", "circle_loss", "multi_simi_loss",
@@ -309,6 +308,8 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
             g.ClearField("group_type")
     if mc.HasField("deepfm"):
         _rename(mc.deepfm, "model_config.deepfm", (("deep", "dnn"), ("final", "final_dnn")))
+    if mc.HasField("dcn_v2"):
+        _rename(mc.dcn_v2, "model_config.dcn_v2", (("final", "final_dnn"),))
     if mc.HasField("mmoe"):
         _rename(mc.mmoe, "model_config.mmoe", (("expert_mlp", "expert_dnn"),))
     if mc.HasField("dbmtl"):

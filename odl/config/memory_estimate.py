@@ -264,6 +264,16 @@ def _tower_params(mc: pipeline_pb2.EasyRecModel,
         if kind == "cross":
             params += 2 * int(tower) * in_width
             width += in_width
+        elif kind == "cross_v2":
+            cross, backbone = tower
+            out = in_width
+            if backbone is not None:
+                p, out = _mlp_params(in_width, backbone)
+                params += p
+                hidden += sum(int(u) for u in backbone.hidden_units)
+            rank = int(cross.low_rank)
+            params += int(cross.cross_num) * (2 * out * rank + out)
+            width += out
         else:
             p, out = _mlp_params(in_width, tower)
             params += p

@@ -15,15 +15,15 @@ from odl.protos import pipeline_pb2
 
 # model_class -> the EasyRecModel field with its settings
 MODEL_MESSAGES: dict[str, str] = {"DeepFM": "deepfm", "WideAndDeep": "wide_and_deep",
-                                  "MultiTower": "multi_tower", "DCN": "dcn", "MMoE": "mmoe",
-                                  "DBMTL": "dbmtl"}
+                                  "MultiTower": "multi_tower", "DCN": "dcn", "DCNV2": "dcn_v2",
+                                  "MMoE": "mmoe", "DBMTL": "dbmtl"}
 IMPLEMENTED_MODEL_CLASSES = tuple(MODEL_MESSAGES)
 # classes with an FM term over the deep group's embeddings
 FM_MODEL_CLASSES = ("DeepFM",)
 # the wide-and-deep family (wide part, deep tower, optional final_dnn)
 WIDE_DEEP_MODEL_CLASSES = ("DeepFM", "WideAndDeep")
 # the tower family (towers over named feature groups, concatenated into final_dnn)
-TOWER_MODEL_CLASSES = ("MultiTower", "DCN")
+TOWER_MODEL_CLASSES = ("MultiTower", "DCN", "DCNV2")
 # multi-task models (several task towers, one output per task)
 MULTI_TASK_MODEL_CLASSES = ("MMoE", "DBMTL")
 
@@ -87,23 +87,36 @@ def task_label_names(model_config: pipeline_pb2.EasyRecModel,
 
 
 def is_tower_model(model_config: pipeline_pb2.EasyRecModel) -> bool:
-    """Whether the model is MultiTower or DCN."""
+    """Whether the model is MultiTower, DCN or DCNV2."""
     return model_config.model_class in TOWER_MODEL_CLASSES
 
 
-TowerSpec = tuple[str, str, Any]  # (kind "dnn" | "cross", group name, DNN | cross_num)
+# (kind, group name, settings): ("dnn", group, DNN), ("cross", group, cross_num) or
+# ("cross_v2", group, (CrossV2, backbone DNN or None))
+TowerSpec = tuple[str, str, Any]
 
 
 def tower_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, Any, list[TowerSpec]]:
     """``(field name, message, towers)`` of a tower-family model.
 
     Args:
-        model_config: the model config (MultiTower or DCN).
+        model_config: the model config (MultiTower, DCN or DCNV2).
 
     Returns:
-        The settings message and its towers in order, each ``(kind, group name, settings)``:
-        ``("dnn", group, DNN)`` or ``("cross", group, cross_num)``.
+        The settings message (its ``final_dnn`` joins the towers) and its towers in order,
+        each ``(kind, group name, settings)``: ``("dnn", group, DNN)``, ``("cross", group,
+        cross_num)`` or ``("cross_v2", group, (CrossV2, backbone DNN or None))``. DCNV2 reads
+        the first feature group (TorchEasyRec's rule): its cross network, then its ``deep``
+        DNN when set.
     """
+    if model_config.model_class == "DCNV2":
+        d = model_config.dcn_v2
+        group = model_config.feature_groups[0].group_name if model_config.feature_groups else ""
+        towers: list[TowerSpec] = [
+            ("cross_v2", group, (d.cross, d.backbone if d.HasField("backbone") else None))]
+        if d.HasField("deep"):
+            towers.append(("dnn", group, d.deep))
+        return "dcn_v2", d, towers
     if model_config.model_class == "DCN":
         d = model_config.dcn
         return "dcn", d, [("dnn", d.deep_tower.input, d.deep_tower.dnn),

@@ -349,7 +349,7 @@ def _validate_multi_task(config: pipeline_pb2.EasyRecConfig,
 
 def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, FeatureConfig],
                      groups: dict[str, int]) -> None:
-    """MultiTower / DCN: towers over existing groups, final_dnn, one embedding_dim."""
+    """MultiTower / DCN / DCNV2: towers over existing groups, their settings, final_dnn."""
     mc = config.model_config
     field, settings, towers = tower_settings(mc)
     where = f"model_config.{field}"
@@ -359,6 +359,19 @@ def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, Fea
         if not towers:
             raise ConfigError(f"{where}.towers", "at least one tower is needed")
         paths = [f"{where}.towers[{i}]" for i in range(len(towers))]
+    elif field == "dcn_v2":
+        if not settings.HasField("cross"):
+            raise ConfigError(f"{where}.cross", "required (e.g. { cross_num: 3 low_rank: 32 })")
+        cross = settings.cross
+        if not 1 <= cross.cross_num <= limits.MAX_HIDDEN_LAYERS:
+            raise ConfigError(f"{where}.cross.cross_num",
+                              f"must be 1 to {limits.MAX_HIDDEN_LAYERS}, got {cross.cross_num}")
+        if not 1 <= cross.low_rank <= limits.MAX_HIDDEN_UNITS:
+            raise ConfigError(f"{where}.cross.low_rank",
+                              f"must be 1 to {limits.MAX_HIDDEN_UNITS:,}, got {cross.low_rank}")
+        if settings.HasField("backbone"):
+            _validate_dnn(settings.backbone, f"{where}.backbone", required=False)
+        paths = [f"{where}.cross", f"{where}.deep"][: len(towers)]
     else:
         for name in ("deep_tower", "cross_tower"):
             if not settings.HasField(name):
@@ -368,12 +381,15 @@ def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, Fea
         if group not in groups:
             raise ConfigError(f"{path}.input", f"no feature group named {group!r}")
         if kind == "dnn":
-            _validate_dnn(tower, f"{path}.dnn", required=True)
+            _validate_dnn(tower, path if field == "dcn_v2" else f"{path}.dnn", required=True)
+        elif kind == "cross_v2":
+            continue  # checked above
         elif not 1 <= tower <= limits.MAX_HIDDEN_LAYERS:
             raise ConfigError(f"{path}.cross_num",
                               f"must be 1 to {limits.MAX_HIDDEN_LAYERS}, got {tower}")
     if not settings.HasField("final_dnn"):
-        raise ConfigError(f"{where}.final_dnn", "required (e.g. { hidden_units: [64] })")
+        name = "final" if field == "dcn_v2" else "final_dnn"  # TorchEasyRec's name
+        raise ConfigError(f"{where}.{name}", "required (e.g. { hidden_units: [64] })")
     _validate_dnn(settings.final_dnn, f"{where}.final_dnn", required=True)
     if settings.l2_regularization < 0:
         raise ConfigError(f"{where}.l2_regularization", "must be >= 0")

@@ -115,6 +115,9 @@ _TOWER_BLOCKS = {
     "DCN": ('dcn {{\n    deep_tower {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
             '    cross_tower {{ input: "deep" cross_num: 2 }}\n'
             "    final_dnn {{ hidden_units: [8] }}\n  }}"),
+    # TorchEasyRec's form (final, not final_dnn); it reads the first group: "deep" is put first
+    "DCNV2": ("dcn_v2 {{\n    cross {{ cross_num: 2 low_rank: 8 }}\n"
+              "    deep {{ hidden_units: [{units}] }}\n    final {{ hidden_units: [8] }}\n  }}"),
 }
 
 
@@ -139,7 +142,9 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
 
     WideAndDeep keeps the deep tower (with ``final_dnn``: a tower of 8 over [wide, deep]);
     MultiTower gets one tower per group ("deep", "wide"); DCN a deep tower and a cross
-    network of 2 layers over "deep". Both tower models end in a ``final_dnn`` of 8. MMoE and
+    network of 2 layers over "deep"; DCNV2 (TorchEasyRec's form) a v2 cross network of 2
+    layers of rank 8 and the deep tower over "deep" (the "wide" group goes: DCNV2 reads the
+    first group). The tower models end in a ``final_dnn`` of 8. MMoE and
     DBMTL read the "deep" group (renamed "all"; the "wide" group goes) and train two tasks,
     "ctr" on ``label`` and "cvr" on ``buy``, a column added after the stream's 42
     (``odl.datagen.conversion_labels``): MMoE with 3 experts like the DeepFM tower, DBMTL
@@ -148,7 +153,7 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     Args:
         text: the DeepFM config text.
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
-            ``"MMoE"`` or ``"DBMTL"``.
+            ``"DCNV2"``, ``"MMoE"`` or ``"DBMTL"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:
@@ -173,5 +178,7 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     block = _TOWER_BLOCKS[model].format(
         units=m.group(1), final="final_dnn { hidden_units: [8] }\n    " if final_dnn else "")
     text = text[:m.start()] + block + text[m.end():]
+    if model == "DCNV2":
+        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
     return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
 

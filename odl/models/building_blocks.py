@@ -2,13 +2,16 @@
 
 Each block is scriptable (``torch.jit.script``), keeps no state between calls, and keeps the
 parameter names the models' checkpoints use (``<module>.<layer index>.weight`` for an MLP,
-``weights`` / ``biases`` for a cross network, ``experts.<i>.*`` / ``gates.<t>.*`` for expert
+``weights`` / ``biases`` for a cross network, ``layers.<l>.0`` (U) / ``layers.<l>.1``
+(V) for a v2 cross network,
+``experts.<i>.*`` / ``gates.<t>.*`` for expert
 gates).
 
 * :func:`build_mlp`: EasyRec's DNN, per hidden layer ``Linear``, [``BatchNorm1d``], ``ReLU``,
   [``Dropout``]; no hidden units is the identity.
 * :func:`fm_term`: ``0.5 * ((sum_i v_i)**2 - sum_i v_i**2)`` over ``[B, n, d]`` vectors.
 * :class:`CrossNet`: DCN v1's cross network, ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l``.
+* :class:`CrossNetV2`: DCN v2's, ``x_{l+1} = x_0 * (V_l (U_l x_l) + b_l) + x_l`` (low rank).
 * :class:`ExpertGates`: MMoE's experts and per-task softmax gates,
   ``task_t = sum_e softmax(G_t(x))_e * expert_e(x)``.
 
@@ -79,6 +82,33 @@ class CrossNet(nn.Module):
         x = x0
         for i in range(self.weights.shape[0]):
             x = x0 * (x * self.weights[i]).sum(dim=1, keepdim=True) + self.biases[i] + x
+        return x
+
+
+class CrossNetV2(nn.Module):
+    """DCN v2's cross network with low-rank weights over ``[B, width]`` inputs; scriptable.
+
+    ``x_{l+1} = x_0 * (V_l(U_l x_l)) + x_l`` with ``U_l``: width -> rank (no bias) and
+    ``V_l``: rank -> width (with bias), TorchEasyRec's ``CrossV2``.
+
+    Args:
+        width: input (and output) width.
+        layers: number of cross layers (``cross_num``).
+        rank: ``low_rank``.
+    """
+
+    def __init__(self, width: int, layers: int, rank: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(int(width), int(rank), bias=False),
+                          nn.Linear(int(rank), int(width)))
+            for _ in range(int(layers)))
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        """Every layer in turn."""
+        x = x0
+        for layer in self.layers:
+            x = x0 * layer(x) + x
         return x
 
 

@@ -1,16 +1,18 @@
-"""EasyRec's MultiTower and DCN as ``CtrModel``s (contract: ``odl.models.ctr_model``).
+"""EasyRec's MultiTower and DCN, TorchEasyRec's DCNV2: ``CtrModel``s of towers.
 
-Both are towers over named feature groups whose outputs are concatenated into ``final_dnn``
-and one logit::
+The contract is ``odl.models.ctr_model``. All are towers over named feature groups whose
+outputs are concatenated into ``final_dnn`` and one logit::
 
     tower_i = DNN_i(x_i)                  MultiTower: one per multi_tower.towers[i]
     tower_i = Cross(x_i)                  DCN: deep_tower (a DNN) and cross_tower (Cross)
+    tower_i = CrossV2(backbone(x))        DCNV2: over the first group, then its deep DNN
     logit   = Linear(final_dnn(concat(tower_0, tower_1, ...)) -> 1)
 
 ``x_i`` is the tower's feature group: the pooled embeddings of its embedded features, then
 its dense (raw) features. The cross network is DCN v1's,
 ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l`` for ``cross_num`` layers (``w_l``, ``b_l`` of
-the input's width). The sparse part has one pooled group, ``towers``: every tower's lookups,
+the input's width); DCN v2's is ``CrossNetV2`` of ``odl.models.building_blocks`` (low-rank
+weights). The sparse part has one pooled group, ``towers``: every tower's lookups,
 tower after tower (a feature read by two towers is looked up twice, which is also how
 embedding regularization counts it), each as wide as its table (features of different
 ``embedding_dim`` are concatenated, as in EasyRec).
@@ -21,7 +23,8 @@ dense Linear kernels and cross weights + ``embedding_regularization`` * mean ove
 lookup) of the squared pooled embedding.
 
 Parameter names: ``dense.towers.<i>.*`` (a DNN: ``Sequential`` layers; a cross network:
-``weights``, ``biases``), ``dense.final_dnn.*``, ``dense.final_out.*``.
+``weights``, ``biases``; DCNV2's: ``0.*`` the backbone, ``1.layers.<l>.*`` the cross
+layers), ``dense.final_dnn.*``, ``dense.final_out.*``.
 
 This module has no ``from __future__ import annotations``: TorchScript reads the dense
 class's annotations as types.
@@ -36,7 +39,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import tower_settings
 from odl.features.batch import Batch
-from odl.models.building_blocks import CrossNet, build_mlp
+from odl.models.building_blocks import CrossNet, CrossNetV2, build_mlp
 from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
@@ -50,8 +53,9 @@ class TowerDense(nn.Module):
 
     Args:
         towers: per tower ``(kind, width, dense columns, settings)``: kind ``"dnn"``
-            (settings: a ``DNN``) or ``"cross"`` (settings: ``cross_num``), the columns of
-            its lookups in the ``towers`` group, its columns of the raw dense features.
+            (settings: a ``DNN``), ``"cross"`` (settings: ``cross_num``) or ``"cross_v2"``
+            (settings: ``(CrossV2, backbone DNN or None)``), the columns of its lookups in
+            the ``towers`` group, its columns of the raw dense features.
         final_dnn: the ``final_dnn`` settings.
 
     Raises:
@@ -77,6 +81,13 @@ class TowerDense(nn.Module):
             if kind == "cross":
                 self.towers.append(CrossNet(in_width, int(settings)))
                 width += in_width
+            elif kind == "cross_v2":
+                cross, backbone = settings
+                mlp, out = (build_mlp(in_width, backbone) if backbone is not None
+                            else (nn.Sequential(), in_width))
+                self.towers.append(nn.Sequential(
+                    mlp, CrossNetV2(out, int(cross.cross_num), int(cross.low_rank))))
+                width += out
             else:
                 mlp, out = build_mlp(in_width, settings)
                 self.towers.append(mlp)
