@@ -43,6 +43,10 @@ LOADS = {
     "easyrec/deepfm.config",
     "easyrec/deepfm_vocab_list_on_taobao.config",
     "easyrec/multi_tower_early_stop_on_taobao.config",
+    "torcheasyrec/dbmtl.config",
+    "torcheasyrec/deepfm.config",
+    "torcheasyrec/deepfm_criteo.config",
+    "torcheasyrec/mmoe.config",
 }
 
 
@@ -60,3 +64,110 @@ def test_the_corpus_is_what_sources_md_lists() -> None:
     assert len(CONFIGS) >= 30
     for flavor, name in CONFIGS:
         assert f"`{flavor}/{name}`" in sources, name
+
+
+# --- the configs that load also train -------------------------------------------------------
+
+_MAX_ROWS = 1000  # table rows per feature in the training check (the CI machine's memory)
+
+
+def _small_cpu_config(config):
+    """The config with tables of at most ``_MAX_ROWS`` rows, small batches, CPU tables.
+
+    Table optimizers without a CPU kernel (Adam) become Adagrad at the same rate, which is
+    what ``odl-train --validate_only --device cpu`` tells a user to do; the model itself is
+    unchanged.
+    """
+    from odl.config.optimizer_support import optimizer_choices, supported_sparse_optimizers
+
+    for fc in list(config.feature_configs) + list(config.feature_config.features):
+        for name in ("hash_bucket_size", "num_buckets"):
+            if getattr(fc, name) > _MAX_ROWS:
+                setattr(fc, name, _MAX_ROWS)
+    config.data_config.batch_size = 32
+    config.data_config.input_process = False
+    tc = config.train_config
+    sparse, _dense = optimizer_choices(tc)
+    if sparse.kind and sparse.kind not in supported_sparse_optimizers("cpu"):
+        if tc.optimizer_config:
+            if len(tc.optimizer_config) == 1:  # one entry: tables and dense parameters
+                tc.optimizer_config.add().CopyFrom(tc.optimizer_config[0])
+            first = tc.optimizer_config[0]
+            rate = getattr(first, first.WhichOneof("optimizer")).learning_rate
+            rate = type(rate)().__class__.FromString(rate.SerializeToString())
+            first.adagrad_optimizer.learning_rate.CopyFrom(rate)
+        else:
+            so = tc.sparse_optimizer
+            lr = getattr(so, so.WhichOneof("optimizer")).lr
+            so.adagrad_optimizer.lr = lr
+    return config
+
+
+def _records(config, n: int, seed: int) -> list[bytes]:
+    """``n`` CSV records that fit the config's features: ids, tags, vocabularies, numbers."""
+    import numpy as np
+
+    from odl.config.feature_configs import feature_configs
+    from odl.protos import pipeline_pb2
+
+    rng = np.random.default_rng(seed)
+    ft = pipeline_pb2.FeatureConfig.FeatureType
+    dc = config.data_config
+    string = pipeline_pb2.DatasetConfig.STRING
+    typed = {f.input_name: f.input_type for f in dc.input_fields}
+    makers = {}
+    for fc in feature_configs(config):
+        for name in fc.input_names:
+            integer = typed.get(name) in (pipeline_pb2.DatasetConfig.INT32,
+                                          pipeline_pb2.DatasetConfig.INT64)
+            if fc.feature_type == ft.RawFeature:
+                makers[name] = ((lambda: str(rng.integers(10))) if integer
+                                else (lambda: f"{rng.random():.4f}"))
+            elif fc.vocab_list:
+                vocab = list(fc.vocab_list)
+                makers[name] = lambda v=vocab: str(v[rng.integers(len(v))])
+            elif fc.num_buckets:
+                makers[name] = lambda k=int(fc.num_buckets): str(rng.integers(k))
+            elif fc.feature_type == ft.TagFeature or fc.HasField("separator"):
+                makers[name] = lambda sep=fc.separator: sep.join(
+                    f"t{rng.integers(20)}" for _ in range(int(rng.integers(1, 4))))
+            elif typed.get(name, string) != string:  # a numeric column hashed as an id
+                makers.setdefault(name, lambda: str(rng.integers(50)))
+            else:
+                makers.setdefault(name, lambda: f"id{rng.integers(50)}")
+    labels = set(dc.label_fields)
+    out = []
+    for _ in range(n):
+        row = []
+        for f in dc.input_fields:
+            if f.input_name in labels:
+                row.append(str(int(rng.integers(2))))
+            elif f.input_name in makers:
+                row.append(makers[f.input_name]())
+            else:
+                row.append("x" if f.input_type == string else "0")
+        out.append(dc.separator.join(row).encode())
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(LOADS))
+def test_sample_configs_that_load_train(name: str) -> None:
+    """Every loading sample builds its batches from records of its schema and trains."""
+    import math
+
+    from odl.features.feature_builder import FeatureBuilder
+    from odl.train.train_module import TrainModule
+
+    flavor = name.split("/")[0]
+    config = _small_cpu_config(try_load.load_one(os.path.join(_HERE, name), flavor))
+    fb = FeatureBuilder(config)
+    module = TrainModule(config, fb, device="cpu")
+    losses = []
+    for step in range(3):
+        built = fb.build(_records(config, 32, seed=step))
+        assert not built.rejected, built.rejected[:3]
+        out = module.train_step(built.batch)
+        losses.append(out.loss)
+        assert out.probs.shape[0] == 32
+        assert out.probs.reshape(32, -1).shape[1] == len(module.model.output_names)
+    assert module.global_step == 3 and all(math.isfinite(x) for x in losses), losses

@@ -117,3 +117,39 @@ def test_torcheasyrec_form_builds_the_same_model():
         model = build_model(config, FeatureBuilder(config))
         shapes.append([(n, tuple(p.shape)) for n, p in model.dense.named_parameters()])
     assert shapes[0] == shapes[1]
+
+
+def test_task_space_weights_the_loss_by_the_indicator_label():
+    text = _text("MMoE").replace(
+        'tower_name: "cvr" label_name: "buy"',
+        'tower_name: "cvr" label_name: "buy" task_space_indicator_label: "label" '
+        "in_task_space_weight: 1.0 out_task_space_weight: 0.0")
+    config = _config(text)
+    fb = FeatureBuilder(config)
+    m = build_model(config, fb)
+    m.ebc = m.ebc.__class__(tables=m.layout.configs, device=torch.device("cpu"))
+    sample = SyntheticCtrStream(seed=5, start_time=1.7e9).next_batch(64)
+    batch = fb.build(encode_with_conversions(sample, 5)).batch
+    m.l2 = m.embedding_regularization = 0.0
+    out = m(batch)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    clicked = batch.labels[:, 0] > 0
+    assert 0 < int(clicked.sum()) < 64
+    # cvr is trained on the clicked samples only (the conversion space)
+    want = (bce(out.logits[:, 0], batch.labels[:, 0])
+            + bce(out.logits[clicked, 1], batch.labels[clicked, 1]))
+    assert torch.allclose(m.loss(out, batch), want, atol=1e-6)
+
+
+def test_task_space_needs_a_label_field_and_a_pointwise_loss():
+    base = _text("MMoE")
+    with pytest.raises(ConfigError) as e:
+        _config(base.replace('tower_name: "cvr" label_name: "buy"',
+                             'tower_name: "cvr" label_name: "buy" '
+                             'task_space_indicator_label: "clicks"'))
+    assert e.value.field == "model_config.mmoe.task_towers[1].task_space_indicator_label"
+    with pytest.raises(ConfigError) as e:
+        _config(base.replace('tower_name: "cvr" label_name: "buy"',
+                             'tower_name: "cvr" label_name: "buy" '
+                             'task_space_indicator_label: "label" loss_type: PAIR_WISE_LOSS'))
+    assert "pointwise" in str(e.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import time
 from pathlib import Path
 
@@ -791,3 +792,52 @@ def test_torcheasyrec_feature_schema_becomes_the_flat_form(tmp_path: Path) -> No
                         'embedding_dim: 8 id_feature { feature_name: "C1"')
     err = error_of(load_text, tmp_path, both)
     assert err.field == "feature_configs[0].id_feature" and "not both" in str(err)
+
+
+def test_torcheasyrec_config_without_input_fields_reads_the_columns_by_name(
+        tmp_path: Path) -> None:
+    """TorchEasyRec takes columns from its table's schema: odl derives them, labels first."""
+    from odl.features.feature_builder import FeatureBuilder
+
+    text = """
+model_dir: "MODEL"
+kafka_train_input { server: "127.0.0.1:9092" topic: "t" group: "g" }
+data_config { batch_size: 8 label_fields: "clk" }
+feature_configs { id_feature { feature_name: "user_id" expression: "user:user_id"
+                               hash_bucket_size: 100 embedding_dim: 8 } }
+feature_configs { id_feature { feature_name: "item_id" hash_bucket_size: 100
+                               embedding_dim: 8 } }
+feature_configs { raw_feature { feature_name: "price" expression: "item:price" } }
+model_config {
+  feature_groups { group_name: "wide" feature_names: ["user_id", "item_id"]
+                   group_type: WIDE }
+  feature_groups { group_name: "deep" feature_names: ["user_id", "item_id", "price"]
+                   group_type: DEEP }
+  deepfm { deep { hidden_units: [8] } }
+}
+train_config {
+  sparse_optimizer { adagrad_optimizer { lr: 0.05 } }
+  dense_optimizer { adam_optimizer { lr: 0.001 } }
+}
+""".replace("MODEL", str(tmp_path / "m"))
+    config = load_text(tmp_path, text)
+    validate_pipeline_config(config, online=True)
+    types = pipeline_pb2.DatasetConfig
+    assert [(f.input_name, f.input_type) for f in config.data_config.input_fields] == [
+        ("clk", types.DOUBLE), ("user_id", types.STRING), ("item_id", types.STRING),
+        ("price", types.DOUBLE)]
+    built = FeatureBuilder(config).build([
+        b'{"price": 2.5, "item_id": "i1", "user_id": "u7", "clk": 1}',
+        b"0,u8,i2,1.5"])  # CSV: the derived order
+    assert not built.rejected and built.batch.labels.tolist() == [1.0, 0.0]
+    assert built.batch.dense[:, 0].tolist() == [2.5, 1.5]
+    # an EasyRec (flat) config without input_fields is still an error
+    flat = re.sub(r"feature_configs \{[^}]*\}[^}]*\}\s*", "", text, count=0)
+    flat = flat.replace("model_config {", 'feature_configs { input_names: "user_id" '
+                        "feature_type: IdFeature hash_bucket_size: 100 embedding_dim: 8 }\n"
+                        "model_config {", 1)
+    flat = flat.replace('feature_names: ["user_id", "item_id"]', 'feature_names: "user_id"')
+    flat = flat.replace('feature_names: ["user_id", "item_id", "price"]',
+                        'feature_names: "user_id"')
+    err = error_of(validate_pipeline_config, load_text(tmp_path, flat), online=True)
+    assert err.field == "data_config.input_fields"

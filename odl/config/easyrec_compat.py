@@ -18,6 +18,7 @@ for the subset odl implements. What odl does not implement is never silently ign
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from odl.config.config_error import ConfigError
@@ -28,6 +29,8 @@ from odl.config.model_classes import (
     MULTI_TASK_MODEL_CLASSES,
 )
 from odl.protos import pipeline_pb2
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "EASYREC_NO_EFFECT_FIELDS",
@@ -98,8 +101,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "jrc_loss", "pairwise_hinge_loss", "listwise_rank_loss", "listwise_distill_loss",
     }),
     "DNN": frozenset({"use_final_bn", "final_activation", "use_final_bias", "use_bias"}),
-    "TaskTower": frozenset({"task_space_indicator_label", "in_task_space_weight",
-                            "out_task_space_weight", "use_sample_weight", "bias_tower",
+    "TaskTower": frozenset({"use_sample_weight", "bias_tower",
                             "pareto_min_loss_weight", "sample_weight_name"}),
     "MMoE": frozenset({"experts"}),
     "DBMTL": frozenset({"bottom_cmbf", "bottom_uniter", "use_feature_bn", "use_feature_ln",
@@ -276,7 +278,8 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
       is unset;
     * TorchEasyRec's ``feature_configs { id_feature {} }`` / ``raw_feature {}`` become EasyRec's
       flat ``IdFeature`` / ``RawFeature`` (input column: the expression after ``:``, or the
-      feature name), and ``feature_groups[].group_type`` becomes ``wide_deep``.
+      feature name), and ``feature_groups[].group_type`` becomes ``wide_deep``; such a config
+      without ``data_config.input_fields`` gets them derived (:func:`_derive_input_fields`).
 
     Idempotent; the loader and the validator both call it.
 
@@ -288,7 +291,9 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
     """
     ft = pipeline_pb2.FeatureConfig.FeatureType
     expand_config_names(config)
+    torcheasyrec_features = False
     for path, fc in _feature_entries(config):
+        torcheasyrec_features |= fc.HasField("id_feature") or fc.HasField("raw_feature")
         _flatten_torcheasyrec_feature(path, fc)
         raw_num_buckets_to_boundaries(fc)
         if fc.feature_type != ft.TagFeature:
@@ -298,6 +303,8 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
                               "a TagFeature with a weights input is an EasyRec feature that odl "
                               "does not implement yet (per-tag weights); give only the tags")
         fc.feature_type = ft.IdFeature
+    if torcheasyrec_features and not config.data_config.input_fields:
+        _derive_input_fields(config)
     mc = config.model_config
     for i, g in enumerate(mc.feature_groups):
         if g.HasField("group_type"):
@@ -330,6 +337,30 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
         if not config.data_config.HasField("num_epochs"):
             config.data_config.num_epochs = tc.num_epochs
         tc.ClearField("num_epochs")
+
+
+def _derive_input_fields(config: pipeline_pb2.EasyRecConfig) -> None:
+    """``data_config.input_fields`` of a TorchEasyRec config that names none.
+
+    TorchEasyRec reads the columns from its table's schema; a stream's records need them
+    named: the label fields (DOUBLE), then every feature's input columns in feature order
+    (STRING for id features, DOUBLE for raw ones), each once. JSON records are read by these
+    names; CSV records must have the columns in this order.
+    """
+    dc = config.data_config
+    ft = pipeline_pb2.FeatureConfig.FeatureType
+    types = pipeline_pb2.DatasetConfig
+    columns: dict[str, int] = {name: types.DOUBLE for name in dc.label_fields}
+    for _path, fc in _feature_entries(config):
+        kind = types.DOUBLE if fc.feature_type == ft.RawFeature else types.STRING
+        for name in fc.input_names:
+            columns.setdefault(name, kind)
+    for name, kind in columns.items():
+        dc.input_fields.add(input_name=name, input_type=kind)
+    logger.warning("data_config.input_fields is not given (TorchEasyRec takes the columns from "
+                   "its table's schema): odl reads the columns %s (JSON records: by name; CSV: "
+                   "in this order)", ", ".join(f"{n}:{types.FieldType.Name(k)}"
+                                                for n, k in columns.items()))
 
 
 def _rename(msg: Any, where: str, pairs: tuple[tuple[str, str], ...]) -> None:

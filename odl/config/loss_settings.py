@@ -16,7 +16,12 @@ from collections.abc import Iterator
 from odl.config.config_error import ConfigError
 from odl.protos import pipeline_pb2
 
-__all__ = ["loss_entries", "validate_loss_settings"]
+__all__ = ["POINTWISE_LOSS_TYPES", "loss_entries", "validate_loss_settings"]
+
+_L = pipeline_pb2
+# loss types computed per sample, which per-sample weights (a task's sample space) apply to
+POINTWISE_LOSS_TYPES = (_L.CLASSIFICATION, _L.CROSS_ENTROPY_LOSS, _L.L2_LOSS,
+                        _L.SIGMOID_L2_LOSS, _L.BINARY_FOCAL_LOSS)
 
 
 def loss_entries(config: pipeline_pb2.EasyRecConfig) -> Iterator[tuple[str, pipeline_pb2.Loss]]:

@@ -33,6 +33,7 @@ from odl.config.feature_configs import (
     feature_configs,
     feature_list_path,
 )
+from odl.config.loss_settings import POINTWISE_LOSS_TYPES
 from odl.config.model_classes import (
     IMPLEMENTED_MODEL_CLASSES,
     is_multi_task_model,
@@ -339,8 +340,23 @@ def _validate_multi_task(config: pipeline_pb2.EasyRecConfig,
                 raise ConfigError(f"{tw}.relation_tower_names[{j}]",
                                   f"{r!r} is not an earlier task (tasks so far: {names})")
         _validate_losses(task.losses, f"{tw}.losses")
+        if task.task_space_indicator_label:
+            if task.task_space_indicator_label not in label_fields:
+                raise ConfigError(f"{tw}.task_space_indicator_label",
+                                  f"{task.task_space_indicator_label!r} is not one of "
+                                  f"data_config.label_fields {label_fields}")
+            for name in ("in_task_space_weight", "out_task_space_weight"):
+                if getattr(task, name) < 0:
+                    raise ConfigError(f"{tw}.{name}", "must be >= 0")
+            kinds = [loss.loss_type for loss in task.losses] or [task.loss_type]
+            for k in kinds:
+                if k not in POINTWISE_LOSS_TYPES:
+                    raise ConfigError(f"{tw}.task_space_indicator_label",
+                                      f"task-space weights apply to pointwise losses; "
+                                      f"{pipeline_pb2.LossType.Name(k)} is not one")
         names.append(task.tower_name)
-    unused = [lf for lf in label_fields if lf not in labels]
+    spaces = {t.task_space_indicator_label for t in settings.task_towers}
+    unused = [lf for lf in label_fields if lf not in labels and lf not in spaces]
     if unused:
         raise ConfigError("data_config.label_fields",
                           f"label fields {unused} are not trained by any task")

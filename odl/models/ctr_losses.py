@@ -51,22 +51,47 @@ def loss_terms(model_config: pipeline_pb2.EasyRecModel) -> list[pipeline_pb2.Los
     return [term]
 
 
-def ctr_loss(logits: torch.Tensor, labels: torch.Tensor,
-             terms: list[pipeline_pb2.Loss]) -> torch.Tensor:
+def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb2.Loss],
+             sample_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted sum of the loss terms (module docstring).
 
     Args:
         logits: ``[B]`` logits.
         labels: ``[B]`` float 0/1 labels.
         terms: from :func:`loss_terms`.
+        sample_weights: ``[B]`` per-sample weights (a multi-task tower's task space), or
+            None; each term is then ``sum(w * loss) / sum(w)`` (TorchEasyRec's weighting);
+            only ``odl.config.loss_settings.POINTWISE_LOSS_TYPES`` take weights.
 
     Returns:
         Scalar loss.
+
+    Raises:
+        ValueError: weights for a loss that is not pointwise.
     """
     total = logits.new_zeros(())
     for term in terms:
-        total = total + float(term.weight) * _term(logits, labels, term)
+        if sample_weights is None:
+            value = _term(logits, labels, term)
+        else:
+            value = (_pointwise(logits, labels, term) * sample_weights).sum() / (
+                sample_weights.sum().clamp_min(1e-12))
+        total = total + float(term.weight) * value
     return total
+
+
+def _pointwise(s: torch.Tensor, y: torch.Tensor, term: pipeline_pb2.Loss) -> torch.Tensor:
+    """The per-sample loss ``[B]`` of a pointwise term."""
+    kind = term.loss_type
+    if kind in (_L.CLASSIFICATION, _L.CROSS_ENTROPY_LOSS):
+        return nn.functional.binary_cross_entropy_with_logits(s, y, reduction="none")
+    if kind == _L.L2_LOSS:
+        return (s - y).square()
+    if kind == _L.SIGMOID_L2_LOSS:
+        return (torch.sigmoid(s) - y).square()
+    if kind == _L.BINARY_FOCAL_LOSS:
+        return _binary_focal(s, y, term.binary_focal_loss)
+    raise ValueError(f"loss type {pipeline_pb2.LossType.Name(kind)} takes no sample weights")
 
 
 def _term(s: torch.Tensor, y: torch.Tensor, term: pipeline_pb2.Loss) -> torch.Tensor:
@@ -96,6 +121,11 @@ def l2_loss(s: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def binary_focal_loss(s: torch.Tensor, y: torch.Tensor,
                       cfg: pipeline_pb2.BinaryFocalLoss) -> torch.Tensor:
     """``BINARY_FOCAL_LOSS`` (module docstring)."""
+    return _binary_focal(s, y, cfg).mean()
+
+
+def _binary_focal(s: torch.Tensor, y: torch.Tensor,
+                  cfg: pipeline_pb2.BinaryFocalLoss) -> torch.Tensor:
     ce = nn.functional.binary_cross_entropy_with_logits(s, y, reduction="none")
     p = torch.sigmoid(s)
     p_t = p * y + (1 - p) * (1 - y)
@@ -103,7 +133,7 @@ def binary_focal_loss(s: torch.Tensor, y: torch.Tensor,
     if cfg.HasField("alpha"):
         a = float(cfg.alpha)
         loss = (a * y + (1 - a) * (1 - y)) * loss
-    return loss.mean()
+    return loss
 
 
 def f1_reweighted_loss(s: torch.Tensor, y: torch.Tensor,

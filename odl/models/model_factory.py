@@ -163,16 +163,24 @@ def _build_multi_task_model(mc: pipeline_pb2.EasyRecModel, feature_builder: Feat
     field, settings = multi_task_settings(mc)
     emb, raw = _embedded_and_dense(mc, feature_builder)[multi_task_group(mc)]
     columns = []
+    spaces: list[int | None] = []
     for i, name in enumerate(task_label_names(mc, label_fields)):
         if name not in label_fields:
             raise ConfigError(f"model_config.{field}.task_towers[{i}].label_name",
                               f"label {name!r} is not one of data_config.label_fields "
                               f"{label_fields}")
         columns.append(label_fields.index(name))
+        space = settings.task_towers[i].task_space_indicator_label
+        if space and space not in label_fields:
+            raise ConfigError(f"model_config.{field}.task_towers[{i}]"
+                              ".task_space_indicator_label",
+                              f"{space!r} is not one of data_config.label_fields")
+        spaces.append(label_fields.index(space) if space else None)
     try:
         layout = build_embedding_layout(feature_builder.table_specs, emb, [], 1,
                                         mixed_dims=True)
-        return MultiTaskModel(layout, feature_builder.dense_feature_names, raw, mc, columns)
+        return MultiTaskModel(layout, feature_builder.dense_feature_names, raw, mc, columns,
+                              spaces)
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
 

@@ -21,7 +21,9 @@ entry at its position; ``odl.config.model_classes.task_label_names``).
 Loss: sum over tasks of ``weight_t`` * the task's prediction loss (``losses`` / ``loss_type``
 of the task, ``odl.models.ctr_losses``) + ``l2_regularization`` * the squared dense Linear
 kernels + ``embedding_regularization`` * mean over (sample, lookup) of the squared pooled
-embedding.
+embedding. A task with a ``task_space_indicator_label`` weighs each sample's loss by
+``in_task_space_weight`` when that label is > 0, else ``out_task_space_weight``, normalized
+(``sum(w * loss) / sum(w)``, TorchEasyRec's weighting).
 
 Parameter names: ``dense.bottom.*``, ``dense.experts.experts.<e>.*``,
 ``dense.experts.gates.<t>.*``, ``dense.heads.<t>.dnn.*``, ``dense.heads.<t>.relation_dnn.*``,
@@ -173,6 +175,8 @@ class MultiTaskModel(CtrModel):
         group_dense: the group's dense features.
         model_config: the ``EasyRecModel`` (``mmoe`` or ``dbmtl``).
         label_columns: per task, its column of ``Batch.labels``.
+        space_columns: per task, the ``Batch.labels`` column of its
+            ``task_space_indicator_label``, or None.
         ebc_device: device of the tables (``meta``: materialized by DMP).
 
     Raises:
@@ -186,6 +190,7 @@ class MultiTaskModel(CtrModel):
         group_dense: Sequence[str],
         model_config: pipeline_pb2.EasyRecModel,
         label_columns: Sequence[int],
+        space_columns: "Sequence[int | None] | None" = None,
         ebc_device: "torch.device | str" = "meta",
     ) -> None:
         super().__init__()
@@ -217,6 +222,11 @@ class MultiTaskModel(CtrModel):
         self.output_labels = tuple(int(c) for c in label_columns)
         self.task_weights = [float(t.weight) for t in settings.task_towers]
         self.task_terms = [loss_terms(t) for t in settings.task_towers]
+        spaces = list(space_columns or [None] * len(names))
+        self.task_spaces = [None if c is None else
+                            (int(c), float(t.in_task_space_weight),
+                             float(t.out_task_space_weight))
+                            for c, t in zip(spaces, settings.task_towers, strict=True)]
         self.l2 = float(settings.l2_regularization)
         self.embedding_regularization = float(model_config.embedding_regularization)
 
@@ -234,7 +244,14 @@ class MultiTaskModel(CtrModel):
         labels = batch.labels if batch.labels.dim() == 2 else batch.labels.unsqueeze(1)
         loss = logits.new_zeros(())
         for t, (w, terms) in enumerate(zip(self.task_weights, self.task_terms, strict=True)):
-            loss = loss + w * ctr_loss(logits[:, t], labels[:, self.output_labels[t]], terms)
+            weights = None
+            space = self.task_spaces[t]
+            if space is not None:
+                col, w_in, w_out = space
+                inside = (labels[:, col] > 0).to(logits.dtype)
+                weights = w_in * inside + w_out * (1 - inside)
+            loss = loss + w * ctr_loss(logits[:, t], labels[:, self.output_labels[t]], terms,
+                                       weights)
         if self.l2:
             loss = loss + self.l2 * linear_kernel_l2(self.dense)
         (pooled,) = output.pooled

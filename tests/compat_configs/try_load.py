@@ -196,10 +196,14 @@ def model_class_of(text: str) -> str:
     return "?"
 
 
-def try_one(path: str, flavor: str, verbose: bool) -> tuple[str, str, bool]:
+def load_one(path: str, flavor: str, verbose: bool = False):
+    """The sample config at ``path`` with a Kafka input, loaded and validated as odl-train does.
+
+    Raises:
+        ConfigError: what odl-train would refuse.
+    """
     with open(path, encoding="utf-8") as fh:
         text = fh.read()
-    model_class = model_class_of(text)
     new_text, removed = to_kafka_input(text, flavor)
     if verbose:
         print(f"  {os.path.basename(path)}: removed {removed}", file=sys.stderr)
@@ -209,21 +213,33 @@ def try_one(path: str, flavor: str, verbose: bool) -> tuple[str, str, bool]:
             fh.write(new_text)
         config = load_pipeline_config(tmp)
         validate_pipeline_config(config, online=True)
+        return config
+    finally:
+        os.unlink(tmp)
+
+
+_TMP_NAME = re.compile(r"\S*compat_[^\s:]*\.config")
+
+
+def try_one(path: str, flavor: str, verbose: bool) -> tuple[str, str, bool]:
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    model_class = model_class_of(text)
+    try:
+        load_one(path, flavor, verbose)
         return model_class, "OK", True
     except ConfigError as e:
         # ConfigErrors (a ConfigError subclass, where the loader has one) carries every
         # problem of the file in .errors; the row shows the first and counts the rest
         errors = getattr(e, "errors", None) or [e]
-        lines = [f"[{x.field}] {x.message}".replace(tmp, "<file>") for x in errors]
+        lines = [_TMP_NAME.sub("<file>", f"[{x.field}] {x.message}") for x in errors]
         more = f" (+{len(lines) - 1} more)" if len(lines) > 1 else ""
         if verbose and len(lines) > 1:
             print("\n".join(f"    {line}" for line in lines), file=sys.stderr)
         return model_class, f"ConfigError {lines[0]}{more}", False
     except Exception as e:  # noqa: BLE001 - a report, not a test: show anything
-        return model_class, f"{type(e).__name__} (not ConfigError): {e}".replace(tmp, "<file>"), \
+        return model_class, _TMP_NAME.sub("<file>", f"{type(e).__name__} (not ConfigError): {e}"), \
             False
-    finally:
-        os.unlink(tmp)
 
 
 def main() -> int:
