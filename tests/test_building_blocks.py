@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from odl.models.building_blocks import CrossNet, CrossNetV2, ExpertGates, build_mlp, fm_term
+from odl.models.building_blocks import (
+    CrossNet,
+    CrossNetV2,
+    ExpertGates,
+    TargetAttention,
+    build_mlp,
+    fm_term,
+)
 from odl.protos import pipeline_pb2
 
 
@@ -64,3 +71,25 @@ def test_mlp_layers_and_identity():
     identity, same = build_mlp(5, pipeline_pb2.DNN())
     x = torch.randn(2, 5)
     assert same == 5 and torch.equal(identity(x), x)
+
+
+def test_target_attention_attends_over_the_positions_within_the_length():
+    torch.manual_seed(0)
+    att = TargetAttention(key=4, seq_len=3, dnn=pipeline_pb2.DNN(hidden_units=[5, 1]))
+    assert [type(m).__name__ for m in att.mlp] == ["Linear", "ReLU", "Linear"]  # score: plain
+    b = 6
+    k = torch.randn(b, 4)
+    h = torch.randn(b, 3, 4)
+    length = torch.tensor([0.0, 1.0, 2.0, 3.0, 3.0, 1.0])
+    x = torch.cat([k, h.reshape(b, 12), length.unsqueeze(1)], dim=1)
+    got = att(x)
+    for i in range(b):
+        n = int(length[i])
+        if n == 0:  # every position masked: uniform weights over the (zero) padding in a batch
+            continue
+        scores = torch.stack([att.mlp(torch.cat([k[i], h[i, p], k[i] - h[i, p],
+                                                 k[i] * h[i, p]])).squeeze() for p in range(n)])
+        w = torch.softmax(scores, dim=0)
+        want = torch.cat([(w.unsqueeze(1) * h[i, :n]).sum(0), k[i]])
+        assert torch.allclose(got[i], want, atol=1e-5), i
+    assert torch.allclose(torch.jit.script(att)(x), got, atol=1e-6)

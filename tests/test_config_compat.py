@@ -43,6 +43,7 @@ LOADS = {
     "easyrec/deepfm.config",
     "easyrec/deepfm_vocab_list_on_taobao.config",
     "easyrec/multi_tower_early_stop_on_taobao.config",
+    "easyrec/din_on_taobao.config",
     "torcheasyrec/dbmtl.config",
     "torcheasyrec/deepfm.config",
     "torcheasyrec/deepfm_criteo.config",

@@ -16,7 +16,7 @@ from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.config_error import ConfigError
 from odl.config.config_validation import validate_pipeline_config
 from odl.config.pipeline_config import parse_pipeline_config_text
-from odl.datagen.datagen_config import MULTI_TASK_MODELS, deepfm_config_text
+from odl.datagen.datagen_config import deepfm_config_text
 from odl.harness.topic_records import make_records
 from odl.inputs.file_stream_source import (
     FILE_KEY,
@@ -281,8 +281,8 @@ def _parity(service, trainer, seed: int, records: list[bytes] | None = None) -> 
     return float(abs(want - got).max())
 
 
-def _write_two_days(data, conversions: bool = False) -> tuple[list[str], list[bytes]]:
-    ids, values = make_records(1200, seed=8, conversions=conversions)
+def _write_two_days(data, model: str = "DeepFM") -> tuple[list[str], list[bytes]]:
+    ids, values = make_records(1200, seed=8, model=model)
     chunks = [values[i : i + 200] for i in range(0, 1200, 200)]
     _write_split(data, "20261124", "2200", [chunks[0]])
     _write_split(data, "20261124", "2300", [chunks[1][:120], chunks[1][120:]])
@@ -365,14 +365,14 @@ def test_day_and_pass_saves_replay_in_order_to_serving_parity(tmp_path):
     assert last.follower.deltas_applied == 0 and _parity(last, trainer, 0, values) <= 1e-6
 
 
-@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "DCN", "DCNV2",
-                                   "MMoE", "DBMTL"])
+@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "MultiTowerDIN",
+                                   "DCN", "DCNV2", "MMoE", "DBMTL"])
 def test_restart_inside_a_pass_keeps_every_record_once_and_the_pass_delta_whole(tmp_path,
                                                                                model):
     from odl.export.exporter import export_checkpoint
 
     data, saves = tmp_path / "data", tmp_path / "saves"
-    ids, values = _write_two_days(data, conversions=model in MULTI_TASK_MODELS)
+    ids, values = _write_two_days(data, model=model)
     ledger = str(tmp_path / "ledger.tsv")
     # stopped at step 22, inside the last pass (20261125/24: steps 22 .. 25), with a
     # checkpoint there; the restart must still write that pass's whole delta, rows touched

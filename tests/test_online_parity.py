@@ -12,8 +12,8 @@ from prometheus_client import generate_latest
 
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.pipeline_config import load_pipeline_config
-from odl.datagen.conversion_labels import conversion_labels, encode_with_conversions
-from odl.datagen.datagen_config import MULTI_TASK_MODELS
+from odl.datagen.conversion_labels import conversion_labels
+from odl.datagen.datagen_config import MULTI_TASK_MODELS, records_for_model
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
@@ -47,9 +47,9 @@ def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int
                            dynamic: bool = False, model: str = "DeepFM",
                            edits: tuple[tuple[str, str], ...] = ()):
     topic = topic_factory(partitions=PARTS)
-    batch = SyntheticCtrStream(seed=41).next_batch(n)
-    values = (encode_with_conversions(batch, 41) if model in MULTI_TASK_MODELS
-              else batch.encode("csv"))
+    stream = SyntheticCtrStream(seed=41)
+    batch = stream.next_batch(n)
+    values = records_for_model(model, stream, batch)
     produce(bootstrap, topic, values, PARTS)
     ends = end_offsets(bootstrap, topic)
     cfg = write_config(tmp_path, bootstrap, topic, batch_size=100, extra_train=incr)
@@ -89,10 +89,10 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
                 break
             time.sleep(0.2)
         assert status.get("version") == final_step, status
-        sample = SyntheticCtrStream(seed=99).next_batch(1000)
+        stream = SyntheticCtrStream(seed=99)
+        sample = stream.next_batch(1000)
         outputs = trainer.module.model.output_names
-        records = (encode_with_conversions(sample, 99) if len(outputs) > 1
-                   else sample.encode("csv"))
+        records = records_for_model(trainer.config.model_config.model_class, stream, sample)
         served = post_json(url + "/predict", b"\n".join(records))
         assert served["version"] == final_step
         assert list(served["outputs"]) == list(outputs)
@@ -111,8 +111,8 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
         service.stop()
 
 
-@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "DCN", "DCNV2",
-                                   "MMoE", "DBMTL"])
+@pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "MultiTowerDIN",
+                                   "DCN", "DCNV2", "MMoE", "DBMTL"])
 def test_serving_replay_matches_trainer_predictions(
     kafka_bootstrap, kafka_topic_factory, tmp_path, model
 ):
@@ -135,6 +135,9 @@ def test_serving_replay_matches_trainer_predictions(
         assert tasks["ctr"]["positive_rate"] == pytest.approx(sent.labels.mean(), abs=1e-6)
         assert tasks["cvr"]["positive_rate"] == pytest.approx(
             conversion_labels(sent, 41).mean(), abs=1e-6)
+    elif model == "MultiTowerDIN":  # the deep tower, then target attention over hist_C3
+        assert [type(t).__name__ for t in dense.towers] == ["Sequential", "TargetAttention"]
+        assert dense.towers[1].seq_len == 5 and dense.towers[1].key == 8
     elif model == "DCNV2":  # the v2 cross network (no backbone), then the deep DNN
         assert [type(m).__name__ for m in dense.towers[0]] == ["Sequential", "CrossNetV2"]
         assert len(dense.towers) == 2 and len(dense.towers[0][1].layers) == 2

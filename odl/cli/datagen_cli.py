@@ -10,7 +10,8 @@ Message layout (the value formats are described in ``odl.datagen.synthetic_ctr``
 * key: the record's ``sample_id`` (UTF-8);
 * value: the record encoded as ``csv`` (42 comma separated columns, no header) or ``json``;
   with ``--conversions`` a 43rd column / key ``buy``, the conversion label of the multi-task
-  samples (``odl.datagen.conversion_labels``);
+  samples (``odl.datagen.conversion_labels``); with ``--history`` a 43rd column / key
+  ``hist_C3``, the behaviour sequence of the DIN sample (``odl.datagen.behavior_history``);
 * partition: record number ``n % partitions`` (round robin);
 * timestamp: the produce time in ms (CreateTime), set explicitly.
 
@@ -37,7 +38,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from odl.datagen.conversion_labels import encode_with_conversions
+from odl.datagen.datagen_config import records_for_model
 from odl.datagen.split_writer import write_splits
 from odl.datagen.synthetic_ctr import FORMATS, SyntheticCtrStream
 from odl.kafka.client_settings import producer_config, redact_settings
@@ -112,9 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     stop.add_argument("--count", type=int, help="stop after this many samples")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--format", choices=FORMATS, default="csv")
-    p.add_argument("--conversions", action="store_true",
-                   help="add a 'buy' label column after the 42 (multi-task samples: "
-                        "samples/mmoe_online.config, samples/dbmtl_online.config)")
+    extra = p.add_mutually_exclusive_group()
+    extra.add_argument("--conversions", action="store_true",
+                       help="add a 'buy' label column after the 42 (multi-task samples: "
+                            "samples/mmoe_online.config, samples/dbmtl_online.config)")
+    extra.add_argument("--history", action="store_true",
+                       help="add a 'hist_C3' behaviour-sequence column after the 42 (DIN "
+                            "sample: samples/din_online.config)")
     p.add_argument(
         "--kafka-config",
         nargs="+",
@@ -128,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-q", "--quiet", action="store_true", help="log warnings only")
     return p
+
+
+def _model_of(args: argparse.Namespace) -> str:
+    """The model class whose sample the extra column is for (``records_for_model``)."""
+    if args.conversions:
+        return "MMoE"
+    return "MultiTowerDIN" if args.history else "DeepFM"
 
 
 def _install_stop_handlers(stop: threading.Event) -> dict[int, Any]:
@@ -196,8 +208,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> dict[str, Any]:
         if count is not None:
             burst = min(burst, count - n)
         batch = stream.next_batch(burst, now=time.time())
-        values = (encode_with_conversions(batch, args.seed, args.format) if args.conversions
-                  else batch.encode(args.format))
+        values = records_for_model(_model_of(args), stream, batch, args.format)
         timestamp_ms = int(time.time() * 1000)
         for i, (key, value) in enumerate(zip(batch.sample_ids, values, strict=True)):
             while True:
@@ -280,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             summary = write_splits(args.split_dir, day, args.splits, args.count,
                                    args.split_interval, args.start, args.parts, args.donefile,
-                                   args.seed, args.format, args.conversions)
+                                   args.seed, args.format, _model_of(args))
         except (ValueError, OSError) as exc:
             print(f"odl-datagen: error: {exc}", file=sys.stderr)
             return 2

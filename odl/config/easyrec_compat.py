@@ -73,16 +73,18 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
                                "mlp", "autodis", "separator", "fg_value_type",
                                "stub_type"}),
     "FeatureConfig": frozenset({
-        "kv_separator", "seq_multi_sep", "max_seq_len",
+        "kv_separator", "seq_multi_sep",
         "shared_names", "lookup_max_sel_elem_num", "max_partitions", "initializer",
         "precision", "normalizer_fn", "sequence_combiner",
-        "sub_feature_type", "sequence_length", "expression", "combo_input_seps",
+        "sequence_length", "expression", "combo_input_seps",
         # TorchEasyRec's other per-kind feature messages.
         "combo_feature", "lookup_feature", "match_feature",
         "expr_feature", "overlap_feature", "tokenize_feature", "custom_feature",
         "sequence_feature", "sequence_id_feature", "sequence_raw_feature", "bool_mask_feature",
     }),
-    "MultiTower": frozenset({"din_towers", "bst_towers"}),
+    "MultiTower": frozenset({"bst_towers"}),
+    "SeqAttMap": frozenset({"aux_hist_seq"}),
+    "SeqAttGroupConfig": frozenset({"seq_dnn", "allow_key_transform", "transform_dnn"}),
     "FeatureGroupConfig": frozenset({
         "sequence_features", "negative_sampler", "sequence_groups",
         "sequence_encoders",
@@ -91,7 +93,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "model_name", "model_params", "dummy", "fm",
         "autoint", "dlrm", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat", "esmm",
-        "simple_multi_task", "ple", "rocket_launching", "seq_att_groups", "kd",
+        "simple_multi_task", "ple", "rocket_launching", "kd",
         "restore_filters", "variational_dropout", "loss_weight_strategy", "backbone",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet", "wukong",
         "rank_model", "multi_tower_din", "dlrm_hstu",
@@ -205,6 +207,13 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     "IncrementSaveConfig": {
         "debug_save_update": ("a debugging dump of EasyRec's", frozenset()),
     },
+    "SeqAttGroupConfig": {
+        "tf_summary": ("no TensorFlow summaries; metrics go to /status and /metrics",
+                       frozenset()),
+        "allow_key_search": ("keys are looked up by feature name", frozenset()),
+        "need_key_feature": ("a DIN tower's output holds the key's embedding",
+                             frozenset({"false", "0", "f", "no"})),
+    },
     "TaskTower": {
         "metrics_set": ("odl reports progressive AUC and logloss per task (/status, /metrics); "
                         "other metrics are not computed", frozenset()),
@@ -223,7 +232,7 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
 # Enum values of EasyRec that odl's enums lack, keyed by odl's enum (short name).
 EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
     "FeatureConfig.FeatureType": frozenset({
-        "LookupFeature", "SequenceFeature", "ExprFeature", "PassThroughFeature",
+        "LookupFeature", "ExprFeature", "PassThroughFeature",
     }),
     "WideOrDeep": frozenset({"SEQUENCE", "JAGGED_SEQUENCE"}),
     "DatasetConfig.InputType": frozenset({

@@ -26,7 +26,7 @@ _FT = pipeline_pb2.FeatureConfig.FeatureType
 _FIELD_TYPE = pipeline_pb2.DatasetConfig.FieldType
 
 # Feature types that always have an embedding table (a RawFeature has one with boundaries).
-EMBEDDED_FEATURE_TYPES = (_FT.IdFeature, _FT.ComboFeature)
+EMBEDDED_FEATURE_TYPES = (_FT.IdFeature, _FT.ComboFeature, _FT.SequenceFeature)
 # Input field types that hold a number (labels, event times and RawFeature inputs need one).
 NUMERIC_FIELD_TYPES = (
     _FIELD_TYPE.INT32, _FIELD_TYPE.INT64, _FIELD_TYPE.FLOAT, _FIELD_TYPE.DOUBLE, _FIELD_TYPE.BOOL,

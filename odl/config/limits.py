@@ -34,6 +34,8 @@ MAX_WIDE_OUTPUT_DIM = 4096
 # DNN towers (deepfm.dnn, deepfm.final_dnn): units per layer and number of layers.
 MAX_HIDDEN_UNITS = 65536
 MAX_HIDDEN_LAYERS = 64
+# Positions of a SequenceFeature (one lookup each).
+MAX_SEQUENCE_LENGTH = 1024
 # Experts of an MMoE / DBMTL model.
 MAX_EXPERTS = 256
 

@@ -63,6 +63,7 @@ from odl.config.model_classes import (
     is_multi_task_model,
     is_tower_model,
     multi_task_settings,
+    sequence_attention_features,
     tower_settings,
     uses_fm,
     wide_deep_settings,
@@ -234,7 +235,7 @@ def _map_bytes(fc: pipeline_pb2.FeatureConfig, model_ev: pipeline_pb2.EVParams |
 
 
 def _embedded(fc: pipeline_pb2.FeatureConfig) -> bool:
-    return fc.feature_type in (_FT.IdFeature, _FT.ComboFeature) or (
+    return fc.feature_type in (_FT.IdFeature, _FT.ComboFeature, _FT.SequenceFeature) or (
         fc.feature_type == _FT.RawFeature and len(fc.boundaries) > 0)
 
 
@@ -256,6 +257,19 @@ def _tower_params(mc: pipeline_pb2.EasyRecModel,
     groups = {g.group_name: list(g.feature_names) for g in mc.feature_groups}
     params = hidden = width = 0
     for kind, group, tower in towers:
+        if kind == "din":  # attention MLP over [k, h, k - h, k * h]; output [attended, k]
+            keys, _hists = sequence_attention_features(mc, group)
+            key = sum(int(features[k].embedding_dim) for k in keys if k in features)
+            units = list(tower.dnn.hidden_units)
+            w = 4 * key
+            for i, u in enumerate(units):
+                params += w * int(u) + int(u)
+                if tower.dnn.use_bn and i < len(units) - 1:
+                    params += 2 * int(u)
+                w = int(u)
+            hidden += sum(int(u) for u in units)
+            width += 2 * key
+            continue
         in_width = 0
         for name in groups.get(group, []):
             fc = features.get(name)
@@ -345,6 +359,10 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
     if is_multi_task_model(mc):  # one group, read through deep tables
         names = [g.group_name for g in mc.feature_groups]
         towers = [("dnn", "all" if "all" in names else names[0], None)] if names else []
+    for kind, group, _tower in towers or []:
+        if kind == "din":  # a DIN tower's keys and sequences
+            keys, hists = sequence_attention_features(mc, group)
+            deep_feats += [n for n in keys + hists if n not in deep_feats]
     for g in mc.feature_groups:
         if towers is not None:  # towers read their groups through deep tables only
             if any(group == g.group_name for _kind, group, _t in towers):

@@ -14,16 +14,18 @@ from typing import Any
 from odl.protos import pipeline_pb2
 
 # model_class -> the EasyRecModel field with its settings
+# (the first class of a message is the one a config naming only the message gets)
 MODEL_MESSAGES: dict[str, str] = {"DeepFM": "deepfm", "WideAndDeep": "wide_and_deep",
-                                  "MultiTower": "multi_tower", "DCN": "dcn", "DCNV2": "dcn_v2",
-                                  "MMoE": "mmoe", "DBMTL": "dbmtl"}
+                                  "MultiTower": "multi_tower", "MultiTowerDIN": "multi_tower",
+                                  "DCN": "dcn", "DCNV2": "dcn_v2", "MMoE": "mmoe",
+                                  "DBMTL": "dbmtl"}
 IMPLEMENTED_MODEL_CLASSES = tuple(MODEL_MESSAGES)
 # classes with an FM term over the deep group's embeddings
 FM_MODEL_CLASSES = ("DeepFM",)
 # the wide-and-deep family (wide part, deep tower, optional final_dnn)
 WIDE_DEEP_MODEL_CLASSES = ("DeepFM", "WideAndDeep")
 # the tower family (towers over named feature groups, concatenated into final_dnn)
-TOWER_MODEL_CLASSES = ("MultiTower", "DCN", "DCNV2")
+TOWER_MODEL_CLASSES = ("MultiTower", "MultiTowerDIN", "DCN", "DCNV2")
 # multi-task models (several task towers, one output per task)
 MULTI_TASK_MODEL_CLASSES = ("MMoE", "DBMTL")
 
@@ -87,12 +89,13 @@ def task_label_names(model_config: pipeline_pb2.EasyRecModel,
 
 
 def is_tower_model(model_config: pipeline_pb2.EasyRecModel) -> bool:
-    """Whether the model is MultiTower, DCN or DCNV2."""
+    """Whether the model is MultiTower, MultiTowerDIN, DCN or DCNV2."""
     return model_config.model_class in TOWER_MODEL_CLASSES
 
 
-# (kind, group name, settings): ("dnn", group, DNN), ("cross", group, cross_num) or
-# ("cross_v2", group, (CrossV2, backbone DNN or None))
+# (kind, group name, settings): ("dnn", group, DNN), ("cross", group, cross_num),
+# ("cross_v2", group, (CrossV2, backbone DNN or None)) or ("din", sequence attention group,
+# DINTower)
 TowerSpec = tuple[str, str, Any]
 
 
@@ -105,9 +108,10 @@ def tower_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, Any, l
     Returns:
         The settings message (its ``final_dnn`` joins the towers) and its towers in order,
         each ``(kind, group name, settings)``: ``("dnn", group, DNN)``, ``("cross", group,
-        cross_num)`` or ``("cross_v2", group, (CrossV2, backbone DNN or None))``. DCNV2 reads
-        the first feature group (TorchEasyRec's rule): its cross network, then its ``deep``
-        DNN when set.
+        cross_num)``, ``("cross_v2", group, (CrossV2, backbone DNN or None))`` or
+        ``("din", sequence attention group, DINTower)`` (MultiTowerDIN, after its towers).
+        DCNV2 reads the first feature group (TorchEasyRec's rule): its cross network, then
+        its ``deep`` DNN when set.
     """
     if model_config.model_class == "DCNV2":
         d = model_config.dcn_v2
@@ -122,5 +126,29 @@ def tower_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, Any, l
         return "dcn", d, [("dnn", d.deep_tower.input, d.deep_tower.dnn),
                           ("cross", d.cross_tower.input, int(d.cross_tower.cross_num))]
     m = model_config.multi_tower
-    return "multi_tower", m, [("dnn", t.input, t.dnn) for t in m.towers]
+    towers: list[TowerSpec] = [("dnn", t.input, t.dnn) for t in m.towers]
+    if model_config.model_class == "MultiTowerDIN":
+        towers += [("din", t.input, t) for t in m.din_towers]
+    return "multi_tower", m, towers
+
+
+def sequence_attention_features(model_config: pipeline_pb2.EasyRecModel,
+                                group: str) -> tuple[list[str], list[str]]:
+    """``(keys, sequences)`` of a sequence attention group, in order (empty if none).
+
+    Args:
+        model_config: the model config.
+        group: ``seq_att_groups[].group_name``.
+
+    Returns:
+        The key features and the SequenceFeatures of every ``seq_att_map`` of the group.
+    """
+    keys: list[str] = []
+    hists: list[str] = []
+    for g in model_config.seq_att_groups:
+        if g.group_name == group:
+            for m in g.seq_att_map:
+                keys += list(m.key)
+                hists += list(m.hist_seq)
+    return keys, hists
 

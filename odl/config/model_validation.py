@@ -160,6 +160,14 @@ def validate_features(
                                       "is not implemented by odl yet; add boundaries or remove "
                                       "embedding_dim")
                 continue
+        if fc.feature_type == _FT.SequenceFeature:
+            if fc.sub_feature_type != _FT.IdFeature:
+                raise ConfigError(f"{where}.sub_feature_type",
+                                  "a SequenceFeature of ids (IdFeature) is implemented")
+            if fc.max_seq_len > limits.MAX_SEQUENCE_LENGTH:
+                raise ConfigError(f"{where}.max_seq_len",
+                                  f"{fc.max_seq_len} is above the limit of "
+                                  f"{limits.MAX_SEQUENCE_LENGTH}")
         if fc.embedding_dim > limits.MAX_EMBEDDING_DIM:
             raise ConfigError(f"{where}.embedding_dim",
                               f"{fc.embedding_dim} is above the limit of "
@@ -211,6 +219,12 @@ def validate_model(
         for j, name in enumerate(g.feature_names):
             if name not in features:
                 raise ConfigError(f"{where}.feature_names[{j}]", f"no feature named {name!r}")
+            if features[name].feature_type == _FT.SequenceFeature:
+                raise ConfigError(f"{where}.feature_names[{j}]",
+                                  f"SequenceFeature {name!r} is read through "
+                                  "model_config.seq_att_groups (a DIN tower); in a feature "
+                                  "group it needs a sequence_combiner, which odl does not "
+                                  "implement yet")
             if name in seen:
                 raise ConfigError(f"{where}.feature_names[{j}]", f"{name!r} listed twice")
             seen.add(name)
@@ -374,7 +388,7 @@ def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, Fea
     if field == "multi_tower":
         if not towers:
             raise ConfigError(f"{where}.towers", "at least one tower is needed")
-        paths = [f"{where}.towers[{i}]" for i in range(len(towers))]
+        paths = [f"{where}.towers[{i}]" for i in range(len(settings.towers))]
     elif field == "dcn_v2":
         if not settings.HasField("cross"):
             raise ConfigError(f"{where}.cross", "required (e.g. { cross_num: 3 low_rank: 32 })")
@@ -393,7 +407,25 @@ def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, Fea
             if not settings.HasField(name):
                 raise ConfigError(f"{where}.{name}", "required")
         paths = [f"{where}.deep_tower", f"{where}.cross_tower"]
+    if field == "multi_tower" and settings.din_towers:
+        if mc.model_class != "MultiTowerDIN":
+            raise ConfigError(f"{where}.din_towers",
+                              'din_towers need model_class: "MultiTowerDIN"')
+        paths += [f"{where}.din_towers[{i}]" for i in range(len(settings.din_towers))]
+        _validate_sequence_groups(config, features)
     for path, (kind, group, tower) in zip(paths, towers, strict=True):
+        if kind == "din":
+            names = [g.group_name for g in mc.seq_att_groups]
+            if group not in names:
+                raise ConfigError(f"{path}.input",
+                                  f"no model_config.seq_att_groups group named {group!r} "
+                                  f"(groups: {names})")
+            _validate_dnn(tower.dnn, f"{path}.dnn", required=True)
+            if tower.dnn.hidden_units[-1] != 1:
+                raise ConfigError(f"{path}.dnn.hidden_units",
+                                  "a DIN tower's dnn ends in a layer of 1 unit (the score of "
+                                  "a position), e.g. [128, 64, 32, 1]")
+            continue
         if group not in groups:
             raise ConfigError(f"{path}.input", f"no feature group named {group!r}")
         if kind == "dnn":
@@ -410,6 +442,44 @@ def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, Fea
     if settings.l2_regularization < 0:
         raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
     _check_deep_dims(config, features)
+
+
+def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
+                              features: dict[str, FeatureConfig]) -> None:
+    """``seq_att_groups``: keys are embedded features, sequences SequenceFeatures as wide."""
+    prefix = "model_config.seq_att_groups"
+    seen: set[str] = set()
+    for i, g in enumerate(config.model_config.seq_att_groups):
+        where = f"{prefix}[{i}]"
+        if not g.group_name or g.group_name in seen:
+            raise ConfigError(f"{where}.group_name", "required and unique")
+        seen.add(g.group_name)
+        if not g.seq_att_map:
+            raise ConfigError(f"{where}.seq_att_map", "at least one key / hist_seq pairing")
+        key_width = hist_width = 0
+        lengths: set[int] = set()
+        for j, m in enumerate(g.seq_att_map):
+            mw = f"{where}.seq_att_map[{j}]"
+            if not m.key or not m.hist_seq:
+                raise ConfigError(mw, "needs a key and a hist_seq")
+            for k in m.key:
+                fc = features.get(k)
+                if fc is None or not embedded_feature(fc) or fc.feature_type == _FT.SequenceFeature:
+                    raise ConfigError(f"{mw}.key", f"{k!r} is not an embedded (non-sequence) "
+                                                   "feature")
+                key_width += fc.embedding_dim
+            for h in m.hist_seq:
+                fc = features.get(h)
+                if fc is None or fc.feature_type != _FT.SequenceFeature:
+                    raise ConfigError(f"{mw}.hist_seq", f"{h!r} is not a SequenceFeature")
+                hist_width += fc.embedding_dim
+                lengths.add(fc.max_seq_len)
+        if key_width != hist_width:
+            raise ConfigError(where, f"the keys' embeddings ({key_width} wide) and the "
+                                     f"sequences' ({hist_width}) must be as wide (EasyRec's "
+                                     "allow_key_transform is not implemented)")
+        if len(lengths) > 1:
+            raise ConfigError(where, "the group's SequenceFeatures need one max_seq_len")
 
 
 def _check_deep_dims(

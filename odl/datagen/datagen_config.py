@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import re
 
-from odl.datagen.synthetic_ctr import DENSE_FIELDS, SPARSE_FIELDS
+from odl.datagen.behavior_history import HISTORY_FIELD, HISTORY_LENGTH, encode_with_history
+from odl.datagen.conversion_labels import encode_with_conversions
+from odl.datagen.synthetic_ctr import DENSE_FIELDS, SPARSE_FIELDS, CtrBatch, SyntheticCtrStream
 
 
 def deepfm_config_text(
@@ -112,6 +114,12 @@ _TOWER_BLOCKS = {
                    '    towers {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
                    '    towers {{ input: "wide" dnn {{ hidden_units: [8] }} }}\n'
                    "    final_dnn {{ hidden_units: [8] }}\n  }}"),
+    "MultiTowerDIN": ('seq_att_groups {{ group_name: "din"\n'
+                      '    seq_att_map {{ key: "C3" hist_seq: "hist_C3" }} }}\n'
+                      '  multi_tower {{\n'
+                      '    towers {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
+                      '    din_towers {{ input: "din" dnn {{ hidden_units: [8, 1] }} }}\n'
+                      "    final_dnn {{ hidden_units: [8] }}\n  }}"),
     "DCN": ('dcn {{\n    deep_tower {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
             '    cross_tower {{ input: "deep" cross_num: 2 }}\n'
             "    final_dnn {{ hidden_units: [8] }}\n  }}"),
@@ -137,6 +145,27 @@ _MULTI_TASK_BLOCKS = {
 MULTI_TASK_MODELS = tuple(_MULTI_TASK_BLOCKS)
 
 
+def records_for_model(model: str, stream: SyntheticCtrStream, batch: CtrBatch,
+                      fmt: str = "csv") -> list[bytes]:
+    """``batch``'s records with the columns ``as_model_config_text(text, model)`` reads.
+
+    Args:
+        model: the model class of the config.
+        stream: the stream that made ``batch``.
+        batch: the records.
+        fmt: ``"csv"`` or ``"json"``.
+
+    Returns:
+        The encoded records: with ``buy`` for the multi-task models, ``hist_C3`` for
+        MultiTowerDIN, the stream's 42 columns otherwise.
+    """
+    if model in MULTI_TASK_MODELS:
+        return encode_with_conversions(batch, stream.seed, fmt)
+    if model == "MultiTowerDIN":
+        return encode_with_history(stream, batch, fmt)
+    return batch.encode(fmt)
+
+
 def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     """A ``deepfm_config_text`` config as another model class over the same feature groups.
 
@@ -144,7 +173,9 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     MultiTower gets one tower per group ("deep", "wide"); DCN a deep tower and a cross
     network of 2 layers over "deep"; DCNV2 (TorchEasyRec's form) a v2 cross network of 2
     layers of rank 8 and the deep tower over "deep" (the "wide" group goes: DCNV2 reads the
-    first group). The tower models end in a ``final_dnn`` of 8. MMoE and
+    first group); MultiTowerDIN the deep tower and a DIN tower (attention DNN [8, 1]) from C3
+    over ``hist_C3``, a column added after the stream's 42 (``odl.datagen.behavior_history``).
+    The tower models end in a ``final_dnn`` of 8. MMoE and
     DBMTL read the "deep" group (renamed "all"; the "wide" group goes) and train two tasks,
     "ctr" on ``label`` and "cvr" on ``buy``, a column added after the stream's 42
     (``odl.datagen.conversion_labels``): MMoE with 3 experts like the DeepFM tower, DBMTL
@@ -153,7 +184,7 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     Args:
         text: the DeepFM config text.
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
-            ``"DCNV2"``, ``"MMoE"`` or ``"DBMTL"``.
+            ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"`` or ``"DBMTL"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:
@@ -180,5 +211,18 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     text = text[:m.start()] + block + text[m.end():]
     if model == "DCNV2":
         text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
+    if model == "MultiTowerDIN":  # the history column and its SequenceFeature
+        c3 = re.search(r'feature_configs \{ input_names: "C3" feature_type: IdFeature '
+                       r"embedding_dim: (\d+) hash_bucket_size: (\d+) \}", text)
+        if c3 is None:
+            raise ValueError("MultiTowerDIN needs C3 as an id feature")
+        last = text.rindex("  input_fields {")
+        end = text.index("\n", last) + 1
+        text = (text[:end] + f'  input_fields {{ input_name: "{HISTORY_FIELD}" '
+                "input_type: STRING }\n" + text[end:])
+        text = text.replace(c3.group(0), c3.group(0) + "\n" + (
+            f'feature_configs {{ input_names: "{HISTORY_FIELD}" feature_type: SequenceFeature '
+            f'separator: "|" embedding_dim: {c3.group(1)} hash_bucket_size: {c3.group(2)} '
+            f"max_seq_len: {HISTORY_LENGTH} }}"))
     return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
 

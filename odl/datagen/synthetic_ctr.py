@@ -384,6 +384,31 @@ class SyntheticCtrStream:
 
     # ------------------------------------------------------------------ internals
 
+    def history(self, batch: CtrBatch, field: int = 2, length: int = 5) -> list[str]:
+        """A behaviour sequence per record: ids of field ``field`` near the record's own.
+
+        Record ``n`` gets ``n % (length + 1)`` ids, each the field's id of rank
+        ``r + (hash(n, j) % 50)`` (``r`` the record's own rank), hex like the field's, joined
+        by ``"|"``: a deterministic function of ``(seed, n)``, empty for some records.
+
+        Args:
+            batch: records of this stream.
+            field: 0-based sparse field (2: C3).
+            length: most ids per record.
+
+        Returns:
+            One ``"|"``-joined string per record.
+        """
+        n = batch.indices.astype(np.uint64)
+        k = (batch.indices % np.uint64(length + 1)).astype(np.int64)
+        j = np.arange(length, dtype=np.uint64)[None, :]
+        step = (_mix(n[:, None] * np.uint64(length + 1) + j, self._keys["rank"][field])
+                % np.uint64(50)).astype(np.int64)
+        ranks = (batch.ranks[:, field][:, None] + step).astype(np.uint64)
+        ids = (_mix(ranks, self._keys["id"][field]) & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+        rows = _hex_rows(ids)  # "h1,h2,...": one row per record
+        return ["|".join(row.split(",")[:c]) for row, c in zip(rows, k.tolist(), strict=True)]
+
     def _features(
         self, idx: np.ndarray, positions: np.ndarray | None = None
     ) -> tuple[np.ndarray, np.ndarray]:

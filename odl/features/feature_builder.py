@@ -21,6 +21,12 @@ Feature kinds (``FeatureConfig.feature_type``):
   ``non_finite``.
 * ``RawFeature`` with ``boundaries``: row = ``searchsorted(boundaries, value, side="right")``
   in a table of ``len(boundaries) + 1`` rows (bucket i is ``[b[i-1], b[i])``).
+* ``SequenceFeature`` (of ids: ``sub_feature_type`` IdFeature): its ids as an IdFeature's,
+  the first ``max_seq_len`` (default :data:`DEFAULT_MAX_SEQ_LEN`) kept in order, each
+  position its own KJT key (:func:`sequence_key`: ``"<feature>#<position>"``, an id or an
+  empty bag) looked up in the feature's table, and the kept length a ``Batch.dense`` column
+  (:func:`sequence_length_column`: ``"<feature>#len"``, after the dense raw features). DIN
+  towers read them (``odl.models.tower_models``).
 * ``ComboFeature``: row = ``fnv1a64(v1 + combo_join_sep + v2 + ...) % hash_bucket_size`` over
   the input values' texts (not split); no id when any input is empty.
 * Features of a *dynamic* table (``ev_params`` / ``zch`` / ``ctr_accessor_param``, see
@@ -169,6 +175,20 @@ class BuildResult:
     rejected: list[tuple[int, str]] = field(default_factory=list)
 
 
+# SequenceFeature: positions kept when max_seq_len is 0
+DEFAULT_MAX_SEQ_LEN = 50
+
+
+def sequence_key(feature: str, position: int) -> str:
+    """The KJT key of position ``position`` of SequenceFeature ``feature``."""
+    return f"{feature}#{position}"
+
+
+def sequence_length_column(feature: str) -> str:
+    """The ``Batch.dense`` column holding SequenceFeature ``feature``'s length."""
+    return f"{feature}#len"
+
+
 @dataclass(frozen=True)
 class _Sparse:
     name: str
@@ -181,6 +201,14 @@ class _Sparse:
     raw_ids: bool = False
     vocab: _Vocabulary | None = None
     norm: tuple[float, float] | None = None  # (min_val, max_val - min_val)
+    seq_len: int = 0  # SequenceFeature: positions kept (one KJT key each); 0: not one
+
+    @property
+    def keys(self) -> list[str]:
+        """Its KJT keys: the feature, or one per position of a sequence."""
+        if self.seq_len:
+            return [sequence_key(self.name, p) for p in range(self.seq_len)]
+        return [self.name]
 
 
 @dataclass(frozen=True)
@@ -247,6 +275,7 @@ class FeatureBuilder:
 
         self._sparse: list[_Sparse] = []
         self._dense: list[tuple[str, str]] = []  # (feature name, input field)
+        self._seq_lengths: list[str] = []  # SequenceFeatures: a length column each
         # dense feature name -> (min_val, max_val - min_val) of a normalized RawFeature
         self._dense_norm: dict[str, tuple[float, float]] = {}
         tables: dict[str, dict] = {}
@@ -287,7 +316,11 @@ class FeatureBuilder:
                 if np.any(np.diff(b) <= 0):
                     raise ConfigError(f"{path}.boundaries", "must be strictly ascending")
                 sp = _Sparse(name, "bucket", (inp0,), len(b) + 1, boundaries=b, norm=norm)
-            elif fc.feature_type == _FT.IdFeature:
+            elif fc.feature_type in (_FT.IdFeature, _FT.SequenceFeature):
+                if (fc.feature_type == _FT.SequenceFeature
+                        and fc.sub_feature_type != _FT.IdFeature):
+                    raise ConfigError(f"{path}.sub_feature_type",
+                                      "a SequenceFeature of ids (IdFeature) is implemented")
                 vocab = None
                 if has_vocabulary(fc):
                     if fc.hash_bucket_size or fc.num_buckets:
@@ -310,8 +343,12 @@ class FeatureBuilder:
                     if vocab is None:
                         kind = "int" if fc.num_buckets and not fc.hash_bucket_size else "hash"
                     rows = dyn.capacity
+                seq_len = 0
+                if fc.feature_type == _FT.SequenceFeature:
+                    seq_len = int(fc.max_seq_len or DEFAULT_MAX_SEQ_LEN)
+                    self._seq_lengths.append(name)
                 sp = _Sparse(name, kind, (inp0,), rows, separator=fc.separator.encode(),
-                             raw_ids=dyn is not None, vocab=vocab)
+                             raw_ids=dyn is not None, vocab=vocab, seq_len=seq_len)
                 list_seps[inp0] = fc.separator
             elif fc.feature_type == _FT.ComboFeature:
                 if not fc.hash_bucket_size and dyn is None:
@@ -348,7 +385,7 @@ class FeatureBuilder:
             if t["pooling"] != fc.combiner:
                 raise ConfigError(f"{path}.combiner",
                                   f"table {tname!r} is shared by features with different combiners")
-            t["features"].append(name)
+            t["features"].extend(sp.keys)
         self._count_fields: list[str] = []
         for tname, t in tables.items():
             dyn = t["dynamic"]
@@ -385,13 +422,19 @@ class FeatureBuilder:
 
     @property
     def sparse_feature_names(self) -> list[str]:
-        """Embedded features, in KJT key order (config order)."""
-        return [sp.name for sp in self._sparse]
+        """KJT keys: embedded features in config order, a SequenceFeature one per position."""
+        return [k for sp in self._sparse for k in sp.keys]
 
     @property
     def dense_feature_names(self) -> list[str]:
-        """Raw features without boundaries, in ``Batch.dense`` column order."""
-        return [n for n, _ in self._dense]
+        """``Batch.dense`` columns: dense raw features, then each SequenceFeature's length."""
+        return [n for n, _ in self._dense] + [sequence_length_column(n)
+                                              for n in self._seq_lengths]
+
+    @property
+    def sequence_features(self) -> dict[str, int]:
+        """SequenceFeature name -> positions kept (``max_seq_len``)."""
+        return {sp.name: sp.seq_len for sp in self._sparse if sp.seq_len}
 
     @property
     def table_specs(self) -> list[TableSpec]:
@@ -609,6 +652,7 @@ class FeatureBuilder:
                 pos += k
         values_list = []
         lengths_list = []
+        seq_lengths: dict[str, np.ndarray] = {}
         for sp in self._sparse:
             if sp.kind == "hash":
                 _, _, lengths = pieces[sp.name]
@@ -628,15 +672,21 @@ class FeatureBuilder:
                 lengths = np.ones(n, dtype=np.int64)
             else:
                 ids, lengths = self._combo(parsed, sp)
+            if sp.seq_len:
+                ids, lengths, kept = _positions(ids, lengths, sp.seq_len)
+                seq_lengths[sp.name] = kept
             values_list.append(ids)
             lengths_list.append(lengths)
         values = np.concatenate(values_list) if values_list else np.zeros(0, dtype=np.int64)
         lengths = (np.concatenate(lengths_list) if lengths_list
                    else np.zeros(0, dtype=np.int64)).astype(np.int32)
-        if self._dense:
-            dense_np = np.empty((n, len(self._dense)), dtype=np.float32)
+        if self._dense or self._seq_lengths:
+            dense_np = np.empty((n, len(self._dense) + len(self._seq_lengths)),
+                                dtype=np.float32)
             for j, (name, inp) in enumerate(self._dense):
                 dense_np[:, j] = self._dense_values(parsed, name, inp)
+            for j, name in enumerate(self._seq_lengths, start=len(self._dense)):
+                dense_np[:, j] = seq_lengths[name]
         else:
             dense_np = np.zeros((n, 0), dtype=np.float32)
         arrays = BatchArrays(
@@ -669,6 +719,32 @@ class FeatureBuilder:
             h = hash_segments(buf, s, e, init=h)
         ids = _raw_ids(h[nonempty]) if sp.raw_ids else bucketize_hashes(h[nonempty], sp.num_rows)
         return ids, nonempty.astype(np.int64)
+
+
+def _positions(ids: np.ndarray, lengths: np.ndarray,
+               seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A sequence's ids by position: the KJT values and lengths of its ``seq_len`` keys.
+
+    Args:
+        ids: the sequence's ids, sample after sample.
+        lengths: ids per sample.
+        seq_len: positions kept (the first ones).
+
+    Returns:
+        ``(values, lengths, kept)``: position-major values (position 0's id of every sample
+        that has one, then position 1's, ...), ``[seq_len * B]`` lengths (0 or 1) in the same
+        order, and the kept length per sample.
+    """
+    lengths = lengths.astype(np.int64)
+    n = lengths.shape[0]
+    starts = np.cumsum(lengths) - lengths
+    pos = np.arange(ids.shape[0]) - np.repeat(starts, lengths)
+    sample = np.repeat(np.arange(n), lengths)
+    keep = pos < seq_len
+    order = np.lexsort((sample[keep], pos[keep]))  # position-major, samples in order
+    kept = np.minimum(lengths, seq_len)
+    per_key = (kept[None, :] > np.arange(seq_len)[:, None]).astype(np.int64).reshape(-1)
+    return ids[keep][order], per_key, kept
 
 
 def _raw_ids(values: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ from typing import NamedTuple, Optional
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 
-from odl.datagen.conversion_labels import encode_with_conversions
+from odl.datagen.datagen_config import records_for_model
 from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
 from odl.kafka.client_settings import consumer_config, producer_config
 
@@ -105,22 +105,23 @@ def produce(
 
 
 def make_records(n: int, seed: int = 0, fmt: str = "csv",
-                 conversions: bool = False) -> tuple[list[str], list[bytes]]:
+                 model: str = "DeepFM") -> tuple[list[str], list[bytes]]:
     """``n`` synthetic CTR records of the datagen schema.
 
     Args:
         n: records.
         seed: the stream's seed (same seed, same records).
         fmt: ``"csv"`` or ``"json"``.
-        conversions: add the ``buy`` label of ``odl.datagen.conversion_labels`` (the
-            multi-task configs of ``as_model_config_text``).
+        model: with the columns the ``as_model_config_text`` config of this model class
+            reads (``odl.datagen.datagen_config.records_for_model``).
 
     Returns:
         ``(sample_ids, encoded values)``.
     """
-    if conversions:
-        batch = SyntheticCtrStream(seed=seed).next_batch(n)
-        return list(batch.sample_ids), encode_with_conversions(batch, seed, fmt)
+    if model != "DeepFM":
+        stream = SyntheticCtrStream(seed=seed)
+        batch = stream.next_batch(n)
+        return list(batch.sample_ids), records_for_model(model, stream, batch, fmt)
     records = SyntheticCtrStream(seed=seed).next_records(n)
     return [r["sample_id"] for r in records], [encode(r, fmt) for r in records]
 

@@ -12,6 +12,7 @@ gates).
 * :func:`fm_term`: ``0.5 * ((sum_i v_i)**2 - sum_i v_i**2)`` over ``[B, n, d]`` vectors.
 * :class:`CrossNet`: DCN v1's cross network, ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l``.
 * :class:`CrossNetV2`: DCN v2's, ``x_{l+1} = x_0 * (V_l (U_l x_l) + b_l) + x_l`` (low rank).
+* :class:`TargetAttention`: DIN's attention of a key over a behaviour sequence;
 * :class:`ExpertGates`: MMoE's experts and per-task softmax gates,
   ``task_t = sum_e softmax(G_t(x))_e * expert_e(x)``.
 
@@ -30,12 +31,15 @@ from odl.protos import pipeline_pb2
 logger = logging.getLogger(__name__)
 
 
-def build_mlp(in_dim: int, dnn: pipeline_pb2.DNN) -> tuple[nn.Sequential, int]:
+def build_mlp(in_dim: int, dnn: pipeline_pb2.DNN,
+              last_plain: bool = False) -> tuple[nn.Sequential, int]:
     """EasyRec's DNN: per hidden layer Linear, [BatchNorm], ReLU, [Dropout].
 
     Args:
         in_dim: input width.
         dnn: the layer settings.
+        last_plain: the last layer is a Linear alone (no BatchNorm, activation or dropout:
+            EasyRec's ``last_layer_no_activation``, a score).
 
     Returns:
         ``(module, output width)``.
@@ -49,6 +53,9 @@ def build_mlp(in_dim: int, dnn: pipeline_pb2.DNN) -> tuple[nn.Sequential, int]:
     width = in_dim
     for i, units in enumerate(dnn.hidden_units):
         layers.append(nn.Linear(width, int(units)))
+        if last_plain and i == len(dnn.hidden_units) - 1:
+            width = int(units)
+            break
         if dnn.use_bn:
             layers.append(nn.BatchNorm1d(int(units)))
         layers.append(nn.ReLU())
@@ -110,6 +117,53 @@ class CrossNetV2(nn.Module):
         for layer in self.layers:
             x = x0 * layer(x) + x
         return x
+
+
+class TargetAttention(nn.Module):
+    """DIN's target attention over a behaviour sequence; scriptable.
+
+    Its input is one ``[B, key + seq_len * item + 1]`` tensor: the key's embedding
+    (``key`` columns), the sequence's item embeddings position after position (``item``
+    columns each, as wide as the key), then the sequence's length. Per position ``p``
+    ``score_p = MLP([k, h_p, k - h_p, k * h_p])`` (the MLP's last layer one unit, no
+    activation); positions at or past the length get ``-2**32 + 1``; the output is
+    ``[sum_p softmax(score)_p * h_p, k]``, ``[B, 2 * key]`` (EasyRec's ``din``).
+
+    Args:
+        key: width of the key (and of each item).
+        seq_len: positions of the sequence.
+        dnn: the attention MLP (its last layer of 1 unit).
+
+    Raises:
+        ValueError: the MLP does not end in one unit.
+    """
+
+    __constants__ = ["key", "seq_len"]
+
+    def __init__(self, key: int, seq_len: int, dnn: pipeline_pb2.DNN) -> None:
+        super().__init__()
+        if not dnn.hidden_units or int(dnn.hidden_units[-1]) != 1:
+            raise ValueError("a DIN tower's dnn must end in a layer of 1 unit (the score)")
+        self.key = int(key)
+        self.seq_len = int(seq_len)
+        self.mlp, _ = build_mlp(4 * self.key, dnn, last_plain=True)
+        self.out_width = 2 * self.key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, 2 * key]``: the attended sequence, then the key."""
+        b = x.shape[0]
+        k = x[:, : self.key]
+        h = x[:, self.key : self.key + self.seq_len * self.key].reshape(b, self.seq_len,
+                                                                          self.key)
+        length = x[:, -1:]
+        q = k.unsqueeze(1).expand(b, self.seq_len, self.key)
+        att_in = torch.cat([q, h, q - h, q * h], dim=2).reshape(b * self.seq_len, 4 * self.key)
+        scores = self.mlp(att_in).reshape(b, self.seq_len)
+        positions = torch.arange(self.seq_len, device=x.device, dtype=x.dtype).unsqueeze(0)
+        scores = torch.where(positions < length, scores,
+                             torch.full_like(scores, -2.0**32 + 1))
+        weights = torch.softmax(scores, dim=1)
+        return torch.cat([(weights.unsqueeze(2) * h).sum(dim=1), k], dim=1)
 
 
 class _Gate(nn.Module):

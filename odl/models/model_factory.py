@@ -17,12 +17,13 @@ from odl.config.model_classes import (
     is_multi_task_model,
     is_tower_model,
     multi_task_settings,
+    sequence_attention_features,
     task_label_names,
     tower_settings,
     uses_fm,
     wide_deep_settings,
 )
-from odl.features.feature_builder import FeatureBuilder
+from odl.features.feature_builder import FeatureBuilder, sequence_key, sequence_length_column
 from odl.models.ctr_model import CtrModel
 from odl.models.deepfm import DeepFM
 from odl.models.embedding_tables import build_embedding_layout
@@ -187,9 +188,25 @@ def _build_multi_task_model(mc: pipeline_pb2.EasyRecModel, feature_builder: Feat
 
 def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder,
                        output_name: str) -> CtrModel:
-    """MultiTower / DCN: the towers' feature groups, split into embedded and dense features."""
+    """MultiTower(DIN) / DCN(V2): the towers' groups, split into embedded and dense features.
+
+    A DIN tower's group (a sequence attention group) holds its keys, then its sequences'
+    positional keys position after position, and, as its dense feature, the first
+    sequence's length column.
+    """
     field, _settings, towers = tower_settings(mc)
     groups = _embedded_and_dense(mc, feature_builder)
+    seq_lens = feature_builder.sequence_features
+    for kind, group, _tower in towers:
+        if kind != "din" or group in groups:
+            continue
+        keys, hists = sequence_attention_features(mc, group)
+        if not hists or any(h not in seq_lens for h in hists):
+            raise ConfigError("model_config.seq_att_groups",
+                              f"group {group!r} needs SequenceFeatures in hist_seq")
+        positions = seq_lens[hists[0]]
+        groups[group] = (keys + [sequence_key(h, p) for p in range(positions) for h in hists],
+                         [sequence_length_column(hists[0])])
     embedded: list[str] = []
     for _kind, group, _tower in towers:
         for f in groups.get(group, ([], []))[0]:

@@ -6,16 +6,19 @@ outputs are concatenated into ``final_dnn`` and one logit::
     tower_i = DNN_i(x_i)                  MultiTower: one per multi_tower.towers[i]
     tower_i = Cross(x_i)                  DCN: deep_tower (a DNN) and cross_tower (Cross)
     tower_i = CrossV2(backbone(x))        DCNV2: over the first group, then its deep DNN
+    tower_i = DIN(key, sequence)          MultiTowerDIN: its towers, then one per din_towers[i]
     logit   = Linear(final_dnn(concat(tower_0, tower_1, ...)) -> 1)
 
 ``x_i`` is the tower's feature group: the pooled embeddings of its embedded features, then
 its dense (raw) features. The cross network is DCN v1's,
 ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l`` for ``cross_num`` layers (``w_l``, ``b_l`` of
 the input's width); DCN v2's is ``CrossNetV2`` of ``odl.models.building_blocks`` (low-rank
-weights). The sparse part has one pooled group, ``towers``: every tower's lookups,
-tower after tower (a feature read by two towers is looked up twice, which is also how
-embedding regularization counts it), each as wide as its table (features of different
-``embedding_dim`` are concatenated, as in EasyRec).
+weights); a DIN tower is ``TargetAttention`` over a sequence attention group
+(``model_config.seq_att_groups``: its keys' lookups, then its SequenceFeatures' positions,
+and the first sequence's length as the tower's dense input). The sparse part has one pooled
+group, ``towers``: every tower's lookups, tower after tower (a feature read by two towers is
+looked up twice, which is also how embedding regularization counts it), each as wide as its
+table (features of different ``embedding_dim`` are concatenated, as in EasyRec).
 
 Loss: the configured prediction loss (``odl.models.ctr_losses``; binary cross entropy by
 default) + ``l2_regularization`` * the sum of squared
@@ -24,7 +27,7 @@ lookup) of the squared pooled embedding.
 
 Parameter names: ``dense.towers.<i>.*`` (a DNN: ``Sequential`` layers; a cross network:
 ``weights``, ``biases``; DCNV2's: ``0.*`` the backbone, ``1.layers.<l>.*`` the cross
-layers), ``dense.final_dnn.*``, ``dense.final_out.*``.
+layers; a DIN tower's: ``mlp.*``), ``dense.final_dnn.*``, ``dense.final_out.*``.
 
 This module has no ``from __future__ import annotations``: TorchScript reads the dense
 class's annotations as types.
@@ -37,9 +40,9 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from odl.config.model_classes import tower_settings
+from odl.config.model_classes import sequence_attention_features, tower_settings
 from odl.features.batch import Batch
-from odl.models.building_blocks import CrossNet, CrossNetV2, build_mlp
+from odl.models.building_blocks import CrossNet, CrossNetV2, TargetAttention, build_mlp
 from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
@@ -53,9 +56,10 @@ class TowerDense(nn.Module):
 
     Args:
         towers: per tower ``(kind, width, dense columns, settings)``: kind ``"dnn"``
-            (settings: a ``DNN``), ``"cross"`` (settings: ``cross_num``) or ``"cross_v2"``
-            (settings: ``(CrossV2, backbone DNN or None)``), the columns of its lookups in
-            the ``towers`` group, its columns of the raw dense features.
+            (settings: a ``DNN``), ``"cross"`` (settings: ``cross_num``), ``"cross_v2"``
+            (settings: ``(CrossV2, backbone DNN or None)``) or ``"din"`` (settings: ``(DNN,
+            key width, seq_len)``; its input: keys, positions, length), the columns of its
+            lookups in the ``towers`` group, its columns of the raw dense features.
         final_dnn: the ``final_dnn`` settings.
 
     Raises:
@@ -81,6 +85,11 @@ class TowerDense(nn.Module):
             if kind == "cross":
                 self.towers.append(CrossNet(in_width, int(settings)))
                 width += in_width
+            elif kind == "din":
+                dnn, key_width, seq_len = settings
+                attention = TargetAttention(key_width, seq_len, dnn)
+                self.towers.append(attention)
+                width += attention.out_width
             elif kind == "cross_v2":
                 cross, backbone = settings
                 mlp, out = (build_mlp(in_width, backbone) if backbone is not None
@@ -161,7 +170,15 @@ class TowerModel(CtrModel):
             sparse, dense = groups[group]
             lookups += [(f, table_of[f]) for f in sparse]
             dims += [dim_of[f] for f in sparse]
-            specs.append((kind, sum(dim_of[f] for f in sparse), [col[n] for n in dense], tower))
+            width = sum(dim_of[f] for f in sparse)
+            if kind == "din":  # keys, then seq_len positions as wide as the keys
+                keys, _hists = sequence_attention_features(model_config, group)
+                key_width = sum(dim_of[k] for k in keys)
+                if key_width == 0 or (width - key_width) % key_width:
+                    raise ValueError(f"DIN group {group!r}: the sequences' embeddings must be "
+                                     f"as wide as the keys' ({key_width})")
+                tower = (tower.dnn, key_width, (width - key_width) // key_width)
+            specs.append((kind, width, [col[n] for n in dense], tower))
         self.dense = TowerDense(specs, settings.final_dnn)
         self.pooled_layout = (PooledGroup.of("towers", tuple(lookups), dims),)
         self.output_names = (output_name,)

@@ -1,0 +1,89 @@
+"""SequenceFeature (positions as keys, length as a dense column) and its DIN config checks."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import pytest
+
+from odl.config.config_error import ConfigError
+from odl.config.config_validation import validate_pipeline_config
+from odl.config.pipeline_config import load_pipeline_config
+from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
+from odl.features.feature_builder import FeatureBuilder, sequence_key, sequence_length_column
+from odl.features.id_hashing import bucketize_hashes, hash_segments
+
+TEXT = as_model_config_text(deepfm_config_text("/tmp/odl-seq-unused", dim=8, buckets=50,
+                                               hidden_units=(16,)), "MultiTowerDIN")
+
+
+def _config(text: str = TEXT):
+    with tempfile.NamedTemporaryFile("w", suffix=".config", delete=False) as f:
+        f.write(text)
+    try:
+        config = load_pipeline_config(f.name)
+    finally:
+        os.unlink(f.name)
+    validate_pipeline_config(config, online=True)
+    return config
+
+
+def _row(fb: FeatureBuilder, history: str) -> bytes:
+    dense = ",".join("1.0" for _ in range(13))
+    ids = ",".join(f"c{i}" for i in range(1, 27))
+    return f"s1,1767225600.0,1,{dense},{ids},{history}".encode()
+
+
+def _bucket(token: str, rows: int = 50) -> int:
+    buf = np.frombuffer(token.encode(), dtype=np.uint8)
+    h = hash_segments(buf, np.array([0]), np.array([len(buf)]))
+    return int(bucketize_hashes(h, rows)[0])
+
+
+def test_positions_are_keys_and_the_kept_length_a_dense_column():
+    fb = FeatureBuilder(_config())
+    keys = [sequence_key("hist_C3", p) for p in range(5)]
+    assert [k for k in fb.sparse_feature_names if k.startswith("hist_C3")] == keys
+    assert fb.dense_feature_names[-1] == sequence_length_column("hist_C3")
+    assert fb.feature_to_table[keys[3]] == "hist_C3"
+    histories = ["a|b|c", "", "a|b|c|d|e|f|g", "z"]  # the third is cut to its first 5
+    batch = fb.build([_row(fb, h) for h in histories]).batch
+    assert batch.dense[:, -1].tolist() == [3.0, 0.0, 5.0, 1.0]
+    kjt = batch.sparse.to_dict()
+    want = [["a", "b", "c"], [], ["a", "b", "c", "d", "e"], ["z"]]
+    for p, key in enumerate(keys):
+        got = kjt[key].to_padded_dense(desired_length=1, padding_value=-1).flatten().tolist()
+        expect = [_bucket(w[p]) if p < len(w) else -1 for w in want]
+        assert got == expect, (key, got, expect)
+
+
+@pytest.mark.parametrize("edit, field, words", [
+    (('din_towers { input: "din" dnn { hidden_units: [8, 1] } }',
+      'din_towers { input: "din" dnn { hidden_units: [8, 4] } }'),
+     "model_config.multi_tower.din_towers[0].dnn.hidden_units", "1 unit"),
+    (('din_towers { input: "din"', 'din_towers { input: "seq"'),
+     "model_config.multi_tower.din_towers[0].input", "seq_att_groups"),
+    (('seq_att_map { key: "C3" hist_seq: "hist_C3" }',
+      'seq_att_map { key: "C3" hist_seq: "C4" }'),
+     "model_config.seq_att_groups[0].seq_att_map[0].hist_seq", "SequenceFeature"),
+    (('feature_names: "C2" feature_names: "C3"',
+      'feature_names: "C2" feature_names: "hist_C3" feature_names: "C3"'),
+     "model_config.feature_groups[0].feature_names[2]", "sequence_combiner"),
+    (('model_class: "MultiTowerDIN"', 'model_class: "MultiTower"'),
+     "model_config.multi_tower.din_towers", "MultiTowerDIN"),
+])
+def test_din_config_errors_name_the_field(edit, field, words):
+    assert edit[0] in TEXT, edit[0]
+    with pytest.raises(ConfigError) as e:
+        _config(TEXT.replace(*edit))
+    assert e.value.field == field and words in str(e.value), e.value
+
+
+def test_keys_and_sequences_must_be_as_wide():
+    text = TEXT.replace('feature_type: SequenceFeature separator: "|" embedding_dim: 8',
+                        'feature_type: SequenceFeature separator: "|" embedding_dim: 16')
+    with pytest.raises(ConfigError) as e:
+        _config(text)
+    assert e.value.field == "model_config.seq_att_groups[0]" and "as wide" in str(e.value)
