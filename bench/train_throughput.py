@@ -26,7 +26,8 @@ broker's save of them to finish (see ``odl.broker.embedded_broker``).
 
     .venv/bin/python bench/train_throughput.py [--batches 120] [--rounds 5] [--num-workers 0]
         [--input-process 1|0|both] [--device cpu|cuda|auto] [--torch-threads 0]
-        [--model DeepFM|WideAndDeep|MultiTower|DCN|MMoE|DBMTL] [--json out.json]
+        [--model DeepFM|WideAndDeep|MultiTower|MultiTowerDIN|DCN|DCNV2|MMoE|DBMTL]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -51,11 +52,10 @@ from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.config.model_classes import IMPLEMENTED_MODEL_CLASSES  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
-from odl.datagen.conversion_labels import encode_with_conversions  # noqa: E402
 from odl.datagen.datagen_config import (  # noqa: E402
-    MULTI_TASK_MODELS,
     as_model_config_text,
     deepfm_config_text,
+    records_for_model,
 )
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
@@ -163,10 +163,9 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="odl-bench-")
     n = args.batches * BATCH
     stream = SyntheticCtrStream(seed=5)
-    sample = stream.next_batch(n)
-    # the multi-task models train on a second label: the stream's conversions
-    values = (encode_with_conversions(sample, 5) if args.model in MULTI_TASK_MODELS
-              else sample.encode("csv"))
+    # with the columns the model's config reads (the multi-task models' second label,
+    # MultiTowerDIN's behaviour sequence)
+    values = records_for_model(args.model, stream, stream.next_batch(n))
     names = {"1": ["online"], "0": ["online_threads"],
              "both": ["online", "online_threads"]}[args.input_process] + ["torchrec"]
     if args.model == "DeepFM":

@@ -336,8 +336,8 @@ def test_every_field_error_of_a_config_in_one_run(tmp_path: Path) -> None:
     [
         ('feature_configs { input_names: "a" feature_type: LookupFeature }',
          "feature_configs[0].feature_type", "LookupFeature"),
-        ('feature_configs { input_names: "a" feature_type: LookupFeature }',
-         "feature_configs[0].feature_type", "LookupFeature"),
+        ('feature_configs { input_names: "a" feature_type: ExprFeature }',
+         "feature_configs[0].feature_type", "ExprFeature"),
         ("model_config { loss_type: JRC_LOSS }", "model_config.loss_type", "JRC_LOSS"),
         ("data_config { input_type: OdpsInputV2 }", "data_config.input_type", "OdpsInputV2"),
     ],
