@@ -30,7 +30,10 @@ logger = logging.getLogger(__name__)
 
 
 def published_table_dims(module: Any) -> dict[str, tuple[int, int]]:
-    """Table name -> ``(num_rows, published dim)``; wide tables use wide_output_dim.
+    """Table name -> ``(num_rows, published dim)``: the columns the model reads.
+
+    A table is stored with a multiple of 4 columns; a wide table is read (and published) at
+    ``wide_output_dim``, a deep one at its ``embedding_dim`` (``EmbeddingLayout.read_dims``).
 
     Args:
         module: a ``TrainModule``.
@@ -39,13 +42,10 @@ def published_table_dims(module: Any) -> dict[str, tuple[int, int]]:
         The table sizes as published.
     """
     layout = getattr(module.model, "layout", None)
-    wide = set(layout.wide_tables) if layout is not None else set()
+    read = dict(layout.read_dims) if layout is not None else {}
     out = {}
     for name, w in module.embedding_tables().items():
-        dim = int(w.shape[1])
-        if name in wide:
-            dim = int(layout.wide_output_dim)
-        out[name] = (int(w.shape[0]), dim)
+        out[name] = (int(w.shape[0]), int(read.get(name, w.shape[1])))
     return out
 
 

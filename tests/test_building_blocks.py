@@ -93,3 +93,14 @@ def test_target_attention_attends_over_the_positions_within_the_length():
         want = torch.cat([(w.unsqueeze(1) * h[i, :n]).sum(0), k[i]])
         assert torch.allclose(got[i], want, atol=1e-5), i
     assert torch.allclose(torch.jit.script(att)(x), got, atol=1e-6)
+
+
+def test_raw_projection_scales_each_feature_row_by_its_value():
+    from odl.models.deepfm import RawProjection
+
+    proj = RawProjection(2, 3)
+    values = torch.tensor([[2.0, -1.0], [0.0, 0.5]])
+    out = proj(values)
+    w = proj.weight
+    want = torch.cat([values[:, :1] * w[0], values[:, 1:] * w[1]], dim=1)
+    assert torch.allclose(out, want) and out.shape == (2, 6)

@@ -44,6 +44,8 @@ LOADS = {
     "easyrec/deepfm_vocab_list_on_taobao.config",
     "easyrec/multi_tower_early_stop_on_taobao.config",
     "easyrec/din_on_taobao.config",
+    "easyrec/deepfm_on_criteo.config",
+    "easyrec/deepfm_on_criteo_tfrecord.config",
     "torcheasyrec/dbmtl.config",
     "torcheasyrec/deepfm.config",
     "torcheasyrec/deepfm_criteo.config",

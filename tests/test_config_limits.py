@@ -110,8 +110,6 @@ def test_sample_configs_validate_without_side_effects(tmp_path: Path, host_memor
     ({"model_config.deepfm.dnn.hidden_units": [8] * 65}, "model_config.deepfm.dnn.hidden_units",
      "65 layers"),
     ({"data_config.batch_size": 1e9}, "data_config.batch_size", "limit of 1,048,576"),
-    ({"feature_configs[embedding_dim=16].embedding_dim": 10},
-     "feature_configs[0].embedding_dim", "multiple of 4"),
     ({"feature_configs[embedding_dim=16].embedding_dim": 8192},
      "feature_configs[0].embedding_dim", "limit"),
     ({"model_config.deepfm.wide_output_dim": 100000,

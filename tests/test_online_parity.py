@@ -158,17 +158,39 @@ def test_serving_replay_matches_trainer_predictions(
 @pytest.mark.parametrize("model", ["WideAndDeep", "MMoE"])
 def test_mixed_embedding_dims_replay_to_parity(kafka_bootstrap, kafka_topic_factory, tmp_path,
                                                model):
-    """EasyRec concatenates embeddings of different dims: C2 and C5 16 wide among 8s."""
+    """EasyRec concatenates embeddings of different dims: C2 16 and C5 10 wide among 8s.
+
+    C5's table is stored 12 wide (fbgemm needs a multiple of 4) and read, published and
+    exported at 10.
+    """
     delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
     edits = tuple((f'input_names: "{c}" feature_type: IdFeature embedding_dim: 8',
-                   f'input_names: "{c}" feature_type: IdFeature embedding_dim: 16')
-                  for c in ("C2", "C5"))
+                   f'input_names: "{c}" feature_type: IdFeature embedding_dim: {d}')
+                  for c, d in (("C2", 16), ("C5", 10)))
     trainer, cfg = _train_with_publishing(
         tmp_path, kafka_bootstrap, kafka_topic_factory,
         _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), model=model, edits=edits)
     group = trainer.module.model.pooled_layout[0]
     dims = dict(zip((f for f, _t in group.lookups), group.dims, strict=True))
-    assert group.dim == 0 and dims["C2"] == dims["C5"] == 16 and dims["C1"] == 8
+    assert group.dim == 0 and (dims["C2"], dims["C5"], dims["C1"]) == (16, 10, 8)
+    assert trainer.module.embedding_tables()["C5"].shape[1] == 12
+    _status, diff = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)
+    assert diff <= 1e-6
+
+
+def test_projected_raw_features_replay_to_parity(kafka_bootstrap, kafka_topic_factory,
+                                                 tmp_path):
+    """EasyRec's projected raw features (I1, I2 with an embedding_dim) join DeepFM's FM."""
+    delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
+    edits = tuple((f'feature_configs {{ input_names: "{f}" feature_type: RawFeature }}',
+                   f'feature_configs {{ input_names: "{f}" feature_type: RawFeature '
+                   "embedding_dim: 8 }") for f in ("I1", "I2"))
+    trainer, cfg = _train_with_publishing(
+        tmp_path, kafka_bootstrap, kafka_topic_factory,
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), edits=edits)
+    dense = trainer.module.model.dense
+    assert dense.num_projected == 2 and tuple(dense.projection.weight.shape) == (2, 8)
+    assert dense.use_fm and len(dense.deep_dense_idx) == 11  # I3..I13 stay raw DNN inputs
     _status, diff = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)
     assert diff <= 1e-6
 

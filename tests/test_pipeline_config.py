@@ -560,8 +560,9 @@ def test_edit_malformed_json(online) -> None:
          "feature_configs[39].boundaries"),
         ({"feature_configs[feature_name=I1_bucket].embedding_dim": 0}, True,
          "feature_configs[39].embedding_dim"),
+        # a projected raw feature joins FM: it needs FM's dim
         ({"feature_configs[feature_name=I2].embedding_dim": 4}, True,
-         "feature_configs[27].embedding_dim"),
+         "model_config.feature_groups[1].feature_names"),
         ({"feature_configs[27].feature_name": "I2", "feature_configs[27].input_names": ["C1"]},
          True,
          "feature_configs[27].input_names[0]"),

@@ -19,6 +19,7 @@ __all__ = [
     "embedded_feature",
     "feature_configs",
     "feature_list_path",
+    "projected_raw",
 ]
 
 FeatureConfig = pipeline_pb2.FeatureConfig
@@ -70,6 +71,15 @@ def feature_list_path(config: pipeline_pb2.EasyRecConfig) -> str:
         ``"feature_configs"`` or ``"feature_config.features"``, the form the config uses.
     """
     return "feature_configs" if config.feature_configs else "feature_config.features"
+
+
+def projected_raw(fc: FeatureConfig) -> bool:
+    """Whether a feature is EasyRec's projected raw feature (``value * p``, ``p`` learned).
+
+    That is a RawFeature with an ``embedding_dim`` and no ``boundaries``.
+    """
+    return (fc.feature_type == _FT.RawFeature and not fc.boundaries
+            and fc.embedding_dim > 0)
 
 
 def embedded_feature(fc: FeatureConfig) -> bool:

@@ -8,7 +8,8 @@ together fit the host is a separate check (:mod:`odl.config.memory_estimate`).
 Bounds that come from a library:
 
 * ``EMBEDDING_DIM_ALIGN``: fbgemm's table-batched embedding kernels (CPU and CUDA) accept
-  only dimensions that are multiples of 4 (``embedding_dim must be a multiple of 4``).
+  only dimensions that are multiples of 4 (``embedding_dim must be a multiple of 4``): tables
+  are stored padded to one (``odl.models.embedding_tables.storage_dim``).
 * ``MAX_FETCH_INTERVAL_MS``: ``data_config.fetch_interval_ms`` becomes librdkafka's
   ``fetch.queue.backoff.ms``, whose range is 0..300000.
 * ``MAX_BATCH_SIZE``: the consumer prefetches ``4 * batch_size`` records
@@ -24,7 +25,7 @@ from __future__ import annotations
 # index then also fits an int32, the narrower of the two index types fbgemm's kernels take.
 MAX_TABLE_ROWS = 2**31 - 1
 
-# Embedding dimensions: a multiple of EMBEDDING_DIM_ALIGN (fbgemm), at most MAX_EMBEDDING_DIM.
+# Embedding dimensions: at most MAX_EMBEDDING_DIM; stored padded to EMBEDDING_DIM_ALIGN.
 EMBEDDING_DIM_ALIGN = 4
 MAX_EMBEDDING_DIM = 4096
 

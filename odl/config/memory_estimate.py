@@ -406,7 +406,9 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
             deep_in += 1
             continue
         dim = int(fc.embedding_dim)
-        add_table(fc.embedding_name or name, _rows(fc, model_ev), dim, fc)
+        # stored with a multiple of 4 columns (odl.models.embedding_tables.storage_dim)
+        add_table(fc.embedding_name or name, _rows(fc, model_ev),
+                  -(-dim // WIDE_DIM_ALIGN) * WIDE_DIM_ALIGN, fc)
         deep_in += dim
         pooled += dim
         fm_dim = max(fm_dim, dim)

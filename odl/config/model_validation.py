@@ -10,8 +10,8 @@ The rules DeepFM and its embedding tables rely on, checked before anything is bu
   :mod:`odl.config.limits`;
 * model: unique, non-empty feature groups naming existing features; DeepFM's ``wide`` and
   ``deep`` groups and its ``dnn``; ``wide_output_dim`` equal to ``num_class`` without a
-  ``final_dnn``; deep-table dims that are multiples of ``limits.EMBEDDING_DIM_ALIGN``; one
-  embedding dim across the FM group (the other models concatenate embeddings of any dims);
+  ``final_dnn``; one embedding dim across the FM group (the other models concatenate
+  embeddings of any dims);
   MultiTower / DCN towers over existing groups; MMoE / DBMTL tasks, labels and relations.
 
 Called by :func:`odl.config.config_validation.validate_pipeline_config`.
@@ -32,10 +32,12 @@ from odl.config.feature_configs import (
     embedded_feature,
     feature_configs,
     feature_list_path,
+    projected_raw,
 )
 from odl.config.loss_settings import POINTWISE_LOSS_TYPES
 from odl.config.model_classes import (
     IMPLEMENTED_MODEL_CLASSES,
+    WIDE_DEEP_MODEL_CLASSES,
     is_multi_task_model,
     is_tower_model,
     multi_task_settings,
@@ -152,13 +154,11 @@ def validate_features(
                                                              "ascending")
                 if len(b) + 1 > limits.MAX_TABLE_ROWS:
                     raise ConfigError(f"{where}.boundaries", "too many boundaries")
-            else:
-                if fc.embedding_dim:
+            else:  # dense, or projected (embedding_dim: value times a learned vector)
+                if fc.embedding_dim > limits.MAX_EMBEDDING_DIM:
                     raise ConfigError(f"{where}.embedding_dim",
-                                      "a RawFeature without boundaries is a dense input; an "
-                                      "embedding_dim for it (EasyRec's projected raw feature) "
-                                      "is not implemented by odl yet; add boundaries or remove "
-                                      "embedding_dim")
+                                      f"{fc.embedding_dim} is above the limit of "
+                                      f"{limits.MAX_EMBEDDING_DIM}")
                 continue
         if fc.feature_type == _FT.SequenceFeature:
             if fc.sub_feature_type != _FT.IdFeature:
@@ -219,6 +219,13 @@ def validate_model(
         for j, name in enumerate(g.feature_names):
             if name not in features:
                 raise ConfigError(f"{where}.feature_names[{j}]", f"no feature named {name!r}")
+            if (projected_raw(features[name])
+                    and mc.model_class not in WIDE_DEEP_MODEL_CLASSES):
+                raise ConfigError(f"{where}.feature_names[{j}]",
+                                  f"RawFeature {name!r} has an embedding_dim and no "
+                                  "boundaries (EasyRec's projected raw feature): implemented "
+                                  "for DeepFM and WideAndDeep; for "
+                                  f"{mc.model_class} add boundaries or remove embedding_dim")
             if features[name].feature_type == _FT.SequenceFeature:
                 raise ConfigError(f"{where}.feature_names[{j}]",
                                   f"SequenceFeature {name!r} is read through "
@@ -259,8 +266,15 @@ def validate_model(
     for name in ("l2_regularization", "wide_regularization", "dense_regularization"):
         if name in d.DESCRIPTOR.fields_by_name and getattr(d, name) < 0:
             raise ConfigError(f"{where}.{name}", "must be >= 0")
-    _check_deep_dims(config, features)
     fm = uses_fm(mc)
+    deep_gi = groups["deep"]
+    projected = {n: features[n].embedding_dim for n in mc.feature_groups[deep_gi].feature_names
+                 if projected_raw(features[n])}
+    if len(set(projected.values())) > 1:
+        shown = ", ".join(f"{n}={v}" for n, v in list(projected.items())[:6])
+        raise ConfigError(f"model_config.feature_groups[{deep_gi}].feature_names",
+                          f"the deep group's projected raw features need one embedding_dim; "
+                          f"got {shown}")
     if not fm:  # WideAndDeep concatenates the deep group's embeddings, whatever their dims
         return
     # FM takes inner products of the group's embeddings: one dim
@@ -268,7 +282,7 @@ def validate_model(
     why = "FM needs"
     gi = groups[group]
     dims = {n: features[n].embedding_dim for n in mc.feature_groups[gi].feature_names
-            if embedded_feature(features[n])}
+            if embedded_feature(features[n]) or projected_raw(features[n])}
     if not dims:
         raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
                           f'the "{group}" group needs at least one embedded feature for FM')
@@ -374,7 +388,6 @@ def _validate_multi_task(config: pipeline_pb2.EasyRecConfig,
     if unused:
         raise ConfigError("data_config.label_fields",
                           f"label fields {unused} are not trained by any task")
-    _check_deep_dims(config, features)
 
 
 def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, FeatureConfig],
@@ -441,7 +454,6 @@ def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, Fea
     _validate_dnn(settings.final_dnn, f"{where}.final_dnn", required=True)
     if settings.l2_regularization < 0:
         raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
-    _check_deep_dims(config, features)
 
 
 def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
@@ -480,24 +492,6 @@ def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
                                      "allow_key_transform is not implemented)")
         if len(lengths) > 1:
             raise ConfigError(where, "the group's SequenceFeatures need one max_seq_len")
-
-
-def _check_deep_dims(
-    config: pipeline_pb2.EasyRecConfig, features: dict[str, FeatureConfig]
-) -> None:
-    """Refuses deep-table dims that are not multiples of 4 (fbgemm's kernels need them)."""
-    align = limits.EMBEDDING_DIM_ALIGN
-    index = {fc.feature_name: i for i, fc in enumerate(feature_configs(config))}
-    prefix = feature_list_path(config)
-    for g in config.model_config.feature_groups:
-        if g.wide_deep not in (pipeline_pb2.DEEP, pipeline_pb2.WIDE_AND_DEEP):
-            continue
-        for name in g.feature_names:
-            fc = features[name]
-            if embedded_feature(fc) and fc.embedding_dim % align:
-                raise ConfigError(f"{prefix}[{index[name]}].embedding_dim",
-                                  f"{fc.embedding_dim} is not a multiple of {align} (fbgemm's "
-                                  "embedding kernels need one)")
 
 
 def _validate_dnn(dnn: Any, where: str, required: bool) -> None:

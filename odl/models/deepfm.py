@@ -7,8 +7,9 @@ pooled groups) and the raw dense features::
 
     wide  = sum over wide lookups of their wide_output_dim weights              [B, W]
             (+ a linear term over the dense features of a wide group) + bias
-    fm    = 0.5 * ((sum_i v_i)**2 - sum_i v_i**2)  over the deep lookups' vectors [B, D]
-    deep  = DNN(concat(deep, deep dense features))                               [B, H]
+    v_i   = the deep lookups' vectors, then value_j * p_j for each projected raw feature j
+    fm    = 0.5 * ((sum_i v_i)**2 - sum_i v_i**2)  over the v_i                    [B, D]
+    deep  = DNN(concat(v_i, deep dense features))                                [B, H]
     logit = sum(wide) + sum(fm) + Linear(deep -> 1)              (no final_dnn)
     logit = Linear(final_dnn(concat(wide, fm, deep)) -> 1)       (with final_dnn)
 
@@ -22,7 +23,8 @@ rows for single-valued features.
 
 Parameter names: the tables are ``ebc.embedding_bags.<table>.weight``; every dense parameter
 lives under ``dense.`` (``dense.dnn.*``, ``dense.deep_out.*``, ``dense.final_dnn.*``,
-``dense.final_out.*``, ``dense.wide_bias``, ``dense.wide_dense.*``).
+``dense.final_out.*``, ``dense.wide_bias``, ``dense.wide_dense.*``, ``dense.projection.weight``
+(the projected raw features' rows, registered last)).
 
 This module has no ``from __future__ import annotations``: TorchScript reads
 ``DeepFMDense``'s class annotations as types.
@@ -41,10 +43,27 @@ from odl.features.batch import Batch
 from odl.models.building_blocks import build_mlp, fm_term
 from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
-from odl.models.embedding_tables import EmbeddingLayout
+from odl.models.embedding_tables import DEEP_INIT_STD, EmbeddingLayout
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
+
+
+class RawProjection(nn.Module):
+    """Projected raw features: ``[B, n]`` values to ``[B, n * dim]``, ``value_i * p_i``.
+
+    EasyRec's RawFeature with ``embedding_dim`` and no ``boundaries`` (a one-row table
+    weighted by the value); ``weight`` ``[n, dim]`` holds the rows, initialized as deep
+    tables are (``N(0, DEEP_INIT_STD**2)``); scriptable.
+    """
+
+    def __init__(self, n: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(int(n), int(dim)) * DEEP_INIT_STD)
+
+    def forward(self, values: torch.Tensor) -> torch.Tensor:
+        """``[B, n * dim]``: each value times its row, feature after feature."""
+        return (values.unsqueeze(2) * self.weight.unsqueeze(0)).reshape(values.shape[0], -1)
 
 
 class DeepFMDense(nn.Module):
@@ -62,15 +81,19 @@ class DeepFMDense(nn.Module):
         use_fm: add the FM term (DeepFM); false: WideAndDeep.
         deep_width: columns of the deep group when its lookups differ in width (``dim``
             0; WideAndDeep only); None: ``num_deep * dim``.
+        projected_idx: dense-feature columns of the deep group's projected raw features
+            (EasyRec's RawFeature with ``embedding_dim`` and no ``boundaries``): each
+            becomes ``value * p_i``, a ``dim``-wide vector after the deep lookups.
 
     Raises:
         ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
     """
 
     __constants__ = ["num_deep", "dim", "num_wide", "wide_output_dim", "has_deep_dense",
-                     "all_deep_dense", "use_fm"]
+                     "all_deep_dense", "use_fm", "num_projected"]
     deep_dense_idx: list[int]
     wide_dense_idx: list[int]
+    projected_idx: list[int]
 
     def __init__(
         self,
@@ -84,11 +107,15 @@ class DeepFMDense(nn.Module):
         num_dense: int,
         use_fm: bool = True,
         deep_width: "int | None" = None,
+        projected_idx: Sequence[int] = (),
     ) -> None:
         super().__init__()
-        self.use_fm = bool(use_fm) and int(num_deep) > 0
-        if self.use_fm and int(dim) <= 0:
-            raise ValueError("FM needs one embedding_dim for every deep lookup")
+        self.projected_idx = [int(i) for i in projected_idx]
+        self.num_projected = len(self.projected_idx)
+        self.use_fm = bool(use_fm) and int(num_deep) + self.num_projected > 0
+        if (self.use_fm or self.num_projected) and int(dim) <= 0:
+            raise ValueError("FM and projected raw features need one embedding_dim for every "
+                             "deep lookup")
         self.num_deep = int(num_deep)
         self.dim = int(dim)
         self.num_wide = int(num_wide)
@@ -98,7 +125,7 @@ class DeepFMDense(nn.Module):
         self.has_deep_dense = len(self.deep_dense_idx) > 0
         self.all_deep_dense = self.deep_dense_idx == list(range(int(num_dense)))
         width = self.num_deep * self.dim if deep_width is None else int(deep_width)
-        deep_in = width + len(self.deep_dense_idx)
+        deep_in = width + self.num_projected * self.dim + len(self.deep_dense_idx)
         if deep_in == 0:
             raise ValueError("DeepFM needs at least one feature in a deep group")
         # Registration order fixes the dense optimizer's parameter order in checkpoints.
@@ -116,6 +143,8 @@ class DeepFMDense(nn.Module):
             self.final_dnn = None
             self.final_out = None
             self.deep_out = nn.Linear(deep_width, 1)
+        self.projection = (RawProjection(self.num_projected, self.dim)
+                           if self.num_projected else None)
 
     def forward(self, deep: torch.Tensor, wide: torch.Tensor,
                 dense: torch.Tensor) -> torch.Tensor:
@@ -138,10 +167,15 @@ class DeepFMDense(nn.Module):
             w = w + wide_dense(dense[:, self.wide_dense_idx])
         parts: list[torch.Tensor] = []
         fm = torch.zeros(0)
-        if self.num_deep > 0:
+        emb = deep
+        projection = self.projection
+        if projection is not None:
+            proj = projection(dense[:, self.projected_idx])
+            emb = proj if self.num_deep == 0 else torch.cat([deep, proj], dim=1)
+        if self.num_deep + self.num_projected > 0:
             if self.use_fm:
-                fm = fm_term(deep.reshape(b, self.num_deep, self.dim))
-            parts.append(deep)
+                fm = fm_term(emb.reshape(b, self.num_deep + self.num_projected, self.dim))
+            parts.append(emb)
         if self.has_deep_dense:
             if self.all_deep_dense:
                 parts.append(dense)
@@ -247,6 +281,8 @@ class DeepFM(CtrModel):
             ``model_class`` says which).
         output_name: the name of the model's one output (the label it predicts).
         ebc_device: device of the tables (``meta``: materialized by DMP).
+        projected: the deep group's projected raw features (``Batch.dense`` columns).
+        projected_dim: their ``embedding_dim`` (the deep lookups' dim).
 
     Raises:
         ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
@@ -261,6 +297,8 @@ class DeepFM(CtrModel):
         model_config: pipeline_pb2.EasyRecModel,
         output_name: str = "label",
         ebc_device: "torch.device | str" = "meta",
+        projected: Sequence[str] = (),
+        projected_dim: int = 0,
     ) -> None:
         super().__init__()
         self.layout = layout
@@ -270,7 +308,7 @@ class DeepFM(CtrModel):
         self.dense = DeepFMDense(
             settings,
             num_deep=len(layout.deep_keys),
-            dim=layout.deep_dim,
+            dim=layout.deep_dim or int(projected_dim),
             num_wide=len(layout.wide_keys),
             wide_output_dim=layout.wide_output_dim,
             deep_dense_idx=[col[n] for n in deep_dense],
@@ -278,6 +316,7 @@ class DeepFM(CtrModel):
             num_dense=len(dense_features),
             use_fm=uses_fm(model_config),
             deep_width=sum(layout.deep_dims),
+            projected_idx=[col[n] for n in projected],
         )
         self.pooled_layout = (
             PooledGroup.of("deep", tuple(layout.deep_keys), layout.deep_dims),

@@ -1,7 +1,9 @@
 """Embedding table layout: TorchRec ``EmbeddingBagConfig``s from the feature builder's tables.
 
 Deep tables: one per ``TableSpec`` that has a feature in a deep group (DEEP or
-WIDE_AND_DEEP), named like the spec, ``embedding_dim`` columns, looked up by those features.
+WIDE_AND_DEEP), named like the spec, looked up by those features; stored with
+``storage_dim(embedding_dim)`` columns (``embedding_dim`` rounded up to a multiple of 4, as
+wide tables below: e.g. 10 is stored as 12) and read at ``embedding_dim``.
 
 Wide tables (first-order weights): one per ``TableSpec`` that has a feature in a wide group
 (WIDE or WIDE_AND_DEEP), named ``<table>_wide``. fbgemm's fused kernel only accepts dims that
@@ -42,9 +44,14 @@ WIDE_DIM_ALIGN = 4
 DEEP_INIT_STD = 0.05
 
 
+def storage_dim(dim: int) -> int:
+    """Stored columns of a table read at ``dim``: rounded up to a multiple of 4 (fbgemm)."""
+    return -(-int(dim) // WIDE_DIM_ALIGN) * WIDE_DIM_ALIGN
+
+
 def wide_storage_dim(wide_output_dim: int) -> int:
     """Stored columns of a wide table: ``wide_output_dim`` rounded up to a multiple of 4."""
-    return -(-int(wide_output_dim) // WIDE_DIM_ALIGN) * WIDE_DIM_ALIGN
+    return storage_dim(wide_output_dim)
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,9 @@ class EmbeddingLayout:
         wide_output_dim: used columns of each wide table.
         deep_dim: common dim of the deep tables (0 when there are none, or when they differ).
         deep_dims: dim of each deep lookup's table, in ``deep_keys`` order.
+        read_dims: table -> the columns the model reads (and publishing publishes) of it:
+            its ``embedding_dim`` (deep) or ``wide_output_dim`` (wide); its stored width may
+            be larger (a multiple of 4).
     """
 
     configs: list[EmbeddingBagConfig]
@@ -66,6 +76,7 @@ class EmbeddingLayout:
     wide_output_dim: int
     deep_dim: int
     deep_dims: list[int]
+    read_dims: dict[str, int]
 
     @property
     def wide_tables(self) -> list[str]:
@@ -123,6 +134,7 @@ def build_embedding_layout(
     deep_keys: list[tuple[str, str]] = []
     wide_keys: list[tuple[str, str]] = []
     deep_dims: list[int] = []
+    read_dims: dict[str, int] = {}
     for spec, feats in grouped(deep_features):
         if spec.dim <= 0:
             raise ValueError(
@@ -132,7 +144,9 @@ def build_embedding_layout(
             raise ValueError(
                 f"DeepFM needs one embedding_dim for all deep features: table {spec.name!r} "
                 f"has {spec.dim}, others {deep_dims[0]}")
-        configs.append(_config(spec.name, spec.num_rows, spec.dim, feats, spec.pooling))
+        configs.append(_config(spec.name, spec.num_rows, storage_dim(spec.dim), feats,
+                               spec.pooling))
+        read_dims[spec.name] = int(spec.dim)
         deep_keys += [(f, spec.name) for f in feats]
         deep_dims += [spec.dim] * len(feats)
     deep_dim = deep_dims[0] if deep_dims and len(set(deep_dims)) == 1 else 0
@@ -140,9 +154,10 @@ def build_embedding_layout(
     for spec, feats in grouped(wide_features):
         name = spec.name + WIDE_SUFFIX
         configs.append(_config(name, spec.num_rows, wdim, feats, spec.pooling))
+        read_dims[name] = int(wide_output_dim)
         wide_keys += [(f, name) for f in feats]
     return EmbeddingLayout(configs, deep_keys, wide_keys, int(wide_output_dim), deep_dim,
-                           deep_dims)
+                           deep_dims, read_dims)
 
 
 def _config(name: str, rows: int, dim: int, feats: list[str], pooling: str) -> EmbeddingBagConfig:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 from odl.config.config_error import ConfigError
+from odl.config.feature_configs import feature_configs
 from odl.config.model_classes import (
     IMPLEMENTED_MODEL_CLASSES,
     is_multi_task_model,
@@ -115,9 +116,14 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
     if not settings.dnn.hidden_units:
         raise ConfigError(f"model_config.{field}.dnn.hidden_units",
                           "at least one layer is needed")
+    # EasyRec's projected raw features (embedding_dim, no boundaries) in the deep group
+    dims = {fc.feature_name: int(fc.embedding_dim) for fc in feature_configs(config)}
+    projected = [f for f in groups["deep_dense"] if dims.get(f, 0) > 0]
+    deep_dense = [f for f in groups["deep_dense"] if f not in projected]
     try:
-        return DeepFM(layout, feature_builder.dense_feature_names, groups["deep_dense"],
-                      groups["wide_dense"], mc, output_name=labels[0])
+        return DeepFM(layout, feature_builder.dense_feature_names, deep_dense,
+                      groups["wide_dense"], mc, output_name=labels[0], projected=projected,
+                      projected_dim=dims[projected[0]] if projected else 0)
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
 
