@@ -50,6 +50,9 @@ LOADS = {
     "torcheasyrec/deepfm.config",
     "torcheasyrec/deepfm_criteo.config",
     "torcheasyrec/mmoe.config",
+    "torcheasyrec/dbmtl_taobao.config",
+    "torcheasyrec/mmoe_taobao.config",
+    "torcheasyrec/multi_tower_taobao.config",
 }
 
 

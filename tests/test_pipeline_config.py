@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import pickle
 import re
@@ -842,3 +843,14 @@ train_config {
                         'feature_names: "user_id"')
     err = error_of(validate_pipeline_config, load_text(tmp_path, flat), online=True)
     assert err.field == "data_config.input_fields"
+
+
+def test_fg_mode_dag_reads_the_columns_and_bucketize_is_refused(tmp_path: Path,
+                                                                caplog) -> None:
+    text = ONLINE.read_text().replace("data_config {", "data_config {\n  fg_mode: FG_DAG", 1)
+    with caplog.at_level(logging.WARNING):
+        config = load_text(tmp_path, text)
+    validate_pipeline_config(config, online=True)
+    assert "no feature generator" in caplog.text
+    err = error_of(load_text, tmp_path, text.replace("FG_DAG", "FG_BUCKETIZE"))
+    assert err.field == "data_config.fg_mode"

@@ -171,9 +171,6 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "dataset_type": ("the input section (kafka_train_input, datahub_train_input, "
                          "file_stream_input) says what is read", frozenset()),
         "fg_threads": ("features are built in the input process", frozenset()),
-        "fg_mode": ("odl reads the features from the record's columns (FG_NONE); running a "
-                    "feature generator over them is not implemented",
-                    frozenset({"fg_normal", "fg_dag", "fg_bucketize"})),
         "odps_data_quota_name": ("an ODPS table setting (the input section names what is "
                                  "read)", frozenset()),
     },
@@ -324,6 +321,10 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
             g.ClearField("group_type")
     if mc.HasField("deepfm"):
         _rename(mc.deepfm, "model_config.deepfm", (("deep", "dnn"), ("final", "final_dnn")))
+    if mc.HasField("multi_tower"):
+        _rename(mc.multi_tower, "model_config.multi_tower", (("final", "final_dnn"),))
+        for i, tower in enumerate(mc.multi_tower.towers):
+            _rename(tower, f"model_config.multi_tower.towers[{i}]", (("mlp", "dnn"),))
     if mc.HasField("dcn_v2"):
         _rename(mc.dcn_v2, "model_config.dcn_v2", (("final", "final_dnn"),))
     if mc.HasField("mmoe"):
@@ -445,6 +446,16 @@ def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:
         raise ConfigError("model_config.num_class",
                           f"num_class {mc.num_class} is an EasyRec value that odl does not "
                           "implement yet (only 1: binary classification)")
+    dc = config.data_config
+    if dc.fg_mode == pipeline_pb2.DatasetConfig.FG_BUCKETIZE:
+        raise ConfigError("data_config.fg_mode",
+                          "FG_BUCKETIZE is a TorchEasyRec value that odl does not implement: "
+                          "odl reads raw column values and hashes / buckets them itself")
+    if dc.fg_mode in (pipeline_pb2.DatasetConfig.FG_NORMAL, pipeline_pb2.DatasetConfig.FG_DAG):
+        logger.warning("data_config.fg_mode %s: odl runs no feature generator; it reads each "
+                       "id_feature / raw_feature from its expression's column, which is what "
+                       "the generator makes of such a feature (other generator features are "
+                       "refused by name)", pipeline_pb2.DatasetConfig.FgMode.Name(dc.fg_mode))
     multi_task = (mc.model_class in MULTI_TASK_MODEL_CLASSES if mc.model_class
                   else any(mc.HasField(MODEL_MESSAGES[c]) for c in MULTI_TASK_MODEL_CLASSES))
     if len(config.data_config.label_fields) > 1 and not multi_task:
