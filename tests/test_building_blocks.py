@@ -104,3 +104,39 @@ def test_raw_projection_scales_each_feature_row_by_its_value():
     w = proj.weight
     want = torch.cat([values[:, :1] * w[0], values[:, 1:] * w[1]], dim=1)
     assert torch.allclose(out, want) and out.shape == (2, 6)
+
+
+def test_attention_pool_and_text_cnn_combine_a_sequence():
+    from odl.models.building_blocks import AttentionPool, GroupSequences, TextCNN
+
+    torch.manual_seed(0)
+    b, n, d = 3, 4, 2
+    h = torch.randn(b, n, d)
+    length = torch.tensor([[4.0], [2.0], [0.0]])
+    x = torch.cat([h.reshape(b, n * d), length], dim=1)
+    pool = AttentionPool(d, n)
+    got = pool(x)
+    for i in range(2):
+        k = int(length[i])
+        w = torch.softmax((h[i, :k] @ pool.score.weight.T).squeeze(1), dim=0)
+        assert torch.allclose(got[i], (w.unsqueeze(1) * h[i, :k]).sum(0), atol=1e-6)
+    settings = pipeline_pb2.TextCNN(filter_sizes=[2, 3], num_filters=[3, 1],
+                                    pad_sequence_length=5)
+    cnn = TextCNN(d, n, settings)
+    out = cnn(x)
+    padded = torch.cat([h, torch.zeros(b, 1, d)], dim=1)  # zero-padded to 5 positions
+    want = []
+    for conv, k in zip(cnn.convs, (2, 3), strict=True):
+        windows = torch.stack([padded[:, p : p + k].reshape(b, -1) for p in range(5 - k + 1)],
+                              dim=1)  # [B, windows, k * d] position-major
+        kernel = conv.weight.permute(0, 2, 1).reshape(conv.weight.shape[0], -1)
+        want.append(torch.relu(windows @ kernel.T + conv.bias).max(dim=1).values)
+    assert out.shape == (b, 4) and torch.allclose(out, torch.cat(want, dim=1), atol=1e-5)
+    # a group: [regular (1) | sequence | raw (2) | length] -> [regular | combined | raw]
+    group = GroupSequences(1, [(n * d, pool)], 2)
+    xg = torch.cat([torch.ones(b, 1), h.reshape(b, n * d), torch.full((b, 2), 7.0), length],
+                   dim=1)
+    got = group(xg)
+    assert torch.allclose(got, torch.cat([torch.ones(b, 1), pool(x), torch.full((b, 2), 7.0)],
+                                         dim=1))
+    assert torch.allclose(torch.jit.script(group)(xg), got)

@@ -46,6 +46,9 @@ LOADS = {
     "easyrec/din_on_taobao.config",
     "easyrec/deepfm_on_criteo.config",
     "easyrec/deepfm_on_criteo_tfrecord.config",
+    "easyrec/deepfm_on_movielens.config",
+    "easyrec/wide_and_deep_on_movielens.config",
+    "easyrec/dcn_on_movielens.config",
     "torcheasyrec/dbmtl.config",
     "torcheasyrec/deepfm.config",
     "torcheasyrec/deepfm_criteo.config",
@@ -161,6 +164,7 @@ def test_sample_configs_that_load_train(name: str) -> None:
     """Every loading sample builds its batches from records of its schema and trains."""
     import math
 
+    from odl.config.memory_estimate import estimate_memory
     from odl.features.feature_builder import FeatureBuilder
     from odl.train.train_module import TrainModule
 
@@ -168,6 +172,11 @@ def test_sample_configs_that_load_train(name: str) -> None:
     config = _small_cpu_config(try_load.load_one(os.path.join(_HERE, name), flavor))
     fb = FeatureBuilder(config)
     module = TrainModule(config, fb, device="cpu")
+    # the memory estimate counts exactly what was built
+    est = estimate_memory(config, "cpu")
+    assert est.dense_parameters == sum(p.numel() for p in module.model.dense.parameters())
+    assert {t.name: (t.rows, t.dim) for t in est.tables} == {
+        c.name: (c.num_embeddings, c.embedding_dim) for c in module.model.layout.configs}
     losses = []
     for step in range(3):
         built = fb.build(_records(config, 32, seed=step))

@@ -13,7 +13,12 @@ from prometheus_client import generate_latest
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.conversion_labels import conversion_labels
-from odl.datagen.datagen_config import MULTI_TASK_MODELS, records_for_model
+from odl.datagen.datagen_config import (
+    MULTI_TASK_MODELS,
+    as_model_config_text,
+    deepfm_config_text,
+    records_for_model,
+)
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
@@ -45,11 +50,11 @@ _SENT: dict[str, object] = {}
 
 def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int = 1500,
                            dynamic: bool = False, model: str = "DeepFM",
-                           edits: tuple[tuple[str, str], ...] = ()):
+                           edits: tuple[tuple[str, str], ...] = (), records_model: str = ""):
     topic = topic_factory(partitions=PARTS)
     stream = SyntheticCtrStream(seed=41)
     batch = stream.next_batch(n)
-    values = records_for_model(model, stream, batch)
+    values = records_for_model(records_model or model, stream, batch)
     produce(bootstrap, topic, values, PARTS)
     ends = end_offsets(bootstrap, topic)
     cfg = write_config(tmp_path, bootstrap, topic, batch_size=100, extra_train=incr)
@@ -59,6 +64,7 @@ def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int
             "log_step_count_steps: 20", "log_step_count_steps: 5")
     text = as_model(text, model)
     for edit in edits:
+        assert edit[0] in text, edit[0]
         text = text.replace(*edit)
     open(cfg, "w").write(text.replace("keep_checkpoint_max: 3", "keep_checkpoint_max: 10"))
     trainer = run_in_process(cfg, ends)
@@ -67,7 +73,7 @@ def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int
 
 
 def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool = True,
-                          tolerance: float = 1e-6):
+                          tolerance: float = 1e-6, records_model: str = ""):
     """Serving (an early export + replay) predicts what the trainer predicts, every output."""
     model_dir = trainer.model_dir
     final_step = trainer.module.global_step
@@ -92,7 +98,8 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
         stream = SyntheticCtrStream(seed=99)
         sample = stream.next_batch(1000)
         outputs = trainer.module.model.output_names
-        records = records_for_model(trainer.config.model_config.model_class, stream, sample)
+        records = records_for_model(records_model or trainer.config.model_config.model_class,
+                                    stream, sample)
         served = post_json(url + "/predict", b"\n".join(records))
         assert served["version"] == final_step
         assert list(served["outputs"]) == list(outputs)
@@ -192,6 +199,39 @@ def test_projected_raw_features_replay_to_parity(kafka_bootstrap, kafka_topic_fa
     assert dense.num_projected == 2 and tuple(dense.projection.weight.shape) == (2, 8)
     assert dense.use_fm and len(dense.deep_dense_idx) == 11  # I3..I13 stay raw DNN inputs
     _status, diff = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)
+    assert diff <= 1e-6
+
+
+@pytest.mark.parametrize("model, combiner", [
+    ("DeepFM", "text_cnn { filter_sizes: [2, 3] num_filters: [4, 4] pad_sequence_length: 5 }"),
+    ("DCN", "attention {}"),
+])
+def test_sequence_combiners_in_a_feature_group_replay_to_parity(
+        kafka_bootstrap, kafka_topic_factory, tmp_path, model, combiner):
+    """A SequenceFeature (hist_C3) in the deep group, combined into one vector (EasyRec's
+    sequence_combiner; for DeepFM as wide as the FM vectors, so FM includes it)."""
+    delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
+    din = as_model_config_text(deepfm_config_text("/unused"), "MultiTowerDIN")
+    field = next(line for line in din.splitlines() if '"hist_C3" input_type' in line)
+    feature = next(line for line in din.splitlines() if 'input_names: "hist_C3"' in line)
+    edits = (('  input_fields { input_name: "C26" input_type: STRING }\n',
+              '  input_fields { input_name: "C26" input_type: STRING }\n' + field + "\n"),
+             ("model_config {", feature[:-1] + f"sequence_combiner {{ {combiner} }} }}\n"
+                                "model_config {"),
+             ('feature_names: "I13" wide_deep: DEEP', 'feature_names: "I13" '
+              'feature_names: "hist_C3" wide_deep: DEEP'))
+    trainer, cfg = _train_with_publishing(
+        tmp_path, kafka_bootstrap, kafka_topic_factory,
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), model=model, edits=edits,
+        records_model="MultiTowerDIN")
+    dense = trainer.module.model.dense
+    if model == "DeepFM":
+        assert dense.num_sequences == 1 and dense.use_fm
+        assert type(dense.sequences.combiners[0]).__name__ == "TextCNN"
+    else:
+        assert type(dense.towers[0][0]).__name__ == "GroupSequences"
+    _status, diff = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap,
+                                          records_model="MultiTowerDIN")
     assert diff <= 1e-6
 
 

@@ -75,7 +75,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "FeatureConfig": frozenset({
         "kv_separator", "seq_multi_sep",
         "shared_names", "lookup_max_sel_elem_num", "max_partitions", "initializer",
-        "precision", "normalizer_fn", "sequence_combiner",
+        "precision", "normalizer_fn",
         "sequence_length", "expression", "combo_input_seps",
         # TorchEasyRec's other per-kind feature messages.
         "combo_feature", "lookup_feature", "match_feature",
@@ -84,6 +84,8 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     }),
     "MultiTower": frozenset({"bst_towers"}),
     "SeqAttMap": frozenset({"aux_hist_seq"}),
+    "SequenceCombiner": frozenset({"multi_head_attention"}),
+    "TextCNN": frozenset({"mlp"}),
     "SeqAttGroupConfig": frozenset({"seq_dnn", "allow_key_transform", "transform_dnn"}),
     "FeatureGroupConfig": frozenset({
         "sequence_features", "negative_sampler", "sequence_groups",

@@ -239,6 +239,28 @@ def _embedded(fc: pipeline_pb2.FeatureConfig) -> bool:
         fc.feature_type == _FT.RawFeature and len(fc.boundaries) > 0)
 
 
+def _group_input(fc: pipeline_pb2.FeatureConfig) -> tuple[int, int]:
+    """``(columns, dense parameters)`` a feature adds to a feature group's input.
+
+    An embedded feature its embedding; a sequence its combiner's vector (and weights); a
+    projected raw feature its vector (and the vector it learns); a dense raw feature 1.
+    """
+    dim = int(fc.embedding_dim)
+    if fc.feature_type == _FT.SequenceFeature:
+        comb = fc.sequence_combiner
+        if comb.HasField("text_cnn"):
+            t = comb.text_cnn
+            filters = [int(f) for f in t.num_filters]
+            return sum(filters), sum(int(k) * dim * f + f
+                                     for k, f in zip(t.filter_sizes, filters, strict=False))
+        return dim, dim  # attention: one score weight per column
+    if _embedded(fc):
+        return dim, 0
+    if fc.feature_type == _FT.RawFeature and dim > 0:
+        return dim, dim
+    return 1, 0
+
+
 def _mlp_params(in_dim: int, dnn: pipeline_pb2.DNN) -> tuple[int, int]:
     """``(parameters, output width)`` of one DNN tower."""
     params, width = 0, in_dim
@@ -274,7 +296,9 @@ def _tower_params(mc: pipeline_pb2.EasyRecModel,
         for name in groups.get(group, []):
             fc = features.get(name)
             if fc is not None:
-                in_width += int(fc.embedding_dim) if _embedded(fc) else 1
+                cols, extra = _group_input(fc)
+                in_width += cols
+                params += extra
         if kind == "cross":
             params += 2 * int(tower) * in_width
             width += in_width
@@ -397,19 +421,20 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
             name, rows, dim, BYTES_PER_VALUE * rows * dim,
             BYTES_PER_VALUE * rows * (per_row + per_value * dim) + map_bytes)
 
-    deep_in = pooled = fm_dim = 0
+    deep_in = pooled = fm_dim = extra_params = 0
     for name in deep_feats:
         fc = features.get(name)
         if fc is None:
             continue
+        cols, extra = _group_input(fc)
+        deep_in += cols
+        extra_params += extra
         if not _embedded(fc):
-            deep_in += 1
             continue
         dim = int(fc.embedding_dim)
         # stored with a multiple of 4 columns (odl.models.embedding_tables.storage_dim)
         add_table(fc.embedding_name or name, _rows(fc, model_ev),
                   -(-dim // WIDE_DIM_ALIGN) * WIDE_DIM_ALIGN, fc)
-        deep_in += dim
         pooled += dim
         fm_dim = max(fm_dim, dim)
     wide_dense = 0
@@ -432,6 +457,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
             fm_dim = 0
         params, deep_width = _mlp_params(deep_in, d.dnn)
         params += 1 + wide_dense * wide_out  # wide bias, wide linear term over dense features
+        params += extra_params  # sequence combiners, projected raw features
         hidden = sum(int(u) for u in d.dnn.hidden_units)
         if d.HasField("final_dnn"):
             final_params, final_width = _mlp_params(wide_out + fm_dim + deep_width,

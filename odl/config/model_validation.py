@@ -227,11 +227,7 @@ def validate_model(
                                   "for DeepFM and WideAndDeep; for "
                                   f"{mc.model_class} add boundaries or remove embedding_dim")
             if features[name].feature_type == _FT.SequenceFeature:
-                raise ConfigError(f"{where}.feature_names[{j}]",
-                                  f"SequenceFeature {name!r} is read through "
-                                  "model_config.seq_att_groups (a DIN tower); in a feature "
-                                  "group it needs a sequence_combiner, which odl does not "
-                                  "implement yet")
+                _check_group_sequence(mc, g, features[name], f"{where}.feature_names[{j}]")
             if name in seen:
                 raise ConfigError(f"{where}.feature_names[{j}]", f"{name!r} listed twice")
             seen.add(name)
@@ -281,7 +277,10 @@ def validate_model(
     group = "fm" if "fm" in groups else "deep"
     why = "FM needs"
     gi = groups[group]
-    dims = {n: features[n].embedding_dim for n in mc.feature_groups[gi].feature_names
+    dims = {n: (sequence_combiner_width(features[n])
+                if features[n].feature_type == _FT.SequenceFeature
+                else features[n].embedding_dim)
+            for n in mc.feature_groups[gi].feature_names
             if embedded_feature(features[n]) or projected_raw(features[n])}
     if not dims:
         raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
@@ -454,6 +453,45 @@ def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, Fea
     _validate_dnn(settings.final_dnn, f"{where}.final_dnn", required=True)
     if settings.l2_regularization < 0:
         raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
+
+
+def sequence_combiner_width(fc: FeatureConfig) -> int:
+    """Width of the vector a SequenceFeature's ``sequence_combiner`` makes (0: none set)."""
+    which = fc.sequence_combiner.WhichOneof("combiner")
+    if which == "attention":
+        return int(fc.embedding_dim)
+    if which == "text_cnn":
+        return sum(int(n) for n in fc.sequence_combiner.text_cnn.num_filters)
+    return 0
+
+
+def _check_group_sequence(mc: Any, group: Any, fc: FeatureConfig, where: str) -> None:
+    """A SequenceFeature listed in a feature group: its combiner, and a model that takes it."""
+    name = fc.feature_name
+    which = fc.sequence_combiner.WhichOneof("combiner")
+    if which is None:
+        raise ConfigError(where, f"SequenceFeature {name!r} in a feature group needs a "
+                                 "sequence_combiner (attention {} or text_cnn {...}); a DIN "
+                                 "tower reads sequences through model_config.seq_att_groups")
+    if mc.model_class in WIDE_DEEP_MODEL_CLASSES and group.wide_deep != pipeline_pb2.DEEP:
+        raise ConfigError(where, f"SequenceFeature {name!r}: sequences are combined in DEEP "
+                                 "groups (not in a wide part)")
+    if is_multi_task_model(mc):
+        raise ConfigError(where, f"SequenceFeature {name!r}: a sequence in an {mc.model_class} "
+                                 "group is not implemented yet")
+    if which == "text_cnn":
+        t = fc.sequence_combiner.text_cnn
+        cw = f"{where} ({name}.sequence_combiner.text_cnn)"
+        if not t.filter_sizes or len(t.filter_sizes) != len(t.num_filters):
+            raise ConfigError(cw, "needs one num_filters entry per filter_sizes entry")
+        if any(k <= 0 for k in t.filter_sizes) or any(f <= 0 for f in t.num_filters):
+            raise ConfigError(cw, "filter sizes and counts must be > 0")
+        if t.activation not in ("relu", "tf.nn.relu"):
+            raise ConfigError(cw, f"activation {t.activation!r}: only relu is implemented")
+        positions = t.pad_sequence_length or fc.max_seq_len or 50
+        if max(t.filter_sizes) > positions:
+            raise ConfigError(cw, f"a filter of {max(t.filter_sizes)} is longer than the "
+                                  f"{positions} positions")
 
 
 def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,

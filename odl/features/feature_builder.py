@@ -345,7 +345,9 @@ class FeatureBuilder:
                     rows = dyn.capacity
                 seq_len = 0
                 if fc.feature_type == _FT.SequenceFeature:
-                    seq_len = int(fc.max_seq_len or DEFAULT_MAX_SEQ_LEN)
+                    pad = (fc.sequence_combiner.text_cnn.pad_sequence_length
+                           if fc.sequence_combiner.HasField("text_cnn") else 0)
+                    seq_len = int(fc.max_seq_len or pad or DEFAULT_MAX_SEQ_LEN)
                     self._seq_lengths.append(name)
                 sp = _Sparse(name, kind, (inp0,), rows, separator=fc.separator.encode(),
                              raw_ids=dyn is not None, vocab=vocab, seq_len=seq_len)

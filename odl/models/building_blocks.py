@@ -13,6 +13,8 @@ gates).
 * :class:`CrossNet`: DCN v1's cross network, ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l``.
 * :class:`CrossNetV2`: DCN v2's, ``x_{l+1} = x_0 * (V_l (U_l x_l) + b_l) + x_l`` (low rank).
 * :class:`TargetAttention`: DIN's attention of a key over a behaviour sequence;
+* :class:`AttentionPool`, :class:`TextCNN`: EasyRec's sequence combiners (a sequence in a
+  feature group becomes one vector);
 * :class:`ExpertGates`: MMoE's experts and per-task softmax gates,
   ``task_t = sum_e softmax(G_t(x))_e * expert_e(x)``.
 
@@ -164,6 +166,162 @@ class TargetAttention(nn.Module):
                              torch.full_like(scores, -2.0**32 + 1))
         weights = torch.softmax(scores, dim=1)
         return torch.cat([(weights.unsqueeze(2) * h).sum(dim=1), k], dim=1)
+
+
+class AttentionPool(nn.Module):
+    """EasyRec's attention combiner of a sequence; scriptable.
+
+    Input ``[B, seq_len * dim + 1]``: the positions' embeddings, then the length. Output
+    ``[B, dim]``: ``sum_p softmax(s)_p * h_p`` with ``s_p = w . h_p`` (positions at or past the
+    length scored ``-2**32 + 1``).
+
+    Args:
+        dim: embedding width.
+        seq_len: positions.
+    """
+
+    __constants__ = ["dim", "seq_len"]
+
+    def __init__(self, dim: int, seq_len: int) -> None:
+        super().__init__()
+        self.dim = int(dim)
+        self.seq_len = int(seq_len)
+        self.score = nn.Linear(self.dim, 1, bias=False)
+        self.out_width = self.dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, dim]``."""
+        b = x.shape[0]
+        h = x[:, : self.seq_len * self.dim].reshape(b, self.seq_len, self.dim)
+        scores = self.score(h).squeeze(2)
+        positions = torch.arange(self.seq_len, device=x.device, dtype=x.dtype).unsqueeze(0)
+        scores = torch.where(positions < x[:, -1:], scores, torch.full_like(scores, -2.0**32 + 1))
+        return (torch.softmax(scores, dim=1).unsqueeze(2) * h).sum(dim=1)
+
+
+class TextCNN(nn.Module):
+    """EasyRec's TextCNN combiner of a sequence; scriptable.
+
+    Input as :class:`AttentionPool`'s (the length is not read: padding positions are zero
+    vectors, convolved like EasyRec's padding). The ``seq_len`` positions are padded with
+    zeros or cut to ``pad_len``; per (kernel size, filters) a ``Conv1d`` over positions, the
+    activation (ReLU), a max over positions; the results concatenated,
+    ``[B, sum(num_filters)]``.
+
+    Args:
+        dim: embedding width.
+        seq_len: positions given.
+        settings: the ``TextCNN`` message.
+
+    Raises:
+        ValueError: sizes and filters of different lengths, a kernel longer than the padded
+            sequence, or another activation.
+    """
+
+    __constants__ = ["dim", "seq_len", "pad_len"]
+
+    def __init__(self, dim: int, seq_len: int, settings: pipeline_pb2.TextCNN) -> None:
+        super().__init__()
+        sizes = [int(k) for k in settings.filter_sizes]
+        filters = [int(f) for f in settings.num_filters]
+        if not sizes or len(sizes) != len(filters):
+            raise ValueError("text_cnn needs one num_filters per filter_sizes entry")
+        if settings.activation not in ("relu", "tf.nn.relu"):
+            raise ValueError(f"text_cnn activation {settings.activation!r}: only relu")
+        self.dim = int(dim)
+        self.seq_len = int(seq_len)
+        self.pad_len = int(settings.pad_sequence_length) or self.seq_len
+        if max(sizes) > self.pad_len:
+            raise ValueError(f"a text_cnn kernel of {max(sizes)} is longer than the "
+                             f"{self.pad_len} positions")
+        self.convs = nn.ModuleList(nn.Conv1d(self.dim, f, k)
+                                   for k, f in zip(sizes, filters, strict=True))
+        self.out_width = sum(filters)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, sum(num_filters)]``."""
+        b = x.shape[0]
+        h = x[:, : self.seq_len * self.dim].reshape(b, self.seq_len, self.dim)
+        if self.pad_len < self.seq_len:
+            h = h[:, : self.pad_len]
+        elif self.pad_len > self.seq_len:
+            h = torch.cat([h, h.new_zeros(b, self.pad_len - self.seq_len, self.dim)], dim=1)
+        t = h.transpose(1, 2)  # [B, dim, positions]
+        outs: list[torch.Tensor] = []
+        for conv in self.convs:
+            outs.append(torch.relu(conv(t)).max(dim=2).values)
+        return torch.cat(outs, dim=1)
+
+
+def sequence_combiner(dim: int, seq_len: int,
+                      settings: pipeline_pb2.SequenceCombiner) -> nn.Module:
+    """The combiner module a ``SequenceCombiner`` asks for.
+
+    Args:
+        dim: the sequence's embedding width.
+        seq_len: its positions.
+        settings: the ``SequenceCombiner``.
+
+    Returns:
+        An :class:`AttentionPool` or :class:`TextCNN` (its ``out_width``: the vector's width).
+
+    Raises:
+        ValueError: no combiner set, or a bad TextCNN setting.
+    """
+    which = settings.WhichOneof("combiner")
+    if which == "attention":
+        return AttentionPool(dim, seq_len)
+    if which == "text_cnn":
+        return TextCNN(dim, seq_len, settings.text_cnn)
+    raise ValueError("a SequenceFeature in a feature group needs a sequence_combiner")
+
+
+class GroupSequences(nn.Module):
+    """A feature group's input with each of its sequences combined into one vector.
+
+    Input ``[B, regular + sum(seq widths) + raw + k]``: the group's other embeddings, each
+    sequence's positions (``seq_len * dim`` columns), the group's raw dense features, then the
+    ``k`` sequences' lengths. Output ``[B, regular + sum(combiner widths) + raw]``: the other
+    embeddings, each sequence's combined vector, the raw dense features. Scriptable.
+
+    Args:
+        regular: columns of the other embeddings.
+        combiners: per sequence ``(its columns, its combiner module)``.
+        raw: columns of the raw dense features.
+    """
+
+    __constants__ = ["regular", "raw", "num_sequences"]
+    starts: list[int]
+    widths: list[int]
+
+    def __init__(self, regular: int, combiners: list[tuple[int, nn.Module]], raw: int) -> None:
+        super().__init__()
+        self.regular = int(regular)
+        self.raw = int(raw)
+        self.num_sequences = len(combiners)
+        self.starts = []
+        self.widths = []
+        col = self.regular
+        for width, _module in combiners:
+            self.starts.append(col)
+            self.widths.append(int(width))
+            col += int(width)
+        self.combiners = nn.ModuleList(m for _w, m in combiners)
+        self.out_width = self.regular + sum(int(m.out_width) for _w, m in combiners) + self.raw
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The combined group input."""
+        n = x.shape[1]
+        lengths = x[:, n - self.num_sequences :]
+        parts = [x[:, : self.regular]]
+        end = self.regular
+        for i, combiner in enumerate(self.combiners):
+            s = self.starts[i]
+            w = self.widths[i]
+            parts.append(combiner(torch.cat([x[:, s : s + w], lengths[:, i : i + 1]], dim=1)))
+            end = s + w
+        parts.append(x[:, end : end + self.raw])
+        return torch.cat(parts, dim=1)
 
 
 class _Gate(nn.Module):

@@ -7,7 +7,9 @@ pooled groups) and the raw dense features::
 
     wide  = sum over wide lookups of their wide_output_dim weights              [B, W]
             (+ a linear term over the dense features of a wide group) + bias
-    v_i   = the deep lookups' vectors, then value_j * p_j for each projected raw feature j
+    v_i   = the deep lookups' vectors, each deep SequenceFeature's combined vector (its
+            sequence_combiner over its positions), then value_j * p_j for each projected raw
+            feature j
     fm    = 0.5 * ((sum_i v_i)**2 - sum_i v_i**2)  over the v_i                    [B, D]
     deep  = DNN(concat(v_i, deep dense features))                                [B, H]
     logit = sum(wide) + sum(fm) + Linear(deep -> 1)              (no final_dnn)
@@ -40,7 +42,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import uses_fm, wide_deep_settings
 from odl.features.batch import Batch
-from odl.models.building_blocks import build_mlp, fm_term
+from odl.features.feature_builder import sequence_key, sequence_length_column
+from odl.models.building_blocks import GroupSequences, build_mlp, fm_term, sequence_combiner
 from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import DEEP_INIT_STD, EmbeddingLayout
@@ -84,16 +87,20 @@ class DeepFMDense(nn.Module):
         projected_idx: dense-feature columns of the deep group's projected raw features
             (EasyRec's RawFeature with ``embedding_dim`` and no ``boundaries``): each
             becomes ``value * p_i``, a ``dim``-wide vector after the deep lookups.
+        sequences: the deep group's SequenceFeatures' combiners (their positions end
+            ``deep``), or None.
+        sequence_length_idx: dense-feature columns of those sequences' lengths.
 
     Raises:
         ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
     """
 
     __constants__ = ["num_deep", "dim", "num_wide", "wide_output_dim", "has_deep_dense",
-                     "all_deep_dense", "use_fm", "num_projected"]
+                     "all_deep_dense", "use_fm", "num_projected", "num_sequences"]
     deep_dense_idx: list[int]
     wide_dense_idx: list[int]
     projected_idx: list[int]
+    sequence_length_idx: list[int]
 
     def __init__(
         self,
@@ -108,11 +115,16 @@ class DeepFMDense(nn.Module):
         use_fm: bool = True,
         deep_width: "int | None" = None,
         projected_idx: Sequence[int] = (),
+        sequences: "GroupSequences | None" = None,
+        sequence_length_idx: Sequence[int] = (),
     ) -> None:
         super().__init__()
         self.projected_idx = [int(i) for i in projected_idx]
         self.num_projected = len(self.projected_idx)
-        self.use_fm = bool(use_fm) and int(num_deep) + self.num_projected > 0
+        self.sequence_length_idx = [int(i) for i in sequence_length_idx]
+        self.num_sequences = len(self.sequence_length_idx)
+        self.use_fm = (bool(use_fm)
+                       and int(num_deep) + self.num_projected + self.num_sequences > 0)
         if (self.use_fm or self.num_projected) and int(dim) <= 0:
             raise ValueError("FM and projected raw features need one embedding_dim for every "
                              "deep lookup")
@@ -125,6 +137,8 @@ class DeepFMDense(nn.Module):
         self.has_deep_dense = len(self.deep_dense_idx) > 0
         self.all_deep_dense = self.deep_dense_idx == list(range(int(num_dense)))
         width = self.num_deep * self.dim if deep_width is None else int(deep_width)
+        if sequences is not None:  # the sequences' positions become one vector each
+            width = sequences.out_width
         deep_in = width + self.num_projected * self.dim + len(self.deep_dense_idx)
         if deep_in == 0:
             raise ValueError("DeepFM needs at least one feature in a deep group")
@@ -145,6 +159,7 @@ class DeepFMDense(nn.Module):
             self.deep_out = nn.Linear(deep_width, 1)
         self.projection = (RawProjection(self.num_projected, self.dim)
                            if self.num_projected else None)
+        self.sequences = sequences
 
     def forward(self, deep: torch.Tensor, wide: torch.Tensor,
                 dense: torch.Tensor) -> torch.Tensor:
@@ -168,13 +183,17 @@ class DeepFMDense(nn.Module):
         parts: list[torch.Tensor] = []
         fm = torch.zeros(0)
         emb = deep
+        sequences = self.sequences
+        if sequences is not None:
+            emb = sequences(torch.cat([deep, dense[:, self.sequence_length_idx]], dim=1))
         projection = self.projection
         if projection is not None:
             proj = projection(dense[:, self.projected_idx])
-            emb = proj if self.num_deep == 0 else torch.cat([deep, proj], dim=1)
-        if self.num_deep + self.num_projected > 0:
+            emb = proj if emb.shape[1] == 0 else torch.cat([emb, proj], dim=1)
+        vectors = self.num_deep + self.num_sequences + self.num_projected
+        if vectors > 0:
             if self.use_fm:
-                fm = fm_term(emb.reshape(b, self.num_deep + self.num_projected, self.dim))
+                fm = fm_term(emb.reshape(b, vectors, self.dim))
             parts.append(emb)
         if self.has_deep_dense:
             if self.all_deep_dense:
@@ -283,6 +302,8 @@ class DeepFM(CtrModel):
         ebc_device: device of the tables (``meta``: materialized by DMP).
         projected: the deep group's projected raw features (``Batch.dense`` columns).
         projected_dim: their ``embedding_dim`` (the deep lookups' dim).
+        sequences: the deep group's SequenceFeatures ``(name, positions, dim,
+            SequenceCombiner)``, looked up position by position after the other lookups.
 
     Raises:
         ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
@@ -299,27 +320,43 @@ class DeepFM(CtrModel):
         ebc_device: "torch.device | str" = "meta",
         projected: Sequence[str] = (),
         projected_dim: int = 0,
+        sequences: Sequence[tuple[str, int, int, object]] = (),
     ) -> None:
         super().__init__()
         self.layout = layout
         self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device))
         col = {n: i for i, n in enumerate(dense_features)}
+        # the deep group: its other lookups, then each sequence's positions
+        dim_of = dict(zip((f for f, _t in layout.deep_keys), layout.deep_dims, strict=True))
+        table_of = dict(layout.deep_keys)
+        positions = [sequence_key(name, p) for name, n, _d, _c in sequences for p in range(n)]
+        regular = [(f, t) for f, t in layout.deep_keys if f not in set(positions)]
+        deep_keys = regular + [(k, table_of[k]) for k in positions]
+        seqs = None
+        if sequences:
+            seqs = GroupSequences(sum(dim_of[f] for f, _t in regular),
+                                  [(n * d, sequence_combiner(d, n, c))
+                                   for _name, n, d, c in sequences], 0)
         _field, settings = wide_deep_settings(model_config)
+        regular_dims = {dim_of[f] for f, _t in regular}
         self.dense = DeepFMDense(
             settings,
-            num_deep=len(layout.deep_keys),
-            dim=layout.deep_dim or int(projected_dim),
+            num_deep=len(regular),
+            dim=int(projected_dim) or (regular_dims.pop() if len(regular_dims) == 1 else 0),
             num_wide=len(layout.wide_keys),
             wide_output_dim=layout.wide_output_dim,
             deep_dense_idx=[col[n] for n in deep_dense],
             wide_dense_idx=[col[n] for n in wide_dense],
             num_dense=len(dense_features),
             use_fm=uses_fm(model_config),
-            deep_width=sum(layout.deep_dims),
+            deep_width=sum(dim_of[f] for f, _t in regular),
             projected_idx=[col[n] for n in projected],
+            sequences=seqs,
+            sequence_length_idx=[col[sequence_length_column(name)]
+                                 for name, _n, _d, _c in sequences],
         )
         self.pooled_layout = (
-            PooledGroup.of("deep", tuple(layout.deep_keys), layout.deep_dims),
+            PooledGroup.of("deep", tuple(deep_keys), [dim_of[f] for f, _t in deep_keys]),
             PooledGroup("wide", tuple(layout.wide_keys), layout.wide_output_dim),
         )
         self.output_names = (output_name,)

@@ -47,16 +47,18 @@ def model_groups(
         feature_builder: the feature builder (which features exist, which are embedded).
 
     Returns:
-        ``{"deep_sparse", "deep_dense", "wide_sparse", "wide_dense"}`` -> feature names, in
-        group order without repeats.
+        ``{"deep_sparse", "deep_dense", "wide_sparse", "wide_dense", "deep_sequence"}`` ->
+        feature names, in group order without repeats (``deep_sequence``: SequenceFeatures
+        of deep groups, combined by their ``sequence_combiner``).
 
     Raises:
         ConfigError: a group names an unknown feature.
     """
     sparse = set(feature_builder.sparse_feature_names)
     dense = set(feature_builder.dense_feature_names)
-    out: dict[str, list[str]] = {k: [] for k in
-                                 ("deep_sparse", "deep_dense", "wide_sparse", "wide_dense")}
+    sequences = feature_builder.sequence_features
+    out: dict[str, list[str]] = {k: [] for k in ("deep_sparse", "deep_dense", "wide_sparse",
+                                                 "wide_dense", "deep_sequence")}
     for gi, g in enumerate(model_config.feature_groups):
         parts = []
         if g.wide_deep in (pipeline_pb2.DEEP, pipeline_pb2.WIDE_AND_DEEP):
@@ -68,6 +70,8 @@ def model_groups(
                 kind = "sparse"
             elif f in dense:
                 kind = "dense"
+            elif f in sequences and parts == ["deep"]:
+                kind = "sequence"
             else:
                 raise ConfigError(
                     f"model_config.feature_groups[{gi}].feature_names",
@@ -103,49 +107,79 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
     if is_multi_task_model(mc):
         return _build_multi_task_model(mc, feature_builder, labels)
     if is_tower_model(mc):
-        return _build_tower_model(mc, feature_builder, labels[0])
+        return _build_tower_model(mc, feature_builder, labels[0],
+                                  group_sequences(config, feature_builder))
     groups = model_groups(mc, feature_builder)
     field, settings = wide_deep_settings(mc)
     wide_dim = int(settings.wide_output_dim) or 1
     try:
+        positions = [sequence_key(f, p) for f in groups["deep_sequence"]
+                     for p in range(feature_builder.sequence_features[f])]
         layout = build_embedding_layout(
-            feature_builder.table_specs, groups["deep_sparse"], groups["wide_sparse"], wide_dim,
-            mixed_dims=not uses_fm(mc))
+            feature_builder.table_specs, groups["deep_sparse"] + positions, groups["wide_sparse"],
+            wide_dim, mixed_dims=not uses_fm(mc))
     except ValueError as e:
         raise ConfigError("model_config.feature_groups", str(e)) from e
     if not settings.dnn.hidden_units:
         raise ConfigError(f"model_config.{field}.dnn.hidden_units",
                           "at least one layer is needed")
     # EasyRec's projected raw features (embedding_dim, no boundaries) in the deep group
-    dims = {fc.feature_name: int(fc.embedding_dim) for fc in feature_configs(config)}
+    fcs = {fc.feature_name: fc for fc in feature_configs(config)}
+    dims = {n: int(fc.embedding_dim) for n, fc in fcs.items()}
     projected = [f for f in groups["deep_dense"] if dims.get(f, 0) > 0]
     deep_dense = [f for f in groups["deep_dense"] if f not in projected]
+    sequences = [(f, feature_builder.sequence_features[f], dims[f], fcs[f].sequence_combiner)
+                 for f in groups["deep_sequence"]]
     try:
         return DeepFM(layout, feature_builder.dense_feature_names, deep_dense,
                       groups["wide_dense"], mc, output_name=labels[0], projected=projected,
-                      projected_dim=dims[projected[0]] if projected else 0)
+                      projected_dim=dims[projected[0]] if projected else 0,
+                      sequences=sequences)
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
 
 
 def _embedded_and_dense(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder
                         ) -> dict[str, tuple[list[str], list[str]]]:
-    """Feature group name -> (embedded features, dense features), in group order."""
+    """Feature group name -> (embedded features, dense features), in group order.
+
+    A group's SequenceFeatures (:func:`group_sequences`) come last: their positional keys
+    after the embedded features, their length columns after the dense ones.
+    """
     sparse = set(feature_builder.sparse_feature_names)
     dense = set(feature_builder.dense_feature_names)
+    positions = feature_builder.sequence_features
     groups: dict[str, tuple[list[str], list[str]]] = {}
     for gi, g in enumerate(mc.feature_groups):
-        emb, raw = [], []
+        emb, raw, seqs = [], [], []
         for f in g.feature_names:
             if f in sparse:
                 emb.append(f)
             elif f in dense:
                 raw.append(f)
+            elif f in positions:
+                seqs.append(f)
             else:
                 raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
                                   f"group {g.group_name!r} names unknown feature {f!r}")
+        emb += [sequence_key(f, p) for f in seqs for p in range(positions[f])]
+        raw += [sequence_length_column(f) for f in seqs]
         groups[g.group_name] = (emb, raw)
     return groups
+
+
+def group_sequences(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder
+                    ) -> dict[str, list[tuple[str, int, int, pipeline_pb2.SequenceCombiner]]]:
+    """Feature group name -> its SequenceFeatures ``(name, positions, dim, combiner)``."""
+    fcs = {fc.feature_name: fc for fc in feature_configs(config)}
+    positions = feature_builder.sequence_features
+    out: dict[str, list] = {}
+    for g in config.model_config.feature_groups:
+        seqs = [(f, positions[f], int(fcs[f].embedding_dim), fcs[f].sequence_combiner)
+                for f in g.feature_names if f in positions]
+        if seqs:
+            out[g.group_name] = seqs
+    return out
 
 
 def multi_task_group(mc: pipeline_pb2.EasyRecModel) -> str:
@@ -193,7 +227,7 @@ def _build_multi_task_model(mc: pipeline_pb2.EasyRecModel, feature_builder: Feat
 
 
 def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder,
-                       output_name: str) -> CtrModel:
+                       output_name: str, sequences: dict[str, list]) -> CtrModel:
     """MultiTower(DIN) / DCN(V2): the towers' groups, split into embedded and dense features.
 
     A DIN tower's group (a sequence attention group) holds its keys, then its sequences'
@@ -222,7 +256,7 @@ def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBu
         layout = build_embedding_layout(feature_builder.table_specs, embedded, [], 1,
                                         mixed_dims=True)
         return TowerModel(layout, feature_builder.dense_feature_names, groups, mc,
-                          output_name=output_name)
+                          output_name=output_name, sequences=sequences)
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
 

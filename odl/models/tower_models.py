@@ -42,7 +42,14 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import sequence_attention_features, tower_settings
 from odl.features.batch import Batch
-from odl.models.building_blocks import CrossNet, CrossNetV2, TargetAttention, build_mlp
+from odl.models.building_blocks import (
+    CrossNet,
+    CrossNetV2,
+    GroupSequences,
+    TargetAttention,
+    build_mlp,
+    sequence_combiner,
+)
 from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
@@ -61,6 +68,8 @@ class TowerDense(nn.Module):
             key width, seq_len)``; its input: keys, positions, length), the columns of its
             lookups in the ``towers`` group, its columns of the raw dense features.
         final_dnn: the ``final_dnn`` settings.
+        sequences: per tower, the ``GroupSequences`` combining its group's sequences (their
+            positions end its lookups, their lengths end its dense columns), or None.
 
     Raises:
         ValueError: a tower with no input, or an unsupported DNN setting.
@@ -70,7 +79,8 @@ class TowerDense(nn.Module):
     tower_dense: list[list[int]]
 
     def __init__(self, towers: Sequence[tuple[str, int, Sequence[int], object]],
-                 final_dnn: pipeline_pb2.DNN) -> None:
+                 final_dnn: pipeline_pb2.DNN,
+                 sequences: "Sequence[GroupSequences | None] | None" = None) -> None:
         super().__init__()
         self.tower_cols = [0]
         self.tower_dense = []
@@ -82,6 +92,10 @@ class TowerDense(nn.Module):
                 raise ValueError(f"tower {i} reads no feature")
             self.tower_cols.append(self.tower_cols[-1] + int(lookup_width))
             self.tower_dense.append([int(c) for c in dense_cols])
+            seqs = sequences[i] if sequences else None
+            if seqs is not None:  # the group's sequences, each combined into one vector
+                in_width = seqs.out_width
+            start = len(self.towers)
             if kind == "cross":
                 self.towers.append(CrossNet(in_width, int(settings)))
                 width += in_width
@@ -101,6 +115,8 @@ class TowerDense(nn.Module):
                 mlp, out = build_mlp(in_width, settings)
                 self.towers.append(mlp)
                 width += out
+            if seqs is not None:
+                self.towers[start] = nn.Sequential(seqs, self.towers[start])
         self.final_dnn, final_width = build_mlp(width, final_dnn)
         self.final_out = nn.Linear(final_width, 1)
 
@@ -140,6 +156,9 @@ class TowerModel(CtrModel):
         model_config: the ``EasyRecModel`` (``multi_tower`` or ``dcn``).
         output_name: the name of the model's one output (the label it predicts).
         ebc_device: device of the tables (``meta``: materialized by DMP).
+        sequences: feature group -> its SequenceFeatures ``(name, positions, dim,
+            SequenceCombiner)``, whose positional lookups end the group's embedded features
+            and whose length columns end its dense features.
 
     Raises:
         ValueError: a tower names an unknown group or reads nothing.
@@ -153,6 +172,7 @@ class TowerModel(CtrModel):
         model_config: pipeline_pb2.EasyRecModel,
         output_name: str = "label",
         ebc_device: "torch.device | str" = "meta",
+        sequences: "dict[str, list[tuple[str, int, int, object]]] | None" = None,
     ) -> None:
         super().__init__()
         self.layout = layout
@@ -164,6 +184,7 @@ class TowerModel(CtrModel):
         lookups: list[tuple[str, str]] = []
         dims: list[int] = []
         specs = []
+        seq_mods: list[GroupSequences | None] = []
         for kind, group, tower in towers:
             if group not in groups:
                 raise ValueError(f"a tower reads feature group {group!r}, which does not exist")
@@ -179,7 +200,16 @@ class TowerModel(CtrModel):
                                      f"as wide as the keys' ({key_width})")
                 tower = (tower.dnn, key_width, (width - key_width) // key_width)
             specs.append((kind, width, [col[n] for n in dense], tower))
-        self.dense = TowerDense(specs, settings.final_dnn)
+            group_seqs = (sequences or {}).get(group, []) if kind != "din" else []
+            if group_seqs:  # positions end the group's lookups, lengths its dense columns
+                seq_width = sum(n * d for _name, n, d, _c in group_seqs)
+                seq_mods.append(GroupSequences(
+                    width - seq_width,
+                    [(n * d, sequence_combiner(d, n, c)) for _name, n, d, c in group_seqs],
+                    len(dense) - len(group_seqs)))
+            else:
+                seq_mods.append(None)
+        self.dense = TowerDense(specs, settings.final_dnn, seq_mods)
         self.pooled_layout = (PooledGroup.of("towers", tuple(lookups), dims),)
         self.output_names = (output_name,)
         self.l2 = float(settings.l2_regularization)
