@@ -49,6 +49,7 @@ LOADS = {
     "easyrec/deepfm_on_movielens.config",
     "easyrec/wide_and_deep_on_movielens.config",
     "easyrec/dcn_on_movielens.config",
+    "easyrec/wide_and_deep_on_sequence_feature_taobao.config",
     "torcheasyrec/dbmtl.config",
     "torcheasyrec/deepfm.config",
     "torcheasyrec/deepfm_criteo.config",

@@ -205,6 +205,8 @@ def test_projected_raw_features_replay_to_parity(kafka_bootstrap, kafka_topic_fa
 @pytest.mark.parametrize("model, combiner", [
     ("DeepFM", "text_cnn { filter_sizes: [2, 3] num_filters: [4, 4] pad_sequence_length: 5 }"),
     ("DCN", "attention {}"),
+    ("WideAndDeep", "target attention"),  # the group's sequence_features
+    ("MultiTower", "target attention"),
 ])
 def test_sequence_combiners_in_a_feature_group_replay_to_parity(
         kafka_bootstrap, kafka_topic_factory, tmp_path, model, combiner):
@@ -214,20 +216,28 @@ def test_sequence_combiners_in_a_feature_group_replay_to_parity(
     din = as_model_config_text(deepfm_config_text("/unused"), "MultiTowerDIN")
     field = next(line for line in din.splitlines() if '"hist_C3" input_type' in line)
     feature = next(line for line in din.splitlines() if 'input_names: "hist_C3"' in line)
-    edits = (('  input_fields { input_name: "C26" input_type: STRING }\n',
-              '  input_fields { input_name: "C26" input_type: STRING }\n' + field + "\n"),
-             ("model_config {", feature[:-1] + f"sequence_combiner {{ {combiner} }} }}\n"
-                                "model_config {"),
-             ('feature_names: "I13" wide_deep: DEEP', 'feature_names: "I13" '
-              'feature_names: "hist_C3" wide_deep: DEEP'))
+    field_edit = ('  input_fields { input_name: "C26" input_type: STRING }\n',
+                  '  input_fields { input_name: "C26" input_type: STRING }\n' + field + "\n")
+    if combiner == "target attention":  # from C3 over hist_C3, appended to the group
+        edits = (field_edit, ("model_config {", feature + "\nmodel_config {"),
+                 ("wide_deep: DEEP }", 'wide_deep: DEEP sequence_features { group_name: "s" '
+                  'seq_att_map { key: "C3" hist_seq: "hist_C3" } '
+                  "seq_dnn { hidden_units: [8, 1] } } }"))
+    else:
+        edits = (field_edit,
+                 ("model_config {", feature[:-1] + f"sequence_combiner {{ {combiner} }} }}\n"
+                                    "model_config {"),
+                 ('feature_names: "I13" wide_deep: DEEP', 'feature_names: "I13" '
+                  'feature_names: "hist_C3" wide_deep: DEEP'))
     trainer, cfg = _train_with_publishing(
         tmp_path, kafka_bootstrap, kafka_topic_factory,
         _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), model=model, edits=edits,
         records_model="MultiTowerDIN")
     dense = trainer.module.model.dense
-    if model == "DeepFM":
-        assert dense.num_sequences == 1 and dense.use_fm
-        assert type(dense.sequences.combiners[0]).__name__ == "TextCNN"
+    if model in ("DeepFM", "WideAndDeep"):
+        assert dense.num_sequences == 1 and dense.use_fm == (model == "DeepFM")
+        assert type(dense.sequences.combiners[0]).__name__ == (
+            "TextCNN" if model == "DeepFM" else "TargetAttention")
     else:
         assert type(dense.towers[0][0]).__name__ == "GroupSequences"
     _status, diff = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap,

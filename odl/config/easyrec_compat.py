@@ -86,9 +86,9 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "SeqAttMap": frozenset({"aux_hist_seq"}),
     "SequenceCombiner": frozenset({"multi_head_attention"}),
     "TextCNN": frozenset({"mlp"}),
-    "SeqAttGroupConfig": frozenset({"seq_dnn", "allow_key_transform", "transform_dnn"}),
+    "SeqAttGroupConfig": frozenset({"allow_key_transform", "transform_dnn"}),
     "FeatureGroupConfig": frozenset({
-        "sequence_features", "negative_sampler", "sequence_groups",
+        "negative_sampler", "sequence_groups",
         "sequence_encoders",
     }),
     "EasyRecModel": frozenset({

@@ -261,6 +261,35 @@ def _group_input(fc: pipeline_pb2.FeatureConfig) -> tuple[int, int]:
     return 1, 0
 
 
+def _attention_params(key: int, dnn: pipeline_pb2.DNN) -> int:
+    """Parameters of a target attention's MLP over ``[k, h, k - h, k * h]`` (last layer plain)."""
+    units = [int(u) for u in dnn.hidden_units]
+    params, w = 0, 4 * key
+    for i, u in enumerate(units):
+        params += w * u + u
+        if dnn.use_bn and i < len(units) - 1:
+            params += 2 * u
+        w = u
+    return params
+
+
+def _group_attention(group: pipeline_pb2.FeatureGroupConfig,
+                     features: dict[str, pipeline_pb2.FeatureConfig]) -> tuple[int, int, list[str]]:
+    """``(columns, dense parameters, features)`` a group's ``sequence_features`` add."""
+    cols = params = 0
+    names: list[str] = []
+    for sa in group.sequence_features:
+        keys = [k for m in sa.seq_att_map for k in m.key]
+        hists = [h for m in sa.seq_att_map for h in m.hist_seq]
+        key = sum(int(features[k].embedding_dim) for k in keys if k in features)
+        dnn = sa.seq_dnn if sa.HasField("seq_dnn") else pipeline_pb2.DNN(
+            hidden_units=[128, 64, 32, 1])  # EasyRec's default (odl.models.model_factory)
+        cols += 2 * key
+        params += _attention_params(key, dnn)
+        names += keys + hists
+    return cols, params, names
+
+
 def _mlp_params(in_dim: int, dnn: pipeline_pb2.DNN) -> tuple[int, int]:
     """``(parameters, output width)`` of one DNN tower."""
     params, width = 0, in_dim
@@ -282,14 +311,8 @@ def _tower_params(mc: pipeline_pb2.EasyRecModel,
         if kind == "din":  # attention MLP over [k, h, k - h, k * h]; output [attended, k]
             keys, _hists = sequence_attention_features(mc, group)
             key = sum(int(features[k].embedding_dim) for k in keys if k in features)
-            units = list(tower.dnn.hidden_units)
-            w = 4 * key
-            for i, u in enumerate(units):
-                params += w * int(u) + int(u)
-                if tower.dnn.use_bn and i < len(units) - 1:
-                    params += 2 * int(u)
-                w = int(u)
-            hidden += sum(int(u) for u in units)
+            params += _attention_params(key, tower.dnn)
+            hidden += sum(int(u) for u in tower.dnn.hidden_units)
             width += 2 * key
             continue
         in_width = 0
@@ -297,6 +320,11 @@ def _tower_params(mc: pipeline_pb2.EasyRecModel,
             fc = features.get(name)
             if fc is not None:
                 cols, extra = _group_input(fc)
+                in_width += cols
+                params += extra
+        for g in mc.feature_groups:
+            if g.group_name == group:
+                cols, extra, _names = _group_attention(g, features)
                 in_width += cols
                 params += extra
         if kind == "cross":
@@ -390,7 +418,8 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
     for g in mc.feature_groups:
         if towers is not None:  # towers read their groups through deep tables only
             if any(group == g.group_name for _kind, group, _t in towers):
-                deep_feats += [n for n in g.feature_names if n not in deep_feats]
+                names = list(g.feature_names) + _group_attention(g, features)[2]
+                deep_feats += [n for n in names if n not in deep_feats]
             continue
         for name in g.feature_names:
             if g.wide_deep in (pipeline_pb2.DEEP, pipeline_pb2.WIDE_AND_DEEP) \
@@ -437,6 +466,20 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
                   -(-dim // WIDE_DIM_ALIGN) * WIDE_DIM_ALIGN, fc)
         pooled += dim
         fm_dim = max(fm_dim, dim)
+    if towers is None:  # WideAndDeep deep groups' target attention (sequence_features)
+        for g in mc.feature_groups:
+            if g.wide_deep != pipeline_pb2.DEEP:
+                continue
+            cols, extra, names = _group_attention(g, features)
+            deep_in += cols
+            extra_params += extra
+            for name in names:
+                fc = features.get(name)
+                if fc is not None and _embedded(fc):
+                    dim = int(fc.embedding_dim)
+                    add_table(fc.embedding_name or name, _rows(fc, model_ev),
+                              -(-dim // WIDE_DIM_ALIGN) * WIDE_DIM_ALIGN, fc)
+                    pooled += dim
     wide_dense = 0
     for name in wide_feats:
         fc = features.get(name)

@@ -37,6 +37,7 @@ from odl.config.feature_configs import (
 from odl.config.loss_settings import POINTWISE_LOSS_TYPES
 from odl.config.model_classes import (
     IMPLEMENTED_MODEL_CLASSES,
+    TOWER_MODEL_CLASSES,
     WIDE_DEEP_MODEL_CLASSES,
     is_multi_task_model,
     is_tower_model,
@@ -215,6 +216,16 @@ def validate_model(
         groups[g.group_name] = i
         if not g.feature_names:
             raise ConfigError(f"{where}.feature_names", "a group needs at least one feature")
+        if g.sequence_features:
+            if (mc.model_class not in ("WideAndDeep",) + TOWER_MODEL_CLASSES
+                    or (mc.model_class == "WideAndDeep" and g.wide_deep != pipeline_pb2.DEEP)):
+                raise ConfigError(f"{where}.sequence_features",
+                                  "a group's target attention (sequence_features) is "
+                                  "implemented for WideAndDeep deep groups and the tower "
+                                  f"models' groups, not for {mc.model_class}"
+                                  f"{'' if g.wide_deep == pipeline_pb2.DEEP else ' wide groups'}")
+            _validate_sequence_groups(config, features, g.sequence_features,
+                                      f"{where}.sequence_features")
         seen = set()
         for j, name in enumerate(g.feature_names):
             if name not in features:
@@ -495,11 +506,14 @@ def _check_group_sequence(mc: Any, group: Any, fc: FeatureConfig, where: str) ->
 
 
 def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
-                              features: dict[str, FeatureConfig]) -> None:
-    """``seq_att_groups``: keys are embedded features, sequences SequenceFeatures as wide."""
-    prefix = "model_config.seq_att_groups"
+                              features: dict[str, FeatureConfig], groups: Any = None,
+                              prefix: str = "model_config.seq_att_groups") -> None:
+    """Sequence attention groups: keys are embedded features, sequences as wide.
+
+    ``seq_att_groups`` (DIN towers), or a feature group's ``sequence_features``.
+    """
     seen: set[str] = set()
-    for i, g in enumerate(config.model_config.seq_att_groups):
+    for i, g in enumerate(config.model_config.seq_att_groups if groups is None else groups):
         where = f"{prefix}[{i}]"
         if not g.group_name or g.group_name in seen:
             raise ConfigError(f"{where}.group_name", "required and unique")
@@ -530,6 +544,11 @@ def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
                                      "allow_key_transform is not implemented)")
         if len(lengths) > 1:
             raise ConfigError(where, "the group's SequenceFeatures need one max_seq_len")
+        if g.HasField("seq_dnn"):
+            _validate_dnn(g.seq_dnn, f"{where}.seq_dnn", required=True)
+            if g.seq_dnn.hidden_units[-1] != 1:
+                raise ConfigError(f"{where}.seq_dnn.hidden_units",
+                                  "the attention DNN ends in a layer of 1 unit (the score)")
 
 
 def _validate_dnn(dnn: Any, where: str, required: bool) -> None:

@@ -23,6 +23,7 @@ annotations as types.
 """
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -274,6 +275,23 @@ def sequence_combiner(dim: int, seq_len: int,
     if which == "text_cnn":
         return TextCNN(dim, seq_len, settings.text_cnn)
     raise ValueError("a SequenceFeature in a feature group needs a sequence_combiner")
+
+
+@dataclass(frozen=True)
+class SequenceBlock:
+    """A part of a feature group's input made from sequences (``GroupSequences``).
+
+    Attributes:
+        lookups: its KJT keys, in order (a sequence's positions; a target attention's keys,
+            then its sequences' positions, position after position).
+        module: combines ``[its lookups' columns, the length]`` into one vector
+            (``out_width`` wide).
+        length_column: the ``Batch.dense`` column of the sequence length it reads.
+    """
+
+    lookups: tuple[str, ...]
+    module: nn.Module
+    length_column: str
 
 
 class GroupSequences(nn.Module):

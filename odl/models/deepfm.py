@@ -42,8 +42,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import uses_fm, wide_deep_settings
 from odl.features.batch import Batch
-from odl.features.feature_builder import sequence_key, sequence_length_column
-from odl.models.building_blocks import GroupSequences, build_mlp, fm_term, sequence_combiner
+from odl.models.building_blocks import GroupSequences, SequenceBlock, build_mlp, fm_term
 from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import DEEP_INIT_STD, EmbeddingLayout
@@ -302,8 +301,8 @@ class DeepFM(CtrModel):
         ebc_device: device of the tables (``meta``: materialized by DMP).
         projected: the deep group's projected raw features (``Batch.dense`` columns).
         projected_dim: their ``embedding_dim`` (the deep lookups' dim).
-        sequences: the deep group's SequenceFeatures ``(name, positions, dim,
-            SequenceCombiner)``, looked up position by position after the other lookups.
+        sequences: the deep groups' sequence blocks, looked up after the other lookups.
+        deep_features: the deep groups' embedded features (a block's key may be one too).
 
     Raises:
         ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
@@ -320,23 +319,26 @@ class DeepFM(CtrModel):
         ebc_device: "torch.device | str" = "meta",
         projected: Sequence[str] = (),
         projected_dim: int = 0,
-        sequences: Sequence[tuple[str, int, int, object]] = (),
+        sequences: Sequence[SequenceBlock] = (),
+        deep_features: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.layout = layout
         self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device))
         col = {n: i for i, n in enumerate(dense_features)}
-        # the deep group: its other lookups, then each sequence's positions
+        # the deep group: its other lookups, then each sequence block's
         dim_of = dict(zip((f for f, _t in layout.deep_keys), layout.deep_dims, strict=True))
         table_of = dict(layout.deep_keys)
-        positions = [sequence_key(name, p) for name, n, _d, _c in sequences for p in range(n)]
-        regular = [(f, t) for f, t in layout.deep_keys if f not in set(positions)]
-        deep_keys = regular + [(k, table_of[k]) for k in positions]
+        in_blocks = {k for b in sequences for k in b.lookups}
+        wanted = set(deep_features)
+        regular = [(f, t) for f, t in layout.deep_keys
+                   if (f in wanted if wanted else f not in in_blocks)]
+        deep_keys = regular + [(k, table_of[k]) for b in sequences for k in b.lookups]
         seqs = None
         if sequences:
             seqs = GroupSequences(sum(dim_of[f] for f, _t in regular),
-                                  [(n * d, sequence_combiner(d, n, c))
-                                   for _name, n, d, c in sequences], 0)
+                                  [(sum(dim_of[k] for k in b.lookups), b.module)
+                                   for b in sequences], 0)
         _field, settings = wide_deep_settings(model_config)
         regular_dims = {dim_of[f] for f, _t in regular}
         self.dense = DeepFMDense(
@@ -352,8 +354,7 @@ class DeepFM(CtrModel):
             deep_width=sum(dim_of[f] for f, _t in regular),
             projected_idx=[col[n] for n in projected],
             sequences=seqs,
-            sequence_length_idx=[col[sequence_length_column(name)]
-                                 for name, _n, _d, _c in sequences],
+            sequence_length_idx=[col[b.length_column] for b in sequences],
         )
         self.pooled_layout = (
             PooledGroup.of("deep", tuple(deep_keys), [dim_of[f] for f, _t in deep_keys]),

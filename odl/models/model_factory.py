@@ -25,6 +25,7 @@ from odl.config.model_classes import (
     wide_deep_settings,
 )
 from odl.features.feature_builder import FeatureBuilder, sequence_key, sequence_length_column
+from odl.models.building_blocks import SequenceBlock, TargetAttention, sequence_combiner
 from odl.models.ctr_model import CtrModel
 from odl.models.deepfm import DeepFM
 from odl.models.embedding_tables import build_embedding_layout
@@ -47,9 +48,9 @@ def model_groups(
         feature_builder: the feature builder (which features exist, which are embedded).
 
     Returns:
-        ``{"deep_sparse", "deep_dense", "wide_sparse", "wide_dense", "deep_sequence"}`` ->
-        feature names, in group order without repeats (``deep_sequence``: SequenceFeatures
-        of deep groups, combined by their ``sequence_combiner``).
+        ``{"deep_sparse", "deep_dense", "wide_sparse", "wide_dense"}`` -> feature names, in
+        group order without repeats (a deep group's SequenceFeatures: its
+        :func:`sequence_blocks`).
 
     Raises:
         ConfigError: a group names an unknown feature.
@@ -58,7 +59,7 @@ def model_groups(
     dense = set(feature_builder.dense_feature_names)
     sequences = feature_builder.sequence_features
     out: dict[str, list[str]] = {k: [] for k in ("deep_sparse", "deep_dense", "wide_sparse",
-                                                 "wide_dense", "deep_sequence")}
+                                                 "wide_dense")}
     for gi, g in enumerate(model_config.feature_groups):
         parts = []
         if g.wide_deep in (pipeline_pb2.DEEP, pipeline_pb2.WIDE_AND_DEEP):
@@ -71,7 +72,7 @@ def model_groups(
             elif f in dense:
                 kind = "dense"
             elif f in sequences and parts == ["deep"]:
-                kind = "sequence"
+                continue  # combined with the group's other sequences (sequence_blocks)
             else:
                 raise ConfigError(
                     f"model_config.feature_groups[{gi}].feature_names",
@@ -108,13 +109,14 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
         return _build_multi_task_model(mc, feature_builder, labels)
     if is_tower_model(mc):
         return _build_tower_model(mc, feature_builder, labels[0],
-                                  group_sequences(config, feature_builder))
+                                  sequence_blocks(config, feature_builder))
     groups = model_groups(mc, feature_builder)
     field, settings = wide_deep_settings(mc)
     wide_dim = int(settings.wide_output_dim) or 1
     try:
-        positions = [sequence_key(f, p) for f in groups["deep_sequence"]
-                     for p in range(feature_builder.sequence_features[f])]
+        blocks = [b for g in mc.feature_groups if g.wide_deep == pipeline_pb2.DEEP
+                  for b in sequence_blocks(config, feature_builder).get(g.group_name, [])]
+        positions = [k for b in blocks for k in b.lookups if k not in groups["deep_sparse"]]
         layout = build_embedding_layout(
             feature_builder.table_specs, groups["deep_sparse"] + positions, groups["wide_sparse"],
             wide_dim, mixed_dims=not uses_fm(mc))
@@ -128,57 +130,80 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
     dims = {n: int(fc.embedding_dim) for n, fc in fcs.items()}
     projected = [f for f in groups["deep_dense"] if dims.get(f, 0) > 0]
     deep_dense = [f for f in groups["deep_dense"] if f not in projected]
-    sequences = [(f, feature_builder.sequence_features[f], dims[f], fcs[f].sequence_combiner)
-                 for f in groups["deep_sequence"]]
     try:
         return DeepFM(layout, feature_builder.dense_feature_names, deep_dense,
                       groups["wide_dense"], mc, output_name=labels[0], projected=projected,
                       projected_dim=dims[projected[0]] if projected else 0,
-                      sequences=sequences)
+                      sequences=blocks, deep_features=groups["deep_sparse"])
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
 
 
-def _embedded_and_dense(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder
+def _embedded_and_dense(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder,
+                        blocks: dict[str, list[SequenceBlock]] | None = None
                         ) -> dict[str, tuple[list[str], list[str]]]:
     """Feature group name -> (embedded features, dense features), in group order.
 
-    A group's SequenceFeatures (:func:`group_sequences`) come last: their positional keys
-    after the embedded features, their length columns after the dense ones.
+    A group's sequence blocks (:func:`sequence_blocks`) come last: their lookups after the
+    embedded features, their length columns after the dense ones.
     """
     sparse = set(feature_builder.sparse_feature_names)
     dense = set(feature_builder.dense_feature_names)
     positions = feature_builder.sequence_features
     groups: dict[str, tuple[list[str], list[str]]] = {}
     for gi, g in enumerate(mc.feature_groups):
-        emb, raw, seqs = [], [], []
+        emb, raw = [], []
         for f in g.feature_names:
             if f in sparse:
                 emb.append(f)
             elif f in dense:
                 raw.append(f)
-            elif f in positions:
-                seqs.append(f)
-            else:
+            elif f not in positions:
                 raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
                                   f"group {g.group_name!r} names unknown feature {f!r}")
-        emb += [sequence_key(f, p) for f in seqs for p in range(positions[f])]
-        raw += [sequence_length_column(f) for f in seqs]
+        for b in (blocks or {}).get(g.group_name, []):
+            emb += list(b.lookups)
+            raw.append(b.length_column)
         groups[g.group_name] = (emb, raw)
     return groups
 
 
-def group_sequences(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder
-                    ) -> dict[str, list[tuple[str, int, int, pipeline_pb2.SequenceCombiner]]]:
-    """Feature group name -> its SequenceFeatures ``(name, positions, dim, combiner)``."""
+# EasyRec's attention DNN of a feature group's sequence_features when seq_dnn is unset
+DEFAULT_SEQ_DNN_UNITS = (128, 64, 32, 1)
+
+
+def sequence_blocks(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder
+                    ) -> dict[str, list[SequenceBlock]]:
+    """Feature group name -> the parts of its input made from sequences, in order.
+
+    Each SequenceFeature listed in the group (its positions, combined by its
+    ``sequence_combiner``), then each of its ``sequence_features`` (a target attention:
+    the keys, then the sequences' positions, into ``[attended sequence, key]``).
+    """
     fcs = {fc.feature_name: fc for fc in feature_configs(config)}
     positions = feature_builder.sequence_features
-    out: dict[str, list] = {}
+    out: dict[str, list[SequenceBlock]] = {}
     for g in config.model_config.feature_groups:
-        seqs = [(f, positions[f], int(fcs[f].embedding_dim), fcs[f].sequence_combiner)
-                for f in g.feature_names if f in positions]
-        if seqs:
-            out[g.group_name] = seqs
+        blocks = []
+        for f in g.feature_names:
+            if f in positions:
+                n, d = positions[f], int(fcs[f].embedding_dim)
+                blocks.append(SequenceBlock(
+                    tuple(sequence_key(f, p) for p in range(n)),
+                    sequence_combiner(d, n, fcs[f].sequence_combiner),
+                    sequence_length_column(f)))
+        for sa in g.sequence_features:
+            keys = [k for m in sa.seq_att_map for k in m.key]
+            hists = [h for m in sa.seq_att_map for h in m.hist_seq]
+            n = positions[hists[0]]
+            dnn = sa.seq_dnn if sa.HasField("seq_dnn") else pipeline_pb2.DNN(
+                hidden_units=DEFAULT_SEQ_DNN_UNITS)
+            blocks.append(SequenceBlock(
+                tuple(keys) + tuple(sequence_key(h, p) for p in range(n) for h in hists),
+                TargetAttention(sum(int(fcs[k].embedding_dim) for k in keys), n, dnn),
+                sequence_length_column(hists[0])))
+        if blocks:
+            out[g.group_name] = blocks
     return out
 
 
@@ -227,7 +252,7 @@ def _build_multi_task_model(mc: pipeline_pb2.EasyRecModel, feature_builder: Feat
 
 
 def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder,
-                       output_name: str, sequences: dict[str, list]) -> CtrModel:
+                       output_name: str, sequences: dict[str, list[SequenceBlock]]) -> CtrModel:
     """MultiTower(DIN) / DCN(V2): the towers' groups, split into embedded and dense features.
 
     A DIN tower's group (a sequence attention group) holds its keys, then its sequences'
@@ -235,7 +260,7 @@ def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBu
     sequence's length column.
     """
     field, _settings, towers = tower_settings(mc)
-    groups = _embedded_and_dense(mc, feature_builder)
+    groups = _embedded_and_dense(mc, feature_builder, sequences)
     seq_lens = feature_builder.sequence_features
     for kind, group, _tower in towers:
         if kind != "din" or group in groups:

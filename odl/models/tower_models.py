@@ -46,9 +46,9 @@ from odl.models.building_blocks import (
     CrossNet,
     CrossNetV2,
     GroupSequences,
+    SequenceBlock,
     TargetAttention,
     build_mlp,
-    sequence_combiner,
 )
 from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
@@ -156,9 +156,8 @@ class TowerModel(CtrModel):
         model_config: the ``EasyRecModel`` (``multi_tower`` or ``dcn``).
         output_name: the name of the model's one output (the label it predicts).
         ebc_device: device of the tables (``meta``: materialized by DMP).
-        sequences: feature group -> its SequenceFeatures ``(name, positions, dim,
-            SequenceCombiner)``, whose positional lookups end the group's embedded features
-            and whose length columns end its dense features.
+        sequences: feature group -> its sequence blocks, whose lookups end the group's
+            embedded features and whose length columns end its dense features.
 
     Raises:
         ValueError: a tower names an unknown group or reads nothing.
@@ -172,7 +171,7 @@ class TowerModel(CtrModel):
         model_config: pipeline_pb2.EasyRecModel,
         output_name: str = "label",
         ebc_device: "torch.device | str" = "meta",
-        sequences: "dict[str, list[tuple[str, int, int, object]]] | None" = None,
+        sequences: "dict[str, list[SequenceBlock]] | None" = None,
     ) -> None:
         super().__init__()
         self.layout = layout
@@ -200,13 +199,13 @@ class TowerModel(CtrModel):
                                      f"as wide as the keys' ({key_width})")
                 tower = (tower.dnn, key_width, (width - key_width) // key_width)
             specs.append((kind, width, [col[n] for n in dense], tower))
-            group_seqs = (sequences or {}).get(group, []) if kind != "din" else []
-            if group_seqs:  # positions end the group's lookups, lengths its dense columns
-                seq_width = sum(n * d for _name, n, d, _c in group_seqs)
+            blocks = (sequences or {}).get(group, []) if kind != "din" else []
+            if blocks:  # the blocks' lookups end the group's, their lengths its dense columns
+                widths = [sum(dim_of[k] for k in b.lookups) for b in blocks]
                 seq_mods.append(GroupSequences(
-                    width - seq_width,
-                    [(n * d, sequence_combiner(d, n, c)) for _name, n, d, c in group_seqs],
-                    len(dense) - len(group_seqs)))
+                    width - sum(widths),
+                    [(w, b.module) for w, b in zip(widths, blocks, strict=True)],
+                    len(dense) - len(blocks)))
             else:
                 seq_mods.append(None)
         self.dense = TowerDense(specs, settings.final_dnn, seq_mods)
