@@ -153,3 +153,42 @@ def test_task_space_needs_a_label_field_and_a_pointwise_loss():
                              'tower_name: "cvr" label_name: "buy" '
                              'task_space_indicator_label: "label" loss_type: PAIR_WISE_LOSS'))
     assert "pointwise" in str(e.value)
+
+
+def test_uncertainty_weighting_learns_a_weight_per_marked_term():
+    text = _text("DBMTL").replace('model_class: "DBMTL"', 'model_class: "DBMTL"\n'
+                                  "  loss_weight_strategy: Uncertainty")
+    text = text.replace('tower_name: "cvr" label_name: "buy"',
+                        'tower_name: "cvr" label_name: "buy" losses { loss_type: CLASSIFICATION '
+                        "learn_loss_weight: true } losses { loss_type: SIGMOID_L2_LOSS "
+                        "learn_loss_weight: true weight: 0.5 }")
+    config = _config(text)
+    fb = FeatureBuilder(config)
+    m = build_model(config, fb)
+    m.ebc = m.ebc.__class__(tables=m.layout.configs, device=torch.device("cpu"))
+    batch = fb.build(encode_with_conversions(
+        SyntheticCtrStream(seed=5, start_time=1.7e9).next_batch(64), 5)).batch
+    u = m.dense.loss_uncertainty
+    assert u.shape == (2,)
+    from odl.config.memory_estimate import estimate_memory
+
+    assert estimate_memory(config, "cpu").dense_parameters == sum(
+        p.numel() for p in m.dense.parameters())
+    with torch.no_grad():
+        u.copy_(torch.tensor([0.3, -0.2]))
+    m.l2 = m.embedding_regularization = 0.0
+    out = m(batch)
+    y = batch.labels
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    l2 = (torch.sigmoid(out.logits[:, 1]) - y[:, 1]).square().mean()
+    want = (bce(out.logits[:, 0], y[:, 0])
+            + torch.exp(torch.tensor(-0.3)) * bce(out.logits[:, 1], y[:, 1]) + 0.15
+            + 0.5 * torch.exp(torch.tensor(0.2)) * 0.5 * l2 - 0.1)
+    loss = m.loss(out, batch)
+    assert torch.allclose(loss, want, atol=1e-5)
+    loss.backward()
+    assert u.grad is not None and bool((u.grad != 0).all())
+    # without the strategy a learned weight is refused, as EasyRec does
+    with pytest.raises(ConfigError) as e:
+        _config(text.replace("  loss_weight_strategy: Uncertainty\n", ""))
+    assert e.value.field.endswith("losses[0].learn_loss_weight")

@@ -96,7 +96,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "autoint", "dlrm", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat", "esmm",
         "simple_multi_task", "ple", "rocket_launching", "kd",
-        "restore_filters", "variational_dropout", "loss_weight_strategy", "backbone",
+        "restore_filters", "variational_dropout", "backbone",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet", "wukong",
         "rank_model", "multi_tower_din", "dlrm_hstu",
     }),
@@ -448,6 +448,10 @@ def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:
         raise ConfigError("model_config.num_class",
                           f"num_class {mc.num_class} is an EasyRec value that odl does not "
                           "implement yet (only 1: binary classification)")
+    if mc.loss_weight_strategy == pipeline_pb2.EasyRecModel.Random:
+        raise ConfigError("model_config.loss_weight_strategy",
+                          "Random is an EasyRec value that odl does not implement yet (Fixed, "
+                          "Uncertainty)")
     dc = config.data_config
     if dc.fg_mode == pipeline_pb2.DatasetConfig.FG_BUCKETIZE:
         raise ConfigError("data_config.fg_mode",

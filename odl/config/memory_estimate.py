@@ -509,6 +509,11 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
             hidden += sum(int(u) for u in d.final_dnn.hidden_units)
         else:
             params += deep_width + 1
+    if mc.loss_weight_strategy == pipeline_pb2.EasyRecModel.Uncertainty:  # learned weights
+        terms = list(mc.losses)
+        if is_multi_task_model(mc):
+            terms = [t for task in multi_task_settings(mc)[1].task_towers for t in task.losses]
+        params += sum(1 for t in terms if t.learn_loss_weight)
     dense_bytes = BYTES_PER_VALUE * params * (2 + _DENSE_STATE.get(dense.kind, 2))
     batch = int(config.data_config.batch_size)
     activations = BYTES_PER_VALUE * ACTIVATION_COPIES * batch * (pooled + deep_in + hidden)

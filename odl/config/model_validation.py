@@ -203,7 +203,7 @@ def validate_model(
                           f"required ({', '.join(IMPLEMENTED_MODEL_CLASSES)})")
     if mc.embedding_regularization < 0:
         raise ConfigError("model_config.embedding_regularization", "must be >= 0")
-    _validate_losses(mc.losses, "model_config.losses")
+    _validate_losses(mc.losses, "model_config.losses", mc.loss_weight_strategy)
     if not mc.feature_groups:
         raise ConfigError("model_config.feature_groups", "required")
     groups: dict[str, int] = {}
@@ -304,10 +304,14 @@ def validate_model(
                           f"{', ...' if len(dims) > 6 else ''}")
 
 
-def _validate_losses(losses: Any, prefix: str) -> None:
+def _validate_losses(losses: Any, prefix: str, strategy: int = 0) -> None:
     """Checks the settings of each loss term (``model_config.losses`` or a task's)."""
     for i, loss in enumerate(losses):
         where = f"{prefix}[{i}]"
+        if loss.learn_loss_weight and strategy != pipeline_pb2.EasyRecModel.Uncertainty:
+            raise ConfigError(f"{where}.learn_loss_weight",
+                              "a learned loss weight needs model_config.loss_weight_strategy: "
+                              "Uncertainty (EasyRec refuses it otherwise too)")
         if loss.weight <= 0:
             raise ConfigError(f"{where}.weight", "must be > 0")
         if loss.binary_focal_loss.gamma < 0:
@@ -377,7 +381,7 @@ def _validate_multi_task(config: pipeline_pb2.EasyRecConfig,
             if r not in names:
                 raise ConfigError(f"{tw}.relation_tower_names[{j}]",
                                   f"{r!r} is not an earlier task (tasks so far: {names})")
-        _validate_losses(task.losses, f"{tw}.losses")
+        _validate_losses(task.losses, f"{tw}.losses", mc.loss_weight_strategy)
         if task.task_space_indicator_label:
             if task.task_space_indicator_label not in label_fields:
                 raise ConfigError(f"{tw}.task_space_indicator_label",

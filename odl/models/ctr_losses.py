@@ -51,8 +51,28 @@ def loss_terms(model_config: pipeline_pb2.EasyRecModel) -> list[pipeline_pb2.Los
     return [term]
 
 
+def learned_weight_terms(model_config: pipeline_pb2.EasyRecModel,
+                         terms: list[pipeline_pb2.Loss]) -> list[bool]:
+    """Per term, whether its weight is learned (Uncertainty strategy and learn_loss_weight)."""
+    uncertainty = model_config.loss_weight_strategy == pipeline_pb2.EasyRecModel.Uncertainty
+    return [uncertainty and bool(t.learn_loss_weight) for t in terms]
+
+
+def add_loss_weights(dense: nn.Module, count: int) -> None:
+    """Registers ``count`` learned loss weights as ``dense.loss_uncertainty`` (from 0).
+
+    Registered after every other parameter of the dense part, so a model without them keeps
+    its checkpoint layout; they are trained by the dense optimizer and published with the
+    other dense variables (serving does not read them).
+    """
+    if count:
+        dense.register_parameter("loss_uncertainty", nn.Parameter(torch.zeros(int(count))))
+
+
 def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb2.Loss],
-             sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+             sample_weights: torch.Tensor | None = None, scale: float = 1.0,
+             learned: list[bool] | None = None,
+             uncertainty: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted sum of the loss terms (module docstring).
 
     Args:
@@ -62,6 +82,10 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
         sample_weights: ``[B]`` per-sample weights (a multi-task tower's task space), or
             None; each term is then ``sum(w * loss) / sum(w)`` (TorchEasyRec's weighting);
             only ``odl.config.loss_settings.POINTWISE_LOSS_TYPES`` take weights.
+        scale: a factor on every term (a multi-task tower's ``weight``).
+        learned: per term, whether its weight is learned (:func:`learned_weight_terms`).
+        uncertainty: the learned terms' ``u``, one per learned term in order: the term
+            becomes ``exp(-u) * v + u / 2`` (``0.5 * exp(-u) * v + u / 2`` for L2 losses).
 
     Returns:
         Scalar loss.
@@ -70,13 +94,20 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
         ValueError: weights for a loss that is not pointwise.
     """
     total = logits.new_zeros(())
-    for term in terms:
+    k = 0
+    for i, term in enumerate(terms):
         if sample_weights is None:
             value = _term(logits, labels, term)
         else:
             value = (_pointwise(logits, labels, term) * sample_weights).sum() / (
                 sample_weights.sum().clamp_min(1e-12))
-        total = total + float(term.weight) * value
+        value = float(scale) * float(term.weight) * value
+        if learned is not None and learned[i] and uncertainty is not None:
+            u = uncertainty[k]
+            k += 1
+            half = 0.5 if term.loss_type in (_L.L2_LOSS, _L.SIGMOID_L2_LOSS) else 1.0
+            value = half * torch.exp(-u) * value + 0.5 * u
+        total = total + value
     return total
 
 

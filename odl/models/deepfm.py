@@ -43,7 +43,13 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from odl.config.model_classes import uses_fm, wide_deep_settings
 from odl.features.batch import Batch
 from odl.models.building_blocks import GroupSequences, SequenceBlock, build_mlp, fm_term
-from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
+from odl.models.ctr_losses import (
+    add_loss_weights,
+    ctr_loss,
+    learned_weight_terms,
+    linear_kernel_l2,
+    loss_terms,
+)
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import DEEP_INIT_STD, EmbeddingLayout
 from odl.protos import pipeline_pb2
@@ -260,6 +266,7 @@ def deepfm_loss(
     dense: DeepFMDense,
     weights: DeepFMRegularization,
     terms: list[pipeline_pb2.Loss],
+    learned: list[bool] | None = None,
 ) -> torch.Tensor:
     """The prediction loss plus DeepFM's regularization (module docstring).
 
@@ -271,11 +278,13 @@ def deepfm_loss(
         dense: the dense part (its Linear kernels and the lookup counts).
         weights: the regularization weights.
         terms: the configured loss terms (``odl.models.ctr_losses.loss_terms``).
+        learned: per term, whether its weight is learned (``dense.loss_uncertainty``).
 
     Returns:
         Scalar loss.
     """
-    loss = ctr_loss(logits, labels, terms)
+    loss = ctr_loss(logits, labels, terms, learned=learned,
+                    uncertainty=getattr(dense, "loss_uncertainty", None))
     b = logits.shape[0]
     if weights.l2:
         loss = loss + weights.l2 * linear_kernel_l2(dense)
@@ -363,6 +372,8 @@ class DeepFM(CtrModel):
         self.output_names = (output_name,)
         self.regularization = DeepFMRegularization.from_config(model_config)
         self.loss_terms = loss_terms(model_config)
+        self.learned = learned_weight_terms(model_config, self.loss_terms)
+        add_loss_weights(self.dense, sum(self.learned))
 
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
         """``deepfm_loss`` of the step's logits and pooled lookups.
@@ -376,4 +387,4 @@ class DeepFM(CtrModel):
         """
         deep, wide = output.pooled
         return deepfm_loss(output.logits, batch.labels, deep, wide, self.dense,
-                           self.regularization, self.loss_terms)
+                           self.regularization, self.loss_terms, self.learned)

@@ -44,7 +44,13 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 from odl.config.model_classes import multi_task_settings
 from odl.features.batch import Batch
 from odl.models.building_blocks import ExpertGates, build_mlp
-from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
+from odl.models.ctr_losses import (
+    add_loss_weights,
+    ctr_loss,
+    learned_weight_terms,
+    linear_kernel_l2,
+    loss_terms,
+)
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
 from odl.protos import pipeline_pb2
@@ -222,6 +228,12 @@ class MultiTaskModel(CtrModel):
         self.output_labels = tuple(int(c) for c in label_columns)
         self.task_weights = [float(t.weight) for t in settings.task_towers]
         self.task_terms = [loss_terms(t) for t in settings.task_towers]
+        self.task_learned = [learned_weight_terms(model_config, terms)
+                             for terms in self.task_terms]
+        # each task's learned weights: a slice of dense.loss_uncertainty
+        self.task_learned_start = [sum(sum(x) for x in self.task_learned[:t])
+                                   for t in range(len(self.task_learned))]
+        add_loss_weights(self.dense, sum(sum(x) for x in self.task_learned))
         spaces = list(space_columns or [None] * len(names))
         self.task_spaces = [None if c is None else
                             (int(c), float(t.in_task_space_weight),
@@ -250,8 +262,12 @@ class MultiTaskModel(CtrModel):
                 col, w_in, w_out = space
                 inside = (labels[:, col] > 0).to(logits.dtype)
                 weights = w_in * inside + w_out * (1 - inside)
-            loss = loss + w * ctr_loss(logits[:, t], labels[:, self.output_labels[t]], terms,
-                                       weights)
+            uncertainty = getattr(self.dense, "loss_uncertainty", None)
+            if uncertainty is not None:
+                uncertainty = uncertainty[self.task_learned_start[t]:]
+            loss = loss + ctr_loss(logits[:, t], labels[:, self.output_labels[t]], terms,
+                                   weights, scale=w, learned=self.task_learned[t],
+                                   uncertainty=uncertainty)
         if self.l2:
             loss = loss + self.l2 * linear_kernel_l2(self.dense)
         (pooled,) = output.pooled

@@ -50,7 +50,13 @@ from odl.models.building_blocks import (
     TargetAttention,
     build_mlp,
 )
-from odl.models.ctr_losses import ctr_loss, linear_kernel_l2, loss_terms
+from odl.models.ctr_losses import (
+    add_loss_weights,
+    ctr_loss,
+    learned_weight_terms,
+    linear_kernel_l2,
+    loss_terms,
+)
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
 from odl.protos import pipeline_pb2
@@ -214,6 +220,8 @@ class TowerModel(CtrModel):
         self.l2 = float(settings.l2_regularization)
         self.embedding_regularization = float(model_config.embedding_regularization)
         self.loss_terms = loss_terms(model_config)
+        self.learned = learned_weight_terms(model_config, self.loss_terms)
+        add_loss_weights(self.dense, sum(self.learned))
 
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
         """The prediction loss plus the regularization terms (module docstring).
@@ -225,7 +233,8 @@ class TowerModel(CtrModel):
         Returns:
             Scalar loss.
         """
-        loss = ctr_loss(output.logits, batch.labels, self.loss_terms)
+        loss = ctr_loss(output.logits, batch.labels, self.loss_terms, learned=self.learned,
+                        uncertainty=getattr(self.dense, "loss_uncertainty", None))
         if self.l2:
             sq = linear_kernel_l2(self.dense) + sum(
                 m.weights.square().sum() for m in self.dense.modules() if isinstance(m, CrossNet))
