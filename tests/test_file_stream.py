@@ -542,3 +542,27 @@ def test_file_stream_and_day_pass_saves_on_oss(oss, tmp_path):
     service = _serve_from(f"{saves}/20261123/base", saves)
     assert service.follower.deltas_applied == 5
     assert _parity(service, trainer, 0, values) <= 1e-6
+
+
+def test_grouped_auc_metric_reports_gauc_by_its_grouping_column(tmp_path):
+    """TorchEasyRec's metrics { grouped_auc { grouping_key } }: GAUC beside AUC."""
+    from odl.features.feature_builder import FeatureBuilder
+
+    data = tmp_path / "data"
+    _ids, values = make_records(600, seed=12)
+    _write_split(data, "20261124", "2300", [values])
+    text = _config(tmp_path, str(data), "20261124").replace(
+        'model_class: "DeepFM"',
+        'model_class: "DeepFM"\n  metrics { auc {} }\n'
+        '  metrics { grouped_auc { grouping_key: "C9" } }')
+    config = parse_pipeline_config_text(text)
+    validate_pipeline_config(config, online=True)
+    built = FeatureBuilder(config).build(values[:200]).batch
+    c9 = [v.split(b",")[3 + 13 + 8] for v in values[:200]]  # C9: 3 meta, 13 dense, C1..C8
+    keys = built.group_keys.tolist()
+    for i in range(1, 200):  # the same C9 value, the same group; different values differ
+        assert (keys[i] == keys[0]) == (c9[i] == c9[0])
+    trainer = _train(tmp_path, text, str(tmp_path / "ledger.tsv"))
+    progressive = trainer._status.document()["progressive"]
+    assert 0.0 <= progressive["gauc"] <= 1.0 and progressive["samples"] == 600
+    assert "odl_progressive_gauc" in generate_latest(trainer.metrics.registry).decode()

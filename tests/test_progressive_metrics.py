@@ -52,3 +52,35 @@ def test_total_auc_histogram_is_close_to_exact():
     m.update(probs, labels)
     assert m.total_auc() == pytest.approx(roc_auc(labels, probs), abs=2e-4)
     assert m.total_logloss() == pytest.approx(log_loss(probs, labels), rel=1e-9)
+
+
+def test_window_gauc_is_the_grouped_auc_of_the_window_across_wraparound():
+    from odl.auc import grouped_auc
+
+    rng = np.random.default_rng(3)
+    pm = ProgressiveMetrics(window=250, grouped=True)
+    probs, labels, groups = [], [], []
+    for size in (100, 120, 90, 250, 300, 30):  # fills, wraps, replaces the window whole
+        p = np.round(rng.random(size), 2)
+        y = (rng.random(size) < p).astype(float)
+        g = rng.integers(0, 15, size)
+        pm.update(p, y, g)
+        probs.append(p)
+        labels.append(y)
+        groups.append(g)
+        p_all, y_all, g_all = (np.concatenate(x)[-250:] for x in (probs, labels, groups))
+        want = grouped_auc(y_all, p_all, g_all)
+        assert pm.window_gauc() == pytest.approx(want, abs=1e-12)
+        assert pm.summary()["gauc"] == pytest.approx(round(want, 6), abs=1e-6)
+    assert "gauc" not in ProgressiveMetrics(window=10).summary()
+
+
+def test_grouped_auc_is_the_size_weighted_mean_of_each_groups_auc():
+    from odl.auc import grouped_auc, roc_auc
+
+    y = np.array([1, 0, 0, 1, 1, 0, 1, 1])
+    s = np.array([0.9, 0.1, 0.5, 0.5, 0.3, 0.6, 0.7, 0.2])
+    g = np.array([1, 1, 1, 2, 2, 2, 3, 3])  # group 3 has one class: left out
+    a1 = roc_auc(y[:3], s[:3])
+    a2 = roc_auc(y[3:6], s[3:6])
+    assert grouped_auc(y, s, g) == pytest.approx((3 * a1 + 3 * a2) / 6)

@@ -216,12 +216,13 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     "TaskTower": {
         "metrics_set": ("odl reports progressive AUC and logloss per task (/status, /metrics); "
                         "other metrics are not computed", frozenset()),
-        "metrics": ("odl reports progressive AUC and logloss per task (/status, /metrics); "
-                    "other metrics are not computed", frozenset()),
     },
+    "MetricConfig": {name: ("odl reports progressive AUC, logloss and (grouped_auc) GAUC; "
+                            "other metrics are not computed", frozenset())
+                     for name in ("multiclass_auc", "recall_at_k", "mean_absolute_error",
+                                  "mean_squared_error", "accuracy", "xauc", "grouped_xauc",
+                                  "normalized_entropy")},
     "EasyRecModel": {
-        "metrics": ("odl reports progressive AUC and logloss for every model (/status, "
-                    "/metrics); other metrics are not computed", frozenset()),
         "train_metrics": ("odl reports progressive AUC and logloss for every model",
                           frozenset()),
     },

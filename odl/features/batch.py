@@ -26,6 +26,7 @@ class Batch:
         event_times: float64 unix seconds per sample when ``data_config.event_time_field`` is set.
         counts: float32 per-sample show / click counts of dynamic tables' ``show_field`` /
             ``click_field``, by field name (None when no table names one).
+        group_keys: int64 per-sample GAUC group (a hash of the grouping column), or None.
     """
 
     sparse: KeyedJaggedTensor
@@ -35,6 +36,7 @@ class Batch:
     event_times: Optional[np.ndarray] = None
     extras: dict = field(default_factory=dict)
     counts: Optional[dict[str, np.ndarray]] = None
+    group_keys: Optional[np.ndarray] = None
 
     @property
     def size(self) -> int:
@@ -71,6 +73,7 @@ class Batch:
             extras=self.extras,
             counts=({k: v[rows] for k, v in self.counts.items()}
                     if self.counts is not None else None),
+            group_keys=self.group_keys[rows] if self.group_keys is not None else None,
         )
 
     def to(self, device: torch.device, non_blocking: bool = True) -> Batch:
@@ -83,4 +86,5 @@ class Batch:
             event_times=self.event_times,
             extras=self.extras,
             counts=self.counts,
+            group_keys=self.group_keys,
         )

@@ -76,6 +76,7 @@ from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import DynamicTableSpec, dynamic_table_spec
 from odl.config.feature_configs import feature_configs
 from odl.config.feature_settings import has_vocabulary, normalizes, read_vocabulary
+from odl.config.metric_settings import grouped_auc_field
 from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments, pack_strings
 from odl.features.raw_id_index import RAW_ID_MASK
 from odl.features.record_parser import ParsedColumns, RecordParser, parse_numbers
@@ -132,6 +133,8 @@ class BatchArrays:
             ``label_fields`` order).
         sample_ids: per-sample ids when ``data_config.sample_id_field`` is set.
         event_times: ``float64`` unix seconds when ``data_config.event_time_field`` is set.
+        group_keys: ``int64`` per-sample FNV-1a hash of the GAUC grouping column's text
+            (``odl.config.metric_settings.grouped_auc_field``) when one is configured.
         counts: ``float32`` per-sample values of the dynamic tables' ``show_field`` /
             ``click_field``, by field name, when a table names one.
     """
@@ -143,6 +146,7 @@ class BatchArrays:
     sample_ids: list[str] | None = None
     event_times: np.ndarray | None = None
     counts: dict[str, np.ndarray] | None = None
+    group_keys: np.ndarray | None = None
 
 
 @dataclass
@@ -265,6 +269,7 @@ class FeatureBuilder:
         self._labels = list(dc.label_fields)
         self._label = self._labels[0]
         self._sample_id_field = dc.sample_id_field
+        self._group_field = grouped_auc_field(pipeline_config)
         self._event_time_field = dc.event_time_field
         self._check_event_time = bool(check_event_time and dc.event_time_field)
         for fname, path in (*((lf, "data_config.label_fields") for lf in self._labels),
@@ -504,6 +509,7 @@ class FeatureBuilder:
             sample_ids=arrays.sample_ids,
             event_times=arrays.event_times,
             counts=arrays.counts,
+            group_keys=arrays.group_keys,
         )
 
     def build_arrays(self, values: Sequence[bytes]) -> ArraysResult:
@@ -703,6 +709,9 @@ class FeatureBuilder:
                          if self._check_event_time else None),
             counts=({f: parsed.numeric[f].astype(np.float32) for f in self._count_fields}
                     if self._count_fields else None),
+            group_keys=(hash_segments(buf, parsed.starts[self._group_field],
+                                      parsed.ends[self._group_field]).astype(np.int64)
+                        if self._group_field else None),
         )
         return ArraysResult(arrays, parsed.accepted, rejected)
 

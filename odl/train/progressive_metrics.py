@@ -3,7 +3,8 @@
 Two views are kept:
 
 * a sliding window of the last ``window`` (prediction, label) pairs, for AUC and logloss of the
-  model as it is now (exact, rank-based AUC with ties averaged);
+  model as it is now (exact, rank-based AUC with ties averaged), and, when a grouping column
+  is configured (``grouped_auc``), GAUC over the window (``odl.auc.grouped_auc``);
 * running totals over everything seen since start (AUC from a 10,000-bin histogram of the
   predicted probability per label, accurate to about 1e-4, plus exact mean logloss).
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from odl.auc import HistogramAuc, roc_auc
+from odl.auc import HistogramAuc, grouped_auc, roc_auc
 
 _EPS = 1e-7
 _HISTOGRAM_BINS = 10000
@@ -40,10 +41,14 @@ class ProgressiveMetrics:
 
     Args:
         window: number of most recent samples in the window.
+        grouped: keep the samples' group keys for GAUC.
     """
 
-    def __init__(self, window: int = 100000) -> None:
+    def __init__(self, window: int = 100000, grouped: bool = False) -> None:
         self.window = max(1, int(window))
+        self.grouped = bool(grouped)
+        # the window's group keys (GAUC), when a grouping column is configured
+        self._groups = np.zeros(self.window if grouped else 0, dtype=np.int64)
         self._probs = np.zeros(self.window, dtype=np.float64)
         self._labels = np.zeros(self.window, dtype=np.float64)
         self._losses = np.zeros(self.window, dtype=np.float64)  # per-sample logloss
@@ -53,18 +58,22 @@ class ProgressiveMetrics:
         self._total_logloss = 0.0
         self.samples = 0
 
-    def update(self, probs: np.ndarray, labels: np.ndarray) -> None:
+    def update(self, probs: np.ndarray, labels: np.ndarray,
+               groups: np.ndarray | None = None) -> None:
         """Adds a scored batch.
 
         Args:
             probs: probabilities predicted before the update.
             labels: the batch's labels.
+            groups: the samples' group keys (with ``grouped``).
         """
         probs = np.asarray(probs, dtype=np.float64)
         labels = np.asarray(labels, dtype=np.float64)
         n = probs.size
         if n == 0:
             return
+        if self.grouped:
+            self._ring(self._groups, np.asarray(groups, dtype=np.int64))
         self.samples += n
         p = np.clip(probs, _EPS, 1 - _EPS)
         losses = -(labels * np.log(p) + (1 - labels) * np.log(1 - p))
@@ -92,6 +101,27 @@ class ProgressiveMetrics:
             self._losses[: n - first] = losses[first:]
         self._cursor = end % self.window
         self._filled = min(self.window, self._filled + n)
+
+    def _ring(self, buf: np.ndarray, values: np.ndarray) -> None:
+        """Writes ``values`` into ring buffer ``buf`` at the cursor (before it moves)."""
+        n = values.size
+        if n >= self.window:
+            buf[:] = values[-self.window :]
+            return
+        end = self._cursor + n
+        if end <= self.window:
+            buf[self._cursor : end] = values
+        else:
+            first = self.window - self._cursor
+            buf[self._cursor :] = values[:first]
+            buf[: n - first] = values[first:]
+
+    def window_gauc(self) -> float:
+        """GAUC over the window (NaN without groups or a group with both classes)."""
+        if not self.grouped:
+            return float("nan")
+        f = self._filled
+        return grouped_auc(self._labels[:f], self._probs[:f], self._groups[:f])
 
     def window_auc(self) -> float:
         """AUC over the window (NaN until both classes were seen)."""
@@ -122,6 +152,7 @@ class ProgressiveMetrics:
             "logloss": clean(self.window_logloss()),
             "auc_total": clean(self.total_auc()),
             "logloss_total": clean(self.total_logloss()),
+            **({"gauc": clean(self.window_gauc())} if self.grouped else {}),
             "positive_rate": clean(float(self._labels[: self._filled].mean())
                                    if self._filled else float("nan")),
             "window_samples": int(self._filled),
@@ -149,18 +180,20 @@ class TaskMetrics:
     def __init__(self, outputs: list[tuple[str, int]], first: ProgressiveMetrics,
                  window: int) -> None:
         self.outputs = list(outputs)
-        self.metrics = {name: first if i == 0 else ProgressiveMetrics(window)
+        self.metrics = {name: first if i == 0 else ProgressiveMetrics(window, first.grouped)
                         for i, (name, _col) in enumerate(self.outputs)}
 
-    def update(self, probs: np.ndarray, labels: np.ndarray) -> None:
+    def update(self, probs: np.ndarray, labels: np.ndarray,
+               groups: np.ndarray | None = None) -> None:
         """Adds a scored batch to every output but the first (the caller updates that one).
 
         Args:
             probs: ``[B, outputs]`` probabilities predicted before the update.
             labels: ``[B]`` or ``[B, label columns]`` labels.
+            groups: the samples' group keys (GAUC), or None.
         """
         for i, (name, col) in enumerate(self.outputs[1:], start=1):
-            self.metrics[name].update(probs[:, i], output_column(labels, col))
+            self.metrics[name].update(probs[:, i], output_column(labels, col), groups)
 
     def summary(self) -> dict[str, dict]:
         """Output name -> ``ProgressiveMetrics.summary()``."""

@@ -38,6 +38,7 @@ import numpy as np
 
 from odl.checkpoint.checkpoint_manager import CheckpointError, CheckpointManager
 from odl.config.config_redaction import config_to_text
+from odl.config.metric_settings import grouped_auc_field
 from odl.features.feature_builder import FeatureBuilder
 from odl.http.server import BackgroundHttpServer
 from odl.inputs.batch_prefetcher import PreparedBatch
@@ -144,7 +145,9 @@ class Trainer:
         self.state = "starting"
         self.started_at = time.time()
         self.metrics = TrainerMetrics()
-        self.progress = ProgressiveMetrics(tc.metrics_window_samples)
+        # GAUC beside AUC when a grouped_auc metric names a grouping column
+        self.progress = ProgressiveMetrics(tc.metrics_window_samples,
+                                           grouped=bool(grouped_auc_field(config)))
         fs = config.file_stream_input
         file_stream = options.online and config.HasField("file_stream_input")
         self.passes = (PassMetrics(fs.split_interval, fs.split_per_pass,
@@ -384,10 +387,12 @@ class Trainer:
             out = self.module.train_step(batch)
             labels = batch.labels.detach().cpu().numpy()
             sample_ids = batch.sample_ids
+            groups = batch.group_keys
             if len(out.dropped):
                 keep = np.ones(batch.size, dtype=bool)
                 keep[out.dropped] = False
                 labels = labels[keep]
+                groups = groups[keep] if groups is not None else None
                 if sample_ids is not None:
                     sample_ids = [sid for sid, k in zip(sample_ids, keep.tolist(), strict=True)
                                   if k]
@@ -396,9 +401,9 @@ class Trainer:
         if trained:
             probs = output_column(out.probs, 0)
             if self.tasks is not None:
-                self.tasks.update(out.probs, labels)
+                self.tasks.update(out.probs, labels, groups)
             labels = output_column(labels, self._label_column)
-            self.progress.update(probs, labels)
+            self.progress.update(probs, labels, groups)
             if self.passes is not None and SPLIT_KEY in item.positions:
                 self.passes.update(item.positions[SPLIT_KEY], probs, labels)
                 self.passes.keep_batch(batch)

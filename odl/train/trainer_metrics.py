@@ -29,6 +29,8 @@ class TrainerMetrics:
         self.loss = Gauge("odl_loss", "Loss of the last step", registry=r)
         self.auc = Gauge("odl_progressive_auc", "Windowed progressive AUC", registry=r)
         self.logloss = Gauge("odl_progressive_logloss", "Windowed progressive logloss", registry=r)
+        self.gauc = Gauge("odl_progressive_gauc", "Windowed progressive GAUC (grouped_auc's "
+                          "grouping key)", registry=r)
         self.task_auc = Gauge("odl_task_progressive_auc", "Windowed progressive AUC per task "
                               "(multi-task models)", ["task"], registry=r)
         self.task_logloss = Gauge("odl_task_progressive_logloss", "Windowed progressive logloss "

@@ -275,6 +275,8 @@ class TrainerStatus:
             metrics.auc.set(m["auc"])
         if m["logloss"] is not None:
             metrics.logloss.set(m["logloss"])
+        if m.get("gauc") is not None:
+            metrics.gauc.set(m["gauc"])
         if t.tasks is not None:
             self._tasks_cache = t.tasks.summary()
             for name, tm in self._tasks_cache.items():
@@ -295,7 +297,8 @@ class TrainerStatus:
                 f"{n} {d['live_rows']}/{d['capacity']} rows, +{d['admitted']} "
                 f"-{d['evicted']} refused {d['rejected']}" for n, d in dynamic.items()))
         logger.info(
-            "step %d samples %d %.0f samples/s loss %.4f auc %s logloss %s (total auc %s) lag %s",
+            "step %d samples %d %.0f samples/s loss %.4f auc %s logloss %s (total auc %s)%s "
+            "lag %s",
             t.module.global_step,
             t.samples_trained,
             t.samples_per_sec,
@@ -303,6 +306,7 @@ class TrainerStatus:
             m["auc"],
             m["logloss"],
             m["auc_total"],
+            f" gauc {m['gauc']}" if "gauc" in m else "",
             lags,
         )
         if self._tasks_cache is not None and t.tasks is not None:
