@@ -152,9 +152,6 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
 # trained model and are refused as not implemented, lower case, empty: none).
 EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     "EasyRecConfig": {
-        "eval_config": ("odl reports progressive (predict-then-train) metrics while training; "
-                        "a separate evaluation run is not part of online training",
-                        frozenset()),
         "export_config": ("odl-export has its own options (docs/serving.md)", frozenset()),
         **{name: ("there is no separate evaluation run", frozenset()) for name in (
             "hive_eval_input", "binary_eval_input", "parquet_eval_input", "odps_eval_input",
@@ -205,6 +202,16 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     },
     "IncrementSaveConfig": {
         "debug_save_update": ("a debugging dump of EasyRec's", frozenset()),
+    },
+    "EvalConfig": {
+        "eval_interval_secs": ("odl evaluates kafka_eval_input at every checkpoint",
+                               frozenset()),
+        "max_evals": ("odl evaluates at every checkpoint while it trains", frozenset()),
+        "save_graph": ("no TensorFlow graph", frozenset()),
+        "metrics_set": ("each evaluation reports AUC and logloss (and GAUC with a grouped_auc "
+                        "metric)", frozenset()),
+        "eval_online": ("the progressive metrics score every training batch before it is "
+                        "trained on", frozenset()),
     },
     "SeqAttGroupConfig": {
         "tf_summary": ("no TensorFlow summaries; metrics go to /status and /metrics",

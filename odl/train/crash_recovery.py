@@ -82,6 +82,8 @@ class RestoredState:
             the next pass delta), None when it has none.
         recovered_version: the published version crash recovery brought the model to, None
             when it stayed at the checkpoint.
+        eval_positions: the eval topic's next offsets saved by the restored checkpoint
+            (``odl.train.stream_evaluation``), None when it has none.
     """
 
     positions: Optional[dict[int, int]] = None
@@ -92,6 +94,7 @@ class RestoredState:
     incomplete: bool = False
     report: Optional[dict] = None
     pass_saves_state: Optional[dict] = None
+    eval_positions: Optional[dict[int, int]] = None
     recovered_version: Optional[int] = None
 
     @property
@@ -171,7 +174,10 @@ class CrashRecovery:
                     generation=ckpt.manifest.get("generation") or None,
                     delta_offset=(int(ckpt.source["delta_topic_offset"])
                                   if "delta_topic_offset" in ckpt.source else None),
-                    pass_saves_state=ckpt.state.get("pass_saves"))
+                    pass_saves_state=ckpt.state.get("pass_saves"),
+                    eval_positions=({int(p): int(o)
+                                     for p, o in ckpt.source["eval_positions"].items()}
+                                    if "eval_positions" in ckpt.source else None))
                 logger.info(
                     "restored %s: step %d, positions %s", latest, ckpt.global_step, ckpt.positions
                 )

@@ -55,6 +55,7 @@ from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics, outpu
 from odl.train.record_rejects import RejectedRecords
 from odl.train.sample_ledger import SampleLedger
 from odl.train.stop_conditions import StopConditions
+from odl.train.stream_evaluation import StreamEvaluator
 from odl.train.torch_runtime import usable_cpus
 from odl.train.train_module import TrainModule
 from odl.train.trainer_metrics import TrainerMetrics
@@ -180,6 +181,8 @@ class Trainer:
         self._lock = threading.Lock()
         self.publisher: Optional[IncrementalPublisher] = None
         self._restored = RestoredState()
+        # evaluation on kafka_eval_input at every checkpoint (online, opened with the input)
+        self.evaluator: Optional[StreamEvaluator] = None
         # where serving replays the delta topic from to continue the restored state
         self._restored_delta_offset: Optional[int] = None
         self.recovery: Optional[dict] = None
@@ -283,6 +286,12 @@ class Trainer:
                 logger.info("stopped before the input was open (%s)", self.stop_reason)
                 return 0
             self._input_opened = True
+            if self.options.online and self.config.kafka_eval_input.topic:
+                model = self.module.model
+                self.evaluator = StreamEvaluator(
+                    self.config, self.features, self.module.predict,
+                    list(zip(model.output_names, model.output_labels, strict=True)),
+                    self._restored.eval_positions)
             if self._restored.needs_base_checkpoint and not self._stops.requested:
                 # the first recovery point of a fresh start: where its versions begin
                 self._checkpoint()
@@ -577,6 +586,13 @@ class Trainer:
                 else {"source": "files", "path": self.config.train_input_path}
             )
             source.update(self._delta_replay_point())
+            if self.evaluator is not None and self.module.global_step:
+                try:
+                    self._evaluate()
+                except Exception:  # noqa: BLE001 - an evaluation must not stop checkpoints
+                    logger.exception("evaluation at step %d failed", self.module.global_step)
+                source["eval_positions"] = {str(p): o for p, o in
+                                            self.evaluator.positions().items()}
             state = self.module.state_dict_for_checkpoint()
             if self.pass_saves is not None:
                 state["pass_saves"] = self.pass_saves.state_dict()
@@ -601,6 +617,16 @@ class Trainer:
             return False
         finally:
             self.state = prev_state if prev_state != "checkpointing" else "training"
+
+    def _evaluate(self) -> None:
+        """Scores the eval topic's new records (``odl.train.stream_evaluation``)."""
+        assert self.evaluator is not None
+        result = self.evaluator.evaluate(self.module.global_step)
+        self.metrics.eval_samples.set(result["samples"])
+        for key, gauge in (("auc", self.metrics.eval_auc),
+                           ("logloss", self.metrics.eval_logloss)):
+            if result.get(key) is not None:
+                gauge.set(result[key])
 
     def _delta_replay_point(self) -> dict:
         """Where serving must start replaying the delta topic to continue this checkpoint.
@@ -649,6 +675,8 @@ class Trainer:
             self.input_pipeline.close()
         if self._ledger is not None:
             self._ledger.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
         self._rejects.close()
         self.state = "stopped"
         if self.samples_trained:

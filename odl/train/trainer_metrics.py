@@ -29,6 +29,12 @@ class TrainerMetrics:
         self.loss = Gauge("odl_loss", "Loss of the last step", registry=r)
         self.auc = Gauge("odl_progressive_auc", "Windowed progressive AUC", registry=r)
         self.logloss = Gauge("odl_progressive_logloss", "Windowed progressive logloss", registry=r)
+        self.eval_auc = Gauge("odl_eval_auc", "AUC of the last evaluation on kafka_eval_input",
+                              registry=r)
+        self.eval_logloss = Gauge("odl_eval_logloss", "Logloss of the last evaluation on "
+                                  "kafka_eval_input", registry=r)
+        self.eval_samples = Gauge("odl_eval_samples", "Records scored by the last evaluation "
+                                  "on kafka_eval_input", registry=r)
         self.gauc = Gauge("odl_progressive_gauc", "Windowed progressive GAUC (grouped_auc's "
                           "grouping key)", registry=r)
         self.task_auc = Gauge("odl_task_progressive_auc", "Windowed progressive AUC per task "

@@ -45,6 +45,7 @@ from odl.train.pass_metrics import PassMetrics
 from odl.train.pass_saves import PassSaves
 from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics
 from odl.train.status_app import TrainerStatusProvider, build_status_app
+from odl.train.stream_evaluation import StreamEvaluator
 from odl.train.train_module import TrainModule
 from odl.train.trainer_metrics import TrainerMetrics
 from publisher.incremental_publisher import IncrementalPublisher
@@ -80,6 +81,7 @@ class TrainerView(Protocol):
     recovery: Optional[dict]
     input_pipeline: Optional[InputPipeline]
     passes: Optional[PassMetrics]
+    evaluator: Optional[StreamEvaluator]
     pass_saves: Optional[PassSaves]
 
     @property
@@ -187,6 +189,7 @@ class TrainerStatus:
             "publisher": t.publisher.status() if t.publisher is not None else None,
             "dynamic_tables": t.module.dynamic_status() if t.module.dynamic else None,
             "passes": t.passes.status() if t.passes is not None else None,
+            "evaluation": t.evaluator.last if t.evaluator is not None else None,
             "pass_saves": t.pass_saves.status() if t.pass_saves is not None else None,
             "recovery": t.recovery,
             "dead_letter": dead_letter.status() if dead_letter is not None else None,

@@ -1,0 +1,194 @@
+"""Evaluation beside online training on a held-out stream (``kafka_eval_input``).
+
+At every checkpoint the trainer scores, with the model of that step, the records of the eval
+topic it has not scored yet: every record that arrived since the last evaluation, or the
+oldest ``eval_config.num_examples`` of them. It reads up to the topic's end offsets as they
+were when the evaluation started, builds the records with the trainer's feature builder,
+predicts in eval mode (no training, no dynamic-table admission: ids the model has never
+admitted contribute nothing, as in serving) and reports
+
+* AUC, logloss and the positive-label rate of the scored records (and GAUC when a
+  ``grouped_auc`` metric names a grouping column), of the first output, and per output of a
+  multi-task model;
+* in ``/status`` (``evaluation``: the last result with its step and sample count), in
+  ``/metrics`` (``odl_eval_auc``, ``odl_eval_logloss``, ``odl_eval_samples``) and in the log.
+
+The eval topic's next positions are saved in every checkpoint (its ``source`` entry
+``"eval_positions"``), so a restarted trainer goes on with the records after them; without a
+checkpoint it starts at the earliest offsets. Malformed records are skipped (counted in the
+result as ``rejected``). An unreachable broker makes one evaluation report an error; training
+goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import numpy as np
+from confluent_kafka import Consumer, KafkaException, TopicPartition
+
+from odl.auc import grouped_auc, roc_auc
+from odl.features.feature_builder import FeatureBuilder
+from odl.kafka.client_settings import consumer_config
+from odl.protos import pipeline_pb2
+from odl.train.progressive_metrics import log_loss
+
+logger = logging.getLogger(__name__)
+
+# Seconds one evaluation waits for records it knows exist (below the end offsets it saw).
+_READ_TIMEOUT_SECS = 30.0
+
+
+def _round(v: float) -> Optional[float]:
+    return None if v != v else round(float(v), 6)
+
+
+class StreamEvaluator:
+    """Scores a held-out Kafka topic with the trainer's model (module docstring).
+
+    Args:
+        config: the pipeline config (``kafka_eval_input``, ``eval_config``).
+        features: the trainer's feature builder.
+        predict: ``batch -> probabilities`` (``TrainModule.predict``), ``[B]`` or
+            ``[B, outputs]``.
+        outputs: ``(output name, label column)`` per output of the model.
+        positions: the eval topic's next offset per partition (from a checkpoint), or None.
+    """
+
+    def __init__(self, config: pipeline_pb2.EasyRecConfig, features: FeatureBuilder,
+                 predict: Any, outputs: list[tuple[str, int]],
+                 positions: Optional[Mapping[int, int]] = None) -> None:
+        ks = config.kafka_eval_input
+        self.topic = ks.topic
+        self._features = features
+        self._predict = predict
+        self._outputs = list(outputs)
+        self._batch_size = max(1, int(config.data_config.batch_size))
+        self._limit = int(config.eval_config.num_examples)
+        self._consumer = Consumer(consumer_config(ks.server, ks.group + "-eval",
+                                                  dict(ks.kafka_config)))
+        self._positions: dict[int, int] = {int(p): int(o) for p, o in (positions or {}).items()}
+        self.last: Optional[dict[str, Any]] = None
+        self.evaluations = 0
+        self.samples_total = 0  # records scored by this process's evaluations
+
+    def positions(self) -> dict[int, int]:
+        """The next offset to score per partition (what a checkpoint saves)."""
+        return dict(self._positions)
+
+    def _partitions(self) -> list[int]:
+        meta = self._consumer.list_topics(self.topic, timeout=10)
+        topic = meta.topics.get(self.topic)
+        if topic is None or topic.error is not None or not topic.partitions:
+            raise KafkaException(f"eval topic {self.topic!r} has no partitions")
+        return sorted(topic.partitions)
+
+    def _read(self) -> list[bytes]:
+        """The records to score: from the saved positions up to the end offsets seen now."""
+        ends: dict[int, int] = {}
+        assign = []
+        for p in self._partitions():
+            low, high = self._consumer.get_watermark_offsets(TopicPartition(self.topic, p),
+                                                             timeout=10)
+            start = max(self._positions.get(p, low), low)
+            self._positions[p] = start
+            if high > start:
+                ends[p] = high
+                assign.append(TopicPartition(self.topic, p, start))
+        if not assign:
+            return []
+        self._consumer.assign(assign)
+        values: list[bytes] = []
+        deadline = time.monotonic() + _READ_TIMEOUT_SECS
+        while ends and time.monotonic() < deadline:
+            if self._limit and len(values) >= self._limit:
+                break
+            for msg in self._consumer.consume(num_messages=1000, timeout=0.5):
+                if msg.error() is not None:
+                    continue
+                p, off = msg.partition(), msg.offset()
+                if p not in ends or off < self._positions[p]:
+                    continue
+                if self._limit and len(values) >= self._limit:
+                    break
+                values.append(msg.value() or b"")
+                self._positions[p] = off + 1
+                if self._positions[p] >= ends[p]:
+                    del ends[p]
+        self._consumer.unassign()
+        return values
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """Scores the records not scored yet with the model of ``step``.
+
+        Args:
+            step: the global step of the model.
+
+        Returns:
+            The result (also kept as ``last``): ``step``, ``samples``, ``samples_total``
+            (since the trainer started), ``rejected``, ``auc``, ``logloss``,
+            ``positive_rate``, [``gauc``], [``tasks``], ``seconds``, ``error``.
+        """
+        t0 = time.monotonic()
+        result: dict[str, Any] = {"step": int(step), "time": time.time()}
+        try:
+            values = self._read()
+        except KafkaException as exc:
+            logger.warning("evaluation at step %d: cannot read %s: %s", step, self.topic, exc)
+            result.update(samples=0, rejected=0, error=str(exc),
+                          seconds=round(time.monotonic() - t0, 3))
+            self.last = result
+            return result
+        probs, labels, groups, rejected = [], [], [], 0
+        for i in range(0, len(values), self._batch_size):
+            built = self._features.build(values[i : i + self._batch_size])
+            rejected += len(built.rejected)
+            if built.batch is None:
+                continue
+            p = np.asarray(self._predict(built.batch), dtype=np.float64)
+            probs.append(p.reshape(p.shape[0], -1))
+            y = built.batch.labels.detach().cpu().numpy()
+            labels.append(y.reshape(y.shape[0], -1))
+            if built.batch.group_keys is not None:
+                groups.append(built.batch.group_keys)
+        result.update(samples=int(sum(len(p) for p in probs)), rejected=rejected, error=None)
+        self.samples_total += result["samples"]
+        result["samples_total"] = self.samples_total
+        if probs:
+            p_all = np.concatenate(probs)
+            y_all = np.concatenate(labels)
+            g_all = np.concatenate(groups) if groups else None
+            scores = [self._scores(p_all[:, i], y_all[:, col], g_all)
+                      for i, (_name, col) in enumerate(self._outputs)]
+            result.update(scores[0])
+            if len(self._outputs) > 1:
+                result["tasks"] = {name: s for (name, _c), s in zip(self._outputs, scores,
+                                                                     strict=True)}
+        result["seconds"] = round(time.monotonic() - t0, 3)
+        self.last = result
+        self.evaluations += 1
+        logger.info("evaluation at step %d: %d records of %s, auc %s logloss %s%s (%.2fs)",
+                    step, result["samples"], self.topic, result.get("auc"),
+                    result.get("logloss"),
+                    f" gauc {result['gauc']}" if "gauc" in result else "", result["seconds"])
+        return result
+
+    @staticmethod
+    def _scores(probs: np.ndarray, labels: np.ndarray,
+                groups: Optional[np.ndarray]) -> dict[str, Any]:
+        out = {"auc": _round(roc_auc(labels > 0.5, probs)),
+               "logloss": _round(log_loss(probs, labels)),
+               "positive_rate": _round(float(np.mean(labels)))}
+        if groups is not None:
+            out["gauc"] = _round(grouped_auc(labels > 0.5, probs, groups))
+        return out
+
+    def close(self) -> None:
+        """Closes the consumer."""
+        try:
+            self._consumer.close()
+        except (KafkaException, RuntimeError):  # already closed
+            pass

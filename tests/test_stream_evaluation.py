@@ -1,0 +1,83 @@
+"""Evaluation beside online training (kafka_eval_input): scored at every checkpoint with the
+model of that step, never trained on, resumed after a restart from the checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+
+from odl.auc import roc_auc
+from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
+from odl.config.pipeline_config import load_pipeline_config
+from odl.datagen.synthetic_ctr import SyntheticCtrStream
+from odl.features.feature_builder import FeatureBuilder
+from odl.harness.topic_records import produce
+from odl.kafka.topic_admin import end_offsets
+from odl.train.progressive_metrics import log_loss
+from odl.train.stream_evaluation import StreamEvaluator
+from odl.train.train_module import TrainModule
+from tests.harness import run_in_process, write_config
+
+
+def _eval_config(tmp_path, bootstrap, train_topic, eval_topic, extra: str = "") -> str:
+    cfg = write_config(tmp_path, bootstrap, train_topic, batch_size=100)
+    text = open(cfg).read().replace("save_checkpoints_steps: 50", "save_checkpoints_steps: 6")
+    text += (f'\nkafka_eval_input {{ server: "{bootstrap}" topic: "{eval_topic}" '
+             f'group: "odl_test" }}\n{extra}\n')
+    open(cfg, "w").write(text)
+    return cfg
+
+
+def test_an_evaluation_scores_the_new_records_with_the_model(kafka_bootstrap,
+                                                             kafka_topic_factory, tmp_path):
+    held_out = kafka_topic_factory(partitions=3)
+    records = SyntheticCtrStream(seed=4).next_batch(500).encode("csv")
+    produce(kafka_bootstrap, held_out, records, 3)
+    cfg = _eval_config(tmp_path, kafka_bootstrap, "unused", held_out,
+                       "eval_config { num_examples: 200 }")
+    config = load_pipeline_config(cfg)
+    fb = FeatureBuilder(config)
+    module = TrainModule(config, fb, device="cpu")
+    ev = StreamEvaluator(config, fb, module.predict, [("label", 0)])
+    try:
+        sizes = [ev.evaluate(7)["samples"] for _ in range(4)]
+        assert sizes == [200, 200, 100, 0]  # num_examples at a time, then nothing new
+        assert ev.positions() == end_offsets(kafka_bootstrap, held_out)
+        everything = type(config)()
+        everything.CopyFrom(config)
+        everything.eval_config.num_examples = 0  # every record, from the start
+        ev2 = StreamEvaluator(everything, fb, module.predict, [("label", 0)])
+        result = ev2.evaluate(7)
+        ev2.close()
+    finally:
+        ev.close()
+    built = fb.build(records).batch
+    probs = module.predict(built)
+    labels = built.labels.numpy()
+    assert result["samples"] == 500 and result["step"] == 7
+    assert result["auc"] == pytest.approx(roc_auc(labels > 0.5, probs), abs=1e-6)
+    assert result["logloss"] == pytest.approx(log_loss(probs, labels), abs=1e-6)
+
+
+def test_eval_topic_is_scored_at_checkpoints_never_trained_and_resumed(
+        kafka_bootstrap, kafka_topic_factory, tmp_path):
+    train, held_out = kafka_topic_factory(partitions=2), kafka_topic_factory(partitions=2)
+    produce(kafka_bootstrap, train, SyntheticCtrStream(seed=3).next_batch(1200).encode("csv"), 2)
+    produce(kafka_bootstrap, held_out, SyntheticCtrStream(seed=4).next_batch(700).encode("csv"),
+            2)
+    cfg = _eval_config(tmp_path, kafka_bootstrap, train, held_out)
+    trainer = run_in_process(cfg, end_offsets(kafka_bootstrap, train))
+    assert trainer.samples_trained == 1200  # the eval records are scored, not trained on
+    assert trainer.evaluator.samples_total == 700  # each once, at the checkpoints
+    assert trainer.evaluator.last["step"] == trainer.module.global_step
+    last = read_checkpoint(list_checkpoints(trainer.model_dir)[-1])
+    assert ({int(p): o for p, o in last.source["eval_positions"].items()}
+            == end_offsets(kafka_bootstrap, held_out))
+    # a restart goes on after the saved positions: only the new records are scored
+    produce(kafka_bootstrap, held_out, SyntheticCtrStream(seed=5).next_batch(300).encode("csv"),
+            2)
+    produce(kafka_bootstrap, train, SyntheticCtrStream(seed=6).next_batch(200).encode("csv"), 2)
+    again = run_in_process(cfg, end_offsets(kafka_bootstrap, train))
+    assert again.samples_trained == 200 and again.evaluator.samples_total == 300
+    status = again.status()["evaluation"]
+    assert status == again.evaluator.last and status["samples_total"] == 300
+    assert status["error"] is None
