@@ -48,6 +48,12 @@ def test_an_evaluation_scores_the_new_records_with_the_model(kafka_bootstrap,
         ev2 = StreamEvaluator(everything, fb, module.predict, [("label", 0)])
         result = ev2.evaluate(7)
         ev2.close()
+        # a fresh start honours offset_info, as kafka_train_input does
+        everything.kafka_eval_input.offset_info = '{"0": 100}'
+        ev3 = StreamEvaluator(everything, fb, module.predict, [("label", 0)])
+        first = ev3.evaluate(7)["samples"]
+        ev3.close()
+        assert first == 500 - 100
     finally:
         ev.close()
     built = fb.build(records).batch

@@ -98,6 +98,8 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
             _validate_file_stream(config)
         else:
             _validate_kafka(config)
+        if config.kafka_eval_input.topic:
+            _validate_kafka_eval(config)
     else:
         _validate_offline_input(config)
     fields = _validate_data_config(config)
@@ -221,6 +223,25 @@ def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
         raise ConfigError("data_config.dead_letter_topic",
                           "must differ from kafka_train_input.topic (rejected records would be "
                           "read again)")
+
+
+def _validate_kafka_eval(config: pipeline_pb2.EasyRecConfig) -> None:
+    """``kafka_eval_input``: a topic on a known broker, not the training topic."""
+    k = config.kafka_eval_input
+    if not k.server.strip():
+        raise ConfigError("kafka_eval_input.server", "required with kafka_eval_input.topic")
+    _check_servers("kafka_eval_input.server", k.server)
+    if not k.group.strip():
+        raise ConfigError("kafka_eval_input.group", "must not be empty")
+    t = config.kafka_train_input
+    if k.topic == t.topic and k.server == t.server:
+        raise ConfigError("kafka_eval_input.topic", "must differ from kafka_train_input.topic "
+                                                    "(the evaluation scores held-out records)")
+    try:
+        parse_offset_time(k.offset_time)
+    except ValueError as exc:
+        raise ConfigError("kafka_eval_input.offset_time", str(exc)) from None
+    parse_offset_info(k.offset_info, "kafka_eval_input.offset_info")
 
 
 def _check_servers(path: str, servers: str) -> None:

@@ -212,6 +212,12 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
                         "metric)", frozenset()),
         "eval_online": ("the progressive metrics score every training batch before it is "
                         "trained on", frozenset()),
+        # TorchEasyRec's EvalConfig
+        "num_steps": ("odl scores the eval topic's new records at every checkpoint "
+                      "(eval_config.num_examples bounds one evaluation)", frozenset()),
+        "log_step_count_steps": ("each evaluation logs one line", frozenset()),
+        "use_dense_ema": ("odl keeps no moving average of the weights",
+                          frozenset({"true", "1", "t", "yes"})),
     },
     "SeqAttGroupConfig": {
         "tf_summary": ("no TensorFlow summaries; metrics go to /status and /metrics",

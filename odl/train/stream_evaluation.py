@@ -15,9 +15,10 @@ admitted contribute nothing, as in serving) and reports
 
 The eval topic's next positions are saved in every checkpoint (its ``source`` entry
 ``"eval_positions"``), so a restarted trainer goes on with the records after them; without a
-checkpoint it starts at the earliest offsets. Malformed records are skipped (counted in the
-result as ``rejected``). An unreachable broker makes one evaluation report an error; training
-goes on.
+checkpoint it starts where the section's ``offset_info`` / ``offset_time`` / ``offset`` say
+(as for ``kafka_train_input``), else at the earliest offsets. Malformed records are skipped
+(counted in the result as ``rejected``). An unreachable broker makes one evaluation report an
+error; training goes on.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ import numpy as np
 from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from odl.auc import grouped_auc, roc_auc
+from odl.config.field_formats import parse_offset_info, parse_offset_time
 from odl.features.feature_builder import FeatureBuilder
+from odl.inputs.kafka_source import start_positions_from_config
 from odl.kafka.client_settings import consumer_config
 from odl.protos import pipeline_pb2
 from odl.train.progressive_metrics import log_loss
@@ -71,6 +74,12 @@ class StreamEvaluator:
         self._consumer = Consumer(consumer_config(ks.server, ks.group + "-eval",
                                                   dict(ks.kafka_config)))
         self._positions: dict[int, int] = {int(p): int(o) for p, o in (positions or {}).items()}
+        # a fresh start: the section's offset_info / offset_time / offset, else the earliest
+        self._start = start_positions_from_config(
+            parse_offset_info(ks.offset_info, "kafka_eval_input.offset_info")
+            if ks.offset_info else None,
+            int(parse_offset_time(ks.offset_time) or 0), list(ks.offset),
+            dict(self._positions) if positions is not None else None)
         self.last: Optional[dict[str, Any]] = None
         self.evaluations = 0
         self.samples_total = 0  # records scored by this process's evaluations
@@ -90,7 +99,11 @@ class StreamEvaluator:
         """The records to score: from the saved positions up to the end offsets seen now."""
         ends: dict[int, int] = {}
         assign = []
-        for p in self._partitions():
+        partitions = self._partitions()
+        if self._start is not None:  # the first evaluation of a fresh start
+            self._positions.update(self._first_positions(partitions))
+            self._start = None
+        for p in partitions:
             low, high = self._consumer.get_watermark_offsets(TopicPartition(self.topic, p),
                                                              timeout=10)
             start = max(self._positions.get(p, low), low)
@@ -120,6 +133,28 @@ class StreamEvaluator:
                     del ends[p]
         self._consumer.unassign()
         return values
+
+    def _first_positions(self, partitions: list[int]) -> dict[int, int]:
+        """Where a fresh start begins: the configured offsets or time, else the earliest."""
+        start = self._start
+        assert start is not None
+        if start.checkpoint is not None:
+            return dict(start.checkpoint)
+        if start.offsets is not None:
+            return {p: o for p, o in start.offsets.items() if p in partitions}
+        if start.timestamp_s is not None:
+            ms = int(start.timestamp_s * 1000)
+            found = self._consumer.offsets_for_times(
+                [TopicPartition(self.topic, p, ms) for p in partitions], timeout=10)
+            out = {}
+            for tp in found:
+                if tp.offset >= 0:
+                    out[tp.partition] = tp.offset
+                else:  # nothing at or after the time yet: from the end
+                    out[tp.partition] = self._consumer.get_watermark_offsets(
+                        TopicPartition(self.topic, tp.partition), timeout=10)[1]
+            return out
+        return {}
 
     def evaluate(self, step: int) -> dict[str, Any]:
         """Scores the records not scored yet with the model of ``step``.
