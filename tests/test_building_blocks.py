@@ -140,3 +140,21 @@ def test_attention_pool_and_text_cnn_combine_a_sequence():
     assert torch.allclose(got, torch.cat([torch.ones(b, 1), pool(x), torch.full((b, 2), 7.0)],
                                          dim=1))
     assert torch.allclose(torch.jit.script(group)(xg), got)
+
+
+def test_target_attention_torcheasyrec_encoder_scores_with_a_linear_and_drops_the_key():
+    torch.manual_seed(1)
+    att = TargetAttention(key=2, seq_len=3, dnn=pipeline_pb2.DNN(hidden_units=[4]),
+                          encoder=True)
+    assert att.out_width == 2
+    k = torch.randn(2, 2)
+    h = torch.randn(2, 3, 2)
+    length = torch.tensor([[3.0], [1.0]])
+    got = att(torch.cat([k, h.reshape(2, 6), length], dim=1))
+    for i in range(2):
+        n = int(length[i])
+        feats = torch.stack([torch.cat([k[i], h[i, p], k[i] - h[i, p], k[i] * h[i, p]])
+                             for p in range(n)])
+        scores = att.mlp[1](torch.relu(att.mlp[0][0](feats))).squeeze(1)
+        w = torch.softmax(scores, dim=0)
+        assert torch.allclose(got[i], (w.unsqueeze(1) * h[i, :n]).sum(0), atol=1e-6)

@@ -57,6 +57,7 @@ LOADS = {
     "torcheasyrec/dbmtl_taobao.config",
     "torcheasyrec/mmoe_taobao.config",
     "torcheasyrec/multi_tower_taobao.config",
+    "torcheasyrec/multi_tower_din_taobao.config",
 }
 
 

@@ -87,3 +87,50 @@ def test_keys_and_sequences_must_be_as_wide():
     with pytest.raises(ConfigError) as e:
         _config(text)
     assert e.value.field == "model_config.seq_att_groups[0]" and "as wide" in str(e.value)
+
+
+def test_torcheasyrec_sequence_feature_and_sequence_group_become_a_din_tower(tmp_path):
+    """TorchEasyRec's sequence_feature {} / SEQUENCE group / multi_tower_din read as
+    EasyRec's SequenceFeatures, seq_att_groups and MultiTowerDIN (its DIN encoder form)."""
+    from odl.models.model_factory import build_model
+    from odl.protos import pipeline_pb2
+
+    text = """
+model_dir: "MODEL"
+kafka_train_input { server: "127.0.0.1:9092" topic: "t" group: "g" }
+data_config { batch_size: 8 label_fields: "clk" }
+feature_configs { id_feature { feature_name: "cate" num_buckets: 100 embedding_dim: 8 } }
+feature_configs { sequence_feature { sequence_name: "click" sequence_length: 4
+  sequence_delim: ";"
+  features { id_feature { feature_name: "cate" num_buckets: 100 embedding_dim: 8 } } } }
+model_config {
+  feature_groups { group_name: "deep" feature_names: "cate" group_type: DEEP }
+  feature_groups { group_name: "seq" feature_names: ["cate", "click__cate"]
+                   group_type: SEQUENCE }
+  multi_tower_din {
+    towers { input: "deep" mlp { hidden_units: [8] } }
+    din_towers { input: "seq" attn_mlp { hidden_units: [8] } }
+    final { hidden_units: [4] }
+  }
+}
+train_config {
+  sparse_optimizer { adagrad_optimizer { lr: 0.05 } }
+  dense_optimizer { adam_optimizer { lr: 0.001 } }
+}
+""".replace("MODEL", str(tmp_path / "m"))
+    config = _config(text)
+    mc = config.model_config
+    assert mc.model_class == "MultiTowerDIN" and [g.group_name for g in mc.feature_groups] == [
+        "deep"]
+    (att,) = mc.seq_att_groups
+    assert list(att.seq_att_map[0].key) == ["cate"]
+    assert list(att.seq_att_map[0].hist_seq) == ["click__cate"]
+    seq = next(f for f in config.feature_configs if f.feature_name == "click__cate")
+    assert (seq.feature_type, seq.separator, seq.max_seq_len) == (
+        pipeline_pb2.FeatureConfig.SequenceFeature, ";", 4)
+    fb = FeatureBuilder(config)
+    model = build_model(config, fb)
+    din = model.dense.towers[1]
+    assert type(din).__name__ == "TargetAttention" and not din.with_key and din.seq_len == 4
+    built = fb.build([b'{"clk": 1, "cate": "3", "click__cate": "3;7;9"}'])
+    assert not built.rejected and built.batch.dense[0, -1].item() == 3.0

@@ -80,7 +80,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         # TorchEasyRec's other per-kind feature messages.
         "combo_feature", "lookup_feature", "match_feature",
         "expr_feature", "overlap_feature", "tokenize_feature", "custom_feature",
-        "sequence_feature", "sequence_id_feature", "sequence_raw_feature", "bool_mask_feature",
+        "sequence_id_feature", "sequence_raw_feature", "bool_mask_feature",
     }),
     "MultiTower": frozenset({"bst_towers"}),
     "SeqAttMap": frozenset({"aux_hist_seq"}),
@@ -98,7 +98,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "simple_multi_task", "ple", "rocket_launching", "kd",
         "restore_filters", "variational_dropout", "backbone",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet", "wukong",
-        "rank_model", "multi_tower_din", "dlrm_hstu",
+        "rank_model", "dlrm_hstu",
     }),
     "Loss": frozenset({
         "loss_name", "softmax_loss", "circle_loss", "multi_simi_loss",
@@ -247,7 +247,7 @@ EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
     "FeatureConfig.FeatureType": frozenset({
         "LookupFeature", "ExprFeature", "PassThroughFeature",
     }),
-    "WideOrDeep": frozenset({"SEQUENCE", "JAGGED_SEQUENCE"}),
+    "WideOrDeep": frozenset({"JAGGED_SEQUENCE"}),
     "DatasetConfig.InputType": frozenset({
         "CSVInputV2", "CSVInputEx", "OdpsInput", "OdpsInputV2", "OdpsInputV3", "DataHubInput",
         "RTPInput", "RTPInputV2", "OdpsRTPInput", "OdpsRTPInputV2", "TFRecordInput",
@@ -313,7 +313,7 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
     """
     ft = pipeline_pb2.FeatureConfig.FeatureType
     expand_config_names(config)
-    torcheasyrec_features = False
+    torcheasyrec_features = _flatten_torcheasyrec_sequences(config)
     for path, fc in _feature_entries(config):
         torcheasyrec_features |= fc.HasField("id_feature") or fc.HasField("raw_feature")
         _flatten_torcheasyrec_feature(path, fc)
@@ -335,6 +335,20 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
                                   "give one of group_type (TorchEasyRec) and wide_deep (EasyRec)")
             g.wide_deep = g.group_type
             g.ClearField("group_type")
+    _sequence_groups_to_attention(config)
+    if mc.HasField("multi_tower_din"):  # TorchEasyRec's DIN: model_class MultiTowerDIN
+        if mc.HasField("multi_tower"):
+            raise ConfigError("model_config.multi_tower_din",
+                              "give one of multi_tower_din (TorchEasyRec) and multi_tower")
+        src = mc.multi_tower_din
+        mc.multi_tower.towers.extend(src.towers)
+        mc.multi_tower.din_towers.extend(src.din_towers)
+        if src.HasField("final"):
+            mc.multi_tower.final.CopyFrom(src.final)
+        mc.multi_tower.l2_regularization = 0.0  # TorchEasyRec's models have none
+        mc.ClearField("multi_tower_din")
+        if not mc.model_class:
+            mc.model_class = "MultiTowerDIN"
     if mc.HasField("deepfm"):
         _rename(mc.deepfm, "model_config.deepfm", (("deep", "dnn"), ("final", "final_dnn")))
     if mc.HasField("multi_tower"):
@@ -363,6 +377,67 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
         if not config.data_config.HasField("num_epochs"):
             config.data_config.num_epochs = tc.num_epochs
         tc.ClearField("num_epochs")
+
+
+def _flatten_torcheasyrec_sequences(config: pipeline_pb2.EasyRecConfig) -> bool:
+    """TorchEasyRec's ``sequence_feature {}`` entries into flat SequenceFeatures.
+
+    Each ``id_feature`` inside becomes the SequenceFeature ``<sequence_name>__<feature_name>``
+    reading the column of that name (items split on ``sequence_delim``, the first
+    ``sequence_length`` kept), with the id feature's buckets, dim and embedding name.
+
+    Returns:
+        Whether there was one (the config is TorchEasyRec's form).
+    """
+    ft = pipeline_pb2.FeatureConfig.FeatureType
+    found = False
+    for container in (config.feature_configs, config.feature_config.features):
+        if not any(fc.HasField("sequence_feature") for fc in container):
+            continue
+        found = True
+        flat = []
+        for fc in container:
+            if not fc.HasField("sequence_feature"):
+                flat.append(fc)
+                continue
+            seq = fc.sequence_feature
+            for sub in seq.features:
+                idf = sub.id_feature
+                name = f"{seq.sequence_name}__{idf.feature_name}"
+                out = pipeline_pb2.FeatureConfig(
+                    feature_name=name, feature_type=ft.SequenceFeature,
+                    separator=seq.sequence_delim, max_seq_len=seq.sequence_length)
+                out.input_names.append(name)
+                for field in ("hash_bucket_size", "num_buckets", "embedding_dim",
+                              "embedding_name"):
+                    if idf.HasField(field):
+                        setattr(out, field, getattr(idf, field))
+                flat.append(out)
+        del container[:]
+        container.extend(flat)
+    return found
+
+
+def _sequence_groups_to_attention(config: pipeline_pb2.EasyRecConfig) -> None:
+    """TorchEasyRec's SEQUENCE feature groups into ``seq_att_groups`` (DIN towers' inputs).
+
+    The group's SequenceFeatures are the sequence, its other features the query (key).
+    """
+    mc = config.model_config
+    sequences = {fc.feature_name for _p, fc in _feature_entries(config)
+                 if fc.feature_type == pipeline_pb2.FeatureConfig.SequenceFeature}
+    keep = []
+    for g in mc.feature_groups:
+        if g.wide_deep != pipeline_pb2.SEQUENCE:
+            keep.append(g)
+            continue
+        att = mc.seq_att_groups.add(group_name=g.group_name)
+        att.seq_att_map.add(key=[f for f in g.feature_names if f not in sequences],
+                            hist_seq=[f for f in g.feature_names if f in sequences])
+    if len(keep) != len(mc.feature_groups):
+        kept = [pipeline_pb2.FeatureGroupConfig.FromString(g.SerializeToString()) for g in keep]
+        del mc.feature_groups[:]
+        mc.feature_groups.extend(kept)
 
 
 def _derive_input_fields(config: pipeline_pb2.EasyRecConfig) -> None:

@@ -311,6 +311,12 @@ def _tower_params(mc: pipeline_pb2.EasyRecModel,
         if kind == "din":  # attention MLP over [k, h, k - h, k * h]; output [attended, k]
             keys, _hists = sequence_attention_features(mc, group)
             key = sum(int(features[k].embedding_dim) for k in keys if k in features)
+            if tower.HasField("attn_mlp"):  # TorchEasyRec's encoder: MLP, Linear to 1; [att]
+                p, out = _mlp_params(4 * key, tower.attn_mlp)
+                params += p + out + 1
+                hidden += sum(int(u) for u in tower.attn_mlp.hidden_units)
+                width += key
+                continue
             params += _attention_params(key, tower.dnn)
             hidden += sum(int(u) for u in tower.dnn.hidden_units)
             width += 2 * key

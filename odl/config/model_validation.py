@@ -447,6 +447,9 @@ def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, Fea
                 raise ConfigError(f"{path}.input",
                                   f"no model_config.seq_att_groups group named {group!r} "
                                   f"(groups: {names})")
+            if tower.HasField("attn_mlp"):  # TorchEasyRec's encoder: any MLP, then a score
+                _validate_dnn(tower.attn_mlp, f"{path}.attn_mlp", required=True)
+                continue
             _validate_dnn(tower.dnn, f"{path}.dnn", required=True)
             if tower.dnn.hidden_units[-1] != 1:
                 raise ConfigError(f"{path}.dnn.hidden_units",

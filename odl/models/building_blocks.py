@@ -132,25 +132,35 @@ class TargetAttention(nn.Module):
     activation); positions at or past the length get ``-2**32 + 1``; the output is
     ``[sum_p softmax(score)_p * h_p, k]``, ``[B, 2 * key]`` (EasyRec's ``din``).
 
+    With ``encoder`` (TorchEasyRec's ``DINEncoder``): the MLP's layers are all activated and
+    a Linear to one unit scores, and the output is the attended sequence alone, ``[B, key]``.
+
     Args:
         key: width of the key (and of each item).
         seq_len: positions of the sequence.
-        dnn: the attention MLP (its last layer of 1 unit).
+        dnn: the attention MLP (its last layer of 1 unit, unless ``encoder``).
+        encoder: TorchEasyRec's form.
 
     Raises:
-        ValueError: the MLP does not end in one unit.
+        ValueError: the MLP does not end in one unit (EasyRec's form).
     """
 
-    __constants__ = ["key", "seq_len"]
+    __constants__ = ["key", "seq_len", "with_key"]
 
-    def __init__(self, key: int, seq_len: int, dnn: pipeline_pb2.DNN) -> None:
+    def __init__(self, key: int, seq_len: int, dnn: pipeline_pb2.DNN,
+                 encoder: bool = False) -> None:
         super().__init__()
-        if not dnn.hidden_units or int(dnn.hidden_units[-1]) != 1:
+        if not encoder and (not dnn.hidden_units or int(dnn.hidden_units[-1]) != 1):
             raise ValueError("a DIN tower's dnn must end in a layer of 1 unit (the score)")
         self.key = int(key)
         self.seq_len = int(seq_len)
-        self.mlp, _ = build_mlp(4 * self.key, dnn, last_plain=True)
-        self.out_width = 2 * self.key
+        self.with_key = not encoder
+        if encoder:
+            mlp, width = build_mlp(4 * self.key, dnn)
+            self.mlp = nn.Sequential(mlp, nn.Linear(width, 1))
+        else:
+            self.mlp, _ = build_mlp(4 * self.key, dnn, last_plain=True)
+        self.out_width = 2 * self.key if self.with_key else self.key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, 2 * key]``: the attended sequence, then the key."""
@@ -166,7 +176,10 @@ class TargetAttention(nn.Module):
         scores = torch.where(positions < length, scores,
                              torch.full_like(scores, -2.0**32 + 1))
         weights = torch.softmax(scores, dim=1)
-        return torch.cat([(weights.unsqueeze(2) * h).sum(dim=1), k], dim=1)
+        attended = (weights.unsqueeze(2) * h).sum(dim=1)
+        if self.with_key:
+            return torch.cat([attended, k], dim=1)
+        return attended
 
 
 class AttentionPool(nn.Module):

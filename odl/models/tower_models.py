@@ -71,7 +71,8 @@ class TowerDense(nn.Module):
         towers: per tower ``(kind, width, dense columns, settings)``: kind ``"dnn"``
             (settings: a ``DNN``), ``"cross"`` (settings: ``cross_num``), ``"cross_v2"``
             (settings: ``(CrossV2, backbone DNN or None)``) or ``"din"`` (settings: ``(DNN,
-            key width, seq_len)``; its input: keys, positions, length), the columns of its
+            key width, seq_len, TorchEasyRec's encoder form)``; its input: keys, positions,
+            length), the columns of its
             lookups in the ``towers`` group, its columns of the raw dense features.
         final_dnn: the ``final_dnn`` settings.
         sequences: per tower, the ``GroupSequences`` combining its group's sequences (their
@@ -106,8 +107,8 @@ class TowerDense(nn.Module):
                 self.towers.append(CrossNet(in_width, int(settings)))
                 width += in_width
             elif kind == "din":
-                dnn, key_width, seq_len = settings
-                attention = TargetAttention(key_width, seq_len, dnn)
+                dnn, key_width, seq_len, encoder = settings
+                attention = TargetAttention(key_width, seq_len, dnn, encoder)
                 self.towers.append(attention)
                 width += attention.out_width
             elif kind == "cross_v2":
@@ -203,7 +204,9 @@ class TowerModel(CtrModel):
                 if key_width == 0 or (width - key_width) % key_width:
                     raise ValueError(f"DIN group {group!r}: the sequences' embeddings must be "
                                      f"as wide as the keys' ({key_width})")
-                tower = (tower.dnn, key_width, (width - key_width) // key_width)
+                encoder = tower.HasField("attn_mlp")  # TorchEasyRec's DIN encoder
+                tower = (tower.attn_mlp if encoder else tower.dnn, key_width,
+                         (width - key_width) // key_width, encoder)
             specs.append((kind, width, [col[n] for n in dense], tower))
             blocks = (sequences or {}).get(group, []) if kind != "din" else []
             if blocks:  # the blocks' lookups end the group's, their lengths its dense columns
