@@ -150,3 +150,28 @@ def test_an_export_writes_the_vocab_file_as_its_list(tmp_path) -> None:
     validate_pipeline_config(inlined, online=True)
     assert {t.name: t.num_rows for t in FeatureBuilder(inlined).table_specs}["C5"] == 3
     assert with_vocab_files_inlined(inlined) is inlined
+
+
+def test_shared_names_add_a_feature_per_column_with_the_same_settings(tmp_path):
+    """EasyRec's shared_names: copies of a feature's settings, one per listed column."""
+    from odl.config.feature_configs import feature_configs
+    from tests.harness import REPO
+
+    sample = tmp_path / "sample.config"
+    sample.write_text(open(f"{REPO}/samples/deepfm_online.config").read())
+    text = (sample.read_text()
+            .replace('feature_configs { input_names: "C1" feature_type: IdFeature '
+                     'embedding_dim: 16 hash_bucket_size: 10000 }',
+                     'feature_configs { input_names: "C1" feature_type: IdFeature '
+                     'embedding_dim: 16 hash_bucket_size: 10000 shared_names: "C2" }'))
+    text = re.sub(r'feature_configs \{ input_names: "C2" [^}]*\}\n', "", text)
+    assert "shared_names" in text and 'input_names: "C2"' not in text
+    path = tmp_path / "p.config"
+    path.write_text(text)
+    config = load_pipeline_config(str(path))
+    features = {fc.feature_name: fc for fc in feature_configs(config)}
+    c2 = features["C2"]
+    assert list(c2.input_names) == ["C2"] and not c2.shared_names
+    assert (c2.embedding_dim, c2.hash_bucket_size) == (16, 10000)
+    validate_pipeline_config(config, online=True)
+    assert FeatureBuilder(config).feature_to_table["C2"] == "C2"  # its own table

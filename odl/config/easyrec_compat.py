@@ -22,7 +22,11 @@ import logging
 from typing import Any
 
 from odl.config.config_error import ConfigError
-from odl.config.feature_settings import expand_config_names, raw_num_buckets_to_boundaries
+from odl.config.feature_settings import (
+    expand_config_names,
+    expand_shared_names,
+    raw_num_buckets_to_boundaries,
+)
 from odl.config.model_classes import (
     IMPLEMENTED_MODEL_CLASSES,
     MODEL_MESSAGES,
@@ -74,7 +78,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
                                "stub_type"}),
     "FeatureConfig": frozenset({
         "kv_separator", "seq_multi_sep",
-        "shared_names", "lookup_max_sel_elem_num", "max_partitions", "initializer",
+        "lookup_max_sel_elem_num", "max_partitions", "initializer",
         "precision", "normalizer_fn",
         "sequence_length", "expression", "combo_input_seps",
         # TorchEasyRec's other per-kind feature messages.
@@ -313,6 +317,7 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
     """
     ft = pipeline_pb2.FeatureConfig.FeatureType
     expand_config_names(config)
+    expand_shared_names(config)
     torcheasyrec_features = _flatten_torcheasyrec_sequences(config)
     for path, fc in _feature_entries(config):
         torcheasyrec_features |= fc.HasField("id_feature") or fc.HasField("raw_feature")

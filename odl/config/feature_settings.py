@@ -115,6 +115,40 @@ def expand_config_names(config: pipeline_pb2.EasyRecConfig) -> None:
         g.feature_names.extend(names)
 
 
+def expand_shared_names(config: pipeline_pb2.EasyRecConfig) -> None:
+    """EasyRec's ``shared_names``: one more feature per shared column, in place; idempotent.
+
+    Each name (a ``[first-last]`` range expanded with ``auto_expand_input_fields``, as
+    EasyRec does) gets a copy of the feature's settings reading that column and named after
+    it; the copies follow the features of their list (EasyRec's order). A shared table comes
+    from ``embedding_name``, as for any feature.
+
+    Args:
+        config: a parsed config.
+
+    Raises:
+        ConfigError: an empty or too long range.
+    """
+    auto = config.data_config.auto_expand_input_fields
+    for container in (config.feature_configs, config.feature_config.features):
+        extra = []
+        for i, fc in enumerate(container):
+            if not fc.shared_names:
+                continue
+            names = [x for n in fc.shared_names
+                     for x in (expand_names(n, f"feature_configs[{i}].shared_names")
+                               if auto else [n])]
+            fc.ClearField("shared_names")
+            for name in names:
+                one = pipeline_pb2.FeatureConfig()
+                one.CopyFrom(fc)
+                one.ClearField("input_names")
+                one.ClearField("feature_name")
+                one.input_names.append(name)
+                extra.append(one)
+        container.extend(extra)
+
+
 def raw_num_buckets_to_boundaries(fc: pipeline_pb2.FeatureConfig) -> None:
     """EasyRec's ``num_buckets`` on a normalized RawFeature as the boundaries it means.
 
