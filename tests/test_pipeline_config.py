@@ -283,8 +283,8 @@ def test_unknown_field(tmp_path: Path) -> None:
         ('fg_json_path: "fg.json"', "fg_json_path"),
         ("train_config { freeze_gradient: true }", "train_config.freeze_gradient"),
         ("model_config { esmm { } }", "model_config.esmm"),
-        ('feature_configs { input_names: "a" } feature_configs { shared_names: "b" }',
-         "feature_configs[1].shared_names"),
+        ('feature_configs { input_names: "a" } feature_configs { lookup_max_sel_elem_num: 3 }',
+         "feature_configs[1].lookup_max_sel_elem_num"),
     ],
 )
 def test_easyrec_field_not_implemented(tmp_path: Path, text: str, field: str) -> None:
