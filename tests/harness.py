@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -30,6 +31,19 @@ from odl.train.train_module import TrainModule
 from odl.train.trainer import Trainer, TrainerOptions
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_config_text(text: str) -> pipeline_pb2.EasyRecConfig:
+    """Loads ``text`` as odl-train loads a config file (TorchEasyRec's forms normalized) and
+    validates it for online training."""
+    with tempfile.NamedTemporaryFile("w", suffix=".config", delete=False) as f:
+        f.write(text)
+    try:
+        config = load_pipeline_config(f.name)
+    finally:
+        os.unlink(f.name)
+    validate_pipeline_config(config, online=True)
+    return config
 
 
 def write_config(tmp_path, bootstrap: str, topic: str, name: str = "pipeline.config", **kw) -> str:

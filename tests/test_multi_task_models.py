@@ -2,22 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import numpy as np
 import pytest
 import torch
 
 from odl.config.config_error import ConfigError
-from odl.config.config_validation import validate_pipeline_config
-from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.conversion_labels import conversion_labels, encode_with_conversions
 from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.model_factory import build_model
-from odl.protos import pipeline_pb2
+from tests.harness import load_config_text
 
 
 def _text(model: str) -> str:
@@ -25,20 +20,9 @@ def _text(model: str) -> str:
                                                    hidden_units=(16,)), model)
 
 
-def _config(text: str) -> pipeline_pb2.EasyRecConfig:
-    """Loads (as odl-train does: TorchEasyRec's forms normalized) and validates ``text``."""
-    with tempfile.NamedTemporaryFile("w", suffix=".config", delete=False) as f:
-        f.write(text)
-    try:
-        config = load_pipeline_config(f.name)
-    finally:
-        os.unlink(f.name)
-    validate_pipeline_config(config, online=True)
-    return config
-
-
-def _model_and_batch(model: str, n: int = 64):
-    config = _config(_text(model))
+def _model_and_batch(model: str, n: int = 64, text: str | None = None):
+    """The model (CPU tables) of ``text`` (default: the model's test config) and a batch."""
+    config = load_config_text(_text(model) if text is None else text)
     fb = FeatureBuilder(config)
     m = build_model(config, fb)
     m.ebc = m.ebc.__class__(tables=m.layout.configs, device=torch.device("cpu"))
@@ -90,7 +74,7 @@ def test_dbmtl_relations_feed_later_tasks_only():
 ])
 def test_multi_task_config_errors_name_the_field(edit, field):
     with pytest.raises(ConfigError) as e:
-        _config(_text("DBMTL").replace(*edit))
+        load_config_text(_text("DBMTL").replace(*edit))
     assert e.value.field == field, e.value
 
 
@@ -98,7 +82,7 @@ def test_several_labels_need_a_multi_task_model():
     text = _text("DeepFM").replace('  label_fields: "label"\n',
                                    '  label_fields: "label"\n  label_fields: "event_time"\n')
     with pytest.raises(ConfigError) as e:
-        _config(text)
+        load_config_text(text)
     assert e.value.field == "data_config.label_fields" and "multi-task" in str(e.value)
 
 
@@ -113,7 +97,7 @@ def test_torcheasyrec_form_builds_the_same_model():
     assert "bottom_mlp" in tz and "relation_mlp" in tz and " mlp {" in tz
     shapes = []
     for text in (easyrec, tz):
-        config = _config(text)
+        config = load_config_text(text)
         model = build_model(config, FeatureBuilder(config))
         shapes.append([(n, tuple(p.shape)) for n, p in model.dense.named_parameters()])
     assert shapes[0] == shapes[1]
@@ -124,12 +108,7 @@ def test_task_space_weights_the_loss_by_the_indicator_label():
         'tower_name: "cvr" label_name: "buy"',
         'tower_name: "cvr" label_name: "buy" task_space_indicator_label: "label" '
         "in_task_space_weight: 1.0 out_task_space_weight: 0.0")
-    config = _config(text)
-    fb = FeatureBuilder(config)
-    m = build_model(config, fb)
-    m.ebc = m.ebc.__class__(tables=m.layout.configs, device=torch.device("cpu"))
-    sample = SyntheticCtrStream(seed=5, start_time=1.7e9).next_batch(64)
-    batch = fb.build(encode_with_conversions(sample, 5)).batch
+    m, batch, _ = _model_and_batch("MMoE", text=text)
     m.l2 = m.embedding_regularization = 0.0
     out = m(batch)
     bce = torch.nn.functional.binary_cross_entropy_with_logits
@@ -144,14 +123,15 @@ def test_task_space_weights_the_loss_by_the_indicator_label():
 def test_task_space_needs_a_label_field_and_a_pointwise_loss():
     base = _text("MMoE")
     with pytest.raises(ConfigError) as e:
-        _config(base.replace('tower_name: "cvr" label_name: "buy"',
-                             'tower_name: "cvr" label_name: "buy" '
-                             'task_space_indicator_label: "clicks"'))
+        load_config_text(base.replace('tower_name: "cvr" label_name: "buy"',
+                                      'tower_name: "cvr" label_name: "buy" '
+                                      'task_space_indicator_label: "clicks"'))
     assert e.value.field == "model_config.mmoe.task_towers[1].task_space_indicator_label"
     with pytest.raises(ConfigError) as e:
-        _config(base.replace('tower_name: "cvr" label_name: "buy"',
-                             'tower_name: "cvr" label_name: "buy" '
-                             'task_space_indicator_label: "label" loss_type: PAIR_WISE_LOSS'))
+        load_config_text(base.replace('tower_name: "cvr" label_name: "buy"',
+                                      'tower_name: "cvr" label_name: "buy" '
+                                      'task_space_indicator_label: "label" '
+                                      'loss_type: PAIR_WISE_LOSS'))
     assert "pointwise" in str(e.value)
 
 
@@ -162,17 +142,12 @@ def test_uncertainty_weighting_learns_a_weight_per_marked_term():
                         'tower_name: "cvr" label_name: "buy" losses { loss_type: CLASSIFICATION '
                         "learn_loss_weight: true } losses { loss_type: SIGMOID_L2_LOSS "
                         "learn_loss_weight: true weight: 0.5 }")
-    config = _config(text)
-    fb = FeatureBuilder(config)
-    m = build_model(config, fb)
-    m.ebc = m.ebc.__class__(tables=m.layout.configs, device=torch.device("cpu"))
-    batch = fb.build(encode_with_conversions(
-        SyntheticCtrStream(seed=5, start_time=1.7e9).next_batch(64), 5)).batch
+    m, batch, _ = _model_and_batch("DBMTL", text=text)
     u = m.dense.loss_uncertainty
     assert u.shape == (2,)
     from odl.config.memory_estimate import estimate_memory
 
-    assert estimate_memory(config, "cpu").dense_parameters == sum(
+    assert estimate_memory(load_config_text(text), "cpu").dense_parameters == sum(
         p.numel() for p in m.dense.parameters())
     with torch.no_grad():
         u.copy_(torch.tensor([0.3, -0.2]))
@@ -190,5 +165,5 @@ def test_uncertainty_weighting_learns_a_weight_per_marked_term():
     assert u.grad is not None and bool((u.grad != 0).all())
     # without the strategy a learned weight is refused, as EasyRec does
     with pytest.raises(ConfigError) as e:
-        _config(text.replace("  loss_weight_strategy: Uncertainty\n", ""))
+        load_config_text(text.replace("  loss_weight_strategy: Uncertainty\n", ""))
     assert e.value.field.endswith("losses[0].learn_loss_weight")

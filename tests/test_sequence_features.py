@@ -2,32 +2,17 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
-
 import numpy as np
 import pytest
 
 from odl.config.config_error import ConfigError
-from odl.config.config_validation import validate_pipeline_config
-from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
 from odl.features.feature_builder import FeatureBuilder, sequence_key, sequence_length_column
 from odl.features.id_hashing import bucketize_hashes, hash_segments
+from tests.harness import load_config_text
 
 TEXT = as_model_config_text(deepfm_config_text("/tmp/odl-seq-unused", dim=8, buckets=50,
                                                hidden_units=(16,)), "MultiTowerDIN")
-
-
-def _config(text: str = TEXT):
-    with tempfile.NamedTemporaryFile("w", suffix=".config", delete=False) as f:
-        f.write(text)
-    try:
-        config = load_pipeline_config(f.name)
-    finally:
-        os.unlink(f.name)
-    validate_pipeline_config(config, online=True)
-    return config
 
 
 def _row(fb: FeatureBuilder, history: str) -> bytes:
@@ -43,7 +28,7 @@ def _bucket(token: str, rows: int = 50) -> int:
 
 
 def test_positions_are_keys_and_the_kept_length_a_dense_column():
-    fb = FeatureBuilder(_config())
+    fb = FeatureBuilder(load_config_text(TEXT))
     keys = [sequence_key("hist_C3", p) for p in range(5)]
     assert [k for k in fb.sparse_feature_names if k.startswith("hist_C3")] == keys
     assert fb.dense_feature_names[-1] == sequence_length_column("hist_C3")
@@ -77,7 +62,7 @@ def test_positions_are_keys_and_the_kept_length_a_dense_column():
 def test_din_config_errors_name_the_field(edit, field, words):
     assert edit[0] in TEXT, edit[0]
     with pytest.raises(ConfigError) as e:
-        _config(TEXT.replace(*edit))
+        load_config_text(TEXT.replace(*edit))
     assert e.value.field == field and words in str(e.value), e.value
 
 
@@ -85,7 +70,7 @@ def test_keys_and_sequences_must_be_as_wide():
     text = TEXT.replace('feature_type: SequenceFeature separator: "|" embedding_dim: 8',
                         'feature_type: SequenceFeature separator: "|" embedding_dim: 16')
     with pytest.raises(ConfigError) as e:
-        _config(text)
+        load_config_text(text)
     assert e.value.field == "model_config.seq_att_groups[0]" and "as wide" in str(e.value)
 
 
@@ -118,7 +103,7 @@ train_config {
   dense_optimizer { adam_optimizer { lr: 0.001 } }
 }
 """.replace("MODEL", str(tmp_path / "m"))
-    config = _config(text)
+    config = load_config_text(text)
     mc = config.model_config
     assert mc.model_class == "MultiTowerDIN" and [g.group_name for g in mc.feature_groups] == [
         "deep"]
@@ -134,3 +119,42 @@ train_config {
     assert type(din).__name__ == "TargetAttention" and not din.with_key and din.seq_len == 4
     built = fb.build([b'{"clk": 1, "cate": "3", "click__cate": "3;7;9"}'])
     assert not built.rejected and built.batch.dense[0, -1].item() == 3.0
+
+
+def test_deepfm_embedding_regularization_averages_over_every_deep_lookup():
+    """embedding_regularization is a mean over (sample, deep lookup): a combined
+    SequenceFeature's positions count as lookups of the deep group."""
+    import dataclasses
+
+    import torch
+
+    from odl.models.model_factory import build_model
+
+    deepfm = deepfm_config_text("/tmp/odl-seq-unused", dim=8, buckets=50, hidden_units=(16,))
+    field = next(line for line in TEXT.splitlines() if '"hist_C3" input_type' in line)
+    feature = next(line for line in TEXT.splitlines() if 'input_names: "hist_C3"' in line)
+    text = deepfm.replace(
+        '  input_fields { input_name: "C26" input_type: STRING }\n',
+        '  input_fields { input_name: "C26" input_type: STRING }\n' + field + "\n").replace(
+        "model_config {", feature[:-1] + "sequence_combiner { attention {} } }\nmodel_config {",
+        1).replace('feature_names: "I13" wide_deep: DEEP',
+                   'feature_names: "I13" feature_names: "hist_C3" wide_deep: DEEP')
+    config = load_config_text(text)
+    fb = FeatureBuilder(config)
+    model = build_model(config, fb)
+    torch.manual_seed(0)
+    for table in model.ebc.embedding_bags.values():
+        table.weight = torch.nn.Parameter(torch.randn_like(table.weight, device="cpu"))
+    batch = fb.build([_row(fb, h) for h in ("a|b|c", "", "a|b|c|d|e|f|g", "z")]).batch
+    output = model(batch)
+    deep, _wide = output.pooled
+    regular = sum(1 for f, _t in model.pooled_layout[0].lookups if not f.startswith("hist_C3"))
+    lookups = regular + 5  # hist_C3 keeps 5 positions (max_seq_len)
+    assert len(model.pooled_layout[0].lookups) == lookups
+    model.regularization = dataclasses.replace(model.regularization, l2=0.0, wide=0.0,
+                                               embedding=0.0)
+    plain = model.loss(output, batch)
+    model.regularization = dataclasses.replace(model.regularization, embedding=0.5)
+    term = model.loss(output, batch) - plain
+    per_lookup = deep.detach().reshape(4, lookups, 8).square().sum(dim=-1)
+    assert term.item() == pytest.approx(0.5 * per_lookup.mean().item(), rel=1e-5)

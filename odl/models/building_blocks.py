@@ -68,6 +68,12 @@ def build_mlp(in_dim: int, dnn: pipeline_pb2.DNN,
     return nn.Sequential(*layers), width
 
 
+def build_optional_mlp(in_dim: int,
+                       dnn: Optional[pipeline_pb2.DNN]) -> tuple[nn.Sequential, int]:
+    """:func:`build_mlp` of an optional DNN: the identity (``(Sequential(), in_dim)``) for None."""
+    return build_mlp(in_dim, dnn if dnn is not None else pipeline_pb2.DNN())
+
+
 def fm_term(v: torch.Tensor) -> torch.Tensor:
     """FM's pairwise interactions of ``[B, n, d]`` vectors: ``[B, d]``."""
     return 0.5 * (v.sum(dim=1).square() - v.square().sum(dim=1))
@@ -361,10 +367,7 @@ class _Gate(nn.Module):
     def __init__(self, in_width: int, num_expert: int,
                  gate_dnn: Optional[pipeline_pb2.DNN]) -> None:
         super().__init__()
-        if gate_dnn is not None and len(gate_dnn.hidden_units):
-            self.mlp, width = build_mlp(in_width, gate_dnn)
-        else:
-            self.mlp, width = nn.Sequential(), in_width
+        self.mlp, width = build_optional_mlp(in_width, gate_dnn)
         self.out = nn.Linear(width, num_expert)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

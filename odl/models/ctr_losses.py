@@ -239,3 +239,16 @@ def linear_kernel_l2(module: nn.Module) -> torch.Tensor:
     """Sum of the squared weights of every ``nn.Linear`` in ``module`` (biases left out)."""
     return sum(m.weight.square().sum() for m in module.modules() if isinstance(m, nn.Linear))
 
+
+def embedding_l2(pooled: torch.Tensor, lookups: int) -> torch.Tensor:
+    """Mean over (sample, lookup) of the squared pooled embeddings.
+
+    Args:
+        pooled: ``[B, ...]`` the step's pooled lookups of one group, concatenated.
+        lookups: how many lookups ``pooled`` holds per sample (> 0).
+
+    Returns:
+        Scalar ``sum(pooled**2) / (B * lookups)``.
+    """
+    return pooled.square().sum() / (pooled.shape[0] * lookups)
+

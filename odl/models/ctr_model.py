@@ -164,6 +164,11 @@ class CtrModel(nn.Module):
         super().__init__()
         self._gathers: dict[tuple, list[_ColumnGather]] = {}
 
+    @property
+    def outputs(self) -> list[tuple[str, int]]:
+        """``(output name, label column)`` per output, in output order."""
+        return list(zip(self.output_names, self.output_labels, strict=True))
+
     def lookup(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         """The sparse part: the batch's ids pooled in the tables, in ``pooled_layout``.
 

@@ -46,6 +46,7 @@ from odl.models.building_blocks import GroupSequences, SequenceBlock, build_mlp,
 from odl.models.ctr_losses import (
     add_loss_weights,
     ctr_loss,
+    embedding_l2,
     learned_weight_terms,
     linear_kernel_l2,
     loss_terms,
@@ -267,6 +268,7 @@ def deepfm_loss(
     weights: DeepFMRegularization,
     terms: list[pipeline_pb2.Loss],
     learned: list[bool] | None = None,
+    deep_lookups: int | None = None,
 ) -> torch.Tensor:
     """The prediction loss plus DeepFM's regularization (module docstring).
 
@@ -279,20 +281,21 @@ def deepfm_loss(
         weights: the regularization weights.
         terms: the configured loss terms (``odl.models.ctr_losses.loss_terms``).
         learned: per term, whether its weight is learned (``dense.loss_uncertainty``).
+        deep_lookups: lookups in ``deep`` per sample (sequence positions included);
+            None: ``dense.num_deep``.
 
     Returns:
         Scalar loss.
     """
     loss = ctr_loss(logits, labels, terms, learned=learned,
                     uncertainty=getattr(dense, "loss_uncertainty", None))
-    b = logits.shape[0]
     if weights.l2:
         loss = loss + weights.l2 * linear_kernel_l2(dense)
-    if weights.embedding and dense.num_deep:
-        loss = loss + weights.embedding * deep.square().sum() / (b * dense.num_deep)
+    deep_lookups = dense.num_deep if deep_lookups is None else deep_lookups
+    if weights.embedding and deep_lookups:
+        loss = loss + weights.embedding * embedding_l2(deep, deep_lookups)
     if weights.wide and dense.num_wide:
-        w = wide.reshape(b, dense.num_wide, dense.wide_output_dim)
-        loss = loss + weights.wide * w.square().sum(dim=-1).mean()
+        loss = loss + weights.wide * embedding_l2(wide, dense.num_wide)
     return loss
 
 
@@ -387,4 +390,5 @@ class DeepFM(CtrModel):
         """
         deep, wide = output.pooled
         return deepfm_loss(output.logits, batch.labels, deep, wide, self.dense,
-                           self.regularization, self.loss_terms, self.learned)
+                           self.regularization, self.loss_terms, self.learned,
+                           deep_lookups=len(self.pooled_layout[0].lookups))

@@ -43,10 +43,11 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import multi_task_settings
 from odl.features.batch import Batch
-from odl.models.building_blocks import ExpertGates, build_mlp
+from odl.models.building_blocks import ExpertGates, build_optional_mlp
 from odl.models.ctr_losses import (
     add_loss_weights,
     ctr_loss,
+    embedding_l2,
     learned_weight_terms,
     linear_kernel_l2,
     loss_terms,
@@ -56,12 +57,6 @@ from odl.models.embedding_tables import EmbeddingLayout
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
-
-
-def _mlp_or_identity(in_width: int, dnn: Optional[pipeline_pb2.DNN]) -> tuple[nn.Module, int]:
-    if dnn is None:
-        return nn.Sequential(), in_width
-    return build_mlp(in_width, dnn)
 
 
 class TaskHead(nn.Module):
@@ -80,9 +75,9 @@ class TaskHead(nn.Module):
     def __init__(self, in_width: int, dnn: Optional[pipeline_pb2.DNN], relations: Sequence[int],
                  relation_width: int, relation_dnn: Optional[pipeline_pb2.DNN]) -> None:
         super().__init__()
-        self.dnn, width = _mlp_or_identity(in_width, dnn)
+        self.dnn, width = build_optional_mlp(in_width, dnn)
         self.relations = [int(r) for r in relations]
-        self.relation_dnn, self.out_width = _mlp_or_identity(width + relation_width,
+        self.relation_dnn, self.out_width = build_optional_mlp(width + relation_width,
                                                              relation_dnn)
         self.out = nn.Linear(self.out_width, 1)
 
@@ -120,7 +115,7 @@ class MultiTaskDense(nn.Module):
         if not tasks:
             raise ValueError("at least one task tower is needed")
         # Registration order fixes the dense optimizer's parameter order in checkpoints.
-        self.bottom, width = _mlp_or_identity(in_width, bottom)
+        self.bottom, width = build_optional_mlp(in_width, bottom)
         self.experts: Optional[ExpertGates] = None
         if experts is not None:
             expert_dnn, num_expert, gate_dnn = experts
@@ -273,6 +268,5 @@ class MultiTaskModel(CtrModel):
         (pooled,) = output.pooled
         lookups = len(self.pooled_layout[0].lookups)
         if self.embedding_regularization and lookups:
-            loss = loss + self.embedding_regularization * (
-                pooled.square().sum() / (pooled.shape[0] * lookups))
+            loss = loss + self.embedding_regularization * embedding_l2(pooled, lookups)
         return loss

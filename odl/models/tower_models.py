@@ -49,10 +49,12 @@ from odl.models.building_blocks import (
     SequenceBlock,
     TargetAttention,
     build_mlp,
+    build_optional_mlp,
 )
 from odl.models.ctr_losses import (
     add_loss_weights,
     ctr_loss,
+    embedding_l2,
     learned_weight_terms,
     linear_kernel_l2,
     loss_terms,
@@ -113,8 +115,7 @@ class TowerDense(nn.Module):
                 width += attention.out_width
             elif kind == "cross_v2":
                 cross, backbone = settings
-                mlp, out = (build_mlp(in_width, backbone) if backbone is not None
-                            else (nn.Sequential(), in_width))
+                mlp, out = build_optional_mlp(in_width, backbone)
                 self.towers.append(nn.Sequential(
                     mlp, CrossNetV2(out, int(cross.cross_num), int(cross.low_rank))))
                 width += out
@@ -245,6 +246,5 @@ class TowerModel(CtrModel):
         (pooled,) = output.pooled
         lookups = len(self.pooled_layout[0].lookups)
         if self.embedding_regularization and lookups:
-            loss = loss + self.embedding_regularization * (
-                pooled.square().sum() / (pooled.shape[0] * lookups))
+            loss = loss + self.embedding_regularization * embedding_l2(pooled, lookups)
         return loss

@@ -72,34 +72,17 @@ class ProgressiveMetrics:
         n = probs.size
         if n == 0:
             return
-        if self.grouped:
-            self._ring(self._groups, np.asarray(groups, dtype=np.int64))
         self.samples += n
         p = np.clip(probs, _EPS, 1 - _EPS)
         losses = -(labels * np.log(p) + (1 - labels) * np.log(1 - p))
         self._total_logloss += float(losses.sum())
         self._total_auc.add(labels > 0.5, probs)
-        if n >= self.window:
-            self._probs[:] = probs[-self.window :]
-            self._labels[:] = labels[-self.window :]
-            self._losses[:] = losses[-self.window :]
-            self._cursor = 0
-            self._filled = self.window
-            return
-        end = self._cursor + n
-        if end <= self.window:
-            self._probs[self._cursor : end] = probs
-            self._labels[self._cursor : end] = labels
-            self._losses[self._cursor : end] = losses
-        else:
-            first = self.window - self._cursor
-            self._probs[self._cursor :] = probs[:first]
-            self._labels[self._cursor :] = labels[:first]
-            self._losses[self._cursor :] = losses[:first]
-            self._probs[: n - first] = probs[first:]
-            self._labels[: n - first] = labels[first:]
-            self._losses[: n - first] = losses[first:]
-        self._cursor = end % self.window
+        self._ring(self._probs, probs)
+        self._ring(self._labels, labels)
+        self._ring(self._losses, losses)
+        if self.grouped:
+            self._ring(self._groups, np.asarray(groups, dtype=np.int64))
+        self._cursor = (self._cursor + n) % self.window if n < self.window else 0
         self._filled = min(self.window, self._filled + n)
 
     def _ring(self, buf: np.ndarray, values: np.ndarray) -> None:

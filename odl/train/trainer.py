@@ -160,9 +160,7 @@ class Trainer:
         model = self.module.model
         self._label_column = int(model.output_labels[0])
         # several outputs (multi-task): per-task progressive metrics beside the first's
-        self.tasks = (TaskMetrics(list(zip(model.output_names, model.output_labels,
-                                           strict=True)),
-                                  self.progress, tc.metrics_window_samples)
+        self.tasks = (TaskMetrics(model.outputs, self.progress, tc.metrics_window_samples)
                       if len(model.output_names) > 1 else None)
         # day/pass saves (before restore: the checkpoint holds their pending rows and deletes)
         self.pass_saves = (PassSaves(config, self.module, self.generation, options.export_base)
@@ -287,11 +285,9 @@ class Trainer:
                 return 0
             self._input_opened = True
             if self.options.online and self.config.kafka_eval_input.topic:
-                model = self.module.model
                 self.evaluator = StreamEvaluator(
                     self.config, self.features, self.module.predict,
-                    list(zip(model.output_names, model.output_labels, strict=True)),
-                    self._restored.eval_positions)
+                    self.module.model.outputs, self._restored.eval_positions)
             if self._restored.needs_base_checkpoint and not self._stops.requested:
                 # the first recovery point of a fresh start: where its versions begin
                 self._checkpoint()
