@@ -98,12 +98,30 @@ def test_target_attention_attends_over_the_positions_within_the_length():
 def test_raw_projection_scales_each_feature_row_by_its_value():
     from odl.models.deepfm import RawProjection
 
-    proj = RawProjection(2, 3)
+    proj = RawProjection([1, 1], 3)
     values = torch.tensor([[2.0, -1.0], [0.0, 0.5]])
     out = proj(values)
     w = proj.weight
     want = torch.cat([values[:, :1] * w[0], values[:, 1:] * w[1]], dim=1)
     assert torch.allclose(out, want) and out.shape == (2, 6)
+
+
+def test_raw_projection_of_several_values_sums_each_value_times_its_row():
+    """A RawFeature of raw_input_dim d projects to sum_k v_k * p_k (EasyRec's weighted ids)."""
+    from odl.models.deepfm import RawProjection
+
+    torch.manual_seed(0)
+    proj = RawProjection([1, 3], 4)  # a one-value feature, then a three-value one
+    values = torch.randn(5, 4)
+    out = proj(values)
+    w = proj.weight
+    first = values[:, :1] * w[0]
+    second = values[:, 1:] @ w[1:]
+    assert out.shape == (5, 8)
+    assert torch.allclose(out, torch.cat([first, second], dim=1), atol=1e-6)
+    assert list(proj.state_dict()) == ["weight"]  # only the rows are checkpointed
+    scripted = torch.jit.script(proj)
+    assert torch.equal(scripted(values), out)
 
 
 def test_attention_pool_and_text_cnn_combine_a_sequence():

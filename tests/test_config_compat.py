@@ -58,6 +58,9 @@ LOADS = {
     "torcheasyrec/mmoe_taobao.config",
     "torcheasyrec/multi_tower_taobao.config",
     "torcheasyrec/multi_tower_din_taobao.config",
+    "torcheasyrec/multi_tower_din_mock.config",
+    "torcheasyrec/mmoe_has_sequence.config",
+    "easyrec/deepfm_with_embed.config",
 }
 
 
@@ -131,7 +134,13 @@ def _records(config, n: int, seed: int) -> list[bytes]:
         for name in fc.input_names:
             integer = typed.get(name) in (pipeline_pb2.DatasetConfig.INT32,
                                           pipeline_pb2.DatasetConfig.INT64)
-            if fc.feature_type == ft.RawFeature:
+            numbers = (fc.feature_type == ft.SequenceFeature
+                       and fc.sub_feature_type == ft.RawFeature)
+            if numbers or (fc.feature_type == ft.RawFeature and fc.raw_input_dim > 1):
+                makers[name] = lambda sep=fc.separator, d=fc.raw_input_dim, seq=numbers: (
+                    sep.join(f"{rng.random():.4f}"
+                             for _ in range(int(rng.integers(1, 6)) if seq else d)))
+            elif fc.feature_type == ft.RawFeature:
                 makers[name] = ((lambda: str(rng.integers(10))) if integer
                                 else (lambda: f"{rng.random():.4f}"))
             elif fc.vocab_list:
@@ -188,3 +197,37 @@ def test_sample_configs_that_load_train(name: str) -> None:
         assert out.probs.shape[0] == 32
         assert out.probs.reshape(32, -1).shape[1] == len(module.model.output_names)
     assert module.global_step == 3 and all(math.isfinite(x) for x in losses), losses
+
+
+@pytest.mark.parametrize("name", sorted(LOADS))
+def test_sample_configs_export_and_serve_to_parity(name: str, tmp_path) -> None:
+    """An export of each trained sample predicts, in serving (its TorchScript dense part and
+    serving's own lookups), what the trainer predicts."""
+    import numpy as np
+
+    from odl.checkpoint.checkpoint_manager import CheckpointManager
+    from odl.config.config_redaction import config_to_text
+    from odl.export.exporter import export_checkpoint
+    from odl.features.feature_builder import FeatureBuilder
+    from odl.train.train_module import TrainModule
+    from serving_plugin.serving_model import ServingModel
+
+    flavor = name.split("/")[0]
+    config = _small_cpu_config(try_load.load_one(os.path.join(_HERE, name), flavor))
+    config.model_dir = str(tmp_path / "model_dir")
+    fb = FeatureBuilder(config)
+    module = TrainModule(config, fb, device="cpu")
+    for step in range(4):
+        module.train_step(fb.build(_records(config, 32, seed=step)).batch)
+    path = CheckpointManager(config.model_dir).save(
+        module.global_step, module.state_dict_for_checkpoint(), {0: 128},
+        {"source": "kafka", "topic": "samples"}, config_to_text(config), generation="gen0")
+    export = export_checkpoint(config, path, str(tmp_path / "exports"),
+                               warn_without_topic=False).path
+    served = ServingModel.load(os.path.dirname(export))
+    values = _records(config, 200, seed=99)
+    want = module.predict(fb.build(values).batch)
+    got, rejected = served.predict_values(values)
+    assert rejected == []
+    assert np.asarray(got).shape == np.asarray(want).shape
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-6

@@ -82,8 +82,6 @@ def test_raw_num_buckets_over_min_max_are_equal_width_boundaries(tmp_path) -> No
     ("C1", "min_val: 0 max_val: 1", "feature_configs[0].min_val", "normalize a RawFeature"),
     ("I1", "min_val: 5 max_val: 5", "feature_configs[26].max_val", "must be above min_val"),
     ("I1", "max_val: -1", "feature_configs[26].max_val", "must be above min_val"),
-    ("I2", "hash_bucket_size: 100", "feature_configs[27].hash_bucket_size",
-     "EasyRec ignores hash_bucket_size on a RawFeature"),
     ("C2", 'vocab_list: ["a"]', "feature_configs[1].hash_bucket_size", "give one of"),
     ("I3", 'vocab_list: ["a"]', "feature_configs[28].vocab_list", "not of a RawFeature"),
     ("C3", 'vocab_file: "/nonexistent/odl_vocab.txt"', "feature_configs[2].vocab_file",
@@ -98,6 +96,16 @@ def test_feature_settings_are_checked_by_field(tmp_path, name, extra, field, mes
         _validated(text)
     assert info.value.field == field
     assert message in info.value.message
+
+
+def test_hash_bucket_size_on_a_raw_feature_is_ignored_with_a_warning(tmp_path, caplog) -> None:
+    text = _feature(_text(tmp_path), "I2", "hash_bucket_size: 100")
+    with caplog.at_level("WARNING"):
+        config = _validated(text)
+    assert "feature_configs[27].hash_bucket_size has no effect on a RawFeature" in caplog.text
+    fb = FeatureBuilder(config)
+    assert "I2" in fb.dense_feature_names and "I2" not in fb.sparse_feature_names
+    assert config.feature_configs[27].hash_bucket_size == 0
 
 
 @pytest.mark.parametrize("vocab, message", [

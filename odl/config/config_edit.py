@@ -42,6 +42,7 @@ from odl.config.easyrec_compat import (
     EASYREC_NO_EFFECT_FIELDS,
     EASYREC_NOT_IMPLEMENTED_FIELDS,
     EASYREC_NOT_IMPLEMENTED_VALUES,
+    not_implemented_field_message,
 )
 from odl.protos import pipeline_pb2
 
@@ -199,7 +200,7 @@ def _field(msg: Message, name: str, full: str) -> FieldDescriptor:
     if name in EASYREC_NO_EFFECT_FIELDS.get(short, {}):
         raise _NoEffect(name, *EASYREC_NO_EFFECT_FIELDS[short][name])
     if name in EASYREC_NOT_IMPLEMENTED_FIELDS.get(short, ()):
-        raise ConfigError(full, f"{name} is an EasyRec field that odl does not implement yet")
+        raise ConfigError(full, not_implemented_field_message(short, name))
     raise ConfigError(full, f"unknown field {name!r} in {short}{suggest_field(name, desc)}")
 
 

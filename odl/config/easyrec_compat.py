@@ -44,6 +44,7 @@ __all__ = [
     "check_implemented",
     "infer_model_class",
     "normalize_config_forms",
+    "not_implemented_field_message",
 ]
 
 # Fields of Alibaba EasyRec's (and TorchEasyRec's) pipeline config that odl does not implement,
@@ -73,9 +74,16 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
                               "default_value", "weighted", "init_fn", "zch", "mc_modules",
                               "dynamicemb", "trainable", "data_type", "fg_value_type",
                               "constraints", "stub_type"}),
-    "TzRawFeature": frozenset({"value_dim", "normalizer", "default_value", "init_fn",
-                               "mlp", "autodis", "separator", "fg_value_type",
-                               "stub_type"}),
+    "TzRawFeature": frozenset({"normalizer", "default_value", "init_fn",
+                               "mlp", "autodis", "fg_value_type", "stub_type"}),
+    "TzSequenceSubFeature": frozenset({"combo_feature", "lookup_feature", "match_feature",
+                                       "expr_feature", "overlap_feature", "tokenize_feature",
+                                       "custom_feature", "kv_dot_product"}),
+    "TzSeqEncoderConfig": frozenset({"simple_attention", "multi_window_din_encoder",
+                                     "self_attention_encoder"}),
+    "TzDINEncoder": frozenset({"max_seq_length"}),
+    "TzPoolingEncoder": frozenset({"max_seq_length"}),
+    "TzSeqGroupConfig": frozenset({"embedding_name_suffix"}),
     "FeatureConfig": frozenset({
         "kv_separator", "seq_multi_sep",
         "lookup_max_sel_elem_num", "max_partitions", "initializer",
@@ -91,10 +99,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "SequenceCombiner": frozenset({"multi_head_attention"}),
     "TextCNN": frozenset({"mlp"}),
     "SeqAttGroupConfig": frozenset({"allow_key_transform", "transform_dnn"}),
-    "FeatureGroupConfig": frozenset({
-        "negative_sampler", "sequence_groups",
-        "sequence_encoders",
-    }),
+    "FeatureGroupConfig": frozenset({"negative_sampler", "embedding_name_suffix"}),
     "EasyRecModel": frozenset({
         "model_name", "model_params", "dummy", "fm",
         "autoint", "dlrm", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
@@ -231,6 +236,8 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
                              frozenset({"false", "0", "f", "no"})),
     },
     "TaskTower": {
+        "train_metrics": ("odl reports progressive AUC and logloss per task (/status, "
+                          "/metrics)", frozenset()),
         "metrics_set": ("odl reports progressive AUC and logloss per task (/status, /metrics); "
                         "other metrics are not computed", frozenset()),
     },
@@ -244,6 +251,39 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
                           frozenset()),
     },
 }
+
+
+# Fields of the table above that only TorchEasyRec has (besides those of the Tz* messages,
+# which are all TorchEasyRec's): reported as TorchEasyRec fields.
+_TORCHEASYREC_ONLY_FIELDS: dict[str, frozenset[str]] = {
+    "FeatureConfig": frozenset({
+        "combo_feature", "lookup_feature", "match_feature", "expr_feature", "overlap_feature",
+        "tokenize_feature", "custom_feature", "sequence_id_feature", "sequence_raw_feature",
+        "bool_mask_feature"}),
+    "FeatureGroupConfig": frozenset({"embedding_name_suffix"}),
+    "EasyRecModel": frozenset({"rank_model", "dlrm_hstu", "wukong"}),
+    "TrainConfig": frozenset({"mixed_precision", "grad_scaler", "gradient_accumulation_steps",
+                              "cudnn_allow_tf32", "cuda_matmul_allow_tf32",
+                              "global_embedding_constraints"}),
+}
+
+
+def not_implemented_field_message(message: str, field: str) -> str:
+    """The refusal of a field listed in :data:`EASYREC_NOT_IMPLEMENTED_FIELDS`.
+
+    Names the project the field comes from: TorchEasyRec for its own messages (``Tz*``)
+    and fields, EasyRec otherwise.
+
+    Args:
+        message: odl's message (short name) that would hold the field.
+        field: the field's name.
+
+    Returns:
+        ``"<field> is a(n) <EasyRec|TorchEasyRec> field that odl does not implement yet"``.
+    """
+    if message.startswith("Tz") or field in _TORCHEASYREC_ONLY_FIELDS.get(message, ()):
+        return f"{field} is a TorchEasyRec field that odl does not implement yet"
+    return f"{field} is an EasyRec field that odl does not implement yet"
 
 
 # Enum values of EasyRec that odl's enums lack, keyed by odl's enum (short name).
@@ -323,6 +363,11 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
         torcheasyrec_features |= fc.HasField("id_feature") or fc.HasField("raw_feature")
         _flatten_torcheasyrec_feature(path, fc)
         raw_num_buckets_to_boundaries(fc)
+        if fc.feature_type == ft.RawFeature and fc.hash_bucket_size:
+            logger.warning("%s.hash_bucket_size has no effect on a RawFeature and is ignored "
+                           "(as EasyRec does): a raw value is dense, bucketized by boundaries, "
+                           "or projected by embedding_dim, never hashed", path)
+            fc.ClearField("hash_bucket_size")
         if fc.feature_type != ft.TagFeature:
             continue
         if len(fc.input_names) > 1:
@@ -407,16 +452,22 @@ def _flatten_torcheasyrec_sequences(config: pipeline_pb2.EasyRecConfig) -> bool:
                 continue
             seq = fc.sequence_feature
             for sub in seq.features:
-                idf = sub.id_feature
-                name = f"{seq.sequence_name}__{idf.feature_name}"
+                raw = sub.HasField("raw_feature")
+                tz = sub.raw_feature if raw else sub.id_feature
+                name = f"{seq.sequence_name}__{tz.feature_name}"
                 out = pipeline_pb2.FeatureConfig(
                     feature_name=name, feature_type=ft.SequenceFeature,
-                    separator=seq.sequence_delim, max_seq_len=seq.sequence_length)
+                    separator=seq.sequence_delim, max_seq_len=seq.sequence_length,
+                    sub_feature_type=ft.RawFeature if raw else ft.IdFeature)
                 out.input_names.append(name)
                 for field in ("hash_bucket_size", "num_buckets", "embedding_dim",
                               "embedding_name"):
-                    if idf.HasField(field):
-                        setattr(out, field, getattr(idf, field))
+                    if field in tz.DESCRIPTOR.fields_by_name and tz.HasField(field):
+                        setattr(out, field, getattr(tz, field))
+                if raw:
+                    out.boundaries.extend(tz.boundaries)
+                    if not tz.boundaries:  # dense positions: nothing is embedded
+                        out.ClearField("embedding_dim")
                 flat.append(out)
         del container[:]
         container.extend(flat)
@@ -424,15 +475,24 @@ def _flatten_torcheasyrec_sequences(config: pipeline_pb2.EasyRecConfig) -> bool:
 
 
 def _sequence_groups_to_attention(config: pipeline_pb2.EasyRecConfig) -> None:
-    """TorchEasyRec's SEQUENCE feature groups into ``seq_att_groups`` (DIN towers' inputs).
+    """TorchEasyRec's sequence groups into EasyRec's sequence attention forms.
 
-    The group's SequenceFeatures are the sequence, its other features the query (key).
+    A SEQUENCE feature group becomes a ``seq_att_groups`` entry (a DIN tower's input); a
+    DEEP group's ``sequence_groups`` read by its ``sequence_encoders`` become the group's
+    ``sequence_features``, one per encoder in encoder order (:func:`_encoders_to_attention`).
+    In both, the group's SequenceFeatures are the sequence, its other features the query
+    (key).
+
+    Raises:
+        ConfigError: TorchEasyRec's rules for sequence groups and encoders broken.
     """
     mc = config.model_config
     sequences = {fc.feature_name for _p, fc in _feature_entries(config)
                  if fc.feature_type == pipeline_pb2.FeatureConfig.SequenceFeature}
     keep = []
-    for g in mc.feature_groups:
+    for i, g in enumerate(mc.feature_groups):
+        if g.sequence_groups or g.sequence_encoders:
+            _encoders_to_attention(g, f"model_config.feature_groups[{i}]", sequences)
         if g.wide_deep != pipeline_pb2.SEQUENCE:
             keep.append(g)
             continue
@@ -443,6 +503,67 @@ def _sequence_groups_to_attention(config: pipeline_pb2.EasyRecConfig) -> None:
         kept = [pipeline_pb2.FeatureGroupConfig.FromString(g.SerializeToString()) for g in keep]
         del mc.feature_groups[:]
         mc.feature_groups.extend(kept)
+
+
+def _encoders_to_attention(group: pipeline_pb2.FeatureGroupConfig, where: str,
+                           sequences: set[str]) -> None:
+    """A DEEP group's ``sequence_groups`` / ``sequence_encoders`` into ``sequence_features``.
+
+    TorchEasyRec's rules: both or neither are given; an encoder without ``input`` reads the
+    only sequence group (which may be unnamed); every sequence group is read by an encoder.
+    A DIN encoder becomes a target attention with ``attn_mlp``, a pooling encoder one with
+    ``pooling``.
+    """
+    if group.wide_deep != pipeline_pb2.DEEP:
+        raise ConfigError(f"{where}.sequence_groups",
+                          "sequence_groups and sequence_encoders belong to a DEEP group")
+    if not group.sequence_groups or not group.sequence_encoders:
+        raise ConfigError(f"{where}.sequence_encoders",
+                          "give both sequence_groups and sequence_encoders (an encoder reads "
+                          "a sequence group)")
+    named = {}
+    for j, sg in enumerate(group.sequence_groups):
+        name = sg.group_name or (group.group_name if len(group.sequence_groups) == 1 else "")
+        if not name or name in named:
+            raise ConfigError(f"{where}.sequence_groups[{j}].group_name",
+                              "several sequence_groups need distinct names")
+        hists = [f for f in sg.feature_names if f in sequences]
+        if not hists:
+            raise ConfigError(f"{where}.sequence_groups[{j}].feature_names",
+                              f"sequence group {name!r} names no sequence feature")
+        named[name] = ([f for f in sg.feature_names if f not in sequences], hists)
+    read = set()
+    for j, enc in enumerate(group.sequence_encoders):
+        kind = enc.WhichOneof("seq_module")
+        if kind is None:
+            raise ConfigError(f"{where}.sequence_encoders[{j}]", "names no encoder")
+        settings = getattr(enc, kind)
+        name = settings.input or (next(iter(named)) if len(named) == 1 else "")
+        if name not in named:
+            raise ConfigError(f"{where}.sequence_encoders[{j}].{kind}.input",
+                              f"must name one of the sequence_groups {sorted(named)}")
+        keys, hists = named[name]
+        # a group read by several encoders: one attention group each, named apart
+        att = group.sequence_features.add(group_name=name if name not in read else
+                                          f"{name}#{j}")
+        read.add(name)
+        att.seq_att_map.add(key=keys, hist_seq=hists)
+        if kind == "din_encoder":
+            if not settings.HasField("attn_mlp"):
+                raise ConfigError(f"{where}.sequence_encoders[{j}].din_encoder.attn_mlp",
+                                  "a DIN encoder needs its attn_mlp")
+            att.attn_mlp.CopyFrom(settings.attn_mlp)
+        else:
+            if settings.pooling_type not in ("mean", "sum"):
+                raise ConfigError(f"{where}.sequence_encoders[{j}].pooling_encoder.pooling_type",
+                                  f"expected mean or sum, got {settings.pooling_type!r}")
+            att.pooling = settings.pooling_type
+    unread = [n for n in named if n not in read]
+    if unread:
+        raise ConfigError(f"{where}.sequence_encoders",
+                          f"sequence groups {unread} are read by no encoder")
+    group.ClearField("sequence_groups")
+    group.ClearField("sequence_encoders")
 
 
 def _derive_input_fields(config: pipeline_pb2.EasyRecConfig) -> None:
@@ -458,7 +579,8 @@ def _derive_input_fields(config: pipeline_pb2.EasyRecConfig) -> None:
     types = pipeline_pb2.DatasetConfig
     columns: dict[str, int] = {name: types.DOUBLE for name in dc.label_fields}
     for _path, fc in _feature_entries(config):
-        kind = types.DOUBLE if fc.feature_type == ft.RawFeature else types.STRING
+        kind = (types.DOUBLE if fc.feature_type == ft.RawFeature and fc.raw_input_dim == 1
+                else types.STRING)
         for name in fc.input_names:
             columns.setdefault(name, kind)
     for name, kind in columns.items():
@@ -512,6 +634,8 @@ def _flatten_torcheasyrec_feature(path: str, fc: pipeline_pb2.FeatureConfig) -> 
         fc.combiner = tz.pooling
     if kind == "raw_feature":
         fc.boundaries.extend(tz.boundaries)
+        fc.raw_input_dim = max(int(tz.value_dim), 1)
+        fc.separator = tz.separator
     fc.ClearField(kind)
 
 

@@ -89,9 +89,21 @@ def embedded_feature(fc: FeatureConfig) -> bool:
         fc: a feature config.
 
     Returns:
-        True for IdFeature, ComboFeature and RawFeature with boundaries.
+        True for IdFeature, ComboFeature, RawFeature with boundaries and SequenceFeature
+        (except one of numbers without boundaries: :func:`dense_sequence`).
 
     """
+    if dense_sequence(fc):
+        return False
     return fc.feature_type in EMBEDDED_FEATURE_TYPES or (
         fc.feature_type == _FT.RawFeature and len(fc.boundaries) > 0)
+
+
+def dense_sequence(fc: FeatureConfig) -> bool:
+    """Whether a feature is a SequenceFeature of numbers kept as dense positions.
+
+    That is a SequenceFeature with ``sub_feature_type: RawFeature`` and no ``boundaries``.
+    """
+    return (fc.feature_type == _FT.SequenceFeature and fc.sub_feature_type == _FT.RawFeature
+            and not fc.boundaries)
 

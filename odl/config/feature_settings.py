@@ -267,11 +267,6 @@ def validate_feature_settings(config: pipeline_pb2.EasyRecConfig) -> None:
                 raise ConfigError(f"{where}.max_val",
                                   f"max_val ({fc.max_val:g}) must be above min_val "
                                   f"({fc.min_val:g}); EasyRec ignores the pair otherwise")
-        if fc.feature_type == _FT.RawFeature and fc.hash_bucket_size:
-            raise ConfigError(f"{where}.hash_bucket_size",
-                              "EasyRec ignores hash_bucket_size on a RawFeature (a raw value is "
-                              "dense, bucketized by boundaries, or projected by embedding_dim; "
-                              "never hashed); remove it")
         if not has_vocabulary(fc):
             continue
         if fc.feature_type != _FT.IdFeature:

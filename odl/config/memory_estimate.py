@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import dynamic_table_spec
-from odl.config.feature_configs import feature_configs
+from odl.config.feature_configs import embedded_feature, feature_configs
 from odl.config.feature_settings import has_vocabulary, vocabulary_size
 from odl.config.model_classes import (
     is_multi_task_model,
@@ -207,7 +207,7 @@ def _gib(n: float) -> str:
 
 
 def _rows(fc: pipeline_pb2.FeatureConfig, model_ev: pipeline_pb2.EVParams | None) -> int:
-    if fc.feature_type == _FT.RawFeature:
+    if fc.feature_type == _FT.RawFeature or fc.boundaries:  # a number (sequence) in buckets
         return len(fc.boundaries) + 1
     dyn = dynamic_table_spec(fc, model_ev, "feature")
     if dyn is not None:
@@ -235,8 +235,14 @@ def _map_bytes(fc: pipeline_pb2.FeatureConfig, model_ev: pipeline_pb2.EVParams |
 
 
 def _embedded(fc: pipeline_pb2.FeatureConfig) -> bool:
-    return fc.feature_type in (_FT.IdFeature, _FT.ComboFeature, _FT.SequenceFeature) or (
-        fc.feature_type == _FT.RawFeature and len(fc.boundaries) > 0)
+    return embedded_feature(fc)
+
+
+def _width(fc: pipeline_pb2.FeatureConfig) -> int:
+    """Columns of one lookup or value of a feature (a key's or a sequence item's part)."""
+    if _embedded(fc):
+        return int(fc.embedding_dim)
+    return 1 if fc.feature_type == _FT.SequenceFeature else int(fc.raw_input_dim)
 
 
 def _group_input(fc: pipeline_pb2.FeatureConfig) -> tuple[int, int]:
@@ -257,8 +263,8 @@ def _group_input(fc: pipeline_pb2.FeatureConfig) -> tuple[int, int]:
     if _embedded(fc):
         return dim, 0
     if fc.feature_type == _FT.RawFeature and dim > 0:
-        return dim, dim
-    return 1, 0
+        return dim, dim * int(fc.raw_input_dim)
+    return int(fc.raw_input_dim), 0
 
 
 def _attention_params(key: int, dnn: pipeline_pb2.DNN) -> int:
@@ -281,12 +287,21 @@ def _group_attention(group: pipeline_pb2.FeatureGroupConfig,
     for sa in group.sequence_features:
         keys = [k for m in sa.seq_att_map for k in m.key]
         hists = [h for m in sa.seq_att_map for h in m.hist_seq]
-        key = sum(int(features[k].embedding_dim) for k in keys if k in features)
+        if sa.pooling:  # TorchEasyRec's pooling encoder: the items only, no parameter
+            cols += sum(_width(features[h]) for h in hists if h in features)
+            names += hists
+            continue
+        key = sum(_width(features[k]) for k in keys if k in features)
+        names += keys + hists
+        if sa.HasField("attn_mlp"):  # TorchEasyRec's DIN encoder: MLP, Linear to 1; [att]
+            p, out = _mlp_params(4 * key, sa.attn_mlp)
+            cols += key
+            params += p + out + 1
+            continue
         dnn = sa.seq_dnn if sa.HasField("seq_dnn") else pipeline_pb2.DNN(
             hidden_units=[128, 64, 32, 1])  # EasyRec's default (odl.models.model_factory)
         cols += 2 * key
         params += _attention_params(key, dnn)
-        names += keys + hists
     return cols, params, names
 
 
@@ -310,7 +325,7 @@ def _tower_params(mc: pipeline_pb2.EasyRecModel,
     for kind, group, tower in towers:
         if kind == "din":  # attention MLP over [k, h, k - h, k * h]; output [attended, k]
             keys, _hists = sequence_attention_features(mc, group)
-            key = sum(int(features[k].embedding_dim) for k in keys if k in features)
+            key = sum(_width(features[k]) for k in keys if k in features)
             if tower.HasField("attn_mlp"):  # TorchEasyRec's encoder: MLP, Linear to 1; [att]
                 p, out = _mlp_params(4 * key, tower.attn_mlp)
                 params += p + out + 1
@@ -362,14 +377,18 @@ def _multi_task_params(mc: pipeline_pb2.EasyRecModel,
     field, settings = multi_task_settings(mc)
     names = [g.group_name for g in mc.feature_groups]
     group = "all" if "all" in names else (names[0] if names else "")
-    width = 0
+    width = params = hidden = 0
     for g in mc.feature_groups:
         if g.group_name == group:
             for name in g.feature_names:
                 fc = features.get(name)
                 if fc is not None:
-                    width += int(fc.embedding_dim) if _embedded(fc) else 1
-    params = hidden = 0
+                    cols, extra = _group_input(fc)
+                    width += cols
+                    params += extra
+            cols, extra, _names = _group_attention(g, features)
+            width += cols
+            params += extra
     if field == "dbmtl" and settings.HasField("bottom_dnn"):
         p, width = _mlp_params(width, settings.bottom_dnn)
         params += p
@@ -492,7 +511,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
         if fc is None:
             continue
         if not _embedded(fc):
-            wide_dense += 1
+            wide_dense += int(fc.raw_input_dim)
             continue
         add_table(f"{fc.embedding_name or name}_wide", _rows(fc, model_ev), wide_dim, fc)
         pooled += wide_dim

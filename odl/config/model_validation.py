@@ -29,14 +29,17 @@ from odl.config.feature_configs import (
     EMBEDDED_FEATURE_TYPES,
     NUMERIC_FIELD_TYPES,
     FeatureConfig,
+    dense_sequence,
     embedded_feature,
     feature_configs,
     feature_list_path,
     projected_raw,
 )
+from odl.config.feature_settings import has_vocabulary
 from odl.config.loss_settings import POINTWISE_LOSS_TYPES
 from odl.config.model_classes import (
     IMPLEMENTED_MODEL_CLASSES,
+    MULTI_TASK_MODEL_CLASSES,
     TOWER_MODEL_CLASSES,
     WIDE_DEEP_MODEL_CLASSES,
     is_multi_task_model,
@@ -106,7 +109,12 @@ def validate_features(
             raise ConfigError(f"{where}.input_names", f"a {kind} reads exactly one input")
         if fc.combiner not in ("sum", "mean"):
             raise ConfigError(f"{where}.combiner", f"expected sum or mean, got {fc.combiner!r}")
-        if fc.feature_type in EMBEDDED_FEATURE_TYPES:
+        if (fc.feature_type == _FT.SequenceFeature
+                and fc.sub_feature_type == _FT.RawFeature):
+            _validate_number_sequence(fc, where, fields)
+            if not fc.boundaries:
+                continue
+        elif fc.feature_type in EMBEDDED_FEATURE_TYPES:
             if fc.embedding_dim <= 0:
                 raise ConfigError(f"{where}.embedding_dim", f"a {kind} needs embedding_dim > 0")
             dyn = dynamic_table_spec(fc, model_ev, where)
@@ -131,19 +139,33 @@ def validate_features(
             if fc.boundaries:
                 raise ConfigError(f"{where}.boundaries", "only RawFeature takes boundaries")
         else:  # RawFeature
-            if fields[fc.input_names[0]] not in NUMERIC_FIELD_TYPES:
+            field_type = fields[fc.input_names[0]]
+            if fc.raw_input_dim > limits.MAX_RAW_INPUT_DIM:
+                raise ConfigError(f"{where}.raw_input_dim",
+                                  f"{fc.raw_input_dim} is above the limit of "
+                                  f"{limits.MAX_RAW_INPUT_DIM}")
+            if fc.raw_input_dim == 0:
+                raise ConfigError(f"{where}.raw_input_dim", "must be at least 1")
+            if fc.raw_input_dim > 1 and field_type != _FIELD_TYPE.STRING:
+                raise ConfigError(f"{where}.input_names[0]",
+                                  f"a RawFeature with raw_input_dim {fc.raw_input_dim} reads "
+                                  f"its numbers from a STRING field (split on separator "
+                                  f"{fc.separator!r}), {fc.input_names[0]!r} is "
+                                  f"{_FIELD_TYPE.Name(field_type)}")
+            if fc.raw_input_dim == 1 and field_type not in NUMERIC_FIELD_TYPES:
                 raise ConfigError(f"{where}.input_names[0]",
                                   f"a RawFeature needs a numeric input field, "
                                   f"{fc.input_names[0]!r} is "
-                                  f"{_FIELD_TYPE.Name(fields[fc.input_names[0]])}")
+                                  f"{_FIELD_TYPE.Name(field_type)} (raw_input_dim > 1 reads "
+                                  "several numbers from a STRING field)")
             if fc.hash_bucket_size or fc.num_buckets:
                 raise ConfigError(f"{where}.hash_bucket_size",
                                   "a RawFeature takes boundaries, not hash_bucket_size / "
                                   "num_buckets")
-            if fc.raw_input_dim != 1:
-                raise ConfigError(f"{where}.raw_input_dim",
-                                  "raw_input_dim > 1 is an EasyRec feature that odl does not "
-                                  "implement yet")
+            if fc.raw_input_dim > 1 and fc.boundaries:
+                raise ConfigError(f"{where}.boundaries",
+                                  "boundaries bucket one number: a RawFeature with boundaries "
+                                  "needs raw_input_dim 1")
             if fc.boundaries:
                 if fc.embedding_dim <= 0:
                     raise ConfigError(f"{where}.embedding_dim",
@@ -162,9 +184,10 @@ def validate_features(
                                       f"{limits.MAX_EMBEDDING_DIM}")
                 continue
         if fc.feature_type == _FT.SequenceFeature:
-            if fc.sub_feature_type != _FT.IdFeature:
+            if fc.sub_feature_type not in (_FT.IdFeature, _FT.RawFeature):
                 raise ConfigError(f"{where}.sub_feature_type",
-                                  "a SequenceFeature of ids (IdFeature) is implemented")
+                                  "a SequenceFeature holds ids (IdFeature) or numbers "
+                                  "(RawFeature)")
             if fc.max_seq_len > limits.MAX_SEQUENCE_LENGTH:
                 raise ConfigError(f"{where}.max_seq_len",
                                   f"{fc.max_seq_len} is above the limit of "
@@ -217,12 +240,13 @@ def validate_model(
         if not g.feature_names:
             raise ConfigError(f"{where}.feature_names", "a group needs at least one feature")
         if g.sequence_features:
-            if (mc.model_class not in ("WideAndDeep",) + TOWER_MODEL_CLASSES
+            if (mc.model_class not in (("WideAndDeep",) + TOWER_MODEL_CLASSES
+                                       + MULTI_TASK_MODEL_CLASSES)
                     or (mc.model_class == "WideAndDeep" and g.wide_deep != pipeline_pb2.DEEP)):
                 raise ConfigError(f"{where}.sequence_features",
                                   "a group's target attention (sequence_features) is "
-                                  "implemented for WideAndDeep deep groups and the tower "
-                                  f"models' groups, not for {mc.model_class}"
+                                  "implemented for WideAndDeep deep groups and the tower and "
+                                  f"multi-task models' groups, not for {mc.model_class}"
                                   f"{'' if g.wide_deep == pipeline_pb2.DEEP else ' wide groups'}")
             _validate_sequence_groups(config, features, g.sequence_features,
                                       f"{where}.sequence_features")
@@ -487,6 +511,10 @@ def _check_group_sequence(mc: Any, group: Any, fc: FeatureConfig, where: str) ->
     """A SequenceFeature listed in a feature group: its combiner, and a model that takes it."""
     name = fc.feature_name
     which = fc.sequence_combiner.WhichOneof("combiner")
+    if dense_sequence(fc):
+        raise ConfigError(where, f"SequenceFeature {name!r} holds numbers without boundaries: "
+                                 "read by DIN towers only (add boundaries to embed its buckets "
+                                 "and combine them in a group)")
     if which is None:
         raise ConfigError(where, f"SequenceFeature {name!r} in a feature group needs a "
                                  "sequence_combiner (attention {} or text_cnn {...}); a DIN "
@@ -494,9 +522,6 @@ def _check_group_sequence(mc: Any, group: Any, fc: FeatureConfig, where: str) ->
     if mc.model_class in WIDE_DEEP_MODEL_CLASSES and group.wide_deep != pipeline_pb2.DEEP:
         raise ConfigError(where, f"SequenceFeature {name!r}: sequences are combined in DEEP "
                                  "groups (not in a wide part)")
-    if is_multi_task_model(mc):
-        raise ConfigError(where, f"SequenceFeature {name!r}: a sequence in an {mc.model_class} "
-                                 "group is not implemented yet")
     if which == "text_cnn":
         t = fc.sequence_combiner.text_cnn
         cw = f"{where} ({name}.sequence_combiner.text_cnn)"
@@ -515,11 +540,14 @@ def _check_group_sequence(mc: Any, group: Any, fc: FeatureConfig, where: str) ->
 def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
                               features: dict[str, FeatureConfig], groups: Any = None,
                               prefix: str = "model_config.seq_att_groups") -> None:
-    """Sequence attention groups: keys are embedded features, sequences as wide.
+    """Sequence attention groups: keys are (non-sequence) features, sequences as wide.
 
-    ``seq_att_groups`` (DIN towers), or a feature group's ``sequence_features``.
+    ``seq_att_groups`` (DIN towers: keys and sequences may be dense numbers too, each
+    number one column), or a feature group's ``sequence_features`` (embedded keys and
+    sequences; a pooling one reads no key).
     """
     seen: set[str] = set()
+    din_towers = groups is None
     for i, g in enumerate(config.model_config.seq_att_groups if groups is None else groups):
         where = f"{prefix}[{i}]"
         if not g.group_name or g.group_name in seen:
@@ -527,24 +555,39 @@ def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
         seen.add(g.group_name)
         if not g.seq_att_map:
             raise ConfigError(f"{where}.seq_att_map", "at least one key / hist_seq pairing")
+        if g.pooling and (g.pooling not in ("mean", "sum") or g.HasField("attn_mlp")
+                          or g.HasField("seq_dnn")):
+            raise ConfigError(f"{where}.pooling", "mean or sum, without an attention MLP")
         key_width = hist_width = 0
         lengths: set[int] = set()
         for j, m in enumerate(g.seq_att_map):
             mw = f"{where}.seq_att_map[{j}]"
-            if not m.key or not m.hist_seq:
+            if (not m.key and not g.pooling) or not m.hist_seq:
                 raise ConfigError(mw, "needs a key and a hist_seq")
             for k in m.key:
                 fc = features.get(k)
-                if fc is None or not embedded_feature(fc) or fc.feature_type == _FT.SequenceFeature:
+                dense_key = (din_towers and fc is not None
+                             and fc.feature_type == _FT.RawFeature and not fc.boundaries
+                             and not fc.embedding_dim)
+                if fc is None or fc.feature_type == _FT.SequenceFeature or not (
+                        embedded_feature(fc) or dense_key):
                     raise ConfigError(f"{mw}.key", f"{k!r} is not an embedded (non-sequence) "
-                                                   "feature")
-                key_width += fc.embedding_dim
+                                                   "feature" + (" or a dense RawFeature"
+                                                                if din_towers else ""))
+                key_width += fc.raw_input_dim if dense_key else fc.embedding_dim
             for h in m.hist_seq:
                 fc = features.get(h)
                 if fc is None or fc.feature_type != _FT.SequenceFeature:
                     raise ConfigError(f"{mw}.hist_seq", f"{h!r} is not a SequenceFeature")
-                hist_width += fc.embedding_dim
+                if dense_sequence(fc) and not din_towers:
+                    raise ConfigError(f"{mw}.hist_seq",
+                                      f"{h!r} is a SequenceFeature of numbers without "
+                                      "boundaries: read by DIN towers only (add boundaries to "
+                                      "embed its buckets)")
+                hist_width += 1 if dense_sequence(fc) else fc.embedding_dim
                 lengths.add(fc.max_seq_len)
+        if g.pooling:
+            key_width = hist_width
         if key_width != hist_width:
             raise ConfigError(where, f"the keys' embeddings ({key_width} wide) and the "
                                      f"sequences' ({hist_width}) must be as wide (EasyRec's "
@@ -556,6 +599,39 @@ def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
             if g.seq_dnn.hidden_units[-1] != 1:
                 raise ConfigError(f"{where}.seq_dnn.hidden_units",
                                   "the attention DNN ends in a layer of 1 unit (the score)")
+
+
+def _validate_number_sequence(fc: FeatureConfig, where: str, fields: dict) -> None:
+    """A SequenceFeature of numbers: a STRING field; bucketized and embedded, or dense."""
+    if fields[fc.input_names[0]] != _FIELD_TYPE.STRING:
+        raise ConfigError(f"{where}.input_names[0]",
+                          f"a SequenceFeature reads its items from a STRING field, "
+                          f"{fc.input_names[0]!r} is "
+                          f"{_FIELD_TYPE.Name(fields[fc.input_names[0]])}")
+    if fc.hash_bucket_size or fc.num_buckets or has_vocabulary(fc):
+        raise ConfigError(f"{where}.hash_bucket_size",
+                          "a SequenceFeature of numbers (sub_feature_type RawFeature) takes "
+                          "boundaries, not hash_bucket_size / num_buckets / a vocabulary")
+    if fc.raw_input_dim != 1:
+        raise ConfigError(f"{where}.raw_input_dim", "a sequence holds one number per item")
+    if fc.max_seq_len > limits.MAX_SEQUENCE_LENGTH:
+        raise ConfigError(f"{where}.max_seq_len",
+                          f"{fc.max_seq_len} is above the limit of {limits.MAX_SEQUENCE_LENGTH}")
+    b = list(fc.boundaries)
+    if b:
+        if fc.embedding_dim <= 0:
+            raise ConfigError(f"{where}.embedding_dim",
+                              "a SequenceFeature of bucketized numbers needs embedding_dim > 0")
+        if any(not math.isfinite(x) for x in b) or any(
+                b[k] >= b[k + 1] for k in range(len(b) - 1)):
+            raise ConfigError(f"{where}.boundaries", "must be finite and strictly ascending")
+        if len(b) + 1 > limits.MAX_TABLE_ROWS:
+            raise ConfigError(f"{where}.boundaries", "too many boundaries")
+    elif fc.embedding_dim:
+        raise ConfigError(f"{where}.embedding_dim",
+                          "a SequenceFeature of numbers without boundaries is read as dense "
+                          "values per position (nothing is embedded): remove embedding_dim or "
+                          "add boundaries")
 
 
 def _validate_dnn(dnn: Any, where: str, required: bool) -> None:

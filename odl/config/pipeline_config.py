@@ -40,6 +40,7 @@ from odl.config.easyrec_compat import (
     check_implemented,
     infer_model_class,
     normalize_config_forms,
+    not_implemented_field_message,
 )
 from odl.config.feature_settings import resolve_vocab_files
 from odl.protos import pipeline_pb2
@@ -248,8 +249,8 @@ def _parse_error_to_config_error(
         msg_name, field = short_name(m.group(1)), m.group(2)
         path = join_path(prefix, field)
         if field in EASYREC_NOT_IMPLEMENTED_FIELDS.get(msg_name, ()):
-            return ConfigError(path, f"{field} is an EasyRec field that odl does not implement "
-                                     f"yet (at {where})")
+            return ConfigError(path, f"{not_implemented_field_message(msg_name, field)} "
+                                     f"(at {where})")
         hint = suggest_field(field, message_descriptor(msg_name))
         return ConfigError(path, f"unknown field {field!r} in {msg_name}{hint} (at {where})")
 

@@ -19,6 +19,11 @@ Feature kinds (``FeatureConfig.feature_type``):
 * ``RawFeature`` without ``boundaries``: one float32 column of ``Batch.dense``; a value
   beyond float32's range (it would reach the model as inf) rejects the record as
   ``non_finite``.
+* ``RawFeature`` with ``raw_input_dim`` d > 1 (TorchEasyRec's ``value_dim``): a STRING
+  column of d numbers split on the feature's ``separator`` (a JSON list is joined with it),
+  d float32 columns of ``Batch.dense`` (:func:`dense_columns`: ``"<feature>#<k>"``); an
+  empty value reads d zeros, any other count of numbers rejects the record as
+  ``bad_number``.
 * ``RawFeature`` with ``boundaries``: row = ``searchsorted(boundaries, value, side="right")``
   in a table of ``len(boundaries) + 1`` rows (bucket i is ``[b[i-1], b[i])``).
 * ``SequenceFeature`` (of ids: ``sub_feature_type`` IdFeature): its ids as an IdFeature's,
@@ -27,6 +32,12 @@ Feature kinds (``FeatureConfig.feature_type``):
   empty bag) looked up in the feature's table, and the kept length a ``Batch.dense`` column
   (:func:`sequence_length_column`: ``"<feature>#len"``, after the dense raw features). DIN
   towers read them (``odl.models.tower_models``).
+* ``SequenceFeature`` of numbers (``sub_feature_type`` RawFeature): with ``boundaries``, each
+  number bucketized as a RawFeature's and the buckets embedded as a sequence of ids (above);
+  without, the first ``max_seq_len`` numbers are ``max_seq_len`` dense columns
+  (``"<feature>#<position>"``, 0 past the sequence's end) and the kept length its
+  ``"<feature>#len"`` column. A piece that is not a number rejects the record as
+  ``bad_number``.
 * ``ComboFeature``: row = ``fnv1a64(v1 + combo_join_sep + v2 + ...) % hash_bucket_size`` over
   the input values' texts (not split); no id when any input is empty.
 * Features of a *dynamic* table (``ev_params`` / ``zch`` / ``ctr_accessor_param``, see
@@ -193,6 +204,30 @@ def sequence_length_column(feature: str) -> str:
     return f"{feature}#len"
 
 
+def dense_columns(feature: str, width: int) -> list[str]:
+    """The ``Batch.dense`` columns of a dense feature ``width`` values wide.
+
+    A one-value RawFeature's column is the feature's name; a wider one's (``raw_input_dim``,
+    or a dense sequence's positions) are ``"<feature>#<k>"``.
+    """
+    return [feature] if width == 1 else [f"{feature}#{k}" for k in range(width)]
+
+
+@dataclass(frozen=True)
+class _Dense:
+    name: str
+    input: str
+    width: int = 1  # values per record: raw_input_dim, or a dense sequence's positions
+    separator: bytes = b""  # splits a value of several numbers (width > 1 or a sequence)
+    sequence: bool = False  # a SequenceFeature of numbers (kept length: its own column)
+    norm: tuple[float, float] | None = None  # (min_val, max_val - min_val)
+
+    @property
+    def columns(self) -> list[str]:
+        """Its ``Batch.dense`` columns."""
+        return dense_columns(self.name, self.width)
+
+
 @dataclass(frozen=True)
 class _Sparse:
     name: str
@@ -279,10 +314,8 @@ class FeatureBuilder:
                 raise ConfigError(path, f"{fname!r} is not one of data_config.input_fields")
 
         self._sparse: list[_Sparse] = []
-        self._dense: list[tuple[str, str]] = []  # (feature name, input field)
+        self._dense: list[_Dense] = []
         self._seq_lengths: list[str] = []  # SequenceFeatures: a length column each
-        # dense feature name -> (min_val, max_val - min_val) of a normalized RawFeature
-        self._dense_norm: dict[str, tuple[float, float]] = {}
         tables: dict[str, dict] = {}
         numeric_fields: list[str] = []
         list_seps: dict[str, str] = {}
@@ -306,26 +339,53 @@ class FeatureBuilder:
                 if field_types[inp] != _DT.STRING:
                     numeric_fields.append(inp)
             inp0 = fc.input_names[0]
-            if fc.feature_type == _FT.RawFeature:
-                numeric_fields.append(inp0)
-                if fc.raw_input_dim != 1:
-                    raise ConfigError(f"{path}.raw_input_dim", "only 1 is supported")
+            raw_sequence = (fc.feature_type == _FT.SequenceFeature
+                            and fc.sub_feature_type == _FT.RawFeature)
+            if fc.feature_type == _FT.RawFeature or raw_sequence:
+                width = 1 if raw_sequence else int(fc.raw_input_dim)
+                if width < 1 or (raw_sequence and fc.raw_input_dim != 1):
+                    raise ConfigError(f"{path}.raw_input_dim",
+                                      "must be at least 1 (1 for a SequenceFeature)")
+                listed = width > 1 or raw_sequence
+                if listed:
+                    if field_types[inp0] != _DT.STRING:
+                        raise ConfigError(
+                            f"{path}.input_names",
+                            f"{inp0!r} holds several numbers split on the separator "
+                            f"{fc.separator!r}: its input field must be STRING")
+                    if not fc.separator:
+                        raise ConfigError(f"{path}.separator", "must not be empty")
+                    list_seps[inp0] = fc.separator
+                else:
+                    numeric_fields.append(inp0)
                 norm = ((float(fc.min_val), float(fc.max_val) - float(fc.min_val))
                         if normalizes(fc) else None)
+                seq_len = (int(fc.max_seq_len or DEFAULT_MAX_SEQ_LEN) if raw_sequence else 0)
                 if not fc.boundaries:
-                    self._dense.append((name, inp0))
-                    if norm is not None:
-                        self._dense_norm[name] = norm
+                    self._dense.append(_Dense(
+                        name, inp0, seq_len or width,
+                        separator=fc.separator.encode() if listed else b"",
+                        sequence=raw_sequence, norm=norm))
+                    if raw_sequence:
+                        self._seq_lengths.append(name)
                     continue
+                if width > 1:
+                    raise ConfigError(f"{path}.raw_input_dim",
+                                      "a RawFeature with boundaries buckets one number")
                 b = np.asarray(list(fc.boundaries), dtype=np.float64)
                 if np.any(np.diff(b) <= 0):
                     raise ConfigError(f"{path}.boundaries", "must be strictly ascending")
-                sp = _Sparse(name, "bucket", (inp0,), len(b) + 1, boundaries=b, norm=norm)
+                if raw_sequence:
+                    self._seq_lengths.append(name)
+                sp = _Sparse(name, "bucket", (inp0,), len(b) + 1, boundaries=b, norm=norm,
+                             separator=fc.separator.encode() if raw_sequence else b"",
+                             seq_len=seq_len)
             elif fc.feature_type in (_FT.IdFeature, _FT.SequenceFeature):
                 if (fc.feature_type == _FT.SequenceFeature
                         and fc.sub_feature_type != _FT.IdFeature):
                     raise ConfigError(f"{path}.sub_feature_type",
-                                      "a SequenceFeature of ids (IdFeature) is implemented")
+                                      "a SequenceFeature holds ids (IdFeature) or numbers "
+                                      "(RawFeature)")
                 vocab = None
                 if has_vocabulary(fc):
                     if fc.hash_bucket_size or fc.num_buckets:
@@ -421,8 +481,9 @@ class FeatureBuilder:
             list_separators=list_seps,
             numeric_fields=list(dict.fromkeys(numeric_fields)),
         )
-        self._seps = sorted({sp.separator for sp in self._sparse
-                             if sp.kind in ("hash", "int", "vocab")})
+        self._seps = sorted({sp.separator for sp in self._sparse if sp.separator
+                             and sp.kind in ("hash", "int", "vocab", "bucket")}
+                            | {d.separator for d in self._dense if d.separator})
         self._last_guard_log = -_GUARD_LOG_INTERVAL_SECS
 
     # -- introspection ----------------------------------------------------------------------
@@ -434,14 +495,26 @@ class FeatureBuilder:
 
     @property
     def dense_feature_names(self) -> list[str]:
-        """``Batch.dense`` columns: dense raw features, then each SequenceFeature's length."""
-        return [n for n, _ in self._dense] + [sequence_length_column(n)
-                                              for n in self._seq_lengths]
+        """``Batch.dense`` columns: the dense features', then each SequenceFeature's length."""
+        return [c for d in self._dense for c in d.columns] + [sequence_length_column(n)
+                                                              for n in self._seq_lengths]
+
+    @property
+    def dense_feature_columns(self) -> dict[str, list[str]]:
+        """Dense feature name -> its columns (one, ``raw_input_dim``, or positions)."""
+        return {d.name: d.columns for d in self._dense}
 
     @property
     def sequence_features(self) -> dict[str, int]:
-        """SequenceFeature name -> positions kept (``max_seq_len``)."""
-        return {sp.name: sp.seq_len for sp in self._sparse if sp.seq_len}
+        """SequenceFeature name -> positions kept (``max_seq_len``), embedded and dense."""
+        out = {sp.name: sp.seq_len for sp in self._sparse if sp.seq_len}
+        out.update(self.dense_sequence_features)
+        return out
+
+    @property
+    def dense_sequence_features(self) -> dict[str, int]:
+        """SequenceFeatures of numbers without boundaries -> positions (dense columns)."""
+        return {d.name: d.width for d in self._dense if d.sequence}
 
     @property
     def table_specs(self) -> list[TableSpec]:
@@ -585,8 +658,20 @@ class FeatureBuilder:
                     bad[row[~ok]] = True
                 pieces[sp.name] = (s, e, lengths, ints)
         overflow = np.zeros(parsed.num_rows, dtype=bool)
-        for name, inp in self._dense:
-            overflow |= ~(np.abs(self._dense_values(parsed, name, inp)) <= _FLOAT32_MAX)
+        dense_values = {}
+        for d in self._dense:
+            values, wrong, kept = self._dense_values(parsed, d, sep_pos)
+            dense_values[d.name] = (values, kept)
+            bad |= wrong
+            overflow |= ~(np.abs(values) <= _FLOAT32_MAX).all(axis=1)
+        for sp in self._sparse:
+            if sp.kind == "bucket" and sp.seq_len:
+                s, e, lengths = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+                numbers, ok = parse_numbers(parsed.buffer, s, e, "float")
+                row = np.repeat(np.arange(parsed.num_rows), lengths)
+                bad[row[~ok]] = True
+                overflow[row[~np.isfinite(numbers)]] = True
+                pieces[sp.name] = (lengths, numbers)
         overflow &= ~bad
         bad_time = np.zeros(parsed.num_rows, dtype=bool)
         if self._check_event_time:
@@ -603,16 +688,42 @@ class FeatureBuilder:
             if parsed.num_rows == 0:
                 return ArraysResult(None, parsed.accepted, rejected)
             return self._build_parsed(parsed, rejected, raw)
-        return self._build_parsed(parsed, rejected, raw, pieces, sep_pos)
+        return self._build_parsed(parsed, rejected, raw, pieces, sep_pos, dense_values)
 
-    def _dense_values(self, parsed: ParsedColumns, name: str, inp: str) -> np.ndarray:
-        """A dense feature's values, normalized by ``min_val`` / ``max_val`` when set."""
-        v = parsed.numeric[inp]
-        norm = self._dense_norm.get(name)
-        if norm is None:
-            return v
-        with np.errstate(over="ignore"):
-            return (v.astype(np.float64) - norm[0]) / norm[1]
+    def _dense_values(self, parsed: ParsedColumns, d: _Dense, sep_pos: dict
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """A dense feature's ``[n, width]`` values (normalized by ``min_val`` / ``max_val``).
+
+        Returns:
+            ``(values, bad, kept)``: the values (0 where absent), the rows whose value is not
+            ``width`` numbers (nor empty) or holds a piece that is not a number, and a
+            sequence's kept lengths (None for a RawFeature).
+        """
+        n = parsed.num_rows
+        kept = None
+        bad = np.zeros(n, dtype=bool)
+        if not d.separator:
+            v = parsed.numeric[d.input].astype(np.float64).reshape(n, 1)
+        else:
+            s, e, lengths = _split(parsed, d.input, d.separator, sep_pos[d.separator])
+            numbers, ok = parse_numbers(parsed.buffer, s, e, "float")
+            row = np.repeat(np.arange(n), lengths)
+            bad[row[~ok]] = True
+            starts = np.cumsum(lengths) - lengths
+            pos = np.arange(numbers.shape[0]) - np.repeat(starts, lengths)
+            if d.sequence:
+                kept = np.minimum(lengths, d.width)
+            else:
+                bad |= (lengths != d.width) & (lengths != 0)
+            keep = (pos < d.width) & ~bad[row]
+            v = np.zeros((n, d.width), dtype=np.float64)
+            v[row[keep], pos[keep]] = numbers[keep]
+        if d.norm is not None:
+            with np.errstate(over="ignore"):
+                v = (v - d.norm[0]) / d.norm[1]
+            if kept is not None:  # padding positions stay 0
+                v = np.where(np.arange(d.width)[None, :] < kept[:, None], v, 0.0)
+        return v, bad, kept
 
     def _separator_positions(self, raw: bytes) -> dict[bytes, np.ndarray | None]:
         out: dict[bytes, np.ndarray | None] = {}
@@ -633,6 +744,7 @@ class FeatureBuilder:
         raw: bytes,
         pieces: dict | None = None,
         sep_pos: dict | None = None,
+        dense_values: dict | None = None,
     ) -> ArraysResult:
         n = parsed.num_rows
         buf = parsed.buffer
@@ -642,6 +754,9 @@ class FeatureBuilder:
         for sp in self._sparse:
             if sp.kind in ("hash", "int", "vocab") and sp.name not in pieces:
                 pieces[sp.name] = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+            if sp.kind == "bucket" and sp.seq_len and sp.name not in pieces:
+                s, e, lengths = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+                pieces[sp.name] = (lengths, parse_numbers(buf, s, e, "float")[0])
             if sp.kind == "int" and len(pieces[sp.name]) == 3:
                 s, e, lengths = pieces[sp.name]
                 ints, _ = parse_numbers(buf, s, e, "int")
@@ -673,11 +788,14 @@ class FeatureBuilder:
                 s, e, lengths = pieces[sp.name]
                 ids = sp.vocab.lookup(hashed[sp.name], e - s)
             elif sp.kind == "bucket":
-                v = parsed.numeric[sp.inputs[0]]
+                if sp.seq_len:
+                    lengths, v = pieces[sp.name]
+                else:
+                    v = parsed.numeric[sp.inputs[0]]
+                    lengths = np.ones(n, dtype=np.int64)
                 if sp.norm is not None:
                     v = (v - sp.norm[0]) / sp.norm[1]
                 ids = np.searchsorted(sp.boundaries, v, side="right").astype(np.int64)
-                lengths = np.ones(n, dtype=np.int64)
             else:
                 ids, lengths = self._combo(parsed, sp)
             if sp.seq_len:
@@ -689,11 +807,19 @@ class FeatureBuilder:
         lengths = (np.concatenate(lengths_list) if lengths_list
                    else np.zeros(0, dtype=np.int64)).astype(np.int32)
         if self._dense or self._seq_lengths:
-            dense_np = np.empty((n, len(self._dense) + len(self._seq_lengths)),
-                                dtype=np.float32)
-            for j, (name, inp) in enumerate(self._dense):
-                dense_np[:, j] = self._dense_values(parsed, name, inp)
-            for j, name in enumerate(self._seq_lengths, start=len(self._dense)):
+            widths = [d.width for d in self._dense]
+            dense_np = np.empty((n, sum(widths) + len(self._seq_lengths)), dtype=np.float32)
+            col = 0
+            for d in self._dense:
+                if dense_values is not None and d.name in dense_values:
+                    numbers, kept = dense_values[d.name]
+                else:
+                    numbers, _bad, kept = self._dense_values(parsed, d, sep_pos)
+                dense_np[:, col : col + d.width] = numbers
+                col += d.width
+                if kept is not None:
+                    seq_lengths[d.name] = kept
+            for j, name in enumerate(self._seq_lengths, start=col):
                 dense_np[:, j] = seq_lengths[name]
         else:
             dense_np = np.zeros((n, 0), dtype=np.float32)

@@ -141,26 +141,37 @@ class TargetAttention(nn.Module):
     With ``encoder`` (TorchEasyRec's ``DINEncoder``): the MLP's layers are all activated and
     a Linear to one unit scores, and the output is the attended sequence alone, ``[B, key]``.
 
+    With dense parts (a DIN tower's dense query features and SequenceFeatures of numbers):
+    the input is ``[key embeddings, item embeddings by position, dense key, dense items by
+    position, length]``; the key is its embeddings then its dense part, each item likewise.
+
     Args:
-        key: width of the key (and of each item).
+        key: width of the key (and of each item), dense parts included.
         seq_len: positions of the sequence.
         dnn: the attention MLP (its last layer of 1 unit, unless ``encoder``).
         encoder: TorchEasyRec's form.
+        dense_key: columns of the key that are dense numbers.
+        dense_item: columns of each item that are dense numbers.
 
     Raises:
-        ValueError: the MLP does not end in one unit (EasyRec's form).
+        ValueError: the MLP does not end in one unit (EasyRec's form), or dense parts wider
+            than the key.
     """
 
-    __constants__ = ["key", "seq_len", "with_key"]
+    __constants__ = ["key", "seq_len", "with_key", "dense_key", "dense_item"]
 
     def __init__(self, key: int, seq_len: int, dnn: pipeline_pb2.DNN,
-                 encoder: bool = False) -> None:
+                 encoder: bool = False, dense_key: int = 0, dense_item: int = 0) -> None:
         super().__init__()
         if not encoder and (not dnn.hidden_units or int(dnn.hidden_units[-1]) != 1):
             raise ValueError("a DIN tower's dnn must end in a layer of 1 unit (the score)")
         self.key = int(key)
         self.seq_len = int(seq_len)
         self.with_key = not encoder
+        self.dense_key = int(dense_key)
+        self.dense_item = int(dense_item)
+        if max(self.dense_key, self.dense_item) > self.key:
+            raise ValueError("the dense parts are wider than the key")
         if encoder:
             mlp, width = build_mlp(4 * self.key, dnn)
             self.mlp = nn.Sequential(mlp, nn.Linear(width, 1))
@@ -171,9 +182,20 @@ class TargetAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, 2 * key]``: the attended sequence, then the key."""
         b = x.shape[0]
-        k = x[:, : self.key]
-        h = x[:, self.key : self.key + self.seq_len * self.key].reshape(b, self.seq_len,
-                                                                          self.key)
+        if self.dense_key == 0 and self.dense_item == 0:
+            k = x[:, : self.key]
+            h = x[:, self.key : self.key + self.seq_len * self.key].reshape(b, self.seq_len,
+                                                                              self.key)
+        else:
+            ke = self.key - self.dense_key
+            ie = self.key - self.dense_item
+            start = ke + self.seq_len * ie
+            k = torch.cat([x[:, :ke], x[:, start : start + self.dense_key]], dim=1)
+            start += self.dense_key
+            h = torch.cat([
+                x[:, ke : ke + self.seq_len * ie].reshape(b, self.seq_len, ie),
+                x[:, start : start + self.seq_len * self.dense_item].reshape(
+                    b, self.seq_len, self.dense_item)], dim=2)
         length = x[:, -1:]
         q = k.unsqueeze(1).expand(b, self.seq_len, self.key)
         att_in = torch.cat([q, h, q - h, q * h], dim=2).reshape(b * self.seq_len, 4 * self.key)
@@ -217,6 +239,42 @@ class AttentionPool(nn.Module):
         positions = torch.arange(self.seq_len, device=x.device, dtype=x.dtype).unsqueeze(0)
         scores = torch.where(positions < x[:, -1:], scores, torch.full_like(scores, -2.0**32 + 1))
         return (torch.softmax(scores, dim=1).unsqueeze(2) * h).sum(dim=1)
+
+
+class SequencePool(nn.Module):
+    """TorchEasyRec's pooling encoder: a sequence's items pooled over its length; scriptable.
+
+    Input as :class:`AttentionPool`'s. Output ``[B, dim]``: the sum of the items at positions
+    below the length, divided by the length (at least 1) for ``"mean"``.
+
+    Args:
+        dim: embedding width.
+        seq_len: positions.
+        mode: ``"mean"`` or ``"sum"``.
+    """
+
+    __constants__ = ["dim", "seq_len", "mean"]
+
+    def __init__(self, dim: int, seq_len: int, mode: str = "mean") -> None:
+        super().__init__()
+        if mode not in ("mean", "sum"):
+            raise ValueError(f"pooling {mode!r}: mean or sum")
+        self.dim = int(dim)
+        self.seq_len = int(seq_len)
+        self.mean = mode == "mean"
+        self.out_width = self.dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, dim]``."""
+        b = x.shape[0]
+        h = x[:, : self.seq_len * self.dim].reshape(b, self.seq_len, self.dim)
+        length = x[:, -1:]
+        positions = torch.arange(self.seq_len, device=x.device, dtype=x.dtype).unsqueeze(0)
+        kept = (positions < length).to(x.dtype).unsqueeze(2)
+        total = (h * kept).sum(dim=1)
+        if self.mean:
+            return total / torch.clamp(length, min=1.0)
+        return total
 
 
 class TextCNN(nn.Module):

@@ -8,8 +8,8 @@ pooled groups) and the raw dense features::
     wide  = sum over wide lookups of their wide_output_dim weights              [B, W]
             (+ a linear term over the dense features of a wide group) + bias
     v_i   = the deep lookups' vectors, each deep SequenceFeature's combined vector (its
-            sequence_combiner over its positions), then value_j * p_j for each projected raw
-            feature j
+            sequence_combiner over its positions), then sum_k value_jk * p_jk for each
+            projected raw feature j (value_j * p_j for one value)
     fm    = 0.5 * ((sum_i v_i)**2 - sum_i v_i**2)  over the v_i                    [B, D]
     deep  = DNN(concat(v_i, deep dense features))                                [B, H]
     logit = sum(wide) + sum(fm) + Linear(deep -> 1)              (no final_dnn)
@@ -59,20 +59,39 @@ logger = logging.getLogger(__name__)
 
 
 class RawProjection(nn.Module):
-    """Projected raw features: ``[B, n]`` values to ``[B, n * dim]``, ``value_i * p_i``.
+    """Projected raw features: ``[B, columns]`` values to ``[B, n * dim]``.
 
-    EasyRec's RawFeature with ``embedding_dim`` and no ``boundaries`` (a one-row table
-    weighted by the value); ``weight`` ``[n, dim]`` holds the rows, initialized as deep
-    tables are (``N(0, DEEP_INIT_STD**2)``); scriptable.
+    EasyRec's RawFeature with ``embedding_dim`` and no ``boundaries`` (a table of one row
+    per value, weighted by the value): feature ``j`` of ``d_j`` values ``v`` becomes
+    ``sum_k v_k * p_jk`` (``value * p_j`` for one value). ``weight`` ``[columns, dim]``
+    holds the rows, feature after feature, initialized as deep tables are
+    (``N(0, DEEP_INIT_STD**2)``); scriptable.
+
+    Args:
+        widths: values per projected feature (``raw_input_dim``), in column order.
+        dim: the rows' width.
     """
 
-    def __init__(self, n: int, dim: int) -> None:
+    __constants__ = ["single"]
+    widths: list[int]
+
+    def __init__(self, widths: Sequence[int], dim: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(int(n), int(dim)) * DEEP_INIT_STD)
+        self.widths = [int(w) for w in widths]
+        self.weight = nn.Parameter(torch.randn(sum(self.widths), int(dim)) * DEEP_INIT_STD)
+        self.single = all(w == 1 for w in self.widths)
 
     def forward(self, values: torch.Tensor) -> torch.Tensor:
-        """``[B, n * dim]``: each value times its row, feature after feature."""
-        return (values.unsqueeze(2) * self.weight.unsqueeze(0)).reshape(values.shape[0], -1)
+        """``[B, n * dim]``: per feature, its values times its rows, summed."""
+        if self.single:
+            return (values.unsqueeze(2) * self.weight.unsqueeze(0)).reshape(values.shape[0], -1)
+        parts: list[torch.Tensor] = []
+        start = 0
+        for w in self.widths:
+            parts.append(torch.matmul(values[:, start : start + w],
+                                      self.weight[start : start + w]))
+            start += w
+        return torch.cat(parts, dim=1)
 
 
 class DeepFMDense(nn.Module):
@@ -92,7 +111,9 @@ class DeepFMDense(nn.Module):
             0; WideAndDeep only); None: ``num_deep * dim``.
         projected_idx: dense-feature columns of the deep group's projected raw features
             (EasyRec's RawFeature with ``embedding_dim`` and no ``boundaries``): each
-            becomes ``value * p_i``, a ``dim``-wide vector after the deep lookups.
+            feature becomes a ``dim``-wide vector after the deep lookups (``RawProjection``).
+        projected_widths: columns per projected feature (``raw_input_dim``; default: 1
+            each).
         sequences: the deep group's SequenceFeatures' combiners (their positions end
             ``deep``), or None.
         sequence_length_idx: dense-feature columns of those sequences' lengths.
@@ -123,10 +144,15 @@ class DeepFMDense(nn.Module):
         projected_idx: Sequence[int] = (),
         sequences: "GroupSequences | None" = None,
         sequence_length_idx: Sequence[int] = (),
+        projected_widths: "Sequence[int] | None" = None,
     ) -> None:
         super().__init__()
         self.projected_idx = [int(i) for i in projected_idx]
-        self.num_projected = len(self.projected_idx)
+        widths = ([1] * len(self.projected_idx) if projected_widths is None
+                  else [int(w) for w in projected_widths])
+        if sum(widths) != len(self.projected_idx):
+            raise ValueError("projected_widths must add up to the projected columns")
+        self.num_projected = len(widths)
         self.sequence_length_idx = [int(i) for i in sequence_length_idx]
         self.num_sequences = len(self.sequence_length_idx)
         self.use_fm = (bool(use_fm)
@@ -163,8 +189,7 @@ class DeepFMDense(nn.Module):
             self.final_dnn = None
             self.final_out = None
             self.deep_out = nn.Linear(deep_width, 1)
-        self.projection = (RawProjection(self.num_projected, self.dim)
-                           if self.num_projected else None)
+        self.projection = (RawProjection(widths, self.dim) if self.num_projected else None)
         self.sequences = sequences
 
     def forward(self, deep: torch.Tensor, wide: torch.Tensor,
@@ -311,8 +336,9 @@ class DeepFM(CtrModel):
             ``model_class`` says which).
         output_name: the name of the model's one output (the label it predicts).
         ebc_device: device of the tables (``meta``: materialized by DMP).
-        projected: the deep group's projected raw features (``Batch.dense`` columns).
+        projected: the deep group's projected raw features' ``Batch.dense`` columns.
         projected_dim: their ``embedding_dim`` (the deep lookups' dim).
+        projected_widths: columns per projected feature (default: 1 each).
         sequences: the deep groups' sequence blocks, looked up after the other lookups.
         deep_features: the deep groups' embedded features (a block's key may be one too).
 
@@ -333,6 +359,7 @@ class DeepFM(CtrModel):
         projected_dim: int = 0,
         sequences: Sequence[SequenceBlock] = (),
         deep_features: Sequence[str] = (),
+        projected_widths: "Sequence[int] | None" = None,
     ) -> None:
         super().__init__()
         self.layout = layout
@@ -365,6 +392,7 @@ class DeepFM(CtrModel):
             use_fm=uses_fm(model_config),
             deep_width=sum(dim_of[f] for f, _t in regular),
             projected_idx=[col[n] for n in projected],
+            projected_widths=projected_widths,
             sequences=seqs,
             sequence_length_idx=[col[b.length_column] for b in sequences],
         )

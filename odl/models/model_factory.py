@@ -25,7 +25,12 @@ from odl.config.model_classes import (
     wide_deep_settings,
 )
 from odl.features.feature_builder import FeatureBuilder, sequence_key, sequence_length_column
-from odl.models.building_blocks import SequenceBlock, TargetAttention, sequence_combiner
+from odl.models.building_blocks import (
+    SequenceBlock,
+    SequencePool,
+    TargetAttention,
+    sequence_combiner,
+)
 from odl.models.ctr_model import CtrModel
 from odl.models.deepfm import DeepFM
 from odl.models.embedding_tables import build_embedding_layout
@@ -56,7 +61,7 @@ def model_groups(
         ConfigError: a group names an unknown feature.
     """
     sparse = set(feature_builder.sparse_feature_names)
-    dense = set(feature_builder.dense_feature_names)
+    dense = _plain_dense(feature_builder)
     sequences = feature_builder.sequence_features
     out: dict[str, list[str]] = {k: [] for k in ("deep_sparse", "deep_dense", "wide_sparse",
                                                  "wide_dense")}
@@ -84,6 +89,19 @@ def model_groups(
     return out
 
 
+def _plain_dense(feature_builder: FeatureBuilder) -> dict[str, list[str]]:
+    """Dense features other than sequences -> their ``Batch.dense`` columns."""
+    sequences = feature_builder.dense_sequence_features
+    return {f: cols for f, cols in feature_builder.dense_feature_columns.items()
+            if f not in sequences}
+
+
+def _columns(feature_builder: FeatureBuilder, features: list[str]) -> list[str]:
+    """The ``Batch.dense`` columns of dense features, feature after feature."""
+    cols = feature_builder.dense_feature_columns
+    return [c for f in features for c in cols[f]]
+
+
 def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> CtrModel:
     """Builds the configured model (tables on the ``meta`` device, dense parts on CPU).
 
@@ -106,7 +124,8 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
         raise ConfigError("model_config.num_class", "only 1 (binary classification) is supported")
     labels = list(config.data_config.label_fields) or ["label"]
     if is_multi_task_model(mc):
-        return _build_multi_task_model(mc, feature_builder, labels)
+        return _build_multi_task_model(mc, feature_builder, labels,
+                                       sequence_blocks(config, feature_builder))
     if is_tower_model(mc):
         return _build_tower_model(mc, feature_builder, labels[0],
                                   sequence_blocks(config, feature_builder))
@@ -130,10 +149,14 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
     dims = {n: int(fc.embedding_dim) for n, fc in fcs.items()}
     projected = [f for f in groups["deep_dense"] if dims.get(f, 0) > 0]
     deep_dense = [f for f in groups["deep_dense"] if f not in projected]
+    widths = {f: len(c) for f, c in feature_builder.dense_feature_columns.items()}
     try:
-        return DeepFM(layout, feature_builder.dense_feature_names, deep_dense,
-                      groups["wide_dense"], mc, output_name=labels[0], projected=projected,
+        return DeepFM(layout, feature_builder.dense_feature_names,
+                      _columns(feature_builder, deep_dense),
+                      _columns(feature_builder, groups["wide_dense"]), mc,
+                      output_name=labels[0], projected=_columns(feature_builder, projected),
                       projected_dim=dims[projected[0]] if projected else 0,
+                      projected_widths=[widths[f] for f in projected],
                       sequences=blocks, deep_features=groups["deep_sparse"])
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
@@ -148,7 +171,7 @@ def _embedded_and_dense(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureB
     embedded features, their length columns after the dense ones.
     """
     sparse = set(feature_builder.sparse_feature_names)
-    dense = set(feature_builder.dense_feature_names)
+    dense = _plain_dense(feature_builder)
     positions = feature_builder.sequence_features
     groups: dict[str, tuple[list[str], list[str]]] = {}
     for gi, g in enumerate(mc.feature_groups):
@@ -157,7 +180,7 @@ def _embedded_and_dense(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureB
             if f in sparse:
                 emb.append(f)
             elif f in dense:
-                raw.append(f)
+                raw += dense[f]
             elif f not in positions:
                 raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
                                   f"group {g.group_name!r} names unknown feature {f!r}")
@@ -196,12 +219,20 @@ def sequence_blocks(config: pipeline_pb2.EasyRecConfig, feature_builder: Feature
             keys = [k for m in sa.seq_att_map for k in m.key]
             hists = [h for m in sa.seq_att_map for h in m.hist_seq]
             n = positions[hists[0]]
-            dnn = sa.seq_dnn if sa.HasField("seq_dnn") else pipeline_pb2.DNN(
-                hidden_units=DEFAULT_SEQ_DNN_UNITS)
+            items = tuple(sequence_key(h, p) for p in range(n) for h in hists)
+            length = sequence_length_column(hists[0])
+            if sa.pooling:  # TorchEasyRec's pooling encoder: the items only
+                width = sum(int(fcs[h].embedding_dim) for h in hists)
+                blocks.append(SequenceBlock(items, SequencePool(width, n, sa.pooling), length))
+                continue
+            encoder = sa.HasField("attn_mlp")  # TorchEasyRec's DIN encoder
+            dnn = (sa.attn_mlp if encoder else sa.seq_dnn if sa.HasField("seq_dnn")
+                   else pipeline_pb2.DNN(hidden_units=DEFAULT_SEQ_DNN_UNITS))
             blocks.append(SequenceBlock(
-                tuple(keys) + tuple(sequence_key(h, p) for p in range(n) for h in hists),
-                TargetAttention(sum(int(fcs[k].embedding_dim) for k in keys), n, dnn),
-                sequence_length_column(hists[0])))
+                tuple(keys) + items,
+                TargetAttention(sum(int(fcs[k].embedding_dim) for k in keys), n, dnn,
+                                encoder=encoder),
+                length))
         if blocks:
             out[g.group_name] = blocks
     return out
@@ -224,10 +255,14 @@ def multi_task_group(mc: pipeline_pb2.EasyRecModel) -> str:
 
 
 def _build_multi_task_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder,
-                            label_fields: list[str]) -> CtrModel:
-    """MMoE / DBMTL over the "all" group; each task's label column."""
+                            label_fields: list[str],
+                            sequences: dict[str, list[SequenceBlock]]) -> CtrModel:
+    """MMoE / DBMTL over the "all" group (and its sequence blocks); each task's label."""
     field, settings = multi_task_settings(mc)
-    emb, raw = _embedded_and_dense(mc, feature_builder)[multi_task_group(mc)]
+    group = multi_task_group(mc)
+    blocks = sequences.get(group, [])
+    emb, raw = _embedded_and_dense(mc, feature_builder, {group: blocks})[group]
+    regular = emb[: len(emb) - sum(len(b.lookups) for b in blocks)]
     columns = []
     spaces: list[int | None] = []
     for i, name in enumerate(task_label_names(mc, label_fields)):
@@ -243,10 +278,10 @@ def _build_multi_task_model(mc: pipeline_pb2.EasyRecModel, feature_builder: Feat
                               f"{space!r} is not one of data_config.label_fields")
         spaces.append(label_fields.index(space) if space else None)
     try:
-        layout = build_embedding_layout(feature_builder.table_specs, emb, [], 1,
-                                        mixed_dims=True)
+        layout = build_embedding_layout(feature_builder.table_specs, list(dict.fromkeys(emb)),
+                                        [], 1, mixed_dims=True)
         return MultiTaskModel(layout, feature_builder.dense_feature_names, raw, mc, columns,
-                              spaces)
+                              spaces, regular=regular, sequences=blocks)
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
 
@@ -262,6 +297,9 @@ def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBu
     field, _settings, towers = tower_settings(mc)
     groups = _embedded_and_dense(mc, feature_builder, sequences)
     seq_lens = feature_builder.sequence_features
+    dense_seqs = feature_builder.dense_sequence_features
+    cols = feature_builder.dense_feature_columns
+    din_dense: dict[str, tuple[int, int]] = {}
     for kind, group, _tower in towers:
         if kind != "din" or group in groups:
             continue
@@ -270,8 +308,15 @@ def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBu
             raise ConfigError("model_config.seq_att_groups",
                               f"group {group!r} needs SequenceFeatures in hist_seq")
         positions = seq_lens[hists[0]]
-        groups[group] = (keys + [sequence_key(h, p) for p in range(positions) for h in hists],
-                         [sequence_length_column(hists[0])])
+        # embedded keys and items first, then the dense ones (each position's after another)
+        dense_keys = [c for k in keys if k in cols for c in cols[k]]
+        items = [h for h in hists if h not in dense_seqs]
+        dense_items = [h for h in hists if h in dense_seqs]
+        groups[group] = ([k for k in keys if k not in cols]
+                         + [sequence_key(h, p) for p in range(positions) for h in items],
+                         dense_keys + [cols[h][p] for p in range(positions) for h in dense_items]
+                         + [sequence_length_column(hists[0])])
+        din_dense[group] = (len(dense_keys), len(dense_items))
     embedded: list[str] = []
     for _kind, group, _tower in towers:
         for f in groups.get(group, ([], []))[0]:
@@ -281,7 +326,7 @@ def _build_tower_model(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBu
         layout = build_embedding_layout(feature_builder.table_specs, embedded, [], 1,
                                         mixed_dims=True)
         return TowerModel(layout, feature_builder.dense_feature_names, groups, mc,
-                          output_name=output_name, sequences=sequences)
+                          output_name=output_name, sequences=sequences, din_dense=din_dense)
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
 

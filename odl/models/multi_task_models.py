@@ -1,8 +1,10 @@
 """EasyRec's multi-task models MMoE and DBMTL as ``CtrModel``s (contract: ``odl.models.ctr_model``).
 
 Both read one feature group (``"all"``, or the model's only group): the pooled embeddings of
-its embedded features, then its dense (raw) features, ``x``. Per task ``t`` (``task_towers``
-in order)::
+its embedded features, then its dense (raw) features, ``x``; the group's sequences (a
+SequenceFeature with a ``sequence_combiner``, a target attention or pooling of its
+``sequence_features`` / TorchEasyRec's ``sequence_encoders``) each become one vector in
+``x`` (``GroupSequences``). Per task ``t`` (``task_towers`` in order)::
 
     h       = bottom_dnn(x)                       DBMTL with bottom_dnn; else h = x
     in_t    = sum_e gate_t(h)_e * expert_e(h)     with expert_dnn (MMoE always); else in_t = h
@@ -27,7 +29,8 @@ embedding. A task with a ``task_space_indicator_label`` weighs each sample's los
 
 Parameter names: ``dense.bottom.*``, ``dense.experts.experts.<e>.*``,
 ``dense.experts.gates.<t>.*``, ``dense.heads.<t>.dnn.*``, ``dense.heads.<t>.relation_dnn.*``,
-``dense.heads.<t>.out.*``.
+``dense.heads.<t>.out.*``, ``dense.sequences.combiners.<i>.*`` (the group's sequence
+blocks).
 
 This module has no ``from __future__ import annotations``: TorchScript reads the dense
 class's annotations as types.
@@ -43,7 +46,12 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.model_classes import multi_task_settings
 from odl.features.batch import Batch
-from odl.models.building_blocks import ExpertGates, build_optional_mlp
+from odl.models.building_blocks import (
+    ExpertGates,
+    GroupSequences,
+    SequenceBlock,
+    build_optional_mlp,
+)
 from odl.models.ctr_losses import (
     add_loss_weights,
     ctr_loss,
@@ -91,6 +99,8 @@ class MultiTaskDense(nn.Module):
         bottom: DBMTL's ``bottom_dnn``, or None.
         experts: ``(expert_dnn, num_expert, gate_dnn or None)``, or None.
         tasks: per task ``(dnn or None, relation task indices, relation_dnn or None)``.
+        sequences: the ``GroupSequences`` combining the group's sequences (their lookups end
+            the pooled group, their lengths end ``dense_idx``), or None.
 
     Raises:
         ValueError: no input, no task, a bad expert setting.
@@ -103,7 +113,8 @@ class MultiTaskDense(nn.Module):
                  bottom: Optional[pipeline_pb2.DNN],
                  experts: Optional[tuple[pipeline_pb2.DNN, int, Optional[pipeline_pb2.DNN]]],
                  tasks: Sequence[tuple[Optional[pipeline_pb2.DNN], Sequence[int],
-                                       Optional[pipeline_pb2.DNN]]]) -> None:
+                                       Optional[pipeline_pb2.DNN]]],
+                 sequences: Optional[GroupSequences] = None) -> None:
         super().__init__()
         self.dense_idx = [int(i) for i in dense_idx]
         self.has_embedded = int(embedded_width) > 0
@@ -112,6 +123,9 @@ class MultiTaskDense(nn.Module):
         in_width = int(embedded_width) + len(self.dense_idx)
         if in_width == 0:
             raise ValueError("the model's feature group has no feature")
+        self.sequences = sequences
+        if sequences is not None:
+            in_width = sequences.out_width
         if not tasks:
             raise ValueError("at least one task tower is needed")
         # Registration order fixes the dense optimizer's parameter order in checkpoints.
@@ -143,6 +157,9 @@ class MultiTaskDense(nn.Module):
         if self.has_dense:
             parts.append(dense[:, self.dense_idx])
         x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        sequences = self.sequences
+        if sequences is not None:
+            x = sequences(x)
         h = self.bottom(x)
         experts = self.experts
         if experts is not None:
@@ -179,6 +196,9 @@ class MultiTaskModel(CtrModel):
         space_columns: per task, the ``Batch.labels`` column of its
             ``task_space_indicator_label``, or None.
         ebc_device: device of the tables (``meta``: materialized by DMP).
+        regular: the group's embedded features (None: every deep lookup of ``layout``);
+            with ``sequences``, the blocks' lookups follow them.
+        sequences: the group's sequence blocks (their length columns end ``group_dense``).
 
     Raises:
         ValueError: a relation names an unknown or later task, or a bad setting.
@@ -193,11 +213,23 @@ class MultiTaskModel(CtrModel):
         label_columns: Sequence[int],
         space_columns: "Sequence[int | None] | None" = None,
         ebc_device: "torch.device | str" = "meta",
+        regular: "Sequence[str] | None" = None,
+        sequences: Sequence[SequenceBlock] = (),
     ) -> None:
         super().__init__()
         self.layout = layout
         self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device))
         col = {n: i for i, n in enumerate(dense_features)}
+        table_of = dict(layout.deep_keys)
+        dim_of = dict(zip((f for f, _t in layout.deep_keys), layout.deep_dims, strict=True))
+        names = list(regular) if regular is not None else [f for f, _t in layout.deep_keys]
+        lookups = names + [k for b in sequences for k in b.lookups]
+        seqs = None
+        if sequences:  # the blocks' lookups end the group, their lengths its dense columns
+            widths = [sum(dim_of[k] for k in b.lookups) for b in sequences]
+            seqs = GroupSequences(sum(dim_of[f] for f in names),
+                                  [(w, b.module) for w, b in zip(widths, sequences, strict=True)],
+                                  len(group_dense) - len(sequences))
         field, settings = multi_task_settings(model_config)
         names = [t.tower_name or f"task{i}" for i, t in enumerate(settings.task_towers)]
         if len(set(names)) != len(names):
@@ -216,9 +248,10 @@ class MultiTaskModel(CtrModel):
             experts = (settings.expert_dnn, int(settings.num_expert),
                        _dnn(settings, "gate_mlp") if field == "mmoe" else None)
         bottom = _dnn(settings, "bottom_dnn") if field == "dbmtl" else None
-        self.dense = MultiTaskDense(sum(layout.deep_dims), [col[n] for n in group_dense],
-                                    bottom, experts, tasks)
-        self.pooled_layout = (PooledGroup.of("all", tuple(layout.deep_keys), layout.deep_dims),)
+        self.dense = MultiTaskDense(sum(dim_of[f] for f in lookups),
+                                    [col[n] for n in group_dense], bottom, experts, tasks, seqs)
+        self.pooled_layout = (PooledGroup.of("all", tuple((f, table_of[f]) for f in lookups),
+                                             [dim_of[f] for f in lookups]),)
         self.output_names = tuple(names)
         self.output_labels = tuple(int(c) for c in label_columns)
         self.task_weights = [float(t.weight) for t in settings.task_towers]

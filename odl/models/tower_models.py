@@ -73,7 +73,8 @@ class TowerDense(nn.Module):
         towers: per tower ``(kind, width, dense columns, settings)``: kind ``"dnn"``
             (settings: a ``DNN``), ``"cross"`` (settings: ``cross_num``), ``"cross_v2"``
             (settings: ``(CrossV2, backbone DNN or None)``) or ``"din"`` (settings: ``(DNN,
-            key width, seq_len, TorchEasyRec's encoder form)``; its input: keys, positions,
+            key width, seq_len, TorchEasyRec's encoder form, dense key columns, dense
+            columns per item)``; its input: keys, positions, [dense key, dense positions,]
             length), the columns of its
             lookups in the ``towers`` group, its columns of the raw dense features.
         final_dnn: the ``final_dnn`` settings.
@@ -109,8 +110,9 @@ class TowerDense(nn.Module):
                 self.towers.append(CrossNet(in_width, int(settings)))
                 width += in_width
             elif kind == "din":
-                dnn, key_width, seq_len, encoder = settings
-                attention = TargetAttention(key_width, seq_len, dnn, encoder)
+                dnn, key_width, seq_len, encoder, dense_key, dense_item = settings
+                attention = TargetAttention(key_width, seq_len, dnn, encoder, dense_key,
+                                            dense_item)
                 self.towers.append(attention)
                 width += attention.out_width
             elif kind == "cross_v2":
@@ -166,6 +168,9 @@ class TowerModel(CtrModel):
         ebc_device: device of the tables (``meta``: materialized by DMP).
         sequences: feature group -> its sequence blocks, whose lookups end the group's
             embedded features and whose length columns end its dense features.
+        din_dense: a DIN tower's group -> ``(dense key columns, dense columns per item)``:
+            its dense features are the key's dense columns, then each position's dense item
+            columns, then the length (absent: no dense part).
 
     Raises:
         ValueError: a tower names an unknown group or reads nothing.
@@ -180,6 +185,7 @@ class TowerModel(CtrModel):
         output_name: str = "label",
         ebc_device: "torch.device | str" = "meta",
         sequences: "dict[str, list[SequenceBlock]] | None" = None,
+        din_dense: "dict[str, tuple[int, int]] | None" = None,
     ) -> None:
         super().__init__()
         self.layout = layout
@@ -201,13 +207,21 @@ class TowerModel(CtrModel):
             width = sum(dim_of[f] for f in sparse)
             if kind == "din":  # keys, then seq_len positions as wide as the keys
                 keys, _hists = sequence_attention_features(model_config, group)
-                key_width = sum(dim_of[k] for k in keys)
-                if key_width == 0 or (width - key_width) % key_width:
-                    raise ValueError(f"DIN group {group!r}: the sequences' embeddings must be "
-                                     f"as wide as the keys' ({key_width})")
+                dense_key, dense_item = (din_dense or {}).get(group, (0, 0))
+                key_emb = sum(dim_of[k] for k in keys if k in dim_of)
+                key_width = key_emb + dense_key
+                item_emb = key_width - dense_item
+                if item_emb > 0:
+                    seq_len, rest = divmod(width - key_emb, item_emb)
+                else:
+                    seq_len, rest = divmod(len(dense) - 1 - dense_key, max(dense_item, 1))
+                if (key_width == 0 or rest or item_emb < 0
+                        or len(dense) - 1 - dense_key != seq_len * dense_item):
+                    raise ValueError(f"DIN group {group!r}: the sequences' items must be as "
+                                     f"wide as the keys ({key_width})")
                 encoder = tower.HasField("attn_mlp")  # TorchEasyRec's DIN encoder
-                tower = (tower.attn_mlp if encoder else tower.dnn, key_width,
-                         (width - key_width) // key_width, encoder)
+                tower = (tower.attn_mlp if encoder else tower.dnn, key_width, seq_len, encoder,
+                         dense_key, dense_item)
             specs.append((kind, width, [col[n] for n in dense], tower))
             blocks = (sequences or {}).get(group, []) if kind != "din" else []
             if blocks:  # the blocks' lookups end the group's, their lengths its dense columns
