@@ -61,6 +61,7 @@ LOADS = {
     "torcheasyrec/multi_tower_din_mock.config",
     "torcheasyrec/mmoe_has_sequence.config",
     "easyrec/deepfm_with_embed.config",
+    "torcheasyrec/dbmtl_has_sequence_mock.config",
 }
 
 

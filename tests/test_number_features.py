@@ -98,12 +98,12 @@ def test_number_feature_errors_name_the_field(edit, field, words):
     assert e.value.field == field and words in str(e.value), e.value
 
 
-def test_dense_number_sequences_are_read_by_din_towers_only():
+def test_dense_number_sequences_are_read_by_target_attention_only():
     text = EASYREC.replace("boundaries: [1, 5, 10] embedding_dim: 8 ", "")
     with pytest.raises(ConfigError) as e:
         load_config_text(text)
     assert e.value.field == "model_config.feature_groups[0].feature_names[2]"
-    assert "DIN towers only" in str(e.value)
+    assert "read by target attention only" in str(e.value)
 
 
 TZ_DIN = """
@@ -270,3 +270,41 @@ def test_sequence_group_rules_are_torcheasyrecs(edit, field, words):
     with pytest.raises(ConfigError) as e:
         load_config_text(text)
     assert e.value.field == field and words in str(e.value), e.value
+
+
+def test_dense_query_and_items_of_a_group_encoder_join_its_attention():
+    """A raw query feature and a sequence of numbers in a DEEP group's sequence group
+    (TorchEasyRec's dbmtl_has_sequence_mock form): the attention's key and items hold them."""
+    from odl.train.train_module import TrainModule
+
+    text = (TZ_MMOE
+            .replace('feature_configs { sequence_feature',
+                     'feature_configs { raw_feature { feature_name: "price" } }\n'
+                     'feature_configs { sequence_feature')
+            .replace('features { id_feature { feature_name: "item" num_buckets: 50 '
+                     'embedding_dim: 8 } } } }',
+                     'features { id_feature { feature_name: "item" num_buckets: 50 '
+                     'embedding_dim: 8 } }\n  features { raw_feature { feature_name: "price" '
+                     '} } } }')
+            .replace('sequence_groups { feature_names: ["item", "click__item"] }',
+                     'sequence_groups { feature_names: ["item", "price", "click__item", '
+                     '"click__price"] }')
+            .replace('    sequence_encoders { pooling_encoder { pooling_type: "sum" } }\n', ""))
+    config = load_config_text(text)
+    fb = FeatureBuilder(config)
+    model = build_model(config, fb)
+    (att,) = model.dense.sequences.combiners
+    assert (att.key, att.dense_key, att.dense_item, att.seq_len) == (9, 1, 1, 4)
+    assert model.dense.sequences.dense_widths == [1 + 4]  # price, then click__price's 4
+    module = TrainModule(config, fb, device="cpu")
+    built = fb.build([b'{"clk": 1, "buy": 1, "user": "1", "item": "3", "price": 2.0, '
+                      b'"click__item": "3|4", "click__price": "1.0|2.5"}'])
+    assert not built.rejected
+    assert np.isfinite(module.train_step(built.batch).loss)
+    # WideAndDeep's deep groups read embedded keys and sequences only
+    with pytest.raises(ConfigError) as e:
+        load_config_text(EASYREC.replace(
+            "wide_deep: DEEP }",
+            'wide_deep: DEEP sequence_features { group_name: "s" '
+            'seq_att_map { key: "vec" hist_seq: "prices" } } }'))
+    assert "not an embedded (non-sequence) feature" in str(e.value)

@@ -249,7 +249,8 @@ def validate_model(
                                   f"multi-task models' groups, not for {mc.model_class}"
                                   f"{'' if g.wide_deep == pipeline_pb2.DEEP else ' wide groups'}")
             _validate_sequence_groups(config, features, g.sequence_features,
-                                      f"{where}.sequence_features")
+                                      f"{where}.sequence_features",
+                                      dense_parts=mc.model_class != "WideAndDeep")
         seen = set()
         for j, name in enumerate(g.feature_names):
             if name not in features:
@@ -513,7 +514,8 @@ def _check_group_sequence(mc: Any, group: Any, fc: FeatureConfig, where: str) ->
     which = fc.sequence_combiner.WhichOneof("combiner")
     if dense_sequence(fc):
         raise ConfigError(where, f"SequenceFeature {name!r} holds numbers without boundaries: "
-                                 "read by DIN towers only (add boundaries to embed its buckets "
+                                 "read by target attention only (a DIN tower, a group's "
+                                 "sequence_features; or add boundaries to embed its buckets "
                                  "and combine them in a group)")
     if which is None:
         raise ConfigError(where, f"SequenceFeature {name!r} in a feature group needs a "
@@ -539,15 +541,15 @@ def _check_group_sequence(mc: Any, group: Any, fc: FeatureConfig, where: str) ->
 
 def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
                               features: dict[str, FeatureConfig], groups: Any = None,
-                              prefix: str = "model_config.seq_att_groups") -> None:
+                              prefix: str = "model_config.seq_att_groups",
+                              dense_parts: bool = True) -> None:
     """Sequence attention groups: keys are (non-sequence) features, sequences as wide.
 
-    ``seq_att_groups`` (DIN towers: keys and sequences may be dense numbers too, each
-    number one column), or a feature group's ``sequence_features`` (embedded keys and
-    sequences; a pooling one reads no key).
+    ``seq_att_groups`` (DIN towers), or a feature group's ``sequence_features`` (a pooling
+    one reads no key). Keys and sequences may be dense numbers too, each number one column,
+    with ``dense_parts`` (not in WideAndDeep's deep groups) and not for pooling.
     """
     seen: set[str] = set()
-    din_towers = groups is None
     for i, g in enumerate(config.model_config.seq_att_groups if groups is None else groups):
         where = f"{prefix}[{i}]"
         if not g.group_name or g.group_name in seen:
@@ -560,6 +562,7 @@ def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
             raise ConfigError(f"{where}.pooling", "mean or sum, without an attention MLP")
         key_width = hist_width = 0
         lengths: set[int] = set()
+        din_towers = dense_parts and not g.pooling  # dense keys and sequences allowed
         for j, m in enumerate(g.seq_att_map):
             mw = f"{where}.seq_att_map[{j}]"
             if (not m.key and not g.pooling) or not m.hist_seq:
@@ -573,7 +576,7 @@ def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
                         embedded_feature(fc) or dense_key):
                     raise ConfigError(f"{mw}.key", f"{k!r} is not an embedded (non-sequence) "
                                                    "feature" + (" or a dense RawFeature"
-                                                                if din_towers else ""))
+                                                                if dense_parts else ""))
                 key_width += fc.raw_input_dim if dense_key else fc.embedding_dim
             for h in m.hist_seq:
                 fc = features.get(h)
@@ -582,8 +585,9 @@ def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
                 if dense_sequence(fc) and not din_towers:
                     raise ConfigError(f"{mw}.hist_seq",
                                       f"{h!r} is a SequenceFeature of numbers without "
-                                      "boundaries: read by DIN towers only (add boundaries to "
-                                      "embed its buckets)")
+                                      "boundaries: read by target attention in the tower and "
+                                      "multi-task models only (add boundaries to embed its "
+                                      "buckets)")
                 hist_width += 1 if dense_sequence(fc) else fc.embedding_dim
                 lengths.add(fc.max_seq_len)
         if g.pooling:

@@ -361,41 +361,51 @@ class SequenceBlock:
     Attributes:
         lookups: its KJT keys, in order (a sequence's positions; a target attention's keys,
             then its sequences' positions, position after position).
-        module: combines ``[its lookups' columns, the length]`` into one vector
-            (``out_width`` wide).
+        module: combines ``[its lookups' columns, its dense columns, the length]`` into one
+            vector (``out_width`` wide).
         length_column: the ``Batch.dense`` column of the sequence length it reads.
+        dense: its ``Batch.dense`` columns besides the length (a target attention's dense
+            keys, then its dense sequences' positions, position after position).
     """
 
     lookups: tuple[str, ...]
     module: nn.Module
     length_column: str
+    dense: tuple[str, ...] = ()
 
 
 class GroupSequences(nn.Module):
     """A feature group's input with each of its sequences combined into one vector.
 
-    Input ``[B, regular + sum(seq widths) + raw + k]``: the group's other embeddings, each
-    sequence's positions (``seq_len * dim`` columns), the group's raw dense features, then the
-    ``k`` sequences' lengths. Output ``[B, regular + sum(combiner widths) + raw]``: the other
-    embeddings, each sequence's combined vector, the raw dense features. Scriptable.
+    Input ``[B, regular + sum(seq widths) + raw + sum(dense widths) + k]``: the group's other
+    embeddings, each sequence's looked-up columns (``seq_len * dim`` positions, after a target
+    attention's keys), the group's raw dense features, each sequence's dense columns
+    (:attr:`SequenceBlock.dense`), then the ``k`` sequences' lengths. Output ``[B, regular +
+    sum(combiner widths) + raw]``: the other embeddings, each sequence's combined vector, the
+    raw dense features. Scriptable.
 
     Args:
         regular: columns of the other embeddings.
-        combiners: per sequence ``(its columns, its combiner module)``.
+        combiners: per sequence ``(its looked-up columns, its combiner module)``.
         raw: columns of the raw dense features.
+        dense_widths: per sequence, its dense columns (default: none).
     """
 
     __constants__ = ["regular", "raw", "num_sequences"]
     starts: list[int]
     widths: list[int]
+    dense_widths: list[int]
 
-    def __init__(self, regular: int, combiners: list[tuple[int, nn.Module]], raw: int) -> None:
+    def __init__(self, regular: int, combiners: list[tuple[int, nn.Module]], raw: int,
+                 dense_widths: Optional[list[int]] = None) -> None:
         super().__init__()
         self.regular = int(regular)
         self.raw = int(raw)
         self.num_sequences = len(combiners)
         self.starts = []
         self.widths = []
+        self.dense_widths = ([int(w) for w in dense_widths] if dense_widths is not None
+                             else [0] * len(combiners))
         col = self.regular
         for width, _module in combiners:
             self.starts.append(col)
@@ -409,12 +419,15 @@ class GroupSequences(nn.Module):
         n = x.shape[1]
         lengths = x[:, n - self.num_sequences :]
         parts = [x[:, : self.regular]]
-        end = self.regular
+        end = self.regular + sum(self.widths)
+        d = end + self.raw  # the sequences' dense columns
         for i, combiner in enumerate(self.combiners):
             s = self.starts[i]
             w = self.widths[i]
-            parts.append(combiner(torch.cat([x[:, s : s + w], lengths[:, i : i + 1]], dim=1)))
-            end = s + w
+            dw = self.dense_widths[i]
+            parts.append(combiner(torch.cat([x[:, s : s + w], x[:, d : d + dw],
+                                             lengths[:, i : i + 1]], dim=1)))
+            d += dw
         parts.append(x[:, end : end + self.raw])
         return torch.cat(parts, dim=1)
 

@@ -374,6 +374,9 @@ class DeepFM(CtrModel):
                    if (f in wanted if wanted else f not in in_blocks)]
         deep_keys = regular + [(k, table_of[k]) for b in sequences for k in b.lookups]
         seqs = None
+        if any(b.dense for b in sequences):
+            raise ValueError("a deep group's target attention reads embedded keys and "
+                             "sequences only (dense ones: the tower and multi-task models)")
         if sequences:
             seqs = GroupSequences(sum(dim_of[f] for f, _t in regular),
                                   [(sum(dim_of[k] for k in b.lookups), b.module)

@@ -168,7 +168,8 @@ def _embedded_and_dense(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureB
     """Feature group name -> (embedded features, dense features), in group order.
 
     A group's sequence blocks (:func:`sequence_blocks`) come last: their lookups after the
-    embedded features, their length columns after the dense ones.
+    embedded features, their dense columns then their length columns after the dense ones
+    (``GroupSequences``' layout).
     """
     sparse = set(feature_builder.sparse_feature_names)
     dense = _plain_dense(feature_builder)
@@ -184,9 +185,11 @@ def _embedded_and_dense(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureB
             elif f not in positions:
                 raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
                                   f"group {g.group_name!r} names unknown feature {f!r}")
-        for b in (blocks or {}).get(g.group_name, []):
+        group_blocks = (blocks or {}).get(g.group_name, [])
+        for b in group_blocks:
             emb += list(b.lookups)
-            raw.append(b.length_column)
+        raw += [c for b in group_blocks for c in b.dense]
+        raw += [b.length_column for b in group_blocks]
         groups[g.group_name] = (emb, raw)
     return groups
 
@@ -205,6 +208,7 @@ def sequence_blocks(config: pipeline_pb2.EasyRecConfig, feature_builder: Feature
     """
     fcs = {fc.feature_name: fc for fc in feature_configs(config)}
     positions = feature_builder.sequence_features
+    cols = feature_builder.dense_feature_columns
     out: dict[str, list[SequenceBlock]] = {}
     for g in config.model_config.feature_groups:
         blocks = []
@@ -219,7 +223,11 @@ def sequence_blocks(config: pipeline_pb2.EasyRecConfig, feature_builder: Feature
             keys = [k for m in sa.seq_att_map for k in m.key]
             hists = [h for m in sa.seq_att_map for h in m.hist_seq]
             n = positions[hists[0]]
-            items = tuple(sequence_key(h, p) for p in range(n) for h in hists)
+            # embedded keys and items are looked up; dense ones are Batch.dense columns
+            emb_keys = [k for k in keys if k not in cols]
+            emb_hists = [h for h in hists if h not in cols]
+            dense_hists = [h for h in hists if h in cols]
+            items = tuple(sequence_key(h, p) for p in range(n) for h in emb_hists)
             length = sequence_length_column(hists[0])
             if sa.pooling:  # TorchEasyRec's pooling encoder: the items only
                 width = sum(int(fcs[h].embedding_dim) for h in hists)
@@ -228,11 +236,14 @@ def sequence_blocks(config: pipeline_pb2.EasyRecConfig, feature_builder: Feature
             encoder = sa.HasField("attn_mlp")  # TorchEasyRec's DIN encoder
             dnn = (sa.attn_mlp if encoder else sa.seq_dnn if sa.HasField("seq_dnn")
                    else pipeline_pb2.DNN(hidden_units=DEFAULT_SEQ_DNN_UNITS))
+            dense_keys = [c for k in keys if k in cols for c in cols[k]]
+            width = sum(int(fcs[k].embedding_dim) for k in emb_keys) + len(dense_keys)
             blocks.append(SequenceBlock(
-                tuple(keys) + items,
-                TargetAttention(sum(int(fcs[k].embedding_dim) for k in keys), n, dnn,
-                                encoder=encoder),
-                length))
+                tuple(emb_keys) + items,
+                TargetAttention(width, n, dnn, encoder=encoder, dense_key=len(dense_keys),
+                                dense_item=len(dense_hists)),
+                length,
+                tuple(dense_keys) + tuple(cols[h][p] for p in range(n) for h in dense_hists)))
         if blocks:
             out[g.group_name] = blocks
     return out
