@@ -42,8 +42,9 @@ def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
     return wins / (float(pos.size) * float(neg.size))
 
 
-def grouped_auc(labels: np.ndarray, scores: np.ndarray, groups: np.ndarray) -> float:
-    """GAUC: the AUC within each group (e.g. each user), averaged weighted by group size.
+def grouped_auc(labels: np.ndarray, scores: np.ndarray, groups: np.ndarray,
+                reduction: str = "mean") -> float:
+    """GAUC: the AUC within each group (e.g. each user), averaged over the groups.
 
     Groups with only one class are left out (as EasyRec's ``gauc`` and TorchEasyRec's
     ``grouped_auc`` do); ties within a group count one half.
@@ -52,6 +53,9 @@ def grouped_auc(labels: np.ndarray, scores: np.ndarray, groups: np.ndarray) -> f
         labels: 0/1 (or bool) array, shape ``(n,)``.
         scores: real-valued scores, shape ``(n,)``.
         groups: integer group keys, shape ``(n,)``.
+        reduction: ``"mean"`` (every group alike, TorchEasyRec's and EasyRec's default),
+            ``"mean_by_sample_num"`` (weighted by group size) or ``"mean_by_positive_num"``
+            (weighted by positives).
 
     Returns:
         The GAUC in ``[0, 1]``, or ``nan`` when no group has both classes.
@@ -79,7 +83,12 @@ def grouped_auc(labels: np.ndarray, scores: np.ndarray, groups: np.ndarray) -> f
         return float("nan")
     pos_ranks = np.bincount(group_id, weights=rank * y)
     auc = (pos_ranks[both] - pos[both] * (pos[both] + 1) / 2) / (pos[both] * neg[both])
-    return float((auc * size[both]).sum() / size[both].sum())
+    if reduction == "mean":
+        return float(auc.mean())
+    weight = {"mean_by_sample_num": size, "mean_by_positive_num": pos}.get(reduction)
+    if weight is None:
+        raise ValueError(f"unknown GAUC reduction {reduction!r}")
+    return float((auc * weight[both]).sum() / weight[both].sum())
 
 
 class HistogramAuc:

@@ -167,3 +167,28 @@ def test_uncertainty_weighting_learns_a_weight_per_marked_term():
     with pytest.raises(ConfigError) as e:
         load_config_text(text.replace("  loss_weight_strategy: Uncertainty\n", ""))
     assert e.value.field.endswith("losses[0].learn_loss_weight")
+
+
+def test_random_strategy_weighs_every_task_term_by_a_fresh_softmax_draw():
+    """EasyRec's Random loss weights: softmax(N(0, 1)) over all terms, drawn every step."""
+    text = _text("DBMTL").replace('model_class: "DBMTL"', 'model_class: "DBMTL"\n'
+                                  "  loss_weight_strategy: Random")
+    text = text.replace('tower_name: "cvr" label_name: "buy"',
+                        'tower_name: "cvr" label_name: "buy" losses { loss_type: CLASSIFICATION '
+                        "weight: 7 } losses { loss_type: SIGMOID_L2_LOSS }")
+    m, batch, _ = _model_and_batch("DBMTL", text=text)
+    m.l2 = m.embedding_regularization = 0.0
+    out = m(batch)
+    y = batch.labels
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    terms = torch.stack([bce(out.logits[:, 0], y[:, 0]), bce(out.logits[:, 1], y[:, 1]),
+                         (torch.sigmoid(out.logits[:, 1]) - y[:, 1]).square().mean()])
+    losses = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        w = torch.softmax(torch.randn(3), dim=0)  # ctr's one term, cvr's two
+        torch.manual_seed(seed)
+        loss = m.loss(out, batch)
+        assert torch.allclose(loss, (w * terms).sum(), atol=1e-6)  # weight 7 is replaced
+        losses.append(float(loss))
+    assert losses[0] != losses[1]

@@ -296,7 +296,8 @@ def test_easyrec_field_not_implemented(tmp_path: Path, text: str, field: str) ->
 @pytest.mark.parametrize(
     "text, field",
     [
-        ('eval_config { metrics_set { auc {} } }', "eval_config.metrics_set"),
+        ('eval_config { metrics_set { auc {} } metrics_set { recall_at_topk { topk: 5 } } }',
+         "eval_config.metrics_set[1].recall_at_topk"),
         ('export_config { exporter_type: "final" }', "export_config"),
         ("train_config { sync_replicas: true }", "train_config.sync_replicas"),
         ("train_config { incr_save_config { debug_save_update: true } }",

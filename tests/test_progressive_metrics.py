@@ -75,12 +75,51 @@ def test_window_gauc_is_the_grouped_auc_of_the_window_across_wraparound():
     assert "gauc" not in ProgressiveMetrics(window=10).summary()
 
 
-def test_grouped_auc_is_the_size_weighted_mean_of_each_groups_auc():
+def test_grouped_auc_averages_each_groups_auc_by_its_reduction():
+    """EasyRec's reductions: plain mean (TorchEasyRec's too), by samples, by positives."""
     from odl.auc import grouped_auc, roc_auc
 
-    y = np.array([1, 0, 0, 1, 1, 0, 1, 1])
-    s = np.array([0.9, 0.1, 0.5, 0.5, 0.3, 0.6, 0.7, 0.2])
-    g = np.array([1, 1, 1, 2, 2, 2, 3, 3])  # group 3 has one class: left out
+    y = np.array([1, 0, 0, 1, 1, 0, 0, 1, 1])
+    s = np.array([0.9, 0.1, 0.5, 0.5, 0.3, 0.6, 0.55, 0.7, 0.2])
+    g = np.array([1, 1, 1, 2, 2, 2, 2, 3, 3])  # group 3 has one class: left out
     a1 = roc_auc(y[:3], s[:3])
-    a2 = roc_auc(y[3:6], s[3:6])
-    assert grouped_auc(y, s, g) == pytest.approx((3 * a1 + 3 * a2) / 6)
+    a2 = roc_auc(y[3:7], s[3:7])
+    assert a1 != a2
+    assert grouped_auc(y, s, g) == pytest.approx((a1 + a2) / 2)
+    assert grouped_auc(y, s, g, "mean_by_sample_num") == pytest.approx((3 * a1 + 4 * a2) / 7)
+    assert grouped_auc(y, s, g, "mean_by_positive_num") == pytest.approx((a1 + 2 * a2) / 3)
+    with pytest.raises(ValueError):
+        grouped_auc(y, s, g, "median")
+
+
+def test_easyrec_gauc_metric_sets_the_grouping_column_and_reduction():
+    """EasyRec's eval_config.metrics_set { gauc { uid_field reduction } } (or a task
+    tower's) asks for the same GAUC as TorchEasyRec's grouped_auc, with its reduction."""
+    from odl.config.config_error import ConfigError
+    from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
+    from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
+    from odl.features.feature_builder import FeatureBuilder
+    from tests.harness import load_config_text, synthetic_records
+
+    base = deepfm_config_text("/tmp/odl-gauc-unused", dim=8, buckets=50)
+    text = base + ('\neval_config { metrics_set { auc {} } metrics_set { gauc { '
+                   'uid_field: "C9" reduction: "mean_by_sample_num" } } }\n')
+    config = load_config_text(text)
+    assert grouped_auc_field(config) == "C9"
+    assert grouped_auc_reduction(config) == "mean_by_sample_num"
+    built = FeatureBuilder(config).build(synthetic_records(50)).batch
+    assert built.group_keys is not None and built.group_keys.shape == (50,)
+    assert grouped_auc_reduction(load_config_text(base)) == "mean"  # nothing asked
+    bad = text.replace('"mean_by_sample_num"', '"median"')
+    with pytest.raises(ConfigError) as e:
+        load_config_text(bad)
+    assert e.value.field == "eval_config.metrics_set[1].gauc.reduction"
+    # a multi-task tower's metrics_set works the same; two reductions conflict
+    mt = as_model_config_text(base, "MMoE").replace(
+        'tower_name: "cvr" label_name: "buy"',
+        'tower_name: "cvr" label_name: "buy" metrics_set { gauc { uid_field: "C9" } }')
+    assert grouped_auc_reduction(load_config_text(mt)) == "mean"
+    with pytest.raises(ConfigError) as e:
+        load_config_text(mt + '\neval_config { metrics_set { gauc { uid_field: "C9" '
+                              'reduction: "mean_by_positive_num" } } }\n')
+    assert "one GAUC reduction per model" in str(e.value)

@@ -53,7 +53,7 @@ from odl.config.field_formats import (
     path_scheme,
 )
 from odl.config.loss_settings import validate_loss_settings
-from odl.config.metric_settings import grouped_auc_field
+from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
 from odl.config.model_classes import is_multi_task_model
 from odl.config.model_validation import validate_features, validate_model
 from odl.protos import pipeline_pb2
@@ -106,6 +106,7 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
     validate_feature_settings(config)
     validate_loss_settings(config)
     grouped_auc_field(config)
+    grouped_auc_reduction(config)
     checked = with_vocabularies_as_buckets(config)
     features = validate_features(checked, fields)
     validate_model(checked, features)

@@ -217,8 +217,6 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
                                frozenset()),
         "max_evals": ("odl evaluates at every checkpoint while it trains", frozenset()),
         "save_graph": ("no TensorFlow graph", frozenset()),
-        "metrics_set": ("each evaluation reports AUC and logloss (and GAUC with a grouped_auc "
-                        "metric)", frozenset()),
         "eval_online": ("the progressive metrics score every training batch before it is "
                         "trained on", frozenset()),
         # TorchEasyRec's EvalConfig
@@ -238,9 +236,12 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     "TaskTower": {
         "train_metrics": ("odl reports progressive AUC and logloss per task (/status, "
                           "/metrics)", frozenset()),
-        "metrics_set": ("odl reports progressive AUC and logloss per task (/status, /metrics); "
-                        "other metrics are not computed", frozenset()),
     },
+    "EvalMetrics": {name: ("odl reports AUC, logloss and (gauc) GAUC; other metrics are not "
+                           "computed", frozenset())
+                    for name in ("recall_at_topk", "mean_absolute_error", "mean_squared_error",
+                                 "accuracy", "max_f1", "root_mean_squared_error",
+                                 "session_auc", "recall", "precision", "precision_at_topk")},
     "MetricConfig": {name: ("odl reports progressive AUC, logloss and (grouped_auc) GAUC; "
                             "other metrics are not computed", frozenset())
                      for name in ("multiclass_auc", "recall_at_k", "mean_absolute_error",
@@ -666,10 +667,6 @@ def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:
         raise ConfigError("model_config.num_class",
                           f"num_class {mc.num_class} is an EasyRec value that odl does not "
                           "implement yet (only 1: binary classification)")
-    if mc.loss_weight_strategy == pipeline_pb2.EasyRecModel.Random:
-        raise ConfigError("model_config.loss_weight_strategy",
-                          "Random is an EasyRec value that odl does not implement yet (Fixed, "
-                          "Uncertainty)")
     dc = config.data_config
     if dc.fg_mode == pipeline_pb2.DatasetConfig.FG_BUCKETIZE:
         raise ConfigError("data_config.fg_mode",

@@ -26,6 +26,12 @@ logits ``s`` and 0/1 labels ``y``, as EasyRec computes them (``easy_rec/python/l
   ``w``, or with ``ohem_ratio < 1`` the mean of the positive values among the largest
   ``round(ohem_ratio * pairs)``.
 
+Term weights: each term's ``weight`` (times a multi-task tower's ``weight``), or with
+``loss_weight_strategy: Uncertainty`` a learned weight for the ``learn_loss_weight`` terms,
+or with ``Random`` (EasyRec's) a fresh draw at every step of ``softmax(N(0, 1))`` over the
+model's terms (:func:`random_loss_weights`; one term alone weighs 1), replacing the configured
+weights.
+
 A pairwise term of a batch without a pair is 0. The model's regularization terms are added
 by the model (``odl.models.deepfm``, ``odl.models.tower_models``). The predictions reported
 and served are ``sigmoid(s)`` for every loss, ``L2_LOSS`` included (EasyRec serves ``s``
@@ -58,6 +64,25 @@ def learned_weight_terms(model_config: pipeline_pb2.EasyRecModel,
     return [uncertainty and bool(t.learn_loss_weight) for t in terms]
 
 
+def random_loss_weights(model_config: pipeline_pb2.EasyRecModel, count: int,
+                        like: torch.Tensor) -> torch.Tensor | None:
+    """This step's term weights under EasyRec's ``Random`` strategy, else None.
+
+    Args:
+        model_config: the model config (its ``loss_weight_strategy``).
+        count: the model's loss terms (every task's, for a multi-task model).
+        like: a tensor of the device and dtype wanted.
+
+    Returns:
+        ``softmax`` of ``count`` standard normal draws (``[1.0]`` for one term), or None.
+    """
+    if model_config.loss_weight_strategy != pipeline_pb2.EasyRecModel.Random:
+        return None
+    if count <= 1:
+        return like.new_ones(max(count, 1))
+    return torch.softmax(torch.randn(count, device=like.device, dtype=like.dtype), dim=0)
+
+
 def add_loss_weights(dense: nn.Module, count: int) -> None:
     """Registers ``count`` learned loss weights as ``dense.loss_uncertainty`` (from 0).
 
@@ -72,7 +97,8 @@ def add_loss_weights(dense: nn.Module, count: int) -> None:
 def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb2.Loss],
              sample_weights: torch.Tensor | None = None, scale: float = 1.0,
              learned: list[bool] | None = None,
-             uncertainty: torch.Tensor | None = None) -> torch.Tensor:
+             uncertainty: torch.Tensor | None = None,
+             term_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted sum of the loss terms (module docstring).
 
     Args:
@@ -86,6 +112,8 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
         learned: per term, whether its weight is learned (:func:`learned_weight_terms`).
         uncertainty: the learned terms' ``u``, one per learned term in order: the term
             becomes ``exp(-u) * v + u / 2`` (``0.5 * exp(-u) * v + u / 2`` for L2 losses).
+        term_weights: per term, its weight in place of ``scale * weight`` (the ``Random``
+            strategy's draw, :func:`random_loss_weights`), or None.
 
     Returns:
         Scalar loss.
@@ -101,7 +129,10 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
         else:
             value = (_pointwise(logits, labels, term) * sample_weights).sum() / (
                 sample_weights.sum().clamp_min(1e-12))
-        value = float(scale) * float(term.weight) * value
+        if term_weights is not None:
+            value = term_weights[i] * value
+        else:
+            value = float(scale) * float(term.weight) * value
         if learned is not None and learned[i] and uncertainty is not None:
             u = uncertainty[k]
             k += 1

@@ -50,6 +50,7 @@ from odl.models.ctr_losses import (
     learned_weight_terms,
     linear_kernel_l2,
     loss_terms,
+    random_loss_weights,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import DEEP_INIT_STD, EmbeddingLayout
@@ -294,6 +295,7 @@ def deepfm_loss(
     terms: list[pipeline_pb2.Loss],
     learned: list[bool] | None = None,
     deep_lookups: int | None = None,
+    term_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The prediction loss plus DeepFM's regularization (module docstring).
 
@@ -308,12 +310,14 @@ def deepfm_loss(
         learned: per term, whether its weight is learned (``dense.loss_uncertainty``).
         deep_lookups: lookups in ``deep`` per sample (sequence positions included);
             None: ``dense.num_deep``.
+        term_weights: the terms' weights of this step (the ``Random`` strategy), or None.
 
     Returns:
         Scalar loss.
     """
     loss = ctr_loss(logits, labels, terms, learned=learned,
-                    uncertainty=getattr(dense, "loss_uncertainty", None))
+                    uncertainty=getattr(dense, "loss_uncertainty", None),
+                    term_weights=term_weights)
     if weights.l2:
         loss = loss + weights.l2 * linear_kernel_l2(dense)
     deep_lookups = dense.num_deep if deep_lookups is None else deep_lookups
@@ -405,6 +409,7 @@ class DeepFM(CtrModel):
         )
         self.output_names = (output_name,)
         self.regularization = DeepFMRegularization.from_config(model_config)
+        self.model_config = model_config
         self.loss_terms = loss_terms(model_config)
         self.learned = learned_weight_terms(model_config, self.loss_terms)
         add_loss_weights(self.dense, sum(self.learned))
@@ -422,4 +427,7 @@ class DeepFM(CtrModel):
         deep, wide = output.pooled
         return deepfm_loss(output.logits, batch.labels, deep, wide, self.dense,
                            self.regularization, self.loss_terms, self.learned,
-                           deep_lookups=len(self.pooled_layout[0].lookups))
+                           deep_lookups=len(self.pooled_layout[0].lookups),
+                           term_weights=random_loss_weights(self.model_config,
+                                                            len(self.loss_terms),
+                                                            output.logits))

@@ -59,6 +59,7 @@ from odl.models.ctr_losses import (
     learned_weight_terms,
     linear_kernel_l2,
     loss_terms,
+    random_loss_weights,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
@@ -258,6 +259,7 @@ class MultiTaskModel(CtrModel):
         self.output_labels = tuple(int(c) for c in label_columns)
         self.task_weights = [float(t.weight) for t in settings.task_towers]
         self.task_terms = [loss_terms(t) for t in settings.task_towers]
+        self.model_config = model_config
         self.task_learned = [learned_weight_terms(model_config, terms)
                              for terms in self.task_terms]
         # each task's learned weights: a slice of dense.loss_uncertainty
@@ -285,7 +287,12 @@ class MultiTaskModel(CtrModel):
         logits = output.logits if output.logits.dim() == 2 else output.logits.unsqueeze(1)
         labels = batch.labels if batch.labels.dim() == 2 else batch.labels.unsqueeze(1)
         loss = logits.new_zeros(())
+        drawn = random_loss_weights(self.model_config, sum(len(x) for x in self.task_terms),
+                                    logits)
+        first = 0
         for t, (w, terms) in enumerate(zip(self.task_weights, self.task_terms, strict=True)):
+            term_weights = None if drawn is None else drawn[first : first + len(terms)]
+            first += len(terms)
             weights = None
             space = self.task_spaces[t]
             if space is not None:
@@ -297,7 +304,7 @@ class MultiTaskModel(CtrModel):
                 uncertainty = uncertainty[self.task_learned_start[t]:]
             loss = loss + ctr_loss(logits[:, t], labels[:, self.output_labels[t]], terms,
                                    weights, scale=w, learned=self.task_learned[t],
-                                   uncertainty=uncertainty)
+                                   uncertainty=uncertainty, term_weights=term_weights)
         if self.l2:
             loss = loss + self.l2 * linear_kernel_l2(self.dense)
         (pooled,) = output.pooled

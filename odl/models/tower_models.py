@@ -58,6 +58,7 @@ from odl.models.ctr_losses import (
     learned_weight_terms,
     linear_kernel_l2,
     loss_terms,
+    random_loss_weights,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout
@@ -240,6 +241,7 @@ class TowerModel(CtrModel):
         self.embedding_regularization = float(model_config.embedding_regularization)
         self.loss_terms = loss_terms(model_config)
         self.learned = learned_weight_terms(model_config, self.loss_terms)
+        self.model_config = model_config
         add_loss_weights(self.dense, sum(self.learned))
 
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
@@ -253,7 +255,9 @@ class TowerModel(CtrModel):
             Scalar loss.
         """
         loss = ctr_loss(output.logits, batch.labels, self.loss_terms, learned=self.learned,
-                        uncertainty=getattr(self.dense, "loss_uncertainty", None))
+                        uncertainty=getattr(self.dense, "loss_uncertainty", None),
+                        term_weights=random_loss_weights(self.model_config,
+                                                         len(self.loss_terms), output.logits))
         if self.l2:
             sq = linear_kernel_l2(self.dense) + sum(
                 m.weights.square().sum() for m in self.dense.modules() if isinstance(m, CrossNet))

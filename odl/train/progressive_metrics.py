@@ -42,11 +42,14 @@ class ProgressiveMetrics:
     Args:
         window: number of most recent samples in the window.
         grouped: keep the samples' group keys for GAUC.
+        gauc_reduction: how GAUC averages the groups (``odl.auc.grouped_auc``).
     """
 
-    def __init__(self, window: int = 100000, grouped: bool = False) -> None:
+    def __init__(self, window: int = 100000, grouped: bool = False,
+                 gauc_reduction: str = "mean") -> None:
         self.window = max(1, int(window))
         self.grouped = bool(grouped)
+        self.gauc_reduction = gauc_reduction
         # the window's group keys (GAUC), when a grouping column is configured
         self._groups = np.zeros(self.window if grouped else 0, dtype=np.int64)
         self._probs = np.zeros(self.window, dtype=np.float64)
@@ -104,7 +107,8 @@ class ProgressiveMetrics:
         if not self.grouped:
             return float("nan")
         f = self._filled
-        return grouped_auc(self._labels[:f], self._probs[:f], self._groups[:f])
+        return grouped_auc(self._labels[:f], self._probs[:f], self._groups[:f],
+                           self.gauc_reduction)
 
     def window_auc(self) -> float:
         """AUC over the window (NaN until both classes were seen)."""
@@ -163,7 +167,8 @@ class TaskMetrics:
     def __init__(self, outputs: list[tuple[str, int]], first: ProgressiveMetrics,
                  window: int) -> None:
         self.outputs = list(outputs)
-        self.metrics = {name: first if i == 0 else ProgressiveMetrics(window, first.grouped)
+        self.metrics = {name: first if i == 0 else ProgressiveMetrics(window, first.grouped,
+                                                                    first.gauc_reduction)
                         for i, (name, _col) in enumerate(self.outputs)}
 
     def update(self, probs: np.ndarray, labels: np.ndarray,

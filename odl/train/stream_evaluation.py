@@ -33,6 +33,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from odl.auc import grouped_auc, roc_auc
 from odl.config.field_formats import parse_offset_info, parse_offset_time
+from odl.config.metric_settings import grouped_auc_reduction
 from odl.features.feature_builder import FeatureBuilder
 from odl.inputs.kafka_source import start_positions_from_config
 from odl.kafka.client_settings import consumer_config
@@ -71,6 +72,7 @@ class StreamEvaluator:
         self._outputs = list(outputs)
         self._batch_size = max(1, int(config.data_config.batch_size))
         self._limit = int(config.eval_config.num_examples)
+        self._gauc_reduction = grouped_auc_reduction(config)
         self._consumer = Consumer(consumer_config(ks.server, ks.group + "-eval",
                                                   dict(ks.kafka_config)))
         self._positions: dict[int, int] = {int(p): int(o) for p, o in (positions or {}).items()}
@@ -211,14 +213,14 @@ class StreamEvaluator:
                     f" gauc {result['gauc']}" if "gauc" in result else "", result["seconds"])
         return result
 
-    @staticmethod
-    def _scores(probs: np.ndarray, labels: np.ndarray,
+    def _scores(self, probs: np.ndarray, labels: np.ndarray,
                 groups: Optional[np.ndarray]) -> dict[str, Any]:
         out = {"auc": _round(roc_auc(labels > 0.5, probs)),
                "logloss": _round(log_loss(probs, labels)),
                "positive_rate": _round(float(np.mean(labels)))}
         if groups is not None:
-            out["gauc"] = _round(grouped_auc(labels > 0.5, probs, groups))
+            out["gauc"] = _round(grouped_auc(labels > 0.5, probs, groups,
+                                             self._gauc_reduction))
         return out
 
     def close(self) -> None:

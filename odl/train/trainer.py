@@ -38,7 +38,7 @@ import numpy as np
 
 from odl.checkpoint.checkpoint_manager import CheckpointError, CheckpointManager
 from odl.config.config_redaction import config_to_text
-from odl.config.metric_settings import grouped_auc_field
+from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
 from odl.features.feature_builder import FeatureBuilder
 from odl.http.server import BackgroundHttpServer
 from odl.inputs.batch_prefetcher import PreparedBatch
@@ -148,7 +148,8 @@ class Trainer:
         self.metrics = TrainerMetrics()
         # GAUC beside AUC when a grouped_auc metric names a grouping column
         self.progress = ProgressiveMetrics(tc.metrics_window_samples,
-                                           grouped=bool(grouped_auc_field(config)))
+                                           grouped=bool(grouped_auc_field(config)),
+                                           gauc_reduction=grouped_auc_reduction(config))
         fs = config.file_stream_input
         file_stream = options.online and config.HasField("file_stream_input")
         self.passes = (PassMetrics(fs.split_interval, fs.split_per_pass,
