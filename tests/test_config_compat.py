@@ -204,10 +204,13 @@ def test_sample_configs_that_load_train(name: str) -> None:
 def test_sample_configs_export_and_serve_to_parity(name: str, tmp_path) -> None:
     """An export of each trained sample predicts, in serving (its TorchScript dense part and
     serving's own lookups), what the trainer predicts."""
+    import json
+
     import numpy as np
 
     from odl.checkpoint.checkpoint_manager import CheckpointManager
     from odl.config.config_redaction import config_to_text
+    from odl.config.feature_configs import feature_configs as fb_features
     from odl.export.exporter import export_checkpoint
     from odl.features.feature_builder import FeatureBuilder
     from odl.train.train_module import TrainModule
@@ -226,9 +229,28 @@ def test_sample_configs_export_and_serve_to_parity(name: str, tmp_path) -> None:
     export = export_checkpoint(config, path, str(tmp_path / "exports"),
                                warn_without_topic=False).path
     served = ServingModel.load(os.path.dirname(export))
+    with open(os.path.join(export, "assets", "fg.json"), encoding="utf-8") as f:
+        fg = {e["feature_name"]: e for e in json.load(f)["features"]}
+    for fc in fb_features(config):  # fg.json keeps the config's names and expressions
+        want = fc.fg_expression or f"user:{fc.input_names[0]}"
+        if len(fc.input_names) > 1:  # a ComboFeature: one expression per input
+            want = [f"user:{c}" for c in fc.input_names]
+        assert fg[fc.feature_name]["expression"] == want, fc.feature_name
     values = _records(config, 200, seed=99)
     want = module.predict(fb.build(values).batch)
     got, rejected = served.predict_values(values)
     assert rejected == []
     assert np.asarray(got).shape == np.asarray(want).shape
     assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-6
+
+
+def test_torcheasyrec_expressions_reach_the_exports_fg_json() -> None:
+    """TorchEasyRec's id_feature { expression: "item:adgroup_id" } keeps its side."""
+    from odl.export.fg_json import fg_json_of
+
+    config = try_load.load_one(os.path.join(_HERE, "torcheasyrec/multi_tower_taobao.config"),
+                               "torcheasyrec")
+    fg = {e["feature_name"]: e for e in fg_json_of(config)["features"]}
+    assert fg["adgroup_id"]["expression"] == "item:adgroup_id"
+    assert fg["user_id"]["expression"] == "user:user_id"
+    assert fg["adgroup_id"]["feature_type"] == "id_feature"

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import numpy as np
 import pytest
 
 from odl.checkpoint.file_digest import sha256_file
 from odl.cli import export_cli
+from odl.config.feature_configs import feature_configs
 from odl.export.exporter import ExportError, export_checkpoint
 from odl.models.embedding_tables import WIDE_SUFFIX
 from publisher.id_maps import read_id_maps, write_id_maps
@@ -83,6 +85,20 @@ def test_export_contents(trained, tmp_path):
     sig = json.loads(open(os.path.join(res.path, "serving_model.json")).read())
     assert sig["global_step"] == trained.module.global_step
     assert sig["generation"] == "gen0"
+    # the features in fg.json form, named as in the config
+    fg = json.loads(open(os.path.join(res.path, "assets", "fg.json")).read())
+    fcs = feature_configs(trained.config)
+    assert [f["feature_name"] for f in fg["features"]] == [fc.feature_name for fc in fcs]
+    c1 = next(f for f in fg["features"] if f["feature_name"] == "C1")
+    assert c1["feature_type"] == "id_feature" and c1["expression"] == "user:C1"
+    assert c1["hash_bucket_size"] == 500 and c1["embedding_dim"] == 8
+    assert fg["reserves"][0] == trained.config.data_config.label_fields[0]
+    # an fg.json given as an asset is exported instead
+    own = tmp_path / "fg.json"
+    own.write_text('{"features": []}')
+    res2 = export_checkpoint(trained.config, trained.path, str(tmp_path / "exp2"),
+                             asset_files=[str(own)], now=time.time() + 5)
+    assert open(os.path.join(res2.path, "assets", "fg.json")).read() == '{"features": []}'
 
 
 def test_export_uses_publisher_id_maps_and_rejects_mismatch(trained, tmp_path):

@@ -631,6 +631,8 @@ def _flatten_torcheasyrec_feature(path: str, fc: pipeline_pb2.FeatureConfig) -> 
             setattr(fc, name, getattr(tz, name))
     column = tz.expression.split(":", 1)[-1].strip() if tz.expression else tz.feature_name
     fc.input_names.append(column)
+    if tz.expression:
+        fc.fg_expression = tz.expression
     if kind == "id_feature" and tz.HasField("pooling"):
         fc.combiner = tz.pooling
     if kind == "raw_feature":

@@ -17,7 +17,9 @@ On-disk layout of one export (``<export_dir>/<unix-seconds>/``; names in
                                       the offset from which replay continues this base
         pipeline.config               the effective pipeline config, secrets redacted,
                                       vocab_file entries written as vocab_list
-        assets/<name>                 copies of --asset_files (e.g. fg.json)
+        assets/<name>                 copies of --asset_files
+        assets/fg.json                the features in fg.json form (odl.export.fg_json),
+                                      unless --asset_files gives an fg.json
         embeddings/                   (here unless --oss_path was given)
           MANIFEST.json               {"format": 1, "tables": {"<table>": {
                                           "id": int, "rows": int, "dim": int,
@@ -118,6 +120,7 @@ from odl.export.export_layout import (
     SHARD_FILE,
     temporary_export_name,
 )
+from odl.export.fg_json import FG_JSON_NAME, fg_json_of
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import CtrModel
 from odl.models.dynamic_table import DynamicTables
@@ -462,10 +465,11 @@ def export_checkpoint(
         })
         write_durable(os.path.join(tmp, CONFIG_FILE),
                       config_to_text(with_vocab_files_inlined(config)).encode())
-        if asset_files:
-            os.makedirs(os.path.join(tmp, ASSETS_DIR))
-            for a in asset_files:
-                write_durable(os.path.join(tmp, ASSETS_DIR, basename(a)), file_store.read_bytes(a))
+        os.makedirs(os.path.join(tmp, ASSETS_DIR))
+        for a in asset_files:
+            write_durable(os.path.join(tmp, ASSETS_DIR, basename(a)), file_store.read_bytes(a))
+        if FG_JSON_NAME not in {basename(a) for a in asset_files}:  # the given one wins
+            write_json_durable(os.path.join(tmp, ASSETS_DIR, FG_JSON_NAME), fg_json_of(config))
         files = {}
         for root, _dirs, names in os.walk(tmp):
             for n in sorted(names):
