@@ -7,7 +7,8 @@ training model's ``pooled_layout``), one ``torch.nn.functional.embedding_bag`` o
 of all its lookups (sum or mean pooling, as each table's combiner; ``_LookupGroup``) gives
 the ``[B, n_lookups * dim]`` tensor training feeds the dense part; ``dense_model.pt`` - the
 training model's own dense module, scripted - maps those tensors and the raw dense features
-to logits, then a sigmoid. There is no serving copy of the model's math.
+to logits, then ``odl.models.ctr_model.predictions`` (a sigmoid, or the logit itself for a
+regression output). There is no serving copy of the model's math.
 
 Updates: ``apply_version`` checks a whole ``DeltaVersion`` first (known table and variable
 ids, dims, shapes, row ids in range, room in dynamic tables) and only then copies it in under
@@ -37,8 +38,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from odl.config.loss_settings import regression_outputs
 from odl.features.batch import Batch
 from odl.features.raw_id_index import RawIdIndex, drop_unmapped
+from odl.models.ctr_model import predictions
 from odl.protos import pipeline_pb2
 from publisher.delta_format import DeltaVersion
 from serving_plugin.export_reader import ExportContents, ExportLoadError, read_export
@@ -108,6 +111,8 @@ class ServingModel:
         self.id_maps = export.id_maps
         self.lock = threading.Lock()
         self.outputs = tuple(export.outputs)
+        # per output: a regression answers its logit, the others sigmoid(logit)
+        self.regression = regression_outputs(export.config)
         dc = export.config.data_config
         self._labels = list(dc.label_fields)
         self._fields = [f.input_name for f in dc.input_fields]
@@ -237,7 +242,7 @@ class ServingModel:
         with self.lock:
             logits = self._forward(batch)
             version, generation = self.state.version, self.state.generation
-        return torch.sigmoid(logits).to(torch.float64).numpy(), version, generation
+        return predictions(logits, self.regression), version, generation
 
     @torch.no_grad()
     def predict_values(self, values: Sequence[bytes]) -> tuple[np.ndarray,

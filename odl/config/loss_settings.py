@@ -1,7 +1,9 @@
-"""Checks of the settings of the loss terms F1_REWEIGHTED_LOSS and PAIRWISE_FOCAL_LOSS.
+"""Loss-term settings: their checks, and which outputs are regressions.
 
-``f1_reweighted_loss`` and ``pairwise_focal_loss`` of the model's ``losses`` and of every
-task tower's.
+Checks ``f1_reweighted_loss`` and ``pairwise_focal_loss`` of the model's ``losses`` and of
+every task tower's; :func:`regression_outputs` says which outputs predict a value (all their
+terms ``L2_LOSS``) rather than a probability, and :func:`real_valued_labels` which label
+columns may then hold any number.
 
 The formulas are :mod:`odl.models.ctr_losses`'s; the other loss terms' settings are checked by
 :func:`odl.config.model_validation.validate_model`. EasyRec's ``JRC_LOSS`` stays refused
@@ -14,9 +16,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from odl.config.config_error import ConfigError
+from odl.config.model_classes import is_multi_task_model, task_label_names
 from odl.protos import pipeline_pb2
 
-__all__ = ["POINTWISE_LOSS_TYPES", "loss_entries", "validate_loss_settings"]
+__all__ = ["POINTWISE_LOSS_TYPES", "loss_entries", "real_valued_labels",
+           "regression_outputs", "validate_loss_settings"]
 
 _L = pipeline_pb2
 # loss types computed per sample, which per-sample weights (a task's sample space) apply to
@@ -42,6 +46,51 @@ def loss_entries(config: pipeline_pb2.EasyRecConfig) -> Iterator[tuple[str, pipe
         for t, task in enumerate(getattr(mc, field).task_towers):
             for i, loss in enumerate(task.losses):
                 yield f"model_config.{field}.task_towers[{t}].losses[{i}]", loss
+
+
+def _output_terms(config: pipeline_pb2.EasyRecConfig) -> list[list[int]]:
+    """Per model output (the model's one, or each task tower's), its loss types."""
+    mc = config.model_config
+    for field in ("mmoe", "dbmtl"):
+        if mc.HasField(field):
+            return [[t.loss_type for t in task.losses] or [task.loss_type]
+                    for task in getattr(mc, field).task_towers]
+    return [[t.loss_type for t in mc.losses] or [mc.loss_type]]
+
+
+def regression_outputs(config: pipeline_pb2.EasyRecConfig) -> list[bool]:
+    """Per model output, whether it is a regression: every loss term of it is ``L2_LOSS``.
+
+    A regression output predicts its logit itself (EasyRec's ``y`` for ``L2_LOSS``) and
+    trains on real-valued labels; every other output predicts ``sigmoid(logit)``, a
+    probability, of 0/1 labels.
+
+    Args:
+        config: a config.
+
+    Returns:
+        One flag per output, in output order.
+    """
+    return [all(t == _L.L2_LOSS for t in terms) for terms in _output_terms(config)]
+
+
+def real_valued_labels(config: pipeline_pb2.EasyRecConfig) -> set[str]:
+    """The label columns that only regression outputs read (any finite number is a label).
+
+    Args:
+        config: a config.
+
+    Returns:
+        Label field names; the others must hold 0 or 1.
+    """
+    labels = list(config.data_config.label_fields)
+    if not labels:
+        return set()
+    mc = config.model_config
+    names = (task_label_names(mc, labels) if is_multi_task_model(mc) else labels[:1])
+    flags = regression_outputs(config)
+    real = {n for n, f in zip(names, flags, strict=False) if f}
+    return real - {n for n, f in zip(names, flags, strict=False) if not f}
 
 
 def validate_loss_settings(config: pipeline_pb2.EasyRecConfig) -> None:

@@ -58,6 +58,8 @@ OSS too (``odl.checkpoint.checkpoint_manager``), and so may ``--asset_files``.
      "pooled_inputs": [{"name": str, "lookups": [[feature, table], ...], "dim": int,
                         "dims": [int, ...]}, ...],
      "outputs": [str, ...],
+     "output_kinds": ["probability" | "value", ...],   (per output: sigmoid(logit), or the
+                                                       logit of a regression output)
      "dense_features": [str, ...], "sparse_features": [str, ...],
      "tables": {"<table>": {"rows": int, "dim": int, "pooling": "sum"|"mean",
                             "dynamic": bool}},
@@ -105,6 +107,7 @@ from odl.checkpoint.checkpoint_manager import read_checkpoint, resolve_checkpoin
 from odl.checkpoint.file_digest import sha256_file
 from odl.config.config_redaction import config_to_text
 from odl.config.feature_settings import with_vocab_files_inlined
+from odl.config.loss_settings import regression_outputs
 from odl.export.dense_export import script_dense
 from odl.export.export_layout import (
     ASSETS_DIR,
@@ -280,7 +283,8 @@ def _new_export_name(export_dir: str, now: float) -> str:
     return str(ts)
 
 
-def _signature(model: CtrModel, fb: FeatureBuilder, global_step: int, generation: str,
+def _signature(config: pipeline_pb2.EasyRecConfig, model: CtrModel, fb: FeatureBuilder,
+               global_step: int, generation: str,
                checkpoint: str, now: float, embeddings_ref: str,
                table_shapes: Mapping[str, tuple[int, int]],
                table_pooling: Mapping[str, str], raw_ids: Mapping[str, np.ndarray]) -> dict:
@@ -298,6 +302,8 @@ def _signature(model: CtrModel, fb: FeatureBuilder, global_step: int, generation
         "pooled_inputs": [{"name": g.name, "lookups": [[f, t] for f, t in g.lookups],
                            "dim": g.dim, "dims": list(g.dims)} for g in model.pooled_layout],
         "outputs": list(model.output_names),
+        "output_kinds": ["value" if r else "probability"
+                         for r in regression_outputs(config)],
         "dense_features": fb.dense_feature_names,
         "sparse_features": fb.sparse_feature_names,
         "tables": {n: {"rows": r, "dim": d, "pooling": table_pooling[n],
@@ -451,7 +457,7 @@ def export_checkpoint(
         torch.jit.save(script_dense(model), os.path.join(tmp, DENSE_MODEL_FILE))
         ckpt_ref = ckpt_dir if is_remote(ckpt_dir) else os.path.abspath(ckpt_dir)
         write_json_durable(os.path.join(tmp, SERVING_MODEL_FILE), _signature(
-            model, fb, ckpt.global_step, ckpt.manifest.get("generation", ""),
+            config, model, fb, ckpt.global_step, ckpt.manifest.get("generation", ""),
             ckpt_ref, now, emb_ref, table_shapes, table_pooling, raw_ids))
         if id_src is not None:
             for fname in (DENSE_UPDATE_VARIABLES, EMBED_NAME_TO_IDS):

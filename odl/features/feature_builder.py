@@ -87,6 +87,7 @@ from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import DynamicTableSpec, dynamic_table_spec
 from odl.config.feature_configs import feature_configs
 from odl.config.feature_settings import has_vocabulary, normalizes, read_vocabulary
+from odl.config.loss_settings import real_valued_labels
 from odl.config.metric_settings import grouped_auc_field
 from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments, pack_strings
 from odl.features.raw_id_index import RAW_ID_MASK
@@ -480,6 +481,7 @@ class FeatureBuilder:
             max_record_bytes=max_record_bytes,
             list_separators=list_seps,
             numeric_fields=list(dict.fromkeys(numeric_fields)),
+            real_labels=sorted(real_valued_labels(pipeline_config)),
         )
         self._seps = sorted({sp.separator for sp in self._sparse if sp.separator
                              and sp.kind in ("hash", "int", "vocab", "bucket")}

@@ -22,7 +22,8 @@ Rules:
 * Numbers: INT32 / INT64 fields must hold integers (``"3.0"`` is ``bad_number``); FLOAT /
   DOUBLE anything numpy parses as a float; NaN / inf are ``non_finite``. BOOL accepts
   ``0/1/true/false`` (any case).
-* Labels must be 0 or 1 (an empty label is ``bad_label``).
+* Labels must be 0 or 1 (an empty label is ``bad_label``), except the ``real_labels`` (a
+  regression output's), which may hold any finite number.
 * JSON strings must be encodable as UTF-8: a lone surrogate (``"\ud800"``) is
   ``invalid_utf8``, like invalid bytes in a CSV record.
 
@@ -196,6 +197,7 @@ class RecordParser:
         list_separators: field name -> separator used to join a JSON list in that field.
         numeric_fields: numeric fields to parse and validate (default: every field whose
             ``input_type`` is numeric, plus the labels).
+        real_labels: label fields that may hold any finite number (not only 0 / 1).
     """
 
     def __init__(
@@ -204,7 +206,9 @@ class RecordParser:
         max_record_bytes: int = DEFAULT_MAX_RECORD_BYTES,
         list_separators: Mapping[str, str] | None = None,
         numeric_fields: Sequence[str] | None = None,
+        real_labels: Sequence[str] = (),
     ) -> None:
+        self._real_labels = set(real_labels)
         self._fields = [f.input_name for f in data_config.input_fields]
         if not self._fields:
             raise ValueError("data_config.input_fields is empty")
@@ -516,7 +520,7 @@ class RecordParser:
                 _mark(row_reason, ~good[k], 1)
                 if kind != "int":
                     _mark(row_reason, ~np.isfinite(v[k]), 2)
-                if is_label:
+                if is_label and name not in self._real_labels:
                     _mark(row_reason, (v[k] != 0) & (v[k] != 1), 3)
                 numeric[name] = v[k]
         ok = row_reason == 0

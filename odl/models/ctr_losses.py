@@ -34,8 +34,9 @@ weights.
 
 A pairwise term of a batch without a pair is 0. The model's regularization terms are added
 by the model (``odl.models.deepfm``, ``odl.models.tower_models``). The predictions reported
-and served are ``sigmoid(s)`` for every loss, ``L2_LOSS`` included (EasyRec serves ``s``
-itself there; ``sigmoid`` keeps the order, so AUC is the same).
+and served are ``sigmoid(s)``, except for an output whose every term is ``L2_LOSS`` (a
+regression, ``odl.config.loss_settings.regression_outputs``), which predicts ``s`` itself
+as EasyRec does, from real-valued labels.
 """
 
 from __future__ import annotations

@@ -25,6 +25,11 @@ Usually every lookup of a group has the same width, ``g.dim``; a group of mixed 
 (e.g. a WideAndDeep deep group of 16- and 32-wide features, which EasyRec concatenates) has
 ``g.dim == 0`` and its widths in ``g.lookup_dims``.
 
+Predictions: ``predictions(logits, regression)`` turns the logits into what training
+reports and serving answers, ``sigmoid(logit)`` per output, or the logit itself for a
+regression output (``odl.config.loss_settings.regression_outputs``: every loss term of the
+output is ``L2_LOSS``).
+
 ``CtrModel.forward(batch)`` is the lookup (``lookup``: the EBC, then the columns rearranged
 into the declared layout) followed by ``model.dense``; it returns a ``ModelOutput`` with the
 logits and the pooled groups. ``model.loss(output, batch)`` computes the training loss from
@@ -44,6 +49,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -51,7 +57,30 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.features.batch import Batch
 
+if TYPE_CHECKING:
+    import numpy as np
+
 logger = logging.getLogger(__name__)
+
+
+def predictions(logits: torch.Tensor, regression: Sequence[bool] = ()) -> np.ndarray:
+    """The predictions of logits: ``sigmoid``, or the logit for a regression output.
+
+    Args:
+        logits: ``[B]`` (one output) or ``[B, n]`` logits.
+        regression: per output, whether it is a regression (empty: none is).
+
+    Returns:
+        float64 ``[B]`` or ``[B, n]`` predictions, on the CPU.
+    """
+    out = torch.sigmoid(logits)
+    if any(regression):
+        if logits.dim() == 1:
+            out = logits
+        else:
+            mask = torch.tensor(list(regression), dtype=torch.bool, device=logits.device)
+            out = torch.where(mask.unsqueeze(0), logits, out)
+    return out.to(torch.float64).cpu().numpy()
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,11 @@ Two views are kept:
   is configured (``grouped_auc``), GAUC over the window (``odl.auc.grouped_auc``);
 * running totals over everything seen since start (AUC from a 10,000-bin histogram of the
   predicted probability per label, accurate to about 1e-4, plus exact mean logloss).
+
+A regression output (``odl.config.loss_settings.regression_outputs``) is scored by the mean
+squared error of its predicted values instead (``mse``: the window's, ``mse_total``: since
+start); its AUC and logloss are not defined (``None``), and ``positive_rate`` is the window's
+mean label.
 """
 
 from __future__ import annotations
@@ -43,18 +48,22 @@ class ProgressiveMetrics:
         window: number of most recent samples in the window.
         grouped: keep the samples' group keys for GAUC.
         gauc_reduction: how GAUC averages the groups (``odl.auc.grouped_auc``).
+        regression: score predicted values by squared error (module docstring).
     """
 
     def __init__(self, window: int = 100000, grouped: bool = False,
-                 gauc_reduction: str = "mean") -> None:
+                 gauc_reduction: str = "mean", regression: bool = False) -> None:
         self.window = max(1, int(window))
-        self.grouped = bool(grouped)
+        self.regression = bool(regression)
+        self.grouping = bool(grouped)  # asked for; a regression has no GAUC
+        self.grouped = self.grouping and not self.regression
         self.gauc_reduction = gauc_reduction
         # the window's group keys (GAUC), when a grouping column is configured
         self._groups = np.zeros(self.window if grouped else 0, dtype=np.int64)
         self._probs = np.zeros(self.window, dtype=np.float64)
         self._labels = np.zeros(self.window, dtype=np.float64)
-        self._losses = np.zeros(self.window, dtype=np.float64)  # per-sample logloss
+        # per-sample logloss (squared error for a regression)
+        self._losses = np.zeros(self.window, dtype=np.float64)
         self._filled = 0
         self._cursor = 0
         self._total_auc = HistogramAuc(_HISTOGRAM_BINS)
@@ -76,10 +85,13 @@ class ProgressiveMetrics:
         if n == 0:
             return
         self.samples += n
-        p = np.clip(probs, _EPS, 1 - _EPS)
-        losses = -(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+        if self.regression:
+            losses = np.square(probs - labels)
+        else:
+            p = np.clip(probs, _EPS, 1 - _EPS)
+            losses = -(labels * np.log(p) + (1 - labels) * np.log(1 - p))
+            self._total_auc.add(labels > 0.5, probs)
         self._total_logloss += float(losses.sum())
-        self._total_auc.add(labels > 0.5, probs)
         self._ring(self._probs, probs)
         self._ring(self._labels, labels)
         self._ring(self._losses, losses)
@@ -111,22 +123,38 @@ class ProgressiveMetrics:
                            self.gauc_reduction)
 
     def window_auc(self) -> float:
-        """AUC over the window (NaN until both classes were seen)."""
+        """AUC over the window (NaN until both classes were seen, and for a regression)."""
+        if self.regression:
+            return float("nan")
         return roc_auc(self._labels[: self._filled], self._probs[: self._filled])
 
-    def window_logloss(self) -> float:
-        """Logloss over the window (per-sample losses kept at update: no log() here)."""
+    def _window_loss(self) -> float:
         if self._filled == 0:
             return float("nan")
         return float(self._losses[: self._filled].mean())
 
+    def window_logloss(self) -> float:
+        """Logloss over the window (per-sample losses kept at update: no log() here)."""
+        return float("nan") if self.regression else self._window_loss()
+
+    def window_mse(self) -> float:
+        """Mean squared error over the window (a regression; NaN otherwise)."""
+        return self._window_loss() if self.regression else float("nan")
+
     def total_auc(self) -> float:
         """AUC over every sample since start, from the histogram."""
-        return self._total_auc.auc()
+        return float("nan") if self.regression else self._total_auc.auc()
+
+    def _total_loss(self) -> float:
+        return self._total_logloss / self.samples if self.samples else float("nan")
 
     def total_logloss(self) -> float:
         """Mean logloss over every sample since start."""
-        return self._total_logloss / self.samples if self.samples else float("nan")
+        return float("nan") if self.regression else self._total_loss()
+
+    def total_mse(self) -> float:
+        """Mean squared error over every sample since start (a regression; else NaN)."""
+        return self._total_loss() if self.regression else float("nan")
 
     def summary(self) -> dict:
         """The four figures and the window's positive-label rate (NaN replaced by None)."""
@@ -140,6 +168,8 @@ class ProgressiveMetrics:
             "auc_total": clean(self.total_auc()),
             "logloss_total": clean(self.total_logloss()),
             **({"gauc": clean(self.window_gauc())} if self.grouped else {}),
+            **({"mse": clean(self.window_mse()), "mse_total": clean(self.total_mse())}
+               if self.regression else {}),
             "positive_rate": clean(float(self._labels[: self._filled].mean())
                                    if self._filled else float("nan")),
             "window_samples": int(self._filled),
@@ -162,13 +192,15 @@ class TaskMetrics:
         outputs: ``(output name, label column)`` per output, in output order.
         first: the main metrics (the first output's).
         window: window of the other outputs' metrics.
+        regression: per output, whether it is a regression (default: none is).
     """
 
     def __init__(self, outputs: list[tuple[str, int]], first: ProgressiveMetrics,
-                 window: int) -> None:
+                 window: int, regression: list[bool] | None = None) -> None:
         self.outputs = list(outputs)
-        self.metrics = {name: first if i == 0 else ProgressiveMetrics(window, first.grouped,
-                                                                    first.gauc_reduction)
+        flags = list(regression or [False] * len(self.outputs))
+        self.metrics = {name: first if i == 0 else ProgressiveMetrics(
+                            window, first.grouping, first.gauc_reduction, regression=flags[i])
                         for i, (name, _col) in enumerate(self.outputs)}
 
     def update(self, probs: np.ndarray, labels: np.ndarray,

@@ -33,6 +33,7 @@ from confluent_kafka import Consumer, KafkaException, TopicPartition
 
 from odl.auc import grouped_auc, roc_auc
 from odl.config.field_formats import parse_offset_info, parse_offset_time
+from odl.config.loss_settings import regression_outputs
 from odl.config.metric_settings import grouped_auc_reduction
 from odl.features.feature_builder import FeatureBuilder
 from odl.inputs.kafka_source import start_positions_from_config
@@ -73,6 +74,7 @@ class StreamEvaluator:
         self._batch_size = max(1, int(config.data_config.batch_size))
         self._limit = int(config.eval_config.num_examples)
         self._gauc_reduction = grouped_auc_reduction(config)
+        self._regression = regression_outputs(config)
         self._consumer = Consumer(consumer_config(ks.server, ks.group + "-eval",
                                                   dict(ks.kafka_config)))
         self._positions: dict[int, int] = {int(p): int(o) for p, o in (positions or {}).items()}
@@ -198,7 +200,7 @@ class StreamEvaluator:
             p_all = np.concatenate(probs)
             y_all = np.concatenate(labels)
             g_all = np.concatenate(groups) if groups else None
-            scores = [self._scores(p_all[:, i], y_all[:, col], g_all)
+            scores = [self._scores(p_all[:, i], y_all[:, col], g_all, self._regression[i])
                       for i, (_name, col) in enumerate(self._outputs)]
             result.update(scores[0])
             if len(self._outputs) > 1:
@@ -214,7 +216,10 @@ class StreamEvaluator:
         return result
 
     def _scores(self, probs: np.ndarray, labels: np.ndarray,
-                groups: Optional[np.ndarray]) -> dict[str, Any]:
+                groups: Optional[np.ndarray], regression: bool = False) -> dict[str, Any]:
+        if regression:  # predicted values: squared error, no AUC / logloss
+            return {"mse": _round(float(np.mean(np.square(probs - labels)))),
+                    "positive_rate": _round(float(np.mean(labels)))}
         out = {"auc": _round(roc_auc(labels > 0.5, probs)),
                "logloss": _round(log_loss(probs, labels)),
                "positive_rate": _round(float(np.mean(labels)))}

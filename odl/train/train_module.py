@@ -52,8 +52,10 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from odl.config.loss_settings import regression_outputs
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
+from odl.models.ctr_model import predictions
 from odl.models.dynamic_table import DynamicTable, DynamicTables
 from odl.models.embedding_tables import WIDE_SUFFIX, init_embedding_weights, reset_embedding_rows
 from odl.models.model_factory import build_model
@@ -186,6 +188,8 @@ class TrainModule:
         self._seed = int(config.train_config.seed)
         torch.manual_seed(self._seed)
         self.model = build_model(config, feature_builder)
+        # per output: a regression predicts its logit, the others sigmoid(logit)
+        self.regression = regression_outputs(config)
         self._sparse_spec, self._dense_spec = optimizer_specs(config.train_config)
         cls, kwargs = sparse_optimizer_args(self._sparse_spec, self.device.type)
         apply_optimizer_in_backward(cls, self.model.ebc.parameters(), kwargs)
@@ -423,7 +427,7 @@ class TrainModule:
             expired = self.dynamic.maintain(self.global_step, now)
             if expired:
                 self.reset_dynamic_rows(expired, self.global_step)
-        probs = torch.sigmoid(logits.detach()).to(torch.float64).cpu().numpy()
+        probs = predictions(logits.detach(), self.regression)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
     @torch.no_grad()
@@ -437,7 +441,7 @@ class TrainModule:
             logits = self._dmp(batch).logits
         finally:
             self._dmp.train()
-        return torch.sigmoid(logits).to(torch.float64).cpu().numpy()
+        return predictions(logits, self.regression)
 
     # -- checkpoints ------------------------------------------------------------------------
 

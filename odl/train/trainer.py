@@ -38,6 +38,7 @@ import numpy as np
 
 from odl.checkpoint.checkpoint_manager import CheckpointError, CheckpointManager
 from odl.config.config_redaction import config_to_text
+from odl.config.loss_settings import regression_outputs
 from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
 from odl.features.feature_builder import FeatureBuilder
 from odl.http.server import BackgroundHttpServer
@@ -147,9 +148,11 @@ class Trainer:
         self.started_at = time.time()
         self.metrics = TrainerMetrics()
         # GAUC beside AUC when a grouped_auc metric names a grouping column
+        regression = regression_outputs(config)
         self.progress = ProgressiveMetrics(tc.metrics_window_samples,
                                            grouped=bool(grouped_auc_field(config)),
-                                           gauc_reduction=grouped_auc_reduction(config))
+                                           gauc_reduction=grouped_auc_reduction(config),
+                                           regression=regression[0])
         fs = config.file_stream_input
         file_stream = options.online and config.HasField("file_stream_input")
         self.passes = (PassMetrics(fs.split_interval, fs.split_per_pass,
@@ -161,7 +164,8 @@ class Trainer:
         model = self.module.model
         self._label_column = int(model.output_labels[0])
         # several outputs (multi-task): per-task progressive metrics beside the first's
-        self.tasks = (TaskMetrics(model.outputs, self.progress, tc.metrics_window_samples)
+        self.tasks = (TaskMetrics(model.outputs, self.progress, tc.metrics_window_samples,
+                                  regression)
                       if len(model.output_names) > 1 else None)
         # day/pass saves (before restore: the checkpoint holds their pending rows and deletes)
         self.pass_saves = (PassSaves(config, self.module, self.generation, options.export_base)

@@ -41,6 +41,11 @@ class TrainerMetrics:
                               "(multi-task models)", ["task"], registry=r)
         self.task_logloss = Gauge("odl_task_progressive_logloss", "Windowed progressive logloss "
                                   "per task (multi-task models)", ["task"], registry=r)
+        self.mse = Gauge("odl_progressive_mse", "Windowed progressive mean squared error (a "
+                         "regression output: every loss term L2_LOSS)", registry=r)
+        self.task_mse = Gauge("odl_task_progressive_mse", "Windowed progressive mean squared "
+                              "error per regression task (multi-task models)", ["task"],
+                              registry=r)
         self.lag = Gauge(
             "odl_partition_lag", "Records behind the partition end", ["partition"], registry=r
         )

@@ -280,6 +280,8 @@ class TrainerStatus:
             metrics.logloss.set(m["logloss"])
         if m.get("gauc") is not None:
             metrics.gauc.set(m["gauc"])
+        if m.get("mse") is not None:
+            metrics.mse.set(m["mse"])
         if t.tasks is not None:
             self._tasks_cache = t.tasks.summary()
             for name, tm in self._tasks_cache.items():
@@ -287,6 +289,8 @@ class TrainerStatus:
                     metrics.task_auc.labels(task=name).set(tm["auc"])
                 if tm["logloss"] is not None:
                     metrics.task_logloss.labels(task=name).set(tm["logloss"])
+                if tm.get("mse") is not None:
+                    metrics.task_mse.labels(task=name).set(tm["mse"])
         positions = t.positions_snapshot()
         lags = self._lags(positions)
         for p, lag in lags.items():
@@ -309,11 +313,13 @@ class TrainerStatus:
             m["auc"],
             m["logloss"],
             m["auc_total"],
-            f" gauc {m['gauc']}" if "gauc" in m else "",
+            (f" gauc {m['gauc']}" if "gauc" in m else "")
+            + (f" mse {m['mse']}" if "mse" in m else ""),
             lags,
         )
         if self._tasks_cache is not None and t.tasks is not None:
             logger.info("tasks: %s", ", ".join(
+                f"{name} mse {tm['mse']}" if "mse" in tm else
                 f"{name} auc {tm['auc']} logloss {tm['logloss']}"
                 for name, tm in self._tasks_cache.items()))
 
