@@ -264,7 +264,8 @@ class ServingModel:
         lengths = kjt.lengths().to(torch.int64).view(self._num_keys, b)
         counts = lengths.sum(dim=1)
         starts = torch.cumsum(counts, 0) - counts
-        pooled = [g.pooled(values, lengths, counts, starts, b) for g in self._groups]
+        weights = kjt.weights_or_none()  # weighted tags: per-value weights, tables sum-pooled
+        pooled = [g.pooled(values, lengths, counts, starts, b, weights) for g in self._groups]
         return self.dense_module(*pooled, batch.dense)
 
     # -- updates ----------------------------------------------------------------------------
@@ -408,9 +409,11 @@ class _PooledInput:
         return cls(parts, torch.tensor(order, dtype=torch.int64))
 
     def pooled(self, values: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
-               starts: torch.Tensor, b: int) -> torch.Tensor:
+               starts: torch.Tensor, b: int,
+               value_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``[B, input width]`` pooled vectors of this input, in lookup order."""
-        outs = [p.pooled(values, lengths, counts, starts, b) for p in self.parts]
+        outs = [p.pooled(values, lengths, counts, starts, b, value_weights)
+                for p in self.parts]
         if self.order is None:
             return outs[0]
         return torch.cat(outs, dim=1).index_select(1, self.order)
@@ -423,7 +426,8 @@ class _LookupGroup:
     Bags are ordered lookup-major (lookup j's B bags, then lookup j+1's); the result is
     reshaped to ``[B, n_lookups * dim]`` in lookup order, the trainer's pooled layout.
     Mean-pooled lookups use per-value weights ``1 / bag length`` (sum-pooled: no weights,
-    so the arithmetic is exactly a per-feature sum).
+    so the arithmetic is exactly a per-feature sum); a weighted batch's own per-value weights
+    (weighted tags; its tables are all sum-pooled) multiply them.
     """
 
     keys: torch.Tensor          # [n] KJT key index per lookup
@@ -458,8 +462,13 @@ class _LookupGroup:
         )
 
     def pooled(self, values: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
-               starts: torch.Tensor, b: int) -> torch.Tensor:
-        """``[B, n_lookups * dim]`` pooled vectors of this group."""
+               starts: torch.Tensor, b: int,
+               value_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``[B, n_lookups * dim]`` pooled vectors of this group.
+
+        ``value_weights`` (a weighted batch's per-value weights, aligned with ``values``)
+        multiply each value's row.
+        """
         n = int(self.keys.shape[0])
         if n == 0 or self.storage is None:
             return torch.zeros((b, 0), dtype=torch.float32)
@@ -472,7 +481,10 @@ class _LookupGroup:
                + starts.index_select(0, self.keys).index_select(0, which))
         vals = values.index_select(0, src)
         flat_len = bag_len.reshape(-1)
+        own = value_weights.index_select(0, src) if value_weights is not None else None
         if any(ix is not None for ix in self.indexes):
+            if own is not None:
+                raise ExportLoadError("weighted tags with dynamic tables are not supported")
             vals, which, flat_len = self._map_raw_ids(vals, which, flat_len)
             total = int(vals.shape[0])
         ids = vals + self.row_offsets.index_select(0, which)
@@ -483,6 +495,8 @@ class _LookupGroup:
             inv = 1.0 / flat_len.clamp(min=1).to(torch.float32)
             weights = torch.where(self.is_mean.index_select(0, which),
                                   inv.index_select(0, bag_of_value), torch.ones(total))
+        if own is not None:
+            weights = own.to(torch.float32) if weights is None else weights * own
         out = F.embedding_bag(ids, self.storage, offsets, mode="sum",
                               per_sample_weights=weights)
         return out.view(n, b, self.dim).transpose(0, 1).reshape(b, n * self.dim)

@@ -85,7 +85,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "TzPoolingEncoder": frozenset({"max_seq_length"}),
     "TzSeqGroupConfig": frozenset({"embedding_name_suffix"}),
     "FeatureConfig": frozenset({
-        "kv_separator", "seq_multi_sep",
+        "seq_multi_sep",
         "lookup_max_sel_elem_num", "max_partitions", "initializer",
         "precision", "normalizer_fn",
         "sequence_length", "expression", "combo_input_seps",
@@ -330,8 +330,8 @@ def infer_model_class(config: pipeline_pb2.EasyRecConfig) -> None:
 def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
     """Rewrites EasyRec's and TorchEasyRec's other spellings of what odl implements, in place.
 
-    * ``feature_type: TagFeature`` (one input, tags split on ``separator``) becomes the
-      multi-valued ``IdFeature`` it is; a second input (per-tag weights) is refused;
+    * ``feature_type: TagFeature`` (tags split on ``separator``) becomes the multi-valued
+      ``IdFeature`` it is, its weights (a second input, or ``kv_separator``) kept;
     * names ``c[1-3]`` of input fields (with ``data_config.auto_expand_input_fields``) and of
       feature groups become ``c1, c2, c3``, and a RawFeature's ``num_buckets`` over
       ``min_val`` / ``max_val`` becomes its boundaries
@@ -371,10 +371,6 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
             fc.ClearField("hash_bucket_size")
         if fc.feature_type != ft.TagFeature:
             continue
-        if len(fc.input_names) > 1:
-            raise ConfigError(f"{path}.input_names",
-                              "a TagFeature with a weights input is an EasyRec feature that odl "
-                              "does not implement yet (per-tag weights); give only the tags")
         fc.feature_type = ft.IdFeature
     if torcheasyrec_features and not config.data_config.input_fields:
         _derive_input_fields(config)

@@ -105,8 +105,28 @@ def validate_features(
         if fc.feature_type == _FT.ComboFeature:
             if len(fc.input_names) < 2:
                 raise ConfigError(f"{where}.input_names", "a ComboFeature crosses 2 or more inputs")
+        elif len(fc.input_names) == 2 and fc.feature_type == _FT.IdFeature:
+            # EasyRec's weighted TagFeature: tags, then their weights
+            if fields[fc.input_names[1]] != _FIELD_TYPE.STRING:
+                raise ConfigError(f"{where}.input_names[1]",
+                                  f"the tags' weights are read from a STRING field (split on "
+                                  f"separator {fc.separator!r}), {fc.input_names[1]!r} is "
+                                  f"{_FIELD_TYPE.Name(fields[fc.input_names[1]])}")
+            if fc.kv_separator:
+                raise ConfigError(f"{where}.kv_separator",
+                                  "give the weights in a second input or with kv_separator, "
+                                  "not both")
         elif len(fc.input_names) != 1:
-            raise ConfigError(f"{where}.input_names", f"a {kind} reads exactly one input")
+            raise ConfigError(f"{where}.input_names", f"a {kind} reads exactly one input "
+                              "(a TagFeature: its tags, and optionally their weights)")
+        if fc.kv_separator and fc.feature_type != _FT.IdFeature:
+            raise ConfigError(f"{where}.kv_separator",
+                              f"weights (kv_separator) belong to a TagFeature, not a {kind}")
+        if (len(fc.input_names) == 2 or fc.kv_separator) and fc.feature_type == _FT.IdFeature:
+            if dynamic_table_spec(fc, model_ev, where) is not None:
+                raise ConfigError(f"{where}.input_names",
+                                  "weighted tags in a dynamic table (ev_params / zch / "
+                                  "ctr_accessor_param) are not implemented")
         if fc.combiner not in ("sum", "mean"):
             raise ConfigError(f"{where}.combiner", f"expected sum or mean, got {fc.combiner!r}")
         if (fc.feature_type == _FT.SequenceFeature

@@ -57,10 +57,12 @@ class Batch:
         lengths = self.sparse.lengths()
         num_keys = len(self.sparse.keys())
         per_value = torch.repeat_interleave(keep.repeat(num_keys), lengths.to(torch.int64))
+        weights = self.sparse.weights_or_none()
         sparse = KeyedJaggedTensor(
             keys=self.sparse.keys(),
             values=self.sparse.values()[per_value],
             lengths=lengths.view(num_keys, -1)[:, keep].reshape(-1),
+            weights=weights[per_value] if weights is not None else None,
         )
         rows = keep.nonzero().flatten().cpu().numpy()
         return Batch(

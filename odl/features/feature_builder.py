@@ -38,6 +38,15 @@ Feature kinds (``FeatureConfig.feature_type``):
   (``"<feature>#<position>"``, 0 past the sequence's end) and the kept length its
   ``"<feature>#len"`` column. A piece that is not a number rejects the record as
   ``bad_number``.
+* Weighted tags (EasyRec's TagFeature with a second input of weights, or with
+  ``kv_separator``: pieces ``tag<kv_separator>weight``): the ids as above, each with its
+  weight (a number; a missing or non-numeric weight, or a weights column with another count
+  of pieces than the tags column, rejects the record as ``bad_number``). A batch of a config
+  with weighted tags carries per-value weights for every feature (``Batch.sparse.weights()``)
+  and every table is sum-pooled over them: a weighted feature's values weigh their weight
+  (``combiner: mean``: weight / the bag's sum of weights, EasyRec's weighted mean), the other
+  features' values 1 (``mean``: 1 / the bag's length), so sum and mean features keep their
+  pooling. (:attr:`FeatureBuilder.weighted`.)
 * ``ComboFeature``: row = ``fnv1a64(v1 + combo_join_sep + v2 + ...) % hash_bucket_size`` over
   the input values' texts (not split); no id when any input is empty.
 * Features of a *dynamic* table (``ev_params`` / ``zch`` / ``ctr_accessor_param``, see
@@ -74,6 +83,7 @@ tensors and a KeyedJaggedTensor without copying. This module imports torch only 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -119,9 +129,12 @@ class TableSpec:
         num_rows: number of rows (hash_bucket_size, num_buckets or len(boundaries) + 1).
         dim: embedding dimension (0 when no feature gave one, e.g. wide-only features).
         feature_names: features looked up in this table, in config order.
-        pooling: ``"sum"`` or ``"mean"`` (the features' ``combiner``).
+        pooling: ``"sum"`` or ``"mean"`` (the features' ``combiner``; always ``"sum"`` in
+            a weighted batch, whose weights carry the means).
         dynamic: the admission / eviction settings of a dynamic table (its features give
             raw ids and ``num_rows`` is its capacity); None for a fixed table.
+        weighted: looked up with the batch's per-value weights (every table of a config with
+            weighted tags).
     """
 
     name: str
@@ -130,6 +143,7 @@ class TableSpec:
     feature_names: tuple[str, ...]
     pooling: str = "sum"
     dynamic: DynamicTableSpec | None = None
+    weighted: bool = False
 
 
 @dataclass
@@ -149,6 +163,8 @@ class BatchArrays:
             (``odl.config.metric_settings.grouped_auc_field``) when one is configured.
         counts: ``float32`` per-sample values of the dynamic tables' ``show_field`` /
             ``click_field``, by field name, when a table names one.
+        weights: ``float32`` per-value weights aligned with ``values`` (a config with
+            weighted tags), or None.
     """
 
     values: np.ndarray
@@ -159,6 +175,7 @@ class BatchArrays:
     event_times: np.ndarray | None = None
     counts: dict[str, np.ndarray] | None = None
     group_keys: np.ndarray | None = None
+    weights: np.ndarray | None = None
 
 
 @dataclass
@@ -242,6 +259,9 @@ class _Sparse:
     vocab: _Vocabulary | None = None
     norm: tuple[float, float] | None = None  # (min_val, max_val - min_val)
     seq_len: int = 0  # SequenceFeature: positions kept (one KJT key each); 0: not one
+    mean: bool = False  # combiner mean (a weighted batch's weights carry it)
+    weights_input: str = ""  # weighted tags: the column of the weights
+    kv_separator: bytes = b""  # weighted tags: tag<kv>weight pieces
 
     @property
     def keys(self) -> list[str]:
@@ -415,9 +435,22 @@ class FeatureBuilder:
                            if fc.sequence_combiner.HasField("text_cnn") else 0)
                     seq_len = int(fc.max_seq_len or pad or DEFAULT_MAX_SEQ_LEN)
                     self._seq_lengths.append(name)
+                weights_input = fc.input_names[1] if len(fc.input_names) > 1 else ""
+                if (weights_input or fc.kv_separator) and (seq_len or dyn is not None):
+                    raise ConfigError(f"{path}.input_names",
+                                      "weighted tags are not implemented for a SequenceFeature "
+                                      "or a dynamic table")
+                if weights_input and fc.kv_separator:
+                    raise ConfigError(f"{path}.kv_separator",
+                                      "give the weights in a second input or with "
+                                      "kv_separator, not both")
                 sp = _Sparse(name, kind, (inp0,), rows, separator=fc.separator.encode(),
-                             raw_ids=dyn is not None, vocab=vocab, seq_len=seq_len)
+                             raw_ids=dyn is not None, vocab=vocab, seq_len=seq_len,
+                             mean=fc.combiner == "mean", weights_input=weights_input,
+                             kv_separator=fc.kv_separator.encode())
                 list_seps[inp0] = fc.separator
+                if weights_input:
+                    list_seps[weights_input] = fc.separator
             elif fc.feature_type == _FT.ComboFeature:
                 if not fc.hash_bucket_size and dyn is None:
                     raise ConfigError(f"{path}.hash_bucket_size", "a ComboFeature needs it")
@@ -428,6 +461,8 @@ class FeatureBuilder:
                 raise ConfigError(f"{path}.feature_type", "unsupported feature type")
             if fc.combiner not in ("sum", "mean"):
                 raise ConfigError(f"{path}.combiner", f"expected sum or mean, got {fc.combiner!r}")
+            if fc.combiner == "mean" and not sp.mean:
+                sp = dataclasses.replace(sp, mean=True)
             self._sparse.append(sp)
             tname = fc.embedding_name or name
             t = tables.setdefault(
@@ -469,8 +504,10 @@ class FeatureBuilder:
                 numeric_fields.append(f)
                 if f not in self._count_fields:
                     self._count_fields.append(f)
+        self._weighted = any(sp.weights_input or sp.kv_separator for sp in self._sparse)
         self._tables = [
-            TableSpec(n, t["rows"], t["dim"], tuple(t["features"]), t["pooling"], t["dynamic"])
+            TableSpec(n, t["rows"], t["dim"], tuple(t["features"]),
+                      "sum" if self._weighted else t["pooling"], t["dynamic"], self._weighted)
             for n, t in tables.items()
         ]
         self._feature_to_table = {f: t.name for t in self._tables for f in t.feature_names}
@@ -485,7 +522,8 @@ class FeatureBuilder:
         )
         self._seps = sorted({sp.separator for sp in self._sparse if sp.separator
                              and sp.kind in ("hash", "int", "vocab", "bucket")}
-                            | {d.separator for d in self._dense if d.separator})
+                            | {d.separator for d in self._dense if d.separator}
+                            | {sp.kv_separator for sp in self._sparse if sp.kv_separator})
         self._last_guard_log = -_GUARD_LOG_INTERVAL_SECS
 
     # -- introspection ----------------------------------------------------------------------
@@ -500,6 +538,11 @@ class FeatureBuilder:
         """``Batch.dense`` columns: the dense features', then each SequenceFeature's length."""
         return [c for d in self._dense for c in d.columns] + [sequence_length_column(n)
                                                               for n in self._seq_lengths]
+
+    @property
+    def weighted(self) -> bool:
+        """Whether batches carry per-value weights (the config has weighted tags)."""
+        return self._weighted
 
     @property
     def dense_feature_columns(self) -> dict[str, list[str]]:
@@ -576,6 +619,8 @@ class FeatureBuilder:
             keys=self.sparse_feature_names,
             values=torch.from_numpy(arrays.values),
             lengths=torch.from_numpy(arrays.lengths),
+            weights=(torch.from_numpy(arrays.weights) if arrays.weights is not None
+                     else None),
         )
         return Batch(
             sparse=kjt,
@@ -649,9 +694,16 @@ class FeatureBuilder:
         sep_pos = self._separator_positions(raw)
         pieces = {}
         bad = np.zeros(parsed.num_rows, dtype=bool)
+        tag_weights: dict[str, np.ndarray] = {}
         for sp in self._sparse:
             if sp.kind in ("hash", "int", "vocab"):
                 pieces[sp.name] = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+                if sp.weights_input or sp.kv_separator:
+                    s, e, lengths, w, wrong = self._tag_weights(parsed, sp, pieces[sp.name],
+                                                                sep_pos)
+                    pieces[sp.name] = (s, e, lengths)
+                    tag_weights[sp.name] = w
+                    bad |= wrong
             if sp.kind == "int":
                 s, e, lengths = pieces[sp.name]
                 ints, ok = parse_numbers(parsed.buffer, s, e, "int")
@@ -690,7 +742,48 @@ class FeatureBuilder:
             if parsed.num_rows == 0:
                 return ArraysResult(None, parsed.accepted, rejected)
             return self._build_parsed(parsed, rejected, raw)
-        return self._build_parsed(parsed, rejected, raw, pieces, sep_pos, dense_values)
+        return self._build_parsed(parsed, rejected, raw, pieces, sep_pos, dense_values,
+                                  tag_weights)
+
+    def _tag_weights(self, parsed: ParsedColumns, sp: _Sparse,
+                     pieces: tuple[np.ndarray, np.ndarray, np.ndarray], sep_pos: dict
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Weighted tags: ``(id starts, id ends, lengths, weights, bad rows)``.
+
+        The ids are the tags' pieces (cut at ``kv_separator``); a row whose weight is
+        missing, not a number, or not finite, or whose weights column has another count of
+        pieces, is bad.
+        """
+        s, e, lengths = pieces
+        n = parsed.num_rows
+        row = np.repeat(np.arange(n), lengths)
+        bad = np.zeros(n, dtype=bool)
+        if sp.kv_separator:
+            positions = sep_pos[sp.kv_separator]
+            if positions is None or positions.shape[0] == 0:
+                k = e.copy()
+            else:  # the first kv separator inside each piece
+                j = np.searchsorted(positions, s)
+                k = np.where(j < positions.shape[0],
+                             positions[np.minimum(j, positions.shape[0] - 1)], e)
+                k = np.where(k + len(sp.kv_separator) <= e, k, e)
+            missing = k >= e
+            w, ok = parse_numbers(parsed.buffer, np.minimum(k + len(sp.kv_separator), e), e,
+                                  "float")
+            bad[row[missing | ~ok | ~np.isfinite(w)]] = True
+            e = k
+        else:
+            ws, we, wlen = _split(parsed, sp.weights_input, sp.separator,
+                                  sep_pos[sp.separator])
+            bad |= wlen != lengths
+            w = np.ones(s.shape[0], dtype=np.float64)
+            same = ~bad[row] if row.shape[0] else np.zeros(0, dtype=bool)
+            wrow = np.repeat(np.arange(n), wlen)
+            wsame = ~bad[wrow] if wrow.shape[0] else np.zeros(0, dtype=bool)
+            parsed_w, ok = parse_numbers(parsed.buffer, ws[wsame], we[wsame], "float")
+            w[same] = parsed_w
+            bad[row[same][~ok | ~np.isfinite(parsed_w)]] = True
+        return s, e, lengths, w, bad
 
     def _dense_values(self, parsed: ParsedColumns, d: _Dense, sep_pos: dict
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -747,15 +840,22 @@ class FeatureBuilder:
         pieces: dict | None = None,
         sep_pos: dict | None = None,
         dense_values: dict | None = None,
+        tag_weights: dict | None = None,
     ) -> ArraysResult:
         n = parsed.num_rows
         buf = parsed.buffer
         if sep_pos is None:
             sep_pos = self._separator_positions(raw)
         pieces = dict(pieces or {})
+        tag_weights = dict(tag_weights or {})
         for sp in self._sparse:
             if sp.kind in ("hash", "int", "vocab") and sp.name not in pieces:
                 pieces[sp.name] = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+                if sp.weights_input or sp.kv_separator:
+                    s, e, lengths, w, _bad = self._tag_weights(parsed, sp, pieces[sp.name],
+                                                               sep_pos)
+                    pieces[sp.name] = (s, e, lengths)
+                    tag_weights[sp.name] = w
             if sp.kind == "bucket" and sp.seq_len and sp.name not in pieces:
                 s, e, lengths = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
                 pieces[sp.name] = (lengths, parse_numbers(buf, s, e, "float")[0])
@@ -777,6 +877,7 @@ class FeatureBuilder:
                 pos += k
         values_list = []
         lengths_list = []
+        weights_list = []
         seq_lengths: dict[str, np.ndarray] = {}
         for sp in self._sparse:
             if sp.kind == "hash":
@@ -805,6 +906,8 @@ class FeatureBuilder:
                 seq_lengths[sp.name] = kept
             values_list.append(ids)
             lengths_list.append(lengths)
+            if self._weighted:
+                weights_list.append(_bag_weights(tag_weights.get(sp.name), lengths, sp.mean))
         values = np.concatenate(values_list) if values_list else np.zeros(0, dtype=np.int64)
         lengths = (np.concatenate(lengths_list) if lengths_list
                    else np.zeros(0, dtype=np.int64)).astype(np.int32)
@@ -840,6 +943,8 @@ class FeatureBuilder:
             group_keys=(hash_segments(buf, parsed.starts[self._group_field],
                                       parsed.ends[self._group_field]).astype(np.int64)
                         if self._group_field else None),
+            weights=(np.concatenate(weights_list).astype(np.float32) if self._weighted
+                     else None),
         )
         return ArraysResult(arrays, parsed.accepted, rejected)
 
@@ -884,6 +989,25 @@ def _positions(ids: np.ndarray, lengths: np.ndarray,
     kept = np.minimum(lengths, seq_len)
     per_key = (kept[None, :] > np.arange(seq_len)[:, None]).astype(np.int64).reshape(-1)
     return ids[keep][order], per_key, kept
+
+
+def _bag_weights(weights: np.ndarray | None, lengths: np.ndarray, mean: bool) -> np.ndarray:
+    """Per-value weights of one feature in a weighted batch (module docstring).
+
+    Args:
+        weights: the values' own weights (weighted tags), or None (1 each).
+        lengths: values per bag.
+        mean: the feature's combiner is ``mean``: each weight divided by its bag's sum.
+    """
+    lengths = np.asarray(lengths, dtype=np.int64)
+    w = (np.ones(int(lengths.sum()), dtype=np.float64) if weights is None
+         else np.asarray(weights, dtype=np.float64))
+    if not mean or w.shape[0] == 0:
+        return w
+    bag = np.repeat(np.arange(lengths.shape[0]), lengths)
+    total = np.bincount(bag, weights=w, minlength=lengths.shape[0])
+    denom = total[bag]
+    return np.divide(w, denom, out=np.zeros_like(w), where=denom != 0)
 
 
 def _raw_ids(values: np.ndarray) -> np.ndarray:

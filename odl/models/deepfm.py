@@ -367,7 +367,8 @@ class DeepFM(CtrModel):
     ) -> None:
         super().__init__()
         self.layout = layout
-        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device))
+        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device),
+                                          is_weighted=layout.weighted)
         col = {n: i for i, n in enumerate(dense_features)}
         # the deep group: its other lookups, then each sequence block's
         dim_of = dict(zip((f for f, _t in layout.deep_keys), layout.deep_dims, strict=True))

@@ -68,6 +68,9 @@ class EmbeddingLayout:
         read_dims: table -> the columns the model reads (and publishing publishes) of it:
             its ``embedding_dim`` (deep) or ``wide_output_dim`` (wide); its stored width may
             be larger (a multiple of 4).
+        weighted: the tables are looked up with the batch's per-value weights
+            (``FeatureBuilder.weighted``; the model's ``EmbeddingBagCollection`` is then
+            built with ``is_weighted``).
     """
 
     configs: list[EmbeddingBagConfig]
@@ -77,6 +80,7 @@ class EmbeddingLayout:
     deep_dim: int
     deep_dims: list[int]
     read_dims: dict[str, int]
+    weighted: bool = False
 
     @property
     def wide_tables(self) -> list[str]:
@@ -157,7 +161,7 @@ def build_embedding_layout(
         read_dims[name] = int(wide_output_dim)
         wide_keys += [(f, name) for f in feats]
     return EmbeddingLayout(configs, deep_keys, wide_keys, int(wide_output_dim), deep_dim,
-                           deep_dims, read_dims)
+                           deep_dims, read_dims, any(t.weighted for t in table_specs))
 
 
 def _config(name: str, rows: int, dim: int, feats: list[str], pooling: str) -> EmbeddingBagConfig:

@@ -219,7 +219,8 @@ class MultiTaskModel(CtrModel):
     ) -> None:
         super().__init__()
         self.layout = layout
-        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device))
+        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device),
+                                          is_weighted=layout.weighted)
         col = {n: i for i, n in enumerate(dense_features)}
         table_of = dict(layout.deep_keys)
         dim_of = dict(zip((f for f, _t in layout.deep_keys), layout.deep_dims, strict=True))

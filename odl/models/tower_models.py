@@ -190,7 +190,8 @@ class TowerModel(CtrModel):
     ) -> None:
         super().__init__()
         self.layout = layout
-        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device))
+        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device),
+                                          is_weighted=layout.weighted)
         table_of = dict(layout.deep_keys)
         dim_of = {f: d for (f, _t), d in zip(layout.deep_keys, layout.deep_dims, strict=True)}
         col = {n: i for i, n in enumerate(dense_features)}
