@@ -12,6 +12,8 @@ Message layout (the value formats are described in ``odl.datagen.synthetic_ctr``
   with ``--conversions`` a 43rd column / key ``buy``, the conversion label of the multi-task
   samples (``odl.datagen.conversion_labels``); with ``--history`` a 43rd column / key
   ``hist_C3``, the behaviour sequence of the DIN sample (``odl.datagen.behavior_history``);
+  with ``--bursty`` the 8 columns of ``odl.datagen.bursty_stream`` instead (event times are
+  the stream's simulated session times, from 2026-01-01T00:00:00Z);
 * partition: record number ``n % partitions`` (round robin);
 * timestamp: the produce time in ms (CreateTime), set explicitly.
 
@@ -38,6 +40,7 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import records_for_model
 from odl.datagen.split_writer import write_splits
 from odl.datagen.synthetic_ctr import FORMATS, SyntheticCtrStream
@@ -120,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     extra.add_argument("--history", action="store_true",
                        help="add a 'hist_C3' behaviour-sequence column after the 42 (DIN "
                             "sample: samples/din_online.config)")
+    extra.add_argument("--bursty", action="store_true",
+                       help="the bursty user-item stream instead (8 columns; sessions, new "
+                            "users and items, odl.datagen.bursty_stream; sample: "
+                            "samples/bursty_online.config); Kafka only")
     p.add_argument(
         "--kafka-config",
         nargs="+",
@@ -170,7 +177,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> dict[str, Any]:
     logger.info("producer settings: %s", redact_settings(conf))
     producer = Producer(conf)
     delivery = _Delivery()
-    stream = SyntheticCtrStream(seed=args.seed)
+    stream: SyntheticCtrStream | BurstyStream = (BurstyStream(seed=args.seed) if args.bursty
+                                                  else SyntheticCtrStream(seed=args.seed))
     rate = float(args.rate)
     min_burst = max(1, int(rate * TICK_S)) if rate > 0 else UNLIMITED_BURST
     max_burst = max(min_burst, int(rate * 0.1)) if rate > 0 else UNLIMITED_BURST
@@ -207,8 +215,12 @@ def run(args: argparse.Namespace, stop: threading.Event) -> dict[str, Any]:
             burst = min(max(due, 1), max_burst)
         if count is not None:
             burst = min(burst, count - n)
-        batch = stream.next_batch(burst, now=time.time())
-        values = records_for_model(_model_of(args), stream, batch, args.format)
+        if isinstance(stream, BurstyStream):  # simulated session time
+            batch = stream.next_batch(burst)
+            values = batch.encode(args.format)
+        else:
+            batch = stream.next_batch(burst, now=time.time())
+            values = records_for_model(_model_of(args), stream, batch, args.format)
         timestamp_ms = int(time.time() * 1000)
         for i, (key, value) in enumerate(zip(batch.sample_ids, values, strict=True)):
             while True:
@@ -283,6 +295,10 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.split_dir:
+        if args.bursty:
+            print("odl-datagen: error: --bursty produces to Kafka only (no --split-dir)",
+                  file=sys.stderr)
+            return 2
         if args.count is None or args.count <= 0 or args.splits <= 0 or args.parts <= 0:
             print("odl-datagen: error: --split-dir needs --count (records per split) > 0, "
                   "--splits > 0 and --parts > 0", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Pipeline configs over the synthetic stream's schema, generated with chosen sizes.
 
 ``deepfm_config_text`` writes a DeepFM config; ``as_model_config_text`` turns it into the
-other model classes over the same feature groups.
+other model classes over the same feature groups. ``bursty_config_text`` writes a DeepFM
+config over the bursty stream's schema (``odl.datagen.bursty_stream``).
 
 Tests use small tables for speed; ``bench/train_throughput.py`` uses the benchmark shape
 (26 id features of dim 16, 13 dense, batch 1024). ``samples/deepfm_online.config`` is the
@@ -13,6 +14,7 @@ from __future__ import annotations
 import re
 
 from odl.datagen.behavior_history import HISTORY_FIELD, HISTORY_LENGTH, encode_with_history
+from odl.datagen.bursty_stream import BURSTY_ID_FIELDS
 from odl.datagen.conversion_labels import encode_with_conversions
 from odl.datagen.synthetic_ctr import DENSE_FIELDS, SPARSE_FIELDS, CtrBatch, SyntheticCtrStream
 
@@ -102,6 +104,82 @@ train_config {{
   log_step_count_steps: 20
   enable_oss_stop_signal: true
   stop_signal_poll_secs: 0.5
+  {extra_train}
+}}
+"""
+
+
+def bursty_config_text(
+    model_dir: str,
+    server: str = "127.0.0.1:9092",
+    topic: str = "odl_bursty",
+    batch_size: int = 256,
+    dim: int = 16,
+    buckets: int = 1 << 20,
+    sparse_lr: float = 0.05,
+    dense_lr: float = 0.001,
+    hidden_units: tuple[int, ...] = (64, 32),
+    extra_train: str = "",
+) -> str:
+    """A DeepFM config over the bursty stream's schema (``odl.datagen.bursty_stream``).
+
+    Its five id features (user, item, category, device, hour) feed the wide part, FM (the
+    user x item interaction) and the DNN.
+
+    Args:
+        model_dir: model directory.
+        server: Kafka bootstrap servers.
+        topic: sample topic.
+        batch_size: samples per step.
+        dim: embedding dimension.
+        buckets: hash buckets per id feature.
+        sparse_lr: Adagrad learning rate of the tables.
+        dense_lr: Adam learning rate of the dense part.
+        hidden_units: DNN layer sizes.
+        extra_train: extra text inside train_config.
+
+    Returns:
+        The config text.
+    """
+    fields = "\n  ".join(
+        ['input_fields { input_name: "sample_id" input_type: STRING }',
+         'input_fields { input_name: "event_time" input_type: DOUBLE }',
+         'input_fields { input_name: "label" input_type: INT32 }']
+        + [f'input_fields {{ input_name: "{f}" input_type: STRING }}'
+           for f in BURSTY_ID_FIELDS])
+    feats = "\n".join(
+        f'feature_configs {{ input_names: "{f}" feature_type: IdFeature embedding_dim: {dim} '
+        f"hash_bucket_size: {min(buckets, 1024) if f in ('device', 'hour') else buckets} }}"
+        for f in BURSTY_ID_FIELDS)
+    names = " ".join(f'feature_names: "{f}"' for f in BURSTY_ID_FIELDS)
+    return f"""
+model_dir: "{model_dir}"
+kafka_train_input {{ server: "{server}" topic: "{topic}" group: "odl_bursty" }}
+data_config {{
+  batch_size: {batch_size}
+  {fields}
+  label_fields: "label"
+  sample_id_field: "sample_id"
+  event_time_field: "event_time"
+  batch_timeout_ms: 100
+}}
+{feats}
+model_config {{
+  model_class: "DeepFM"
+  feature_groups {{ group_name: "wide" {names} wide_deep: WIDE }}
+  feature_groups {{ group_name: "deep" {names} wide_deep: DEEP }}
+  deepfm {{
+    dnn {{ hidden_units: [{', '.join(str(h) for h in hidden_units)}] }}
+    wide_output_dim: 1
+  }}
+}}
+train_config {{
+  optimizer_config {{ adagrad_optimizer {{
+    learning_rate {{ constant_learning_rate {{ learning_rate: {sparse_lr} }} }} }} }}
+  optimizer_config {{ adam_optimizer {{
+    learning_rate {{ constant_learning_rate {{ learning_rate: {dense_lr} }} }} }} }}
+  save_checkpoints_steps: 100000
+  log_step_count_steps: 100
   {extra_train}
 }}
 """

@@ -1,0 +1,192 @@
+"""Online learning quality: odl against Vowpal Wabbit on the same time-ordered stream.
+
+Every learner predicts each record before it learns from it (progressive validation); the
+figures are the AUC and logloss of those predictions over all records and over the last
+20 %, and the learner's samples/s, all from one run on one machine:
+
+* ``oracle``: the stream's true probabilities (the best any learner can do);
+* ``vw linear`` / ``vw -q ui``: Vowpal Wabbit (the ``vowpalwabbit`` Python bindings,
+  logistic loss, one record at a time: ``predict`` then ``learn``), namespaces ``u`` (user),
+  ``i`` (item, category), ``c`` (device, hour); ``-q ui`` adds the user x item crosses; each
+  at every ``--vw-lr`` learning rate (the best is the one to beat);
+* ``odl batch B``: odl's own training step (``TrainModule.train_step`` on
+  ``odl.datagen.datagen_config.bursty_config_text``'s DeepFM), batches of B records in
+  stream order, each batch predicted before the step that learns from it (what
+  ``odl-train --online`` reports as progressive AUC); the rate includes building the
+  batches;
+* ``odl-train --online`` (``--broker``): the records produced to one partition of the
+  embedded broker and trained by ``Trainer`` (the code of ``odl-train --online``) with
+  ``metrics_window_samples`` = 20 % of the records; its own ``/status`` figures
+  (``auc_total``: all records, from its histogram; ``auc``: the window, the last 20 %).
+
+The stream is ``odl.datagen.bursty_stream`` (``--seed``, ``--records``): users in sessions
+of many events within seconds, new users and items all the time, popularity that fades,
+labels from a user x item model. No real public time-ordered dataset can be downloaded on
+this machine (no outside network), so the bench runs on the synthetic stream only.
+
+Needs ``vowpalwabbit`` (``pip install -r bench/requirements-quality.txt``); without it the
+VW rows are skipped and say so.
+
+    .venv/bin/python bench/online_quality.py [--records 200000] [--seed 1]
+        [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--broker] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from bench.run_output import add_output_args, finish_run  # noqa: E402
+from odl.auc import roc_auc  # noqa: E402
+from odl.config.config_validation import validate_pipeline_config  # noqa: E402
+from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
+from odl.datagen.bursty_stream import BurstyBatch, BurstyStream  # noqa: E402
+from odl.datagen.datagen_config import bursty_config_text  # noqa: E402
+from odl.features.feature_builder import FeatureBuilder  # noqa: E402
+from odl.train.progressive_metrics import log_loss  # noqa: E402
+from odl.train.train_module import TrainModule  # noqa: E402
+
+TAIL = 0.2  # the last share of the records reported on its own
+
+
+def scores(probs: np.ndarray, labels: np.ndarray) -> dict:
+    """AUC and logloss over all records and over the last ``TAIL`` of them."""
+    cut = int(len(labels) * (1 - TAIL))
+    return {"auc": round(roc_auc(labels, probs), 4),
+            "logloss": round(log_loss(probs, labels), 4),
+            "auc_last20": round(roc_auc(labels[cut:], probs[cut:]), 4),
+            "logloss_last20": round(log_loss(probs[cut:], labels[cut:]), 4)}
+
+
+def make_stream(records: int, seed: int) -> tuple[list[BurstyBatch], list[bytes]]:
+    stream = BurstyStream(seed=seed)
+    batches = [stream.next_batch(min(8192, records - k)) for k in range(0, records, 8192)]
+    values = [v for b in batches for v in b.encode("csv")]
+    return batches, values
+
+
+def vw_examples(batches: list[BurstyBatch]) -> list[str]:
+    out = []
+    for b in batches:
+        hours = b.hours()
+        for y, u, i, c, d, h in zip(b.labels.tolist(), b.users.tolist(), b.items.tolist(),
+                                    b.categories.tolist(), b.devices.tolist(), hours.tolist(),
+                                    strict=True):
+            out.append(f"{1 if y else -1} |u u{u} |i i{i} c{c} |c d{d} h{h}")
+    return out
+
+
+def run_vw(examples: list[str], lr: float, quadratic: bool) -> tuple[np.ndarray, float]:
+    import vowpalwabbit
+
+    args = (f"--loss_function logistic --link logistic -b 24 --learning_rate {lr} --quiet"
+            + (" -q ui" if quadratic else ""))
+    ws = vowpalwabbit.Workspace(args)
+    probs = np.empty(len(examples))
+    t0 = time.perf_counter()
+    for k, text in enumerate(examples):
+        ex = ws.parse(text)
+        probs[k] = ws.predict(ex)
+        ws.learn(ex)
+        ws.finish_example(ex)
+    rate = len(examples) / (time.perf_counter() - t0)
+    ws.finish()
+    return probs, rate
+
+
+def run_odl(values: list[bytes], batch: int, work: str) -> tuple[np.ndarray, float]:
+    text = bursty_config_text(os.path.join(work, f"odl-{batch}"), batch_size=batch)
+    config = parse_pipeline_config_text(text)
+    validate_pipeline_config(config, online=True)
+    fb = FeatureBuilder(config)
+    module = TrainModule(config, fb, device="cpu")
+    probs = []
+    t0 = time.perf_counter()
+    for k in range(0, len(values), batch):
+        out = module.train_step(fb.build(values[k:k + batch]).batch)
+        probs.append(out.probs)
+    rate = len(values) / (time.perf_counter() - t0)
+    return np.concatenate(probs), rate
+
+
+def run_broker(values: list[bytes], batch: int, work: str) -> dict:
+    from bench.train_throughput import measure_trainer_rate
+    from odl.broker.embedded_broker import EmbeddedBroker
+    from odl.harness.topic_records import produce
+    from odl.kafka.topic_admin import end_offsets
+    from odl.train.trainer import Trainer, TrainerOptions
+
+    with EmbeddedBroker(port=0, data_dir=os.path.join(work, "kafka")) as broker:
+        topic = "bursty"
+        produce(broker.bootstrap, topic, values, 1)
+        ends = end_offsets(broker.bootstrap, topic)
+        text = bursty_config_text(os.path.join(work, "odl-train"), server=broker.bootstrap,
+                                  topic=topic, batch_size=batch,
+                                  extra_train=f"metrics_window_samples: "
+                                              f"{int(len(values) * TAIL)}")
+        config = parse_pipeline_config_text(text)
+        validate_pipeline_config(config, online=True)
+        trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
+
+        def caught_up(_step: int, _secs: float) -> bool:
+            pos = dict(trainer.positions)
+            return bool(pos) and all(pos.get(p, 0) >= e for p, e in ends.items())
+
+        rate = measure_trainer_rate(trainer, 2, caught_up)
+        m = trainer.progress.summary()
+    return {"auc": m["auc_total"], "logloss": m["logloss_total"], "auc_last20": m["auc"],
+            "logloss_last20": m["logloss"], "samples_per_sec": round(rate),
+            "samples": m["samples"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--records", type=int, default=200_000)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--vw-lr", default="0.1,0.5,2", help="VW learning rates to try")
+    ap.add_argument("--batch", default="256,1024", help="odl batch sizes to try")
+    ap.add_argument("--broker", action="store_true",
+                    help="also train through the embedded broker (odl-train --online's path)")
+    add_output_args(ap)
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="odl-quality-")
+    batches, values = make_stream(args.records, args.seed)
+    labels = np.concatenate([b.labels for b in batches]).astype(np.float64)
+    truth = np.concatenate([b.probabilities for b in batches])
+    rows: dict[str, dict] = {"oracle": scores(truth, labels)}
+    try:
+        import vowpalwabbit  # noqa: F401
+        examples = vw_examples(batches)
+        for quadratic in (False, True):
+            for lr in [float(x) for x in args.vw_lr.split(",")]:
+                probs, rate = run_vw(examples, lr, quadratic)
+                name = f"vw {'-q ui' if quadratic else 'linear'} lr {lr:g}"
+                rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate)}
+                print(name, rows[name], flush=True)
+    except ImportError:
+        rows["vw"] = {"skipped": "vowpalwabbit is not installed "
+                                 "(pip install -r bench/requirements-quality.txt)"}
+    for b in [int(x) for x in args.batch.split(",")]:
+        probs, rate = run_odl(values, b, work)
+        rows[f"odl batch {b}"] = {**scores(probs, labels), "samples_per_sec": round(rate)}
+        print(f"odl batch {b}", rows[f"odl batch {b}"], flush=True)
+    if args.broker:
+        b = int(args.batch.split(",")[0])
+        rows[f"odl-train --online batch {b}"] = run_broker(values, b, work)
+    result = {"records": args.records, "seed": args.seed,
+              "positive_rate": round(float(labels.mean()), 4), "rows": rows}
+    print(json.dumps(result, indent=1))
+    finish_run(args, result, work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
