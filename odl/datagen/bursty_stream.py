@@ -185,8 +185,9 @@ _BLOCK = 1024  # ids whose parameters are drawn together, from the block's own g
 
 @dataclass
 class _Population:
-    """Growing per-id parameters: block ``k`` of ids drawn from generator ``(key, k)``, so an
-    id's parameters do not depend on when the population grew.
+    """Growing per-id parameters, independent of when the population grew.
+
+    Block ``k`` of ids is drawn from its own generator ``(key, k)``.
     """
 
     key: tuple[int, int]
