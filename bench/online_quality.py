@@ -9,7 +9,7 @@ figures are the AUC and logloss of those predictions over all records and over t
   logistic loss, one record at a time: ``predict`` then ``learn``), namespaces ``u`` (user),
   ``i`` (item, category), ``c`` (device, hour); ``-q ui`` adds the user x item crosses; each
   at every ``--vw-lr`` learning rate (the best is the one to beat);
-* ``odl batch B``: odl's own training step (``TrainModule.train_step`` on
+* ``odl batch B sparse lr S dense lr D``: odl's own training step (``TrainModule.train_step`` on
   ``odl.datagen.datagen_config.bursty_config_text``'s DeepFM), batches of B records in
   stream order, each batch predicted before the step that learns from it (what
   ``odl-train --online`` reports as progressive AUC); the rate includes building the
@@ -28,7 +28,8 @@ Needs ``vowpalwabbit`` (``pip install -r bench/requirements-quality.txt``); with
 VW rows are skipped and say so.
 
     .venv/bin/python bench/online_quality.py [--records 200000] [--seed 1]
-        [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--broker] [--json out.json]
+        [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--sparse-lr 0.1] [--dense-lr 0.001]
+        [--broker] [--json out.json]
 """
 
 from __future__ import annotations
@@ -102,8 +103,10 @@ def run_vw(examples: list[str], lr: float, quadratic: bool) -> tuple[np.ndarray,
     return probs, rate
 
 
-def run_odl(values: list[bytes], batch: int, work: str) -> tuple[np.ndarray, float]:
-    text = bursty_config_text(os.path.join(work, f"odl-{batch}"), batch_size=batch)
+def run_odl(values: list[bytes], batch: int, work: str, sparse_lr: float = 0.1,
+            dense_lr: float = 0.001) -> tuple[np.ndarray, float]:
+    text = bursty_config_text(os.path.join(work, f"odl-{batch}-{sparse_lr}-{dense_lr}"),
+                              batch_size=batch, sparse_lr=sparse_lr, dense_lr=dense_lr)
     config = parse_pipeline_config_text(text)
     validate_pipeline_config(config, online=True)
     fb = FeatureBuilder(config)
@@ -153,6 +156,10 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--vw-lr", default="0.1,0.5,2", help="VW learning rates to try")
     ap.add_argument("--batch", default="256,1024", help="odl batch sizes to try")
+    ap.add_argument("--sparse-lr", default="0.1",
+                    help="odl table (Adagrad) learning rates to try")
+    ap.add_argument("--dense-lr", default="0.001",
+                    help="odl dense (Adam) learning rates to try")
     ap.add_argument("--broker", action="store_true",
                     help="also train through the embedded broker (odl-train --online's path)")
     add_output_args(ap)
@@ -175,9 +182,12 @@ def main() -> int:
         rows["vw"] = {"skipped": "vowpalwabbit is not installed "
                                  "(pip install -r bench/requirements-quality.txt)"}
     for b in [int(x) for x in args.batch.split(",")]:
-        probs, rate = run_odl(values, b, work)
-        rows[f"odl batch {b}"] = {**scores(probs, labels), "samples_per_sec": round(rate)}
-        print(f"odl batch {b}", rows[f"odl batch {b}"], flush=True)
+        for slr in [float(x) for x in args.sparse_lr.split(",")]:
+            for dlr in [float(x) for x in args.dense_lr.split(",")]:
+                probs, rate = run_odl(values, b, work, slr, dlr)
+                name = f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}"
+                rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate)}
+                print(name, rows[name], flush=True)
     if args.broker:
         b = int(args.batch.split(",")[0])
         rows[f"odl-train --online batch {b}"] = run_broker(values, b, work)

@@ -116,7 +116,7 @@ def bursty_config_text(
     batch_size: int = 256,
     dim: int = 16,
     buckets: int = 1 << 20,
-    sparse_lr: float = 0.05,
+    sparse_lr: float = 0.1,
     dense_lr: float = 0.001,
     hidden_units: tuple[int, ...] = (64, 32),
     extra_train: str = "",
