@@ -14,6 +14,12 @@ figures are the AUC and logloss of those predictions over all records and over t
   stream order, each batch predicted before the step that learns from it (what
   ``odl-train --online`` reports as progressive AUC); the rate includes building the
   batches;
+* served (``--serve-delay D``, default 2500): the AUC of what a server of each learner's
+  state would have answered, each record predicted by the state that had learned the
+  records before it minus D (for odl: every batch ending at or before that; predictions in
+  eval mode, as ``odl-serve`` makes them). D stands for the publishing and replay delay
+  (2,500 records is 0.25 s at 10k records/s, the freshness bench's p50); it is the figure
+  users meet, where the progressive AUC is the learner's own;
 * ``odl-train --online`` (``--broker``): the records produced to one partition of the
   embedded broker and trained by ``Trainer`` (the code of ``odl-train --online``) with
   ``metrics_window_samples`` = 20 % of the records; its own ``/status`` figures
@@ -29,7 +35,7 @@ VW rows are skipped and say so.
 
     .venv/bin/python bench/online_quality.py [--records 200000] [--seed 1]
         [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--sparse-lr 0.1] [--dense-lr 0.001]
-        [--broker] [--json out.json]
+        [--serve-delay 2500] [--broker] [--json out.json]
 """
 
 from __future__ import annotations
@@ -67,6 +73,15 @@ def scores(probs: np.ndarray, labels: np.ndarray) -> dict:
             "logloss_last20": round(log_loss(probs[cut:], labels[cut:]), 4)}
 
 
+def served_scores(served: np.ndarray | None, labels: np.ndarray) -> dict:
+    """The served predictions' AUC over all records and the last ``TAIL`` (none: {})."""
+    if served is None:
+        return {}
+    cut = int(len(labels) * (1 - TAIL))
+    return {"served_auc": round(roc_auc(labels, served), 4),
+            "served_auc_last20": round(roc_auc(labels[cut:], served[cut:]), 4)}
+
+
 def make_stream(records: int, seed: int) -> tuple[list[BurstyBatch], list[bytes]]:
     stream = BurstyStream(seed=seed)
     batches = [stream.next_batch(min(8192, records - k)) for k in range(0, records, 8192)]
@@ -85,39 +100,75 @@ def vw_examples(batches: list[BurstyBatch]) -> list[str]:
     return out
 
 
-def run_vw(examples: list[str], lr: float, quadratic: bool) -> tuple[np.ndarray, float]:
+def run_vw(examples: list[str], lr: float, quadratic: bool,
+           delay: int = 0) -> tuple[np.ndarray, float, np.ndarray | None]:
+    """VW's progressive predictions, its rate, and (``delay`` > 0) its served predictions:
+    record m predicted by the state that learned the records before ``m - delay``."""
     import vowpalwabbit
 
     args = (f"--loss_function logistic --link logistic -b 24 --learning_rate {lr} --quiet"
             + (" -q ui" if quadratic else ""))
     ws = vowpalwabbit.Workspace(args)
-    probs = np.empty(len(examples))
+    n = len(examples)
+    probs = np.empty(n)
+    served = np.empty(n) if delay else None
+
+    def predict(k: int) -> float:
+        ex = ws.parse(examples[k])
+        p = ws.predict(ex)
+        ws.finish_example(ex)
+        return p
+
+    if served is not None:
+        for m in range(min(delay + 1, n)):  # the initial state serves the first records
+            served[m] = predict(m)
     t0 = time.perf_counter()
     for k, text in enumerate(examples):
         ex = ws.parse(text)
         probs[k] = ws.predict(ex)
         ws.learn(ex)
         ws.finish_example(ex)
-    rate = len(examples) / (time.perf_counter() - t0)
+        if served is not None and k + delay + 1 < n:
+            served[k + delay + 1] = predict(k + delay + 1)
+    rate = n / (time.perf_counter() - t0)
     ws.finish()
-    return probs, rate
+    return probs, rate, served
 
 
 def run_odl(values: list[bytes], batch: int, work: str, sparse_lr: float = 0.1,
-            dense_lr: float = 0.001) -> tuple[np.ndarray, float]:
+            dense_lr: float = 0.001,
+            delay: int = 0) -> tuple[np.ndarray, float, np.ndarray | None]:
+    """odl's progressive predictions, its rate, and (``delay`` > 0) its served predictions:
+    record m predicted (eval mode, as serving) by the state that learned every batch ending
+    at or before ``m - delay``. The served predictions are made after the timing."""
     text = bursty_config_text(os.path.join(work, f"odl-{batch}-{sparse_lr}-{dense_lr}"),
                               batch_size=batch, sparse_lr=sparse_lr, dense_lr=dense_lr)
     config = parse_pipeline_config_text(text)
     validate_pipeline_config(config, online=True)
     fb = FeatureBuilder(config)
     module = TrainModule(config, fb, device="cpu")
+    n = len(values)
     probs = []
     t0 = time.perf_counter()
-    for k in range(0, len(values), batch):
+    for k in range(0, n, batch):
         out = module.train_step(fb.build(values[k:k + batch]).batch)
         probs.append(out.probs)
-    rate = len(values) / (time.perf_counter() - t0)
-    return np.concatenate(probs), rate
+    rate = n / (time.perf_counter() - t0)
+    served = None
+    if delay:
+        module = TrainModule(config, fb, device="cpu")  # again, serving as it goes
+        served = np.empty(n)
+
+        def serve(lo: int, hi: int) -> None:
+            if lo < hi:
+                served[lo:hi] = module.predict(fb.build(values[lo:hi]).batch)
+
+        serve(0, min(delay + batch, n))  # records before the first batch's state counts
+        for k in range(0, n, batch):
+            module.train_step(fb.build(values[k:k + batch]).batch)
+            end = min(k + batch, n)  # the state now covers the records before end
+            serve(min(end + delay, n), min(end + delay + batch, n))
+    return np.concatenate(probs), rate, served
 
 
 def run_broker(values: list[bytes], batch: int, work: str) -> dict:
@@ -160,6 +211,9 @@ def main() -> int:
                     help="odl table (Adagrad) learning rates to try")
     ap.add_argument("--dense-lr", default="0.001",
                     help="odl dense (Adam) learning rates to try")
+    ap.add_argument("--serve-delay", type=int, default=2500,
+                    help="also score served predictions: each record predicted by the state "
+                         "that learned the records before it minus this many (0: off)")
     ap.add_argument("--broker", action="store_true",
                     help="also train through the embedded broker (odl-train --online's path)")
     add_output_args(ap)
@@ -174,9 +228,12 @@ def main() -> int:
         examples = vw_examples(batches)
         for quadratic in (False, True):
             for lr in [float(x) for x in args.vw_lr.split(",")]:
-                probs, rate = run_vw(examples, lr, quadratic)
+                probs, rate, _none = run_vw(examples, lr, quadratic)  # timed alone
+                served = (run_vw(examples, lr, quadratic, args.serve_delay)[2]
+                          if args.serve_delay else None)
                 name = f"vw {'-q ui' if quadratic else 'linear'} lr {lr:g}"
-                rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate)}
+                rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
+                              **served_scores(served, labels)}
                 print(name, rows[name], flush=True)
     except ImportError:
         rows["vw"] = {"skipped": "vowpalwabbit is not installed "
@@ -184,9 +241,10 @@ def main() -> int:
     for b in [int(x) for x in args.batch.split(",")]:
         for slr in [float(x) for x in args.sparse_lr.split(",")]:
             for dlr in [float(x) for x in args.dense_lr.split(",")]:
-                probs, rate = run_odl(values, b, work, slr, dlr)
+                probs, rate, served = run_odl(values, b, work, slr, dlr, args.serve_delay)
                 name = f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}"
-                rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate)}
+                rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
+                              **served_scores(served, labels)}
                 print(name, rows[name], flush=True)
     if args.broker:
         b = int(args.batch.split(",")[0])
