@@ -46,6 +46,19 @@ def load_config_text(text: str) -> pipeline_pb2.EasyRecConfig:
     return config
 
 
+def assert_edit_refused(text: str, edit: tuple[str, str], field: str, words: str) -> None:
+    """``text`` with ``edit`` applied (it must apply) is refused naming ``field`` and ``words``."""
+    from odl.config.config_error import ConfigError
+
+    assert edit[0] in text, edit[0]
+    try:
+        load_config_text(text.replace(*edit))
+    except ConfigError as e:
+        assert e.field == field and words in str(e), e
+        return
+    raise AssertionError(f"not refused: {edit}")
+
+
 def write_config(tmp_path, bootstrap: str, topic: str, name: str = "pipeline.config", **kw) -> str:
     """Writes the test-size DeepFM pipeline config reading ``topic``; returns its path.
 

@@ -12,7 +12,7 @@ from odl.features.feature_builder import FeatureBuilder, sequence_key, sequence_
 from odl.models.building_blocks import SequencePool, TargetAttention
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
-from tests.harness import load_config_text
+from tests.harness import assert_edit_refused, load_config_text
 
 EASYREC = """
 model_dir: "/tmp/odl-number-features-unused"
@@ -92,10 +92,7 @@ def test_a_sequence_of_numbers_is_bucketized_position_by_position():
      "feature_config.features[2].hash_bucket_size", "takes boundaries"),
 ])
 def test_number_feature_errors_name_the_field(edit, field, words):
-    assert edit[0] in EASYREC, edit[0]
-    with pytest.raises(ConfigError) as e:
-        load_config_text(EASYREC.replace(*edit))
-    assert e.value.field == field and words in str(e.value), e.value
+    assert_edit_refused(EASYREC, edit, field, words)
 
 
 def test_dense_number_sequences_are_read_by_target_attention_only():

@@ -9,7 +9,7 @@ from odl.config.config_error import ConfigError
 from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
 from odl.features.feature_builder import FeatureBuilder, sequence_key, sequence_length_column
 from odl.features.id_hashing import bucketize_hashes, hash_segments
-from tests.harness import load_config_text
+from tests.harness import assert_edit_refused, load_config_text
 
 TEXT = as_model_config_text(deepfm_config_text("/tmp/odl-seq-unused", dim=8, buckets=50,
                                                hidden_units=(16,)), "MultiTowerDIN")
@@ -60,10 +60,7 @@ def test_positions_are_keys_and_the_kept_length_a_dense_column():
      "model_config.multi_tower.din_towers", "MultiTowerDIN"),
 ])
 def test_din_config_errors_name_the_field(edit, field, words):
-    assert edit[0] in TEXT, edit[0]
-    with pytest.raises(ConfigError) as e:
-        load_config_text(TEXT.replace(*edit))
-    assert e.value.field == field and words in str(e.value), e.value
+    assert_edit_refused(TEXT, edit, field, words)
 
 
 def test_keys_and_sequences_must_be_as_wide():
