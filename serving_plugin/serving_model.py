@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from odl.config.loss_settings import regression_outputs
+from odl.config.loss_settings import num_classes, regression_outputs
 from odl.features.batch import Batch
 from odl.features.raw_id_index import RawIdIndex, drop_unmapped
 from odl.models.ctr_model import predictions
@@ -113,6 +113,7 @@ class ServingModel:
         self.outputs = tuple(export.outputs)
         # per output: a regression answers its logit, the others sigmoid(logit)
         self.regression = regression_outputs(export.config)
+        self.softmax = num_classes(export.config) > 1
         dc = export.config.data_config
         self._labels = list(dc.label_fields)
         self._fields = [f.input_name for f in dc.input_fields]
@@ -242,7 +243,7 @@ class ServingModel:
         with self.lock:
             logits = self._forward(batch)
             version, generation = self.state.version, self.state.generation
-        return predictions(logits, self.regression), version, generation
+        return predictions(logits, self.regression, self.softmax), version, generation
 
     @torch.no_grad()
     def predict_values(self, values: Sequence[bytes]) -> tuple[np.ndarray,

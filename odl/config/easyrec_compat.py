@@ -10,7 +10,7 @@ for the subset odl implements. What odl does not implement is never silently ign
 * enum values odl's enums lack are listed in :data:`EASYREC_NOT_IMPLEMENTED_VALUES`, refused
   the same way;
 * values that parse but that odl does not implement (a model class odl lacks,
-  ``num_class`` other than 1, several label fields) are refused by :func:`check_implemented`;
+  several label fields for a single-task model) are refused by :func:`check_implemented`;
 * TorchEasyRec's way of naming the model by its message alone (``deepfm { ... }`` or
   ``wide_and_deep { ... }`` without ``model_class``) is accepted by
   :func:`infer_model_class`.
@@ -653,7 +653,7 @@ def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:
         config: a parsed config.
 
     Raises:
-        ConfigError: e.g. a model_class odl lacks, or num_class != 1.
+        ConfigError: e.g. a model_class odl lacks, or num_class < 1.
 
     """
     mc = config.model_config
@@ -661,10 +661,9 @@ def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:
         raise ConfigError("model_config.model_class",
                           f"model class {mc.model_class!r} is an EasyRec value that odl does not "
                           f"implement yet (implemented: {', '.join(IMPLEMENTED_MODEL_CLASSES)})")
-    if mc.num_class != 1:
+    if mc.num_class < 1:
         raise ConfigError("model_config.num_class",
-                          f"num_class {mc.num_class} is an EasyRec value that odl does not "
-                          "implement yet (only 1: binary classification)")
+                          "must be at least 1 (1: binary classification, C > 1: C classes)")
     dc = config.data_config
     if dc.fg_mode == pipeline_pb2.DatasetConfig.FG_BUCKETIZE:
         raise ConfigError("data_config.fg_mode",

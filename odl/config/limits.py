@@ -39,6 +39,8 @@ MAX_HIDDEN_LAYERS = 64
 MAX_SEQUENCE_LENGTH = 1024
 # Numbers in one RawFeature value (raw_input_dim / TorchEasyRec's value_dim).
 MAX_RAW_INPUT_DIM = 4096
+# Classes of a num_class model.
+MAX_CLASSES = 4096
 # Experts of an MMoE / DBMTL model.
 MAX_EXPERTS = 256
 

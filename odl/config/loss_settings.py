@@ -19,7 +19,7 @@ from odl.config.config_error import ConfigError
 from odl.config.model_classes import is_multi_task_model, task_label_names
 from odl.protos import pipeline_pb2
 
-__all__ = ["POINTWISE_LOSS_TYPES", "loss_entries", "real_valued_labels",
+__all__ = ["POINTWISE_LOSS_TYPES", "loss_entries", "num_classes", "real_valued_labels",
            "regression_outputs", "validate_loss_settings"]
 
 _L = pipeline_pb2
@@ -58,6 +58,17 @@ def _output_terms(config: pipeline_pb2.EasyRecConfig) -> list[list[int]]:
     return [[t.loss_type for t in mc.losses] or [mc.loss_type]]
 
 
+def num_classes(config: pipeline_pb2.EasyRecConfig) -> int:
+    """The classes of a single-task model's label: 1 (binary), or ``num_class`` C > 1.
+
+    A C-class model has C outputs, ``<label>_<k>`` the probability of class k (a softmax
+    over its C logits, trained by softmax cross entropy); its label column holds the class
+    index and its batches carry the labels one-hot (``[B, C]``).
+    """
+    mc = config.model_config
+    return max(int(mc.num_class), 1) if not is_multi_task_model(mc) else 1
+
+
 def regression_outputs(config: pipeline_pb2.EasyRecConfig) -> list[bool]:
     """Per model output, whether it is a regression: every loss term of it is ``L2_LOSS``.
 
@@ -71,6 +82,9 @@ def regression_outputs(config: pipeline_pb2.EasyRecConfig) -> list[bool]:
     Returns:
         One flag per output, in output order.
     """
+    classes = num_classes(config)
+    if classes > 1:
+        return [False] * classes
     return [all(t == _L.L2_LOSS for t in terms) for terms in _output_terms(config)]
 
 

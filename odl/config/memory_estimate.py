@@ -368,7 +368,8 @@ def _tower_params(mc: pipeline_pb2.EasyRecModel,
             hidden += sum(int(u) for u in tower.hidden_units)
     final_params, final_width = _mlp_params(width, settings.final_dnn)
     hidden += sum(int(u) for u in settings.final_dnn.hidden_units)
-    return params + final_params + final_width + 1, hidden
+    classes = max(int(mc.num_class), 1)
+    return params + final_params + (final_width + 1) * classes, hidden
 
 
 def _multi_task_params(mc: pipeline_pb2.EasyRecModel,
@@ -523,6 +524,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
     else:
         if not uses_fm(mc):
             fm_dim = 0
+        classes = max(int(mc.num_class), 1)
         params, deep_width = _mlp_params(deep_in, d.dnn)
         params += 1 + wide_dense * wide_out  # wide bias, wide linear term over dense features
         params += extra_params  # sequence combiners, projected raw features
@@ -530,10 +532,10 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
         if d.HasField("final_dnn"):
             final_params, final_width = _mlp_params(wide_out + fm_dim + deep_width,
                                                     d.final_dnn)
-            params += final_params + final_width + 1
+            params += final_params + (final_width + 1) * classes
             hidden += sum(int(u) for u in d.final_dnn.hidden_units)
         else:
-            params += deep_width + 1
+            params += (deep_width + 1) * classes
     if mc.loss_weight_strategy == pipeline_pb2.EasyRecModel.Uncertainty:  # learned weights
         terms = list(mc.losses)
         if is_multi_task_model(mc):

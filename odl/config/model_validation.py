@@ -247,6 +247,8 @@ def validate_model(
     if mc.embedding_regularization < 0:
         raise ConfigError("model_config.embedding_regularization", "must be >= 0")
     _validate_losses(mc.losses, "model_config.losses", mc.loss_weight_strategy)
+    if mc.num_class > 1:
+        _validate_classes(config)
     if not mc.feature_groups:
         raise ConfigError("model_config.feature_groups", "required")
     groups: dict[str, int] = {}
@@ -347,6 +349,26 @@ def validate_model(
                           f'{why} every embedded feature of the "{group}" group to have '
                           f"the same embedding_dim; got {shown}"
                           f"{', ...' if len(dims) > 6 else ''}")
+
+
+def _validate_classes(config: pipeline_pb2.EasyRecConfig) -> None:
+    """``num_class`` C > 1: a single-task model trained by softmax cross entropy."""
+    mc = config.model_config
+    if is_multi_task_model(mc):
+        raise ConfigError("model_config.num_class",
+                          f"{mc.model_class}'s tasks are binary (num_class 1); a task tower's "
+                          "num_class is not implemented")
+    if mc.num_class > limits.MAX_CLASSES:
+        raise ConfigError("model_config.num_class",
+                          f"{mc.num_class} is above the limit of {limits.MAX_CLASSES}")
+    classification = (pipeline_pb2.CLASSIFICATION, pipeline_pb2.CROSS_ENTROPY_LOSS)
+    terms = [(f"model_config.losses[{i}].loss_type", t.loss_type)
+             for i, t in enumerate(mc.losses)] or [("model_config.loss_type", mc.loss_type)]
+    for where, kind in terms:
+        if kind not in classification:
+            raise ConfigError(where, f"num_class {mc.num_class} trains softmax cross entropy: "
+                                     "the loss must be CLASSIFICATION or CROSS_ENTROPY_LOSS, not "
+                                     f"{pipeline_pb2.LossType.Name(kind)}")
 
 
 def _validate_losses(losses: Any, prefix: str, strategy: int = 0) -> None:

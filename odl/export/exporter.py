@@ -58,8 +58,9 @@ OSS too (``odl.checkpoint.checkpoint_manager``), and so may ``--asset_files``.
      "pooled_inputs": [{"name": str, "lookups": [[feature, table], ...], "dim": int,
                         "dims": [int, ...]}, ...],
      "outputs": [str, ...],
-     "output_kinds": ["probability" | "value", ...],   (per output: sigmoid(logit), or the
-                                                       logit of a regression output)
+     "output_kinds": ["probability" | "value" | "class_probability", ...],   (per output:
+                     sigmoid(logit), the logit of a regression output, or a num_class
+                     model's class probability, the softmax over its outputs)
      "dense_features": [str, ...], "sparse_features": [str, ...],
      "tables": {"<table>": {"rows": int, "dim": int, "pooling": "sum"|"mean",
                             "dynamic": bool}},
@@ -107,7 +108,7 @@ from odl.checkpoint.checkpoint_manager import read_checkpoint, resolve_checkpoin
 from odl.checkpoint.file_digest import sha256_file
 from odl.config.config_redaction import config_to_text
 from odl.config.feature_settings import with_vocab_files_inlined
-from odl.config.loss_settings import regression_outputs
+from odl.config.loss_settings import num_classes, regression_outputs
 from odl.export.dense_export import script_dense
 from odl.export.export_layout import (
     ASSETS_DIR,
@@ -302,8 +303,9 @@ def _signature(config: pipeline_pb2.EasyRecConfig, model: CtrModel, fb: FeatureB
         "pooled_inputs": [{"name": g.name, "lookups": [[f, t] for f, t in g.lookups],
                            "dim": g.dim, "dims": list(g.dims)} for g in model.pooled_layout],
         "outputs": list(model.output_names),
-        "output_kinds": ["value" if r else "probability"
-                         for r in regression_outputs(config)],
+        "output_kinds": (["class_probability"] * num_classes(config)
+                         if num_classes(config) > 1 else
+                         ["value" if r else "probability" for r in regression_outputs(config)]),
         "dense_features": fb.dense_feature_names,
         "sparse_features": fb.sparse_feature_names,
         "tables": {n: {"rows": r, "dim": d, "pooling": table_pooling[n],

@@ -97,7 +97,7 @@ from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import DynamicTableSpec, dynamic_table_spec
 from odl.config.feature_configs import feature_configs
 from odl.config.feature_settings import has_vocabulary, normalizes, read_vocabulary
-from odl.config.loss_settings import real_valued_labels
+from odl.config.loss_settings import num_classes, real_valued_labels
 from odl.config.metric_settings import grouped_auc_field
 from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments, pack_strings
 from odl.features.raw_id_index import RAW_ID_MASK
@@ -156,7 +156,7 @@ class BatchArrays:
         lengths: ``int32`` ids per (feature, sample), feature-major (KJT lengths).
         dense: ``float32 [B, num_dense]`` raw numeric features.
         labels: ``float32 [B]`` labels (``[B, n]`` with ``n`` label fields, in
-            ``label_fields`` order).
+            ``label_fields`` order; ``[B, C]`` one-hot for a ``num_class`` C model).
         sample_ids: per-sample ids when ``data_config.sample_id_field`` is set.
         event_times: ``float64`` unix seconds when ``data_config.event_time_field`` is set.
         group_keys: ``int64`` per-sample FNV-1a hash of the GAUC grouping column's text
@@ -519,7 +519,10 @@ class FeatureBuilder:
             list_separators=list_seps,
             numeric_fields=list(dict.fromkeys(numeric_fields)),
             real_labels=sorted(real_valued_labels(pipeline_config)),
+            class_labels=({self._label: num_classes(pipeline_config)}
+                          if num_classes(pipeline_config) > 1 else None),
         )
+        self._classes = num_classes(pipeline_config)
         self._seps = sorted({sp.separator for sp in self._sparse if sp.separator
                              and sp.kind in ("hash", "int", "vocab", "bucket")}
                             | {d.separator for d in self._dense if d.separator}
@@ -932,9 +935,7 @@ class FeatureBuilder:
             values=np.ascontiguousarray(values, dtype=np.int64),
             lengths=lengths,
             dense=dense_np,
-            labels=(parsed.numeric[self._label].astype(np.float32) if len(self._labels) == 1
-                    else np.stack([parsed.numeric[lf] for lf in self._labels],
-                                  axis=1).astype(np.float32)),
+            labels=self._label_array(parsed),
             sample_ids=parsed.texts(self._sample_id_field) if self._sample_id_field else None,
             event_times=(parsed.numeric[self._event_time_field].astype(np.float64)
                          if self._check_event_time else None),
@@ -947,6 +948,17 @@ class FeatureBuilder:
                      else None),
         )
         return ArraysResult(arrays, parsed.accepted, rejected)
+
+    def _label_array(self, parsed: ParsedColumns) -> np.ndarray:
+        """``[B]`` (one label), ``[B, n]`` (n label fields) or ``[B, C]`` one-hot (C classes)."""
+        if self._classes > 1:
+            index = parsed.numeric[self._label].astype(np.int64)
+            out = np.zeros((index.shape[0], self._classes), dtype=np.float32)
+            out[np.arange(index.shape[0]), index] = 1.0
+            return out
+        if len(self._labels) == 1:
+            return parsed.numeric[self._label].astype(np.float32)
+        return np.stack([parsed.numeric[lf] for lf in self._labels], axis=1).astype(np.float32)
 
     def _combo(self, parsed: ParsedColumns, sp: _Sparse) -> tuple[np.ndarray, np.ndarray]:
         buf = parsed.buffer

@@ -23,7 +23,8 @@ Rules:
   DOUBLE anything numpy parses as a float; NaN / inf are ``non_finite``. BOOL accepts
   ``0/1/true/false`` (any case).
 * Labels must be 0 or 1 (an empty label is ``bad_label``), except the ``real_labels`` (a
-  regression output's), which may hold any finite number.
+  regression output's), which may hold any finite number, and the ``class_labels`` (a
+  ``num_class`` C model's), which hold a class index, an integer in ``[0, C)``.
 * JSON strings must be encodable as UTF-8: a lone surrogate (``"\ud800"``) is
   ``invalid_utf8``, like invalid bytes in a CSV record.
 
@@ -198,6 +199,8 @@ class RecordParser:
         numeric_fields: numeric fields to parse and validate (default: every field whose
             ``input_type`` is numeric, plus the labels).
         real_labels: label fields that may hold any finite number (not only 0 / 1).
+        class_labels: label field -> its number of classes C (the label: an integer in
+            ``[0, C)``).
     """
 
     def __init__(
@@ -207,8 +210,10 @@ class RecordParser:
         list_separators: Mapping[str, str] | None = None,
         numeric_fields: Sequence[str] | None = None,
         real_labels: Sequence[str] = (),
+        class_labels: Mapping[str, int] | None = None,
     ) -> None:
         self._real_labels = set(real_labels)
+        self._class_labels = dict(class_labels or {})
         self._fields = [f.input_name for f in data_config.input_fields]
         if not self._fields:
             raise ValueError("data_config.input_fields is empty")
@@ -520,7 +525,11 @@ class RecordParser:
                 _mark(row_reason, ~good[k], 1)
                 if kind != "int":
                     _mark(row_reason, ~np.isfinite(v[k]), 2)
-                if is_label and name not in self._real_labels:
+                if is_label and name in self._class_labels:
+                    classes = self._class_labels[name]
+                    _mark(row_reason, (v[k] != np.floor(v[k])) | (v[k] < 0)
+                          | (v[k] >= classes), 3)
+                elif is_label and name not in self._real_labels:
                     _mark(row_reason, (v[k] != 0) & (v[k] != 1), 3)
                 numeric[name] = v[k]
         ok = row_reason == 0

@@ -32,6 +32,10 @@ or with ``Random`` (EasyRec's) a fresh draw at every step of ``softmax(N(0, 1))`
 model's terms (:func:`random_loss_weights`; one term alone weighs 1), replacing the configured
 weights.
 
+A ``num_class`` C model (C > 1; ``odl.config.loss_settings.num_classes``) has ``[B, C]``
+logits and one-hot labels; its terms (CLASSIFICATION / CROSS_ENTROPY_LOSS) are the softmax
+cross entropy ``-sum_k y_k log softmax(s)_k``, and its predictions the softmax.
+
 A pairwise term of a batch without a pair is 0. The model's regularization terms are added
 by the model (``odl.models.deepfm``, ``odl.models.tower_models``). The predictions reported
 and served are ``sigmoid(s)``, except for an output whose every term is ``L2_LOSS`` (a
@@ -99,7 +103,8 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
              sample_weights: torch.Tensor | None = None, scale: float = 1.0,
              learned: list[bool] | None = None,
              uncertainty: torch.Tensor | None = None,
-             term_weights: torch.Tensor | None = None) -> torch.Tensor:
+             term_weights: torch.Tensor | None = None,
+             softmax: bool = False) -> torch.Tensor:
     """The weighted sum of the loss terms (module docstring).
 
     Args:
@@ -115,6 +120,8 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
             becomes ``exp(-u) * v + u / 2`` (``0.5 * exp(-u) * v + u / 2`` for L2 losses).
         term_weights: per term, its weight in place of ``scale * weight`` (the ``Random``
             strategy's draw, :func:`random_loss_weights`), or None.
+        softmax: a ``num_class`` C model: ``[B, C]`` logits and one-hot labels, each term
+            (CLASSIFICATION / CROSS_ENTROPY_LOSS) the softmax cross entropy.
 
     Returns:
         Scalar loss.
@@ -125,7 +132,9 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
     total = logits.new_zeros(())
     k = 0
     for i, term in enumerate(terms):
-        if sample_weights is None:
+        if softmax:
+            value = -(labels * torch.log_softmax(logits, dim=1)).sum(dim=1).mean()
+        elif sample_weights is None:
             value = _term(logits, labels, term)
         else:
             value = (_pointwise(logits, labels, term) * sample_weights).sum() / (

@@ -25,10 +25,11 @@ Usually every lookup of a group has the same width, ``g.dim``; a group of mixed 
 (e.g. a WideAndDeep deep group of 16- and 32-wide features, which EasyRec concatenates) has
 ``g.dim == 0`` and its widths in ``g.lookup_dims``.
 
-Predictions: ``predictions(logits, regression)`` turns the logits into what training
-reports and serving answers, ``sigmoid(logit)`` per output, or the logit itself for a
-regression output (``odl.config.loss_settings.regression_outputs``: every loss term of the
-output is ``L2_LOSS``).
+Predictions: ``predictions(logits, regression, softmax)`` turns the logits into what
+training reports and serving answers, ``sigmoid(logit)`` per output, or the logit itself for
+a regression output (``odl.config.loss_settings.regression_outputs``: every loss term of the
+output is ``L2_LOSS``), or for a ``num_class`` C model (C outputs ``<label>_<k>``, one per
+class) the softmax over them.
 
 ``CtrModel.forward(batch)`` is the lookup (``lookup``: the EBC, then the columns rearranged
 into the declared layout) followed by ``model.dense``; it returns a ``ModelOutput`` with the
@@ -63,16 +64,20 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def predictions(logits: torch.Tensor, regression: Sequence[bool] = ()) -> np.ndarray:
+def predictions(logits: torch.Tensor, regression: Sequence[bool] = (),
+                softmax: bool = False) -> np.ndarray:
     """The predictions of logits: ``sigmoid``, or the logit for a regression output.
 
     Args:
         logits: ``[B]`` (one output) or ``[B, n]`` logits.
         regression: per output, whether it is a regression (empty: none is).
+        softmax: the ``n`` outputs are a ``num_class`` model's classes: their softmax.
 
     Returns:
         float64 ``[B]`` or ``[B, n]`` predictions, on the CPU.
     """
+    if softmax:
+        return torch.softmax(logits, dim=1).to(torch.float64).cpu().numpy()
     out = torch.sigmoid(logits)
     if any(regression):
         if logits.dim() == 1:
@@ -81,6 +86,17 @@ def predictions(logits: torch.Tensor, regression: Sequence[bool] = ()) -> np.nda
             mask = torch.tensor(list(regression), dtype=torch.bool, device=logits.device)
             out = torch.where(mask.unsqueeze(0), logits, out)
     return out.to(torch.float64).cpu().numpy()
+
+
+def class_outputs(name: str, num_class: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """A single-task model's ``(output_names, output_labels)``.
+
+    One output ``name`` on label column 0, or for ``num_class`` C > 1 the C outputs
+    ``<name>_<k>``, output k on column k of the one-hot labels.
+    """
+    if num_class <= 1:
+        return (name,), (0,)
+    return tuple(f"{name}_{k}" for k in range(num_class)), tuple(range(num_class))
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from odl.models.ctr_losses import (
     loss_terms,
     random_loss_weights,
 )
-from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
+from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
 from odl.models.embedding_tables import DEEP_INIT_STD, EmbeddingLayout
 from odl.protos import pipeline_pb2
 
@@ -118,13 +118,15 @@ class DeepFMDense(nn.Module):
         sequences: the deep group's SequenceFeatures' combiners (their positions end
             ``deep``), or None.
         sequence_length_idx: dense-feature columns of those sequences' lengths.
+        num_class: logits per sample (``[B]`` for 1; ``[B, C]`` for C > 1: the deep Linear is
+            C wide, the wide part ``wide_output_dim`` = C wide and FM is added to each).
 
     Raises:
         ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
     """
 
     __constants__ = ["num_deep", "dim", "num_wide", "wide_output_dim", "has_deep_dense",
-                     "all_deep_dense", "use_fm", "num_projected", "num_sequences"]
+                     "all_deep_dense", "use_fm", "num_projected", "num_sequences", "num_class"]
     deep_dense_idx: list[int]
     wide_dense_idx: list[int]
     projected_idx: list[int]
@@ -146,8 +148,10 @@ class DeepFMDense(nn.Module):
         sequences: "GroupSequences | None" = None,
         sequence_length_idx: Sequence[int] = (),
         projected_widths: "Sequence[int] | None" = None,
+        num_class: int = 1,
     ) -> None:
         super().__init__()
+        self.num_class = max(int(num_class), 1)
         self.projected_idx = [int(i) for i in projected_idx]
         widths = ([1] * len(self.projected_idx) if projected_widths is None
                   else [int(w) for w in projected_widths])
@@ -184,12 +188,12 @@ class DeepFMDense(nn.Module):
             fm_dim = self.dim if self.use_fm else 0
             final_in = self.wide_output_dim + fm_dim + deep_width
             self.final_dnn, final_width = build_mlp(final_in, cfg.final_dnn)
-            self.final_out = nn.Linear(final_width, 1)
+            self.final_out = nn.Linear(final_width, self.num_class)
             self.deep_out = None
         else:
             self.final_dnn = None
             self.final_out = None
-            self.deep_out = nn.Linear(deep_width, 1)
+            self.deep_out = nn.Linear(deep_width, self.num_class)
         self.projection = (RawProjection(widths, self.dim) if self.num_projected else None)
         self.sequences = sequences
 
@@ -241,9 +245,15 @@ class DeepFMDense(nn.Module):
             if self.use_fm:
                 cat.append(fm)
             cat.append(h)
-            return final_out(final_dnn(torch.cat(cat, dim=1))).squeeze(1)
+            out = final_out(final_dnn(torch.cat(cat, dim=1)))
+            return out.squeeze(1) if self.num_class == 1 else out
         deep_out = self.deep_out
         assert deep_out is not None
+        if self.num_class > 1:  # [B, C]: the wide part is C wide (wide_output_dim)
+            logits = deep_out(h) + w
+            if self.use_fm:
+                logits = logits + fm.sum(dim=1, keepdim=True)
+            return logits
         logit = deep_out(h).squeeze(1) + w.sum(dim=1)
         if self.use_fm:
             logit = logit + fm.sum(dim=1)
@@ -296,6 +306,7 @@ def deepfm_loss(
     learned: list[bool] | None = None,
     deep_lookups: int | None = None,
     term_weights: torch.Tensor | None = None,
+    softmax: bool = False,
 ) -> torch.Tensor:
     """The prediction loss plus DeepFM's regularization (module docstring).
 
@@ -311,13 +322,14 @@ def deepfm_loss(
         deep_lookups: lookups in ``deep`` per sample (sequence positions included);
             None: ``dense.num_deep``.
         term_weights: the terms' weights of this step (the ``Random`` strategy), or None.
+        softmax: a ``num_class`` model's ``[B, C]`` logits (softmax cross entropy).
 
     Returns:
         Scalar loss.
     """
     loss = ctr_loss(logits, labels, terms, learned=learned,
                     uncertainty=getattr(dense, "loss_uncertainty", None),
-                    term_weights=term_weights)
+                    term_weights=term_weights, softmax=softmax)
     if weights.l2:
         loss = loss + weights.l2 * linear_kernel_l2(dense)
     deep_lookups = dense.num_deep if deep_lookups is None else deep_lookups
@@ -401,6 +413,7 @@ class DeepFM(CtrModel):
             deep_width=sum(dim_of[f] for f, _t in regular),
             projected_idx=[col[n] for n in projected],
             projected_widths=projected_widths,
+            num_class=int(model_config.num_class),
             sequences=seqs,
             sequence_length_idx=[col[b.length_column] for b in sequences],
         )
@@ -408,7 +421,8 @@ class DeepFM(CtrModel):
             PooledGroup.of("deep", tuple(deep_keys), [dim_of[f] for f, _t in deep_keys]),
             PooledGroup("wide", tuple(layout.wide_keys), layout.wide_output_dim),
         )
-        self.output_names = (output_name,)
+        self.output_names, self.output_labels = class_outputs(output_name,
+                                                              model_config.num_class)
         self.regularization = DeepFMRegularization.from_config(model_config)
         self.model_config = model_config
         self.loss_terms = loss_terms(model_config)
@@ -431,4 +445,5 @@ class DeepFM(CtrModel):
                            deep_lookups=len(self.pooled_layout[0].lookups),
                            term_weights=random_loss_weights(self.model_config,
                                                             len(self.loss_terms),
-                                                            output.logits))
+                                                            output.logits),
+                           softmax=self.dense.num_class > 1)

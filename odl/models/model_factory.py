@@ -120,8 +120,6 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
         raise ConfigError(
             "model_config.model_class",
             f"unknown model class {mc.model_class!r}; supported: {', '.join(SUPPORTED_MODELS)}")
-    if mc.num_class not in (0, 1):
-        raise ConfigError("model_config.num_class", "only 1 (binary classification) is supported")
     labels = list(config.data_config.label_fields) or ["label"]
     if is_multi_task_model(mc):
         return _build_multi_task_model(mc, feature_builder, labels,

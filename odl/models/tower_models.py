@@ -60,7 +60,7 @@ from odl.models.ctr_losses import (
     loss_terms,
     random_loss_weights,
 )
-from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
+from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
 from odl.models.embedding_tables import EmbeddingLayout
 from odl.protos import pipeline_pb2
 
@@ -81,6 +81,7 @@ class TowerDense(nn.Module):
         final_dnn: the ``final_dnn`` settings.
         sequences: per tower, the ``GroupSequences`` combining its group's sequences (their
             positions end its lookups, their lengths end its dense columns), or None.
+        num_class: logits per sample (``[B]`` for 1, ``[B, C]`` for C > 1).
 
     Raises:
         ValueError: a tower with no input, or an unsupported DNN setting.
@@ -89,10 +90,14 @@ class TowerDense(nn.Module):
     tower_cols: list[int]
     tower_dense: list[list[int]]
 
+    __constants__ = ["num_class"]
+
     def __init__(self, towers: Sequence[tuple[str, int, Sequence[int], object]],
                  final_dnn: pipeline_pb2.DNN,
-                 sequences: "Sequence[GroupSequences | None] | None" = None) -> None:
+                 sequences: "Sequence[GroupSequences | None] | None" = None,
+                 num_class: int = 1) -> None:
         super().__init__()
+        self.num_class = max(int(num_class), 1)
         self.tower_cols = [0]
         self.tower_dense = []
         self.towers = nn.ModuleList()
@@ -129,7 +134,7 @@ class TowerDense(nn.Module):
             if seqs is not None:
                 self.towers[start] = nn.Sequential(seqs, self.towers[start])
         self.final_dnn, final_width = build_mlp(width, final_dnn)
-        self.final_out = nn.Linear(final_width, 1)
+        self.final_out = nn.Linear(final_width, self.num_class)
 
     def forward(self, towers: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """Logits ``[B]``.
@@ -154,7 +159,8 @@ class TowerDense(nn.Module):
             x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
             outs.append(tower(x))
         h = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
-        return self.final_out(self.final_dnn(h)).squeeze(1)
+        out = self.final_out(self.final_dnn(h))
+        return out.squeeze(1) if self.num_class == 1 else out
 
 
 class TowerModel(CtrModel):
@@ -235,9 +241,11 @@ class TowerModel(CtrModel):
                     len(dense) - len(blocks) - sum(dense_widths), dense_widths))
             else:
                 seq_mods.append(None)
-        self.dense = TowerDense(specs, settings.final_dnn, seq_mods)
+        self.dense = TowerDense(specs, settings.final_dnn, seq_mods,
+                                int(model_config.num_class))
         self.pooled_layout = (PooledGroup.of("towers", tuple(lookups), dims),)
-        self.output_names = (output_name,)
+        self.output_names, self.output_labels = class_outputs(output_name,
+                                                              model_config.num_class)
         self.l2 = float(settings.l2_regularization)
         self.embedding_regularization = float(model_config.embedding_regularization)
         self.loss_terms = loss_terms(model_config)
@@ -258,7 +266,8 @@ class TowerModel(CtrModel):
         loss = ctr_loss(output.logits, batch.labels, self.loss_terms, learned=self.learned,
                         uncertainty=getattr(self.dense, "loss_uncertainty", None),
                         term_weights=random_loss_weights(self.model_config,
-                                                         len(self.loss_terms), output.logits))
+                                                         len(self.loss_terms), output.logits),
+                        softmax=self.dense.num_class > 1)
         if self.l2:
             sq = linear_kernel_l2(self.dense) + sum(
                 m.weights.square().sum() for m in self.dense.modules() if isinstance(m, CrossNet))

@@ -52,7 +52,7 @@ from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from odl.config.loss_settings import regression_outputs
+from odl.config.loss_settings import num_classes, regression_outputs
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import predictions
@@ -190,6 +190,7 @@ class TrainModule:
         self.model = build_model(config, feature_builder)
         # per output: a regression predicts its logit, the others sigmoid(logit)
         self.regression = regression_outputs(config)
+        self.softmax = num_classes(config) > 1  # a num_class model: softmax over its classes
         self._sparse_spec, self._dense_spec = optimizer_specs(config.train_config)
         cls, kwargs = sparse_optimizer_args(self._sparse_spec, self.device.type)
         apply_optimizer_in_backward(cls, self.model.ebc.parameters(), kwargs)
@@ -427,7 +428,7 @@ class TrainModule:
             expired = self.dynamic.maintain(self.global_step, now)
             if expired:
                 self.reset_dynamic_rows(expired, self.global_step)
-        probs = predictions(logits.detach(), self.regression)
+        probs = predictions(logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
     @torch.no_grad()
@@ -441,7 +442,7 @@ class TrainModule:
             logits = self._dmp(batch).logits
         finally:
             self._dmp.train()
-        return predictions(logits, self.regression)
+        return predictions(logits, self.regression, self.softmax)
 
     # -- checkpoints ------------------------------------------------------------------------
 
