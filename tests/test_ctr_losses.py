@@ -172,11 +172,82 @@ def test_easyrec_loss_settings_are_checked_by_field(tmp_path, settings: str, fie
     assert info.value.field == f"model_config.losses[0].{field}"
 
 
-def test_jrc_loss_is_refused_when_parsed(tmp_path) -> None:
-    text = deepfm_config_text(str(tmp_path / "m"), batch_size=64).replace(
-        'model_class: "DeepFM"', 'model_class: "DeepFM"\n  losses { loss_type: JRC_LOSS }')
-    with pytest.raises(ConfigError, match="JRC_LOSS is an EasyRec value that odl does not"):
-        parse_pipeline_config_text(text)
+def _jrc_reference(logits: np.ndarray, y: np.ndarray, sessions: np.ndarray, alpha: float,
+                   same_label: bool) -> float:
+    """EasyRec's jrc_loss (TensorFlow) step by step in numpy, on [B, 2] logits."""
+    b = logits.shape[0]
+
+    def log_softmax(x, axis):
+        m = x.max(axis=axis, keepdims=True)
+        return x - m - np.log(np.exp(x - m).sum(axis=axis, keepdims=True))
+
+    ce = -np.mean(log_softmax(logits, 1)[np.arange(b), y])
+    onehot = np.stack([1 - y, y], axis=1).astype(np.float64)
+    mask = (sessions[:, None] == sessions[None, :]).astype(np.float64)
+    lg = np.repeat(logits[:, None, :], b, axis=1)  # tile(expand_dims(logits, 1))
+    yy = np.repeat(onehot[:, None, :], b, axis=1) * mask[:, :, None]
+    lg = lg + (1 - mask[:, :, None]) * -1e9
+    y_neg, y_pos, l_neg, l_pos = yy[:, :, 0], yy[:, :, 1], lg[:, :, 0], lg[:, :, 1]
+    if same_label:
+        loss_pos = -(y_pos * log_softmax(l_pos, 0)).sum(0)
+        loss_neg = -(y_neg * log_softmax(l_neg, 0)).sum(0)
+        ge = np.mean((loss_pos + loss_neg) / mask.sum(0))
+    else:
+        diag = np.eye(b)
+        l_pos = l_pos + (1 - diag) * y_pos * -1e9
+        l_neg = l_neg + (1 - diag) * y_neg * -1e9
+        ge = np.mean(-np.diag(y_pos * log_softmax(l_pos, 0))
+                     - np.diag(y_neg * log_softmax(l_neg, 0)))
+    return alpha * ce + (1 - alpha) * ge
+
+
+@pytest.mark.parametrize("same_label", [True, False])
+def test_jrc_loss_is_easyrecs(same_label) -> None:
+    from odl.models.ctr_losses import jrc_loss
+
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(12, 2))
+    y = rng.integers(0, 2, 12)
+    sessions = rng.integers(0, 3, 12)
+    settings = pipeline_pb2.JRCLoss(session_name="u", alpha=0.3, same_label_loss=same_label)
+    onehot = torch.tensor(np.stack([1 - y, y], axis=1), dtype=torch.float64)
+    got = jrc_loss(torch.tensor(logits), onehot, torch.tensor(sessions), settings)
+    want = _jrc_reference(logits, y, sessions, settings.alpha, same_label)  # alpha: float32
+    assert float(got) == pytest.approx(want, rel=1e-9)
+
+
+def test_a_two_class_model_trains_with_jrc_loss(tmp_path) -> None:
+    text = deepfm_config_text(str(tmp_path / "m"), batch_size=64, dim=8, buckets=100,
+                              hidden_units=(16,))
+    text = text.replace('model_class: "DeepFM"',
+                        'model_class: "DeepFM"\n  num_class: 2\n  losses { loss_type: JRC_LOSS '
+                        'jrc_loss { session_name: "C1" alpha: 0.5 } }')
+    text = text.replace("wide_output_dim: 1", "wide_output_dim: 2")
+    config = parse_pipeline_config_text(text)
+    validate_pipeline_config(config, online=True)
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu")
+    stream = SyntheticCtrStream(seed=3)
+    held = fb.build(stream.next_batch(1000).encode("csv")).batch
+    assert held.session_keys is not None and held.session_keys.shape == (1000,)
+    before = tm.predict(held)[:, 1]
+    for _ in range(30):
+        tm.train_step(fb.build(stream.next_batch(256).encode("csv")).batch)
+    after = tm.predict(held)[:, 1]
+    from odl.auc import roc_auc
+
+    labels = held.labels.numpy()[:, 1]
+    assert roc_auc(labels, after) > roc_auc(labels, before) + 0.05
+    for edit, words in [
+        (("num_class: 2", "num_class: 1"), "num_class: 2"),
+        (('session_name: "C1"', 'session_name: "nope"'), "neither an input field"),
+        (("alpha: 0.5", 'alpha: 0.5 loss_weight_strategy: "uncertainty"'), "fixed"),
+    ]:
+        bad = text.replace(*edit)
+        if edit[1] == "num_class: 1":
+            bad = bad.replace("wide_output_dim: 2", "wide_output_dim: 1")
+        with pytest.raises(ConfigError, match=words):
+            validate_pipeline_config(parse_pipeline_config_text(bad), online=True)
 
 
 @pytest.mark.parametrize("model, losses", [

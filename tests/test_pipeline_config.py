@@ -237,7 +237,7 @@ def test_every_sample_config_validates(path: Path) -> None:
     from odl.config.memory_estimate import estimate_memory
 
     est = estimate_memory(config, "cpu")  # what odl-train --validate_only checks next
-    assert est.dense_parameters > 10_000 and est.tables
+    assert est.dense_parameters > 1_000 and est.tables
 
 
 def test_wide_and_deep_sample_is_the_deepfm_sample_without_fm() -> None:
@@ -340,7 +340,7 @@ def test_every_field_error_of_a_config_in_one_run(tmp_path: Path) -> None:
          "feature_configs[0].feature_type", "LookupFeature"),
         ('feature_configs { input_names: "a" feature_type: ExprFeature }',
          "feature_configs[0].feature_type", "ExprFeature"),
-        ("model_config { loss_type: JRC_LOSS }", "model_config.loss_type", "JRC_LOSS"),
+        ("model_config { loss_type: ZILN_LOSS }", "model_config.loss_type", "ZILN_LOSS"),
         ("data_config { input_type: OdpsInputV2 }", "data_config.input_type", "OdpsInputV2"),
     ],
 )
@@ -356,11 +356,11 @@ def test_unknown_enum_value(tmp_path: Path) -> None:
     assert "unknown value 'Bogus'" in str(err) and "IdFeature" in str(err)
 
 
-def test_model_class_and_num_class_not_implemented(tmp_path: Path) -> None:
+def test_model_class_not_implemented_and_num_class_below_one(tmp_path: Path) -> None:
     err = error_of(load_text, tmp_path, 'model_config { model_class: "ESMM" }')
     assert err.field == "model_config.model_class"
     assert "EasyRec value that odl does not implement yet" in str(err)
-    err = error_of(load_text, tmp_path, 'model_config { model_class: "DeepFM" num_class: 3 }')
+    err = error_of(load_text, tmp_path, 'model_config { model_class: "DeepFM" num_class: 0 }')
     assert err.field == "model_config.num_class"
 
 

@@ -111,7 +111,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     }),
     "Loss": frozenset({
         "loss_name", "softmax_loss", "circle_loss", "multi_simi_loss",
-        "jrc_loss", "pairwise_hinge_loss", "listwise_rank_loss", "listwise_distill_loss",
+        "pairwise_hinge_loss", "listwise_rank_loss", "listwise_distill_loss",
     }),
     "DNN": frozenset({"use_final_bn", "final_activation", "use_final_bias", "use_bias"}),
     "TaskTower": frozenset({"use_sample_weight", "bias_tower",
@@ -303,7 +303,7 @@ EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
         "SOFTMAX_CROSS_ENTROPY",
         "CIRCLE_LOSS", "MULTI_SIMILARITY_LOSS", "SOFTMAX_CROSS_ENTROPY_WITH_NEGATIVE_MINING",
         "PAIRWISE_LOSS",
-        "JRC_LOSS", "BINARY_CROSS_ENTROPY_LOSS",
+        "BINARY_CROSS_ENTROPY_LOSS",
         "ZILN_LOSS", "PAIRWISE_HINGE_LOSS", "LISTWISE_RANK_LOSS", "LISTWISE_DISTILL_LOSS",
         "KL_DIVERGENCE_LOSS",
     }),

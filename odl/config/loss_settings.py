@@ -6,9 +6,9 @@ terms ``L2_LOSS``) rather than a probability, and :func:`real_valued_labels` whi
 columns may then hold any number.
 
 The formulas are :mod:`odl.models.ctr_losses`'s; the other loss terms' settings are checked by
-:func:`odl.config.model_validation.validate_model`. EasyRec's ``JRC_LOSS`` stays refused
-when the config is parsed: it needs a session id per sample and a two-logit output
-(``num_class: 2``), and odl's batches carry one logit and no session column.
+:func:`odl.config.model_validation.validate_model`. ``JRC_LOSS`` needs a ``num_class: 2``
+model and a session column (:func:`jrc_session_field`), whose hash the batches carry
+(``Batch.session_keys``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from odl.config.config_error import ConfigError
 from odl.config.model_classes import is_multi_task_model, task_label_names
 from odl.protos import pipeline_pb2
 
-__all__ = ["POINTWISE_LOSS_TYPES", "loss_entries", "num_classes", "real_valued_labels",
+__all__ = ["JRC_STRATEGIES", "POINTWISE_LOSS_TYPES", "jrc_session_field", "loss_entries",
+           "num_classes", "real_valued_labels",
            "regression_outputs", "validate_loss_settings"]
 
 _L = pipeline_pb2
@@ -107,6 +108,42 @@ def real_valued_labels(config: pipeline_pb2.EasyRecConfig) -> set[str]:
     return real - {n for n, f in zip(names, flags, strict=False) if not f}
 
 
+# JRC_LOSS's ways of weighing its two parts (EasyRec's names).
+JRC_STRATEGIES = ("fixed", "random_uniform", "random_normal", "random_bernoulli")
+
+
+def jrc_session_field(config: pipeline_pb2.EasyRecConfig) -> str:
+    """The input column of the JRC_LOSS terms' ``session_name``; ``""`` without one.
+
+    A ``session_name`` is an input field, or a feature (its first input column).
+
+    Raises:
+        ConfigError: a JRC term without a session, one that names nothing, or two terms
+            naming different columns.
+    """
+    columns = {f.input_name for f in config.data_config.input_fields}
+    inputs = {}
+    for fc in list(config.feature_configs) + list(config.feature_config.features):
+        if fc.input_names:
+            inputs[fc.feature_name or fc.input_names[0]] = fc.input_names[0]
+    chosen = ""
+    for where, loss in loss_entries(config):
+        if loss.loss_type != _L.JRC_LOSS:
+            continue
+        name = loss.jrc_loss.session_name
+        column = name if name in columns else inputs.get(name, "")
+        if not column:
+            raise ConfigError(f"{where}.jrc_loss.session_name",
+                              f"{name!r} is neither an input field nor a feature (JRC_LOSS "
+                              "needs the session of each sample)" if name else
+                              "required: the column whose value is the session")
+        if chosen and column != chosen:
+            raise ConfigError(f"{where}.jrc_loss.session_name",
+                              f"one session column per model: {column!r} and {chosen!r}")
+        chosen = column
+    return chosen
+
+
 def validate_loss_settings(config: pipeline_pb2.EasyRecConfig) -> None:
     """Checks ``f1_reweighted_loss`` and ``pairwise_focal_loss`` of every loss term.
 
@@ -116,7 +153,19 @@ def validate_loss_settings(config: pipeline_pb2.EasyRecConfig) -> None:
     Raises:
         ConfigError: naming the first offending field.
     """
+    jrc_session_field(config)
     for where, loss in loss_entries(config):
+        if loss.loss_type == _L.JRC_LOSS:
+            jrc = loss.jrc_loss
+            if not 0 <= jrc.alpha <= 1:
+                raise ConfigError(f"{where}.jrc_loss.alpha", "must be in [0, 1]")
+            if jrc.loss_weight_strategy not in JRC_STRATEGIES:
+                raise ConfigError(f"{where}.jrc_loss.loss_weight_strategy",
+                                  f"expected one of {', '.join(JRC_STRATEGIES)}, got "
+                                  f"{jrc.loss_weight_strategy!r}")
+            if config.model_config.num_class != 2:
+                raise ConfigError(f"{where}.loss_type",
+                                  "JRC_LOSS needs model_config.num_class: 2 (two logits)")
         f1 = loss.f1_reweighted_loss
         if not f1.f1_beta_square > 0:
             raise ConfigError(f"{where}.f1_reweighted_loss.f1_beta_square", "must be > 0")

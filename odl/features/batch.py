@@ -27,6 +27,7 @@ class Batch:
         counts: float32 per-sample show / click counts of dynamic tables' ``show_field`` /
             ``click_field``, by field name (None when no table names one).
         group_keys: int64 per-sample GAUC group (a hash of the grouping column), or None.
+        session_keys: int64 per-sample JRC_LOSS session (a hash of its column), or None.
     """
 
     sparse: KeyedJaggedTensor
@@ -37,6 +38,7 @@ class Batch:
     extras: dict = field(default_factory=dict)
     counts: Optional[dict[str, np.ndarray]] = None
     group_keys: Optional[np.ndarray] = None
+    session_keys: Optional[np.ndarray] = None
 
     @property
     def size(self) -> int:
@@ -76,6 +78,7 @@ class Batch:
             counts=({k: v[rows] for k, v in self.counts.items()}
                     if self.counts is not None else None),
             group_keys=self.group_keys[rows] if self.group_keys is not None else None,
+            session_keys=self.session_keys[rows] if self.session_keys is not None else None,
         )
 
     def to(self, device: torch.device, non_blocking: bool = True) -> Batch:
@@ -89,4 +92,5 @@ class Batch:
             extras=self.extras,
             counts=self.counts,
             group_keys=self.group_keys,
+            session_keys=self.session_keys,
         )

@@ -97,7 +97,7 @@ from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import DynamicTableSpec, dynamic_table_spec
 from odl.config.feature_configs import feature_configs
 from odl.config.feature_settings import has_vocabulary, normalizes, read_vocabulary
-from odl.config.loss_settings import num_classes, real_valued_labels
+from odl.config.loss_settings import jrc_session_field, num_classes, real_valued_labels
 from odl.config.metric_settings import grouped_auc_field
 from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments, pack_strings
 from odl.features.raw_id_index import RAW_ID_MASK
@@ -165,6 +165,8 @@ class BatchArrays:
             ``click_field``, by field name, when a table names one.
         weights: ``float32`` per-value weights aligned with ``values`` (a config with
             weighted tags), or None.
+        session_keys: ``int64`` per-sample FNV-1a hash of the JRC_LOSS session column's
+            text (``odl.config.loss_settings.jrc_session_field``) when one is configured.
     """
 
     values: np.ndarray
@@ -176,6 +178,7 @@ class BatchArrays:
     counts: dict[str, np.ndarray] | None = None
     group_keys: np.ndarray | None = None
     weights: np.ndarray | None = None
+    session_keys: np.ndarray | None = None
 
 
 @dataclass
@@ -326,6 +329,7 @@ class FeatureBuilder:
         self._label = self._labels[0]
         self._sample_id_field = dc.sample_id_field
         self._group_field = grouped_auc_field(pipeline_config)
+        self._session_field = jrc_session_field(pipeline_config)
         self._event_time_field = dc.event_time_field
         self._check_event_time = bool(check_event_time and dc.event_time_field)
         for fname, path in (*((lf, "data_config.label_fields") for lf in self._labels),
@@ -633,6 +637,7 @@ class FeatureBuilder:
             event_times=arrays.event_times,
             counts=arrays.counts,
             group_keys=arrays.group_keys,
+            session_keys=arrays.session_keys,
         )
 
     def build_arrays(self, values: Sequence[bytes]) -> ArraysResult:
@@ -946,6 +951,9 @@ class FeatureBuilder:
                         if self._group_field else None),
             weights=(np.concatenate(weights_list).astype(np.float32) if self._weighted
                      else None),
+            session_keys=(hash_segments(buf, parsed.starts[self._session_field],
+                                        parsed.ends[self._session_field]).astype(np.int64)
+                          if self._session_field else None),
         )
         return ArraysResult(arrays, parsed.accepted, rejected)
 

@@ -34,7 +34,8 @@ weights.
 
 A ``num_class`` C model (C > 1; ``odl.config.loss_settings.num_classes``) has ``[B, C]``
 logits and one-hot labels; its terms (CLASSIFICATION / CROSS_ENTROPY_LOSS) are the softmax
-cross entropy ``-sum_k y_k log softmax(s)_k``, and its predictions the softmax.
+cross entropy ``-sum_k y_k log softmax(s)_k``, and its predictions the softmax. A two-class
+model's ``JRC_LOSS`` term is :func:`jrc_loss` over the batch's sessions.
 
 A pairwise term of a batch without a pair is 0. The model's regularization terms are added
 by the model (``odl.models.deepfm``, ``odl.models.tower_models``). The predictions reported
@@ -45,9 +46,11 @@ as EasyRec does, from real-valued labels.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
+from odl.features.batch import Batch
 from odl.protos import pipeline_pb2
 
 _L = pipeline_pb2
@@ -88,6 +91,12 @@ def random_loss_weights(model_config: pipeline_pb2.EasyRecModel, count: int,
     return torch.softmax(torch.randn(count, device=like.device, dtype=like.dtype), dim=0)
 
 
+def session_tensor(batch: Batch) -> torch.Tensor | None:
+    """The batch's JRC session keys as a tensor (None without a session column)."""
+    keys = batch.session_keys
+    return None if keys is None else torch.from_numpy(np.asarray(keys, dtype=np.int64))
+
+
 def add_loss_weights(dense: nn.Module, count: int) -> None:
     """Registers ``count`` learned loss weights as ``dense.loss_uncertainty`` (from 0).
 
@@ -104,7 +113,8 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
              learned: list[bool] | None = None,
              uncertainty: torch.Tensor | None = None,
              term_weights: torch.Tensor | None = None,
-             softmax: bool = False) -> torch.Tensor:
+             softmax: bool = False,
+             sessions: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted sum of the loss terms (module docstring).
 
     Args:
@@ -121,7 +131,9 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
         term_weights: per term, its weight in place of ``scale * weight`` (the ``Random``
             strategy's draw, :func:`random_loss_weights`), or None.
         softmax: a ``num_class`` C model: ``[B, C]`` logits and one-hot labels, each term
-            (CLASSIFICATION / CROSS_ENTROPY_LOSS) the softmax cross entropy.
+            (CLASSIFICATION / CROSS_ENTROPY_LOSS) the softmax cross entropy, a JRC_LOSS term
+            :func:`jrc_loss`.
+        sessions: ``[B]`` int64 session keys (``Batch.session_keys``) for JRC_LOSS.
 
     Returns:
         Scalar loss.
@@ -132,7 +144,11 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
     total = logits.new_zeros(())
     k = 0
     for i, term in enumerate(terms):
-        if softmax:
+        if softmax and term.loss_type == _L.JRC_LOSS:
+            if sessions is None:
+                raise ValueError("JRC_LOSS needs the batch's session keys")
+            value = jrc_loss(logits, labels, sessions, term.jrc_loss)
+        elif softmax:
             value = -(labels * torch.log_softmax(logits, dim=1)).sum(dim=1).mean()
         elif sample_weights is None:
             value = _term(logits, labels, term)
@@ -150,6 +166,64 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
             value = half * torch.exp(-u) * value + 0.5 * u
         total = total + value
     return total
+
+
+def jrc_loss(logits: torch.Tensor, labels: torch.Tensor, sessions: torch.Tensor,
+             settings: pipeline_pb2.JRCLoss) -> torch.Tensor:
+    """EasyRec's JRC loss of a two-class model (joint ranking and calibration).
+
+    ``ce`` is the softmax cross entropy; the list-wise part ``ge``: for each sample j and
+    class c, ``-sum_i y_ic log softmax_i(s_ic)`` over the samples i of j's session (with
+    ``same_label_loss`` false, only i = j counts, against the other samples of the session
+    of the other label), divided by the session's size and averaged over j. The loss is
+    ``w * ce + (1 - w) * ge`` with ``w`` = ``alpha`` (``fixed``), a uniform draw
+    (``random_uniform``), or the first of a softmax of two normal draws (``random_normal``,
+    the second weighing ``ge``), or of two Bernoulli(0.5) draws that are used when exactly
+    one is 1 (else 0.5 each, ``random_bernoulli``).
+
+    Args:
+        logits: ``[B, 2]``.
+        labels: ``[B, 2]`` one-hot.
+        sessions: ``[B]`` session keys.
+        settings: the term's ``jrc_loss``.
+
+    Returns:
+        Scalar loss.
+    """
+    ce = -(labels * torch.log_softmax(logits, dim=1)).sum(dim=1).mean()
+    b = logits.shape[0]
+    sessions = sessions.to(logits.device)
+    mask = (sessions.unsqueeze(1) == sessions.unsqueeze(0)).to(logits.dtype)  # [i, j]
+    y_neg = labels[:, 0:1] * mask  # [i, j]: sample i's label, where i is in j's session
+    y_pos = labels[:, 1:2] * mask
+    off = (1 - mask) * -1e9
+    l_neg = logits[:, 0:1] + off  # [i, j]: sample i's logit of class 0 (masked)
+    l_pos = logits[:, 1:2] + off
+    if settings.same_label_loss:
+        loss_pos = -(y_pos * torch.log_softmax(l_pos, dim=0)).sum(dim=0)
+        loss_neg = -(y_neg * torch.log_softmax(l_neg, dim=0)).sum(dim=0)
+        ge = ((loss_pos + loss_neg) / mask.sum(dim=0)).mean()
+    else:
+        diag = torch.eye(b, dtype=logits.dtype, device=logits.device)
+        l_pos = l_pos + (1 - diag) * y_pos * -1e9
+        l_neg = l_neg + (1 - diag) * y_neg * -1e9
+        loss_pos = -torch.diagonal(y_pos * torch.log_softmax(l_pos, dim=0))
+        loss_neg = -torch.diagonal(y_neg * torch.log_softmax(l_neg, dim=0))
+        ge = (loss_pos + loss_neg).mean()
+    strategy = settings.loss_weight_strategy
+    if strategy == "random_uniform":
+        w = torch.rand((), dtype=logits.dtype, device=logits.device)
+        return w * ce + (1 - w) * ge
+    if strategy == "random_normal":
+        ws = torch.softmax(torch.randn(2, dtype=logits.dtype, device=logits.device), dim=0)
+        return ws[0] * ce + ws[1] * ge
+    if strategy == "random_bernoulli":
+        ws = torch.bernoulli(torch.full((2,), 0.5, dtype=logits.dtype, device=logits.device))
+        if float(ws.sum()) != 1.0:
+            ws = torch.full((2,), 0.5, dtype=logits.dtype, device=logits.device)
+        return ws[0] * ce + ws[1] * ge
+    alpha = float(settings.alpha)
+    return alpha * ce + (1 - alpha) * ge
 
 
 def _pointwise(s: torch.Tensor, y: torch.Tensor, term: pipeline_pb2.Loss) -> torch.Tensor:

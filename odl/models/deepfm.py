@@ -51,6 +51,7 @@ from odl.models.ctr_losses import (
     linear_kernel_l2,
     loss_terms,
     random_loss_weights,
+    session_tensor,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
 from odl.models.embedding_tables import DEEP_INIT_STD, EmbeddingLayout
@@ -307,6 +308,7 @@ def deepfm_loss(
     deep_lookups: int | None = None,
     term_weights: torch.Tensor | None = None,
     softmax: bool = False,
+    sessions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The prediction loss plus DeepFM's regularization (module docstring).
 
@@ -323,13 +325,14 @@ def deepfm_loss(
             None: ``dense.num_deep``.
         term_weights: the terms' weights of this step (the ``Random`` strategy), or None.
         softmax: a ``num_class`` model's ``[B, C]`` logits (softmax cross entropy).
+        sessions: the batch's session keys (JRC_LOSS), or None.
 
     Returns:
         Scalar loss.
     """
     loss = ctr_loss(logits, labels, terms, learned=learned,
                     uncertainty=getattr(dense, "loss_uncertainty", None),
-                    term_weights=term_weights, softmax=softmax)
+                    term_weights=term_weights, softmax=softmax, sessions=sessions)
     if weights.l2:
         loss = loss + weights.l2 * linear_kernel_l2(dense)
     deep_lookups = dense.num_deep if deep_lookups is None else deep_lookups
@@ -446,4 +449,5 @@ class DeepFM(CtrModel):
                            term_weights=random_loss_weights(self.model_config,
                                                             len(self.loss_terms),
                                                             output.logits),
-                           softmax=self.dense.num_class > 1)
+                           softmax=self.dense.num_class > 1,
+                           sessions=session_tensor(batch))

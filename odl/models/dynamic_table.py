@@ -693,7 +693,8 @@ class DynamicTables:
         return RemapResult(Batch(sparse=sparse, dense=batch.dense, labels=batch.labels,
                                  sample_ids=batch.sample_ids, event_times=batch.event_times,
                                  counts=batch.counts, extras=batch.extras,
-                                 group_keys=batch.group_keys), evicted)
+                                 group_keys=batch.group_keys,
+                                 session_keys=batch.session_keys), evicted)
 
     def maintain(self, step: int, now: float) -> dict[str, np.ndarray]:
         """Runs the maintenance pass of every table due at ``step``; returns evicted rows."""
