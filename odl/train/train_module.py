@@ -399,7 +399,8 @@ class TrainModule:
             if remapped.evicted:
                 self.reset_dynamic_rows(remapped.evicted, self.global_step + 1)
         batch = batch.to(self.device)
-        self._dmp.train()
+        if not self._dmp.training:  # (train() walks every submodule: only when needed)
+            self._dmp.train()
         output = self._dmp(batch)
         logits = output.logits
         finite = torch.isfinite(logits)
