@@ -87,3 +87,61 @@ def test_eval_topic_is_scored_at_checkpoints_never_trained_and_resumed(
     status = again.status()["evaluation"]
     assert status == again.evaluator.last and status["samples_total"] == 300
     assert status["error"] is None
+
+
+def test_a_datahub_eval_topic_is_scored_and_resumed(tmp_path):
+    """datahub_eval_input: the same evaluation over DataHub shards (the loopback double),
+    num_examples at a time, resumed from the saved sequences."""
+    from odl.harness.datahub_double import DatahubDouble
+
+    records = SyntheticCtrStream(seed=5).next_batch(300).encode("csv")
+    with DatahubDouble() as dh:
+        dh.create_topic("p", "held", shards=2)
+        dh.append("p", "held", "0", records[:200])
+        dh.append("p", "held", "1", records[200:])
+        cfg = write_config(tmp_path, "127.0.0.1:1", "unused", batch_size=50)
+        text = open(cfg).read() + (
+            f'\ndatahub_eval_input {{ endpoint: "{dh.endpoint}" akId: "id" akSecret: "s" '
+            'project: "p" topic: "held" }\neval_config { num_examples: 120 }\n')
+        open(cfg, "w").write(text)
+        config = load_pipeline_config(cfg)
+        fb = FeatureBuilder(config)
+        module = TrainModule(config, fb, device="cpu")
+        ev = StreamEvaluator(config, fb, module.predict, [("label", 0)])
+        try:
+            results = [ev.evaluate(3) for _ in range(3)]
+            assert [r["samples"] for r in results] == [120, 120, 60]
+            assert all(r["error"] is None for r in results)
+            assert ev.positions() == {0: 200, 1: 100}
+            assert ev.topic == "p/held"
+            assert ev.evaluate(3)["samples"] == 0  # nothing new
+            dh.append("p", "held", "1", records[:30])
+            assert ev.evaluate(4)["samples"] == 30
+            saved = ev.positions()
+        finally:
+            ev.close()
+        # a restart goes on from the checkpoint's sequences
+        dh.append("p", "held", "0", records[:10])
+        ev2 = StreamEvaluator(config, fb, module.predict, [("label", 0)], saved)
+        try:
+            assert ev2.evaluate(5)["samples"] == 10
+        finally:
+            ev2.close()
+
+
+@pytest.mark.parametrize("extra, field", [
+    ('datahub_eval_input { endpoint: "http://127.0.0.1:1" project: "p" topic: "h" }\n'
+     'kafka_eval_input { server: "127.0.0.1:1" topic: "e" group: "g" }', "datahub_eval_input"),
+    ('datahub_eval_input { project: "p" topic: "h" }', "datahub_eval_input.endpoint"),
+    ('datahub_eval_input { endpoint: "http://127.0.0.1:1" project: "p" topic: "h" '
+     'offset_time: "soon" }', "datahub_eval_input.offset_time"),
+])
+def test_datahub_eval_input_errors_name_the_field(tmp_path, extra, field):
+    from odl.config.config_error import ConfigError
+    from odl.config.config_validation import validate_pipeline_config
+
+    cfg = write_config(tmp_path, "127.0.0.1:1", "unused", batch_size=50)
+    open(cfg, "a").write("\n" + extra + "\n")
+    with pytest.raises(ConfigError) as e:
+        validate_pipeline_config(load_pipeline_config(cfg), online=True)
+    assert e.value.field == field, e.value

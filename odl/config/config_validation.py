@@ -100,6 +100,8 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
             _validate_kafka(config)
         if config.kafka_eval_input.topic:
             _validate_kafka_eval(config)
+        if config.HasField("datahub_eval_input"):
+            _validate_datahub_eval(config)
     else:
         _validate_offline_input(config)
     fields = _validate_data_config(config)
@@ -137,26 +139,41 @@ def _check_finite(msg: Message, prefix: str) -> None:
 
 
 def _validate_datahub(config: pipeline_pb2.EasyRecConfig) -> None:
-    d = config.datahub_train_input
+    _validate_datahub_section(config.datahub_train_input, "datahub_train_input")
+    _validate_dead_letter(config, "datahub_train_input")
+
+
+def _validate_datahub_section(d: pipeline_pb2.DatahubServer, where: str) -> None:
+    """A ``DatahubServer`` section: project, topic, endpoint and start settings."""
     for name in ("project", "topic"):
         if not getattr(d, name).strip():
-            raise ConfigError(f"datahub_train_input.{name}", "required")
+            raise ConfigError(f"{where}.{name}", "required")
     endpoint = d.endpoint or d.region
     if not endpoint:
-        raise ConfigError("datahub_train_input.endpoint",
-                          "required (or region, e.g. cn-hangzhou)")
+        raise ConfigError(f"{where}.endpoint", "required (or region, e.g. cn-hangzhou)")
     if d.endpoint and not re.match(r"^https?://[^/\s]+/?$", d.endpoint):
-        raise ConfigError("datahub_train_input.endpoint",
-                          f"{d.endpoint!r} is not an http(s):// URL")
+        raise ConfigError(f"{where}.endpoint", f"{d.endpoint!r} is not an http(s):// URL")
     if d.offset_info and d.offset_time:
-        raise ConfigError("datahub_train_input.offset_time",
-                          "give one of offset_info and offset_time")
+        raise ConfigError(f"{where}.offset_time", "give one of offset_info and offset_time")
     try:
         parse_datahub_offsets(d.offset_info, d.offset_time)
     except ValueError as exc:
         field = "offset_info" if d.offset_info else "offset_time"
-        raise ConfigError(f"datahub_train_input.{field}", str(exc)) from None
-    _validate_dead_letter(config, "datahub_train_input")
+        raise ConfigError(f"{where}.{field}", str(exc)) from None
+
+
+def _validate_datahub_eval(config: pipeline_pb2.EasyRecConfig) -> None:
+    """``datahub_eval_input``: one eval input, a valid section, not the training topic."""
+    d = config.datahub_eval_input
+    if config.kafka_eval_input.topic:
+        raise ConfigError("datahub_eval_input", "give one of kafka_eval_input and "
+                                                "datahub_eval_input")
+    _validate_datahub_section(d, "datahub_eval_input")
+    t = config.datahub_train_input
+    if (d.project, d.topic) == (t.project, t.topic) and (d.endpoint or d.region) == (
+            t.endpoint or t.region):
+        raise ConfigError("datahub_eval_input.topic", "must differ from datahub_train_input's "
+                                                      "(the evaluation scores held-out records)")
 
 
 def _validate_file_stream(config: pipeline_pb2.EasyRecConfig) -> None:

@@ -409,6 +409,17 @@ class DatahubSource:
             except (DatahubException, requests.exceptions.RequestException):
                 pass  # lag is informational; reads report the outage
 
+    def end_positions(self, stop_event: Optional[threading.Event] = None) -> dict[int, int]:
+        """Each known shard's next sequence after its latest record, asked now.
+
+        Returns:
+            ``{shard: sequence}`` (a shard without records: its position).
+        """
+        self._last_watermarks = 0.0
+        self._refresh_watermarks(stop_event)
+        return {p: st.high_watermark for p, st in self.partition_state.items()
+                if st.high_watermark >= 0}
+
     # ---------------------------------------------------------------- commits
     def request_commit(self, positions: Mapping[int, int]) -> None:
         """Nothing to commit: the checkpoint is the record of what was trained."""

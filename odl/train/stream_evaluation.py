@@ -1,9 +1,12 @@
-"""Evaluation beside online training on a held-out stream (``kafka_eval_input``).
+"""Evaluation beside online training on a held-out stream (Kafka or DataHub).
+
+The stream is ``kafka_eval_input`` or ``datahub_eval_input``.
 
 At every checkpoint the trainer scores, with the model of that step, the records of the eval
 topic it has not scored yet: every record that arrived since the last evaluation, or the
-oldest ``eval_config.num_examples`` of them. It reads up to the topic's end offsets as they
-were when the evaluation started, builds the records with the trainer's feature builder,
+oldest ``eval_config.num_examples`` of them. It reads up to the topic's end offsets (DataHub:
+each shard's latest sequence) as they were when the evaluation started, builds the records
+with the trainer's feature builder,
 predicts in eval mode (no training, no dynamic-table admission: ids the model has never
 admitted contribute nothing, as in serving) and reports
 
@@ -13,29 +16,34 @@ admitted contribute nothing, as in serving) and reports
 * in ``/status`` (``evaluation``: the last result with its step and sample count), in
   ``/metrics`` (``odl_eval_auc``, ``odl_eval_logloss``, ``odl_eval_samples``) and in the log.
 
-The eval topic's next positions are saved in every checkpoint (its ``source`` entry
-``"eval_positions"``), so a restarted trainer goes on with the records after them; without a
-checkpoint it starts where the section's ``offset_info`` / ``offset_time`` / ``offset`` say
-(as for ``kafka_train_input``), else at the earliest offsets. Malformed records are skipped
-(counted in the result as ``rejected``). An unreachable broker makes one evaluation report an
-error; training goes on.
+The eval topic's next positions (offsets per partition, DataHub: sequences per shard) are
+saved in every checkpoint (its ``source`` entry ``"eval_positions"``), so a restarted trainer
+goes on with the records after them; without a checkpoint it starts where the section's
+``offset_info`` / ``offset_time`` / ``offset`` say (as for the train input of the same kind),
+else at the earliest records. Malformed records are skipped (counted in the result as
+``rejected``). An unreachable broker or DataHub makes one evaluation report an error;
+training goes on.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
+import requests
 from confluent_kafka import Consumer, KafkaException, TopicPartition
+from datahub.exceptions import DatahubException
 
 from odl.auc import grouped_auc, roc_auc
 from odl.config.field_formats import parse_offset_info, parse_offset_time
 from odl.config.loss_settings import regression_outputs
 from odl.config.metric_settings import grouped_auc_reduction
 from odl.features.feature_builder import FeatureBuilder
+from odl.inputs.datahub_source import DatahubSource, datahub_endpoint, parse_datahub_start
 from odl.inputs.kafka_source import start_positions_from_config
 from odl.kafka.client_settings import consumer_config
 from odl.protos import pipeline_pb2
@@ -51,30 +59,12 @@ def _round(v: float) -> Optional[float]:
     return None if v != v else round(float(v), 6)
 
 
-class StreamEvaluator:
-    """Scores a held-out Kafka topic with the trainer's model (module docstring).
+class _KafkaReader:
+    """The records of a Kafka eval topic not scored yet (``kafka_eval_input``)."""
 
-    Args:
-        config: the pipeline config (``kafka_eval_input``, ``eval_config``).
-        features: the trainer's feature builder.
-        predict: ``batch -> probabilities`` (``TrainModule.predict``), ``[B]`` or
-            ``[B, outputs]``.
-        outputs: ``(output name, label column)`` per output of the model.
-        positions: the eval topic's next offset per partition (from a checkpoint), or None.
-    """
-
-    def __init__(self, config: pipeline_pb2.EasyRecConfig, features: FeatureBuilder,
-                 predict: Any, outputs: list[tuple[str, int]],
-                 positions: Optional[Mapping[int, int]] = None) -> None:
-        ks = config.kafka_eval_input
+    def __init__(self, ks: pipeline_pb2.KafkaServer,
+                 positions: Optional[Mapping[int, int]]) -> None:
         self.topic = ks.topic
-        self._features = features
-        self._predict = predict
-        self._outputs = list(outputs)
-        self._batch_size = max(1, int(config.data_config.batch_size))
-        self._limit = int(config.eval_config.num_examples)
-        self._gauc_reduction = grouped_auc_reduction(config)
-        self._regression = regression_outputs(config)
         self._consumer = Consumer(consumer_config(ks.server, ks.group + "-eval",
                                                   dict(ks.kafka_config)))
         self._positions: dict[int, int] = {int(p): int(o) for p, o in (positions or {}).items()}
@@ -84,12 +74,9 @@ class StreamEvaluator:
             if ks.offset_info else None,
             int(parse_offset_time(ks.offset_time) or 0), list(ks.offset),
             dict(self._positions) if positions is not None else None)
-        self.last: Optional[dict[str, Any]] = None
-        self.evaluations = 0
-        self.samples_total = 0  # records scored by this process's evaluations
 
     def positions(self) -> dict[int, int]:
-        """The next offset to score per partition (what a checkpoint saves)."""
+        """The next offset to score per partition."""
         return dict(self._positions)
 
     def _partitions(self) -> list[int]:
@@ -99,8 +86,11 @@ class StreamEvaluator:
             raise KafkaException(f"eval topic {self.topic!r} has no partitions")
         return sorted(topic.partitions)
 
-    def _read(self) -> list[bytes]:
-        """The records to score: from the saved positions up to the end offsets seen now."""
+    def read(self, limit: int) -> list[bytes]:
+        """The records to score (at most ``limit``; 0: all).
+
+        From the saved positions up to the end offsets seen now.
+        """
         ends: dict[int, int] = {}
         assign = []
         partitions = self._partitions()
@@ -121,7 +111,7 @@ class StreamEvaluator:
         values: list[bytes] = []
         deadline = time.monotonic() + _READ_TIMEOUT_SECS
         while ends and time.monotonic() < deadline:
-            if self._limit and len(values) >= self._limit:
+            if limit and len(values) >= limit:
                 break
             for msg in self._consumer.consume(num_messages=1000, timeout=0.5):
                 if msg.error() is not None:
@@ -129,7 +119,7 @@ class StreamEvaluator:
                 p, off = msg.partition(), msg.offset()
                 if p not in ends or off < self._positions[p]:
                     continue
-                if self._limit and len(values) >= self._limit:
+                if limit and len(values) >= limit:
                     break
                 values.append(msg.value() or b"")
                 self._positions[p] = off + 1
@@ -160,6 +150,105 @@ class StreamEvaluator:
             return out
         return {}
 
+    def close(self) -> None:
+        """Closes the consumer."""
+        try:
+            self._consumer.close()
+        except (KafkaException, RuntimeError):  # already closed
+            pass
+
+
+class _DatahubReader:
+    """The records of a DataHub eval topic not scored yet (``datahub_eval_input``)."""
+
+    def __init__(self, ds: pipeline_pb2.DatahubServer, batch_size: int,
+                 positions: Optional[Mapping[int, int]]) -> None:
+        self.topic = f"{ds.project}/{ds.topic}"
+        start = parse_datahub_start(ds.offset_info, ds.offset_time,
+                                    {int(k): int(v) for k, v in positions.items()}
+                                    if positions is not None else None)
+        self._batch_size = max(1, int(batch_size))
+        self._source = DatahubSource(datahub_endpoint(ds.endpoint, ds.region), ds.akId,
+                                     ds.akSecret, ds.project, ds.topic, start,
+                                     self._batch_size, batch_timeout_ms=50)
+        self._positions: dict[int, int] = {int(p): int(o) for p, o in (positions or {}).items()}
+        self._opened = False
+
+    def positions(self) -> dict[int, int]:
+        """The next sequence to score per shard."""
+        return dict(self._positions)
+
+    def read(self, limit: int) -> list[bytes]:
+        """The records to score (at most ``limit``; 0: all).
+
+        From the saved sequences up to each shard's latest one seen now.
+        """
+        stop = threading.Event()
+        timer = threading.Timer(_READ_TIMEOUT_SECS, stop.set)
+        timer.start()
+        try:
+            if not self._opened:
+                self._positions = self._source.open(stop)
+                self._opened = True
+            ends = self._source.end_positions(stop)
+            values: list[bytes] = []
+            while any(self._positions.get(p, 0) < e for p, e in ends.items()):
+                want = self._batch_size if not limit else min(self._batch_size,
+                                                              limit - len(values))
+                if want <= 0 or stop.is_set():
+                    break
+                self._source.batch_size = want
+                batch = self._source.read_batch(stop)
+                if batch is None:
+                    break
+                values += batch.values
+                self._positions.update(batch.positions)
+            return values
+        finally:
+            timer.cancel()
+
+    def close(self) -> None:
+        """Releases the HTTP session."""
+        self._source.close()
+
+
+class StreamEvaluator:
+    """Scores a held-out topic with the trainer's model (module docstring).
+
+    Args:
+        config: the pipeline config (``kafka_eval_input`` or ``datahub_eval_input``,
+            ``eval_config``).
+        features: the trainer's feature builder.
+        predict: ``batch -> probabilities`` (``TrainModule.predict``), ``[B]`` or
+            ``[B, outputs]``.
+        outputs: ``(output name, label column)`` per output of the model.
+        positions: the eval topic's next position per partition / shard (from a checkpoint),
+            or None.
+    """
+
+    def __init__(self, config: pipeline_pb2.EasyRecConfig, features: FeatureBuilder,
+                 predict: Any, outputs: list[tuple[str, int]],
+                 positions: Optional[Mapping[int, int]] = None) -> None:
+        self._features = features
+        self._predict = predict
+        self._outputs = list(outputs)
+        self._batch_size = max(1, int(config.data_config.batch_size))
+        self._limit = int(config.eval_config.num_examples)
+        self._gauc_reduction = grouped_auc_reduction(config)
+        self._regression = regression_outputs(config)
+        self._reader: Union[_KafkaReader, _DatahubReader] = (
+            _KafkaReader(config.kafka_eval_input, positions)
+            if config.kafka_eval_input.topic else
+            _DatahubReader(config.datahub_eval_input, self._batch_size, positions))
+        self.topic = self._reader.topic
+        self.last: Optional[dict[str, Any]] = None
+        self.evaluations = 0
+        self.samples_total = 0  # records scored by this process's evaluations
+
+    def positions(self) -> dict[int, int]:
+        """The next position to score per partition / shard (what a checkpoint saves)."""
+        return self._reader.positions()
+
     def evaluate(self, step: int) -> dict[str, Any]:
         """Scores the records not scored yet with the model of ``step``.
 
@@ -174,8 +263,9 @@ class StreamEvaluator:
         t0 = time.monotonic()
         result: dict[str, Any] = {"step": int(step), "time": time.time()}
         try:
-            values = self._read()
-        except KafkaException as exc:
+            values = self._reader.read(self._limit)
+        except (KafkaException, DatahubException, requests.exceptions.RequestException,
+                InterruptedError) as exc:
             logger.warning("evaluation at step %d: cannot read %s: %s", step, self.topic, exc)
             result.update(samples=0, rejected=0, error=str(exc),
                           seconds=round(time.monotonic() - t0, 3))
@@ -229,8 +319,5 @@ class StreamEvaluator:
         return out
 
     def close(self) -> None:
-        """Closes the consumer."""
-        try:
-            self._consumer.close()
-        except (KafkaException, RuntimeError):  # already closed
-            pass
+        """Closes the reader (its consumer or HTTP session)."""
+        self._reader.close()

@@ -289,7 +289,8 @@ class Trainer:
                 logger.info("stopped before the input was open (%s)", self.stop_reason)
                 return 0
             self._input_opened = True
-            if self.options.online and self.config.kafka_eval_input.topic:
+            if self.options.online and (self.config.kafka_eval_input.topic
+                                        or self.config.datahub_eval_input.topic):
                 self.evaluator = StreamEvaluator(
                     self.config, self.features, self.module.predict,
                     self.module.model.outputs, self._restored.eval_positions)
