@@ -25,15 +25,20 @@ figures are the AUC and logloss of those predictions over all records and over t
   ``metrics_window_samples`` = 20 % of the records; its own ``/status`` figures
   (``auc_total``: all records, from its histogram; ``auc``: the window, the last 20 %).
 
-The stream is ``odl.datagen.bursty_stream`` (``--seed``, ``--records``): users in sessions
+The stream (``--stream``) is ``odl.datagen.bursty_stream`` (the default: users in sessions
 of many events within seconds, new users and items all the time, popularity that fades,
-labels from a user x item model. No real public time-ordered dataset can be downloaded on
-this machine (no outside network), so the bench runs on the synthetic stream only.
+labels from a user x item model; odl trains the bursty sample's DeepFM) or the Criteo-like
+stream of ``make demo`` (``criteo``: ``odl.datagen.synthetic_ctr`` at 10k records per
+simulated second; odl trains a DeepFM of its 26 ids (dim 16, 100k-row tables), 13 dense
+features and a 256-128-64 DNN; VW reads namespaces ``d`` (the 13 numbers) and ``c`` (the 26
+ids), its quadratic form ``-q cc``); ``--seed``, ``--records``. No real public time-ordered
+dataset can be downloaded on this machine (no outside network), so the bench runs on the
+synthetic streams only.
 
 Needs ``vowpalwabbit`` (``pip install -r bench/requirements-quality.txt``); without it the
 VW rows are skipped and say so.
 
-    .venv/bin/python bench/online_quality.py [--records 200000] [--seed 1]
+    .venv/bin/python bench/online_quality.py [--stream bursty|criteo] [--records 200000] [--seed 1]
         [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--sparse-lr 0.1] [--dense-lr 0.001]
         [--serve-delay 2500] [--broker] [--json out.json]
 """
@@ -55,8 +60,9 @@ from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.auc import roc_auc  # noqa: E402
 from odl.config.config_validation import validate_pipeline_config  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
-from odl.datagen.bursty_stream import BurstyBatch, BurstyStream  # noqa: E402
-from odl.datagen.datagen_config import bursty_config_text  # noqa: E402
+from odl.datagen.bursty_stream import BurstyStream  # noqa: E402
+from odl.datagen.datagen_config import bursty_config_text, deepfm_config_text  # noqa: E402
+from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.train.progressive_metrics import log_loss  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
@@ -82,15 +88,30 @@ def served_scores(served: np.ndarray | None, labels: np.ndarray) -> dict:
             "served_auc_last20": round(roc_auc(labels[cut:], served[cut:]), 4)}
 
 
-def make_stream(records: int, seed: int) -> tuple[list[BurstyBatch], list[bytes]]:
-    stream = BurstyStream(seed=seed)
-    batches = [stream.next_batch(min(8192, records - k)) for k in range(0, records, 8192)]
+def make_stream(records: int, seed: int, kind: str = "bursty") -> tuple[list, list[bytes]]:
+    """The stream's batches (labels, true probabilities) and its CSV records."""
+    if kind == "criteo":  # simulated event times, 10k records per second
+        ctr = SyntheticCtrStream(seed=seed, events_per_second=10_000.0)
+        batches: list = [ctr.next_batch(min(8192, records - k))
+                         for k in range(0, records, 8192)]
+    else:
+        stream = BurstyStream(seed=seed)
+        batches = [stream.next_batch(min(8192, records - k)) for k in range(0, records, 8192)]
     values = [v for b in batches for v in b.encode("csv")]
     return batches, values
 
 
-def vw_examples(batches: list[BurstyBatch]) -> list[str]:
+def vw_examples(batches: list, kind: str = "bursty") -> list[str]:
+    """The records in VW's text format (namespaces: module docstring)."""
     out = []
+    if kind == "criteo":
+        for b in batches:
+            for y, dense, ids in zip(b.labels.tolist(), b.dense.tolist(), b.ids.tolist(),
+                                     strict=True):
+                num = " ".join(f"I{j + 1}:{v}" for j, v in enumerate(dense) if v)
+                cat = " ".join(f"C{j + 1}={v}" for j, v in enumerate(ids))
+                out.append(f"{1 if y else -1} |d {num} |c {cat}")
+        return out
     for b in batches:
         hours = b.hours()
         for y, u, i, c, d, h in zip(b.labels.tolist(), b.users.tolist(), b.items.tolist(),
@@ -100,14 +121,29 @@ def vw_examples(batches: list[BurstyBatch]) -> list[str]:
     return out
 
 
-def run_vw(examples: list[str], lr: float, quadratic: bool,
+def odl_config_text(kind: str, model_dir: str, batch: int, sparse_lr: float,
+                    dense_lr: float, **kw) -> str:
+    """The DeepFM config of the stream: the bursty sample's, or the Criteo-like demo's shape
+    (26 ids of dim 16 in tables of 100k rows, 13 dense, DNN 256-128-64)."""
+    if kind != "criteo":
+        return bursty_config_text(model_dir, batch_size=batch, sparse_lr=sparse_lr,
+                                  dense_lr=dense_lr, **kw)
+    extra = kw.pop("extra_train", "")
+    text = deepfm_config_text(model_dir, batch_size=batch, dim=16, buckets=100_000,
+                              hidden_units=(256, 128, 64), save_checkpoints_steps=100_000,
+                              extra_train=extra, **kw)
+    return (text.replace("learning_rate: 0.05 }", f"learning_rate: {sparse_lr} }}")
+            .replace("learning_rate: 0.001 }", f"learning_rate: {dense_lr} }}"))
+
+
+def run_vw(examples: list[str], lr: float, quadratic: str,
            delay: int = 0) -> tuple[np.ndarray, float, np.ndarray | None]:
     """VW's progressive predictions, its rate, and (``delay`` > 0) its served predictions:
     record m predicted by the state that learned the records before ``m - delay``."""
     import vowpalwabbit
 
     args = (f"--loss_function logistic --link logistic -b 24 --learning_rate {lr} --quiet"
-            + (" -q ui" if quadratic else ""))
+            + (f" -q {quadratic}" if quadratic else ""))
     ws = vowpalwabbit.Workspace(args)
     n = len(examples)
     probs = np.empty(n)
@@ -136,13 +172,13 @@ def run_vw(examples: list[str], lr: float, quadratic: bool,
 
 
 def run_odl(values: list[bytes], batch: int, work: str, sparse_lr: float = 0.1,
-            dense_lr: float = 0.001,
-            delay: int = 0) -> tuple[np.ndarray, float, np.ndarray | None]:
+            dense_lr: float = 0.001, delay: int = 0,
+            kind: str = "bursty") -> tuple[np.ndarray, float, np.ndarray | None]:
     """odl's progressive predictions, its rate, and (``delay`` > 0) its served predictions:
     record m predicted (eval mode, as serving) by the state that learned every batch ending
     at or before ``m - delay``. The served predictions are made after the timing."""
-    text = bursty_config_text(os.path.join(work, f"odl-{batch}-{sparse_lr}-{dense_lr}"),
-                              batch_size=batch, sparse_lr=sparse_lr, dense_lr=dense_lr)
+    text = odl_config_text(kind, os.path.join(work, f"odl-{batch}-{sparse_lr}-{dense_lr}"),
+                           batch, sparse_lr, dense_lr)
     config = parse_pipeline_config_text(text)
     validate_pipeline_config(config, online=True)
     fb = FeatureBuilder(config)
@@ -171,7 +207,8 @@ def run_odl(values: list[bytes], batch: int, work: str, sparse_lr: float = 0.1,
     return np.concatenate(probs), rate, served
 
 
-def run_broker(values: list[bytes], batch: int, work: str) -> dict:
+def run_broker(values: list[bytes], batch: int, work: str, sparse_lr: float,
+               kind: str = "bursty") -> dict:
     from bench.train_throughput import measure_trainer_rate
     from odl.broker.embedded_broker import EmbeddedBroker
     from odl.harness.topic_records import produce
@@ -182,10 +219,10 @@ def run_broker(values: list[bytes], batch: int, work: str) -> dict:
         topic = "bursty"
         produce(broker.bootstrap, topic, values, 1)
         ends = end_offsets(broker.bootstrap, topic)
-        text = bursty_config_text(os.path.join(work, "odl-train"), server=broker.bootstrap,
-                                  topic=topic, batch_size=batch,
-                                  extra_train=f"metrics_window_samples: "
-                                              f"{int(len(values) * TAIL)}")
+        text = odl_config_text(kind, os.path.join(work, "odl-train"), batch, sparse_lr,
+                               0.001, server=broker.bootstrap, topic=topic,
+                               extra_train=f"metrics_window_samples: "
+                                           f"{int(len(values) * TAIL)}")
         config = parse_pipeline_config_text(text)
         validate_pipeline_config(config, online=True)
         trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
@@ -203,6 +240,8 @@ def run_broker(values: list[bytes], batch: int, work: str) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stream", choices=("bursty", "criteo"), default="bursty",
+                    help="the bursty user-item stream, or the Criteo-like one of make demo")
     ap.add_argument("--records", type=int, default=200_000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--vw-lr", default="0.1,0.5,2", help="VW learning rates to try")
@@ -219,19 +258,19 @@ def main() -> int:
     add_output_args(ap)
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="odl-quality-")
-    batches, values = make_stream(args.records, args.seed)
+    batches, values = make_stream(args.records, args.seed, args.stream)
     labels = np.concatenate([b.labels for b in batches]).astype(np.float64)
     truth = np.concatenate([b.probabilities for b in batches])
     rows: dict[str, dict] = {"oracle": scores(truth, labels)}
     try:
         import vowpalwabbit  # noqa: F401
-        examples = vw_examples(batches)
-        for quadratic in (False, True):
+        examples = vw_examples(batches, args.stream)
+        for quadratic in ("", "cc" if args.stream == "criteo" else "ui"):
             for lr in [float(x) for x in args.vw_lr.split(",")]:
                 probs, rate, _none = run_vw(examples, lr, quadratic)  # timed alone
                 served = (run_vw(examples, lr, quadratic, args.serve_delay)[2]
                           if args.serve_delay else None)
-                name = f"vw {'-q ui' if quadratic else 'linear'} lr {lr:g}"
+                name = f"vw {'-q ' + quadratic if quadratic else 'linear'} lr {lr:g}"
                 rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
                               **served_scores(served, labels)}
                 print(name, rows[name], flush=True)
@@ -241,15 +280,17 @@ def main() -> int:
     for b in [int(x) for x in args.batch.split(",")]:
         for slr in [float(x) for x in args.sparse_lr.split(",")]:
             for dlr in [float(x) for x in args.dense_lr.split(",")]:
-                probs, rate, served = run_odl(values, b, work, slr, dlr, args.serve_delay)
+                probs, rate, served = run_odl(values, b, work, slr, dlr, args.serve_delay,
+                                              args.stream)
                 name = f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}"
                 rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
                               **served_scores(served, labels)}
                 print(name, rows[name], flush=True)
     if args.broker:
         b = int(args.batch.split(",")[0])
-        rows[f"odl-train --online batch {b}"] = run_broker(values, b, work)
-    result = {"records": args.records, "seed": args.seed,
+        rows[f"odl-train --online batch {b}"] = run_broker(
+            values, b, work, float(args.sparse_lr.split(",")[0]), args.stream)
+    result = {"stream": args.stream, "records": args.records, "seed": args.seed,
               "positive_rate": round(float(labels.mean()), 4), "rows": rows}
     print(json.dumps(result, indent=1))
     finish_run(args, result, work)
