@@ -22,6 +22,14 @@ S = torch.tensor([2.0, -1.0, 0.5, -0.3, 1.2], dtype=torch.float64)
 Y = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0], dtype=torch.float64)
 
 
+def _module_and_stream(text: str) -> tuple[FeatureBuilder, TrainModule, SyntheticCtrStream]:
+    """The config's feature builder and a fresh train module, and the synthetic stream."""
+    config = parse_pipeline_config_text(text)
+    validate_pipeline_config(config, online=True)
+    fb = FeatureBuilder(config)
+    return fb, TrainModule(config, fb, device="cpu"), SyntheticCtrStream(seed=3)
+
+
 def _terms(text: str) -> list[pipeline_pb2.Loss]:
     mc = text_format.Parse(text, pipeline_pb2.EasyRecModel())
     return list(mc.losses)
@@ -223,11 +231,7 @@ def test_a_two_class_model_trains_with_jrc_loss(tmp_path) -> None:
                         'model_class: "DeepFM"\n  num_class: 2\n  losses { loss_type: JRC_LOSS '
                         'jrc_loss { session_name: "C1" alpha: 0.5 } }')
     text = text.replace("wide_output_dim: 1", "wide_output_dim: 2")
-    config = parse_pipeline_config_text(text)
-    validate_pipeline_config(config, online=True)
-    fb = FeatureBuilder(config)
-    tm = TrainModule(config, fb, device="cpu")
-    stream = SyntheticCtrStream(seed=3)
+    fb, tm, stream = _module_and_stream(text)
     held = fb.build(stream.next_batch(1000).encode("csv")).batch
     assert held.session_keys is not None and held.session_keys.shape == (1000,)
     before = tm.predict(held)[:, 1]
@@ -262,11 +266,7 @@ def test_a_two_class_model_trains_with_jrc_loss(tmp_path) -> None:
 def test_training_with_each_loss_learns(tmp_path, model: str, losses: str) -> None:
     text = as_model_config_text(deepfm_config_text(str(tmp_path / "m"), batch_size=256), model)
     text = text.replace(f'model_class: "{model}"', f'model_class: "{model}"\n  {losses}')
-    config = parse_pipeline_config_text(text)
-    validate_pipeline_config(config, online=True)
-    fb = FeatureBuilder(config)
-    tm = TrainModule(config, fb, device="cpu")
-    stream = SyntheticCtrStream(seed=3)
+    fb, tm, stream = _module_and_stream(text)
     held_out = fb.build(stream.next_batch(2000).encode("csv")).batch
     before = tm.predict(held_out)
     for _ in range(40):
