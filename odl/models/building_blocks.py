@@ -414,6 +414,24 @@ class GroupSequences(nn.Module):
         self.combiners = nn.ModuleList(m for _w, m in combiners)
         self.out_width = self.regular + sum(int(m.out_width) for _w, m in combiners) + self.raw
 
+    @classmethod
+    def of_blocks(cls, blocks: "list[SequenceBlock]", dim_of: dict[str, int],
+                  lookup_width: int, dense_columns: int) -> "GroupSequences":
+        """The combiner of a group whose input ends with ``blocks``' parts.
+
+        Args:
+            blocks: the group's sequence blocks, in order.
+            dim_of: lookup (KJT key) -> its width.
+            lookup_width: the group's looked-up columns, the blocks' lookups included.
+            dense_columns: the group's dense columns, the blocks' dense columns and lengths
+                included.
+        """
+        widths = [sum(dim_of[k] for k in b.lookups) for b in blocks]
+        dense_widths = [len(b.dense) for b in blocks]
+        return cls(lookup_width - sum(widths),
+                   [(w, b.module) for w, b in zip(widths, blocks, strict=True)],
+                   dense_columns - len(blocks) - sum(dense_widths), dense_widths)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The combined group input."""
         n = x.shape[1]

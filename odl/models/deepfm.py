@@ -398,9 +398,8 @@ class DeepFM(CtrModel):
             raise ValueError("a deep group's target attention reads embedded keys and "
                              "sequences only (dense ones: the tower and multi-task models)")
         if sequences:
-            seqs = GroupSequences(sum(dim_of[f] for f, _t in regular),
-                                  [(sum(dim_of[k] for k in b.lookups), b.module)
-                                   for b in sequences], 0)
+            seqs = GroupSequences.of_blocks(
+                list(sequences), dim_of, sum(dim_of[f] for f, _t in deep_keys), len(sequences))
         _field, settings = wide_deep_settings(model_config)
         regular_dims = {dim_of[f] for f, _t in regular}
         self.dense = DeepFMDense(

@@ -228,12 +228,8 @@ class MultiTaskModel(CtrModel):
         lookups = names + [k for b in sequences for k in b.lookups]
         seqs = None
         if sequences:  # the blocks' lookups end the group, their lengths its dense columns
-            widths = [sum(dim_of[k] for k in b.lookups) for b in sequences]
-            dense_widths = [len(b.dense) for b in sequences]
-            seqs = GroupSequences(sum(dim_of[f] for f in names),
-                                  [(w, b.module) for w, b in zip(widths, sequences, strict=True)],
-                                  len(group_dense) - len(sequences) - sum(dense_widths),
-                                  dense_widths)
+            seqs = GroupSequences.of_blocks(list(sequences), dim_of,
+                                            sum(dim_of[f] for f in lookups), len(group_dense))
         field, settings = multi_task_settings(model_config)
         names = [t.tower_name or f"task{i}" for i, t in enumerate(settings.task_towers)]
         if len(set(names)) != len(names):

@@ -234,12 +234,7 @@ class TowerModel(CtrModel):
             specs.append((kind, width, [col[n] for n in dense], tower))
             blocks = (sequences or {}).get(group, []) if kind != "din" else []
             if blocks:  # the blocks' lookups end the group's, their lengths its dense columns
-                widths = [sum(dim_of[k] for k in b.lookups) for b in blocks]
-                dense_widths = [len(b.dense) for b in blocks]
-                seq_mods.append(GroupSequences(
-                    width - sum(widths),
-                    [(w, b.module) for w, b in zip(widths, blocks, strict=True)],
-                    len(dense) - len(blocks) - sum(dense_widths), dense_widths))
+                seq_mods.append(GroupSequences.of_blocks(blocks, dim_of, width, len(dense)))
             else:
                 seq_mods.append(None)
         self.dense = TowerDense(specs, settings.final_dnn, seq_mods,
