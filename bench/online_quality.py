@@ -10,10 +10,11 @@ figures are the AUC and logloss of those predictions over all records and over t
   ``i`` (item, category), ``c`` (device, hour); ``-q ui`` adds the user x item crosses; each
   at every ``--vw-lr`` learning rate (the best is the one to beat);
 * ``odl batch B sparse lr S dense lr D``: odl's own training step (``TrainModule.train_step`` on
-  ``odl.datagen.datagen_config.bursty_config_text``'s DeepFM), batches of B records in
+  the stream's DeepFM, or ``--config``'s model, with its batch size and its two constant
+  learning rates, tables and dense part, set to B, S and D), batches of B records in
   stream order, each batch predicted before the step that learns from it (what
   ``odl-train --online`` reports as progressive AUC); the rate includes building the
-  batches;
+  batches, ``step_ms`` is the mean training step alone;
 * served (``--serve-delay D``, default 2500): the AUC of what a server of each learner's
   state would have answered, each record predicted by the state that had learned the
   records before it minus D (for odl: every batch ending at or before that; predictions in
@@ -40,7 +41,7 @@ VW rows are skipped and say so.
 
     .venv/bin/python bench/online_quality.py [--stream bursty|criteo] [--records 200000] [--seed 1]
         [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--sparse-lr 0.1] [--dense-lr 0.001]
-        [--serve-delay 2500] [--broker] [--json out.json]
+        [--serve-delay 2500] [--config samples/X.config] [--broker] [--json out.json]
 """
 
 from __future__ import annotations
@@ -55,11 +56,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
+from google.protobuf import text_format  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.auc import roc_auc  # noqa: E402
 from odl.config.config_validation import validate_pipeline_config  # noqa: E402
-from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
+from odl.config.pipeline_config import (  # noqa: E402
+    load_pipeline_config,
+    parse_pipeline_config_text,
+)
 from odl.datagen.bursty_stream import BurstyStream  # noqa: E402
 from odl.datagen.datagen_config import bursty_config_text, deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
@@ -121,19 +126,38 @@ def vw_examples(batches: list, kind: str = "bursty") -> list[str]:
     return out
 
 
-def odl_config_text(kind: str, model_dir: str, batch: int, sparse_lr: float,
-                    dense_lr: float, **kw) -> str:
-    """The DeepFM config of the stream: the bursty sample's, or the Criteo-like demo's shape
-    (26 ids of dim 16 in tables of 100k rows, 13 dense, DNN 256-128-64)."""
-    if kind != "criteo":
-        return bursty_config_text(model_dir, batch_size=batch, sparse_lr=sparse_lr,
-                                  dense_lr=dense_lr, **kw)
-    extra = kw.pop("extra_train", "")
-    text = deepfm_config_text(model_dir, batch_size=batch, dim=16, buckets=100_000,
-                              hidden_units=(256, 128, 64), save_checkpoints_steps=100_000,
-                              extra_train=extra, **kw)
-    return (text.replace("learning_rate: 0.05 }", f"learning_rate: {sparse_lr} }}")
-            .replace("learning_rate: 0.001 }", f"learning_rate: {dense_lr} }}"))
+def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr: float,
+               config_path: str = "", **kw):
+    """The odl config of a run: ``config_path`` (e.g. a sample), else the stream's DeepFM (the
+    bursty sample's shape, or the Criteo-like demo's: 26 ids of dim 16 in tables of 100k
+    rows, 13 dense, DNN 256-128-64); its batch size and its two ``optimizer_config``
+    constant rates (tables, dense part) set to the run's."""
+    if config_path:
+        config = load_pipeline_config(config_path)
+        config.train_config.ClearField("incr_save_config")  # learning only, no publishing
+        for key, value in kw.items():  # the broker run's server / topic / window
+            if key == "server":
+                config.kafka_train_input.server = value
+            elif key == "topic":
+                config.kafka_train_input.topic = value
+            elif key == "extra_train":
+                text_format.Merge(value, config.train_config)
+    elif kind == "criteo":
+        config = parse_pipeline_config_text(deepfm_config_text(
+            model_dir, dim=16, buckets=100_000, hidden_units=(256, 128, 64),
+            save_checkpoints_steps=100_000, **kw))
+    else:
+        config = parse_pipeline_config_text(bursty_config_text(model_dir, **kw))
+    config.model_dir = model_dir
+    config.data_config.batch_size = batch
+    tables, dense = config.train_config.optimizer_config[:2]
+    for entry, rate in ((tables, sparse_lr), (dense, dense_lr)):
+        lr = getattr(entry, entry.WhichOneof("optimizer")).learning_rate
+        if lr.WhichOneof("learning_rate") != "constant_learning_rate":
+            raise SystemExit(f"{config_path}: the bench sets constant learning rates only")
+        lr.constant_learning_rate.learning_rate = rate
+    validate_pipeline_config(config, online=True)
+    return config
 
 
 def run_vw(examples: list[str], lr: float, quadratic: str,
@@ -172,24 +196,28 @@ def run_vw(examples: list[str], lr: float, quadratic: str,
 
 
 def run_odl(values: list[bytes], batch: int, work: str, sparse_lr: float = 0.1,
-            dense_lr: float = 0.001, delay: int = 0,
-            kind: str = "bursty") -> tuple[np.ndarray, float, np.ndarray | None]:
-    """odl's progressive predictions, its rate, and (``delay`` > 0) its served predictions:
-    record m predicted (eval mode, as serving) by the state that learned every batch ending
-    at or before ``m - delay``. The served predictions are made after the timing."""
-    text = odl_config_text(kind, os.path.join(work, f"odl-{batch}-{sparse_lr}-{dense_lr}"),
-                           batch, sparse_lr, dense_lr)
-    config = parse_pipeline_config_text(text)
-    validate_pipeline_config(config, online=True)
+            dense_lr: float = 0.001, delay: int = 0, kind: str = "bursty",
+            config_path: str = "") -> tuple[np.ndarray, float, float, np.ndarray | None]:
+    """odl's progressive predictions, its rate (building included), its mean train step in
+    ms (building excluded), and (``delay`` > 0) its served predictions: record m predicted
+    (eval mode, as serving) by the state that learned every batch ending at or before
+    ``m - delay``. The served predictions are made after the timing."""
+    config = odl_config(kind, os.path.join(work, f"odl-{batch}-{sparse_lr}-{dense_lr}"),
+                        batch, sparse_lr, dense_lr, config_path)
     fb = FeatureBuilder(config)
     module = TrainModule(config, fb, device="cpu")
     n = len(values)
     probs = []
+    stepping = 0.0
     t0 = time.perf_counter()
     for k in range(0, n, batch):
-        out = module.train_step(fb.build(values[k:k + batch]).batch)
+        built = fb.build(values[k:k + batch]).batch
+        t1 = time.perf_counter()
+        out = module.train_step(built)
+        stepping += time.perf_counter() - t1
         probs.append(out.probs)
     rate = n / (time.perf_counter() - t0)
+    step_ms = 1000 * stepping / -(-n // batch)
     served = None
     if delay:
         module = TrainModule(config, fb, device="cpu")  # again, serving as it goes
@@ -204,11 +232,11 @@ def run_odl(values: list[bytes], batch: int, work: str, sparse_lr: float = 0.1,
             module.train_step(fb.build(values[k:k + batch]).batch)
             end = min(k + batch, n)  # the state now covers the records before end
             serve(min(end + delay, n), min(end + delay + batch, n))
-    return np.concatenate(probs), rate, served
+    return np.concatenate(probs), rate, step_ms, served
 
 
 def run_broker(values: list[bytes], batch: int, work: str, sparse_lr: float,
-               kind: str = "bursty") -> dict:
+               kind: str = "bursty", config_path: str = "") -> dict:
     from bench.train_throughput import measure_trainer_rate
     from odl.broker.embedded_broker import EmbeddedBroker
     from odl.harness.topic_records import produce
@@ -219,12 +247,9 @@ def run_broker(values: list[bytes], batch: int, work: str, sparse_lr: float,
         topic = "bursty"
         produce(broker.bootstrap, topic, values, 1)
         ends = end_offsets(broker.bootstrap, topic)
-        text = odl_config_text(kind, os.path.join(work, "odl-train"), batch, sparse_lr,
-                               0.001, server=broker.bootstrap, topic=topic,
-                               extra_train=f"metrics_window_samples: "
-                                           f"{int(len(values) * TAIL)}")
-        config = parse_pipeline_config_text(text)
-        validate_pipeline_config(config, online=True)
+        config = odl_config(kind, os.path.join(work, "odl-train"), batch, sparse_lr, 0.001,
+                            config_path, server=broker.bootstrap, topic=topic,
+                            extra_train=f"metrics_window_samples: {int(len(values) * TAIL)}")
         trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
 
         def caught_up(_step: int, _secs: float) -> bool:
@@ -242,6 +267,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stream", choices=("bursty", "criteo"), default="bursty",
                     help="the bursty user-item stream, or the Criteo-like one of make demo")
+    ap.add_argument("--config", default="",
+                    help="odl's pipeline config (e.g. samples/deepfm_online.config for the "
+                         "criteo stream); default: the stream's DeepFM")
     ap.add_argument("--records", type=int, default=200_000)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--vw-lr", default="0.1,0.5,2", help="VW learning rates to try")
@@ -280,17 +308,19 @@ def main() -> int:
     for b in [int(x) for x in args.batch.split(",")]:
         for slr in [float(x) for x in args.sparse_lr.split(",")]:
             for dlr in [float(x) for x in args.dense_lr.split(",")]:
-                probs, rate, served = run_odl(values, b, work, slr, dlr, args.serve_delay,
-                                              args.stream)
+                probs, rate, step_ms, served = run_odl(values, b, work, slr, dlr,
+                                                       args.serve_delay, args.stream,
+                                                       args.config)
                 name = f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}"
                 rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
-                              **served_scores(served, labels)}
+                              "step_ms": round(step_ms, 3), **served_scores(served, labels)}
                 print(name, rows[name], flush=True)
     if args.broker:
         b = int(args.batch.split(",")[0])
         rows[f"odl-train --online batch {b}"] = run_broker(
-            values, b, work, float(args.sparse_lr.split(",")[0]), args.stream)
-    result = {"stream": args.stream, "records": args.records, "seed": args.seed,
+            values, b, work, float(args.sparse_lr.split(",")[0]), args.stream, args.config)
+    result = {"stream": args.stream, "config": args.config or "the stream's DeepFM",
+              "records": args.records, "seed": args.seed,
               "positive_rate": round(float(labels.mean()), 4), "rows": rows}
     print(json.dumps(result, indent=1))
     finish_run(args, result, work)
