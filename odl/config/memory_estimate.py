@@ -234,13 +234,9 @@ def _map_bytes(fc: pipeline_pb2.FeatureConfig, model_ev: pipeline_pb2.EVParams |
     return per_row * dyn.capacity + sketch
 
 
-def _embedded(fc: pipeline_pb2.FeatureConfig) -> bool:
-    return embedded_feature(fc)
-
-
 def _width(fc: pipeline_pb2.FeatureConfig) -> int:
     """Columns of one lookup or value of a feature (a key's or a sequence item's part)."""
-    if _embedded(fc):
+    if embedded_feature(fc):
         return int(fc.embedding_dim)
     return 1 if fc.feature_type == _FT.SequenceFeature else int(fc.raw_input_dim)
 
@@ -260,7 +256,7 @@ def _group_input(fc: pipeline_pb2.FeatureConfig) -> tuple[int, int]:
             return sum(filters), sum(int(k) * dim * f + f
                                      for k, f in zip(t.filter_sizes, filters, strict=False))
         return dim, dim  # attention: one score weight per column
-    if _embedded(fc):
+    if embedded_feature(fc):
         return dim, 0
     if fc.feature_type == _FT.RawFeature and dim > 0:
         return dim, dim * int(fc.raw_input_dim)
@@ -484,7 +480,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
         cols, extra = _group_input(fc)
         deep_in += cols
         extra_params += extra
-        if not _embedded(fc):
+        if not embedded_feature(fc):
             continue
         dim = int(fc.embedding_dim)
         # stored with a multiple of 4 columns (odl.models.embedding_tables.storage_dim)
@@ -501,7 +497,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
             extra_params += extra
             for name in names:
                 fc = features.get(name)
-                if fc is not None and _embedded(fc):
+                if fc is not None and embedded_feature(fc):
                     dim = int(fc.embedding_dim)
                     add_table(fc.embedding_name or name, _rows(fc, model_ev),
                               -(-dim // WIDE_DIM_ALIGN) * WIDE_DIM_ALIGN, fc)
@@ -511,7 +507,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
         fc = features.get(name)
         if fc is None:
             continue
-        if not _embedded(fc):
+        if not embedded_feature(fc):
             wide_dense += int(fc.raw_input_dim)
             continue
         add_table(f"{fc.embedding_name or name}_wide", _rows(fc, model_ev), wide_dim, fc)

@@ -159,11 +159,6 @@ class BurstyBatch:
                     self.users.tolist(), self.items.tolist(), self.categories.tolist(),
                     self.devices.tolist(), hours.tolist(), strict=True)]
 
-    @property
-    def ids(self) -> list[str]:
-        """The sample ids (message keys)."""
-        return self.sample_ids
-
 
 def _zipf_ranks(u: np.ndarray, n: np.ndarray | int, exponent: float) -> np.ndarray:
     """Ranks in ``[0, n)`` of uniforms ``u``, P(r) ~ (r + 1) ** -exponent.

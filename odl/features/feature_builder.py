@@ -450,7 +450,7 @@ class FeatureBuilder:
                                       "kv_separator, not both")
                 sp = _Sparse(name, kind, (inp0,), rows, separator=fc.separator.encode(),
                              raw_ids=dyn is not None, vocab=vocab, seq_len=seq_len,
-                             mean=fc.combiner == "mean", weights_input=weights_input,
+                             weights_input=weights_input,
                              kv_separator=fc.kv_separator.encode())
                 list_seps[inp0] = fc.separator
                 if weights_input:
@@ -465,7 +465,7 @@ class FeatureBuilder:
                 raise ConfigError(f"{path}.feature_type", "unsupported feature type")
             if fc.combiner not in ("sum", "mean"):
                 raise ConfigError(f"{path}.combiner", f"expected sum or mean, got {fc.combiner!r}")
-            if fc.combiner == "mean" and not sp.mean:
+            if fc.combiner == "mean":  # every kind of feature: a weighted batch's mean
                 sp = dataclasses.replace(sp, mean=True)
             self._sparse.append(sp)
             tname = fc.embedding_name or name
@@ -806,7 +806,7 @@ class FeatureBuilder:
         kept = None
         bad = np.zeros(n, dtype=bool)
         if not d.separator:
-            v = parsed.numeric[d.input].astype(np.float64).reshape(n, 1)
+            v = parsed.numeric[d.input].astype(np.float64, copy=False).reshape(n, 1)
         else:
             s, e, lengths = _split(parsed, d.input, d.separator, sep_pos[d.separator])
             numbers, ok = parse_numbers(parsed.buffer, s, e, "float")
