@@ -110,3 +110,24 @@ def test_online_loop_on_cuda_trains_every_record_once(kafka_bootstrap, kafka_top
     ckpt = read_checkpoint(list_checkpoints(trainer.model_dir)[-1])
     assert ckpt.positions == ends
     assert ckpt.global_step == trainer.module.global_step
+
+
+def test_in_batch_learning_on_cuda_equals_cpu(tmp_path):
+    """The in-batch shift (sorts, prefix sums, accumulator reads) gives the CPU's predictions,
+    and the same tables, on CUDA."""
+    from odl.datagen.bursty_stream import BurstyStream
+    from odl.datagen.datagen_config import bursty_config_text
+    from tests.harness import load_config_text
+
+    cfg = load_config_text(bursty_config_text(
+        str(tmp_path / "m"), batch_size=256, buckets=4096,
+        extra_train="in_batch_learning: true wide_learning_rate_multiplier: 3"))
+    fbb = FeatureBuilder(cfg)
+    records = BurstyStream(seed=2).next_batch(2560).encode("csv")
+    cpu = TrainModule(cfg, fbb, device="cpu")
+    gpu = TrainModule(cfg, fbb, device="cuda")
+    for k in range(0, len(records), 256):
+        b = fbb.build(records[k:k + 256]).batch
+        oc, og = cpu.train_step(b), gpu.train_step(b)
+        np.testing.assert_allclose(og.probs, oc.probs, atol=1e-4, rtol=0)
+    _assert_tables_equal(cpu, gpu, atol=1e-4)

@@ -52,10 +52,11 @@ from odl.config.field_formats import (
     parse_offset_time,
     path_scheme,
 )
-from odl.config.loss_settings import validate_loss_settings
+from odl.config.loss_settings import num_classes, regression_outputs, validate_loss_settings
 from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
 from odl.config.model_classes import is_multi_task_model
 from odl.config.model_validation import validate_features, validate_model
+from odl.config.optimizer_support import optimizer_choices, table_kernel_kind
 from odl.protos import pipeline_pb2
 from odl.storage.storage_path import UnsupportedPathError, check_supported, parse_oss
 
@@ -406,6 +407,27 @@ def _is_number(text: str) -> bool:
     return True
 
 
+def _validate_in_batch_learning(config: pipeline_pb2.EasyRecConfig) -> None:
+    """``wide_learning_rate_multiplier`` and ``in_batch_learning``'s model and tables."""
+    tc = config.train_config
+    m = tc.wide_learning_rate_multiplier
+    if not (0 < m <= limits.MAX_WIDE_LR_MULTIPLIER) or not math.isfinite(m):
+        raise ConfigError("train_config.wide_learning_rate_multiplier",
+                          f"must be > 0 and at most {limits.MAX_WIDE_LR_MULTIPLIER:g}, got {m:g}")
+    if not tc.in_batch_learning:
+        return
+    field = "train_config.in_batch_learning"
+    outputs = max(len(regression_outputs(config)), num_classes(config))
+    if outputs != 1:
+        raise ConfigError(field, f"needs a model with one output; this "
+                                 f"{config.model_config.model_class} has {outputs}")
+    sparse, _ = optimizer_choices(tc)
+    kernel = table_kernel_kind(sparse.kind)
+    if kernel not in ("sgd", "adagrad", "rowwise_adagrad"):
+        raise ConfigError(field, f"needs SGD or (row-wise) Adagrad tables; the tables "
+                                 f"train with {sparse.kind}")
+
+
 def _validate_train(config: pipeline_pb2.EasyRecConfig) -> None:
     tc = config.train_config
     where = "train_config"
@@ -449,6 +471,7 @@ def _validate_train(config: pipeline_pb2.EasyRecConfig) -> None:
                           f"{tc.metrics_window_samples:,} is above the limit of "
                           f"{limits.MAX_METRICS_WINDOW_SAMPLES:,}")
     parse_dead_line(tc.dead_line)
+    _validate_in_batch_learning(config)
     if tc.fine_tune_ckpt_var_map and not os.path.isfile(tc.fine_tune_ckpt_var_map):
         raise ConfigError(f"{where}.fine_tune_ckpt_var_map",
                           f"file not found: {tc.fine_tune_ckpt_var_map}")

@@ -24,6 +24,8 @@ from __future__ import annotations
 # Rows of one embedding table (hash_bucket_size, num_buckets, len(boundaries) + 1): a row
 # index then also fits an int32, the narrower of the two index types fbgemm's kernels take.
 MAX_TABLE_ROWS = 2**31 - 1
+# train_config.wide_learning_rate_multiplier: a rate this many times the table rate at most.
+MAX_WIDE_LR_MULTIPLIER = 1000.0
 
 # Embedding dimensions: at most MAX_EMBEDDING_DIM; stored padded to EMBEDDING_DIM_ALIGN.
 EMBEDDING_DIM_ALIGN = 4

@@ -44,23 +44,27 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torchrec.optim as trec_optim
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.config.loss_settings import num_classes, regression_outputs
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.ctr_model import predictions
+from odl.models.ctr_model import ModelOutput, predictions
 from odl.models.dynamic_table import DynamicTable, DynamicTables
 from odl.models.embedding_tables import WIDE_SUFFIX, init_embedding_weights, reset_embedding_rows
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
+from odl.train.in_batch_learning import InBatchLearning, TableRows
 from odl.train.optimizer_builder import (
+    TABLE_EPS,
     gradient_clipping,
     make_dense_optimizer,
     optimizer_specs,
@@ -70,6 +74,10 @@ from odl.train.optimizer_builder import (
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "odl.train_module/1"
+# the table optimizers in-batch learning follows (odl.train.in_batch_learning)
+TABLE_KIND_OF_CLASS: dict[type, str] = {
+    torch.optim.SGD: "sgd", torch.optim.Adagrad: "adagrad",
+    trec_optim.RowWiseAdagrad: "rowwise_adagrad"}
 EBC_PREFIX = "ebc.embedding_bags."
 
 
@@ -193,9 +201,22 @@ class TrainModule:
         self.softmax = num_classes(config) > 1  # a num_class model: softmax over its classes
         self._sparse_spec, self._dense_spec = optimizer_specs(config.train_config)
         cls, kwargs = sparse_optimizer_args(self._sparse_spec, self.device.type)
-        apply_optimizer_in_backward(cls, self.model.ebc.parameters(), kwargs)
+        # wide tables at their own rate form a second fused group (a separate kernel)
+        self._wide_lr_multiplier = float(config.train_config.wide_learning_rate_multiplier)
+        wide_params = [p for n, p in self.model.ebc.named_parameters()
+                       if n.split(".")[-2].endswith(WIDE_SUFFIX)]
+        if self._wide_lr_multiplier != 1.0 and wide_params:
+            wide_ids = {id(p) for p in wide_params}
+            apply_optimizer_in_backward(
+                cls, [p for p in self.model.ebc.parameters() if id(p) not in wide_ids], kwargs)
+            apply_optimizer_in_backward(
+                cls, wide_params, {**kwargs, "lr": kwargs["lr"] * self._wide_lr_multiplier})
+        else:
+            apply_optimizer_in_backward(cls, self.model.ebc.parameters(), kwargs)
+        self._table_kind = TABLE_KIND_OF_CLASS.get(cls, cls.__name__)
         self.model.dense.to(self.device)
-        tables = [c.name for c in self.model.ebc.embedding_bag_configs()]
+        table_configs = list(self.model.ebc.embedding_bag_configs())
+        tables = [c.name for c in table_configs]
         plan = construct_module_sharding_plan(
             self.model.ebc,
             {t: table_wise(rank=0, compute_kernel="fused") for t in tables},
@@ -223,11 +244,33 @@ class TrainModule:
         self._grad_clip = gradient_clipping(config.train_config)  # dense gradients only
         self.global_step = 0
         self._lrs: tuple[float, float] | None = None
+        self._lr_groups: list[tuple[dict, float]] | None = None
+        self._in_batch = self._in_batch_learning(config, table_configs)
         self._touched_rows_hook: Callable[[KeyedJaggedTensor], None] | None = None
         self._extra_touched_rows_hooks: list[Callable[[KeyedJaggedTensor], None]] = []
         logger.info(
             "TrainModule on %s: %d tables, sparse %s, dense %s", self.device, len(tables),
             self._sparse_spec.kind, self._dense_spec.kind)
+
+    def _in_batch_learning(self, config: pipeline_pb2.EasyRecConfig,
+                           table_configs: list[EmbeddingBagConfig]) -> InBatchLearning | None:
+        """The in-batch learning of ``train_config.in_batch_learning`` (None when off).
+
+        Validation has checked the model (one output) and the table optimizer (SGD or
+        (row-wise) Adagrad; ``InBatchLearning`` refuses any other).
+        """
+        if not config.train_config.in_batch_learning:
+            return None
+        _, states = self._row_state_views()
+        rows = {}
+        for c in table_configs:
+            state = states.get(f"{EBC_PREFIX}{c.name}.weight", [])
+            rows[c.name] = TableRows(
+                state=state[0] if state and self._table_kind != "sgd" else None,
+                stored_columns=c.embedding_dim, mean_pooling=c.pooling == PoolingType.MEAN,
+                lr_multiplier=(self._wide_lr_multiplier if c.name.endswith(WIDE_SUFFIX)
+                               else 1.0))
+        return InBatchLearning(self.model.pooled_layout, rows, self._table_kind, TABLE_EPS)
 
     # -- accessors --------------------------------------------------------------------------
 
@@ -295,12 +338,32 @@ class TrainModule:
         if lrs == self._lrs:
             return
         fused = self._dmp.fused_optimizer
-        for g in fused.param_groups:
-            g["lr"] = lrs[0]
+        for g, multiplier in self._fused_lr_groups():
+            g["lr"] = lrs[0] * multiplier
         fused.step()  # fused optimizers only push the lr to the kernel here
         for g in self._dense_opt.param_groups:
             g["lr"] = lrs[1]
         self._lrs = lrs
+
+    def _fused_lr_groups(self) -> list[tuple[dict, float]]:
+        """Each fused table-optimizer parameter group with its rate multiplier.
+
+        The wide tables' group has ``wide_learning_rate_multiplier``, the others 1.
+        """
+        if self._lr_groups is None:
+            groups: list[tuple[dict, float]] = []
+            pending: list[Any] = [self._dmp.fused_optimizer]
+            while pending:
+                opt = pending.pop()
+                if hasattr(opt, "optimizers"):  # a CombinedOptimizer: (name, optimizer) pairs
+                    pending.extend(o for _, o in opt.optimizers)
+                    continue
+                wide = any(n.split(".")[-2].endswith(WIDE_SUFFIX)
+                           for n in getattr(opt, "params", {}))
+                groups.extend((g, self._wide_lr_multiplier if wide else 1.0)
+                              for g in opt.param_groups)
+            self._lr_groups = groups
+        return self._lr_groups
 
     def current_learning_rates(self) -> tuple[float, float]:
         """``(sparse, dense)`` rates for the next step."""
@@ -418,6 +481,11 @@ class TrainModule:
             output = self._dmp(batch)
             logits = output.logits
         loss = self._module().loss(output, batch)
+        if self._in_batch is not None:  # predict each record after its batch's earlier ones
+            shift = self._in_batch.logit_shift(batch.sparse, output, loss, self._lrs[0])
+            output = ModelOutput(output.logits + shift, output.pooled)
+            logits = output.logits
+            loss = self._module().loss(output, batch)
         self._dense_opt.zero_grad(set_to_none=True)
         loss.backward()  # table rows are updated inside backward (fused)
         if self._grad_clip is not None:
