@@ -37,6 +37,11 @@ Also reported:
   and off (fresh model each, ``--rate-rounds`` alternating rounds, medians), nothing else
   running: on / off samples/s. Target: publishing costs <= 10 %.
 
+With ``--served-auc``: the AUC of serving's predictions asked as each sample arrives (a
+consumer of the sample topic posts what it fetches to ``/predict`` over HTTP; the labels
+score them afterwards), next to the trainer's progressive AUC of the same stream: what
+users meet against what the trainer reports (``ServedPredictions``).
+
 Everything (broker, datagen, trainer, serving) shares this machine's cores; when it cannot
 keep up with ``--rate`` the output says so (achieved rates, lag) -- measure a lower
 ``--rate`` honestly then. The load average before and after is printed, since other work
@@ -47,7 +52,8 @@ want more than the cores, 1 is far better here (OpenMP workers of one process wa
 workers that another process has pushed off the CPU).
 
     .venv/bin/python bench/freshness.py [--rate 10000] [--seconds 60] [--warmup 15]
-                                        [--publish-steps 2] [--torch-threads 0] [--json out.json]
+                                        [--publish-steps 2] [--torch-threads 0] [--served-auc]
+                                        [--json out.json]
 """
 
 from __future__ import annotations
@@ -61,10 +67,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
@@ -72,6 +80,7 @@ from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from bench.train_throughput import measure_trainer_rate  # noqa: E402
+from odl.auc import roc_auc  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.checkpoint.checkpoint_manager import (  # noqa: E402
     POSITIONS_FILE,
@@ -127,6 +136,91 @@ def start_trainer(config_path: str, log_path: str, *extra: str) -> subprocess.Po
            *extra]
     return subprocess.Popen(cmd, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT,
                             cwd=REPO, env=CHILD_ENV)
+
+
+class ServedPredictions(threading.Thread):
+    """odl-serve's prediction of every sample of the live stream, asked as it arrives.
+
+    A consumer of the sample topic (from ``starts``, the stream's first offsets) posts each
+    chunk it fetches to serving's ``/predict`` (HTTP, the records as produced; serving reads
+    no label) and keeps, per record, its label, the served probability, the version that
+    answered and the delay from the record's produce time to the answer. The label is only
+    used for scoring afterwards, and only answers from a version that had not trained on the
+    record count (an answer that came after the version covering its record was applied
+    would score a model that has seen the label).
+
+    Args:
+        bootstrap: broker.
+        starts: partition -> first offset of the live stream.
+        url: serving's ``/predict`` URL.
+        label_index: the label's CSV column.
+    """
+
+    def __init__(self, bootstrap: str, starts: dict[int, int], url: str, label_index: int):
+        super().__init__(name="served-predictions", daemon=True)
+        self.bootstrap, self.starts = bootstrap, starts
+        self.url, self.label_index = url, label_index
+        self.done = threading.Event()
+        self.labels: list[int] = []
+        self.probs: list[float] = []
+        self.produced_ms: list[int] = []
+        self.positions: list[tuple[int, int]] = []  # (partition, offset)
+        self.delays_s: list[float] = []
+        self.versions: list[int] = []
+        self.errors = 0
+
+    def run(self) -> None:
+        c = Consumer(consumer_config(self.bootstrap, "odl-bench-served"))
+        c.assign([TopicPartition(SAMPLES, p, o) for p, o in self.starts.items()])
+        with httpx.Client(timeout=30.0) as http:
+            while not self.done.is_set():
+                msgs = [m for m in c.consume(num_messages=1000, timeout=0.02)
+                        if m.error() is None]
+                if not msgs:
+                    continue
+                values = [m.value() for m in msgs]
+                r = http.post(self.url, content=b"\n".join(values))
+                now = time.time()
+                if r.status_code != 200:
+                    self.errors += len(values)
+                    continue
+                body = r.json()
+                self.probs.extend(body["probabilities"])
+                self.versions.extend([int(body.get("version") or 0)] * len(values))
+                for m, v in zip(msgs, values, strict=True):
+                    self.labels.append(int(v.split(b",")[self.label_index]))
+                    self.produced_ms.append(m.timestamp()[1])
+                    self.positions.append((m.partition(), m.offset()))
+                    self.delays_s.append(now - m.timestamp()[1] / 1000)
+        c.close()
+
+    def summary(self, t_from: float, applied: list[dict]) -> dict:
+        """Served AUC of the answers from versions that had not trained on their record.
+
+        Args:
+            t_from: the end of the warm-up (unix s): the AUC from then on, by produce time,
+                is reported too.
+            applied: the apply log (per version its ``positions``: partition -> next offset).
+
+        Returns:
+            The AUCs, the share of answers left out, the produce-to-answer delay.
+        """
+        if not self.labels:
+            return {"samples": 0, "errors": self.errors}
+        covers = {v["version"]: v["positions"] for v in applied}
+        seen = np.asarray([covers.get(v, {}).get(part, 0) > off for v, (part, off)
+                           in zip(self.versions, self.positions, strict=True)])
+        keep = ~seen
+        y, p = np.asarray(self.labels)[keep], np.asarray(self.probs)[keep]
+        after = (np.asarray(self.produced_ms) >= t_from * 1000)[keep]
+        delays = np.asarray(self.delays_s)
+        return {"samples": int(keep.sum()), "errors": self.errors,
+                "answered_after_trained_on": round(float(seen.mean()), 4),
+                "served_auc": round(roc_auc(y, p), 4),
+                "served_auc_after_warmup": round(roc_auc(y[after], p[after]), 4)
+                if after.any() and 0 < y[after].mean() < 1 else None,
+                "answer_delay_s": {"p50": round(float(np.percentile(delays, 50)), 4),
+                                   "p99": round(float(np.percentile(delays, 99)), 4)}}
 
 
 def read_timestamps(bootstrap: str, ends: dict[int, int]) -> dict[int, np.ndarray]:
@@ -253,6 +347,9 @@ def main() -> int:
                          "child process, the default; 0: in threads of the trainer)")
     ap.add_argument("--rate-max-seconds", type=float, default=15.0,
                     help="cap on one rate measurement (a slow machine stops it early)")
+    ap.add_argument("--served-auc", action="store_true",
+                    help="also ask serving for a prediction of every sample as it arrives "
+                         "and report their AUC next to the trainer's progressive AUC")
     ap.add_argument("--torch-threads", type=int, default=0,
                     help="torch intra-op threads of trainer and serving (0 = torch's default)")
     add_output_args(ap)
@@ -319,7 +416,7 @@ def main() -> int:
             return rows
 
         svc.model.apply_version = logged_apply
-        svc.start("127.0.0.1", 0)
+        svc_port = svc.start("127.0.0.1", 0)
 
         # -- the trainer again (restores the base), then the live stream
         tb = start_trainer(cfg_path, os.path.join(work, "trainer_b.log"))
@@ -331,6 +428,13 @@ def main() -> int:
             if tb.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"trainer did not start, see {work}/trainer_b.log")
             time.sleep(0.2)
+        served = None
+        if args.served_auc:
+            fields = [f.input_name for f in config.data_config.input_fields]
+            served = ServedPredictions(bs, end_offsets(bs, SAMPLES),
+                                       f"http://127.0.0.1:{svc_port}/predict",
+                                       fields.index(config.data_config.label_fields[0]))
+            served.start()
         gen_start = time.time()
         gen = datagen(bs, "--rate", str(args.rate), "--seconds", str(args.seconds))
         # (time, samples_trained, lag, CPU seconds per process) once a second
@@ -354,6 +458,12 @@ def main() -> int:
                 drained = True
                 break
             time.sleep(0.1)
+        if served is not None:  # every record answered, or the drain's deadline
+            while (len(served.labels) + served.errors < sum(ends.values())
+                   - sum(served.starts.values()) and time.monotonic() < deadline + 30):
+                time.sleep(0.1)
+            served.done.set()
+            served.join(60)
         final_status = trainer_json(model_dir, "/status") or {}
         tb.send_signal(signal.SIGTERM)
         tb.wait(120)
@@ -417,6 +527,12 @@ def main() -> int:
         "serving": {k: serving_status.get(k) for k in ("versions_applied", "rows_applied",
                                                        "rejected_messages")},
         "publishing_cost": None,
+        "served_predictions": (
+            {**served.summary(gen_start + args.warmup, applied),
+             "trainer_progressive_auc_total": (final_status.get("progressive") or {}).get(
+                 "auc_total"),
+             "trainer_progressive_auc_window": (final_status.get("progressive") or {}).get(
+                 "auc")} if served is not None else None),
         "cpu_cores_window": cpu_cores,
         # per status poll: seconds into the stream, samples trained, lag, CPU cores per
         # process since the previous poll
@@ -458,6 +574,16 @@ def main() -> int:
           f"(target p99 <= 1 s at >= 10k samples/s)")
     print(f"delta bytes / floor = {result['bytes_over_floor']} (target <= 1.1; "
           f"{result['bytes_per_version']} bytes, {result['rows_per_version']} rows per version)")
+    sp = result["served_predictions"]
+    if sp and sp.get("samples"):
+        print(f"served AUC {sp['served_auc']} ({sp['served_auc_after_warmup']} after the "
+              f"warm-up) over {sp['samples']:,} predictions asked as each sample arrived "
+              f"(answer {sp['answer_delay_s']['p50']} s after produce, p99 "
+              f"{sp['answer_delay_s']['p99']} s; {sp['answered_after_trained_on']:.1%} left "
+              f"out, answered by a version that had trained on them); the trainer's "
+              f"progressive AUC "
+              f"{sp['trainer_progressive_auc_total']} (its window "
+              f"{sp['trainer_progressive_auc_window']})")
     if result["publishing_cost"]:
         pc = result["publishing_cost"]
         print(f"trainer with publishing / without = {pc['on_over_off']} "

@@ -41,7 +41,8 @@ VW rows are skipped and say so.
 
     .venv/bin/python bench/online_quality.py [--stream bursty|criteo] [--records 200000] [--seed 1]
         [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--sparse-lr 0.1] [--dense-lr 0.001]
-        [--serve-delay 2500] [--config samples/X.config] [--broker] [--json out.json]
+        [--in-batch 0,1] [--wide-lr-mult 1,3] [--serve-delay 2500] [--config samples/X.config]
+        [--broker] [--json out.json]
 """
 
 from __future__ import annotations
@@ -127,11 +128,13 @@ def vw_examples(batches: list, kind: str = "bursty") -> list[str]:
 
 
 def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr: float,
-               config_path: str = "", **kw):
+               config_path: str = "", in_batch: bool | None = None,
+               wide_mult: float | None = None, **kw):
     """The odl config of a run: ``config_path`` (e.g. a sample), else the stream's DeepFM (the
     bursty sample's shape, or the Criteo-like demo's: 26 ids of dim 16 in tables of 100k
     rows, 13 dense, DNN 256-128-64); its batch size and its two ``optimizer_config``
-    constant rates (tables, dense part) set to the run's."""
+    constant rates (tables, dense part) set to the run's, and ``in_batch_learning`` /
+    ``wide_learning_rate_multiplier`` where given (None: the config's)."""
     if config_path:
         config = load_pipeline_config(config_path)
         config.train_config.ClearField("incr_save_config")  # learning only, no publishing
@@ -150,6 +153,10 @@ def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr
         config = parse_pipeline_config_text(bursty_config_text(model_dir, **kw))
     config.model_dir = model_dir
     config.data_config.batch_size = batch
+    if in_batch is not None:
+        config.train_config.in_batch_learning = in_batch
+    if wide_mult is not None:
+        config.train_config.wide_learning_rate_multiplier = wide_mult
     tables, dense = config.train_config.optimizer_config[:2]
     for entry, rate in ((tables, sparse_lr), (dense, dense_lr)):
         lr = getattr(entry, entry.WhichOneof("optimizer")).learning_rate
@@ -158,6 +165,12 @@ def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr
         lr.constant_learning_rate.learning_rate = rate
     validate_pipeline_config(config, online=True)
     return config
+
+
+def settings_name(in_batch: bool | None, wide_mult: float | None) -> str:
+    """The row-name suffix of a run's in-batch / wide-rate settings (none: the config's)."""
+    return ((f" in-batch {int(in_batch)}" if in_batch is not None else "")
+            + (f" wide x{wide_mult:g}" if wide_mult is not None else ""))
 
 
 def run_vw(examples: list[str], lr: float, quadratic: str,
@@ -197,13 +210,14 @@ def run_vw(examples: list[str], lr: float, quadratic: str,
 
 def run_odl(values: list[bytes], batch: int, work: str, sparse_lr: float = 0.1,
             dense_lr: float = 0.001, delay: int = 0, kind: str = "bursty",
-            config_path: str = "") -> tuple[np.ndarray, float, float, np.ndarray | None]:
+            config_path: str = "", **settings) -> tuple[np.ndarray, float, float,
+                                                        np.ndarray | None]:
     """odl's progressive predictions, its rate (building included), its mean train step in
     ms (building excluded), and (``delay`` > 0) its served predictions: record m predicted
     (eval mode, as serving) by the state that learned every batch ending at or before
     ``m - delay``. The served predictions are made after the timing."""
     config = odl_config(kind, os.path.join(work, f"odl-{batch}-{sparse_lr}-{dense_lr}"),
-                        batch, sparse_lr, dense_lr, config_path)
+                        batch, sparse_lr, dense_lr, config_path, **settings)
     fb = FeatureBuilder(config)
     module = TrainModule(config, fb, device="cpu")
     n = len(values)
@@ -236,7 +250,7 @@ def run_odl(values: list[bytes], batch: int, work: str, sparse_lr: float = 0.1,
 
 
 def run_broker(values: list[bytes], batch: int, work: str, sparse_lr: float,
-               kind: str = "bursty", config_path: str = "") -> dict:
+               kind: str = "bursty", config_path: str = "", **settings) -> dict:
     from bench.train_throughput import measure_trainer_rate
     from odl.broker.embedded_broker import EmbeddedBroker
     from odl.harness.topic_records import produce
@@ -248,7 +262,7 @@ def run_broker(values: list[bytes], batch: int, work: str, sparse_lr: float,
         produce(broker.bootstrap, topic, values, 1)
         ends = end_offsets(broker.bootstrap, topic)
         config = odl_config(kind, os.path.join(work, "odl-train"), batch, sparse_lr, 0.001,
-                            config_path, server=broker.bootstrap, topic=topic,
+                            config_path, server=broker.bootstrap, topic=topic, **settings,
                             extra_train=f"metrics_window_samples: {int(len(values) * TAIL)}")
         trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
 
@@ -278,6 +292,10 @@ def main() -> int:
                     help="odl table (Adagrad) learning rates to try")
     ap.add_argument("--dense-lr", default="0.001",
                     help="odl dense (Adam) learning rates to try")
+    ap.add_argument("--in-batch", default="",
+                    help="in_batch_learning values to try (0,1; default: the config's)")
+    ap.add_argument("--wide-lr-mult", default="",
+                    help="wide_learning_rate_multiplier values to try (default: the config's)")
     ap.add_argument("--serve-delay", type=int, default=2500,
                     help="also score served predictions: each record predicted by the state "
                          "that learned the records before it minus this many (0: off)")
@@ -305,20 +323,24 @@ def main() -> int:
     except ImportError:
         rows["vw"] = {"skipped": "vowpalwabbit is not installed "
                                  "(pip install -r bench/requirements-quality.txt)"}
-    for b in [int(x) for x in args.batch.split(",")]:
-        for slr in [float(x) for x in args.sparse_lr.split(",")]:
-            for dlr in [float(x) for x in args.dense_lr.split(",")]:
-                probs, rate, step_ms, served = run_odl(values, b, work, slr, dlr,
-                                                       args.serve_delay, args.stream,
-                                                       args.config)
-                name = f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}"
-                rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
-                              "step_ms": round(step_ms, 3), **served_scores(served, labels)}
-                print(name, rows[name], flush=True)
+    in_batch = [bool(int(x)) for x in args.in_batch.split(",")] if args.in_batch else [None]
+    wide = [float(x) for x in args.wide_lr_mult.split(",")] if args.wide_lr_mult else [None]
+    grid = [(b, slr, dlr, ib, wm) for b in [int(x) for x in args.batch.split(",")]
+            for slr in [float(x) for x in args.sparse_lr.split(",")]
+            for dlr in [float(x) for x in args.dense_lr.split(",")]
+            for ib in in_batch for wm in wide]
+    for b, slr, dlr, ib, wm in grid:
+        probs, rate, step_ms, served = run_odl(values, b, work, slr, dlr, args.serve_delay,
+                                               args.stream, args.config, in_batch=ib,
+                                               wide_mult=wm)
+        name = f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}" + settings_name(ib, wm)
+        rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
+                      "step_ms": round(step_ms, 3), **served_scores(served, labels)}
+        print(name, rows[name], flush=True)
     if args.broker:
-        b = int(args.batch.split(",")[0])
-        rows[f"odl-train --online batch {b}"] = run_broker(
-            values, b, work, float(args.sparse_lr.split(",")[0]), args.stream, args.config)
+        b, slr, _dlr, ib, wm = grid[0]
+        rows[f"odl-train --online batch {b}" + settings_name(ib, wm)] = run_broker(
+            values, b, work, slr, args.stream, args.config, in_batch=ib, wide_mult=wm)
     result = {"stream": args.stream, "config": args.config or "the stream's DeepFM",
               "records": args.records, "seed": args.seed,
               "positive_rate": round(float(labels.mean()), 4), "rows": rows}
