@@ -48,7 +48,11 @@ import torchrec.optim as trec_optim
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import DataParallelWrapper
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.sharding_plan import (
+    construct_module_sharding_plan,
+    row_wise,
+    table_wise,
+)
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -62,6 +66,14 @@ from odl.models.dynamic_table import DynamicTable, DynamicTables
 from odl.models.embedding_tables import WIDE_SUFFIX, init_embedding_weights, reset_embedding_rows
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
+from odl.train.distributed import (
+    ROW_WISE_MIN_ROWS,
+    average_gradients,
+    broadcast_parameters,
+    join_process_group,
+    local_world_size,
+    table_placement,
+)
 from odl.train.in_batch_learning import InBatchLearning, TableRows
 from odl.train.optimizer_builder import (
     TABLE_EPS,
@@ -120,7 +132,11 @@ class WarmStartReport:
 
 
 class _NoDataParallel(DataParallelWrapper):
-    """Leaves dense parameters unwrapped: a single process needs no DDP all-reduce."""
+    """Leaves dense parameters unwrapped (no DDP).
+
+    One process needs no all-reduce; several average their gradients in ``train_step``
+    (``odl.train.distributed``).
+    """
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv,
              device: torch.device) -> None:
@@ -132,15 +148,6 @@ def resolve_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(device)
-
-
-def ensure_process_group(device: torch.device) -> None:
-    """Creates a single-process group (gloo for CPU, nccl for CUDA) unless one exists."""
-    if dist.is_initialized():
-        return
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    logger.info("created a single-process %s process group", backend)
 
 
 def to_full_cpu(t: Any) -> torch.Tensor:
@@ -163,7 +170,9 @@ def _local_view(t: Any) -> torch.Tensor:
     if hasattr(t, "local_shards") and hasattr(t, "metadata"):
         shards = t.local_shards()
         if len(shards) != 1 or tuple(shards[0].tensor.shape) != tuple(t.size()):
-            raise RuntimeError("expected one full local shard (single worker)")
+            raise RuntimeError("this needs a table whole in this process: checkpoints, "
+                           "publishing, in-batch learning and dynamic tables of a model "
+                           "sharded over several ranks are not implemented yet")
         return shards[0].tensor
     if hasattr(t, "to_local"):
         return t.to_local()
@@ -177,9 +186,13 @@ class TrainModule:
         config: the pipeline config.
         feature_builder: the feature builder of the same config.
         device: ``"auto"`` (CUDA if available else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+        row_wise_min_rows: with several ranks, tables of at least this many rows are split
+            by rows (``odl.train.distributed``).
 
     Attributes:
         global_step: number of training steps taken (restored by ``load_checkpoint_state``).
+        rank: this process's rank; world_size: the ranks training the model together (1
+            unless started by ``torchrun``; ``odl.train.distributed``).
         device: the device the model runs on.
     """
 
@@ -188,11 +201,12 @@ class TrainModule:
         config: pipeline_pb2.EasyRecConfig,
         feature_builder: FeatureBuilder,
         device: str = "auto",
+        row_wise_min_rows: int = ROW_WISE_MIN_ROWS,
     ) -> None:
         self.device = resolve_device(device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
-        ensure_process_group(self.device)
+        self.rank, self.world_size = join_process_group(self.device)
         self._seed = int(config.train_config.seed)
         torch.manual_seed(self._seed)
         self.model = build_model(config, feature_builder)
@@ -217,16 +231,27 @@ class TrainModule:
         self.model.dense.to(self.device)
         table_configs = list(self.model.ebc.embedding_bag_configs())
         tables = [c.name for c in table_configs]
+        placement = table_placement(
+            {c.name: (c.num_embeddings, c.embedding_dim) for c in table_configs},
+            self.world_size, row_wise_min_rows)
         plan = construct_module_sharding_plan(
             self.model.ebc,
-            {t: table_wise(rank=0, compute_kernel="fused") for t in tables},
-            local_size=1, world_size=1, device_type=self.device.type,
+            {t: (row_wise(compute_kernel="fused") if placement[t].row_wise
+                 else table_wise(rank=placement[t].rank, compute_kernel="fused"))
+             for t in tables},
+            local_size=local_world_size(self.world_size), world_size=self.world_size,
+            device_type=self.device.type,
         )
+        # the dense part is not wrapped in DDP: with several ranks train_step all-reduces
+        # its gradients itself (odl.train.distributed.average_gradients)
         self._dmp = DistributedModelParallel(
             self.model, device=self.device, plan=ShardingPlan({"ebc": plan}),
             data_parallel_wrapper=_NoDataParallel(),
         )
-        init_embedding_weights(self.embedding_tables(), self._seed)
+        if self.world_size == 1:
+            init_embedding_weights(self.embedding_tables(), self._seed)
+        else:
+            self._init_local_shards()
         specs = {s.name: s for s in feature_builder.table_specs
                  if s.dynamic is not None and s.name in set(tables) | {
                      t[: -len(WIDE_SUFFIX)] for t in tables if t.endswith(WIDE_SUFFIX)}}
@@ -234,13 +259,19 @@ class TrainModule:
             {n: s.dynamic for n, s in specs.items()},
             {n: s.feature_names for n, s in specs.items()}, self._seed,
             record_deletes=config.train_config.HasField("incr_save_config"))
+        if self.dynamic and self.world_size > 1:
+            raise ValueError("dynamic tables are not implemented for a model sharded over "
+                             "several ranks yet")
         self._dynamic_torch_tables = {
             base: [t for t in (base, base + WIDE_SUFFIX) if t in tables] for base in specs}
         self._dynamic_of_torch = {t: self.dynamic.tables[base]
                                   for base, ts in self._dynamic_torch_tables.items() for t in ts}
         self._row_views: tuple[dict, dict] | None = None
         self._stream_time = 0.0
-        self._dense_opt = make_dense_optimizer(self._dense_spec, self._dense_module().parameters())
+        self._dense_params = list(self._dense_module().parameters())
+        if self.world_size > 1:  # every rank starts from rank 0's dense parameters
+            broadcast_parameters(self._dense_params)
+        self._dense_opt = make_dense_optimizer(self._dense_spec, self._dense_params)
         self._grad_clip = gradient_clipping(config.train_config)  # dense gradients only
         self.global_step = 0
         self._lrs: tuple[float, float] | None = None
@@ -261,6 +292,9 @@ class TrainModule:
         """
         if not config.train_config.in_batch_learning:
             return None
+        if self.world_size > 1:
+            raise ValueError("train_config.in_batch_learning is not implemented for a model "
+                             "sharded over several ranks yet")
         _, states = self._row_state_views()
         rows = {}
         for c in table_configs:
@@ -271,6 +305,46 @@ class TrainModule:
                 lr_multiplier=(self._wide_lr_multiplier if c.name.endswith(WIDE_SUFFIX)
                                else 1.0))
         return InBatchLearning(self.model.pooled_layout, rows, self._table_kind, TABLE_EPS)
+
+    @torch.no_grad()
+    def _init_local_shards(self) -> None:
+        """``init_embedding_weights`` for the shards this rank holds.
+
+        Each shard gets the values of its rows in the whole table, as one process would
+        initialize them (the whole table is drawn once per table, then cut).
+        """
+        for name, t in self._dmp.state_dict().items():
+            if not (name.startswith(EBC_PREFIX) and name.endswith(".weight")):
+                continue
+            shards = t.local_shards() if hasattr(t, "local_shards") else []
+            if not shards:
+                continue
+            table = name[len(EBC_PREFIX):-len(".weight")]
+            full = torch.empty(tuple(t.size()), dtype=torch.float32)
+            init_embedding_weights({table: full}, self._seed)
+            for shard in shards:
+                idx = tuple(slice(o, o + n) for o, n in zip(
+                    shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True))
+                shard.tensor.copy_(full[idx].to(shard.tensor.device, shard.tensor.dtype))
+
+    def gathered_embedding_tables(self, dst: int = 0) -> dict[str, torch.Tensor]:
+        """Every table whole, as CPU tensors, on rank ``dst`` ({} on the others).
+
+        A collective: every rank must call it.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self._dmp.state_dict().items():
+            if not (name.startswith(EBC_PREFIX) and name.endswith(".weight")):
+                continue
+            table = name[len(EBC_PREFIX):-len(".weight")]
+            if self.world_size == 1 or not hasattr(t, "gather"):
+                out[table] = to_full_cpu(t)
+                continue
+            full = torch.empty(tuple(t.size()), dtype=t.dtype) if self.rank == dst else None
+            t.gather(dst=dst, out=full)
+            if full is not None:
+                out[table] = full
+        return out if self.rank == dst else {}
 
     # -- accessors --------------------------------------------------------------------------
 
@@ -488,6 +562,8 @@ class TrainModule:
             loss = self._module().loss(output, batch)
         self._dense_opt.zero_grad(set_to_none=True)
         loss.backward()  # table rows are updated inside backward (fused)
+        if self.world_size > 1:
+            average_gradients(self._dense_params)
         if self._grad_clip is not None:
             self._grad_clip(self._dense_opt)
         self._dense_opt.step()
@@ -524,11 +600,23 @@ class TrainModule:
         return out
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """Full training state as plain CPU tensors (see the module docstring)."""
-        model = {k: to_full_cpu(v) for k, v in self._named_state().items()}
-        sparse = {}
-        for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items():
-            sparse[pname] = {k: to_full_cpu(v) for k, v in states.items()}
+        """Full training state as plain CPU tensors (see the module docstring).
+
+        With several ranks this is a collective: every rank must call it; rank 0 gets the
+        whole state (every table whole, in the same layout as one process's, so it restores
+        into any number of ranks) and the other ranks an empty dict.
+        """
+        if self.world_size > 1:
+            gathered = self._gathered_sparse_state()
+            if self.rank != 0:
+                return {}
+            model, sparse = gathered
+            model.update({k: to_full_cpu(v) for k, v in self.dense_parameters().items()})
+        else:
+            model = {k: to_full_cpu(v) for k, v in self._named_state().items()}
+            sparse = {}
+            for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items():
+                sparse[pname] = {k: to_full_cpu(v) for k, v in states.items()}
         dense_opt = _tensors_to_cpu(self._dense_opt.state_dict())
         out = {
             "format": CHECKPOINT_FORMAT,
@@ -554,6 +642,9 @@ class TrainModule:
             KeyError: ``strict`` and a name is missing or unexpected.
             ValueError: a shape differs.
         """
+        if self.world_size > 1:
+            self._load_sharded_state(state, strict)
+            return
         own = self._named_state()
         model = state["model"]
         if strict:
@@ -584,6 +675,78 @@ class TrainModule:
         elif strict and "dynamic_tables" in state:
             raise KeyError("the checkpoint has dynamic tables "
                            f"{sorted(state['dynamic_tables'].get('tables', {}))}, the model none")
+        self.global_step = int(state.get("global_step", 0))
+        self._lrs = None
+
+    def _local_pieces(self) -> dict[tuple[str, str, str], tuple[tuple[int, ...], list]]:
+        """This rank's parts of the tables and their optimizer state.
+
+        Returns:
+            ``(kind, name, state key) -> (whole size, [(offsets, CPU tensor)])``.
+        """
+        pieces: dict[tuple[str, str, str], tuple[tuple[int, ...], list]] = {}
+        for name, t in self._dmp.state_dict().items():
+            if name.startswith(EBC_PREFIX):
+                pieces[("model", name, "")] = _shard_pieces(t)
+        for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items():
+            for k, v in states.items():
+                pieces[("sparse", pname, k)] = _shard_pieces(v)
+        return pieces
+
+    def _gathered_sparse_state(self) -> tuple[dict, dict] | None:
+        """Every rank's table parts gathered on rank 0 and put together whole (a collective).
+
+        Returns:
+            ``(model tables, sparse optimizer state)`` on rank 0, None on the others.
+        """
+        pieces = self._local_pieces()
+        everyone: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(pieces, everyone, dst=0)
+        if everyone is None:
+            return None
+        whole: dict[tuple[str, str, str], torch.Tensor] = {}
+        for rank_pieces in everyone:
+            for key, (size, parts) in rank_pieces.items():
+                for offsets, tensor in parts:
+                    if offsets is None:  # not sharded: the same on every rank
+                        whole.setdefault(key, tensor)
+                        continue
+                    if key not in whole:
+                        whole[key] = torch.zeros(size, dtype=tensor.dtype)
+                    idx = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape,
+                                                                  strict=True))
+                    whole[key][idx] = tensor
+        model = {name: t for (kind, name, _), t in whole.items() if kind == "model"}
+        sparse: dict[str, dict[str, torch.Tensor]] = {}
+        for (kind, name, k), t in sorted(whole.items()):
+            if kind == "sparse":
+                sparse.setdefault(name, {})[k] = t
+        return model, sparse
+
+    @torch.no_grad()
+    def _load_sharded_state(self, state: Mapping[str, Any], strict: bool) -> None:
+        """``load_checkpoint_state`` with several ranks: each copies its own rows."""
+        model = state["model"]
+        saved_sparse = state.get("sparse_optimizer", {})
+        own = {n: t for n, t in self._dmp.state_dict().items() if n.startswith(EBC_PREFIX)}
+        own.update(self.dense_parameters())
+        if strict:
+            _check_names(set(own), set(model), "model")
+        for name, t in own.items():
+            if name not in model:
+                continue
+            if hasattr(t, "local_shards"):
+                _copy_shards(t, model[name], name)
+            else:
+                _copy_into(t, model[name], name, name)
+        for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items():
+            for k, v in states.items():
+                if pname in saved_sparse and k in saved_sparse[pname]:
+                    _copy_shards(v, saved_sparse[pname][k], f"{pname}/{k}")
+                elif strict:
+                    raise KeyError(f"sparse_optimizer: the checkpoint lacks {pname}/{k}")
+        if "dense_optimizer" in state:
+            self._dense_opt.load_state_dict(state["dense_optimizer"])
         self.global_step = int(state.get("global_step", 0))
         self._lrs = None
 
@@ -659,6 +822,36 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str, src_name: str) -
             f"shape mismatch: {name} has shape {tuple(dst.shape)} but the source "
             f"{src_name} has shape {tuple(src.shape)}")
     dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
+
+
+def _shard_pieces(t: Any) -> tuple[tuple[int, ...], list]:
+    """``(whole size, [(offsets, CPU copy)])`` of a ShardedTensor's local shards.
+
+    A plain tensor (the same on every rank) is one piece with offsets None.
+    """
+    if hasattr(t, "local_shards") and hasattr(t, "metadata"):
+        return tuple(t.size()), [(tuple(sh.metadata.shard_offsets), sh.tensor.detach().cpu())
+                                 for sh in t.local_shards()]
+    t = torch.as_tensor(t)
+    return tuple(t.shape), [(None, t.detach().cpu().clone())]
+
+
+def _copy_shards(dst: Any, whole: torch.Tensor, name: str) -> None:
+    """Copies each local shard of ``dst`` from the rows and columns it covers in ``whole``.
+
+    A plain ``dst`` is copied whole.
+    """
+    whole = torch.as_tensor(whole)
+    if not (hasattr(dst, "local_shards") and hasattr(dst, "metadata")):
+        _copy_into(dst, whole, name, name)
+        return
+    if tuple(dst.size()) != tuple(whole.shape):
+        raise ValueError(f"shape mismatch: {name} has shape {tuple(dst.size())} but the "
+                         f"checkpoint's has {tuple(whole.shape)}")
+    for sh in dst.local_shards():
+        idx = tuple(slice(o, o + n) for o, n in zip(sh.metadata.shard_offsets,
+                                                    sh.metadata.shard_sizes, strict=True))
+        sh.tensor.copy_(whole[idx].to(device=sh.tensor.device, dtype=sh.tensor.dtype))
 
 
 def _tensors_to_cpu(obj: Any) -> Any:

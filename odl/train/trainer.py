@@ -161,6 +161,12 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.model_dir, tc.keep_checkpoint_max)
         self.features = FeatureBuilder(config)
         self.module = TrainModule(config, self.features, device=options.device)
+        if self.module.world_size > 1:
+            raise RuntimeError(
+                f"odl-train was started as {self.module.world_size} ranks (torchrun): the "
+                "model's tables shard over ranks and its checkpoint state moves between rank "
+                "counts, but the training loop does not yet split its input or step in "
+                "lock-step across ranks; run one process (docs/training.md#several-processes)")
         model = self.module.model
         self._label_column = int(model.output_labels[0])
         # several outputs (multi-task): per-task progressive metrics beside the first's

@@ -1,0 +1,178 @@
+"""Several training processes: the process group, the table placement, each rank's partitions.
+
+``torchrun --nproc_per_node N ...`` starts N processes with ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; ``join_process_group`` joins them
+(gloo on CPU, NCCL on CUDA) and a process started alone gets a group of one. One model is
+then trained by all ranks with TorchRec's ``DistributedModelParallel``: the embedding tables
+are sharded over the ranks (below) and looked up with TorchRec's all-to-all; the dense part
+is replicated: it starts from rank 0's values (``broadcast_parameters``) and every step
+averages its gradients over the ranks before the optimizer step (``average_gradients``,
+one all-reduce of all of them flattened), so it stays equal everywhere.
+
+Table placement (``table_placement``), deterministic from the table sizes alone, so every
+rank computes the same plan:
+
+* a table of at least ``row_wise_min_rows`` rows is split by rows over all ranks (TorchRec's
+  row-wise sharding: rank r holds a contiguous block of about rows / N rows);
+* every other table is placed whole on one rank (table-wise): largest first (bytes = rows x
+  stored columns), each on the rank with the fewest bytes so far (ties: the lower rank).
+
+Gradients: each rank's loss is the mean over its own records. TorchRec divides the
+gradient that reaches a table row by N (its gradient division, on by default) and
+``average_gradients`` averages the dense ones, so N ranks on a step's records split evenly
+make the update one process makes on all of them.
+
+Partitions (``rank_partitions``): of a topic's P partitions in ascending order, rank r reads
+the i-th for every ``i % N == r``. More ranks than partitions is an error: a rank without
+input would hold the others' steps forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# tables this large (rows) are split by rows over the ranks; smaller ones are placed whole
+ROW_WISE_MIN_ROWS = 1 << 20
+
+
+@dataclass(frozen=True)
+class TablePlacement:
+    """Where one table lives.
+
+    Attributes:
+        row_wise: split by rows over all ranks.
+        rank: the rank holding the whole table (table-wise); -1 when row-wise.
+    """
+
+    row_wise: bool
+    rank: int = -1
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world size)`` of the joined group, ``(0, 1)`` when there is none."""
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
+
+
+def join_process_group(device: torch.device) -> tuple[int, int]:
+    """Joins the process group of ``torchrun``, or creates one of a single process.
+
+    ``WORLD_SIZE`` > 1 in the environment joins (env://); nothing happens when a group
+    exists already.
+
+    Args:
+        device: the training device (``cuda`` -> NCCL, else gloo).
+
+    Returns:
+        ``(rank, world size)``.
+    """
+    if dist.is_initialized():
+        return world()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    if size > 1:
+        dist.init_process_group(backend)  # env://: RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        logger.info("joined a %s process group: rank %d of %d", backend, dist.get_rank(),
+                    dist.get_world_size())
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        logger.info("created a single-process %s process group", backend)
+    return world()
+
+
+def local_world_size(world_size: int) -> int:
+    """Ranks on this host: ``LOCAL_WORLD_SIZE`` (set by torchrun), else all of them."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+def table_placement(tables: Mapping[str, tuple[int, int]], world_size: int,
+                    row_wise_min_rows: int = ROW_WISE_MIN_ROWS) -> dict[str, TablePlacement]:
+    """The placement of every table (module docstring).
+
+    Args:
+        tables: table name -> ``(rows, stored columns)``.
+        world_size: ranks.
+        row_wise_min_rows: tables with at least this many rows are split by rows.
+
+    Returns:
+        Table name -> placement.
+    """
+    out: dict[str, TablePlacement] = {}
+    load = [0] * world_size
+    whole = []
+    for name, (rows, cols) in tables.items():
+        if world_size > 1 and rows >= row_wise_min_rows:
+            out[name] = TablePlacement(row_wise=True)
+            for r in range(world_size):
+                load[r] += rows * cols // world_size
+        else:
+            whole.append((rows * cols, name))
+    for nbytes, name in sorted(whole, key=lambda x: (-x[0], x[1])):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        load[rank] += nbytes
+        out[name] = TablePlacement(row_wise=False, rank=rank)
+    return out
+
+
+@torch.no_grad()
+def broadcast_parameters(params: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Overwrites ``params`` on every rank with rank ``src``'s values (a collective)."""
+    if not params or world()[1] == 1:
+        return
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    dist.broadcast(flat, src)
+    offset = 0
+    for p in params:
+        p.copy_(flat[offset:offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+
+@torch.no_grad()
+def average_gradients(params: Sequence[torch.Tensor]) -> None:
+    """Replaces each parameter's gradient by its mean over the ranks (a collective).
+
+    A parameter without a gradient on this rank counts as a zero gradient, so every rank
+    takes part in the same all-reduce whatever its batch touched.
+    """
+    size = world()[1]
+    if not params or size == 1:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    flat /= size
+    offset = 0
+    for p, g in zip(params, grads, strict=True):
+        p.grad = flat[offset:offset + p.numel()].view_as(p).clone() if p.grad is None else (
+            g.copy_(flat[offset:offset + p.numel()].view_as(g)))
+        offset += p.numel()
+
+
+def rank_partitions(partitions: Sequence[int], rank: int, world_size: int) -> list[int]:
+    """The partitions rank ``rank`` reads: the i-th (ascending) for ``i % world_size == rank``.
+
+    Args:
+        partitions: every partition of the topic.
+        rank: this rank.
+        world_size: ranks.
+
+    Returns:
+        This rank's partitions, ascending.
+
+    Raises:
+        ValueError: more ranks than partitions.
+    """
+    parts = sorted(int(p) for p in partitions)
+    if world_size > len(parts):
+        raise ValueError(f"{world_size} ranks but only {len(parts)} partitions: every rank "
+                         "needs at least one (fewer ranks, or more partitions)")
+    return [p for i, p in enumerate(parts) if i % world_size == rank]

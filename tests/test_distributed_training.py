@@ -1,0 +1,182 @@
+"""Several ranks train one model as one process does (``odl.train.distributed``).
+
+Two CPU ranks (gloo, started here as ``torchrun`` would: RANK / WORLD_SIZE / MASTER_* in the
+environment) each train on their half of every batch, with the id tables split by rows and
+the small tables placed whole; their predictions, tables (gathered) and dense parameters
+must equal one process's on the whole batches.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from odl.datagen.bursty_stream import BurstyStream
+from odl.datagen.datagen_config import bursty_config_text
+from odl.features.feature_builder import FeatureBuilder
+from odl.train.distributed import rank_partitions, table_placement
+from odl.train.train_module import TrainModule
+from tests.harness import load_config_text
+
+BATCH = 256
+ROW_WISE_MIN_ROWS = 2048  # the 4096-row id tables split by rows, device / hour (1024) whole
+
+
+def _config(model_dir: str):
+    return load_config_text(bursty_config_text(model_dir, batch_size=BATCH, buckets=4096))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, model_dir: str, records: list[bytes],
+               results, load_path: str = "", save_path: str = "") -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        config = _config(model_dir)
+        fb = FeatureBuilder(config)
+        tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+        if load_path:  # a checkpoint state of any number of ranks
+            tm.load_checkpoint_state(torch.load(load_path, weights_only=False))
+        probs = []
+        share = BATCH // world
+        for k in range(0, len(records), BATCH):
+            mine = records[k + rank * share:k + (rank + 1) * share]
+            probs.append(tm.train_step(fb.build(mine).batch).probs)
+        if save_path:
+            state = tm.state_dict_for_checkpoint()  # every rank takes part; rank 0 gets it
+            assert bool(state) == (rank == 0)
+            if state:
+                torch.save(state, save_path)
+        tables = {k: v.numpy() for k, v in tm.gathered_embedding_tables(0).items()}
+        dense = {k: v.detach().cpu().numpy() for k, v in tm.dense_parameters().items()}
+        results.put((rank, np.concatenate(probs), tables, dense, None))
+    except BaseException as e:  # reported to the test, not lost in a child's stderr
+        results.put((rank, None, None, None, repr(e)))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_ranks(world: int, model_dir: str, records: list[bytes], load_path: str = "",
+               save_path: str = "") -> dict[int, tuple]:
+    """Runs ``_rank_main`` on ``world`` spawned ranks; rank -> (probs, tables, dense)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, model_dir, records, results,
+                                                  load_path, save_path))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in range(world):
+        rank, probs, tables, dense, error = results.get(timeout=240)
+        assert error is None, f"rank {rank}: {error}"
+        got[rank] = (probs, tables, dense)
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return got
+
+
+def _merged_probs(got: dict[int, tuple], world: int, n: int) -> np.ndarray:
+    """The ranks' predictions in record order (rank r predicted its share of each batch)."""
+    share = BATCH // world
+    return np.concatenate([
+        np.concatenate([got[r][0][b * share:(b + 1) * share] for r in range(world)])
+        for b in range(n // BATCH)])
+
+
+def test_two_ranks_train_the_model_one_process_trains(tmp_path):
+    world = 2
+    records = BurstyStream(seed=4).next_batch(6 * BATCH).encode("csv")
+    got = _run_ranks(world, str(tmp_path / "m"), records)
+
+    config = _config(str(tmp_path / "one"))
+    fb = FeatureBuilder(config)
+    one = TrainModule(config, fb, device="cpu")
+    probs = np.concatenate([one.train_step(fb.build(records[k:k + BATCH]).batch).probs
+                            for k in range(0, len(records), BATCH)])
+    np.testing.assert_allclose(_merged_probs(got, world, len(records)), probs, atol=2e-5,
+                               rtol=0)
+    tables = one.gathered_embedding_tables()
+    assert set(got[0][1]) == set(tables) and got[1][1] == {}
+    for name, t in tables.items():
+        np.testing.assert_allclose(got[0][1][name], t.numpy(), atol=2e-5, rtol=0,
+                                   err_msg=name)
+    for name, v in one.dense_parameters().items():
+        for r in range(world):  # DDP kept every rank's dense part equal to one process's
+            np.testing.assert_allclose(got[r][2][name], v.detach().numpy(), atol=2e-5,
+                                       rtol=0, err_msg=f"rank {r} {name}")
+
+
+def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path):
+    """One process's checkpoint state restores into two ranks (their tables split and
+    placed as the plan says) and theirs, written by rank 0, into one process: the training
+    that continues from it is the same on either side, and so are the states."""
+    records = BurstyStream(seed=6).next_batch(6 * BATCH).encode("csv")
+    first, rest = records[:3 * BATCH], records[3 * BATCH:]
+    config = _config(str(tmp_path / "one"))
+    fb = FeatureBuilder(config)
+    one = TrainModule(config, fb, device="cpu")
+    for k in range(0, len(first), BATCH):
+        one.train_step(fb.build(first[k:k + BATCH]).batch)
+    start = str(tmp_path / "start.pt")
+    torch.save(one.state_dict_for_checkpoint(), start)
+    probs = np.concatenate([one.train_step(fb.build(rest[k:k + BATCH]).batch).probs
+                            for k in range(0, len(rest), BATCH)])
+    end_one = one.state_dict_for_checkpoint()
+
+    end_two = str(tmp_path / "two.pt")
+    got = _run_ranks(2, str(tmp_path / "m"), rest, load_path=start, save_path=end_two)
+    np.testing.assert_allclose(_merged_probs(got, 2, len(rest)), probs, atol=2e-5, rtol=0)
+    state = torch.load(end_two, weights_only=False)
+    assert state["global_step"] == end_one["global_step"] == 6
+    assert set(state["model"]) == set(end_one["model"])
+    for name, t in end_one["model"].items():
+        np.testing.assert_allclose(state["model"][name].numpy(), t.numpy(), atol=2e-5,
+                                   rtol=0, err_msg=name)
+    assert set(state["sparse_optimizer"]) == set(end_one["sparse_optimizer"])
+    for pname, states in end_one["sparse_optimizer"].items():
+        for k, t in states.items():
+            np.testing.assert_allclose(state["sparse_optimizer"][pname][k].numpy(),
+                                       t.numpy(), atol=2e-5, rtol=0, err_msg=k)
+    # and back into one process, strictly (every name, every shape)
+    again = TrainModule(config, fb, device="cpu")
+    again.load_checkpoint_state(state)
+    batch = fb.build(records[:BATCH]).batch
+    np.testing.assert_allclose(again.predict(batch), one.predict(batch), atol=2e-5, rtol=0)
+
+
+def test_table_placement_splits_large_tables_and_balances_the_rest():
+    tables = {"big": (1 << 20, 16), "a": (1000, 16), "b": (900, 16), "c": (800, 4),
+              "d": (100, 16)}
+    plan = table_placement(tables, 2, row_wise_min_rows=1 << 20)
+    assert plan["big"].row_wise and all(not plan[t].row_wise for t in "abcd")
+    assert plan["a"].rank != plan["b"].rank  # the two largest whole tables apart
+    assert table_placement(tables, 2, 1 << 20) == plan  # deterministic
+    one = table_placement(tables, 1)
+    assert all(not p.row_wise and p.rank == 0 for p in one.values())
+
+
+def test_partitions_split_across_ranks():
+    parts = [3, 0, 2, 1, 4]
+    split = [rank_partitions(parts, r, 2) for r in range(2)]
+    assert split == [[0, 2, 4], [1, 3]]
+    assert sorted(sum(split, [])) == sorted(parts)
+    assert rank_partitions([5, 9], 1, 2) == [9]  # by position, whatever the numbers
+    with pytest.raises(ValueError, match="3 ranks but only 2 partitions"):
+        rank_partitions([0, 1], 0, 3)
