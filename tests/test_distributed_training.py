@@ -38,8 +38,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, records: list[bytes],
-               results, load_path: str = "", save_path: str = "") -> None:
+def _even(records: list[bytes], world: int) -> list[list[list[bytes]]]:
+    """Per step, per rank: each rank its equal share of each batch of ``BATCH`` records."""
+    share = BATCH // world
+    return [[records[k + r * share:k + (r + 1) * share] for r in range(world)]
+            for k in range(0, len(records), BATCH)]
+
+
+def _rank_main(rank: int, world: int, port: int, model_dir: str,
+               schedule: list[list[list[bytes]]], results, load_path: str = "",
+               save_path: str = "") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -50,10 +58,11 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, records: list[b
         if load_path:  # a checkpoint state of any number of ranks
             tm.load_checkpoint_state(torch.load(load_path, weights_only=False))
         probs = []
-        share = BATCH // world
-        for k in range(0, len(records), BATCH):
-            mine = records[k + rank * share:k + (rank + 1) * share]
-            probs.append(tm.train_step(fb.build(mine).batch).probs)
+        for step in schedule:  # a rank without records at a step still takes part
+            mine = step[rank]
+            probs.append(tm.train_step(fb.build(mine).batch if mine else tm.empty_batch()).probs)
+        assert tm.global_step == sum(1 for step in schedule if any(step)) + (
+            0 if not load_path else int(torch.load(load_path, weights_only=False)["global_step"]))
         if save_path:
             state = tm.state_dict_for_checkpoint()  # every rank takes part; rank 0 gets it
             assert bool(state) == (rank == 0)
@@ -70,13 +79,13 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str, records: list[b
             dist.destroy_process_group()
 
 
-def _run_ranks(world: int, model_dir: str, records: list[bytes], load_path: str = "",
-               save_path: str = "") -> dict[int, tuple]:
+def _run_ranks(world: int, model_dir: str, schedule: list[list[list[bytes]]],
+               load_path: str = "", save_path: str = "") -> dict[int, tuple]:
     """Runs ``_rank_main`` on ``world`` spawned ranks; rank -> (probs, tables, dense)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, model_dir, records, results,
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, model_dir, schedule, results,
                                                   load_path, save_path))
              for r in range(world)]
     for p in procs:
@@ -103,7 +112,7 @@ def _merged_probs(got: dict[int, tuple], world: int, n: int) -> np.ndarray:
 def test_two_ranks_train_the_model_one_process_trains(tmp_path):
     world = 2
     records = BurstyStream(seed=4).next_batch(6 * BATCH).encode("csv")
-    got = _run_ranks(world, str(tmp_path / "m"), records)
+    got = _run_ranks(world, str(tmp_path / "m"), _even(records, world))
 
     config = _config(str(tmp_path / "one"))
     fb = FeatureBuilder(config)
@@ -141,7 +150,8 @@ def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path):
     end_one = one.state_dict_for_checkpoint()
 
     end_two = str(tmp_path / "two.pt")
-    got = _run_ranks(2, str(tmp_path / "m"), rest, load_path=start, save_path=end_two)
+    got = _run_ranks(2, str(tmp_path / "m"), _even(rest, 2), load_path=start,
+                     save_path=end_two)
     np.testing.assert_allclose(_merged_probs(got, 2, len(rest)), probs, atol=2e-5, rtol=0)
     state = torch.load(end_two, weights_only=False)
     assert state["global_step"] == end_one["global_step"] == 6
@@ -159,6 +169,34 @@ def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path):
     again.load_checkpoint_state(state)
     batch = fb.build(records[:BATCH]).batch
     np.testing.assert_allclose(again.predict(batch), one.predict(batch), atol=2e-5, rtol=0)
+
+
+def test_uneven_and_empty_shares_train_as_one_process_on_the_step_records(tmp_path):
+    """Ranks step in lock-step whatever they hold: uneven shares, a rank with none (it passes
+    an empty batch), a step with none anywhere (skipped by all). Each step's update is one
+    process's on the step's records together."""
+    records = BurstyStream(seed=7).next_batch(900).encode("csv")
+    sizes = [(200, 56), (0, 256), (256, 0), (0, 0), (10, 100), (1, 1), (0, 20)]
+    schedule, k = [], 0
+    for a, b in sizes:
+        schedule.append([records[k:k + a], records[k + a:k + a + b]])
+        k += a + b
+    got = _run_ranks(2, str(tmp_path / "m"), schedule)
+
+    config = _config(str(tmp_path / "one"))
+    fb = FeatureBuilder(config)
+    one = TrainModule(config, fb, device="cpu")
+    probs = [one.train_step(fb.build(a + b).batch).probs for a, b in schedule if a or b]
+    ranks_probs, at = [], [0, 0]
+    for a, b in schedule:
+        for r, part in enumerate((a, b)):
+            ranks_probs.append(got[r][0][at[r]:at[r] + len(part)])
+            at[r] += len(part)
+    np.testing.assert_allclose(np.concatenate(ranks_probs), np.concatenate(probs),
+                               atol=2e-5, rtol=0)
+    for name, t in one.gathered_embedding_tables().items():
+        np.testing.assert_allclose(got[0][1][name], t.numpy(), atol=2e-5, rtol=0,
+                                   err_msg=name)
 
 
 def test_table_placement_splits_large_tables_and_balances_the_rest():

@@ -81,6 +81,40 @@ class Batch:
             session_keys=self.session_keys[rows] if self.session_keys is not None else None,
         )
 
+    def padded(self, size: int) -> Batch:
+        """The model inputs of this batch followed by ``size - B`` padding samples.
+
+        A padding sample has no ids in any feature, zero dense features and zero labels; it
+        reads no table row. Ranks of one job pad their batches to a common size, as
+        TorchRec's sharded lookup needs (``odl.train.distributed``); only the first ``B``
+        samples' outputs are used. The per-sample lists (sample ids, times, ...) are not
+        carried.
+
+        Args:
+            size: samples of the result (at least ``B``).
+
+        Returns:
+            A new batch of ``size`` samples (this one when ``size == B``).
+        """
+        pad = int(size) - self.size
+        if pad < 0:
+            raise ValueError(f"cannot pad a batch of {self.size} samples to {size}")
+        if pad == 0:
+            return self
+        lengths = self.sparse.lengths()
+        num_keys = len(self.sparse.keys())
+        lengths = torch.cat([lengths.view(num_keys, -1),
+                             lengths.new_zeros(num_keys, pad)], dim=1).reshape(-1)
+        sparse = KeyedJaggedTensor(keys=self.sparse.keys(), values=self.sparse.values(),
+                                   lengths=lengths, weights=self.sparse.weights_or_none())
+        return Batch(
+            sparse=sparse,
+            dense=torch.cat([self.dense, self.dense.new_zeros(pad, self.dense.shape[1])]),
+            labels=torch.cat([self.labels,
+                              self.labels.new_zeros((pad, *self.labels.shape[1:]))]),
+            extras=self.extras,
+        )
+
     def to(self, device: torch.device, non_blocking: bool = True) -> Batch:
         """Returns the batch with its tensors on ``device``."""
         return Batch(

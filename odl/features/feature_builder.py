@@ -640,6 +640,27 @@ class FeatureBuilder:
             session_keys=arrays.session_keys,
         )
 
+    def empty_arrays(self) -> BatchArrays:
+        """The arrays of a batch of no records, shaped as ``build_arrays`` shapes them.
+
+        A rank of a job of several that has nothing to train at a step still takes part in
+        the step with such a batch (``odl.train.distributed``).
+        """
+        labels = (np.zeros((0, self._classes), np.float32) if self._classes > 1
+                  else np.zeros(0, np.float32) if len(self._labels) == 1
+                  else np.zeros((0, len(self._labels)), np.float32))
+        return BatchArrays(
+            values=np.zeros(0, np.int64), lengths=np.zeros(0, np.int32),
+            dense=np.zeros((0, len(self.dense_feature_names)), np.float32), labels=labels,
+            sample_ids=[] if self._sample_id_field else None,
+            event_times=np.zeros(0, np.float64) if self._check_event_time else None,
+            counts=({f: np.zeros(0, np.float32) for f in self._count_fields}
+                    if self._count_fields else None),
+            group_keys=np.zeros(0, np.int64) if self._group_field else None,
+            weights=np.zeros(0, np.float32) if self._weighted else None,
+            session_keys=np.zeros(0, np.int64) if self._session_field else None,
+        )
+
     def build_arrays(self, values: Sequence[bytes]) -> ArraysResult:
         """Parses and featurizes raw records into numpy arrays (no torch involved).
 

@@ -22,6 +22,14 @@ gradient that reaches a table row by N (its gradient division, on by default) an
 ``average_gradients`` averages the dense ones, so N ranks on a step's records split evenly
 make the update one process makes on all of them.
 
+Lock-step: every rank calls ``TrainModule.train_step`` at every step, with
+``TrainModule.empty_batch()`` when it has no records; the ranks exchange their batch sizes,
+pad to the largest (TorchRec's sharded lookup needs one size on all ranks; padding samples
+read no rows and are left out of the loss) and weight each rank's loss by its share of the
+step's records, so a step with uneven shares, or none on some rank, makes the update one
+process makes on the step's records together. A step without records anywhere is skipped
+by all.
+
 Partitions (``rank_partitions``): of a topic's P partitions in ascending order, rank r reads
 the i-th for every ``i % N == r``. More ranks than partitions is an error: a rank without
 input would hold the others' steps forever.

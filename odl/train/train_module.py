@@ -210,6 +210,7 @@ class TrainModule:
         self._seed = int(config.train_config.seed)
         torch.manual_seed(self._seed)
         self.model = build_model(config, feature_builder)
+        self._feature_builder = feature_builder
         # per output: a regression predicts its logit, the others sigmoid(logit)
         self.regression = regression_outputs(config)
         self.softmax = num_classes(config) > 1  # a num_class model: softmax over its classes
@@ -538,6 +539,8 @@ class TrainModule:
         batch = batch.to(self.device)
         if not self._dmp.training:  # (train() walks every submodule: only when needed)
             self._dmp.train()
+        if self.world_size > 1:
+            return self._train_step_ranks(batch)
         output = self._dmp(batch)
         logits = output.logits
         finite = torch.isfinite(logits)
@@ -562,8 +565,6 @@ class TrainModule:
             loss = self._module().loss(output, batch)
         self._dense_opt.zero_grad(set_to_none=True)
         loss.backward()  # table rows are updated inside backward (fused)
-        if self.world_size > 1:
-            average_gradients(self._dense_params)
         if self._grad_clip is not None:
             self._grad_clip(self._dense_opt)
         self._dense_opt.step()
@@ -575,6 +576,72 @@ class TrainModule:
                 self.reset_dynamic_rows(expired, self.global_step)
         probs = predictions(logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
+
+    def _train_step_ranks(self, batch: Batch) -> StepOutput:
+        """``train_step`` of one of several ranks (a collective).
+
+        Every rank calls it at every step, with ``empty_batch()`` when it has no records;
+        the update is the one a single process makes on all ranks' records of the step
+        (their mean loss): each rank's loss is weighted by its share of the step's records.
+        A step with no records on any rank changes nothing. Every rank pads its batch to
+        the step's largest (``Batch.padded``: samples without ids, left out of the loss),
+        as TorchRec's sharded lookup needs one batch size on all ranks. Samples with a
+        non-finite prediction are left out as in one process; every rank then runs its
+        forward again, so the collectives match.
+        """
+        sizes = self._rank_sizes(batch.size)
+        if sum(sizes) == 0:
+            return StepOutput(probs=np.empty(0, dtype=np.float64), loss=float("nan"))
+        # TorchRec's sharded lookup wants one batch size on every rank: pad to the largest
+        output = self._dmp(batch.padded(max(sizes)))
+        finite = torch.isfinite(output.logits[:batch.size])
+        dropped = np.empty(0, dtype=np.int64)
+        bad = torch.tensor([int(not bool(finite.all()))])
+        dist.all_reduce(bad)
+        if int(bad) > 0:  # some rank drops samples: all run the forward again
+            dropped = (~finite).nonzero().flatten().cpu().numpy().astype(np.int64)
+            if len(dropped):
+                logger.warning("%d of %d samples have a non-finite prediction and are not "
+                               "trained on (non_finite_output)", len(dropped), batch.size)
+            batch = batch.select(finite.reshape(batch.size, -1).all(dim=1))
+            sizes = self._rank_sizes(batch.size)
+            if sum(sizes) == 0:
+                return StepOutput(probs=np.empty(0, dtype=np.float64), loss=float("nan"),
+                                  dropped=dropped)
+            output = self._dmp(batch.padded(max(sizes)))
+        n = batch.size
+        mine = ModelOutput(output.logits[:n], tuple(p[:n] for p in output.pooled))
+        if n:
+            loss = self._module().loss(mine, batch)
+            weighted = loss * (n * self.world_size / sum(sizes))
+        else:  # no records here: a zero loss still runs the backward's collectives
+            loss = torch.tensor(float("nan"))
+            weighted = output.logits.sum() * 0.0
+        self._dense_opt.zero_grad(set_to_none=True)
+        weighted.backward()  # table rows are updated inside backward (fused)
+        average_gradients(self._dense_params)
+        if self._grad_clip is not None:
+            self._grad_clip(self._dense_opt)
+        self._dense_opt.step()
+        self.global_step += 1
+        self.record_touched_rows(batch.sparse)
+        probs = predictions(mine.logits.detach(), self.regression, self.softmax)
+        return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
+
+    def _rank_sizes(self, size: int) -> list[int]:
+        """Every rank's number of records at this step (a collective)."""
+        mine = torch.tensor([size], dtype=torch.int64)
+        everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine)
+        return [int(t) for t in everyone]
+
+    def empty_batch(self) -> Batch:
+        """A batch of no records.
+
+        A rank with nothing to train passes it to ``train_step`` so the other ranks' step
+        can run.
+        """
+        return self._feature_builder.to_batch(self._feature_builder.empty_arrays())
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
