@@ -20,7 +20,8 @@ import torch.multiprocessing as mp
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
-from odl.train.distributed import rank_partitions, table_placement
+from odl.inputs.partition_assignment import rank_partitions
+from odl.train.distributed import table_placement
 from odl.train.train_module import TrainModule
 from tests.harness import load_config_text
 

@@ -416,6 +416,8 @@ def build_input_pipeline(
     online: bool,
     restored_positions: Optional[dict[int, int]],
     num_workers: int,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> InputPipeline:
     """Builds the input layout that ``config`` and the mode ask for (see the module docstring).
 
@@ -429,19 +431,21 @@ def build_input_pipeline(
         restored_positions: positions from the restored checkpoint (Kafka only; None: the
             config's start positions).
         num_workers: feature build worker processes (0: build in the reader).
+        rank: this rank of ``world_size`` (a Kafka input reads its share of the partitions).
+        world_size: ranks training the model together.
 
     Returns:
         The input, not yet open.
     """
     dc = config.data_config
     if online and dc.input_process:
-        start, args = online_source_args(config, restored_positions)
+        start, args = online_source_args(config, restored_positions, rank, world_size)
         process = KafkaInputProcess(config, features, args, start, num_workers=num_workers)
         return KafkaProcessInput(process, config.kafka_train_input)
     workers = FeatureBuildWorkers(config, num_workers).start() if num_workers else None
     try:
         if online:
-            start, args = online_source_args(config, restored_positions)
+            start, args = online_source_args(config, restored_positions, rank, world_size)
             return KafkaThreadInput(build_source(start, args), config.kafka_train_input,
                                     features, workers)
     except BaseException:

@@ -62,6 +62,7 @@ from typing import Optional
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
+from odl.inputs.partition_assignment import rank_partitions
 from odl.kafka.broker_health import (
     OUT_OF_RANGE_CODES,
     BrokerHealth,
@@ -138,6 +139,9 @@ class KafkaSource(ReportsBrokerHealth):
         fetch_interval_ms: fetch pacing (see the module docstring); 0 = librdkafka's own.
         kafka_config: extra librdkafka settings, passed through.
         topic_wait_secs: how long to wait for the topic to exist (0 = forever).
+        rank: this rank of ``world_size``: only its share of the partitions is read
+            (``odl.inputs.partition_assignment``).
+        world_size: ranks reading the topic together (1: every partition).
     """
 
     def __init__(
@@ -151,7 +155,10 @@ class KafkaSource(ReportsBrokerHealth):
         kafka_config: Optional[Mapping[str, str]] = None,
         fetch_interval_ms: int = 0,
         topic_wait_secs: float = 0.0,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> None:
+        self.rank, self.world_size = int(rank), int(world_size)
         self.servers = servers
         self.topic = topic
         self.group = group
@@ -208,6 +215,8 @@ class KafkaSource(ReportsBrokerHealth):
             TimeoutError: the topic did not appear within ``topic_wait_secs``.
         """
         partitions = self._wait_for_partitions(stop_event)
+        if self.world_size > 1:
+            partitions = rank_partitions(partitions, self.rank, self.world_size)
         self._partitions = list(partitions)
         starts = self._resolve_starts()
         self._positions = dict(starts)

@@ -49,9 +49,14 @@ def online_input_name(config: pipeline_pb2.EasyRecConfig) -> str:
 
 
 def online_source_args(config: pipeline_pb2.EasyRecConfig,
-                       restored_positions: Optional[dict[int, int]]
+                       restored_positions: Optional[dict[int, int]],
+                       rank: int = 0, world_size: int = 1,
                        ) -> tuple[Start, dict[str, Any]]:
-    """The start rules and source keyword arguments (plus ``"kind"``) of the online input."""
+    """The start rules and source keyword arguments (plus ``"kind"``) of the online input.
+
+    ``rank`` / ``world_size``: a Kafka source of one of several ranks reads only its share of
+    the partitions (``odl.inputs.partition_assignment``).
+    """
     dc = config.data_config
     if online_input_kind(config) == "file_stream":
         f = config.file_stream_input
@@ -97,6 +102,8 @@ def online_source_args(config: pipeline_pb2.EasyRecConfig,
         "batch_timeout_ms": dc.batch_timeout_ms,
         "fetch_interval_ms": dc.fetch_interval_ms,
         "kafka_config": dict(ki.kafka_config),
+        "rank": rank,
+        "world_size": world_size,
     }
 
 

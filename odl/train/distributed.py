@@ -1,4 +1,4 @@
-"""Several training processes: the process group, the table placement, each rank's partitions.
+"""Several training processes: the process group, the table placement, the ranks' turns.
 
 ``torchrun --nproc_per_node N ...`` starts N processes with ``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` set; ``join_process_group`` joins them
@@ -30,9 +30,8 @@ step's records, so a step with uneven shares, or none on some rank, makes the up
 process makes on the step's records together. A step without records anywhere is skipped
 by all.
 
-Partitions (``rank_partitions``): of a topic's P partitions in ascending order, rank r reads
-the i-th for every ``i % N == r``. More ranks than partitions is an error: a rank without
-input would hold the others' steps forever.
+Partitions: each rank reads its share of the topic's partitions
+(``odl.inputs.partition_assignment``).
 """
 
 from __future__ import annotations
@@ -44,6 +43,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from odl.config.config_error import ConfigError
+from odl.inputs.source_factory import online_input_kind
+from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,13 @@ def join_process_group(device: torch.device) -> tuple[int, int]:
     backend = "nccl" if device.type == "cuda" else "gloo"
     size = int(os.environ.get("WORLD_SIZE", "1"))
     if size > 1:
-        dist.init_process_group(backend)  # env://: RANK, WORLD_SIZE, MASTER_ADDR/PORT
+        # env:// (RANK, WORLD_SIZE, MASTER_ADDR/PORT). torchrun's store outlives a restart of
+        # the ranks: each attempt's keys under their own prefix, or a restarted rank could
+        # read the address a dead rank of the previous attempt published
+        store, rank, size = next(dist.rendezvous("env://"))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"odl/attempt_{attempt}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=size)
         logger.info("joined a %s process group: rank %d of %d", backend, dist.get_rank(),
                     dist.get_world_size())
     else:
@@ -165,22 +174,46 @@ def average_gradients(params: Sequence[torch.Tensor]) -> None:
         offset += p.numel()
 
 
-def rank_partitions(partitions: Sequence[int], rank: int, world_size: int) -> list[int]:
-    """The partitions rank ``rank`` reads: the i-th (ascending) for ``i % world_size == rank``.
+def agree(values: Sequence[int]) -> list[list[int]]:
+    """Every rank's ``values`` (small ints), in rank order (a collective)."""
+    mine = torch.tensor(list(values), dtype=torch.int64)
+    everyone = [torch.zeros_like(mine) for _ in range(world()[1])]
+    dist.all_gather(everyone, mine)
+    return [t.tolist() for t in everyone]
 
-    Args:
-        partitions: every partition of the topic.
-        rank: this rank.
-        world_size: ranks.
 
-    Returns:
-        This rank's partitions, ascending.
+def all_positions(positions: Mapping[int, int]) -> dict[int, int]:
+    """The union of every rank's input positions (a collective; partitions are disjoint)."""
+    everyone: list = [None] * world()[1]
+    dist.all_gather_object(everyone, dict(positions))
+    out: dict[int, int] = {}
+    for part in everyone:
+        out.update(part)
+    return out
+
+
+def from_rank0(value: object) -> object:
+    """Rank 0's ``value`` on every rank (a collective)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def check_several_ranks(config: pipeline_pb2.EasyRecConfig, online: bool,
+                        world_size: int) -> None:
+    """Refuses what ``odl-train`` cannot do as several ranks yet, naming it.
 
     Raises:
-        ValueError: more ranks than partitions.
+        ConfigError: offline or non-Kafka input, publishing, evaluation beside training,
+            day/pass saves.
     """
-    parts = sorted(int(p) for p in partitions)
-    if world_size > len(parts):
-        raise ValueError(f"{world_size} ranks but only {len(parts)} partitions: every rank "
-                         "needs at least one (fewer ranks, or more partitions)")
-    return [p for i, p in enumerate(parts) if i % world_size == rank]
+    why = f"is not implemented for {world_size} ranks (torchrun) yet; run one process"
+    if not online or online_input_kind(config) != "kafka":
+        raise ConfigError("kafka_train_input", f"only online Kafka input: other input {why}")
+    checks = (("train_config.incr_save_config",
+               config.train_config.HasField("incr_save_config")),
+              ("kafka_eval_input", bool(config.kafka_eval_input.topic)),
+              ("datahub_eval_input", bool(config.datahub_eval_input.topic)))
+    for field, present in checks:
+        if present:
+            raise ConfigError(field, why)

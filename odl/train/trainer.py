@@ -50,6 +50,7 @@ from odl.inputs.source_factory import online_input_kind, online_input_name
 from odl.protos import pipeline_pb2
 from odl.storage.oss_store import StorageError
 from odl.train.crash_recovery import CrashRecovery, RestoredState
+from odl.train.distributed import agree, all_positions, check_several_ranks, from_rank0
 from odl.train.pass_metrics import PassMetrics, pass_of
 from odl.train.pass_saves import BaseExporter, PassSaves, day_before
 from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics, output_column
@@ -162,11 +163,8 @@ class Trainer:
         self.features = FeatureBuilder(config)
         self.module = TrainModule(config, self.features, device=options.device)
         if self.module.world_size > 1:
-            raise RuntimeError(
-                f"odl-train was started as {self.module.world_size} ranks (torchrun): the "
-                "model's tables shard over ranks and its checkpoint state moves between rank "
-                "counts, but the training loop does not yet split its input or step in "
-                "lock-step across ranks; run one process (docs/training.md#several-processes)")
+            check_several_ranks(config, options.online, self.module.world_size)
+            self.generation = str(from_rank0(self.generation))  # one job, one generation
         model = self.module.model
         self._label_column = int(model.output_labels[0])
         # several outputs (multi-task): per-task progressive metrics beside the first's
@@ -272,7 +270,7 @@ class Trainer:
     def run(self) -> int:
         """Trains until a stop condition; returns the process exit code (0 on clean stop)."""
         try:
-            if self.options.status_port >= 0:
+            if self.options.status_port >= 0 and self.module.rank == 0:
                 self._http = start_status_server(
                     self, self.metrics.registry, self.options.status_host,
                     self.options.status_port, self.options.auth_token, self.model_dir,
@@ -286,7 +284,9 @@ class Trainer:
                     start_step=self.module.global_step, sink=self._delta_sink)
             self._rejects.open_dead_letter()
             if self.options.sample_ledger:
-                self._ledger = SampleLedger(self.options.sample_ledger)
+                self._ledger = SampleLedger(
+                    self.options.sample_ledger if self.module.world_size == 1
+                    else f"{self.options.sample_ledger}.rank{self.module.rank}")
             try:
                 self._open_input(restored_positions)
             except InterruptedError:  # stopped while waiting for the topic: a clean stop
@@ -306,7 +306,10 @@ class Trainer:
             if self.pass_saves is not None and not self._stops.requested:
                 self._first_base()
             self.state = "training"
-            self._loop()
+            if self.module.world_size > 1:
+                self._loop_ranks()
+            else:
+                self._loop()
         except DeltaSinkUnsupported as exc:  # the broker refuses fencing: a setup error
             self._fail(str(exc), 2)
         except StorageError as exc:  # OSS down while restoring: never start from nothing
@@ -328,7 +331,8 @@ class Trainer:
     def _open_input(self, restored_positions: Optional[dict[int, int]]) -> None:
         num_workers = effective_num_workers(self.config.data_config, self.module.device.type)
         self.input_pipeline = build_input_pipeline(
-            self.config, self.features, self.options.online, restored_positions, num_workers)
+            self.config, self.features, self.options.online, restored_positions, num_workers,
+            self.module.rank, self.module.world_size)
         if self.options.online and online_input_kind(self.config) != "file_stream":
             self.state = "waiting_for_topic"
         self.positions = self.input_pipeline.open(self.stop_event)
@@ -390,6 +394,57 @@ class Trainer:
                 self._checkpoint()
                 last_ckpt_time, last_ckpt_step = time.monotonic(), step
 
+    def _loop_ranks(self) -> None:
+        """``_loop`` of one of several ranks: every rank steps together (a collective).
+
+        Each turn the ranks tell each other whether they stop, hold a batch, have finished
+        their input, and (rank 0's clock) whether a checkpoint is due by time; all stop when
+        one stops, all train when one holds a batch (the others with an empty one), and all
+        checkpoint on the same steps (``odl.train.distributed``).
+        """
+        tc = self.config.train_config
+        log_every = max(1, tc.log_step_count_steps)
+        last_ckpt_time = time.monotonic()
+        last_ckpt_step = self.module.global_step
+        window_start = time.monotonic()
+        window_samples = 0
+        pipeline = self.input_pipeline
+        assert pipeline is not None
+        while True:
+            stop = self._stops.requested or self._stops.check(self.module.global_step)
+            item = None if stop else pipeline.get(timeout=0.1)
+            self._update_input_state()
+            every_steps, every_secs = tc.save_checkpoints_steps, tc.save_checkpoints_secs
+            time_due = bool(every_secs and time.monotonic() - last_ckpt_time >= every_secs)
+            turn = agree([int(stop), int(item is not None),
+                          int(item is None and pipeline.finished), int(time_due)])
+            if any(t[0] for t in turn) or all(t[2] for t in turn):
+                if not self._stops.requested:
+                    self._stops.request("end of input" if all(t[2] for t in turn)
+                                        else "another rank stopped")
+                break
+            if not any(t[1] for t in turn):
+                continue
+            trained = (self._train_on(item) if item is not None
+                       else self._train_empty())
+            window_samples += trained
+            step = self.module.global_step
+            elapsed = time.monotonic() - window_start
+            if elapsed >= _RATE_WINDOW_SECS:
+                self.samples_per_sec = window_samples / elapsed
+                window_start, window_samples = time.monotonic(), 0
+            if trained and step % log_every == 0:
+                self._status.log_progress()
+            due = (every_steps and step - last_ckpt_step >= every_steps) or turn[0][3]
+            if due and step != last_ckpt_step and step != self.checkpoints.last_saved_step:
+                self._checkpoint()
+                last_ckpt_time, last_ckpt_step = time.monotonic(), step
+
+    def _train_empty(self) -> int:
+        """This rank's part of a step it holds no records for (several ranks)."""
+        self.module.train_step(self.module.empty_batch())
+        return 0
+
     def _train_on(self, item: PreparedBatch) -> int:
         if self.passes is not None and SPLIT_KEY in item.positions:
             prev = self.passes.current_day
@@ -400,6 +455,8 @@ class Trainer:
             self._rejects.built_rejects(item)
         batch = item.batch
         trained = 0
+        if (batch is None or not batch.size) and self.module.world_size > 1:
+            self._train_empty()  # the others step: take part with nothing
         if batch is not None and batch.size:
             out = self.module.train_step(batch)
             labels = batch.labels.detach().cpu().numpy()
@@ -601,6 +658,8 @@ class Trainer:
                     logger.exception("evaluation at step %d failed", self.module.global_step)
                 source["eval_positions"] = {str(p): o for p, o in
                                             self.evaluator.positions().items()}
+            if self.module.world_size > 1:
+                return self._checkpoint_ranks(positions, source, overwrite)
             state = self.module.state_dict_for_checkpoint()
             if self.pass_saves is not None:
                 state["pass_saves"] = self.pass_saves.state_dict()
@@ -625,6 +684,35 @@ class Trainer:
             return False
         finally:
             self.state = prev_state if prev_state != "checkpointing" else "training"
+
+    def _checkpoint_ranks(self, positions: dict[int, int], source: dict,
+                          overwrite: bool) -> bool:
+        """``_checkpoint`` of one of several ranks (a collective).
+
+        Every rank's positions and table rows are gathered, rank 0 writes the checkpoint,
+        and every rank learns its outcome (so all keep checkpointing on the same steps).
+        """
+        everyone = all_positions(positions)
+        state = self.module.state_dict_for_checkpoint()  # whole on rank 0, {} elsewhere
+        error = None
+        if self.module.rank == 0:
+            try:
+                self.checkpoints.save(self.module.global_step, state, everyone, source,
+                                      self._config_text, self.generation, overwrite=overwrite)
+            except CheckpointError as exc:
+                error = str(exc)
+        error = from_rank0(error)
+        if error is not None:
+            self.metrics.checkpoint_failures.inc()
+            self.last_checkpoint_error = error
+            logger.error("%s; training continues and the next checkpoint will retry", error)
+            return False
+        self.checkpoints.last_saved_step = self.module.global_step
+        self.metrics.checkpoint_step.set(self.module.global_step)
+        self.last_checkpoint_error = None
+        if self.input_pipeline is not None:
+            self.input_pipeline.request_commit(positions)
+        return True
 
     def _evaluate(self) -> None:
         """Scores the eval topic's new records (``odl.train.stream_evaluation``)."""
