@@ -73,6 +73,7 @@ def _rank(rank: int, world: int, port: int, args: dict, results) -> None:
         secs = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(secs, op=dist.ReduceOp.MAX)
         results.put((rank, float(secs.item()), None))
+        dist.barrier()  # leave together: a group torn down under a peer can abort
     except BaseException as e:
         results.put((rank, None, repr(e)))
         raise

@@ -24,6 +24,18 @@ from tests.harness import write_config
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _stream(bootstrap: str, topic_factory, tmp_path, partitions: int, records: int,
+            seed: int, batch_size: int, checkpoint_steps: int):
+    """A topic of ``records`` test records over ``partitions`` and a config reading it:
+    ``(sample ids, end offsets, config path)``."""
+    topic = topic_factory(partitions=partitions)
+    ids, values = make_records(records, seed=seed)
+    produce(bootstrap, topic, values, partitions)
+    cfg = write_config(tmp_path, bootstrap, topic, batch_size=batch_size,
+                       save_checkpoints_steps=checkpoint_steps)
+    return ids, end_offsets(bootstrap, topic), cfg
+
+
 def _torchrun(cfg: str, ledger: str, log, *extra: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
            "2", *extra,
@@ -39,6 +51,16 @@ def _wait_until(cond, proc: subprocess.Popen, log_path, secs: float = 240) -> No
         assert proc.poll() is None, log_path.read_text()[-3000:]
         assert time.monotonic() < deadline, log_path.read_text()[-3000:]
         time.sleep(0.3)
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """torchrun and every process under it (ranks, their input processes), if still up."""
+    if proc.poll() is not None:
+        return
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        child.kill()
+    proc.kill()
+    proc.wait(30)
 
 
 def _stop_ranks(proc: subprocess.Popen, log_path) -> None:
@@ -61,12 +83,8 @@ def _trained(ledger: str, generation: str | None = None) -> set[str]:
 
 def test_two_ranks_under_torchrun_train_every_record_once(kafka_bootstrap, kafka_topic_factory,
                                                          tmp_path):
-    topic = kafka_topic_factory(partitions=3)
-    ids, values = make_records(1500, seed=21)
-    produce(kafka_bootstrap, topic, values, 3)
-    ends = end_offsets(kafka_bootstrap, topic)
-    cfg = write_config(tmp_path, kafka_bootstrap, topic, batch_size=64,
-                       save_checkpoints_steps=4)
+    ids, ends, cfg = _stream(kafka_bootstrap, kafka_topic_factory, tmp_path, partitions=3,
+                             records=1500, seed=21, batch_size=64, checkpoint_steps=4)
     ledger = str(tmp_path / "ledger.tsv")
     model_dir = str(tmp_path / "model_dir")
     log_path = tmp_path / "torchrun.log"
@@ -76,8 +94,7 @@ def test_two_ranks_under_torchrun_train_every_record_once(kafka_bootstrap, kafka
             _wait_until(lambda: _trained(ledger) >= set(ids), proc, log_path)
             _stop_ranks(proc, log_path)  # the final checkpoint covers every record
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            _kill_tree(proc)
     trained = ledger_sample_ids(ledger + ".rank0") + ledger_sample_ids(ledger + ".rank1")
     assert sorted(trained) == sorted(ids)  # every record once, over both ranks
     assert ledger_sample_ids(ledger + ".rank0") and ledger_sample_ids(ledger + ".rank1")
@@ -96,12 +113,8 @@ def test_kill_9_of_one_rank_restarts_both_from_the_checkpoint(kafka_bootstrap,
     checkpoint (rank 0 wrote it with both ranks' positions and rows) and read on from its
     positions. Over the two generations every record is reflected in a checkpoint exactly
     once: what the killed generation trained after its last checkpoint is trained again."""
-    topic = kafka_topic_factory(partitions=2)
-    ids, values = make_records(3000, seed=22)
-    produce(kafka_bootstrap, topic, values, 2)
-    ends = end_offsets(kafka_bootstrap, topic)
-    cfg = write_config(tmp_path, kafka_bootstrap, topic, batch_size=32,
-                       save_checkpoints_steps=5)
+    ids, ends, cfg = _stream(kafka_bootstrap, kafka_topic_factory, tmp_path, partitions=2,
+                             records=3000, seed=22, batch_size=32, checkpoint_steps=5)
     text = open(cfg).read().replace("keep_checkpoint_max: 3", "keep_checkpoint_max: 0")
     open(cfg, "w").write(text)
     ledger = str(tmp_path / "ledger.tsv")
@@ -128,8 +141,7 @@ def test_kill_9_of_one_rank_restarts_both_from_the_checkpoint(kafka_bootstrap,
             _wait_until(caught_up, proc, log_path)
             _stop_ranks(proc, log_path)
         finally:
-            if proc.poll() is None:
-                proc.kill()
+            _kill_tree(proc)
     last_complete: dict[str, int] = {}
     for path in list_checkpoints(model_dir):
         c = read_checkpoint(path)

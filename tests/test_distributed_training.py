@@ -72,6 +72,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str,
         tables = {k: v.numpy() for k, v in tm.gathered_embedding_tables(0).items()}
         dense = {k: v.detach().cpu().numpy() for k, v in tm.dense_parameters().items()}
         results.put((rank, np.concatenate(probs), tables, dense, None))
+        dist.barrier()  # leave together: a group torn down under a peer can abort
     except BaseException as e:  # reported to the test, not lost in a child's stderr
         results.put((rank, None, None, None, repr(e)))
         raise

@@ -111,6 +111,16 @@ def local_world_size(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
+def leave_process_group() -> None:
+    """Leaves the group together with the other ranks: a barrier, then its teardown.
+
+    A group torn down while a peer still uses it can abort the process at exit.
+    """
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def table_placement(tables: Mapping[str, tuple[int, int]], world_size: int,
                     row_wise_min_rows: int = ROW_WISE_MIN_ROWS) -> dict[str, TablePlacement]:
     """The placement of every table (module docstring).

@@ -50,7 +50,13 @@ from odl.inputs.source_factory import online_input_kind, online_input_name
 from odl.protos import pipeline_pb2
 from odl.storage.oss_store import StorageError
 from odl.train.crash_recovery import CrashRecovery, RestoredState
-from odl.train.distributed import agree, all_positions, check_several_ranks, from_rank0
+from odl.train.distributed import (
+    agree,
+    all_positions,
+    check_several_ranks,
+    from_rank0,
+    leave_process_group,
+)
 from odl.train.pass_metrics import PassMetrics, pass_of
 from odl.train.pass_saves import BaseExporter, PassSaves, day_before
 from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics, output_column
@@ -127,6 +133,46 @@ def effective_num_workers(data_config: pipeline_pb2.DatasetConfig, device_type: 
     logger.info("data_config.num_workers unset on CUDA: %d feature build worker(s) (%d CPUs)",
                 workers, cpus)
     return workers
+
+
+class _LoopClock:
+    """What a training loop keeps between steps.
+
+    The last checkpoint's step and time, and the window of the samples/s rate ``/status``
+    shows.
+
+    Args:
+        step: the global step the loop starts at.
+    """
+
+    def __init__(self, step: int) -> None:
+        self.last_ckpt_step = step
+        self.last_ckpt_time = time.monotonic()
+        self._window_start = time.monotonic()
+        self._window_samples = 0
+        self.rate = 0.0
+
+    def secs_since_checkpoint(self) -> float:
+        """Seconds since the loop started or last checkpointed."""
+        return time.monotonic() - self.last_ckpt_time
+
+    def time_due(self, every_secs: float) -> bool:
+        """Whether ``save_checkpoints_secs`` (0: never) has passed since the last one."""
+        return bool(every_secs and self.secs_since_checkpoint() >= every_secs)
+
+    def checkpointed(self, step: int) -> None:
+        """Records a checkpoint at ``step``, now."""
+        self.last_ckpt_step, self.last_ckpt_time = step, time.monotonic()
+
+    def count(self, trained: int) -> float | None:
+        """Adds a step's samples; the window's samples/s once it is over (else None)."""
+        self._window_samples += trained
+        elapsed = time.monotonic() - self._window_start
+        if elapsed < _RATE_WINDOW_SECS:
+            return None
+        self.rate = self._window_samples / elapsed
+        self._window_start, self._window_samples = time.monotonic(), 0
+        return self.rate
 
 
 class Trainer:
@@ -320,6 +366,8 @@ class Trainer:
         if self.failure is not None:
             logger.error("exiting with code %d: %s", self.exit_code, self.failure)
             return self.exit_code
+        if self.module.world_size > 1:
+            leave_process_group()  # after a clean stop, all ranks together
         return 0
 
     def _fail(self, why: str, exit_code: int) -> None:
@@ -340,11 +388,7 @@ class Trainer:
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
         tc = self.config.train_config
-        log_every = max(1, tc.log_step_count_steps)
-        last_ckpt_time = time.monotonic()
-        last_ckpt_step = self.module.global_step
-        window_start = time.monotonic()
-        window_samples = 0
+        clock = _LoopClock(self.module.global_step)
         pipeline = self.input_pipeline
         assert pipeline is not None
         while not self._stops.requested:
@@ -368,31 +412,31 @@ class Trainer:
                                                      self.positions_snapshot())
                 if (self.last_checkpoint_error is not None
                         and self.module.global_step != self.checkpoints.last_saved_step
-                        and time.monotonic() - last_ckpt_time >= _CHECKPOINT_RETRY_SECS):
+                        and clock.secs_since_checkpoint() >= _CHECKPOINT_RETRY_SECS):
                     # idle (no new records) after a failed checkpoint: retry without waiting
                     # for the next due step, so health recovers once the cause is gone
                     self._checkpoint()
-                    last_ckpt_time = time.monotonic()
-                    last_ckpt_step = self.module.global_step
+                    clock.checkpointed(self.module.global_step)
                 continue
-            trained = self._train_on(item)
-            window_samples += trained
-            step = self.module.global_step
-            elapsed = time.monotonic() - window_start
-            if elapsed >= _RATE_WINDOW_SECS:  # the rate /status shows, refreshed every few s
-                self.samples_per_sec = window_samples / elapsed
-                window_start, window_samples = time.monotonic(), 0
-            if trained and step % log_every == 0:
-                self._status.log_progress()
-            every_steps, every_secs = tc.save_checkpoints_steps, tc.save_checkpoints_secs
-            due_steps = every_steps and step - last_ckpt_step >= every_steps
-            due_secs = (
-                every_secs and time.monotonic() - last_ckpt_time >= every_secs
-            )
-            if ((due_steps or due_secs) and step != last_ckpt_step
-                    and step != self.checkpoints.last_saved_step):
-                self._checkpoint()
-                last_ckpt_time, last_ckpt_step = time.monotonic(), step
+            self._stepped(clock, self._train_on(item))
+            self._checkpoint_if_due(clock, clock.time_due(tc.save_checkpoints_secs))
+
+    def _stepped(self, clock: _LoopClock, trained: int) -> None:
+        """After a step: the samples/s window of ``/status`` and the progress log line."""
+        if clock.count(trained) is not None:  # the rate /status shows, every few s
+            self.samples_per_sec = clock.rate
+        log_every = max(1, self.config.train_config.log_step_count_steps)
+        if trained and self.module.global_step % log_every == 0:
+            self._status.log_progress()
+
+    def _checkpoint_if_due(self, clock: _LoopClock, time_due: bool) -> None:
+        """A checkpoint when ``save_checkpoints_steps`` or ``time_due`` says so."""
+        step = self.module.global_step
+        every_steps = self.config.train_config.save_checkpoints_steps
+        due = (every_steps and step - clock.last_ckpt_step >= every_steps) or time_due
+        if due and step != clock.last_ckpt_step and step != self.checkpoints.last_saved_step:
+            self._checkpoint()
+            clock.checkpointed(step)
 
     def _loop_ranks(self) -> None:
         """``_loop`` of one of several ranks: every rank steps together (a collective).
@@ -403,21 +447,16 @@ class Trainer:
         checkpoint on the same steps (``odl.train.distributed``).
         """
         tc = self.config.train_config
-        log_every = max(1, tc.log_step_count_steps)
-        last_ckpt_time = time.monotonic()
-        last_ckpt_step = self.module.global_step
-        window_start = time.monotonic()
-        window_samples = 0
+        clock = _LoopClock(self.module.global_step)
         pipeline = self.input_pipeline
         assert pipeline is not None
         while True:
             stop = self._stops.requested or self._stops.check(self.module.global_step)
             item = None if stop else pipeline.get(timeout=0.1)
             self._update_input_state()
-            every_steps, every_secs = tc.save_checkpoints_steps, tc.save_checkpoints_secs
-            time_due = bool(every_secs and time.monotonic() - last_ckpt_time >= every_secs)
             turn = agree([int(stop), int(item is not None),
-                          int(item is None and pipeline.finished), int(time_due)])
+                          int(item is None and pipeline.finished),
+                          int(clock.time_due(tc.save_checkpoints_secs))])
             if any(t[0] for t in turn) or all(t[2] for t in turn):
                 if not self._stops.requested:
                     self._stops.request("end of input" if all(t[2] for t in turn)
@@ -425,20 +464,9 @@ class Trainer:
                 break
             if not any(t[1] for t in turn):
                 continue
-            trained = (self._train_on(item) if item is not None
-                       else self._train_empty())
-            window_samples += trained
-            step = self.module.global_step
-            elapsed = time.monotonic() - window_start
-            if elapsed >= _RATE_WINDOW_SECS:
-                self.samples_per_sec = window_samples / elapsed
-                window_start, window_samples = time.monotonic(), 0
-            if trained and step % log_every == 0:
-                self._status.log_progress()
-            due = (every_steps and step - last_ckpt_step >= every_steps) or turn[0][3]
-            if due and step != last_ckpt_step and step != self.checkpoints.last_saved_step:
-                self._checkpoint()
-                last_ckpt_time, last_ckpt_step = time.monotonic(), step
+            self._stepped(clock, self._train_on(item) if item is not None
+                          else self._train_empty())
+            self._checkpoint_if_due(clock, bool(turn[0][3]))  # rank 0's clock for all
 
     def _train_empty(self) -> int:
         """This rank's part of a step it holds no records for (several ranks)."""
