@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
@@ -17,6 +18,7 @@ UNITS = Path(REPO) / "systemd"
 TRAIN = UNITS / "odl-train@.service"
 SERVE = UNITS / "odl-serve@.service"
 ENV_EXAMPLE = UNITS / "odl.env.example"
+RANKS = UNITS / "odl-train-ranks.conf"
 
 
 def parse_unit(path: Path) -> dict[str, dict[str, list[str]]]:
@@ -88,9 +90,30 @@ def test_unit_has_the_required_settings(path, cli, binary):
     assert "/etc/odl/%i.env" in [v.lstrip("-") for v in unit[s]["EnvironmentFile"]]
 
 
+def test_ranks_drop_in_runs_the_trainer_under_torchrun():
+    """The drop-in replaces odl-train@'s ExecStart with torchrun running the same CLI with
+    flags it knows, and stops every rank (not only torchrun) on systemctl stop."""
+    unit = parse_unit(RANKS)
+    assert set(unit) == {"Service"}
+    s = unit["Service"]
+    assert s["ExecStart"][0] == ""  # clears the unit's own ExecStart first
+    argv = shlex.split(s["ExecStart"][-1])
+    assert argv[0].startswith("/") and argv[0].endswith("/torchrun")
+    assert "--standalone" in argv and "--max-restarts" in argv
+    assert argv[argv.index("--nproc_per_node") + 1] == "${ODL_RANKS}"
+    assert argv[argv.index("-m") + 1] == "odl.cli.train_cli"
+    cli_args = argv[argv.index("-m") + 2:]
+    known = {a for action in train_cli.build_parser()._actions for a in action.option_strings}
+    flags = [a for a in cli_args if a.startswith("--")]
+    assert flags and all(f in known for f in flags), (flags, known)
+    assert "--online" in cli_args
+    assert cli_args[cli_args.index("--pipeline_config_path") + 1] == "/etc/odl/%i.config"
+    assert s["KillMode"][-1] == "control-group"
+
+
 def test_env_example_documents_every_variable_the_units_use():
     used = set()
-    for path in (TRAIN, SERVE):
+    for path in (TRAIN, SERVE, RANKS):
         used |= set(re.findall(r"\$\{?(ODL_\w+)", path.read_text()))
     text = ENV_EXAMPLE.read_text()
     documented = set(re.findall(r"^#?(ODL_\w+)=", text, flags=re.M))
@@ -113,7 +136,8 @@ def test_systemd_analyze_verify(tmp_path):
     """systemd's own parser: no unknown keys, bad values or missing sections.
 
     The ExecStart binaries are pointed at this checkout's venv (verify requires them to
-    exist) and the templates are checked as instance ``ctr``.
+    exist) and the templates are checked as instance ``ctr``, the train unit with the
+    torchrun drop-in.
     """
     bin_dir = Path(REPO) / ".venv" / "bin"
     if not (bin_dir / "odl-train").exists():
@@ -124,8 +148,14 @@ def test_systemd_analyze_verify(tmp_path):
         name = path.name.replace("@.", "@ctr.")
         (tmp_path / name).write_text(text)
         names.append(f"./{name}")
+    # the torchrun drop-in, read with the train unit from this directory
+    drop_in = tmp_path / (TRAIN.name.replace("@.", "@ctr.") + ".d")
+    drop_in.mkdir()
+    (drop_in / "ranks.conf").write_text(
+        RANKS.read_text().replace("/opt/odl/venv/bin/", f"{bin_dir}/"))
     res = subprocess.run(["systemd-analyze", "verify", *names], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "SYSTEMD_UNIT_PATH": f"{tmp_path}:"})
     problems = [ln for ln in (res.stdout + res.stderr).splitlines() if ln.strip()
                 and "Failed to connect to bus" not in ln]
     assert res.returncode == 0 and problems == [], res.stdout + res.stderr
