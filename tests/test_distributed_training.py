@@ -33,6 +33,12 @@ def _config(model_dir: str):
     return load_config_text(bursty_config_text(model_dir, batch_size=BATCH, buckets=4096))
 
 
+def _tables(state: dict) -> dict[str, np.ndarray]:
+    """The embedding tables of a checkpoint state ({} for a rank other than 0's)."""
+    return {k: v.numpy() for k, v in state.get("model", {}).items()
+            if k.startswith("ebc.embedding_bags.")}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -69,7 +75,7 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str,
             assert bool(state) == (rank == 0)
             if state:
                 torch.save(state, save_path)
-        tables = {k: v.numpy() for k, v in tm.gathered_embedding_tables(0).items()}
+        tables = _tables(tm.state_dict_for_checkpoint())  # gathered on rank 0
         dense = {k: v.detach().cpu().numpy() for k, v in tm.dense_parameters().items()}
         results.put((rank, np.concatenate(probs), tables, dense, None))
         dist.barrier()  # leave together: a group torn down under a peer can abort
@@ -123,10 +129,10 @@ def test_two_ranks_train_the_model_one_process_trains(tmp_path):
                             for k in range(0, len(records), BATCH)])
     np.testing.assert_allclose(_merged_probs(got, world, len(records)), probs, atol=2e-5,
                                rtol=0)
-    tables = one.gathered_embedding_tables()
+    tables = _tables(one.state_dict_for_checkpoint())
     assert set(got[0][1]) == set(tables) and got[1][1] == {}
     for name, t in tables.items():
-        np.testing.assert_allclose(got[0][1][name], t.numpy(), atol=2e-5, rtol=0,
+        np.testing.assert_allclose(got[0][1][name], t, atol=2e-5, rtol=0,
                                    err_msg=name)
     for name, v in one.dense_parameters().items():
         for r in range(world):  # DDP kept every rank's dense part equal to one process's
@@ -196,8 +202,8 @@ def test_uneven_and_empty_shares_train_as_one_process_on_the_step_records(tmp_pa
             at[r] += len(part)
     np.testing.assert_allclose(np.concatenate(ranks_probs), np.concatenate(probs),
                                atol=2e-5, rtol=0)
-    for name, t in one.gathered_embedding_tables().items():
-        np.testing.assert_allclose(got[0][1][name], t.numpy(), atol=2e-5, rtol=0,
+    for name, t in _tables(one.state_dict_for_checkpoint()).items():
+        np.testing.assert_allclose(got[0][1][name], t, atol=2e-5, rtol=0,
                                    err_msg=name)
 
 

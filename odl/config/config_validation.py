@@ -56,7 +56,11 @@ from odl.config.loss_settings import num_classes, regression_outputs, validate_l
 from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
 from odl.config.model_classes import is_multi_task_model
 from odl.config.model_validation import validate_features, validate_model
-from odl.config.optimizer_support import optimizer_choices, table_kernel_kind
+from odl.config.optimizer_support import (
+    IN_BATCH_TABLE_KINDS,
+    optimizer_choices,
+    table_kernel_kind,
+)
 from odl.protos import pipeline_pb2
 from odl.storage.storage_path import UnsupportedPathError, check_supported, parse_oss
 
@@ -422,8 +426,7 @@ def _validate_in_batch_learning(config: pipeline_pb2.EasyRecConfig) -> None:
         raise ConfigError(field, f"needs a model with one output; this "
                                  f"{config.model_config.model_class} has {outputs}")
     sparse, _ = optimizer_choices(tc)
-    kernel = table_kernel_kind(sparse.kind)
-    if kernel not in ("sgd", "adagrad", "rowwise_adagrad"):
+    if table_kernel_kind(sparse.kind) not in IN_BATCH_TABLE_KINDS:
         raise ConfigError(field, f"needs SGD or (row-wise) Adagrad tables; the tables "
                                  f"train with {sparse.kind}")
 

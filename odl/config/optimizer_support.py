@@ -51,6 +51,9 @@ SPARSE_OPTIMIZER_DEVICES: dict[str, frozenset[str]] = {
     "lamb": frozenset({"cuda"}),
 }
 
+# Table kernel kinds whose update in-batch learning follows (odl.train.in_batch_learning).
+IN_BATCH_TABLE_KINDS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
+
 # Configured kind -> the table kernel that stands in for it (kinds without a kernel).
 TABLE_SUBSTITUTES: dict[str, str] = {"ftrl": "adagrad", "momentum": "sgd", "adamw": "adam"}
 

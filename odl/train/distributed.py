@@ -151,19 +151,22 @@ def table_placement(tables: Mapping[str, tuple[int, int]], world_size: int,
 
 
 @torch.no_grad()
+def _in_one_collective(tensors: Sequence[torch.Tensor], collective) -> None:
+    """Runs ``collective`` on all ``tensors`` flattened into one, then copies back."""
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    collective(flat)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def broadcast_parameters(params: Sequence[torch.Tensor], src: int = 0) -> None:
     """Overwrites ``params`` on every rank with rank ``src``'s values (a collective)."""
-    if not params or world()[1] == 1:
-        return
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    dist.broadcast(flat, src)
-    offset = 0
-    for p in params:
-        p.copy_(flat[offset:offset + p.numel()].view_as(p))
-        offset += p.numel()
+    if params and world()[1] > 1:
+        _in_one_collective([p.detach() for p in params], lambda flat: dist.broadcast(flat, src))
 
 
-@torch.no_grad()
 def average_gradients(params: Sequence[torch.Tensor]) -> None:
     """Replaces each parameter's gradient by its mean over the ranks (a collective).
 
@@ -173,15 +176,15 @@ def average_gradients(params: Sequence[torch.Tensor]) -> None:
     size = world()[1]
     if not params or size == 1:
         return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    flat /= size
-    offset = 0
-    for p, g in zip(params, grads, strict=True):
-        p.grad = flat[offset:offset + p.numel()].view_as(p).clone() if p.grad is None else (
-            g.copy_(flat[offset:offset + p.numel()].view_as(g)))
-        offset += p.numel()
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+
+    def mean(flat: torch.Tensor) -> None:
+        dist.all_reduce(flat)
+        flat.div_(size)
+
+    _in_one_collective([p.grad for p in params], mean)
 
 
 def agree(values: Sequence[int]) -> list[list[int]]:

@@ -41,18 +41,14 @@ dense part couples records; the shift then uses its train-mode Jacobian as it is
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from odl.config.optimizer_support import IN_BATCH_TABLE_KINDS
 from odl.models.ctr_model import ModelOutput, PooledGroup
-
-logger = logging.getLogger(__name__)
-
-TABLE_KINDS = ("sgd", "adagrad", "rowwise_adagrad")
 
 
 @dataclass(frozen=True)
@@ -79,17 +75,19 @@ class InBatchLearning:
     Args:
         pooled_layout: the model's ``pooled_layout``.
         tables: TorchRec table name -> ``TableRows``, for every table a lookup reads.
-        kind: the table optimizer, one of ``TABLE_KINDS``.
+        kind: the table kernel, one of ``IN_BATCH_TABLE_KINDS``.
         eps: the fused kernel's epsilon.
 
     Raises:
-        ValueError: ``kind`` is not one of ``TABLE_KINDS``, or a lookup's table is missing.
+        ValueError: ``kind`` is not one of ``IN_BATCH_TABLE_KINDS``, or a lookup's table is
+            missing.
     """
 
     def __init__(self, pooled_layout: Sequence[PooledGroup], tables: Mapping[str, TableRows],
                  kind: str, eps: float) -> None:
-        if kind not in TABLE_KINDS:
-            raise ValueError(f"in-batch learning supports {TABLE_KINDS} tables, not {kind!r}")
+        if kind not in IN_BATCH_TABLE_KINDS:
+            raise ValueError(f"in-batch learning supports {IN_BATCH_TABLE_KINDS} tables, not "
+                             f"{kind!r}")
         self.kind = kind
         self.eps = float(eps)
         names = sorted({t for g in pooled_layout for _, t in g.lookups})
@@ -112,7 +110,6 @@ class InBatchLearning:
                 columns.append(column)
                 column += dim
             start += group.width
-        self._groups = len(pooled_layout)
         self.width = max(self._dims, default=0)
         # [L * width] columns of the concatenated groups, padding -> the zero column `start`
         self._gather = torch.tensor(
@@ -223,8 +220,6 @@ class InBatchLearning:
         sample = record_of_value.index_select(0, pos)
         rows = kjt.values().index_select(0, pos).long()
         groups = [g if g is not None else shift.new_zeros(b, 0) for g in jac]
-        if len(groups) < self._groups:
-            return shift
         cat = torch.cat([*(g.to(dtype) for g in groups), shift.new_zeros(b, 1)], dim=1)
         per_lookup = cat.index_select(1, self._gather).view(-1, self.width)  # [B * L, width]
         jrow = per_lookup.index_select(0, sample * len(self._features) + lookup)  # [P, width]
@@ -291,5 +286,6 @@ class InBatchLearning:
 
 
 # Row ids stay below 2**31 (odl.config.limits.MAX_TABLE_ROWS): a table index times this span
-# plus a row is unique and fits int64 for any number of tables a model can have.
+# plus a row is unique per table row; times (batch + 1) plus the record, the sort key fits
+# int64 while tables x (batch + 1) < 2**31.
 _ROW_SPAN = 1 << 32

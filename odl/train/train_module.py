@@ -44,7 +44,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torchrec.optim as trec_optim
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import DataParallelWrapper
@@ -59,6 +58,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.config.loss_settings import num_classes, regression_outputs
+from odl.config.optimizer_support import table_kernel_kind
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import ModelOutput, predictions
@@ -68,6 +68,7 @@ from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
 from odl.train.distributed import (
     ROW_WISE_MIN_ROWS,
+    agree,
     average_gradients,
     broadcast_parameters,
     join_process_group,
@@ -86,10 +87,6 @@ from odl.train.optimizer_builder import (
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = "odl.train_module/1"
-# the table optimizers in-batch learning follows (odl.train.in_batch_learning)
-TABLE_KIND_OF_CLASS: dict[type, str] = {
-    torch.optim.SGD: "sgd", torch.optim.Adagrad: "adagrad",
-    trec_optim.RowWiseAdagrad: "rowwise_adagrad"}
 EBC_PREFIX = "ebc.embedding_bags."
 
 
@@ -170,9 +167,9 @@ def _local_view(t: Any) -> torch.Tensor:
     if hasattr(t, "local_shards") and hasattr(t, "metadata"):
         shards = t.local_shards()
         if len(shards) != 1 or tuple(shards[0].tensor.shape) != tuple(t.size()):
-            raise RuntimeError("this needs a table whole in this process: checkpoints, "
-                           "publishing, in-batch learning and dynamic tables of a model "
-                           "sharded over several ranks are not implemented yet")
+            raise RuntimeError("this needs a table whole in this process: publishing, "
+                               "in-batch learning and dynamic tables of a model sharded "
+                               "over several ranks are not implemented yet")
         return shards[0].tensor
     if hasattr(t, "to_local"):
         return t.to_local()
@@ -228,7 +225,7 @@ class TrainModule:
                 cls, wide_params, {**kwargs, "lr": kwargs["lr"] * self._wide_lr_multiplier})
         else:
             apply_optimizer_in_backward(cls, self.model.ebc.parameters(), kwargs)
-        self._table_kind = TABLE_KIND_OF_CLASS.get(cls, cls.__name__)
+        self._table_kind = table_kernel_kind(self._sparse_spec.kind)
         self.model.dense.to(self.device)
         table_configs = list(self.model.ebc.embedding_bag_configs())
         tables = [c.name for c in table_configs]
@@ -320,32 +317,9 @@ class TrainModule:
             shards = t.local_shards() if hasattr(t, "local_shards") else []
             if not shards:
                 continue
-            table = name[len(EBC_PREFIX):-len(".weight")]
             full = torch.empty(tuple(t.size()), dtype=torch.float32)
-            init_embedding_weights({table: full}, self._seed)
-            for shard in shards:
-                idx = tuple(slice(o, o + n) for o, n in zip(
-                    shard.metadata.shard_offsets, shard.metadata.shard_sizes, strict=True))
-                shard.tensor.copy_(full[idx].to(shard.tensor.device, shard.tensor.dtype))
-
-    def gathered_embedding_tables(self, dst: int = 0) -> dict[str, torch.Tensor]:
-        """Every table whole, as CPU tensors, on rank ``dst`` ({} on the others).
-
-        A collective: every rank must call it.
-        """
-        out: dict[str, torch.Tensor] = {}
-        for name, t in self._dmp.state_dict().items():
-            if not (name.startswith(EBC_PREFIX) and name.endswith(".weight")):
-                continue
-            table = name[len(EBC_PREFIX):-len(".weight")]
-            if self.world_size == 1 or not hasattr(t, "gather"):
-                out[table] = to_full_cpu(t)
-                continue
-            full = torch.empty(tuple(t.size()), dtype=t.dtype) if self.rank == dst else None
-            t.gather(dst=dst, out=full)
-            if full is not None:
-                out[table] = full
-        return out if self.rank == dst else {}
+            init_embedding_weights({name[len(EBC_PREFIX):-len(".weight")]: full}, self._seed)
+            _copy_shards(t, full, name)
 
     # -- accessors --------------------------------------------------------------------------
 
@@ -589,7 +563,7 @@ class TrainModule:
         non-finite prediction are left out as in one process; every rank then runs its
         forward again, so the collectives match.
         """
-        sizes = self._rank_sizes(batch.size)
+        sizes = [s for (s,) in agree([batch.size])]
         if sum(sizes) == 0:
             return StepOutput(probs=np.empty(0, dtype=np.float64), loss=float("nan"))
         # TorchRec's sharded lookup wants one batch size on every rank: pad to the largest
@@ -604,7 +578,7 @@ class TrainModule:
                 logger.warning("%d of %d samples have a non-finite prediction and are not "
                                "trained on (non_finite_output)", len(dropped), batch.size)
             batch = batch.select(finite.reshape(batch.size, -1).all(dim=1))
-            sizes = self._rank_sizes(batch.size)
+            sizes = [s for (s,) in agree([batch.size])]
             if sum(sizes) == 0:
                 return StepOutput(probs=np.empty(0, dtype=np.float64), loss=float("nan"),
                                   dropped=dropped)
@@ -627,13 +601,6 @@ class TrainModule:
         self.record_touched_rows(batch.sparse)
         probs = predictions(mine.logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
-
-    def _rank_sizes(self, size: int) -> list[int]:
-        """Every rank's number of records at this step (a collective)."""
-        mine = torch.tensor([size], dtype=torch.int64)
-        everyone = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine)
-        return [int(t) for t in everyone]
 
     def empty_batch(self) -> Batch:
         """A batch of no records.

@@ -687,19 +687,13 @@ class Trainer:
                 source["eval_positions"] = {str(p): o for p, o in
                                             self.evaluator.positions().items()}
             if self.module.world_size > 1:
-                return self._checkpoint_ranks(positions, source, overwrite)
-            state = self.module.state_dict_for_checkpoint()
-            if self.pass_saves is not None:
-                state["pass_saves"] = self.pass_saves.state_dict()
-            self.checkpoints.save(
-                self.module.global_step,
-                state,
-                positions,
-                source,
-                self._config_text,
-                self.generation,
-                overwrite=overwrite,
-            )
+                self._save_across_ranks(positions, source, overwrite)
+            else:
+                state = self.module.state_dict_for_checkpoint()
+                if self.pass_saves is not None:
+                    state["pass_saves"] = self.pass_saves.state_dict()
+                self.checkpoints.save(self.module.global_step, state, positions, source,
+                                      self._config_text, self.generation, overwrite=overwrite)
             self.metrics.checkpoint_step.set(self.module.global_step)
             self.last_checkpoint_error = None
             if self.input_pipeline is not None:
@@ -713,12 +707,15 @@ class Trainer:
         finally:
             self.state = prev_state if prev_state != "checkpointing" else "training"
 
-    def _checkpoint_ranks(self, positions: dict[int, int], source: dict,
-                          overwrite: bool) -> bool:
-        """``_checkpoint`` of one of several ranks (a collective).
+    def _save_across_ranks(self, positions: dict[int, int], source: dict,
+                           overwrite: bool) -> None:
+        """The checkpoint save of one of several ranks (a collective).
 
-        Every rank's positions and table rows are gathered, rank 0 writes the checkpoint,
-        and every rank learns its outcome (so all keep checkpointing on the same steps).
+        Every rank's positions and table rows are gathered and rank 0 writes the checkpoint;
+        every rank learns the outcome, so all keep checkpointing on the same steps.
+
+        Raises:
+            CheckpointError: on every rank, when rank 0 could not write it.
         """
         everyone = all_positions(positions)
         state = self.module.state_dict_for_checkpoint()  # whole on rank 0, {} elsewhere
@@ -731,16 +728,8 @@ class Trainer:
                 error = str(exc)
         error = from_rank0(error)
         if error is not None:
-            self.metrics.checkpoint_failures.inc()
-            self.last_checkpoint_error = error
-            logger.error("%s; training continues and the next checkpoint will retry", error)
-            return False
+            raise CheckpointError(error)
         self.checkpoints.last_saved_step = self.module.global_step
-        self.metrics.checkpoint_step.set(self.module.global_step)
-        self.last_checkpoint_error = None
-        if self.input_pipeline is not None:
-            self.input_pipeline.request_commit(positions)
-        return True
 
     def _evaluate(self) -> None:
         """Scores the eval topic's new records (``odl.train.stream_evaluation``)."""
