@@ -125,8 +125,8 @@ class IncrementalPublisher:
         Returns:
             True when everything due was published.
         """
-        if step is not None and (step != self._last_version or self._sender.republish_requested):
-            self._snapshot(int(step), positions or {}, dense=True, sparse=True)
+        if step is not None and self.final_due(int(step)):
+            self.snapshot(int(step), positions or {}, dense=True, sparse=True)
         deadline = time.monotonic() + timeout
         ok = self._sender.wait_sent(deadline)
         if not ok:
@@ -151,11 +151,58 @@ class IncrementalPublisher:
         Returns:
             True when every version up to ``step`` was acknowledged by the sink.
         """
-        dense_due = self._last_dense[0] != step
-        sparse_due = self._last_sparse[0] != step
+        sparse_due, dense_due = self.sync_parts(step)
         if dense_due or sparse_due:  # both parts current at ``step``, like ``flush``
-            self._snapshot(int(step), positions, dense=dense_due, sparse=sparse_due)
+            self.snapshot(int(step), positions, dense=dense_due, sparse=sparse_due)
+        return self.wait_sent(timeout)
+
+    def wait_sent(self, timeout: float) -> bool:
+        """Waits up to ``timeout`` seconds until every queued version is acknowledged.
+
+        Returns:
+            True when all were.
+        """
         return self._sender.wait_sent(time.monotonic() + timeout)
+
+    # ------------------------------------------------------------------ what is due
+    def due_parts(self, step: int) -> tuple[bool, bool]:
+        """``(sparse, dense)``: the parts the schedule says are due after ``step``.
+
+        A pending republish (``republish_pending``) makes the sparse part due with any due
+        part, since only a sparse snapshot can carry it.
+        """
+        if step == self._last_version:
+            return False, False
+        now = time.monotonic()
+        sparse_due = bool(
+            (self.sparse_save_steps and step - self._last_sparse[0] >= self.sparse_save_steps)
+            or (self.sparse_save_secs and now - self._last_sparse[1] >= self.sparse_save_secs))
+        dense_due = bool(
+            (self.dense_save_steps and step - self._last_dense[0] >= self.dense_save_steps)
+            or (self.dense_save_secs and now - self._last_dense[1] >= self.dense_save_secs))
+        return sparse_due or (dense_due and self.republish_pending), dense_due
+
+    def behind(self, step: int) -> bool:
+        """Steps were trained since the last version (``publish_if_behind`` would publish)."""
+        return step != self._last_version
+
+    def sync_parts(self, step: int) -> tuple[bool, bool]:
+        """``(sparse, dense)``: the parts not yet current at ``step`` (what ``sync`` takes).
+
+        A pending republish makes the sparse part due: a checkpoint must not be written
+        before the rows the broker lost are sent again.
+        """
+        return (self._last_sparse[0] != step or self.republish_pending,
+                self._last_dense[0] != step)
+
+    def final_due(self, step: int) -> bool:
+        """``flush`` at ``step`` takes a last version (steps since the last, or a republish)."""
+        return step != self._last_version or self.republish_pending
+
+    @property
+    def republish_pending(self) -> bool:
+        """The sink asked for every row again; the next sparse snapshot carries them."""
+        return self._sender.republish_requested
 
     # ------------------------------------------------------------------ train loop side
     def note_times(self, event_time_ms: Optional[tuple[int, int]] = None,
@@ -187,18 +234,10 @@ class IncrementalPublisher:
             True when a version was snapshotted and queued.
         """
         self.note_times(event_time_ms, produce_time_ms)
-        if step == self._last_version:
-            return False
-        now = time.monotonic()
-        sparse_due = bool(
-            (self.sparse_save_steps and step - self._last_sparse[0] >= self.sparse_save_steps)
-            or (self.sparse_save_secs and now - self._last_sparse[1] >= self.sparse_save_secs))
-        dense_due = bool(
-            (self.dense_save_steps and step - self._last_dense[0] >= self.dense_save_steps)
-            or (self.dense_save_secs and now - self._last_dense[1] >= self.dense_save_secs))
+        sparse_due, dense_due = self.due_parts(step)
         if not (sparse_due or dense_due):
             return False
-        self._snapshot(step, positions, dense=dense_due, sparse=sparse_due)
+        self.snapshot(step, positions, dense=dense_due, sparse=sparse_due)
         return True
 
     def publish_if_behind(self, step: int, positions: Mapping[int, int]) -> bool:
@@ -214,16 +253,28 @@ class IncrementalPublisher:
         Returns:
             True when a version was snapshotted and queued.
         """
-        if step == self._last_version:
+        if not self.behind(step):
             return False
-        self._snapshot(step, positions, dense=True, sparse=True)
+        self.snapshot(step, positions, dense=True, sparse=True)
         return True
 
-    def _snapshot(self, step: int, positions: Mapping[int, int], dense: bool,
-                  sparse: bool) -> None:
+    def snapshot(self, step: int, positions: Mapping[int, int], dense: bool,
+                 sparse: bool) -> None:
+        """Takes version ``step`` with the given parts now and queues it for the sender.
+
+        A pending republish is carried by a snapshot with the sparse part (and then takes
+        both parts); a dense-only snapshot leaves it pending.
+
+        Args:
+            step: the global step (the version).
+            positions: next offset per input partition (every rank's, with several).
+            dense: take the dense part.
+            sparse: take the sparse part (with several ranks, every rank must take part:
+                ``odl.train.rank_publishing``).
+        """
         now = time.monotonic()
-        snap = self._snapshots.take(step, positions, dense, sparse,
-                                    republish_all=self._sender.take_republish_request())
+        republish = sparse and self._sender.take_republish_request()
+        snap = self._snapshots.take(step, positions, dense, sparse, republish_all=republish)
         if snap.has_sparse:
             self._last_sparse = (step, now)
         if snap.has_dense:

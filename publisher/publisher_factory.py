@@ -4,8 +4,10 @@
 ``kafka`` branch) or an ``FsSink`` (the ``fs`` branch; a relative ``incr_save_dir`` lies in
 ``model_dir``). ``build_publisher`` writes the id maps (``publisher.id_maps``) into
 ``model_dir``, registers a ``DeltaTracker`` as the train module's touched-rows hook and
-starts an ``IncrementalPublisher``. ``published_table_dims`` and ``dense_variable_shapes``
-say what of a train module is published; crash recovery uses them to rebuild the same id maps.
+starts an ``IncrementalPublisher``; ``build_rank_snapshotter`` gives a rank other than 0 of
+a model trained by several ranks its share of the snapshots. ``published_table_dims`` and
+``dense_variable_shapes`` say what of a train module is published; crash recovery uses them
+to rebuild the same id maps.
 """
 
 from __future__ import annotations
@@ -21,10 +23,10 @@ from odl.storage.storage_path import basename, is_remote, join
 from publisher.delta_sink import DeltaSink
 from publisher.delta_tracker import DeltaTracker
 from publisher.fs_sink import FsSink
-from publisher.id_maps import write_id_maps
+from publisher.id_maps import build_id_maps, write_id_maps
 from publisher.incremental_publisher import IncrementalPublisher
 from publisher.kafka_sink import KafkaSink
-from publisher.version_snapshot import ParameterSource
+from publisher.version_snapshot import ParameterSnapshotter, ParameterSource
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +46,8 @@ def published_table_dims(module: Any) -> dict[str, tuple[int, int]]:
     layout = getattr(module.model, "layout", None)
     read = dict(layout.read_dims) if layout is not None else {}
     out = {}
-    for name, w in module.embedding_tables().items():
-        out[name] = (int(w.shape[0]), int(read.get(name, w.shape[1])))
+    for name, (rows, columns) in module.table_shapes().items():
+        out[name] = (rows, int(read.get(name, columns)))
     return out
 
 
@@ -109,10 +111,7 @@ def build_publisher(
     isc = config.train_config.incr_save_config
     id_maps = write_id_maps(config.model_dir, dense_variable_shapes(module),
                             published_table_dims(module))
-    tables = module.embedding_tables()
-    tracker = DeltaTracker(module.feature_tables(),
-                           {name: int(w.shape[0]) for name, w in tables.items()})
-    module.set_touched_rows_hook(tracker.record)
+    tracker = _touched_rows_tracker(module)
     if sink is None:
         sink = build_delta_sink(config)
     model_name = isc.model_name or basename(config.model_dir)
@@ -135,3 +134,29 @@ def build_publisher(
                 isc.sparse_save_secs, isc.dense_save_steps, isc.dense_save_secs, value_type,
                 len(id_maps.tables), len(id_maps.dense))
     return pub
+
+
+def build_rank_snapshotter(config: Any, module: Any) -> ParameterSnapshotter:
+    """The snapshotter of a rank other than 0 (several ranks; ``odl.train.rank_publishing``).
+
+    It tracks the rows this rank's batches touch (registered as the module's touched-rows
+    hook) and takes part in rank 0's sparse snapshots; it writes nothing and sends nothing.
+
+    Args:
+        config: the pipeline config (``EasyRecConfig``).
+        module: the ``TrainModule``.
+
+    Returns:
+        The snapshotter, with the same id maps rank 0's publisher writes.
+    """
+    id_maps = build_id_maps(dense_variable_shapes(module), published_table_dims(module))
+    return ParameterSnapshotter(module, id_maps, _touched_rows_tracker(module),
+                                online_input_name(config))
+
+
+def _touched_rows_tracker(module: Any) -> DeltaTracker:
+    """A ``DeltaTracker`` of the module's tables, registered as its touched-rows hook."""
+    tracker = DeltaTracker(module.feature_tables(),
+                           {name: rows for name, (rows, _) in module.table_shapes().items()})
+    module.set_touched_rows_hook(tracker.record)
+    return tracker

@@ -2,10 +2,15 @@
 
 A snapshot is the content of one delta version before encoding. ``ParameterSnapshotter``
 takes it on the train loop's thread: the CURRENT values of the embedding rows the
-``DeltaTracker`` saw touched since the last sparse snapshot (``index_select`` on the live
-tables, wide tables cut to their published width) and / or a copy of every dense variable of
-the id maps, with the input positions after the last trained batch and the min/max event
-time and Kafka produce time of the samples trained since the previous snapshot.
+``DeltaTracker`` saw touched since the last sparse snapshot (the module's ``read_rows``,
+wide tables cut to their published width) and / or a copy of every dense variable of the id
+maps, with the input positions after the last trained batch and the min/max event time and
+Kafka produce time of the samples trained since the previous snapshot.
+
+Several ranks (``odl.train.rank_publishing``): every rank holds a snapshotter and its own
+tracker, and all take each sparse snapshot together. ``read_rows`` is then a collective that
+brings the union of the ranks' touched rows, read from the shards that hold them, to rank 0;
+rank 0's snapshot is the version, the others' are empty and dropped.
 
 ``merge_snapshots`` folds two snapshots into one when the sender is behind: the union of the
 rows with the newer values, the newer version, positions and publish time, the widened time
@@ -53,8 +58,16 @@ _INT64_MAX = (1 << 63) - 1
 class ParameterSource(Protocol):
     """What the snapshotter reads from the train module."""
 
-    def embedding_tables(self) -> dict[str, torch.Tensor]:
-        """Table name -> live weight tensor."""
+    def table_shapes(self) -> dict[str, tuple[int, int]]:
+        """Table name -> ``(rows, stored columns)``."""
+
+    def read_rows(self, requested: Mapping[str, torch.Tensor]
+                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Table name -> ``(row ids, current rows)`` of the requested rows.
+
+        With several ranks a collective: each rank requests its own rows, and the sorted
+        union of all ranks' with their values comes back on rank 0 (``{}`` elsewhere).
+        """
 
     def dense_parameters(self) -> dict[str, torch.Tensor]:
         """Dense variable name -> live tensor."""
@@ -229,8 +242,7 @@ class ParameterSnapshotter:
         self._produce_range: Optional[list[int]] = None
         self._published_rows: dict[str, torch.Tensor] = {}  # table -> rows ever published
         self.secs_total = 0.0
-        tables = getattr(module, "embedding_tables", dict)()
-        for name in tables:  # evictions become deletes from now on
+        for name in module.table_shapes():  # evictions become deletes from now on
             dyn = self._dynamic(name)
             if dyn is not None:
                 dyn.add_delete_consumer(delete_consumer)
@@ -297,13 +309,22 @@ class ParameterSnapshotter:
         getter = getattr(self.module, "dynamic_table", None)
         return getter(name) if getter is not None else None
 
+    def take_time_ranges(self) -> tuple[Optional[list[int]], Optional[list[int]]]:
+        """The noted ``(event, produce)`` time ranges, which then start afresh.
+
+        A rank other than 0 sends them to rank 0, whose snapshot covers every rank's.
+        """
+        out = (self._event_range, self._produce_range)
+        self._event_range = self._produce_range = None
+        return out
+
     def _copy_rows(self, step: int, republish_all: bool) -> tuple[
             dict[int, tuple[np.ndarray, np.ndarray]], dict[int, np.ndarray]]:
         touched = self.tracker.take()
-        tables = self.module.embedding_tables()
+        shapes = self.module.table_shapes()
         deletes: dict[int, np.ndarray] = {}
         gone_by_table: dict[int, np.ndarray] = {}  # one take per dynamic table (id())
-        for name in tables:
+        for name in shapes:
             dyn = self._dynamic(name)
             info = self.id_maps.tables.get(name)
             if dyn is None or info is None:
@@ -312,38 +333,46 @@ class ParameterSnapshotter:
                 gone_by_table[id(dyn)] = dyn.take_deleted(self.delete_consumer)
             if gone_by_table[id(dyn)].shape[0]:
                 deletes[info.id] = gone_by_table[id(dyn)]
-        for name, ids in touched.items():
-            if self._dynamic(name) is not None:
-                continue
-            if name not in self._published_rows:
-                self._published_rows[name] = torch.zeros(int(tables[name].shape[0]),
-                                                          dtype=torch.bool)
-            self._published_rows[name][ids.cpu()] = True
         if republish_all:
-            touched = {name: mask.nonzero().flatten()
-                       for name, mask in self._published_rows.items()}
-            for name in tables:
+            touched = dict(touched)
+            for name, mask in self._published_rows.items():
+                ids = mask.nonzero().flatten()
+                if name in touched:
+                    ids = torch.unique(torch.cat([ids, touched[name].cpu()]))
+                touched[name] = ids
+            for name in shapes:
                 dyn = self._dynamic(name)
                 if dyn is not None:
                     touched[name] = torch.from_numpy(dyn.index.live_rows())
-            logger.warning("delta version %d republishes all %d rows ever published (the "
-                           "broker lost acknowledged versions)", step,
-                           sum(len(v) for v in touched.values()))
-        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        requested: dict[str, torch.Tensor] = {}
+        raw_ids: dict[str, np.ndarray] = {}  # dynamic tables: the raw id of each row read
         for name, ids in touched.items():
-            info = self.id_maps.tables.get(name)
-            if info is None:
+            if name not in self.id_maps.tables:
                 continue
             dyn = self._dynamic(name)
-            keys = ids.cpu().numpy().astype(np.int64, copy=False)
             if dyn is not None:
+                keys = ids.cpu().numpy().astype(np.int64, copy=False)
                 raw = dyn.index.row_ids[keys]
                 ok = raw >= 0
                 ok[ok] = dyn.publishable(keys[ok], dyn.now)
-                keys, ids = raw[ok], ids[torch.from_numpy(ok).to(ids.device)]
-                if not keys.shape[0]:
+                raw_ids[name], ids = raw[ok], ids[torch.from_numpy(ok).to(ids.device)]
+                if not ids.shape[0]:
                     continue
-            weight = tables[name]
-            rows = weight.index_select(0, ids.to(weight.device))[:, : info.dim]
-            out[info.id] = (keys, rows.cpu().numpy())
+            requested[name] = ids
+        got = self.module.read_rows(requested)  # several ranks: all take part, rank 0 gets
+        out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        for name, (ids, rows) in got.items():
+            info = self.id_maps.tables[name]
+            if name in raw_ids:
+                keys = raw_ids[name]
+            else:  # remembered for a republish (the union of every rank's rows)
+                if name not in self._published_rows:
+                    self._published_rows[name] = torch.zeros(shapes[name][0], dtype=torch.bool)
+                keys = ids.cpu().numpy().astype(np.int64, copy=False)
+                self._published_rows[name][ids.cpu()] = True
+            out[info.id] = (keys, rows[:, : info.dim].cpu().numpy())
+        if republish_all:
+            logger.warning("delta version %d republishes all %d rows ever published (the "
+                           "broker lost acknowledged versions)", step,
+                           sum(len(ids) for ids, _ in out.values()))
         return out, deletes

@@ -206,3 +206,27 @@ def test_both_inputs_are_refused_and_the_region_becomes_the_endpoint() -> None:
     validate_pipeline_config(config, online=True)
     _start, args = online_source_args(config, None)
     assert args["kind"] == "datahub" and args["endpoint"] == "https://dh-cn-hangzhou.aliyuncs.com"
+
+
+def test_two_ranks_split_the_shards_and_follow_splits(dh) -> None:
+    """Rank r of 2 reads the shards s with s % 2 == r, new ones from a split included;
+    together they read every record once and each rank's positions name only its shards."""
+    data = _load(dh, 3, 20)
+    ranks = [_source(dh, batch=200, rank=r, world_size=2) for r in range(2)]
+    assert ranks[0].open() == {0: 0, 2: 0} and ranks[1].open() == {1: 0}
+    first = [_drain(src, want) for src, want in zip(ranks, (40, 20), strict=True)]
+    a, b = dh.split_shard(P, T, "1")  # shard 1 (rank 1) closes; children 3 and 4
+    dh.append(P, T, a, [b"child-a"])
+    dh.append(P, T, b, [b"child-b"])
+    for src in ranks:
+        src._refresh_shards(None)
+    then = [_drain(src, 1) for src in ranks]
+    got = first[0] + first[1] + then[0] + then[1]
+    assert len(got) == 62 and len({(p, o) for p, o, _ in got}) == 62
+    assert {v for _, _, v in got} == {v for vals in data.values() for v in vals} | {
+        b"child-a", b"child-b"}
+    for r, src in enumerate(ranks):
+        assert all(int(p) % 2 == r for p, _, _ in first[r] + then[r])
+        assert set(src.partitions) == {s for s in (0, 1, 2, int(a), int(b)) if s % 2 == r}
+    with pytest.raises(ValueError, match="owns none"):  # rank 5 of 6 over shards 0..4
+        _source(dh, rank=5, world_size=6).open()

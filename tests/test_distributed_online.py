@@ -1,20 +1,28 @@
 """``odl-train --online`` as two ranks under ``torchrun``: each reads its partitions, they
-step in lock-step, checkpoint together, and every record is trained exactly once."""
+step in lock-step, checkpoint and publish together, and every record is trained exactly once
+(as the checkpoints and as serving see it)."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
 
+import numpy as np
 import psutil
 
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.pipeline_config import load_pipeline_config
+from odl.datagen.synthetic_ctr import SyntheticCtrStream
+from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.datahub_double import DatahubDouble
+from odl.harness.delta_topic_audit import published_versions
 from odl.harness.exactly_once_audit import ledger_sample_ids, reflected_exactly_once
+from odl.harness.http_client import free_port, get_json, post_json
 from odl.harness.topic_records import make_records, produce
 from odl.kafka.topic_admin import end_offsets
 from odl.train.sample_ledger import read_ledger
@@ -25,20 +33,21 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _stream(bootstrap: str, topic_factory, tmp_path, partitions: int, records: int,
-            seed: int, batch_size: int, checkpoint_steps: int):
+            seed: int, batch_size: int, checkpoint_steps: int, extra_train: str = ""):
     """A topic of ``records`` test records over ``partitions`` and a config reading it:
     ``(sample ids, end offsets, config path)``."""
     topic = topic_factory(partitions=partitions)
     ids, values = make_records(records, seed=seed)
     produce(bootstrap, topic, values, partitions)
     cfg = write_config(tmp_path, bootstrap, topic, batch_size=batch_size,
-                       save_checkpoints_steps=checkpoint_steps)
+                       save_checkpoints_steps=checkpoint_steps, extra_train=extra_train)
     return ids, end_offsets(bootstrap, topic), cfg
 
 
-def _torchrun(cfg: str, ledger: str, log, *extra: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", *extra,
+def _torchrun(cfg: str, ledger: str, log, *extra: str,
+              launch: tuple[str, ...] = ("--standalone", "--nproc_per_node", "2")
+              ) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, *extra,
            "-m", "odl.cli.train_cli", "--pipeline_config_path", cfg, "--online",
            "--device", "cpu", "--status_port", "-1", "--sample_ledger", ledger,
            "--log_level", "WARNING"]
@@ -107,14 +116,76 @@ def test_two_ranks_under_torchrun_train_every_record_once(kafka_bootstrap, kafka
     assert one.global_step == ckpt.global_step > 0
 
 
-def test_kill_9_of_one_rank_restarts_both_from_the_checkpoint(kafka_bootstrap,
-                                                              kafka_topic_factory, tmp_path):
-    """SIGKILL of rank 1 mid-stream: torchrun restarts both ranks, they restore the last
-    checkpoint (rank 0 wrote it with both ranks' positions and rows) and read on from its
-    positions. Over the two generations every record is reflected in a checkpoint exactly
-    once: what the killed generation trained after its last checkpoint is trained again."""
+def test_two_ranks_split_a_datahub_topics_shards(tmp_path):
+    """DataHub input under torchrun (the real SDK against the loopback double): rank r reads
+    the shards s with s % 2 == r, every record is trained once over both ranks, and the final
+    checkpoint holds every shard's end."""
+    ids, values = make_records(900, seed=24)
+    with DatahubDouble() as dh:
+        dh.create_topic("odl", "samples", shards=3)
+        for s in range(3):
+            dh.append("odl", "samples", str(s), values[s::3])
+        cfg = write_config(tmp_path, "127.0.0.1:1", "unused", batch_size=64,
+                           save_checkpoints_steps=4)
+        text = re.sub(r"kafka_train_input \{[^}]*\}",
+                      'datahub_train_input { akId: "dh-id" akSecret: "dh-secret" '
+                      f'endpoint: "{dh.endpoint}" project: "odl" topic: "samples" }}',
+                      open(cfg).read())
+        open(cfg, "w").write(text)
+        ledger = str(tmp_path / "ledger.tsv")
+        log_path = tmp_path / "torchrun.log"
+        with open(log_path, "wb") as log:
+            proc = _torchrun(cfg, ledger, log)
+            try:
+                _wait_until(lambda: _trained(ledger) >= set(ids), proc, log_path)
+                _stop_ranks(proc, log_path)
+            finally:
+                _kill_tree(proc)
+    assert sorted(ledger_sample_ids(ledger + ".rank0") + ledger_sample_ids(ledger + ".rank1")
+                  ) == sorted(ids)
+    ckpt = read_checkpoint(list_checkpoints(str(tmp_path / "model_dir"))[-1])
+    assert ckpt.positions == {0: 300, 1: 300, 2: 300}
+
+
+def test_two_hosts_meet_at_a_rendezvous_and_train_every_record_once(
+        kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """Two torchrun agents (one per host, here both on loopback) of one rank each, meeting
+    at a c10d rendezvous as the systemd/odl-train-hosts.conf drop-in starts them: the job
+    trains every record once over both hosts' ranks, and a SIGTERM on one host stops both."""
     ids, ends, cfg = _stream(kafka_bootstrap, kafka_topic_factory, tmp_path, partitions=2,
-                             records=3000, seed=22, batch_size=32, checkpoint_steps=5)
+                             records=800, seed=23, batch_size=64, checkpoint_steps=4)
+    ledger = str(tmp_path / "ledger.tsv")
+    launch = ("--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+              "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", "odl-hosts-test")
+    logs = [tmp_path / f"host{h}.log" for h in range(2)]
+    with open(logs[0], "wb") as log0, open(logs[1], "wb") as log1:
+        hosts = [_torchrun(cfg, ledger, log, launch=launch) for log in (log0, log1)]
+        try:
+            _wait_until(lambda: _trained(ledger) >= set(ids), hosts[0], logs[0])
+            _stop_ranks(hosts[1], logs[1])  # the other host's rank stops with it
+            assert hosts[0].wait(120) == 0, logs[0].read_text()[-3000:]
+        finally:
+            for proc in hosts:
+                _kill_tree(proc)
+    trained = ledger_sample_ids(ledger + ".rank0") + ledger_sample_ids(ledger + ".rank1")
+    assert sorted(trained) == sorted(ids)
+    assert read_checkpoint(list_checkpoints(str(tmp_path / "model_dir"))[-1]).positions == ends
+
+
+def test_kill_9_of_one_rank_restarts_both_at_the_last_version_serving_sees(
+        kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """SIGKILL of rank 1 mid-stream while rank 0 publishes both ranks' rows: torchrun
+    restarts both ranks; rank 0 reads the delta topic and both continue from the last
+    complete version (its rows on whichever rank's shard holds them, its positions of every
+    partition). Every record is reflected in the versions serving applies exactly once, and
+    serving replaying the topic onto an export of the first checkpoint predicts what the
+    final checkpoint predicts."""
+    delta_topic = kafka_topic_factory(partitions=1, prefix="delta", create=False)
+    incr = (f"incr_save_config {{ sparse_save_steps: 3 dense_save_steps: 3 "
+            f'kafka {{ server: "{kafka_bootstrap}" topic: "{delta_topic}" }} }}')
+    ids, ends, cfg = _stream(kafka_bootstrap, kafka_topic_factory, tmp_path, partitions=2,
+                             records=3000, seed=22, batch_size=32, checkpoint_steps=8,
+                             extra_train=incr)
     text = open(cfg).read().replace("keep_checkpoint_max: 3", "keep_checkpoint_max: 0")
     open(cfg, "w").write(text)
     ledger = str(tmp_path / "ledger.tsv")
@@ -131,23 +202,49 @@ def test_kill_9_of_one_rank_restarts_both_from_the_checkpoint(kafka_bootstrap,
             ranks[-1].kill()  # SIGKILL, no goodbye
             killed = read_checkpoint(list_checkpoints(model_dir)[-1]).manifest["generation"]
 
-            def caught_up() -> bool:  # the new generation trained what the checkpoint lacks
+            def caught_up() -> bool:  # the new generation trained what serving lacks
+                complete = published_versions(kafka_bootstrap, delta_topic)
                 entries = _entries(ledger)
-                last = max(read_checkpoint(c).global_step for c in list_checkpoints(model_dir)
-                           if read_checkpoint(c).manifest["generation"] == killed)
-                kept = {sid for gen, step, sid in entries if gen == killed and step <= last}
+                kept = {sid for gen, step, sid in entries
+                        if gen == killed and step <= complete.get(killed, -1)}
                 new = {sid for gen, _, sid in entries if gen != killed}
                 return bool(new) and kept | new >= set(ids)
             _wait_until(caught_up, proc, log_path)
             _stop_ranks(proc, log_path)
         finally:
             _kill_tree(proc)
-    last_complete: dict[str, int] = {}
-    for path in list_checkpoints(model_dir):
-        c = read_checkpoint(path)
-        gen = c.manifest["generation"]
-        last_complete[gen] = max(last_complete.get(gen, -1), c.global_step)
-    assert len(last_complete) == 2  # the killed job's and the restarted one's
-    lost, twice = reflected_exactly_once(ids, _entries(ledger), last_complete)
+    complete = published_versions(kafka_bootstrap, delta_topic)
+    assert len(complete) == 2  # the killed job's and the restarted one's
+    lost, twice = reflected_exactly_once(ids, _entries(ledger), complete)
     assert lost == [] and twice == []
-    assert read_checkpoint(list_checkpoints(model_dir)[-1]).positions == ends
+    final = read_checkpoint(list_checkpoints(model_dir)[-1])
+    assert final.positions == ends
+    assert complete[final.manifest["generation"]] == final.global_step
+
+    # serving: the first checkpoint's export plus the topic is the final model
+    config = load_pipeline_config(cfg)
+    export_dir = str(tmp_path / "export")
+    export_checkpoint(config, list_checkpoints(model_dir)[0], export_dir)
+    records = SyntheticCtrStream(seed=99).next_batch(300).encode("csv")
+    one = TrainModule(config, FeatureBuilder(config), device="cpu")
+    one.load_checkpoint_state(final.state)
+    expected = one.predict(FeatureBuilder(config).build(records).batch)
+    port = free_port()
+    with open(tmp_path / "serve.log", "wb") as serve_log:
+        serve = subprocess.Popen([sys.executable, "-m", "odl.cli.serve_cli", "--export_dir",
+                                  export_dir, "--port", str(port)], cwd=REPO,
+                                 stdout=serve_log, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            status: dict = {}
+            deadline = time.monotonic() + 120
+            while status.get("version") != final.global_step or status.get("lag_messages"):
+                assert serve.poll() is None and time.monotonic() < deadline, status
+                time.sleep(0.2)
+                status = get_json(url + "/status") or {}
+            served = post_json(url + "/predict", b"\n".join(records))
+        finally:
+            serve.terminate()
+            serve.wait(30)
+    assert served["version"] == final.global_step
+    assert float(np.abs(np.asarray(served["probabilities"]) - expected).max()) <= 1e-6

@@ -17,11 +17,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from odl.config.config_error import ConfigError
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
 from odl.inputs.partition_assignment import rank_partitions
-from odl.train.distributed import table_placement
+from odl.train.distributed import check_several_ranks, table_placement
 from odl.train.train_module import TrainModule
 from tests.harness import load_config_text
 
@@ -226,3 +227,19 @@ def test_partitions_split_across_ranks():
     assert rank_partitions([5, 9], 1, 2) == [9]  # by position, whatever the numbers
     with pytest.raises(ValueError, match="3 ranks but only 2 partitions"):
         rank_partitions([0, 1], 0, 3)
+
+
+def test_several_ranks_refuse_what_they_cannot_do_by_field(tmp_path):
+    """Publishing is one of the things several ranks do; eval topics and offline input are
+    refused at start, naming the field."""
+    base = bursty_config_text(str(tmp_path / "m"), batch_size=BATCH, buckets=4096,
+                              extra_train='incr_save_config { sparse_save_steps: 5 '
+                                          'fs { incr_save_dir: "v" } }')
+    check_several_ranks(load_config_text(base), online=True, world_size=2)
+    with pytest.raises(ConfigError) as err:
+        check_several_ranks(load_config_text(base), online=False, world_size=2)
+    assert err.value.field == "kafka_train_input"
+    evaluated = base + '\nkafka_eval_input { server: "127.0.0.1:9092" topic: "eval" }\n'
+    with pytest.raises(ConfigError) as err:
+        check_several_ranks(load_config_text(evaluated), online=True, world_size=2)
+    assert err.value.field == "kafka_eval_input" and "2 ranks" in str(err.value)

@@ -19,6 +19,7 @@ TRAIN = UNITS / "odl-train@.service"
 SERVE = UNITS / "odl-serve@.service"
 ENV_EXAMPLE = UNITS / "odl.env.example"
 RANKS = UNITS / "odl-train-ranks.conf"
+HOSTS = UNITS / "odl-train-hosts.conf"
 
 
 def parse_unit(path: Path) -> dict[str, dict[str, list[str]]]:
@@ -90,16 +91,25 @@ def test_unit_has_the_required_settings(path, cli, binary):
     assert "/etc/odl/%i.env" in [v.lstrip("-") for v in unit[s]["EnvironmentFile"]]
 
 
-def test_ranks_drop_in_runs_the_trainer_under_torchrun():
-    """The drop-in replaces odl-train@'s ExecStart with torchrun running the same CLI with
-    flags it knows, and stops every rank (not only torchrun) on systemctl stop."""
-    unit = parse_unit(RANKS)
+@pytest.mark.parametrize("drop_in", [RANKS, HOSTS], ids=["one-host", "several-hosts"])
+def test_ranks_drop_in_runs_the_trainer_under_torchrun(drop_in):
+    """The drop-ins replace odl-train@'s ExecStart with torchrun running the same CLI with
+    flags it knows, and stop every rank (not only torchrun) on systemctl stop; the hosts'
+    one meets at a rendezvous named after the instance."""
+    unit = parse_unit(drop_in)
     assert set(unit) == {"Service"}
     s = unit["Service"]
     assert s["ExecStart"][0] == ""  # clears the unit's own ExecStart first
     argv = shlex.split(s["ExecStart"][-1])
     assert argv[0].startswith("/") and argv[0].endswith("/torchrun")
-    assert "--standalone" in argv and "--max-restarts" in argv
+    assert "--max-restarts" in argv
+    if drop_in == RANKS:
+        assert "--standalone" in argv
+    else:
+        assert argv[argv.index("--nnodes") + 1] == "${ODL_HOSTS}"
+        assert argv[argv.index("--rdzv_backend") + 1] == "c10d"
+        assert argv[argv.index("--rdzv_endpoint") + 1] == "${ODL_RDZV_ENDPOINT}"
+        assert "%i" in argv[argv.index("--rdzv_id") + 1]
     assert argv[argv.index("--nproc_per_node") + 1] == "${ODL_RANKS}"
     assert argv[argv.index("-m") + 1] == "odl.cli.train_cli"
     cli_args = argv[argv.index("-m") + 2:]
@@ -113,7 +123,7 @@ def test_ranks_drop_in_runs_the_trainer_under_torchrun():
 
 def test_env_example_documents_every_variable_the_units_use():
     used = set()
-    for path in (TRAIN, SERVE, RANKS):
+    for path in (TRAIN, SERVE, RANKS, HOSTS):
         used |= set(re.findall(r"\$\{?(ODL_\w+)", path.read_text()))
     text = ENV_EXAMPLE.read_text()
     documented = set(re.findall(r"^#?(ODL_\w+)=", text, flags=re.M))
@@ -132,11 +142,12 @@ def test_operations_doc_covers_the_lifecycle():
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None,
                     reason="systemd-analyze is not installed (the pure-Python checks above "
                            "still run)")
-def test_systemd_analyze_verify(tmp_path):
+@pytest.mark.parametrize("drop_in", [RANKS, HOSTS], ids=["one-host", "several-hosts"])
+def test_systemd_analyze_verify(tmp_path, drop_in):
     """systemd's own parser: no unknown keys, bad values or missing sections.
 
     The ExecStart binaries are pointed at this checkout's venv (verify requires them to
-    exist) and the templates are checked as instance ``ctr``, the train unit with the
+    exist) and the templates are checked as instance ``ctr``, the train unit with a
     torchrun drop-in.
     """
     bin_dir = Path(REPO) / ".venv" / "bin"
@@ -149,10 +160,10 @@ def test_systemd_analyze_verify(tmp_path):
         (tmp_path / name).write_text(text)
         names.append(f"./{name}")
     # the torchrun drop-in, read with the train unit from this directory
-    drop_in = tmp_path / (TRAIN.name.replace("@.", "@ctr.") + ".d")
-    drop_in.mkdir()
-    (drop_in / "ranks.conf").write_text(
-        RANKS.read_text().replace("/opt/odl/venv/bin/", f"{bin_dir}/"))
+    drop_dir = tmp_path / (TRAIN.name.replace("@.", "@ctr.") + ".d")
+    drop_dir.mkdir()
+    (drop_dir / drop_in.name).write_text(
+        drop_in.read_text().replace("/opt/odl/venv/bin/", f"{bin_dir}/"))
     res = subprocess.run(["systemd-analyze", "verify", *names], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120,
                          env={**os.environ, "SYSTEMD_UNIT_PATH": f"{tmp_path}:"})

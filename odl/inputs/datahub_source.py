@@ -19,6 +19,13 @@ checkpoints and crash recovery treat both alike):
   (DataHub answers "sealed"), and a shard whose parents are known is read only after all of
   them are finished, so records of one key keep their order. The shard list is refreshed every
   ``_SHARD_REFRESH_SECS`` and whenever a shard ends.
+* Several ranks (``rank`` of ``world_size``): a rank reads the shards
+  ``odl.inputs.partition_assignment.shard_rank`` gives it, new ones from splits and merges
+  included; its positions name only those. A child waits for the parents its own rank reads;
+  one whose parent another rank reads starts at once (DataHub has closed the parent by then,
+  but the other rank may still be reading its last records), so across ranks one key's
+  records keep their order only to within that rank's lag at the split. A rank that owns no
+  shard at start is an error.
 * Throttling (LimitExceeded), server errors, timeouts and connection errors are retried with
   exponential backoff (0.1 s doubling to 2 s), interruptible by the stop event; while they
   last ``broker_error`` says why (``/status`` ``input.broker_error``, ``odl_broker_up 0``).
@@ -56,6 +63,7 @@ from datahub.models.compress import CompressFormat
 
 from odl.config.field_formats import parse_datahub_offsets
 from odl.inputs.kafka_source import PartitionState, RawBatch
+from odl.inputs.partition_assignment import shard_rank
 
 logger = logging.getLogger(__name__)
 # pydatahub logs every error answer at ERROR, including the ones this module handles
@@ -137,12 +145,14 @@ class DatahubSource:
         shard_num: expected shard count (0 = not checked; a difference is logged).
         protocol: ``"json"`` (the default: in Python its parsing costs half the CPU of the
             protobuf one, ``bench/datahub_input.py``) or ``"pb"``.
+        rank: this rank of ``world_size``: only the shards ``shard_rank`` gives it are read.
+        world_size: ranks reading the topic together (1: every shard).
     """
 
     def __init__(self, endpoint: str, access_id: str, access_key: str, project: str,
                  topic: str, start: DatahubStart, batch_size: int,
                  batch_timeout_ms: int = 200, shard_num: int = 0,
-                 protocol: str = "json") -> None:
+                 protocol: str = "json", rank: int = 0, world_size: int = 1) -> None:
         self.endpoint = endpoint
         self.project = project
         self.topic = topic
@@ -158,6 +168,8 @@ class DatahubSource:
         self._schema: Any = None
         self._tuple = False
         self._readers: dict[str, _ShardReader] = {}
+        self.rank, self.world_size = int(rank), int(world_size)
+        self._others: set[str] = set()  # shards other ranks read
         self._rr = 0
         self._last_shard_refresh = 0.0
         self._last_watermarks = 0.0
@@ -229,10 +241,15 @@ class DatahubSource:
         self._tuple = topic.record_type == RecordType.TUPLE
         self._schema = topic.record_schema
         self._refresh_shards(stop_event, initial=True)
-        if self._shard_num and self._shard_num != len(self._readers):
+        if not self._readers and self.world_size > 1:
+            raise ValueError(
+                f"rank {self.rank} of {self.world_size} owns none of DataHub topic "
+                f"{self.project}/{self.topic}'s shards {sorted(self._others, key=int)} "
+                "(shard s goes to rank s % ranks): run fewer ranks")
+        if self._shard_num and self._shard_num != len(self._readers) + len(self._others):
             logger.warning("datahub_train_input.shard_num is %d but %s/%s has %d shards; "
                            "reading all of them", self._shard_num, self.project, self.topic,
-                           len(self._readers))
+                           len(self._readers) + len(self._others))
         positions = {int(k): r.next_seq for k, r in self._readers.items()}
         logger.info("DataHub %s/%s: %d shards, start sequences %s", self.project, self.topic,
                     len(self._readers), positions)
@@ -246,6 +263,9 @@ class DatahubSource:
         self._last_shard_refresh = time.monotonic()
         for sh in shards:
             sid = str(sh.shard_id)
+            if self.world_size > 1 and shard_rank(sid, self.world_size) != self.rank:
+                self._others.add(sid)
+                continue
             r = self._readers.get(sid)
             if r is None:
                 r = _ShardReader(sid, parents=tuple(str(p) for p in (sh.parent_shard_ids or [])))

@@ -54,8 +54,8 @@ def online_source_args(config: pipeline_pb2.EasyRecConfig,
                        ) -> tuple[Start, dict[str, Any]]:
     """The start rules and source keyword arguments (plus ``"kind"``) of the online input.
 
-    ``rank`` / ``world_size``: a Kafka source of one of several ranks reads only its share of
-    the partitions (``odl.inputs.partition_assignment``).
+    ``rank`` / ``world_size``: a Kafka or DataHub source of one of several ranks reads only
+    its share of the partitions / shards (``odl.inputs.partition_assignment``).
     """
     dc = config.data_config
     if online_input_kind(config) == "file_stream":
@@ -85,6 +85,8 @@ def online_source_args(config: pipeline_pb2.EasyRecConfig,
             "batch_size": dc.batch_size,
             "batch_timeout_ms": dc.batch_timeout_ms,
             "shard_num": d.shard_num,
+            "rank": rank,
+            "world_size": world_size,
         }
     ki = config.kafka_train_input
     start = start_positions_from_config(

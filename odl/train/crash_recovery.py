@@ -20,6 +20,11 @@ Order of a start (:meth:`CrashRecovery.restore`):
    ``model.ckpt-0`` with it (:attr:`RestoredState.needs_base_checkpoint`) so a kill before the
    first periodic checkpoint has a recovery base.
 
+Several ranks (``torchrun``): every rank reads the checkpoint; rank 0, which holds the delta
+sink, alone claims and reads the delta topic and sends the result to the others; each rank
+then copies the recovered rows onto the checkpoint's whole tables and loads its own shards of
+them, and takes its own partitions' positions from the recovered version's.
+
 While the delta topic is read the trainer's state is ``"recovering"``. Broker outages are
 waited out (backoff up to ``_RECOVERY_RETRY_MAX_SECS``); a stop request abandons recovery, and
 then no checkpoint may be written (:attr:`RestoredState.incomplete`).
@@ -36,12 +41,14 @@ from typing import Optional, TypeVar
 
 from odl.checkpoint.checkpoint_manager import (
     CheckpointManager,
+    LoadedCheckpoint,
     read_checkpoint,
     resolve_checkpoint_path,
 )
 from odl.inputs.source_factory import online_input_name
 from odl.protos import pipeline_pb2
-from odl.train.train_module import TrainModule
+from odl.train.distributed import from_rank0
+from odl.train.train_module import EBC_PREFIX, TrainModule
 from odl.train.trainer_metrics import TrainerMetrics
 from publisher.delta_recovery import (
     DeltaRecoveryError,
@@ -51,7 +58,7 @@ from publisher.delta_recovery import (
     read_published_state,
 )
 from publisher.delta_sink import DeltaSink, DeltaSinkError, DeltaSinkUnsupported
-from publisher.id_maps import build_id_maps
+from publisher.id_maps import IdMaps, build_id_maps
 from publisher.publisher_factory import dense_variable_shapes, published_table_dims
 
 logger = logging.getLogger(__name__)
@@ -141,16 +148,70 @@ class CrashRecovery:
         Raises:
             DeltaSinkUnsupported: the broker refuses the fencing producer.
         """
-        restored = self._restore_checkpoint()
-        delta = self._delta_topic()
-        if delta is not None:
-            restored.replays_delta_topic = True
-            prev_state = self._set_state("recovering")
-            try:
-                self._recover_published(restored, *delta)
-            finally:
-                self._set_state(prev_state)
+        if self._module.world_size > 1:
+            return self._restore_ranks()
+        latest = self._latest_checkpoint()
+        if latest is not None:
+            self._module.load_checkpoint_state(latest[1].state)
+            restored = self._restored_from(*latest)
+        else:
+            restored = self._warm_start()
+        recovered = self._read_delta_topic(restored)
+        if recovered is not None and self._note_recovered(restored, recovered):
+            module = self._module
+            apply_recovered_state(module.embedding_tables(), module.dense_parameters(),
+                                  self._id_maps(), recovered, module if module.dynamic else None)
+            module.global_step = int(recovered.version)
         return restored
+
+    def _restore_ranks(self) -> RestoredState:
+        """``restore`` of one of several ranks (a collective).
+
+        Every rank reads the checkpoint; rank 0 alone claims and reads the delta topic and
+        sends what it found to the others; every rank then brings the checkpoint's whole
+        tables forward to the recovered version before it loads its own shards of them.
+        """
+        latest = self._latest_checkpoint()
+        restored = self._restored_from(*latest) if latest is not None else RestoredState()
+        recovered = None
+        if self._delta_topic() is not None:
+            if self._module.rank == 0:
+                recovered = self._read_delta_topic(restored)
+            restored, recovered = from_rank0((restored, recovered))  # type: ignore[misc]
+        if latest is None:
+            self._warm_start()
+            return restored
+        state = latest[1].state
+        if recovered is not None and self._note_recovered(restored, recovered):
+            model = state["model"]
+            tables = {key[len(EBC_PREFIX):-len(".weight")]: t for key, t in model.items()
+                      if key.startswith(EBC_PREFIX) and key.endswith(".weight")}
+            dense = {key: t for key, t in model.items() if key.startswith("dense.")}
+            apply_recovered_state(tables, dense, self._id_maps(), recovered)
+            state["global_step"] = int(recovered.version)
+        self._module.load_checkpoint_state(state)
+        return restored
+
+    def _id_maps(self) -> IdMaps:
+        """The ids the publisher gives the module's variables and tables."""
+        return build_id_maps(dense_variable_shapes(self._module),
+                             published_table_dims(self._module))
+
+    def _read_delta_topic(self, restored: RestoredState) -> Optional[RecoveredState]:
+        """The published versions after the restored checkpoint (None: nothing to apply).
+
+        Sets ``restored``'s delta topic fields; the trainer's state is ``"recovering"``
+        meanwhile.
+        """
+        delta = self._delta_topic()
+        if delta is None:
+            return None
+        restored.replays_delta_topic = True
+        prev_state = self._set_state("recovering")
+        try:
+            return self._recover_published(restored, *delta)
+        finally:
+            self._set_state(prev_state)
 
     def _delta_topic(self) -> Optional[tuple[str, str, dict[str, str]]]:
         """``(server, topic, kafka_config)`` of the Kafka delta topic when online + publishing."""
@@ -162,40 +223,40 @@ class CrashRecovery:
             return None
         return isc.kafka.server, isc.kafka.topic, dict(isc.kafka.kafka_config)
 
-    def _restore_checkpoint(self) -> RestoredState:
+    def _latest_checkpoint(self) -> Optional[tuple[str, LoadedCheckpoint]]:
+        """``(path, checkpoint)`` of the newest intact one, None when there is none to use."""
+        if not self._continue_train:
+            return None
+        latest = self._checkpoints.latest()
+        return (latest, read_checkpoint(latest)) if latest is not None else None
+
+    def _restored_from(self, path: str, ckpt: LoadedCheckpoint) -> RestoredState:
+        """Where a start from checkpoint ``ckpt`` (already loaded, or about to be) begins."""
+        restored = RestoredState(
+            step=ckpt.global_step,
+            generation=ckpt.manifest.get("generation") or None,
+            delta_offset=(int(ckpt.source["delta_topic_offset"])
+                          if "delta_topic_offset" in ckpt.source else None),
+            pass_saves_state=ckpt.state.get("pass_saves"),
+            eval_positions=({int(p): int(o) for p, o in ckpt.source["eval_positions"].items()}
+                            if "eval_positions" in ckpt.source else None))
+        logger.info("restored %s: step %d, positions %s", path, ckpt.global_step, ckpt.positions)
+        self._checkpoints.last_saved_path = path
+        self._checkpoints.last_saved_step = ckpt.global_step
+        self._metrics.checkpoint_step.set(ckpt.global_step)
+        if self._online:
+            topic = ckpt.source.get("topic")
+            if topic and topic != online_input_name(self._config):
+                logger.warning(
+                    "checkpoint positions are for topic %s, config reads %s: starting from "
+                    "the config's start positions", topic, online_input_name(self._config))
+            else:
+                restored.positions = ckpt.positions
+        return restored
+
+    def _warm_start(self) -> RestoredState:
+        """A start without a checkpoint: parameters from ``fine_tune_checkpoint``, if set."""
         tc = self._config.train_config
-        if self._continue_train:
-            latest = self._checkpoints.latest()
-            if latest is not None:
-                ckpt = read_checkpoint(latest)
-                self._module.load_checkpoint_state(ckpt.state)
-                restored = RestoredState(
-                    step=ckpt.global_step,
-                    generation=ckpt.manifest.get("generation") or None,
-                    delta_offset=(int(ckpt.source["delta_topic_offset"])
-                                  if "delta_topic_offset" in ckpt.source else None),
-                    pass_saves_state=ckpt.state.get("pass_saves"),
-                    eval_positions=({int(p): int(o)
-                                     for p, o in ckpt.source["eval_positions"].items()}
-                                    if "eval_positions" in ckpt.source else None))
-                logger.info(
-                    "restored %s: step %d, positions %s", latest, ckpt.global_step, ckpt.positions
-                )
-                self._checkpoints.last_saved_path = latest
-                self._checkpoints.last_saved_step = ckpt.global_step
-                self._metrics.checkpoint_step.set(ckpt.global_step)
-                if self._online:
-                    topic = ckpt.source.get("topic")
-                    if topic and topic != online_input_name(self._config):
-                        logger.warning(
-                            "checkpoint positions are for topic %s, config reads %s: "
-                            "starting from the config's start positions",
-                            topic,
-                            online_input_name(self._config),
-                        )
-                    else:
-                        restored.positions = ckpt.positions
-                return restored
         if tc.fine_tune_checkpoint:
             path = resolve_checkpoint_path(tc.fine_tune_checkpoint)
             ckpt = read_checkpoint(path)
@@ -208,8 +269,13 @@ class CrashRecovery:
         return RestoredState()
 
     def _recover_published(self, restored: RestoredState, server: str, topic: str,
-                           extra: dict[str, str]) -> None:
-        """Replays this trainer's own delta topic onto the restored checkpoint."""
+                           extra: dict[str, str]) -> Optional[RecoveredState]:
+        """Reads this trainer's own delta topic from the restored checkpoint's offset.
+
+        Returns:
+            What the versions after the checkpoint add up to; None after a fresh start, an
+            abandoned read (``restored.incomplete``) or without a replay offset.
+        """
         sink = self._sink
         if sink is not None:
             # fence any other writer first, so nothing lands after the read below (a no-op
@@ -218,7 +284,7 @@ class CrashRecovery:
                         give_up_secs=(_FRESH_START_DELTA_WAIT_SECS if restored.step is None
                                       else None))
             if self._stop.is_set():
-                return
+                return None
         if restored.step is None:
             # Fresh start: versions after the topic's current end are this lineage's.
             end = self._retry(lambda: delta_topic_end(server, topic, extra, 5.0),
@@ -229,23 +295,22 @@ class CrashRecovery:
                         "delta topic %s unreachable at a fresh start: no model.ckpt-0 "
                         "recovery base; until the first checkpoint, a kill -9 may let "
                         "serving see records twice", topic)
-                return
+                return None
             restored.delta_offset = end
             restored.report = {"from_checkpoint": None, "delta_topic": topic,
                                "start_offset": end, "versions": 0}
-            return
+            return None
         start = restored.delta_offset
         if start is None:
             logger.warning("the restored checkpoint has no delta_topic_offset: versions "
                            "published after it cannot be recovered")
-            return
+            return None
         state = self._retry(lambda: read_published_state(
             server, topic, start, extra, min_version=restored.step, stop=self._stop,
             owner=restored.generation))
         if state is None:
             restored.incomplete = True
-            return
-        self._apply_recovered(restored, state)
+        return state
 
     def _retry(self, fn: Callable[[], _T], give_up_secs: Optional[float] = None) -> Optional[_T]:
         """Calls ``fn`` until it succeeds (broker down: retry with backoff).
@@ -271,8 +336,12 @@ class CrashRecovery:
         logger.warning("crash recovery abandoned (stop requested): no checkpoint will be written")
         return None
 
-    def _apply_recovered(self, restored: RestoredState, state: RecoveredState) -> None:
-        """Copies the last complete version onto the model; takes its step and positions."""
+    def _note_recovered(self, restored: RestoredState, state: RecoveredState) -> bool:
+        """Takes the last complete version's step and positions into ``restored``.
+
+        Returns:
+            True when a version is to be copied onto the model (the caller copies it).
+        """
         restored.delta_offset = state.end_offset
         restored.report = {
             "from_checkpoint": restored.step,
@@ -293,12 +362,7 @@ class CrashRecovery:
                         "(delta offsets %d..%d, %d incomplete dropped): the checkpoint is the "
                         "recovery point", restored.step, state.start_offset,
                         state.end_offset, state.dropped_versions)
-            return
-        module = self._module
-        id_maps = build_id_maps(dense_variable_shapes(module), published_table_dims(module))
-        apply_recovered_state(module.embedding_tables(), module.dense_parameters(), id_maps, state,
-                              module if module.dynamic else None)
-        module.global_step = int(state.version)
+            return False
         restored.recovered_version = int(state.version)
         input_topic = online_input_name(self._config)
         recovered = state.positions_for(input_topic)
@@ -314,6 +378,7 @@ class CrashRecovery:
             restored.step, state.versions, state.version, state.generations, state.rows,
             len(state.dense), state.dropped_versions, restored.positions, state.start_offset,
             state.end_offset, state.seconds)
+        return True
 
 
 def read_var_map(path: str) -> dict[str, str]:

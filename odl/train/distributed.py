@@ -30,8 +30,8 @@ step's records, so a step with uneven shares, or none on some rank, makes the up
 process makes on the step's records together. A step without records anywhere is skipped
 by all.
 
-Partitions: each rank reads its share of the topic's partitions
-(``odl.inputs.partition_assignment``).
+Partitions: each rank reads its share of the Kafka topic's partitions or the DataHub topic's
+shards (``odl.inputs.partition_assignment``).
 """
 
 from __future__ import annotations
@@ -187,9 +187,16 @@ def average_gradients(params: Sequence[torch.Tensor]) -> None:
     _in_one_collective([p.grad for p in params], mean)
 
 
+def _collective_device() -> torch.device:
+    """Where a collective's small tensors live: NCCL takes CUDA tensors only."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def agree(values: Sequence[int]) -> list[list[int]]:
     """Every rank's ``values`` (small ints), in rank order (a collective)."""
-    mine = torch.tensor(list(values), dtype=torch.int64)
+    mine = torch.tensor(list(values), dtype=torch.int64, device=_collective_device())
     everyone = [torch.zeros_like(mine) for _ in range(world()[1])]
     dist.all_gather(everyone, mine)
     return [t.tolist() for t in everyone]
@@ -197,12 +204,25 @@ def agree(values: Sequence[int]) -> list[list[int]]:
 
 def all_positions(positions: Mapping[int, int]) -> dict[int, int]:
     """The union of every rank's input positions (a collective; partitions are disjoint)."""
-    everyone: list = [None] * world()[1]
-    dist.all_gather_object(everyone, dict(positions))
     out: dict[int, int] = {}
-    for part in everyone:
+    for part in from_every_rank(dict(positions)):
         out.update(part)
     return out
+
+
+def from_every_rank(value: object) -> list:
+    """Every rank's ``value`` in rank order, on every rank (a collective)."""
+    everyone: list = [None] * world()[1]
+    dist.all_gather_object(everyone, value)
+    return everyone
+
+
+def gather_to_rank0(value: object) -> list | None:
+    """Every rank's ``value`` in rank order on rank 0, None elsewhere (a collective)."""
+    rank, size = world()
+    everyone: list | None = [None] * size if rank == 0 else None
+    dist.gather_object(value, everyone, dst=0)
+    return everyone
 
 
 def from_rank0(value: object) -> object:
@@ -217,15 +237,13 @@ def check_several_ranks(config: pipeline_pb2.EasyRecConfig, online: bool,
     """Refuses what ``odl-train`` cannot do as several ranks yet, naming it.
 
     Raises:
-        ConfigError: offline or non-Kafka input, publishing, evaluation beside training,
-            day/pass saves.
+        ConfigError: offline input or a file stream, evaluation beside training.
     """
     why = f"is not implemented for {world_size} ranks (torchrun) yet; run one process"
-    if not online or online_input_kind(config) != "kafka":
-        raise ConfigError("kafka_train_input", f"only online Kafka input: other input {why}")
-    checks = (("train_config.incr_save_config",
-               config.train_config.HasField("incr_save_config")),
-              ("kafka_eval_input", bool(config.kafka_eval_input.topic)),
+    if not online or online_input_kind(config) not in ("kafka", "datahub"):
+        raise ConfigError("kafka_train_input",
+                          f"only online Kafka or DataHub input: other input {why}")
+    checks = (("kafka_eval_input", bool(config.kafka_eval_input.topic)),
               ("datahub_eval_input", bool(config.datahub_eval_input.topic)))
     for field, present in checks:
         if present:

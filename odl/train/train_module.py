@@ -43,7 +43,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_parallel import DataParallelWrapper
@@ -71,6 +70,8 @@ from odl.train.distributed import (
     agree,
     average_gradients,
     broadcast_parameters,
+    from_every_rank,
+    gather_to_rank0,
     join_process_group,
     local_world_size,
     table_placement,
@@ -229,6 +230,8 @@ class TrainModule:
         self.model.dense.to(self.device)
         table_configs = list(self.model.ebc.embedding_bag_configs())
         tables = [c.name for c in table_configs]
+        self._table_shapes = {c.name: (int(c.num_embeddings), int(c.embedding_dim))
+                              for c in table_configs}
         placement = table_placement(
             {c.name: (c.num_embeddings, c.embedding_dim) for c in table_configs},
             self.world_size, row_wise_min_rows)
@@ -345,6 +348,63 @@ class TrainModule:
         for name, t in self._dmp.state_dict().items():
             if name.startswith(EBC_PREFIX) and name.endswith(".weight"):
                 out[name[len(EBC_PREFIX) : -len(".weight")]] = _local_view(t)
+        return out
+
+    def table_shapes(self) -> dict[str, tuple[int, int]]:
+        """Table name -> ``(rows, stored columns)`` of the whole table, on any rank."""
+        return dict(self._table_shapes)
+
+    @torch.no_grad()
+    def read_rows(self, requested: Mapping[str, torch.Tensor]
+                  ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Current values of table rows, wherever their shard lives.
+
+        One process: ``{table: (ids, rows)}`` for the ids as given. Several ranks: a
+        collective every rank calls with the rows it wants (its own touched rows, say); each
+        rank contributes the wanted rows its shards hold, and rank 0 gets every table's
+        sorted union of the ranks' ids with their whole rows (the other ranks get ``{}``).
+
+        Args:
+            requested: table name -> row ids (int64, sorted and unique for one process).
+
+        Returns:
+            Table name -> ``(row ids, rows [n, stored columns])``; rows on the model's
+            device for one process, on the CPU when gathered.
+        """
+        if self.world_size == 1:
+            tables = self.embedding_tables()
+            return {name: (ids, tables[name].index_select(0, ids.to(tables[name].device)))
+                    for name, ids in requested.items()}
+        union: dict[str, np.ndarray] = {}
+        for part in from_every_rank({name: ids.cpu().numpy().astype(np.int64)
+                                     for name, ids in requested.items()}):
+            for name, ids in part.items():
+                union[name] = np.union1d(union[name], ids) if name in union else np.unique(ids)
+        held: dict[str, list] = {}  # table -> [(row ids, first column, values)]
+        for key, t in self._dmp.state_dict().items():
+            name = key[len(EBC_PREFIX):-len(".weight")] if key.startswith(EBC_PREFIX) else ""
+            if name not in union or not hasattr(t, "local_shards"):
+                continue
+            ids = union[name]
+            for sh in t.local_shards():
+                (r0, c0), (nr, _) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
+                mine = ids[(ids >= r0) & (ids < r0 + nr)]
+                if len(mine):
+                    rows = sh.tensor.index_select(
+                        0, torch.from_numpy(mine - r0).to(sh.tensor.device))
+                    held.setdefault(name, []).append((mine, c0, rows.cpu()))
+        everyone = gather_to_rank0(held)
+        if everyone is None:
+            return {}
+        shapes = self.table_shapes()
+        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        for name, ids in union.items():
+            values = torch.zeros((len(ids), shapes[name][1]), dtype=torch.float32)
+            for part in everyone:
+                for mine, c0, rows in part.get(name, []):
+                    at = torch.from_numpy(np.searchsorted(ids, mine))
+                    values[at, c0:c0 + rows.shape[1]] = rows.to(values.dtype)
+            out[name] = (torch.from_numpy(ids), values)
         return out
 
     def dense_parameters(self) -> dict[str, torch.Tensor]:
@@ -570,9 +630,8 @@ class TrainModule:
         output = self._dmp(batch.padded(max(sizes)))
         finite = torch.isfinite(output.logits[:batch.size])
         dropped = np.empty(0, dtype=np.int64)
-        bad = torch.tensor([int(not bool(finite.all()))])
-        dist.all_reduce(bad)
-        if int(bad) > 0:  # some rank drops samples: all run the forward again
+        if any(bad for (bad,) in agree([int(not bool(finite.all()))])):
+            # some rank drops samples: all run the forward again
             dropped = (~finite).nonzero().flatten().cpu().numpy().astype(np.int64)
             if len(dropped):
                 logger.warning("%d of %d samples have a non-finite prediction and are not "
@@ -734,8 +793,7 @@ class TrainModule:
             ``(model tables, sparse optimizer state)`` on rank 0, None on the others.
         """
         pieces = self._local_pieces()
-        everyone: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(pieces, everyone, dst=0)
+        everyone = gather_to_rank0(pieces)
         if everyone is None:
             return None
         whole: dict[tuple[str, str, str], torch.Tensor] = {}
@@ -757,22 +815,23 @@ class TrainModule:
                 sparse.setdefault(name, {})[k] = t
         return model, sparse
 
+    def _sharded_state(self) -> dict[str, Any]:
+        """Own parameter / buffer name -> tables as ShardedTensors, the dense part plain."""
+        own = {n: t for n, t in self._dmp.state_dict().items() if n.startswith(EBC_PREFIX)}
+        own.update(self.dense_parameters())
+        return own
+
     @torch.no_grad()
     def _load_sharded_state(self, state: Mapping[str, Any], strict: bool) -> None:
         """``load_checkpoint_state`` with several ranks: each copies its own rows."""
         model = state["model"]
         saved_sparse = state.get("sparse_optimizer", {})
-        own = {n: t for n, t in self._dmp.state_dict().items() if n.startswith(EBC_PREFIX)}
-        own.update(self.dense_parameters())
+        own = self._sharded_state()
         if strict:
             _check_names(set(own), set(model), "model")
         for name, t in own.items():
-            if name not in model:
-                continue
-            if hasattr(t, "local_shards"):
+            if name in model:
                 _copy_shards(t, model[name], name)
-            else:
-                _copy_into(t, model[name], name, name)
         for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items():
             for k, v in states.items():
                 if pname in saved_sparse and k in saved_sparse[pname]:
@@ -821,7 +880,8 @@ class TrainModule:
                 skip |= {f"{EBC_PREFIX}{t}.weight" for t in torch_tables}
                 logger.warning("warm start: dynamic table %s starts empty (the source has no "
                                "id index for it)", base)
-        for name, t in self._named_state().items():
+        own = self._named_state() if self.world_size == 1 else self._sharded_state()
+        for name, t in own.items():
             if name in skip:
                 report.missing.append(name)
                 continue
@@ -829,7 +889,7 @@ class TrainModule:
             if src not in named_tensors:
                 report.missing.append(name)
                 continue
-            _copy_into(t, named_tensors[src], name, src)
+            _copy_shards(t, named_tensors[src], name, src)  # each rank its own rows
             used.add(src)
             report.loaded.append((name, src))
         report.unused = sorted(set(named_tensors) - used)
@@ -870,18 +930,19 @@ def _shard_pieces(t: Any) -> tuple[tuple[int, ...], list]:
     return tuple(t.shape), [(None, t.detach().cpu().clone())]
 
 
-def _copy_shards(dst: Any, whole: torch.Tensor, name: str) -> None:
+def _copy_shards(dst: Any, whole: torch.Tensor, name: str, src_name: str = "") -> None:
     """Copies each local shard of ``dst`` from the rows and columns it covers in ``whole``.
 
     A plain ``dst`` is copied whole.
     """
     whole = torch.as_tensor(whole)
+    src_name = src_name or name
     if not (hasattr(dst, "local_shards") and hasattr(dst, "metadata")):
-        _copy_into(dst, whole, name, name)
+        _copy_into(dst, whole, name, src_name)
         return
     if tuple(dst.size()) != tuple(whole.shape):
         raise ValueError(f"shape mismatch: {name} has shape {tuple(dst.size())} but the "
-                         f"checkpoint's has {tuple(whole.shape)}")
+                         f"source {src_name} has shape {tuple(whole.shape)}")
     for sh in dst.local_shards():
         idx = tuple(slice(o, o + n) for o, n in zip(sh.metadata.shard_offsets,
                                                     sh.metadata.shard_sizes, strict=True))

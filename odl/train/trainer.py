@@ -60,6 +60,7 @@ from odl.train.distributed import (
 from odl.train.pass_metrics import PassMetrics, pass_of
 from odl.train.pass_saves import BaseExporter, PassSaves, day_before
 from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics, output_column
+from odl.train.rank_publishing import RankPublishing
 from odl.train.record_rejects import RejectedRecords
 from odl.train.sample_ledger import SampleLedger
 from odl.train.stop_conditions import StopConditions
@@ -232,7 +233,12 @@ class Trainer:
         self._ledger: Optional[SampleLedger] = None
         self._config_text = config_to_text(config, redact=True)
         self._lock = threading.Lock()
-        self.publisher: Optional[IncrementalPublisher] = None
+        self.publisher: Optional[IncrementalPublisher] = None  # rank 0's with several ranks
+        # several ranks: every rank's part in publishing (rank_publishing)
+        self._rank_publishing: Optional[RankPublishing] = None
+        # several ranks: the loop ended on a stop all ranks agreed, none failed; only then
+        # may the shutdown run collectives (a last version, a last checkpoint)
+        self._ranks_stopped_together = False
         self._restored = RestoredState()
         # evaluation on kafka_eval_input at every checkpoint (online, opened with the input)
         self.evaluator: Optional[StreamEvaluator] = None
@@ -321,10 +327,16 @@ class Trainer:
                     self, self.metrics.registry, self.options.status_host,
                     self.options.status_port, self.options.auth_token, self.model_dir,
                     self.generation)
-            if self.config.train_config.HasField("incr_save_config"):
+            publishes = self.config.train_config.HasField("incr_save_config")
+            if publishes and self.module.rank == 0:  # one sink, rank 0's
                 self._delta_sink = build_delta_sink(self.config)
             restored_positions = self.restore()
-            if self._delta_sink is not None:
+            if publishes and self.module.world_size > 1:
+                self._rank_publishing = RankPublishing.build(
+                    self.config, self.module, self.generation, self.module.rank,
+                    self.metrics.registry, self._delta_sink)
+                self.publisher = self._rank_publishing.publisher
+            elif self._delta_sink is not None:
                 self.publisher = build_publisher(
                     self.config, self.module, self.generation, self.metrics.registry,
                     start_step=self.module.global_step, sink=self._delta_sink)
@@ -442,27 +454,43 @@ class Trainer:
         """``_loop`` of one of several ranks: every rank steps together (a collective).
 
         Each turn the ranks tell each other whether they stop, hold a batch, have finished
-        their input, and (rank 0's clock) whether a checkpoint is due by time; all stop when
-        one stops, all train when one holds a batch (the others with an empty one), and all
-        checkpoint on the same steps (``odl.train.distributed``).
+        their input or failed, and (rank 0's clock) whether a checkpoint is due by time and
+        (rank 0's publisher) which parts of a delta version are due; all stop when one stops,
+        all publish together before the step (``odl.train.rank_publishing``), all train when
+        one holds a batch (the others with an empty one), and all checkpoint on the same steps
+        (``odl.train.distributed``). After a failure on any rank no rank runs the collectives
+        of a clean stop.
         """
         tc = self.config.train_config
         clock = _LoopClock(self.module.global_step)
         pipeline = self.input_pipeline
         assert pipeline is not None
+        publishing = self._rank_publishing
         while True:
+            if self.publisher is not None and self.publisher.fatal_error is not None:
+                self._fail(self.publisher.fatal_error, 3 if self.publisher.fenced else 1)
             stop = self._stops.requested or self._stops.check(self.module.global_step)
             item = None if stop else pipeline.get(timeout=0.1)
             self._update_input_state()
+            step = self.module.global_step
             turn = agree([int(stop), int(item is not None),
                           int(item is None and pipeline.finished),
-                          int(clock.time_due(tc.save_checkpoints_secs))])
+                          int(clock.time_due(tc.save_checkpoints_secs)),
+                          int(self.failure is not None),
+                          publishing.turn_flags(step) if publishing is not None else 0])
             if any(t[0] for t in turn) or all(t[2] for t in turn):
+                failed = [r for r, t in enumerate(turn) if t[4]]
+                if failed and self.failure is None:  # no last version or checkpoint then
+                    self._fail(f"rank {failed[0]} stopped on a failure", 1)
                 if not self._stops.requested:
                     self._stops.request("end of input" if all(t[2] for t in turn)
                                         else "another rank stopped")
+                self._ranks_stopped_together = not failed
                 break
-            if not any(t[1] for t in turn):
+            any_batch = any(t[1] for t in turn)
+            if publishing is not None:  # rank 0's schedule for all, before the step
+                publishing.after_turn(step, turn[0][5], any_batch, self.positions_snapshot())
+            if not any_batch:
                 continue
             self._stepped(clock, self._train_on(item) if item is not None
                           else self._train_empty())
@@ -522,7 +550,7 @@ class Trainer:
             self.last_sample_time_ms = int(item.raw.timestamps_ms.max())
         with self._lock:
             self.positions.update(item.positions)
-        if self.publisher is not None:
+        if self.publisher is not None or self._rank_publishing is not None:
             self._maybe_publish(item)
         return trained
 
@@ -623,8 +651,10 @@ class Trainer:
             self.metrics.day_bases.inc()
 
     def _maybe_publish(self, item: PreparedBatch) -> None:
-        """Hands the step's positions and time ranges to the delta publisher."""
-        assert self.publisher is not None
+        """Hands the step's positions and time ranges to the delta publisher.
+
+        Several ranks: only the time ranges; the next turn says whether a version is due.
+        """
         event = produce = None
         times = item.batch.event_times if item.batch is not None else None
         if times is not None and len(times):
@@ -633,6 +663,10 @@ class Trainer:
                 event = (int(finite.min() * 1000), int(finite.max() * 1000))
         if len(item.raw.timestamps_ms):
             produce = (int(item.raw.timestamps_ms.min()), int(item.raw.timestamps_ms.max()))
+        if self._rank_publishing is not None:
+            self._rank_publishing.note_times(event, produce)
+            return
+        assert self.publisher is not None
         self.publisher.maybe_publish(self.module.global_step, self.positions_snapshot(), event,
                                      produce)
 
@@ -655,13 +689,20 @@ class Trainer:
         if self._restored.incomplete:
             logger.warning("not checkpointing: crash recovery did not finish")
             return False
-        if self.publisher is not None:
+        if self.publisher is not None or self._rank_publishing is not None:
             # A checkpoint must equal a fully published version (the crash-recovery point).
             with self._lock:
                 positions = dict(self.positions)
             # no use stalling the train loop for a delta broker known to be down
             sync_secs = 0.0 if self._delta_broker_error() else _CHECKPOINT_SYNC_SECS
-            if not self.publisher.sync(self.module.global_step, positions, timeout=sync_secs):
+            if self._rank_publishing is not None:  # with every rank's rows and positions
+                synced = self._rank_publishing.sync(self.module.global_step, positions,
+                                                    sync_secs)
+            else:
+                assert self.publisher is not None
+                synced = self.publisher.sync(self.module.global_step, positions,
+                                             timeout=sync_secs)
+            if not synced:
                 self.metrics.checkpoint_failures.inc()
                 self.last_checkpoint_error = (
                     f"delta version {self.module.global_step} not published: checkpoint "
@@ -771,7 +812,11 @@ class Trainer:
         if self.input_pipeline is not None:
             self.input_pipeline.stop()
         self._rejects.flush_log()
-        if self.publisher is not None:  # first, so the final checkpoint covers the last version
+        together = self.module.world_size == 1 or self._ranks_stopped_together
+        if self._rank_publishing is not None:  # a last version only when all stopped cleanly
+            self._rank_publishing.flush(self.module.global_step if together else None,
+                                        dict(self.positions), timeout=30.0)
+        elif self.publisher is not None:  # first, so the final checkpoint covers it
             self.publisher.flush(timeout=30.0, step=self.module.global_step,
                                  positions=dict(self.positions))
         elif self._delta_sink is not None:  # stopped before the publisher was built
@@ -780,7 +825,7 @@ class Trainer:
         # forward by crash recovery (nothing trained in this run, but a newer step); not
         # before the input was open: its positions are unknown then, and a checkpoint without
         # them would override the config's start positions on the next start
-        if (self._input_opened and self.failure is None
+        if (self._input_opened and self.failure is None and together
                 and self.module.global_step != self.checkpoints.last_saved_step):
             self._checkpoint()
         if self.input_pipeline is not None:
