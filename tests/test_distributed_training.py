@@ -55,7 +55,7 @@ def _even(records: list[bytes], world: int) -> list[list[list[bytes]]]:
 
 def _rank_main(rank: int, world: int, port: int, model_dir: str,
                schedule: list[list[list[bytes]]], results, load_path: str = "",
-               save_path: str = "") -> None:
+               save_path: str = "", warm: bool = False) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -63,14 +63,17 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str,
         config = _config(model_dir)
         fb = FeatureBuilder(config)
         tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
-        if load_path:  # a checkpoint state of any number of ranks
+        if load_path and warm:  # parameters only, as fine_tune_checkpoint does
+            tm.load_parameters(torch.load(load_path, weights_only=False)["model"])
+        elif load_path:  # a checkpoint state of any number of ranks
             tm.load_checkpoint_state(torch.load(load_path, weights_only=False))
         probs = []
         for step in schedule:  # a rank without records at a step still takes part
             mine = step[rank]
             probs.append(tm.train_step(fb.build(mine).batch if mine else tm.empty_batch()).probs)
         assert tm.global_step == sum(1 for step in schedule if any(step)) + (
-            0 if not load_path else int(torch.load(load_path, weights_only=False)["global_step"]))
+            0 if not load_path or warm
+            else int(torch.load(load_path, weights_only=False)["global_step"]))
         if save_path:
             state = tm.state_dict_for_checkpoint()  # every rank takes part; rank 0 gets it
             assert bool(state) == (rank == 0)
@@ -89,13 +92,14 @@ def _rank_main(rank: int, world: int, port: int, model_dir: str,
 
 
 def _run_ranks(world: int, model_dir: str, schedule: list[list[list[bytes]]],
-               load_path: str = "", save_path: str = "") -> dict[int, tuple]:
+               load_path: str = "", save_path: str = "", warm: bool = False
+               ) -> dict[int, tuple]:
     """Runs ``_rank_main`` on ``world`` spawned ranks; rank -> (probs, tables, dense)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, model_dir, schedule, results,
-                                                  load_path, save_path))
+                                                  load_path, save_path, warm))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -178,6 +182,26 @@ def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path):
     again.load_checkpoint_state(state)
     batch = fb.build(records[:BATCH]).batch
     np.testing.assert_allclose(again.predict(batch), one.predict(batch), atol=2e-5, rtol=0)
+
+
+def test_two_ranks_warm_start_from_one_processs_parameters(tmp_path):
+    """fine_tune_checkpoint's warm start (parameters only) into two ranks: each copies its
+    own rows; training on from there is one process's warm-started training."""
+    records = BurstyStream(seed=9).next_batch(5 * BATCH).encode("csv")
+    first, rest = records[:2 * BATCH], records[2 * BATCH:]
+    config = _config(str(tmp_path / "one"))
+    fb = FeatureBuilder(config)
+    source = TrainModule(config, fb, device="cpu")
+    for k in range(0, len(first), BATCH):
+        source.train_step(fb.build(first[k:k + BATCH]).batch)
+    start = str(tmp_path / "start.pt")
+    torch.save(source.state_dict_for_checkpoint(), start)
+    warm = TrainModule(config, fb, device="cpu")
+    warm.load_parameters(source.state_dict_for_checkpoint()["model"])
+    probs = np.concatenate([warm.train_step(fb.build(rest[k:k + BATCH]).batch).probs
+                            for k in range(0, len(rest), BATCH)])
+    got = _run_ranks(2, str(tmp_path / "m"), _even(rest, 2), load_path=start, warm=True)
+    np.testing.assert_allclose(_merged_probs(got, 2, len(rest)), probs, atol=2e-5, rtol=0)
 
 
 def test_uneven_and_empty_shares_train_as_one_process_on_the_step_records(tmp_path):
