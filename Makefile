@@ -6,7 +6,7 @@ STAMP := $(VENV)/.odl-installed
 PROTO_SRC := $(wildcard protos/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,odl/protos/%_pb2.py,$(PROTO_SRC))
 
-.PHONY: venv protos test demo demo-cloud demo-filestream lint bench clean
+.PHONY: venv protos browser test demo demo-cloud demo-filestream lint bench clean
 
 venv: $(STAMP)
 
@@ -26,7 +26,22 @@ protos: $(PROTO_OUT)
 odl/protos/%_pb2.py: protos/%.proto $(STAMP)
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=odl/protos --pyi_out=odl/protos $<
 
-test: venv protos
+# The dashboards' browser test (tests/test_dashboards.py) drives Debian's chromium with its
+# chromedriver: installed here when missing and this is root on Debian; elsewhere that test
+# is skipped and says so (install chromium and chromium-driver to run it).
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "installing chromium + chromium-driver for the dashboards' browser test"; \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
+	    chromium chromium-driver >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+	    --no-install-recommends chromium chromium-driver >/dev/null; } || \
+	  echo "could not install chromium: the dashboards' browser test will be skipped"; \
+	else echo "no chromium/chromedriver (and not root on Debian): the dashboards' browser" \
+	  "test will be skipped; apt-get install chromium chromium-driver to run it"; fi
+
+test: venv protos browser
 	$(BIN)/python -m pytest -q tests
 
 demo: venv protos

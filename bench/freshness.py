@@ -78,6 +78,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 from confluent_kafka import Consumer, TopicPartition  # noqa: E402
 
+from bench.bench_plots import plot_cdf  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from bench.train_throughput import measure_trainer_rate  # noqa: E402
 from odl.auc import roc_auc  # noqa: E402
@@ -257,8 +258,13 @@ def percentiles(x: np.ndarray) -> dict:
             "max": fmt(np.max(x))}
 
 
-def freshness(log: list[dict], ts: dict[int, np.ndarray], t_from: float, t_to: float) -> dict:
-    """Per-sample latency of the samples produced in [t_from, t_to] (unix seconds)."""
+def freshness(log: list[dict], ts: dict[int, np.ndarray], t_from: float, t_to: float
+              ) -> tuple[dict, dict[str, np.ndarray]]:
+    """Per-sample latency of the samples produced in [t_from, t_to] (unix seconds).
+
+    Returns:
+        The percentiles, and the per-sample seconds of each stage (for the plot).
+    """
     apply_t = np.array([v["applied"] for v in log])
     publish_t = np.array([v["publish_ms"] / 1000.0 for v in log])
     lat, to_snapshot, to_apply = [], [], []
@@ -277,13 +283,16 @@ def freshness(log: list[dict], ts: dict[int, np.ndarray], t_from: float, t_to: f
     lat_a = np.concatenate(lat) if lat else np.zeros(0)
     if uncovered:  # never served before the end: infinitely late
         lat_a = np.concatenate([lat_a, np.full(uncovered, np.inf)])
+    stages = {"produced → served": lat_a[np.isfinite(lat_a)],
+              "produced → published": np.concatenate(to_snapshot),
+              "published → applied": np.concatenate(to_apply)}
     return {
         "samples": int(lat_a.size),
         "uncovered": uncovered,
         "latency_s": percentiles(lat_a),
-        "produce_to_snapshot_s": percentiles(np.concatenate(to_snapshot)),
-        "snapshot_to_applied_s": percentiles(np.concatenate(to_apply)),
-    }
+        "produce_to_snapshot_s": percentiles(stages["produced → published"]),
+        "snapshot_to_applied_s": percentiles(stages["published → applied"]),
+    }, stages
 
 
 def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
@@ -472,7 +481,7 @@ def main() -> int:
         load_after_stream = os.getloadavg()
 
         ts = read_timestamps(bs, ends)
-        fresh = freshness(applied, ts, gen_start + args.warmup, gen_end)
+        fresh, stages = freshness(applied, ts, gen_start + args.warmup, gen_end)
 
         # -- publishing on vs off, same batches, nothing else running
         rates: dict[str, list[float]] = {"off": [], "on": []}
@@ -589,7 +598,9 @@ def main() -> int:
         print(f"trainer with publishing / without = {pc['on_over_off']} "
               f"({pc['samples_per_sec_on']:,} vs {pc['samples_per_sec_off']:,} samples/s; "
               "target >= 0.90)")
-    finish_run(args, result, work)
+    finish_run(args, result, work, plot=lambda path: plot_cdf(
+        path, stages, "seconds", f"freshness: {args.rate} samples/s for {args.seconds} s, "
+        f"publish every {args.publish_steps} steps"))
     return 0
 
 

@@ -74,6 +74,7 @@ from odl.train.progressive_metrics import log_loss  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
 
 TAIL = 0.2  # the last share of the records reported on its own
+CURVE_POINTS = 20  # the plotted AUC curve: the AUC of each 1/20 of the stream
 
 
 def scores(probs: np.ndarray, labels: np.ndarray) -> dict:
@@ -83,6 +84,27 @@ def scores(probs: np.ndarray, labels: np.ndarray) -> dict:
             "logloss": round(log_loss(probs, labels), 4),
             "auc_last20": round(roc_auc(labels[cut:], probs[cut:]), 4),
             "logloss_last20": round(log_loss(probs[cut:], labels[cut:]), 4)}
+
+
+def auc_curve(probs: np.ndarray, labels: np.ndarray) -> list[float | None]:
+    """The AUC of each of ``CURVE_POINTS`` consecutive equal parts of the stream."""
+    out: list[float | None] = []
+    for part in np.array_split(np.arange(len(labels)), CURVE_POINTS):
+        y = labels[part]
+        out.append(round(roc_auc(y, probs[part]), 4) if 0 < y.sum() < len(y) else None)
+    return out
+
+
+def plot_quality(path: str, result: dict) -> None:
+    """The AUC along the stream of the oracle, each VW setting and each odl setting."""
+    from bench.bench_plots import plot_curves
+    n, k = result["records"], CURVE_POINTS
+    x = [(i + 0.5) * n / k for i in range(k)]
+    learners = {name: c for name, c in result["curves"].items() if name != "oracle"}
+    oracle = result["rows"]["oracle"]["auc"]  # far above the rest: named, not drawn
+    plot_curves(path, x, learners, "records (middle of each 1/20 of the stream)",
+                "AUC of that part", f"online quality: {result['stream']} stream, {n} records, "
+                f"seed {result['seed']} (oracle {oracle}, not drawn)")
 
 
 def served_scores(served: np.ndarray | None, labels: np.ndarray) -> dict:
@@ -308,6 +330,7 @@ def main() -> int:
     labels = np.concatenate([b.labels for b in batches]).astype(np.float64)
     truth = np.concatenate([b.probabilities for b in batches])
     rows: dict[str, dict] = {"oracle": scores(truth, labels)}
+    curves: dict[str, list] = {"oracle": auc_curve(truth, labels)}
     try:
         import vowpalwabbit  # noqa: F401
         examples = vw_examples(batches, args.stream)
@@ -319,6 +342,7 @@ def main() -> int:
                 name = f"vw {'-q ' + quadratic if quadratic else 'linear'} lr {lr:g}"
                 rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
                               **served_scores(served, labels)}
+                curves[name] = auc_curve(probs, labels)
                 print(name, rows[name], flush=True)
     except ImportError:
         rows["vw"] = {"skipped": "vowpalwabbit is not installed "
@@ -336,6 +360,7 @@ def main() -> int:
         name = f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}" + settings_name(ib, wm)
         rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
                       "step_ms": round(step_ms, 3), **served_scores(served, labels)}
+        curves[name] = auc_curve(probs, labels)
         print(name, rows[name], flush=True)
     if args.broker:
         b, slr, _dlr, ib, wm = grid[0]
@@ -343,9 +368,10 @@ def main() -> int:
             values, b, work, slr, args.stream, args.config, in_batch=ib, wide_mult=wm)
     result = {"stream": args.stream, "config": args.config or "the stream's DeepFM",
               "records": args.records, "seed": args.seed,
-              "positive_rate": round(float(labels.mean()), 4), "rows": rows}
+              "positive_rate": round(float(labels.mean()), 4), "rows": rows,
+              "curves": curves}
     print(json.dumps(result, indent=1))
-    finish_run(args, result, work)
+    finish_run(args, result, work, plot=lambda path: plot_quality(path, result))
     return 0
 
 

@@ -47,6 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import psutil  # noqa: E402
 
+from bench.bench_plots import plot_rounds  # noqa: E402
 from bench.plain_pytorch_deepfm import PlainDeepFM  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
@@ -259,7 +260,9 @@ def main() -> int:
             continue
         rom = result["ratio_of_medians"].get(key)
         print(f"{label} = {result[key]:.3f}" + (f" [{rom:.3f}]" if rom else "") + target)
-    finish_run(args, result, work)
+    finish_run(args, result, work, plot=lambda path: plot_rounds(
+        path, result["samples_per_sec_per_round"], "samples/s",
+        f"train throughput: {args.model}, {args.device}, input process {args.input_process}"))
     return 0
 
 

@@ -54,13 +54,18 @@ def _get(url: str, timeout: float = 3) -> Optional[dict]:
         return None
 
 
-def _trainer_status(model_dir: str) -> Optional[dict]:
+def _trainer_url(model_dir: str) -> Optional[str]:
+    """The trainer's status API, from the ``status.json`` it wrote."""
     try:
         with open(os.path.join(model_dir, "status.json")) as f:
-            url = json.load(f)["url"]
+            return str(json.load(f)["url"])
     except (OSError, ValueError, KeyError):
         return None
-    return _get(url + "/status")
+
+
+def _trainer_status(model_dir: str) -> Optional[dict]:
+    url = _trainer_url(model_dir)
+    return None if url is None else _get(url + "/status")
 
 
 def _show_trainer(st: dict) -> None:
@@ -209,7 +214,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         trainer = _start_trainer(broker.bootstrap, model_dir, train_log)
         procs.append(trainer)
         _wait_trainer(model_dir, trainer)
-        _say(f"odl-train --online is up (log: {train_log.name})")
+        _say(f"odl-train --online is up (log: {train_log.name}); its live dashboard: "
+             f"{_trainer_url(model_dir)}/")
 
         serve_url = None
         t_end = time.time() + args.seconds
@@ -234,6 +240,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     stderr=subprocess.STDOUT, cwd=ROOT,
                 ))
                 serve_url = f"http://127.0.0.1:{port}"
+                _say(f"odl-serve's live dashboard: {serve_url}/")
             elif serve_url is not None:
                 sst = _get(serve_url + "/status")
                 if sst:

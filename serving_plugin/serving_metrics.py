@@ -45,6 +45,8 @@ class ServingMetrics:
                          registry=r)
         self.broker_up = Gauge("odl_serving_broker_up", "1 when the delta broker is reachable",
                                registry=r)
+        self.healthy = Gauge("odl_serving_healthy", "1 while /healthz answers 200, else 0 (set "
+                             "at each /healthz and /metrics request)", registry=r)
         self.dynamic_rows = Gauge("odl_serving_dynamic_table_live_rows",
                                   "Ids with a row in a dynamic table", ["table"], registry=r)
         self.deletes = Counter("odl_serving_ids_deleted",

@@ -1,7 +1,11 @@
 """The serving process: base model + delta replay + HTTP API (FastAPI on uvicorn).
 
-Endpoints (bound to 127.0.0.1 unless told otherwise; with a token, all but /healthz need
-``Authorization: Bearer <token>``, see ``odl.http.auth``)::
+Endpoints (bound to 127.0.0.1 unless told otherwise; with a token, all but /healthz and
+the page's code at / need ``Authorization: Bearer <token>``, see ``odl.http.auth``)::
+
+    GET /           the live dashboard page (``serving_plugin.serving_dashboard``): version,
+                    freshness, replay lag, /predict rate and latency, rejected versions
+    GET /history    its figures over time (``odl.http.metric_history``; ``?since=<unix s>``)
 
     POST /predict   body: records as in the training stream, one or many:
                     * text: one CSV (or JSON) record per line;
@@ -24,7 +28,8 @@ Endpoints (bound to 127.0.0.1 unless told otherwise; with a token, all but /heal
     GET /healthz    200 {"ok": true, "state": ...} once the base is loaded; 503 when stopped
                     or while the delta broker is unreachable (state "waiting_for_broker":
                     /predict keeps answering with the last applied version)
-    GET /metrics    Prometheus text (own registry)
+    GET /metrics    Prometheus text (own registry; freshness and odl_serving_healthy are
+                    refreshed at each scrape)
 
 Request bodies are read by the endpoint itself, chunk by chunk, under
 ``serving_plugin.predict_limits.PredictLimits``: a body never occupies more than
@@ -41,11 +46,14 @@ from typing import Any, Optional
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import ClientDisconnect
 
+from odl.http.dashboard_page import dashboard_html
+from odl.http.latency_window import LatencyWindow
+from odl.http.metric_history import HistorySampler, MetricHistory
 from odl.http.server import BackgroundHttpServer
 from serving_plugin.delta_replayer import DeltaReplayer
 from serving_plugin.export_reader import ExportLoadError, KafkaReplaySource, read_kafka_txt
@@ -61,6 +69,7 @@ from serving_plugin.predict_limits import (
     PredictLimits,
     RateLimitedLog,
 )
+from serving_plugin.serving_dashboard import HISTORY_INTERVAL_S, SERVING_LAYOUT, history_point
 from serving_plugin.serving_metrics import ServingMetrics
 from serving_plugin.serving_model import ServingModel
 
@@ -124,6 +133,12 @@ class ServingService:
             logger.warning("kafka.txt of %s names no delta topic: serving the base only",
                            self.model.path)
         self.gate = PredictGate(self.limits, self.metrics)
+        # the dashboard: /predict times between two history points, the history itself
+        self.predict_times = LatencyWindow()
+        self.history = MetricHistory(HISTORY_INTERVAL_S)
+        self._sampler = HistorySampler(
+            self.history, lambda: history_point(self.status(), self.predict_times.take()),
+            name="serving-history")
         self.app = build_app(self)
         self._http: Optional[BackgroundHttpServer] = None
         self.stopped = False
@@ -143,7 +158,10 @@ class ServingService:
             self.follower.start()
         self._http = BackgroundHttpServer(self.app, host=host, port=port, auth_token=auth_token,
                                           name="odl-serve prediction API")
-        return self._http.start()
+        bound = self._http.start()
+        self._sampler.start()
+        self._http.stop_with(self._sampler.stop)
+        return bound
 
     def stop(self) -> None:
         """Stops the HTTP server and the replay."""
@@ -208,11 +226,14 @@ class ServingService:
         return "serving"
 
     def health(self) -> tuple[bool, str]:
-        """(healthy, reason) for /healthz."""
+        """(healthy, reason) for /healthz; also sets the ``odl_serving_healthy`` gauge."""
         state = self.state()
         if state == "waiting_for_broker" and self.replayer is not None:
-            return False, f"waiting_for_broker: {self.replayer.broker_error}"
-        return state == "serving", state
+            ok, reason = False, f"waiting_for_broker: {self.replayer.broker_error}"
+        else:
+            ok, reason = state == "serving", state
+        self.metrics.healthy.set(1 if ok else 0)
+        return ok, reason
 
     def predict_body(self, body: bytes) -> dict[str, Any]:
         """Answers one /predict body.
@@ -302,7 +323,9 @@ def build_app(service: ServingService) -> FastAPI:
             del body
         m.requests.labels("200").inc()
         m.records.inc(len(out["probabilities"]))
-        m.latency.observe(time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        m.latency.observe(seconds)
+        service.predict_times.add(seconds)
         return JSONResponse(out)
 
     @app.post("/predict")
@@ -345,9 +368,20 @@ def build_app(service: ServingService) -> FastAPI:
         return JSONResponse({"ok": ok, "reason": reason, "version": service.model.state.version},
                             status_code=200 if ok else 503)
 
+    page = dashboard_html(SERVING_LAYOUT, service.history.interval_s)
+
+    @app.get("/")
+    async def dashboard() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/history")
+    async def history_points(since: Optional[float] = None) -> JSONResponse:
+        return JSONResponse(service.history.to_json(since))
+
     @app.get("/metrics")
     def metrics() -> Response:
         service.status()  # refreshes the freshness gauge
+        service.health()  # and odl_serving_healthy
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

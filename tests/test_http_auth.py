@@ -64,7 +64,7 @@ def protected():
         server.stop()
 
 
-@pytest.mark.parametrize("path", ["/status", "/offsets", "/metrics", "/nope"])
+@pytest.mark.parametrize("path", ["/status", "/offsets", "/metrics", "/history", "/nope"])
 def test_every_endpoint_but_healthz_needs_the_token(protected, path):
     code, body = _get(protected + path)
     assert code == 401 and "authorization" in body["detail"]["error"]
@@ -101,6 +101,16 @@ def test_bearer_header_parsing():
 def test_healthz_is_open(protected):
     code, body = _get(protected + "/healthz")
     assert code == 200 and body["ok"] is True
+
+
+def test_dashboard_page_is_open_and_holds_no_figures(protected):
+    """``GET /`` is the page's code only: it asks for the token and shows what /status and
+    /history answer, which need it."""
+    code, page = _get(protected + "/")
+    assert code == 200 and page.startswith("<!doctype html>")
+    assert 'id="login"' in page and "Authorization" in page
+    assert '"training"' not in page  # the provider's state is not in it
+    assert _get(protected + "/?x=1", None)[0] == 200
 
 
 def test_no_token_means_open():

@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--status_host", default="127.0.0.1",
                    help="bind address of the status API; another than loopback should come "
                         "with --auth_token_file")
+    p.add_argument("--dashboard_interval_s", type=float, default=2.0,
+                   help="seconds between two points of the status API's dashboard history "
+                        "(GET / and /history; kept for 24 h, downsampled); 0 = none")
     p.add_argument("--auth_token_file", default="",
                    help="file holding a bearer token the status API requires on every "
                         "endpoint but /healthz (default: env ODL_AUTH_TOKEN; none = open)")
@@ -112,7 +115,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 
 def _main(argv: Optional[list[str]]) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.dashboard_interval_s < 0:
+        parser.error("--dashboard_interval_s must be >= 0")  # exit 2
     apply_oss_arguments(args)
     setup_logging(args.log_level)
     # Heavy imports after argument parsing so --help is instant.
@@ -161,6 +167,7 @@ def _main(argv: Optional[list[str]]) -> int:
         sample_ledger=args.sample_ledger,
         continue_train=True,
         auth_token=token,
+        dashboard_interval_s=args.dashboard_interval_s,
         export_base=functools.partial(export_checkpoint, warn_without_topic=False),
     )
     try:

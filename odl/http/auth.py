@@ -2,12 +2,13 @@
 
 Both servers bind 127.0.0.1 unless ``--status_host`` / ``--host`` says otherwise. When a
 token is configured, every request except ``GET /healthz`` (load balancers and systemd
-watchdogs probe it without credentials) must carry ``Authorization: Bearer <token>`` (the
-scheme in any letter case); anything else gets ``401``. The token comes from
-``--auth_token_file PATH`` (the file's contents, surrounding whitespace removed; a regular
-file of at most 4 KiB) or else the ``ODL_AUTH_TOKEN`` environment variable; it is never
-logged. Binding a non-loopback address without a token logs a loud warning: the status and
-prediction APIs would then be open to the network.
+watchdogs probe it without credentials) and ``GET /`` (the dashboard page's code, which
+holds no figures and asks for the token itself: ``odl.http.dashboard_page``) must carry
+``Authorization: Bearer <token>`` (the scheme in any letter case); anything else gets
+``401``. The token comes from ``--auth_token_file PATH`` (the file's contents, surrounding
+whitespace removed; a regular file of at most 4 KiB) or else the ``ODL_AUTH_TOKEN``
+environment variable; it is never logged. Binding a non-loopback address without a token
+logs a loud warning: the status and prediction APIs would then be open to the network.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Optional
 logger = logging.getLogger(__name__)
 
 AUTH_TOKEN_ENV = "ODL_AUTH_TOKEN"
-OPEN_PATHS = ("/healthz",)
+OPEN_PATHS = ("/healthz", "/")
 MAX_TOKEN_FILE_BYTES = 4096
 # A 401 keeps the connection (the server discards the unread body) up to this body size.
 DRAIN_BYTES = 1 << 20

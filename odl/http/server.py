@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Optional
 
 import uvicorn
@@ -45,6 +46,11 @@ class BackgroundHttpServer:
         self.host = host
         self.port = port
         self.auth = bool(auth_token)
+        self._on_stop: list[Callable[[], None]] = []
+
+    def stop_with(self, fn: Callable[[], None]) -> None:
+        """Calls ``fn`` when the server stops (a helper thread serving its pages, say)."""
+        self._on_stop.append(fn)
 
     def start(self, timeout: float = 10.0) -> int:
         """Starts serving and waits until the socket is bound.
@@ -71,5 +77,7 @@ class BackgroundHttpServer:
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stops the server and joins its thread."""
+        for fn in self._on_stop:
+            fn()
         self._server.should_exit = True
         self._thread.join(timeout)

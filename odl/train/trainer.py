@@ -93,6 +93,8 @@ class TrainerOptions:
             sample to this file (flushed every step).
         continue_train: restore from model_dir's newest checkpoint when there is one.
         auth_token: bearer token the status API requires (all but /healthz); never logged.
+        dashboard_interval_s: seconds between two points of the dashboard's history
+            (``GET /`` and ``/history`` of the status API); 0 keeps no history.
         export_base: writes an export of a checkpoint (``odl.export.exporter.
             export_checkpoint``; the CLI hands it in): the day bases of
             ``file_stream_input.model_save_path``. None: no bases.
@@ -105,6 +107,7 @@ class TrainerOptions:
     sample_ledger: Optional[str] = None
     continue_train: bool = True
     auth_token: Optional[str] = field(default=None, repr=False)
+    dashboard_interval_s: float = 2.0
     export_base: Optional[BaseExporter] = field(default=None, repr=False)
 
 
@@ -291,8 +294,13 @@ class Trainer:
         return self._status.offsets()
 
     def health(self) -> tuple[bool, str]:
-        """Healthy unless a broker is unreachable, publishing or checkpoints fail, or stopped."""
-        return self._status.health(self._delta_broker_error())
+        """Healthy unless a broker is unreachable, publishing or checkpoints fail, or stopped.
+
+        Also sets the ``odl_healthy`` gauge.
+        """
+        ok, reason = self._status.health(self._delta_broker_error())
+        self.metrics.healthy.set(1 if ok else 0)
+        return ok, reason
 
     # ------------------------------------------------------------------ start
     def restore(self) -> Optional[dict[int, int]]:
@@ -326,7 +334,7 @@ class Trainer:
                 self._http = start_status_server(
                     self, self.metrics.registry, self.options.status_host,
                     self.options.status_port, self.options.auth_token, self.model_dir,
-                    self.generation)
+                    self.generation, self.options.dashboard_interval_s)
             publishes = self.config.train_config.HasField("incr_save_config")
             if publishes and self.module.rank == 0:  # one sink, rank 0's
                 self._delta_sink = build_delta_sink(self.config)

@@ -27,6 +27,8 @@ class TrainerMetrics:
             "odl_samples_per_second", "Training rate over the last log interval", registry=r
         )
         self.loss = Gauge("odl_loss", "Loss of the last step", registry=r)
+        self.healthy = Gauge("odl_healthy", "1 while /healthz answers 200, else 0 (set at "
+                             "each /healthz and /metrics request)", registry=r)
         self.auc = Gauge("odl_progressive_auc", "Windowed progressive AUC", registry=r)
         self.logloss = Gauge("odl_progressive_logloss", "Windowed progressive logloss", registry=r)
         self.eval_auc = Gauge("odl_eval_auc", "AUC of the last evaluation on kafka_eval_input",

@@ -33,6 +33,7 @@ from typing import Optional, Protocol
 from prometheus_client import CollectorRegistry
 
 from odl.checkpoint.checkpoint_manager import CheckpointManager
+from odl.http.metric_history import HistorySampler, MetricHistory
 from odl.http.server import BackgroundHttpServer
 from odl.inputs.dead_letter import DeadLetterSink
 from odl.inputs.input_pipeline import InputPipeline
@@ -47,6 +48,7 @@ from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics
 from odl.train.status_app import TrainerStatusProvider, build_status_app
 from odl.train.stream_evaluation import StreamEvaluator
 from odl.train.train_module import TrainModule
+from odl.train.trainer_dashboard import HISTORY_INTERVAL_S, history_point
 from odl.train.trainer_metrics import TrainerMetrics
 from publisher.incremental_publisher import IncrementalPublisher
 
@@ -337,8 +339,12 @@ class TrainerStatus:
 
 def start_status_server(provider: TrainerStatusProvider, registry: CollectorRegistry,
                         host: str, port: int, auth_token: Optional[str], model_dir: str,
-                        generation: str) -> BackgroundHttpServer:
+                        generation: str,
+                        history_interval_s: float = HISTORY_INTERVAL_S) -> BackgroundHttpServer:
     """Starts the status API and writes ``model_dir/status.json`` (see the module docstring).
+
+    Besides the API, a thread samples the dashboard's history from the status document every
+    ``history_interval_s`` seconds (``odl.train.trainer_dashboard``) until the server stops.
 
     Args:
         provider: what answers ``/status``, ``/offsets`` and ``/healthz`` (the trainer).
@@ -348,14 +354,21 @@ def start_status_server(provider: TrainerStatusProvider, registry: CollectorRegi
         auth_token: bearer token the API requires (all but ``/healthz``), None for none.
         model_dir: where ``status.json`` goes.
         generation: the trainer's generation id.
+        history_interval_s: seconds between two points of the dashboard's history (0: none
+            kept; the page then shows the header only).
 
     Returns:
         The running server.
     """
-    app = build_status_app(provider, registry)
+    history = MetricHistory(history_interval_s or HISTORY_INTERVAL_S)
+    app = build_status_app(provider, registry, history)
     server = BackgroundHttpServer(app, host, port, auth_token=auth_token,
                                   name="odl-train status API")
     bound = server.start()
+    if history_interval_s > 0:  # the dashboard's figures, sampled from /status's document
+        sampler = HistorySampler(history, lambda: history_point(provider.status()),
+                                 name="trainer-history").start()
+        server.stop_with(sampler.stop)
     doc = {
         "host": host,
         "port": bound,
