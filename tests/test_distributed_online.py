@@ -90,20 +90,27 @@ def _trained(ledger: str, generation: str | None = None) -> set[str]:
     return {sid for gen, _, sid in _entries(ledger) if generation in (None, gen)}
 
 
-def test_two_ranks_under_torchrun_train_every_record_once(kafka_bootstrap, kafka_topic_factory,
-                                                         tmp_path):
-    ids, ends, cfg = _stream(kafka_bootstrap, kafka_topic_factory, tmp_path, partitions=3,
-                             records=1500, seed=21, batch_size=64, checkpoint_steps=4)
+def _train_all_and_stop(cfg: str, ids: list[str], tmp_path) -> str:
+    """Two ranks under torchrun until their ledgers hold every id, then a clean stop (the
+    final checkpoint covers every record); returns the ledger path (one file per rank)."""
     ledger = str(tmp_path / "ledger.tsv")
-    model_dir = str(tmp_path / "model_dir")
     log_path = tmp_path / "torchrun.log"
     with open(log_path, "wb") as log:
         proc = _torchrun(cfg, ledger, log)
         try:
             _wait_until(lambda: _trained(ledger) >= set(ids), proc, log_path)
-            _stop_ranks(proc, log_path)  # the final checkpoint covers every record
+            _stop_ranks(proc, log_path)
         finally:
             _kill_tree(proc)
+    return ledger
+
+
+def test_two_ranks_under_torchrun_train_every_record_once(kafka_bootstrap, kafka_topic_factory,
+                                                         tmp_path):
+    ids, ends, cfg = _stream(kafka_bootstrap, kafka_topic_factory, tmp_path, partitions=3,
+                             records=1500, seed=21, batch_size=64, checkpoint_steps=4)
+    ledger = _train_all_and_stop(cfg, ids, tmp_path)
+    model_dir = str(tmp_path / "model_dir")
     trained = ledger_sample_ids(ledger + ".rank0") + ledger_sample_ids(ledger + ".rank1")
     assert sorted(trained) == sorted(ids)  # every record once, over both ranks
     assert ledger_sample_ids(ledger + ".rank0") and ledger_sample_ids(ledger + ".rank1")
@@ -132,15 +139,7 @@ def test_two_ranks_split_a_datahub_topics_shards(tmp_path):
                       f'endpoint: "{dh.endpoint}" project: "odl" topic: "samples" }}',
                       open(cfg).read())
         open(cfg, "w").write(text)
-        ledger = str(tmp_path / "ledger.tsv")
-        log_path = tmp_path / "torchrun.log"
-        with open(log_path, "wb") as log:
-            proc = _torchrun(cfg, ledger, log)
-            try:
-                _wait_until(lambda: _trained(ledger) >= set(ids), proc, log_path)
-                _stop_ranks(proc, log_path)
-            finally:
-                _kill_tree(proc)
+        ledger = _train_all_and_stop(cfg, ids, tmp_path)
     assert sorted(ledger_sample_ids(ledger + ".rank0") + ledger_sample_ids(ledger + ".rank1")
                   ) == sorted(ids)
     ckpt = read_checkpoint(list_checkpoints(str(tmp_path / "model_dir"))[-1])

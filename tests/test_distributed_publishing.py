@@ -11,12 +11,9 @@ replaying them onto the initial model gives the model the ranks trained (serving
 from __future__ import annotations
 
 import os
-import socket
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
@@ -30,6 +27,7 @@ from publisher.id_maps import read_id_maps
 from publisher.publisher_factory import build_delta_sink, build_publisher
 from publisher.version_assembler import VersionAssembler
 from tests.harness import load_config_text
+from tests.spawned_ranks import run_ranks
 
 BATCH = 128
 ROW_WISE_MIN_ROWS = 2048  # the 4096-row id tables split by rows, device / hour whole
@@ -43,47 +41,31 @@ def _config(model_dir: str):
                                                extra_train=INCR))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _event_range(step: int, rank: int) -> tuple[int, int]:
     """The event times rank ``rank`` notes for step ``step`` (ms)."""
     return 1000 * step + 10 * rank, 1000 * step + 10 * rank + 5
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str, steps: list[list[bytes]],
-               results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    try:
-        config = _config(model_dir)
-        fb = FeatureBuilder(config)
-        tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
-        sink = build_delta_sink(config) if rank == 0 else None
-        publishing = RankPublishing.build(config, tm, "gen0", rank, None, sink)
-        positions: dict[int, int] = {}
-        for k, records in enumerate(steps):
-            step = tm.global_step
-            flags = agree([publishing.turn_flags(step)])[0][0]  # rank 0's, as the loop does
-            publishing.after_turn(step, flags, True, positions)
-            share = records[rank::world]  # each rank its share of the step's records
-            tm.train_step(fb.build(share).batch)
-            positions = {rank: k + 1}  # this rank's partition
-            publishing.note_times(_event_range(k, rank), None)
-        publishing.flush(tm.global_step, positions, timeout=30.0)
-        state = tm.state_dict_for_checkpoint()  # whole on rank 0
-        results.put((rank, {k: v.numpy() for k, v in state.get("model", {}).items()}, None))
-        dist.barrier()
-    except BaseException as e:  # reported to the test, not lost in a child's stderr
-        results.put((rank, None, repr(e)))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank_main(rank: int, world: int, model_dir: str,
+               steps: list[list[bytes]]) -> dict[str, np.ndarray]:
+    """One rank's training and publishing; the gathered model on rank 0, {} elsewhere."""
+    config = _config(model_dir)
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    sink = build_delta_sink(config) if rank == 0 else None
+    publishing = RankPublishing.build(config, tm, "gen0", rank, None, sink)
+    positions: dict[int, int] = {}
+    for k, records in enumerate(steps):
+        step = tm.global_step
+        flags = agree([publishing.turn_flags(step)])[0][0]  # rank 0's, as the loop does
+        publishing.after_turn(step, flags, True, positions)
+        share = records[rank::world]  # each rank its share of the step's records
+        tm.train_step(fb.build(share).batch)
+        positions = {rank: k + 1}  # this rank's partition
+        publishing.note_times(_event_range(k, rank), None)
+    publishing.flush(tm.global_step, positions, timeout=30.0)
+    state = tm.state_dict_for_checkpoint()  # whole on rank 0
+    return {k: v.numpy() for k, v in state.get("model", {}).items()}
 
 
 def _versions(model_dir: str) -> list:
@@ -99,21 +81,7 @@ def test_two_ranks_publish_the_versions_one_process_publishes(tmp_path):
     records = BurstyStream(seed=8).next_batch(7 * BATCH).encode("csv")
     steps = [records[k:k + BATCH] for k in range(0, len(records), BATCH)]
     two_dir, one_dir = str(tmp_path / "two"), str(tmp_path / "one")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, two_dir, steps, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    for _ in range(world):
-        rank, model, error = results.get(timeout=240)
-        assert error is None, f"rank {rank}: {error}"
-        got[rank] = model
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+    got = run_ranks(_rank_main, world, world, two_dir, steps)
 
     # one process on the whole batches, in each step the records in the ranks' order
     config = _config(one_dir)

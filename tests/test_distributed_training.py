@@ -8,14 +8,9 @@ must equal one process's on the whole batches.
 
 from __future__ import annotations
 
-import os
-import socket
-
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from odl.config.config_error import ConfigError
 from odl.datagen.bursty_stream import BurstyStream
@@ -25,6 +20,7 @@ from odl.inputs.partition_assignment import rank_partitions
 from odl.train.distributed import check_several_ranks, table_placement
 from odl.train.train_module import TrainModule
 from tests.harness import load_config_text
+from tests.spawned_ranks import run_ranks
 
 BATCH = 256
 ROW_WISE_MIN_ROWS = 2048  # the 4096-row id tables split by rows, device / hour (1024) whole
@@ -40,12 +36,6 @@ def _tables(state: dict) -> dict[str, np.ndarray]:
             if k.startswith("ebc.embedding_bags.")}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _even(records: list[bytes], world: int) -> list[list[list[bytes]]]:
     """Per step, per rank: each rank its equal share of each batch of ``BATCH`` records."""
     share = BATCH // world
@@ -53,65 +43,52 @@ def _even(records: list[bytes], world: int) -> list[list[list[bytes]]]:
             for k in range(0, len(records), BATCH)]
 
 
-def _rank_main(rank: int, world: int, port: int, model_dir: str,
-               schedule: list[list[list[bytes]]], results, load_path: str = "",
-               save_path: str = "", warm: bool = False) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    try:
-        config = _config(model_dir)
-        fb = FeatureBuilder(config)
-        tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
-        if load_path and warm:  # parameters only, as fine_tune_checkpoint does
-            tm.load_parameters(torch.load(load_path, weights_only=False)["model"])
-        elif load_path:  # a checkpoint state of any number of ranks
-            tm.load_checkpoint_state(torch.load(load_path, weights_only=False))
-        probs = []
-        for step in schedule:  # a rank without records at a step still takes part
-            mine = step[rank]
-            probs.append(tm.train_step(fb.build(mine).batch if mine else tm.empty_batch()).probs)
-        assert tm.global_step == sum(1 for step in schedule if any(step)) + (
-            0 if not load_path or warm
-            else int(torch.load(load_path, weights_only=False)["global_step"]))
-        if save_path:
-            state = tm.state_dict_for_checkpoint()  # every rank takes part; rank 0 gets it
-            assert bool(state) == (rank == 0)
-            if state:
-                torch.save(state, save_path)
-        tables = _tables(tm.state_dict_for_checkpoint())  # gathered on rank 0
-        dense = {k: v.detach().cpu().numpy() for k, v in tm.dense_parameters().items()}
-        results.put((rank, np.concatenate(probs), tables, dense, None))
-        dist.barrier()  # leave together: a group torn down under a peer can abort
-    except BaseException as e:  # reported to the test, not lost in a child's stderr
-        results.put((rank, None, None, None, repr(e)))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def _rank_main(rank: int, world: int, model_dir: str, schedule: list[list[list[bytes]]],
+               load_path: str = "", save_path: str = "", warm: bool = False) -> tuple:
+    """One rank's training: ``(predictions, gathered tables (rank 0), dense parameters)``."""
+    config = _config(model_dir)
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    if load_path and warm:  # parameters only, as fine_tune_checkpoint does
+        tm.load_parameters(torch.load(load_path, weights_only=False)["model"])
+    elif load_path:  # a checkpoint state of any number of ranks
+        tm.load_checkpoint_state(torch.load(load_path, weights_only=False))
+    probs = []
+    for step in schedule:  # a rank without records at a step still takes part
+        mine = step[rank]
+        probs.append(tm.train_step(fb.build(mine).batch if mine else tm.empty_batch()).probs)
+    assert tm.global_step == sum(1 for step in schedule if any(step)) + (
+        0 if not load_path or warm
+        else int(torch.load(load_path, weights_only=False)["global_step"]))
+    if save_path:
+        state = tm.state_dict_for_checkpoint()  # every rank takes part; rank 0 gets it
+        assert bool(state) == (rank == 0)
+        if state:
+            torch.save(state, save_path)
+    tables = _tables(tm.state_dict_for_checkpoint())  # gathered on rank 0
+    dense = {k: v.detach().cpu().numpy() for k, v in tm.dense_parameters().items()}
+    return np.concatenate(probs), tables, dense
 
 
 def _run_ranks(world: int, model_dir: str, schedule: list[list[list[bytes]]],
                load_path: str = "", save_path: str = "", warm: bool = False
                ) -> dict[int, tuple]:
     """Runs ``_rank_main`` on ``world`` spawned ranks; rank -> (probs, tables, dense)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, model_dir, schedule, results,
-                                                  load_path, save_path, warm))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    for _ in range(world):
-        rank, probs, tables, dense, error = results.get(timeout=240)
-        assert error is None, f"rank {rank}: {error}"
-        got[rank] = (probs, tables, dense)
-    for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
-    return got
+    return run_ranks(_rank_main, world, world, model_dir, schedule, load_path, save_path,
+                     warm)
+
+
+def _trained_on(tmp_path, records: list[bytes]):
+    """One process trained on ``records`` and its state saved: ``(config, feature builder,
+    module, path of the saved state)``."""
+    config = _config(str(tmp_path / "one"))
+    fb = FeatureBuilder(config)
+    one = TrainModule(config, fb, device="cpu")
+    for k in range(0, len(records), BATCH):
+        one.train_step(fb.build(records[k:k + BATCH]).batch)
+    start = str(tmp_path / "start.pt")
+    torch.save(one.state_dict_for_checkpoint(), start)
+    return config, fb, one, start
 
 
 def _merged_probs(got: dict[int, tuple], world: int, n: int) -> np.ndarray:
@@ -150,14 +127,8 @@ def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path):
     placed as the plan says) and theirs, written by rank 0, into one process: the training
     that continues from it is the same on either side, and so are the states."""
     records = BurstyStream(seed=6).next_batch(6 * BATCH).encode("csv")
-    first, rest = records[:3 * BATCH], records[3 * BATCH:]
-    config = _config(str(tmp_path / "one"))
-    fb = FeatureBuilder(config)
-    one = TrainModule(config, fb, device="cpu")
-    for k in range(0, len(first), BATCH):
-        one.train_step(fb.build(first[k:k + BATCH]).batch)
-    start = str(tmp_path / "start.pt")
-    torch.save(one.state_dict_for_checkpoint(), start)
+    rest = records[3 * BATCH:]
+    config, fb, one, start = _trained_on(tmp_path, records[:3 * BATCH])
     probs = np.concatenate([one.train_step(fb.build(rest[k:k + BATCH]).batch).probs
                             for k in range(0, len(rest), BATCH)])
     end_one = one.state_dict_for_checkpoint()
@@ -188,14 +159,8 @@ def test_two_ranks_warm_start_from_one_processs_parameters(tmp_path):
     """fine_tune_checkpoint's warm start (parameters only) into two ranks: each copies its
     own rows; training on from there is one process's warm-started training."""
     records = BurstyStream(seed=9).next_batch(5 * BATCH).encode("csv")
-    first, rest = records[:2 * BATCH], records[2 * BATCH:]
-    config = _config(str(tmp_path / "one"))
-    fb = FeatureBuilder(config)
-    source = TrainModule(config, fb, device="cpu")
-    for k in range(0, len(first), BATCH):
-        source.train_step(fb.build(first[k:k + BATCH]).batch)
-    start = str(tmp_path / "start.pt")
-    torch.save(source.state_dict_for_checkpoint(), start)
+    rest = records[2 * BATCH:]
+    config, fb, source, start = _trained_on(tmp_path, records[:2 * BATCH])
     warm = TrainModule(config, fb, device="cpu")
     warm.load_parameters(source.state_dict_for_checkpoint()["model"])
     probs = np.concatenate([warm.train_step(fb.build(rest[k:k + BATCH]).batch).probs

@@ -1,0 +1,58 @@
+"""Several CPU ranks in a test: spawned processes joined into one gloo group as ``torchrun``
+would join them (RANK / WORLD_SIZE / MASTER_* in the environment)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(target: Callable[..., Any], rank: int, world: int, port: int, results,
+                args: tuple) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, target(rank, *args), None))
+        dist.barrier()  # leave together: a group torn down under a peer can abort
+    except BaseException as e:  # reported to the test, not lost in a child's stderr
+        results.put((rank, None, repr(e)))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(target: Callable[..., Any], world: int, *args: Any,
+              timeout: float = 240.0) -> dict[int, Any]:
+    """Runs ``target(rank, *args)`` on ``world`` spawned ranks (it joins the group, e.g. by
+    building a ``TrainModule``); returns rank -> what it returned. A rank's exception fails
+    the test with its text."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_entry, args=(target, r, world, port, results, args))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in range(world):
+        rank, payload, error = results.get(timeout=timeout)
+        assert error is None, f"rank {rank}: {error}"
+        got[rank] = payload
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    return got
