@@ -107,8 +107,14 @@ def _train_all_and_stop(cfg: str, ids: list[str], tmp_path) -> str:
 
 def test_two_ranks_under_torchrun_train_every_record_once(kafka_bootstrap, kafka_topic_factory,
                                                          tmp_path):
+    """Two ranks train every record once; rank 0 scores an eval stream at every checkpoint
+    (the other rank joining its predictions) and the checkpoints keep the eval positions."""
+    eval_topic = kafka_topic_factory(partitions=1, prefix="eval")
+    produce(kafka_bootstrap, eval_topic, make_records(300, seed=31)[1], 1)
     ids, ends, cfg = _stream(kafka_bootstrap, kafka_topic_factory, tmp_path, partitions=3,
                              records=1500, seed=21, batch_size=64, checkpoint_steps=4)
+    with open(cfg, "a") as f:
+        f.write(f'\nkafka_eval_input {{ server: "{kafka_bootstrap}" topic: "{eval_topic}" }}\n')
     ledger = _train_all_and_stop(cfg, ids, tmp_path)
     model_dir = str(tmp_path / "model_dir")
     trained = ledger_sample_ids(ledger + ".rank0") + ledger_sample_ids(ledger + ".rank1")
@@ -116,6 +122,7 @@ def test_two_ranks_under_torchrun_train_every_record_once(kafka_bootstrap, kafka
     assert ledger_sample_ids(ledger + ".rank0") and ledger_sample_ids(ledger + ".rank1")
     ckpt = read_checkpoint(list_checkpoints(model_dir)[-1])
     assert ckpt.positions == ends
+    assert ckpt.source["eval_positions"] == {"0": 300}  # every eval record scored
     # the checkpoint, written by rank 0 from both ranks' rows, restores into one process
     config = load_pipeline_config(cfg)
     one = TrainModule(config, FeatureBuilder(config), device="cpu")

@@ -237,14 +237,9 @@ def check_several_ranks(config: pipeline_pb2.EasyRecConfig, online: bool,
     """Refuses what ``odl-train`` cannot do as several ranks yet, naming it.
 
     Raises:
-        ConfigError: offline input or a file stream, evaluation beside training.
+        ConfigError: offline input or a file stream.
     """
     why = f"is not implemented for {world_size} ranks (torchrun) yet; run one process"
     if not online or online_input_kind(config) not in ("kafka", "datahub"):
         raise ConfigError("kafka_train_input",
                           f"only online Kafka or DataHub input: other input {why}")
-    checks = (("kafka_eval_input", bool(config.kafka_eval_input.topic)),
-              ("datahub_eval_input", bool(config.datahub_eval_input.topic)))
-    for field, present in checks:
-        if present:
-            raise ConfigError(field, why)

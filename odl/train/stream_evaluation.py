@@ -20,9 +20,10 @@ The eval topic's next positions (offsets per partition, DataHub: sequences per s
 saved in every checkpoint (its ``source`` entry ``"eval_positions"``), so a restarted trainer
 goes on with the records after them; without a checkpoint it starts where the section's
 ``offset_info`` / ``offset_time`` / ``offset`` say (as for the train input of the same kind),
-else at the earliest records. Malformed records are skipped (counted in the result as
-``rejected``). An unreachable broker or DataHub makes one evaluation report an error;
-training goes on.
+else at the earliest records. With several ranks rank 0 alone reads and scores; the trainer
+makes the other ranks join each prediction (``Trainer._evaluate``). Malformed records are
+skipped (counted in the result as ``rejected``). An unreachable broker or DataHub makes one
+evaluation report an error; training goes on.
 """
 
 from __future__ import annotations

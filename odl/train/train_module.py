@@ -671,13 +671,22 @@ class TrainModule:
 
     @torch.no_grad()
     def predict(self, batch: Batch) -> np.ndarray:
-        """Predictions (float64 ``[B]``) in eval mode; no update (dynamic tables: no admission)."""
+        """Predictions (float64 ``[B]``) in eval mode; no update (dynamic tables: no admission).
+
+        With several ranks a collective: every rank calls it, those with nothing to predict
+        with ``empty_batch()``; each gets its own batch's predictions (the batches are padded
+        to the largest, as in ``train_step``).
+        """
         if self.dynamic:
             batch = self.dynamic.remap(batch, self.global_step, time.time(), admit=False).batch
         batch = batch.to(self.device)
         self._dmp.eval()
         try:
-            logits = self._dmp(batch).logits
+            if self.world_size > 1:
+                largest = max(s for (s,) in agree([batch.size]))
+                logits = self._dmp(batch.padded(largest)).logits[:batch.size]
+            else:
+                logits = self._dmp(batch).logits
         finally:
             self._dmp.train()
         return predictions(logits, self.regression, self.softmax)

@@ -40,6 +40,7 @@ from odl.checkpoint.checkpoint_manager import CheckpointError, CheckpointManager
 from odl.config.config_redaction import config_to_text
 from odl.config.loss_settings import regression_outputs
 from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
+from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.http.server import BackgroundHttpServer
 from odl.inputs.batch_prefetcher import PreparedBatch
@@ -361,10 +362,11 @@ class Trainer:
                 logger.info("stopped before the input was open (%s)", self.stop_reason)
                 return 0
             self._input_opened = True
-            if self.options.online and (self.config.kafka_eval_input.topic
-                                        or self.config.datahub_eval_input.topic):
+            if self._evaluates and self.module.rank == 0:  # rank 0 reads the eval stream
                 self.evaluator = StreamEvaluator(
-                    self.config, self.features, self.module.predict,
+                    self.config, self.features,
+                    self.module.predict if self.module.world_size == 1
+                    else self._predict_beside_ranks,
                     self.module.model.outputs, self._restored.eval_positions)
             if self._restored.needs_base_checkpoint and not self._stops.requested:
                 # the first recovery point of a fresh start: where its versions begin
@@ -728,11 +730,12 @@ class Trainer:
                 else {"source": "files", "path": self.config.train_input_path}
             )
             source.update(self._delta_replay_point())
-            if self.evaluator is not None and self.module.global_step:
+            if self._evaluates and self.module.global_step:
                 try:
                     self._evaluate()
                 except Exception:  # noqa: BLE001 - an evaluation must not stop checkpoints
                     logger.exception("evaluation at step %d failed", self.module.global_step)
+            if self.evaluator is not None:
                 source["eval_positions"] = {str(p): o for p, o in
                                             self.evaluator.positions().items()}
             if self.module.world_size > 1:
@@ -780,8 +783,34 @@ class Trainer:
             raise CheckpointError(error)
         self.checkpoints.last_saved_step = self.module.global_step
 
+    @property
+    def _evaluates(self) -> bool:
+        """Online with an eval stream: an evaluation at every checkpoint."""
+        return self.options.online and bool(self.config.kafka_eval_input.topic
+                                            or self.config.datahub_eval_input.topic)
+
+    def _predict_beside_ranks(self, batch: Batch) -> np.ndarray:
+        """Rank 0's evaluation predict with several ranks: the others join each one."""
+        from_rank0(True)  # one more batch: the other ranks take part in its forward
+        return self.module.predict(batch)
+
     def _evaluate(self) -> None:
-        """Scores the eval topic's new records (``odl.train.stream_evaluation``)."""
+        """Scores the eval topic's new records (``odl.train.stream_evaluation``).
+
+        Several ranks (a collective): rank 0 reads and scores; every other rank joins each of
+        its predictions with an empty batch until rank 0 says it is done.
+        """
+        if self.module.world_size > 1 and self.module.rank != 0:
+            while from_rank0(None):
+                self.module.predict(self.module.empty_batch())
+            return
+        try:
+            self._score_eval_stream()
+        finally:
+            if self.module.world_size > 1:
+                from_rank0(False)
+
+    def _score_eval_stream(self) -> None:
         assert self.evaluator is not None
         result = self.evaluator.evaluate(self.module.global_step)
         self.metrics.eval_samples.set(result["samples"])
