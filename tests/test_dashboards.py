@@ -39,6 +39,9 @@ from odl.harness.topic_records import make_records, produce
 from odl.harness.trainer_process import start_cli_trainer, trainer_url
 from odl.http.metric_history import MetricHistory
 from odl.kafka.topic_admin import create_topic
+from odl.train.trainer_dashboard import TRAINER_LAYOUT
+from odl.train.trainer_dashboard import history_point as trainer_history_point
+from serving_plugin.serving_dashboard import history_point as serving_history_point
 from tests.harness import write_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +66,40 @@ def test_history_keeps_recent_points_and_folds_older_ones_into_means():
     assert doc["t"] == [1196.0, 1197.0, 1198.0, 1199.0]
     assert doc["series"]["x"] == [196.0, 197.0, 198.0, 199.0]
     assert doc["series"]["odd"] == [None, 1.0, None, 1.0]
+
+
+def test_history_points_name_every_figure_the_pages_draw():
+    """A trainer's and a serving status document become the flat figures the charts name
+    (a partition without a watermark yet has no lag; unknown values are left out)."""
+    status = {
+        "progressive": {"auc": 0.71, "logloss": 0.4, "auc_total": 0.7, "logloss_total": 0.41},
+        "tasks": {"ctr": {"auc": 0.7, "logloss": 0.3}},
+        "passes": {"passes": [{"auc": 0.69, "logloss": 0.5}]},
+        "evaluation": {"auc": 0.68, "logloss": 0.45},
+        "samples_per_sec": 1000.0, "loss": 0.4, "global_step": 12,
+        "input": {"partitions": {"0": {"lag": 5}, "1": {"lag": None}}},
+        "publisher": {"last_version": 12, "last_publish_time": 990.0, "failures": 1},
+        "last_checkpoint": {"step": 10, "time": 900.0, "error": "disk full"},
+        "records_rejected": {"bad_label": 3},
+        "dynamic_tables": {"user": {"live_rows": 42}},
+    }
+    point = trainer_history_point(status, now=1000.0)
+    assert point["auc.task.ctr"] == 0.7 and point["auc.pass"] == 0.69
+    assert point["auc.eval"] == 0.68 and point["lag.0"] == 5 and point["lag.1"] is None
+    assert point["lag_total"] == 5 and point["published_age_s"] == 10.0
+    assert point["checkpoint_age_s"] == 100.0 and point["checkpoint_error"] == 1.0
+    assert point["rejects.bad_label"] == 3 and point["rows.user"] == 42
+    names = {s for c in TRAINER_LAYOUT.charts for s in c.series}
+    for figure in point:  # every figure is drawn by some chart (or is the step count)
+        assert figure in names or any(n.endswith("*") and figure.startswith(n[:-1])
+                                      for n in names) or figure in ("loss", "global_step")
+    served = serving_history_point(
+        {"version": 7, "freshness_seconds": 1.5, "last_version_publish_time": 999.0,
+         "lag_messages": 0, "rejected_by_reason": {"bad_crc": 2}},
+        {"rate": 3.0, "p50_ms": 1.2, "p99_ms": 4.0}, now=1000.0)
+    assert served == {"version": 7.0, "freshness_s": 1.5, "publish_age_s": 1.0,
+                      "lag_messages": 0.0, "predict_rate": 3.0, "predict_p50_ms": 1.2,
+                      "predict_p99_ms": 4.0, "rejected.bad_crc": 2.0}
 
 
 def _get(url: str):

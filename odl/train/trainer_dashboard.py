@@ -9,6 +9,7 @@ status server:
 ``auc_total``, ``logloss_total`` since the start; ``gauc``, ``mse``, ``mse_total`` when kept
 ``auc.task.<t>``                per task of a multi-task model (``logloss.task.<t>`` too)
 ``auc.pass``, ``logloss.pass``  the last closed pass of a file stream
+``auc.eval``, ``logloss.eval``  the last evaluation on the eval stream
 ``samples_per_sec``, ``loss``   training rate and the last step's loss
 ``global_step``
 ``lag.<p>``, ``lag_total``      records behind the high watermark, per partition / shard
@@ -40,9 +41,10 @@ TRAINER_LAYOUT = DashboardLayout(
             ("last checkpoint", "last_checkpoint.step"),
             ("published version", "publisher.last_version"), ("topic", "input.topic")),
     charts=(
-        Chart("Progressive AUC", ("auc", "auc_total", "gauc", "auc.task.*", "auc.pass")),
+        Chart("Progressive AUC", ("auc", "auc_total", "gauc", "auc.task.*", "auc.pass",
+                                  "auc.eval")),
         Chart("Progressive logloss", ("logloss", "logloss_total", "logloss.task.*",
-                                      "logloss.pass", "mse")),
+                                      "logloss.pass", "logloss.eval", "mse")),
         Chart("Training rate", ("samples_per_sec",), "samples/s"),
         Chart("Lag", ("lag_total", "lag.*"), "records"),
         Chart("Published version", ("published_version", "checkpoint_step"), "step"),
@@ -86,6 +88,10 @@ def history_point(status: dict[str, Any],
     if closed:
         out["auc.pass"] = _num(closed[-1].get("auc"))
         out["logloss.pass"] = _num(closed[-1].get("logloss"))
+    evaluation = status.get("evaluation") or {}
+    if evaluation:
+        out["auc.eval"] = _num(evaluation.get("auc"))
+        out["logloss.eval"] = _num(evaluation.get("logloss"))
     out["samples_per_sec"] = _num(status.get("samples_per_sec"))
     out["loss"] = _num(status.get("loss"))
     out["global_step"] = _num(status.get("global_step"))
