@@ -18,7 +18,7 @@ from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
 from odl.inputs.partition_assignment import rank_partitions
 from odl.train.distributed import check_several_ranks, table_placement
-from odl.train.train_module import TrainModule
+from odl.train.train_module import TrainModule, rank_device
 from tests.harness import load_config_text
 from tests.spawned_ranks import run_ranks
 
@@ -249,3 +249,12 @@ def test_rank_0_predicts_with_the_others_joining_empty(tmp_path):
     one = TrainModule(config, fb, device="cpu")
     np.testing.assert_allclose(got[0], one.predict(fb.build(records).batch), atol=2e-6, rtol=0)
     assert len(got[1]) == 0
+
+
+def test_each_rank_of_a_host_takes_its_own_gpu():
+    """``--device cuda`` (or auto on a GPU host) under torchrun: rank with LOCAL_RANK i uses
+    cuda:i; an explicit index and the CPU stay as given."""
+    assert rank_device(torch.device("cuda"), "1") == torch.device("cuda", 1)
+    assert rank_device(torch.device("cuda", 0), "1") == torch.device("cuda", 0)
+    assert rank_device(torch.device("cpu"), "1") == torch.device("cpu")
+    assert rank_device(torch.device("cuda"), None) == torch.device("cuda")

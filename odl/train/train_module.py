@@ -36,6 +36,7 @@ the batches carry event times, else the clock.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -142,10 +143,21 @@ class _NoDataParallel(DataParallelWrapper):
 
 
 def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; anything else as given."""
+    """``"auto"`` -> CUDA when available, else CPU; anything else as given.
+
+    A CUDA device without an index is the rank's own GPU under ``torchrun``
+    (``cuda:<LOCAL_RANK>``), so the ranks of one host do not all share GPU 0.
+    """
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return rank_device(torch.device(device), os.environ.get("LOCAL_RANK"))
+
+
+def rank_device(device: torch.device, local_rank: str | None) -> torch.device:
+    """``cuda`` without an index -> ``cuda:<local_rank>`` when a local rank is set."""
+    if device.type == "cuda" and device.index is None and local_rank:
+        return torch.device("cuda", int(local_rank))
+    return device
 
 
 def to_full_cpu(t: Any) -> torch.Tensor:
