@@ -12,8 +12,13 @@ figure is ``N x batch x steps / the slowest rank's seconds`` and its ratio to N 
 times one). Each rank runs one torch thread; ranks beyond the host's cores share them, and
 the output says how many cores there are.
 
+``--publish-steps 0,2`` measures each rank count also with delta publishing every 2 steps
+(``odl.train.rank_publishing``, rank 0 writing versions into a directory, as the train loop
+drives it: rank 0's flags exchanged each turn, the version taken before the next step) and
+prints the rate with publishing over the rate without, for the same rank count.
+
     .venv/bin/python bench/scaling.py [--ranks 1,2,4] [--batch 1024] [--steps 40]
-        [--warmup 5] [--row-wise-min-rows 1048576] [--json out.json]
+        [--warmup 5] [--row-wise-min-rows 1048576] [--publish-steps 0] [--json out.json]
 """
 
 from __future__ import annotations
@@ -50,29 +55,46 @@ def _rank(rank: int, world: int, port: int, args: dict, results) -> None:
     from odl.datagen.datagen_config import deepfm_config_text
     from odl.datagen.synthetic_ctr import SyntheticCtrStream
     from odl.features.feature_builder import FeatureBuilder
+    from odl.train.distributed import agree
+    from odl.train.rank_publishing import RankPublishing
     from odl.train.train_module import TrainModule
+    from publisher.publisher_factory import build_delta_sink
 
+    every = args["publish_steps"]
+    incr = (f'incr_save_config {{ sparse_save_steps: {every} dense_save_steps: {every} '
+            f'fs {{ incr_save_dir: "versions" }} }}' if every else "")
     try:
         config = parse_pipeline_config_text(deepfm_config_text(
-            tempfile.mkdtemp(prefix="odl-scaling-"), batch_size=args["batch"], dim=16,
-            buckets=100_000, hidden_units=(256, 128, 64), save_checkpoints_steps=0))
+            args["model_dir"], batch_size=args["batch"], dim=16, buckets=100_000,
+            hidden_units=(256, 128, 64), save_checkpoints_steps=0, extra_train=incr))
         fb = FeatureBuilder(config)
         tm = TrainModule(config, fb, device="cpu",
                          row_wise_min_rows=args["row_wise_min_rows"])
+        publishing = (RankPublishing.build(config, tm, "bench", rank, None,
+                                           build_delta_sink(config) if rank == 0 else None)
+                      if every else None)
+
+        def step(b) -> None:
+            if publishing is not None:  # as Trainer._loop_ranks: rank 0's flags, then publish
+                flags = agree([publishing.turn_flags(tm.global_step)])[0][0]
+                publishing.after_turn(tm.global_step, flags, True, {rank: tm.global_step})
+            tm.train_step(b)
         stream = SyntheticCtrStream(seed=100 + rank)
         steps = args["warmup"] + args["steps"]
         batches = [fb.build(stream.next_batch(args["batch"]).encode("csv")).batch
                    for _ in range(steps)]
         for b in batches[:args["warmup"]]:
-            tm.train_step(b)
+            step(b)
         dist.barrier()
         t0 = time.perf_counter()
         for b in batches[args["warmup"]:]:
-            tm.train_step(b)
+            step(b)
         dist.barrier()
         secs = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
         dist.all_reduce(secs, op=dist.ReduceOp.MAX)
         results.put((rank, float(secs.item()), None))
+        if publishing is not None:
+            publishing.flush(None, {}, timeout=30.0)
         dist.barrier()  # leave together: a group torn down under a peer can abort
     except BaseException as e:
         results.put((rank, None, repr(e)))
@@ -110,25 +132,40 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     ap.add_argument("--row-wise-min-rows", type=int, default=1 << 20,
                     help="tables this large are split by rows (the 100k-row tables: whole)")
+    ap.add_argument("--publish-steps", default="0",
+                    help="comma list: 0 = no publishing, N = a delta version every N steps")
     add_output_args(ap)
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
     if ranks[0] != 1:
         ranks = [1, *ranks]
-    settings = {"batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                "row_wise_min_rows": args.row_wise_min_rows}
-    rows = {}
+    publish = [int(x) for x in args.publish_steps.split(",")]
+    work = tempfile.mkdtemp(prefix="odl-scaling-")
+    rows: dict = {}
     for world in ranks:
-        rate = run_world(world, settings)
-        rows[world] = {"samples_per_sec": round(rate)}
-        base = rows[1]["samples_per_sec"]
-        rows[world]["over_n_times_one"] = round(rate / (world * base), 3)
-        print(f"{world} rank(s): {rate:,.0f} samples/s, {rate / base:.2f}x one rank, "
-              f"{rate / (world * base):.3f} of linear", flush=True)
+        for every in publish:
+            settings = {"batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+                        "row_wise_min_rows": args.row_wise_min_rows, "publish_steps": every,
+                        "model_dir": os.path.join(work, f"m{world}_{every}")}
+            rate = run_world(world, settings)
+            row = rows.setdefault(world, {})
+            if not every:
+                base = rate if world == 1 else rows[1]["samples_per_sec"]
+                row.update(samples_per_sec=round(rate),
+                           over_n_times_one=round(rate / (world * base), 3))
+                print(f"{world} rank(s): {rate:,.0f} samples/s, {rate / base:.2f}x one rank, "
+                      f"{rate / (world * base):.3f} of linear", flush=True)
+            else:
+                key = f"publishing_every_{every}"
+                row[key] = {"samples_per_sec": round(rate)}
+                if "samples_per_sec" in row:
+                    row[key]["over_without"] = round(rate / row["samples_per_sec"], 3)
+                print(f"{world} rank(s), a version every {every} steps: {rate:,.0f} "
+                      f"samples/s ({row[key].get('over_without')} of without)", flush=True)
     result = {"cpu_count": os.cpu_count(), "batch_per_rank": args.batch, "steps": args.steps,
               "row_wise_min_rows": args.row_wise_min_rows, "ranks": rows}
     print(json.dumps(result, indent=1))
-    finish_run(args, result, tempfile.mkdtemp(prefix="odl-scaling-"))
+    finish_run(args, result, work)
     return 0
 
 
