@@ -115,6 +115,13 @@ function merge(doc) {
     hist.series[name] = hist.series[name].concat(add);
   }
   if (doc.t.length) lastT = doc.t[doc.t.length - 1];
+  // keep what the daemon keeps (a day): an open tab must not grow without bound
+  let cut = 0;
+  while (cut < hist.t.length && hist.t[cut] < lastT - 86400) cut++;
+  if (cut) {
+    hist.t = hist.t.slice(cut);
+    for (const name of Object.keys(hist.series)) hist.series[name] = hist.series[name].slice(cut);
+  }
 }
 function names(spec) {
   const out = [];
