@@ -44,7 +44,8 @@ class IncrementalPublisher:
     """Snapshots touched rows and dense variables every N steps / seconds and sends them.
 
     Args:
-        module: the train module (``embedding_tables()``, ``dense_parameters()``).
+        module: the train module (``table_shapes()``, ``read_rows()``,
+            ``dense_parameters()``).
         id_maps: ids and published widths of variables and tables.
         tracker: the touched-rows tracker registered on the module.
         sink: where encoded versions go.

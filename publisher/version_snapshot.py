@@ -220,7 +220,8 @@ class ParameterSnapshotter:
     """Takes snapshots of the live model (see the module docstring).
 
     Args:
-        module: the train module (``embedding_tables()``, ``dense_parameters()``).
+        module: the train module (``table_shapes()``, ``read_rows()``,
+            ``dense_parameters()``).
         id_maps: ids and published widths of variables and tables.
         tracker: the touched-rows tracker registered on the module.
         input_topic: input topic name written into the positions.
@@ -334,7 +335,6 @@ class ParameterSnapshotter:
             if gone_by_table[id(dyn)].shape[0]:
                 deletes[info.id] = gone_by_table[id(dyn)]
         if republish_all:
-            touched = dict(touched)
             for name, mask in self._published_rows.items():
                 ids = mask.nonzero().flatten()
                 if name in touched:

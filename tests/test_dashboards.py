@@ -141,12 +141,8 @@ def daemons(kafka_bootstrap, tmp_path_factory):
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
     env_token = {**os.environ, "ODL_AUTH_TOKEN": TOKEN}
-    os.environ["ODL_AUTH_TOKEN"] = TOKEN  # read by the trainer subprocess at start
-    try:
-        trainer = start_cli_trainer(cfg, str(tmp / "trainer.log"), "--dashboard_interval_s",
-                                    "0.5", "--log_level", "WARNING")
-    finally:
-        del os.environ["ODL_AUTH_TOKEN"]
+    trainer = start_cli_trainer(cfg, str(tmp / "trainer.log"), "--dashboard_interval_s",
+                                "0.5", "--log_level", "WARNING", env=env_token)
     serve = None
     try:
         url = _wait(lambda: trainer_url(model_dir, trainer.pid), "the trainer's status API")

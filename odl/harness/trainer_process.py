@@ -39,20 +39,22 @@ def train_command(config_path: str, *extra: str) -> list[str]:
             "--online", "--device", "cpu", "--status_port", "0", *extra]
 
 
-def start_cli_trainer(config_path: str, log_path: str, *extra: str) -> subprocess.Popen:
+def start_cli_trainer(config_path: str, log_path: str, *extra: str,
+                      env: Optional[dict[str, str]] = None) -> subprocess.Popen:
     """Starts ``odl-train --online`` as a subprocess.
 
     Args:
         config_path: the pipeline config.
         log_path: its output goes here (appended).
         *extra: more arguments.
+        env: its environment (default: this process's).
 
     Returns:
         The process.
     """
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(train_command(config_path, *extra), stdout=log,
-                                stderr=subprocess.STDOUT, cwd=_REPO_ROOT)
+                                stderr=subprocess.STDOUT, cwd=_REPO_ROOT, env=env)
     logger.debug("started odl-train pid %d (log %s)", proc.pid, log_path)
     return proc
 

@@ -100,8 +100,7 @@ class PassSaves:
         self.max_chunk_bytes = int(isc.max_chunk_bytes) if isc.max_chunk_bytes else 900_000
         self.model_name = isc.model_name or basename(config.model_dir)
         self.id_maps = build_id_maps(dense_variable_shapes(module), published_table_dims(module))
-        self._table_rows = {name: int(w.shape[0])
-                            for name, w in module.embedding_tables().items()}
+        self._table_rows = {name: rows for name, (rows, _) in module.table_shapes().items()}
         self.tracker = DeltaTracker(module.feature_tables(), self._table_rows)
         module.add_touched_rows_hook(self.tracker.record)
         self.snapshots = ParameterSnapshotter(module, self.id_maps, self.tracker,

@@ -180,9 +180,9 @@ def _local_view(t: Any) -> torch.Tensor:
     if hasattr(t, "local_shards") and hasattr(t, "metadata"):
         shards = t.local_shards()
         if len(shards) != 1 or tuple(shards[0].tensor.shape) != tuple(t.size()):
-            raise RuntimeError("this needs a table whole in this process: publishing, "
-                               "in-batch learning and dynamic tables of a model sharded "
-                               "over several ranks are not implemented yet")
+            raise RuntimeError("this needs a table whole in this process: in-batch "
+                               "learning and dynamic tables of a model sharded over "
+                               "several ranks are not implemented yet")
         return shards[0].tensor
     if hasattr(t, "to_local"):
         return t.to_local()
