@@ -78,12 +78,16 @@ CURVE_POINTS = 20  # the plotted AUC curve: the AUC of each 1/20 of the stream
 
 
 def scores(probs: np.ndarray, labels: np.ndarray) -> dict:
-    """AUC and logloss over all records and over the last ``TAIL`` of them."""
+    """AUC and logloss over all records and over the last ``TAIL`` of them; the AUC over the
+    first ``TAIL`` (a cold learner's start) and over the rest."""
     cut = int(len(labels) * (1 - TAIL))
+    head = int(len(labels) * TAIL)
     return {"auc": round(roc_auc(labels, probs), 4),
             "logloss": round(log_loss(probs, labels), 4),
             "auc_last20": round(roc_auc(labels[cut:], probs[cut:]), 4),
-            "logloss_last20": round(log_loss(probs[cut:], labels[cut:]), 4)}
+            "logloss_last20": round(log_loss(probs[cut:], labels[cut:]), 4),
+            "auc_first20": round(roc_auc(labels[:head], probs[:head]), 4),
+            "auc_after_first20": round(roc_auc(labels[head:], probs[head:]), 4)}
 
 
 def auc_curve(probs: np.ndarray, labels: np.ndarray) -> list[float | None]:
