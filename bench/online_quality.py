@@ -41,7 +41,8 @@ VW rows are skipped and say so.
 
     .venv/bin/python bench/online_quality.py [--stream bursty|criteo] [--records 200000] [--seed 1]
         [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--sparse-lr 0.1] [--dense-lr 0.001]
-        [--in-batch 0,1] [--wide-lr-mult 1,3] [--serve-delay 2500] [--config samples/X.config]
+        [--in-batch 0,1] [--wide-lr-mult 1,3] [--per-record 0,1] [--per-record-gain 2,3]
+        [--serve-delay 2500] [--config samples/X.config]
         [--broker] [--json out.json]
 """
 
@@ -155,12 +156,14 @@ def vw_examples(batches: list, kind: str = "bursty") -> list[str]:
 
 def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr: float,
                config_path: str = "", in_batch: bool | None = None,
-               wide_mult: float | None = None, **kw):
+               wide_mult: float | None = None, per_record: bool | None = None,
+               gain: float | None = None, **kw):
     """The odl config of a run: ``config_path`` (e.g. a sample), else the stream's DeepFM (the
     bursty sample's shape, or the Criteo-like demo's: 26 ids of dim 16 in tables of 100k
     rows, 13 dense, DNN 256-128-64); its batch size and its two ``optimizer_config``
     constant rates (tables, dense part) set to the run's, and ``in_batch_learning`` /
-    ``wide_learning_rate_multiplier`` where given (None: the config's)."""
+    ``wide_learning_rate_multiplier`` / ``per_record_adagrad`` /
+    ``per_record_adagrad_max_gain`` where given (None: the config's)."""
     if config_path:
         config = load_pipeline_config(config_path)
         config.train_config.ClearField("incr_save_config")  # learning only, no publishing
@@ -183,6 +186,10 @@ def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr
         config.train_config.in_batch_learning = in_batch
     if wide_mult is not None:
         config.train_config.wide_learning_rate_multiplier = wide_mult
+    if per_record is not None:
+        config.train_config.per_record_adagrad = per_record
+    if gain is not None:
+        config.train_config.per_record_adagrad_max_gain = gain
     tables, dense = config.train_config.optimizer_config[:2]
     for entry, rate in ((tables, sparse_lr), (dense, dense_lr)):
         lr = getattr(entry, entry.WhichOneof("optimizer")).learning_rate
@@ -193,10 +200,14 @@ def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr
     return config
 
 
-def settings_name(in_batch: bool | None, wide_mult: float | None) -> str:
-    """The row-name suffix of a run's in-batch / wide-rate settings (none: the config's)."""
+def settings_name(in_batch: bool | None, wide_mult: float | None,
+                  per_record: bool | None = None, gain: float | None = None) -> str:
+    """The row-name suffix of a run's in-batch / wide-rate / per-record / gain settings (none:
+    the config's)."""
     return ((f" in-batch {int(in_batch)}" if in_batch is not None else "")
-            + (f" wide x{wide_mult:g}" if wide_mult is not None else ""))
+            + (f" wide x{wide_mult:g}" if wide_mult is not None else "")
+            + (f" per-record {int(per_record)}" if per_record is not None else "")
+            + (f" gain {gain:g}" if gain is not None else ""))
 
 
 def run_vw(examples: list[str], lr: float, quadratic: str,
@@ -322,6 +333,11 @@ def main() -> int:
                     help="in_batch_learning values to try (0,1; default: the config's)")
     ap.add_argument("--wide-lr-mult", default="",
                     help="wide_learning_rate_multiplier values to try (default: the config's)")
+    ap.add_argument("--per-record", default="",
+                    help="per_record_adagrad values to try (0,1; default: the config's; 1 "
+                         "only with in-batch learning)")
+    ap.add_argument("--per-record-gain", default="",
+                    help="per_record_adagrad_max_gain values to try (default: the config's)")
     ap.add_argument("--serve-delay", type=int, default=2500,
                     help="also score served predictions: each record predicted by the state "
                          "that learned the records before it minus this many (0: off)")
@@ -353,23 +369,30 @@ def main() -> int:
                                  "(pip install -r bench/requirements-quality.txt)"}
     in_batch = [bool(int(x)) for x in args.in_batch.split(",")] if args.in_batch else [None]
     wide = [float(x) for x in args.wide_lr_mult.split(",")] if args.wide_lr_mult else [None]
-    grid = [(b, slr, dlr, ib, wm) for b in [int(x) for x in args.batch.split(",")]
+    per_record = ([bool(int(x)) for x in args.per_record.split(",")] if args.per_record
+                  else [None])
+    gains = ([float(x) for x in args.per_record_gain.split(",")] if args.per_record_gain
+             else [None])
+    grid = [(b, slr, dlr, ib, wm, pr, g) for b in [int(x) for x in args.batch.split(",")]
             for slr in [float(x) for x in args.sparse_lr.split(",")]
             for dlr in [float(x) for x in args.dense_lr.split(",")]
-            for ib in in_batch for wm in wide]
-    for b, slr, dlr, ib, wm in grid:
+            for ib in in_batch for wm in wide for pr in per_record for g in gains
+            if not (pr and ib is False) and not (g is not None and pr is False)]
+    for b, slr, dlr, ib, wm, pr, g in grid:
         probs, rate, step_ms, served = run_odl(values, b, work, slr, dlr, args.serve_delay,
                                                args.stream, args.config, in_batch=ib,
-                                               wide_mult=wm)
-        name = f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}" + settings_name(ib, wm)
+                                               wide_mult=wm, per_record=pr, gain=g)
+        name = (f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}"
+                + settings_name(ib, wm, pr, g))
         rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
                       "step_ms": round(step_ms, 3), **served_scores(served, labels)}
         curves[name] = auc_curve(probs, labels)
         print(name, rows[name], flush=True)
     if args.broker:
-        b, slr, _dlr, ib, wm = grid[0]
-        rows[f"odl-train --online batch {b}" + settings_name(ib, wm)] = run_broker(
-            values, b, work, slr, args.stream, args.config, in_batch=ib, wide_mult=wm)
+        b, slr, _dlr, ib, wm, pr, g = grid[0]
+        rows[f"odl-train --online batch {b}" + settings_name(ib, wm, pr, g)] = run_broker(
+            values, b, work, slr, args.stream, args.config, in_batch=ib, wide_mult=wm,
+            per_record=pr, gain=g)
     result = {"stream": args.stream, "config": args.config or "the stream's DeepFM",
               "records": args.records, "seed": args.seed,
               "positive_rate": round(float(labels.mean()), 4), "rows": rows,

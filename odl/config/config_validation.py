@@ -58,6 +58,7 @@ from odl.config.model_classes import is_multi_task_model
 from odl.config.model_validation import validate_features, validate_model
 from odl.config.optimizer_support import (
     IN_BATCH_TABLE_KINDS,
+    PER_RECORD_TABLE_KINDS,
     optimizer_choices,
     table_kernel_kind,
 )
@@ -412,12 +413,26 @@ def _is_number(text: str) -> bool:
 
 
 def _validate_in_batch_learning(config: pipeline_pb2.EasyRecConfig) -> None:
-    """``wide_learning_rate_multiplier`` and ``in_batch_learning``'s model and tables."""
+    """The wide rate, ``per_record_adagrad``'s settings, ``in_batch_learning``'s model."""
     tc = config.train_config
     m = tc.wide_learning_rate_multiplier
     if not (0 < m <= limits.MAX_WIDE_LR_MULTIPLIER) or not math.isfinite(m):
         raise ConfigError("train_config.wide_learning_rate_multiplier",
                           f"must be > 0 and at most {limits.MAX_WIDE_LR_MULTIPLIER:g}, got {m:g}")
+    gain = tc.per_record_adagrad_max_gain
+    if not (1 <= gain <= limits.MAX_PER_RECORD_GAIN):
+        raise ConfigError("train_config.per_record_adagrad_max_gain",
+                          f"must be at least 1 and at most {limits.MAX_PER_RECORD_GAIN:g}, "
+                          f"got {gain:g}")
+    if tc.per_record_adagrad:
+        field = "train_config.per_record_adagrad"
+        sparse, _ = optimizer_choices(tc)
+        if table_kernel_kind(sparse.kind) not in PER_RECORD_TABLE_KINDS:
+            raise ConfigError(field, f"needs (row-wise) Adagrad tables; the tables train with "
+                                     f"{sparse.kind}")
+        if not tc.in_batch_learning:
+            raise ConfigError(field, "needs in_batch_learning: true (without it the larger "
+                                     "steps overshoot; docs/training.md#per-record-adagrad)")
     if not tc.in_batch_learning:
         return
     field = "train_config.in_batch_learning"

@@ -26,6 +26,8 @@ from __future__ import annotations
 MAX_TABLE_ROWS = 2**31 - 1
 # train_config.wide_learning_rate_multiplier: a rate this many times the table rate at most.
 MAX_WIDE_LR_MULTIPLIER = 1000.0
+# The largest train_config.per_record_adagrad_max_gain.
+MAX_PER_RECORD_GAIN = 1000.0
 
 # Embedding dimensions: at most MAX_EMBEDDING_DIM; stored padded to EMBEDDING_DIM_ALIGN.
 EMBEDDING_DIM_ALIGN = 4

@@ -54,6 +54,10 @@ SPARSE_OPTIMIZER_DEVICES: dict[str, frozenset[str]] = {
 # Table kernel kinds whose update in-batch learning follows (odl.train.in_batch_learning).
 IN_BATCH_TABLE_KINDS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
 
+# Table kernel kinds whose accumulator can count records one by one
+# (odl.train.per_record_adagrad).
+PER_RECORD_TABLE_KINDS: tuple[str, ...] = ("adagrad", "rowwise_adagrad")
+
 # Configured kind -> the table kernel that stands in for it (kinds without a kernel).
 TABLE_SUBSTITUTES: dict[str, str] = {"ftrl": "adagrad", "momentum": "sgd", "adamw": "adam"}
 

@@ -66,6 +66,7 @@ from odl.models.dynamic_table import DynamicTable, DynamicTables
 from odl.models.embedding_tables import WIDE_SUFFIX, init_embedding_weights, reset_embedding_rows
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
+from odl.train.batch_row_pairs import RowPairIndex, TableRows
 from odl.train.distributed import (
     ROW_WISE_MIN_ROWS,
     agree,
@@ -77,7 +78,7 @@ from odl.train.distributed import (
     local_world_size,
     table_placement,
 )
-from odl.train.in_batch_learning import InBatchLearning, TableRows
+from odl.train.in_batch_learning import InBatchLearning
 from odl.train.optimizer_builder import (
     TABLE_EPS,
     gradient_clipping,
@@ -85,6 +86,7 @@ from odl.train.optimizer_builder import (
     optimizer_specs,
     sparse_optimizer_args,
 )
+from odl.train.per_record_adagrad import PerRecordAdagrad
 
 logger = logging.getLogger(__name__)
 
@@ -289,26 +291,34 @@ class TrainModule:
         self.global_step = 0
         self._lrs: tuple[float, float] | None = None
         self._lr_groups: list[tuple[dict, float]] | None = None
-        self._in_batch = self._in_batch_learning(config, table_configs)
+        self._row_pairs, self._in_batch, self._per_record = self._row_pair_learning(
+            config, table_configs)
         self._touched_rows_hook: Callable[[KeyedJaggedTensor], None] | None = None
         self._extra_touched_rows_hooks: list[Callable[[KeyedJaggedTensor], None]] = []
         logger.info(
             "TrainModule on %s: %d tables, sparse %s, dense %s", self.device, len(tables),
             self._sparse_spec.kind, self._dense_spec.kind)
 
-    def _in_batch_learning(self, config: pipeline_pb2.EasyRecConfig,
-                           table_configs: list[EmbeddingBagConfig]) -> InBatchLearning | None:
-        """The in-batch learning of ``train_config.in_batch_learning`` (None when off).
+    def _row_pair_learning(self, config: pipeline_pb2.EasyRecConfig,
+                           table_configs: list[EmbeddingBagConfig]
+                           ) -> tuple[RowPairIndex | None, InBatchLearning | None,
+                                      PerRecordAdagrad | None]:
+        """``in_batch_learning``, ``per_record_adagrad`` and their row-pair index.
 
-        Validation has checked the model (one output) and the table optimizer (SGD or
-        (row-wise) Adagrad; ``InBatchLearning`` refuses any other).
+        Each is None when off.
+
+        Validation has checked the model (one output, for in-batch learning) and the table
+        optimizer (SGD or (row-wise) Adagrad; (row-wise) Adagrad for per-record
+        accumulators); the classes refuse any other.
         """
-        if not config.train_config.in_batch_learning:
-            return None
+        tc = config.train_config
+        if not (tc.in_batch_learning or tc.per_record_adagrad):
+            return None, None, None
         if self.world_size > 1:
-            raise ValueError("train_config.in_batch_learning is not implemented for a model "
-                             "sharded over several ranks yet")
-        _, states = self._row_state_views()
+            field = ("in_batch_learning" if tc.in_batch_learning else "per_record_adagrad")
+            raise ValueError(f"train_config.{field} is not implemented for a model sharded "
+                             "over several ranks yet")
+        tables, states = self._row_state_views()
         rows = {}
         for c in table_configs:
             state = states.get(f"{EBC_PREFIX}{c.name}.weight", [])
@@ -316,8 +326,16 @@ class TrainModule:
                 state=state[0] if state and self._table_kind != "sgd" else None,
                 stored_columns=c.embedding_dim, mean_pooling=c.pooling == PoolingType.MEAN,
                 lr_multiplier=(self._wide_lr_multiplier if c.name.endswith(WIDE_SUFFIX)
-                               else 1.0))
-        return InBatchLearning(self.model.pooled_layout, rows, self._table_kind, TABLE_EPS)
+                               else 1.0),
+                weight=tables[c.name])
+        index = RowPairIndex(self.model.pooled_layout, rows,
+                             rowwise=self._table_kind == "rowwise_adagrad")
+        return (index,
+                InBatchLearning(index, self._table_kind, TABLE_EPS)
+                if tc.in_batch_learning else None,
+                PerRecordAdagrad(index, self._table_kind, TABLE_EPS,
+                                 float(tc.per_record_adagrad_max_gain))
+                if tc.per_record_adagrad else None)
 
     @torch.no_grad()
     def _init_local_shards(self) -> None:
@@ -604,13 +622,19 @@ class TrainModule:
             output = self._dmp(batch)
             logits = output.logits
         loss = self._module().loss(output, batch)
+        pairs = (self._row_pairs.pairs(batch.sparse, batch.size, logits.dtype)
+                 if self._row_pairs is not None else None)
         if self._in_batch is not None:  # predict each record after its batch's earlier ones
-            shift = self._in_batch.logit_shift(batch.sparse, output, loss, self._lrs[0])
+            shift = self._in_batch.logit_shift(pairs, output, loss, self._lrs[0])
             output = ModelOutput(output.logits + shift, output.pooled)
             logits = output.logits
             loss = self._module().loss(output, batch)
+        pending = (self._per_record.before_backward(pairs, output.pooled)
+                   if self._per_record is not None else None)
         self._dense_opt.zero_grad(set_to_none=True)
         loss.backward()  # table rows are updated inside backward (fused)
+        if pending is not None:  # each record's squared gradient in the accumulators
+            self._per_record.apply(pending, self._lrs[0])
         if self._grad_clip is not None:
             self._grad_clip(self._dense_opt)
         self._dense_opt.step()

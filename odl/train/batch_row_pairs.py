@@ -1,0 +1,339 @@
+"""The (table row, record) reads of a training step, sorted by row, and the rows' storage.
+
+In-batch learning (``odl.train.in_batch_learning``) and the per-record Adagrad accumulator
+(``odl.train.per_record_adagrad``) both look at a step as its *pairs*: one pair per read of a
+table row by a record through a pooled lookup (a multi-valued feature reads several rows; a
+record that reads a row through two lookups of one table, or twice through one lookup, has
+two pairs for it). ``RowPairIndex.pairs`` lists them sorted by (table, row, record), so a
+row's pairs are contiguous and in batch order:
+
+* ``rows[p]``, ``lookup[p]``, ``sample[p]``: the row, the lookup (index into the model's
+  ``pooled_layout`` lookups, group after group) and the record of pair ``p``;
+* ``weight[p]``: the pair's weight in its lookup's pooled vector (1; ``1/n`` for a mean over
+  ``n`` ids; times the id's value weight for a weighted feature);
+* ``new_row[p]`` / ``new_pair[p]``: ``p`` starts a row / a (row, record) run;
+* ``row_start[p]`` / ``pair_start[p]``: the first pair of ``p``'s row / (row, record) run.
+
+A pair's columns of a ``[B, group width]`` tensor per group (the pooled vectors, their
+gradients, the logit's Jacobian) come from ``RowPairIndex.per_pair``: ``[P, width]``,
+``width`` the widest lookup, the columns beyond a lookup's own width zero.
+
+Storage: the fused kernel keeps the weights (and the accumulators) of its tables in one
+buffer; ``RowPairIndex`` addresses each lookup's rows in it by (buffer, offset, row stride),
+so reading or writing the rows of all tables costs one gather / scatter per buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from odl.models.ctr_model import PooledGroup
+
+
+@dataclass(frozen=True)
+class TableRows:
+    """What the pairs' users need of one TorchRec table.
+
+    Attributes:
+        state: the table optimizer's accumulator (``[rows, stored_columns]`` or ``[rows *
+            stored_columns]`` for Adagrad, ``[rows]`` for row-wise Adagrad; None for SGD).
+        stored_columns: the table's stored width (``odl.models.embedding_tables``).
+        mean_pooling: the table pools its ids by mean (each of n ids weighs 1/n).
+        lr_multiplier: the table's rate relative to the table rate.
+        weight: the table's live weight ``[rows, stored_columns]`` (None: not written).
+    """
+
+    state: torch.Tensor | None
+    stored_columns: int
+    mean_pooling: bool
+    lr_multiplier: float = 1.0
+    weight: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class RowPairs:
+    """The pairs of one step (module docstring); ``P`` pairs, ``b`` records."""
+
+    b: int
+    rows: torch.Tensor
+    lookup: torch.Tensor
+    sample: torch.Tensor
+    weight: torch.Tensor
+    new_row: torch.Tensor
+    new_pair: torch.Tensor
+    row_start: torch.Tensor
+    pair_start: torch.Tensor
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Where ``N`` (lookup, row) entries' columns lie in one kind of storage.
+
+    ``parts`` holds, per buffer, ``(buffer, flat offsets, positions)``: the offsets of the
+    entries' valid columns in that buffer and their positions in the ``[N * columns]``
+    values (None: every position, in order). ``shape`` is ``(N, columns)``.
+    """
+
+    parts: tuple[tuple[int, torch.Tensor, torch.Tensor | None], ...]
+    shape: tuple[int, int]
+
+
+class _FlatStorage:
+    """Each lookup's rows of one kind of tensor (weights, accumulators) in flat buffers."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], row_strides: Sequence[int]) -> None:
+        storages: dict[int, int] = {}
+        self.flat: list[torch.Tensor] = []
+        self.storage = torch.zeros(len(tensors), dtype=torch.long)
+        self.base = torch.zeros(len(tensors), dtype=torch.long)
+        self.row_stride = torch.tensor([int(s) for s in row_strides], dtype=torch.long)
+        for k, t in enumerate(tensors):
+            if t.dim() > 1 and t.stride(-1) != 1:
+                raise ValueError(f"unexpected table layout {tuple(t.stride())}")
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in storages:
+                storages[ptr] = len(self.flat)
+                n = t.untyped_storage().nbytes() // t.element_size()
+                self.flat.append(t.new_empty(0).set_(t.untyped_storage(), 0, (n,), (1,)))
+            self.storage[k] = storages[ptr]
+            self.base[k] = t.storage_offset()
+
+    def to(self, device: torch.device) -> None:
+        for name in ("storage", "base", "row_stride"):
+            setattr(self, name, getattr(self, name).to(device))
+
+    def plan(self, lookup: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor | None,
+             mask: torch.Tensor | None) -> RowPlan:
+        """Plans ``lookup[i]``'s row ``rows[i]``.
+
+        Its columns ``cols`` (None: one value per row), those where ``mask`` (``[N,
+        columns]``; None: all) is true.
+        """
+        start = self.base.index_select(0, lookup) + rows * self.row_stride.index_select(
+            0, lookup)
+        idx = start.unsqueeze(1) if cols is None else start.unsqueeze(1) + cols
+        shape = (int(idx.shape[0]), int(idx.shape[1]))
+        flat_idx = idx.reshape(-1)
+        if len(self.flat) == 1 and mask is None:
+            return RowPlan(((0, flat_idx, None),), shape)
+        keep = (mask.reshape(-1) if mask is not None
+                else torch.ones(flat_idx.shape, dtype=torch.bool, device=idx.device))
+        parts = []
+        if len(self.flat) == 1:
+            pos = keep.nonzero().flatten()
+            parts.append((0, flat_idx.index_select(0, pos), pos))
+        else:
+            owner = self.storage.index_select(0, lookup).unsqueeze(1).expand(shape).reshape(-1)
+            for k in range(len(self.flat)):
+                pos = (keep & (owner == k)).nonzero().flatten()
+                parts.append((k, flat_idx.index_select(0, pos), pos))
+        return RowPlan(tuple(parts), shape)
+
+    def gather(self, plan: RowPlan) -> torch.Tensor:
+        """``[N, columns]``: the planned elements (0 where not planned)."""
+        n, c = plan.shape
+        if len(plan.parts) == 1 and plan.parts[0][2] is None:
+            k, off, _ = plan.parts[0]
+            return self.flat[k].index_select(0, off).view(n, c)
+        out = torch.zeros(n * c, dtype=self.flat[0].dtype, device=self.flat[0].device)
+        for k, off, pos in plan.parts:
+            out.index_copy_(0, pos, self.flat[k].index_select(0, off))
+        return out.view(n, c)
+
+    def write(self, plan: RowPlan, values: torch.Tensor, add: bool) -> None:
+        """Adds (``add``) or writes ``[N, columns]`` ``values`` at the planned elements.
+
+        The planned rows must be distinct.
+        """
+        flat_values = values.reshape(-1)
+        for k, off, pos in plan.parts:
+            v = flat_values if pos is None else flat_values.index_select(0, pos)
+            if add:
+                self.flat[k].index_add_(0, off, v.to(self.flat[k].dtype))
+            else:
+                self.flat[k].index_copy_(0, off, v.to(self.flat[k].dtype))
+
+
+class RowPairIndex:
+    """Builds a step's ``RowPairs`` and reads / writes the rows they name.
+
+    Args:
+        pooled_layout: the model's ``pooled_layout``.
+        tables: TorchRec table name -> ``TableRows``, for every table a lookup reads.
+        rowwise: the accumulators are row-wise (one value per row).
+
+    Raises:
+        ValueError: a lookup's table is missing, or a table's layout is not addressable.
+    """
+
+    def __init__(self, pooled_layout: Sequence[PooledGroup], tables: Mapping[str, TableRows],
+                 rowwise: bool = False) -> None:
+        names = sorted({t for g in pooled_layout for _, t in g.lookups})
+        missing = [t for t in names if t not in tables]
+        if missing:
+            raise ValueError(f"no table rows for {missing}")
+        self.rowwise = rowwise
+        self.features: list[str] = []  # per lookup
+        self.tables: list[TableRows] = []  # per lookup
+        self.dims: list[int] = []  # per lookup
+        table_index: list[int] = []
+        columns: list[int] = []  # per lookup, its first column in the groups' concatenation
+        start = 0
+        for group in pooled_layout:
+            column = start
+            for (feature, table), dim in zip(group.lookups, group.dims, strict=True):
+                self.features.append(feature)
+                self.tables.append(tables[table])
+                self.dims.append(dim)
+                table_index.append(names.index(table))
+                columns.append(column)
+                column += dim
+            start += group.width
+        self.width = max(self.dims, default=0)
+        # [L * width] columns of the concatenated groups, padding -> the zero column `start`
+        self._gather = torch.tensor(
+            [c + j if j < d else start for c, d in zip(columns, self.dims, strict=True)
+             for j in range(self.width)], dtype=torch.long)
+        self._table_key = torch.tensor(table_index, dtype=torch.long) * _ROW_SPAN
+        self._mean = torch.tensor([t.mean_pooling for t in self.tables])
+        self._any_mean = bool(self._mean.any())
+        self.multiplier = torch.tensor([t.lr_multiplier for t in self.tables])
+        self.stored = torch.tensor([float(t.stored_columns) for t in self.tables])
+        self._key_order: tuple[tuple[str, ...], list[int]] | None = None
+        self._cols = torch.arange(self.width)
+        self.col_mask = torch.tensor([[j < d for j in range(self.width)] for d in self.dims])
+        self._states: _FlatStorage | None = None
+        self._weights: _FlatStorage | None = None
+        if self.tables and all(t.state is not None for t in self.tables):
+            self._states = _FlatStorage(
+                [t.state for t in self.tables],
+                [t.state.stride(0) if t.state.dim() > 1 else 1 if rowwise else t.stored_columns
+                 for t in self.tables])
+        if self.tables and all(t.weight is not None for t in self.tables):
+            self._weights = _FlatStorage([t.weight for t in self.tables],
+                                         [t.weight.stride(0) for t in self.tables])
+        self._device = torch.device("cpu")
+
+    def on(self, device: torch.device) -> None:
+        """Moves the index tensors to ``device`` (once)."""
+        if self._device == device:
+            return
+        for name in ("_gather", "_table_key", "_mean", "multiplier", "stored", "_cols",
+                     "col_mask"):
+            setattr(self, name, getattr(self, name).to(device))
+        for store in (self._states, self._weights):
+            if store is not None:
+                store.to(device)
+        self._device = device
+
+    def pairs(self, kjt: KeyedJaggedTensor, b: int, dtype: torch.dtype) -> RowPairs | None:
+        """The step's pairs (module docstring), or None when its lookups read nothing."""
+        device = kjt.values().device
+        self.on(device)
+        keys = tuple(kjt.keys())
+        if self._key_order is None or self._key_order[0] != keys:
+            index = {k: i for i, k in enumerate(keys)}
+            self._key_order = (keys, [index.get(f, -1) for f in self.features])
+        kidx = self._key_order[1]
+        offsets = kjt.offset_per_key()
+        lookups = [lk for lk, k in enumerate(kidx) if k >= 0 and offsets[k + 1] > offsets[k]]
+        if not lookups:
+            return None
+        counts = [offsets[kidx[lk] + 1] - offsets[kidx[lk]] for lk in lookups]
+        total = sum(counts)
+        lk_t = torch.tensor(lookups, dtype=torch.long, device=device)
+        firsts = torch.tensor([offsets[kidx[lk]] for lk in lookups], dtype=torch.long,
+                              device=device)
+        bases = torch.tensor([0, *itertools.accumulate(counts)][:-1], dtype=torch.long,
+                             device=device)
+        which = torch.repeat_interleave(torch.arange(len(lookups), device=device),
+                                        torch.tensor(counts, device=device), output_size=total)
+        pos = torch.arange(total, device=device) - (bases - firsts).index_select(0, which)
+        lookup = lk_t.index_select(0, which)
+        lengths = kjt.lengths()
+        record_of_value = torch.repeat_interleave(
+            torch.arange(b, device=device).repeat(len(keys)), lengths,
+            output_size=int(offsets[-1]))
+        sample = record_of_value.index_select(0, pos)
+        rows = kjt.values().index_select(0, pos).long()
+        weight = torch.ones(total, dtype=dtype, device=device)
+        if self._any_mean:
+            kt = torch.tensor(kidx, dtype=torch.long, device=device).index_select(0, lookup)
+            n = lengths.index_select(0, kt * b + sample).clamp(min=1).to(dtype)
+            weight = torch.where(self._mean.index_select(0, lookup), 1.0 / n, weight)
+        if kjt.weights_or_none() is not None:
+            weight = weight * kjt.weights().index_select(0, pos).to(dtype)
+        # order the pairs by (table row, record): a row's earlier records first
+        key = rows + self._table_key.index_select(0, lookup)
+        order = torch.argsort(key * (b + 1) + sample)
+        key, sample = key.index_select(0, order), sample.index_select(0, order)
+        new_row = torch.ones(total, dtype=torch.bool, device=device)
+        new_row[1:] = key[1:] != key[:-1]
+        new_pair = new_row.clone()
+        new_pair[1:] |= sample[1:] != sample[:-1]
+        at = torch.arange(total, device=device)
+        return RowPairs(
+            b=b, rows=rows.index_select(0, order), lookup=lookup.index_select(0, order),
+            sample=sample, weight=weight.index_select(0, order), new_row=new_row,
+            new_pair=new_pair,
+            row_start=torch.cummax(torch.where(new_row, at, 0), 0).values,
+            pair_start=torch.cummax(torch.where(new_pair, at, 0), 0).values)
+
+    def per_pair(self, groups: Sequence[torch.Tensor | None], pairs: RowPairs,
+                 dtype: torch.dtype) -> torch.Tensor:
+        """``[P, width]``: each pair's lookup columns of its record in ``groups``.
+
+        ``groups`` holds one ``[B, group width]`` tensor per ``pooled_layout`` group (None:
+        zeros).
+        """
+        b = pairs.b
+        device = pairs.rows.device
+        parts = [g.to(dtype) if g is not None else torch.zeros(b, 0, dtype=dtype, device=device)
+                 for g in groups]
+        cat = torch.cat([*parts, torch.zeros(b, 1, dtype=dtype, device=device)], dim=1)
+        per_lookup = cat.index_select(1, self._gather).view(-1, self.width)  # [B * L, width]
+        return per_lookup.index_select(0, pairs.sample * len(self.features) + pairs.lookup)
+
+    def plan_accumulators(self, lookup: torch.Tensor, rows: torch.Tensor) -> RowPlan:
+        """Where (lookup, row)s' accumulators lie.
+
+        ``[N, 1]`` row-wise, else ``[N, width]`` (the columns beyond the lookup's width not
+        planned).
+        """
+        if self._states is None:
+            raise ValueError("these tables have no accumulator")
+        if self.rowwise:
+            return self._states.plan(lookup, rows, None, None)
+        return self._states.plan(lookup, rows, self._cols, self.col_mask.index_select(0, lookup))
+
+    def plan_weights(self, lookup: torch.Tensor, rows: torch.Tensor) -> RowPlan:
+        """Where (lookup, row)s' weights lie: ``[N, width]`` (the lookup's columns)."""
+        if self._weights is None:
+            raise ValueError("these tables' weights are not addressable")
+        return self._weights.plan(lookup, rows, self._cols, self.col_mask.index_select(0, lookup))
+
+    def accumulators(self, plan: RowPlan, dtype: torch.dtype) -> torch.Tensor:
+        """The planned accumulators (``plan_accumulators``), 0 beyond a lookup's width."""
+        assert self._states is not None
+        return self._states.gather(plan).to(dtype)
+
+    def set_accumulators(self, plan: RowPlan, values: torch.Tensor) -> None:
+        """Writes the planned accumulators of distinct (table, row)s."""
+        assert self._states is not None
+        self._states.write(plan, values, add=False)
+
+    def add_to_weights(self, plan: RowPlan, delta: torch.Tensor) -> None:
+        """Adds ``[N, width]`` ``delta`` to the planned weights of distinct (table, row)s."""
+        assert self._weights is not None
+        self._weights.write(plan, delta, add=True)
+
+
+# Row ids stay below 2**31 (odl.config.limits.MAX_TABLE_ROWS): a table index times this span
+# plus a row is unique per table row; times (batch + 1) plus the record, the sort key fits
+# int64 while tables x (batch + 1) < 2**31.
+_ROW_SPAN = 1 << 32
