@@ -32,14 +32,16 @@ labels from a user x item model; odl trains the bursty sample's DeepFM) or the C
 stream of ``make demo`` (``criteo``: ``odl.datagen.synthetic_ctr`` at 10k records per
 simulated second; odl trains a DeepFM of its 26 ids (dim 16, 100k-row tables), 13 dense
 features and a 256-128-64 DNN; VW reads namespaces ``d`` (the 13 numbers) and ``c`` (the 26
-ids), its quadratic form ``-q cc``); ``--seed``, ``--records``. No real public time-ordered
-dataset can be downloaded on this machine (no outside network), so the bench runs on the
-synthetic streams only.
+ids), its quadratic form ``-q cc``), or ``movielens``: the real ratings of MovieLens 100k in
+time order (``odl.datagen.movielens_stream``, label 1 for a rating of 4 or 5; ``--data`` is
+the unpacked ``ml-100k`` directory, which this repository does not ship; odl trains
+``samples/movielens_online.config``; there is no oracle row); ``--seed``, ``--records``.
 
 Needs ``vowpalwabbit`` (``pip install -r bench/requirements-quality.txt``); without it the
 VW rows are skipped and say so.
 
-    .venv/bin/python bench/online_quality.py [--stream bursty|criteo] [--records 200000] [--seed 1]
+    .venv/bin/python bench/online_quality.py [--stream bursty|criteo|movielens] [--data DIR]
+        [--records 200000] [--seed 1]
         [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--sparse-lr 0.1] [--dense-lr 0.001]
         [--in-batch 0,1] [--wide-lr-mult 1,3] [--per-record 0,1] [--per-record-gain 2,3]
         [--serve-delay 2500] [--config samples/X.config]
@@ -69,6 +71,7 @@ from odl.config.pipeline_config import (  # noqa: E402
 )
 from odl.datagen.bursty_stream import BurstyStream  # noqa: E402
 from odl.datagen.datagen_config import bursty_config_text, deepfm_config_text  # noqa: E402
+from odl.datagen.movielens_stream import MovieLensStream  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.train.progressive_metrics import log_loss  # noqa: E402
@@ -76,6 +79,8 @@ from odl.train.train_module import TrainModule  # noqa: E402
 
 TAIL = 0.2  # the last share of the records reported on its own
 CURVE_POINTS = 20  # the plotted AUC curve: the AUC of each 1/20 of the stream
+MOVIELENS_SAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "samples", "movielens_online.config")
 
 
 def scores(probs: np.ndarray, labels: np.ndarray) -> dict:
@@ -106,10 +111,10 @@ def plot_quality(path: str, result: dict) -> None:
     n, k = result["records"], CURVE_POINTS
     x = [(i + 0.5) * n / k for i in range(k)]
     learners = {name: c for name, c in result["curves"].items() if name != "oracle"}
-    oracle = result["rows"]["oracle"]["auc"]  # far above the rest: named, not drawn
+    oracle = result["rows"].get("oracle", {}).get("auc")  # far above the rest: not drawn
     plot_curves(path, x, learners, "records (middle of each 1/20 of the stream)",
                 "AUC of that part", f"online quality: {result['stream']} stream, {n} records, "
-                f"seed {result['seed']} (oracle {oracle}, not drawn)")
+                f"seed {result['seed']}" + (f" (oracle {oracle}, not drawn)" if oracle else ""))
 
 
 def served_scores(served: np.ndarray | None, labels: np.ndarray) -> dict:
@@ -121,8 +126,13 @@ def served_scores(served: np.ndarray | None, labels: np.ndarray) -> dict:
             "served_auc_last20": round(roc_auc(labels[cut:], served[cut:]), 4)}
 
 
-def make_stream(records: int, seed: int, kind: str = "bursty") -> tuple[list, list[bytes]]:
-    """The stream's batches (labels, true probabilities) and its CSV records."""
+def make_stream(records: int, seed: int, kind: str = "bursty",
+                data: str = "") -> tuple[list, list[bytes]]:
+    """The stream's batches (labels, true probabilities; MovieLens: the one stream, no
+    probabilities) and its CSV records."""
+    if kind == "movielens":
+        ml = MovieLensStream(data, records)
+        return [ml], ml.values()
     if kind == "criteo":  # simulated event times, 10k records per second
         ctr = SyntheticCtrStream(seed=seed, events_per_second=10_000.0)
         batches: list = [ctr.next_batch(min(8192, records - k))
@@ -136,6 +146,8 @@ def make_stream(records: int, seed: int, kind: str = "bursty") -> tuple[list, li
 
 def vw_examples(batches: list, kind: str = "bursty") -> list[str]:
     """The records in VW's text format (namespaces: module docstring)."""
+    if kind == "movielens":
+        return [x for ml in batches for x in ml.vw]
     out = []
     if kind == "criteo":
         for b in batches:
@@ -164,6 +176,8 @@ def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr
     constant rates (tables, dense part) set to the run's, and ``in_batch_learning`` /
     ``wide_learning_rate_multiplier`` / ``per_record_adagrad`` /
     ``per_record_adagrad_max_gain`` where given (None: the config's)."""
+    if kind == "movielens" and not config_path:
+        config_path = MOVIELENS_SAMPLE
     if config_path:
         config = load_pipeline_config(config_path)
         config.train_config.ClearField("incr_save_config")  # learning only, no publishing
@@ -186,6 +200,8 @@ def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr
         config.train_config.in_batch_learning = in_batch
     if wide_mult is not None:
         config.train_config.wide_learning_rate_multiplier = wide_mult
+    if per_record is None and in_batch is False:  # it needs in-batch learning
+        per_record = False
     if per_record is not None:
         config.train_config.per_record_adagrad = per_record
     if gain is not None:
@@ -295,7 +311,7 @@ def run_broker(values: list[bytes], batch: int, work: str, sparse_lr: float,
     from odl.train.trainer import Trainer, TrainerOptions
 
     with EmbeddedBroker(port=0, data_dir=os.path.join(work, "kafka")) as broker:
-        topic = "bursty"
+        topic = kind
         produce(broker.bootstrap, topic, values, 1)
         ends = end_offsets(broker.bootstrap, topic)
         config = odl_config(kind, os.path.join(work, "odl-train"), batch, sparse_lr, 0.001,
@@ -316,8 +332,12 @@ def run_broker(values: list[bytes], batch: int, work: str, sparse_lr: float,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--stream", choices=("bursty", "criteo"), default="bursty",
-                    help="the bursty user-item stream, or the Criteo-like one of make demo")
+    ap.add_argument("--stream", choices=("bursty", "criteo", "movielens"), default="bursty",
+                    help="the bursty user-item stream, the Criteo-like one of make demo, or "
+                         "MovieLens 100k's ratings in time order (needs --data)")
+    ap.add_argument("--data", default="",
+                    help="--stream movielens: the unpacked ml-100k directory (u.data, u.user, "
+                         "u.item; not in this repository)")
     ap.add_argument("--config", default="",
                     help="odl's pipeline config (e.g. samples/deepfm_online.config for the "
                          "criteo stream); default: the stream's DeepFM")
@@ -346,11 +366,16 @@ def main() -> int:
     add_output_args(ap)
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="odl-quality-")
-    batches, values = make_stream(args.records, args.seed, args.stream)
+    if args.stream == "movielens" and not args.data:
+        ap.error("--stream movielens needs --data (the unpacked ml-100k directory)")
+    batches, values = make_stream(args.records, args.seed, args.stream, args.data)
     labels = np.concatenate([b.labels for b in batches]).astype(np.float64)
-    truth = np.concatenate([b.probabilities for b in batches])
-    rows: dict[str, dict] = {"oracle": scores(truth, labels)}
-    curves: dict[str, list] = {"oracle": auc_curve(truth, labels)}
+    rows: dict[str, dict] = {}
+    curves: dict[str, list] = {}
+    if args.stream != "movielens":  # real data has no oracle
+        truth = np.concatenate([b.probabilities for b in batches])
+        rows["oracle"] = scores(truth, labels)
+        curves["oracle"] = auc_curve(truth, labels)
     try:
         import vowpalwabbit  # noqa: F401
         examples = vw_examples(batches, args.stream)
@@ -394,7 +419,7 @@ def main() -> int:
             values, b, work, slr, args.stream, args.config, in_batch=ib, wide_mult=wm,
             per_record=pr, gain=g)
     result = {"stream": args.stream, "config": args.config or "the stream's DeepFM",
-              "records": args.records, "seed": args.seed,
+              "records": len(values), "seed": args.seed,
               "positive_rate": round(float(labels.mean()), 4), "rows": rows,
               "curves": curves}
     print(json.dumps(result, indent=1))

@@ -13,7 +13,10 @@ Message layout (the value formats are described in ``odl.datagen.synthetic_ctr``
   samples (``odl.datagen.conversion_labels``); with ``--history`` a 43rd column / key
   ``hist_C3``, the behaviour sequence of the DIN sample (``odl.datagen.behavior_history``);
   with ``--bursty`` the 8 columns of ``odl.datagen.bursty_stream`` instead (event times are
-  the stream's simulated session times, from 2026-01-01T00:00:00Z);
+  the stream's simulated session times, from 2026-01-01T00:00:00Z); with ``--movielens DIR``
+  the 13 columns of ``odl.datagen.movielens_stream`` (MovieLens 100k's ratings in time
+  order, event times moved to start at 2026-01-01T00:00:00Z; it stops after the last
+  rating, ``oracle_auc`` is null);
 * partition: record number ``n % partitions`` (round robin);
 * timestamp: the produce time in ms (CreateTime), set explicitly.
 
@@ -42,6 +45,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import records_for_model
+from odl.datagen.movielens_stream import MovieLensStream
 from odl.datagen.split_writer import write_splits
 from odl.datagen.synthetic_ctr import FORMATS, SyntheticCtrStream
 from odl.kafka.client_settings import producer_config, redact_settings
@@ -127,6 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the bursty user-item stream instead (8 columns; sessions, new "
                             "users and items, odl.datagen.bursty_stream; sample: "
                             "samples/bursty_online.config); Kafka only")
+    extra.add_argument("--movielens", metavar="DIR", default="",
+                       help="MovieLens 100k's ratings in time order instead (13 columns; DIR: "
+                            "the unpacked ml-100k directory, not shipped; "
+                            "odl.datagen.movielens_stream; sample: "
+                            "samples/movielens_online.config); Kafka only")
     p.add_argument(
         "--kafka-config",
         nargs="+",
@@ -171,14 +180,19 @@ def _topic_partitions(args: argparse.Namespace, extra: dict[str, str]) -> int:
 
 def run(args: argparse.Namespace, stop: threading.Event) -> dict[str, Any]:
     """Produces until the count, the time limit or ``stop``; returns the summary."""
+    stream: SyntheticCtrStream | BurstyStream | MovieLensStream
+    if args.movielens:
+        stream = MovieLensStream(args.movielens)
+    elif args.bursty:
+        stream = BurstyStream(seed=args.seed)
+    else:
+        stream = SyntheticCtrStream(seed=args.seed)
     extra = parse_kafka_config(args.kafka_config)
     partitions = _topic_partitions(args, extra)
     conf = producer_config(args.bootstrap, extra)
     logger.info("producer settings: %s", redact_settings(conf))
     producer = Producer(conf)
     delivery = _Delivery()
-    stream: SyntheticCtrStream | BurstyStream = (BurstyStream(seed=args.seed) if args.bursty
-                                                  else SyntheticCtrStream(seed=args.seed))
     rate = float(args.rate)
     min_burst = max(1, int(rate * TICK_S)) if rate > 0 else UNLIMITED_BURST
     max_burst = max(min_burst, int(rate * 0.1)) if rate > 0 else UNLIMITED_BURST
@@ -215,9 +229,12 @@ def run(args: argparse.Namespace, stop: threading.Event) -> dict[str, Any]:
             burst = min(max(due, 1), max_burst)
         if count is not None:
             burst = min(burst, count - n)
-        if isinstance(stream, BurstyStream):  # simulated session time
+        if isinstance(stream, (BurstyStream, MovieLensStream)):  # the stream's own times
             batch = stream.next_batch(burst)
             values = batch.encode(args.format)
+            if not values:  # the ratings are all produced
+                break
+            burst = len(values)
         else:
             batch = stream.next_batch(burst, now=time.time())
             values = records_for_model(_model_of(args), stream, batch, args.format)
@@ -272,7 +289,8 @@ def run(args: argparse.Namespace, stop: threading.Event) -> dict[str, Any]:
         "produced": delivery.delivered,
         "first_event_time": first_time,
         "last_event_time": last_time,
-        "oracle_auc": round(stream.oracle_auc(), 6) if n else None,
+        "oracle_auc": (round(oracle, 6) if n and (oracle := stream.oracle_auc()) is not None
+                       else None),
         "positive_rate": round(stream.positive_rate(), 6) if n else None,
         "delivery_errors": errors,
         "seconds": round(seconds, 3),
@@ -295,9 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     if args.split_dir:
-        if args.bursty:
-            print("odl-datagen: error: --bursty produces to Kafka only (no --split-dir)",
-                  file=sys.stderr)
+        if args.bursty or args.movielens:
+            print("odl-datagen: error: --bursty and --movielens produce to Kafka only (no "
+                  "--split-dir)", file=sys.stderr)
             return 2
         if args.count is None or args.count <= 0 or args.splits <= 0 or args.parts <= 0:
             print("odl-datagen: error: --split-dir needs --count (records per split) > 0, "
@@ -324,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = _install_stop_handlers(stop)
     try:
         summary = run(args, stop)
-    except (TopicAdminError, KafkaException, ValueError) as exc:
+    except (TopicAdminError, KafkaException, ValueError, OSError) as exc:
         print(f"odl-datagen: error: {exc}", file=sys.stderr)
         return 2
     finally:
