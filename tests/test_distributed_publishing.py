@@ -63,6 +63,8 @@ def _rank_main(rank: int, world: int, model_dir: str,
         tm.train_step(fb.build(share).batch)
         positions = {rank: k + 1}  # this rank's partition
         publishing.note_times(_event_range(k, rank), None)
+        if publishing.publisher is not None:  # each version sent alone, never merged
+            assert publishing.publisher.wait_sent(30.0)
     publishing.flush(tm.global_step, positions, timeout=30.0)
     state = tm.state_dict_for_checkpoint()  # whole on rank 0
     return {k: v.numpy() for k, v in state.get("model", {}).items()}
@@ -94,6 +96,7 @@ def test_two_ranks_publish_the_versions_one_process_publishes(tmp_path):
         for r in range(world):
             pub.note_times(_event_range(k, r), None)
         pub.maybe_publish(one.global_step, {r: k + 1 for r in range(world)})
+        assert pub.wait_sent(30.0)  # as on the ranks' side: no version merged into the next
     pub.flush(timeout=30.0, step=one.global_step, positions={0: 7, 1: 7})
 
     two, ref = _versions(two_dir), _versions(one_dir)

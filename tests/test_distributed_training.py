@@ -197,6 +197,86 @@ def test_uneven_and_empty_shares_train_as_one_process_on_the_step_records(tmp_pa
                                    err_msg=name)
 
 
+def _save_parts_main(rank: int, world: int, model_dir: str, schedule, fail_rank: int) -> dict:
+    """Trains, then two checkpoints through ``save_across_ranks``: the first written by
+    every rank, the second with ``fail_rank``'s part failing. Rank 0 returns the gathered
+    state of the first (``state_dict_for_checkpoint``) and what each save said."""
+    from odl.checkpoint.checkpoint_manager import CheckpointError, CheckpointManager
+    from odl.train.rank_checkpoint import save_across_ranks
+
+    config = _config(model_dir)
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    manager = CheckpointManager(model_dir, keep_max=5)
+    for step in schedule[:2]:
+        tm.train_step(fb.build(step[rank]).batch)
+    saved = save_across_ranks(manager, tm, {rank: 100 + rank}, {"source": "kafka"},
+                              "config", "gen-1")
+    gathered = tm.state_dict_for_checkpoint()
+    tm.train_step(fb.build(schedule[2][rank]).batch)
+    if rank == fail_rank:
+        def fail(*_a, **_k):
+            raise CheckpointError(f"rank {rank}: disk full")
+        manager.write_table_part = fail
+    try:
+        save_across_ranks(manager, tm, {rank: 200 + rank}, {"source": "kafka"}, "config",
+                          "gen-1")
+        second = "saved"
+    except CheckpointError as exc:
+        second = str(exc)
+    gathered = {"model": {k: v.numpy() for k, v in gathered.get("model", {}).items()},
+                "sparse_optimizer": {p: {k: v.numpy() for k, v in st.items()} for p, st in
+                                     gathered.get("sparse_optimizer", {}).items()}}
+    return {"saved": saved, "gathered": gathered, "second": second,
+            "last_saved_step": manager.last_saved_step}
+
+
+def test_each_rank_writes_its_own_rows_and_the_checkpoint_reads_whole(tmp_path):
+    """With two ranks the checkpoint holds one table part per rank and model.pt no table;
+    read back it is the state gathered on rank 0 (so it restores into any number of ranks),
+    with both ranks' positions. A rank whose part fails leaves no checkpoint of that step,
+    and every rank hears of it."""
+    from odl.checkpoint.checkpoint_manager import (
+        list_checkpoints,
+        read_checkpoint,
+        verify_checkpoint,
+    )
+
+    records = BurstyStream(seed=11).next_batch(3 * BATCH).encode("csv")
+    model_dir = str(tmp_path / "m")
+    got = run_ranks(_save_parts_main, 2, 2, model_dir, _even(records, 2), 1)
+    path = got[0]["saved"]
+    assert got[1]["saved"] == path and path.endswith("model.ckpt-2")
+    files = sorted(p.name for p in (tmp_path / "m" / "model.ckpt-2").iterdir())
+    assert "tables.rank-0-of-2.pt" in files and "tables.rank-1-of-2.pt" in files
+    raw = torch.load(f"{path}/model.pt", weights_only=True)
+    assert raw["table_parts"] == ["tables.rank-0-of-2.pt", "tables.rank-1-of-2.pt"]
+    assert not [k for k in raw["model"] if k.startswith("ebc.")] and not raw["sparse_optimizer"]
+    assert verify_checkpoint(path) is None
+    loaded = read_checkpoint(path)
+    assert loaded.positions == {0: 100, 1: 101}
+    want = got[0]["gathered"]
+    assert set(loaded.state["model"]) == set(want["model"])
+    for name, t in want["model"].items():
+        np.testing.assert_array_equal(loaded.state["model"][name].numpy(), t, err_msg=name)
+    assert set(loaded.state["sparse_optimizer"]) == set(want["sparse_optimizer"])
+    for pname, states in want["sparse_optimizer"].items():
+        for k, t in states.items():
+            np.testing.assert_array_equal(loaded.state["sparse_optimizer"][pname][k].numpy(),
+                                          t, err_msg=k)
+    # one process restores it strictly, every name and shape
+    one = TrainModule(_config(str(tmp_path / "one")), FeatureBuilder(_config("x")), device="cpu")
+    one.load_checkpoint_state(loaded.state)
+    # the failed second save: the same error on both ranks, nothing of step 3 left behind
+    assert "rank 1: disk full" in got[0]["second"] and got[0]["second"] == got[1]["second"]
+    assert [c.rsplit("/", 1)[-1] for c in list_checkpoints(model_dir)] == ["model.ckpt-2"]
+    assert not [n for n in (tmp_path / "m").iterdir() if n.name.startswith(".model.ckpt")]
+    assert got[0]["last_saved_step"] == got[1]["last_saved_step"] == 2
+    # a part lost afterwards: the checkpoint is not trusted
+    (tmp_path / "m" / "model.ckpt-2" / "tables.rank-1-of-2.pt").unlink()
+    assert "tables.rank-1-of-2.pt is missing" in verify_checkpoint(path)
+
+
 def test_table_placement_splits_large_tables_and_balances_the_rest():
     tables = {"big": (1 << 20, 16), "a": (1000, 16), "b": (900, 16), "c": (800, 4),
               "d": (100, 16)}

@@ -174,6 +174,53 @@ def test_a_checkpoint_without_done_or_with_a_bad_file_is_never_loaded(oss) -> No
     assert file_store.is_file(join(newest, MANIFEST_FILE))
 
 
+def test_table_parts_from_two_hosts_commit_together_and_read_whole(oss, tmp_path,
+                                                                   monkeypatch) -> None:
+    """A checkpoint of two ranks on two hosts (two local mirrors): rank 1 uploads its table
+    part itself, rank 0 commits with DONE last; a reader on either host, or a third, gets the
+    whole tables. Nothing of a checkpoint whose part never came is trusted."""
+    import dataclasses
+
+    from odl.checkpoint import table_parts
+
+    model_dir = f"{ROOT}/model"
+    g = torch.Generator().manual_seed(3)
+    weight, acc, bias = torch.randn(6, 4, generator=g), torch.rand(6, generator=g), torch.ones(2)
+    docs = [table_parts.part_document(
+        {("model", "ebc.t.weight", ""): ((6, 4), [((3 * r, 0), weight[3 * r:3 * r + 3])]),
+         ("sparse", "ebc.t.weight", "t.momentum1"): ((6,), [((3 * r,), acc[3 * r:3 * r + 3])]),
+         ("model", "ebc.small.weight", ""): ((2,), [(None, bias)])}, r, 2) for r in (0, 1)]
+    host0 = str(tmp_path / "host0")
+    monkeypatch.setenv("ODL_CACHE_DIR", host0)
+    rank0 = CheckpointManager(model_dir, keep_max=0)
+    pending = rank0.begin_save(7)
+    entries = [rank0.write_table_part(pending, docs[0], 0, 2)]
+    monkeypatch.setenv("ODL_CACHE_DIR", str(tmp_path / "host1"))
+    rank1 = CheckpointManager(model_dir, keep_max=0)
+    elsewhere = dataclasses.replace(pending, tmp=str(tmp_path / "not-on-this-host"))
+    entries.append(rank1.write_table_part(elsewhere, docs[1], 1, 2))
+    assert "odl/model/model.ckpt-7/tables.rank-1-of-2.pt" in oss.objects(BUCKET, "odl/model/")
+    assert list_checkpoints(model_dir) == []  # not committed before rank 0's DONE
+    monkeypatch.setenv("ODL_CACHE_DIR", host0)
+    state = {"model": {"dense.w": torch.zeros(3)}, "sparse_optimizer": {}, "global_step": 7}
+    assert rank0.commit_save(pending, state, {0: 70, 1: 71}, {"source": "kafka"}, "cfg",
+                             parts=entries) == f"{model_dir}/model.ckpt-7"
+    for host in ("host0", "host1", "host2"):  # host0's mirror lacks rank 1's part
+        monkeypatch.setenv("ODL_CACHE_DIR", str(tmp_path / host))
+        ckpt = read_checkpoint(resolve_checkpoint_path(model_dir))
+        assert torch.equal(ckpt.state["model"]["ebc.t.weight"], weight), host
+        assert torch.equal(ckpt.state["model"]["ebc.small.weight"], bias)
+        assert torch.equal(ckpt.state["sparse_optimizer"]["ebc.t.weight"]["t.momentum1"], acc)
+        assert "table_parts" not in ckpt.state and ckpt.positions == {0: 70, 1: 71}
+    # a second checkpoint whose rank-1 part never arrives is dropped, never listed
+    monkeypatch.setenv("ODL_CACHE_DIR", host0)
+    pending = rank0.begin_save(8)
+    rank0.write_table_part(pending, docs[0], 0, 2)
+    rank0.abort_save(pending)
+    assert [p.rsplit("-", 1)[-1] for p in list_checkpoints(model_dir)] == ["7"]
+    assert not os.path.exists(pending.tmp)
+
+
 def test_listing_failure_is_an_error_not_an_empty_model_dir(oss) -> None:
     model_dir = f"{ROOT}/model"
     _save(CheckpointManager(model_dir), 1)

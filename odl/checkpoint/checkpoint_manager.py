@@ -13,6 +13,16 @@ On-disk layout (one directory per checkpoint inside ``model_dir``)::
                            "generation": str, "files": {name: {"bytes": int, "sha256": hex}}}
         DONE              completion marker, written last
 
+A checkpoint of several ranks adds one file per rank, ``tables.rank-<r>-of-<N>.pt``, the
+rows that rank holds (``odl.checkpoint.table_parts``); its ``model.pt`` holds everything but
+the tables plus ``"table_parts": [file names]``, and the manifest lists every part.
+``read_checkpoint`` puts the tables back together, so every reader sees one process's state.
+The ranks write it together (``begin_save``, each rank ``write_table_part``, rank 0
+``commit_save`` once every rank has written, or ``abort_save``): the parts go into rank 0's
+temporary directory, which the ranks share (one host, or a model_dir on a shared file
+system); on OSS a rank on another host uploads its part itself, before rank 0's upload ends
+with MANIFEST.json and DONE. Nothing is committed unless every part is in.
+
 A checkpoint is first written to ``.model.ckpt-<step>.tmp-<pid>`` (every file fsynced, DONE
 last) and then renamed into place (``odl.storage.atomic_directory``), so a crash at any
 moment leaves either the complete directory or a temporary one that is ignored and removed at
@@ -40,14 +50,16 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 
+from odl.checkpoint import table_parts
 from odl.checkpoint.file_digest import sha256_file
 from odl.storage import file_store
-from odl.storage.atomic_directory import atomic_directory, write_durable
+from odl.storage.atomic_directory import commit_directory, write_durable
 from odl.storage.oss_store import StorageError, oss_store
 from odl.storage.storage_path import basename, is_remote, join, parse_oss
 
@@ -55,7 +67,7 @@ logger = logging.getLogger(__name__)
 
 CKPT_PREFIX = "model.ckpt-"
 _CKPT_RE = re.compile(r"^model\.ckpt-(\d+)$")
-_TMP_RE = re.compile(r"^\.model\.ckpt-\d+\.tmp-\d+$")
+_TMP_RE = re.compile(r"^\.model\.ckpt-\d+\.(tmp|part)-\d+$")
 MODEL_FILE = "model.pt"
 POSITIONS_FILE = "positions.json"
 CONFIG_FILE = "pipeline.config"
@@ -65,6 +77,27 @@ DONE_FILE = "DONE"
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read."""
+
+
+@dataclass(frozen=True)
+class PendingSave:
+    """A checkpoint being written (``CheckpointManager.begin_save``).
+
+    Picklable, so rank 0 can hand it to the other ranks.
+
+    Attributes:
+        global_step: its step.
+        final: the committed local directory.
+        tmp: the temporary directory it is built in (empty when ``exists``).
+        target: the committed path (``oss://`` for a remote model_dir).
+        exists: a complete checkpoint of this step is there already: nothing to write.
+    """
+
+    global_step: int
+    final: str
+    tmp: str
+    target: str
+    exists: bool = False
 
 
 @dataclass
@@ -151,8 +184,11 @@ def local_checkpoint_copy(path: str) -> str:
         local_manifest = os.path.join(local, MANIFEST_FILE)
         if os.path.exists(os.path.join(local, DONE_FILE)) and os.path.exists(local_manifest):
             with open(local_manifest, "rb") as f:
-                if f.read() == remote_manifest:
-                    return local
+                same = f.read() == remote_manifest
+            # a mirror that lacks a file (another host's table part) is downloaded whole
+            if same and all(os.path.exists(os.path.join(local, name))
+                            for name in json.loads(remote_manifest).get("files", {})):
+                return local
         t0 = time.monotonic()
         tmp = f"{local}.download.{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -238,6 +274,16 @@ def read_checkpoint(path: str, map_location: str = "cpu") -> LoadedCheckpoint:
     with open(os.path.join(path, MANIFEST_FILE)) as f:
         manifest = json.load(f)
     state = torch.load(os.path.join(path, MODEL_FILE), map_location=map_location, weights_only=True)
+    if state.get("table_parts"):  # written by several ranks: the tables put back together
+        try:
+            tables, sparse = table_parts.assemble(
+                table_parts.read_part(os.path.join(path, name), map_location)
+                for name in state.pop("table_parts"))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {remote_path}: its table parts do not make "
+                                  f"whole tables: {exc}") from exc
+        state["model"].update(tables)
+        state["sparse_optimizer"] = sparse
     positions: dict[int, int] = {}
     source: dict = {}
     pos_path = os.path.join(path, POSITIONS_FILE)
@@ -335,6 +381,24 @@ class CheckpointManager:
         Raises:
             CheckpointError: it could not be written (the previous ones are untouched).
         """
+        pending = self.begin_save(global_step, overwrite)
+        if pending.exists:
+            return pending.target
+        return self.commit_save(pending, state, positions, source, config_text, generation)
+
+    def begin_save(self, global_step: int, overwrite: bool = False) -> PendingSave:
+        """Starts a checkpoint: its temporary directory, or the finding that it exists.
+
+        Args:
+            global_step: the step.
+            overwrite: see ``save``.
+
+        Returns:
+            What ``write_table_part`` / ``commit_save`` / ``abort_save`` take.
+
+        Raises:
+            CheckpointError: the model_dir could not be checked or the directory made.
+        """
         name = f"{CKPT_PREFIX}{global_step}"
         final = os.path.join(self.local_dir, name)
         target = join(self.model_dir, name)
@@ -342,17 +406,94 @@ class CheckpointManager:
             if not overwrite and file_store.is_file(join(target, DONE_FILE)):
                 logger.info("checkpoint %s exists already", target)
                 self._mark_saved(target, global_step)
-                return target
+                return PendingSave(global_step, final, "", target, exists=True)
         except StorageError as exc:
             self.last_error = str(exc)
             raise CheckpointError(f"checkpoint at step {global_step}: {exc}") from exc
         tmp = os.path.join(self.local_dir, f".{name}.tmp-{os.getpid()}")
-        t0 = time.monotonic()
         try:
-            with atomic_directory(final, tmp, replace=True):  # final: an incomplete leftover
-                files = self._write_local(tmp, global_step, state, positions, source,
-                                          config_text, generation)
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        except OSError as exc:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            raise CheckpointError(f"writing checkpoint at step {global_step} failed: "
+                                  f"{exc}") from exc
+        return PendingSave(global_step, final, tmp, target)
+
+    def write_table_part(self, pending: PendingSave, document: dict, rank: int,
+                         world_size: int) -> dict[str, Any]:
+        """Writes one rank's table part (``odl.checkpoint.table_parts``) of a checkpoint.
+
+        Into ``pending.tmp`` when this host sees it; on OSS, from a rank on another host,
+        into this host's mirror and straight to the checkpoint's prefix.
+
+        Args:
+            pending: rank 0's ``begin_save``.
+            document: ``TrainModule.table_part()``.
+            rank: the writing rank.
+            world_size: the number of ranks.
+
+        Returns:
+            The part's manifest entry: ``{"name", "bytes", "sha256"}``.
+
+        Raises:
+            CheckpointError: it could not be written or uploaded, or a local model_dir is
+                not shared with rank 0.
+        """
+        name = table_parts.part_file_name(rank, world_size)
+        here = os.path.isdir(pending.tmp)
+        if not here and not self.remote:
+            raise CheckpointError(
+                f"rank {rank} cannot see rank 0's checkpoint directory {pending.tmp}: with "
+                "several hosts, model_dir must be on a file system they share (or oss://)")
+        folder = pending.tmp if here else os.path.join(
+            self.local_dir, f".{CKPT_PREFIX}{pending.global_step}.part-{os.getpid()}")
+        path = os.path.join(folder, name)
+        try:
+            os.makedirs(folder, exist_ok=True)
+            table_parts.write_part(path, document)
+            entry = {"name": name, "bytes": os.path.getsize(path), "sha256": sha256_file(path)}
+            if not here:
+                file_store.upload_file(path, join(pending.target, name))
+        except (OSError, RuntimeError, StorageError) as exc:
+            raise CheckpointError(f"rank {rank}: writing its table part of checkpoint "
+                                  f"{pending.global_step} failed: {exc}") from exc
+        finally:
+            if not here:
+                shutil.rmtree(folder, ignore_errors=True)
+        return entry
+
+    def commit_save(self, pending: PendingSave, state: dict, positions: dict[int, int],
+                    source: dict, config_text: str, generation: str = "",
+                    parts: Sequence[dict[str, Any]] = ()) -> str:
+        """Writes the rest of a started checkpoint and commits it (DONE last), then prunes.
+
+        Args:
+            pending: ``begin_save``'s result (not ``exists``).
+            state: the state to write as ``model.pt`` (with ``parts``: without the tables).
+            positions: next offset per partition covered by the state.
+            source: description of the input.
+            config_text: the effective pipeline config, already redacted.
+            generation: the trainer run's generation id.
+            parts: every rank's ``write_table_part`` entry, rank order (none: one process).
+
+        Returns:
+            The checkpoint directory (an ``oss://`` path for a remote model_dir).
+
+        Raises:
+            CheckpointError: it could not be written (the previous ones are untouched).
+        """
+        global_step, final, tmp, target = (pending.global_step, pending.final, pending.tmp,
+                                           pending.target)
+        t0 = time.monotonic()
+        if parts:
+            state = dict(state, table_parts=[p["name"] for p in parts])
+        try:
+            files = self._write_local(tmp, global_step, state, positions, source,
+                                      config_text, generation, parts)
+            commit_directory(tmp, final, replace=True)  # final: an incomplete leftover
         except (OSError, RuntimeError) as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
             # torch.save reports a full disk as a RuntimeError of its zip writer whose
             # context is the OSError (ENOSPC): name the OSError, it is what an operator needs
             cause = exc
@@ -378,16 +519,29 @@ class CheckpointManager:
         logger.info(
             "saved checkpoint %s (%.1f MB in %.2fs)",
             target,
-            files[MODEL_FILE]["bytes"] / 1e6,
+            sum(f["bytes"] for f in files.values()) / 1e6,
             time.monotonic() - t0,
         )
         self._prune(global_step)
         return target
 
+    def abort_save(self, pending: PendingSave) -> None:
+        """Drops a started checkpoint (a rank could not write its part).
+
+        Nothing is committed; objects a rank uploaded are removed with the next start's or
+        checkpoint's clean-up of uncommitted prefixes.
+        """
+        if pending.tmp:
+            shutil.rmtree(pending.tmp, ignore_errors=True)
+
     @staticmethod
     def _write_local(tmp: str, global_step: int, state: dict, positions: dict[int, int],
-                     source: dict, config_text: str, generation: str) -> dict:
-        """Fills the temporary checkpoint directory; returns the manifest's file table."""
+                     source: dict, config_text: str, generation: str,
+                     parts: Sequence[dict[str, Any]] = ()) -> dict:
+        """Fills the temporary checkpoint directory; returns the manifest's file table.
+
+        The table parts the ranks wrote there are listed from ``parts``.
+        """
         with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
             torch.save(state, f)
             f.flush()
@@ -400,6 +554,8 @@ class CheckpointManager:
         for name in (MODEL_FILE, POSITIONS_FILE, CONFIG_FILE):
             fp = os.path.join(tmp, name)
             files[name] = {"bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}
+        for part in parts:
+            files[part["name"]] = {"bytes": part["bytes"], "sha256": part["sha256"]}
         manifest = {
             "format": 1,
             "global_step": int(global_step),

@@ -117,6 +117,27 @@ def atomic_directory(final: str, tmp: str, replace: bool = False) -> Iterator[st
     os.makedirs(tmp)
     try:
         yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    commit_directory(tmp, final, replace)
+
+
+def commit_directory(tmp: str, final: str, replace: bool = False) -> None:
+    """Commits the directory built under ``tmp`` as ``final``.
+
+    ``atomic_directory``'s end, for a directory that several writers filled.
+
+    Args:
+        tmp: the filled directory (removed when the commit fails).
+        final: the committed directory's path (same parent as ``tmp``).
+        replace: remove an existing ``final`` first (see ``atomic_directory``).
+
+    Raises:
+        FileExistsError: ``final`` exists and ``replace`` is false.
+        OSError: the rename failed.
+    """
+    try:
         fsync_directory(tmp)
         if os.path.exists(final):
             if not replace:

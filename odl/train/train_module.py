@@ -20,7 +20,10 @@ Checkpoint state (``state_dict_for_checkpoint``), all plain CPU tensors::
                                           #        {"C1.momentum1": Tensor[rows]}}
     }
 
-Table weights are full tensors (one worker holds every shard). Wide tables keep their stored
+Table weights are full tensors (with several ranks ``state_dict_for_checkpoint`` gathers
+them on rank 0; a checkpoint of several ranks is written instead from ``checkpoint_parts``:
+each rank's own rows as a table part, ``odl.checkpoint.table_parts``, and the state without
+tables, which reading the checkpoint makes whole again). Wide tables keep their stored
 width (see ``odl.models.embedding_tables``). A model with dynamic tables
 (``odl.models.dynamic_table``) adds ``"dynamic_tables"``: ``DynamicTables.state_dict()``
 (id index, free rows, counters, sketch, pending deletes; tensors) plus ``"stream_time"``.
@@ -57,6 +60,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from odl.checkpoint import table_parts
 from odl.config.loss_settings import num_classes, regression_outputs
 from odl.config.optimizer_support import table_kernel_kind
 from odl.features.batch import Batch
@@ -837,28 +841,40 @@ class TrainModule:
         Returns:
             ``(model tables, sparse optimizer state)`` on rank 0, None on the others.
         """
-        pieces = self._local_pieces()
-        everyone = gather_to_rank0(pieces)
+        everyone = gather_to_rank0(self.table_part())
         if everyone is None:
             return None
-        whole: dict[tuple[str, str, str], torch.Tensor] = {}
-        for rank_pieces in everyone:
-            for key, (size, parts) in rank_pieces.items():
-                for offsets, tensor in parts:
-                    if offsets is None:  # not sharded: the same on every rank
-                        whole.setdefault(key, tensor)
-                        continue
-                    if key not in whole:
-                        whole[key] = torch.zeros(size, dtype=tensor.dtype)
-                    idx = tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape,
-                                                                  strict=True))
-                    whole[key][idx] = tensor
-        model = {name: t for (kind, name, _), t in whole.items() if kind == "model"}
-        sparse: dict[str, dict[str, torch.Tensor]] = {}
-        for (kind, name, k), t in sorted(whole.items()):
-            if kind == "sparse":
-                sparse.setdefault(name, {})[k] = t
-        return model, sparse
+        return table_parts.assemble(everyone)
+
+    def table_part(self) -> dict[str, Any]:
+        """This rank's rows of every table and their optimizer state, as a part document.
+
+        See ``odl.checkpoint.table_parts``; with one process, the whole tables.
+        """
+        return table_parts.part_document(self._local_pieces(), self.rank, self.world_size)
+
+    def checkpoint_parts(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The checkpoint state without its tables, and this rank's table part.
+
+        The tables of a checkpoint written by several ranks are each rank's part
+        (``odl.checkpoint.table_parts``), so no rank gathers them; the rest of the state
+        (dense parameters, dense optimizer, step) is the same on every rank. Reading the
+        checkpoint puts the parts back together into ``state_dict_for_checkpoint``'s state.
+
+        Returns:
+            ``(state without tables, table part)``; not a collective.
+        """
+        state = {
+            "format": CHECKPOINT_FORMAT,
+            "global_step": int(self.global_step),
+            "model": {k: to_full_cpu(v) for k, v in self.dense_parameters().items()},
+            "dense_optimizer": _tensors_to_cpu(self._dense_opt.state_dict()),
+            "sparse_optimizer": {},
+        }
+        if self.dynamic:
+            state["dynamic_tables"] = self.dynamic.state_dict()
+            state["stream_time"] = float(self._stream_time)
+        return state, self.table_part()
 
     def _sharded_state(self) -> dict[str, Any]:
         """Own parameter / buffer name -> tables as ShardedTensors, the dense part plain."""

@@ -53,7 +53,6 @@ from odl.storage.oss_store import StorageError
 from odl.train.crash_recovery import CrashRecovery, RestoredState
 from odl.train.distributed import (
     agree,
-    all_positions,
     check_several_ranks,
     from_rank0,
     leave_process_group,
@@ -61,6 +60,7 @@ from odl.train.distributed import (
 from odl.train.pass_metrics import PassMetrics, pass_of
 from odl.train.pass_saves import BaseExporter, PassSaves, day_before
 from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics, output_column
+from odl.train.rank_checkpoint import save_across_ranks
 from odl.train.rank_publishing import RankPublishing
 from odl.train.record_rejects import RejectedRecords
 from odl.train.sample_ledger import SampleLedger
@@ -763,25 +763,15 @@ class Trainer:
                            overwrite: bool) -> None:
         """The checkpoint save of one of several ranks (a collective).
 
-        Every rank's positions and table rows are gathered and rank 0 writes the checkpoint;
-        every rank learns the outcome, so all keep checkpointing on the same steps.
+        Every rank writes its own table rows, rank 0 the rest with every rank's positions
+        and commits once all parts are in (``odl.train.rank_checkpoint``); every rank learns
+        the outcome, so all keep checkpointing on the same steps.
 
         Raises:
-            CheckpointError: on every rank, when rank 0 could not write it.
+            CheckpointError: on every rank, when any rank's part or the commit failed.
         """
-        everyone = all_positions(positions)
-        state = self.module.state_dict_for_checkpoint()  # whole on rank 0, {} elsewhere
-        error = None
-        if self.module.rank == 0:
-            try:
-                self.checkpoints.save(self.module.global_step, state, everyone, source,
-                                      self._config_text, self.generation, overwrite=overwrite)
-            except CheckpointError as exc:
-                error = str(exc)
-        error = from_rank0(error)
-        if error is not None:
-            raise CheckpointError(error)
-        self.checkpoints.last_saved_step = self.module.global_step
+        save_across_ranks(self.checkpoints, self.module, positions, source, self._config_text,
+                          self.generation, overwrite)
 
     @property
     def _evaluates(self) -> bool:

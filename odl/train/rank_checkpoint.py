@@ -1,0 +1,93 @@
+"""The checkpoint save of several ranks: every rank writes its own rows, rank 0 commits.
+
+Contract (``save_across_ranks``, a collective that every rank calls at the same step):
+
+1. rank 0 starts the checkpoint (``CheckpointManager.begin_save``: its temporary directory,
+   or the finding that this step's checkpoint exists already) and hands that to every rank;
+2. every rank writes its table part (``TrainModule.table_part``: the rows it holds and their
+   optimizer state, ``odl.checkpoint.table_parts``) into that directory, or on OSS from
+   another host to the checkpoint's prefix, and reports its size and digest, or its error,
+   to rank 0;
+3. rank 0 commits only when every part is in: ``model.pt`` (dense part, dense optimizer,
+   step, the parts' names), every rank's input positions, the manifest listing every file,
+   DONE last (then the OSS upload, DONE last); otherwise it drops the directory;
+4. every rank learns the outcome, so all count the checkpoint as written, or all raise
+   ``CheckpointError`` and go on training to the next one.
+
+No rank holds more than its own rows at a save; reading the checkpoint puts the tables back
+together (``read_checkpoint``), so it restores into any number of ranks and exports as one
+process's.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from odl.checkpoint.checkpoint_manager import CheckpointError, CheckpointManager
+from odl.train.distributed import all_positions, from_rank0, gather_to_rank0
+from odl.train.train_module import TrainModule
+
+logger = logging.getLogger(__name__)
+
+
+def save_across_ranks(manager: CheckpointManager, module: TrainModule,
+                      positions: Mapping[int, int], source: dict, config_text: str,
+                      generation: str, overwrite: bool = False) -> str:
+    """Writes one checkpoint of several ranks (module docstring; a collective).
+
+    Args:
+        manager: this rank's checkpoint manager of the shared model_dir.
+        module: this rank's train module.
+        positions: this rank's input positions (the ranks' partitions are disjoint).
+        source: the input's description (rank 0's is written).
+        config_text: the effective pipeline config, redacted.
+        generation: the job's generation id.
+        overwrite: replace a complete checkpoint of the same step.
+
+    Returns:
+        The checkpoint's path.
+
+    Raises:
+        CheckpointError: on every rank, when any rank's part or rank 0's commit failed.
+    """
+    rank, world = module.rank, module.world_size
+    step = module.global_step
+    everyone = all_positions(positions)
+    state, part = module.checkpoint_parts()
+    pending, error = None, None
+    if rank == 0:
+        try:
+            pending = manager.begin_save(step, overwrite)
+        except CheckpointError as exc:
+            error = str(exc)
+    pending, error = from_rank0((pending, error))
+    if error is not None:
+        raise CheckpointError(error)
+    if pending.exists:
+        manager.last_saved_step = step
+        return pending.target
+    entry, my_error = None, None
+    try:
+        entry = manager.write_table_part(pending, part, rank, world)
+    except CheckpointError as exc:
+        my_error = str(exc)
+    del part
+    reports = gather_to_rank0((entry, my_error))
+    if rank == 0:
+        assert reports is not None
+        errors = [e for _entry, e in reports if e is not None]
+        if errors:
+            manager.abort_save(pending)
+            error = "; ".join(errors)
+        else:
+            try:
+                manager.commit_save(pending, state, everyone, source, config_text, generation,
+                                    [e for e, _err in reports])
+            except CheckpointError as exc:
+                error = str(exc)
+    error = from_rank0(error)
+    if error is not None:
+        raise CheckpointError(error)
+    manager.last_saved_step = step
+    return pending.target
