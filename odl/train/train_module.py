@@ -841,7 +841,10 @@ class TrainModule:
         Returns:
             ``(model tables, sparse optimizer state)`` on rank 0, None on the others.
         """
-        everyone = gather_to_rank0(self.table_part())
+        part = self.table_part()
+        for piece in part["pieces"]:  # compact copies: a shard is a view of the fused
+            piece[4] = [[off, t.clone()] for off, t in piece[4]]  # buffer, pickled whole
+        everyone = gather_to_rank0(part)
         if everyone is None:
             return None
         return table_parts.assemble(everyone)

@@ -1,0 +1,170 @@
+"""Checkpoint save of several ranks: each rank's own table part vs every table gathered on
+rank 0 — rank 0's peak memory and the save's time.
+
+N ranks (gloo, started as ``torchrun`` would start them) build the Criteo-like DeepFM with
+its 26 id tables of ``--rows`` rows (dim 16), placed whole on the ranks or split by rows
+(``--row-wise-min-rows``, the trainer's default 1M), train
+``--steps`` steps, then save one checkpoint into a fresh model_dir, in fresh processes for
+each way:
+
+* ``gather``: ``TrainModule.state_dict_for_checkpoint`` (every rank's rows gathered on rank
+  0, put together whole) and rank 0's ``CheckpointManager.save``;
+* ``parts``: ``odl.train.rank_checkpoint.save_across_ranks`` (each rank writes its own rows,
+  rank 0 the rest and the commit).
+
+Each rank's peak resident memory during the save is measured from the kernel's high-water
+mark (``/proc/self/clear_refs`` resets it just before the save; ``VmHWM`` minus the RSS
+before the save), and the save's wall time between two barriers. Printed: per way and rank
+the peak growth in MB and the seconds, and parts / gather for rank 0. The tables' bytes
+(weights and optimizer state, all ranks) are printed for scale.
+
+    .venv/bin/python bench/rank_checkpoint_memory.py [--ranks 2] [--rows 500000] [--steps 2]
+        [--row-wise-min-rows 1048576] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+from bench.run_output import add_output_args, finish_run  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _status_kb(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def _rank(rank: int, world: int, port: int, args: dict, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    from odl.checkpoint.checkpoint_manager import CheckpointManager
+    from odl.config.pipeline_config import parse_pipeline_config_text
+    from odl.datagen.datagen_config import deepfm_config_text
+    from odl.datagen.synthetic_ctr import SyntheticCtrStream
+    from odl.features.feature_builder import FeatureBuilder
+    from odl.train.rank_checkpoint import save_across_ranks
+    from odl.train.train_module import TrainModule
+
+    try:
+        config = parse_pipeline_config_text(deepfm_config_text(
+            args["model_dir"], batch_size=256, dim=16, buckets=args["rows"],
+            hidden_units=(256, 128, 64), save_checkpoints_steps=0))
+        fb = FeatureBuilder(config)
+        tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=args["row_wise_min_rows"])
+        stream = SyntheticCtrStream(seed=7 + rank)
+        for _ in range(args["steps"]):
+            tm.train_step(fb.build(stream.next_batch(256).encode("csv")).batch)
+        manager = CheckpointManager(args["model_dir"], keep_max=0)
+        tables = sum(t.numel() * t.element_size() for p in tm.table_part()["pieces"]
+                     for _off, t in p[4])
+        dist.barrier()
+        rss0 = _status_kb("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # the high-water mark starts again from now
+        t0 = time.perf_counter()
+        if args["way"] == "parts":
+            save_across_ranks(manager, tm, {rank: 0}, {"source": "kafka"}, "cfg", "bench")
+        else:
+            state = tm.state_dict_for_checkpoint()
+            if rank == 0:
+                manager.save(tm.global_step, state, {0: 0}, {"source": "kafka"}, "cfg", "bench")
+            del state
+        dist.barrier()
+        secs = time.perf_counter() - t0
+        peak_mb = (_status_kb("VmHWM") - rss0) / 1024
+        results.put((rank, {"rss_before_mb": round(rss0 / 1024, 1),
+                            "peak_growth_mb": round(peak_mb, 1), "seconds": round(secs, 2),
+                            "own_table_mb": round(tables / 2**20, 1)}, None))
+        dist.barrier()
+    except BaseException as e:
+        results.put((rank, None, repr(e)))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_way(way: int, world: int, args: dict) -> dict[int, dict]:
+    """Each rank's figures for one way of saving, in fresh processes."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    run_args = dict(args, way=way, model_dir=os.path.join(args["work"], way))
+    procs = [ctx.Process(target=_rank, args=(r, world, port, run_args, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in range(world):
+        rank, figures, error = results.get(timeout=1800)
+        if error:
+            raise RuntimeError(f"rank {rank} ({way}): {error}")
+        got[rank] = figures
+    for p in procs:
+        p.join(120)
+    return got
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=500_000, help="rows of each of the 26 tables")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--row-wise-min-rows", type=int, default=1 << 20,
+                    help="tables this large are split by rows, smaller ones placed whole")
+    add_output_args(ap)
+    args = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="odl-rank-ckpt-")
+    base = {"rows": args.rows, "steps": args.steps, "work": work,
+            "row_wise_min_rows": args.row_wise_min_rows}
+    result: dict = {"ranks": args.ranks, "rows_per_table": args.rows, "cores": os.cpu_count()}
+    for way in ("gather", "parts"):
+        result[way] = run_way(way, args.ranks, base)
+        print(way, result[way], flush=True)
+    for way in ("gather", "parts"):  # what each way wrote, from its manifest
+        ckpt = os.path.join(work, way, f"model.ckpt-{args.steps}")
+        with open(os.path.join(ckpt, "MANIFEST.json")) as f:
+            files = json.load(f)["files"]
+        result[f"{way}_files_mb"] = {n: round(v["bytes"] / 2**20, 1) for n, v in files.items()
+                                     if v["bytes"] > 2**20}
+        print(way, "files over 1 MB:", result[f"{way}_files_mb"])
+    result["tables_mb_all_ranks"] = round(sum(
+        r["own_table_mb"] for r in result["parts"].values()), 1)
+    g, p = result["gather"][0], result["parts"][0]
+    result["rank0_peak_parts_over_gather"] = round(p["peak_growth_mb"]
+                                                   / max(g["peak_growth_mb"], 1e-9), 3)
+    result["seconds_parts_over_gather"] = round(p["seconds"] / max(g["seconds"], 1e-9), 3)
+    print(f"tables (weights + optimizer state, all ranks): {result['tables_mb_all_ranks']} MB")
+    print(f"rank 0 peak growth during the save: gather {g['peak_growth_mb']} MB, parts "
+          f"{p['peak_growth_mb']} MB (parts / gather {result['rank0_peak_parts_over_gather']})")
+    print(f"save seconds: gather {g['seconds']}, parts {p['seconds']} "
+          f"(parts / gather {result['seconds_parts_over_gather']})")
+    finish_run(args, result, work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
