@@ -27,23 +27,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-
+from bench.rank_processes import run_ranks  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _status_kb(field: str) -> int:
@@ -54,10 +45,8 @@ def _status_kb(field: str) -> int:
     raise KeyError(field)
 
 
-def _rank(rank: int, world: int, port: int, args: dict, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+def _rank(rank: int, world: int, args: dict) -> dict:
+    """One rank: build, train, save one way; its figures."""
     import torch.distributed as dist
 
     from odl.checkpoint.checkpoint_manager import CheckpointManager
@@ -68,64 +57,40 @@ def _rank(rank: int, world: int, port: int, args: dict, results) -> None:
     from odl.train.rank_checkpoint import save_across_ranks
     from odl.train.train_module import TrainModule
 
-    try:
-        config = parse_pipeline_config_text(deepfm_config_text(
-            args["model_dir"], batch_size=256, dim=16, buckets=args["rows"],
-            hidden_units=(256, 128, 64), save_checkpoints_steps=0))
-        fb = FeatureBuilder(config)
-        tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=args["row_wise_min_rows"])
-        stream = SyntheticCtrStream(seed=7 + rank)
-        for _ in range(args["steps"]):
-            tm.train_step(fb.build(stream.next_batch(256).encode("csv")).batch)
-        manager = CheckpointManager(args["model_dir"], keep_max=0)
-        tables = sum(t.numel() * t.element_size() for p in tm.table_part()["pieces"]
-                     for _off, t in p[4])
-        dist.barrier()
-        rss0 = _status_kb("VmRSS")
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # the high-water mark starts again from now
-        t0 = time.perf_counter()
-        if args["way"] == "parts":
-            save_across_ranks(manager, tm, {rank: 0}, {"source": "kafka"}, "cfg", "bench")
-        else:
-            state = tm.state_dict_for_checkpoint()
-            if rank == 0:
-                manager.save(tm.global_step, state, {0: 0}, {"source": "kafka"}, "cfg", "bench")
-            del state
-        dist.barrier()
-        secs = time.perf_counter() - t0
-        peak_mb = (_status_kb("VmHWM") - rss0) / 1024
-        results.put((rank, {"rss_before_mb": round(rss0 / 1024, 1),
-                            "peak_growth_mb": round(peak_mb, 1), "seconds": round(secs, 2),
-                            "own_table_mb": round(tables / 2**20, 1)}, None))
-        dist.barrier()
-    except BaseException as e:
-        results.put((rank, None, repr(e)))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    config = parse_pipeline_config_text(deepfm_config_text(
+        args["model_dir"], batch_size=256, dim=16, buckets=args["rows"],
+        hidden_units=(256, 128, 64), save_checkpoints_steps=0))
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=args["row_wise_min_rows"])
+    stream = SyntheticCtrStream(seed=7 + rank)
+    for _ in range(args["steps"]):
+        tm.train_step(fb.build(stream.next_batch(256).encode("csv")).batch)
+    manager = CheckpointManager(args["model_dir"], keep_max=0)
+    tables = sum(t.numel() * t.element_size() for p in tm.table_part()["pieces"]
+                 for _off, t in p[4])
+    dist.barrier()
+    rss0 = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # the high-water mark starts again from now
+    t0 = time.perf_counter()
+    if args["way"] == "parts":
+        save_across_ranks(manager, tm, {rank: 0}, {"source": "kafka"}, "cfg", "bench")
+    else:
+        state = tm.state_dict_for_checkpoint()
+        if rank == 0:
+            manager.save(tm.global_step, state, {0: 0}, {"source": "kafka"}, "cfg", "bench")
+        del state
+    dist.barrier()
+    secs = time.perf_counter() - t0
+    peak_mb = (_status_kb("VmHWM") - rss0) / 1024
+    return {"rss_before_mb": round(rss0 / 1024, 1), "peak_growth_mb": round(peak_mb, 1),
+            "seconds": round(secs, 2), "own_table_mb": round(tables / 2**20, 1)}
 
 
-def run_way(way: int, world: int, args: dict) -> dict[int, dict]:
+def run_way(way: str, world: int, args: dict) -> dict[int, dict]:
     """Each rank's figures for one way of saving, in fresh processes."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    run_args = dict(args, way=way, model_dir=os.path.join(args["work"], way))
-    procs = [ctx.Process(target=_rank, args=(r, world, port, run_args, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    got = {}
-    for _ in range(world):
-        rank, figures, error = results.get(timeout=1800)
-        if error:
-            raise RuntimeError(f"rank {rank} ({way}): {error}")
-        got[rank] = figures
-    for p in procs:
-        p.join(120)
-    return got
+    return run_ranks(_rank, world, dict(args, way=way,
+                                        model_dir=os.path.join(args["work"], way)))
 
 
 def main() -> int:

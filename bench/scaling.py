@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -34,21 +33,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
+from bench.rank_processes import run_ranks  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, args: dict, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+def _rank(rank: int, world: int, args: dict) -> float:
+    """One rank's timed steps: seconds of the slowest rank."""
     import torch.distributed as dist
 
     from odl.config.pipeline_config import parse_pipeline_config_text
@@ -63,64 +54,41 @@ def _rank(rank: int, world: int, port: int, args: dict, results) -> None:
     every = args["publish_steps"]
     incr = (f'incr_save_config {{ sparse_save_steps: {every} dense_save_steps: {every} '
             f'fs {{ incr_save_dir: "versions" }} }}' if every else "")
-    try:
-        config = parse_pipeline_config_text(deepfm_config_text(
-            args["model_dir"], batch_size=args["batch"], dim=16, buckets=100_000,
-            hidden_units=(256, 128, 64), save_checkpoints_steps=0, extra_train=incr))
-        fb = FeatureBuilder(config)
-        tm = TrainModule(config, fb, device="cpu",
-                         row_wise_min_rows=args["row_wise_min_rows"])
-        publishing = (RankPublishing.build(config, tm, "bench", rank, None,
-                                           build_delta_sink(config) if rank == 0 else None)
-                      if every else None)
+    config = parse_pipeline_config_text(deepfm_config_text(
+        args["model_dir"], batch_size=args["batch"], dim=16, buckets=100_000,
+        hidden_units=(256, 128, 64), save_checkpoints_steps=0, extra_train=incr))
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=args["row_wise_min_rows"])
+    publishing = (RankPublishing.build(config, tm, "bench", rank, None,
+                                       build_delta_sink(config) if rank == 0 else None)
+                  if every else None)
 
-        def step(b) -> None:
-            if publishing is not None:  # as Trainer._loop_ranks: rank 0's flags, then publish
-                flags = agree([publishing.turn_flags(tm.global_step)])[0][0]
-                publishing.after_turn(tm.global_step, flags, True, {rank: tm.global_step})
-            tm.train_step(b)
-        stream = SyntheticCtrStream(seed=100 + rank)
-        steps = args["warmup"] + args["steps"]
-        batches = [fb.build(stream.next_batch(args["batch"]).encode("csv")).batch
-                   for _ in range(steps)]
-        for b in batches[:args["warmup"]]:
-            step(b)
-        dist.barrier()
-        t0 = time.perf_counter()
-        for b in batches[args["warmup"]:]:
-            step(b)
-        dist.barrier()
-        secs = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-        dist.all_reduce(secs, op=dist.ReduceOp.MAX)
-        results.put((rank, float(secs.item()), None))
-        if publishing is not None:
-            publishing.flush(None, {}, timeout=30.0)
-        dist.barrier()  # leave together: a group torn down under a peer can abort
-    except BaseException as e:
-        results.put((rank, None, repr(e)))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    def step(b) -> None:
+        if publishing is not None:  # as Trainer._loop_ranks: rank 0's flags, then publish
+            flags = agree([publishing.turn_flags(tm.global_step)])[0][0]
+            publishing.after_turn(tm.global_step, flags, True, {rank: tm.global_step})
+        tm.train_step(b)
+    stream = SyntheticCtrStream(seed=100 + rank)
+    steps = args["warmup"] + args["steps"]
+    batches = [fb.build(stream.next_batch(args["batch"]).encode("csv")).batch
+               for _ in range(steps)]
+    for b in batches[:args["warmup"]]:
+        step(b)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for b in batches[args["warmup"]:]:
+        step(b)
+    dist.barrier()
+    secs = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+    dist.all_reduce(secs, op=dist.ReduceOp.MAX)
+    if publishing is not None:
+        publishing.flush(None, {}, timeout=30.0)
+    return float(secs.item())
 
 
 def run_world(world: int, args: dict) -> float:
     """Total samples/s of ``world`` ranks (slowest rank's time)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, port, args, results))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    secs = 0.0
-    for _ in range(world):
-        rank, s, error = results.get(timeout=1200)
-        if error:
-            raise RuntimeError(f"rank {rank} of {world}: {error}")
-        secs = max(secs, s)
-    for p in procs:
-        p.join(120)
+    secs = max(run_ranks(_rank, world, args, timeout=1200).values())
     return world * args["batch"] * args["steps"] / secs
 
 

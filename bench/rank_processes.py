@@ -1,0 +1,64 @@
+"""Several ranks in a benchmark: spawned processes joined into one gloo group as ``torchrun``
+would join them (``RANK`` / ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE`` / ``MASTER_*`` in the
+environment, one torch thread each)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A free TCP port on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(target: Callable[..., Any], rank: int, world: int, port: int, args: Any,
+           results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        results.put((rank, target(rank, world, args), None))
+        dist.barrier()  # leave together: a group torn down under a peer can abort
+    except BaseException as e:  # reported to the bench, not lost in a child's stderr
+        results.put((rank, None, repr(e)))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(target: Callable[..., Any], world: int, args: Any,
+              timeout: float = 1800.0) -> dict[int, Any]:
+    """Runs ``target(rank, world, args)`` on ``world`` spawned ranks (it joins the group,
+    e.g. by building a ``TrainModule``) and returns rank -> what it returned.
+
+    Raises:
+        RuntimeError: a rank failed (its exception's text).
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(target, r, world, port, args, results))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in range(world):
+        rank, payload, error = results.get(timeout=timeout)
+        if error:
+            raise RuntimeError(f"rank {rank} of {world}: {error}")
+        got[rank] = payload
+    for p in procs:
+        p.join(120)
+    return got
