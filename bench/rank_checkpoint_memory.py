@@ -14,7 +14,11 @@ each way:
 
 Each rank's peak resident memory during the save is measured from the kernel's high-water
 mark (``/proc/self/clear_refs`` resets it just before the save; ``VmHWM`` minus the RSS
-before the save), and the save's wall time between two barriers. Printed: per way and rank
+before the save), and the save's wall time between two barriers. The ``parts`` ranks then
+restore the checkpoint they wrote twice, measured the same way: with the tables put
+together whole (``read_checkpoint``), and from the parts, each rank reading only the
+blocks of its own rows (``read_checkpoint(whole_tables=False)``, what a restart of several
+ranks does when no delta version is recovered). Printed: per way and rank
 the peak growth in MB and the seconds, and parts / gather for rank 0. The tables' bytes
 (weights and optimizer state, all ranks) are printed for scale.
 
@@ -49,7 +53,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     """One rank: build, train, save one way; its figures."""
     import torch.distributed as dist
 
-    from odl.checkpoint.checkpoint_manager import CheckpointManager
+    from odl.checkpoint.checkpoint_manager import CheckpointManager, read_checkpoint
     from odl.config.pipeline_config import parse_pipeline_config_text
     from odl.datagen.datagen_config import deepfm_config_text
     from odl.datagen.synthetic_ctr import SyntheticCtrStream
@@ -83,8 +87,24 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     dist.barrier()
     secs = time.perf_counter() - t0
     peak_mb = (_status_kb("VmHWM") - rss0) / 1024
-    return {"rss_before_mb": round(rss0 / 1024, 1), "peak_growth_mb": round(peak_mb, 1),
-            "seconds": round(secs, 2), "own_table_mb": round(tables / 2**20, 1)}
+    out = {"rss_before_mb": round(rss0 / 1024, 1), "peak_growth_mb": round(peak_mb, 1),
+           "seconds": round(secs, 2), "own_table_mb": round(tables / 2**20, 1)}
+    if args["way"] == "parts":  # restore that checkpoint: whole tables, then own blocks only
+        path = manager.latest()
+        for whole in (True, False):
+            dist.barrier()
+            rss0 = _status_kb("VmRSS")
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            t0 = time.perf_counter()
+            ckpt = read_checkpoint(path, whole_tables=whole)
+            tm.load_checkpoint_state(ckpt.state)
+            del ckpt
+            dist.barrier()
+            key = "restore_whole" if whole else "restore_parts"
+            out[key] = {"peak_growth_mb": round((_status_kb("VmHWM") - rss0) / 1024, 1),
+                        "seconds": round(time.perf_counter() - t0, 2)}
+    return out
 
 
 def run_way(way: str, world: int, args: dict) -> dict[int, dict]:
@@ -127,6 +147,10 @@ def main() -> int:
           f"{p['peak_growth_mb']} MB (parts / gather {result['rank0_peak_parts_over_gather']})")
     print(f"save seconds: gather {g['seconds']}, parts {p['seconds']} "
           f"(parts / gather {result['seconds_parts_over_gather']})")
+    for rank, r in sorted(result["parts"].items()):
+        print(f"restore, rank {rank}: whole tables {r['restore_whole']['peak_growth_mb']} MB "
+              f"in {r['restore_whole']['seconds']} s, own blocks of the parts "
+              f"{r['restore_parts']['peak_growth_mb']} MB in {r['restore_parts']['seconds']} s")
     finish_run(args, result, work)
     return 0
 

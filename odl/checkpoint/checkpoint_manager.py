@@ -259,31 +259,33 @@ def resolve_checkpoint_path(path: str) -> str:
     raise CheckpointError(f"no complete checkpoint in {path}")
 
 
-def read_checkpoint(path: str, map_location: str = "cpu") -> LoadedCheckpoint:
+def read_checkpoint(path: str, map_location: str = "cpu",
+                    whole_tables: bool = True) -> LoadedCheckpoint:
     """Loads a verified checkpoint directory.
 
     Args:
         path: checkpoint directory (verified by the caller or via resolve_checkpoint_path).
         map_location: device for the tensors.
+        whole_tables: put the table parts of a checkpoint of several ranks back together;
+            False leaves them on disk and ``state["table_parts"]`` names their local paths
+            (``TrainModule.load_checkpoint_state`` of several ranks reads only the blocks
+            of its own rows; ``assemble_table_parts`` makes them whole later).
 
     Returns:
         The loaded checkpoint.
+
+    Raises:
+        CheckpointError: the table parts do not make whole tables.
     """
     remote_path = path
     path = local_checkpoint_copy(path)
     with open(os.path.join(path, MANIFEST_FILE)) as f:
         manifest = json.load(f)
     state = torch.load(os.path.join(path, MODEL_FILE), map_location=map_location, weights_only=True)
-    if state.get("table_parts"):  # written by several ranks: the tables put back together
-        try:
-            tables, sparse = table_parts.assemble(
-                table_parts.read_part(os.path.join(path, name), map_location)
-                for name in state.pop("table_parts"))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {remote_path}: its table parts do not make "
-                                  f"whole tables: {exc}") from exc
-        state["model"].update(tables)
-        state["sparse_optimizer"] = sparse
+    if state.get("table_parts"):  # written by several ranks
+        state["table_parts"] = [os.path.join(path, name) for name in state["table_parts"]]
+        if whole_tables:
+            assemble_table_parts(state, remote_path, map_location)
     positions: dict[int, int] = {}
     source: dict = {}
     pos_path = os.path.join(path, POSITIONS_FILE)
@@ -299,6 +301,33 @@ def read_checkpoint(path: str, map_location: str = "cpu") -> LoadedCheckpoint:
         source=source,
         manifest=manifest,
     )
+
+
+def assemble_table_parts(state: dict, path: str = "", map_location: str = "cpu") -> None:
+    """Puts the table parts a state names back together.
+
+    The parts (``read_checkpoint(whole_tables=False)``) become the state's ``"model"`` tables
+    and ``"sparse_optimizer"``; a state without parts is left as it is.
+
+    Args:
+        state: the checkpoint state; changed in place.
+        path: the checkpoint, for the error message.
+        map_location: device for the tensors.
+
+    Raises:
+        CheckpointError: a part is unreadable, or the parts do not make whole tables.
+    """
+    if not state.get("table_parts"):
+        return
+    try:
+        tables, sparse = table_parts.assemble(
+            table_parts.read_part(p, map_location) for p in state["table_parts"])
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: its table parts do not make whole "
+                              f"tables: {exc}") from exc
+    del state["table_parts"]
+    state["model"].update(tables)
+    state["sparse_optimizer"] = sparse
 
 
 class CheckpointManager:

@@ -64,13 +64,18 @@ def write_part(path: str, document: Mapping[str, Any]) -> None:
         os.fsync(f.fileno())
 
 
-def read_part(path: str, map_location: str = "cpu") -> dict[str, Any]:
+def read_part(path: str, map_location: str = "cpu", mmap: bool = False) -> dict[str, Any]:
     """Reads a part file.
+
+    Args:
+        path: the part file.
+        map_location: device for the tensors.
+        mmap: map the file instead of reading it (only the blocks used are read).
 
     Raises:
         ValueError: it is not a part file of a known format.
     """
-    doc = torch.load(path, map_location=map_location, weights_only=True)
+    doc = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     if not isinstance(doc, dict) or doc.get("format") != PART_FORMAT:
         raise ValueError(f"{path} is not a table part file of format {PART_FORMAT}")
     return doc
@@ -120,3 +125,53 @@ def assemble(documents: Iterable[Mapping[str, Any]]
         if kind == "sparse":
             sparse.setdefault(name, {})[key] = t
     return model, sparse
+
+
+def load_blocks(documents: Iterable[Mapping[str, Any]],
+                local: Mapping[tuple[str, str, str], list[tuple[tuple[int, ...], torch.Tensor]]]
+                ) -> set[tuple[str, str, str]]:
+    """Copies into each of this rank's shards the blocks of the parts that overlap it.
+
+    For a restore into any number of ranks without putting the tables together: only the
+    rows a rank holds are read (with ``read_part(mmap=True)``, only those pages).
+
+    Args:
+        documents: every rank's part document, read one at a time.
+        local: ``(kind, name, key) -> [(offsets, shard tensor)]``, this rank's shards.
+
+    Returns:
+        Every ``(kind, name, key)`` the parts hold.
+
+    Raises:
+        ValueError: a shard is not covered exactly by the parts' blocks.
+    """
+    copied = {ident: [0] * len(shards) for ident, shards in local.items()}
+    held: set[tuple[str, str, str]] = set()
+    whole_seen: set[tuple[str, str, str]] = set()
+    for doc in documents:
+        for kind, name, key, _size, parts in doc["pieces"]:
+            ident = (kind, name, key)
+            held.add(ident)
+            for offsets, block in parts:
+                if offsets is None:  # the same on every rank: one copy is the value
+                    if ident in whole_seen:
+                        continue
+                    whole_seen.add(ident)
+                    offsets = [0] * block.dim()
+                for k, (start, shard) in enumerate(local.get(ident, ())):
+                    lo = [max(a, b) for a, b in zip(offsets, start, strict=True)]
+                    hi = [min(a + n, b + m) for a, n, b, m in
+                          zip(offsets, block.shape, start, shard.shape, strict=True)]
+                    if any(low >= high for low, high in zip(lo, hi, strict=True)):
+                        continue
+                    src = block[tuple(slice(low - a, high - a)
+                                      for low, high, a in zip(lo, hi, offsets, strict=True))]
+                    shard[tuple(slice(low - b, high - b)
+                                for low, high, b in zip(lo, hi, start, strict=True))].copy_(src)
+                    copied[ident][k] += src.numel()
+    for ident, shards in local.items():
+        for (start, shard), n in zip(shards, copied[ident], strict=True):
+            if n != shard.numel():
+                raise ValueError(f"{ident[0]} {ident[1]} {ident[2]}: the parts cover {n} of "
+                                 f"the {shard.numel()} values of the shard at {tuple(start)}")
+    return held

@@ -21,9 +21,11 @@ Order of a start (:meth:`CrashRecovery.restore`):
    first periodic checkpoint has a recovery base.
 
 Several ranks (``torchrun``): every rank reads the checkpoint; rank 0, which holds the delta
-sink, alone claims and reads the delta topic and sends the result to the others; each rank
-then copies the recovered rows onto the checkpoint's whole tables and loads its own shards of
-them, and takes its own partitions' positions from the recovered version's.
+sink, alone claims and reads the delta topic and sends the result to the others. With nothing
+recovered each rank loads only the blocks of the checkpoint's table parts that hold its own
+rows; otherwise each rank copies the recovered rows onto the checkpoint's whole tables and
+loads its own shards of them, and takes its own partitions' positions from the recovered
+version's.
 
 While the delta topic is read the trainer's state is ``"recovering"``. Broker outages are
 waited out (backoff up to ``_RECOVERY_RETRY_MAX_SECS``); a stop request abandons recovery, and
@@ -42,6 +44,7 @@ from typing import Optional, TypeVar
 from odl.checkpoint.checkpoint_manager import (
     CheckpointManager,
     LoadedCheckpoint,
+    assemble_table_parts,
     read_checkpoint,
     resolve_checkpoint_path,
 )
@@ -168,10 +171,12 @@ class CrashRecovery:
         """``restore`` of one of several ranks (a collective).
 
         Every rank reads the checkpoint; rank 0 alone claims and reads the delta topic and
-        sends what it found to the others; every rank then brings the checkpoint's whole
-        tables forward to the recovered version before it loads its own shards of them.
+        sends what it found to the others. With nothing to recover each rank reads only the
+        blocks of the table parts that hold its own rows; otherwise every rank brings the
+        checkpoint's whole tables forward to the recovered version before it loads its own
+        shards of them.
         """
-        latest = self._latest_checkpoint()
+        latest = self._latest_checkpoint(whole_tables=False)
         restored = self._restored_from(*latest) if latest is not None else RestoredState()
         recovered = None
         if self._delta_topic() is not None:
@@ -183,6 +188,7 @@ class CrashRecovery:
             return restored
         state = latest[1].state
         if recovered is not None and self._note_recovered(restored, recovered):
+            assemble_table_parts(state, latest[0])
             model = state["model"]
             tables = {key[len(EBC_PREFIX):-len(".weight")]: t for key, t in model.items()
                       if key.startswith(EBC_PREFIX) and key.endswith(".weight")}
@@ -223,12 +229,18 @@ class CrashRecovery:
             return None
         return isc.kafka.server, isc.kafka.topic, dict(isc.kafka.kafka_config)
 
-    def _latest_checkpoint(self) -> Optional[tuple[str, LoadedCheckpoint]]:
-        """``(path, checkpoint)`` of the newest intact one, None when there is none to use."""
+    def _latest_checkpoint(self, whole_tables: bool = True
+                           ) -> Optional[tuple[str, LoadedCheckpoint]]:
+        """``(path, checkpoint)`` of the newest intact one, None when there is none to use.
+
+        ``whole_tables=False`` leaves a checkpoint's table parts on disk
+        (``read_checkpoint``).
+        """
         if not self._continue_train:
             return None
         latest = self._checkpoints.latest()
-        return (latest, read_checkpoint(latest)) if latest is not None else None
+        return ((latest, read_checkpoint(latest, whole_tables=whole_tables))
+                if latest is not None else None)
 
     def _restored_from(self, path: str, ckpt: LoadedCheckpoint) -> RestoredState:
         """Where a start from checkpoint ``ckpt`` (already loaded, or about to be) begins."""

@@ -14,9 +14,10 @@ Contract (``save_across_ranks``, a collective that every rank calls at the same 
 4. every rank learns the outcome, so all count the checkpoint as written, or all raise
    ``CheckpointError`` and go on training to the next one.
 
-No rank holds more than its own rows at a save; reading the checkpoint puts the tables back
-together (``read_checkpoint``), so it restores into any number of ranks and exports as one
-process's.
+No rank holds more than its own rows at a save. Reading the checkpoint puts the tables back
+together (``read_checkpoint``), so it exports as one process's; a restore of several ranks
+reads from the parts only the blocks of its own rows (``read_checkpoint(whole_tables=False)``
+and ``TrainModule.load_checkpoint_state``), into any number of ranks.
 """
 
 from __future__ import annotations

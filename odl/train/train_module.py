@@ -887,16 +887,37 @@ class TrainModule:
 
     @torch.no_grad()
     def _load_sharded_state(self, state: Mapping[str, Any], strict: bool) -> None:
-        """``load_checkpoint_state`` with several ranks: each copies its own rows."""
+        """``load_checkpoint_state`` with several ranks: each copies its own rows.
+
+        From whole tables, or straight from the table parts a state names
+        (``read_checkpoint(whole_tables=False)``): then only the blocks overlapping this
+        rank's shards are read.
+        """
         model = state["model"]
         saved_sparse = state.get("sparse_optimizer", {})
         own = self._sharded_state()
-        if strict:
+        fused = self._dmp.fused_optimizer.state_dict()["state"]
+        if state.get("table_parts"):
+            local = {("model", n, ""): _local_shards(t) for n, t in own.items()
+                     if n.startswith(EBC_PREFIX)}
+            local.update({("sparse", p, k): _local_shards(v) for p, st in fused.items()
+                          for k, v in st.items()})
+            held = table_parts.load_blocks(
+                (table_parts.read_part(p, mmap=True) for p in state["table_parts"]), local)
+            if strict:  # every table; the optimizer state of the tables this rank holds
+                _check_names({i for i in local if i[0] == "model"},
+                             {i for i in held if i[0] == "model"}, "table parts")
+                lacking = sorted(i for i in local if i[0] == "sparse" and i not in held)
+                if lacking:
+                    raise KeyError(f"sparse_optimizer: the checkpoint lacks {lacking}")
+            own = {n: t for n, t in own.items() if not n.startswith(EBC_PREFIX)}
+            fused = {}
+        if strict:  # with parts, the state's "model" holds the dense part only
             _check_names(set(own), set(model), "model")
         for name, t in own.items():
             if name in model:
                 _copy_shards(t, model[name], name)
-        for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items():
+        for pname, states in fused.items():
             for k, v in states.items():
                 if pname in saved_sparse and k in saved_sparse[pname]:
                     _copy_shards(v, saved_sparse[pname][k], f"{pname}/{k}")
@@ -992,6 +1013,16 @@ def _shard_pieces(t: Any) -> tuple[tuple[int, ...], list]:
                                  for sh in t.local_shards()]
     t = torch.as_tensor(t)
     return tuple(t.shape), [(None, t.detach().cpu().clone())]
+
+
+def _local_shards(t: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+    """``[(offsets, writable tensor)]`` of a ShardedTensor's local shards.
+
+    A plain tensor is itself at offset 0.
+    """
+    if hasattr(t, "local_shards") and hasattr(t, "metadata"):
+        return [(tuple(sh.metadata.shard_offsets), sh.tensor) for sh in t.local_shards()]
+    return [(tuple(0 for _ in t.shape), t)]
 
 
 def _copy_shards(dst: Any, whole: torch.Tensor, name: str, src_name: str = "") -> None:
