@@ -37,8 +37,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.rank_processes import run_ranks  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
+from odl.harness.spawned_ranks import run_ranks  # noqa: E402
 
 
 def _status_kb(field: str) -> int:
@@ -109,7 +109,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
 
 def run_way(way: str, world: int, args: dict) -> dict[int, dict]:
     """Each rank's figures for one way of saving, in fresh processes."""
-    return run_ranks(_rank, world, dict(args, way=way,
+    return run_ranks(_rank, world, world, dict(args, way=way,
                                         model_dir=os.path.join(args["work"], way)))
 
 

@@ -34,8 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from bench.rank_processes import run_ranks  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
+from odl.harness.spawned_ranks import run_ranks  # noqa: E402
 
 
 def _rank(rank: int, world: int, args: dict) -> float:
@@ -88,7 +88,7 @@ def _rank(rank: int, world: int, args: dict) -> float:
 
 def run_world(world: int, args: dict) -> float:
     """Total samples/s of ``world`` ranks (slowest rank's time)."""
-    secs = max(run_ranks(_rank, world, args, timeout=1200).values())
+    secs = max(run_ranks(_rank, world, world, args, timeout=1200).values())
     return world * args["batch"] * args["steps"] / secs
 
 

@@ -18,6 +18,7 @@ import torch
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.spawned_ranks import run_ranks
 from odl.train.distributed import agree
 from odl.train.rank_publishing import RankPublishing
 from odl.train.train_module import TrainModule
@@ -27,7 +28,6 @@ from publisher.id_maps import read_id_maps
 from publisher.publisher_factory import build_delta_sink, build_publisher
 from publisher.version_assembler import VersionAssembler
 from tests.harness import load_config_text
-from tests.spawned_ranks import run_ranks
 
 BATCH = 128
 ROW_WISE_MIN_ROWS = 2048  # the 4096-row id tables split by rows, device / hour whole

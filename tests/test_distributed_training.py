@@ -16,11 +16,11 @@ from odl.config.config_error import ConfigError
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.spawned_ranks import run_ranks
 from odl.inputs.partition_assignment import rank_partitions
 from odl.train.distributed import check_several_ranks, table_placement
 from odl.train.train_module import TrainModule, rank_device
 from tests.harness import load_config_text
-from tests.spawned_ranks import run_ranks
 
 BATCH = 256
 ROW_WISE_MIN_ROWS = 2048  # the 4096-row id tables split by rows, device / hour (1024) whole

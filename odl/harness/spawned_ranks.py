@@ -1,5 +1,8 @@
-"""Several CPU ranks in a test: spawned processes joined into one gloo group as ``torchrun``
-would join them (RANK / WORLD_SIZE / MASTER_* in the environment)."""
+"""Several CPU ranks for tests and benchmarks, joined into one gloo group.
+
+Spawned processes join as ``torchrun`` would join them (``RANK`` / ``WORLD_SIZE`` /
+``LOCAL_WORLD_SIZE`` / ``MASTER_*`` in the environment), one torch thread each.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on loopback."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -27,7 +31,7 @@ def _rank_entry(target: Callable[..., Any], rank: int, world: int, port: int, re
     try:
         results.put((rank, target(rank, *args), None))
         dist.barrier()  # leave together: a group torn down under a peer can abort
-    except BaseException as e:  # reported to the test, not lost in a child's stderr
+    except BaseException as e:  # reported to the caller, not lost in a child's stderr
         results.put((rank, None, repr(e)))
         raise
     finally:
@@ -37,12 +41,18 @@ def _rank_entry(target: Callable[..., Any], rank: int, world: int, port: int, re
 
 def run_ranks(target: Callable[..., Any], world: int, *args: Any,
               timeout: float = 240.0) -> dict[int, Any]:
-    """Runs ``target(rank, *args)`` on ``world`` spawned ranks (it joins the group, e.g. by
-    building a ``TrainModule``); returns rank -> what it returned. A rank's exception fails
-    the test with its text."""
+    """Runs ``target(rank, *args)`` on ``world`` spawned ranks; rank -> what it returned.
+
+    ``target`` joins the group (e.g. by building a ``TrainModule``); it must be importable
+    by name (spawned processes import it) and return something picklable without shared
+    tensors (numpy arrays, numbers).
+
+    Raises:
+        RuntimeError: a rank raised (its exception's text) or exited with an error.
+    """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank_entry, args=(target, r, world, port, results, args))
              for r in range(world)]
     for p in procs:
@@ -50,9 +60,11 @@ def run_ranks(target: Callable[..., Any], world: int, *args: Any,
     got = {}
     for _ in range(world):
         rank, payload, error = results.get(timeout=timeout)
-        assert error is None, f"rank {rank}: {error}"
+        if error is not None:
+            raise RuntimeError(f"rank {rank} of {world}: {error}")
         got[rank] = payload
     for p in procs:
-        p.join(60)
-        assert p.exitcode == 0
+        p.join(120)
+        if p.exitcode != 0:
+            raise RuntimeError(f"a rank exited with {p.exitcode}")
     return got
