@@ -305,6 +305,27 @@ def test_each_rank_writes_its_own_rows_and_the_checkpoint_reads_whole(tmp_path):
     assert "tables.rank-1-of-2.pt is missing" in verify_checkpoint(path)
 
 
+def test_recovered_rows_go_to_the_shards_that_hold_them():
+    """Crash recovery's rows written through ``ShardRows``: each shard takes the rows (and
+    columns) it holds, as a whole table would."""
+    from odl.train.train_module import ShardRows
+
+    whole = torch.zeros(6, 4)
+    top, bottom = torch.zeros(3, 4), torch.zeros(3, 4)  # rows 0-2 and 3-5 of one table
+    rows = ShardRows([((0, 0), top), ((3, 0), bottom)], (6, 4))
+    assert rows.shape == (6, 4) and rows[:, :2].shape == (6, 2)
+    ids, values = torch.tensor([1, 4, 5]), torch.arange(12.0).view(3, 4)
+    rows[ids] = values
+    whole[ids] = values
+    ids2, values2 = torch.tensor([0, 3]), -torch.ones(2, 2)
+    rows[:, :2][ids2] = values2
+    whole[:, :2][ids2] = values2
+    assert torch.equal(torch.cat([top, bottom]), whole)
+    only_bottom = torch.zeros(3, 4)  # a rank holding the bottom rows only
+    ShardRows([((3, 0), only_bottom)], (6, 4))[ids] = values
+    assert torch.equal(only_bottom, whole[3:] * (whole[3:] > 0))
+
+
 def test_table_placement_splits_large_tables_and_balances_the_rest():
     tables = {"big": (1 << 20, 16), "a": (1000, 16), "b": (900, 16), "c": (800, 4),
               "d": (100, 16)}

@@ -21,10 +21,10 @@ Order of a start (:meth:`CrashRecovery.restore`):
    first periodic checkpoint has a recovery base.
 
 Several ranks (``torchrun``): every rank reads the checkpoint; rank 0, which holds the delta
-sink, alone claims and reads the delta topic and sends the result to the others. With nothing
-recovered each rank loads only the blocks of the checkpoint's table parts that hold its own
-rows; otherwise each rank copies the recovered rows onto the checkpoint's whole tables and
-loads its own shards of them, and takes its own partitions' positions from the recovered
+sink, alone claims and reads the delta topic and sends the result to the others. Each rank
+loads only the blocks of the checkpoint's table parts that hold its own rows, then writes the
+recovered rows its shards hold (a checkpoint of one process: the recovered rows are copied
+onto its whole tables first), and takes its own partitions' positions from the recovered
 version's.
 
 While the delta topic is read the trainer's state is ``"recovering"``. Broker outages are
@@ -44,7 +44,6 @@ from typing import Optional, TypeVar
 from odl.checkpoint.checkpoint_manager import (
     CheckpointManager,
     LoadedCheckpoint,
-    assemble_table_parts,
     read_checkpoint,
     resolve_checkpoint_path,
 )
@@ -171,10 +170,10 @@ class CrashRecovery:
         """``restore`` of one of several ranks (a collective).
 
         Every rank reads the checkpoint; rank 0 alone claims and reads the delta topic and
-        sends what it found to the others. With nothing to recover each rank reads only the
-        blocks of the table parts that hold its own rows; otherwise every rank brings the
-        checkpoint's whole tables forward to the recovered version before it loads its own
-        shards of them.
+        sends what it found to the others. From a checkpoint of several ranks each rank reads
+        only the blocks of the table parts that hold its own rows, then writes the recovered
+        rows its shards hold; from one of one process every rank brings the checkpoint's
+        whole tables forward to the recovered version before it loads its own shards.
         """
         latest = self._latest_checkpoint(whole_tables=False)
         restored = self._restored_from(*latest) if latest is not None else RestoredState()
@@ -188,7 +187,13 @@ class CrashRecovery:
             return restored
         state = latest[1].state
         if recovered is not None and self._note_recovered(restored, recovered):
-            assemble_table_parts(state, latest[0])
+            if state.get("table_parts"):  # own blocks, then the recovered rows held here
+                state["global_step"] = int(recovered.version)
+                self._module.load_checkpoint_state(state)
+                apply_recovered_state(self._module.table_rows(),
+                                      self._module.dense_parameters(), self._id_maps(),
+                                      recovered)
+                return restored
             model = state["model"]
             tables = {key[len(EBC_PREFIX):-len(".weight")]: t for key, t in model.items()
                       if key.startswith(EBC_PREFIX) and key.endswith(".weight")}

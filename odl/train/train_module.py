@@ -195,6 +195,46 @@ def _local_view(t: Any) -> torch.Tensor:
     return t
 
 
+class ShardRows:
+    """A whole table as far as writing rows goes, written through to this rank's shards.
+
+    Supports what copying recovered rows needs (``publisher.delta_recovery``): ``shape``,
+    ``device``, ``dtype``, ``rows[:, :dim]`` (the first ``dim`` columns) and
+    ``rows[ids] = values`` (``ids`` whole-table row numbers, ``values`` ``[len(ids), dim]``):
+    each shard takes the rows and columns it holds.
+
+    Args:
+        shards: ``[(offsets, shard tensor)]`` of this rank.
+        shape: the whole table's ``(rows, columns)``.
+        columns: the columns written (the first ``columns``; None: all).
+    """
+
+    def __init__(self, shards: list[tuple[tuple[int, ...], torch.Tensor]],
+                 shape: tuple[int, ...], columns: int | None = None) -> None:
+        self._shards = shards
+        self._whole = shape
+        self._columns = shape[1] if columns is None else columns
+        self.shape = (shape[0], self._columns)
+        self.device = shards[0][1].device if shards else torch.device("cpu")
+        self.dtype = shards[0][1].dtype if shards else torch.float32
+
+    def __getitem__(self, key: Any) -> ShardRows:
+        rows, cols = key
+        if rows != slice(None) or cols.start not in (None, 0) or cols.step not in (None, 1):
+            raise TypeError("ShardRows takes [:, :dim] only")
+        return ShardRows(self._shards, self._whole, min(cols.stop, self._columns))
+
+    def __setitem__(self, ids: torch.Tensor, values: torch.Tensor) -> None:
+        for (row0, col0), shard in self._shards:
+            mine = (ids >= row0) & (ids < row0 + shard.shape[0])
+            hi = min(self._columns, col0 + shard.shape[1])
+            if not bool(mine.any()) or hi <= col0:
+                continue
+            local = (ids[mine] - row0).to(shard.device)
+            shard[local, :hi - col0] = values[mine.to(values.device)][:, col0:hi].to(
+                device=shard.device, dtype=shard.dtype)
+
+
 class TrainModule:
     """Model + optimizers + DMP for one training process.
 
@@ -382,6 +422,19 @@ class TrainModule:
         for name, t in self._dmp.state_dict().items():
             if name.startswith(EBC_PREFIX) and name.endswith(".weight"):
                 out[name[len(EBC_PREFIX) : -len(".weight")]] = _local_view(t)
+        return out
+
+    def table_rows(self) -> dict[str, ShardRows]:
+        """Table name -> its rows as written through to this rank's shards.
+
+        For copying whole-table rows (crash recovery's delta rows) with several ranks: each
+        rank writes the rows and columns its shards hold and skips the rest.
+        """
+        out = {}
+        for name, t in self._dmp.state_dict().items():
+            if name.startswith(EBC_PREFIX) and name.endswith(".weight"):
+                out[name[len(EBC_PREFIX):-len(".weight")]] = ShardRows(
+                    _local_shards(t), tuple(int(x) for x in t.size()))
         return out
 
     def table_shapes(self) -> dict[str, tuple[int, int]]:
