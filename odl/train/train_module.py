@@ -805,20 +805,30 @@ class TrainModule:
             gathered = self._gathered_sparse_state()
             if self.rank != 0:
                 return {}
-            model, sparse = gathered
-            model.update({k: to_full_cpu(v) for k, v in self.dense_parameters().items()})
-        else:
-            model = {k: to_full_cpu(v) for k, v in self._named_state().items()}
-            sparse = {}
-            for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items():
-                sparse[pname] = {k: to_full_cpu(v) for k, v in states.items()}
-        dense_opt = _tensors_to_cpu(self._dense_opt.state_dict())
+            out = self._state_without_tables()
+            out["model"].update(gathered[0])
+            out["sparse_optimizer"] = gathered[1]
+            return out
+        out = self._state_without_tables(
+            {k: to_full_cpu(v) for k, v in self._named_state().items()})
+        out["sparse_optimizer"] = {
+            pname: {k: to_full_cpu(v) for k, v in states.items()}
+            for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items()}
+        return out
+
+    def _state_without_tables(self, model: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The checkpoint state but the tables, the same on every rank.
+
+        Step, dense part (or ``model``, when given), dense optimizer and the dynamic tables'
+        state.
+        """
         out = {
             "format": CHECKPOINT_FORMAT,
             "global_step": int(self.global_step),
-            "model": model,
-            "dense_optimizer": dense_opt,
-            "sparse_optimizer": sparse,
+            "model": model if model is not None else {
+                k: to_full_cpu(v) for k, v in self.dense_parameters().items()},
+            "dense_optimizer": _tensors_to_cpu(self._dense_opt.state_dict()),
+            "sparse_optimizer": {},
         }
         if self.dynamic:
             out["dynamic_tables"] = self.dynamic.state_dict()
@@ -920,17 +930,7 @@ class TrainModule:
         Returns:
             ``(state without tables, table part)``; not a collective.
         """
-        state = {
-            "format": CHECKPOINT_FORMAT,
-            "global_step": int(self.global_step),
-            "model": {k: to_full_cpu(v) for k, v in self.dense_parameters().items()},
-            "dense_optimizer": _tensors_to_cpu(self._dense_opt.state_dict()),
-            "sparse_optimizer": {},
-        }
-        if self.dynamic:
-            state["dynamic_tables"] = self.dynamic.state_dict()
-            state["stream_time"] = float(self._stream_time)
-        return state, self.table_part()
+        return self._state_without_tables(), self.table_part()
 
     def _sharded_state(self) -> dict[str, Any]:
         """Own parameter / buffer name -> tables as ShardedTensors, the dense part plain."""
