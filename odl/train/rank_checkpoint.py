@@ -24,14 +24,11 @@ writes the recovered delta rows through to the shards that hold them
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 
 from odl.checkpoint.checkpoint_manager import CheckpointError, CheckpointManager
 from odl.train.distributed import all_positions, from_rank0, gather_to_rank0
 from odl.train.train_module import TrainModule
-
-logger = logging.getLogger(__name__)
 
 
 def save_across_ranks(manager: CheckpointManager, module: TrainModule,
@@ -57,7 +54,8 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
     rank, world = module.rank, module.world_size
     step = module.global_step
     everyone = all_positions(positions)
-    state, part = module.checkpoint_parts()
+    part = module.table_part()
+    state = module.state_without_tables() if rank == 0 else {}
     pending, error = None, None
     if rank == 0:
         try:

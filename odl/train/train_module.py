@@ -21,9 +21,9 @@ Checkpoint state (``state_dict_for_checkpoint``), all plain CPU tensors::
     }
 
 Table weights are full tensors (with several ranks ``state_dict_for_checkpoint`` gathers
-them on rank 0; a checkpoint of several ranks is written instead from ``checkpoint_parts``:
-each rank's own rows as a table part, ``odl.checkpoint.table_parts``, and the state without
-tables, which reading the checkpoint makes whole again). Wide tables keep their stored
+them on rank 0; a checkpoint of several ranks is written instead from
+``state_without_tables`` and each rank's ``table_part``, ``odl.checkpoint.table_parts``,
+which reading the checkpoint makes whole again). Wide tables keep their stored
 width (see ``odl.models.embedding_tables``). A model with dynamic tables
 (``odl.models.dynamic_table``) adds ``"dynamic_tables"``: ``DynamicTables.state_dict()``
 (id index, free rows, counters, sketch, pending deletes; tensors) plus ``"stream_time"``.
@@ -805,22 +805,24 @@ class TrainModule:
             gathered = self._gathered_sparse_state()
             if self.rank != 0:
                 return {}
-            out = self._state_without_tables()
+            out = self.state_without_tables()
             out["model"].update(gathered[0])
             out["sparse_optimizer"] = gathered[1]
             return out
-        out = self._state_without_tables(
+        out = self.state_without_tables(
             {k: to_full_cpu(v) for k, v in self._named_state().items()})
         out["sparse_optimizer"] = {
             pname: {k: to_full_cpu(v) for k, v in states.items()}
             for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items()}
         return out
 
-    def _state_without_tables(self, model: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The checkpoint state but the tables, the same on every rank.
+    def state_without_tables(self, model: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The checkpoint state but the tables, the same on every rank; not a collective.
 
         Step, dense part (or ``model``, when given), dense optimizer and the dynamic tables'
-        state.
+        state. A checkpoint of several ranks holds this in ``model.pt`` and each rank's
+        ``table_part`` beside it (``odl.train.rank_checkpoint``); reading it puts the parts
+        back together into ``state_dict_for_checkpoint``'s state.
         """
         out = {
             "format": CHECKPOINT_FORMAT,
@@ -918,19 +920,6 @@ class TrainModule:
         See ``odl.checkpoint.table_parts``; with one process, the whole tables.
         """
         return table_parts.part_document(self._local_pieces(), self.rank, self.world_size)
-
-    def checkpoint_parts(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The checkpoint state without its tables, and this rank's table part.
-
-        The tables of a checkpoint written by several ranks are each rank's part
-        (``odl.checkpoint.table_parts``), so no rank gathers them; the rest of the state
-        (dense parameters, dense optimizer, step) is the same on every rank. Reading the
-        checkpoint puts the parts back together into ``state_dict_for_checkpoint``'s state.
-
-        Returns:
-            ``(state without tables, table part)``; not a collective.
-        """
-        return self._state_without_tables(), self.table_part()
 
     def _sharded_state(self) -> dict[str, Any]:
         """Own parameter / buffer name -> tables as ShardedTensors, the dense part plain."""
