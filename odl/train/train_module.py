@@ -1046,13 +1046,13 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str, src_name: str) -
 
 
 def _shard_pieces(t: Any) -> tuple[tuple[int, ...], list]:
-    """``(whole size, [(offsets, CPU copy)])`` of a ShardedTensor's local shards.
+    """``(whole size, [(offsets, CPU tensor)])`` of a ShardedTensor's local shards.
 
-    A plain tensor (the same on every rank) is one piece with offsets None.
+    On CPU a shard's tensor is a view of the rank's fused buffer, not a copy. A plain tensor
+    (the same on every rank) is one piece with offsets None.
     """
     if hasattr(t, "local_shards") and hasattr(t, "metadata"):
-        return tuple(t.size()), [(tuple(sh.metadata.shard_offsets), sh.tensor.detach().cpu())
-                                 for sh in t.local_shards()]
+        return tuple(t.size()), [(off, x.detach().cpu()) for off, x in _local_shards(t)]
     t = torch.as_tensor(t)
     return tuple(t.shape), [(None, t.detach().cpu().clone())]
 
