@@ -72,7 +72,8 @@ def test_each_prediction_is_the_model_after_a_step_on_the_earlier_records(tmp_pa
     b = 24
     records = _records(400)
     warm, batch_records = records[:376], records[376:]
-    on = _config(tmp_path, "in_batch_learning: true", optimizer, sparse_lr=lr, dense_lr=1e-12)
+    on = _config(tmp_path, "in_batch_learning: true in_batch_sequential: false", optimizer,
+                 sparse_lr=lr, dense_lr=1e-12)
     off = _config(tmp_path, "", optimizer, sparse_lr=lr, dense_lr=1e-12)
     tm, fb = _module(on)
     _warm(tm, fb, warm, b)

@@ -52,7 +52,12 @@ from odl.config.field_formats import (
     parse_offset_time,
     path_scheme,
 )
-from odl.config.loss_settings import num_classes, regression_outputs, validate_loss_settings
+from odl.config.loss_settings import (
+    POINTWISE_LOSS_TYPES,
+    num_classes,
+    regression_outputs,
+    validate_loss_settings,
+)
 from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
 from odl.config.model_classes import is_multi_task_model
 from odl.config.model_validation import validate_features, validate_model
@@ -433,6 +438,15 @@ def _validate_in_batch_learning(config: pipeline_pb2.EasyRecConfig) -> None:
         if not tc.in_batch_learning:
             raise ConfigError(field, "needs in_batch_learning: true (without it the larger "
                                      "steps overshoot; docs/training.md#per-record-adagrad)")
+    if tc.in_batch_sequential and tc.in_batch_learning:
+        field = "train_config.in_batch_sequential"
+        mc = config.model_config
+        types = [t.loss_type for t in mc.losses] or [mc.loss_type]
+        coupled = [pipeline_pb2.LossType.Name(t) for t in types
+                   if t not in POINTWISE_LOSS_TYPES]
+        if coupled:
+            raise ConfigError(field, f"needs losses of one record each; {', '.join(coupled)} "
+                                     "couples the batch's records (set it to false)")
     if not tc.in_batch_learning:
         return
     field = "train_config.in_batch_learning"

@@ -33,6 +33,11 @@ shifted predictions (the progressive metrics). The state a step leaves, what che
 publishing and serving see, is the ordinary batched update with those errors: serving's
 predictions (``TrainModule.predict``, ``odl-serve``) are not shifted.
 
+Which errors the earlier records step with: by default their errors at the batch's starting
+state (``dloss`` above, one batched pass). With ``train_config.in_batch_sequential`` they are
+their own shifted predictions' errors, found in one pass over the records in order
+(``odl.train.in_batch_scan``, whose docstring states that variant).
+
 Not covered (the logit is not shifted by them): sequence lookups that are not pooled
 (target attention's items), dense parameters, and second-order terms. Batch norm in the
 dense part couples records; the shift then uses its train-mode Jacobian as it is.
@@ -40,13 +45,14 @@ dense part couples records; the shift then uses its train-mode Jacobian as it is
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from odl.config.optimizer_support import IN_BATCH_TABLE_KINDS
 from odl.models.ctr_model import ModelOutput
 from odl.train.batch_row_pairs import RowPairIndex, RowPairs
+from odl.train.in_batch_scan import InBatchScan, scan_pairs
 
 
 class InBatchLearning:
@@ -56,21 +62,27 @@ class InBatchLearning:
         index: the model's ``RowPairIndex`` (its tables' accumulators for Adagrad kinds).
         kind: the table kernel, one of ``IN_BATCH_TABLE_KINDS``.
         eps: the fused kernel's epsilon.
+        sequential: the pass of ``odl.train.in_batch_scan`` (``in_batch_sequential``); None:
+            the earlier records' errors at the batch's starting state.
 
     Raises:
         ValueError: ``kind`` is not one of ``IN_BATCH_TABLE_KINDS``.
     """
 
-    def __init__(self, index: RowPairIndex, kind: str, eps: float) -> None:
+    def __init__(self, index: RowPairIndex, kind: str, eps: float,
+                 sequential: InBatchScan | None = None) -> None:
         if kind not in IN_BATCH_TABLE_KINDS:
             raise ValueError(f"in-batch learning supports {IN_BATCH_TABLE_KINDS} tables, not "
                              f"{kind!r}")
         self.kind = kind
         self.eps = float(eps)
         self._index = index
+        self.sequential = sequential
 
     def logit_shift(self, pairs: RowPairs | None, output: ModelOutput,
-                    loss: torch.Tensor, lr: float) -> torch.Tensor:
+                    loss: torch.Tensor, lr: float,
+                    loss_at: Callable[[torch.Tensor], torch.Tensor] | None = None
+                    ) -> torch.Tensor:
         """The ``[B]`` shift of ``output.logits`` (module docstring); no gradient flows.
 
         Args:
@@ -79,6 +91,7 @@ class InBatchLearning:
             output: the step's forward output (logits ``[B]``, pooled groups in the graph).
             loss: the step's loss on ``output`` (its graph is kept for the backward).
             lr: the table rate of this step.
+            loss_at: the step's loss at given ``[B]`` logits; needed when ``sequential``.
 
         Returns:
             Float tensor ``[B]`` on the logits' device.
@@ -88,11 +101,28 @@ class InBatchLearning:
         shift = torch.zeros(b, dtype=logits.dtype, device=logits.device)
         if pairs is None or b < 2:
             return shift
-        (dloss,) = torch.autograd.grad(loss, logits, retain_graph=True)
         jac = torch.autograd.grad(logits.sum(), output.pooled, retain_graph=True,
                                   allow_unused=True)
+        if self.sequential is not None:
+            if loss_at is None:
+                raise ValueError("in_batch_sequential needs the loss at given logits")
+            with torch.no_grad():
+                prepared = self._scan_pairs(pairs, jac, lr, logits.dtype)
+            return self.sequential.shift(prepared, logits.detach(), loss_at)
+        (dloss,) = torch.autograd.grad(loss, logits, retain_graph=True)
         with torch.no_grad():
             return self._shift(pairs, dloss.detach(), jac, lr, shift)
+
+    def _scan_pairs(self, pairs: RowPairs, jac: Sequence[torch.Tensor | None], lr: float,
+                    dtype: torch.dtype):
+        index = self._index
+        lookup = pairs.lookup
+        acc = None
+        if self.kind != "sgd":
+            acc = index.accumulators(index.plan_accumulators(lookup, pairs.rows), dtype)
+        return scan_pairs(pairs.sample, pairs.new_row, index.per_pair(jac, pairs, dtype),
+                          pairs.weight, (lr * index.multiplier.index_select(0, lookup)),
+                          acc, index.stored.index_select(0, lookup))
 
     def _shift(self, pairs: RowPairs, dloss: torch.Tensor,
                jac: Sequence[torch.Tensor | None], lr: float,

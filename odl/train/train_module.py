@@ -83,6 +83,7 @@ from odl.train.distributed import (
     table_placement,
 )
 from odl.train.in_batch_learning import InBatchLearning
+from odl.train.in_batch_scan import InBatchScan, error_model_is_exact
 from odl.train.optimizer_builder import (
     TABLE_EPS,
     gradient_clipping,
@@ -375,7 +376,12 @@ class TrainModule:
         index = RowPairIndex(self.model.pooled_layout, rows,
                              rowwise=self._table_kind == "rowwise_adagrad")
         return (index,
-                InBatchLearning(index, self._table_kind, TABLE_EPS)
+                InBatchLearning(index, self._table_kind, TABLE_EPS,
+                                InBatchScan(self._table_kind, tc.per_record_adagrad,
+                                            float(tc.per_record_adagrad_max_gain), TABLE_EPS,
+                                            logistic=not any(self.regression),
+                                            exact=error_model_is_exact(config.model_config))
+                                if tc.in_batch_sequential else None)
                 if tc.in_batch_learning else None,
                 PerRecordAdagrad(index, self._table_kind, TABLE_EPS,
                                  float(tc.per_record_adagrad_max_gain))
@@ -682,7 +688,10 @@ class TrainModule:
         pairs = (self._row_pairs.pairs(batch.sparse, batch.size, logits.dtype)
                  if self._row_pairs is not None else None)
         if self._in_batch is not None:  # predict each record after its batch's earlier ones
-            shift = self._in_batch.logit_shift(pairs, output, loss, self._lrs[0])
+            pooled = tuple(p.detach() for p in output.pooled)
+            shift = self._in_batch.logit_shift(
+                pairs, output, loss, self._lrs[0],
+                lambda at: self._module().loss(ModelOutput(at, pooled), batch))
             output = ModelOutput(output.logits + shift, output.pooled)
             logits = output.logits
             loss = self._module().loss(output, batch)
