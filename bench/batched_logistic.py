@@ -14,14 +14,18 @@ predicted before it is learned from (progressive AUC). Rules within a batch of B
   batch's earlier records that share its features, then trained (``plain`` update) on the
   shifted predictions' errors;
 * ``in-batch-q``: the same with per-record accumulators in the shift and the update
-  (``odl.train.per_record_adagrad``, largest gain 3).
+  (``odl.train.per_record_adagrad``, largest gain 3);
+* ``in-batch-seq`` / ``in-batch-q-seq``: sequential in-batch learning
+  (``odl.train.in_batch_scan``): the earlier records' errors in the shift are those of their
+  own shifted predictions, computed record by record, without / with per-record
+  accumulators.
 
 B = 1 is per-sample Adagrad (what VW does, up to VW's own normalisation). The point is to
 tell apart what a batch costs from what odl's DeepFM costs: run with the same batch sizes
 as ``bench/online_quality.py --stream movielens`` and compare.
 
     .venv/bin/python bench/batched_logistic.py --data DIR [--lr 0.1,0.3] [--batch 1,16,64,256]
-        [--rule plain,in-batch,in-batch-q] [--json out.json]
+        [--rule plain,in-batch,in-batch-q,in-batch-seq,in-batch-q-seq] [--json out.json]
 
 Pure Python: 1-2 s per setting for the 100k records.
 """
@@ -54,7 +58,8 @@ def _sigmoid(z: float) -> float:
 def progressive(feats: list[list[str]], y: np.ndarray, lr: float, batch: int,
                 rule: str) -> np.ndarray:
     """Each record's prediction before it is learned from, under ``rule`` (docstring)."""
-    per_record = rule == "in-batch-q"
+    per_record = rule.startswith("in-batch-q")
+    sequential = rule.endswith("-seq")
     shift_on = rule != "plain"
     w: dict[str, float] = defaultdict(float)
     acc: dict[str, float] = defaultdict(float)
@@ -75,7 +80,9 @@ def progressive(feats: list[list[str]], y: np.ndarray, lr: float, batch: int,
                     s = s_earlier[t]
                     if s:
                         shift -= lr * s / math.sqrt(acc[t] + growth(s, q_earlier[t]) + 1e-16)
-                g0 = _sigmoid(z[j]) - y[j]  # the unshifted error, as odl's shift uses
+                # the error the earlier records step with: at the shifted prediction
+                # (sequential), else at the batch's start
+                g0 = _sigmoid(z[j] + shift if sequential else z[j]) - y[j]
                 for t in feats[j]:
                     s_earlier[t] += g0
                     q_earlier[t] += g0 * g0
@@ -98,8 +105,9 @@ def main() -> int:
     ap.add_argument("--data", required=True, help="the unpacked ml-100k directory")
     ap.add_argument("--lr", default="0.3", help="Adagrad rates to try")
     ap.add_argument("--batch", default="1,16,64,256", help="batch sizes to try")
-    ap.add_argument("--rule", default="plain,in-batch",
-                    help="rules within a batch: plain, in-batch, in-batch-q")
+    ap.add_argument("--rule", default="plain,in-batch,in-batch-q-seq",
+                    help="rules within a batch: plain, in-batch, in-batch-q, in-batch-seq, "
+                         "in-batch-q-seq")
     add_output_args(ap)
     args = ap.parse_args()
     stream = MovieLensStream(args.data)

@@ -43,7 +43,8 @@ VW rows are skipped and say so.
     .venv/bin/python bench/online_quality.py [--stream bursty|criteo|movielens] [--data DIR]
         [--records 200000] [--seed 1]
         [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--sparse-lr 0.1] [--dense-lr 0.001]
-        [--in-batch 0,1] [--wide-lr-mult 1,3] [--per-record 0,1] [--per-record-gain 2,3]
+        [--in-batch 0,1] [--sequential 0,1] [--wide-lr-mult 1,3] [--per-record 0,1]
+        [--per-record-gain 2,3]
         [--serve-delay 2500] [--config samples/X.config]
         [--broker] [--json out.json]
 """
@@ -51,6 +52,7 @@ VW rows are skipped and say so.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -166,16 +168,27 @@ def vw_examples(batches: list, kind: str = "bursty") -> list[str]:
     return out
 
 
+# The train_config settings the bench can vary: (command-line option, field, value type,
+# row-name label). A run's settings are a {field: value} dict; a field left out keeps the
+# config's value.
+SETTINGS = (
+    ("--in-batch", "in_batch_learning", bool, "in-batch"),
+    ("--sequential", "in_batch_sequential", bool, "sequential"),
+    ("--wide-lr-mult", "wide_learning_rate_multiplier", float, "wide x"),
+    ("--per-record", "per_record_adagrad", bool, "per-record"),
+    ("--per-record-gain", "per_record_adagrad_max_gain", float, "gain"),
+)
+# settings that need in_batch_learning: off with it unless the run names them
+NEEDS_IN_BATCH = ("in_batch_sequential", "per_record_adagrad")
+
+
 def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr: float,
-               config_path: str = "", in_batch: bool | None = None,
-               wide_mult: float | None = None, per_record: bool | None = None,
-               gain: float | None = None, **kw):
+               config_path: str = "", train: dict | None = None, **kw):
     """The odl config of a run: ``config_path`` (e.g. a sample), else the stream's DeepFM (the
     bursty sample's shape, or the Criteo-like demo's: 26 ids of dim 16 in tables of 100k
     rows, 13 dense, DNN 256-128-64); its batch size and its two ``optimizer_config``
-    constant rates (tables, dense part) set to the run's, and ``in_batch_learning`` /
-    ``wide_learning_rate_multiplier`` / ``per_record_adagrad`` /
-    ``per_record_adagrad_max_gain`` where given (None: the config's)."""
+    constant rates (tables, dense part) set to the run's, and the ``train`` settings
+    (``SETTINGS`` fields) where given."""
     if kind == "movielens" and not config_path:
         config_path = MOVIELENS_SAMPLE
     if config_path:
@@ -196,16 +209,12 @@ def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr
         config = parse_pipeline_config_text(bursty_config_text(model_dir, **kw))
     config.model_dir = model_dir
     config.data_config.batch_size = batch
-    if in_batch is not None:
-        config.train_config.in_batch_learning = in_batch
-    if wide_mult is not None:
-        config.train_config.wide_learning_rate_multiplier = wide_mult
-    if per_record is None and in_batch is False:  # it needs in-batch learning
-        per_record = False
-    if per_record is not None:
-        config.train_config.per_record_adagrad = per_record
-    if gain is not None:
-        config.train_config.per_record_adagrad_max_gain = gain
+    train = dict(train or {})
+    if train.get("in_batch_learning") is False:
+        for field in NEEDS_IN_BATCH:
+            train.setdefault(field, False)
+    for field, value in train.items():
+        setattr(config.train_config, field, value)
     tables, dense = config.train_config.optimizer_config[:2]
     for entry, rate in ((tables, sparse_lr), (dense, dense_lr)):
         lr = getattr(entry, entry.WhichOneof("optimizer")).learning_rate
@@ -216,14 +225,37 @@ def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr
     return config
 
 
-def settings_name(in_batch: bool | None, wide_mult: float | None,
-                  per_record: bool | None = None, gain: float | None = None) -> str:
-    """The row-name suffix of a run's in-batch / wide-rate / per-record / gain settings (none:
-    the config's)."""
-    return ((f" in-batch {int(in_batch)}" if in_batch is not None else "")
-            + (f" wide x{wide_mult:g}" if wide_mult is not None else "")
-            + (f" per-record {int(per_record)}" if per_record is not None else "")
-            + (f" gain {gain:g}" if gain is not None else ""))
+def settings_name(train: dict) -> str:
+    """The row-name suffix of a run's ``SETTINGS`` values (those it does not set: none)."""
+    out = ""
+    for _option, field, kind, label in SETTINGS:
+        if field in train:
+            value = train[field]
+            out += (f" {label} {int(value)}" if kind is bool
+                    else f" {label}{value:g}" if label.endswith("x") else f" {label} {value:g}")
+    return out
+
+
+def settings_grid(args: argparse.Namespace) -> list[dict]:
+    """Every combination of the ``SETTINGS`` values given on the command line, leaving out
+    those that cannot run (a setting of ``NEEDS_IN_BATCH`` on without in-batch learning, a
+    gain without per-record Adagrad)."""
+    axes = []
+    for option, field, kind, _label in SETTINGS:
+        text = getattr(args, option[2:].replace("-", "_"))
+        values = ([bool(int(x)) if kind is bool else float(x) for x in text.split(",")]
+                  if text else [None])
+        axes.append([(field, v) for v in values])
+    grid = []
+    for combo in itertools.product(*axes):
+        train = {f: v for f, v in combo if v is not None}
+        if train.get("in_batch_learning") is False and any(
+                train.get(f) for f in NEEDS_IN_BATCH):
+            continue
+        if "per_record_adagrad_max_gain" in train and train.get("per_record_adagrad") is False:
+            continue
+        grid.append(train)
+    return grid
 
 
 def run_vw(examples: list[str], lr: float, quadratic: str,
@@ -349,15 +381,10 @@ def main() -> int:
                     help="odl table (Adagrad) learning rates to try")
     ap.add_argument("--dense-lr", default="0.001",
                     help="odl dense (Adam) learning rates to try")
-    ap.add_argument("--in-batch", default="",
-                    help="in_batch_learning values to try (0,1; default: the config's)")
-    ap.add_argument("--wide-lr-mult", default="",
-                    help="wide_learning_rate_multiplier values to try (default: the config's)")
-    ap.add_argument("--per-record", default="",
-                    help="per_record_adagrad values to try (0,1; default: the config's; 1 "
-                         "only with in-batch learning)")
-    ap.add_argument("--per-record-gain", default="",
-                    help="per_record_adagrad_max_gain values to try (default: the config's)")
+    for option, field, kind, _label in SETTINGS:
+        ap.add_argument(option, default="",
+                        help=f"{field} values to try ({'0,1' if kind is bool else 'numbers'}; "
+                             "default: the config's)")
     ap.add_argument("--serve-delay", type=int, default=2500,
                     help="also score served predictions: each record predicted by the state "
                          "that learned the records before it minus this many (0: off)")
@@ -392,32 +419,22 @@ def main() -> int:
     except ImportError:
         rows["vw"] = {"skipped": "vowpalwabbit is not installed "
                                  "(pip install -r bench/requirements-quality.txt)"}
-    in_batch = [bool(int(x)) for x in args.in_batch.split(",")] if args.in_batch else [None]
-    wide = [float(x) for x in args.wide_lr_mult.split(",")] if args.wide_lr_mult else [None]
-    per_record = ([bool(int(x)) for x in args.per_record.split(",")] if args.per_record
-                  else [None])
-    gains = ([float(x) for x in args.per_record_gain.split(",")] if args.per_record_gain
-             else [None])
-    grid = [(b, slr, dlr, ib, wm, pr, g) for b in [int(x) for x in args.batch.split(",")]
+    grid = [(b, slr, dlr, train) for b in [int(x) for x in args.batch.split(",")]
             for slr in [float(x) for x in args.sparse_lr.split(",")]
             for dlr in [float(x) for x in args.dense_lr.split(",")]
-            for ib in in_batch for wm in wide for pr in per_record for g in gains
-            if not (pr and ib is False) and not (g is not None and pr is False)]
-    for b, slr, dlr, ib, wm, pr, g in grid:
+            for train in settings_grid(args)]
+    for b, slr, dlr, train in grid:
         probs, rate, step_ms, served = run_odl(values, b, work, slr, dlr, args.serve_delay,
-                                               args.stream, args.config, in_batch=ib,
-                                               wide_mult=wm, per_record=pr, gain=g)
-        name = (f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}"
-                + settings_name(ib, wm, pr, g))
+                                               args.stream, args.config, train=train)
+        name = f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}" + settings_name(train)
         rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
                       "step_ms": round(step_ms, 3), **served_scores(served, labels)}
         curves[name] = auc_curve(probs, labels)
         print(name, rows[name], flush=True)
     if args.broker:
-        b, slr, _dlr, ib, wm, pr, g = grid[0]
-        rows[f"odl-train --online batch {b}" + settings_name(ib, wm, pr, g)] = run_broker(
-            values, b, work, slr, args.stream, args.config, in_batch=ib, wide_mult=wm,
-            per_record=pr, gain=g)
+        b, slr, _dlr, train = grid[0]
+        rows[f"odl-train --online batch {b}" + settings_name(train)] = run_broker(
+            values, b, work, slr, args.stream, args.config, train=train)
     result = {"stream": args.stream, "config": args.config or "the stream's DeepFM",
               "records": len(values), "seed": args.seed,
               "positive_rate": round(float(labels.mean()), 4), "rows": rows,
