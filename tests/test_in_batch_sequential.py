@@ -95,7 +95,8 @@ def _random_pairs(kind: str, seed: int):
     stored = torch.full((p,), float(width))
     logits = torch.randn(b, generator=g)
     labels = (torch.rand(b, generator=g) < 0.4).float()
-    return scan_pairs(sample, new_row, jrow, weight, rate, acc_rows, stored), logits, labels
+    slot = torch.cumsum(new_row.long(), 0) - 1
+    return scan_pairs(sample, slot, jrow, weight, rate, acc_rows, stored), logits, labels
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

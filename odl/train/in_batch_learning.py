@@ -46,13 +46,14 @@ dense part couples records; the shift then uses its train-mode Jacobian as it is
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 
 from odl.config.optimizer_support import IN_BATCH_TABLE_KINDS
 from odl.models.ctr_model import ModelOutput
 from odl.train.batch_row_pairs import RowPairIndex, RowPairs
-from odl.train.in_batch_scan import InBatchScan, scan_pairs
+from odl.train.in_batch_scan import InBatchScan, ScanPairs, record_order, scan_pairs
 
 
 class InBatchLearning:
@@ -114,15 +115,32 @@ class InBatchLearning:
             return self._shift(pairs, dloss.detach(), jac, lr, shift)
 
     def _scan_pairs(self, pairs: RowPairs, jac: Sequence[torch.Tensor | None], lr: float,
-                    dtype: torch.dtype):
+                    dtype: torch.dtype) -> ScanPairs:
+        """The pass's inputs.
+
+        Only the pairs of rows that two or more records read: a row that one record reads
+        shifts nothing.
+        """
+        slot = torch.cumsum(pairs.new_row.long(), 0) - 1
+        readers = torch.zeros(int(slot[-1]) + 1, dtype=torch.long, device=slot.device)
+        readers.index_add_(0, slot, pairs.new_pair.long())
+        keep = (readers.index_select(0, slot) > 1).nonzero().flatten()
+        slot = torch.cumsum(pairs.new_row.index_select(0, keep).long(), 0) - 1  # kept rows
+        # in the pass's (record, row) order, so that it reads them in sequence
+        order = record_order(pairs.sample.index_select(0, keep), slot)
+        keep, slot = keep.index_select(0, order), slot.index_select(0, order)
+        shared = replace(pairs, **{f: getattr(pairs, f).index_select(0, keep) for f in (
+            "rows", "lookup", "sample", "weight")})
         index = self._index
-        lookup = pairs.lookup
+        lookup = shared.lookup
         acc = None
         if self.kind != "sgd":
-            acc = index.accumulators(index.plan_accumulators(lookup, pairs.rows), dtype)
-        return scan_pairs(pairs.sample, pairs.new_row, index.per_pair(jac, pairs, dtype),
-                          pairs.weight, (lr * index.multiplier.index_select(0, lookup)),
-                          acc, index.stored.index_select(0, lookup))
+            acc = index.accumulators(index.plan_accumulators(lookup, shared.rows), dtype)
+        return scan_pairs(shared.sample, slot,
+                          index.per_pair(jac, shared, dtype), shared.weight,
+                          lr * index.multiplier.index_select(0, lookup), acc,
+                          index.stored.index_select(0, lookup),
+                          index.col_mask.sum(1).index_select(0, lookup), in_record_order=True)
 
     def _shift(self, pairs: RowPairs, dloss: torch.Tensor,
                jac: Sequence[torch.Tensor | None], lr: float,

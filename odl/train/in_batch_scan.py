@@ -78,7 +78,8 @@ def _build(target: Path, compiler: str) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
     os.close(fd)
     try:
-        subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-o", tmp, str(_SOURCE), "-lm"],
+        subprocess.run([compiler, "-O3", "-fno-math-errno", "-shared", "-fPIC", "-o", tmp,
+                        str(_SOURCE), "-lm"],
                        check=True, capture_output=True, timeout=120)
         os.replace(tmp, target)
     finally:
@@ -111,7 +112,7 @@ def _compile() -> ctypes.CDLL | None:
     fn = getattr(lib, _SYMBOL)
     fn.restype = None
     i64, i32, f64, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_double, ctypes.c_void_p
-    fn.argtypes = [i64, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, i32, i32, f64, f64,
+    fn.argtypes = [i64, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, i32, i32, f64, f64,
                    vp, vp, vp, vp, vp, vp, vp, vp]
     return lib
 
@@ -132,6 +133,7 @@ class ScanPairs:
         order: the pairs in (record, row) order.
         sample: each pair's record.
         slot: each pair's row, numbered ``0..U-1``.
+        cols: each pair's lookup width (``jrow``'s columns beyond it are zero).
         jrow: ``[P, width]`` each pair's ``dlogit/de`` of its lookup.
         weight: each pair's read weight.
         rate: each pair's table rate.
@@ -143,6 +145,7 @@ class ScanPairs:
     order: np.ndarray
     sample: np.ndarray
     slot: np.ndarray
+    cols: np.ndarray
     jrow: np.ndarray
     weight: np.ndarray
     rate: np.ndarray
@@ -159,30 +162,42 @@ def _i64(t: torch.Tensor) -> np.ndarray:
     return np.ascontiguousarray(t.detach().to("cpu", torch.int64).numpy())
 
 
-def scan_pairs(sample: torch.Tensor, new_row: torch.Tensor, jrow: torch.Tensor,
+def record_order(sample: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """The permutation that puts pairs in (record, row) order, the pass's order."""
+    slots = int(slot.max()) + 1 if slot.numel() else 1
+    return torch.argsort(sample.long() * slots + slot.long())
+
+
+def scan_pairs(sample: torch.Tensor, slot: torch.Tensor, jrow: torch.Tensor,
                weight: torch.Tensor, rate: torch.Tensor, acc: torch.Tensor | None,
-               stored: torch.Tensor) -> ScanPairs:
-    """``ScanPairs`` from a step's ``RowPairs`` fields (sorted by row, then record).
+               stored: torch.Tensor, cols: torch.Tensor | None = None,
+               in_record_order: bool = False) -> ScanPairs:
+    """``ScanPairs`` from a step's pairs, in any order.
 
     Args:
-        sample: ``RowPairs.sample``.
-        new_row: ``RowPairs.new_row``.
+        sample: ``[P]`` each pair's record.
+        slot: ``[P]`` each pair's row, numbered from 0 (``RowPairs.new_row``'s cumulative
+            sum less one).
         jrow: ``[P, width]`` ``dlogit/de`` per pair (``RowPairIndex.per_pair``).
-        weight: ``RowPairs.weight``.
+        weight: ``[P]`` each pair's read weight.
         rate: ``[P]`` the pair's table rate (multiplier applied).
         acc: ``[P, acc_width]`` accumulators, None for SGD.
         stored: ``[P]`` stored columns of the pair's table.
+        cols: ``[P]`` the pair's lookup width (None: ``jrow``'s width).
+        in_record_order: the pairs already are in ``record_order`` (the pass then reads
+            them in sequence, which is faster).
 
     Returns:
         The prepared pairs.
     """
-    slot = torch.cumsum(new_row.long(), 0) - 1
-    slots = int(slot[-1]) + 1 if slot.numel() else 0
-    order = torch.argsort(sample.long() * max(slots, 1) + slot)
     p = sample.numel()
+    slots = int(slot.max()) + 1 if p else 0
+    order = (torch.arange(p) if in_record_order else record_order(sample, slot))
     return ScanPairs(
-        order=_i64(order), sample=_i64(sample), slot=_i64(slot), jrow=_f32(jrow),
-        weight=_f32(weight), rate=_f32(rate),
+        order=_i64(order), sample=_i64(sample), slot=_i64(slot),
+        cols=(_i64(cols) if cols is not None
+              else np.full(p, jrow.shape[1] if jrow.dim() > 1 else 0, dtype=np.int64)),
+        jrow=_f32(jrow), weight=_f32(weight), rate=_f32(rate),
         acc=_f32(acc) if acc is not None else np.zeros((p, 0), dtype=np.float32),
         stored=_f32(stored), slots=slots)
 
@@ -233,11 +248,11 @@ def _native_pass(pairs: ScanPairs, kind: int, per_record: bool, gain: float, eps
     width = pairs.jrow.shape[1]
     sums = np.zeros((pairs.slots, width), dtype=np.float64)
     squares = np.zeros((pairs.slots, width), dtype=np.float64)
-    scratch = np.zeros(width, dtype=np.float64)
+    scratch = np.zeros(2 * width, dtype=np.float64)
     shift = np.zeros(len(base), dtype=np.float32)
     getattr(_library, _SYMBOL)(
         len(pairs.order), width, pairs.acc.shape[1], _ptr(pairs.order), _ptr(pairs.sample),
-        _ptr(pairs.slot), _ptr(pairs.jrow), _ptr(pairs.weight), _ptr(pairs.rate),
+        _ptr(pairs.slot), _ptr(pairs.cols), _ptr(pairs.jrow), _ptr(pairs.weight), _ptr(pairs.rate),
         _ptr(pairs.acc), _ptr(pairs.stored), kind, int(per_record), gain, eps, _ptr(base),
         _ptr(errors.sig), _ptr(errors.const), _ptr(errors.lin), _ptr(sums), _ptr(squares),
         _ptr(scratch), _ptr(shift))
