@@ -82,21 +82,18 @@ def _random_pairs(kind: str, seed: int):
     new_row[1:] = key[1:] != key[:-1]
     jrow = torch.randn(p, width, generator=g)
     weight = torch.rand(p, generator=g) + 0.5
-    rate = torch.tensor([0.1, 0.3, 0.05])[table]
+    slot = torch.cumsum(new_row.long(), 0) - 1
+    heads = new_row.nonzero().flatten()  # each row's first pair: its table, its state
+    rate = torch.tensor([0.1, 0.3, 0.05])[table[heads]]
     acc = None
     if kind == "adagrad":
-        acc = torch.rand(p, width, generator=g)
+        acc = torch.rand(len(heads), width, generator=g)
     elif kind == "rowwise_adagrad":
-        acc = torch.rand(p, 1, generator=g)
-    acc_rows = acc
-    if acc is not None:  # one accumulator per row, as the tables hold it
-        first = torch.cummax(torch.where(new_row, torch.arange(p), 0), 0).values
-        acc_rows = acc[first]
-    stored = torch.full((p,), float(width))
+        acc = torch.rand(len(heads), 1, generator=g)
+    stored = torch.full((len(heads),), float(width))
     logits = torch.randn(b, generator=g)
     labels = (torch.rand(b, generator=g) < 0.4).float()
-    slot = torch.cumsum(new_row.long(), 0) - 1
-    return scan_pairs(sample, slot, jrow, weight, rate, acc_rows, stored), logits, labels
+    return scan_pairs(sample, slot, jrow, weight, rate, acc, stored), logits, labels
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

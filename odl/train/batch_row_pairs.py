@@ -29,10 +29,22 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.models.ctr_model import PooledGroup
+
+
+def argsort(keys: torch.Tensor) -> torch.Tensor:
+    """The permutation sorting ``keys`` (int64; equal keys in no particular order).
+
+    On the CPU through numpy, whose sort is several times faster than torch's here (~0.2
+    against ~1 ms for 22k keys on the development VM).
+    """
+    if keys.device.type != "cpu":
+        return torch.argsort(keys)
+    return torch.from_numpy(np.argsort(keys.numpy()))
 
 
 @dataclass(frozen=True)
@@ -270,7 +282,7 @@ class RowPairIndex:
             weight = weight * kjt.weights().index_select(0, pos).to(dtype)
         # order the pairs by (table row, record): a row's earlier records first
         key = rows + self._table_key.index_select(0, lookup)
-        order = torch.argsort(key * (b + 1) + sample)
+        order = argsort(key * (b + 1) + sample)
         key, sample = key.index_select(0, order), sample.index_select(0, order)
         new_row = torch.ones(total, dtype=torch.bool, device=device)
         new_row[1:] = key[1:] != key[:-1]

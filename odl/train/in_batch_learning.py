@@ -125,20 +125,21 @@ class InBatchLearning:
         readers = torch.zeros(int(slot[-1]) + 1, dtype=torch.long, device=slot.device)
         readers.index_add_(0, slot, pairs.new_pair.long())
         keep = (readers.index_select(0, slot) > 1).nonzero().flatten()
-        slot = torch.cumsum(pairs.new_row.index_select(0, keep).long(), 0) - 1  # kept rows
-        # in the pass's (record, row) order, so that it reads them in sequence
+        first = pairs.new_row.index_select(0, keep)
+        slot = torch.cumsum(first.long(), 0) - 1  # the kept rows, numbered
+        index = self._index
+        heads = keep.index_select(0, first.nonzero().flatten())  # each kept row's first pair
+        lookup, rows = pairs.lookup.index_select(0, heads), pairs.rows.index_select(0, heads)
+        acc = None
+        if self.kind != "sgd":
+            acc = index.accumulators(index.plan_accumulators(lookup, rows), dtype)
+        # the pairs in the pass's (record, row) order, so that it reads them in sequence
         order = record_order(pairs.sample.index_select(0, keep), slot)
         keep, slot = keep.index_select(0, order), slot.index_select(0, order)
         shared = replace(pairs, **{f: getattr(pairs, f).index_select(0, keep) for f in (
-            "rows", "lookup", "sample", "weight")})
-        index = self._index
-        lookup = shared.lookup
-        acc = None
-        if self.kind != "sgd":
-            acc = index.accumulators(index.plan_accumulators(lookup, shared.rows), dtype)
-        return scan_pairs(shared.sample, slot,
-                          index.per_pair(jac, shared, dtype), shared.weight,
-                          lr * index.multiplier.index_select(0, lookup), acc,
+            "lookup", "sample", "weight")})
+        return scan_pairs(shared.sample, slot, index.per_pair(jac, shared, dtype),
+                          shared.weight, lr * index.multiplier.index_select(0, lookup), acc,
                           index.stored.index_select(0, lookup),
                           index.col_mask.sum(1).index_select(0, lookup), in_record_order=True)
 

@@ -1,8 +1,9 @@
 /* The sequential pass of in-batch learning (odl/train/in_batch_scan.py states the contract).
  *
  * Inputs are the step's (table row, record) pairs (odl/train/batch_row_pairs.py), visited in
- * (record, row slot) order through `order`; `cols` is each pair's lookup width (the columns
- * of `jrow`, `acc`, `sums` and `squares` beyond it are not read). All arrays are
+ * (record, row slot) order through `order`. `cols`, `rate`, `acc` and `stored` are per row
+ * slot: the table's width (the columns of `jrow`, `acc`, `sums` and `squares` beyond it are
+ * not read), its rate, the row's accumulator, the table's stored columns. All arrays are
  * C-contiguous; floats are float32, indices int64; `sums` and `squares` are float64 scratch
  * of [slots, width], zeroed by the caller; `scratch` is float64 of [2 * width]. `shift`
  * ([records]) is written for every record that has a pair; the caller zeroes it. Compiled
@@ -36,10 +37,11 @@ void odl_in_batch_scan(int64_t n_pairs, int64_t width, int64_t acc_width,
         double s = 0.0;
         for (int64_t k = pos; k < end; k++) {
             const int64_t p = order[k];
-            const double *S = sums + slot[p] * width;
-            const double *Q = squares + slot[p] * width;
+            const int64_t u = slot[p];
+            const double *S = sums + u * width;
+            const double *Q = squares + u * width;
             const float *J = jrow + p * width;
-            const int64_t n = cols[p];  /* the lookup's own columns (the rest are zero) */
+            const int64_t n = cols[u];  /* the table's own columns (the rest are zero) */
             double dot = 0.0;
             if (kind == KIND_SGD) {
                 for (int64_t c = 0; c < n; c++) dot += J[c] * S[c];
@@ -49,12 +51,12 @@ void odl_in_batch_scan(int64_t n_pairs, int64_t width, int64_t acc_width,
                 if (s2 == 0.0) continue;
                 double grow = s2 * (per_record ? inv_gain2 : 1.0);
                 if (per_record && Q[0] > grow) grow = Q[0];
-                const double den = 1.0 / sqrt(acc[p] + grow / stored[p] + eps2);
+                const double den = 1.0 / sqrt(acc[u] + grow / stored[u] + eps2);
                 for (int64_t c = 0; c < n; c++) dot += J[c] * S[c];
                 dot *= den;
             } else {
                 /* element-wise into `part`, then summed: the first loops vectorise */
-                const float *G = acc + p * acc_width;
+                const float *G = acc + u * acc_width;
                 double *part = scratch + width;
                 if (per_record) {
                     for (int64_t c = 0; c < n; c++) {
@@ -68,7 +70,7 @@ void odl_in_batch_scan(int64_t n_pairs, int64_t width, int64_t acc_width,
                 }
                 for (int64_t c = 0; c < n; c++) dot += part[c];
             }
-            s -= rate[p] * weight[p] * dot;
+            s -= rate[u] * weight[p] * dot;
         }
         shift[rec] = (float)s;
         /* the record's error at its shifted logit l: the caller's model of its loss's slope,
@@ -79,7 +81,7 @@ void odl_in_batch_scan(int64_t n_pairs, int64_t width, int64_t acc_width,
         int64_t k = pos;
         while (k < end) {
             const int64_t u = slot[order[k]];
-            const int64_t n = cols[order[k]];  /* a row's reads are of one table: one width */
+            const int64_t n = cols[u];
             for (int64_t c = 0; c < n; c++) scratch[c] = 0.0;
             while (k < end && slot[order[k]] == u) {
                 const int64_t p = order[k];

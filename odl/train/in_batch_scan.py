@@ -133,12 +133,13 @@ class ScanPairs:
         order: the pairs in (record, row) order.
         sample: each pair's record.
         slot: each pair's row, numbered ``0..U-1``.
-        cols: each pair's lookup width (``jrow``'s columns beyond it are zero).
         jrow: ``[P, width]`` each pair's ``dlogit/de`` of its lookup.
         weight: each pair's read weight.
-        rate: each pair's table rate.
-        acc: ``[P, acc_width]`` the row's accumulator (row-wise: ``[P, 1]``; SGD: ``[P, 0]``).
-        stored: each pair's table's stored columns (row-wise Adagrad's divisor).
+        cols: ``[U]`` each row's table width (``jrow``'s columns beyond it are zero).
+        rate: ``[U]`` each row's table rate.
+        acc: ``[U, acc_width]`` each row's accumulator (row-wise: ``[U, 1]``; SGD:
+            ``[U, 0]``).
+        stored: ``[U]`` each row's table's stored columns (row-wise Adagrad's divisor).
         slots: ``U``.
     """
 
@@ -165,25 +166,27 @@ def _i64(t: torch.Tensor) -> np.ndarray:
 def record_order(sample: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """The permutation that puts pairs in (record, row) order, the pass's order."""
     slots = int(slot.max()) + 1 if slot.numel() else 1
-    return torch.argsort(sample.long() * slots + slot.long())
+    keys = sample.long() * slots + slot.long()
+    if keys.device.type != "cpu":
+        return torch.argsort(keys)
+    return torch.from_numpy(np.argsort(keys.numpy()))  # several times faster than torch's
 
 
 def scan_pairs(sample: torch.Tensor, slot: torch.Tensor, jrow: torch.Tensor,
                weight: torch.Tensor, rate: torch.Tensor, acc: torch.Tensor | None,
                stored: torch.Tensor, cols: torch.Tensor | None = None,
                in_record_order: bool = False) -> ScanPairs:
-    """``ScanPairs`` from a step's pairs, in any order.
+    """``ScanPairs`` from a step's pairs, in any order, and their rows.
 
     Args:
         sample: ``[P]`` each pair's record.
-        slot: ``[P]`` each pair's row, numbered from 0 (``RowPairs.new_row``'s cumulative
-            sum less one).
+        slot: ``[P]`` each pair's row, numbered ``0..U-1``.
         jrow: ``[P, width]`` ``dlogit/de`` per pair (``RowPairIndex.per_pair``).
         weight: ``[P]`` each pair's read weight.
-        rate: ``[P]`` the pair's table rate (multiplier applied).
-        acc: ``[P, acc_width]`` accumulators, None for SGD.
-        stored: ``[P]`` stored columns of the pair's table.
-        cols: ``[P]`` the pair's lookup width (None: ``jrow``'s width).
+        rate: ``[U]`` each row's table rate (multiplier applied).
+        acc: ``[U, acc_width]`` each row's accumulator, None for SGD.
+        stored: ``[U]`` each row's table's stored columns.
+        cols: ``[U]`` each row's table width (None: ``jrow``'s width).
         in_record_order: the pairs already are in ``record_order`` (the pass then reads
             them in sequence, which is faster).
 
@@ -191,14 +194,15 @@ def scan_pairs(sample: torch.Tensor, slot: torch.Tensor, jrow: torch.Tensor,
         The prepared pairs.
     """
     p = sample.numel()
-    slots = int(slot.max()) + 1 if p else 0
+    slots = int(rate.numel())
     order = (torch.arange(p) if in_record_order else record_order(sample, slot))
     return ScanPairs(
-        order=_i64(order), sample=_i64(sample), slot=_i64(slot),
+        order=_i64(order), sample=_i64(sample), slot=_i64(slot), jrow=_f32(jrow),
+        weight=_f32(weight),
         cols=(_i64(cols) if cols is not None
-              else np.full(p, jrow.shape[1] if jrow.dim() > 1 else 0, dtype=np.int64)),
-        jrow=_f32(jrow), weight=_f32(weight), rate=_f32(rate),
-        acc=_f32(acc) if acc is not None else np.zeros((p, 0), dtype=np.float32),
+              else np.full(slots, jrow.shape[1] if jrow.dim() > 1 else 0, dtype=np.int64)),
+        rate=_f32(rate),
+        acc=_f32(acc) if acc is not None else np.zeros((slots, 0), dtype=np.float32),
         stored=_f32(stored), slots=slots)
 
 
@@ -294,15 +298,15 @@ def python_pass(pairs: ScanPairs, kind: int, per_record: bool, gain: float, eps:
             grow = s2 / gain ** 2 if per_record else s2
             if per_record:
                 grow = np.maximum(grow, q_rows[:, 0])
-            den = 1.0 / np.sqrt(pairs.acc[run, 0] + grow / pairs.stored[run] + eps * eps)
+            den = 1.0 / np.sqrt(pairs.acc[slot, 0] + grow / pairs.stored[slot] + eps * eps)
             dot = np.where(s2 > 0, (jrow * s_rows).sum(1) * den, 0.0)
         else:
             grow = s_rows * s_rows / gain ** 2 if per_record else s_rows * s_rows
             if per_record:
                 grow = np.maximum(grow, q_rows)
-            den = 1.0 / np.sqrt(pairs.acc[run] + grow + eps * eps)
+            den = 1.0 / np.sqrt(pairs.acc[slot] + grow + eps * eps)
             dot = np.where(s_rows != 0, jrow * s_rows * den, 0.0).sum(1)
-        s = -float((pairs.rate[run] * pairs.weight[run] * dot).sum())
+        s = -float((pairs.rate[slot] * pairs.weight[run] * dot).sum())
         shift[rec] = s
         lgt = float(base[rec]) + s
         e = (float(errors.sig[rec]) / (1.0 + np.exp(-lgt)) + float(errors.const[rec])
