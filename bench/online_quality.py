@@ -32,7 +32,9 @@ labels from a user x item model; odl trains the bursty sample's DeepFM) or the C
 stream of ``make demo`` (``criteo``: ``odl.datagen.synthetic_ctr`` at 10k records per
 simulated second; odl trains a DeepFM of its 26 ids (dim 16, 100k-row tables), 13 dense
 features and a 256-128-64 DNN; VW reads namespaces ``d`` (the 13 numbers) and ``c`` (the 26
-ids), its quadratic form ``-q cc``), or ``movielens``: the real ratings of MovieLens 100k in
+ids), its quadratic form ``-q cc``, and ``-q true pairs``: each of the hidden model's three
+interacting field pairs crossed alone, the form that contains the stream's hidden model, so
+the best any learner of this kind gets from these records), or ``movielens``: the real ratings of MovieLens 100k in
 time order (``odl.datagen.movielens_stream``, label 1 for a rating of 4 or 5; ``--data`` is
 the unpacked ``ml-100k`` directory, which this repository does not ship; odl trains
 ``samples/movielens_online.config``; there is no oracle row); ``--seed``, ``--records``.
@@ -74,7 +76,7 @@ from odl.config.pipeline_config import (  # noqa: E402
 from odl.datagen.bursty_stream import BurstyStream  # noqa: E402
 from odl.datagen.datagen_config import bursty_config_text, deepfm_config_text  # noqa: E402
 from odl.datagen.movielens_stream import MovieLensStream  # noqa: E402
-from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
+from odl.datagen.synthetic_ctr import INTERACTION_PAIRS, SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.train.progressive_metrics import log_loss  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
@@ -258,6 +260,28 @@ def settings_grid(args: argparse.Namespace) -> list[dict]:
     return grid
 
 
+# VW namespaces of the Criteo-like stream's interacting fields (INTERACTION_PAIRS, 0-based
+# C fields) for VW's "true pairs" form, which crosses each pair alone.
+PAIR_NAMESPACES = {5: "f", 13: "n", 16: "q", 24: "y", 8: "i", 22: "w"}
+
+
+def vw_pair_examples(batches: list) -> tuple[list[str], str]:
+    """The Criteo-like records with each interacting field in its own namespace, and the
+    ``-q`` pairs that cross exactly the hidden model's interacting fields: the learner whose
+    form contains the stream's hidden model (its drift aside)."""
+    out = []
+    for b in batches:
+        for y, dense, ids in zip(b.labels.tolist(), b.dense.tolist(), b.ids.tolist(),
+                                 strict=True):
+            num = " ".join(f"I{j + 1}:{v}" for j, v in enumerate(dense) if v)
+            cat = " ".join(f"C{j + 1}={v}" for j, v in enumerate(ids)
+                           if j not in PAIR_NAMESPACES)
+            own = " ".join(f"|{ns} C{j + 1}={ids[j]}" for j, ns in PAIR_NAMESPACES.items())
+            out.append(f"{1 if y else -1} |d {num} |c {cat} {own}")
+    pairs = " ".join(PAIR_NAMESPACES[a] + PAIR_NAMESPACES[b] for a, b in INTERACTION_PAIRS)
+    return out, pairs
+
+
 def run_vw(examples: list[str], lr: float, quadratic: str,
            delay: int = 0) -> tuple[np.ndarray, float, np.ndarray | None]:
     """VW's progressive predictions, its rate, and (``delay`` > 0) its served predictions:
@@ -265,7 +289,7 @@ def run_vw(examples: list[str], lr: float, quadratic: str,
     import vowpalwabbit
 
     args = (f"--loss_function logistic --link logistic -b 24 --learning_rate {lr} --quiet"
-            + (f" -q {quadratic}" if quadratic else ""))
+            + "".join(f" -q {pair}" for pair in quadratic.split()))
     ws = vowpalwabbit.Workspace(args)
     n = len(examples)
     probs = np.empty(n)
@@ -406,12 +430,15 @@ def main() -> int:
     try:
         import vowpalwabbit  # noqa: F401
         examples = vw_examples(batches, args.stream)
-        for quadratic in ("", "cc" if args.stream == "criteo" else "ui"):
+        forms = [("linear", examples, ""),
+                 *([("-q cc", examples, "cc"), ("-q true pairs", *vw_pair_examples(batches))]
+                   if args.stream == "criteo" else [("-q ui", examples, "ui")])]
+        for form, texts, quadratic in forms:
             for lr in [float(x) for x in args.vw_lr.split(",")]:
-                probs, rate, _none = run_vw(examples, lr, quadratic)  # timed alone
-                served = (run_vw(examples, lr, quadratic, args.serve_delay)[2]
+                probs, rate, _none = run_vw(texts, lr, quadratic)  # timed alone
+                served = (run_vw(texts, lr, quadratic, args.serve_delay)[2]
                           if args.serve_delay else None)
-                name = f"vw {'-q ' + quadratic if quadratic else 'linear'} lr {lr:g}"
+                name = f"vw {form} lr {lr:g}"
                 rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
                               **served_scores(served, labels)}
                 curves[name] = auc_curve(probs, labels)
