@@ -34,9 +34,10 @@ simulated second; odl trains a DeepFM of its 26 ids (dim 16, 100k-row tables), 1
 features and a 256-128-64 DNN; VW reads namespaces ``d`` (the 13 numbers) and ``c`` (the 26
 ids), its quadratic form ``-q cc``, and ``-q true pairs``: each of the hidden model's three
 interacting field pairs crossed alone, the form that contains the stream's hidden model, so
-the best any learner of this kind gets from these records), or ``movielens``: the real ratings of MovieLens 100k in
-time order (``odl.datagen.movielens_stream``, label 1 for a rating of 4 or 5; ``--data`` is
-the unpacked ``ml-100k`` directory, which this repository does not ship; odl trains
+the best any learner of this kind gets from these records), or ``movielens``: the real
+ratings of MovieLens 100k in time order (``odl.datagen.movielens_stream``, label 1 for a
+rating of 4 or 5; ``--data`` is the unpacked ``ml-100k`` directory, which this repository
+does not ship; odl trains
 ``samples/movielens_online.config``; there is no oracle row); ``--seed``, ``--records``.
 
 Needs ``vowpalwabbit`` (``pip install -r bench/requirements-quality.txt``); without it the

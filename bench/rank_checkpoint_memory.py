@@ -14,13 +14,16 @@ each way:
 
 Each rank's peak resident memory during the save is measured from the kernel's high-water
 mark (``/proc/self/clear_refs`` resets it just before the save; ``VmHWM`` minus the RSS
-before the save), and the save's wall time between two barriers. The ``parts`` ranks then
-restore the checkpoint they wrote twice, measured the same way: with the tables put
-together whole (``read_checkpoint``), and from the parts, each rank reading only the
-blocks of its own rows (``read_checkpoint(whole_tables=False)``, what a restart of several
-ranks does when no delta version is recovered). Printed: per way and rank
-the peak growth in MB and the seconds, and parts / gather for rank 0. The tables' bytes
-(weights and optimizer state, all ranks) are printed for scale.
+before the save), and the save's wall time between two barriers. Fresh ranks then restore
+the checkpoint twice, measured the same way: read whole (``read_checkpoint``:
+the whole tables of the ``gather`` checkpoint, the parts put together for ``parts``), and
+as a restart of several ranks reads it (``read_checkpoint(whole_tables=False)``): each rank
+copies its own rows out of the mapped state file (``gather``, the layout of a checkpoint
+written by one process) or reads only the blocks of its own rows from the parts
+(``parts``). Each restore runs in fresh processes that build the model and restore, so no
+memory of the save is reused. Printed: per way and rank the peak growth in MB and the
+seconds, and parts / gather for rank 0. The tables' bytes (weights and optimizer state, all
+ranks) are printed for scale.
 
     .venv/bin/python bench/rank_checkpoint_memory.py [--ranks 2] [--rows 500000] [--steps 2]
         [--row-wise-min-rows 1048576] [--json out.json]
@@ -49,23 +52,51 @@ def _status_kb(field: str) -> int:
     raise KeyError(field)
 
 
-def _rank(rank: int, world: int, args: dict) -> dict:
-    """One rank: build, train, save one way; its figures."""
-    import torch.distributed as dist
-
-    from odl.checkpoint.checkpoint_manager import CheckpointManager, read_checkpoint
+def _module(args: dict):
+    """This rank's TrainModule of the bench's model, and its FeatureBuilder."""
     from odl.config.pipeline_config import parse_pipeline_config_text
     from odl.datagen.datagen_config import deepfm_config_text
-    from odl.datagen.synthetic_ctr import SyntheticCtrStream
     from odl.features.feature_builder import FeatureBuilder
-    from odl.train.rank_checkpoint import save_across_ranks
     from odl.train.train_module import TrainModule
 
     config = parse_pipeline_config_text(deepfm_config_text(
         args["model_dir"], batch_size=256, dim=16, buckets=args["rows"],
         hidden_units=(256, 128, 64), save_checkpoints_steps=0))
     fb = FeatureBuilder(config)
-    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=args["row_wise_min_rows"])
+    return TrainModule(config, fb, device="cpu",
+                       row_wise_min_rows=args["row_wise_min_rows"]), fb
+
+
+def _restore(rank: int, world: int, args: dict) -> dict:
+    """One rank, fresh: restore the way's checkpoint, read whole or as a restart reads it."""
+    import torch.distributed as dist
+
+    from odl.checkpoint.checkpoint_manager import CheckpointManager, read_checkpoint
+
+    tm, _fb = _module(args)
+    path = CheckpointManager(args["model_dir"], keep_max=0).latest()
+    dist.barrier()
+    rss0 = _status_kb("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    t0 = time.perf_counter()
+    ckpt = read_checkpoint(path, whole_tables=args["whole"])
+    tm.load_checkpoint_state(ckpt.state)
+    del ckpt
+    dist.barrier()
+    return {"peak_growth_mb": round((_status_kb("VmHWM") - rss0) / 1024, 1),
+            "seconds": round(time.perf_counter() - t0, 2)}
+
+
+def _rank(rank: int, world: int, args: dict) -> dict:
+    """One rank: build, train, save one way; its figures."""
+    import torch.distributed as dist
+
+    from odl.checkpoint.checkpoint_manager import CheckpointManager
+    from odl.datagen.synthetic_ctr import SyntheticCtrStream
+    from odl.train.rank_checkpoint import save_across_ranks
+
+    tm, fb = _module(args)
     stream = SyntheticCtrStream(seed=7 + rank)
     for _ in range(args["steps"]):
         tm.train_step(fb.build(stream.next_batch(256).encode("csv")).batch)
@@ -89,28 +120,19 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     peak_mb = (_status_kb("VmHWM") - rss0) / 1024
     out = {"rss_before_mb": round(rss0 / 1024, 1), "peak_growth_mb": round(peak_mb, 1),
            "seconds": round(secs, 2), "own_table_mb": round(tables / 2**20, 1)}
-    if args["way"] == "parts":  # restore that checkpoint: whole tables, then own blocks only
-        path = manager.latest()
-        for whole in (True, False):
-            dist.barrier()
-            rss0 = _status_kb("VmRSS")
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            t0 = time.perf_counter()
-            ckpt = read_checkpoint(path, whole_tables=whole)
-            tm.load_checkpoint_state(ckpt.state)
-            del ckpt
-            dist.barrier()
-            key = "restore_whole" if whole else "restore_parts"
-            out[key] = {"peak_growth_mb": round((_status_kb("VmHWM") - rss0) / 1024, 1),
-                        "seconds": round(time.perf_counter() - t0, 2)}
     return out
 
 
 def run_way(way: str, world: int, args: dict) -> dict[int, dict]:
-    """Each rank's figures for one way of saving, in fresh processes."""
-    return run_ranks(_rank, world, world, dict(args, way=way,
-                                        model_dir=os.path.join(args["work"], way)))
+    """Each rank's figures for one way of saving, then of restoring what it saved read
+    whole and as a restart reads it, each in fresh processes."""
+    args = dict(args, way=way, model_dir=os.path.join(args["work"], way))
+    out = run_ranks(_rank, world, world, args)
+    for whole, key in ((True, "restore_whole"), (False, "restore_own")):
+        for rank, figures in run_ranks(_restore, world, world,
+                                       dict(args, whole=whole)).items():
+            out[rank][key] = figures
+    return out
 
 
 def main() -> int:
@@ -147,10 +169,13 @@ def main() -> int:
           f"{p['peak_growth_mb']} MB (parts / gather {result['rank0_peak_parts_over_gather']})")
     print(f"save seconds: gather {g['seconds']}, parts {p['seconds']} "
           f"(parts / gather {result['seconds_parts_over_gather']})")
-    for rank, r in sorted(result["parts"].items()):
-        print(f"restore, rank {rank}: whole tables {r['restore_whole']['peak_growth_mb']} MB "
-              f"in {r['restore_whole']['seconds']} s, own blocks of the parts "
-              f"{r['restore_parts']['peak_growth_mb']} MB in {r['restore_parts']['seconds']} s")
+    for way, own in (("gather", "own rows of the mapped file"),
+                     ("parts", "own blocks of the parts")):
+        for rank, r in sorted(result[way].items()):
+            print(f"restore of the {way} checkpoint, rank {rank}: read whole "
+                  f"{r['restore_whole']['peak_growth_mb']} MB in "
+                  f"{r['restore_whole']['seconds']} s, {own} "
+                  f"{r['restore_own']['peak_growth_mb']} MB in {r['restore_own']['seconds']} s")
     finish_run(args, result, work)
     return 0
 

@@ -8,10 +8,13 @@ must equal one process's on the whole batches.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
 
+from odl.checkpoint.checkpoint_manager import CheckpointManager, read_checkpoint
 from odl.config.config_error import ConfigError
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
@@ -43,6 +46,15 @@ def _even(records: list[bytes], world: int) -> list[list[list[bytes]]]:
             for k in range(0, len(records), BATCH)]
 
 
+def _load(path: str) -> dict:
+    """A saved state: a ``torch.save`` file, or a checkpoint directory read as a restart of
+    several ranks reads it (``whole_tables=False``: a one-process checkpoint's state file
+    mapped, each rank copying its own rows out of it)."""
+    if os.path.isdir(path):
+        return read_checkpoint(path, whole_tables=False).state
+    return torch.load(path, weights_only=False)
+
+
 def _rank_main(rank: int, world: int, model_dir: str, schedule: list[list[list[bytes]]],
                load_path: str = "", save_path: str = "", warm: bool = False) -> tuple:
     """One rank's training: ``(predictions, gathered tables (rank 0), dense parameters)``."""
@@ -50,16 +62,15 @@ def _rank_main(rank: int, world: int, model_dir: str, schedule: list[list[list[b
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
     if load_path and warm:  # parameters only, as fine_tune_checkpoint does
-        tm.load_parameters(torch.load(load_path, weights_only=False)["model"])
+        tm.load_parameters(_load(load_path)["model"])
     elif load_path:  # a checkpoint state of any number of ranks
-        tm.load_checkpoint_state(torch.load(load_path, weights_only=False))
+        tm.load_checkpoint_state(_load(load_path))
     probs = []
     for step in schedule:  # a rank without records at a step still takes part
         mine = step[rank]
         probs.append(tm.train_step(fb.build(mine).batch if mine else tm.empty_batch()).probs)
     assert tm.global_step == sum(1 for step in schedule if any(step)) + (
-        0 if not load_path or warm
-        else int(torch.load(load_path, weights_only=False)["global_step"]))
+        0 if not load_path or warm else int(_load(load_path)["global_step"]))
     if save_path:
         state = tm.state_dict_for_checkpoint()  # every rank takes part; rank 0 gets it
         assert bool(state) == (rank == 0)
@@ -122,13 +133,20 @@ def test_two_ranks_train_the_model_one_process_trains(tmp_path):
                                        rtol=0, err_msg=f"rank {r} {name}")
 
 
-def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path):
+@pytest.mark.parametrize("written", ["state", "checkpoint"])
+def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path, written):
     """One process's checkpoint state restores into two ranks (their tables split and
     placed as the plan says) and theirs, written by rank 0, into one process: the training
-    that continues from it is the same on either side, and so are the states."""
+    that continues from it is the same on either side, and so are the states. The state
+    is given as saved, or as a checkpoint directory read as a restart of several ranks
+    reads it (the state file mapped, each rank copying its own rows)."""
     records = BurstyStream(seed=6).next_batch(6 * BATCH).encode("csv")
     rest = records[3 * BATCH:]
     config, fb, one, start = _trained_on(tmp_path, records[:3 * BATCH])
+    if written == "checkpoint":
+        start = CheckpointManager(str(tmp_path / "one_ckpt")).save(
+            one.global_step, torch.load(start, weights_only=False), {0: 3 * BATCH},
+            {"source": "kafka"}, "cfg")
     probs = np.concatenate([one.train_step(fb.build(rest[k:k + BATCH]).batch).probs
                             for k in range(0, len(rest), BATCH)])
     end_one = one.state_dict_for_checkpoint()

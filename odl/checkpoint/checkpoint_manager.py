@@ -269,7 +269,10 @@ def read_checkpoint(path: str, map_location: str = "cpu",
         whole_tables: put the table parts of a checkpoint of several ranks back together;
             False leaves them on disk and ``state["table_parts"]`` names their local paths
             (``TrainModule.load_checkpoint_state`` of several ranks reads only the blocks
-            of its own rows; ``assemble_table_parts`` makes them whole later).
+            of its own rows; ``assemble_table_parts`` makes them whole later), and maps the
+            state file of a checkpoint of one process instead of reading it (a rank copying
+            its own rows out of the whole tables reads only those pages; writes stay in
+            this process).
 
     Returns:
         The loaded checkpoint.
@@ -281,7 +284,8 @@ def read_checkpoint(path: str, map_location: str = "cpu",
     path = local_checkpoint_copy(path)
     with open(os.path.join(path, MANIFEST_FILE)) as f:
         manifest = json.load(f)
-    state = torch.load(os.path.join(path, MODEL_FILE), map_location=map_location, weights_only=True)
+    state = torch.load(os.path.join(path, MODEL_FILE), map_location=map_location,
+                       weights_only=True, mmap=not whole_tables)
     if state.get("table_parts"):  # written by several ranks
         state["table_parts"] = [os.path.join(path, name) for name in state["table_parts"]]
         if whole_tables:
