@@ -254,3 +254,41 @@ def test_kill_9_of_one_rank_restarts_both_at_the_last_version_serving_sees(
             serve.wait(30)
     assert served["version"] == final.global_step
     assert float(np.abs(np.asarray(served["probabilities"]) - expected).max()) <= 1e-6
+
+
+def test_two_ranks_train_offline_files_as_one_process_with_twice_the_batch(tmp_path):
+    """Offline files (``train_input_path``, no ``--online``) under torchrun: rank r takes
+    every other batch of the files' records, the ranks step together until both are done
+    and exit 0; each record is trained once, and the final checkpoint equals that of one
+    process with a batch twice as large (the same records at each step)."""
+    ids, values = make_records(1000, seed=41)
+    data = tmp_path / "data"
+    data.mkdir()
+    for k in range(2):  # two files: the batches run across the file boundary
+        (data / f"part-{k}.csv").write_bytes(b"\n".join(values[k * 500:(k + 1) * 500]) + b"\n")
+    runs = {}
+    for name, batch, launch in (("one", 128, ()), ("two", 64, ("-m", "torch.distributed.run",
+                                                                "--standalone",
+                                                                "--nproc_per_node", "2"))):
+        cfg = write_config(tmp_path, "127.0.0.1:9", "unused", name=f"{name}.config",
+                           batch_size=batch, save_checkpoints_steps=4)
+        text = open(cfg).read().replace(str(tmp_path / "model_dir"), str(tmp_path / name))
+        with open(cfg, "w") as f:
+            f.write(text)
+        ledger = str(tmp_path / f"{name}.ledger")
+        cmd = [sys.executable, *launch, "-m", "odl.cli.train_cli", "--pipeline_config_path",
+               cfg, "--train_input_path", str(data / "*.csv"), "--device", "cpu",
+               "--status_port", "-1", "--sample_ledger", ledger, "--log_level", "WARNING"]
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, timeout=300)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        runs[name] = (read_checkpoint(list_checkpoints(str(tmp_path / name))[-1]), ledger)
+    one, one_ledger = runs["one"]
+    two, two_ledger = runs["two"]
+    assert sorted(ledger_sample_ids(one_ledger)) == sorted(ids)
+    rank0, rank1 = (ledger_sample_ids(two_ledger + f".rank{r}") for r in (0, 1))
+    assert sorted(rank0 + rank1) == sorted(ids) and len(rank0) == 512  # 8 of the 16 batches
+    assert one.global_step == two.global_step == 8
+    assert set(one.state["model"]) == set(two.state["model"])
+    for name, t in one.state["model"].items():
+        np.testing.assert_allclose(two.state["model"][name].numpy(), t.numpy(), atol=3e-5,
+                                   rtol=0, err_msg=name)

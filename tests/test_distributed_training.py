@@ -9,6 +9,7 @@ must equal one process's on the whole batches.
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -366,16 +367,22 @@ def test_partitions_split_across_ranks():
 
 
 def test_several_ranks_refuse_what_they_cannot_do_by_field(tmp_path):
-    """Publishing and an eval stream are things several ranks do; offline input is refused
-    at start, naming the field."""
+    """Publishing, an eval stream and offline files are things several ranks do; a file
+    stream is refused at start, naming the field."""
     base = bursty_config_text(str(tmp_path / "m"), batch_size=BATCH, buckets=4096,
                               extra_train='incr_save_config { sparse_save_steps: 5 '
                                           'fs { incr_save_dir: "v" } }')
     evaluated = base + '\nkafka_eval_input { server: "127.0.0.1:9092" topic: "eval" }\n'
     check_several_ranks(load_config_text(evaluated), online=True, world_size=2)
+    check_several_ranks(load_config_text(base), online=False, world_size=2)
+    kafka = re.search(r"kafka_train_input \{[^}]*\}", base)
+    assert kafka is not None
+    stream = load_config_text(base.replace(kafka.group(0), f'file_stream_input {{ '
+                                           f'train_data_dir: "{tmp_path / "days"}" '
+                                           f'start_day: "20260101" }}'))
     with pytest.raises(ConfigError) as err:
-        check_several_ranks(load_config_text(base), online=False, world_size=2)
-    assert err.value.field == "kafka_train_input" and "2 ranks" in str(err.value)
+        check_several_ranks(stream, online=True, world_size=2)
+    assert err.value.field == "file_stream_input" and "2 ranks" in str(err.value)
 
 
 def _predict_main(rank: int, model_dir: str, records: list[bytes]) -> np.ndarray:

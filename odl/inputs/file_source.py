@@ -73,14 +73,24 @@ def file_records(path: str, parquet_batch: int = 1024) -> Iterator[bytes]:
 class FileSource:
     """Reads raw record batches from files.
 
+    The records of all files and epochs, in order, are cut into batches of ``batch_size``;
+    with several ranks, rank ``r`` of ``N`` takes batches ``r, r + N, r + 2N, ...`` (it
+    reads every file and skips the others' records). A step of the ranks together therefore
+    trains records ``[k * N * batch_size, (k + 1) * N * batch_size)``, what one process with
+    a batch ``N`` times as large trains at its step ``k``; at the end some ranks hold one
+    batch fewer (they take part in the last step with an empty one).
+
     Args:
         pattern: glob (comma separated globs allowed) of ``.csv``/``.txt`` or ``.parquet`` files,
             local or ``oss://``.
         batch_size: records per batch.
         num_epochs: passes over the files.
+        rank: this rank of ``world_size``.
+        world_size: ranks training the model together.
     """
 
-    def __init__(self, pattern: str, batch_size: int, num_epochs: int = 1) -> None:
+    def __init__(self, pattern: str, batch_size: int, num_epochs: int = 1, rank: int = 0,
+                 world_size: int = 1) -> None:
         files: list[str] = []
         for part in pattern.split(","):
             files.extend(file_store.glob_files(part.strip()))
@@ -89,19 +99,28 @@ class FileSource:
         self.files = files
         self.batch_size = int(batch_size)
         self.num_epochs = max(1, int(num_epochs))
+        self.rank = int(rank)
+        self.world_size = max(1, int(world_size))
         self.records_consumed = 0
 
     def batches(self) -> Iterator[RawBatch]:
-        """Yields batches over all files and epochs."""
+        """Yields this rank's batches over all files and epochs."""
         values: list[bytes] = []
+        index = 0  # of the batch being cut, among every rank's
+        filled = 0  # its records so far
         for epoch in range(self.num_epochs):
             for path in self.files:
                 logger.info("epoch %d: reading %s", epoch, path)
                 for rec in file_records(path, self.batch_size):
-                    values.append(rec)
-                    if len(values) == self.batch_size:
-                        yield self._make(values)
-                        values = []
+                    mine = index % self.world_size == self.rank
+                    if mine:
+                        values.append(rec)
+                    filled += 1
+                    if filled == self.batch_size:
+                        if mine:
+                            yield self._make(values)
+                            values = []
+                        index, filled = index + 1, 0
         if values:
             yield self._make(values)
 

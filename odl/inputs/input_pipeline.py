@@ -265,12 +265,16 @@ class FileInput(_PrefetchedInput):
         num_epochs: passes over the files.
         features: the trainer's feature builder.
         workers: started feature build workers, or None.
+        rank: this rank of ``world_size`` (it reads its share of the batches,
+            ``odl.inputs.file_source.FileSource``).
+        world_size: ranks training the model together.
     """
 
     def __init__(self, pattern: str, batch_size: int, num_epochs: int,
-                 features: FeatureBuilder, workers: Optional[FeatureBuildWorkers]) -> None:
+                 features: FeatureBuilder, workers: Optional[FeatureBuildWorkers],
+                 rank: int = 0, world_size: int = 1) -> None:
         super().__init__(features, workers)
-        self._args = (pattern, batch_size, num_epochs)
+        self._args = (pattern, batch_size, num_epochs, rank, world_size)
         self._source: Optional[FileSource] = None
 
     def open(self, stop_event: threading.Event) -> dict[int, int]:
@@ -431,7 +435,8 @@ def build_input_pipeline(
         restored_positions: positions from the restored checkpoint (Kafka only; None: the
             config's start positions).
         num_workers: feature build worker processes (0: build in the reader).
-        rank: this rank of ``world_size`` (a Kafka input reads its share of the partitions).
+        rank: this rank of ``world_size`` (a Kafka input reads its share of the partitions,
+            a file input its share of the batches).
         world_size: ranks training the model together.
 
     Returns:
@@ -452,4 +457,5 @@ def build_input_pipeline(
         if workers is not None:
             workers.close()
         raise
-    return FileInput(config.train_input_path, dc.batch_size, dc.num_epochs, features, workers)
+    return FileInput(config.train_input_path, dc.batch_size, dc.num_epochs, features, workers,
+                     rank, world_size)

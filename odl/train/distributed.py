@@ -237,9 +237,9 @@ def check_several_ranks(config: pipeline_pb2.EasyRecConfig, online: bool,
     """Refuses what ``odl-train`` cannot do as several ranks yet, naming it.
 
     Raises:
-        ConfigError: offline input or a file stream.
+        ConfigError: a file stream (``file_stream_input``).
     """
     why = f"is not implemented for {world_size} ranks (torchrun) yet; run one process"
-    if not online or online_input_kind(config) not in ("kafka", "datahub"):
-        raise ConfigError("kafka_train_input",
-                          f"only online Kafka or DataHub input: other input {why}")
+    if online and online_input_kind(config) not in ("kafka", "datahub"):
+        raise ConfigError("file_stream_input",
+                          f"online Kafka or DataHub input, or offline files: a file stream {why}")
