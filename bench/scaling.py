@@ -12,13 +12,17 @@ figure is ``N x batch x steps / the slowest rank's seconds`` and its ratio to N 
 times one). Each rank runs one torch thread; ranks beyond the host's cores share them, and
 the output says how many cores there are.
 
+``--in-batch`` trains with sequential in-batch learning (``odl.train.rank_in_batch`` with
+several ranks: one pass over every rank's records per step).
+
 ``--publish-steps 0,2`` measures each rank count also with delta publishing every 2 steps
 (``odl.train.rank_publishing``, rank 0 writing versions into a directory, as the train loop
 drives it: rank 0's flags exchanged each turn, the version taken before the next step) and
 prints the rate with publishing over the rate without, for the same rank count.
 
     .venv/bin/python bench/scaling.py [--ranks 1,2,4] [--batch 1024] [--steps 40]
-        [--warmup 5] [--row-wise-min-rows 1048576] [--publish-steps 0] [--json out.json]
+        [--warmup 5] [--row-wise-min-rows 1048576] [--publish-steps 0] [--in-batch]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ def _rank(rank: int, world: int, args: dict) -> float:
     every = args["publish_steps"]
     incr = (f'incr_save_config {{ sparse_save_steps: {every} dense_save_steps: {every} '
             f'fs {{ incr_save_dir: "versions" }} }}' if every else "")
+    if args.get("in_batch"):
+        incr += " in_batch_learning: true"
     config = parse_pipeline_config_text(deepfm_config_text(
         args["model_dir"], batch_size=args["batch"], dim=16, buckets=100_000,
         hidden_units=(256, 128, 64), save_checkpoints_steps=0, extra_train=incr))
@@ -102,6 +108,8 @@ def main() -> int:
                     help="tables this large are split by rows (the 100k-row tables: whole)")
     ap.add_argument("--publish-steps", default="0",
                     help="comma list: 0 = no publishing, N = a delta version every N steps")
+    ap.add_argument("--in-batch", action="store_true",
+                    help="train with sequential in-batch learning")
     add_output_args(ap)
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
@@ -114,6 +122,7 @@ def main() -> int:
         for every in publish:
             settings = {"batch": args.batch, "steps": args.steps, "warmup": args.warmup,
                         "row_wise_min_rows": args.row_wise_min_rows, "publish_steps": every,
+                        "in_batch": args.in_batch,
                         "model_dir": os.path.join(work, f"m{world}_{every}")}
             rate = run_world(world, settings)
             row = rows.setdefault(world, {})
@@ -131,6 +140,7 @@ def main() -> int:
                 print(f"{world} rank(s), a version every {every} steps: {rate:,.0f} "
                       f"samples/s ({row[key].get('over_without')} of without)", flush=True)
     result = {"cpu_count": os.cpu_count(), "batch_per_rank": args.batch, "steps": args.steps,
+              "in_batch": args.in_batch,
               "row_wise_min_rows": args.row_wise_min_rows, "ranks": rows}
     print(json.dumps(result, indent=1))
     finish_run(args, result, work)

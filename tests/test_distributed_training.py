@@ -30,8 +30,9 @@ BATCH = 256
 ROW_WISE_MIN_ROWS = 2048  # the 4096-row id tables split by rows, device / hour (1024) whole
 
 
-def _config(model_dir: str):
-    return load_config_text(bursty_config_text(model_dir, batch_size=BATCH, buckets=4096))
+def _config(model_dir: str, extra_train: str = ""):
+    return load_config_text(bursty_config_text(model_dir, batch_size=BATCH, buckets=4096,
+                                               extra_train=extra_train))
 
 
 def _tables(state: dict) -> dict[str, np.ndarray]:
@@ -57,9 +58,10 @@ def _load(path: str) -> dict:
 
 
 def _rank_main(rank: int, world: int, model_dir: str, schedule: list[list[list[bytes]]],
-               load_path: str = "", save_path: str = "", warm: bool = False) -> tuple:
+               load_path: str = "", save_path: str = "", warm: bool = False,
+               extra_train: str = "") -> tuple:
     """One rank's training: ``(predictions, gathered tables (rank 0), dense parameters)``."""
-    config = _config(model_dir)
+    config = _config(model_dir, extra_train)
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
     if load_path and warm:  # parameters only, as fine_tune_checkpoint does
@@ -83,11 +85,11 @@ def _rank_main(rank: int, world: int, model_dir: str, schedule: list[list[list[b
 
 
 def _run_ranks(world: int, model_dir: str, schedule: list[list[list[bytes]]],
-               load_path: str = "", save_path: str = "", warm: bool = False
-               ) -> dict[int, tuple]:
+               load_path: str = "", save_path: str = "", warm: bool = False,
+               extra_train: str = "") -> dict[int, tuple]:
     """Runs ``_rank_main`` on ``world`` spawned ranks; rank -> (probs, tables, dense)."""
     return run_ranks(_rank_main, world, world, model_dir, schedule, load_path, save_path,
-                     warm)
+                     warm, extra_train)
 
 
 def _trained_on(tmp_path, records: list[bytes]):
@@ -132,6 +134,51 @@ def test_two_ranks_train_the_model_one_process_trains(tmp_path):
         for r in range(world):  # DDP kept every rank's dense part equal to one process's
             np.testing.assert_allclose(got[r][2][name], v.detach().numpy(), atol=2e-5,
                                        rtol=0, err_msg=f"rank {r} {name}")
+
+
+@pytest.mark.parametrize("optimizer", ["adagrad_optimizer", "sgd_optimizer"])
+def test_two_ranks_learn_in_batch_as_one_process(tmp_path, optimizer):
+    """Sequential in-batch learning with two ranks: each record is shifted by the step's
+    earlier records of both ranks (rank 0's first), the accumulators of rows held by the
+    other rank included, so the predictions and the tables are one process's on the
+    concatenated batches."""
+    world = 2
+    records = BurstyStream(seed=8).next_batch(6 * BATCH).encode("csv")
+    text = bursty_config_text(str(tmp_path / "one"), batch_size=BATCH, buckets=4096,
+                              extra_train="in_batch_learning: true "
+                                          "wide_learning_rate_multiplier: 3")
+    config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
+    fb = FeatureBuilder(config)
+    one = TrainModule(config, fb, device="cpu")
+    probs = np.concatenate([one.train_step(fb.build(records[k:k + BATCH]).batch).probs
+                            for k in range(0, len(records), BATCH)])
+    got = run_ranks(_in_batch_rank_main, world, world, str(tmp_path / "m"),
+                    _even(records, world), optimizer)
+    merged = np.concatenate([
+        np.concatenate([got[r][0][b * (BATCH // world):(b + 1) * (BATCH // world)]
+                        for r in range(world)]) for b in range(len(records) // BATCH)])
+    plain = _config(str(tmp_path / "plain"))
+    ref = TrainModule(plain, FeatureBuilder(plain), device="cpu")
+    ref_probs = np.concatenate([ref.train_step(fb.build(records[k:k + BATCH]).batch).probs
+                                for k in range(0, len(records), BATCH)])
+    assert np.abs(probs - ref_probs).max() > 1e-2  # in-batch learning does shift them
+    np.testing.assert_allclose(merged, probs, atol=5e-5, rtol=0)
+    for name, t in _tables(one.state_dict_for_checkpoint()).items():
+        np.testing.assert_allclose(got[0][1][name], t, atol=5e-5, rtol=0, err_msg=name)
+
+
+def _in_batch_rank_main(rank: int, world: int, model_dir: str,
+                        schedule: list[list[list[bytes]]], optimizer: str) -> tuple:
+    """One rank of ``test_two_ranks_learn_in_batch_as_one_process``."""
+    text = bursty_config_text(model_dir, batch_size=BATCH, buckets=4096,
+                              extra_train="in_batch_learning: true "
+                                          "wide_learning_rate_multiplier: 3")
+    config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    probs = [tm.train_step(fb.build(step[rank]).batch if step[rank] else tm.empty_batch()).probs
+             for step in schedule]
+    return np.concatenate(probs), _tables(tm.state_dict_for_checkpoint())
 
 
 @pytest.mark.parametrize("written", ["state", "checkpoint"])
@@ -367,8 +414,9 @@ def test_partitions_split_across_ranks():
 
 
 def test_several_ranks_refuse_what_they_cannot_do_by_field(tmp_path):
-    """Publishing, an eval stream and offline files are things several ranks do; a file
-    stream is refused at start, naming the field."""
+    """Publishing, an eval stream, offline files and sequential in-batch learning are
+    things several ranks do; a file stream, per-record Adagrad and the batched shift are
+    refused at start, naming the field."""
     base = bursty_config_text(str(tmp_path / "m"), batch_size=BATCH, buckets=4096,
                               extra_train='incr_save_config { sparse_save_steps: 5 '
                                           'fs { incr_save_dir: "v" } }')
@@ -383,6 +431,17 @@ def test_several_ranks_refuse_what_they_cannot_do_by_field(tmp_path):
     with pytest.raises(ConfigError) as err:
         check_several_ranks(stream, online=True, world_size=2)
     assert err.value.field == "file_stream_input" and "2 ranks" in str(err.value)
+    def in_batch(extra: str):
+        return load_config_text(bursty_config_text(
+            str(tmp_path / "m"), batch_size=BATCH, buckets=4096,
+            extra_train=f"in_batch_learning: true {extra}"))
+
+    check_several_ranks(in_batch(""), online=True, world_size=2)  # sequential: done
+    for extra, field in (("per_record_adagrad: true", "per_record_adagrad"),
+                         ("in_batch_sequential: false", "in_batch_sequential")):
+        with pytest.raises(ConfigError) as err:
+            check_several_ranks(in_batch(extra), online=True, world_size=2)
+        assert err.value.field == f"train_config.{field}", err.value
 
 
 def _predict_main(rank: int, model_dir: str, records: list[bytes]) -> np.ndarray:

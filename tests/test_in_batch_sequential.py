@@ -8,6 +8,8 @@ trains on those predictions.
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -120,6 +122,7 @@ def test_without_a_compiler_the_python_pass_runs(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr(in_batch_scan.tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setenv("CC", "/bin/false")
     monkeypatch.setattr(in_batch_scan, "_library", None)
+    caplog.set_level(logging.WARNING, logger=in_batch_scan.logger.name)
     assert not in_batch_scan.native_pass_available()
     assert "could not compile" in caplog.text
     pairs, logits, labels = _random_pairs("adagrad", seed=7)
@@ -146,7 +149,7 @@ def test_losses_the_model_does_not_fit_exactly_reach_the_fixed_point():
     shift = scan.shift(pairs, logits, focal)
     assert scan.passes > 1
     at = (logits + shift).numpy()
-    slope, curve = in_batch_scan._slopes(focal, torch.from_numpy(at))
+    slope, curve = in_batch_scan.loss_slopes(focal, torch.from_numpy(at))
     again = python_pass(pairs, KINDS["adagrad"], True, 3.0, 1e-8, logits.numpy(),
                         fit_errors(slope, curve, at, logistic=True))
     np.testing.assert_allclose(again, shift.numpy(), atol=2e-3 * float(shift.abs().max()))

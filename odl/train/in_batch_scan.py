@@ -28,7 +28,8 @@ The pass needs each record's error as a function of its logit: it is modelled fr
 loss's slope and curvature (``fit_errors``: exact for cross entropy and L2 losses, one pass),
 and for other losses the pass is repeated from the logits it reached (``InBatchScan.shift``,
 at most ``ITERATIONS`` passes). A record's slope must depend on its own logit only: losses
-that couple records (pairwise, JRC) are refused by validation.
+that couple records (pairwise, JRC) are refused by validation. With several ranks the pass
+runs over every rank's records of the step (``odl.train.rank_in_batch``).
 """
 
 from __future__ import annotations
@@ -263,6 +264,16 @@ def _native_pass(pairs: ScanPairs, kind: int, per_record: bool, gain: float, eps
     return shift
 
 
+def scan_pass(pairs: ScanPairs, kind: int, per_record: bool, gain: float, eps: float,
+              base: np.ndarray, errors: ErrorModel) -> np.ndarray:
+    """One pass over the records in order: the compiled one, else ``python_pass``.
+
+    Arguments and result as ``python_pass``.
+    """
+    run = _native_pass if native_pass_available() else python_pass
+    return run(pairs, kind, per_record, gain, eps, base, errors)
+
+
 def python_pass(pairs: ScanPairs, kind: int, per_record: bool, gain: float, eps: float,
                 base: np.ndarray, errors: ErrorModel) -> np.ndarray:
     """The pass of ``in_batch_scan.c`` one record at a time in Python (no C compiler).
@@ -364,20 +375,20 @@ class InBatchScan:
         Returns:
             Tensor ``[B]`` like ``logits``.
         """
-        run = _native_pass if native_pass_available() else python_pass
         base = _f32(logits)
         at = base
-        slope, curve = _slopes(loss_at, logits)
+        slope, curve = loss_slopes(loss_at, logits)
         shift = np.zeros_like(base)
         self.passes = 0
         while self.passes < ITERATIONS:
             errors = fit_errors(slope, curve, at, self.logistic)
-            shift = run(pairs, self.kind, self.per_record, self.gain, self.eps, base, errors)
+            shift = scan_pass(pairs, self.kind, self.per_record, self.gain, self.eps, base,
+                              errors)
             self.passes += 1
             if self.exact:
                 break
             at = base + shift
-            slope, curve = _slopes(loss_at, torch.from_numpy(at).to(logits.device,
+            slope, curve = loss_slopes(loss_at, torch.from_numpy(at).to(logits.device,
                                                                     logits.dtype))
             scale = float(np.abs(slope).max(initial=0.0))
             if float(np.abs(errors.at(at) - slope).max(initial=0.0)) <= TOLERANCE * scale:
@@ -396,8 +407,8 @@ def error_model_is_exact(model_config: pipeline_pb2.EasyRecModel) -> bool:
     return types <= logistic or types == {pipeline_pb2.L2_LOSS}
 
 
-def _slopes(loss_at: Callable[[torch.Tensor], torch.Tensor],
-            at: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+def loss_slopes(loss_at: Callable[[torch.Tensor], torch.Tensor],
+                at: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Each record's loss slope and its derivative in its own logit, at ``at``."""
     with torch.enable_grad():
         leaf = at.detach().requires_grad_(True)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,7 +83,7 @@ from odl.train.distributed import (
     table_placement,
 )
 from odl.train.in_batch_learning import InBatchLearning
-from odl.train.in_batch_scan import InBatchScan, error_model_is_exact
+from odl.train.in_batch_scan import InBatchScan, error_model_is_exact, loss_slopes
 from odl.train.optimizer_builder import (
     TABLE_EPS,
     gradient_clipping,
@@ -92,6 +92,7 @@ from odl.train.optimizer_builder import (
     sparse_optimizer_args,
 )
 from odl.train.per_record_adagrad import PerRecordAdagrad
+from odl.train.rank_in_batch import rank_logit_shift
 
 logger = logging.getLogger(__name__)
 
@@ -336,6 +337,7 @@ class TrainModule:
         self.global_step = 0
         self._lrs: tuple[float, float] | None = None
         self._lr_groups: list[tuple[dict, float]] | None = None
+        self._lookup_tables: list[str] = []
         self._row_pairs, self._in_batch, self._per_record = self._row_pair_learning(
             config, table_configs)
         self._touched_rows_hook: Callable[[KeyedJaggedTensor], None] | None = None
@@ -359,11 +361,12 @@ class TrainModule:
         tc = config.train_config
         if not (tc.in_batch_learning or tc.per_record_adagrad):
             return None, None, None
-        if self.world_size > 1:
-            field = ("in_batch_learning" if tc.in_batch_learning else "per_record_adagrad")
-            raise ValueError(f"train_config.{field} is not implemented for a model sharded "
-                             "over several ranks yet")
-        tables, states = self._row_state_views()
+        if self.world_size > 1 and (tc.per_record_adagrad or not tc.in_batch_sequential):
+            field = ("per_record_adagrad" if tc.per_record_adagrad else "in_batch_sequential")
+            raise ValueError(f"train_config.{field}: {'on' if tc.per_record_adagrad else 'off'}"
+                             " is not implemented for a model sharded over several ranks yet")
+        # several ranks: no rank holds whole tables; the accumulators come from their shards
+        tables, states = self._row_state_views() if self.world_size == 1 else ({}, {})
         rows = {}
         for c in table_configs:
             state = states.get(f"{EBC_PREFIX}{c.name}.weight", [])
@@ -372,7 +375,9 @@ class TrainModule:
                 stored_columns=c.embedding_dim, mean_pooling=c.pooling == PoolingType.MEAN,
                 lr_multiplier=(self._wide_lr_multiplier if c.name.endswith(WIDE_SUFFIX)
                                else 1.0),
-                weight=tables[c.name])
+                weight=tables.get(c.name))
+        # per lookup of the index (group after group), the TorchRec table it reads
+        self._lookup_tables = [t for g in self.model.pooled_layout for _, t in g.lookups]
         index = RowPairIndex(self.model.pooled_layout, rows,
                              rowwise=self._table_kind == "rowwise_adagrad")
         return (index,
@@ -746,6 +751,9 @@ class TrainModule:
             output = self._dmp(batch.padded(max(sizes)))
         n = batch.size
         mine = ModelOutput(output.logits[:n], tuple(p[:n] for p in output.pooled))
+        if self._in_batch is not None:  # every rank, records or not: a collective
+            mine = ModelOutput(mine.logits + self._rank_shift(batch, output, mine, sizes),
+                               mine.pooled)
         if n:
             loss = self._module().loss(mine, batch)
             weighted = loss * (n * self.world_size / sum(sizes))
@@ -762,6 +770,71 @@ class TrainModule:
         self.record_touched_rows(batch.sparse)
         probs = predictions(mine.logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
+
+    def _rank_shift(self, batch: Batch, output: ModelOutput, mine: ModelOutput,
+                    sizes: Sequence[int]) -> torch.Tensor:
+        """In-batch learning's shifts of this rank's records (``odl.train.rank_in_batch``).
+
+        ``output`` is the padded batch's forward, ``mine`` its rows of this rank's records;
+        their loss slopes are the ones the ranked update gives the tables (the weighted loss's
+        over the number of ranks).
+        """
+        assert self._in_batch is not None and self._in_batch.sequential is not None
+        n = batch.size
+        logits = mine.logits
+        jac: tuple[torch.Tensor | None, ...] = tuple(None for _ in output.pooled)
+        pairs = None
+        slope = curve = np.empty(0, dtype=np.float32)
+        if n:
+            grads = torch.autograd.grad(output.logits[:n].sum(), output.pooled,
+                                        retain_graph=True, allow_unused=True)
+            jac = tuple(g[:n] if g is not None else None for g in grads)
+            pairs = self._row_pairs.pairs(batch.sparse, n, logits.dtype)
+            pooled = tuple(p.detach() for p in mine.pooled)
+            share = n / sum(sizes)  # the weighted loss over the ranks: each record's share
+
+            def loss_at(at: torch.Tensor) -> torch.Tensor:
+                return self._module().loss(ModelOutput(at, pooled), batch) * share
+
+            slope, curve = loss_slopes(loss_at, logits.detach())
+        return rank_logit_shift(
+            self.rank, self._row_pairs, self._in_batch.sequential, self._lookup_tables, pairs,
+            jac, logits, slope, curve, self._lrs[0],
+            self._held_accumulators if self._table_kind != "sgd" else None)
+
+    @torch.no_grad()
+    def _held_accumulators(self, tables: Sequence[str], rows: np.ndarray
+                           ) -> tuple[np.ndarray, np.ndarray]:
+        """The table optimizer's accumulators of the (table, row)s this rank's shards hold.
+
+        Returns ``(values [U, acc_width], held [U])``: 0 and False for the rows held
+        elsewhere.
+        """
+        assert self._row_pairs is not None
+        width = 1 if self._table_kind == "rowwise_adagrad" else self._row_pairs.width
+        values = np.zeros((len(rows), width), dtype=np.float32)
+        held = np.zeros(len(rows), dtype=bool)
+        names = np.asarray(tables)
+        states = self._dmp.fused_optimizer.state_dict()["state"]
+        for table in np.unique(names):
+            at = np.flatnonzero(names == table)
+            st = [v for v in states.get(f"{EBC_PREFIX}{table}.weight", {}).values()
+                  if isinstance(v, torch.Tensor) or hasattr(v, "local_shards")]
+            if not st:
+                continue
+            for (r0, *c), shard in _local_shards(st[0]):
+                want = rows[at]
+                inside = (want >= r0) & (want < r0 + shard.shape[0])
+                if not inside.any():
+                    continue
+                got = shard.index_select(0, torch.from_numpy(want[inside] - r0).to(
+                    shard.device)).cpu().to(torch.float32).numpy()
+                got = got if got.ndim > 1 else got[:, None]
+                c0 = c[0] if c else 0
+                k = max(0, min(got.shape[1], width - c0))  # the pass reads `width` columns
+                values[at[inside], c0:c0 + k] = got[:, :k]
+                held[at[inside]] = True
+        return values, held
 
     def empty_batch(self) -> Batch:
         """A batch of no records.
