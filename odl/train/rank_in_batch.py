@@ -9,7 +9,7 @@ collective every rank calls:
 
 1. each rank lists its records' row reads (``RowPairIndex.pairs`` of its own batch), their
    ``dlogit/de`` and its records' logits and loss slopes;
-2. every rank receives every rank's lists (``from_every_rank``) and puts them in the one
+2. every rank receives every rank's lists (``arrays_from_every_rank``) and puts them in the one
    process's order: records numbered rank after rank, reads sorted by (table, row, record);
 3. the rows two or more records read need their accumulators, which live in the shard that
    holds each row: every rank contributes those its shards hold (the same request on every
@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from odl.train.batch_row_pairs import RowPairIndex, RowPairs, argsort
-from odl.train.distributed import from_every_rank
+from odl.train.distributed import arrays_from_every_rank
 from odl.train.in_batch_scan import InBatchScan, fit_errors, scan_pairs, scan_pass
 
 # table key spacing of a (table, row) pair's global key (more rows than any table has)
@@ -66,24 +66,28 @@ def rank_logit_shift(rank: int, index: RowPairIndex, scan: InBatchScan,
         Tensor ``[n]`` like ``logits``.
     """
     n = int(logits.shape[0])
+    width = index.width
     mine: dict[str, np.ndarray] = {
         "base": logits.detach().cpu().to(torch.float32).numpy(),
-        "slope": slope.astype(np.float32), "curve": curve.astype(np.float32)}
+        "slope": slope.astype(np.float32), "curve": curve.astype(np.float32),
+        "lookup": np.empty(0, dtype=np.int64), "rows": np.empty(0, dtype=np.int64),
+        "sample": np.empty(0, dtype=np.int64), "weight": np.empty(0, dtype=np.float32),
+        "jrow": np.empty((0, width), dtype=np.float32)}
     if pairs is not None and n:
-        lookup = pairs.lookup
         mine.update(
-            lookup=lookup.cpu().numpy(), rows=pairs.rows.cpu().numpy(),
-            sample=pairs.sample.cpu().numpy(),
+            lookup=pairs.lookup.cpu().numpy().astype(np.int64),
+            rows=pairs.rows.cpu().numpy().astype(np.int64),
+            sample=pairs.sample.cpu().numpy().astype(np.int64),
             weight=pairs.weight.cpu().to(torch.float32).numpy(),
             jrow=index.per_pair(jac, pairs, torch.float32).cpu().numpy())
-    everyone = from_every_rank(mine)
+    everyone = arrays_from_every_rank(mine)
     sizes = [len(part["base"]) for part in everyone]
     offset = int(sum(sizes[:rank]))
     base = np.concatenate([part["base"] for part in everyone])
     slope_all = np.concatenate([part["slope"] for part in everyone])
     curve_all = np.concatenate([part["curve"] for part in everyone])
     with_pairs = [(part, int(sum(sizes[:r]))) for r, part in enumerate(everyone)
-                  if "lookup" in part]
+                  if len(part["lookup"])]
     shift = np.zeros(len(base), dtype=np.float32)
     if with_pairs:
         lookup_all = np.concatenate([p["lookup"] for p, _ in with_pairs])
@@ -95,35 +99,40 @@ def rank_logit_shift(rank: int, index: RowPairIndex, scan: InBatchScan,
         table_of_lookup = np.array([table_ids[t] for t in lookup_tables], dtype=np.int64)
         key = table_of_lookup[lookup_all] * _ROW_SPAN + rows_all
         order = argsort(torch.from_numpy(key * (len(base) + 1) + sample_all)).numpy()
-        key, sample_all = key[order], sample_all[order]
-        lookup_all, rows_all = lookup_all[order], rows_all[order]
-        weight_all, jrow_all = weight_all[order], jrow_all[order]
+        key, sample_sorted = key[order], sample_all[order]
         new_row = np.ones(len(key), dtype=bool)
         new_row[1:] = key[1:] != key[:-1]
         new_pair = new_row.copy()
-        new_pair[1:] |= sample_all[1:] != sample_all[:-1]
+        new_pair[1:] |= sample_sorted[1:] != sample_sorted[:-1]
         slot = np.cumsum(new_row) - 1
         readers = np.bincount(slot, weights=new_pair.astype(np.float64))
-        keep = np.flatnonzero(readers[slot] > 1)
+        keep = np.flatnonzero(readers[slot] > 1)  # reads of rows two or more records read
         if len(keep):
             first = new_row[keep]
             slot_k = np.cumsum(first) - 1
-            heads = keep[first]
+            heads = order[keep[first]]  # each shared row's first read, as gathered
             h_lookup, h_rows = lookup_all[heads], rows_all[heads]
             acc = None
             if held is not None:
                 values, mask = held([lookup_tables[i] for i in h_lookup], h_rows)
                 acc = np.zeros_like(values)
-                for part_values, part_mask in from_every_rank((values, mask)):
-                    acc[part_mask] = part_values[part_mask]
+                for part in arrays_from_every_rank({"values": values,
+                                                    "held": mask.astype(np.uint8)}):
+                    got = part["held"].astype(bool)
+                    acc[got] = part["values"][got]
+            # the kept reads in the pass's (record, row) order, each array indexed once
+            by_record = argsort(torch.from_numpy(
+                sample_sorted[keep] * (int(slot_k[-1]) + 1) + slot_k)).numpy()
+            pick = order[keep[by_record]]
             h_lookup_t = torch.from_numpy(h_lookup)
             prepared = scan_pairs(
-                torch.from_numpy(sample_all[keep]), torch.from_numpy(slot_k),
-                torch.from_numpy(jrow_all[keep]), torch.from_numpy(weight_all[keep]),
+                torch.from_numpy(sample_all[pick]), torch.from_numpy(slot_k[by_record]),
+                torch.from_numpy(jrow_all[pick]), torch.from_numpy(weight_all[pick]),
                 lr * index.multiplier.cpu().index_select(0, h_lookup_t),
                 torch.from_numpy(acc) if acc is not None else None,
                 index.stored.cpu().index_select(0, h_lookup_t),
-                index.col_mask.cpu().sum(1).index_select(0, h_lookup_t))
+                index.col_mask.cpu().sum(1).index_select(0, h_lookup_t),
+                in_record_order=True)
             errors = fit_errors(slope_all, curve_all, base, scan.logistic)
             shift = scan_pass(prepared, scan.kind, scan.per_record, scan.gain, scan.eps, base,
                               errors)
