@@ -136,24 +136,27 @@ def test_two_ranks_train_the_model_one_process_trains(tmp_path):
                                        rtol=0, err_msg=f"rank {r} {name}")
 
 
-@pytest.mark.parametrize("optimizer", ["adagrad_optimizer", "sgd_optimizer"])
-def test_two_ranks_learn_in_batch_as_one_process(tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer,per_record", [("adagrad_optimizer", False),
+                                                   ("sgd_optimizer", False),
+                                                   ("adagrad_optimizer", True)])
+def test_two_ranks_learn_in_batch_as_one_process(tmp_path, optimizer, per_record):
     """Sequential in-batch learning with two ranks: each record is shifted by the step's
     earlier records of both ranks (rank 0's first), the accumulators of rows held by the
     other rank included, so the predictions and the tables are one process's on the
-    concatenated batches."""
+    concatenated batches; with per-record Adagrad each shared row is corrected by the rank
+    holding it, from both ranks' records."""
     world = 2
     records = BurstyStream(seed=8).next_batch(6 * BATCH).encode("csv")
+    extra = _in_batch_settings(per_record)
     text = bursty_config_text(str(tmp_path / "one"), batch_size=BATCH, buckets=4096,
-                              extra_train="in_batch_learning: true "
-                                          "wide_learning_rate_multiplier: 3")
+                              extra_train=extra)
     config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
     fb = FeatureBuilder(config)
     one = TrainModule(config, fb, device="cpu")
     probs = np.concatenate([one.train_step(fb.build(records[k:k + BATCH]).batch).probs
                             for k in range(0, len(records), BATCH)])
     got = run_ranks(_in_batch_rank_main, world, world, str(tmp_path / "m"),
-                    _even(records, world), optimizer)
+                    _even(records, world), optimizer, extra)
     merged = np.concatenate([
         np.concatenate([got[r][0][b * (BATCH // world):(b + 1) * (BATCH // world)]
                         for r in range(world)]) for b in range(len(records) // BATCH)])
@@ -167,12 +170,15 @@ def test_two_ranks_learn_in_batch_as_one_process(tmp_path, optimizer):
         np.testing.assert_allclose(got[0][1][name], t, atol=5e-5, rtol=0, err_msg=name)
 
 
+def _in_batch_settings(per_record: bool) -> str:
+    return ("in_batch_learning: true wide_learning_rate_multiplier: 3"
+            + (" per_record_adagrad: true" if per_record else ""))
+
+
 def _in_batch_rank_main(rank: int, world: int, model_dir: str,
-                        schedule: list[list[list[bytes]]], optimizer: str) -> tuple:
+                        schedule: list[list[list[bytes]]], optimizer: str, extra: str) -> tuple:
     """One rank of ``test_two_ranks_learn_in_batch_as_one_process``."""
-    text = bursty_config_text(model_dir, batch_size=BATCH, buckets=4096,
-                              extra_train="in_batch_learning: true "
-                                          "wide_learning_rate_multiplier: 3")
+    text = bursty_config_text(model_dir, batch_size=BATCH, buckets=4096, extra_train=extra)
     config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
@@ -414,8 +420,8 @@ def test_partitions_split_across_ranks():
 
 
 def test_several_ranks_refuse_what_they_cannot_do_by_field(tmp_path):
-    """Publishing, an eval stream, offline files and sequential in-batch learning are
-    things several ranks do; a file stream, per-record Adagrad and the batched shift are
+    """Publishing, an eval stream, offline files, sequential in-batch learning and
+    per-record Adagrad are things several ranks do; a file stream and the batched shift are
     refused at start, naming the field."""
     base = bursty_config_text(str(tmp_path / "m"), batch_size=BATCH, buckets=4096,
                               extra_train='incr_save_config { sparse_save_steps: 5 '
@@ -436,12 +442,10 @@ def test_several_ranks_refuse_what_they_cannot_do_by_field(tmp_path):
             str(tmp_path / "m"), batch_size=BATCH, buckets=4096,
             extra_train=f"in_batch_learning: true {extra}"))
 
-    check_several_ranks(in_batch(""), online=True, world_size=2)  # sequential: done
-    for extra, field in (("per_record_adagrad: true", "per_record_adagrad"),
-                         ("in_batch_sequential: false", "in_batch_sequential")):
-        with pytest.raises(ConfigError) as err:
-            check_several_ranks(in_batch(extra), online=True, world_size=2)
-        assert err.value.field == f"train_config.{field}", err.value
+    check_several_ranks(in_batch("per_record_adagrad: true"), online=True, world_size=2)
+    with pytest.raises(ConfigError) as err:
+        check_several_ranks(in_batch("in_batch_sequential: false"), online=True, world_size=2)
+    assert err.value.field == "train_config.in_batch_sequential", err.value
 
 
 def _predict_main(rank: int, model_dir: str, records: list[bytes]) -> np.ndarray:

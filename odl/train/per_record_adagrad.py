@@ -40,6 +40,9 @@ It is meant to run with in-batch learning (``odl.train.in_batch_learning``), who
 already account for the batch's earlier records; validation refuses it alone, which the
 bench found to overshoot (``docs/benchmarks.md``).
 
+With several ranks ``odl.train.rank_per_record`` applies the same rule, each shared row
+corrected by the rank holding it.
+
 Not covered: SGD tables (a batched SGD step already is the sum of per-record steps) and
 other optimizers; rows that the model reads outside its pooled lookups keep the fused update.
 """

@@ -70,7 +70,7 @@ from odl.models.dynamic_table import DynamicTable, DynamicTables
 from odl.models.embedding_tables import WIDE_SUFFIX, init_embedding_weights, reset_embedding_rows
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
-from odl.train.batch_row_pairs import RowPairIndex, TableRows
+from odl.train.batch_row_pairs import RowPairIndex, RowPairs, TableRows
 from odl.train.distributed import (
     ROW_WISE_MIN_ROWS,
     agree,
@@ -93,6 +93,7 @@ from odl.train.optimizer_builder import (
 )
 from odl.train.per_record_adagrad import PerRecordAdagrad
 from odl.train.rank_in_batch import rank_logit_shift
+from odl.train.rank_per_record import RankPerRecordAdagrad
 
 logger = logging.getLogger(__name__)
 
@@ -349,7 +350,7 @@ class TrainModule:
     def _row_pair_learning(self, config: pipeline_pb2.EasyRecConfig,
                            table_configs: list[EmbeddingBagConfig]
                            ) -> tuple[RowPairIndex | None, InBatchLearning | None,
-                                      PerRecordAdagrad | None]:
+                                      PerRecordAdagrad | RankPerRecordAdagrad | None]:
         """``in_batch_learning``, ``per_record_adagrad`` and their row-pair index.
 
         Each is None when off.
@@ -361,10 +362,9 @@ class TrainModule:
         tc = config.train_config
         if not (tc.in_batch_learning or tc.per_record_adagrad):
             return None, None, None
-        if self.world_size > 1 and (tc.per_record_adagrad or not tc.in_batch_sequential):
-            field = ("per_record_adagrad" if tc.per_record_adagrad else "in_batch_sequential")
-            raise ValueError(f"train_config.{field}: {'on' if tc.per_record_adagrad else 'off'}"
-                             " is not implemented for a model sharded over several ranks yet")
+        if self.world_size > 1 and not tc.in_batch_sequential:
+            raise ValueError("train_config.in_batch_sequential: false is not implemented for "
+                             "a model sharded over several ranks yet")
         # several ranks: no rank holds whole tables; the accumulators come from their shards
         tables, states = self._row_state_views() if self.world_size == 1 else ({}, {})
         rows = {}
@@ -388,8 +388,13 @@ class TrainModule:
                                             exact=error_model_is_exact(config.model_config))
                                 if tc.in_batch_sequential else None)
                 if tc.in_batch_learning else None,
-                PerRecordAdagrad(index, self._table_kind, TABLE_EPS,
-                                 float(tc.per_record_adagrad_max_gain))
+                (PerRecordAdagrad(index, self._table_kind, TABLE_EPS,
+                                  float(tc.per_record_adagrad_max_gain))
+                 if self.world_size == 1 else
+                 RankPerRecordAdagrad(index, self._table_kind, TABLE_EPS,
+                                      float(tc.per_record_adagrad_max_gain),
+                                      self._lookup_tables, self._held_accumulators,
+                                      self._write_held_rows))
                 if tc.per_record_adagrad else None)
 
     @torch.no_grad()
@@ -751,9 +756,13 @@ class TrainModule:
             output = self._dmp(batch.padded(max(sizes)))
         n = batch.size
         mine = ModelOutput(output.logits[:n], tuple(p[:n] for p in output.pooled))
+        pairs = (self._row_pairs.pairs(batch.sparse, n, mine.logits.dtype)
+                 if self._row_pairs is not None and n else None)
         if self._in_batch is not None:  # every rank, records or not: a collective
-            mine = ModelOutput(mine.logits + self._rank_shift(batch, output, mine, sizes),
-                               mine.pooled)
+            mine = ModelOutput(
+                mine.logits + self._rank_shift(batch, output, mine, sizes, pairs), mine.pooled)
+        hooked = (RankPerRecordAdagrad.hook_pooled(output.pooled)
+                  if isinstance(self._per_record, RankPerRecordAdagrad) else None)
         if n:
             loss = self._module().loss(mine, batch)
             weighted = loss * (n * self.world_size / sum(sizes))
@@ -762,6 +771,9 @@ class TrainModule:
             weighted = output.logits.sum() * 0.0
         self._dense_opt.zero_grad(set_to_none=True)
         weighted.backward()  # table rows are updated inside backward (fused)
+        if hooked is not None:  # each record's squared gradient in the accumulators
+            assert isinstance(self._per_record, RankPerRecordAdagrad)
+            self._per_record.apply(pairs, hooked, n, self.world_size, self._lrs[0])
         average_gradients(self._dense_params)
         if self._grad_clip is not None:
             self._grad_clip(self._dense_opt)
@@ -772,7 +784,7 @@ class TrainModule:
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
     def _rank_shift(self, batch: Batch, output: ModelOutput, mine: ModelOutput,
-                    sizes: Sequence[int]) -> torch.Tensor:
+                    sizes: Sequence[int], pairs: RowPairs | None) -> torch.Tensor:
         """In-batch learning's shifts of this rank's records (``odl.train.rank_in_batch``).
 
         ``output`` is the padded batch's forward, ``mine`` its rows of this rank's records;
@@ -783,13 +795,11 @@ class TrainModule:
         n = batch.size
         logits = mine.logits
         jac: tuple[torch.Tensor | None, ...] = tuple(None for _ in output.pooled)
-        pairs = None
         slope = curve = np.empty(0, dtype=np.float32)
         if n:
             grads = torch.autograd.grad(output.logits[:n].sum(), output.pooled,
                                         retain_graph=True, allow_unused=True)
             jac = tuple(g[:n] if g is not None else None for g in grads)
-            pairs = self._row_pairs.pairs(batch.sparse, n, logits.dtype)
             pooled = tuple(p.detach() for p in mine.pooled)
             share = n / sum(sizes)  # the weighted loss over the ranks: each record's share
 
@@ -835,6 +845,41 @@ class TrainModule:
                 values[at[inside], c0:c0 + k] = got[:, :k]
                 held[at[inside]] = True
         return values, held
+
+    @torch.no_grad()
+    def _write_held_rows(self, tables: Sequence[str], rows: np.ndarray, delta: np.ndarray,
+                         acc: np.ndarray) -> None:
+        """Adds ``delta`` to the weights and sets the accumulators ``acc`` of rows held here.
+
+        Only the requested (table, row)s this rank's shards hold are written; the others
+        are skipped.
+        """
+        model = self._dmp.state_dict()
+        states = self._dmp.fused_optimizer.state_dict()["state"]
+        names = np.asarray(tables)
+        for table in np.unique(names):
+            at = np.flatnonzero(names == table)
+            key = f"{EBC_PREFIX}{table}.weight"
+            st = [v for v in states.get(key, {}).values()
+                  if isinstance(v, torch.Tensor) or hasattr(v, "local_shards")]
+            targets = [(model[key], delta, False)] + ([(st[0], acc, True)] if st else [])
+            for tensor, values, is_state in targets:
+                for (r0, *c), shard in _local_shards(tensor):
+                    want = rows[at]
+                    inside = (want >= r0) & (want < r0 + shard.shape[0])
+                    if not inside.any():
+                        continue
+                    idx = torch.from_numpy(want[inside] - r0).to(shard.device)
+                    part = torch.from_numpy(values[at[inside]]).to(shard.device, shard.dtype)
+                    if shard.dim() == 1:  # row-wise accumulators
+                        shard.index_copy_(0, idx, part[:, 0])
+                        continue
+                    c0 = c[0] if c else 0
+                    k = max(0, min(shard.shape[1], part.shape[1] - c0))
+                    if is_state:
+                        shard[:, :k].index_copy_(0, idx, part[:, c0:c0 + k])
+                    else:
+                        shard[:, :k].index_add_(0, idx, part[:, c0:c0 + k])
 
     def empty_batch(self) -> Batch:
         """A batch of no records.
