@@ -58,6 +58,28 @@ from odl.config.optimizer_support import PER_RECORD_TABLE_KINDS
 from odl.train.batch_row_pairs import RowPairIndex, RowPairs, RowPlan
 
 
+def hook_pooled_gradients(pooled: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+    """Hooks the pooled groups; the backward leaves their gradients in the returned list.
+
+    Args:
+        pooled: the step's pooled groups (``ModelOutput.pooled``).
+
+    Returns:
+        One slot per group, filled with its gradient by the backward (None: no gradient).
+    """
+    grads: list[torch.Tensor | None] = [None] * len(pooled)
+
+    def keep(k: int):
+        def hook(grad: torch.Tensor) -> None:
+            grads[k] = grad
+        return hook
+
+    for k, t in enumerate(pooled):
+        if t.requires_grad:
+            t.register_hook(keep(k))
+    return grads
+
+
 class PerRecordAdagrad:
     """Applies the module docstring's accumulator rule after each step's fused backward.
 
@@ -116,16 +138,7 @@ class PerRecordAdagrad:
             states = index.plan_accumulators(lookup, rows)
             acc = index.accumulators(states, dtype)
             weights = index.plan_weights(lookup, rows)
-        grads: list[torch.Tensor | None] = [None] * len(pooled)
-
-        def keep(k: int):
-            def hook(grad: torch.Tensor) -> None:
-                grads[k] = grad
-            return hook
-
-        for k, t in enumerate(pooled):
-            if t.requires_grad:
-                t.register_hook(keep(k))
+        grads = hook_pooled_gradients(pooled)
         return _Pending(pairs, grads, run, row_of_run, shared, lookup, states, weights, acc)
 
     @torch.no_grad()

@@ -6,8 +6,9 @@ fused backward (a collective every rank calls):
 
 1. each rank sums, per table row its records read, the gradient its records put on the row
    (``S_r``), the sum of its records' squared gradients (``Q_r``) and how many of its records
-   read the row; the gradients are the pooled groups' (hooks in the backward) divided by the
-   number of ranks, the share TorchRec's averaged table update applied;
+   read the row; the gradients are the pooled groups' (``odl.train.per_record_adagrad.
+   hook_pooled_gradients``) over the number of ranks, the share of TorchRec's averaged
+   table update;
 2. every rank receives every rank's sums (``arrays_from_every_rank``) and adds them per row:
    ``S``, ``Q``, the number of records; a row is shared when two or more records read it;
 3. the rank holding a shared row corrects it in its shard as one process would: the fused
@@ -24,9 +25,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from odl.config.optimizer_support import PER_RECORD_TABLE_KINDS
 from odl.train.batch_row_pairs import RowPairIndex, RowPairs
 from odl.train.distributed import arrays_from_every_rank
+from odl.train.per_record_adagrad import PerRecordAdagrad
 
 _ROW_SPAN = 1 << 40
 
@@ -36,7 +37,7 @@ ReadHeld = Callable[[Sequence[str], np.ndarray], tuple[np.ndarray, np.ndarray]]
 WriteHeld = Callable[[Sequence[str], np.ndarray, np.ndarray, np.ndarray], None]
 
 
-class RankPerRecordAdagrad:
+class RankPerRecordAdagrad(PerRecordAdagrad):
     """The module docstring's correction for one model of several ranks.
 
     Args:
@@ -55,44 +56,22 @@ class RankPerRecordAdagrad:
     def __init__(self, index: RowPairIndex, kind: str, eps: float, max_gain: float,
                  lookup_tables: Sequence[str], read_held: ReadHeld,
                  write_held: WriteHeld) -> None:
-        if kind not in PER_RECORD_TABLE_KINDS:
-            raise ValueError(f"per-record accumulators apply to {PER_RECORD_TABLE_KINDS} "
-                             f"tables, not {kind!r}")
-        if not max_gain >= 1:
-            raise ValueError(f"max_gain must be at least 1, got {max_gain}")
-        self._floor = 1.0 / float(max_gain) ** 2
-        self.kind = kind
-        self.eps = float(eps)
-        self._index = index
+        super().__init__(index, kind, eps, max_gain)
         self._tables = list(lookup_tables)
         table_ids = {t: i for i, t in enumerate(sorted(set(self._tables)))}
         self._table_of_lookup = np.array([table_ids[t] for t in self._tables],
                                          dtype=np.int64)
         self._read, self._write = read_held, write_held
 
-    @staticmethod
-    def hook_pooled(pooled: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Hooks the pooled groups; the backward leaves their gradients in the result."""
-        grads: list[torch.Tensor | None] = [None] * len(pooled)
-
-        def keep(k: int):
-            def hook(grad: torch.Tensor) -> None:
-                grads[k] = grad
-            return hook
-
-        for k, t in enumerate(pooled):
-            if t.requires_grad:
-                t.register_hook(keep(k))
-        return grads
-
     @torch.no_grad()
-    def apply(self, pairs: RowPairs | None, grads: Sequence[torch.Tensor | None], n: int,
-              world_size: int, lr: float) -> int:
+    def apply_ranks(self, pairs: RowPairs | None, grads: Sequence[torch.Tensor | None], n: int,
+                    world_size: int, lr: float) -> int:
         """Corrects the shared rows this rank holds (a collective; module docstring).
 
         Args:
             pairs: this rank's row reads (None: none).
-            grads: the hooked pooled groups' gradients (the padded batch's rows).
+            grads: the pooled groups' gradients (``hook_pooled_gradients`` before the
+                backward; the padded batch's rows).
             n: this rank's records (the first ``n`` rows of ``grads``).
             world_size: the number of ranks.
             lr: the table rate of the step.

@@ -91,7 +91,7 @@ from odl.train.optimizer_builder import (
     optimizer_specs,
     sparse_optimizer_args,
 )
-from odl.train.per_record_adagrad import PerRecordAdagrad
+from odl.train.per_record_adagrad import PerRecordAdagrad, hook_pooled_gradients
 from odl.train.rank_in_batch import rank_logit_shift
 from odl.train.rank_per_record import RankPerRecordAdagrad
 
@@ -350,7 +350,7 @@ class TrainModule:
     def _row_pair_learning(self, config: pipeline_pb2.EasyRecConfig,
                            table_configs: list[EmbeddingBagConfig]
                            ) -> tuple[RowPairIndex | None, InBatchLearning | None,
-                                      PerRecordAdagrad | RankPerRecordAdagrad | None]:
+                                      PerRecordAdagrad | None]:
         """``in_batch_learning``, ``per_record_adagrad`` and their row-pair index.
 
         Each is None when off.
@@ -761,7 +761,7 @@ class TrainModule:
         if self._in_batch is not None:  # every rank, records or not: a collective
             mine = ModelOutput(
                 mine.logits + self._rank_shift(batch, output, mine, sizes, pairs), mine.pooled)
-        hooked = (RankPerRecordAdagrad.hook_pooled(output.pooled)
+        hooked = (hook_pooled_gradients(output.pooled)
                   if isinstance(self._per_record, RankPerRecordAdagrad) else None)
         if n:
             loss = self._module().loss(mine, batch)
@@ -773,7 +773,7 @@ class TrainModule:
         weighted.backward()  # table rows are updated inside backward (fused)
         if hooked is not None:  # each record's squared gradient in the accumulators
             assert isinstance(self._per_record, RankPerRecordAdagrad)
-            self._per_record.apply(pairs, hooked, n, self.world_size, self._lrs[0])
+            self._per_record.apply_ranks(pairs, hooked, n, self.world_size, self._lrs[0])
         average_gradients(self._dense_params)
         if self._grad_clip is not None:
             self._grad_clip(self._dense_opt)
