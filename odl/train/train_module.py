@@ -42,7 +42,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -74,6 +74,7 @@ from odl.train.batch_row_pairs import RowPairIndex, RowPairs, TableRows
 from odl.train.distributed import (
     ROW_WISE_MIN_ROWS,
     agree,
+    arrays_from_every_rank,
     average_gradients,
     broadcast_parameters,
     from_every_rank,
@@ -189,9 +190,8 @@ def _local_view(t: Any) -> torch.Tensor:
     if hasattr(t, "local_shards") and hasattr(t, "metadata"):
         shards = t.local_shards()
         if len(shards) != 1 or tuple(shards[0].tensor.shape) != tuple(t.size()):
-            raise RuntimeError("this needs a table whole in this process: in-batch "
-                               "learning and dynamic tables of a model sharded over "
-                               "several ranks are not implemented yet")
+            raise RuntimeError("this needs a table whole in this process, and this rank "
+                               "holds part of it (a model sharded over several ranks)")
         return shards[0].tensor
     if hasattr(t, "to_local"):
         return t.to_local()
@@ -201,10 +201,11 @@ def _local_view(t: Any) -> torch.Tensor:
 class ShardRows:
     """A whole table as far as writing rows goes, written through to this rank's shards.
 
-    Supports what copying recovered rows needs (``publisher.delta_recovery``): ``shape``,
-    ``device``, ``dtype``, ``rows[:, :dim]`` (the first ``dim`` columns) and
-    ``rows[ids] = values`` (``ids`` whole-table row numbers, ``values`` ``[len(ids), dim]``):
-    each shard takes the rows and columns it holds.
+    Supports what copying recovered rows needs (``publisher.delta_recovery``) and resetting
+    a dynamic table's evicted rows (``reset_embedding_rows``): ``shape``, ``device``,
+    ``dtype``, ``rows[:, :dim]`` (the first ``dim`` columns), ``rows[ids] = values`` (``ids``
+    whole-table row numbers, ``values`` ``[len(ids), dim]``), ``index_copy_`` and
+    ``index_fill_`` of rows: each shard takes the rows and columns it holds.
 
     Args:
         shards: ``[(offsets, shard tensor)]`` of this rank.
@@ -226,6 +227,17 @@ class ShardRows:
         if rows != slice(None) or cols.start not in (None, 0) or cols.step not in (None, 1):
             raise TypeError("ShardRows takes [:, :dim] only")
         return ShardRows(self._shards, self._whole, min(cols.stop, self._columns))
+
+    def index_copy_(self, dim: int, ids: torch.Tensor, values: torch.Tensor) -> ShardRows:
+        """``rows[ids] = values`` (``dim`` 0), as ``Tensor.index_copy_``."""
+        if dim != 0:
+            raise TypeError("ShardRows copies rows only")
+        self[ids] = values
+        return self
+
+    def index_fill_(self, dim: int, ids: torch.Tensor, value: float) -> ShardRows:
+        """``rows[ids] = value`` (``dim`` 0), as ``Tensor.index_fill_``."""
+        return self.index_copy_(dim, ids, torch.full((ids.numel(), self.shape[1]), value))
 
     def __setitem__(self, ids: torch.Tensor, values: torch.Tensor) -> None:
         for (row0, col0), shard in self._shards:
@@ -321,9 +333,6 @@ class TrainModule:
             {n: s.dynamic for n, s in specs.items()},
             {n: s.feature_names for n, s in specs.items()}, self._seed,
             record_deletes=config.train_config.HasField("incr_save_config"))
-        if self.dynamic and self.world_size > 1:
-            raise ValueError("dynamic tables are not implemented for a model sharded over "
-                             "several ranks yet")
         self._dynamic_torch_tables = {
             base: [t for t in (base, base + WIDE_SUFFIX) if t in tables] for base in specs}
         self._dynamic_of_torch = {t: self.dynamic.tables[base]
@@ -527,8 +536,22 @@ class TrainModule:
         ``memory_bytes`` counts its rows and their optimizer state in every TorchRec table it
         backs, and its id index, counters and sketch.
         """
-        tables, states = self._row_state_views()
         out = self.dynamic.status()
+        if self.world_size > 1:  # this rank's shards of the rows, the whole index
+            model = self._dmp.state_dict()
+            states = self._dmp.fused_optimizer.state_dict()["state"]
+            for base, st in out.items():
+                nbytes = st["map_bytes"]
+                for t in self._dynamic_torch_tables[base]:
+                    key = f"{EBC_PREFIX}{t}.weight"
+                    held = [model[key], *(v for v in states.get(key, {}).values()
+                                          if hasattr(v, "local_shards")
+                                          or isinstance(v, torch.Tensor))]
+                    nbytes += sum(x.numel() * x.element_size()
+                                  for h in held for _o, x in _local_shards(h))
+                st["memory_bytes"] = int(nbytes)
+            return out
+        tables, states = self._row_state_views()
         for base, st in out.items():
             nbytes = st["map_bytes"]
             for t in self._dynamic_torch_tables[base]:
@@ -636,7 +659,14 @@ class TrainModule:
 
     @torch.no_grad()
     def reset_dynamic_rows(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
-        """Fresh weights and zero optimizer state for evicted rows (dynamic table -> rows)."""
+        """Fresh weights and zero optimizer state for evicted rows (dynamic table -> rows).
+
+        With several ranks each rank resets the rows its shards hold, to the values one
+        process would give them.
+        """
+        if self.world_size > 1:
+            self._reset_dynamic_shards(evicted, step)
+            return
         tables, states = self._row_state_views()
         for base, rows in evicted.items():
             r = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
@@ -646,6 +676,25 @@ class TrainModule:
                 for v in states.get(f"{EBC_PREFIX}{t}.weight", []):
                     if v.dim() >= 1 and v.shape[0] == w.shape[0]:
                         v.index_fill_(0, r.to(v.device), 0)
+
+    def _reset_dynamic_shards(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
+        """``reset_dynamic_rows`` of one of several ranks: its own shards' rows."""
+        model = self._dmp.state_dict()
+        states = self._dmp.fused_optimizer.state_dict()["state"]
+        for base, rows in evicted.items():
+            r = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+            for t in self._dynamic_torch_tables[base]:
+                key = f"{EBC_PREFIX}{t}.weight"
+                shape = tuple(int(x) for x in model[key].size())
+                whole = ShardRows(_local_shards(model[key]), shape)
+                reset_embedding_rows(t, whole, r, self._seed, step)
+                for v in states.get(key, {}).values():
+                    if not (isinstance(v, torch.Tensor) or hasattr(v, "local_shards")):
+                        continue
+                    for (r0, *_c), shard in _local_shards(v):
+                        inside = r[(r >= r0) & (r < r0 + shard.shape[0])] - r0
+                        if inside.numel():
+                            shard.index_fill_(0, inside.to(shard.device), 0)
 
     def record_touched_rows(self, kjt: KeyedJaggedTensor) -> None:
         """Called by ``train_step`` with the batch's ids (after the update)."""
@@ -667,7 +716,9 @@ class TrainModule:
         """
         self._set_lrs()
         now = 0.0
-        if self.dynamic:
+        if self.dynamic and self.world_size > 1:
+            batch, now = self._remap_ranks(batch)
+        elif self.dynamic:
             now = self._stream_now(batch)
             remapped = self.dynamic.remap(batch, self.global_step + 1, now, admit=True)
             batch = remapped.batch
@@ -677,7 +728,13 @@ class TrainModule:
         if not self._dmp.training:  # (train() walks every submodule: only when needed)
             self._dmp.train()
         if self.world_size > 1:
-            return self._train_step_ranks(batch)
+            before = self.global_step
+            out = self._train_step_ranks(batch)
+            if self.dynamic and self.global_step != before:  # every rank alike
+                expired = self.dynamic.maintain(self.global_step, now)
+                if expired:
+                    self.reset_dynamic_rows(expired, self.global_step)
+            return out
         output = self._dmp(batch)
         logits = output.logits
         finite = torch.isfinite(logits)
@@ -722,6 +779,63 @@ class TrainModule:
                 self.reset_dynamic_rows(expired, self.global_step)
         probs = predictions(logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
+
+    def _remap_ranks(self, batch: Batch) -> tuple[Batch, float]:
+        """Dynamic tables' remap with several ranks (a collective): ``(batch, stream time)``.
+
+        Every rank holds the whole id index and makes the same decisions: the ranks exchange
+        their batches' ids, labels, counts and event times, and each remaps the step's
+        records of all ranks in rank order, as one process would remap the concatenated
+        batch, then keeps its own records. Rows evicted for admission are reset in the
+        shards that hold them. Stream time is the newest event time of the step's records
+        (rank 0's clock without an event time field), the same on every rank.
+        """
+        kjt = batch.sparse
+        keys = list(kjt.keys())
+        b = batch.size
+        labels = batch.labels.detach().cpu().numpy().astype(np.float32)
+        mine = {"values": kjt.values().cpu().numpy().astype(np.int64),
+                "lengths": kjt.lengths().cpu().numpy().astype(np.int64).reshape(len(keys), b).T,
+                "labels": labels.reshape(b, -1),
+                "times": (np.asarray(batch.event_times, dtype=np.float64)
+                          if batch.event_times is not None else np.zeros(0)),
+                "clock": np.array([time.time()])}
+        for name, values in sorted((batch.counts or {}).items()):
+            mine[f"count:{name}"] = np.asarray(values, dtype=np.float32)
+        everyone = arrays_from_every_rank(mine)
+        sizes = [len(p["lengths"]) for p in everyone]
+        total = sum(sizes)
+        times = np.concatenate([p["times"] for p in everyone])
+        if len(times):
+            self._stream_time = max(self._stream_time, float(times.max()))
+            now = self._stream_time
+        else:
+            now = float(everyone[0]["clock"][0])
+        if total == 0:  # no step: nothing to admit
+            return batch, now
+        lengths = np.concatenate([p["lengths"] for p in everyone])  # [total, keys]
+        values, at = [], [0] * len(everyone)
+        for k in range(len(keys)):  # per key, rank after rank (a KJT's layout)
+            for r, p in enumerate(everyone):
+                n = int(p["lengths"][:, k].sum())
+                values.append(p["values"][at[r]:at[r] + n])
+                at[r] += n
+        sparse = KeyedJaggedTensor(
+            keys=keys, values=torch.from_numpy(np.concatenate(values)),
+            lengths=torch.from_numpy(np.ascontiguousarray(lengths.T.reshape(-1))))
+        counts = {name[len("count:"):]: np.concatenate([p[name] for p in everyone])
+                  for name in mine if name.startswith("count:")}
+        whole = Batch(sparse=sparse, dense=torch.zeros(total, 0),
+                      labels=torch.from_numpy(np.concatenate([p["labels"] for p in everyone])
+                                              .reshape((total, *labels.shape[1:]))),
+                      counts=counts or None)
+        remapped = self.dynamic.remap(whole, self.global_step + 1, now, admit=True)
+        if remapped.evicted:
+            self.reset_dynamic_rows(remapped.evicted, self.global_step + 1)
+        start = sum(sizes[:self.rank])
+        keep = torch.zeros(total, dtype=torch.bool)
+        keep[start:start + b] = True
+        return replace(batch, sparse=remapped.batch.select(keep).sparse), now
 
     def _train_step_ranks(self, batch: Batch) -> StepOutput:
         """``train_step`` of one of several ranks (a collective).
@@ -1000,15 +1114,7 @@ class TrainModule:
                                f"{pname}/{k}")
         if "dense_optimizer" in state:
             self._dense_opt.load_state_dict(state["dense_optimizer"])
-        if self.dynamic:
-            if "dynamic_tables" not in state:
-                raise KeyError("the checkpoint has no dynamic-table state but the model has "
-                               f"dynamic tables {sorted(self.dynamic.tables)}")
-            self.dynamic.load_state_dict(state["dynamic_tables"])
-            self._stream_time = float(state.get("stream_time", 0.0))
-        elif strict and "dynamic_tables" in state:
-            raise KeyError("the checkpoint has dynamic tables "
-                           f"{sorted(state['dynamic_tables'].get('tables', {}))}, the model none")
+        self._load_dynamic_state(state, strict)
         self.global_step = int(state.get("global_step", 0))
         self._lrs = None
 
@@ -1094,8 +1200,21 @@ class TrainModule:
                     raise KeyError(f"sparse_optimizer: the checkpoint lacks {pname}/{k}")
         if "dense_optimizer" in state:
             self._dense_opt.load_state_dict(state["dense_optimizer"])
+        self._load_dynamic_state(state, strict)
         self.global_step = int(state.get("global_step", 0))
         self._lrs = None
+
+    def _load_dynamic_state(self, state: Mapping[str, Any], strict: bool) -> None:
+        """The dynamic tables' index and counters of a checkpoint state (every rank)."""
+        if self.dynamic:
+            if "dynamic_tables" not in state:
+                raise KeyError("the checkpoint has no dynamic-table state but the model has "
+                               f"dynamic tables {sorted(self.dynamic.tables)}")
+            self.dynamic.load_state_dict(state["dynamic_tables"])
+            self._stream_time = float(state.get("stream_time", 0.0))
+        elif strict and "dynamic_tables" in state:
+            raise KeyError("the checkpoint has dynamic tables "
+                           f"{sorted(state['dynamic_tables'].get('tables', {}))}, the model none")
 
     @torch.no_grad()
     def load_parameters(
