@@ -211,7 +211,7 @@ class RowPairIndex:
         self._gather = torch.tensor(
             [c + j if j < d else start for c, d in zip(columns, self.dims, strict=True)
              for j in range(self.width)], dtype=torch.long)
-        self._table_key = torch.tensor(table_index, dtype=torch.long) * _ROW_SPAN
+        self._table_key = torch.tensor(table_index, dtype=torch.long) * ROW_SPAN
         self._mean = torch.tensor([t.mean_pooling for t in self.tables])
         self._any_mean = bool(self._mean.any())
         self.multiplier = torch.tensor([t.lr_multiplier for t in self.tables])
@@ -348,4 +348,4 @@ class RowPairIndex:
 # Row ids stay below 2**31 (odl.config.limits.MAX_TABLE_ROWS): a table index times this span
 # plus a row is unique per table row; times (batch + 1) plus the record, the sort key fits
 # int64 while tables x (batch + 1) < 2**31.
-_ROW_SPAN = 1 << 32
+ROW_SPAN = 1 << 32

@@ -31,13 +31,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from odl.train.batch_row_pairs import RowPairIndex, RowPairs, argsort
+from odl.train.batch_row_pairs import ROW_SPAN, RowPairIndex, RowPairs, argsort
 from odl.train.distributed import arrays_from_every_rank
 from odl.train.in_batch_scan import InBatchScan, fit_errors, scan_pairs, scan_pass
 
-# table key spacing of a (table, row) pair's global key (more rows than any table has)
-_ROW_SPAN = 1 << 40
-
+# (tables, rows) -> (accumulators [U, acc_width], held [U] bool) of the rows this rank holds
 HeldAccumulators = Callable[[Sequence[str], np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
@@ -97,7 +95,7 @@ def rank_logit_shift(rank: int, index: RowPairIndex, scan: InBatchScan,
         jrow_all = np.concatenate([p["jrow"] for p, _ in with_pairs])
         table_ids = {t: i for i, t in enumerate(sorted(set(lookup_tables)))}
         table_of_lookup = np.array([table_ids[t] for t in lookup_tables], dtype=np.int64)
-        key = table_of_lookup[lookup_all] * _ROW_SPAN + rows_all
+        key = table_of_lookup[lookup_all] * ROW_SPAN + rows_all
         order = argsort(torch.from_numpy(key * (len(base) + 1) + sample_all)).numpy()
         key, sample_sorted = key[order], sample_all[order]
         new_row = np.ones(len(key), dtype=bool)

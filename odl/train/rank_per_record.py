@@ -25,14 +25,11 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from odl.train.batch_row_pairs import RowPairIndex, RowPairs
+from odl.train.batch_row_pairs import ROW_SPAN, RowPairIndex, RowPairs
 from odl.train.distributed import arrays_from_every_rank
 from odl.train.per_record_adagrad import PerRecordAdagrad
+from odl.train.rank_in_batch import HeldAccumulators
 
-_ROW_SPAN = 1 << 40
-
-# (tables, rows) -> (accumulators [U, acc_width], held [U] bool) of the rows this rank holds
-ReadHeld = Callable[[Sequence[str], np.ndarray], tuple[np.ndarray, np.ndarray]]
 # (tables, rows, weight deltas [U, width], accumulators [U, acc_width]) for held rows only
 WriteHeld = Callable[[Sequence[str], np.ndarray, np.ndarray, np.ndarray], None]
 
@@ -54,7 +51,7 @@ class RankPerRecordAdagrad(PerRecordAdagrad):
     """
 
     def __init__(self, index: RowPairIndex, kind: str, eps: float, max_gain: float,
-                 lookup_tables: Sequence[str], read_held: ReadHeld,
+                 lookup_tables: Sequence[str], read_held: HeldAccumulators,
                  write_held: WriteHeld) -> None:
         super().__init__(index, kind, eps, max_gain)
         self._tables = list(lookup_tables)
@@ -105,7 +102,7 @@ class RankPerRecordAdagrad(PerRecordAdagrad):
             heads = pairs.new_row.nonzero().flatten()
             lookup = pairs.lookup.index_select(0, heads).cpu().numpy().astype(np.int64)
             rows = pairs.rows.index_select(0, heads).cpu().numpy().astype(np.int64)
-            mine = {"key": self._table_of_lookup[lookup] * _ROW_SPAN + rows,
+            mine = {"key": self._table_of_lookup[lookup] * ROW_SPAN + rows,
                     "lookup": lookup, "rows": rows,
                     "readers": readers.cpu().numpy().astype(np.int64),
                     "s": s.cpu().numpy(), "q": q.cpu().numpy()}
