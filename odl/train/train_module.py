@@ -366,7 +366,10 @@ class TrainModule:
 
         Validation has checked the model (one output, for in-batch learning) and the table
         optimizer (SGD or (row-wise) Adagrad; (row-wise) Adagrad for per-record
-        accumulators); the classes refuse any other.
+        accumulators); the classes refuse any other. With several ranks the index has no
+        table storage (no rank holds whole tables): in-batch learning runs through
+        ``odl.train.rank_in_batch`` and per-record Adagrad is ``RankPerRecordAdagrad``, both
+        reading and writing rows in the shards that hold them.
         """
         tc = config.train_config
         if not (tc.in_batch_learning or tc.per_record_adagrad):
