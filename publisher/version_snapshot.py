@@ -345,7 +345,6 @@ class ParameterSnapshotter:
                 if dyn is not None:
                     touched[name] = torch.from_numpy(dyn.index.live_rows())
         requested: dict[str, torch.Tensor] = {}
-        raw_ids: dict[str, np.ndarray] = {}  # dynamic tables: the raw id of each row read
         for name, ids in touched.items():
             if name not in self.id_maps.tables:
                 continue
@@ -355,7 +354,7 @@ class ParameterSnapshotter:
                 raw = dyn.index.row_ids[keys]
                 ok = raw >= 0
                 ok[ok] = dyn.publishable(keys[ok], dyn.now)
-                raw_ids[name], ids = raw[ok], ids[torch.from_numpy(ok).to(ids.device)]
+                ids = ids[torch.from_numpy(ok).to(ids.device)]
                 if not ids.shape[0]:
                     continue
             requested[name] = ids
@@ -363,8 +362,9 @@ class ParameterSnapshotter:
         out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         for name, (ids, rows) in got.items():
             info = self.id_maps.tables[name]
-            if name in raw_ids:
-                keys = raw_ids[name]
+            dyn = self._dynamic(name)
+            if dyn is not None:  # the raw id each row holds (several ranks: of the union)
+                keys = dyn.index.row_ids[ids.cpu().numpy().astype(np.int64, copy=False)]
             else:  # remembered for a republish (the union of every rank's rows)
                 if name not in self._published_rows:
                     self._published_rows[name] = torch.zeros(shapes[name][0], dtype=torch.bool)

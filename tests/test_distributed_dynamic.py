@@ -3,21 +3,31 @@
 The contract: every rank holds the whole id index and decides admissions, evictions and
 expiry from the step's records of all ranks in rank order, so two ranks train (predictions,
 tables, index) as one process does on the concatenated batches; evicted rows are reset in
-the shards that hold them; a checkpoint of one process restores into the ranks.
+the shards that hold them; a checkpoint of one process restores into the ranks; the ranks
+publish and recover the versions one process publishes and recovers.
 """
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
 import torch
+from google.protobuf import text_format
 
-from odl.config.config_error import ConfigError
 from odl.features.feature_builder import FeatureBuilder
 from odl.harness.spawned_ranks import run_ranks
-from odl.train.distributed import check_several_ranks
+from odl.train.distributed import agree, check_several_ranks
+from odl.train.rank_publishing import RankPublishing
 from odl.train.train_module import EBC_PREFIX, TrainModule
-from tests.test_dynamic_tables import _config, _records
+from publisher.delta_recovery import RecoveredState, RecoveryMerger, apply_recovered_state
+from publisher.id_maps import build_id_maps
+from publisher.publisher_factory import (
+    build_delta_sink,
+    build_publisher,
+    dense_variable_shapes,
+    published_table_dims,
+)
+from tests.test_distributed_publishing import _versions
+from tests.test_dynamic_tables import _config, _records, _Run, _train
 
 GLOBAL = 64  # records per step, all ranks together
 ROW_WISE_MIN_ROWS = 16  # the 60- and 40-row dynamic tables split by rows over the ranks
@@ -86,11 +96,108 @@ def test_two_ranks_admit_and_evict_as_one_process(tmp_path):
                                        err_msg=name)
 
 
-def test_publishing_dynamic_tables_with_ranks_is_refused_by_field(tmp_path):
-    config = _config(str(tmp_path / "m"))
-    config.kafka_train_input.server, config.kafka_train_input.topic = "127.0.0.1:9", "t"
-    check_several_ranks(config, online=True, world_size=2)  # training them: done
-    config.train_config.incr_save_config.fs.incr_save_dir = "v"
-    with pytest.raises(ConfigError) as err:
-        check_several_ranks(config, online=True, world_size=2)
-    assert err.value.field == "train_config.incr_save_config" and "2 ranks" in str(err.value)
+INCR = 'incr_save_config { sparse_save_steps: 2 dense_save_steps: 3 fs { incr_save_dir: "v" } }'
+
+
+def _publishing_config(model_dir: str, batch: int):
+    config = _config(model_dir)
+    config.data_config.batch_size = batch
+    text_format.Merge(INCR, config.train_config)
+    return config
+
+
+def _publishing_rank(rank: int, world: int, model_dir: str, steps: list) -> int:
+    """One rank training its share of each step and publishing through rank 0."""
+    config = _publishing_config(model_dir, GLOBAL // world)
+    check_several_ranks(config, online=True, world_size=world)  # publishing them: allowed
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    publishing = RankPublishing.build(config, tm, "gen0", rank, None,
+                                      build_delta_sink(config) if rank == 0 else None)
+    positions: dict[int, int] = {}
+    for k, records in enumerate(steps):
+        flags = agree([publishing.turn_flags(tm.global_step)])[0][0]  # rank 0's
+        publishing.after_turn(tm.global_step, flags, True, positions)
+        tm.train_step(fb.build(records[rank::world]).batch)
+        positions = {rank: k + 1}
+        if publishing.publisher is not None:  # each version sent alone, never merged
+            assert publishing.publisher.wait_sent(30.0)
+    publishing.flush(tm.global_step, positions, timeout=30.0)
+    return tm.global_step
+
+
+def test_two_ranks_publish_dynamic_tables_as_one_process(tmp_path):
+    """Delta versions of a model with dynamic tables from two ranks: the same versions as one
+    process's on the same records, rows under the raw ids they hold (the union of both
+    ranks' touched rows, resolved by rank 0's index) and the evicted ids as deletes."""
+    records = _records(16 * GLOBAL, seed=6)
+    steps = [records[k:k + GLOBAL] for k in range(0, len(records), GLOBAL)]
+    two_dir, one_dir = str(tmp_path / "two"), str(tmp_path / "one")
+    run_ranks(_publishing_rank, 2, 2, two_dir, steps)
+    config = _publishing_config(one_dir, GLOBAL)
+    fb = FeatureBuilder(config)
+    one = TrainModule(config, fb, device="cpu")
+    pub = build_publisher(config, one, "gen0", sink=build_delta_sink(config))
+    for k, recs in enumerate(steps):
+        one.train_step(fb.build(recs[0::2] + recs[1::2]).batch)
+        pub.maybe_publish(one.global_step, {r: k + 1 for r in range(2)})
+        assert pub.wait_sent(30.0)
+    pub.flush(timeout=30.0, step=one.global_step, positions={0: 16, 1: 16})
+    two, ref = _versions(two_dir), _versions(one_dir)
+    assert [v.header.version for v in two] == [v.header.version for v in ref]
+    assert any(v.deletes for v in ref)  # the steps evict: deletes are published
+    for a, b in zip(two, ref, strict=True):
+        assert {t: sorted(ids.tolist()) for t, ids in a.deletes.items()} == {
+            t: sorted(ids.tolist()) for t, ids in b.deletes.items()}
+        assert set(a.sparse) == set(b.sparse)
+        for tid, (ids, values) in b.sparse.items():
+            order_a, order_b = np.argsort(a.sparse[tid][0]), np.argsort(ids)
+            np.testing.assert_array_equal(a.sparse[tid][0][order_a], ids[order_b])
+            np.testing.assert_allclose(a.sparse[tid][1][order_a], values[order_b],
+                                       atol=1e-4, rtol=0)
+
+
+def _recovering_rank(rank: int, world: int, model_dir: str, base: str, recovered: str,
+                     records: list[bytes]) -> tuple:
+    """One rank restoring the base state, then applying the recovered versions."""
+    config = _config(model_dir)
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    tm.load_checkpoint_state(torch.load(base, weights_only=False))
+    maps = build_id_maps(dense_variable_shapes(tm), published_table_dims(tm))
+    apply_recovered_state(tm.table_rows(), tm.dense_parameters(), maps,
+                          torch.load(recovered, weights_only=False), tm)
+    state = tm.state_dict_for_checkpoint()  # gathered on rank 0
+    tables = {k: v.numpy() for k, v in state.get("model", {}).items()
+              if k.startswith(EBC_PREFIX)}
+    return tables, _index(tm, fb, records)
+
+
+def test_two_ranks_recover_published_rows_and_deletes_as_one_process(tmp_path):
+    """Crash recovery's step with ranks: a base state restored into two ranks, then the
+    delta versions published after it (rows under raw ids, deletes): every rank's index
+    and the shards' rows equal one process recovering the same."""
+    run = _Run(tmp_path)
+    base_state = run.tm.state_dict_for_checkpoint()
+    for k in range(8):
+        _train(run.tm, run.fb, range(200 + 2 * k, 202 + 2 * k))
+        run.publish()
+    merger = RecoveryMerger(RecoveredState(topic="d", start_offset=0, end_offset=0))
+    for offset, chunk in enumerate(run.chunks):
+        merger.add(chunk, offset)
+    state = merger.finish()
+    assert state.deletes  # evictions happened after the base
+    one = TrainModule(run.cfg, run.fb, device="cpu")
+    one.load_checkpoint_state(base_state)
+    apply_recovered_state(one.embedding_tables(), one.dense_parameters(), run.maps, state, one)
+    base, recovered = str(tmp_path / "base.pt"), str(tmp_path / "recovered.pt")
+    torch.save(base_state, base)
+    torch.save(state, recovered)
+    records = _records(400, seed=5)
+    got = run_ranks(_recovering_rank, 2, 2, str(tmp_path / "m"), base, recovered, records)
+    want = _index(one, run.fb, records)
+    assert got[0][1] == want and got[1][1] == want
+    for name, t in one.state_dict_for_checkpoint()["model"].items():
+        if name.startswith(EBC_PREFIX):
+            np.testing.assert_allclose(got[0][0][name], t.numpy(), atol=1e-6, rtol=0,
+                                       err_msg=name)

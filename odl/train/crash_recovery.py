@@ -50,7 +50,7 @@ from odl.checkpoint.checkpoint_manager import (
 from odl.inputs.source_factory import online_input_name
 from odl.protos import pipeline_pb2
 from odl.train.distributed import from_rank0
-from odl.train.train_module import EBC_PREFIX, TrainModule
+from odl.train.train_module import TrainModule
 from odl.train.trainer_metrics import TrainerMetrics
 from publisher.delta_recovery import (
     DeltaRecoveryError,
@@ -170,10 +170,10 @@ class CrashRecovery:
         """``restore`` of one of several ranks (a collective).
 
         Every rank reads the checkpoint; rank 0 alone claims and reads the delta topic and
-        sends what it found to the others. From a checkpoint of several ranks each rank reads
-        only the blocks of the table parts that hold its own rows, then writes the recovered
-        rows its shards hold; from one of one process every rank brings the checkpoint's
-        whole tables forward to the recovered version before it loads its own shards.
+        sends what it found to the others. Each rank loads its own rows (only the blocks of
+        the table parts that hold them, or its rows of a one-process checkpoint's mapped
+        state file), then writes the recovered rows its shards hold; dynamic tables take the
+        recovered ids on every rank, as their index is whole on each.
         """
         latest = self._latest_checkpoint(whole_tables=False)
         restored = self._restored_from(*latest) if latest is not None else RestoredState()
@@ -186,21 +186,17 @@ class CrashRecovery:
             self._warm_start()
             return restored
         state = latest[1].state
+        module = self._module
         if recovered is not None and self._note_recovered(restored, recovered):
-            if state.get("table_parts"):  # own blocks, then the recovered rows held here
-                state["global_step"] = int(recovered.version)
-                self._module.load_checkpoint_state(state)
-                apply_recovered_state(self._module.table_rows(),
-                                      self._module.dense_parameters(), self._id_maps(),
-                                      recovered)
-                return restored
-            model = state["model"]
-            tables = {key[len(EBC_PREFIX):-len(".weight")]: t for key, t in model.items()
-                      if key.startswith(EBC_PREFIX) and key.endswith(".weight")}
-            dense = {key: t for key, t in model.items() if key.startswith("dense.")}
-            apply_recovered_state(tables, dense, self._id_maps(), recovered)
+            # own rows first, then the recovered rows this rank's shards hold (and, with
+            # dynamic tables, the recovered ids in the index every rank holds)
             state["global_step"] = int(recovered.version)
-        self._module.load_checkpoint_state(state)
+            module.load_checkpoint_state(state)
+            apply_recovered_state(module.table_rows(), module.dense_parameters(),
+                                  self._id_maps(), recovered,
+                                  module if module.dynamic else None)
+            return restored
+        module.load_checkpoint_state(state)
         return restored
 
     def _id_maps(self) -> IdMaps:

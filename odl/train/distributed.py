@@ -269,20 +269,13 @@ def check_several_ranks(config: pipeline_pb2.EasyRecConfig, online: bool,
 
     Raises:
         ConfigError: a file stream (``file_stream_input``); in-batch learning with the
-            batched shift (``in_batch_sequential: false``); publishing a model with dynamic
-            tables.
+            batched shift (``in_batch_sequential: false``).
     """
     why = f"is not implemented for {world_size} ranks (torchrun) yet; run one process"
     if online and online_input_kind(config) not in ("kafka", "datahub"):
         raise ConfigError("file_stream_input",
                           f"online Kafka or DataHub input, or offline files: a file stream {why}")
     tc = config.train_config
-    dynamic = config.model_config.HasField("ev_params") or any(
-        fc.HasField(f) for fc in [*config.feature_configs, *config.feature_config.features]
-        for f in ("ev_params", "zch", "ctr_accessor_param"))
-    if dynamic and tc.HasField("incr_save_config"):
-        raise ConfigError("train_config.incr_save_config",
-                          f"publishing a model with dynamic tables {why}")
     if tc.in_batch_learning and not tc.in_batch_sequential:
         raise ConfigError("train_config.in_batch_sequential",
                           f"in-batch learning with the batched shift (false) {why}")
