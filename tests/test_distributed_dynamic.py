@@ -18,7 +18,7 @@ from odl.harness.spawned_ranks import run_ranks
 from odl.train.distributed import agree, check_several_ranks
 from odl.train.rank_publishing import RankPublishing
 from odl.train.train_module import EBC_PREFIX, TrainModule
-from publisher.delta_recovery import RecoveredState, RecoveryMerger, apply_recovered_state
+from publisher.delta_recovery import apply_recovered_state
 from publisher.id_maps import build_id_maps
 from publisher.publisher_factory import (
     build_delta_sink,
@@ -27,7 +27,7 @@ from publisher.publisher_factory import (
     published_table_dims,
 )
 from tests.test_distributed_publishing import _versions
-from tests.test_dynamic_tables import _config, _records, _Run, _train
+from tests.test_dynamic_tables import _config, _records, recovered_run
 
 GLOBAL = 64  # records per step, all ranks together
 ROW_WISE_MIN_ROWS = 16  # the 60- and 40-row dynamic tables split by rows over the ranks
@@ -177,16 +177,7 @@ def test_two_ranks_recover_published_rows_and_deletes_as_one_process(tmp_path):
     """Crash recovery's step with ranks: a base state restored into two ranks, then the
     delta versions published after it (rows under raw ids, deletes): every rank's index
     and the shards' rows equal one process recovering the same."""
-    run = _Run(tmp_path)
-    base_state = run.tm.state_dict_for_checkpoint()
-    for k in range(8):
-        _train(run.tm, run.fb, range(200 + 2 * k, 202 + 2 * k))
-        run.publish()
-    merger = RecoveryMerger(RecoveredState(topic="d", start_offset=0, end_offset=0))
-    for offset, chunk in enumerate(run.chunks):
-        merger.add(chunk, offset)
-    state = merger.finish()
-    assert state.deletes  # evictions happened after the base
+    run, base_state, state = recovered_run(tmp_path)
     one = TrainModule(run.cfg, run.fb, device="cpu")
     one.load_checkpoint_state(base_state)
     apply_recovered_state(one.embedding_tables(), one.dense_parameters(), run.maps, state, one)

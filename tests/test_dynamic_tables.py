@@ -414,7 +414,9 @@ def test_ids_below_filter_freq_are_never_published(tmp_path):
     assert rare in run.versions[-1].sparse[run.maps.tables["item"].id][0].tolist()
 
 
-def test_crash_recovery_applies_rows_and_deletes(tmp_path):
+def recovered_run(tmp_path) -> tuple[_Run, dict, RecoveredState]:
+    """A run's state at its base, then 8 published steps read back as crash recovery does:
+    ``(run, base state, recovered state)``; the steps evict, so there are deletes."""
     run = _Run(tmp_path)
     base_state = run.tm.state_dict_for_checkpoint()
     for k in range(8):
@@ -425,6 +427,11 @@ def test_crash_recovery_applies_rows_and_deletes(tmp_path):
         merger.add(chunk, offset)
     state = merger.finish()
     assert state.deletes  # evictions happened after the base
+    return run, base_state, state
+
+
+def test_crash_recovery_applies_rows_and_deletes(tmp_path):
+    run, base_state, state = recovered_run(tmp_path)
     restarted = TrainModule(run.cfg, run.fb, device="cpu")
     restarted.load_checkpoint_state(base_state)
     apply_recovered_state(restarted.embedding_tables(), restarted.dense_parameters(),
