@@ -81,7 +81,7 @@ class InBatchLearning:
         self.sequential = sequential
 
     def logit_shift(self, pairs: RowPairs | None, output: ModelOutput,
-                    loss: torch.Tensor, lr: float,
+                    loss: torch.Tensor | None, lr: float,
                     loss_at: Callable[[torch.Tensor], torch.Tensor] | None = None
                     ) -> torch.Tensor:
         """The ``[B]`` shift of ``output.logits`` (module docstring); no gradient flows.
@@ -90,7 +90,8 @@ class InBatchLearning:
             pairs: the step's row reads (``RowPairIndex.pairs`` of the batch's ids, after any
                 dynamic-table remap); None: nothing read.
             output: the step's forward output (logits ``[B]``, pooled groups in the graph).
-            loss: the step's loss on ``output`` (its graph is kept for the backward).
+            loss: the step's loss on ``output`` (its graph is kept for the backward); the
+                sequential pass does not need it (None).
             lr: the table rate of this step.
             loss_at: the step's loss at given ``[B]`` logits; needed when ``sequential``.
 
@@ -110,6 +111,8 @@ class InBatchLearning:
             with torch.no_grad():
                 prepared = self._scan_pairs(pairs, jac, lr, logits.dtype)
             return self.sequential.shift(prepared, logits.detach(), loss_at)
+        if loss is None:
+            raise ValueError("the batched shift needs the step's loss")
         (dloss,) = torch.autograd.grad(loss, logits, retain_graph=True)
         with torch.no_grad():
             return self._shift(pairs, dloss.detach(), jac, lr, shift)

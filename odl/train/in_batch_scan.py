@@ -50,6 +50,7 @@ import torch
 
 from odl.protos import pipeline_pb2
 from odl.storage.file_store import cache_root
+from odl.train.batch_row_pairs import argsort
 
 logger = logging.getLogger(__name__)
 
@@ -167,10 +168,7 @@ def _i64(t: torch.Tensor) -> np.ndarray:
 def record_order(sample: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """The permutation that puts pairs in (record, row) order, the pass's order."""
     slots = int(slot.max()) + 1 if slot.numel() else 1
-    keys = sample.long() * slots + slot.long()
-    if keys.device.type != "cpu":
-        return torch.argsort(keys)
-    return torch.from_numpy(np.argsort(keys.numpy()))  # several times faster than torch's
+    return argsort(sample.long() * slots + slot.long())
 
 
 def scan_pairs(sample: torch.Tensor, slot: torch.Tensor, jrow: torch.Tensor,

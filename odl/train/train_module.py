@@ -338,6 +338,7 @@ class TrainModule:
         self._dynamic_of_torch = {t: self.dynamic.tables[base]
                                   for base, ts in self._dynamic_torch_tables.items() for t in ts}
         self._row_views: tuple[dict, dict] | None = None
+        self._shard_views: dict[str, tuple[Any, list[Any]]] | None = None
         self._stream_time = 0.0
         self._dense_params = list(self._dense_module().parameters())
         if self.world_size > 1:  # every rank starts from rank 0's dense parameters
@@ -541,15 +542,11 @@ class TrainModule:
         """
         out = self.dynamic.status()
         if self.world_size > 1:  # this rank's shards of the rows, the whole index
-            model = self._dmp.state_dict()
-            states = self._dmp.fused_optimizer.state_dict()["state"]
             for base, st in out.items():
                 nbytes = st["map_bytes"]
                 for t in self._dynamic_torch_tables[base]:
-                    key = f"{EBC_PREFIX}{t}.weight"
-                    held = [model[key], *(v for v in states.get(key, {}).values()
-                                          if hasattr(v, "local_shards")
-                                          or isinstance(v, torch.Tensor))]
+                    weight, state = self._table_shards(t)
+                    held = [weight, *state]
                     nbytes += sum(x.numel() * x.element_size()
                                   for h in held for _o, x in _local_shards(h))
                 st["memory_bytes"] = int(nbytes)
@@ -660,6 +657,23 @@ class TrainModule:
             self._row_views = (tables, states)
         return self._row_views
 
+    def _table_shards(self, table: str) -> tuple[Any, list[Any]]:
+        """A table's weight and optimizer state tensors as this rank holds them (cached).
+
+        Each is a ShardedTensor with several ranks (``_local_shards`` gives its local
+        shards and their offsets); the state list is empty for SGD.
+        """
+        if self._shard_views is None:
+            model = self._dmp.state_dict()
+            states = self._dmp.fused_optimizer.state_dict()["state"]
+            self._shard_views = {
+                key[len(EBC_PREFIX):-len(".weight")]: (
+                    t, [v for v in states.get(key, {}).values()
+                        if isinstance(v, torch.Tensor) or hasattr(v, "local_shards")])
+                for key, t in model.items()
+                if key.startswith(EBC_PREFIX) and key.endswith(".weight")}
+        return self._shard_views[table]
+
     @torch.no_grad()
     def reset_dynamic_rows(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
         """Fresh weights and zero optimizer state for evicted rows (dynamic table -> rows).
@@ -682,18 +696,13 @@ class TrainModule:
 
     def _reset_dynamic_shards(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
         """``reset_dynamic_rows`` of one of several ranks: its own shards' rows."""
-        model = self._dmp.state_dict()
-        states = self._dmp.fused_optimizer.state_dict()["state"]
         for base, rows in evicted.items():
             r = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
             for t in self._dynamic_torch_tables[base]:
-                key = f"{EBC_PREFIX}{t}.weight"
-                shape = tuple(int(x) for x in model[key].size())
-                whole = ShardRows(_local_shards(model[key]), shape)
+                weight, state = self._table_shards(t)
+                whole = ShardRows(_local_shards(weight), tuple(int(x) for x in weight.size()))
                 reset_embedding_rows(t, whole, r, self._seed, step)
-                for v in states.get(key, {}).values():
-                    if not (isinstance(v, torch.Tensor) or hasattr(v, "local_shards")):
-                        continue
+                for v in state:
                     for (r0, *_c), shard in _local_shards(v):
                         inside = r[(r >= r0) & (r < r0 + shard.shape[0])] - r0
                         if inside.numel():
@@ -754,7 +763,9 @@ class TrainModule:
             batch = batch.select(finite)
             output = self._dmp(batch)
             logits = output.logits
-        loss = self._module().loss(output, batch)
+        # the loss at the unshifted logits: not needed by the sequential pass
+        sequential = self._in_batch is not None and self._in_batch.sequential is not None
+        loss = None if sequential else self._module().loss(output, batch)
         pairs = (self._row_pairs.pairs(batch.sparse, batch.size, logits.dtype)
                  if self._row_pairs is not None else None)
         if self._in_batch is not None:  # predict each record after its batch's earlier ones
@@ -765,6 +776,7 @@ class TrainModule:
             output = ModelOutput(output.logits + shift, output.pooled)
             logits = output.logits
             loss = self._module().loss(output, batch)
+        assert loss is not None
         pending = (self._per_record.before_backward(pairs, output.pooled)
                    if self._per_record is not None else None)
         self._dense_opt.zero_grad(set_to_none=True)
@@ -942,11 +954,9 @@ class TrainModule:
         values = np.zeros((len(rows), width), dtype=np.float32)
         held = np.zeros(len(rows), dtype=bool)
         names = np.asarray(tables)
-        states = self._dmp.fused_optimizer.state_dict()["state"]
         for table in np.unique(names):
             at = np.flatnonzero(names == table)
-            st = [v for v in states.get(f"{EBC_PREFIX}{table}.weight", {}).values()
-                  if isinstance(v, torch.Tensor) or hasattr(v, "local_shards")]
+            st = self._table_shards(str(table))[1]
             if not st:
                 continue
             for (r0, *c), shard in _local_shards(st[0]):
@@ -971,15 +981,11 @@ class TrainModule:
         Only the requested (table, row)s this rank's shards hold are written; the others
         are skipped.
         """
-        model = self._dmp.state_dict()
-        states = self._dmp.fused_optimizer.state_dict()["state"]
         names = np.asarray(tables)
         for table in np.unique(names):
             at = np.flatnonzero(names == table)
-            key = f"{EBC_PREFIX}{table}.weight"
-            st = [v for v in states.get(key, {}).values()
-                  if isinstance(v, torch.Tensor) or hasattr(v, "local_shards")]
-            targets = [(model[key], delta, False)] + ([(st[0], acc, True)] if st else [])
+            weight, st = self._table_shards(str(table))
+            targets = [(weight, delta, False)] + ([(st[0], acc, True)] if st else [])
             for tensor, values, is_state in targets:
                 for (r0, *c), shard in _local_shards(tensor):
                     want = rows[at]
