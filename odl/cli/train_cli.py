@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import signal
 import sys
 import threading
@@ -99,19 +100,33 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     From the start, SIGINT and SIGTERM stop start-up with one line on stderr and exit code
     130 (nothing is trained or written); once the trainer is built they ask it for a clean
-    stop (finish the step, checkpoint, exit 0).
+    stop (finish the step, checkpoint, exit 0). A rank of ``torchrun`` (``WORLD_SIZE`` > 1)
+    ends its process with its exit code once everything is closed
+    (``odl.train.distributed.end_rank_process``); an unexpected error there prints its
+    traceback and exits 1.
     """
+    ranked = int(os.environ.get("WORLD_SIZE", "1")) > 1
     previous = ({sig: signal.signal(sig, _interrupt_startup)
                  for sig in (signal.SIGINT, signal.SIGTERM)}
                 if threading.current_thread() is threading.main_thread() else {})
     try:
-        return _main(argv)
+        exit_code = _main(argv)
     except _StartupInterrupted as exc:
         print(f"odl-train: {exc} during start-up: stopped before training", file=sys.stderr)
-        return 130
+        exit_code = 130
+    except Exception:
+        if not ranked:
+            raise
+        logger.exception("odl-train failed")
+        exit_code = 1
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    if ranked:
+        from odl.train.distributed import end_rank_process
+
+        end_rank_process(exit_code)
+    return exit_code
 
 
 def _main(argv: Optional[list[str]]) -> int:

@@ -38,8 +38,10 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -120,6 +122,26 @@ def leave_process_group() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def end_rank_process(exit_code: int) -> NoReturn:
+    """Ends a rank's process with ``exit_code``, skipping the interpreter's teardown.
+
+    A gloo worker thread releases a finished collective's tensors only after the caller has
+    seen it complete, and that release takes the GIL. A worker still doing it while the
+    interpreter finalizes cannot take the GIL and aborts the whole process (SIGABRT,
+    "terminate called without an active exception"), which would turn a clean exit 0, or
+    a failure's own code (3 for a fenced trainer, which systemd must not restart), into a
+    crash. The trainer has closed everything it writes by the time ``run`` returns; the
+    log handlers and stdio are flushed here, then the process ends at once.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone: nothing left to lose
+            pass
+    os._exit(exit_code)
 
 
 def table_placement(tables: Mapping[str, tuple[int, int]], world_size: int,
