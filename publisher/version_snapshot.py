@@ -343,7 +343,7 @@ class ParameterSnapshotter:
             for name in shapes:
                 dyn = self._dynamic(name)
                 if dyn is not None:
-                    touched[name] = torch.from_numpy(dyn.index.live_rows())
+                    touched[name] = torch.from_numpy(dyn.live_rows())
         requested: dict[str, torch.Tensor] = {}
         for name, ids in touched.items():
             if name not in self.id_maps.tables:
@@ -351,7 +351,7 @@ class ParameterSnapshotter:
             dyn = self._dynamic(name)
             if dyn is not None:
                 keys = ids.cpu().numpy().astype(np.int64, copy=False)
-                raw = dyn.index.row_ids[keys]
+                raw = dyn.raw_ids(keys)
                 ok = raw >= 0
                 ok[ok] = dyn.publishable(keys[ok], dyn.now)
                 ids = ids[torch.from_numpy(ok).to(ids.device)]
@@ -364,7 +364,7 @@ class ParameterSnapshotter:
             info = self.id_maps.tables[name]
             dyn = self._dynamic(name)
             if dyn is not None:  # the raw id each row holds (several ranks: of the union)
-                keys = dyn.index.row_ids[ids.cpu().numpy().astype(np.int64, copy=False)]
+                keys = dyn.raw_ids(ids.cpu().numpy().astype(np.int64, copy=False))
             else:  # remembered for a republish (the union of every rank's rows)
                 if name not in self._published_rows:
                     self._published_rows[name] = torch.zeros(shapes[name][0], dtype=torch.bool)

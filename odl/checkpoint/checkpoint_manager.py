@@ -288,6 +288,13 @@ def read_checkpoint(path: str, map_location: str = "cpu",
                        weights_only=True, mmap=not whole_tables)
     if state.get("table_parts"):  # written by several ranks
         state["table_parts"] = [os.path.join(path, name) for name in state["table_parts"]]
+        try:  # dynamic tables split by id: each rank's partition is in its part (mapped)
+            table_parts.merge_dynamic_parts(
+                state, (table_parts.read_part(p, map_location, mmap=True)
+                        for p in state["table_parts"]))
+        except (OSError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {remote_path}: its table parts do not hold "
+                                  f"the dynamic tables' partitions: {exc}") from exc
         if whole_tables:
             assemble_table_parts(state, remote_path, map_location)
     positions: dict[int, int] = {}

@@ -6,14 +6,18 @@ checkpoint directory, so no rank ever holds every table at a save. Layout of one
 ``tables.rank-<r>-of-<N>.pt`` (``part_file_name``), a ``torch.save`` of::
 
     {"format": 1, "rank": r, "world_size": N,
-     "pieces": [[kind, name, key, whole_size, [[offsets, tensor], ...]], ...]}
+     "pieces": [[kind, name, key, whole_size, [[offsets, tensor], ...]], ...],
+     "dynamic_parts": {partition: state}}      (only with dynamic tables split by id)
 
 * ``kind``: ``"model"`` (a table's weights; ``name`` its parameter name, ``key`` ``""``) or
   ``"sparse"`` (its fused optimizer's state; ``name`` the parameter, ``key`` the state's
   name, e.g. ``momentum1``);
 * ``whole_size``: the whole tensor's size (a list of ints);
 * ``offsets``: where this rank's block starts in each dimension, or None for a tensor that
-  every rank holds whole and equal (written by every rank; any copy is the value).
+  every rank holds whole and equal (written by every rank; any copy is the value);
+* ``dynamic_parts``: the partitions of the dynamic tables' state this rank holds when their
+  index is split by id (``odl.models.dynamic_partitions``); reading the checkpoint puts
+  them into the state's ``dynamic_tables["parts"]`` (``merge_dynamic_parts``).
 
 The checkpoint's ``model.pt`` then names its parts (``"table_parts": [file, ...]``, rank
 order) and holds the rest of the state; ``assemble`` builds the whole tables from the parts,
@@ -41,19 +45,44 @@ def part_file_name(rank: int, world_size: int) -> str:
     return f"{PART_PREFIX}{rank}-of-{world_size}.pt"
 
 
-def part_document(pieces: Pieces, rank: int, world_size: int) -> dict[str, Any]:
+def part_document(pieces: Pieces, rank: int, world_size: int,
+                  dynamic_parts: Mapping[int, Any] | None = None) -> dict[str, Any]:
     """A rank's pieces as the part file's document (module docstring).
 
     Args:
         pieces: ``(kind, name, key) -> (whole size, [(offsets or None, CPU tensor)])``.
         rank: the writing rank.
         world_size: the number of ranks.
+        dynamic_parts: partition -> state of the dynamic tables' partitions it holds, when
+            their index is split by id.
     """
-    return {"format": PART_FORMAT, "rank": int(rank), "world_size": int(world_size),
-            "pieces": [[kind, name, key, [int(x) for x in size],
-                        [[None if off is None else [int(o) for o in off], t]
-                         for off, t in parts]]
-                       for (kind, name, key), (size, parts) in sorted(pieces.items())]}
+    doc = {"format": PART_FORMAT, "rank": int(rank), "world_size": int(world_size),
+           "pieces": [[kind, name, key, [int(x) for x in size],
+                       [[None if off is None else [int(o) for o in off], t]
+                        for off, t in parts]]
+                      for (kind, name, key), (size, parts) in sorted(pieces.items())]}
+    if dynamic_parts:
+        doc["dynamic_parts"] = dict(dynamic_parts)
+    return doc
+
+
+def merge_dynamic_parts(state: dict[str, Any], documents: Iterable[Mapping[str, Any]]) -> None:
+    """Puts the parts' ``dynamic_parts`` into ``state["dynamic_tables"]["parts"]``.
+
+    A state whose dynamic tables are not split over the parts is left as it is.
+
+    Raises:
+        ValueError: two parts hold the same partition.
+    """
+    dynamic = state.get("dynamic_tables")
+    if not isinstance(dynamic, dict) or int(dynamic.get("partitions", 1)) == 1:
+        return
+    merged = dynamic.setdefault("parts", {})
+    for doc in documents:
+        for p, part in (doc.get("dynamic_parts") or {}).items():
+            if int(p) in merged:
+                raise ValueError(f"two table parts hold partition {p} of the dynamic tables")
+            merged[int(p)] = part
 
 
 def write_part(path: str, document: Mapping[str, Any]) -> None:

@@ -512,13 +512,14 @@ def _live_dynamic_rows(fb: FeatureBuilder, state: Mapping,
     if saved is None:
         raise ExportError(f"checkpoint {ckpt_dir} has no dynamic-table state but the config "
                           f"has dynamic tables {sorted(specs)}")
-    tables = DynamicTables(specs, {n: () for n in specs})
+    tables = DynamicTables(specs, {n: () for n in specs},
+                           partitions=int(saved.get("partitions", 1)))
     tables.load_state_dict(saved)
     out = {}
     for name, table in tables.tables.items():
-        rows = table.index.live_rows()
+        rows = table.live_rows()
         rows = rows[table.exportable(rows)]
-        out[name] = (rows, table.index.row_ids[rows].copy())
+        out[name] = (rows, table.raw_ids(rows))
     return out
 
 

@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import zlib
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -65,6 +65,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from odl.config.dynamic_table_config import DynamicTableSpec
 from odl.features.batch import Batch
 from odl.features.raw_id_index import RawIdIndex, RawIdIndexGroup, drop_unmapped, mix64
+from odl.models.dynamic_partitions import PartitionedDynamicTable, partition_of, partition_spans
 
 logger = logging.getLogger(__name__)
 
@@ -220,6 +221,19 @@ class DynamicTable:
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """Rows of ``ids`` (``-1`` where none); no admission, no counters."""
         return self.index.lookup(ids)
+
+    def raw_ids(self, rows: np.ndarray) -> np.ndarray:
+        """The raw id each row holds (-1: free)."""
+        return self.index.row_ids[np.asarray(rows, dtype=np.int64)]
+
+    def live_rows(self) -> np.ndarray:
+        """Rows holding an id (ascending)."""
+        return self.index.live_rows()
+
+    @property
+    def live(self) -> int:
+        """Rows holding an id."""
+        return self.index.live
 
     def score(self, rows: np.ndarray) -> np.ndarray:
         """PaddleRec's score of rows (0 when the table keeps no show / click counts)."""
@@ -577,32 +591,102 @@ class RemapResult:
     evicted: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+class _Partition:
+    """One partition of every dynamic table: its index group, shared counters and tables.
+
+    Args:
+        specs: table name -> spec (``capacity``: this partition's rows).
+        seed: the model's seed.
+        record_deletes: keep evicted ids for the delta publisher.
+    """
+
+    def __init__(self, specs: Mapping[str, DynamicTableSpec], seed: int,
+                 record_deletes: bool) -> None:
+        names = list(specs)
+        self.group = RawIdIndexGroup([specs[n].capacity for n in names])
+        total = int(self.group.row_offsets[-1])
+        self.sightings = np.zeros(total, dtype=np.float64)
+        self.last_step = np.zeros(total, dtype=np.int64)
+        self.last_time = np.zeros(total, dtype=np.float64)
+        self.tables: dict[str, DynamicTable] = {}
+        for i, name in enumerate(names):
+            lo, hi = self.group.row_offsets[i], self.group.row_offsets[i + 1]
+            self.tables[name] = DynamicTable(
+                name, specs[name], seed, self.group.members[i],
+                (self.sightings[lo:hi], self.last_step[lo:hi], self.last_time[lo:hi]))
+            self.tables[name].record_deletes = record_deletes
+
+    def count_sightings(self, rows: np.ndarray, member: np.ndarray, step: int,
+                        now: float) -> None:
+        """Sightings and last step / time of the rows used (-1: none), all tables at once."""
+        used = rows >= 0
+        g = rows[used] + self.group.row_offsets[member[used]]
+        np.add.at(self.sightings, g, 1.0)
+        self.last_step[g] = step
+        self.last_time[g] = now
+
+
+@dataclass
+class Lookups:
+    """The dynamic-table lookups of a batch (``DynamicTables.lookups``).
+
+    Attributes:
+        where: position of each lookup in the batch's jagged values.
+        ids: its raw id.
+        member: its table (index into the tables, in order).
+        seg: lookups of plan entry j are ``[seg[j], seg[j + 1])`` (table after table).
+        owner: its id's partition (None with one partition).
+    """
+
+    where: np.ndarray
+    ids: np.ndarray
+    member: np.ndarray
+    seg: list[int]
+    owner: Optional[np.ndarray]
+
+
+# rows of lookups whose id belongs to a partition this process does not hold
+UNHELD = -2
+
+
 class DynamicTables:
     """The dynamic tables of one model, keyed by table name (module docstring).
+
+    With ``partitions`` > 1 every table is split by id (``odl.models.dynamic_partitions``)
+    and ``tables[name]`` is a ``PartitionedDynamicTable`` over the partitions held here.
 
     Args:
         specs: table name -> spec (only dynamic tables).
         table_features: table name -> features looked up in it.
         seed: the model's seed.
+        record_deletes: keep evicted ids for the delta publisher.
+        partitions: P, the partitions every table is split into by id.
+        held: the partitions this process holds (None: all; several ranks: its own).
     """
 
     def __init__(self, specs: Mapping[str, DynamicTableSpec],
                  table_features: Mapping[str, Sequence[str]], seed: int = 0,
-                 record_deletes: bool = False) -> None:
+                 record_deletes: bool = False, partitions: int = 1,
+                 held: Optional[Sequence[int]] = None) -> None:
         names = list(specs)
-        caps = [specs[n].capacity for n in names]
-        self.group = RawIdIndexGroup(caps)
-        total = int(self.group.row_offsets[-1])
-        self._sightings = np.zeros(total, dtype=np.float64)
-        self._last_step = np.zeros(total, dtype=np.int64)
-        self._last_time = np.zeros(total, dtype=np.float64)
-        self.tables = {}
-        for i, name in enumerate(names):
-            lo, hi = self.group.row_offsets[i], self.group.row_offsets[i + 1]
-            self.tables[name] = DynamicTable(
-                name, specs[name], seed, self.group.members[i],
-                (self._sightings[lo:hi], self._last_step[lo:hi], self._last_time[lo:hi]))
-            self.tables[name].record_deletes = record_deletes
+        self.partitions = int(partitions)
+        self.held = tuple(range(self.partitions)) if held is None else tuple(sorted(held))
+        spans = {n: partition_spans(specs[n].capacity, self.partitions) for n in names}
+        self._parts = {
+            p: _Partition({n: replace(specs[n], capacity=spans[n][p][1] - spans[n][p][0])
+                           for n in names}, seed, record_deletes)
+            for p in self.held}
+        # per held partition, the first global row of each table (index: member)
+        self._first_row = {p: np.asarray([spans[n][p][0] for n in names], dtype=np.int64)
+                           for p in self.held}
+        self.tables: dict[str, Any]
+        if self.partitions == 1:
+            self.tables = dict(self._parts[0].tables)
+        else:
+            self.tables = {n: PartitionedDynamicTable(
+                n, specs[n], self.partitions,
+                {p: (spans[n][p][0], self._parts[p].tables[n]) for p in self.held})
+                for n in names}
         self._member = {name: i for i, name in enumerate(names)}
         self._table_features = {n: list(table_features[n]) for n in self.tables}
         self._keys: Optional[list[str]] = None
@@ -619,7 +703,7 @@ class DynamicTables:
         self._keys = keys
 
     def remap(self, batch: Batch, step: int, now: float, admit: bool) -> RemapResult:
-        """Replaces the raw ids of dynamic tables by rows.
+        """Replaces the raw ids of dynamic tables by rows (every partition held here).
 
         Args:
             batch: a batch as the feature builder made it (CPU tensors).
@@ -630,15 +714,20 @@ class DynamicTables:
         Returns:
             The remapped batch and the rows evicted per table.
         """
+        found = self.lookups(batch)
+        if found is None:
+            return RemapResult(batch)
+        rows, evicted = self.map_lookups(found, batch, step, now, admit)
+        return RemapResult(self.with_rows(batch, found, rows), evicted)
+
+    def lookups(self, batch: Batch) -> Optional[Lookups]:
+        """Every dynamic-table lookup of a batch, table after table (None: there are none)."""
         kjt = batch.sparse
         keys = list(kjt.keys())
         if keys != self._keys:
             self._build_plan(keys)
         values = kjt.values().numpy()
-        lengths = kjt.lengths().numpy()
-        b = batch.size
-        lengths2d = lengths.reshape(len(keys), b).astype(np.int64)
-        counts = lengths2d.sum(axis=1)
+        counts = kjt.lengths().numpy().reshape(len(keys), batch.size).astype(np.int64).sum(1)
         starts = np.cumsum(counts) - counts
         # every dynamic lookup of the batch, table after table (one segment per table)
         spans, members, seg = [], [], [0]
@@ -648,14 +737,34 @@ class DynamicTables:
             seg.append(seg[-1] + int(sum(counts[k] for k in key_idx)))
             members.append(self._member[name])
         if not spans:
-            return RemapResult(batch)
-        new_values = values.copy()
+            return None
         where = np.concatenate(spans)
-        member = np.repeat(np.asarray(members, dtype=np.int64), np.diff(seg))
         ids = values[where]
-        rows = self.group.lookup(ids, member)
-        evicted: dict[str, np.ndarray] = {}
+        return Lookups(where=where, ids=ids,
+                       member=np.repeat(np.asarray(members, dtype=np.int64), np.diff(seg)),
+                       seg=seg, owner=(partition_of(ids, self.partitions)
+                                       if self.partitions > 1 else None))
+
+    def map_lookups(self, found: Lookups, batch: Batch, step: int, now: float,
+                    admit: bool) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Rows of ``found``'s ids in the held partitions (module docstring, 1-4).
+
+        Returns:
+            ``(rows, evicted)``: a global row per lookup (-1: none; ``UNHELD`` for an id of a
+            partition not held here) and table -> global rows evicted for admission.
+        """
+        ids, member, seg = found.ids, found.member, found.seg
+        # per held partition: its lookups (None: all of them) and their local rows
+        picks: dict[int, Optional[np.ndarray]] = (
+            {0: None} if found.owner is None
+            else {p: np.flatnonzero(found.owner == p) for p in self.held})
+        local = {p: self._parts[p].group.lookup(ids if at is None else ids[at],
+                                                member if at is None else member[at])
+                 for p, at in picks.items()}
+        evicted: dict[str, list[np.ndarray]] = {}
         if admit:
+            lengths2d = batch.sparse.lengths().numpy().reshape(
+                len(self._keys or []), batch.size).astype(np.int64)
             y = batch.labels.numpy()
             # a multi-task batch's clicks are its first label column
             labels = ((y if y.ndim == 1 else y[:, 0]) > 0).astype(np.float64)
@@ -665,36 +774,58 @@ class DynamicTables:
                 return np.concatenate([np.repeat(per_sample, lengths2d[k]) for k in key_idx])
 
             for j, (name, key_idx) in enumerate(self._plan):
-                table = self.tables[name]
-                spec = table.spec
-                part = slice(seg[j], seg[j + 1])
+                spec = self._parts[self.held[0]].tables[name].spec
                 clicks = _NO_CLICKS
-                if table.needs_clicks:
+                if spec.keeps_scores or spec.admit_score > 0:
                     clicks = per_lookup(counts[spec.click_field] if spec.click_field
                                         else labels, key_idx)
                 shows = per_lookup(counts[spec.show_field], key_idx) if spec.show_field else None
-                t_rows = rows[part]  # a view: admit_missing fills it in
-                if (t_rows < 0).any():
-                    ev = table.admit_missing(ids[part], clicks, t_rows, step, shows)
-                    if ev.shape[0]:
-                        evicted[name] = ev
-                table.count_used(t_rows, clicks, step, now, shows)
-            used = rows >= 0
-            g = rows[used] + self.group.row_offsets[member[used]]
-            np.add.at(self._sightings, g, 1.0)
-            self._last_step[g] = step
-            self._last_time[g] = now
-        new_values[where] = rows
+                for p, at in picks.items():
+                    table = self._parts[p].tables[name]
+                    if at is None:  # one partition: the table's segment
+                        part, sub = slice(seg[j], seg[j + 1]), slice(None)
+                    else:  # this partition's lookups inside the segment
+                        a, b = np.searchsorted(at, (seg[j], seg[j + 1]))
+                        part, sub = slice(int(a), int(b)), at[a:b] - seg[j]
+                    t_rows = local[p][part]  # a view: admit_missing fills it in
+                    t_clicks = clicks if clicks is _NO_CLICKS else clicks[sub]
+                    t_shows = shows[sub] if shows is not None else None
+                    if (t_rows < 0).any():
+                        ev = table.admit_missing(ids[seg[j]:seg[j + 1]][sub], t_clicks, t_rows,
+                                                 step, t_shows)
+                        if ev.shape[0]:
+                            lo = int(self._first_row[p][self._member[name]])
+                            evicted.setdefault(name, []).append(ev + lo)
+                    table.count_used(t_rows, t_clicks, step, now, t_shows)
+            for p, at in picks.items():
+                self._parts[p].count_sightings(local[p], member if at is None else member[at],
+                                               step, now)
+        if found.owner is None:
+            rows = local[0]
+        else:
+            rows = np.full(ids.shape[0], UNHELD, dtype=np.int64)
+            for p, at in picks.items():
+                r = local[p]
+                rows[at] = np.where(r >= 0, r + self._first_row[p][member[at]], -1)
+        return rows, {name: np.concatenate(ev) for name, ev in evicted.items()}
+
+    def with_rows(self, batch: Batch, found: Lookups, rows: np.ndarray) -> Batch:
+        """``batch`` with ``rows`` in place of its dynamic raw ids (rows -1 dropped)."""
+        if (rows == UNHELD).any():
+            raise ValueError("rows of ids of partitions not held here are missing")
+        kjt = batch.sparse
+        values = kjt.values().numpy()
+        new_values = values.copy()
+        new_values[found.where] = rows
         keep = np.ones(values.shape[0], dtype=bool)
-        keep[where] = rows >= 0
-        out_values, out_lengths = drop_unmapped(new_values, lengths, keep)
-        sparse = KeyedJaggedTensor(keys=keys, values=torch.from_numpy(out_values),
+        keep[found.where] = rows >= 0
+        out_values, out_lengths = drop_unmapped(new_values, kjt.lengths().numpy(), keep)
+        sparse = KeyedJaggedTensor(keys=list(kjt.keys()), values=torch.from_numpy(out_values),
                                    lengths=torch.from_numpy(np.ascontiguousarray(out_lengths)))
-        return RemapResult(Batch(sparse=sparse, dense=batch.dense, labels=batch.labels,
-                                 sample_ids=batch.sample_ids, event_times=batch.event_times,
-                                 counts=batch.counts, extras=batch.extras,
-                                 group_keys=batch.group_keys,
-                                 session_keys=batch.session_keys), evicted)
+        return Batch(sparse=sparse, dense=batch.dense, labels=batch.labels,
+                     sample_ids=batch.sample_ids, event_times=batch.event_times,
+                     counts=batch.counts, extras=batch.extras, group_keys=batch.group_keys,
+                     session_keys=batch.session_keys)
 
     def maintain(self, step: int, now: float) -> dict[str, np.ndarray]:
         """Runs the maintenance pass of every table due at ``step``; returns evicted rows."""
@@ -731,31 +862,61 @@ class DynamicTables:
         return out
 
     def status(self) -> dict[str, dict[str, Any]]:
-        """Per table: form, capacity, live rows, admitted, rejected, evicted, map bytes."""
-        return {name: {"form": t.spec.form, "policy": t.spec.policy,
-                       "capacity": t.spec.capacity, "live_rows": t.index.live,
-                       "admitted": t.counters.admitted, "rejected": t.counters.rejected,
-                       "evicted": t.counters.evicted, "expired": t.counters.expired,
-                       "map_bytes": t.map_bytes()}
-                for name, t in self.tables.items()}
+        """Per table: form, capacity, live rows, admitted, rejected, evicted, map bytes.
+
+        Split by id: the counts are the held partitions'; ``partitions`` and ``held`` say
+        which.
+        """
+        out = {}
+        for name, t in self.tables.items():
+            c = t.counters
+            out[name] = {"form": t.spec.form, "policy": t.spec.policy,
+                         "capacity": t.spec.capacity, "live_rows": t.live,
+                         "admitted": c.admitted, "rejected": c.rejected,
+                         "evicted": c.evicted, "expired": c.expired,
+                         "map_bytes": t.map_bytes()}
+            if self.partitions > 1:
+                out[name].update(partitions=self.partitions, held=list(self.held))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"format", "tables": {name: DynamicTable.state_dict()}}``, arrays as tensors."""
-        return {"format": STATE_FORMAT,
-                "tables": {n: _to_tensors(t.state_dict()) for n, t in self.tables.items()}}
+        """The held partitions' state, arrays as tensors.
+
+        ``{"format", "tables": {name: DynamicTable.state_dict()}}`` with one partition;
+        ``{"format", "partitions": P, "parts": {p: {"tables": ...}}}`` split by id.
+        """
+        if self.partitions == 1:
+            return {"format": STATE_FORMAT,
+                    "tables": {n: _to_tensors(t.state_dict()) for n, t in self.tables.items()}}
+        return {"format": STATE_FORMAT, "partitions": self.partitions,
+                "parts": {p: {"tables": {n: _to_tensors(t.state_dict())
+                                         for n, t in self._parts[p].tables.items()}}
+                          for p in self.held}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restores ``state_dict``.
+        """Restores ``state_dict`` (the held partitions' parts of it).
 
         Raises:
-            ValueError: the saved tables differ from these.
+            ValueError: the saved tables or partitions differ from these.
         """
-        saved = state.get("tables", {})
-        if set(saved) != set(self.tables):
-            raise ValueError(f"checkpoint has dynamic tables {sorted(saved)}, the model "
-                             f"{sorted(self.tables)}")
-        for name, t in self.tables.items():
-            t.load_state_dict(_to_arrays(saved[name]))
+        saved_p = int(state.get("partitions", 1))
+        if saved_p != self.partitions:
+            raise ValueError(
+                f"the checkpoint's dynamic tables are split by id into {saved_p} "
+                f"partition(s), this model's into {self.partitions}: set "
+                f"train_config.dynamic_index_partitions to {saved_p} to continue from it")
+        parts = ({0: state} if self.partitions == 1
+                 else {int(p): v for p, v in (state.get("parts") or {}).items()})
+        for p in self.held:
+            if p not in parts:
+                raise ValueError(f"the checkpoint lacks partition {p} of the dynamic tables "
+                                 f"(it has {sorted(parts)})")
+            saved = parts[p].get("tables", {})
+            if set(saved) != set(self.tables):
+                raise ValueError(f"checkpoint has dynamic tables {sorted(saved)}, the model "
+                                 f"{sorted(self.tables)}")
+            for name, t in self._parts[p].tables.items():
+                t.load_state_dict(_to_arrays(saved[name]))
 
 
 def _to_tensors(obj: Any) -> Any:

@@ -199,12 +199,12 @@ def init_embedding_weights(tables: Mapping[str, torch.Tensor], seed: int) -> Non
 
 @torch.no_grad()
 def reset_embedding_rows(name: str, weight: torch.Tensor, rows: torch.Tensor, seed: int,
-                         step: int) -> None:
+                         step: int, stream: int = 0) -> None:
     """Re-initializes rows of a table in place (evicted rows of a dynamic table).
 
     Deep tables get fresh ``N(0, DEEP_INIT_STD**2)`` values from a generator seeded by the
-    table and ``step``, so a restored trainer resets exactly as the original would; wide
-    tables get zeros.
+    table, ``step`` and ``stream``, so a restored trainer resets exactly as the original
+    would; wide tables get zeros.
 
     Args:
         name: the table's name.
@@ -212,6 +212,8 @@ def reset_embedding_rows(name: str, weight: torch.Tensor, rows: torch.Tensor, se
         rows: ``int64`` rows to reset.
         seed: the training seed.
         step: the step at which the rows are reset.
+        stream: which of several independent draws of the same step (a partition of a
+            table split by id); 0 for a table of one.
     """
     if rows.numel() == 0:
         return
@@ -220,7 +222,8 @@ def reset_embedding_rows(name: str, weight: torch.Tensor, rows: torch.Tensor, se
         weight.index_fill_(0, rows, 0.0)
         return
     gen = torch.Generator(device="cpu")
-    gen.manual_seed((table_seed(seed, name) + 7919 * int(step)) % (2**63 - 1))
+    gen.manual_seed((table_seed(seed, name) + 7919 * int(step) + 15485863 * int(stream))
+                    % (2**63 - 1))
     values = torch.randn((rows.numel(), weight.shape[1]), generator=gen,
                          dtype=torch.float32) * DEEP_INIT_STD
     weight.index_copy_(0, rows, values.to(device=weight.device, dtype=weight.dtype))

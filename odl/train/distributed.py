@@ -13,7 +13,9 @@ Table placement (``table_placement``), deterministic from the table sizes alone,
 rank computes the same plan:
 
 * a table of at least ``row_wise_min_rows`` rows is split by rows over all ranks (TorchRec's
-  row-wise sharding: rank r holds a contiguous block of about rows / N rows);
+  row-wise sharding: rank r holds a contiguous block of about rows / N rows), and so is
+  every dynamic table whose index is split by id (``odl.models.dynamic_partitions``: rank
+  r's rows are partition r's);
 * every other table is placed whole on one rank (table-wise): largest first (bytes = rows x
   stored columns), each on the rank with the fewest bytes so far (ties: the lower rank).
 
@@ -39,7 +41,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -145,13 +147,15 @@ def end_rank_process(exit_code: int) -> NoReturn:
 
 
 def table_placement(tables: Mapping[str, tuple[int, int]], world_size: int,
-                    row_wise_min_rows: int = ROW_WISE_MIN_ROWS) -> dict[str, TablePlacement]:
+                    row_wise_min_rows: int = ROW_WISE_MIN_ROWS,
+                    row_wise: Collection[str] = ()) -> dict[str, TablePlacement]:
     """The placement of every table (module docstring).
 
     Args:
         tables: table name -> ``(rows, stored columns)``.
         world_size: ranks.
         row_wise_min_rows: tables with at least this many rows are split by rows.
+        row_wise: tables split by rows whatever their size (dynamic tables split by id).
 
     Returns:
         Table name -> placement.
@@ -160,7 +164,7 @@ def table_placement(tables: Mapping[str, tuple[int, int]], world_size: int,
     load = [0] * world_size
     whole = []
     for name, (rows, cols) in tables.items():
-        if world_size > 1 and rows >= row_wise_min_rows:
+        if world_size > 1 and (rows >= row_wise_min_rows or name in row_wise):
             out[name] = TablePlacement(row_wise=True)
             for r in range(world_size):
                 load[r] += rows * cols // world_size

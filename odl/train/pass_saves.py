@@ -149,7 +149,7 @@ class PassSaves:
         touched = {}
         for name, rows in self._table_rows.items():
             dyn = self.module.dynamic_table(name)
-            ids = (torch.from_numpy(dyn.index.live_rows()) if dyn is not None
+            ids = (torch.from_numpy(dyn.live_rows()) if dyn is not None
                    else torch.arange(rows, dtype=torch.int64))
             touched[name] = ids
         self.tracker.put_back(touched)

@@ -61,12 +61,14 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.checkpoint import table_parts
+from odl.config.config_error import ConfigError
 from odl.config.loss_settings import num_classes, regression_outputs
 from odl.config.optimizer_support import table_kernel_kind
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import ModelOutput, predictions
-from odl.models.dynamic_table import DynamicTable, DynamicTables
+from odl.models.dynamic_partitions import partition_spans
+from odl.models.dynamic_table import UNHELD, DynamicTable, DynamicTables
 from odl.models.embedding_tables import WIDE_SUFFIX, init_embedding_weights, reset_embedding_rows
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
@@ -305,9 +307,15 @@ class TrainModule:
         tables = [c.name for c in table_configs]
         self._table_shapes = {c.name: (int(c.num_embeddings), int(c.embedding_dim))
                               for c in table_configs}
+        specs = {s.name: s for s in feature_builder.table_specs
+                 if s.dynamic is not None and s.name in set(tables) | {
+                     t[: -len(WIDE_SUFFIX)] for t in tables if t.endswith(WIDE_SUFFIX)}}
+        partitions = self._dynamic_partitions(config, specs)
+        split_by_id = {t for base in specs for t in (base, base + WIDE_SUFFIX)
+                       if partitions > 1 and t in tables}
         placement = table_placement(
             {c.name: (c.num_embeddings, c.embedding_dim) for c in table_configs},
-            self.world_size, row_wise_min_rows)
+            self.world_size, row_wise_min_rows, row_wise=split_by_id)
         plan = construct_module_sharding_plan(
             self.model.ebc,
             {t: (row_wise(compute_kernel="fused") if placement[t].row_wise
@@ -326,13 +334,15 @@ class TrainModule:
             init_embedding_weights(self.embedding_tables(), self._seed)
         else:
             self._init_local_shards()
-        specs = {s.name: s for s in feature_builder.table_specs
-                 if s.dynamic is not None and s.name in set(tables) | {
-                     t[: -len(WIDE_SUFFIX)] for t in tables if t.endswith(WIDE_SUFFIX)}}
         self.dynamic = DynamicTables(
             {n: s.dynamic for n, s in specs.items()},
             {n: s.feature_names for n, s in specs.items()}, self._seed,
-            record_deletes=config.train_config.HasField("incr_save_config"))
+            record_deletes=config.train_config.HasField("incr_save_config"),
+            partitions=partitions,
+            held=(self.rank,) if self.world_size > 1 and partitions > 1 else None)
+        # several ranks, split by id: the step's rows of every rank's records (the rows of
+        # this rank's partition are named and published by it)
+        self._step_rows: KeyedJaggedTensor | None = None
         self._dynamic_torch_tables = {
             base: [t for t in (base, base + WIDE_SUFFIX) if t in tables] for base in specs}
         self._dynamic_of_torch = {t: self.dynamic.tables[base]
@@ -530,6 +540,28 @@ class TrainModule:
         out.update({f"dense.{k}": v for k, v in d.named_buffers()})
         return out
 
+    def _dynamic_partitions(self, config: pipeline_pb2.EasyRecConfig,
+                            specs: Mapping[str, Any]) -> int:
+        """``train_config.dynamic_index_partitions``, checked against the ranks and tables.
+
+        Raises:
+            ConfigError: neither 1 nor the number of ranks, or a table too small to split.
+        """
+        field = "train_config.dynamic_index_partitions"
+        partitions = max(1, int(config.train_config.dynamic_index_partitions))
+        if not specs or partitions == 1:
+            return 1
+        if self.world_size > 1 and partitions != self.world_size:
+            raise ConfigError(field, f"is {partitions} with {self.world_size} ranks: it must "
+                              f"be 1 (the whole index on every rank) or {self.world_size} "
+                              "(one partition per rank)")
+        for name, spec in specs.items():
+            try:
+                partition_spans(spec.dynamic.capacity, partitions)
+            except ValueError as exc:
+                raise ConfigError(field, f"table {name}: {exc}") from exc
+        return partitions
+
     def dynamic_table(self, table: str) -> DynamicTable | None:
         """The dynamic table behind a TorchRec table (``<t>`` or ``<t>_wide``), else None."""
         return self._dynamic_of_torch.get(table)
@@ -679,20 +711,31 @@ class TrainModule:
         """Fresh weights and zero optimizer state for evicted rows (dynamic table -> rows).
 
         With several ranks each rank resets the rows its shards hold, to the values one
-        process would give them.
+        process would give them. Split by id, each partition's rows draw their values from
+        their own stream (the partition), so a rank knowing only its partition's evictions
+        resets them as one process holding every partition does.
         """
         if self.world_size > 1:
             self._reset_dynamic_shards(evicted, step)
             return
         tables, states = self._row_state_views()
         for base, rows in evicted.items():
-            r = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-            for t in self._dynamic_torch_tables[base]:
-                w = tables[t]
-                reset_embedding_rows(t, w, r, self._seed, step)
-                for v in states.get(f"{EBC_PREFIX}{t}.weight", []):
-                    if v.dim() >= 1 and v.shape[0] == w.shape[0]:
-                        v.index_fill_(0, r.to(v.device), 0)
+            for stream, r in self._reset_streams(base, rows):
+                for t in self._dynamic_torch_tables[base]:
+                    w = tables[t]
+                    reset_embedding_rows(t, w, r, self._seed, step, stream)
+                    for v in states.get(f"{EBC_PREFIX}{t}.weight", []):
+                        if v.dim() >= 1 and v.shape[0] == w.shape[0]:
+                            v.index_fill_(0, r.to(v.device), 0)
+
+    def _reset_streams(self, base: str, rows: np.ndarray) -> list[tuple[int, torch.Tensor]]:
+        """``[(stream, rows)]`` of evicted rows: per partition split by id, else one."""
+        r = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        if self.dynamic.partitions == 1:
+            return [(0, r)]
+        spans = partition_spans(self.dynamic.tables[base].spec.capacity,
+                                self.dynamic.partitions)
+        return [(p, r[(r >= lo) & (r < hi)]) for p, (lo, hi) in enumerate(spans)]
 
     def _reset_dynamic_shards(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
         """``reset_dynamic_rows`` of one of several ranks: its own shards' rows."""
@@ -701,7 +744,8 @@ class TrainModule:
             for t in self._dynamic_torch_tables[base]:
                 weight, state = self._table_shards(t)
                 whole = ShardRows(_local_shards(weight), tuple(int(x) for x in weight.size()))
-                reset_embedding_rows(t, whole, r, self._seed, step)
+                for stream, part in self._reset_streams(base, rows):
+                    reset_embedding_rows(t, whole, part, self._seed, step, stream)
                 for v in state:
                     for (r0, *_c), shard in _local_shards(v):
                         inside = r[(r >= r0) & (r < r0 + shard.shape[0])] - r0
@@ -795,15 +839,21 @@ class TrainModule:
         probs = predictions(logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
-    def _remap_ranks(self, batch: Batch) -> tuple[Batch, float]:
+    def _remap_ranks(self, batch: Batch, admit: bool = True) -> tuple[Batch, float]:
         """Dynamic tables' remap with several ranks (a collective): ``(batch, stream time)``.
 
-        Every rank holds the whole id index and makes the same decisions: the ranks exchange
-        their batches' ids, labels, counts and event times, and each remaps the step's
-        records of all ranks in rank order, as one process would remap the concatenated
-        batch, then keeps its own records. Rows evicted for admission are reset in the
-        shards that hold them. Stream time is the newest event time of the step's records
-        (rank 0's clock without an event time field), the same on every rank.
+        The ranks exchange their batches' ids, labels, counts and event times, and remap the
+        step's records of all ranks in rank order, as one process would remap the
+        concatenated batch, then each keeps its own records. With the whole index on every
+        rank each rank makes every decision itself (the same everywhere); split by id
+        (``odl.models.dynamic_partitions``) each rank maps the ids of its own partition and
+        the ranks exchange those rows. Rows evicted for admission are reset in the shards
+        that hold them. Stream time is the newest event time of the step's records (rank
+        0's clock without an event time field), the same on every rank.
+
+        Args:
+            batch: this rank's batch (``empty_batch()`` when it has none).
+            admit: a training step (admission, eviction, counters); False: look up only.
         """
         kjt = batch.sparse
         keys = list(kjt.keys())
@@ -811,7 +861,7 @@ class TrainModule:
         labels = batch.labels.detach().cpu().numpy().astype(np.float32)
         mine = {"values": kjt.values().cpu().numpy().astype(np.int64),
                 "lengths": kjt.lengths().cpu().numpy().astype(np.int64).reshape(len(keys), b).T,
-                "labels": labels.reshape(b, -1),
+                "labels": labels.reshape(b, int(np.prod(labels.shape[1:]))),
                 "times": (np.asarray(batch.event_times, dtype=np.float64)
                           if batch.event_times is not None else np.zeros(0)),
                 "clock": np.array([time.time()])}
@@ -821,7 +871,7 @@ class TrainModule:
         sizes = [len(p["lengths"]) for p in everyone]
         total = sum(sizes)
         times = np.concatenate([p["times"] for p in everyone])
-        if len(times):
+        if len(times) and admit:
             self._stream_time = max(self._stream_time, float(times.max()))
             now = self._stream_time
         else:
@@ -844,13 +894,30 @@ class TrainModule:
                       labels=torch.from_numpy(np.concatenate([p["labels"] for p in everyone])
                                               .reshape((total, *labels.shape[1:]))),
                       counts=counts or None)
-        remapped = self.dynamic.remap(whole, self.global_step + 1, now, admit=True)
-        if remapped.evicted:
-            self.reset_dynamic_rows(remapped.evicted, self.global_step + 1)
+        step = self.global_step + 1 if admit else self.global_step
+        if self.dynamic.partitions == 1:
+            remapped = self.dynamic.remap(whole, step, now, admit=admit)
+            mapped, evicted = remapped.batch, remapped.evicted
+        else:
+            found = self.dynamic.lookups(whole)
+            if found is None:
+                return batch, now
+            rows, evicted = self.dynamic.map_lookups(found, whole, step, now, admit)
+            owner = found.owner
+            assert owner is not None
+            for r, part in enumerate(arrays_from_every_rank({"rows": rows[owner == self.rank]})):
+                if r != self.rank:
+                    rows[owner == r] = part["rows"]
+            assert not (rows == UNHELD).any()
+            mapped = self.dynamic.with_rows(whole, found, rows)
+            # the step's rows of every rank: this rank names and publishes its partition's
+            self._step_rows = mapped.sparse if admit else self._step_rows
+        if evicted:
+            self.reset_dynamic_rows(evicted, step)
         start = sum(sizes[:self.rank])
         keep = torch.zeros(total, dtype=torch.bool)
         keep[start:start + b] = True
-        return replace(batch, sparse=remapped.batch.select(keep).sparse), now
+        return replace(batch, sparse=mapped.select(keep).sparse), now
 
     def _train_step_ranks(self, batch: Batch) -> StepOutput:
         """``train_step`` of one of several ranks (a collective).
@@ -908,7 +975,12 @@ class TrainModule:
             self._grad_clip(self._dense_opt)
         self._dense_opt.step()
         self.global_step += 1
-        self.record_touched_rows(batch.sparse)
+        if self._step_rows is not None:  # split by id: every rank's rows of the step, so this
+            # rank names and publishes the rows of its partition whoever trained them
+            self.record_touched_rows(self._step_rows.to(self.device))
+            self._step_rows = None
+        else:
+            self.record_touched_rows(batch.sparse)
         probs = predictions(mine.logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
@@ -1020,7 +1092,9 @@ class TrainModule:
         with ``empty_batch()``; each gets its own batch's predictions (the batches are padded
         to the largest, as in ``train_step``).
         """
-        if self.dynamic:
+        if self.dynamic and self.world_size > 1 and self.dynamic.partitions > 1:
+            batch = self._remap_ranks(batch, admit=False)[0]  # ids of every partition
+        elif self.dynamic:
             batch = self.dynamic.remap(batch, self.global_step, time.time(), admit=False).batch
         batch = batch.to(self.device)
         self._dmp.eval()
@@ -1052,12 +1126,13 @@ class TrainModule:
         into any number of ranks) and the other ranks an empty dict.
         """
         if self.world_size > 1:
-            gathered = self._gathered_sparse_state()
-            if self.rank != 0:
+            parts = self._gathered_parts()
+            if parts is None:
                 return {}
             out = self.state_without_tables()
-            out["model"].update(gathered[0])
-            out["sparse_optimizer"] = gathered[1]
+            tables, out["sparse_optimizer"] = table_parts.assemble(parts)
+            out["model"].update(tables)
+            table_parts.merge_dynamic_parts(out, parts)
             return out
         out = self.state_without_tables(
             {k: to_full_cpu(v) for k, v in self._named_state().items()})
@@ -1084,8 +1159,14 @@ class TrainModule:
         }
         if self.dynamic:
             out["dynamic_tables"] = self.dynamic.state_dict()
+            if self._dynamic_in_parts():  # each rank's partition travels in its table part
+                out["dynamic_tables"]["parts"] = {}
             out["stream_time"] = float(self._stream_time)
         return out
+
+    def _dynamic_in_parts(self) -> bool:
+        """Whether the dynamic tables are split by id over the ranks (one partition each)."""
+        return bool(self.dynamic) and self.world_size > 1 and self.dynamic.partitions > 1
 
     @torch.no_grad()
     def load_checkpoint_state(self, state: Mapping[str, Any], strict: bool = True) -> None:
@@ -1142,26 +1223,26 @@ class TrainModule:
                 pieces[("sparse", pname, k)] = _shard_pieces(v)
         return pieces
 
-    def _gathered_sparse_state(self) -> tuple[dict, dict] | None:
-        """Every rank's table parts gathered on rank 0 and put together whole (a collective).
+    def _gathered_parts(self) -> list[dict[str, Any]] | None:
+        """Every rank's table part gathered on rank 0 (a collective).
 
         Returns:
-            ``(model tables, sparse optimizer state)`` on rank 0, None on the others.
+            The part documents in rank order on rank 0, None on the others.
         """
         part = self.table_part()
         for piece in part["pieces"]:  # compact copies: a shard is a view of the fused
             piece[4] = [[off, t.clone()] for off, t in piece[4]]  # buffer, pickled whole
-        everyone = gather_to_rank0(part)
-        if everyone is None:
-            return None
-        return table_parts.assemble(everyone)
+        return gather_to_rank0(part)
 
     def table_part(self) -> dict[str, Any]:
         """This rank's rows of every table and their optimizer state, as a part document.
 
-        See ``odl.checkpoint.table_parts``; with one process, the whole tables.
+        See ``odl.checkpoint.table_parts``; with one process, the whole tables. Dynamic
+        tables split by id over the ranks add this rank's partition of their state.
         """
-        return table_parts.part_document(self._local_pieces(), self.rank, self.world_size)
+        return table_parts.part_document(
+            self._local_pieces(), self.rank, self.world_size,
+            self.dynamic.state_dict()["parts"] if self._dynamic_in_parts() else None)
 
     def _sharded_state(self) -> dict[str, Any]:
         """Own parameter / buffer name -> tables as ShardedTensors, the dense part plain."""

@@ -1,0 +1,157 @@
+"""Dynamic tables split by id (``train_config.dynamic_index_partitions``).
+
+The contract (``odl.models.dynamic_partitions``): an id lives in the partition its hash
+names, its row in that partition's block of the table (the block TorchRec's row-wise
+sharding gives the rank of the same number); two ranks, each holding one partition of the
+index, train as one process holding both (predictions, tables, rows of every id), and their
+checkpoints move between the two; a checkpoint continues only with the same number of
+partitions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from odl.checkpoint.checkpoint_manager import CheckpointManager, list_checkpoints, read_checkpoint
+from odl.config.config_error import ConfigError
+from odl.export.exporter import export_checkpoint
+from odl.features.feature_builder import FeatureBuilder
+from odl.harness.spawned_ranks import run_ranks
+from odl.models.dynamic_partitions import partition_of, partition_spans
+from odl.train.rank_checkpoint import save_across_ranks
+from odl.train.train_module import EBC_PREFIX, TrainModule
+from serving_plugin.serving_model import ServingModel
+from tests.test_distributed_dynamic import GLOBAL, ROW_WISE_MIN_ROWS, _steps
+from tests.test_dynamic_tables import _config, _records
+
+
+def _split_config(model_dir: str, batch: int, partitions: int = 2):
+    config = _config(model_dir)
+    config.data_config.batch_size = batch
+    config.train_config.dynamic_index_partitions = partitions
+    return config
+
+
+def _ids(tm: TrainModule, fb: FeatureBuilder, records: list[bytes]) -> dict[str, np.ndarray]:
+    """Each dynamic table's raw ids in the records (unique)."""
+    sparse = fb.build(records).batch.sparse.to_dict()
+    return {name: np.unique(np.concatenate([sparse[f].values().numpy()
+                                            for f in tm.dynamic._table_features[name]]))
+            for name in tm.dynamic.tables}
+
+
+def _rows(tm: TrainModule, ids: dict[str, np.ndarray]) -> dict[str, list[int]]:
+    """The row each id holds in ``tm``'s index (-1: none, or a partition held elsewhere)."""
+    return {name: tm.dynamic.tables[name].lookup(v).tolist() for name, v in ids.items()}
+
+
+def _one_process(tmp_path, records: list[bytes], partitions: int = 2) -> tuple:
+    config = _split_config(str(tmp_path / "one"), GLOBAL, partitions)
+    fb = FeatureBuilder(config)
+    return config, fb, TrainModule(config, fb, device="cpu")
+
+
+def _rank_main(rank: int, world: int, model_dir: str, schedule: list, start: str,
+               records: list[bytes]) -> tuple:
+    config = _split_config(model_dir, GLOBAL // world)
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    tm.load_checkpoint_state(torch.load(start, weights_only=False))
+    probs = [tm.train_step(fb.build(step[rank]).batch if step[rank] else tm.empty_batch()).probs
+             for step in schedule]
+    ids = _ids(tm, fb, records)
+    predicted = tm.predict(fb.build(records[:GLOBAL]).batch if rank == 0 else tm.empty_batch())
+    state = tm.state_dict_for_checkpoint()  # gathered on rank 0
+    tables = {k: v.numpy() for k, v in state.get("model", {}).items()
+              if k.startswith(EBC_PREFIX)}
+    save_across_ranks(CheckpointManager(model_dir), tm, {rank: len(schedule)}, {}, "", "gen0")
+    live = {n: t.live_rows() for n, t in tm.dynamic.tables.items()}
+    return (np.concatenate(probs), predicted, tables, _rows(tm, ids), live,
+            tm.dynamic_status())
+
+
+def test_two_ranks_each_holding_one_partition_train_as_one_process_holding_both(tmp_path):
+    """One process with two partitions trains the first steps and saves; two ranks restore
+    that state, each holding one partition, and train on. Against the one process going on:
+    the same predictions, tables and rows of every id (each rank knows exactly the ids of
+    its own partition, their rows in its own block of the table); its share of the index
+    and counters is about half; the ranks' checkpoint restores into one process with two
+    partitions, equal to the process that never stopped, and exports the same ids."""
+    records = _records(24 * GLOBAL, seed=4)
+    first, rest = records[:8 * GLOBAL], records[8 * GLOBAL:]
+    config, fb, one = _one_process(tmp_path, records)
+    for k in range(0, len(first), GLOBAL):
+        one.train_step(fb.build(first[k:k + GLOBAL]).batch)
+    start = str(tmp_path / "start.pt")
+    torch.save(one.state_dict_for_checkpoint(), start)
+    evicted_before = {n: t.counters.evicted for n, t in one.dynamic.tables.items()}
+    probs = np.concatenate([one.train_step(fb.build(rest[k:k + GLOBAL]).batch).probs
+                            for k in range(0, len(rest), GLOBAL)])
+    assert all(t.counters.evicted > evicted_before[n]  # both tables evict on
+               for n, t in one.dynamic.tables.items())
+    two_dir = str(tmp_path / "two")
+    got = run_ranks(_rank_main, 2, 2, two_dir, _steps(rest, 2), start, records)
+    share = GLOBAL // 2
+    merged = np.concatenate([np.concatenate([got[r][0][b * share:(b + 1) * share]
+                                             for r in range(2)])
+                             for b in range(len(rest) // GLOBAL)])
+    np.testing.assert_allclose(merged, probs, atol=5e-5, rtol=0)
+    np.testing.assert_allclose(got[0][1], one.predict(fb.build(records[:GLOBAL]).batch),
+                               atol=5e-5, rtol=0)
+    ids = _ids(one, fb, records)
+    want = _rows(one, ids)
+    one_status = one.dynamic_status()
+    for name, table_ids in ids.items():
+        owner = partition_of(table_ids, 2)
+        spans = partition_spans(one.dynamic.tables[name].spec.capacity, 2)
+        for r in range(2):
+            rows = np.asarray(got[r][3][name])
+            expect = np.where(owner == r, want[name], -1)
+            assert rows.tolist() == expect.tolist(), (name, r)
+            lo, hi = spans[r]
+            live = got[r][4][name]
+            assert len(live) and live.min() >= lo and live.max() < hi  # its own block
+            assert got[r][5][name]["map_bytes"] < 0.6 * one_status[name]["map_bytes"]
+    for name, t in one.state_dict_for_checkpoint()["model"].items():
+        if name.startswith(EBC_PREFIX):
+            np.testing.assert_allclose(got[0][2][name], t.numpy(), atol=5e-5,
+                                       rtol=0, err_msg=name)
+    # the ranks' checkpoint (each partition in its rank's part) into one process, and into
+    # serving through an export: the predictions of the process that never stopped
+    ckpt = read_checkpoint(list_checkpoints(two_dir)[-1])
+    restored = TrainModule(_split_config(str(tmp_path / "r"), GLOBAL), fb, device="cpu")
+    restored.load_checkpoint_state(ckpt.state)
+    assert _rows(restored, ids) == want
+    probe = fb.build(records[:4 * GLOBAL]).batch
+    expected = one.predict(probe)
+    np.testing.assert_allclose(restored.predict(probe), expected, atol=5e-5, rtol=0)
+    export_checkpoint(config, ckpt.path, str(tmp_path / "export"))
+    serving = ServingModel.load(str(tmp_path / "export"))
+    np.testing.assert_allclose(serving.predict_batch(probe), expected, atol=5e-5, rtol=0)
+    more = records[:2 * GLOBAL]
+    for k in range(0, len(more), GLOBAL):
+        np.testing.assert_allclose(restored.train_step(fb.build(more[k:k + GLOBAL]).batch).probs,
+                                   one.train_step(fb.build(more[k:k + GLOBAL]).batch).probs,
+                                   atol=5e-5, rtol=0)
+
+
+def test_a_checkpoint_continues_only_with_its_number_of_partitions(tmp_path):
+    """A state of two partitions refuses a model of one (and the reverse), naming the field
+    and the value to set."""
+    records = _records(2 * GLOBAL, seed=2)
+    _c, fb, two = _one_process(tmp_path, records, partitions=2)
+    two.train_step(fb.build(records[:GLOBAL]).batch)
+    _c, fb1, one = _one_process(tmp_path / "b", records, partitions=1)
+    with pytest.raises(ValueError, match="dynamic_index_partitions to 2"):
+        one.load_checkpoint_state(two.state_dict_for_checkpoint())
+    with pytest.raises(ValueError, match="dynamic_index_partitions to 1"):
+        two.load_checkpoint_state(one.state_dict_for_checkpoint())
+
+
+def test_partitions_that_do_not_fit_the_ranks_or_the_tables_are_refused(tmp_path):
+    """More partitions than a table has rows: a config error on the field."""
+    config = _split_config(str(tmp_path), GLOBAL, partitions=1000)
+    with pytest.raises(ConfigError, match="dynamic_index_partitions"):
+        TrainModule(config, FeatureBuilder(config), device="cpu")
