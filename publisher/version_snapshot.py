@@ -40,7 +40,7 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import numpy as np
 import torch
@@ -310,6 +310,31 @@ class ParameterSnapshotter:
         getter = getattr(self.module, "dynamic_table", None)
         return getter(name) if getter is not None else None
 
+    def _take_deleted(self, shapes: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """Dynamic table -> ids evicted since this snapshotter's last take.
+
+        Through the module's ``take_deleted`` where it has one (several ranks with the index
+        split by id: a collective bringing every partition's ids to rank 0).
+        """
+        taker = getattr(self.module, "take_deleted", None)
+        if taker is not None:
+            return taker(self.delete_consumer)
+        out: dict[str, np.ndarray] = {}
+        for name in shapes:
+            dyn = self._dynamic(name)
+            if dyn is not None and dyn.name not in out:
+                out[dyn.name] = dyn.take_deleted(self.delete_consumer)
+        return out
+
+    def _raw_ids(self, name: str, dyn: DynamicTable, rows: np.ndarray) -> np.ndarray:
+        """The raw ids ``rows`` of a dynamic table hold (-1: free).
+
+        Through the module where it names them (several ranks with the index split by id:
+        rank 0 knows them from the read).
+        """
+        namer = getattr(self.module, "raw_ids", None)
+        return namer(name, rows) if namer is not None else dyn.raw_ids(rows)
+
     def take_time_ranges(self) -> tuple[Optional[list[int]], Optional[list[int]]]:
         """The noted ``(event, produce)`` time ranges, which then start afresh.
 
@@ -324,16 +349,14 @@ class ParameterSnapshotter:
         touched = self.tracker.take()
         shapes = self.module.table_shapes()
         deletes: dict[int, np.ndarray] = {}
-        gone_by_table: dict[int, np.ndarray] = {}  # one take per dynamic table (id())
+        gone = self._take_deleted(shapes)
         for name in shapes:
             dyn = self._dynamic(name)
             info = self.id_maps.tables.get(name)
             if dyn is None or info is None:
                 continue
-            if id(dyn) not in gone_by_table:
-                gone_by_table[id(dyn)] = dyn.take_deleted(self.delete_consumer)
-            if gone_by_table[id(dyn)].shape[0]:
-                deletes[info.id] = gone_by_table[id(dyn)]
+            if dyn.name in gone and gone[dyn.name].shape[0]:
+                deletes[info.id] = gone[dyn.name]
         if republish_all:
             for name, mask in self._published_rows.items():
                 ids = mask.nonzero().flatten()
@@ -342,8 +365,11 @@ class ParameterSnapshotter:
                 touched[name] = ids
             for name in shapes:
                 dyn = self._dynamic(name)
-                if dyn is not None:
-                    touched[name] = torch.from_numpy(dyn.live_rows())
+                if dyn is not None:  # and every row of partitions held elsewhere (split by
+                    # id over ranks): their ranks name the live ones in the read
+                    every = np.arange(shapes[name][0], dtype=np.int64)
+                    touched[name] = torch.from_numpy(np.union1d(
+                        dyn.live_rows(), every[~dyn.holds(every)]))
         requested: dict[str, torch.Tensor] = {}
         for name, ids in touched.items():
             if name not in self.id_maps.tables:
@@ -354,6 +380,8 @@ class ParameterSnapshotter:
                 raw = dyn.raw_ids(keys)
                 ok = raw >= 0
                 ok[ok] = dyn.publishable(keys[ok], dyn.now)
+                if republish_all:
+                    ok |= ~dyn.holds(keys)
                 ids = ids[torch.from_numpy(ok).to(ids.device)]
                 if not ids.shape[0]:
                     continue
@@ -364,7 +392,10 @@ class ParameterSnapshotter:
             info = self.id_maps.tables[name]
             dyn = self._dynamic(name)
             if dyn is not None:  # the raw id each row holds (several ranks: of the union)
-                keys = dyn.raw_ids(ids.cpu().numpy().astype(np.int64, copy=False))
+                keys = self._raw_ids(name, dyn, ids.cpu().numpy().astype(np.int64, copy=False))
+                live = keys >= 0  # not: free rows of a republish of partitions held elsewhere
+                if not live.all():
+                    rows, keys = rows[torch.from_numpy(live).to(rows.device)], keys[live]
             else:  # remembered for a republish (the union of every rank's rows)
                 if name not in self._published_rows:
                     self._published_rows[name] = torch.zeros(shapes[name][0], dtype=torch.bool)

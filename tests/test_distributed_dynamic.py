@@ -10,11 +10,13 @@ publish and recover the versions one process publishes and recovers.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from google.protobuf import text_format
 
 from odl.features.feature_builder import FeatureBuilder
 from odl.harness.spawned_ranks import run_ranks
+from odl.models.dynamic_partitions import partition_of
 from odl.train.distributed import agree, check_several_ranks
 from odl.train.rank_publishing import RankPublishing
 from odl.train.train_module import EBC_PREFIX, TrainModule
@@ -45,6 +47,20 @@ def _index(tm: TrainModule, fb: FeatureBuilder, records: list[bytes]) -> dict[st
     return {name: table.lookup(np.concatenate([
         sparse[f].values().numpy() for f in tm.dynamic._table_features[name]])).tolist()
         for name, table in tm.dynamic.tables.items()}
+
+
+def _partition_index(tm: TrainModule, fb: FeatureBuilder, records: list[bytes],
+                     partition: int, partitions: int) -> dict[str, list]:
+    """``_index`` as a rank holding only ``partition`` of ``tm``'s index knows it (-1 for
+    the ids of the other partitions)."""
+    sparse = fb.build(records).batch.sparse.to_dict()
+    out = {}
+    for name, table in tm.dynamic.tables.items():
+        ids = np.concatenate([sparse[f].values().numpy() for f in tm.dynamic._table_features[name]])
+        rows = table.lookup(ids)
+        rows[partition_of(ids, partitions) != partition] = -1
+        out[name] = rows.tolist()
+    return out
 
 
 def _rank_main(rank: int, world: int, model_dir: str, schedule: list, start: str,
@@ -99,16 +115,18 @@ def test_two_ranks_admit_and_evict_as_one_process(tmp_path):
 INCR = 'incr_save_config { sparse_save_steps: 2 dense_save_steps: 3 fs { incr_save_dir: "v" } }'
 
 
-def _publishing_config(model_dir: str, batch: int):
+def _publishing_config(model_dir: str, batch: int, partitions: int = 1):
     config = _config(model_dir)
     config.data_config.batch_size = batch
+    config.train_config.dynamic_index_partitions = partitions
     text_format.Merge(INCR, config.train_config)
     return config
 
 
-def _publishing_rank(rank: int, world: int, model_dir: str, steps: list) -> int:
+def _publishing_rank(rank: int, world: int, model_dir: str, steps: list,
+                     partitions: int) -> int:
     """One rank training its share of each step and publishing through rank 0."""
-    config = _publishing_config(model_dir, GLOBAL // world)
+    config = _publishing_config(model_dir, GLOBAL // world, partitions)
     check_several_ranks(config, online=True, world_size=world)  # publishing them: allowed
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
@@ -126,15 +144,18 @@ def _publishing_rank(rank: int, world: int, model_dir: str, steps: list) -> int:
     return tm.global_step
 
 
-def test_two_ranks_publish_dynamic_tables_as_one_process(tmp_path):
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_two_ranks_publish_dynamic_tables_as_one_process(tmp_path, partitions):
     """Delta versions of a model with dynamic tables from two ranks: the same versions as one
     process's on the same records, rows under the raw ids they hold (the union of both
-    ranks' touched rows, resolved by rank 0's index) and the evicted ids as deletes."""
+    ranks' touched rows, named by rank 0's whole index, or, split by id, by the rank whose
+    partition holds each row, whoever trained it) and the evicted ids as deletes (split by
+    id: every partition's)."""
     records = _records(16 * GLOBAL, seed=6)
     steps = [records[k:k + GLOBAL] for k in range(0, len(records), GLOBAL)]
     two_dir, one_dir = str(tmp_path / "two"), str(tmp_path / "one")
-    run_ranks(_publishing_rank, 2, 2, two_dir, steps)
-    config = _publishing_config(one_dir, GLOBAL)
+    run_ranks(_publishing_rank, 2, 2, two_dir, steps, partitions)
+    config = _publishing_config(one_dir, GLOBAL, partitions)
     fb = FeatureBuilder(config)
     one = TrainModule(config, fb, device="cpu")
     pub = build_publisher(config, one, "gen0", sink=build_delta_sink(config))
@@ -158,9 +179,10 @@ def test_two_ranks_publish_dynamic_tables_as_one_process(tmp_path):
 
 
 def _recovering_rank(rank: int, world: int, model_dir: str, base: str, recovered: str,
-                     records: list[bytes]) -> tuple:
+                     records: list[bytes], partitions: int) -> tuple:
     """One rank restoring the base state, then applying the recovered versions."""
     config = _config(model_dir)
+    config.train_config.dynamic_index_partitions = partitions
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
     tm.load_checkpoint_state(torch.load(base, weights_only=False))
@@ -173,11 +195,13 @@ def _recovering_rank(rank: int, world: int, model_dir: str, base: str, recovered
     return tables, _index(tm, fb, records)
 
 
-def test_two_ranks_recover_published_rows_and_deletes_as_one_process(tmp_path):
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_two_ranks_recover_published_rows_and_deletes_as_one_process(tmp_path, partitions):
     """Crash recovery's step with ranks: a base state restored into two ranks, then the
     delta versions published after it (rows under raw ids, deletes): every rank's index
-    and the shards' rows equal one process recovering the same."""
-    run, base_state, state = recovered_run(tmp_path)
+    (split by id: the ids of its partition) and the shards' rows equal one process
+    recovering the same."""
+    run, base_state, state = recovered_run(tmp_path, partitions)
     one = TrainModule(run.cfg, run.fb, device="cpu")
     one.load_checkpoint_state(base_state)
     apply_recovered_state(one.embedding_tables(), one.dense_parameters(), run.maps, state, one)
@@ -185,9 +209,12 @@ def test_two_ranks_recover_published_rows_and_deletes_as_one_process(tmp_path):
     torch.save(base_state, base)
     torch.save(state, recovered)
     records = _records(400, seed=5)
-    got = run_ranks(_recovering_rank, 2, 2, str(tmp_path / "m"), base, recovered, records)
+    got = run_ranks(_recovering_rank, 2, 2, str(tmp_path / "m"), base, recovered, records,
+                    partitions)
     want = _index(one, run.fb, records)
-    assert got[0][1] == want and got[1][1] == want
+    for r in range(2):
+        assert got[r][1] == (want if partitions == 1 else
+                             _partition_index(one, run.fb, records, r, partitions))
     for name, t in one.state_dict_for_checkpoint()["model"].items():
         if name.startswith(EBC_PREFIX):
             np.testing.assert_allclose(got[0][0][name], t.numpy(), atol=1e-6, rtol=0,

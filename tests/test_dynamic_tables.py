@@ -324,8 +324,9 @@ def test_restore_is_exact_and_evicted_rows_are_reset():
 class _Run:
     """A trainer with a tracker and snapshotter, and a serving model replaying its versions."""
 
-    def __init__(self, tmp_path, warm_steps: int = 6) -> None:
+    def __init__(self, tmp_path, warm_steps: int = 6, partitions: int = 1) -> None:
         self.cfg = _config(str(tmp_path / "model_dir"))
+        self.cfg.train_config.dynamic_index_partitions = partitions
         self.fb = FeatureBuilder(self.cfg)
         self.tm = TrainModule(self.cfg, self.fb, device="cpu")
         os.makedirs(self.cfg.model_dir, exist_ok=True)
@@ -380,8 +381,11 @@ def test_export_holds_live_rows_by_raw_id(tmp_path):
     assert run.max_diff(500) <= 1e-6
 
 
-def test_parity_through_evictions_and_deletes(tmp_path):
-    run = _Run(tmp_path)
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_parity_through_evictions_and_deletes(tmp_path, partitions):
+    """Serving replaying the versions predicts as the trainer, through evictions published
+    as deletes (also with the tables split by id into two partitions in one process)."""
+    run = _Run(tmp_path, partitions=partitions)
     deleted = 0
     for k in range(12):
         _train(run.tm, run.fb, range(100 + 3 * k, 103 + 3 * k))
@@ -390,7 +394,7 @@ def test_parity_through_evictions_and_deletes(tmp_path):
         assert run.max_diff(700 + k) <= 1e-6, f"version {k}"
         for base in ("user", "item"):  # serving holds exactly the trainer's live ids
             table = run.tm.dynamic.tables[base]
-            live = np.sort(table.index.row_ids[table.index.row_ids >= 0])
+            live = np.sort(table.raw_ids(table.live_rows()))
             index = run.serving.dynamic[base]
             assert np.array_equal(np.sort(index.row_ids[index.row_ids >= 0]), live)
     assert deleted > 0
@@ -414,10 +418,10 @@ def test_ids_below_filter_freq_are_never_published(tmp_path):
     assert rare in run.versions[-1].sparse[run.maps.tables["item"].id][0].tolist()
 
 
-def recovered_run(tmp_path) -> tuple[_Run, dict, RecoveredState]:
+def recovered_run(tmp_path, partitions: int = 1) -> tuple[_Run, dict, RecoveredState]:
     """A run's state at its base, then 8 published steps read back as crash recovery does:
     ``(run, base state, recovered state)``; the steps evict, so there are deletes."""
-    run = _Run(tmp_path)
+    run = _Run(tmp_path, partitions=partitions)
     base_state = run.tm.state_dict_for_checkpoint()
     for k in range(8):
         _train(run.tm, run.fb, range(200 + 2 * k, 202 + 2 * k))
@@ -430,16 +434,17 @@ def recovered_run(tmp_path) -> tuple[_Run, dict, RecoveredState]:
     return run, base_state, state
 
 
-def test_crash_recovery_applies_rows_and_deletes(tmp_path):
-    run, base_state, state = recovered_run(tmp_path)
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_crash_recovery_applies_rows_and_deletes(tmp_path, partitions):
+    run, base_state, state = recovered_run(tmp_path, partitions)
     restarted = TrainModule(run.cfg, run.fb, device="cpu")
     restarted.load_checkpoint_state(base_state)
     apply_recovered_state(restarted.embedding_tables(), restarted.dense_parameters(),
                           run.maps, state, restarted)
     for base in ("user", "item"):
         want = run.serving.dynamic[base]
-        got = restarted.dynamic.tables[base].index
-        assert np.array_equal(np.sort(got.row_ids[got.row_ids >= 0]),
+        got = restarted.dynamic.tables[base]
+        assert np.array_equal(np.sort(got.raw_ids(got.live_rows())),
                               np.sort(want.row_ids[want.row_ids >= 0]))
     batch = run.fb.build(_records(200, 999)).batch
     got = restarted.predict(batch)

@@ -144,6 +144,14 @@ class PartitionedDynamicTable:
             out[m] = table.raw_ids(rows[m] - lo)
         return out
 
+    def holds(self, rows: np.ndarray) -> np.ndarray:
+        """Bool per global row: in a partition held here."""
+        rows = np.asarray(rows, dtype=np.int64)
+        out = np.zeros(rows.shape[0], dtype=bool)
+        for _lo, _table, m in self._by_row(rows):
+            out |= m
+        return out
+
     def live_rows(self) -> np.ndarray:
         """Global rows holding an id, in the held partitions (ascending)."""
         return np.concatenate([t.live_rows() + lo for lo, t in self.held.values()])

@@ -230,6 +230,10 @@ class DynamicTable:
         """Rows holding an id (ascending)."""
         return self.index.live_rows()
 
+    def holds(self, rows: np.ndarray) -> np.ndarray:
+        """Bool per row: held by this process (every row of a table of one partition)."""
+        return np.ones(np.asarray(rows).shape[0], dtype=bool)
+
     @property
     def live(self) -> int:
         """Rows holding an id."""

@@ -343,6 +343,8 @@ class TrainModule:
         # several ranks, split by id: the step's rows of every rank's records (the rows of
         # this rank's partition are named and published by it)
         self._step_rows: KeyedJaggedTensor | None = None
+        # rank 0, split by id: table -> (rows, raw ids) every rank named in the last read_rows
+        self._read_names: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._dynamic_torch_tables = {
             base: [t for t in (base, base + WIDE_SUFFIX) if t in tables] for base in specs}
         self._dynamic_of_torch = {t: self.dynamic.tables[base]
@@ -519,18 +521,73 @@ class TrainModule:
                     rows = sh.tensor.index_select(
                         0, torch.from_numpy(mine - r0).to(sh.tensor.device))
                     held.setdefault(name, []).append((mine, c0, rows.cpu()))
-        everyone = gather_to_rank0(held)
+        names: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # split by id: own rows' raw ids
+        if self._dynamic_in_parts():
+            for name, ids in union.items():
+                dyn = self.dynamic_table(name)
+                if dyn is not None:
+                    raw = dyn.raw_ids(ids)
+                    names[name] = (ids[raw >= 0], raw[raw >= 0])
+        everyone = gather_to_rank0((held, names))
         if everyone is None:
             return {}
+        self._read_names = {}
+        for _held, part_names in everyone:
+            for name, (ids, raw) in part_names.items():
+                got = self._read_names.get(name)
+                self._read_names[name] = (ids, raw) if got is None else (
+                    np.concatenate([got[0], ids]), np.concatenate([got[1], raw]))
         shapes = self.table_shapes()
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, ids in union.items():
             values = torch.zeros((len(ids), shapes[name][1]), dtype=torch.float32)
-            for part in everyone:
+            for part, _names in everyone:
                 for mine, c0, rows in part.get(name, []):
                     at = torch.from_numpy(np.searchsorted(ids, mine))
                     values[at, c0:c0 + rows.shape[1]] = rows.to(values.dtype)
             out[name] = (torch.from_numpy(ids), values)
+        return out
+
+    def raw_ids(self, table: str, rows: np.ndarray) -> np.ndarray:
+        """The raw ids rows of a dynamic table hold (-1: free).
+
+        Split by id over several ranks a rank knows only its own partition's rows: rank 0
+        names the rows of the last ``read_rows`` from what every rank sent along with them.
+
+        Args:
+            table: a TorchRec table backed by a dynamic table (``<t>`` or ``<t>_wide``).
+            rows: its rows.
+        """
+        dyn = self.dynamic_table(table)
+        if dyn is None:
+            raise KeyError(f"{table} is not a dynamic table")
+        rows = np.asarray(rows, dtype=np.int64)
+        if not self._dynamic_in_parts():
+            return dyn.raw_ids(rows)
+        ids, raw = self._read_names.get(table, (np.empty(0, np.int64), np.empty(0, np.int64)))
+        order = np.argsort(ids, kind="stable")
+        at = np.searchsorted(ids[order], rows)
+        found = (at < len(ids)) & (ids[order][np.minimum(at, max(len(ids) - 1, 0))] == rows)
+        out = np.full(rows.shape[0], -1, dtype=np.int64)
+        out[found] = raw[order][at[found]]
+        return out
+
+    def take_deleted(self, consumer: str) -> dict[str, np.ndarray]:
+        """Dynamic table -> raw ids evicted since ``consumer``'s last take (unique).
+
+        Split by id over several ranks a collective: rank 0 gets every partition's ids, the
+        other ranks ``{}``.
+        """
+        mine = self.dynamic.take_deleted(consumer)
+        if not self._dynamic_in_parts():
+            return mine
+        everyone = gather_to_rank0(mine)
+        if everyone is None:
+            return {}
+        out: dict[str, np.ndarray] = {}
+        for part in everyone:
+            for name, ids in part.items():
+                out[name] = np.union1d(out[name], ids) if name in out else np.unique(ids)
         return out
 
     def dense_parameters(self) -> dict[str, torch.Tensor]:
