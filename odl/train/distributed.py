@@ -274,6 +274,24 @@ def arrays_from_every_rank(arrays: Mapping[str, np.ndarray]) -> list[dict[str, n
     return out
 
 
+def int64_from_every_rank(mine: np.ndarray, counts: Sequence[int]) -> list[np.ndarray]:
+    """Every rank's ``int64`` array, in rank order, when every rank knows their lengths.
+
+    One all-gather of the longest (``arrays_from_every_rank`` without its exchange of sizes).
+
+    Args:
+        mine: this rank's array (``counts[rank]`` values).
+        counts: every rank's number of values, the same on every rank.
+    """
+    longest = max(counts, default=0)
+    device = _collective_device()
+    buf = torch.zeros(longest, dtype=torch.int64, device=device)
+    buf[:len(mine)] = torch.from_numpy(np.ascontiguousarray(mine, dtype=np.int64)).to(device)
+    everyone = [torch.empty_like(buf) for _ in counts]
+    dist.all_gather(everyone, buf)
+    return [got[:n].cpu().numpy() for got, n in zip(everyone, counts, strict=True)]
+
+
 def gather_to_rank0(value: object) -> list | None:
     """Every rank's ``value`` in rank order on rank 0, None elsewhere (a collective)."""
     rank, size = world()

@@ -81,6 +81,7 @@ from odl.train.distributed import (
     broadcast_parameters,
     from_every_rank,
     gather_to_rank0,
+    int64_from_every_rank,
     join_process_group,
     local_world_size,
     table_placement,
@@ -962,9 +963,10 @@ class TrainModule:
             rows, evicted = self.dynamic.map_lookups(found, whole, step, now, admit)
             owner = found.owner
             assert owner is not None
-            for r, part in enumerate(arrays_from_every_rank({"rows": rows[owner == self.rank]})):
+            counts = np.bincount(owner, minlength=self.world_size).tolist()
+            for r, part in enumerate(int64_from_every_rank(rows[owner == self.rank], counts)):
                 if r != self.rank:
-                    rows[owner == r] = part["rows"]
+                    rows[owner == r] = part
             assert not (rows == UNHELD).any()
             mapped = self.dynamic.with_rows(whole, found, rows)
             # the step's rows of every rank: this rank names and publishes its partition's
