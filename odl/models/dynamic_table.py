@@ -868,14 +868,16 @@ class DynamicTables:
     def status(self) -> dict[str, dict[str, Any]]:
         """Per table: form, capacity, live rows, admitted, rejected, evicted, map bytes.
 
-        Split by id: the counts are the held partitions'; ``partitions`` and ``held`` say
-        which.
+        Split by id: the capacity and counts are the held partitions'; ``partitions`` and
+        ``held`` say which.
         """
         out = {}
         for name, t in self.tables.items():
             c = t.counters
+            capacity = (t.spec.capacity if self.partitions == 1 else
+                        sum(p.spec.capacity for _lo, p in t.held.values()))
             out[name] = {"form": t.spec.form, "policy": t.spec.policy,
-                         "capacity": t.spec.capacity, "live_rows": t.live,
+                         "capacity": capacity, "live_rows": t.live,
                          "admitted": c.admitted, "rejected": c.rejected,
                          "evicted": c.evicted, "expired": c.expired,
                          "map_bytes": t.map_bytes()}

@@ -303,8 +303,11 @@ class TrainerStatus:
             dynamic = t.module.dynamic_status()
             metrics.set_dynamic_tables(dynamic)
             logger.info("dynamic tables: %s", ", ".join(
-                f"{n} {d['live_rows']}/{d['capacity']} rows, +{d['admitted']} "
-                f"-{d['evicted']} refused {d['rejected']}" for n, d in dynamic.items()))
+                f"{n} {d['live_rows']}/{d['capacity']} rows"
+                + (f" (partition {', '.join(map(str, d['held']))} of {d['partitions']})"
+                   if "held" in d else "")
+                + f", +{d['admitted']} -{d['evicted']} refused {d['rejected']}"
+                for n, d in dynamic.items()))
         logger.info(
             "step %d samples %d %.0f samples/s loss %.4f auc %s logloss %s (total auc %s)%s "
             "lag %s",
