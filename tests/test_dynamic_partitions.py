@@ -10,9 +10,14 @@ partitions.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
+from google.protobuf import text_format
 
 from odl.checkpoint.checkpoint_manager import CheckpointManager, list_checkpoints, read_checkpoint
 from odl.config.config_error import ConfigError
@@ -25,6 +30,8 @@ from odl.train.train_module import EBC_PREFIX, TrainModule
 from serving_plugin.serving_model import ServingModel
 from tests.test_distributed_dynamic import GLOBAL, ROW_WISE_MIN_ROWS, _steps
 from tests.test_dynamic_tables import _config, _records
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _split_config(model_dir: str, batch: int, partitions: int = 2):
@@ -155,3 +162,40 @@ def test_partitions_that_do_not_fit_the_ranks_or_the_tables_are_refused(tmp_path
     config = _split_config(str(tmp_path), GLOBAL, partitions=1000)
     with pytest.raises(ConfigError, match="dynamic_index_partitions"):
         TrainModule(config, FeatureBuilder(config), device="cpu")
+
+
+def test_torchrun_two_ranks_split_by_id_train_files_as_one_process_split_alike(tmp_path):
+    """``odl-train`` on offline files under ``torchrun`` with the index split by id over two
+    ranks ends with the checkpoint of one process holding both partitions with a batch twice
+    as large: the same tables and the same row of every id."""
+    records = _records(20 * GLOBAL, seed=12)
+    data = tmp_path / "data.csv"
+    data.write_bytes(b"\n".join(records) + b"\n")
+    runs = {}
+    for name, batch, launch in (("one", GLOBAL, ()),
+                                ("two", GLOBAL // 2, ("-m", "torch.distributed.run",
+                                                      "--standalone", "--nproc_per_node", "2"))):
+        config = _split_config(str(tmp_path / name), batch)
+        config.train_config.save_checkpoints_steps = 8
+        path = tmp_path / f"{name}.config"
+        path.write_text(text_format.MessageToString(config))
+        done = subprocess.run(
+            [sys.executable, *launch, "-m", "odl.cli.train_cli", "--pipeline_config_path",
+             str(path), "--train_input_path", str(data), "--device", "cpu", "--status_port",
+             "-1", "--log_level", "WARNING"], cwd=REPO, capture_output=True, timeout=300)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        runs[name] = read_checkpoint(list_checkpoints(str(tmp_path / name))[-1])
+    one, two = runs["one"], runs["two"]
+    assert one.global_step == two.global_step == 20
+    fb = FeatureBuilder(_split_config("", GLOBAL))
+    modules = {}
+    for name, ckpt in runs.items():
+        modules[name] = TrainModule(_split_config(str(tmp_path / f"{name}-r"), GLOBAL), fb,
+                                    device="cpu")
+        modules[name].load_checkpoint_state(ckpt.state)
+    ids = _ids(modules["one"], fb, records)
+    assert _rows(modules["two"], ids) == _rows(modules["one"], ids)
+    for name, t in one.state["model"].items():
+        if name.startswith(EBC_PREFIX):
+            np.testing.assert_allclose(two.state["model"][name].numpy(), t.numpy(), atol=3e-5,
+                                       rtol=0, err_msg=name)
