@@ -61,8 +61,8 @@ def _one_process(tmp_path, records: list[bytes], partitions: int = 2) -> tuple:
 
 
 def _rank_main(rank: int, world: int, model_dir: str, schedule: list, start: str,
-               records: list[bytes]) -> tuple:
-    config = _split_config(model_dir, GLOBAL // world)
+               records: list[bytes], partitions: int) -> tuple:
+    config = _split_config(model_dir, GLOBAL // world, partitions)
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
     tm.load_checkpoint_state(torch.load(start, weights_only=False))
@@ -79,16 +79,19 @@ def _rank_main(rank: int, world: int, model_dir: str, schedule: list, start: str
             tm.dynamic_status())
 
 
-def test_two_ranks_each_holding_one_partition_train_as_one_process_holding_both(tmp_path):
-    """One process with two partitions trains the first steps and saves; two ranks restore
-    that state, each holding one partition, and train on. Against the one process going on:
-    the same predictions, tables and rows of every id (each rank knows exactly the ids of
-    its own partition, their rows in its own block of the table); its share of the index
-    and counters is about half; the ranks' checkpoint restores into one process with two
-    partitions, equal to the process that never stopped, and exports the same ids."""
+@pytest.mark.parametrize("partitions", [2, 4])
+def test_two_ranks_holding_their_partitions_train_as_one_process_holding_all(tmp_path,
+                                                                            partitions):
+    """One process with 2 (or 4) partitions trains the first steps and saves; two ranks
+    restore that state, each holding its half of the partitions, and train on. Against the
+    one process going on: the same predictions, tables and rows of every id (each rank knows
+    exactly the ids of its own partitions, their rows in its own block of the table); its
+    share of the index and counters is about half; the ranks' checkpoint restores into one
+    process with the same partitions, equal to the process that never stopped, and an
+    export of it predicts as that process in ``odl-serve``'s model."""
     records = _records(24 * GLOBAL, seed=4)
     first, rest = records[:8 * GLOBAL], records[8 * GLOBAL:]
-    config, fb, one = _one_process(tmp_path, records)
+    config, fb, one = _one_process(tmp_path, records, partitions)
     for k in range(0, len(first), GLOBAL):
         one.train_step(fb.build(first[k:k + GLOBAL]).batch)
     start = str(tmp_path / "start.pt")
@@ -99,7 +102,7 @@ def test_two_ranks_each_holding_one_partition_train_as_one_process_holding_both(
     assert all(t.counters.evicted > evicted_before[n]  # both tables evict on
                for n, t in one.dynamic.tables.items())
     two_dir = str(tmp_path / "two")
-    got = run_ranks(_rank_main, 2, 2, two_dir, _steps(rest, 2), start, records)
+    got = run_ranks(_rank_main, 2, 2, two_dir, _steps(rest, 2), start, records, partitions)
     share = GLOBAL // 2
     merged = np.concatenate([np.concatenate([got[r][0][b * share:(b + 1) * share]
                                              for r in range(2)])
@@ -110,14 +113,15 @@ def test_two_ranks_each_holding_one_partition_train_as_one_process_holding_both(
     ids = _ids(one, fb, records)
     want = _rows(one, ids)
     one_status = one.dynamic_status()
+    share = partitions // 2
     for name, table_ids in ids.items():
-        owner = partition_of(table_ids, 2)
-        spans = partition_spans(one.dynamic.tables[name].spec.capacity, 2)
+        owner = partition_of(table_ids, partitions) // share  # the rank holding each id
+        spans = partition_spans(one.dynamic.tables[name].spec.capacity, partitions)
         for r in range(2):
             rows = np.asarray(got[r][3][name])
             expect = np.where(owner == r, want[name], -1)
             assert rows.tolist() == expect.tolist(), (name, r)
-            lo, hi = spans[r]
+            lo, hi = spans[r * share][0], spans[(r + 1) * share - 1][1]
             live = got[r][4][name]
             assert len(live) and live.min() >= lo and live.max() < hi  # its own block
             assert got[r][5][name]["map_bytes"] < 0.6 * one_status[name]["map_bytes"]
@@ -128,7 +132,8 @@ def test_two_ranks_each_holding_one_partition_train_as_one_process_holding_both(
     # the ranks' checkpoint (each partition in its rank's part) into one process, and into
     # serving through an export: the predictions of the process that never stopped
     ckpt = read_checkpoint(list_checkpoints(two_dir)[-1])
-    restored = TrainModule(_split_config(str(tmp_path / "r"), GLOBAL), fb, device="cpu")
+    restored = TrainModule(_split_config(str(tmp_path / "r"), GLOBAL, partitions), fb,
+                           device="cpu")
     restored.load_checkpoint_state(ckpt.state)
     assert _rows(restored, ids) == want
     probe = fb.build(records[:4 * GLOBAL]).batch
@@ -199,3 +204,30 @@ def test_torchrun_two_ranks_split_by_id_train_files_as_one_process_split_alike(t
         if name.startswith(EBC_PREFIX):
             np.testing.assert_allclose(two.state["model"][name].numpy(), t.numpy(), atol=3e-5,
                                        rtol=0, err_msg=name)
+
+
+def _refusing_rank(rank: int, world: int, model_dir: str) -> list[str]:
+    """The config errors of partitions that do not fit two ranks."""
+    errors = []
+    for partitions, capacity in ((3, 60), (4, 62)):
+        config = _split_config(model_dir, GLOBAL // world, partitions)
+        text = text_format.MessageToString(config).replace("zch_size: 60",
+                                                           f"zch_size: {capacity}")
+        config = text_format.Parse(text, type(config)())
+        try:
+            TrainModule(config, FeatureBuilder(config), device="cpu",
+                        row_wise_min_rows=ROW_WISE_MIN_ROWS)
+        except ConfigError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_partitions_that_do_not_divide_among_the_ranks_are_refused(tmp_path):
+    """With two ranks: 3 partitions (not a multiple of 2), and 4 partitions of a table of 62
+    rows (two partitions' blocks would not make a rank's block of the table), refused by
+    field with what to set."""
+    got = run_ranks(_refusing_rank, 2, 2, str(tmp_path))
+    for errors in got.values():
+        assert len(errors) == 2
+        assert "dynamic_index_partitions" in errors[0] and "multiple of 2" in errors[0]
+        assert "capacity 62 must then be a multiple of 4" in errors[1]

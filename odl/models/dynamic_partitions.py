@@ -1,4 +1,4 @@
-"""Dynamic tables split by id into partitions, one per rank: the id index sharded by id.
+"""Dynamic tables split by id into partitions held by the ranks: the id index sharded by id.
 
 With ``train_config.dynamic_index_partitions: P`` > 1 every dynamic table is P independent
 tables (``DynamicTables`` builds them):
@@ -7,14 +7,16 @@ tables (``DynamicTables`` builds them):
   (``(mix64(x ^ PARTITION_SALT) >> 32) % P``, independent of the index's own slot hash);
 * **rows**: partition p owns the rows ``partition_spans(capacity, P)[p]``, the block TorchRec's
   row-wise sharding gives rank p of P (``ceil(capacity / P)`` rows each, the last one the
-  rest), so with P ranks an id's row always lives on the rank that holds its index entry;
+  rest). N ranks (P a multiple of N) hold P / N consecutive partitions each, whose blocks
+  make the rank's row-wise block of N when P = N or the capacity is a multiple of P, so an
+  id's row always lives on the rank that holds its index entry;
 * **decisions**: each partition is a dynamic table of its block's rows with its own index,
   free rows, counters and sketch: admission, eviction and expiry of partition p depend only
   on the ids of partition p, in the order they are trained.
 
-So a run of P ranks, each holding one partition, makes exactly the decisions of one process
-holding all P (the tests compare the two), and its checkpoints move between the two. With P
-ranks no rank holds more than its own partition of the index and counters; the ranks
+So ranks holding the partitions make exactly the decisions of one process holding all P
+(the tests compare the two), and the checkpoints move between any numbers of ranks that
+divide P. No rank holds more than its own partitions of the index and counters; the ranks
 exchange the step's ids and each maps the ids it owns (``TrainModule._remap_ranks``).
 
 :class:`PartitionedDynamicTable` gives one table's held partitions the interface of a

@@ -340,7 +340,7 @@ class TrainModule:
             {n: s.feature_names for n, s in specs.items()}, self._seed,
             record_deletes=config.train_config.HasField("incr_save_config"),
             partitions=partitions,
-            held=(self.rank,) if self.world_size > 1 and partitions > 1 else None)
+            held=self._held_partitions(partitions))
         # several ranks, split by id: the step's rows of every rank's records (the rows of
         # this rank's partition are named and published by it)
         self._step_rows: KeyedJaggedTensor | None = None
@@ -602,23 +602,43 @@ class TrainModule:
                             specs: Mapping[str, Any]) -> int:
         """``train_config.dynamic_index_partitions``, checked against the ranks and tables.
 
+        With N ranks, P = 1 (the whole index on every rank) or a multiple of N: rank r holds
+        partitions ``[r * P / N, (r + 1) * P / N)``, whose blocks of rows make its TorchRec
+        row-wise block when P = N or every dynamic table's capacity is a multiple of P.
+
         Raises:
-            ConfigError: neither 1 nor the number of ranks, or a table too small to split.
+            ConfigError: P not 1 or a multiple of the ranks, blocks that do not line up with
+                the ranks' row-wise blocks, or a table too small to split.
         """
         field = "train_config.dynamic_index_partitions"
         partitions = max(1, int(config.train_config.dynamic_index_partitions))
+        world = self.world_size
         if not specs or partitions == 1:
             return 1
-        if self.world_size > 1 and partitions != self.world_size:
-            raise ConfigError(field, f"is {partitions} with {self.world_size} ranks: it must "
-                              f"be 1 (the whole index on every rank) or {self.world_size} "
-                              "(one partition per rank)")
+        if partitions % world:
+            raise ConfigError(field, f"is {partitions} with {world} ranks: it must be 1 (the "
+                              f"whole index on every rank) or a multiple of {world} (each "
+                              "rank holds an equal share of the partitions)")
         for name, spec in specs.items():
+            capacity = spec.dynamic.capacity
             try:
-                partition_spans(spec.dynamic.capacity, partitions)
+                partition_spans(capacity, partitions)
             except ValueError as exc:
                 raise ConfigError(field, f"table {name}: {exc}") from exc
+            if 1 < world < partitions and capacity % partitions:
+                raise ConfigError(field, f"is {partitions} with {world} ranks, so each rank "
+                                  f"holds {partitions // world} partitions: table {name}'s "
+                                  f"capacity {capacity} must then be a multiple of "
+                                  f"{partitions} (its partitions' rows make each rank's "
+                                  "block of the table)")
         return partitions
+
+    def _held_partitions(self, partitions: int) -> tuple[int, ...] | None:
+        """The partitions this rank holds (None: all, with one process or one partition)."""
+        if self.world_size == 1 or partitions == 1:
+            return None
+        share = partitions // self.world_size
+        return tuple(range(self.rank * share, (self.rank + 1) * share))
 
     def dynamic_table(self, table: str) -> DynamicTable | None:
         """The dynamic table behind a TorchRec table (``<t>`` or ``<t>_wide``), else None."""
@@ -961,8 +981,8 @@ class TrainModule:
             if found is None:
                 return batch, now
             rows, evicted = self.dynamic.map_lookups(found, whole, step, now, admit)
-            owner = found.owner
-            assert owner is not None
+            assert found.owner is not None  # the rank holding each lookup's partition
+            owner = found.owner // (self.dynamic.partitions // self.world_size)
             counts = np.bincount(owner, minlength=self.world_size).tolist()
             for r, part in enumerate(int64_from_every_rank(rows[owner == self.rank], counts)):
                 if r != self.rank:
@@ -1224,7 +1244,7 @@ class TrainModule:
         return out
 
     def _dynamic_in_parts(self) -> bool:
-        """Whether the dynamic tables are split by id over the ranks (one partition each)."""
+        """Whether the dynamic tables are split by id over the ranks (each holding its share)."""
         return bool(self.dynamic) and self.world_size > 1 and self.dynamic.partitions > 1
 
     @torch.no_grad()
