@@ -500,3 +500,30 @@ def test_memory_estimate_follows_every_model_class(sample: str) -> None:
     assert {t.name: (t.rows, t.dim) for t in est.tables} == tables
     assert est.dense_parameters == sum(p.numel() for p in model.dense.parameters())
 
+
+
+def test_memory_of_several_ranks_is_each_ranks_share() -> None:
+    """With ranks each holds its share of the tables: a model too large for one 16 GiB host
+    fits 8 hosts of one rank each, not 8 ranks on that one host; on CUDA each device holds
+    a share. A dynamic table's index counts whole on every rank unless split by id."""
+    from odl.config.memory_estimate import AvailableMemory, check_memory, estimate_memory
+
+    big = {"feature_configs[0].hash_bucket_size": 1.5e8,
+           "feature_configs[1].hash_bucket_size": 1.5e8}
+    config = load_pipeline_config(ONLINE, big)
+    host = AvailableMemory(16 * GIB, "host")
+    with pytest.raises(ConfigError, match="feature_configs"):
+        check_memory(config, "cpu", 0.8, host_available=host)
+    apart = check_memory(config, "cpu", 0.8, host_available=host, ranks=8, ranks_on_host=1)
+    assert apart.rank_sparse_bytes < apart.sparse_bytes / 7
+    with pytest.raises(ConfigError, match="8 ranks \\(8 on this host\\)"):
+        check_memory(config, "cpu", 0.8, host_available=host, ranks=8, ranks_on_host=8)
+    one, four = estimate_memory(config, "cuda"), estimate_memory(config, "cuda", 4, 4)
+    assert four.device_bytes < one.device_bytes / 3
+    dynamic = load_pipeline_config(ONLINE, {
+        "feature_configs[1].zch": {"zch_size": 4_000_000, "lru": {}}})
+    index = sum(t.map_bytes for t in estimate_memory(dynamic, "cpu").tables)
+    whole, split = (estimate_memory(load_pipeline_config(ONLINE, {
+        "feature_configs[1].zch": {"zch_size": 4_000_000, "lru": {}},
+        "train_config.dynamic_index_partitions": p}), "cpu", 4, 1) for p in (1, 4))
+    assert whole.rank_sparse_bytes - split.rank_sparse_bytes == index - index // 4

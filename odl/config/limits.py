@@ -62,3 +62,7 @@ MAX_METRICS_WINDOW_SAMPLES = 10_000_000
 
 # Nesting depth of an --edit_config_json document.
 MAX_EDIT_JSON_DEPTH = 64
+# Tables of at least this many rows are split by rows over the ranks of a job; smaller ones
+# are placed whole on one rank (odl.train.distributed.table_placement; the memory estimate
+# of one rank, odl.config.memory_estimate, counts on it).
+ROW_WISE_MIN_ROWS = 1 << 20

@@ -40,6 +40,13 @@ On CUDA the model lives in device memory and the checkpoint copy in host memory:
     device = tables + table state + dense + activations
     host   = tables + table state + dense + metrics + runtime
 
+With N ranks (``torchrun``: ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` of them on this host)
+"tables + table state" above is one rank's share (``MemoryEstimate.rank_sparse_bytes``): an
+N-th of every table and its state, plus the largest table below ``ROW_WISE_MIN_ROWS`` rows
+(placed whole on one rank), plus the dynamic tables' id index and counters whole (or an
+N-th with ``dynamic_index_partitions`` > 1); the device figure is per rank, the host figure
+that of the ranks on this host together.
+
 Available memory: host memory is ``psutil.virtual_memory().available``, lowered to the room
 left under a cgroup memory limit (cgroup v2 ``memory.max`` minus ``memory.current`` less
 reclaimable page cache, or cgroup v1 ``memory.limit_in_bytes``) of this process's cgroup or
@@ -59,6 +66,7 @@ from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import dynamic_table_spec
 from odl.config.feature_configs import embedded_feature, feature_configs
 from odl.config.feature_settings import has_vocabulary, vocabulary_size
+from odl.config.limits import ROW_WISE_MIN_ROWS
 from odl.config.model_classes import (
     is_multi_task_model,
     is_tower_model,
@@ -119,6 +127,7 @@ class TableEstimate:
         dim: stored columns.
         weight_bytes: ``4 x rows x dim``.
         state_bytes: its optimizer state (and a dynamic table's id index and counters).
+        map_bytes: of ``state_bytes``, a dynamic table's id index and counters.
     """
 
     name: str
@@ -126,6 +135,7 @@ class TableEstimate:
     dim: int
     weight_bytes: int
     state_bytes: int
+    map_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,9 @@ class MemoryEstimate:
         activation_bytes: activations of one step.
         metrics_bytes: progressive metrics window.
         runtime_bytes: the process itself.
+        ranks: processes training the model together (``torchrun``'s ``WORLD_SIZE``).
+        ranks_on_host: of those, the ones on this host (``LOCAL_WORLD_SIZE``).
+        index_partitions: ``train_config.dynamic_index_partitions``.
     """
 
     device_type: str
@@ -153,6 +166,9 @@ class MemoryEstimate:
     activation_bytes: int = 0
     metrics_bytes: int = 0
     runtime_bytes: int = RUNTIME_BYTES
+    ranks: int = 1
+    ranks_on_host: int = 1
+    index_partitions: int = 1
 
     @property
     def table_bytes(self) -> int:
@@ -170,20 +186,40 @@ class MemoryEstimate:
         return self.table_bytes + self.table_state_bytes
 
     @property
+    def rank_sparse_bytes(self) -> int:
+        """Tables and their optimizer state one rank holds (all of them with one process).
+
+        With N ranks: an N-th of every table, plus the largest table below
+        ``ROW_WISE_MIN_ROWS`` rows (those are placed whole, so a rank may hold one more
+        than its share); a dynamic table's id index and counters whole on every rank unless
+        ``index_partitions`` splits them.
+        """
+        if self.ranks <= 1:
+            return self.sparse_bytes
+        maps = sum(t.map_bytes for t in self.tables)
+        rows_bytes = self.sparse_bytes - maps
+        whole = [t.weight_bytes + t.state_bytes - t.map_bytes for t in self.tables
+                 if t.rows < ROW_WISE_MIN_ROWS]
+        index = maps // self.ranks if self.index_partitions > 1 else maps
+        return -(-rows_bytes // self.ranks) + max(whole, default=0) + index
+
+    @property
     def host_bytes(self) -> int:
-        """Host (CPU) memory needed."""
+        """Host (CPU) memory needed, by every rank on this host together."""
         if self.device_type == "cuda":
-            return (self.sparse_bytes + self.dense_bytes + self.metrics_bytes
-                    + self.runtime_bytes)
-        return (2 * self.sparse_bytes + self.dense_bytes + self.activation_bytes
-                + self.metrics_bytes + self.runtime_bytes)
+            one = (self.rank_sparse_bytes + self.dense_bytes + self.metrics_bytes
+                   + self.runtime_bytes)
+        else:
+            one = (2 * self.rank_sparse_bytes + self.dense_bytes + self.activation_bytes
+                   + self.metrics_bytes + self.runtime_bytes)
+        return one * max(1, self.ranks_on_host)
 
     @property
     def device_bytes(self) -> int:
-        """CUDA device memory needed (0 on CPU)."""
+        """CUDA device memory needed by one rank (0 on CPU)."""
         if self.device_type != "cuda":
             return 0
-        return self.sparse_bytes + self.dense_bytes + self.activation_bytes
+        return self.rank_sparse_bytes + self.dense_bytes + self.activation_bytes
 
 
 @dataclass(frozen=True)
@@ -413,7 +449,8 @@ def _multi_task_params(mc: pipeline_pb2.EasyRecModel,
     return params, hidden
 
 
-def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> MemoryEstimate:
+def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str, ranks: int = 1,
+                    ranks_on_host: int = 1) -> MemoryEstimate:
     """Estimates the memory of training ``config`` on ``device_type``.
 
     Reads only the config (call it on a validated config); allocates nothing.
@@ -421,6 +458,8 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
     Args:
         config: the pipeline config.
         device_type: ``"cpu"`` or ``"cuda"``.
+        ranks: processes training the model together (``torchrun``).
+        ranks_on_host: of those, the ones on this host.
 
     Returns:
         The estimate.
@@ -470,7 +509,7 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
         mapped.add(base)
         tables[name] = TableEstimate(
             name, rows, dim, BYTES_PER_VALUE * rows * dim,
-            BYTES_PER_VALUE * rows * (per_row + per_value * dim) + map_bytes)
+            BYTES_PER_VALUE * rows * (per_row + per_value * dim) + map_bytes, map_bytes)
 
     deep_in = pooled = fm_dim = extra_params = 0
     for name in deep_feats:
@@ -542,6 +581,9 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str) -> Mem
     activations = BYTES_PER_VALUE * ACTIVATION_COPIES * batch * (pooled + deep_in + hidden)
     metrics = METRICS_BYTES_PER_SAMPLE * int(config.train_config.metrics_window_samples)
     return MemoryEstimate(
+        ranks=max(1, int(ranks)),
+        ranks_on_host=max(1, int(ranks_on_host)),
+        index_partitions=max(1, int(config.train_config.dynamic_index_partitions)),
         device_type=device_type,
         sparse_kind=sparse.kind,
         dense_kind=dense.kind,
@@ -708,8 +750,11 @@ def _describe(est: MemoryEstimate, where: str) -> str:
         f", activations {_gib(est.activation_bytes)}"
     extra = f", metrics and runtime {_gib(est.metrics_bytes + est.runtime_bytes)}" \
         if where == "host" else ""
+    ranks = (f"; {est.ranks} ranks ({est.ranks_on_host} on this host), each holding about "
+             f"{_gib(est.rank_sparse_bytes)} of the tables and their state"
+             if est.ranks > 1 else "")
     return (f"{tables}, dense part {_gib(est.dense_bytes)}{act}{extra}"
-            f"{f'; largest tables {largest}' if largest else ''}")
+            f"{f'; largest tables {largest}' if largest else ''}{ranks}")
 
 
 def check_memory(
@@ -718,6 +763,8 @@ def check_memory(
     fraction: float,
     host_available: AvailableMemory | None = None,
     device_available: int | None = None,
+    ranks: int = 1,
+    ranks_on_host: int = 1,
 ) -> MemoryEstimate:
     """Refuses a config whose estimated memory exceeds ``fraction`` of what is available.
 
@@ -728,6 +775,9 @@ def check_memory(
         host_available: available host memory (default: :func:`available_host_memory`).
         device_available: free CUDA memory in bytes (needed for ``"cuda"``; None skips the
             device side).
+        ranks: processes training the model together: each holds its share of the tables
+            (``MemoryEstimate.rank_sparse_bytes``), its device its own.
+        ranks_on_host: of those, the ones sharing this host's memory.
 
     Returns:
         The estimate.
@@ -736,10 +786,12 @@ def check_memory(
         ConfigError: naming the field behind the largest part of the estimate, with the
             estimate and the limit.
     """
-    est = estimate_memory(config, device_type)
-    logger.info("estimated memory: host %s, device %s (tables %s + %s state %s, dense %s)",
+    est = estimate_memory(config, device_type, ranks, ranks_on_host)
+    logger.info("estimated memory: host %s, device %s (tables %s + %s state %s, dense %s%s)",
                 _gib(est.host_bytes), _gib(est.device_bytes), _gib(est.table_bytes),
-                est.sparse_kind, _gib(est.table_state_bytes), _gib(est.dense_bytes))
+                est.sparse_kind, _gib(est.table_state_bytes), _gib(est.dense_bytes),
+                f"; {est.ranks} ranks, {est.ranks_on_host} on this host, "
+                f"{_gib(est.rank_sparse_bytes)} of tables each" if est.ranks > 1 else "")
     if fraction <= 0:
         return est
     how = (f"--max_memory_fraction or {MAX_MEMORY_FRACTION_ENV} sets the share, 0 turns "

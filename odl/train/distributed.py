@@ -50,13 +50,12 @@ import torch
 import torch.distributed as dist
 
 from odl.config.config_error import ConfigError
+from odl.config.limits import ROW_WISE_MIN_ROWS
 from odl.inputs.source_factory import online_input_kind
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
 
-# tables this large (rows) are split by rows over the ranks; smaller ones are placed whole
-ROW_WISE_MIN_ROWS = 1 << 20
 
 
 @dataclass(frozen=True)

@@ -483,6 +483,9 @@ def check_start(
     notes = check_device_support(config, device_type)
     check_kafka_settings(config, online)
     device_free = _cuda_free_bytes() if device_type == "cuda" and fraction > 0 else None
-    estimate = check_memory(config, device_type, fraction, device_available=device_free)
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before the group is joined
+    estimate = check_memory(config, device_type, fraction, device_available=device_free,
+                            ranks=ranks,
+                            ranks_on_host=int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
     _check_paths(config, sample_ledger, create_dirs)  # last: may leave model_dir created
     return StartCheck(device_type, estimate, notes)
