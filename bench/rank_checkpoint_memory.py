@@ -21,7 +21,11 @@ as a restart of several ranks reads it (``read_checkpoint(whole_tables=False)``)
 copies its own rows out of the mapped state file (``gather``, the layout of a checkpoint
 written by one process) or reads only the blocks of its own rows from the parts
 (``parts``). Each restore runs in fresh processes that build the model and restore, so no
-memory of the save is reused. Printed: per way and rank the peak growth in MB and the
+memory of the save is reused. Last, one fresh process exports each checkpoint
+(``export_checkpoint``, which writes each table block by block from the mapped checkpoint),
+measured the same way, and by its allocated memory alone (``RssAnon`` sampled every 5 ms:
+the mapped checkpoint's pages count in the high-water mark but are the page cache's, not
+the process's). Printed: per way and rank the peak growth in MB and the
 seconds, and parts / gather for rank 0. The tables' bytes (weights and optimizer state, all
 ranks) are printed for scale.
 
@@ -33,10 +37,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -88,6 +95,40 @@ def _restore(rank: int, world: int, args: dict) -> dict:
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
+def _export(args: dict) -> dict:
+    """One fresh process exporting the way's checkpoint: its peak growth and seconds."""
+    from odl.checkpoint.checkpoint_manager import CheckpointManager
+    from odl.config.pipeline_config import parse_pipeline_config_text
+    from odl.datagen.datagen_config import deepfm_config_text
+    from odl.export.exporter import export_checkpoint
+
+    config = parse_pipeline_config_text(deepfm_config_text(
+        args["model_dir"], batch_size=256, dim=16, buckets=args["rows"],
+        hidden_units=(256, 128, 64), save_checkpoints_steps=0))
+    path = CheckpointManager(args["model_dir"], keep_max=0).latest()
+    rss0, anon0 = _status_kb("VmRSS"), _status_kb("RssAnon")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    peak = [anon0]
+    done = threading.Event()
+
+    def sample() -> None:  # the kernel keeps no high-water mark of anonymous memory
+        while not done.wait(0.005):
+            peak[0] = max(peak[0], _status_kb("RssAnon"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    export_checkpoint(config, path, os.path.join(args["work"], "export-" + args["way"]),
+                      warn_without_topic=False)
+    secs = time.perf_counter() - t0
+    done.set()
+    sampler.join()
+    return {"peak_growth_mb": round((_status_kb("VmHWM") - rss0) / 1024, 1),
+            "anon_peak_growth_mb": round((peak[0] - anon0) / 1024, 1),
+            "seconds": round(secs, 2)}
+
+
 def _rank(rank: int, world: int, args: dict) -> dict:
     """One rank: build, train, save one way; its figures."""
     import torch.distributed as dist
@@ -132,6 +173,8 @@ def run_way(way: str, world: int, args: dict) -> dict[int, dict]:
         for rank, figures in run_ranks(_restore, world, world,
                                        dict(args, whole=whole)).items():
             out[rank][key] = figures
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        out[0]["export"] = pool.submit(_export, args).result()
     return out
 
 
@@ -176,6 +219,14 @@ def main() -> int:
                   f"{r['restore_whole']['peak_growth_mb']} MB in "
                   f"{r['restore_whole']['seconds']} s, {own} "
                   f"{r['restore_own']['peak_growth_mb']} MB in {r['restore_own']['seconds']} s")
+    for way in ("gather", "parts"):
+        e = result[way][0]["export"]
+        whole = max(r["restore_whole"]["peak_growth_mb"] for r in result[way].values())
+        result[f"{way}_export_over_read_whole"] = round(e["peak_growth_mb"] / whole, 3)
+        print(f"export of the {way} checkpoint in a fresh process: peak growth "
+              f"{e['peak_growth_mb']} MB (of which allocated, not mapped file pages: "
+              f"{e['anon_peak_growth_mb']} MB) in {e['seconds']} s; / a rank reading it "
+              f"whole {result[f'{way}_export_over_read_whole']}")
     finish_run(args, result, work)
     return 0
 

@@ -10,6 +10,7 @@ partitions.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -139,7 +140,10 @@ def test_two_ranks_holding_their_partitions_train_as_one_process_holding_all(tmp
     probe = fb.build(records[:4 * GLOBAL]).batch
     expected = one.predict(probe)
     np.testing.assert_allclose(restored.predict(probe), expected, atol=5e-5, rtol=0)
-    export_checkpoint(config, ckpt.path, str(tmp_path / "export"))
+    exported = export_checkpoint(config, ckpt.path, str(tmp_path / "export"))
+    with open(os.path.join(exported.embeddings_dir, "MANIFEST.json")) as f:
+        manifest = json.load(f)["tables"]
+    assert len(manifest["user"]["parts"]) == 2  # one per rank's block, written one by one
     serving = ServingModel.load(str(tmp_path / "export"))
     np.testing.assert_allclose(serving.predict_batch(probe), expected, atol=5e-5, rtol=0)
     more = records[:2 * GLOBAL]

@@ -22,8 +22,9 @@ checkpoint directory, so no rank ever holds every table at a save. Layout of one
 The checkpoint's ``model.pt`` then names its parts (``"table_parts": [file, ...]``, rank
 order) and holds the rest of the state; ``assemble`` builds the whole tables from the parts,
 so a checkpoint written by N ranks reads as one process's (and restores into any number of
-ranks, or exports). A tensor whose blocks do not add up to its whole size (a part missing)
-is an error, never zeros.
+ranks). ``TableBlocks`` hands out a table's row blocks one at a time instead, mapped, so an
+export never holds more than one block. A tensor whose blocks do not add up to its whole
+size (a part missing) is an error, never zeros.
 """
 
 from __future__ import annotations
@@ -204,3 +205,63 @@ def load_blocks(documents: Iterable[Mapping[str, Any]],
                 raise ValueError(f"{ident[0]} {ident[1]} {ident[2]}: the parts cover {n} of "
                                  f"the {shard.numel()} values of the shard at {tuple(start)}")
     return held
+
+
+class TableBlocks:
+    """The row blocks of every table of a checkpoint state, one table at a time.
+
+    From the mapped parts of a checkpoint of several ranks (``state["table_parts"]``), or the
+    state's own (mapped) tables, each one block (``read_checkpoint(whole_tables=False)``).
+    Only the blocks asked for are read from disk.
+
+    Args:
+        state: a checkpoint state.
+
+    Raises:
+        ValueError: a part is not a part file.
+    """
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self._model = state.get("model", {})
+        self._pieces: dict[str, tuple[tuple[int, ...], list]] = {}
+        for path in state.get("table_parts") or []:
+            for kind, name, _key, size, parts in read_part(path, mmap=True)["pieces"]:
+                if kind == "model":
+                    self._pieces.setdefault(name, (tuple(size), []))[1].extend(parts)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._pieces or name in self._model
+
+    def size(self, name: str) -> tuple[int, ...]:
+        """The whole table's size."""
+        if name in self._pieces:
+            return self._pieces[name][0]
+        return tuple(int(x) for x in self._model[name].shape)
+
+    def blocks(self, name: str) -> list[tuple[int, torch.Tensor]]:
+        """``[(first row, rows)]`` of a table by first row, whole columns, covering every row.
+
+        Raises:
+            ValueError: the blocks split the columns, overlap or leave rows out.
+        """
+        if name not in self._pieces:
+            return [(0, self._model[name])]
+        size, parts = self._pieces[name]
+        out: dict[int, torch.Tensor] = {}
+        for offsets, tensor in parts:
+            if offsets is None:  # whole and equal on every rank: any copy
+                out.setdefault(0, tensor)
+                continue
+            if offsets[1] != 0 or tensor.shape[1] != size[1]:
+                raise ValueError(f"{name}: a block of columns {offsets[1]}.. is not a block of "
+                                 "whole rows")
+            out[int(offsets[0])] = tensor
+        at = 0
+        for start, tensor in sorted(out.items()):
+            if start != at:
+                raise ValueError(f"{name}: its blocks cover rows up to {at}, the next starts "
+                                 f"at {start}")
+            at += int(tensor.shape[0])
+        if at != size[0]:
+            raise ValueError(f"{name}: its blocks cover {at} of its {size[0]} rows")
+        return sorted(out.items(), key=lambda kv: kv[0])

@@ -29,11 +29,15 @@ On-disk layout of one export (``<export_dir>/<unix-seconds>/``; names in
                                                      "bytes": int, "sha256": hex}]}}}
           <table>/part-00000.npy      float32 [rows, dim] (numpy .npy); row i of the part is
                                       the vector of id start_id + i; only the columns the
-                                      model reads (wide tables: wide_output_dim)
+                                      model reads (wide tables: wide_output_dim). One part
+                                      per block of the checkpoint: the whole table, or each
+                                      rank's rows of a table split by rows (part-00001, ...)
           <table>/ids-00000.npy       dynamic tables only: int64 [n] raw ids, id i's vector
-                                      is row i of part-00000.npy (n live rows; the table
-                                      entry adds "keys": "raw_id", "live": n, and the part
-                                      "ids_file", "ids_sha256"; "rows" is the capacity)
+                                      is row i of part-00000.npy (n live rows of the block;
+                                      start_id counts the live rows of the parts before;
+                                      the table entry adds "keys": "raw_id", "live": total,
+                                      and the part "ids_file", "ids_sha256"; "rows" is the
+                                      capacity)
         MANIFEST.json                 {"format": 1, "files": {relpath: {"bytes", "sha256"}}}
                                       over every file above except DONE
         DONE                          completion marker, written last
@@ -97,7 +101,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -106,6 +110,7 @@ import torch
 
 from odl.checkpoint.checkpoint_manager import read_checkpoint, resolve_checkpoint_path
 from odl.checkpoint.file_digest import sha256_file
+from odl.checkpoint.table_parts import TableBlocks
 from odl.config.config_redaction import config_to_text
 from odl.config.feature_settings import with_vocab_files_inlined
 from odl.config.loss_settings import num_classes, regression_outputs
@@ -288,7 +293,7 @@ def _signature(config: pipeline_pb2.EasyRecConfig, model: CtrModel, fb: FeatureB
                global_step: int, generation: str,
                checkpoint: str, now: float, embeddings_ref: str,
                table_shapes: Mapping[str, tuple[int, int]],
-               table_pooling: Mapping[str, str], raw_ids: Mapping[str, np.ndarray]) -> dict:
+               table_pooling: Mapping[str, str], dynamic: Collection[str]) -> dict:
     """The ``serving_model.json`` document (module docstring)."""
     layout = model.layout
     return {
@@ -309,7 +314,7 @@ def _signature(config: pipeline_pb2.EasyRecConfig, model: CtrModel, fb: FeatureB
         "dense_features": fb.dense_feature_names,
         "sparse_features": fb.sparse_feature_names,
         "tables": {n: {"rows": r, "dim": d, "pooling": table_pooling[n],
-                       "dynamic": n in raw_ids}
+                       "dynamic": n in dynamic}
                    for n, (r, d) in table_shapes.items()},
         "deep_dim": layout.deep_dim,
         "wide_output_dim": layout.wide_output_dim,
@@ -371,7 +376,9 @@ def export_checkpoint(
     t0 = time.monotonic()
     now = time.time() if now is None else now
     ckpt_dir = resolve_checkpoint_path(checkpoint_path)
-    ckpt = read_checkpoint(ckpt_dir)
+    # mapped, not read: the tables are written block by block (a rank's part, or a whole
+    # table of a one-process checkpoint), never all at once
+    ckpt = read_checkpoint(ckpt_dir, whole_tables=False)
     state = ckpt.state["model"]
 
     fb = FeatureBuilder(config)
@@ -385,24 +392,44 @@ def export_checkpoint(
     used = _used_columns(model)
     pooling = {spec.name: spec.pooling for spec in fb.table_specs}
     live = _live_dynamic_rows(fb, ckpt.state, ckpt_dir)
-    tables: dict[str, np.ndarray] = {}
+    try:
+        blocks = TableBlocks(ckpt.state)
+    except (OSError, ValueError) as e:
+        raise ExportError(f"checkpoint {ckpt_dir}: its table parts are unreadable: {e}") from e
     table_pooling: dict[str, str] = {}
-    raw_ids: dict[str, np.ndarray] = {}
     table_shapes: dict[str, tuple[int, int]] = {}
+    dynamic_rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # table -> live rows, ids
     for cfg in model.layout.configs:
         key = f"{EBC_PREFIX}{cfg.name}.weight"
-        if key not in state:
+        if key not in blocks:
             raise ExportError(f"checkpoint {ckpt_dir} has no table {cfg.name} ({key})")
-        w = state[key].detach().to(torch.float32).cpu().numpy()
-        w = w[:, : used.get(cfg.name, w.shape[1])]
-        table_shapes[cfg.name] = (int(w.shape[0]), int(w.shape[1]))
+        rows, stored = blocks.size(key)
+        table_shapes[cfg.name] = (int(rows), int(min(used.get(cfg.name, stored), stored)))
         base = cfg.name[: -len(WIDE_SUFFIX)] if cfg.name.endswith(WIDE_SUFFIX) else cfg.name
         if base in live:
-            rows, ids = live[base]
-            w = w[rows]
-            raw_ids[cfg.name] = ids
-        tables[cfg.name] = np.ascontiguousarray(w)
+            dynamic_rows[cfg.name] = live[base]
         table_pooling[cfg.name] = pooling.get(base, "sum")
+
+    def parts_of(name: str) -> Iterator[tuple[int, np.ndarray, Optional[np.ndarray]]]:
+        """``(start, values, raw ids or None)`` of a table's parts, one block at a time."""
+        cols = table_shapes[name][1]
+        try:
+            table_blocks = blocks.blocks(f"{EBC_PREFIX}{name}.weight")
+        except ValueError as e:
+            raise ExportError(f"checkpoint {ckpt_dir}: {e}") from e
+        if name not in dynamic_rows:
+            for start, t in table_blocks:
+                yield start, t[:, :cols].to(torch.float32).numpy(), None
+            return
+        live_rows, ids = dynamic_rows[name]
+        at = 0
+        for start, t in table_blocks:  # the live rows of each block, with their raw ids
+            inside = (live_rows >= start) & (live_rows < start + t.shape[0])
+            if inside.any() or (at == 0 and start + t.shape[0] >= table_shapes[name][0]):
+                picked = torch.from_numpy(live_rows[inside] - start)
+                yield at, t[picked][:, :cols].to(torch.float32).numpy(), ids[inside]
+                at += int(inside.sum())
+
     dense_shapes = _dense_variable_shapes(model)
 
     # Id maps: the publisher's (checkpoint dir or model_dir) when present, else the same
@@ -438,7 +465,7 @@ def export_checkpoint(
         if oss_path and is_remote(oss_path):
             emb_ref = join(oss_path, name, EMBEDDINGS_DIR)
             shutil.rmtree(emb_staging, ignore_errors=True)
-            _write_embeddings(emb_staging, tables, id_maps, table_pooling, raw_ids)
+            _write_embeddings(emb_staging, table_shapes, id_maps, table_pooling, parts_of)
             try:
                 file_store.remove_tree(emb_ref)
                 file_store.upload_tree(emb_staging, emb_ref, last=(MANIFEST_FILE,))
@@ -451,16 +478,16 @@ def export_checkpoint(
             emb_ref = os.path.abspath(os.path.join(oss_path, name, EMBEDDINGS_DIR))
             if os.path.exists(emb_ref):
                 shutil.rmtree(emb_ref)
-            _write_embeddings(emb_ref, tables, id_maps, table_pooling, raw_ids)
+            _write_embeddings(emb_ref, table_shapes, id_maps, table_pooling, parts_of)
         else:
             emb_ref = EMBEDDINGS_DIR
-            _write_embeddings(os.path.join(tmp, EMBEDDINGS_DIR), tables, id_maps, table_pooling,
-                              raw_ids)
+            _write_embeddings(os.path.join(tmp, EMBEDDINGS_DIR), table_shapes, id_maps,
+                              table_pooling, parts_of)
         torch.jit.save(script_dense(model), os.path.join(tmp, DENSE_MODEL_FILE))
         ckpt_ref = ckpt_dir if is_remote(ckpt_dir) else os.path.abspath(ckpt_dir)
         write_json_durable(os.path.join(tmp, SERVING_MODEL_FILE), _signature(
             config, model, fb, ckpt.global_step, ckpt.manifest.get("generation", ""),
-            ckpt_ref, now, emb_ref, table_shapes, table_pooling, raw_ids))
+            ckpt_ref, now, emb_ref, table_shapes, table_pooling, set(dynamic_rows)))
         if id_src is not None:
             for fname in (DENSE_UPDATE_VARIABLES, EMBED_NAME_TO_IDS):
                 write_durable(os.path.join(tmp, fname),
@@ -498,7 +525,7 @@ def export_checkpoint(
             shutil.rmtree(final, ignore_errors=True)  # the local build copy
     emb_dir = emb_ref if oss_path else join(path, EMBEDDINGS_DIR)
     logger.info("exported %s (step %d, %d tables, delta replay from offset %d) in %.2fs",
-                path, ckpt.global_step, len(tables), delta_offset, time.monotonic() - t0)
+                path, ckpt.global_step, len(table_shapes), delta_offset, time.monotonic() - t0)
     return ExportResult(path, emb_dir, ckpt.global_step, delta_offset)
 
 
@@ -532,36 +559,43 @@ def _save_npy(fp: str, arr: np.ndarray) -> None:
 
 def _write_embeddings(
     root: str,
-    tables: Mapping[str, np.ndarray],
+    shapes: Mapping[str, tuple[int, int]],
     ids: IdMaps,
     pooling: Mapping[str, str],
-    raw_ids: Mapping[str, np.ndarray],
+    parts_of: Callable[[str], Iterable[tuple[int, np.ndarray, Optional[np.ndarray]]]],
 ) -> None:
-    """Writes ``root/<table>/part-00000.npy`` per table and ``root/MANIFEST.json`` last."""
+    """Writes ``root/<table>/part-<k>.npy`` per part of each table, ``MANIFEST.json`` last.
+
+    Args:
+        root: the embeddings directory.
+        shapes: table -> ``(rows, exported columns)``.
+        ids: the id maps.
+        pooling: table -> its pooling.
+        parts_of: table -> its parts ``(start id, values, raw ids or None)``, one at a time
+            (a dynamic table's: its live rows with their raw ids; ``start`` counts them).
+    """
     os.makedirs(root, exist_ok=True)
     manifest: dict = {"format": 1, "tables": {}}
-    for name, w in tables.items():
+    for name, (rows, dim) in shapes.items():
         tdir = os.path.join(root, name)
         os.makedirs(tdir, exist_ok=True)
-        part = SHARD_FILE.format(index=0)
-        fp = os.path.join(tdir, part)
-        _save_npy(fp, w.astype(np.float32, copy=False))
-        entry = {"file": part, "start_id": 0, "rows": int(w.shape[0]),
-                 "bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}
-        info = {
-            "id": int(ids.tables[name].id),
-            "rows": int(w.shape[0]),
-            "dim": int(w.shape[1]),
-            "dtype": "float32",
-            "pooling": pooling[name],
-            "parts": [entry],
-        }
-        if name in raw_ids:
-            ids_file = IDS_FILE.format(index=0)
-            ids_fp = os.path.join(tdir, ids_file)
-            _save_npy(ids_fp, np.asarray(raw_ids[name], dtype=np.int64))
-            entry.update(ids_file=ids_file, ids_sha256=sha256_file(ids_fp))
-            info.update(keys="raw_id", live=int(w.shape[0]),
-                        rows=int(ids.tables[name].num_rows))
+        info: dict = {"id": int(ids.tables[name].id), "rows": int(rows), "dim": int(dim),
+                      "dtype": "float32", "pooling": pooling[name], "parts": []}
+        live = None
+        for index, (start, values, raw) in enumerate(parts_of(name)):
+            part = SHARD_FILE.format(index=index)
+            fp = os.path.join(tdir, part)
+            _save_npy(fp, np.ascontiguousarray(values, dtype=np.float32))
+            entry = {"file": part, "start_id": int(start), "rows": int(values.shape[0]),
+                     "bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}
+            if raw is not None:
+                ids_file = IDS_FILE.format(index=index)
+                ids_fp = os.path.join(tdir, ids_file)
+                _save_npy(ids_fp, np.asarray(raw, dtype=np.int64))
+                entry.update(ids_file=ids_file, ids_sha256=sha256_file(ids_fp))
+                live = (live or 0) + int(values.shape[0])
+            info["parts"].append(entry)
+        if live is not None:
+            info.update(keys="raw_id", live=live, rows=int(ids.tables[name].num_rows))
         manifest["tables"][name] = info
     write_json_durable(os.path.join(root, MANIFEST_FILE), manifest)

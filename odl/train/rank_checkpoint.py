@@ -15,7 +15,8 @@ Contract (``save_across_ranks``, a collective that every rank calls at the same 
    ``CheckpointError`` and go on training to the next one.
 
 No rank holds more than its own rows at a save. Reading the checkpoint puts the tables back
-together (``read_checkpoint``), so it exports as one process's; a restore of several ranks
+together (``read_checkpoint``), so it restores as one process's; an export writes it block
+by block (``odl.checkpoint.table_parts.TableBlocks``); a restore of several ranks
 reads from the parts only the blocks of its own rows (``read_checkpoint(whole_tables=False)``
 and ``TrainModule.load_checkpoint_state``), into any number of ranks, and crash recovery
 writes the recovered delta rows through to the shards that hold them
