@@ -48,6 +48,12 @@ threshold taken on a strided sample of 32,768 rows, then exactly among the rows 
 it. All decisions depend only on the ids, labels, steps and stream times trained on, so a
 checkpoint (:meth:`DynamicTables.state_dict`: the index, the free-row stack, the counters,
 the sketch) restores the tables exactly.
+
+With ``partitions`` > 1 (``train_config.dynamic_index_partitions``) every table is split by
+id into that many tables of a block of its rows each (``odl.models.dynamic_partitions``):
+all of the above runs per partition, and a process may hold only some partitions (a rank
+its own): :meth:`DynamicTables.map_lookups` then leaves the other partitions' ids
+``UNHELD`` for the caller to fill in from the ranks holding them.
 """
 
 from __future__ import annotations
