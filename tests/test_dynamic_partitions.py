@@ -174,24 +174,23 @@ def test_partitions_that_do_not_fit_the_ranks_or_the_tables_are_refused(tmp_path
 
 
 def test_torchrun_two_ranks_split_by_id_train_files_as_one_process_split_alike(tmp_path):
-    """``odl-train`` on offline files under ``torchrun`` with the index split by id over two
-    ranks ends with the checkpoint of one process holding both partitions with a batch twice
-    as large: the same tables and the same row of every id."""
+    """``odl-train --nproc 2`` (``torchrun`` with two ranks) on offline files with the index
+    split by id over the ranks ends, exit 0, with the checkpoint of one process holding both
+    partitions with a batch twice as large: the same tables and the same row of every id."""
     records = _records(20 * GLOBAL, seed=12)
     data = tmp_path / "data.csv"
     data.write_bytes(b"\n".join(records) + b"\n")
     runs = {}
-    for name, batch, launch in (("one", GLOBAL, ()),
-                                ("two", GLOBAL // 2, ("-m", "torch.distributed.run",
-                                                      "--standalone", "--nproc_per_node", "2"))):
+    for name, batch, launch in (("one", GLOBAL, ()), ("two", GLOBAL // 2, ("--nproc", "2"))):
         config = _split_config(str(tmp_path / name), batch)
         config.train_config.save_checkpoints_steps = 8
         path = tmp_path / f"{name}.config"
         path.write_text(text_format.MessageToString(config))
         done = subprocess.run(
-            [sys.executable, *launch, "-m", "odl.cli.train_cli", "--pipeline_config_path",
+            [sys.executable, "-m", "odl.cli.train_cli", "--pipeline_config_path",
              str(path), "--train_input_path", str(data), "--device", "cpu", "--status_port",
-             "-1", "--log_level", "WARNING"], cwd=REPO, capture_output=True, timeout=300)
+             "-1", "--log_level", "WARNING", *launch], cwd=REPO, capture_output=True,
+            timeout=300)
         assert done.returncode == 0, done.stderr.decode()[-3000:]
         runs[name] = read_checkpoint(list_checkpoints(str(tmp_path / name))[-1])
     one, two = runs["one"], runs["two"]

@@ -11,6 +11,7 @@ Examples::
     odl-train --pipeline_config_path p.config --online --max_memory_fraction 0.9
     odl-train --pipeline_config_path p.config --online --status_host 0.0.0.0 \
         --auth_token_file /etc/odl/token
+    odl-train --pipeline_config_path p.config --online --nproc 4
 
 Before anything is built, a start (and ``--validate_only``) checks the config on its own
 (``validate_pipeline_config``) and against this machine (``odl.train.startup_checks``:
@@ -82,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--torch_threads", type=int, default=0,
         help="torch intra-op threads; 0 = half of the CPUs (leaves room for input and I/O)",
     )
+    p.add_argument("--nproc", type=int, default=1,
+                   help="train one model with this many processes of this host: runs "
+                        "torchrun --standalone --nproc_per_node N on the other arguments "
+                        "(docs/training.md#several-processes); 1 = this process")
+    p.add_argument("--max_restarts", type=int, default=3,
+                   help="with --nproc: torchrun's restarts of all ranks after one died")
     add_oss_arguments(p)
     p.add_argument("--log_level", default="INFO")
     return p
@@ -134,6 +141,10 @@ def _main(argv: Optional[list[str]]) -> int:
     args = parser.parse_args(argv)
     if args.dashboard_interval_s < 0:
         parser.error("--dashboard_interval_s must be >= 0")  # exit 2
+    if args.nproc < 1 or args.max_restarts < 0:
+        parser.error("--nproc must be >= 1 and --max_restarts >= 0")  # exit 2
+    # the launcher of --nproc ranks checks everything first, then starts them
+    launching = args.nproc > 1 and "WORLD_SIZE" not in os.environ
     apply_oss_arguments(args)
     setup_logging(args.log_level)
     # Heavy imports after argument parsing so --help is instant.
@@ -159,7 +170,8 @@ def _main(argv: Optional[list[str]]) -> int:
         start = check_start(config, online=args.online, device=args.device,
                             max_memory_fraction=args.max_memory_fraction,
                             sample_ledger=args.sample_ledger,
-                            create_dirs=not args.validate_only)
+                            create_dirs=not args.validate_only,
+                            ranks=args.nproc if launching else None)
     except (ConfigError, AuthConfigError) as exc:
         print(f"odl-train: {exc}", file=sys.stderr)
         return 2
@@ -168,6 +180,11 @@ def _main(argv: Optional[list[str]]) -> int:
             print(f"note: {note}")
         print("config OK")
         return 0
+    if launching:
+        from odl.cli.local_ranks import run_local_ranks
+
+        return run_local_ranks(args.nproc, args.max_restarts,
+                               sys.argv[1:] if argv is None else argv)
 
     from odl.export.exporter import export_checkpoint
     from odl.train.torch_runtime import configure_torch_threads

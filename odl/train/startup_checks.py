@@ -457,6 +457,7 @@ def check_start(
     max_memory_fraction: float | None = None,
     sample_ledger: str | None = None,
     create_dirs: bool = False,
+    ranks: int | None = None,
 ) -> StartCheck:
     """Every start-up check, in order (see the module docstring); allocates nothing.
 
@@ -471,6 +472,8 @@ def check_start(
         sample_ledger: ``--sample_ledger``, when given.
         create_dirs: leave ``model_dir`` created when the checks pass (a start creates it
             anyway); False removes whatever the checks created.
+        ranks: ranks on this host about to be started (``odl-train --nproc``); None: this
+            process's, from ``torchrun``'s ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``.
 
     Returns:
         The resolved device and the memory estimate.
@@ -483,9 +486,12 @@ def check_start(
     notes = check_device_support(config, device_type)
     check_kafka_settings(config, online)
     device_free = _cuda_free_bytes() if device_type == "cuda" and fraction > 0 else None
-    ranks = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's, before the group is joined
+    if ranks is None:  # torchrun's, before the group is joined
+        ranks = int(os.environ.get("WORLD_SIZE", "1"))
+        on_host = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    else:
+        on_host = ranks
     estimate = check_memory(config, device_type, fraction, device_available=device_free,
-                            ranks=ranks,
-                            ranks_on_host=int(os.environ.get("LOCAL_WORLD_SIZE", ranks)))
+                            ranks=ranks, ranks_on_host=on_host)
     _check_paths(config, sample_ledger, create_dirs)  # last: may leave model_dir created
     return StartCheck(device_type, estimate, notes)
