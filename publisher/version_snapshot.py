@@ -367,9 +367,8 @@ class ParameterSnapshotter:
                 dyn = self._dynamic(name)
                 if dyn is not None:  # and every row of partitions held elsewhere (split by
                     # id over ranks): their ranks name the live ones in the read
-                    every = np.arange(shapes[name][0], dtype=np.int64)
-                    touched[name] = torch.from_numpy(np.union1d(
-                        dyn.live_rows(), every[~dyn.holds(every)]))
+                    touched[name] = torch.from_numpy(np.union1d(dyn.live_rows(),
+                                                                dyn.unheld_rows()))
         requested: dict[str, torch.Tensor] = {}
         for name, ids in touched.items():
             if name not in self.id_maps.tables:

@@ -234,3 +234,28 @@ def test_partitions_that_do_not_divide_among_the_ranks_are_refused(tmp_path):
         assert len(errors) == 2
         assert "dynamic_index_partitions" in errors[0] and "multiple of 2" in errors[0]
         assert "capacity 62 must then be a multiple of 4" in errors[1]
+
+
+def test_a_process_holding_some_partitions_answers_no_row_for_the_others():
+    """The held partitions admit their own ids into their own blocks; ids and rows of the
+    other partitions get no row, no raw id, and are named as held elsewhere."""
+    from odl.config.dynamic_table_config import DynamicTableSpec
+    from odl.models.dynamic_table import DynamicTables
+
+    spec = DynamicTableSpec(form="zch", capacity=40)
+    tables = DynamicTables({"t": spec}, {"t": ["f"]}, partitions=4, held=(1, 2))
+    table = tables.tables["t"]
+    ids = np.arange(1000, 1100, dtype=np.int64)
+    owner = partition_of(ids, 4)
+    rows, _evicted = table.upsert(ids, step=1, now=0.0)
+    spans = partition_spans(40, 4)
+    mine = np.isin(owner, (1, 2))
+    assert (rows[~mine] == -1).all()
+    for p in (1, 2):  # each held partition fills its own block of 10 rows, nothing more
+        got = rows[(owner == p) & (rows >= 0)]
+        assert len(got) == 10 and got.min() >= spans[p][0] and got.max() < spans[p][1]
+    assert (table.lookup(ids) == rows).all()
+    assert (table.raw_ids(rows[rows >= 0]) == ids[rows >= 0]).all()
+    assert table.unheld_rows().tolist() == list(range(0, 10)) + list(range(30, 40))
+    assert table.holds(np.arange(40)).tolist() == [10 <= r < 30 for r in range(40)]
+    assert table.live == 20 and sorted(table.live_rows().tolist()) == list(range(10, 30))

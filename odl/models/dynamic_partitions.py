@@ -154,6 +154,13 @@ class PartitionedDynamicTable:
             out |= m
         return out
 
+    def unheld_rows(self) -> np.ndarray:
+        """Global rows of the partitions not held here (ascending)."""
+        spans = partition_spans(self.spec.capacity, self.partitions)
+        return np.concatenate([np.empty(0, dtype=np.int64)] + [
+            np.arange(lo, hi, dtype=np.int64) for p, (lo, hi) in enumerate(spans)
+            if p not in self.held])
+
     def live_rows(self) -> np.ndarray:
         """Global rows holding an id, in the held partitions (ascending)."""
         return np.concatenate([t.live_rows() + lo for lo, t in self.held.values()])

@@ -240,6 +240,10 @@ class DynamicTable:
         """Bool per row: held by this process (every row of a table of one partition)."""
         return np.ones(np.asarray(rows).shape[0], dtype=bool)
 
+    def unheld_rows(self) -> np.ndarray:
+        """Rows of partitions held elsewhere: none."""
+        return np.empty(0, dtype=np.int64)
+
     @property
     def live(self) -> int:
         """Rows holding an id."""
