@@ -59,16 +59,22 @@ def _status_kb(field: str) -> int:
     raise KeyError(field)
 
 
-def _module(args: dict):
-    """This rank's TrainModule of the bench's model, and its FeatureBuilder."""
+def _config(args: dict):
+    """The bench's pipeline config."""
     from odl.config.pipeline_config import parse_pipeline_config_text
     from odl.datagen.datagen_config import deepfm_config_text
+
+    return parse_pipeline_config_text(deepfm_config_text(
+        args["model_dir"], batch_size=256, dim=16, buckets=args["rows"],
+        hidden_units=(256, 128, 64), save_checkpoints_steps=0))
+
+
+def _module(args: dict):
+    """This rank's TrainModule of the bench's model, and its FeatureBuilder."""
     from odl.features.feature_builder import FeatureBuilder
     from odl.train.train_module import TrainModule
 
-    config = parse_pipeline_config_text(deepfm_config_text(
-        args["model_dir"], batch_size=256, dim=16, buckets=args["rows"],
-        hidden_units=(256, 128, 64), save_checkpoints_steps=0))
+    config = _config(args)
     fb = FeatureBuilder(config)
     return TrainModule(config, fb, device="cpu",
                        row_wise_min_rows=args["row_wise_min_rows"]), fb
@@ -98,13 +104,9 @@ def _restore(rank: int, world: int, args: dict) -> dict:
 def _export(args: dict) -> dict:
     """One fresh process exporting the way's checkpoint: its peak growth and seconds."""
     from odl.checkpoint.checkpoint_manager import CheckpointManager
-    from odl.config.pipeline_config import parse_pipeline_config_text
-    from odl.datagen.datagen_config import deepfm_config_text
     from odl.export.exporter import export_checkpoint
 
-    config = parse_pipeline_config_text(deepfm_config_text(
-        args["model_dir"], batch_size=256, dim=16, buckets=args["rows"],
-        hidden_units=(256, 128, 64), save_checkpoints_steps=0))
+    config = _config(args)
     path = CheckpointManager(args["model_dir"], keep_max=0).latest()
     rss0, anon0 = _status_kb("VmRSS"), _status_kb("RssAnon")
     with open("/proc/self/clear_refs", "w") as f:

@@ -425,7 +425,8 @@ def export_checkpoint(
         at = 0
         for start, t in table_blocks:  # the live rows of each block, with their raw ids
             inside = (live_rows >= start) & (live_rows < start + t.shape[0])
-            if inside.any() or (at == 0 and start + t.shape[0] >= table_shapes[name][0]):
+            last = start + t.shape[0] >= table_shapes[name][0]
+            if inside.any() or (at == 0 and last):  # an empty table: one empty part
                 picked = torch.from_numpy(live_rows[inside] - start)
                 yield at, t[picked][:, :cols].to(torch.float32).numpy(), ids[inside]
                 at += int(inside.sum())

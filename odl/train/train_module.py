@@ -341,9 +341,10 @@ class TrainModule:
             record_deletes=config.train_config.HasField("incr_save_config"),
             partitions=partitions,
             held=self._held_partitions(partitions))
-        # several ranks, split by id: the step's rows of every rank's records (the rows of
-        # this rank's partition are named and published by it)
+        # several ranks, split by id: the step's rows of every rank's records in the dynamic
+        # tables, recorded beside this rank's own (it names and publishes its partitions')
         self._step_rows: KeyedJaggedTensor | None = None
+        self._dynamic_features = {f for s in specs.values() for f in s.feature_names}
         # rank 0, split by id: table -> (rows, raw ids) every rank named in the last read_rows
         self._read_names: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._dynamic_torch_tables = {
@@ -533,11 +534,11 @@ class TrainModule:
         if everyone is None:
             return {}
         self._read_names = {}
-        for _held, part_names in everyone:
-            for name, (ids, raw) in part_names.items():
-                got = self._read_names.get(name)
-                self._read_names[name] = (ids, raw) if got is None else (
-                    np.concatenate([got[0], ids]), np.concatenate([got[1], raw]))
+        for name in names:  # every rank's named rows of the table, sorted by row
+            ids = np.concatenate([part[name][0] for _held, part in everyone if name in part])
+            raw = np.concatenate([part[name][1] for _held, part in everyone if name in part])
+            order = np.argsort(ids, kind="stable")
+            self._read_names[name] = (ids[order], raw[order])
         shapes = self.table_shapes()
         out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         for name, ids in union.items():
@@ -566,11 +567,12 @@ class TrainModule:
         if not self._dynamic_in_parts():
             return dyn.raw_ids(rows)
         ids, raw = self._read_names.get(table, (np.empty(0, np.int64), np.empty(0, np.int64)))
-        order = np.argsort(ids, kind="stable")
-        at = np.searchsorted(ids[order], rows)
-        found = (at < len(ids)) & (ids[order][np.minimum(at, max(len(ids) - 1, 0))] == rows)
         out = np.full(rows.shape[0], -1, dtype=np.int64)
-        out[found] = raw[order][at[found]]
+        if not len(ids):
+            return out
+        at = np.minimum(np.searchsorted(ids, rows), len(ids) - 1)
+        found = ids[at] == rows
+        out[found] = raw[at[found]]
         return out
 
     def take_deleted(self, consumer: str) -> dict[str, np.ndarray]:
@@ -989,8 +991,10 @@ class TrainModule:
                     rows[owner == r] = part
             assert not (rows == UNHELD).any()
             mapped = self.dynamic.with_rows(whole, found, rows)
-            # the step's rows of every rank: this rank names and publishes its partition's
-            self._step_rows = mapped.sparse if admit else self._step_rows
+            if admit and (self._touched_rows_hook is not None
+                          or self._extra_touched_rows_hooks):
+                self._step_rows = mapped.sparse.permute(
+                    [i for i, k in enumerate(keys) if k in self._dynamic_features])
         if evicted:
             self.reset_dynamic_rows(evicted, step)
         start = sum(sizes[:self.rank])
@@ -1054,12 +1058,11 @@ class TrainModule:
             self._grad_clip(self._dense_opt)
         self._dense_opt.step()
         self.global_step += 1
-        if self._step_rows is not None:  # split by id: every rank's rows of the step, so this
-            # rank names and publishes the rows of its partition whoever trained them
+        self.record_touched_rows(batch.sparse)
+        if self._step_rows is not None:  # split by id: every rank's dynamic rows of the step,
+            # so this rank names and publishes its partitions' rows whoever trained them
             self.record_touched_rows(self._step_rows.to(self.device))
             self._step_rows = None
-        else:
-            self.record_touched_rows(batch.sparse)
         probs = predictions(mine.logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
