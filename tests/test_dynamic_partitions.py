@@ -4,8 +4,8 @@ The contract (``odl.models.dynamic_partitions``): an id lives in the partition i
 names, its row in that partition's block of the table (the block TorchRec's row-wise
 sharding gives the rank of the same number); two ranks, each holding one partition of the
 index, train as one process holding both (predictions, tables, rows of every id), and their
-checkpoints move between the two; a checkpoint continues only with the same number of
-partitions.
+checkpoints move between the two; a checkpoint of another number of partitions is re-split
+(``odl.models.dynamic_resplit``): each id keeps its row's values in its new partition.
 """
 
 from __future__ import annotations
@@ -153,17 +153,181 @@ def test_two_ranks_holding_their_partitions_train_as_one_process_holding_all(tmp
                                    atol=5e-5, rtol=0)
 
 
-def test_a_checkpoint_continues_only_with_its_number_of_partitions(tmp_path):
-    """A state of two partitions refuses a model of one (and the reverse), naming the field
-    and the value to set."""
-    records = _records(2 * GLOBAL, seed=2)
-    _c, fb, two = _one_process(tmp_path, records, partitions=2)
-    two.train_step(fb.build(records[:GLOBAL]).batch)
-    _c, fb1, one = _one_process(tmp_path / "b", records, partitions=1)
-    with pytest.raises(ValueError, match="dynamic_index_partitions to 2"):
-        one.load_checkpoint_state(two.state_dict_for_checkpoint())
-    with pytest.raises(ValueError, match="dynamic_index_partitions to 1"):
-        two.load_checkpoint_state(one.state_dict_for_checkpoint())
+def _saved_last_steps(saved: dict, name: str) -> dict[int, int]:
+    """Id -> last step trained, from a checkpoint's dynamic-table state."""
+    p = int(saved.get("partitions", 1))
+    parts = {0: saved} if p == 1 else saved["parts"]
+    out = {}
+    for part in parts.values():
+        st = part["tables"][name]
+        ids = st["index"]["row_ids"].numpy()
+        live = ids >= 0
+        out.update(zip(ids[live].tolist(), st["last_step"].numpy()[live].tolist(),
+                       strict=True))
+    return out
+
+
+def _dynamic_params(tm: TrainModule, name: str) -> list[str]:
+    """The parameter names of a dynamic table's torch tables (deep and wide)."""
+    return [f"{EBC_PREFIX}{t}.weight" for t in tm._dynamic_torch_tables[name]]
+
+
+@pytest.mark.parametrize("old,new", [(2, 1), (1, 4), (2, 4)])
+def test_a_checkpoint_re_splits_into_another_number_of_partitions(tmp_path, old, new):
+    """A checkpoint of one number of partitions restores into a model of another: every id
+    lives in its new partition's block with its row's weights and optimizer state; an id
+    its new partition has no room for is one of that partition's least recently used and
+    becomes a delete for the publisher; free rows are fresh; the lifetime counts add up.
+    Into one partition nothing is dropped and the model predicts as before."""
+    records = _records(12 * GLOBAL, seed=2)
+    _c, fb, a = _one_process(tmp_path, records, old)
+    for k in range(0, 8 * GLOBAL, GLOBAL):
+        a.train_step(fb.build(records[k:k + GLOBAL]).batch)
+    state = a.state_dict_for_checkpoint()
+    _c, _f, b = _one_process(tmp_path / "b", records, new)
+    b.dynamic.add_delete_consumer("publisher")
+    b.load_checkpoint_state(state)
+    got = b.state_dict_for_checkpoint()
+    deleted = b.dynamic.take_deleted("publisher")
+    dropped_any = False
+    for name, t in a.dynamic.tables.items():
+        cap = t.spec.capacity
+        old_rows = t.live_rows()
+        ids = t.raw_ids(old_rows)
+        new_rows = b.dynamic.tables[name].lookup(ids)
+        kept = new_rows >= 0
+        spans = partition_spans(cap, new)
+        for q, (lo, hi) in enumerate(spans):  # each id in its new partition's block
+            mine = kept & (partition_of(ids, new) == q)
+            assert ((new_rows[mine] >= lo) & (new_rows[mine] < hi)).all()
+        for pname in _dynamic_params(a, name):
+            np.testing.assert_array_equal(got["model"][pname][new_rows[kept]].numpy(),
+                                          state["model"][pname][old_rows[kept]].numpy())
+            for key, v in state["sparse_optimizer"][pname].items():
+                np.testing.assert_array_equal(
+                    got["sparse_optimizer"][pname][key][new_rows[kept]].numpy(),
+                    v[old_rows[kept]].numpy())
+                free = np.setdiff1d(np.arange(cap), new_rows[kept])
+                assert float(got["sparse_optimizer"][pname][key][free].abs().sum()) == 0.0
+        dropped = np.sort(ids[~kept])
+        assert deleted.get(name, np.empty(0)).tolist() == dropped.tolist()
+        dropped_any |= bool(dropped.shape[0])
+        last = _saved_last_steps(state["dynamic_tables"], name)
+        for q in range(new):  # the least recently used of its partition were dropped
+            of_q = partition_of(ids, new) == q
+            if (of_q & ~kept).any():
+                assert (max(last[i] for i in ids[of_q & ~kept])
+                        <= min(last[i] for i in ids[of_q & kept]))
+                assert (of_q & kept).sum() == spans[q][1] - spans[q][0]  # it was full
+        before, after = t.counters, b.dynamic.tables[name].counters
+        assert (after.admitted, after.rejected) == (before.admitted, before.rejected)
+        assert after.evicted == before.evicted + dropped.shape[0]
+    assert dropped_any == (new > 1)  # the full tables do not split evenly into 4
+    probe = fb.build(records[:4 * GLOBAL]).batch
+    if new == 1:
+        np.testing.assert_allclose(b.predict(probe), a.predict(probe), atol=1e-6, rtol=0)
+    for k in range(8 * GLOBAL, 12 * GLOBAL, GLOBAL):  # and it trains on
+        assert np.isfinite(b.train_step(fb.build(records[k:k + GLOBAL]).batch).probs).all()
+
+
+def test_admission_counts_survive_a_re_split(tmp_path):
+    """An item id seen once (``filter_freq: 2``) before the checkpoint is admitted at its
+    next sighting after a re-split into two partitions, as without the re-split; a model
+    that never saw it does not admit it."""
+    records = _records(GLOBAL, seed=9)
+    first = records[:16]
+    _c, fb, a = _one_process(tmp_path, records, 1)
+    a.train_step(fb.build(first).batch)
+    items = fb.build(first).batch.sparse.to_dict()["item"].values().numpy()
+    seen, counts = np.unique(items, return_counts=True)
+    once = seen[(counts == 1) & (a.dynamic.tables["item"].lookup(seen) < 0)]
+    assert once.shape[0] >= 3
+    state = a.state_dict_for_checkpoint()
+    _c, _f, b = _one_process(tmp_path / "b", records, 2)
+    b.load_checkpoint_state(state)
+    _c, _f, fresh = _one_process(tmp_path / "c", records, 2)
+    for m in (a, b, fresh):
+        m.train_step(fb.build(first).batch)
+    assert (a.dynamic.tables["item"].lookup(once) >= 0).all()
+    assert (b.dynamic.tables["item"].lookup(once) >= 0).all()
+    assert (fresh.dynamic.tables["item"].lookup(once) < 0).all()
+
+
+@pytest.mark.parametrize("old,new", [(2, 1), (2, 2)])
+def test_a_warm_start_moves_each_id_with_its_row(tmp_path, old, new):
+    """``fine_tune_checkpoint``'s parameters with its dynamic tables split by id into 2
+    partitions warm-start a model of 1 or 2: every id keeps its row's weights (the model
+    predicts as the source), no optimizer state comes along."""
+    records = _records(8 * GLOBAL, seed=5)
+    _c, fb, a = _one_process(tmp_path, records, old)
+    for k in range(0, len(records), GLOBAL):
+        a.train_step(fb.build(records[k:k + GLOBAL]).batch)
+    state = a.state_dict_for_checkpoint()
+    _c, _f, b = _one_process(tmp_path / "b", records, new)
+    report = b.load_parameters(state["model"], None, state["dynamic_tables"],
+                               state["global_step"])
+    assert not report.missing and not report.unused
+    probe = fb.build(records[:4 * GLOBAL]).batch
+    np.testing.assert_allclose(b.predict(probe), a.predict(probe), atol=1e-6, rtol=0)
+    for name, t in a.dynamic.tables.items():
+        ids = t.raw_ids(t.live_rows())
+        assert (b.dynamic.tables[name].lookup(ids) >= 0).all()
+    assert b.global_step == 0
+    sparse = b.state_dict_for_checkpoint()["sparse_optimizer"]
+    assert all(float(v.abs().sum()) == 0.0 for st in sparse.values() for v in st.values())
+
+
+def _resplit_rank(rank: int, world: int, model_dir: str, schedule: list, start: str,
+                  probe: list[bytes]) -> tuple:
+    """Restores a one-partition state into 2 partitions over the ranks, trains, saves; then
+    restores that checkpoint (its parts mapped) into 4 partitions."""
+    config = _split_config(model_dir, GLOBAL // world, 2)
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    tm.load_checkpoint_state(torch.load(start, weights_only=False))
+    probs = [tm.train_step(fb.build(step[rank]).batch).probs for step in schedule]
+    save_across_ranks(CheckpointManager(model_dir), tm, {rank: len(schedule)}, {}, "", "gen0")
+    config4 = _split_config(model_dir, GLOBAL // world, 4)
+    four = TrainModule(config4, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    four.load_checkpoint_state(
+        read_checkpoint(list_checkpoints(model_dir)[-1], whole_tables=False).state)
+    predicted = four.predict(fb.build(probe).batch if rank == 0 else four.empty_batch())
+    tables = {k: v.numpy() for k, v in four.state_dict_for_checkpoint().get("model", {}).items()
+              if k.startswith(EBC_PREFIX)}
+    return np.concatenate(probs), predicted, tables
+
+
+def test_ranks_re_split_a_checkpoint_as_one_process_does(tmp_path):
+    """Two ranks restoring a one-partition checkpoint into two partitions (one each) train
+    as one process re-splitting it alike; their checkpoint, read a block at a time, re-splits
+    into four partitions over the ranks as one process re-splits it whole."""
+    records = _records(12 * GLOBAL, seed=7)
+    first, rest = records[:8 * GLOBAL], records[8 * GLOBAL:]
+    _c, fb, a = _one_process(tmp_path, records, 1)
+    for k in range(0, len(first), GLOBAL):
+        a.train_step(fb.build(first[k:k + GLOBAL]).batch)
+    start = str(tmp_path / "start.pt")
+    torch.save(a.state_dict_for_checkpoint(), start)
+    _c, _f, one = _one_process(tmp_path / "one", records, 2)
+    one.load_checkpoint_state(torch.load(start, weights_only=False))
+    probs = np.concatenate([one.train_step(fb.build(rest[k:k + GLOBAL]).batch).probs
+                            for k in range(0, len(rest), GLOBAL)])
+    two_dir = str(tmp_path / "two")
+    probe = records[:GLOBAL]
+    got = run_ranks(_resplit_rank, 2, 2, two_dir, _steps(rest, 2), start, probe)
+    share = GLOBAL // 2
+    merged = np.concatenate([np.concatenate([got[r][0][b * share:(b + 1) * share]
+                                             for r in range(2)])
+                             for b in range(len(rest) // GLOBAL)])
+    np.testing.assert_allclose(merged, probs, atol=5e-5, rtol=0)
+    _c, _f, four = _one_process(tmp_path / "four", records, 4)
+    four.load_checkpoint_state(read_checkpoint(list_checkpoints(two_dir)[-1]).state)
+    np.testing.assert_allclose(got[0][1], four.predict(fb.build(probe).batch), atol=5e-5,
+                               rtol=0)
+    for name, t in four.state_dict_for_checkpoint()["model"].items():
+        if name.startswith(EBC_PREFIX):
+            np.testing.assert_allclose(got[0][2][name], t.numpy(), atol=5e-5, rtol=0,
+                                       err_msg=name)
 
 
 def test_partitions_that_do_not_fit_the_ranks_or_the_tables_are_refused(tmp_path):

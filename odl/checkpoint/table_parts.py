@@ -212,7 +212,8 @@ class TableBlocks:
 
     From the mapped parts of a checkpoint of several ranks (``state["table_parts"]``), or the
     state's own (mapped) tables, each one block (``read_checkpoint(whole_tables=False)``).
-    Only the blocks asked for are read from disk.
+    Only the blocks asked for are read from disk; ``take`` reads chosen rows of a table or
+    of its optimizer state from whichever blocks hold them.
 
     Args:
         state: a checkpoint state.
@@ -223,11 +224,14 @@ class TableBlocks:
 
     def __init__(self, state: Mapping[str, Any]) -> None:
         self._model = state.get("model", {})
+        self._sparse = state.get("sparse_optimizer", {})
         self._pieces: dict[str, tuple[tuple[int, ...], list]] = {}
+        self._state_pieces: dict[tuple[str, str], tuple[tuple[int, ...], list]] = {}
         for path in state.get("table_parts") or []:
-            for kind, name, _key, size, parts in read_part(path, mmap=True)["pieces"]:
-                if kind == "model":
-                    self._pieces.setdefault(name, (tuple(size), []))[1].extend(parts)
+            for kind, name, key, size, parts in read_part(path, mmap=True)["pieces"]:
+                into = (self._pieces.setdefault(name, (tuple(size), [])) if kind == "model"
+                        else self._state_pieces.setdefault((name, key), (tuple(size), [])))
+                into[1].extend(parts)
 
     def __contains__(self, name: str) -> bool:
         return name in self._pieces or name in self._model
@@ -265,3 +269,40 @@ class TableBlocks:
         if at != size[0]:
             raise ValueError(f"{name}: its blocks cover {at} of its {size[0]} rows")
         return sorted(out.items(), key=lambda kv: kv[0])
+
+    def take(self, name: str, rows: torch.Tensor, key: str = "") -> torch.Tensor:
+        """Rows ``rows`` (whole-table row numbers) of table ``name``, all its columns.
+
+        Args:
+            name: the table's parameter name.
+            rows: ``int64`` row numbers.
+            key: an optimizer state's name (``momentum1``, ...): its rows instead of the
+                weights'.
+
+        Raises:
+            KeyError: the state has no such table or optimizer state.
+            ValueError: the blocks do not cover the rows asked for.
+        """
+        rows = torch.as_tensor(rows, dtype=torch.int64)
+        pieces = self._state_pieces.get((name, key)) if key else self._pieces.get(name)
+        if pieces is None:
+            whole = self._sparse[name][key] if key else self._model[name]
+            return torch.as_tensor(whole).index_select(0, rows)
+        size, parts = pieces
+        out = torch.empty((rows.shape[0], *size[1:]), dtype=parts[0][1].dtype)
+        covered = 0
+        for offsets, tensor in parts:
+            if offsets is None:  # whole and equal on every rank: any copy
+                return tensor.index_select(0, rows)
+            r0 = int(offsets[0])
+            at = torch.nonzero((rows >= r0) & (rows < r0 + tensor.shape[0])).squeeze(1)
+            if not at.numel():
+                continue
+            block = tensor.index_select(0, rows[at] - r0)
+            into = out if tensor.dim() == 1 else out[:, offsets[1]:offsets[1] + tensor.shape[1]]
+            into.index_copy_(0, at, block)
+            covered += block.numel()
+        if covered != out.numel():
+            raise ValueError(f"{name} {key}: its blocks cover {covered} of the "
+                             f"{out.numel()} values of the rows asked for")
+        return out

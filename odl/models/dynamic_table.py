@@ -75,7 +75,7 @@ from odl.models.dynamic_partitions import PartitionedDynamicTable, partition_of,
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CountMinSketch", "DynamicTable", "DynamicTables"]
+__all__ = ["CountMinSketch", "DynamicTable", "DynamicTables", "state_arrays", "state_tensors"]
 
 STATE_FORMAT = "odl.dynamic_tables/1"
 # the delete consumer of the delta publisher (``DynamicTable.record_deletes``)
@@ -386,8 +386,8 @@ class DynamicTable:
         """Whether ``admit`` reads the clicks (show / click counts or a score threshold)."""
         return self.spec.keeps_scores or self.spec.admit_score > 0
 
-    def _priority(self, rows: Optional[np.ndarray], step: int) -> np.ndarray:
-        """Keep priority of ``rows`` (None: every row, without copying where possible)."""
+    def priority(self, rows: Optional[np.ndarray], step: int) -> np.ndarray:
+        """Keep priority of ``rows`` (higher = kept; None: every row, without copying)."""
         policy = self.spec.policy
         sel = slice(None) if rows is None else rows
         if policy == "lru":
@@ -402,7 +402,7 @@ class DynamicTable:
     def _evict_for_room(self, short: int, protect: np.ndarray, step: int) -> np.ndarray:
         full = self.index.free == 0
         live = None if full else self.index.live_rows()
-        prio = self._priority(live, step)
+        prio = self.priority(live, step)
         protect = np.unique(protect)
         n_live = self.spec.capacity if live is None else int(live.shape[0])
         evictable = n_live - int(protect.shape[0])
@@ -903,14 +903,28 @@ class DynamicTables:
         """
         if self.partitions == 1:
             return {"format": STATE_FORMAT,
-                    "tables": {n: _to_tensors(t.state_dict()) for n, t in self.tables.items()}}
+                    "tables": {n: state_tensors(t.state_dict()) for n, t in self.tables.items()}}
         return {"format": STATE_FORMAT, "partitions": self.partitions,
-                "parts": {p: {"tables": {n: _to_tensors(t.state_dict())
+                "parts": {p: {"tables": {n: state_tensors(t.state_dict())
                                          for n, t in self._parts[p].tables.items()}}
                           for p in self.held}}
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def delete_consumers(self) -> set[str]:
+        """The consumers evicted ids are kept for (``add_delete_consumer``)."""
+        return {c for part in self._parts.values() for t in part.tables.values()
+                for c in t.delete_consumers}
+
+    def load_state_dict(self, state: Mapping[str, Any],
+                        tables: Sequence[str] | None = None) -> None:
         """Restores ``state_dict`` (the held partitions' parts of it).
+
+        A state of another number of partitions is refused: ``TrainModule`` re-splits it
+        first (``odl.models.dynamic_resplit``), moving the rows' weights with their ids.
+
+        Args:
+            state: a ``state_dict``.
+            tables: restore only these tables (the others keep their state); None: every
+                table, and the saved tables must be these.
 
         Raises:
             ValueError: the saved tables or partitions differ from these.
@@ -928,27 +942,28 @@ class DynamicTables:
                 raise ValueError(f"the checkpoint lacks partition {p} of the dynamic tables "
                                  f"(it has {sorted(parts)})")
             saved = parts[p].get("tables", {})
-            if set(saved) != set(self.tables):
+            if tables is None and set(saved) != set(self.tables):
                 raise ValueError(f"checkpoint has dynamic tables {sorted(saved)}, the model "
                                  f"{sorted(self.tables)}")
             for name, t in self._parts[p].tables.items():
-                t.load_state_dict(_to_arrays(saved[name]))
+                if tables is None or name in tables:
+                    t.load_state_dict(state_arrays(saved[name]))
 
 
-def _to_tensors(obj: Any) -> Any:
+def state_tensors(obj: Any) -> Any:
     """Numpy arrays -> tensors, recursively (checkpoints load with ``weights_only``)."""
     if isinstance(obj, np.ndarray):
         arr = obj.astype(np.int64) if obj.dtype == np.uint64 else obj
         return torch.from_numpy(np.ascontiguousarray(arr))
     if isinstance(obj, dict):
-        return {k: _to_tensors(v) for k, v in obj.items()}
+        return {k: state_tensors(v) for k, v in obj.items()}
     return obj
 
 
-def _to_arrays(obj: Any) -> Any:
+def state_arrays(obj: Any) -> Any:
     """Tensors -> numpy arrays, recursively."""
     if isinstance(obj, torch.Tensor):
         return obj.numpy()
     if isinstance(obj, dict):
-        return {k: _to_arrays(v) for k, v in obj.items()}
+        return {k: state_arrays(v) for k, v in obj.items()}
     return obj

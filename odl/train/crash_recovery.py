@@ -277,7 +277,8 @@ class CrashRecovery:
                 read_var_map(tc.fine_tune_ckpt_var_map) if tc.fine_tune_ckpt_var_map else None
             )
             report = self._module.load_parameters(ckpt.state["model"], var_map,
-                                                  ckpt.state.get("dynamic_tables"))
+                                                  ckpt.state.get("dynamic_tables"),
+                                                  ckpt.global_step)
             logger.info("warm-started parameters from %s: %s", path, report)
         return RestoredState()
 

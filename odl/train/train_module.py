@@ -68,6 +68,7 @@ from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import ModelOutput, predictions
 from odl.models.dynamic_partitions import partition_spans
+from odl.models.dynamic_resplit import resplit_state, saved_partitions
 from odl.models.dynamic_table import UNHELD, DynamicTable, DynamicTables
 from odl.models.embedding_tables import WIDE_SUFFIX, init_embedding_weights, reset_embedding_rows
 from odl.models.model_factory import build_model
@@ -100,6 +101,9 @@ from odl.train.rank_in_batch import rank_logit_shift
 from odl.train.rank_per_record import RankPerRecordAdagrad
 
 logger = logging.getLogger(__name__)
+
+# a re-split copies the rows moving with their ids this many at a time
+_RESPLIT_CHUNK_ROWS = 1 << 16
 
 CHECKPOINT_FORMAT = "odl.train_module/1"
 EBC_PREFIX = "ebc.embedding_bags."
@@ -1377,16 +1381,81 @@ class TrainModule:
         self._lrs = None
 
     def _load_dynamic_state(self, state: Mapping[str, Any], strict: bool) -> None:
-        """The dynamic tables' index and counters of a checkpoint state (every rank)."""
+        """The dynamic tables' index and counters of a checkpoint state (every rank).
+
+        A state split into another number of partitions is re-split into this model's
+        (``odl.models.dynamic_resplit``): each id's row of weights and optimizer state moves
+        with it, the free rows get fresh values.
+        """
         if self.dynamic:
             if "dynamic_tables" not in state:
                 raise KeyError("the checkpoint has no dynamic-table state but the model has "
                                f"dynamic tables {sorted(self.dynamic.tables)}")
-            self.dynamic.load_state_dict(state["dynamic_tables"])
+            saved = state["dynamic_tables"]
+            if saved_partitions(saved) != self.dynamic.partitions:
+                self._load_resplit(saved, table_parts.TableBlocks(state), {},
+                                   int(state.get("global_step", 0)), list(self.dynamic.tables),
+                                   with_optimizer=True)
+            else:
+                self.dynamic.load_state_dict(saved)
             self._stream_time = float(state.get("stream_time", 0.0))
         elif strict and "dynamic_tables" in state:
             raise KeyError("the checkpoint has dynamic tables "
                            f"{sorted(state['dynamic_tables'].get('tables', {}))}, the model none")
+
+    @torch.no_grad()
+    def _load_resplit(self, saved: Mapping[str, Any], source: table_parts.TableBlocks,
+                      var_map: Mapping[str, str], step: int, names: Sequence[str],
+                      with_optimizer: bool) -> None:
+        """Loads a dynamic-table state of another number of partitions, re-split into ours.
+
+        Each kept id's row (weights, and with ``with_optimizer`` its optimizer state) is
+        copied from ``source``'s old row to its new one; with ``with_optimizer`` (a restore)
+        the other rows are reset as evicted rows are, otherwise (a warm start) they keep
+        their initial values. With several ranks each rank writes the rows it holds.
+
+        Args:
+            saved: the checkpoint's ``"dynamic_tables"`` (every partition).
+            source: the checkpoint's tables, whole or in parts.
+            var_map: own parameter name -> the source's (a warm start's renames).
+            step: the checkpoint's global step.
+            names: the dynamic tables to load (the others keep their state).
+            with_optimizer: move the optimizer state too and reset the free rows.
+        """
+        specs = {n: self.dynamic.tables[n].spec for n in names}
+        split = resplit_state(saved, specs, self._seed, self.dynamic.partitions, step,
+                              self.dynamic.delete_consumers())
+        self.dynamic.load_state_dict(split.state, tables=names)
+        fused = self._dmp.fused_optimizer.state_dict()["state"] if with_optimizer else {}
+        for base, src in split.sources.items():
+            for t in self._dynamic_torch_tables[base]:
+                pname = f"{EBC_PREFIX}{t}.weight"
+                weight = self._table_shards(t)[0]
+                targets = [("", weight)] + [
+                    (k, v) for k, v in fused.get(pname, {}).items()
+                    if (isinstance(v, torch.Tensor) or hasattr(v, "local_shards"))
+                    and len(v.size()) and int(v.size()[0]) == src.shape[0]]
+                for key, tensor in targets:
+                    shards = (_local_shards(tensor) if self.world_size > 1
+                              else [((0,) * len(tensor.size()), _local_view(tensor))])
+                    for offsets, shard in shards:
+                        from_rows = src[offsets[0]:offsets[0] + shard.shape[0]]
+                        kept = np.flatnonzero(from_rows >= 0)
+                        for c in range(0, kept.shape[0], _RESPLIT_CHUNK_ROWS):
+                            at = kept[c:c + _RESPLIT_CHUNK_ROWS]
+                            rows = source.take(var_map.get(pname, pname),
+                                               torch.from_numpy(from_rows[at]), key)
+                            if shard.dim() > 1:
+                                rows = rows[:, offsets[1]:offsets[1] + shard.shape[1]]
+                            shard.index_copy_(0, torch.from_numpy(at).to(shard.device),
+                                              rows.to(shard.device, shard.dtype))
+        if with_optimizer:
+            self.reset_dynamic_rows({b: np.flatnonzero(src < 0)
+                                     for b, src in split.sources.items()}, step)
+        logger.info("dynamic tables re-split from %d into %d partition(s) by id: %s",
+                    saved_partitions(saved), self.dynamic.partitions,
+                    ", ".join(f"{n} {self.dynamic.tables[n].live} rows kept on this rank, "
+                              f"{split.dropped[n].shape[0]} dropped" for n in names))
 
     @torch.no_grad()
     def load_parameters(
@@ -1394,6 +1463,7 @@ class TrainModule:
         named_tensors: Mapping[str, torch.Tensor],
         var_map: Mapping[str, str] | None = None,
         dynamic_state: Mapping[str, Any] | None = None,
+        source_step: int = 0,
     ) -> WarmStartReport:
         """Warm start: copies parameters (and buffers) only, no optimizer state.
 
@@ -1405,7 +1475,11 @@ class TrainModule:
         Args:
             named_tensors: source name -> tensor (e.g. another checkpoint's ``"model"``).
             var_map: own (new) name -> source (old) name for renamed parameters.
-            dynamic_state: the source checkpoint's ``"dynamic_tables"``, if any.
+            dynamic_state: the source checkpoint's ``"dynamic_tables"``, if any. Split into
+                another number of partitions, it is re-split into this model's and each
+                id's row moves with it (``odl.models.dynamic_resplit``).
+            source_step: the source checkpoint's global step (the keep priority of ids a
+                re-split has no room for).
 
         Returns:
             What was loaded, what is missing (kept initial values) and what was unused.
@@ -1416,17 +1490,31 @@ class TrainModule:
         var_map = dict(var_map or {})
         report = WarmStartReport()
         used = set()
-        dyn_saved = dict((dynamic_state or {}).get("tables", {}))
-        skip = set()
+        saved_p = saved_partitions(dynamic_state or {})
+        saved_tables = (dynamic_state or {}).get("tables", {}) if saved_p == 1 else next(
+            iter((dynamic_state or {}).get("parts", {}).values()), {}).get("tables", {})
+        present = [b for b in self._dynamic_torch_tables if b in saved_tables]
+        skip, moved = set(), set()
         for base, torch_tables in self._dynamic_torch_tables.items():
-            if base in dyn_saved:
-                self.dynamic.tables[base].load_state_dict(dyn_saved[base])
-            else:
+            if base not in saved_tables:
                 skip |= {f"{EBC_PREFIX}{t}.weight" for t in torch_tables}
                 logger.warning("warm start: dynamic table %s starts empty (the source has no "
                                "id index for it)", base)
+        if present and saved_p != self.dynamic.partitions:  # rows move with their ids
+            self._load_resplit(dynamic_state, table_parts.TableBlocks({"model": named_tensors}),
+                               var_map, source_step, present, with_optimizer=False)
+            for base in present:
+                for t in self._dynamic_torch_tables[base]:
+                    name = f"{EBC_PREFIX}{t}.weight"
+                    moved.add(name)
+                    used.add(var_map.get(name, name))
+                    report.loaded.append((name, var_map.get(name, name)))
+        elif present:
+            self.dynamic.load_state_dict(dynamic_state, tables=present)
         own = self._named_state() if self.world_size == 1 else self._sharded_state()
         for name, t in own.items():
+            if name in moved:
+                continue
             if name in skip:
                 report.missing.append(name)
                 continue
