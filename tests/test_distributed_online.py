@@ -24,6 +24,7 @@ from odl.harness.datahub_double import DatahubDouble
 from odl.harness.delta_topic_audit import published_versions
 from odl.harness.exactly_once_audit import ledger_sample_ids, reflected_exactly_once
 from odl.harness.http_client import free_port, get_json, post_json
+from odl.harness.spawned_ranks import run_ranks
 from odl.harness.topic_records import make_records, produce
 from odl.kafka.topic_admin import end_offsets
 from odl.train.sample_ledger import read_ledger
@@ -305,3 +306,142 @@ def test_two_ranks_train_offline_files_as_one_process_with_twice_the_batch(tmp_p
     for name, t in one.state["model"].items():
         np.testing.assert_allclose(two.state["model"][name].numpy(), t.numpy(), atol=3e-5,
                                    rtol=0, err_msg=name)
+
+
+def test_two_ranks_train_a_file_stream_as_one_process_and_resume_in_one(tmp_path):
+    """A PaddleRec-style file stream (``file_stream_input``) under ``odl-train --nproc 2``:
+    the ranks read the same groups of two batches, each training its own, and step through
+    the splits and passes together (short last batches of a split included). The first day
+    on two ranks, then the second day on one process resuming from the ranks' checkpoint:
+    every record trained once, and the final checkpoint that of one process with twice the
+    batch over both days (the same records at each step)."""
+    from tests.test_file_stream import _config as stream_config
+    from tests.test_file_stream import _write_two_days
+
+    data = tmp_path / "data"
+    ids, _values = _write_two_days(data)
+
+    def run(name: str, model_dir: str, batch: int, end_day: str, *launch: str) -> None:
+        text = stream_config(tmp_path, str(data), end_day).replace(
+            str(tmp_path / "model_dir"), model_dir).replace("batch_size: 50",
+                                                            f"batch_size: {batch}")
+        cfg = tmp_path / f"{name}.config"
+        cfg.write_text(text)
+        done = subprocess.run(
+            [sys.executable, "-m", "odl.cli.train_cli", "--pipeline_config_path", str(cfg),
+             "--online", "--device", "cpu", "--status_port", "-1", "--sample_ledger",
+             str(tmp_path / f"{name}.ledger"), "--log_level", "WARNING", *launch],
+            cwd=REPO, capture_output=True, timeout=300)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+
+    one_dir, mixed_dir = str(tmp_path / "one"), str(tmp_path / "mixed")
+    run("one", one_dir, 100, "20261125")
+    run("ranks", mixed_dir, 50, "20261124", "--nproc", "2")
+    day1 = read_checkpoint(list_checkpoints(mixed_dir)[-1])
+    rank0, rank1 = (ledger_sample_ids(str(tmp_path / f"ranks.ledger.rank{r}")) for r in (0, 1))
+    assert rank0 and rank1 and not set(rank0) & set(rank1)
+    assert len(rank0 + rank1) == 400  # the first day's two splits
+    run("resumed", mixed_dir, 100, "20261125")
+    resumed = ledger_sample_ids(str(tmp_path / "resumed.ledger"))
+    assert sorted(rank0 + rank1 + resumed) == sorted(ids)  # every record once
+    assert sorted(ledger_sample_ids(str(tmp_path / "one.ledger"))) == sorted(ids)
+    one = read_checkpoint(list_checkpoints(one_dir)[-1])
+    mixed = read_checkpoint(list_checkpoints(mixed_dir)[-1])
+    assert one.global_step == mixed.global_step > day1.global_step > 0
+    assert one.positions == mixed.positions
+    for name, t in one.state["model"].items():  # to the ranks' summation order
+        np.testing.assert_allclose(mixed.state["model"][name].numpy(), t.numpy(), atol=2e-4,
+                                   rtol=0, err_msg=name)
+
+
+def _slow_reader_rank(rank: int, world: int, text: str, slow_rank: int,
+                      loses: int = 0) -> dict:
+    """One rank of a file-stream job whose rank ``slow_rank`` hands out each batch only at
+    the second ask (a slow reader) and, with ``loses``, never hands out its ``loses``-th
+    batch (its reading went another way); returns what it trained and, on rank 0, the
+    model."""
+    import odl.train.trainer as trainer_module
+    from odl.config.pipeline_config import parse_pipeline_config_text
+    from odl.train.trainer import Trainer, TrainerOptions
+
+    trainer_module.leave_process_group = lambda: None  # the harness leaves the group itself
+
+    class SlowReader(Trainer):
+        def _open_input(self, restored_positions):
+            super()._open_input(restored_positions)
+            pipeline = self.input_pipeline
+            if rank != slow_rank:
+                return
+            real_get, asks = pipeline.get, [0]
+
+            def get(timeout: float):
+                asks[0] += 1
+                if asks[0] % 2:
+                    return None
+                item = real_get(timeout)
+                if item is not None and asks[0] == 2 * loses:
+                    item = real_get(60.0)  # this batch is lost: the next one instead
+                return item
+
+            pipeline.get = get
+
+    config = parse_pipeline_config_text(text)
+    trainer = SlowReader(config, TrainerOptions(online=True, device="cpu", status_port=-1))
+    code = trainer.run()
+    if loses:
+        return {"code": code, "failure": trainer.failure, "samples": trainer.samples_trained,
+                "step": trainer.module.global_step}
+    assert code == 0
+    passes = [(p["day"], p["pass"], p["samples"]) for p in trainer.status()["passes"]["passes"]]
+    state = trainer.module.state_dict_for_checkpoint()
+    return {"samples": trainer.samples_trained, "passes": passes,
+            "positions": dict(trainer.positions), "step": trainer.module.global_step,
+            "model": {k: v.numpy() for k, v in state.get("model", {}).items()}}
+
+
+def test_file_stream_ranks_wait_for_a_slow_reader_and_end_passes_together(tmp_path):
+    """Two ranks on a file stream, one of them a slow reader: the fast rank holds its batch
+    of each group until the slow one has its own, so both train every group at the same
+    step and close every pass together; the model is that of one process with twice the
+    batch, and each pass's samples add up to that process's."""
+    from odl.config.pipeline_config import parse_pipeline_config_text
+    from odl.train.trainer import Trainer, TrainerOptions
+    from tests.test_file_stream import _config as stream_config
+    from tests.test_file_stream import _write_two_days
+
+    data = tmp_path / "data"
+    ids, _values = _write_two_days(data)
+    text = stream_config(tmp_path, str(data), "20261125")
+    one_text = text.replace("batch_size: 50", "batch_size: 100").replace(
+        str(tmp_path / "model_dir"), str(tmp_path / "one_dir"))
+    one = Trainer(parse_pipeline_config_text(one_text),
+                  TrainerOptions(online=True, device="cpu", status_port=-1))
+    assert one.run() == 0
+    got = run_ranks(_slow_reader_rank, 2, 2, text, 1)
+    assert got[0]["samples"] + got[1]["samples"] == one.samples_trained == len(ids)
+    assert got[0]["step"] == got[1]["step"] == one.module.global_step
+    assert got[0]["positions"] == got[1]["positions"] == one.positions
+    want = [(p["day"], p["pass"], p["samples"]) for p in one.status()["passes"]["passes"]]
+    assert [(d, p) for d, p, _n in got[0]["passes"]] == [(d, p) for d, p, _n in want]
+    assert [a[2] + b[2] for a, b in zip(got[0]["passes"], got[1]["passes"], strict=True)] == [
+        n for _d, _p, n in want]
+    for name, t in one.module.state_dict_for_checkpoint()["model"].items():
+        np.testing.assert_allclose(got[0]["model"][name], t.numpy(), atol=2e-4, rtol=0,
+                                   err_msg=name)
+
+
+def test_file_stream_ranks_that_read_different_records_stop_untrained(tmp_path):
+    """A rank whose reading went another way (here: one of its batches lost) holds another
+    group than the others: the ranks stop with exit code 1 naming it, without training the
+    mismatched step, so a restart resumes from the last checkpoint."""
+    from tests.test_file_stream import _config as stream_config
+    from tests.test_file_stream import _write_two_days
+
+    data = tmp_path / "data"
+    _write_two_days(data)
+    got = run_ranks(_slow_reader_rank, 2, 2, stream_config(tmp_path, str(data), "20261125"),
+                    1, 3)
+    for r in (0, 1):
+        assert got[r]["code"] == 1 and "different records" in got[r]["failure"], got[r]
+        assert got[r]["step"] == 2  # the two groups before the lost batch
+    assert got[0]["samples"] + got[1]["samples"] == 200

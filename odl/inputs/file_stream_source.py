@@ -31,6 +31,15 @@ complete. Each record's ``partitions`` / ``offsets`` in a batch are its file ind
 record index (for reject reports). A batch never spans two splits: the last batch of a split
 may be short, and its positions (``file`` = the split's file count) still name its split, so
 the trainer counts it in its split's pass and day.
+
+With several ranks (``rank`` of ``world_size``) every rank reads the whole stream in groups
+of ``world_size`` batches (``batch_size`` x ``world_size`` records, cut as one process with
+that batch size would cut them) and keeps the group's ``rank``-th batch of ``batch_size``
+records, which may be empty when the group ends its split early (the rank then takes part
+in the step with nothing). The ranks' reads are identical, so their positions after a group
+are equal: a checkpoint's positions name the next record of the whole stream and restore
+into any number of ranks. The trainer steps the ranks through the same group together
+(``Trainer._loop_ranks``), so the ranks train as one process with the group as its batch.
 """
 
 from __future__ import annotations
@@ -94,7 +103,7 @@ class FileStreamSource:
     Args:
         train_data_dir: root of the day directories.
         start: where to begin.
-        batch_size: records per batch.
+        batch_size: records per batch (each rank's, with several ranks).
         split_interval: minutes between splits.
         end_day: last day read (``YYYYMMDD``), "" to run on.
         data_donefile: the completion marker's name, "" for none.
@@ -103,15 +112,21 @@ class FileStreamSource:
             complete.
         file_pattern: glob of the data files in a split.
         batch_timeout_ms: hand out a partial batch after this long without filling it.
+        rank: this rank of ``world_size`` (module docstring).
+        world_size: ranks training the model together.
     """
 
     def __init__(self, train_data_dir: str, start: FileStreamStart, batch_size: int,
                  split_interval: int = 5, end_day: str = "", data_donefile: str = "",
                  data_sleep_second: float = 10.0, missing_split_wait_secs: float = 600.0,
-                 file_pattern: str = "part-*", batch_timeout_ms: int = 200) -> None:
+                 file_pattern: str = "part-*", batch_timeout_ms: int = 200,
+                 rank: int = 0, world_size: int = 1) -> None:
         self.root = train_data_dir.rstrip("/")
         self._start = start
-        self.batch_size = int(batch_size)
+        self.rank = int(rank)
+        self.world_size = max(1, int(world_size))
+        self.share = int(batch_size)  # this rank's records of a group
+        self.batch_size = self.share * self.world_size  # records read at a time
         self.interval = int(split_interval)
         self.end_minute = (split_minute(end_day) + 24 * 60) if end_day else None
         self.donefile = data_donefile
@@ -253,6 +268,9 @@ class FileStreamSource:
     def read_batch(self, stop_event: Optional[threading.Event] = None) -> Optional[RawBatch]:
         """Reads up to ``batch_size`` records (a partial batch after ``batch_timeout_ms``).
 
+        With several ranks it reads a group of ``world_size`` batches and returns this
+        rank's (module docstring), possibly with no records.
+
         Returns:
             The batch, or None when stopped before any record arrived.
 
@@ -303,6 +321,9 @@ class FileStreamSource:
                             self.splits_read, self.skipped_splits)
                 raise StopIteration
             return None
+        if self.world_size > 1:  # this rank's batch of the group
+            mine = slice(self.rank * self.share, (self.rank + 1) * self.share)
+            values, files, recs = values[mine], files[mine], recs[mine]
         self.records_consumed += len(values)
         return RawBatch(values=values, partitions=np.asarray(files, dtype=np.int32),
                         offsets=np.asarray(recs, dtype=np.int64),

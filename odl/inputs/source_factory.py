@@ -55,7 +55,8 @@ def online_source_args(config: pipeline_pb2.EasyRecConfig,
     """The start rules and source keyword arguments (plus ``"kind"``) of the online input.
 
     ``rank`` / ``world_size``: a Kafka or DataHub source of one of several ranks reads only
-    its share of the partitions / shards (``odl.inputs.partition_assignment``).
+    its share of the partitions / shards (``odl.inputs.partition_assignment``), a file stream
+    its batch of each group of batches (``odl.inputs.file_stream_source``).
     """
     dc = config.data_config
     if online_input_kind(config) == "file_stream":
@@ -71,6 +72,8 @@ def online_source_args(config: pipeline_pb2.EasyRecConfig,
             "missing_split_wait_secs": f.missing_split_wait_secs,
             "file_pattern": f.file_pattern,
             "batch_timeout_ms": dc.batch_timeout_ms,
+            "rank": rank,
+            "world_size": world_size,
         }
     if online_input_kind(config) == "datahub":
         d = config.datahub_train_input

@@ -311,13 +311,14 @@ def check_several_ranks(config: pipeline_pb2.EasyRecConfig, online: bool,
     """Refuses what ``odl-train`` cannot do as several ranks yet, naming it.
 
     Raises:
-        ConfigError: a file stream (``file_stream_input``); in-batch learning with the
-            batched shift (``in_batch_sequential: false``).
+        ConfigError: a file stream's day and pass saves (``file_stream_input.model_save_path``);
+            in-batch learning with the batched shift (``in_batch_sequential: false``).
     """
     why = f"is not implemented for {world_size} ranks (torchrun) yet; run one process"
-    if online and online_input_kind(config) not in ("kafka", "datahub"):
-        raise ConfigError("file_stream_input",
-                          f"online Kafka or DataHub input, or offline files: a file stream {why}")
+    if (online and online_input_kind(config) == "file_stream"
+            and config.file_stream_input.model_save_path):
+        raise ConfigError("file_stream_input.model_save_path",
+                          f"a file stream's day and pass saves {why}")
     tc = config.train_config
     if tc.in_batch_learning and not tc.in_batch_sequential:
         raise ConfigError("train_config.in_batch_sequential",

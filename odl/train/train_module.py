@@ -740,6 +740,9 @@ class TrainModule:
     def shrink_dynamic(self, now: float | None = None) -> dict[str, int]:
         """Runs every dynamic table's maintenance pass now (decay, expiry; a day's end).
 
+        With several ranks a collective (every rank calls it): the ranks use the latest of
+        their times.
+
         Args:
             now: stream time (unix seconds); default: the newest stream time trained on, or
                 the clock without ``event_time_field``.
@@ -751,6 +754,8 @@ class TrainModule:
             return {}
         if now is None:
             now = self._stream_time if self._stream_time > 0 else time.time()
+        if self.world_size > 1:  # a collective: every rank decides at the same time
+            now = max(float(t) for t in from_every_rank(float(now)))
         evicted = self.dynamic.shrink(self.global_step, now)
         if evicted:
             self.reset_dynamic_rows(evicted, self.global_step)

@@ -45,7 +45,7 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.http.server import BackgroundHttpServer
 from odl.inputs.batch_prefetcher import PreparedBatch
 from odl.inputs.dead_letter import DeadLetterSink
-from odl.inputs.file_stream_source import SPLIT_KEY
+from odl.inputs.file_stream_source import FILE_KEY, RECORD_KEY, SPLIT_KEY
 from odl.inputs.input_pipeline import InputPipeline, build_input_pipeline
 from odl.inputs.source_factory import online_input_kind, online_input_name
 from odl.protos import pipeline_pb2
@@ -469,35 +469,57 @@ class Trainer:
         all publish together before the step (``odl.train.rank_publishing``), all train when
         one holds a batch (the others with an empty one), and all checkpoint on the same steps
         (``odl.train.distributed``). After a failure on any rank no rank runs the collectives
-        of a clean stop.
+        of a clean stop. On a file stream the ranks train a group of batches only when every
+        rank holds its batch of it (``odl.inputs.file_stream_source``), so passes end at the
+        same step everywhere; ranks holding different groups stop on a failure.
         """
         tc = self.config.train_config
         clock = _LoopClock(self.module.global_step)
         pipeline = self.input_pipeline
         assert pipeline is not None
         publishing = self._rank_publishing
+        # a file stream: every rank reads the same groups of batches and trains its batch of
+        # a group only when every rank holds its own, so they step through the groups (and
+        # the passes) together; a rank holding a group's batch keeps it until then
+        lockstep = self.options.online and online_input_kind(self.config) == "file_stream"
+        held: Optional[PreparedBatch] = None
         while True:
             if self.publisher is not None and self.publisher.fatal_error is not None:
                 self._fail(self.publisher.fatal_error, 3 if self.publisher.fenced else 1)
             stop = self._stops.requested or self._stops.check(self.module.global_step)
-            item = None if stop else pipeline.get(timeout=0.1)
+            item = None if stop else (held if held is not None else pipeline.get(timeout=0.1))
+            held = None
             self._update_input_state()
             step = self.module.global_step
+            where = ([item.positions.get(k, -1) for k in (SPLIT_KEY, FILE_KEY, RECORD_KEY)]
+                     if lockstep and item is not None else [-1, -1, -1])
             turn = agree([int(stop), int(item is not None),
                           int(item is None and pipeline.finished),
                           int(clock.time_due(tc.save_checkpoints_secs)),
                           int(self.failure is not None),
-                          publishing.turn_flags(step) if publishing is not None else 0])
+                          publishing.turn_flags(step) if publishing is not None else 0,
+                          *where])
+            if lockstep and all(t[1] for t in turn) and len({tuple(t[6:9]) for t in turn}) > 1:
+                self._fail("the ranks read different records of the file stream (a split "
+                           "completed while they were deciding to skip it?): "
+                           f"{[t[6:9] for t in turn]}; restart from the last checkpoint", 1)
+                continue  # every rank saw it: they stop together on the next turn
             if any(t[0] for t in turn) or all(t[2] for t in turn):
                 failed = [r for r, t in enumerate(turn) if t[4]]
                 if failed and self.failure is None:  # no last version or checkpoint then
                     self._fail(f"rank {failed[0]} stopped on a failure", 1)
+                ended = all(t[2] for t in turn) and not any(t[0] for t in turn)
+                if (ended and not failed and self.passes is not None
+                        and self.passes.close_current()):  # on every rank: passes go together
+                    self._pass_ended(day_ended=True)  # the stream ended with the last pass
                 if not self._stops.requested:
                     self._stops.request("end of input" if all(t[2] for t in turn)
                                         else "another rank stopped")
                 self._ranks_stopped_together = not failed
                 break
-            any_batch = any(t[1] for t in turn)
+            any_batch = (all if lockstep else any)(t[1] for t in turn)
+            if lockstep and item is not None and not any_batch:
+                held = item  # the others have not read this group yet
             if publishing is not None:  # rank 0's schedule for all, before the step
                 publishing.after_turn(step, turn[0][5], any_batch, self.positions_snapshot())
             if not any_batch:
@@ -628,6 +650,10 @@ class Trainer:
         """Scores the closed pass's sampled batches with the model after the pass."""
         assert self.passes is not None
         batches = self.passes.take_rescore()
+        if self.module.world_size > 1:  # predict is a collective: as many calls on every rank
+            most = max(n for (n,) in agree([len(batches)]))
+            for _ in range(most - len(batches)):
+                self.module.predict(self.module.empty_batch())
         if not batches:
             return
         probs = [output_column(self.module.predict(b), 0) for b in batches]
