@@ -127,7 +127,7 @@ def _publishing_rank(rank: int, world: int, model_dir: str, steps: list,
                      partitions: int) -> int:
     """One rank training its share of each step and publishing through rank 0."""
     config = _publishing_config(model_dir, GLOBAL // world, partitions)
-    check_several_ranks(config, online=True, world_size=world)  # publishing them: allowed
+    check_several_ranks(config, world_size=world)  # publishing them: allowed
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
     publishing = RankPublishing.build(config, tm, "gen0", rank, None,

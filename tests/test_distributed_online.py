@@ -445,3 +445,48 @@ def test_file_stream_ranks_that_read_different_records_stop_untrained(tmp_path):
         assert got[r]["code"] == 1 and "different records" in got[r]["failure"], got[r]
         assert got[r]["step"] == 2  # the two groups before the lost batch
     assert got[0]["samples"] + got[1]["samples"] == 200
+
+
+@pytest.mark.parametrize("stop_at", [0, 3])
+def test_two_ranks_write_day_and_pass_saves_that_replay_to_serving_parity(tmp_path, stop_at):
+    """A file stream's day and pass saves (``model_save_path``) written by two ranks under
+    ``odl-train --nproc 2``, with a table shrunk at each day's end and a dynamic one (also
+    stopped at step 3, inside a pass, and started again: the checkpoint keeps every rank's
+    rows pending for the pass delta): every record trained once, the layout one process
+    writes, and serving on the starting base replaying every pass delta (each with every
+    rank's rows and evictions) predicts what the final checkpoint predicts."""
+    from tests.test_file_stream import _serve_from, _shrinking_saves_config, _write_two_days
+
+    data, saves = tmp_path / "data", tmp_path / "saves"
+    ids, values = _write_two_days(data)
+    cfg = tmp_path / "ranks.config"
+    text = _shrinking_saves_config(tmp_path, str(data), str(saves))
+    ledger = str(tmp_path / "ranks.ledger")
+    for num_steps in ([stop_at] if stop_at else []) + [0]:
+        cfg.write_text(text.replace("train_config {", f"train_config {{\n  num_steps: "
+                                    f"{num_steps}", 1) if num_steps else text)
+        done = subprocess.run(
+            [sys.executable, "-m", "odl.cli.train_cli", "--pipeline_config_path", str(cfg),
+             "--online", "--device", "cpu", "--status_port", "-1", "--sample_ledger", ledger,
+             "--log_level", "WARNING", "--nproc", "2"], cwd=REPO, capture_output=True,
+            timeout=300)
+        assert done.returncode == 0, done.stderr.decode()[-3000:]
+    rank0, rank1 = (ledger_sample_ids(f"{ledger}.rank{r}") for r in (0, 1))
+    assert rank0 and rank1 and sorted(rank0 + rank1) == sorted(ids)
+    assert sorted(os.listdir(saves)) == ["20261123", "20261124", "20261125"]
+    assert sorted(os.listdir(saves / "20261124")) == ["23", "24", "base", "delta_23",
+                                                      "delta_24"]
+    assert sorted(os.listdir(saves / "20261125")) == ["1", "2", "24", "base", "delta_1",
+                                                      "delta_2", "delta_24"]
+    final = read_checkpoint(list_checkpoints(str(tmp_path / "model_dir"))[-1])
+    assert read_checkpoint(str(saves / "20261125" / "24")).global_step == final.global_step
+    config = load_pipeline_config(str(cfg))
+    fb = FeatureBuilder(config)
+    model = TrainModule(config, fb, device="cpu")
+    model.load_checkpoint_state(final.state)
+    assert model.dynamic.tables["C1"].counters.expired > 0  # the days' shrinks
+    probe = fb.build(values).batch
+    service = _serve_from(str(saves / "20261123" / "base"), str(saves))
+    assert service.follower.deltas_applied == 5
+    assert service.model.state.version == final.global_step
+    assert float(abs(service.model.predict_batch(probe) - model.predict(probe)).max()) <= 1e-6

@@ -420,33 +420,29 @@ def test_partitions_split_across_ranks():
 
 
 def test_several_ranks_refuse_what_they_cannot_do_by_field(tmp_path):
-    """Publishing, an eval stream, offline files, a file stream, sequential in-batch
-    learning and per-record Adagrad are things several ranks do; a file stream's day and
-    pass saves and the batched shift are refused at start, naming the field."""
+    """Publishing, an eval stream, offline files, a file stream with its day and pass
+    saves, sequential in-batch learning and per-record Adagrad are things several ranks do;
+    the batched shift is refused at start, naming the field."""
     base = bursty_config_text(str(tmp_path / "m"), batch_size=BATCH, buckets=4096,
                               extra_train='incr_save_config { sparse_save_steps: 5 '
                                           'fs { incr_save_dir: "v" } }')
     evaluated = base + '\nkafka_eval_input { server: "127.0.0.1:9092" topic: "eval" }\n'
-    check_several_ranks(load_config_text(evaluated), online=True, world_size=2)
-    check_several_ranks(load_config_text(base), online=False, world_size=2)
+    check_several_ranks(load_config_text(evaluated), world_size=2)
+    check_several_ranks(load_config_text(base), world_size=2)
     kafka = re.search(r"kafka_train_input \{[^}]*\}", base)
     assert kafka is not None
-    stream = f'file_stream_input {{ train_data_dir: "{tmp_path / "days"}" start_day: "20260101"'
-    check_several_ranks(load_config_text(base.replace(kafka.group(0), stream + " }")),
-                        online=True, world_size=2)
-    saves = load_config_text(base.replace(kafka.group(0),
-                                          f'{stream} model_save_path: "{tmp_path}/s" }}'))
-    with pytest.raises(ConfigError) as err:
-        check_several_ranks(saves, online=True, world_size=2)
-    assert err.value.field == "file_stream_input.model_save_path" and "2 ranks" in str(err.value)
+    check_several_ranks(load_config_text(base.replace(kafka.group(0), (
+        f'file_stream_input {{ train_data_dir: "{tmp_path / "days"}" start_day: "20260101" '
+        f'model_save_path: "{tmp_path}/s" }}'))), world_size=2)
+
     def in_batch(extra: str):
         return load_config_text(bursty_config_text(
             str(tmp_path / "m"), batch_size=BATCH, buckets=4096,
             extra_train=f"in_batch_learning: true {extra}"))
 
-    check_several_ranks(in_batch("per_record_adagrad: true"), online=True, world_size=2)
+    check_several_ranks(in_batch("per_record_adagrad: true"), world_size=2)
     with pytest.raises(ConfigError) as err:
-        check_several_ranks(in_batch("in_batch_sequential: false"), online=True, world_size=2)
+        check_several_ranks(in_batch("in_batch_sequential: false"), world_size=2)
     assert err.value.field == "train_config.in_batch_sequential", err.value
 
 

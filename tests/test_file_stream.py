@@ -309,18 +309,23 @@ def _train_all_once(tmp_path, text: str, ids: list[str]) -> Trainer:
     return trainer
 
 
+def _shrinking_saves_config(tmp_path, data_dir: str, saves: str) -> str:
+    """A saving config with C1 a table shrunk at each day's end and C2 a dynamic one."""
+    text = _saves_config(tmp_path, data_dir, saves, dynamic='model_class: "DeepFM"')
+    text = text.replace('input_names: "C1" feature_type: IdFeature embedding_dim: 8 '
+                        'hash_bucket_size: 2000 }',
+                        'input_names: "C1" feature_type: IdFeature embedding_dim: 8 ' + _SHRINK)
+    return text.replace('input_names: "C2" feature_type: IdFeature embedding_dim: 8 '
+                        'hash_bucket_size: 2000 }',
+                        'input_names: "C2" feature_type: IdFeature embedding_dim: 8 '
+                        'hash_bucket_size: 2000 ev_params { filter_freq: 2 max_capacity: 60 } }')
+
+
 def test_day_and_pass_saves_replay_in_order_to_serving_parity(tmp_path):
 
     data, saves = tmp_path / "data", tmp_path / "saves"
     ids, values = _write_two_days(data)
-    text = _saves_config(tmp_path, str(data), str(saves), dynamic='model_class: "DeepFM"')
-    text = text.replace('input_names: "C1" feature_type: IdFeature embedding_dim: 8 '
-                        'hash_bucket_size: 2000 }',
-                        'input_names: "C1" feature_type: IdFeature embedding_dim: 8 ' + _SHRINK)
-    text = text.replace('input_names: "C2" feature_type: IdFeature embedding_dim: 8 '
-                        'hash_bucket_size: 2000 }',
-                        'input_names: "C2" feature_type: IdFeature embedding_dim: 8 '
-                        'hash_bucket_size: 2000 ev_params { filter_freq: 2 max_capacity: 60 } }')
+    text = _shrinking_saves_config(tmp_path, str(data), str(saves))
     trainer = _train_all_once(tmp_path, text, ids)
     # the layout: a starting base (the day before the first split), per pass a delta and a
     # checkpoint (checkpoint_per_pass 1), a base at each day's end

@@ -51,7 +51,6 @@ import torch.distributed as dist
 
 from odl.config.config_error import ConfigError
 from odl.config.limits import ROW_WISE_MIN_ROWS
-from odl.inputs.source_factory import online_input_kind
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -306,19 +305,14 @@ def from_rank0(value: object) -> object:
     return box[0]
 
 
-def check_several_ranks(config: pipeline_pb2.EasyRecConfig, online: bool,
-                        world_size: int) -> None:
+def check_several_ranks(config: pipeline_pb2.EasyRecConfig, world_size: int) -> None:
     """Refuses what ``odl-train`` cannot do as several ranks yet, naming it.
 
     Raises:
-        ConfigError: a file stream's day and pass saves (``file_stream_input.model_save_path``);
-            in-batch learning with the batched shift (``in_batch_sequential: false``).
+        ConfigError: in-batch learning with the batched shift (``in_batch_sequential:
+            false``).
     """
     why = f"is not implemented for {world_size} ranks (torchrun) yet; run one process"
-    if (online and online_input_kind(config) == "file_stream"
-            and config.file_stream_input.model_save_path):
-        raise ConfigError("file_stream_input.model_save_path",
-                          f"a file stream's day and pass saves {why}")
     tc = config.train_config
     if tc.in_batch_learning and not tc.in_batch_sequential:
         raise ConfigError("train_config.in_batch_sequential",

@@ -35,6 +35,15 @@ since the last delta and the ids evicted since then are part of every checkpoint
 (``state_dict``), so a restart inside a pass still writes the pass's whole delta; after crash
 recovery brought the model past its checkpoint with published Kafka versions, the next delta
 carries every row (what recovery changed is not tracked row by row).
+
+With several ranks (a file stream's ranks close every pass together, ``Trainer._loop_ranks``)
+every rank tracks the rows its own batches touch, and writing a pass delta is a collective:
+each rank hands its rows to the model's collective read and rank 0 writes the delta with
+their union and the dynamic tables' evictions of every rank (as ``odl.train.rank_publishing``
+does for a Kafka version). Rank 0 alone copies pass checkpoints and exports bases, and tells
+the other ranks whether a base was written (what it covers is then no longer pending
+anywhere). A checkpoint holds the union of every rank's pending rows; restored, rank 0 takes
+them into its next delta.
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ from odl.inputs.source_factory import online_input_name
 from odl.storage import file_store
 from odl.storage.atomic_directory import atomic_directory
 from odl.storage.storage_path import basename, is_remote, join
+from odl.train.distributed import from_rank0, gather_to_rank0
 from publisher.delta_encoder import encode_version
 from publisher.delta_tracker import DeltaTracker
 from publisher.fs_sink import FsSink
@@ -106,12 +116,14 @@ class PassSaves:
         self.snapshots = ParameterSnapshotter(module, self.id_maps, self.tracker,
                                               online_input_name(config),
                                               delete_consumer=PASS_DELETES)
+        self.rank, self.world_size = int(module.rank), int(module.world_size)
         self.last_delta: Optional[str] = None
         self.last_base: Optional[str] = None
         self.last_pass_checkpoint: Optional[str] = None
         self.deltas_written = 0
         self.bases_written = 0
-        self._remove_stale_temporaries()
+        if self.rank == 0:
+            self._remove_stale_temporaries()
 
     def _remove_stale_temporaries(self) -> None:
         """Removes directories a killed trainer left half written (local roots)."""
@@ -130,15 +142,28 @@ class PassSaves:
     def state_dict(self) -> dict[str, Any]:
         """The rows touched since the last delta (per table), for the checkpoint.
 
-        The dynamic tables keep their own pending deletes in their state.
+        With several ranks a collective: every rank's rows, united on rank 0 (the other ranks
+        get an empty dict). The dynamic tables keep their own pending deletes in their state.
         """
         touched = self.tracker.take()
         self.tracker.put_back(touched)
-        return {"touched": {name: ids.cpu() for name, ids in touched.items()}}
+        mine = {name: ids.cpu() for name, ids in touched.items()}
+        if self.world_size == 1:
+            return {"touched": mine}
+        everyone = gather_to_rank0(mine)
+        if everyone is None:
+            return {}
+        names = sorted({name for part in everyone for name in part})
+        return {"touched": {name: torch.unique(torch.cat([part[name] for part in everyone
+                                                         if name in part]))
+                            for name in names}}
 
     def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
-        """Restores ``state_dict`` (None: a checkpoint without it; nothing is pending)."""
-        if not state:
+        """Restores ``state_dict`` (None: a checkpoint without it; nothing is pending).
+
+        With several ranks rank 0 takes the rows (every rank's, as saved) into its next delta.
+        """
+        if not state or self.rank != 0:
             return
         touched = {name: torch.as_tensor(ids, dtype=torch.int64)
                    for name, ids in state.get("touched", {}).items() if name in self._table_rows}
@@ -158,14 +183,19 @@ class PassSaves:
 
     # ------------------------------------------------------------------ writes
     def has_base(self) -> bool:
-        """Whether ``model_save_path`` holds any day's base."""
-        days, _ = file_store.list_dir(self.root)
-        return any(file_store.exists(join(self.root, d, BASE_DIR)) for d in days
-                   if len(d) == 8 and d.isdigit())
+        """Whether ``model_save_path`` holds any day's base (rank 0's answer on every rank)."""
+        found = None
+        if self.rank == 0:
+            days, _ = file_store.list_dir(self.root)
+            found = any(file_store.exists(join(self.root, d, BASE_DIR)) for d in days
+                        if len(d) == 8 and d.isdigit())
+        return bool(from_rank0(found) if self.world_size > 1 else found)
 
     def write_delta(self, day: str, pass_id: int, step: int,
-                    positions: Mapping[int, int]) -> str:
+                    positions: Mapping[int, int]) -> Optional[str]:
         """Writes ``<day>/delta_<pass_id>``: what changed since the previous delta or base.
+
+        With several ranks a collective; rank 0 writes (module docstring).
 
         Args:
             day: ``YYYYMMDD``.
@@ -174,9 +204,12 @@ class PassSaves:
             positions: the input positions after the pass.
 
         Returns:
-            The directory written.
+            The directory written (None on ranks other than 0).
         """
         t0 = time.monotonic()
+        if self.rank != 0:  # this rank's rows into the collective read
+            self.snapshots.take(step, {}, dense=False, sparse=True)
+            return None
         snap = self.snapshots.take(step, positions, dense=True, sparse=True)
         chunks = encode_version(snap.header(self.model_name, self.generation), snap.dense,
                                 snap.sparse, self.value_type, self.max_chunk_bytes,
@@ -199,7 +232,7 @@ class PassSaves:
                     sum(len(c) for c in chunks) / 1e6, time.monotonic() - t0)
         return final
 
-    def copy_checkpoint(self, checkpoint: str, day: str, pass_id: int) -> str:
+    def copy_checkpoint(self, checkpoint: str, day: str, pass_id: int) -> Optional[str]:
         """Copies a checkpoint to ``<day>/<pass_id>`` (hard links when both are local).
 
         Args:
@@ -208,8 +241,10 @@ class PassSaves:
             pass_id: the pass.
 
         Returns:
-            The directory written.
+            The directory written (None on ranks other than 0, which copy nothing).
         """
+        if self.rank != 0:
+            return None
         src = local_checkpoint_copy(checkpoint)
         final = join(self.root, day, str(int(pass_id)))
         if is_remote(final):
@@ -228,26 +263,43 @@ class PassSaves:
     def write_base(self, day: str, checkpoint: str) -> Optional[str]:
         """Writes ``<day>/base`` from a checkpoint of the model at the day's end.
 
-        The next delta then holds only what changes after it.
+        The next delta then holds only what changes after it. With several ranks a
+        collective: rank 0 exports and every rank learns whether it did.
 
         Args:
             day: ``YYYYMMDD``.
             checkpoint: the checkpoint taken after the shrink.
 
         Returns:
-            The base directory, or None without an exporter.
+            The base directory, or None without an exporter (and on ranks other than 0).
+
+        Raises:
+            Exception: rank 0's export failed (the exporter's error; other ranks return None).
         """
         if self.export_base is None:
             logger.warning("no exporter: %s/%s not written", day, BASE_DIR)
             return None
         t0 = time.monotonic()
         target = join(self.root, day, BASE_DIR)
-        result = self.export_base(self.config, checkpoint, target)
+        result, error = None, None
+        if self.rank == 0:
+            try:
+                result = self.export_base(self.config, checkpoint, target)
+            except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
+                error = exc
+        if self.world_size > 1 and not from_rank0(error is None):
+            if error is not None:
+                raise error
+            return None
+        if error is not None:
+            raise error
         # what was pending is in the base now: the next delta starts from it (kept when the
         # export failed, so the deltas still cover it)
         self.tracker.take()
         if self.module.dynamic:
             self.module.dynamic.take_deleted(PASS_DELETES)
+        if self.rank != 0:
+            return None
         path = getattr(result, "path", target)
         self.last_base = str(path)
         self.bases_written += 1

@@ -34,7 +34,8 @@ from odl.train.train_module import TrainModule
 
 def save_across_ranks(manager: CheckpointManager, module: TrainModule,
                       positions: Mapping[int, int], source: dict, config_text: str,
-                      generation: str, overwrite: bool = False) -> str:
+                      generation: str, overwrite: bool = False,
+                      extra_state: Mapping[str, object] | None = None) -> str:
     """Writes one checkpoint of several ranks (module docstring; a collective).
 
     Args:
@@ -45,6 +46,7 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
         config_text: the effective pipeline config, redacted.
         generation: the job's generation id.
         overwrite: replace a complete checkpoint of the same step.
+        extra_state: more entries of the checkpoint state (rank 0's are written).
 
     Returns:
         The checkpoint's path.
@@ -57,6 +59,8 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
     everyone = all_positions(positions)
     part = module.table_part()
     state = module.state_without_tables() if rank == 0 else {}
+    if rank == 0 and extra_state:
+        state.update(extra_state)
     pending, error = None, None
     if rank == 0:
         try:
@@ -67,7 +71,7 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
     if error is not None:
         raise CheckpointError(error)
     if pending.exists:
-        manager.last_saved_step = step
+        manager.last_saved_step, manager.last_saved_path = step, pending.target
         return pending.target
     entry, my_error = None, None
     try:
@@ -91,5 +95,5 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
     error = from_rank0(error)
     if error is not None:
         raise CheckpointError(error)
-    manager.last_saved_step = step
+    manager.last_saved_step, manager.last_saved_path = step, pending.target
     return pending.target

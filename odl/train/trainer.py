@@ -214,7 +214,7 @@ class Trainer:
         self.features = FeatureBuilder(config)
         self.module = TrainModule(config, self.features, device=options.device)
         if self.module.world_size > 1:
-            check_several_ranks(config, options.online, self.module.world_size)
+            check_several_ranks(config, self.module.world_size)
             self.generation = str(from_rank0(self.generation))  # one job, one generation
         model = self.module.model
         self._label_column = int(model.output_labels[0])
@@ -796,8 +796,10 @@ class Trainer:
         Raises:
             CheckpointError: on every rank, when any rank's part or the commit failed.
         """
+        extra = ({"pass_saves": self.pass_saves.state_dict()}  # a collective: every rank's
+                 if self.pass_saves is not None else None)
         save_across_ranks(self.checkpoints, self.module, positions, source, self._config_text,
-                          self.generation, overwrite)
+                          self.generation, overwrite, extra_state=extra)
 
     @property
     def _evaluates(self) -> bool:
