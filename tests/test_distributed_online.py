@@ -447,14 +447,15 @@ def test_file_stream_ranks_that_read_different_records_stop_untrained(tmp_path):
     assert got[0]["samples"] + got[1]["samples"] == 200
 
 
-@pytest.mark.parametrize("stop_at", [0, 3])
+@pytest.mark.parametrize("stop_at", [0, 2, 3])
 def test_two_ranks_write_day_and_pass_saves_that_replay_to_serving_parity(tmp_path, stop_at):
     """A file stream's day and pass saves (``model_save_path``) written by two ranks under
     ``odl-train --nproc 2``, with a table shrunk at each day's end and a dynamic one (also
     stopped at step 3, inside a pass, and started again: the checkpoint keeps every rank's
-    rows pending for the pass delta): every record trained once, the layout one process
-    writes, and serving on the starting base replaying every pass delta (each with every
-    rank's rows and evictions) predicts what the final checkpoint predicts."""
+    rows pending for the pass delta; and at step 2, after the first pass's last record: the
+    restarted ranks still close that pass): every record trained once, the layout one
+    process writes, and serving on the starting base replaying every pass delta (each with
+    every rank's rows and evictions) predicts what the final checkpoint predicts."""
     from tests.test_file_stream import _serve_from, _shrinking_saves_config, _write_two_days
 
     data, saves = tmp_path / "data", tmp_path / "saves"
@@ -490,3 +491,54 @@ def test_two_ranks_write_day_and_pass_saves_that_replay_to_serving_parity(tmp_pa
     assert service.follower.deltas_applied == 5
     assert service.model.state.version == final.global_step
     assert float(abs(service.model.predict_batch(probe) - model.predict(probe)).max()) <= 1e-6
+
+
+def test_kill_9_of_one_file_stream_rank_restarts_both_at_the_last_checkpoint(tmp_path):
+    """SIGKILL of rank 1 inside a pass of a file stream with day and pass saves, under
+    ``torchrun --max-restarts 1``: both ranks restart from the last checkpoint's positions
+    (every rank's are the same) and run to ``end_day``, exit 0. Every record is in the final
+    model exactly once, and the starting base with every pass delta (the interrupted pass's
+    rewritten) serves the last day's base."""
+    from tests.test_file_stream import (
+        _checkpoint_steps_by_generation,
+        _saves_config,
+        _serve_from,
+        _write_two_days,
+    )
+
+    data, saves = tmp_path / "data", tmp_path / "saves"
+    ids, values = _write_two_days(data)
+    text = _saves_config(tmp_path, str(data), str(saves)).replace(
+        "save_checkpoints_steps: 50", "save_checkpoints_steps: 2").replace(
+        "keep_checkpoint_max: 3", "keep_checkpoint_max: 100").replace(
+        "batch_size: 50", "batch_size: 25")
+    cfg = tmp_path / "pipeline.config"
+    cfg.write_text(text)
+    ledger = str(tmp_path / "ledger.tsv")
+    model_dir = str(tmp_path / "model_dir")
+    log_path = tmp_path / "torchrun.log"
+    with open(log_path, "wb") as log:
+        proc = _torchrun(str(cfg), ledger, log, "--max-restarts", "1")
+        try:
+            def mid_day() -> bool:  # a checkpoint inside the first day's second pass
+                ckpts = list_checkpoints(model_dir)
+                return bool(ckpts) and read_checkpoint(ckpts[-1]).global_step >= 5
+            _wait_until(mid_day, proc, log_path)
+            ranks = sorted(psutil.Process(proc.pid).children(), key=lambda p: p.pid)
+            ranks[-1].kill()  # SIGKILL, no goodbye
+            assert proc.wait(240) == 0, log_path.read_text()[-3000:]
+        finally:
+            _kill_tree(proc)
+    generations = _checkpoint_steps_by_generation(model_dir)
+    assert len(generations) == 2  # the killed job's and the restarted one's
+    assert sorted(os.listdir(saves / "20261124")) == ["23", "24", "base", "delta_23",
+                                                      "delta_24"]
+    lost, twice = reflected_exactly_once(ids, _entries(ledger), generations)
+    assert not lost and not twice, (len(lost), len(twice))
+    chain = _serve_from(str(saves / "20261123" / "base"), str(saves))
+    last = _serve_from(str(saves / "20261125" / "base"), str(saves))
+    assert chain.model.state.version == last.model.state.version
+    fb = FeatureBuilder(load_pipeline_config(str(cfg)))
+    got = chain.model.predict_batch(fb.build(values).batch)
+    want = last.model.predict_batch(fb.build(values).batch)
+    assert float(abs(got - want).max()) <= 1e-6

@@ -7,7 +7,9 @@ On-disk layout (one directory per checkpoint inside ``model_dir``)::
         model.pt          torch.save of {"model": {name: tensor}, "optimizer": {...},
                           "global_step": int} as produced by TrainModule
         positions.json    {"source": "kafka", "topic": str,
-                           "positions": {"<partition>": <next offset to read>}}
+                           "positions": {"<partition>": <next offset to read>},
+                           ...the trainer's extras: "eval_positions", "delta_topic_offset",
+                           "open_pass": [day, pass] of a file stream's pass in progress}
         pipeline.config   the effective pipeline config, secrets redacted
         MANIFEST.json     {"format": 1, "global_step": int, "created": unix_s,
                            "generation": str, "files": {name: {"bytes": int, "sha256": hex}}}

@@ -93,6 +93,8 @@ class RestoredState:
             when it stayed at the checkpoint.
         eval_positions: the eval topic's next offsets saved by the restored checkpoint
             (``odl.train.stream_evaluation``), None when it has none.
+        open_pass: ``(day, pass)`` of a file stream's pass in progress at the restored
+            checkpoint, None when none was.
     """
 
     positions: Optional[dict[int, int]] = None
@@ -105,6 +107,7 @@ class RestoredState:
     pass_saves_state: Optional[dict] = None
     eval_positions: Optional[dict[int, int]] = None
     recovered_version: Optional[int] = None
+    open_pass: Optional[tuple[str, int]] = None
 
     @property
     def needs_base_checkpoint(self) -> bool:
@@ -252,7 +255,9 @@ class CrashRecovery:
                           if "delta_topic_offset" in ckpt.source else None),
             pass_saves_state=ckpt.state.get("pass_saves"),
             eval_positions=({int(p): int(o) for p, o in ckpt.source["eval_positions"].items()}
-                            if "eval_positions" in ckpt.source else None))
+                            if "eval_positions" in ckpt.source else None),
+            open_pass=((str(ckpt.source["open_pass"][0]), int(ckpt.source["open_pass"][1]))
+                       if ckpt.source.get("open_pass") else None))
         logger.info("restored %s: step %d, positions %s", path, ckpt.global_step, ckpt.positions)
         self._checkpoints.last_saved_path = path
         self._checkpoints.last_saved_step = ckpt.global_step

@@ -78,14 +78,31 @@ class PassMetrics:
         current = self._current
         return current[0] if current is not None else None
 
+    @property
+    def open_pass(self) -> Optional[tuple[str, int]]:
+        """``(day, pass)`` of the pass in progress (a checkpoint keeps it), None before one."""
+        return self._current
+
+    def resume(self, day: str, pass_id: int) -> None:
+        """Opens a restored checkpoint's pass in progress (no samples of it in this process).
+
+        The next batch of another pass then closes it, so the pass still ends (its delta,
+        checkpoint, the day's end) after a restart at its last record.
+        """
+        with self._lock:
+            self._current = (str(day), int(pass_id))
+
     def begin(self, split_minute: int) -> bool:
         """Closes the pass in progress when the next batch belongs to another one.
 
-        Called before the batch is trained; returns whether a pass was closed.
+        Called before the batch is trained (with several ranks, on every rank for every
+        group, whatever its batch holds); returns whether a pass was closed. A pass closes
+        even when this process trained none of its records (a resumed pass, a rank whose
+        batches of the pass were empty).
         """
         key = pass_of(split_minute, self.interval, self.per_pass)
         with self._lock:
-            closed = self._current is not None and key != self._current and bool(self._probs)
+            closed = self._current is not None and key != self._current
             if closed:
                 self._close()
             self._current = key
@@ -152,7 +169,7 @@ class PassMetrics:
     def close_current(self) -> bool:
         """Closes the pass in progress (the stream ended with it); returns whether one was."""
         with self._lock:
-            closed = self._current is not None and bool(self._probs)
+            closed = self._current is not None
             if closed:
                 self._close()
             self._current = None

@@ -318,6 +318,9 @@ class Trainer:
             self.pass_saves.load_state_dict(restored.pass_saves_state)
             if restored.recovered_version is not None:
                 self.pass_saves.mark_all_rows()
+        if (self.passes is not None and restored.open_pass is not None
+                and restored.recovered_version is None):
+            self.passes.resume(*restored.open_pass)
         self._restored = restored
         self._restored_delta_offset = restored.delta_offset
         self.recovery = restored.report
@@ -756,6 +759,8 @@ class Trainer:
                 else {"source": "files", "path": self.config.train_input_path}
             )
             source.update(self._delta_replay_point())
+            if self.passes is not None and self.passes.open_pass is not None:
+                source["open_pass"] = list(self.passes.open_pass)  # resumed at a restart
             if self._evaluates and self.module.global_step:
                 try:
                     self._evaluate()
