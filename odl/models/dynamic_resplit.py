@@ -82,13 +82,20 @@ def saved_partitions(saved: Mapping[str, Any]) -> int:
 
 
 def _saved_tables(saved: Mapping[str, Any], name: str) -> dict[int, Mapping[str, Any]]:
-    """Partition -> the saved state of table ``name`` in it."""
+    """Partition -> the saved state of table ``name`` in it.
+
+    Raises:
+        ValueError: a partition, or the table in one, is missing.
+    """
     if saved_partitions(saved) == 1:
-        return {0: saved["tables"][name]}
-    parts = {int(p): v for p, v in (saved.get("parts") or {}).items()}
-    missing = sorted(set(range(saved_partitions(saved))) - set(parts))
-    if missing:
-        raise ValueError(f"the checkpoint lacks partitions {missing} of the dynamic tables")
+        parts = {0: saved}
+    else:
+        parts = {int(p): v for p, v in (saved.get("parts") or {}).items()}
+        missing = sorted(set(range(saved_partitions(saved))) - set(parts))
+        if missing:
+            raise ValueError(f"the checkpoint lacks partitions {missing} of the dynamic tables")
+    if any(name not in part.get("tables", {}) for part in parts.values()):
+        raise ValueError(f"the checkpoint has no dynamic table {name}")
     return {p: parts[p]["tables"][name] for p in sorted(parts)}
 
 

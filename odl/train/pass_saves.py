@@ -287,12 +287,11 @@ class PassSaves:
                 result = self.export_base(self.config, checkpoint, target)
             except Exception as exc:  # noqa: BLE001 - raised below, once every rank knows
                 error = exc
-        if self.world_size > 1 and not from_rank0(error is None):
-            if error is not None:
-                raise error
-            return None
+        ok = bool(from_rank0(error is None)) if self.world_size > 1 else error is None
         if error is not None:
             raise error
+        if not ok:  # rank 0's export failed: what is pending stays pending here too
+            return None
         # what was pending is in the base now: the next delta starts from it (kept when the
         # export failed, so the deltas still cover it)
         self.tracker.take()
