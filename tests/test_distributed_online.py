@@ -509,9 +509,9 @@ def test_kill_9_of_one_file_stream_rank_restarts_both_at_the_last_checkpoint(tmp
     data, saves = tmp_path / "data", tmp_path / "saves"
     ids, values = _write_two_days(data)
     text = _saves_config(tmp_path, str(data), str(saves)).replace(
-        "save_checkpoints_steps: 50", "save_checkpoints_steps: 2").replace(
+        "save_checkpoints_steps: 50", "save_checkpoints_steps: 4").replace(
         "keep_checkpoint_max: 3", "keep_checkpoint_max: 100").replace(
-        "batch_size: 50", "batch_size: 25")
+        "batch_size: 50", "batch_size: 10")
     cfg = tmp_path / "pipeline.config"
     cfg.write_text(text)
     ledger = str(tmp_path / "ledger.tsv")
@@ -520,10 +520,15 @@ def test_kill_9_of_one_file_stream_rank_restarts_both_at_the_last_checkpoint(tmp
     with open(log_path, "wb") as log:
         proc = _torchrun(str(cfg), ledger, log, "--max-restarts", "1")
         try:
-            def mid_day() -> bool:  # a checkpoint inside the first day's second pass
-                ckpts = list_checkpoints(model_dir)
-                return bool(ckpts) and read_checkpoint(ckpts[-1]).global_step >= 5
-            _wait_until(mid_day, proc, log_path)
+            deadline = time.monotonic() + 240
+            while True:  # inside the first day's second pass (records 200..399 of 1,200)
+                trained = sum(len(read_ledger(f"{ledger}.rank{r}"))
+                              for r in (0, 1) if os.path.exists(f"{ledger}.rank{r}"))
+                if trained >= 250:
+                    break
+                assert proc.poll() is None and time.monotonic() < deadline, \
+                    log_path.read_text()[-3000:]
+                time.sleep(0.005)
             ranks = sorted(psutil.Process(proc.pid).children(), key=lambda p: p.pid)
             ranks[-1].kill()  # SIGKILL, no goodbye
             assert proc.wait(240) == 0, log_path.read_text()[-3000:]
