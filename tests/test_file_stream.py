@@ -441,6 +441,41 @@ def test_kafka_publishing_and_pass_deltas_both_reach_serving_parity(kafka_bootst
     assert files.metrics.deletes._value.get() > 0 and kafka.metrics.deletes._value.get() > 0
 
 
+def test_recovery_past_the_checkpoint_still_ends_the_pass_it_was_in(kafka_bootstrap, tmp_path):
+    """A trainer publishing a version every step to Kafka stops right after the first pass's
+    last record and its last checkpoint is lost (a kill after publishing): the next start
+    recovers to the last version, resumes the pass that version ended inside, and ends it at
+    the next pass's first batch (its delta and checkpoint copy); the deltas serve the model."""
+    import shutil
+
+    from odl.export.exporter import export_checkpoint
+
+    data, saves = tmp_path / "data", tmp_path / "saves"
+    _ids, values = _write_two_days(data)
+    topic = f"odl-fs-recover-{os.getpid()}-{time.time_ns()}"
+    incr = (f'incr_save_config {{ sparse_save_steps: 1 dense_save_steps: 1 kafka {{ server: '
+            f'"{kafka_bootstrap}" topic: "{topic}" }} }}')
+    text = _saves_config(tmp_path, str(data), str(saves), incr)
+    model_dir = str(tmp_path / "model_dir")
+    for num_steps in (4, 0):  # pass 23 (split 2200): 200 records, 4 batches of 50
+        config = parse_pipeline_config_text(text.replace(
+            "train_config {", f"train_config {{\n  num_steps: {num_steps}", 1)
+            if num_steps else text)
+        trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
+                                                 export_base=export_checkpoint))
+        assert trainer.run() == 0
+        if num_steps:
+            assert not os.path.exists(saves / "20261124" / "delta_23")  # not ended yet
+            last = list_checkpoints(model_dir)[-1]
+            assert read_checkpoint(last).global_step == 4
+            shutil.rmtree(last)  # killed after publishing version 4, before its checkpoint
+    assert trainer.recovery is not None and trainer.recovery["version"] == 4
+    assert sorted(os.listdir(saves / "20261124")) == ["23", "24", "base", "delta_23",
+                                                      "delta_24"]
+    assert _parity(_serve_from(str(saves / "20261123" / "base"), str(saves)), trainer, 0,
+                   values) <= 1e-6
+
+
 def _checkpoint_steps_by_generation(model_dir: str) -> dict[str, int]:
     """Generation -> the last step it checkpointed (the state its successor restored)."""
     last: dict[str, int] = {}

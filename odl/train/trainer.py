@@ -318,13 +318,28 @@ class Trainer:
             self.pass_saves.load_state_dict(restored.pass_saves_state)
             if restored.recovered_version is not None:
                 self.pass_saves.mark_all_rows()
-        if (self.passes is not None and restored.open_pass is not None
-                and restored.recovered_version is None):
-            self.passes.resume(*restored.open_pass)
+        if self.passes is not None:
+            self._resume_pass(restored)
         self._restored = restored
         self._restored_delta_offset = restored.delta_offset
         self.recovery = restored.report
         return restored.positions
+
+    def _resume_pass(self, restored: RestoredState) -> None:
+        """Opens the file-stream pass the restored state was inside (``PassMetrics.resume``).
+
+        The checkpoint's pass in progress; after crash recovery moved the model past the
+        checkpoint, the pass of the last record trained (the recovered positions' split).
+        """
+        assert self.passes is not None
+        open_pass = restored.open_pass
+        if restored.recovered_version is not None:
+            split = (restored.positions or {}).get(SPLIT_KEY)
+            fs = self.config.file_stream_input
+            open_pass = (pass_of(int(split), fs.split_interval, fs.split_per_pass)
+                         if split is not None else None)
+        if open_pass is not None:
+            self.passes.resume(*open_pass)
 
     def _set_state(self, state: str) -> str:
         """Sets ``state``; returns the previous one."""
