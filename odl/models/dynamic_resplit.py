@@ -271,11 +271,11 @@ def _merged_sketch(name: str, spec: DynamicTableSpec, seed: int, capacity: int,
         return None
     fresh = CountMinSketch(capacity, seed ^ (hash_name(name) & 0xFFFF),
                            clicks=old[0].click.shape[1] > 0)
-    state = fresh.state_dict()
-    if any(not np.array_equal(s.state_dict()["salts"], state["salts"]) for s in old):
+    if any(not np.array_equal(s.salts, fresh.salts) for s in old):
         logger.warning("dynamic table %s: the saved admission sketch was hashed with another "
                        "seed; candidates' counts start over", name)
         return None
+    state = fresh.state_dict()
     state["show"] = sum(_fold(s.show, fresh.width) for s in old).astype(np.float32)
     if fresh.click.shape[1]:
         state["click"] = sum(_fold(s.click, fresh.width) for s in old).astype(np.float32)

@@ -116,6 +116,11 @@ class CountMinSketch:
         """Bytes of the counters."""
         return self.show.nbytes + self.click.nbytes
 
+    @property
+    def salts(self) -> np.ndarray:
+        """The per-row hash salts (two sketches count alike only with equal salts)."""
+        return self._salts
+
     def add(self, ids: np.ndarray, shows: np.ndarray,
             clicks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Adds sightings of unique ``ids``; returns their estimated (show, click) totals."""
