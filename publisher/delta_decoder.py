@@ -54,7 +54,8 @@ def decode_chunk(data: bytes, max_bytes: int = 64 << 20) -> DecodedChunk:
     Raises:
         DeltaFormatError: oversize, unparsable, truncated (no payload / payload_crc32:
             any strict prefix of a chunk), unknown format_version, bad chunk index,
-            checksum mismatch, inconsistent lengths or shapes, out-of-range sizes.
+            checksum mismatch, inconsistent lengths or shapes, out-of-range sizes, a
+            republish mark naming a later version or an offset below -1 (``republish``).
     """
     if len(data) > max_bytes:
         raise DeltaFormatError("oversize", f"{len(data)} bytes > {max_bytes}")
@@ -155,6 +156,15 @@ def decode_chunk(data: bytes, max_bytes: int = 64 << 20) -> DecodedChunk:
         positions=[(p.topic, int(p.partition), int(p.next_offset)) for p in msg.positions],
         publish_time_ms=int(msg.publish_time_ms),
     )
+    if payload.HasField("republish"):
+        mark = payload.republish
+        if mark.last_full_offset < -1 or mark.last_full_version > msg.version:
+            raise DeltaFormatError(
+                "republish", f"version {msg.version}: republish mark names version "
+                             f"{mark.last_full_version} at offset {mark.last_full_offset}")
+        header.full_republish = bool(mark.full)
+        header.last_full_version = int(mark.last_full_version)
+        header.last_full_offset = int(mark.last_full_offset)
     chunk = DecodedChunk(header, int(msg.chunk_index), int(msg.chunk_count), value_type,
                          int(msg.version_rows), int(msg.version_variables), dense, slices,
                          sparse, len(data), deletes)

@@ -8,7 +8,8 @@ of a ``.delta`` file, ``publisher.fs_sink``) is one serialized ``DeltaChunk``::
                 version_rows, version_variables}
     DeltaPayload {dense: [DenseVariable {id, shape, values, offset}],
                   sparse: [SparseRows {table_id, dim, ids, values}],
-                  deleted: [DeletedRows {table_id, ids}]}
+                  deleted: [DeletedRows {table_id, ids}],
+                  republish: RepublishMark {full, last_full_version, last_full_offset}}
 
 * ``format_version`` is ``publisher.delta_format.FORMAT_VERSION``.
 * ``ids``: little-endian int64, one per row (the row index serving looks up; a dynamic
@@ -26,6 +27,9 @@ of a ``.delta`` file, ``publisher.fs_sink``) is one serialized ``DeltaChunk``::
 * Within one version a row id appears at most once per table and a dense variable at most
   once (split slices cover it exactly once).
 * ``payload`` is the last field written, so a cut-off message lacks it.
+* ``republish`` is written into every chunk of a version whose header is a full republish
+  or names one (after the delta topic lost acknowledged versions,
+  ``publisher.delta_sender``), and left out otherwise.
 
 Ids name the dense variables and tables of the id-map files (``publisher.id_maps``). Chunks
 are sized to stay below ``max_chunk_bytes`` serialized; a version is never empty of chunks.
@@ -55,6 +59,7 @@ _CHUNK_FRAMING = 16          # payload tag + length varint + spare
 _SPARSE_FRAMING = 40         # SparseRows tag/len + table_id + dim + ids/values tags/lens
 _DENSE_FRAMING = 48          # DenseVariable tag/len + id + offset + values tag/len + shape
 _DELETED_FRAMING = 24        # DeletedRows tag/len + table_id + ids tag/len
+_REPUBLISH_FRAMING = 32      # RepublishMark tag/len + full + two varints of up to 10 bytes
 _MIN_CHUNK_BYTES = 1024
 
 
@@ -116,6 +121,8 @@ def encode_version(
     probe.payload_crc32 = 0xFFFFFFFF
     probe.version_rows = probe.version_variables = (1 << 64) - 1
     budget = max_chunk_bytes - probe.ByteSize() - _CHUNK_FRAMING
+    if header.has_republish_mark:
+        budget -= _REPUBLISH_FRAMING
     if budget < 256:
         raise ValueError(f"max_chunk_bytes {max_chunk_bytes} leaves no room for data after the "
                          f"{probe.ByteSize()}-byte header")
@@ -197,6 +204,10 @@ def encode_version(
     count = len(chunks)
     for index, items in enumerate(chunks):
         payload = delta_pb2.DeltaPayload()
+        if header.has_republish_mark:
+            payload.republish.full = bool(header.full_republish)
+            payload.republish.last_full_version = int(header.last_full_version)
+            payload.republish.last_full_offset = int(header.last_full_offset)
         for item in items:
             if item[0] == "dense":
                 _, vid, shape, offset, flat = item

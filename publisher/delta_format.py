@@ -72,6 +72,11 @@ class VersionHeader:
         max_produce_time_ms: max Kafka produce time of those samples (0 = unknown).
         positions: ``(topic, partition, next_offset)`` input positions the version covers.
         publish_time_ms: when the trainer snapshotted the version (unix ms).
+        full_republish: the version carries every row its generation ever published and
+            every dense variable (published after the delta topic lost versions).
+        last_full_version: the generation's newest full republish acknowledged before this
+            version was encoded (0 = none).
+        last_full_offset: delta topic offset of that full version's first chunk (-1 = none).
     """
 
     model_name: str
@@ -84,6 +89,14 @@ class VersionHeader:
     max_produce_time_ms: int = 0
     positions: list[tuple[str, int, int]] = field(default_factory=list)
     publish_time_ms: int = 0
+    full_republish: bool = False
+    last_full_version: int = 0
+    last_full_offset: int = -1
+
+    @property
+    def has_republish_mark(self) -> bool:
+        """Whether the version carries a ``RepublishMark`` on the wire."""
+        return self.full_republish or self.last_full_version > 0
 
 
 @dataclass

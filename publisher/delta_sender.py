@@ -17,8 +17,12 @@ Lost versions: a broker that loses acknowledged messages (the embedded broker dr
 few on a restart; unclean leader election does the same in Kafka) shows up as a version
 acknowledged at an offset at or below the previous one. The sender then asks for a
 republish (``take_republish_request``): the next snapshot carries every row ever published,
-with the dense variables, so serving (which continues at the new log end) converges again;
-``status()["delta_topic_truncations"]`` counts it.
+with the dense variables, and is sent as a *full* version; ``status()["delta_topic_truncations"]``
+counts it. Once a full version is acknowledged, every later version of the generation names
+it (``VersionHeader.last_full_version`` / ``last_full_offset``, the offset of its first
+chunk): a replayer whose position was past the shortened log's end, and which the refilled
+log let read on from there, skipped the full version, and goes back to it
+(``serving_plugin.delta_replayer``). Serving converges either way.
 
 Fatal errors: a sink fenced by a newer trainer (``DeltaSinkFenced``) stops the sender with
 ``fenced`` set. Any other exception in the thread (a bug, never a broker condition) would
@@ -108,6 +112,7 @@ class DeltaSender:
         self._thread: Optional[threading.Thread] = None
         self._last_error_log = 0.0
         self._republish_all = False
+        self._last_full: Optional[tuple[int, int]] = None  # (version, first chunk's offset)
         self._status: dict[str, Any] = {
             "sink": sink.description,
             "generation": generation,
@@ -129,6 +134,7 @@ class DeltaSender:
             "failures": 0,
             "last_error": None,
             "delta_topic_truncations": 0,
+            "last_full_version": None,
         }
         self.fatal_error: Optional[str] = None
         self.fenced = False
@@ -263,10 +269,10 @@ class DeltaSender:
     def _send(self, snap: VersionSnapshot) -> bool:
         kind = snap.kind
         try:
-            chunks = encode_version(snap.header(self.model_name, self.generation), snap.dense,
-                                    snap.sparse, self.value_type, self.max_chunk_bytes,
-                                    snap.deletes)
-            offset = self.sink.send(snap.version, self.generation, chunks, self.send_timeout)
+            header = snap.header(self.model_name, self.generation, self._last_full)
+            chunks = encode_version(header, snap.dense, snap.sparse, self.value_type,
+                                    self.max_chunk_bytes, snap.deletes)
+            sent = self.sink.send(snap.version, self.generation, chunks, self.send_timeout)
         except DeltaSinkFenced:
             raise  # not retried: another trainer owns the topic now
         except (DeltaSinkError, OSError, KafkaException, RuntimeError) as exc:
@@ -280,7 +286,11 @@ class DeltaSender:
                 logger.warning("delta version %d not published (%s); retrying", snap.version,
                                exc)
             return False
+        offset = sent.last
         prev = self._status["last_offset"]
+        if snap.full and sent.first >= 0:  # later versions name it (see the module doc)
+            self._last_full = (snap.version, sent.first)
+            self._status["last_full_version"] = snap.version
         if prev is not None and 0 <= offset <= prev:
             self._status["delta_topic_truncations"] += 1
             self._republish_all = True

@@ -16,7 +16,22 @@ means the destination cannot fence other writers as configured (a setup error).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional, Protocol
+from typing import Any, NamedTuple, Optional, Protocol
+
+
+class SentOffsets(NamedTuple):
+    """Where a version's chunks landed in the delta topic.
+
+    Attributes:
+        first: offset of the first chunk (-1: the sink has no offsets).
+        last: offset of the last chunk (-1: the sink has no offsets).
+    """
+
+    first: int
+    last: int
+
+
+NO_OFFSETS = SentOffsets(-1, -1)
 
 
 class DeltaSinkError(RuntimeError):
@@ -58,7 +73,7 @@ class DeltaSink(Protocol):
         """
 
     def send(self, version: int, generation: str, chunks: Sequence[bytes],
-             timeout: float = 30.0) -> int:
+             timeout: float = 30.0) -> SentOffsets:
         """Publishes all chunks of one version, in order, and waits until they are durable.
 
         Args:
@@ -68,7 +83,8 @@ class DeltaSink(Protocol):
             timeout: seconds to wait for acknowledgements.
 
         Returns:
-            The topic offset of the last chunk, or -1 when the sink has no offsets.
+            The topic offsets of the first and last chunk (``NO_OFFSETS`` for a sink
+            without offsets).
         """
 
     def status(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from odl.storage import file_store
 from odl.storage.storage_path import is_remote, join
+from publisher.delta_sink import NO_OFFSETS, SentOffsets
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ class FsSink:
         """Nothing to claim: a directory has no fencing (the generation rule still holds)."""
 
     def send(self, version: int, generation: str, chunks: Sequence[bytes],
-             timeout: float = 30.0) -> int:
+             timeout: float = 30.0) -> SentOffsets:
         """Writes the version's file and then its ``.done`` marker.
 
         Args:
@@ -73,7 +74,7 @@ class FsSink:
             timeout: unused (same signature as the Kafka sink).
 
         Returns:
-            -1 (files have no offsets).
+            ``NO_OFFSETS`` (files have no offsets).
         """
         name = version_file_name(version, generation)
         if is_remote(self.directory):
@@ -81,7 +82,7 @@ class FsSink:
             file_store.write_bytes(join(self.directory, name), data)
             file_store.write_bytes(join(self.directory, name[: -len(DELTA_SUFFIX)] + DONE_SUFFIX),
                                    b"")
-            return -1
+            return NO_OFFSETS
         path = os.path.join(self.directory, name)
         tmp = os.path.join(self.directory, f".{name}.tmp")
         with open(tmp, "wb") as f:
@@ -95,7 +96,7 @@ class FsSink:
         with open(done_tmp, "wb") as f:
             os.fsync(f.fileno())
         os.replace(done_tmp, path[: -len(DELTA_SUFFIX)] + DONE_SUFFIX)
-        return -1
+        return NO_OFFSETS
 
     def status(self) -> dict[str, Any]:
         """No sink-specific status."""

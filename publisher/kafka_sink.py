@@ -42,7 +42,12 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from odl.kafka.broker_health import BrokerHealth, ReportsBrokerHealth
 from odl.kafka.client_settings import producer_config
 from odl.kafka.topic_admin import create_topic
-from publisher.delta_sink import DeltaSinkError, DeltaSinkFenced, DeltaSinkUnsupported
+from publisher.delta_sink import (
+    DeltaSinkError,
+    DeltaSinkFenced,
+    DeltaSinkUnsupported,
+    SentOffsets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +197,7 @@ class KafkaSink(ReportsBrokerHealth):
         self._created = True
 
     def send(self, version: int, generation: str, chunks: Sequence[bytes],
-             timeout: float = 30.0) -> int:
+             timeout: float = 30.0) -> SentOffsets:
         """Sends one version's chunks and waits until all are acknowledged.
 
         Args:
@@ -202,7 +207,7 @@ class KafkaSink(ReportsBrokerHealth):
             timeout: seconds to wait for the acknowledgements.
 
         Returns:
-            The topic offset of the last chunk.
+            The topic offsets of the first and last chunk.
 
         Raises:
             DeltaSinkError: a chunk was rejected or not acknowledged in time.
@@ -216,7 +221,7 @@ class KafkaSink(ReportsBrokerHealth):
         try:
             if self.fence:
                 producer.begin_transaction()
-            offset = self._send(producer, version, generation, chunks, timeout)
+            sent = self._send(producer, version, generation, chunks, timeout)
             if self.fence:
                 self._commit(producer, version, generation, timeout)
         except DeltaSinkError as exc:
@@ -225,7 +230,7 @@ class KafkaSink(ReportsBrokerHealth):
             # confluent-kafka raises from flush() when a fatal error meets a delivery callback
             self._failed(DeltaSinkError(f"version {version} ({generation}): {exc}"), exc)
         self.health.reachable()
-        return offset
+        return sent
 
     def _failed(self, error: DeltaSinkError, cause: Optional[BaseException]) -> None:
         """Turns a failed send into ``DeltaSinkFenced`` or drops the producer; raises."""
@@ -264,7 +269,7 @@ class KafkaSink(ReportsBrokerHealth):
                 raise
 
     def _send(self, producer: Producer, version: int, generation: str,
-              chunks: Sequence[bytes], timeout: float) -> int:
+              chunks: Sequence[bytes], timeout: float) -> SentOffsets:
         results: list[tuple[KafkaException | None, int]] = []
 
         def on_delivery(err, msg) -> None:  # noqa: ANN001 - librdkafka callback
@@ -301,7 +306,7 @@ class KafkaSink(ReportsBrokerHealth):
                 self.health.on_request_error(errors[0])
             raise DeltaSinkError(f"version {version} ({generation}): delivery failed: "
                                  f"{errors[0]}")
-        return max(off for _, off in results)
+        return SentOffsets(min(off for _, off in results), max(off for _, off in results))
 
     def status(self) -> dict:
         """Connection and ownership state for the publisher's status."""

@@ -19,7 +19,8 @@ never been taken.
 
 Republishing: the snapshotter remembers every row it has ever put into a snapshot (one bit
 per row). ``take(..., republish_all=True)`` puts all of them, and every dense variable, into
-one snapshot (after the broker lost acknowledged versions).
+one snapshot (after the broker lost acknowledged versions), marked ``full``; a merge with a
+full snapshot is full too.
 
 Dynamic tables (``odl.models.dynamic_table``; the module's ``dynamic_table(name)``): the
 touched rows are published under the raw ids they hold at snapshot time (a row freed since
@@ -109,6 +110,7 @@ class VersionSnapshot:
         taken_at: when it was taken (``time.monotonic()``; the oldest, once merged).
         merged: snapshots merged into it.
         deletes: table id -> raw ids deleted from a dynamic table (applied before ``sparse``).
+        full: a republish: every row ever published and every dense variable are in it.
         rows: embedding rows in it.
     """
 
@@ -124,6 +126,7 @@ class VersionSnapshot:
     taken_at: float
     merged: int = 0
     deletes: dict[int, np.ndarray] = field(default_factory=dict)
+    full: bool = False
     rows: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -136,12 +139,15 @@ class VersionSnapshot:
             return "both"
         return "dense" if self.has_dense else "sparse"
 
-    def header(self, model_name: str, generation: str) -> VersionHeader:
+    def header(self, model_name: str, generation: str,
+               last_full: Optional[tuple[int, int]] = None) -> VersionHeader:
         """The version header of this snapshot.
 
         Args:
             model_name: model name written into the version.
             generation: the trainer generation id.
+            last_full: ``(version, first chunk's offset)`` of the generation's newest full
+                republish acknowledged so far, or None.
 
         Returns:
             The header (times that do not fit int64 become 0).
@@ -159,6 +165,9 @@ class VersionSnapshot:
             max_produce_time_ms=_header_time(produce[1]),
             positions=self.positions,
             publish_time_ms=self.publish_time_ms,
+            full_republish=self.full,
+            last_full_version=last_full[0] if last_full else 0,
+            last_full_offset=last_full[1] if last_full else -1,
         )
 
     def payload_floor_bytes(self, bytes_per_value: int) -> int:
@@ -213,6 +222,7 @@ def merge_snapshots(old: VersionSnapshot, new: VersionSnapshot) -> VersionSnapsh
         taken_at=old.taken_at,
         merged=old.merged + new.merged + 1,
         deletes=deletes,
+        full=old.full or new.full,
     )
 
 
@@ -301,6 +311,7 @@ class ParameterSnapshotter:
             publish_time_ms=int(time.time() * 1000),
             taken_at=taken_at,
             deletes=deletes,
+            full=republish_all,
         )
         self._event_range = self._produce_range = None
         self.secs_total += time.perf_counter() - t0

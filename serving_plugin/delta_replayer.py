@@ -64,6 +64,14 @@ where the publisher writes next (it republishes every row once it notices), neve
 beginning, which would roll serving back to old versions. Below the log start, retention
 deleted versions; replay continues at the log start. Both are logged and counted in
 ``offset_resets``.
+
+A replay that never saw the shortened log (it was parked, stopped or disconnected until the
+publisher had refilled the log past its position) reads on from its position and skips the
+publisher's full republish. Every version published after it names it (``RepublishMark``
+in ``protos/delta.proto``): a version naming a full republish this replay neither applied
+nor has in its base export is not applied; replay goes back to the full version's first
+chunk and applies everything from there in topic order (``_skipped_full``; logged, counted
+in ``republish_rewinds``). Each full version is sought once.
 """
 
 from __future__ import annotations
@@ -87,7 +95,7 @@ from odl.kafka.broker_health import (
 )
 from odl.kafka.client_settings import delta_consumer_config
 from publisher.delta_decoder import decode_chunk
-from publisher.delta_format import DeltaFormatError
+from publisher.delta_format import DeltaFormatError, VersionHeader
 from publisher.generation_fence import FENCED_REASON, GenerationFence
 from publisher.version_assembler import VersionAssembler
 from serving_plugin.export_reader import KafkaReplaySource
@@ -118,6 +126,9 @@ class DeltaReplayer(ReportsBrokerHealth):
         messages: messages handled.
         rejected: reason -> rejected messages / versions.
         broker_error: why the broker is unreachable, or None.
+        offset_resets: jumps to the log end or start (position out of range).
+        republish_rewinds: rewinds to a skipped full republish.
+        rewind_to: the offset replay goes back to next, or None.
     """
 
     def __init__(
@@ -144,6 +155,12 @@ class DeltaReplayer(ReportsBrokerHealth):
         self.rejected: _Counter[str] = _Counter()
         self.health = BrokerHealth(f"delta broker of {source.topic}")
         self.offset_resets = 0
+        self.republish_rewinds = 0
+        # a full republish the replay has not applied: rewind to this offset (``_run``)
+        self.rewind_to: Optional[int] = None
+        self._base = (model.state.generation, int(model.state.version))
+        self._full_applied: set[tuple[str, int]] = set()
+        self._full_sought: set[tuple[str, int]] = set()  # rewound for once: never again
         self.last_error: Optional[str] = None
         self._last_reject_log = 0.0
         self._stop = threading.Event()
@@ -178,8 +195,13 @@ class DeltaReplayer(ReportsBrokerHealth):
                     FENCED_REASON, f"generation {chunk.header.generation} was superseded by "
                                    f"{self.fence.owner} (another trainer publishes to the topic)")
             version = self.assembler.add(chunk)
+            if version is not None and self._skipped_full(version.header, offset):
+                version = None
             if version is not None:
                 rows = self.model.apply_version(version)
+                if version.header.full_republish:
+                    self._full_applied.add((version.header.generation,
+                                            int(version.header.version)))
                 applied = int(version.header.version)
                 if self.metrics:
                     self.metrics.versions.inc()
@@ -197,6 +219,33 @@ class DeltaReplayer(ReportsBrokerHealth):
                 self.next_offset = max(self.next_offset, int(offset) + 1)
             self._cv.notify_all()
         return applied
+
+    def _skipped_full(self, header: VersionHeader, offset: Optional[int]) -> bool:
+        """Whether ``header`` names a full republish this replay skipped (then asks to rewind).
+
+        A version published after the delta topic lost versions names the generation's newest
+        full republish (``publisher.delta_sender``). The replay has it when it applied it, or
+        when the base export already holds it (the export's generation, at or before the
+        export's version). Otherwise the replay read on from a position past the shortened
+        log's end and skipped it: the version is not applied, ``rewind_to`` is set to the
+        full version's first chunk, and replay goes on from there in topic order (the
+        thread acts on it; ``handle`` alone only sets it). Each full version is sought once,
+        so a full version lost in turn cannot make the replay loop.
+        """
+        key = (header.generation, int(header.last_full_version))
+        if (not key[1] or header.last_full_offset < 0 or key in self._full_applied
+                or key in self._full_sought
+                or (key[0] == self._base[0] and key[1] <= self._base[1])):
+            return False
+        self._full_sought.add(key)
+        self.republish_rewinds += 1
+        self.rewind_to = int(header.last_full_offset)
+        logger.error("delta version %d (generation %s) at offset %s names the full republish %d "
+                     "at offset %d, which this replay skipped (the delta topic lost versions "
+                     "and was refilled past the replay position); replaying from offset %d",
+                     header.version, header.generation, offset, key[1], self.rewind_to,
+                     self.rewind_to)
+        return True
 
     def _reject(self, reason: str, detail: str, offset: Optional[int]) -> None:
         self.rejected[reason] += 1
@@ -225,7 +274,8 @@ class DeltaReplayer(ReportsBrokerHealth):
     # -- thread -----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Starts replaying in a daemon thread."""
+        """Starts replaying in a daemon thread (again after ``stop``: at ``next_offset``)."""
+        self._stop.clear()
         conf = delta_consumer_config(self.source.server, f"odl-serving-{uuid.uuid4().hex[:8]}",
                                      self._kafka_extra)
         conf["error_cb"] = self._on_kafka_error
@@ -266,6 +316,7 @@ class DeltaReplayer(ReportsBrokerHealth):
         consumer = self._consumer
         tp = TopicPartition(self.source.topic, 0)
         parked = False  # paced and caught up: partition unassigned, watching the log end
+        rewound = False  # rewound, nothing read since
         while not self._stop.is_set():
             if parked:
                 if self._stop.wait(self._fetch_interval):
@@ -297,7 +348,16 @@ class DeltaReplayer(ReportsBrokerHealth):
                         logger.warning("delta consumer error: %s", err.str())
                     continue
                 self.handle(msg.value() or b"", msg.offset())
-            self._follow_position(consumer, tp)
+                if self.rewind_to is not None:
+                    break
+            if self.rewind_to is not None:  # the rest of this read comes again
+                self._rewind(consumer)
+                rewound = True
+                continue
+            if msgs:
+                rewound = False
+            if not rewound:  # (right after an assign the position may still be the old one)
+                self._follow_position(consumer, tp)
             if not self._fetch_interval:
                 self._refresh_watermark(tp)
                 continue
@@ -324,6 +384,16 @@ class DeltaReplayer(ReportsBrokerHealth):
             with self._cv:
                 self.next_offset = pos
                 self._cv.notify_all()
+
+    def _rewind(self, consumer: Consumer) -> None:
+        """Replays from ``rewind_to`` (a skipped full republish, ``_skipped_full``)."""
+        assert self.rewind_to is not None
+        target, self.rewind_to = self.rewind_to, None
+        with self._cv:
+            self.next_offset = target
+            self._cv.notify_all()
+        self.assembler = VersionAssembler()  # chunks read past the target come again
+        consumer.assign([TopicPartition(self.source.topic, 0, target)])
 
     def _reset_offset(self, consumer: Consumer, tp: TopicPartition) -> None:
         """Continues at the log end (truncated log) or start (retention); see the module doc."""

@@ -202,6 +202,7 @@ class ServingService:
             "messages_read": r.messages if r else 0,
             "rejected_messages": r.rejected_total if r else 0,
             "offset_resets": r.offset_resets if r else 0,
+            "republish_rewinds": r.republish_rewinds if r else 0,
             "rejected_by_reason": dict(r.rejected) if r else {},
             "last_reject": r.last_error if r else None,
             "pending_versions": r.assembler.pending_versions if r else 0,

@@ -126,6 +126,43 @@ def test_chunking_all_or_nothing_and_any_corruption_rejected():
             decode_chunk(bytes(bad))
 
 
+@pytest.mark.parametrize("mark", [dict(full_republish=True),
+                                  dict(last_full_version=5, last_full_offset=(1 << 63) - 1),
+                                  dict(full_republish=True, last_full_version=7,
+                                       last_full_offset=0)])
+def test_republish_mark_round_trips_in_every_chunk_within_the_limit(mark):
+    dense, sparse = _data(rows=3000)
+    header = _header()
+    for name, value in mark.items():
+        setattr(header, name, value)
+    chunks = encode_version(header, dense, sparse, max_chunk_bytes=4096)
+    assert len(chunks) > 10 and all(len(c) <= 4096 for c in chunks)
+    for c in chunks:  # each chunk alone says it (a replay may start inside a version)
+        h = decode_chunk(c).header
+        assert (h.full_republish, h.last_full_version, h.last_full_offset) == (
+            header.full_republish, header.last_full_version, header.last_full_offset)
+    v = _assemble(chunks)
+    _check_equal(v, dense, sparse)
+    assert (v.header.full_republish, v.header.last_full_version) == (
+        header.full_republish, header.last_full_version)
+    # a version without a mark carries none: defaults, and no bytes for it
+    plain = decode_chunk(encode_version(_header(), {}, {})[0]).header
+    assert (plain.full_republish, plain.last_full_version, plain.last_full_offset) == (
+        False, 0, -1)
+    assert not delta_pb2.DeltaPayload.FromString(
+        delta_pb2.DeltaChunk.FromString(encode_version(_header(), {}, {})[0]).payload
+    ).HasField("republish")
+
+
+@pytest.mark.parametrize("version,offset", [(8, 3), (5, -2)])
+def test_republish_mark_naming_a_later_version_or_a_bad_offset_is_rejected(version, offset):
+    header = _header(version=7)
+    header.last_full_version, header.last_full_offset = version, offset
+    with pytest.raises(DeltaFormatError) as err:
+        decode_chunk(encode_version(header, {}, {})[0])
+    assert err.value.reason == "republish"
+
+
 def test_newer_complete_version_drops_older_incomplete():
     dense, sparse = _data(rows=2000)
     old = encode_version(_header(version=5), dense, sparse, max_chunk_bytes=4096)

@@ -158,3 +158,64 @@ def test_a_superseded_generation_is_fenced(replayer, export, batch):
     assert (model.state.version, model.state.generation) == (20, "genB")
     np.testing.assert_array_equal(model.predict_batch(batch), served)
     assert replayer.next_offset == START_OFFSET + 1 + len(zombie)
+
+
+def _marked(maps, seed: int, version: int, generation: str, full: bool = False,
+            names: tuple[int, int] = (0, -1)):
+    """A version with a republish mark: ``full``, and the full version it ``names``."""
+    header, dense, sparse = _version(maps, seed, version, generation)
+    header.full_republish = full
+    header.last_full_version, header.last_full_offset = names
+    return encode_version(header, dense, sparse)
+
+
+def test_a_version_naming_a_skipped_full_republish_rewinds_to_it(replayer, export, batch):
+    """The topic lost versions; the replay read on past the full republish the publisher
+    wrote into the refilled log: the first version naming it is not applied, replay goes
+    back to the full version's offset, and from there everything applies in topic order."""
+    maps = read_id_maps(export)
+    model = replayer.model
+    assert _feed(replayer, encode_version(*_version(maps, 1, 10, "genA")), START_OFFSET) == [10]
+    full_at = START_OFFSET + 1  # where the publisher's full version 12 landed
+    later = _marked(maps, 3, 14, "genA", names=(12, full_at))
+    assert _feed(replayer, later, START_OFFSET + 5) == [None]
+    assert replayer.rewind_to == full_at and replayer.republish_rewinds == 1
+    assert (model.state.version, model.state.versions_applied) == (10, 1)
+    assert replayer.rejected_total == 0
+
+    # the replay thread assigns the consumer at rewind_to: the messages come again in order
+    replayer.rewind_to = None
+    replay = [*_marked(maps, 2, 12, "genA", full=True), *_marked(maps, 9, 13, "genA",
+                                                                  names=(12, full_at)), *later]
+    assert _feed(replayer, replay, full_at) == [12, 13, 14]
+    assert replayer.rewind_to is None and replayer.republish_rewinds == 1
+
+    # the model is what applying 10, 12, 13, 14 in order gives
+    fresh = DeltaReplayer(ServingModel.load(os.path.dirname(export)),
+                          KafkaReplaySource("", "deltas", START_OFFSET))
+    _feed(fresh, [*encode_version(*_version(maps, 1, 10, "genA")), *replay], START_OFFSET)
+    np.testing.assert_array_equal(model.predict_batch(batch), fresh.model.predict_batch(batch))
+    assert fresh.republish_rewinds == 0  # read in order: it applied the full version itself
+
+
+def test_a_full_republish_the_base_holds_or_already_sought_is_not_sought_again(replayer,
+                                                                               export):
+    maps = read_id_maps(export)
+    base_generation, base_version = replayer.model.state.generation, replayer.model.state.version
+    # the base export was taken after the full version: it holds it
+    names_base = _marked(maps, 1, base_version + 5, base_generation,
+                         names=(base_version, START_OFFSET - 10))
+    assert _feed(replayer, names_base, START_OFFSET) == [base_version + 5]
+    # a sink without offsets names no place to go back to
+    no_offset = _marked(maps, 2, base_version + 6, base_generation, names=(base_version + 1, -1))
+    assert _feed(replayer, no_offset, START_OFFSET + 1) == [base_version + 6]
+    assert replayer.republish_rewinds == 0 and replayer.rewind_to is None
+
+    # a full version lost in turn: sought once, then later versions apply without it
+    gone = _marked(maps, 3, base_version + 9, base_generation,
+                   names=(base_version + 7, START_OFFSET + 2))
+    assert _feed(replayer, gone, START_OFFSET + 3) == [None]
+    assert replayer.rewind_to == START_OFFSET + 2
+    replayer.rewind_to = None
+    assert _feed(replayer, gone, START_OFFSET + 3) == [base_version + 9]
+    assert replayer.republish_rewinds == 1 and replayer.rewind_to is None

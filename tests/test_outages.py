@@ -215,6 +215,90 @@ def test_broker_outage_trainer_and_serving_wait_and_resume(tmp_path):
         broker.stop()
 
 
+def _empty_topic(bootstrap: str, topic: str) -> None:
+    """Deletes ``topic`` and creates it again, empty: the broker lost every message of it."""
+    from confluent_kafka.admin import AdminClient
+
+    from odl.kafka.client_settings import admin_config
+    from publisher.kafka_sink import DELTA_TOPIC_MAX_MESSAGE_BYTES
+
+    admin = AdminClient(admin_config(bootstrap))
+    admin.delete_topics([topic], operation_timeout=10)[topic].result(timeout=15)
+
+    def created() -> bool:
+        try:  # a real Kafka refuses the name while the deletion is in progress
+            create_topic(bootstrap, topic, 1,
+                         config={"max.message.bytes": str(DELTA_TOPIC_MAX_MESSAGE_BYTES)})
+        except Exception:  # noqa: BLE001
+            return False
+        return end_offsets(bootstrap, topic) == {0: 0}
+
+    _wait(created, 60, f"{topic} to be created again", interval=0.5)
+
+
+@pytest.mark.kafka
+def test_serving_that_read_past_the_lost_versions_goes_back_to_the_full_republish(
+        kafka_bootstrap, kafka_topic_factory, tmp_path):
+    """The delta topic loses its acknowledged versions while serving is not looking (here:
+    its replay thread stopped; in production: parked or disconnected through a broker
+    restart). The trainer notices at its next version and republishes every row, and by the
+    time serving reads again the log has grown past serving's old position, so serving reads
+    on from there and never sees the log end below it. The versions after the full republish
+    name it: serving goes back to it and ends equal to the trainer. The topic is emptied by
+    deleting and creating it again, the one loss a broker performs on request."""
+    samples = kafka_topic_factory(partitions=PARTS)
+    deltas = kafka_topic_factory(prefix="deltas", create=False)
+    ids, values = make_records(4000, seed=21)
+    produce(kafka_bootstrap, samples, values[:1000], PARTS)
+    incr = (f'incr_save_config {{ sparse_save_steps: 2 dense_save_steps: 2 kafka {{ '
+            f'server: "{kafka_bootstrap}" topic: "{deltas}" }} }}')
+    cfg = write_config(tmp_path, kafka_bootstrap, samples, batch_size=100, extra_train=incr,
+                       save_checkpoints_steps=4)
+    trainer = _TrainerThread(cfg, str(tmp_path / "ledger.tsv"))
+    service = None
+    try:
+        t = trainer.trainer
+        _wait(lambda: trainer.caught_up(end_offsets(kafka_bootstrap, samples)), 90, "phase 1")
+        config = load_pipeline_config(cfg)
+        export_checkpoint(config, list_checkpoints(t.model_dir)[0], str(tmp_path / "export"))
+        service = ServingService(str(tmp_path / "export"))
+        surl = f"http://127.0.0.1:{service.start('127.0.0.1', 0)}"
+        step = t.module.global_step
+        _wait(lambda: _get(surl + "/status")[1]["version"] == step, 60, "serving to catch up")
+        replayer = service.replayer
+        replayer.stop()
+        position = replayer.next_offset
+        assert position == end_offsets(kafka_bootstrap, deltas)[0]
+
+        _empty_topic(kafka_bootstrap, deltas)
+        produce(kafka_bootstrap, samples, values[1000:], PARTS)
+        _wait(lambda: trainer.caught_up(end_offsets(kafka_bootstrap, samples)), 120, "phase 2")
+        pub = t.publisher.status()
+        assert pub["delta_topic_truncations"] == 1 and pub["last_full_version"] is not None
+        assert end_offsets(kafka_bootstrap, deltas)[0] > position + 4  # refilled past it
+
+        replayer.start()  # reads on from its old position: no out-of-range to notice
+        final = t.module.global_step
+        _wait(lambda: _get(surl + "/status")[1]["version"] == final, 60,
+              "serving to reach the final version")
+        status = _get(surl + "/status")[1]
+        assert status["republish_rewinds"] == 1 and status["offset_resets"] == 0
+        records = make_records(500, seed=98)[1]
+        served = post_json(surl + "/predict", b"\n".join(records))
+        assert served["version"] == final
+        expected = t.module.predict(FeatureBuilder(config).build(records).batch)
+        diff = float(np.abs(np.asarray(served["probabilities"]) - expected).max())
+        assert diff <= 1e-6, diff
+        trainer.stop()
+        trainer = None
+    finally:
+        if service is not None:
+            service.stop()
+        if trainer is not None:
+            trainer.trainer.request_stop("test: cleanup")
+            trainer.thread.join(60)
+
+
 # ---------------------------------------------------------------------- checkpoint failures
 
 

@@ -21,6 +21,7 @@ from odl.kafka.topic_admin import end_offsets
 from odl.protos import pipeline_pb2
 from odl.train.train_module import EBC_PREFIX, TrainModule
 from publisher.delta_decoder import decode_chunk
+from publisher.delta_sink import SentOffsets
 from publisher.delta_tracker import DeltaTracker
 from publisher.fs_sink import FsSink, list_versions, read_chunks
 from publisher.id_maps import build_id_maps, read_id_maps
@@ -163,7 +164,7 @@ class _BlockingSink(_FakeSink):
     def send(self, version, generation, chunks, timeout=30.0):
         self.gate.wait(10)
         self.sent.append(list(chunks))
-        return len(self.sent) - 1
+        return SentOffsets(len(self.sent) - 1, len(self.sent) - 1)
 
 
 def test_publisher_snapshots_current_rows_and_merges_when_behind(setup):
@@ -391,7 +392,7 @@ class _FlakySink(_FakeSink):
             self.failures -= 1
             raise DeltaSinkError("broker down")
         self.sent.append(version)
-        return len(self.sent)
+        return SentOffsets(len(self.sent), len(self.sent))
 
 
 def test_failed_send_is_retried_with_newer_state(setup, monkeypatch):
