@@ -13,7 +13,12 @@ the topic's end:
 * the complete versions' values are merged in topic order (later versions win; a version
   carries full values, never differences), ready to be copied onto the live tensors;
 * the last complete version's header gives the global step and the input positions the
-  state covers, i.e. the recovery point.
+  state covers, i.e. the recovery point;
+* a version naming a full republish (``RepublishMark``, ``publisher.delta_sender``) that
+  lies before the start offset and that the checkpoint does not hold means the topic lost
+  versions after the checkpoint was written and was refilled past its offset: the read
+  starts over at the full version's first chunk (``RecoveredState.rewound_to``), as serving
+  does, so the trainer recovers what serving converges to. Each full version is sought once.
 
 ``RecoveryMerger`` does the decoding, fencing, assembling and merging message by message and
 needs no broker; ``read_published_state`` feeds it the topic.
@@ -75,6 +80,7 @@ class RecoveredState:
         sparse: table id -> ``(ids int64 [n], values float32 [n, dim])``, newest row values.
         deletes: table id -> raw ids of a dynamic table whose last event was a delete.
         generations: generations of the merged versions, in topic order.
+        rewound_to: the full republish's offset the read started over at, or None.
         seconds: time spent reading and merging.
     """
 
@@ -91,6 +97,7 @@ class RecoveredState:
     sparse: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
     deletes: dict[int, np.ndarray] = field(default_factory=dict)
     generations: list[str] = field(default_factory=list)
+    rewound_to: Optional[int] = None
     seconds: float = 0.0
 
     @property
@@ -123,11 +130,23 @@ class RecoveryMerger:
         min_version: complete versions at or below this step are skipped; None = keep all.
         owner: the generation that owns the topic at the first message (None: unknown).
         max_message_bytes: largest delta message accepted by the decoder.
+        begin: the first offset fed; a full republish before it that the checkpoint does
+            not hold sets ``rewind_to`` (see the module docstring).
+        sought: ``(generation, version)`` of the full republishes already gone back to
+            (shared by the mergers of one read, so none is sought twice).
+
+    Attributes:
+        rewind_to: the offset to read again from, with a fresh merger; None: read on.
     """
 
     def __init__(self, state: RecoveredState, min_version: Optional[int] = None,
-                 owner: Optional[str] = None, max_message_bytes: int = 64 << 20) -> None:
+                 owner: Optional[str] = None, max_message_bytes: int = 64 << 20,
+                 begin: int = 0, sought: Optional[set[tuple[str, int]]] = None) -> None:
         self.state = state
+        self.rewind_to: Optional[int] = None
+        self._begin = int(begin)
+        self._owner = owner
+        self._sought = sought if sought is not None else set()
         self._min_version = min_version
         self._max_bytes = max_message_bytes
         self._fence = GenerationFence(owner)
@@ -166,6 +185,8 @@ class RecoveryMerger:
         if version is None:
             return
         h = version.header
+        if self._skipped_full(h, offset):
+            return
         if self._min_version is not None and h.version <= self._min_version:
             state.skipped_versions += 1
             logger.info("delta recovery: version %d (%s) is not newer than the checkpoint (%d): "
@@ -176,6 +197,22 @@ class RecoveryMerger:
         state.last_header = h
         if not state.generations or state.generations[-1] != h.generation:
             state.generations.append(h.generation)
+
+    def _skipped_full(self, h: VersionHeader, offset: int) -> bool:
+        """Whether ``h`` names a full republish before ``begin`` that the checkpoint lacks."""
+        key = (h.generation, int(h.last_full_version))
+        if (not key[1] or not 0 <= h.last_full_offset < self._begin or key in self._sought
+                or (key[0] == self._owner and self._min_version is not None
+                    and key[1] <= self._min_version)):
+            return False
+        self._sought.add(key)
+        self.rewind_to = int(h.last_full_offset)
+        logger.error("delta recovery: version %d (generation %s) at offset %d names the full "
+                     "republish %d at offset %d, before the checkpoint's offset %d: the topic "
+                     "lost versions after the checkpoint; reading again from offset %d",
+                     h.version, h.generation, offset, key[1], self.rewind_to, self._begin,
+                     self.rewind_to)
+        return True
 
     def _merge(self, version: DeltaVersion) -> None:
         self._dense.update(version.dense)
@@ -316,8 +353,20 @@ def read_published_state(
             state.end_offset = max(int(start_offset), int(high))
             state.seconds = time.monotonic() - t0
             return state
-        merger = RecoveryMerger(state, min_version, owner, max_message_bytes)
-        _consume(consumer, topic, begin, int(high), merger, stop, timeout)
+        sought: set[tuple[str, int]] = set()
+        while True:
+            merger = RecoveryMerger(state, min_version, owner, max_message_bytes, begin, sought)
+            _consume(consumer, topic, begin, int(high), merger, stop, timeout)
+            if merger.rewind_to is None:
+                break
+            begin = max(merger.rewind_to, int(low))
+            state = RecoveredState(topic=topic, start_offset=int(start_offset),
+                                   end_offset=int(start_offset), low_watermark=int(low),
+                                   rewound_to=begin)
+            # a fresh consumer: right after an assign, position() may still be the old one
+            consumer.close()
+            consumer = Consumer(delta_consumer_config(
+                server, f"odl-recovery-{uuid.uuid4().hex[:8]}", kafka_config))
     finally:
         consumer.close()
     state.seconds = time.monotonic() - t0
@@ -361,6 +410,8 @@ def _consume(consumer: Consumer, topic: str, begin: int, high: int, merger: Reco
                 continue
             next_offset = max(next_offset, offset + 1)
             merger.add(msg.value() or b"", offset)
+            if merger.rewind_to is not None:
+                return
     merger.state.end_offset = next_offset
     merger.finish()
 

@@ -1,9 +1,11 @@
-"""Crash recovery's merge of published versions, fed message by message (no broker).
+"""Crash recovery's merge of published versions, fed message by message (no broker), and
+its read of a topic that lost versions (the session's broker).
 
 What a restarted trainer recovers from its delta topic: the newest value of every row and
 variable over the complete versions, nothing of a half-sent version, nothing at or below the
 checkpoint's version, nothing of a superseded generation, and the last complete version's
-step and input positions.
+step and input positions; after the topic lost versions past the checkpoint, what the full
+republish and the versions after it add up to.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import pytest
 
 from publisher.delta_encoder import encode_version
 from publisher.delta_format import VersionHeader
-from publisher.delta_recovery import RecoveredState, RecoveryMerger
+from publisher.delta_recovery import RecoveredState, RecoveryMerger, read_published_state
 from publisher.generation_fence import FENCED_REASON
 
 TABLE = 3
@@ -126,3 +128,62 @@ def test_a_chunk_with_a_bad_checksum_is_rejected():
     state = _recover([bytes(chunk)])
     assert state.rejected == {"crc_mismatch": 1}
     assert state.version is None
+
+
+def _marked(version: int, rows: tuple[np.ndarray, np.ndarray], full: bool = False,
+            names: tuple[int, int] = (0, -1), generation: str = "gen-a") -> list[bytes]:
+    header = _header(version, generation, offset=version * 10)
+    header.full_republish = full
+    header.last_full_version, header.last_full_offset = names
+    return encode_version(header, {VAR: np.full((2, 3), float(version), np.float32)},
+                          {TABLE: rows})
+
+
+def _refilled_log() -> list[bytes]:
+    """The topic after it lost versions back to offset 0 and the trainer published on: the
+    version that noticed (11), the full republish (12, offset 1), two naming it."""
+    return (_marked(11, _rows([1, 2], 1.0)) + _marked(12, _rows([1, 2, 3, 4], 2.0), full=True)
+            + _marked(13, _rows([3], 3.0), names=(12, 1))
+            + _marked(14, _rows([5], 4.0), names=(12, 1)))
+
+
+def test_a_full_republish_before_the_start_offset_is_gone_back_to_once():
+    log = _refilled_log()
+    merger = RecoveryMerger(RecoveredState(topic="deltas", start_offset=3, end_offset=3),
+                            min_version=10, owner="gen-a", begin=3)
+    merger.add(log[3], 3)
+    assert merger.rewind_to == 1 and merger.state.versions == 0
+    # the read again from offset 1, with the same sought set: merges 12, 13, 14
+    sought = {("gen-a", 12)}
+    again = RecoveryMerger(RecoveredState(topic="deltas", start_offset=3, end_offset=3),
+                           min_version=10, owner="gen-a", begin=1, sought=sought)
+    for offset in (1, 2, 3):
+        again.add(log[offset], offset)
+    state = again.finish()
+    assert again.rewind_to is None and state.version == 14 and state.versions == 3
+    assert _row_values(state) == {1: 2.0, 2: 2.0, 3: 3.0, 4: 2.0, 5: 4.0}
+    # the checkpoint holds the full republish (same generation, at or after its step): read on
+    held = _recover(log[2:], min_version=12, owner="gen-a")
+    assert held.version == 14 and held.rewound_to is None
+    # sought already (it was lost in turn): read on
+    lost = RecoveryMerger(RecoveredState(topic="deltas", start_offset=3, end_offset=3),
+                          min_version=10, owner="gen-a", begin=3, sought={("gen-a", 12)})
+    lost.add(log[3], 3)
+    assert lost.rewind_to is None and _row_values(lost.finish()) == {5: 4.0}
+
+
+@pytest.mark.kafka
+def test_recovery_from_a_checkpoint_past_a_refilled_log_reads_from_the_full_republish(
+        kafka_bootstrap, kafka_topic_factory):
+    """The checkpoint's delta offset (3) was written before the topic lost its versions; the
+    trainer refilled the log past it before it was killed."""
+    from odl.harness.topic_records import produce
+
+    topic = kafka_topic_factory(prefix="deltas")
+    produce(kafka_bootstrap, topic, _refilled_log(), 1)
+    state = read_published_state(kafka_bootstrap, topic, 3, min_version=10, owner="gen-a",
+                                 timeout=30)
+    assert state.rewound_to == 1 and state.start_offset == 3 and state.end_offset == 4
+    assert state.version == 14 and state.versions == 3
+    assert _row_values(state) == {1: 2.0, 2: 2.0, 3: 3.0, 4: 2.0, 5: 4.0}
+    np.testing.assert_array_equal(state.dense[VAR], np.full((2, 3), 14.0, np.float32))

@@ -366,6 +366,7 @@ class CrashRecovery:
             "from_checkpoint": restored.step,
             "delta_topic": state.topic,
             "start_offset": state.start_offset,
+            "rewound_to": state.rewound_to,
             "end_offset": state.end_offset,
             "versions": state.versions,
             "skipped_versions": state.skipped_versions,
