@@ -17,7 +17,11 @@ a ``.delta`` file) is one serialized ``DeltaChunk``. Its ``payload`` is a serial
 values are little-endian float32 (``value_type`` FP32) or float16 (FP16), row-major. A
 version (``(generation, version)``) is complete when chunks ``0 .. chunk_count - 1`` have all
 arrived; only then may it be applied (all-or-nothing). Values are full current values, so
-applying a version twice is harmless.
+applying a version twice is harmless. A version published after the delta topic lost
+versions carries a ``RepublishMark`` in its payload: ``full`` (it holds every row its
+generation ever published) and the newest full version it follows; a serving engine that
+meets a version naming a full version it never applied read past it and must replay from
+that full version's offset (``docs/publishing.md``).
 
 Output, one line per complete version, in arrival order::
 
@@ -26,9 +30,10 @@ Output, one line per complete version, in arrival order::
       produce_ms=... publish_ms=... positions=events:0@1500,events:1@1498 offsets=10..11
 
 (on one line; ``offsets`` is the Kafka offset range of the chunks, ``file`` replaces it for a
-directory). Versions still incomplete at the end are listed as ``incomplete ...``; rejected
-chunks (unparsable, unknown format_version, checksum mismatch, inconsistent lengths) are
-reported on stderr. ``--json`` prints the same as JSON lines.
+directory; ``full`` and ``follows_full=VERSION@OFFSET`` are added after a republish).
+Versions still incomplete at the end are listed as ``incomplete ...``; rejected chunks
+(unparsable, unknown format_version, checksum mismatch, inconsistent lengths, a bad republish
+mark) are reported on stderr. ``--json`` prints the same as JSON lines.
 
 Exit codes: 0 all chunks decoded; 1 some chunk was rejected or a version stayed incomplete;
 2 bad command line or unreadable input.
@@ -79,6 +84,7 @@ class Chunk:
         nbytes: serialized size of the chunk.
         where: Kafka offset (int) or file path (str) it came from.
         deleted: table id -> raw ids a dynamic table evicted (apply before ``sparse``).
+        republish: the payload's ``RepublishMark``, or None.
     """
 
     msg: delta_pb2.DeltaChunk
@@ -87,6 +93,7 @@ class Chunk:
     nbytes: int
     where: int | str
     deleted: dict[int, np.ndarray] = field(default_factory=dict)
+    republish: delta_pb2.RepublishMark | None = None
 
 
 @dataclass
@@ -164,7 +171,11 @@ def decode_chunk(data: bytes, where: int | str) -> Chunk:
             raise BadChunk(f"deleted ids of table {gone.table_id}: {len(gone.ids)} bytes")
         ids = np.frombuffer(gone.ids, dtype=ID_DTYPE).astype(np.int64)
         deleted[gone.table_id] = np.concatenate([deleted.get(gone.table_id, ids[:0]), ids])
-    return Chunk(msg, sparse, dense, len(data), where, deleted)
+    mark = payload.republish if payload.HasField("republish") else None
+    if mark is not None and (mark.last_full_version > msg.version or mark.last_full_offset < -1):
+        raise BadChunk(f"version {msg.version}: republish mark names version "
+                       f"{mark.last_full_version} at offset {mark.last_full_offset}")
+    return Chunk(msg, sparse, dense, len(data), where, deleted, mark)
 
 
 def merge_version(chunks: list[Chunk]) -> dict:
@@ -212,6 +223,11 @@ def merge_version(chunks: list[Chunk]) -> dict:
         "publish_ms": head.publish_time_ms,
         "positions": [[p.topic, p.partition, p.next_offset] for p in head.positions],
     }
+    mark = chunks[0].republish
+    if mark is not None:
+        out["full"] = bool(mark.full)
+        if mark.last_full_version:
+            out["follows_full"] = [mark.last_full_version, mark.last_full_offset]
     if isinstance(wheres[0], int):
         out["offsets"] = [min(wheres), max(wheres)]
     else:
@@ -338,6 +354,10 @@ def format_line(v: dict, table_names: dict[int, str]) -> str:
     positions = ",".join(f"{t}:{p}@{o}" for t, p, o in v["positions"]) or "-"
     where = (f"offsets={v['offsets'][0]}..{v['offsets'][1]}" if "offsets" in v
              else f"file={os.path.basename(v['file'])}")
+    if v.get("full"):
+        where += " full"
+    if "follows_full" in v:
+        where += f" follows_full={v['follows_full'][0]}@{v['follows_full'][1]}"
     return (f"version={v['version']} generation={v['generation']} kind={v['kind']} "
             f"value_type={v['value_type']} chunks={v['chunks']} bytes={v['bytes']} "
             f"rows={{{rows}}} dense_vars={v['dense_vars']} event_ms={_range(v['event_ms'])} "

@@ -27,17 +27,20 @@ def _run(*args: str) -> subprocess.CompletedProcess:
 def _versions(directory: str) -> None:
     rng = np.random.default_rng(0)
     sink = FsSink(directory)
-    # v7: sparse rows of tables 0 and 2 plus a dense variable, split over several chunks.
+    # v7: sparse rows of tables 0 and 2 plus a dense variable, split over several chunks; a
+    # full republish (after the topic lost versions)
     h7 = VersionHeader("m", 7, "genA", "both", 1000, 2000, 1100, 2100,
-                       [("events", 0, 50), ("events", 1, 61)], 3000)
+                       [("events", 0, 50), ("events", 1, 61)], 3000, full_republish=True)
     sparse7 = {0: (np.arange(0, 200, 2, dtype=np.int64), rng.normal(size=(100, 8))),
                2: (np.array([3, 1], dtype=np.int64), rng.normal(size=(2, 1)))}
     chunks7 = encode_version(h7, {1: rng.normal(size=(40, 16))}, sparse7,
                              max_chunk_bytes=2048)
     assert len(chunks7) > 2
     sink.send(7, "genA", chunks7)
-    # v9: fp16, sparse only, one chunk, with ids a dynamic table deleted.
-    h9 = VersionHeader("m", 9, "genA", "sparse", 0, 0, 0, 0, [("events", 0, 70)], 3100)
+    # v9: fp16, sparse only, one chunk, with ids a dynamic table deleted; follows v7's full
+    # republish (a Kafka offset in a real topic)
+    h9 = VersionHeader("m", 9, "genA", "sparse", 0, 0, 0, 0, [("events", 0, 70)], 3100,
+                       last_full_version=7, last_full_offset=12)
     sink.send(9, "genA", encode_version(h9, {}, {0: (np.array([5], np.int64),
                                                        rng.normal(size=(1, 8)))}, "fp16",
                                         deletes={0: np.array([(1 << 62) + 1, 42], np.int64)}))
@@ -69,6 +72,9 @@ def test_decodes_fs_versions(tmp_path):
     assert v9["kind"] == "SPARSE" and v9["value_type"] == "FP16" and v9["rows"] == {"0": 1}
     assert v9["deleted"] == {"0": 2} and v7["deleted"] == {}
     assert v3["kind"] == "DENSE" and v3["rows"] == {} and v3["dense_vars"] == 2
+    assert v7["full"] is True and "follows_full" not in v7
+    assert v9["full"] is False and v9["follows_full"] == [7, 12]
+    assert "full" not in v3 and "follows_full" not in v3
     assert "3 versions, 0 incomplete, 0 chunks rejected" in res.stderr
 
 
@@ -84,6 +90,7 @@ def test_text_output_with_table_names(tmp_path):
     assert lines[1].startswith("version=7 generation=genA kind=BOTH value_type=FP32 chunks=")
     assert "rows={C1:100,C2:2} dense_vars=1 event_ms=1000..2000 produce_ms=1100..2100" in lines[1]
     assert "positions=events:0@50,events:1@61" in lines[1]
+    assert lines[1].endswith(" full") and lines[2].endswith(" follows_full=7@12")
     assert "event_ms=- produce_ms=-" in lines[0]
 
 
