@@ -15,6 +15,13 @@ the output says how many cores there are.
 ``--in-batch`` trains with sequential in-batch learning (``odl.train.rank_in_batch`` with
 several ranks: one pass over every rank's records per step).
 
+``--phases`` also prints, per rank, the milliseconds per timed step spent in the step's
+parts: ``agree`` (the all-gathers of batch sizes and of the finite-prediction flag),
+``forward`` (TorchRec's input distribution, lookup and output distribution, the dense
+forward), ``backward`` (the pooled-gradient all-to-all, the fused table update, the dense
+backward) and ``allreduce`` (the dense gradients' mean); the rest of the step is the loss,
+the optimizer step and bookkeeping.
+
 ``--publish-steps 0,2`` measures each rank count also with delta publishing every 2 steps
 (``odl.train.rank_publishing``, rank 0 writing versions into a directory, as the train loop
 drives it: rank 0's flags exchanged each turn, the version taken before the next step) and
@@ -22,7 +29,7 @@ prints the rate with publishing over the rate without, for the same rank count.
 
     .venv/bin/python bench/scaling.py [--ranks 1,2,4] [--batch 1024] [--steps 40]
         [--warmup 5] [--row-wise-min-rows 1048576] [--publish-steps 0] [--in-batch]
-        [--json out.json]
+        [--phases] [--json out.json]
 """
 
 from __future__ import annotations
@@ -78,18 +85,47 @@ def _rank(rank: int, world: int, args: dict) -> float:
     steps = args["warmup"] + args["steps"]
     batches = [fb.build(stream.next_batch(args["batch"]).encode("csv")).batch
                for _ in range(steps)]
+    phases = _time_phases(tm) if args.get("phases") else None
     for b in batches[:args["warmup"]]:
         step(b)
+    if phases is not None:
+        phases.clear()
     dist.barrier()
     t0 = time.perf_counter()
     for b in batches[args["warmup"]:]:
         step(b)
     dist.barrier()
+    if phases is not None:
+        print(f"  rank {rank} of {world}, ms per step: " + " ".join(
+            f"{name} {secs / args['steps'] * 1e3:.2f}" for name, secs in phases.items()),
+            flush=True)
     secs = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
     dist.all_reduce(secs, op=dist.ReduceOp.MAX)
     if publishing is not None:
         publishing.flush(None, {}, timeout=30.0)
     return float(secs.item())
+
+
+def _time_phases(tm) -> dict[str, float]:  # noqa: ANN001 - a TrainModule
+    """Wraps the step's parts with timers (this process only); returns name -> seconds."""
+    import odl.train.train_module as train_module
+
+    spent: dict[str, float] = {}
+
+    def timed(name: str, fn):  # noqa: ANN001, ANN202
+        def wrapper(*a, **k):  # noqa: ANN002, ANN003, ANN202
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[name] = spent.get(name, 0.0) + time.perf_counter() - t
+        return wrapper
+
+    train_module.agree = timed("agree", train_module.agree)
+    train_module.average_gradients = timed("allreduce", train_module.average_gradients)
+    tm.dmp.forward = timed("forward", tm.dmp.forward)
+    torch.Tensor.backward = timed("backward", torch.Tensor.backward)
+    return spent
 
 
 def run_world(world: int, args: dict) -> float:
@@ -110,6 +146,8 @@ def main() -> int:
                     help="comma list: 0 = no publishing, N = a delta version every N steps")
     ap.add_argument("--in-batch", action="store_true",
                     help="train with sequential in-batch learning")
+    ap.add_argument("--phases", action="store_true",
+                    help="print each rank's milliseconds per step in the step's parts")
     add_output_args(ap)
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
@@ -122,7 +160,7 @@ def main() -> int:
         for every in publish:
             settings = {"batch": args.batch, "steps": args.steps, "warmup": args.warmup,
                         "row_wise_min_rows": args.row_wise_min_rows, "publish_steps": every,
-                        "in_batch": args.in_batch,
+                        "in_batch": args.in_batch, "phases": args.phases,
                         "model_dir": os.path.join(work, f"m{world}_{every}")}
             rate = run_world(world, settings)
             row = rows.setdefault(world, {})
