@@ -16,11 +16,18 @@ the output says how many cores there are.
 several ranks: one pass over every rank's records per step).
 
 ``--phases`` also prints, per rank, the milliseconds per timed step spent in the step's
-parts: ``agree`` (the all-gathers of batch sizes and of the finite-prediction flag),
+parts: ``agree`` (the step's all-gathers: the finite-prediction flag, and the batch sizes
+when the step agrees them),
 ``forward`` (TorchRec's input distribution, lookup and output distribution, the dense
 forward), ``backward`` (the pooled-gradient all-to-all, the fused table update, the dense
-backward) and ``allreduce`` (the dense gradients' mean); the rest of the step is the loss,
-the optimizer step and bookkeeping.
+backward) and ``allreduce`` (the dense gradients' mean); the rest of the step is the
+turn's all-gather, the loss, the optimizer step and bookkeeping.
+
+Each step of several ranks starts as ``odl-train``'s does: one all-gather of the turn (rank
+0's publishing flags, every rank's batch size), then the step with the sizes agreed.
+``--sizes-agreed-by both`` measures each rank count also with the step agreeing the sizes
+itself (one all-gather more, what ``TrainModule.train_step`` does when given none) and
+prints the ratio.
 
 ``--publish-steps 0,2`` measures each rank count also with delta publishing every 2 steps
 (``odl.train.rank_publishing``, rank 0 writing versions into a directory, as the train loop
@@ -29,7 +36,7 @@ prints the rate with publishing over the rate without, for the same rank count.
 
     .venv/bin/python bench/scaling.py [--ranks 1,2,4] [--batch 1024] [--steps 40]
         [--warmup 5] [--row-wise-min-rows 1048576] [--publish-steps 0] [--in-batch]
-        [--phases] [--json out.json]
+        [--phases] [--sizes-agreed-by turn|step|both] [--json out.json]
 """
 
 from __future__ import annotations
@@ -77,10 +84,16 @@ def _rank(rank: int, world: int, args: dict) -> float:
                   if every else None)
 
     def step(b) -> None:
-        if publishing is not None:  # as Trainer._loop_ranks: rank 0's flags, then publish
-            flags = agree([publishing.turn_flags(tm.global_step)])[0][0]
-            publishing.after_turn(tm.global_step, flags, True, {rank: tm.global_step})
-        tm.train_step(b)
+        if world == 1:  # one process: Trainer._loop, no turn
+            tm.train_step(b)
+            return
+        # as Trainer._loop_ranks: the turn (rank 0's publishing flags, every rank's batch
+        # size), publishing, then the step with the sizes agreed (or agreeing them itself)
+        flags = publishing.turn_flags(tm.global_step) if publishing is not None else 0
+        turn = agree([flags, b.size])
+        if publishing is not None:
+            publishing.after_turn(tm.global_step, turn[0][0], True, {rank: tm.global_step})
+        tm.train_step(b, [t[1] for t in turn] if args["sizes_in_turn"] else None)
     stream = SyntheticCtrStream(seed=100 + rank)
     steps = args["warmup"] + args["steps"]
     batches = [fb.build(stream.next_batch(args["batch"]).encode("csv")).batch
@@ -148,6 +161,10 @@ def main() -> int:
                     help="train with sequential in-batch learning")
     ap.add_argument("--phases", action="store_true",
                     help="print each rank's milliseconds per step in the step's parts")
+    ap.add_argument("--sizes-agreed-by", choices=("turn", "step", "both"), default="turn",
+                    help="several ranks: the batch sizes travel in the loop's turn (as "
+                         "odl-train does), or the step agrees them itself (one all-gather "
+                         "more); both: measure both and print turn / step")
     add_output_args(ap)
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
@@ -161,9 +178,18 @@ def main() -> int:
             settings = {"batch": args.batch, "steps": args.steps, "warmup": args.warmup,
                         "row_wise_min_rows": args.row_wise_min_rows, "publish_steps": every,
                         "in_batch": args.in_batch, "phases": args.phases,
+                        "sizes_in_turn": args.sizes_agreed_by != "step",
                         "model_dir": os.path.join(work, f"m{world}_{every}")}
             rate = run_world(world, settings)
             row = rows.setdefault(world, {})
+            if world > 1 and not every and args.sizes_agreed_by == "both":
+                step_rate = run_world(world, {**settings, "sizes_in_turn": False,
+                                              "model_dir": os.path.join(work, f"s{world}")})
+                row["sizes_agreed_by_step"] = {"samples_per_sec": round(step_rate),
+                                               "turn_over_step": round(rate / step_rate, 3)}
+                print(f"{world} rank(s), sizes agreed by the step itself: {step_rate:,.0f} "
+                      f"samples/s (in the turn / by the step: {rate / step_rate:.3f})",
+                      flush=True)
             if not every:
                 base = rate if world == 1 else rows[1]["samples_per_sec"]
                 row.update(samples_per_sec=round(rate),

@@ -848,11 +848,14 @@ class TrainModule:
         for hook in self._extra_touched_rows_hooks:
             hook(kjt)
 
-    def train_step(self, batch: Batch) -> StepOutput:
+    def train_step(self, batch: Batch, sizes: Sequence[int] | None = None) -> StepOutput:
         """One predict-then-train step.
 
         Args:
             batch: the batch (any device; moved to the model's).
+            sizes: several ranks: every rank's batch size this step, in rank order, when the
+                caller agreed them already (the trainer's turn); None: the step agrees them
+                (one all-gather more).
 
         Returns:
             The forward pass's predictions (before the update) and the loss. They equal
@@ -874,7 +877,7 @@ class TrainModule:
             self._dmp.train()
         if self.world_size > 1:
             before = self.global_step
-            out = self._train_step_ranks(batch)
+            out = self._train_step_ranks(batch, sizes)
             if self.dynamic and self.global_step != before:  # every rank alike
                 expired = self.dynamic.maintain(self.global_step, now)
                 if expired:
@@ -1011,7 +1014,8 @@ class TrainModule:
         keep[start:start + b] = True
         return replace(batch, sparse=mapped.select(keep).sparse), now
 
-    def _train_step_ranks(self, batch: Batch) -> StepOutput:
+    def _train_step_ranks(self, batch: Batch, sizes: Sequence[int] | None = None
+                          ) -> StepOutput:
         """``train_step`` of one of several ranks (a collective).
 
         Every rank calls it at every step, with ``empty_batch()`` when it has no records;
@@ -1023,7 +1027,11 @@ class TrainModule:
         non-finite prediction are left out as in one process; every rank then runs its
         forward again, so the collectives match.
         """
-        sizes = [s for (s,) in agree([batch.size])]
+        if sizes is None:
+            sizes = [s for (s,) in agree([batch.size])]
+        elif sizes[self.rank] != batch.size:
+            raise ValueError(f"rank {self.rank}: a batch of {batch.size} records, but "
+                             f"{sizes[self.rank]} were agreed")
         if sum(sizes) == 0:
             return StepOutput(probs=np.empty(0, dtype=np.float64), loss=float("nan"))
         # TorchRec's sharded lookup wants one batch size on every rank: pad to the largest

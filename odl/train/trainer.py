@@ -481,9 +481,10 @@ class Trainer:
     def _loop_ranks(self) -> None:
         """``_loop`` of one of several ranks: every rank steps together (a collective).
 
-        Each turn the ranks tell each other whether they stop, hold a batch, have finished
-        their input or failed, and (rank 0's clock) whether a checkpoint is due by time and
-        (rank 0's publisher) which parts of a delta version are due; all stop when one stops,
+        Each turn the ranks tell each other whether they stop, hold a batch (and its size, so
+        the step need not ask again), have finished their input or failed, and (rank 0's
+        clock) whether a checkpoint is due by time and (rank 0's publisher) which parts of a
+        delta version are due; all stop when one stops,
         all publish together before the step (``odl.train.rank_publishing``), all train when
         one holds a batch (the others with an empty one), and all checkpoint on the same steps
         (``odl.train.distributed``). After a failure on any rank no rank runs the collectives
@@ -511,12 +512,13 @@ class Trainer:
             step = self.module.global_step
             where = ([item.positions.get(k, -1) for k in (SPLIT_KEY, FILE_KEY, RECORD_KEY)]
                      if lockstep and item is not None else [-1, -1, -1])
+            size = item.batch.size if item is not None and item.batch is not None else 0
             turn = agree([int(stop), int(item is not None),
                           int(item is None and pipeline.finished),
                           int(clock.time_due(tc.save_checkpoints_secs)),
                           int(self.failure is not None),
                           publishing.turn_flags(step) if publishing is not None else 0,
-                          *where])
+                          *where, int(size)])
             if lockstep and all(t[1] for t in turn) and len({tuple(t[6:9]) for t in turn}) > 1:
                 self._fail("the ranks read different records of the file stream (a split "
                            "completed while they were deciding to skip it?): "
@@ -542,16 +544,18 @@ class Trainer:
                 publishing.after_turn(step, turn[0][5], any_batch, self.positions_snapshot())
             if not any_batch:
                 continue
-            self._stepped(clock, self._train_on(item) if item is not None
-                          else self._train_empty())
+            sizes = [t[9] for t in turn]  # what each rank trains this step
+            self._stepped(clock, self._train_on(item, sizes) if item is not None
+                          else self._train_empty(sizes))
             self._checkpoint_if_due(clock, bool(turn[0][3]))  # rank 0's clock for all
 
-    def _train_empty(self) -> int:
+    def _train_empty(self, sizes: Optional[list[int]] = None) -> int:
         """This rank's part of a step it holds no records for (several ranks)."""
-        self.module.train_step(self.module.empty_batch())
+        self.module.train_step(self.module.empty_batch(), sizes)
         return 0
 
-    def _train_on(self, item: PreparedBatch) -> int:
+    def _train_on(self, item: PreparedBatch, sizes: Optional[list[int]] = None) -> int:
+        """Trains ``item``; with several ranks ``sizes`` are every rank's batch sizes."""
         if self.passes is not None and SPLIT_KEY in item.positions:
             prev = self.passes.current_day
             if self.passes.begin(item.positions[SPLIT_KEY]):
@@ -562,9 +566,9 @@ class Trainer:
         batch = item.batch
         trained = 0
         if (batch is None or not batch.size) and self.module.world_size > 1:
-            self._train_empty()  # the others step: take part with nothing
+            self._train_empty(sizes)  # the others step: take part with nothing
         if batch is not None and batch.size:
-            out = self.module.train_step(batch)
+            out = self.module.train_step(batch, sizes)
             labels = batch.labels.detach().cpu().numpy()
             sample_ids = batch.sample_ids
             groups = batch.group_keys
