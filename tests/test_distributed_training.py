@@ -24,7 +24,7 @@ from odl.harness.spawned_ranks import run_ranks
 from odl.inputs.partition_assignment import rank_partitions
 from odl.train.distributed import check_several_ranks, table_placement
 from odl.train.train_module import TrainModule, rank_device
-from tests.harness import load_config_text
+from tests.harness import assert_tables_close, load_config_text
 
 BATCH = 256
 ROW_WISE_MIN_ROWS = 2048  # the 4096-row id tables split by rows, device / hour (1024) whole
@@ -166,8 +166,7 @@ def test_two_ranks_learn_in_batch_as_one_process(tmp_path, optimizer, per_record
                                 for k in range(0, len(records), BATCH)])
     assert np.abs(probs - ref_probs).max() > 1e-2  # in-batch learning does shift them
     np.testing.assert_allclose(merged, probs, atol=5e-5, rtol=0)
-    for name, t in _tables(one.state_dict_for_checkpoint()).items():
-        np.testing.assert_allclose(got[0][1][name], t, atol=5e-5, rtol=0, err_msg=name)
+    assert_tables_close(got[0][1], one.state_dict_for_checkpoint(), atol=5e-5)
 
 
 def _in_batch_settings(per_record: bool) -> str:

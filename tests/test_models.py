@@ -7,7 +7,14 @@ from google.protobuf import text_format
 
 from odl.config.config_error import ConfigError
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.embedding_tables import WIDE_SUFFIX, wide_storage_dim
+from odl.models.embedding_tables import (
+    DEEP_INIT_STD,
+    INIT_BLOCK_ROWS,
+    WIDE_SUFFIX,
+    init_embedding_weights,
+    initial_rows,
+    wide_storage_dim,
+)
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
 from odl.train.optimizer_builder import LrSchedule, optimizer_specs, sparse_optimizer_args
@@ -305,3 +312,28 @@ def test_rowwise_adagrad_tables(fb):
     tm.train_step(batches(fb, 1, size=64)[0])
     state = tm.state_dict_for_checkpoint()["sparse_optimizer"]["ebc.embedding_bags.c1.weight"]
     assert [tuple(v.shape) for v in state.values()] == [(200,)]  # one accumulator per row
+
+
+def test_initial_rows_of_any_range_are_the_whole_tables_rows():
+    """A rank initializes only the rows (and columns) of its shards: block by block they are
+    the values the whole table gets in one process, whatever the split."""
+    rows, dim = 2 * INIT_BLOCK_ROWS + 1234, 8  # three blocks, the last one short
+    whole = torch.empty(rows, dim)
+    wide = torch.full((rows, 4), 7.0)
+    init_embedding_weights({"c1": whole, "c1_wide": wide}, seed=3)
+    assert not wide.any()
+    assert 0.9 * DEEP_INIT_STD < float(whole.std()) < 1.1 * DEEP_INIT_STD
+    for start, stop in [(0, rows), (5, 17), (INIT_BLOCK_ROWS - 3, INIT_BLOCK_ROWS + 3),
+                        (INIT_BLOCK_ROWS + 100, rows), (rows - 1, rows)]:
+        parts = list(initial_rows("c1", 3, (rows, dim), start, stop))
+        assert parts[0][0] == start and all(v.shape[0] <= INIT_BLOCK_ROWS for _, v in parts)
+        got = torch.cat([v for _, v in parts])
+        torch.testing.assert_close(got, whole[start:stop], rtol=0, atol=0)
+        torch.testing.assert_close(torch.cat([v[:, 2:6] for _, v in parts]),
+                                   whole[start:stop, 2:6], rtol=0, atol=0)
+    other = torch.empty(rows, dim)
+    init_embedding_weights({"c2": other}, seed=3)  # another table: other values
+    assert not torch.equal(other, whole)
+    again = torch.empty(rows, dim)
+    init_embedding_weights({"c1": again}, seed=3)
+    assert torch.equal(again, whole)

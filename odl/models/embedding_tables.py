@@ -22,14 +22,17 @@ of the wide groups' features (features within a table in table order); ``deep_ke
 in the EBC's pooled output by name, whatever order TorchRec emits them in.
 
 Initialization (``init_embedding_weights``), seeded per table so it does not depend on table
-order: deep tables ``N(0, DEEP_INIT_STD**2)``; wide tables zero.
+order: deep tables ``N(0, DEEP_INIT_STD**2)``, drawn in blocks of ``INIT_BLOCK_ROWS`` rows
+each seeded by the table and the block (``initial_rows``), so a rank holding some rows of a
+table draws only those and gets what one process holding the whole table has; wide tables
+zero.
 """
 
 from __future__ import annotations
 
 import logging
 import zlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +45,7 @@ logger = logging.getLogger(__name__)
 WIDE_SUFFIX = "_wide"
 WIDE_DIM_ALIGN = 4
 DEEP_INIT_STD = 0.05
+INIT_BLOCK_ROWS = 1 << 16  # rows drawn from one seeded generator at initialization
 
 
 def storage_dim(dim: int) -> int:
@@ -179,22 +183,56 @@ def table_seed(seed: int, table: str) -> int:
     return (int(seed) * 1000003 + zlib.crc32(table.encode("utf-8"))) % (2**63 - 1)
 
 
+def initial_rows(name: str, seed: int, shape: Sequence[int], start: int = 0,
+                 stop: int | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+    """The initial values of rows ``[start, stop)`` of a table, one block at a time.
+
+    A deep table's rows are drawn in blocks of ``INIT_BLOCK_ROWS`` rows, block ``k`` from a
+    generator seeded by the table and ``k``, so any range of rows (a rank's shard) gets the
+    values the whole table has without drawing the rest, and no more than one block is held
+    beside the table. Wide tables are zeros.
+
+    Args:
+        name: the table's name.
+        seed: the training seed.
+        shape: the whole table's ``(rows, stored dim)``.
+        start: first row wanted.
+        stop: row after the last wanted (None: the table's end).
+
+    Yields:
+        ``(first row, float32 values [n, stored dim])``, in row order, covering the range.
+    """
+    rows, dim = int(shape[0]), int(shape[1])
+    stop = rows if stop is None else min(int(stop), rows)
+    block = max(int(start), 0) // INIT_BLOCK_ROWS
+    while block * INIT_BLOCK_ROWS < stop:
+        first = block * INIT_BLOCK_ROWS
+        n = min(INIT_BLOCK_ROWS, rows - first)
+        if name.endswith(WIDE_SUFFIX):
+            values = torch.zeros((n, dim), dtype=torch.float32)
+        else:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed((table_seed(seed, name) * 1000003 + block) % (2**63 - 1))
+            values = torch.randn((n, dim), generator=gen, dtype=torch.float32) * DEEP_INIT_STD
+        lo, hi = max(first, int(start)), min(first + n, stop)
+        yield lo, values[lo - first : hi - first]
+        block += 1
+
+
 @torch.no_grad()
 def init_embedding_weights(tables: Mapping[str, torch.Tensor], seed: int) -> None:
     """Initializes table weights in place (deep: seeded normal; wide: zeros).
+
+    Block by block (``initial_rows``): the same values whichever rows a process holds.
 
     Args:
         tables: table name -> full weight tensor (written in place; any device).
         seed: the training seed.
     """
     for name, weight in tables.items():
-        if name.endswith(WIDE_SUFFIX):
-            weight.zero_()
-            continue
-        gen = torch.Generator(device="cpu")
-        gen.manual_seed(table_seed(seed, name))
-        values = torch.randn(weight.shape, generator=gen, dtype=torch.float32) * DEEP_INIT_STD
-        weight.copy_(values.to(device=weight.device, dtype=weight.dtype))
+        for first, values in initial_rows(name, seed, tuple(weight.shape)):
+            weight[first : first + values.shape[0]].copy_(
+                values.to(device=weight.device, dtype=weight.dtype))
 
 
 @torch.no_grad()

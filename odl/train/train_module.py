@@ -70,7 +70,12 @@ from odl.models.ctr_model import ModelOutput, predictions
 from odl.models.dynamic_partitions import partition_spans
 from odl.models.dynamic_resplit import resplit_state, saved_partitions
 from odl.models.dynamic_table import UNHELD, DynamicTable, DynamicTables
-from odl.models.embedding_tables import WIDE_SUFFIX, init_embedding_weights, reset_embedding_rows
+from odl.models.embedding_tables import (
+    WIDE_SUFFIX,
+    init_embedding_weights,
+    initial_rows,
+    reset_embedding_rows,
+)
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2
 from odl.train.batch_row_pairs import RowPairIndex, RowPairs, TableRows
@@ -429,21 +434,28 @@ class TrainModule:
                 if tc.per_record_adagrad else None)
 
     @torch.no_grad()
+    @torch.no_grad()
     def _init_local_shards(self) -> None:
         """``init_embedding_weights`` for the shards this rank holds.
 
-        Each shard gets the values of its rows in the whole table, as one process would
-        initialize them (the whole table is drawn once per table, then cut).
+        Each shard gets the values its rows and columns have in the whole table as one
+        process initializes it, drawn for its rows alone (``initial_rows``): no rank holds
+        more than its shards and one block of rows.
         """
         for name, t in self._dmp.state_dict().items():
             if not (name.startswith(EBC_PREFIX) and name.endswith(".weight")):
                 continue
-            shards = t.local_shards() if hasattr(t, "local_shards") else []
-            if not shards:
+            table = name[len(EBC_PREFIX):-len(".weight")]
+            if not hasattr(t, "local_shards"):
+                init_embedding_weights({table: t}, self._seed)
                 continue
-            full = torch.empty(tuple(t.size()), dtype=torch.float32)
-            init_embedding_weights({name[len(EBC_PREFIX):-len(".weight")]: full}, self._seed)
-            _copy_shards(t, full, name)
+            for sh in t.local_shards():
+                (r0, c0), (n, m) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
+                for first, values in initial_rows(table, self._seed, tuple(t.size()), r0,
+                                                  r0 + n):
+                    sh.tensor[first - r0 : first - r0 + values.shape[0]].copy_(
+                        values[:, c0 : c0 + m].to(device=sh.tensor.device,
+                                                  dtype=sh.tensor.dtype))
 
     # -- accessors --------------------------------------------------------------------------
 
