@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import psutil  # noqa: E402
 from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 
+from bench.process_memory import reset_peak, status_kb  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker, wait_process_idle  # noqa: E402
 from odl.kafka.client_settings import consumer_config, producer_config  # noqa: E402
@@ -50,17 +51,7 @@ MIB = 1 << 20
 
 def peak_rss_mib(pid: int) -> float:
     """Peak RSS since the last reset (``VmHWM``), MiB."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def reset_peak(pid: int) -> None:
-    """Resets ``VmHWM`` to the current RSS."""
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
+    return status_kb("VmHWM", pid) / 1024
 
 
 def rss_mib(pid: int) -> float:

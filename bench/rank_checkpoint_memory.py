@@ -47,16 +47,9 @@ from concurrent.futures import ProcessPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.process_memory import reset_peak, status_kb  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.harness.spawned_ranks import run_ranks  # noqa: E402
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
 
 
 def _config(args: dict):
@@ -89,15 +82,14 @@ def _restore(rank: int, world: int, args: dict) -> dict:
     tm, _fb = _module(args)
     path = CheckpointManager(args["model_dir"], keep_max=0).latest()
     dist.barrier()
-    rss0 = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    rss0 = status_kb("VmRSS")
+    reset_peak()
     t0 = time.perf_counter()
     ckpt = read_checkpoint(path, whole_tables=args["whole"])
     tm.load_checkpoint_state(ckpt.state)
     del ckpt
     dist.barrier()
-    return {"peak_growth_mb": round((_status_kb("VmHWM") - rss0) / 1024, 1),
+    return {"peak_growth_mb": round((status_kb("VmHWM") - rss0) / 1024, 1),
             "seconds": round(time.perf_counter() - t0, 2)}
 
 
@@ -108,15 +100,14 @@ def _export(args: dict) -> dict:
 
     config = _config(args)
     path = CheckpointManager(args["model_dir"], keep_max=0).latest()
-    rss0, anon0 = _status_kb("VmRSS"), _status_kb("RssAnon")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    rss0, anon0 = status_kb("VmRSS"), status_kb("RssAnon")
+    reset_peak()
     peak = [anon0]
     done = threading.Event()
 
     def sample() -> None:  # the kernel keeps no high-water mark of anonymous memory
         while not done.wait(0.005):
-            peak[0] = max(peak[0], _status_kb("RssAnon"))
+            peak[0] = max(peak[0], status_kb("RssAnon"))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -126,7 +117,7 @@ def _export(args: dict) -> dict:
     secs = time.perf_counter() - t0
     done.set()
     sampler.join()
-    return {"peak_growth_mb": round((_status_kb("VmHWM") - rss0) / 1024, 1),
+    return {"peak_growth_mb": round((status_kb("VmHWM") - rss0) / 1024, 1),
             "anon_peak_growth_mb": round((peak[0] - anon0) / 1024, 1),
             "seconds": round(secs, 2)}
 
@@ -147,9 +138,8 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     tables = sum(t.numel() * t.element_size() for p in tm.table_part()["pieces"]
                  for _off, t in p[4])
     dist.barrier()
-    rss0 = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # the high-water mark starts again from now
+    rss0 = status_kb("VmRSS")
+    reset_peak()  # the high-water mark starts again from now
     t0 = time.perf_counter()
     if args["way"] == "parts":
         save_across_ranks(manager, tm, {rank: 0}, {"source": "kafka"}, "cfg", "bench")
@@ -160,7 +150,7 @@ def _rank(rank: int, world: int, args: dict) -> dict:
         del state
     dist.barrier()
     secs = time.perf_counter() - t0
-    peak_mb = (_status_kb("VmHWM") - rss0) / 1024
+    peak_mb = (status_kb("VmHWM") - rss0) / 1024
     out = {"rss_before_mb": round(rss0 / 1024, 1), "peak_growth_mb": round(peak_mb, 1),
            "seconds": round(secs, 2), "own_table_mb": round(tables / 2**20, 1)}
     return out

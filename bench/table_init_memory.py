@@ -30,16 +30,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.process_memory import reset_peak, status_kb  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.harness.spawned_ranks import run_ranks  # noqa: E402
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
 
 
 def _whole_table_draw() -> None:
@@ -95,13 +88,12 @@ def _rank(rank: int, world: int, args: dict) -> dict:
     fb = FeatureBuilder(config)
     join_process_group(torch.device("cpu"))
     dist.barrier()
-    rss0 = _status_kb("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
+    rss0 = status_kb("VmRSS")
+    reset_peak()
     t0 = time.perf_counter()
     tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=1)
     secs = time.perf_counter() - t0
-    peak = (_status_kb("VmHWM") - rss0) * 1024
+    peak = (status_kb("VmHWM") - rss0) * 1024
     held = 0
     for name, t in tm.dmp.state_dict().items():
         if name.startswith("ebc.embedding_bags.") and hasattr(t, "local_shards"):

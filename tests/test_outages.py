@@ -103,6 +103,16 @@ class _TrainerThread:
         assert self.rc == [0]
 
 
+def _assert_serving_is_the_trainer(surl: str, trainer: Trainer, config, final: int) -> None:  # noqa: ANN001
+    """Serving answers at the trainer's ``final`` version what the trainer predicts (1e-6)."""
+    records = make_records(500, seed=99)[1]
+    served = post_json(surl + "/predict", b"\n".join(records))
+    assert served["version"] == final
+    expected = trainer.module.predict(FeatureBuilder(config).build(records).batch)
+    diff = float(np.abs(np.asarray(served["probabilities"]) - expected).max())
+    assert diff <= 1e-6, diff
+
+
 @pytest.mark.kafka  # starts a broker of its own
 @pytest.mark.slow
 def test_broker_outage_trainer_and_serving_wait_and_resume(tmp_path):
@@ -187,13 +197,7 @@ def test_broker_outage_trainer_and_serving_wait_and_resume(tmp_path):
         pub = t.publisher.status()
         assert pub["failures"] >= 1 and pub["broker_error"] is None
 
-        # parity with the trainer at the final step
-        records = make_records(500, seed=99)[1]
-        served = post_json(surl + "/predict", b"\n".join(records))
-        assert served["version"] == final
-        expected = t.module.predict(FeatureBuilder(config).build(records).batch)
-        diff = float(np.abs(np.asarray(served["probabilities"]) - expected).max())
-        assert diff <= 1e-6, diff
+        _assert_serving_is_the_trainer(surl, t, config, final)
         trainer.stop()
         trainer = None
 
@@ -283,12 +287,7 @@ def test_serving_that_read_past_the_lost_versions_goes_back_to_the_full_republis
               "serving to reach the final version")
         status = _get(surl + "/status")[1]
         assert status["republish_rewinds"] == 1 and status["offset_resets"] == 0
-        records = make_records(500, seed=98)[1]
-        served = post_json(surl + "/predict", b"\n".join(records))
-        assert served["version"] == final
-        expected = t.module.predict(FeatureBuilder(config).build(records).batch)
-        diff = float(np.abs(np.asarray(served["probabilities"]) - expected).max())
-        assert diff <= 1e-6, diff
+        _assert_serving_is_the_trainer(surl, t, config, final)
         trainer.stop()
         trainer = None
     finally:

@@ -94,12 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class _StartupInterrupted(Exception):
-    """SIGINT / SIGTERM before the trainer could take signals itself."""
+class _StartupInterrupted(BaseException):
+    """SIGINT / SIGTERM before the trainer could take signals itself.
+
+    A ``BaseException``, as ``KeyboardInterrupt``: an ``except Exception`` in an imported
+    library does not swallow it.
+    """
+
+
+_startup_signals: list[str] = []  # every start-up signal, even one whose exception was lost
 
 
 def _interrupt_startup(signum: int, _frame: object) -> None:
-    raise _StartupInterrupted(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    _startup_signals.append(name)
+    raise _StartupInterrupted(name)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -213,6 +222,9 @@ def _main(argv: Optional[list[str]]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if _startup_signals:  # its exception was raised where something swallowed it (a __del__;
+        # the trainer has started nothing yet)
+        raise _StartupInterrupted(_startup_signals[0])
     try:
         return trainer.run()
     except ConfigError as exc:  # a config problem only found while starting
