@@ -96,6 +96,11 @@ class _TrainerThread:
         return (t.state == "training" and all(pos.get(p, 0) >= e for p, e in ends.items())
                 and published)
 
+    def abandon(self) -> None:
+        """Stops a trainer a failed test leaves behind (no checks)."""
+        self.trainer.request_stop("test: cleanup")
+        self.thread.join(60)
+
     def stop(self) -> None:
         self.trainer.request_stop("test: done")
         self.thread.join(90)
@@ -214,8 +219,7 @@ def test_broker_outage_trainer_and_serving_wait_and_resume(tmp_path):
         if service is not None:
             service.stop()
         if trainer is not None:
-            trainer.trainer.request_stop("test: cleanup")
-            trainer.thread.join(60)
+            trainer.abandon()
         broker.stop()
 
 
@@ -294,8 +298,7 @@ def test_serving_that_read_past_the_lost_versions_goes_back_to_the_full_republis
         if service is not None:
             service.stop()
         if trainer is not None:
-            trainer.trainer.request_stop("test: cleanup")
-            trainer.thread.join(60)
+            trainer.abandon()
 
 
 # ---------------------------------------------------------------------- checkpoint failures
@@ -407,8 +410,7 @@ def test_checkpoint_disk_full_keeps_previous_and_retries(kafka_bootstrap, kafka_
         assert sorted(ledger_sample_ids(str(tmp_path / "ledger.tsv"))) == sorted(ids)
     finally:
         if trainer is not None:
-            trainer.trainer.request_stop("test: cleanup")
-            trainer.thread.join(60)
+            trainer.abandon()
         subprocess.run(["umount", "-l", mnt], capture_output=True, timeout=10)
         shutil.rmtree(mnt, ignore_errors=True)
 
