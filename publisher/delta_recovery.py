@@ -47,6 +47,7 @@ from odl.kafka.client_settings import delta_consumer_config
 from odl.models.dynamic_table import DynamicTable
 from publisher.delta_decoder import decode_chunk
 from publisher.delta_format import DeltaFormatError, DeltaVersion, VersionHeader
+from publisher.full_republish import FullRepublishes
 from publisher.generation_fence import FENCED_REASON, GenerationFence
 from publisher.id_maps import IdMaps
 from publisher.version_assembler import VersionAssembler
@@ -130,10 +131,9 @@ class RecoveryMerger:
         min_version: complete versions at or below this step are skipped; None = keep all.
         owner: the generation that owns the topic at the first message (None: unknown).
         max_message_bytes: largest delta message accepted by the decoder.
-        begin: the first offset fed; a full republish before it that the checkpoint does
-            not hold sets ``rewind_to`` (see the module docstring).
-        sought: ``(generation, version)`` of the full republishes already gone back to
-            (shared by the mergers of one read, so none is sought twice).
+        republishes: the full republishes the read holds (``publisher.full_republish``:
+            the checkpoint's, those at or after the first offset fed; shared by the mergers
+            of one read); one it does not hold sets ``rewind_to``. None: not checked.
 
     Attributes:
         rewind_to: the offset to read again from, with a fresh merger; None: read on.
@@ -141,12 +141,10 @@ class RecoveryMerger:
 
     def __init__(self, state: RecoveredState, min_version: Optional[int] = None,
                  owner: Optional[str] = None, max_message_bytes: int = 64 << 20,
-                 begin: int = 0, sought: Optional[set[tuple[str, int]]] = None) -> None:
+                 republishes: Optional[FullRepublishes] = None) -> None:
         self.state = state
         self.rewind_to: Optional[int] = None
-        self._begin = int(begin)
-        self._owner = owner
-        self._sought = sought if sought is not None else set()
+        self._republishes = republishes
         self._min_version = min_version
         self._max_bytes = max_message_bytes
         self._fence = GenerationFence(owner)
@@ -199,19 +197,15 @@ class RecoveryMerger:
             state.generations.append(h.generation)
 
     def _skipped_full(self, h: VersionHeader, offset: int) -> bool:
-        """Whether ``h`` names a full republish before ``begin`` that the checkpoint lacks."""
-        key = (h.generation, int(h.last_full_version))
-        if (not key[1] or not 0 <= h.last_full_offset < self._begin or key in self._sought
-                or (key[0] == self._owner and self._min_version is not None
-                    and key[1] <= self._min_version)):
+        """Whether ``h`` names a full republish before the read's start the checkpoint lacks."""
+        target = self._republishes.skipped(h) if self._republishes is not None else None
+        if target is None:
             return False
-        self._sought.add(key)
-        self.rewind_to = int(h.last_full_offset)
+        self.rewind_to = target
         logger.error("delta recovery: version %d (generation %s) at offset %d names the full "
-                     "republish %d at offset %d, before the checkpoint's offset %d: the topic "
+                     "republish %d at offset %d, before where this read started: the topic "
                      "lost versions after the checkpoint; reading again from offset %d",
-                     h.version, h.generation, offset, key[1], self.rewind_to, self._begin,
-                     self.rewind_to)
+                     h.version, h.generation, offset, h.last_full_version, target, target)
         return True
 
     def _merge(self, version: DeltaVersion) -> None:
@@ -353,13 +347,13 @@ def read_published_state(
             state.end_offset = max(int(start_offset), int(high))
             state.seconds = time.monotonic() - t0
             return state
-        sought: set[tuple[str, int]] = set()
+        republishes = FullRepublishes(owner, min_version, read_from=begin)
         while True:
-            merger = RecoveryMerger(state, min_version, owner, max_message_bytes, begin, sought)
+            merger = RecoveryMerger(state, min_version, owner, max_message_bytes, republishes)
             _consume(consumer, topic, begin, int(high), merger, stop, timeout)
             if merger.rewind_to is None:
                 break
-            begin = max(merger.rewind_to, int(low))
+            begin = republishes.read_from = max(merger.rewind_to, int(low))
             state = RecoveredState(topic=topic, start_offset=int(start_offset),
                                    end_offset=int(start_offset), low_watermark=int(low),
                                    rewound_to=begin)

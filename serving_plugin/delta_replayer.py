@@ -96,6 +96,7 @@ from odl.kafka.broker_health import (
 from odl.kafka.client_settings import delta_consumer_config
 from publisher.delta_decoder import decode_chunk
 from publisher.delta_format import DeltaFormatError, VersionHeader
+from publisher.full_republish import FullRepublishes
 from publisher.generation_fence import FENCED_REASON, GenerationFence
 from publisher.version_assembler import VersionAssembler
 from serving_plugin.export_reader import KafkaReplaySource
@@ -158,9 +159,7 @@ class DeltaReplayer(ReportsBrokerHealth):
         self.republish_rewinds = 0
         # a full republish the replay has not applied: rewind to this offset (``_run``)
         self.rewind_to: Optional[int] = None
-        self._base = (model.state.generation, int(model.state.version))
-        self._full_applied: set[tuple[str, int]] = set()
-        self._full_sought: set[tuple[str, int]] = set()  # rewound for once: never again
+        self._republishes = FullRepublishes(model.state.generation, int(model.state.version))
         self.last_error: Optional[str] = None
         self._last_reject_log = 0.0
         self._stop = threading.Event()
@@ -199,9 +198,7 @@ class DeltaReplayer(ReportsBrokerHealth):
                 version = None
             if version is not None:
                 rows = self.model.apply_version(version)
-                if version.header.full_republish:
-                    self._full_applied.add((version.header.generation,
-                                            int(version.header.version)))
+                self._republishes.applied(version.header)
                 applied = int(version.header.version)
                 if self.metrics:
                     self.metrics.versions.inc()
@@ -223,28 +220,21 @@ class DeltaReplayer(ReportsBrokerHealth):
     def _skipped_full(self, header: VersionHeader, offset: Optional[int]) -> bool:
         """Whether ``header`` names a full republish this replay skipped (then asks to rewind).
 
-        A version published after the delta topic lost versions names the generation's newest
-        full republish (``publisher.delta_sender``). The replay has it when it applied it, or
-        when the base export already holds it (the export's generation, at or before the
-        export's version). Otherwise the replay read on from a position past the shortened
-        log's end and skipped it: the version is not applied, ``rewind_to`` is set to the
-        full version's first chunk, and replay goes on from there in topic order (the
-        thread acts on it; ``handle`` alone only sets it). Each full version is sought once,
-        so a full version lost in turn cannot make the replay loop.
+        The rule is ``publisher.full_republish`` (the base export's and the applied full
+        versions are held; each is sought once). A skipped one: the version is not applied,
+        ``rewind_to`` is set to the full version's first chunk, and replay goes on from there
+        in topic order (the thread acts on it; ``handle`` alone only sets it).
         """
-        key = (header.generation, int(header.last_full_version))
-        if (not key[1] or header.last_full_offset < 0 or key in self._full_applied
-                or key in self._full_sought
-                or (key[0] == self._base[0] and key[1] <= self._base[1])):
+        target = self._republishes.skipped(header)
+        if target is None:
             return False
-        self._full_sought.add(key)
         self.republish_rewinds += 1
-        self.rewind_to = int(header.last_full_offset)
+        self.rewind_to = target
         logger.error("delta version %d (generation %s) at offset %s names the full republish %d "
                      "at offset %d, which this replay skipped (the delta topic lost versions "
                      "and was refilled past the replay position); replaying from offset %d",
-                     header.version, header.generation, offset, key[1], self.rewind_to,
-                     self.rewind_to)
+                     header.version, header.generation, offset, header.last_full_version,
+                     target, target)
         return True
 
     def _reject(self, reason: str, detail: str, offset: Optional[int]) -> None:

@@ -13,9 +13,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from publisher.delta_decoder import decode_chunk
 from publisher.delta_encoder import encode_version
 from publisher.delta_format import VersionHeader
 from publisher.delta_recovery import RecoveredState, RecoveryMerger, read_published_state
+from publisher.full_republish import FullRepublishes
 from publisher.generation_fence import FENCED_REASON
 
 TABLE = 3
@@ -147,29 +149,38 @@ def _refilled_log() -> list[bytes]:
             + _marked(14, _rows([5], 4.0), names=(12, 1)))
 
 
+def _merger(republishes: FullRepublishes) -> RecoveryMerger:
+    return RecoveryMerger(RecoveredState(topic="deltas", start_offset=3, end_offset=3),
+                          min_version=10, owner="gen-a", republishes=republishes)
+
+
 def test_a_full_republish_before_the_start_offset_is_gone_back_to_once():
     log = _refilled_log()
-    merger = RecoveryMerger(RecoveredState(topic="deltas", start_offset=3, end_offset=3),
-                            min_version=10, owner="gen-a", begin=3)
+    republishes = FullRepublishes("gen-a", 10, read_from=3)
+    merger = _merger(republishes)
     merger.add(log[3], 3)
     assert merger.rewind_to == 1 and merger.state.versions == 0
-    # the read again from offset 1, with the same sought set: merges 12, 13, 14
-    sought = {("gen-a", 12)}
-    again = RecoveryMerger(RecoveredState(topic="deltas", start_offset=3, end_offset=3),
-                           min_version=10, owner="gen-a", begin=1, sought=sought)
+    # the read again from offset 1, with the same record of full versions: merges 12, 13, 14
+    republishes.read_from = 1
+    again = _merger(republishes)
     for offset in (1, 2, 3):
         again.add(log[offset], offset)
     state = again.finish()
     assert again.rewind_to is None and state.version == 14 and state.versions == 3
     assert _row_values(state) == {1: 2.0, 2: 2.0, 3: 3.0, 4: 2.0, 5: 4.0}
     # the checkpoint holds the full republish (same generation, at or after its step): read on
-    held = _recover(log[2:], min_version=12, owner="gen-a")
-    assert held.version == 14 and held.rewound_to is None
+    held = RecoveryMerger(RecoveredState(topic="deltas", start_offset=2, end_offset=2),
+                          min_version=12, owner="gen-a",
+                          republishes=FullRepublishes("gen-a", 12, read_from=2))
+    for offset in (2, 3):
+        held.add(log[offset], offset)
+    assert held.rewind_to is None and held.finish().version == 14
     # sought already (it was lost in turn): read on
-    lost = RecoveryMerger(RecoveredState(topic="deltas", start_offset=3, end_offset=3),
-                          min_version=10, owner="gen-a", begin=3, sought={("gen-a", 12)})
-    lost.add(log[3], 3)
-    assert lost.rewind_to is None and _row_values(lost.finish()) == {5: 4.0}
+    lost = FullRepublishes("gen-a", 10, read_from=3)
+    assert lost.skipped(decode_chunk(log[3]).header) == 1
+    lost_merger = _merger(lost)
+    lost_merger.add(log[3], 3)
+    assert lost_merger.rewind_to is None and _row_values(lost_merger.finish()) == {5: 4.0}
 
 
 @pytest.mark.kafka

@@ -434,7 +434,6 @@ class TrainModule:
                 if tc.per_record_adagrad else None)
 
     @torch.no_grad()
-    @torch.no_grad()
     def _init_local_shards(self) -> None:
         """``init_embedding_weights`` for the shards this rank holds.
 
