@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 import socket
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from odl.train.distributed import end_rank_process
 
 
 def free_port() -> int:
@@ -25,18 +28,29 @@ def free_port() -> int:
 
 def _rank_entry(target: Callable[..., Any], rank: int, world: int, port: int, results,
                 args: tuple) -> None:
+    """One rank: runs ``target``, hands its result (or error) over, ends as a rank ends.
+
+    The process ends through ``end_rank_process`` (no interpreter teardown, which a gloo
+    worker still releasing a collective's tensors can abort with SIGABRT), once the result
+    has left through the queue's pipe.
+    """
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    code = 0
     try:
         results.put((rank, target(rank, *args), None))
         dist.barrier()  # leave together: a group torn down under a peer can abort
     except BaseException as e:  # reported to the caller, not lost in a child's stderr
         results.put((rank, None, repr(e)))
-        raise
+        traceback.print_exc()
+        code = 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # the result is in the pipe before the process ends
+    end_rank_process(code)
 
 
 def run_ranks(target: Callable[..., Any], world: int, *args: Any,
