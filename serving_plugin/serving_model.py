@@ -42,6 +42,7 @@ from odl.config.loss_settings import num_classes, regression_outputs
 from odl.features.batch import Batch
 from odl.features.raw_id_index import RawIdIndex, drop_unmapped
 from odl.models.ctr_model import predictions
+from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.protos import pipeline_pb2
 from publisher.delta_format import DeltaVersion
 from serving_plugin.export_reader import ExportContents, ExportLoadError, read_export
@@ -101,6 +102,9 @@ class ServingModel:
     """
 
     def __init__(self, export: ExportContents) -> None:
+        # the trainer's dense weights reach the subnormal range; served at full speed only
+        # with them flushed, as the trainer computes them (odl.models.subnormal_floats)
+        flush_subnormal_floats()
         self.path = export.path
         self.origin = export.origin
         self.signature = export.signature

@@ -104,6 +104,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"odl-serve: {exc}", file=sys.stderr)
         return 2
     from odl.config.config_error import ConfigError
+    from odl.models.subnormal_floats import flush_subnormal_floats
     from odl.train.torch_runtime import configure_torch_threads
     from serving_plugin.export_reader import ExportLoadError
     from serving_plugin.predict_limits import PredictLimits
@@ -117,6 +118,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ValueError as exc:
         print(f"odl-serve: {exc}", file=sys.stderr)
         return 2
+    flush_subnormal_floats()  # before torch's first computation starts its workers
     configure_torch_threads(args.torch_threads)
     try:
         service = ServingService(args.export_dir, replay=not args.no_replay, kafka_extra=extra,

@@ -196,9 +196,11 @@ def _main(argv: Optional[list[str]]) -> int:
                                sys.argv[1:] if argv is None else argv)
 
     from odl.export.exporter import export_checkpoint
+    from odl.models.subnormal_floats import flush_subnormal_floats
     from odl.train.torch_runtime import configure_torch_threads
     from odl.train.trainer import Trainer, TrainerOptions
 
+    flush_subnormal_floats()  # before torch's first computation starts its workers
     configure_torch_threads(args.torch_threads)
     options = TrainerOptions(
         online=args.online,

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.train.distributed import end_rank_process
 
 
@@ -37,6 +38,7 @@ def _rank_entry(target: Callable[..., Any], rank: int, world: int, port: int, re
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    flush_subnormal_floats()  # as odl-train's ranks do
     code = 0
     try:
         results.put((rank, target(rank, *args), None))

@@ -77,6 +77,7 @@ from odl.models.embedding_tables import (
     reset_embedding_rows,
 )
 from odl.models.model_factory import build_model
+from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.protos import pipeline_pb2
 from odl.train.batch_row_pairs import RowPairIndex, RowPairs, TableRows
 from odl.train.distributed import (
@@ -289,6 +290,8 @@ class TrainModule:
         self.device = resolve_device(device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
+        if self.device.type == "cpu":  # dense weights decay into subnormals (that module)
+            flush_subnormal_floats()
         self.rank, self.world_size = join_process_group(self.device)
         self._seed = int(config.train_config.seed)
         torch.manual_seed(self._seed)
