@@ -42,7 +42,12 @@ from odl.inputs.kafka_source import (
     PartitionState,
     RawBatch,
 )
-from odl.inputs.source_factory import build_source, online_source_args, source_status
+from odl.inputs.source_factory import (
+    build_source,
+    online_source_args,
+    source_retention,
+    source_status,
+)
 from odl.protos import pipeline_pb2
 
 if TYPE_CHECKING:
@@ -91,6 +96,16 @@ class InputPipeline(Protocol):
     @property
     def source_status(self) -> dict[str, Any]:
         """What the source reports of itself beyond partitions (a file stream's splits)."""
+        ...
+
+    @property
+    def retention(self) -> Optional[dict[str, Any]]:
+        """Whether retention will delete records before they are read.
+
+        Per partition and in all (``odl.inputs.retention_risk.RetentionReport.as_dict``);
+        None where the source has no such thing (files, DataHub, a file stream) or before the
+        first report.
+        """
         ...
 
     def open(self, stop_event: threading.Event) -> dict[int, int]:
@@ -239,6 +254,11 @@ class KafkaThreadInput(_PrefetchedInput):
         return source_status(self._source)
 
     @property
+    def retention(self) -> Optional[dict[str, Any]]:
+        """The Kafka source's retention risk report (None before the first)."""
+        return source_retention(self._source)
+
+    @property
     def records_consumed(self) -> int:
         """Records read from Kafka so far."""
         return self._source.records_consumed
@@ -318,6 +338,11 @@ class FileInput(_PrefetchedInput):
         return {}
 
     @property
+    def retention(self) -> Optional[dict[str, Any]]:
+        """None: files have no retention."""
+        return None
+
+    @property
     def records_consumed(self) -> int:
         """Records read from the files so far."""
         return self._source.records_consumed if self._source is not None else 0
@@ -387,6 +412,11 @@ class KafkaProcessInput:
     def source_status(self) -> dict[str, Any]:
         """The source's own report, as the child last sent it."""
         return self._process.source_status
+
+    @property
+    def retention(self) -> Optional[dict[str, Any]]:
+        """The retention risk report, as the child last sent it (None: DataHub, file streams)."""
+        return self._process.retention
 
     @property
     def records_consumed(self) -> int:

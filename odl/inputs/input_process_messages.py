@@ -17,8 +17,9 @@ Child -> trainer (``ToTrainer``):
 
 * ``InputOpened(starts, partitions)``, once, when the partitions are assigned.
 * ``InputBatch``: one built batch, sent only against a credit.
-* ``InputStatus``: the consumer's state, every ``STATUS_INTERVAL_SECS`` (and inside every
-  ``InputBatch``).
+* ``InputStatus``: the consumer's state (positions, watermarks, broker error, retention
+  risk), every ``STATUS_INTERVAL_SECS`` (and inside every ``InputBatch``, without the
+  retention risk).
 * ``InputFailure(kind, text)``: ``kind`` ``"timeout"`` (the topic did not appear in time)
   or ``"failed"`` (``text`` is a traceback); the child's last message, then it exits 1.
 * ``InputClosed``: the last message after a ``CloseRequest``, or, unasked, when a finite
@@ -130,12 +131,16 @@ class InputStatus:
         broker_error: why the broker is unreachable, or None.
         records_consumed: records read from Kafka so far.
         source: the source's own report (a file stream's splits; empty for Kafka).
+        retention: the Kafka source's retention risk report
+            (``odl.inputs.retention_risk.RetentionReport.as_dict``); None for other sources,
+            before the first one and in a batch's status.
     """
 
     partition_state: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     broker_error: Optional[str] = None
     records_consumed: int = 0
     source: dict = field(default_factory=dict)
+    retention: Optional[dict] = None
 
 
 @dataclass

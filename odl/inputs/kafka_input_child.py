@@ -82,8 +82,13 @@ class _ChildSession:
         with self.credit_cond:
             self.credit_cond.notify()
 
-    def status(self) -> InputStatus:
-        """The consumer's state now."""
+    def status(self, retention: bool = True) -> InputStatus:
+        """The consumer's state now.
+
+        Args:
+            retention: include the retention risk report (the periodic reports do; a batch's
+                leaves it out, it changes once a second at most).
+        """
         src = self.source
         if src is None:
             return InputStatus()
@@ -92,10 +97,14 @@ class _ChildSession:
                       for p, st in list(src.partition_state.items())}
         except RuntimeError:  # resized while copied; the next report has it
             states = {}
-        from odl.inputs.source_factory import source_status  # imported after start-up
+        from odl.inputs.source_factory import (  # imported after start-up
+            source_retention,
+            source_status,
+        )
 
         return InputStatus(partition_state=states, broker_error=src.broker_error,
-                           records_consumed=src.records_consumed, source=source_status(src))
+                           records_consumed=src.records_consumed, source=source_status(src),
+                           retention=source_retention(src) if retention else None)
 
     def report_status(self) -> None:
         """Status thread: the consumer's state every ``STATUS_INTERVAL_SECS`` until stopped."""
@@ -175,7 +184,7 @@ def _serve(conn: Connection) -> int:
                 rejected_values=rejected_values, positions=item.positions,
                 partitions=item.raw.partitions, offsets=item.raw.offsets,
                 timestamps_ms=item.raw.timestamps_ms, read_time=item.read_time,
-                status=session.status()))
+                status=session.status(retention=False)))
     except InterruptedError:
         pass  # closed while waiting for the topic
     except TimeoutError as exc:

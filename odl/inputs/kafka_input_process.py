@@ -7,11 +7,11 @@ child process instead (:mod:`odl.inputs.kafka_input_child`) and only receives fi
 arrays, which it wraps as tensors without a copy.
 
 The object offers what the trainer uses of a ``KafkaSource`` (``open``, ``partitions``,
-``partition_state``, ``broker_error``, ``records_consumed``, ``request_commit``,
-``commit_now``, ``close``) and of a ``BatchPrefetcher`` (``get``, ``finished``, ``queued``,
-``stop``), so the train loop is the same with or without it. Positions travel with every
-batch; the trainer checkpoints the positions of what it trained, so batches still in flight
-when it stops are read again on the next start.
+``partition_state``, ``broker_error``, ``records_consumed``, ``retention`` (its report),
+``request_commit``, ``commit_now``, ``close``) and of a ``BatchPrefetcher`` (``get``,
+``finished``, ``queued``, ``stop``), so the train loop is the same with or without it.
+Positions travel with every batch; the trainer checkpoints the positions of what it trained,
+so batches still in flight when it stops are read again on the next start.
 
 A receiver thread turns the child's messages (:mod:`odl.inputs.input_process_messages`)
 into queued batches and the source's live state. Flow control is by credit: the trainer
@@ -116,6 +116,8 @@ class KafkaInputProcess(PreparedBatchQueue):
         self.broker_error: Optional[str] = None
         self.records_consumed = 0
         self.source_status: dict = {}
+        # the child's retention risk report (odl.inputs.retention_risk), as it last sent it
+        self.retention: Optional[dict] = None
 
     # ------------------------------------------------------------------ start
     def start(self) -> KafkaInputProcess:
@@ -224,6 +226,8 @@ class KafkaInputProcess(PreparedBatchQueue):
         self.broker_error = status.broker_error
         self.records_consumed = status.records_consumed
         self.source_status = dict(status.source)
+        if status.retention is not None:  # a batch's status leaves it out
+            self.retention = status.retention
 
     def _prepared(self, item: InputBatch) -> PreparedBatch:
         n = len(item.partitions)

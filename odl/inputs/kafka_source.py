@@ -48,6 +48,17 @@ jumps by itself): above the log end, the broker lost records it had acknowledged
 trained): reading continues at the new end, so records produced from now on are all read and
 none is read twice; below the log start, retention deleted records: reading continues at the
 log start. Both are logged as errors and counted in ``offset_resets``.
+
+Retention risk, ahead of that (``watch_retention``, on by default): a watch thread reads the
+topic's ``retention.bytes`` / ``retention.ms`` / ``segment.bytes`` (DescribeConfigs, once a
+minute; a failure keeps the last values and is reported, never fatal), refreshes the
+watermarks when the reading thread has not for ``_WATERMARK_REFRESH_SECS`` (a trainer held
+in a long step or checkpoint stops reading, and the log goes on growing) and keeps
+:meth:`KafkaSource.retention_report` current every second: per partition whether records
+will be deleted before they are read (``odl.inputs.retention_risk``), fed with every
+watermark refresh, the size of the values read and the timestamp of the last record read.
+A partition turning ``behind`` or ``losing`` is logged as a warning, at most once a minute
+while it stays so.
 """
 
 from __future__ import annotations
@@ -61,8 +72,10 @@ from typing import Optional
 
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from odl.inputs.partition_assignment import rank_partitions
+from odl.inputs.retention_risk import RetentionEstimator, RetentionLimits, RetentionWarnings
 from odl.kafka.broker_health import (
     OUT_OF_RANGE_CODES,
     BrokerHealth,
@@ -70,12 +83,15 @@ from odl.kafka.broker_health import (
     error_text,
     out_of_range_target,
 )
-from odl.kafka.client_settings import consumer_config
+from odl.kafka.client_settings import admin_config, consumer_config
+from odl.kafka.topic_admin import TopicAdminError, topic_configs
 
 logger = logging.getLogger(__name__)
 
 _WATERMARK_REFRESH_SECS = 2.0
 _PARKED_POLL_SECS = 0.05  # how often a parked source asks for the log ends
+_RETENTION_WATCH_SECS = 1.0  # how often the retention report is brought up to date
+_RETENTION_CONFIGS_SECS = 60.0  # how often the topic's retention configs are read
 
 
 def _sleep(stop_event: Optional[threading.Event], seconds: float) -> bool:
@@ -142,6 +158,7 @@ class KafkaSource(ReportsBrokerHealth):
         rank: this rank of ``world_size``: only its share of the partitions is read
             (``odl.inputs.partition_assignment``).
         world_size: ranks reading the topic together (1: every partition).
+        watch_retention: keep a retention risk report (see the module docstring).
     """
 
     def __init__(
@@ -157,6 +174,7 @@ class KafkaSource(ReportsBrokerHealth):
         topic_wait_secs: float = 0.0,
         rank: int = 0,
         world_size: int = 1,
+        watch_retention: bool = True,
     ) -> None:
         self.rank, self.world_size = int(rank), int(world_size)
         self.servers = servers
@@ -167,6 +185,7 @@ class KafkaSource(ReportsBrokerHealth):
         self.batch_timeout = batch_timeout_ms / 1000.0
         self.fetch_interval = fetch_interval_ms / 1000.0
         self._topic_wait_secs = topic_wait_secs
+        self._kafka_config = dict(kafka_config or {})
         conf = consumer_config(servers, group, kafka_config)
         conf["error_cb"] = self._on_kafka_error
         conf["auto.offset.reset"] = "error"  # handled in _reset_offset
@@ -200,6 +219,16 @@ class KafkaSource(ReportsBrokerHealth):
         self.offset_resets = 0
         self.parked = False
         self._closed = False
+        # watermark queries of the reading and the watch thread, one at a time
+        self._watermark_lock = threading.Lock()
+        self.retention_estimator = RetentionEstimator()
+        self._watch_retention = watch_retention
+        self._retention_report: Optional[dict] = None
+        self._retention_warnings = RetentionWarnings(topic)
+        self._last_timestamp_ms: dict[int, int] = {}  # of the last record read, per partition
+        self._watch_stop = threading.Event()
+        self._watch_thread: Optional[threading.Thread] = None
+        self._admin: Optional[AdminClient] = None
 
     # ------------------------------------------------------------------ start
     def open(self, stop_event: Optional[threading.Event] = None) -> dict[int, int]:
@@ -224,6 +253,10 @@ class KafkaSource(ReportsBrokerHealth):
             self.partition_state[p] = PartitionState(position=off)
         self._consumer.assign([TopicPartition(self.topic, p, off) for p, off in starts.items()])
         self._refresh_watermarks(force=True)
+        if self._watch_retention:
+            self._watch_thread = threading.Thread(target=self._watch, name="retention-watch",
+                                                  daemon=True)
+            self._watch_thread.start()
         logger.info("reading topic %s partitions %s from %s", self.topic, self._partitions,
                     starts)
         return starts
@@ -266,6 +299,7 @@ class KafkaSource(ReportsBrokerHealth):
                             off,
                             lows[p] - 1,
                         )
+                        self.retention_estimator.note_loss(p, lows[p] - off, time.monotonic())
                         off = lows[p]
                     out[p] = off
                 else:
@@ -367,15 +401,19 @@ class KafkaSource(ReportsBrokerHealth):
         One pass per attribute (C-level iteration) rather than a Python loop per message: the
         reading thread shares the GIL with the train step.
         """
-        values.extend([m.value() or b"" for m in msgs])
+        v_new = [m.value() or b"" for m in msgs]
+        values.extend(v_new)
         p_new = [m.partition() for m in msgs]
         o_new = [m.offset() for m in msgs]
+        t_new = [m.timestamp()[1] for m in msgs]
         parts.extend(p_new)
         offs.extend(o_new)
-        tss.extend([m.timestamp()[1] for m in msgs])
+        tss.extend(t_new)
         # offsets rise within a partition, so the last one seen per partition wins
         for p, o in dict(zip(p_new, o_new, strict=True)).items():
             self._positions[p] = o + 1
+        self._last_timestamp_ms.update(zip(p_new, t_new, strict=True))
+        self.retention_estimator.note_records(len(v_new), sum(map(len, v_new)))
 
     # ------------------------------------------------------------------ parking
     def _caught_up(self) -> bool:
@@ -454,6 +492,7 @@ class KafkaSource(ReportsBrokerHealth):
                 logger.error("partition %d: records %d..%d were deleted by retention before "
                              "they were trained; reading on from %d", partition, pos,
                              low - 1, target)
+                self.retention_estimator.note_loss(partition, target - pos, time.monotonic())
             self.offset_resets += 1
             self._positions[partition] = target
             self.partition_state[partition].position = target
@@ -465,23 +504,103 @@ class KafkaSource(ReportsBrokerHealth):
         self.health.on_client_error(err)
 
     def _refresh_watermarks(self, force: bool = False) -> None:
+        """Queries every partition's watermarks if due (or ``force``) and observes them.
+
+        Called by the reading thread and the retention watch; a call that is not forced
+        returns at once while the other thread queries.
+        """
         now = time.monotonic()
         if not force and now - self._last_watermark_refresh < _WATERMARK_REFRESH_SECS:
             return
-        self._last_watermark_refresh = now
-        for p in self._partitions:
-            try:
-                low, high = self._offsets_consumer.get_watermark_offsets(
-                    TopicPartition(self.topic, p), timeout=2, cached=False
-                )
-            except KafkaException as exc:
-                self.health.unreachable(f"watermark query failed: {error_text(exc)}")
-                # retry sooner than the normal refresh while the broker is away
-                self._last_watermark_refresh = now - _WATERMARK_REFRESH_SECS / 2
+        if not self._watermark_lock.acquire(blocking=force):
+            return
+        try:
+            if self._closed:
                 return
-            st = self.partition_state.setdefault(p, PartitionState())
-            st.low_watermark, st.high_watermark = low, high
-        self.health.reachable()
+            self._last_watermark_refresh = now
+            for p in self._partitions:
+                try:
+                    low, high = self._offsets_consumer.get_watermark_offsets(
+                        TopicPartition(self.topic, p), timeout=2, cached=False
+                    )
+                except KafkaException as exc:
+                    self.health.unreachable(f"watermark query failed: {error_text(exc)}")
+                    # retry sooner than the normal refresh while the broker is away
+                    self._last_watermark_refresh = now - _WATERMARK_REFRESH_SECS / 2
+                    return
+                st = self.partition_state.setdefault(p, PartitionState())
+                st.low_watermark, st.high_watermark = low, high
+                self._observe(p, time.monotonic(), low, high)
+            self.health.reachable()
+        finally:
+            self._watermark_lock.release()
+
+    # ------------------------------------------------------------------ retention risk
+    def _observe(self, partition: int, now: float, low: int, high: int) -> None:
+        """Feeds one partition's watermarks, position and position age to the estimator."""
+        position = self._positions.get(partition)
+        if position is None:
+            return
+        ts_ms = self._last_timestamp_ms.get(partition)
+        # the record at the position is at most as old as the last one read before it
+        age = (max(0.0, time.time() - ts_ms / 1000.0)
+               if ts_ms is not None and ts_ms > 0 and position < high else None)
+        self.retention_estimator.observe(partition, now, position, low, high, age)
+
+    def retention_report(self) -> Optional[dict]:
+        """The retention risk report (``RetentionReport.as_dict``), at most a second old.
+
+        Returns:
+            The report, or None before the first one (or without ``watch_retention``).
+        """
+        return self._retention_report
+
+    def _read_limits(self) -> None:
+        """Reads the topic's retention configs; a failure keeps the last ones (logged)."""
+        try:
+            if self._admin is None:
+                self._admin = AdminClient(admin_config(self.servers, self._kafka_config))
+            found = topic_configs(self.servers, [self.topic], admin=self._admin)
+        except (TopicAdminError, KafkaException) as exc:
+            error = error_text(exc)
+            estimator = self.retention_estimator
+            if estimator.configs_error is None:  # once per streak of failures
+                logger.warning("could not read the retention configs of topic %s (%s); %s",
+                               self.topic, error,
+                               "estimating from the log start only until they can be read"
+                               if estimator.limits is None else "keeping the last ones")
+            estimator.set_limits(None, error)
+            return
+        configs = found.get(self.topic)
+        if configs is None:
+            self.retention_estimator.set_limits(None, f"topic {self.topic} not found")
+            return
+        limits = RetentionLimits.from_configs({k: v for k, (v, _own) in configs.items()})
+        if limits != self.retention_estimator.limits:
+            logger.info("topic %s retention: %s, segments of %s bytes", self.topic,
+                        limits.describe(), limits.segment_bytes or "?")
+        self.retention_estimator.set_limits(limits)
+
+    def _update_retention_report(self) -> None:
+        now = time.monotonic()
+        report = self.retention_estimator.report(now).as_dict()
+        self._retention_report = report
+        self._retention_warnings.log(report, now)
+
+    def _watch(self) -> None:
+        """The retention watch thread (see the module docstring)."""
+        next_configs = 0.0
+        while not self._watch_stop.is_set():
+            try:
+                if time.monotonic() >= next_configs:
+                    self._read_limits()
+                    next_configs = time.monotonic() + _RETENTION_CONFIGS_SECS
+                self._refresh_watermarks()
+                self._update_retention_report()
+            except Exception:  # never let the watch end the input; say why once a minute
+                logger.exception("retention watch of topic %s failed; retrying", self.topic)
+                self._watch_stop.wait(_RETENTION_CONFIGS_SECS)
+            self._watch_stop.wait(_RETENTION_WATCH_SECS)
 
     # ------------------------------------------------------------------ commit
     def request_commit(self, positions: Mapping[int, int]) -> None:
@@ -529,7 +648,12 @@ class KafkaSource(ReportsBrokerHealth):
     def close(self) -> None:
         """Closes the consumer (without leaving uncommitted state behind)."""
         if not self._closed:
-            self._closed = True
+            self._watch_stop.set()
+            with self._watermark_lock:  # no watermark query in flight past here
+                self._closed = True
+            if self._watch_thread is not None:
+                self._watch_thread.join(timeout=5.0)
+            self._admin = None  # its connections close with it
             self._consumer.close()
             self._offsets_consumer.close()
 

@@ -132,3 +132,13 @@ def source_status(source: Any) -> dict[str, Any]:
     report = getattr(source, "status_report", None)
     return dict(report()) if report is not None else {}
 
+
+def source_retention(source: Any) -> Optional[dict[str, Any]]:
+    """A source's retention risk report (Kafka's, ``odl.inputs.retention_risk``).
+
+    Returns:
+        The report as a dict; None for a source without one (DataHub, a file stream) and
+        before the first.
+    """
+    report = getattr(source, "retention_report", None)
+    return report() if report is not None else None

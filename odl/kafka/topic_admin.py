@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable, Mapping
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -230,6 +231,7 @@ def topic_configs(
     keys: Iterable[str] = RETENTION_KEYS,
     timeout: float = 10.0,
     extra: Mapping[str, str] | None = None,
+    admin: AdminClient | None = None,
 ) -> dict[str, dict[str, tuple[str, bool]]]:
     """Selected configs of several topics, and whether each topic sets them itself.
 
@@ -239,18 +241,21 @@ def topic_configs(
         keys: config names to return.
         timeout: seconds to wait for the answer.
         extra: librdkafka settings passed to the admin client.
+        admin: an admin client to ask (one kept by a caller that asks repeatedly); None: a
+            new one from ``bootstrap`` and ``extra``.
 
     Returns:
         ``{topic: {key: (value, set_on_topic)}}``; ``set_on_topic`` is False where the value
         is the broker's default. Topics that vanished meanwhile are left out.
 
     Raises:
-        TopicAdminError: the broker did not answer.
+        TopicAdminError: the broker refused or did not answer in time.
     """
     names = list(topics)
     if not names:
         return {}
-    admin = AdminClient(admin_config(bootstrap, extra))
+    if admin is None:
+        admin = AdminClient(admin_config(bootstrap, extra))
     wanted = set(keys)
     futures = admin.describe_configs(
         [ConfigResource(ConfigResource.Type.TOPIC, t) for t in names], request_timeout=timeout)
@@ -263,6 +268,9 @@ def topic_configs(
             if isinstance(err, KafkaError) and err.code() == KafkaError.UNKNOWN_TOPIC_OR_PART:
                 continue
             raise TopicAdminError(f"describing topic {resource.name!r} failed: {exc}") from exc
+        except FutureTimeoutError as exc:
+            raise TopicAdminError(f"describing topic {resource.name!r}: no answer within "
+                                  f"{timeout:g}s") from exc
         result[resource.name] = {
             k: (str(e.value), e.source == ConfigSource.DYNAMIC_TOPIC_CONFIG.value)
             for k, e in entries.items() if k in wanted

@@ -55,7 +55,7 @@ TRAINER_LAYOUT = DashboardLayout(
         Chart("Dynamic table rows", ("rows.*",), "rows"),
     ),
     alert_paths=("failure", "last_checkpoint.error", "input.broker_error",
-                 "publisher.last_error"),
+                 "input.retention.warning", "publisher.last_error"),
 )
 
 

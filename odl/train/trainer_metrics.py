@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any, Optional
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from odl.inputs.retention_risk import STATE_LEVELS
 from odl.storage.oss_metrics import register_oss_metrics
 
 
@@ -55,6 +60,21 @@ class TrainerMetrics:
             "odl_partition_position", "Next offset to train per partition", ["partition"],
             registry=r,
         )
+        self.retention_seconds = Gauge(
+            "odl_input_seconds_to_retention_loss", "Seconds until retention deletes records of "
+            "the partition that were not read yet (+Inf: no loss foreseen; 0: deleting now)",
+            ["partition"], registry=r)
+        self.retention_headroom = Gauge(
+            "odl_input_retention_headroom_records", "How many more records the partition's lag "
+            "can grow by before retention deletes unread ones (+Inf: no size limit known)",
+            ["partition"], registry=r)
+        self.retention_state = Gauge(
+            "odl_input_retention_state", "Retention risk of the partition: 0 ok, 1 behind (will "
+            "lose records within the warning time), 2 losing (records deleted before they were "
+            "read)", ["partition"], registry=r)
+        self.retention_lost = Gauge(
+            "odl_input_retention_lost_records", "Records of the partition deleted by retention "
+            "before they were read, since the input started", ["partition"], registry=r)
         self.checkpoint_step = Gauge(
             "odl_checkpoint_last_step", "Step of the last checkpoint written", registry=r
         )
@@ -86,6 +106,26 @@ class TrainerMetrics:
                 ("memory_bytes", "Bytes of a dynamic table: rows, optimizer state, id index"),
             )
         }
+
+    def set_retention(self, report: Optional[Mapping[str, Any]]) -> None:
+        """Sets the per-partition retention gauges from the input's retention report.
+
+        Args:
+            report: ``odl.inputs.retention_risk.RetentionReport.as_dict()``; None (files,
+                DataHub, no report yet) sets nothing.
+        """
+        if not report:
+            return
+        for p, risk in (report.get("partitions") or {}).items():
+            seconds = risk.get("seconds_to_loss")
+            headroom = risk.get("headroom_records")
+            self.retention_seconds.labels(partition=p).set(
+                math.inf if seconds is None else seconds)
+            self.retention_headroom.labels(partition=p).set(
+                math.inf if headroom is None else headroom)
+            self.retention_state.labels(partition=p).set(
+                STATE_LEVELS.get(risk.get("state", "ok"), 0))
+            self.retention_lost.labels(partition=p).set(risk.get("records_lost") or 0)
 
     def set_dynamic_tables(self, status: dict) -> None:
         """Sets the per-table gauges from ``TrainModule.dynamic_status()``."""

@@ -9,6 +9,17 @@ reuses the last summary while it is under ``_PROGRESS_CACHE_SECS`` old or no sam
 
 Health (``/healthz``): unhealthy while the input's or the delta topic's broker is unreachable,
 while publishing or checkpoints fail, and once stopped; the reason is the first that applies.
+An input at risk of losing records to retention (``input.retention.state`` ``behind`` or
+``losing``, :mod:`odl.inputs.retention_risk`) stays healthy, since a restart would only make
+it fall further behind, and the reason carries the warning (``training; behind: partition 0
+will lose data in ~40 s ...``). ``/healthz`` and ``/metrics`` refresh the retention gauges
+(a trainer held in a long step logs no progress, yet its input keeps reporting).
+
+Retention in ``/status``: ``input.retention`` is the input's summary (the worst partition's
+state, the fewest seconds to loss and least headroom of any partition, records lost, the
+topic's limits, ``warning``: the text ``/healthz`` adds, None while ok; None for files,
+DataHub and file streams), and each ``input.partitions[p].retention`` that partition's
+figures.
 
 File written by :func:`start_status_server`, ``model_dir/status.json`` (where to reach the API
 of the running trainer; rewritten at every start)::
@@ -37,6 +48,7 @@ from odl.http.metric_history import HistorySampler, MetricHistory
 from odl.http.server import BackgroundHttpServer
 from odl.inputs.dead_letter import DeadLetterSink
 from odl.inputs.input_pipeline import InputPipeline
+from odl.inputs.retention_risk import input_warning
 from odl.inputs.source_factory import online_input_name
 from odl.protos import pipeline_pb2
 from odl.storage import file_store
@@ -138,6 +150,8 @@ class TrainerStatus:
         t = self._trainer
         src = t.input_pipeline
         partitions = {}
+        retention = src.retention if src is not None else None
+        risks = (retention or {}).get("partitions") or {}
         if src is not None:
             positions = t.positions_snapshot()
             for p, st in sorted(src.partition_state.items()):
@@ -145,8 +159,11 @@ class TrainerStatus:
                 partitions[str(p)] = {
                     "position": pos,
                     "high_watermark": st.high_watermark,
+                    "low_watermark": st.low_watermark,
                     "lag": max(0, st.high_watermark - pos) if st.high_watermark >= 0 else None,
                 }
+                if retention is not None:
+                    partitions[str(p)]["retention"] = risks.get(str(p))
         broker_error = src.broker_error if src is not None else None
         dead_letter = t.dead_letter
         return {
@@ -183,6 +200,9 @@ class TrainerStatus:
                 "queued_batches": src.queued if src is not None else 0,
                 "last_sample_time_ms": t.last_sample_time_ms,
                 "partitions": partitions,
+                "retention": ({**{k: v for k, v in retention.items() if k != "partitions"},
+                               "warning": input_warning(retention)}
+                              if retention is not None else None),
                 "source": src.source_status if src is not None else {},
             },
             "stop_reason": t.stop_reason,
@@ -245,12 +265,24 @@ class TrainerStatus:
     def health(self, delta_broker_error: Optional[str]) -> tuple[bool, str]:
         """Healthy unless a broker is unreachable, publishing or checkpoints fail, or stopped.
 
+        A retention warning (see the module docstring) is appended to a healthy reason. Also
+        refreshes the retention gauges.
+
         Args:
             delta_broker_error: why the delta publisher's broker is unreachable, or None.
 
         Returns:
             ``(healthy, reason)``.
         """
+        t = self._trainer
+        src = t.input_pipeline
+        retention = src.retention if src is not None else None
+        t.metrics.set_retention(retention)
+        ok, reason = self._health(delta_broker_error)
+        warning = input_warning(retention) if ok else None
+        return ok, f"{reason}; {warning}" if warning else reason
+
+    def _health(self, delta_broker_error: Optional[str]) -> tuple[bool, str]:
         t = self._trainer
         src = t.input_pipeline
         if src is not None and src.broker_error is not None:
@@ -297,6 +329,8 @@ class TrainerStatus:
         lags = self._lags(positions)
         for p, lag in lags.items():
             metrics.lag.labels(partition=str(p)).set(lag)
+        if t.input_pipeline is not None:
+            metrics.set_retention(t.input_pipeline.retention)
         for p, pos in positions.items():
             metrics.position.labels(partition=str(p)).set(pos)
         if t.module.dynamic:
