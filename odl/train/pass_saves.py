@@ -147,7 +147,7 @@ class PassSaves:
         """
         touched = self.tracker.take()
         self.tracker.put_back(touched)
-        mine = {name: ids.cpu() for name, ids in touched.items()}
+        mine = {name: ids.cpu().clone() for name, ids in touched.items()}  # written later
         if self.world_size == 1:
             return {"touched": mine}
         everyone = gather_to_rank0(mine)

@@ -9,9 +9,10 @@ One ``Trainer`` runs one pipeline config, online (Kafka) or offline (files):
   asks for);
 * loop: each batch is scored before it is trained on (progressive validation); rates, AUC,
   logloss and lag are logged every ``log_step_count_steps``; the publisher gets every step's
-  positions and time ranges; a checkpoint is written every ``save_checkpoints_steps`` /
-  ``save_checkpoints_secs``. Records that are not trained on are counted and dead-lettered
-  (:mod:`odl.train.record_rejects`);
+  positions and time ranges; a checkpoint is taken every ``save_checkpoints_steps`` /
+  ``save_checkpoints_secs`` (one process writes it in the background,
+  :mod:`odl.train.checkpoint_writer`, so training does not stall). Records that are not
+  trained on are counted and dead-lettered (:mod:`odl.train.record_rejects`);
 * stop (:mod:`odl.train.stop_conditions`): finish the step, publish the last version,
   checkpoint, commit the positions to the consumer group, exit 0. A failure (a fenced or
   broken publisher, a refused fencing producer) stops the same way with its exit code.
@@ -27,6 +28,7 @@ Contracts:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -50,6 +52,7 @@ from odl.inputs.input_pipeline import InputPipeline, build_input_pipeline
 from odl.inputs.source_factory import online_input_kind, online_input_name
 from odl.protos import pipeline_pb2
 from odl.storage.oss_store import StorageError
+from odl.train.checkpoint_writer import CheckpointWriter
 from odl.train.crash_recovery import CrashRecovery, RestoredState
 from odl.train.distributed import (
     agree,
@@ -211,6 +214,8 @@ class Trainer:
                                    train_auc_samples=fs.train_auc_samples)
                        if file_stream else None)
         self.checkpoints = CheckpointManager(self.model_dir, tc.keep_checkpoint_max)
+        # the periodic checkpoints of one process are written beside the loop
+        self._checkpoint_writer = CheckpointWriter()
         self.features = FeatureBuilder(config)
         self.module = TrainModule(config, self.features, device=options.device)
         if self.module.world_size > 1:
@@ -470,12 +475,17 @@ class Trainer:
             self._status.log_progress()
 
     def _checkpoint_if_due(self, clock: _LoopClock, time_due: bool) -> None:
-        """A checkpoint when ``save_checkpoints_steps`` or ``time_due`` says so."""
+        """A checkpoint when ``save_checkpoints_steps`` or ``time_due`` says so.
+
+        One process writes it in the background (its outcome is taken in here, after a
+        later step); several ranks write theirs together, on the loop's thread.
+        """
+        self._checkpoint_writer.collect()
         step = self.module.global_step
         every_steps = self.config.train_config.save_checkpoints_steps
         due = (every_steps and step - clock.last_ckpt_step >= every_steps) or time_due
         if due and step != clock.last_ckpt_step and step != self.checkpoints.last_saved_step:
-            self._checkpoint()
+            self._checkpoint(background=True)
             clock.checkpointed(step)
 
     def _loop_ranks(self) -> None:
@@ -743,7 +753,22 @@ class Trainer:
                 self.state = "training"
 
     # ------------------------------------------------------------------ checkpoint
-    def _checkpoint(self, overwrite: bool = False) -> bool:
+    def _checkpoint(self, overwrite: bool = False, background: bool = False) -> bool:
+        """Takes a checkpoint of the current step: the state, positions and replay point.
+
+        Args:
+            overwrite: replace a checkpoint of the same step (a day's shrink).
+            background: one process only: copy the state here and write it in the
+                background (``odl.train.checkpoint_writer``); the outcome is recorded when
+                the write ends. Otherwise the write is done before returning.
+
+        Returns:
+            False when the checkpoint was skipped or failed (recorded in
+            ``last_checkpoint_error``); True when written or, in the background, started.
+        """
+        self._checkpoint_writer.wait()  # checkpoints complete in step order
+        if not overwrite and self.module.global_step == self.checkpoints.last_saved_step:
+            return True  # the write just waited for was of this step
         if self._restored.incomplete:
             logger.warning("not checkpointing: crash recovery did not finish")
             return False
@@ -788,26 +813,41 @@ class Trainer:
             if self.evaluator is not None:
                 source["eval_positions"] = {str(p): o for p, o in
                                             self.evaluator.positions().items()}
+            step = self.module.global_step
             if self.module.world_size > 1:
                 self._save_across_ranks(positions, source, overwrite)
             else:
-                state = self.module.state_dict_for_checkpoint()
+                state = self.module.state_dict_for_checkpoint()  # a copy: training goes on
                 if self.pass_saves is not None:
                     state["pass_saves"] = self.pass_saves.state_dict()
-                self.checkpoints.save(self.module.global_step, state, positions, source,
-                                      self._config_text, self.generation, overwrite=overwrite)
-            self.metrics.checkpoint_step.set(self.module.global_step)
-            self.last_checkpoint_error = None
-            if self.input_pipeline is not None:
-                self.input_pipeline.request_commit(positions)
+                save = functools.partial(self.checkpoints.save, step, state, positions, source,
+                                         self._config_text, self.generation,
+                                         overwrite=overwrite)
+                if background:
+                    self._checkpoint_writer.start(
+                        save, functools.partial(self._checkpoint_written, step, positions))
+                    return True
+                save()
+            self._checkpoint_written(step, positions, None)
             return True
         except CheckpointError as exc:
-            self.metrics.checkpoint_failures.inc()
-            self.last_checkpoint_error = str(exc)
-            logger.error("%s; training continues and the next checkpoint will retry", exc)
+            self._checkpoint_written(self.module.global_step, positions, exc)
             return False
         finally:
             self.state = prev_state if prev_state != "checkpointing" else "training"
+
+    def _checkpoint_written(self, step: int, positions: dict[int, int],
+                            error: Optional[CheckpointError]) -> None:
+        """Records a checkpoint's outcome (on the loop's thread, also for a background one)."""
+        if error is not None:
+            self.metrics.checkpoint_failures.inc()
+            self.last_checkpoint_error = str(error)
+            logger.error("%s; training continues and the next checkpoint will retry", error)
+            return
+        self.metrics.checkpoint_step.set(step)
+        self.last_checkpoint_error = None
+        if self.input_pipeline is not None:
+            self.input_pipeline.request_commit(positions)
 
     def _save_across_ranks(self, positions: dict[int, int], source: dict,
                            overwrite: bool) -> None:
@@ -900,6 +940,7 @@ class Trainer:
                                  positions=dict(self.positions))
         elif self._delta_sink is not None:  # stopped before the publisher was built
             self._delta_sink.close()
+        self._checkpoint_writer.wait()  # a background checkpoint in flight ends first
         # one more checkpoint on every clean stop, also when the state was only brought
         # forward by crash recovery (nothing trained in this run, but a newer step); not
         # before the input was open: its positions are unknown then, and a checkpoint without
