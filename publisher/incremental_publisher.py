@@ -8,10 +8,14 @@ rows and dense variables copied out of the live model) and handed to the backgro
 (``publisher.delta_sender``: encoding, back-pressure by merging, retries, fatal errors).
 
 Besides the schedule: ``publish_if_behind`` publishes both parts when steps were trained
-since the last version (the trainer calls it when its input is idle, so the last steps of a
-burst go out without waiting for more data); ``sync`` publishes and waits before each
-checkpoint, so every checkpoint equals a fully published version (the crash-recovery point,
-``publisher.delta_recovery``); ``flush`` publishes the final version and stops the sender.
+since the last version and that version is at least ``IDLE_PUBLISH_MIN_SECS`` old (the
+trainer calls it when its input is idle, so the last steps of a burst go out without waiting
+for more data; without the age floor a trainer keeping up with a steady stream, idle
+between every two batches, would publish every step: at 10k samples/s ten versions a
+second, each with the whole dense part, about 7 MB/s). ``sync`` publishes and waits before
+each checkpoint, so every checkpoint equals a fully published version (the crash-recovery
+point, ``publisher.delta_recovery``); ``flush`` publishes the final version and stops the
+sender.
 
 A version's header carries the input positions after its last trained batch, and the
 min/max event time and Kafka produce time of all samples trained since the previous version.
@@ -38,6 +42,10 @@ from publisher.id_maps import IdMaps
 from publisher.version_snapshot import ParameterSnapshotter, ParameterSource
 
 logger = logging.getLogger(__name__)
+
+# An idle input publishes the steps since the last version once it is this old: at most
+# this much is added to a sample's freshness, and versions come at most 4 a second.
+IDLE_PUBLISH_MIN_SECS = 0.25
 
 
 class IncrementalPublisher:
@@ -96,6 +104,7 @@ class IncrementalPublisher:
         self._last_sparse = (int(start_step), now)
         self._last_dense = (int(start_step), now)
         self._last_version = int(start_step)
+        self._last_version_time = now
 
     @property
     def fatal_error(self) -> Optional[str]:
@@ -184,8 +193,12 @@ class IncrementalPublisher:
         return sparse_due or (dense_due and self.republish_pending), dense_due
 
     def behind(self, step: int) -> bool:
-        """Steps were trained since the last version (``publish_if_behind`` would publish)."""
-        return step != self._last_version
+        """Steps were trained since the last version and it is ``IDLE_PUBLISH_MIN_SECS`` old.
+
+        What ``publish_if_behind`` publishes on.
+        """
+        return (step != self._last_version
+                and time.monotonic() - self._last_version_time >= IDLE_PUBLISH_MIN_SECS)
 
     def sync_parts(self, step: int) -> tuple[bool, bool]:
         """``(sparse, dense)``: the parts not yet current at ``step`` (what ``sync`` takes).
@@ -242,10 +255,11 @@ class IncrementalPublisher:
         return True
 
     def publish_if_behind(self, step: int, positions: Mapping[int, int]) -> bool:
-        """Publishes the current state when steps were trained since the last version.
+        """Publishes the current state when steps were trained since an old enough version.
 
         The trainer calls this when its input is idle: steps-based publishing alone would
-        hold back the last steps of a burst until more data arrives.
+        hold back the last steps of a burst until more data arrives. Nothing is published
+        until the last version is ``IDLE_PUBLISH_MIN_SECS`` old (``behind``).
 
         Args:
             step: the current global step.
@@ -281,6 +295,7 @@ class IncrementalPublisher:
         if snap.has_dense:
             self._last_dense = (step, now)
         self._last_version = int(step)
+        self._last_version_time = now
         self._sender.submit(snap)
 
     # ------------------------------------------------------------------ status

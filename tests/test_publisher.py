@@ -415,3 +415,36 @@ def test_failed_send_is_retried_with_newer_state(setup, monkeypatch):
     st = pub.status()
     assert st["failures"] == 2 and st["last_error"] is None
     assert sink.sent[-1] == tm.global_step and st["backlog_versions"] == 0
+
+
+def test_an_idle_input_publishes_the_last_steps_once_the_last_version_is_old_enough(
+        setup, tmp_path, monkeypatch):
+    """A trainer idle between every two batches publishes at most every IDLE_PUBLISH_MIN_SECS,
+    and never holds the last steps of a burst back longer than that."""
+    import publisher.incremental_publisher as incremental
+
+    tm, batches = setup
+    clock = [1000.0]
+    monkeypatch.setattr(incremental.time, "monotonic", lambda: clock[0])
+    tracker = _tracker(tm)
+    maps = build_id_maps(dense_variable_shapes(tm), published_table_dims(tm))
+    sink = FsSink(str(tmp_path / "deltas"))
+    pub = IncrementalPublisher(tm, maps, tracker, sink, "gen", "m", sparse_save_steps=100,
+                               dense_save_steps=100, start_step=tm.global_step)
+    pub.start()
+    tm.set_touched_rows_hook(tracker.record)
+    published = []
+    try:
+        for b in batches[:3]:
+            tm.train_step(b)
+            clock[0] += 0.05  # a step 50 ms after the last, then the input is idle
+            if pub.publish_if_behind(tm.global_step, {0: tm.global_step}):
+                published.append(tm.global_step)
+        assert published == []  # 0.15 s since the last version (the start): not yet
+        clock[0] += incremental.IDLE_PUBLISH_MIN_SECS
+        assert pub.publish_if_behind(tm.global_step, {0: tm.global_step})
+        assert not pub.publish_if_behind(tm.global_step, {0: tm.global_step})  # nothing new
+        assert pub.flush(timeout=10)
+    finally:
+        tm.set_touched_rows_hook(None)
+    assert len(list(list_versions(str(tmp_path / "deltas")))) == 1  # flush: nothing new
