@@ -3,9 +3,12 @@
 Everything real and local, the sample config as fetched (only its servers and model_dir are
 pointed at this run's broker and work directory):
 
-* ``odl-kafka up --port 0 --data-dir <work>/kafka`` with its default retention (128 MiB per
+* ``odl-kafka up --port 0 --data-dir <work>/kafka`` with its default retention (32 MiB per
   partition, 24 h: at 10k samples/s the sample topic's first records are deleted after about
-  3.5 minutes, the delta topic's after seconds to a minute);
+  a minute), and ``odl-kafka create-topic <delta topic> --retention_mb 128``
+  (``--delta-retention-mb``): the delta topic must keep every version since the newest
+  checkpoint and export, about 27 s of the sample's 4.7 MB/s of versions at 10k samples/s,
+  which odl-kafka's default would keep for 7 s only (docs/training.md#broker-retention);
 * ``odl-datagen --rate R --partitions P`` into the config's topic, for the whole soak;
 * ``odl-train --online --pipeline_config_path samples/deepfm_online.config
   --edit_config_json '{"kafka_train_input.server": ..., "train_config.incr_save_config.
@@ -403,10 +406,9 @@ class Soak:
         """Starts everything, samples until the end, prints a row per minute."""
         a = self.args
         self.say(f"work dir {self.work}")
-        self.commands["broker"] = cli("odl-kafka", "odl.cli.kafka_cli") + [
-            "up", "--port", "0", "--data-dir", self.kafka_dir]
-        self.bootstrap = kafka_cli("up", "--port", "0", "--data-dir",
-                                   self.kafka_dir).stdout.strip().splitlines()[-1]
+        up = ["up", "--port", "0", "--data-dir", self.kafka_dir] + shlex.split(a.broker_args)
+        self.commands["broker"] = cli("odl-kafka", "odl.cli.kafka_cli") + up
+        self.bootstrap = kafka_cli(*up).stdout.strip().splitlines()[-1]
         self.broker_state = read_state(Path(self.kafka_dir)) or {}
         self.own("broker", self.broker_state.get("pid"))
         self.own("retention keeper", self.broker_state.get("retention_keeper_pid"))
@@ -415,6 +417,11 @@ class Soak:
         self.edits = {"kafka_train_input.server": self.bootstrap, "model_dir": self.model_dir}
         if self.delta_topic:
             self.edits["train_config.incr_save_config.kafka.server"] = self.bootstrap
+            if a.delta_retention_mb > 0:  # as docs/training.md#broker-retention asks
+                kafka_cli("create-topic", self.delta_topic, "--retention_mb",
+                          f"{a.delta_retention_mb:g}", "--bootstrap", self.bootstrap)
+                self.say(f"odl-kafka create-topic {self.delta_topic} --retention_mb "
+                         f"{a.delta_retention_mb:g}")
         self.spawn("datagen", cli("odl-datagen", "odl.cli.datagen_cli") + [
             "--bootstrap", self.bootstrap, "--topic", self.topic, "--partitions",
             str(a.partitions), "--rate", str(a.rate)] + shlex.split(a.datagen_args),
@@ -1070,6 +1077,14 @@ def main() -> int:
     ap.add_argument("--exact-freshness", action="store_true",
                     help="also read the sample topic's produce timestamps: per-sample "
                          "freshness instead of the per-version upper bound")
+    ap.add_argument("--broker-args", default="",
+                    help="more odl-kafka up arguments (e.g. '--retention_mb 32'; default: "
+                         "its defaults, as a user runs it)")
+    ap.add_argument("--delta-retention-mb", type=float, default=128.0,
+                    help="create the config's delta topic first with this retention "
+                         "(odl-kafka create-topic), as the docs ask: it must keep the versions "
+                         "since the newest checkpoint and export; 0: leave it to the trainer "
+                         "and odl-kafka up's default")
     ap.add_argument("--datagen-args", default="",
                     help="more odl-datagen arguments (e.g. '--conversions' for a multi-task "
                          "config)")

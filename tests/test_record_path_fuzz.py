@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import struct
 import time
 
 import numpy as np
@@ -97,11 +98,13 @@ def _check_partition(values: list[bytes], res) -> None:
 
 
 _kinds = st.sampled_from(("good",) + HOSTILE_KINDS)
+# The mutations take a seeded random.Random (use_true_random): hypothesis's own draws floats
+# that it refuses to draw while the process flushes subnormals (TrainModule sets that).
 
 
 @settings(max_examples=200, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(_kinds, st.randoms(use_true_random=False), st.sampled_from(_GOOD)),
+@given(st.lists(st.tuples(_kinds, st.randoms(use_true_random=True), st.sampled_from(_GOOD)),
                 min_size=1, max_size=24))
 def test_builder_accounts_for_every_mutated_record(draws):
     now = time.time()
@@ -117,7 +120,11 @@ def test_builder_accounts_for_every_mutated_record(draws):
 
 _json_leaf = st.one_of(
     st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
-    st.floats(allow_nan=True, allow_infinity=True),
+    # subnormal doubles from their bit patterns: hypothesis refuses to draw them while the
+    # process flushes subnormals to zero (as TrainModule sets it, odl.models.subnormal_floats)
+    st.floats(allow_nan=True, allow_infinity=True, allow_subnormal=False),
+    st.integers(min_value=1, max_value=(1 << 52) - 1).map(
+        lambda bits: struct.unpack("<d", struct.pack("<Q", bits))[0]),
     st.text(st.characters(codec=None, categories=["L", "N", "P", "Cs", "Cc"]), max_size=20),
 )
 _json_value = st.recursive(_json_leaf, lambda kids: st.lists(kids, max_size=3)
@@ -154,7 +161,7 @@ def test_builder_accounts_for_random_csv_json_and_bytes(values):
 
 @settings(max_examples=25, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(_kinds, st.randoms(use_true_random=False), st.sampled_from(_GOOD)),
+@given(st.lists(st.tuples(_kinds, st.randoms(use_true_random=True), st.sampled_from(_GOOD)),
                 min_size=4, max_size=32))
 def test_training_on_whatever_is_accepted_keeps_parameters_finite(draws):
     if not _module:

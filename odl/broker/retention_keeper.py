@@ -21,7 +21,7 @@ segment (on the embedded broker, with the next writes).
 
 As a process (what ``odl-kafka up`` starts, logging to ``<data-dir>/retention_keeper.log``)::
 
-    python -m odl.broker.retention_keeper --bootstrap 127.0.0.1:9092 --retention_mb 128
+    python -m odl.broker.retention_keeper --bootstrap 127.0.0.1:9092 --retention_mb 32
         --retention_hours 24 [--broker_pid PID] [--state FILE] [--interval 1]
 
 It exits 0 on SIGTERM / SIGINT or once the broker process ``--broker_pid`` has ended.

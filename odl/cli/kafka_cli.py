@@ -3,10 +3,10 @@
 Commands::
 
     odl-kafka up     [--port 9092] [--data-dir .odl/kafka]     start detached, print bootstrap
-                     [--retention_mb 128] [--retention_hours 24]
+                     [--retention_mb 32] [--retention_hours 24]
     odl-kafka down   [--data-dir .odl/kafka] [--timeout 60]    SIGTERM it (data is saved)
     odl-kafka status [--data-dir .odl/kafka]                   exit 0 if running, 1 if not
-    odl-kafka create-topic NAME [--partitions 1] [--retention_mb 128] [--retention_hours 24]
+    odl-kafka create-topic NAME [--partitions 1] [--retention_mb 32] [--retention_hours 24]
                      [--config K=V ...] [--data-dir .odl/kafka | --bootstrap H:P]
 
 The broker keeps every record in memory. ``up`` also starts a retention keeper
@@ -25,7 +25,7 @@ Errors (port taken, already running, broker does not come up) exit 2 with one li
      "bootstrap": "127.0.0.1:9092",
      "data_dir": "/abs/path",       # absolute data directory
      "started_at": 1767225600.123,  # unix seconds
-     "retention": {"retention_bytes": 134217728, "retention_ms": 86400000},  # -1: no limit
+     "retention": {"retention_bytes": 33554432, "retention_ms": 86400000},  # -1: no limit
      "retention_keeper_pid": 12346}
 
 Next to it the broker keeps ``kafka.json`` (its data) and ``broker.log`` (its output), and the

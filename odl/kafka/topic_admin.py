@@ -34,7 +34,10 @@ from odl.kafka.client_settings import admin_config, consumer_config
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_RETENTION_MB = 128.0
+# The development broker's default (odl-kafka up): it keeps everything in RAM and rewrites
+# it all after every write, so on a small machine its CPU, RSS and the stalls that its saves
+# cause grow with what it keeps (bench/soak.py, docs/benchmarks.md#soak).
+DEFAULT_RETENTION_MB = 32.0
 DEFAULT_RETENTION_HOURS = 24.0
 RETENTION_KEYS = ("retention.bytes", "retention.ms", "segment.bytes")
 _MIN_SEGMENT_BYTES = 1 << 20
