@@ -33,6 +33,21 @@ from odl.train.trainer import Trainer, TrainerOptions
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def wait_for_value(condition, what: str, timeout: float = 20.0, interval: float = 0.1):
+    """Polls ``condition`` until it returns something truthy and returns that.
+
+    Raises:
+        AssertionError: ``timeout`` seconds passed first (naming ``what``).
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(interval)
+
+
 def load_config_text(text: str) -> pipeline_pb2.EasyRecConfig:
     """Loads ``text`` as odl-train loads a config file (TorchEasyRec's forms normalized) and
     validates it for online training."""

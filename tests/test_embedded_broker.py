@@ -16,6 +16,7 @@ from odl.cli.kafka_cli import pid_is_broker, pid_is_keeper
 from odl.harness.topic_records import produce
 from odl.kafka.client_settings import consumer_config
 from odl.kafka.topic_admin import Retention, create_topic, end_offsets, topic_configs
+from tests.harness import wait_for_value
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -40,13 +41,7 @@ def _numbered(n: int) -> list[bytes]:
 
 
 def _wait(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+    return wait_for_value(condition, what, timeout)
 
 
 def _watermarks(bootstrap: str, topic: str) -> tuple[int, int]:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 
 import pytest
 from confluent_kafka import Consumer, TopicPartition
@@ -39,7 +38,7 @@ from odl.inputs.kafka_source import KafkaSource, StartPositions
 from odl.kafka.client_settings import consumer_config
 from odl.kafka.topic_admin import create_topic
 from odl.train.trainer import Trainer, TrainerOptions
-from tests.harness import run_in_thread, write_config
+from tests.harness import run_in_thread, wait_for_value, write_config
 
 EXTERNAL_BOOTSTRAP_ENV = "ODL_KAFKA_BOOTSTRAP"  # as in conftest.py
 RETENTION_BYTES = 256 << 10
@@ -47,16 +46,6 @@ SEGMENT_BYTES = 64 << 10
 FIRST_CHUNK = 400  # more than the input buffers (credit, prefetcher, the batch in hand)
 CHUNK = 50
 MAX_RECORDS = 3000  # ~1 MB of records, four times the limit: a warning must have come
-
-
-def _wait(condition, what: str, secs: float = 20.0):
-    deadline = time.monotonic() + secs
-    while True:
-        value = condition()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
 
 
 @pytest.mark.slow
@@ -92,19 +81,19 @@ def test_behind_is_reported_before_retention_deletes_unread_records(
                                            cached=False)[0]
 
     try:
-        url = _wait(lambda: trainer_url(model_dir), "the status API", 60)
+        url = wait_for_value(lambda: trainer_url(model_dir), "the status API", 60)
 
         def status() -> dict:
             return get_json(url + "/status") or {}
 
         def showing(end: int) -> dict:
             """``/status`` once it shows partition 0's log end at ``end``."""
-            return _wait(lambda: (doc := status()) and (doc["input"]["partitions"]
+            return wait_for_value(lambda: (doc := status()) and (doc["input"]["partitions"]
                                                         .get("0", {})
                                                         .get("high_watermark") == end) and doc,
                          f"/status to show the log end {end}")
 
-        first = _wait(lambda: (doc := status()).get("state") == "training"
+        first = wait_for_value(lambda: (doc := status()).get("state") == "training"
                       and doc["input"]["retention"] is not None and doc,
                       "the trainer to train, with a retention report", 60)
         assert first["input"]["retention"]["state"] == "ok"
@@ -149,8 +138,8 @@ def test_behind_is_reported_before_retention_deletes_unread_records(
         read_position = risk["read_position"]
         produce(kafka_bootstrap, topic, make_records(4 * FIRST_CHUNK, seed=seed)[1])
         produced += 4 * FIRST_CHUNK
-        _wait(lambda: log_start() > read_position, "retention to delete unread records")
-        losing = _wait(lambda: ((doc := status()).get("input", {}).get("retention") or {})
+        wait_for_value(lambda: log_start() > read_position, "retention to delete unread records")
+        losing = wait_for_value(lambda: ((doc := status()).get("input", {}).get("retention") or {})
                        .get("state") == "losing" and doc, "/status to say losing")
         lost = losing["input"]["partitions"]["0"]["retention"]
         assert lost["records_lost"] > 0 and lost["seconds_to_loss"] == 0
@@ -193,8 +182,8 @@ def test_source_reports_the_topic_retention_and_ok_when_it_keeps_up(
             read[0] += len(batch) if batch is not None else 0
             return read[0] >= len(values)
 
-        _wait(read_all, "the records to be read")
-        report = _wait(lambda: (r := source.retention_report()) and r["bytes_per_record"]
+        wait_for_value(read_all, "the records to be read")
+        report = wait_for_value(lambda: (r := source.retention_report()) and r["bytes_per_record"]
                        and all(p["lag"] == 0 for p in r["partitions"].values()) and r,
                        "a report of the records read")
         assert report["state"] == "ok" and set(report["partitions"]) == {"0", "1"}

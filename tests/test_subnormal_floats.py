@@ -58,8 +58,20 @@ def _first_linear(params: dict[str, torch.Tensor]) -> torch.Tensor:
     return params[name]
 
 
-def _median_ratio(run, make_subnormal, make_zero) -> float:
-    """Median over rounds of (time with subnormal weights) / (time with zero weights)."""
+def _slowdown(weight: torch.Tensor, run) -> float:
+    """Median over rounds of run()'s time with the first rows of ``weight`` subnormal / zero."""
+    rows = slice(0, _DEAD_ROWS)
+    shape = tuple(weight[rows].shape)
+
+    @torch.no_grad()
+    def make_subnormal() -> None:
+        weight[rows] = _subnormal_bits(shape)
+        assert bool((weight[rows].view(torch.int32) != 0).all())  # stored, not flushed
+
+    @torch.no_grad()
+    def make_zero() -> None:
+        weight[rows] = 0.0
+
     ratios = []
     for _ in range(_ROUNDS):
         timed = []
@@ -91,20 +103,7 @@ def trained(tmp_path_factory):
 def test_a_model_with_subnormal_weights_trains_at_full_speed(trained):
     _config, _fb, module, batch, _root = trained
     weight = _first_linear(module.dense_parameters())
-    rows = slice(0, _DEAD_ROWS)
-    shape = tuple(weight[rows].shape)
-
-    @torch.no_grad()
-    def make_subnormal() -> None:
-        weight[rows] = _subnormal_bits(shape)
-
-    @torch.no_grad()
-    def make_zero() -> None:
-        weight[rows] = 0.0
-
-    make_subnormal()
-    assert bool((weight[rows].view(torch.int32) != 0).all())  # really subnormal, not flushed
-    ratio = _median_ratio(lambda: module.train_step(batch), make_subnormal, make_zero)
+    ratio = _slowdown(weight, lambda: module.train_step(batch))
     assert ratio < _MAX_RATIO, f"a step with subnormal weights took {ratio:.1f}x as long"
 
 
@@ -116,18 +115,7 @@ def test_a_model_with_subnormal_weights_serves_at_full_speed(trained):
     export = export_checkpoint(config, ckpt, str(root / "exports")).path
     model = ServingModel(read_export(export))
     weight = _first_linear(dict(model.dense_module.named_parameters()))
-    rows = slice(0, _DEAD_ROWS)
-    shape = tuple(weight[rows].shape)
-
-    @torch.no_grad()
-    def make_subnormal() -> None:
-        weight[rows] = _subnormal_bits(shape)
-
-    @torch.no_grad()
-    def make_zero() -> None:
-        weight[rows] = 0.0
-
-    ratio = _median_ratio(lambda: model.predict_batch(batch), make_subnormal, make_zero)
+    ratio = _slowdown(weight, lambda: model.predict_batch(batch))
     assert ratio < _MAX_RATIO, f"a prediction with subnormal weights took {ratio:.1f}x as long"
 
 
