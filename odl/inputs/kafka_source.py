@@ -49,16 +49,14 @@ trained): reading continues at the new end, so records produced from now on are 
 none is read twice; below the log start, retention deleted records: reading continues at the
 log start. Both are logged as errors and counted in ``offset_resets``.
 
-Retention risk, ahead of that (``watch_retention``, on by default): a watch thread reads the
-topic's ``retention.bytes`` / ``retention.ms`` / ``segment.bytes`` (DescribeConfigs, once a
-minute; a failure keeps the last values and is reported, never fatal), refreshes the
-watermarks when the reading thread has not for ``_WATERMARK_REFRESH_SECS`` (a trainer held
-in a long step or checkpoint stops reading, and the log goes on growing) and keeps
-:meth:`KafkaSource.retention_report` current every second: per partition whether records
-will be deleted before they are read (``odl.inputs.retention_risk``), fed with every
-watermark refresh, the size of the values read and the timestamp of the last record read.
-A partition turning ``behind`` or ``losing`` is logged as a warning, at most once a minute
-while it stays so.
+Retention risk, ahead of that (``watch_retention``, on by default): a watch thread
+(``odl.inputs.retention_watch``) reads the topic's ``retention.bytes`` / ``retention.ms`` /
+``segment.bytes`` once a minute, refreshes the watermarks when the reading thread has not for
+``_WATERMARK_REFRESH_SECS`` (a trainer held in a long step or checkpoint stops reading, and
+the log goes on growing) and keeps :meth:`KafkaSource.retention_report` current every
+second: per partition whether records will be deleted before they are read
+(``odl.inputs.retention_risk``), fed with every watermark refresh, the size of the values
+read and the timestamp of the last record read.
 """
 
 from __future__ import annotations
@@ -72,10 +70,9 @@ from typing import Optional
 
 import numpy as np
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
-from confluent_kafka.admin import AdminClient
 
 from odl.inputs.partition_assignment import rank_partitions
-from odl.inputs.retention_risk import RetentionEstimator, RetentionLimits, RetentionWarnings
+from odl.inputs.retention_watch import RetentionWatch
 from odl.kafka.broker_health import (
     OUT_OF_RANGE_CODES,
     BrokerHealth,
@@ -83,15 +80,12 @@ from odl.kafka.broker_health import (
     error_text,
     out_of_range_target,
 )
-from odl.kafka.client_settings import admin_config, consumer_config
-from odl.kafka.topic_admin import TopicAdminError, topic_configs
+from odl.kafka.client_settings import consumer_config
 
 logger = logging.getLogger(__name__)
 
 _WATERMARK_REFRESH_SECS = 2.0
 _PARKED_POLL_SECS = 0.05  # how often a parked source asks for the log ends
-_RETENTION_WATCH_SECS = 1.0  # how often the retention report is brought up to date
-_RETENTION_CONFIGS_SECS = 60.0  # how often the topic's retention configs are read
 
 
 def _sleep(stop_event: Optional[threading.Event], seconds: float) -> bool:
@@ -185,7 +179,6 @@ class KafkaSource(ReportsBrokerHealth):
         self.batch_timeout = batch_timeout_ms / 1000.0
         self.fetch_interval = fetch_interval_ms / 1000.0
         self._topic_wait_secs = topic_wait_secs
-        self._kafka_config = dict(kafka_config or {})
         conf = consumer_config(servers, group, kafka_config)
         conf["error_cb"] = self._on_kafka_error
         conf["auto.offset.reset"] = "error"  # handled in _reset_offset
@@ -221,14 +214,10 @@ class KafkaSource(ReportsBrokerHealth):
         self._closed = False
         # watermark queries of the reading and the watch thread, one at a time
         self._watermark_lock = threading.Lock()
-        self.retention_estimator = RetentionEstimator()
+        self._retention = RetentionWatch(servers, topic, kafka_config)
+        self.retention_estimator = self._retention.estimator
         self._watch_retention = watch_retention
-        self._retention_report: Optional[dict] = None
-        self._retention_warnings = RetentionWarnings(topic)
         self._last_timestamp_ms: dict[int, int] = {}  # of the last record read, per partition
-        self._watch_stop = threading.Event()
-        self._watch_thread: Optional[threading.Thread] = None
-        self._admin: Optional[AdminClient] = None
 
     # ------------------------------------------------------------------ start
     def open(self, stop_event: Optional[threading.Event] = None) -> dict[int, int]:
@@ -254,9 +243,7 @@ class KafkaSource(ReportsBrokerHealth):
         self._consumer.assign([TopicPartition(self.topic, p, off) for p, off in starts.items()])
         self._refresh_watermarks(force=True)
         if self._watch_retention:
-            self._watch_thread = threading.Thread(target=self._watch, name="retention-watch",
-                                                  daemon=True)
-            self._watch_thread.start()
+            self._retention.start(self._refresh_watermarks)
         logger.info("reading topic %s partitions %s from %s", self.topic, self._partitions,
                     starts)
         return starts
@@ -553,54 +540,7 @@ class KafkaSource(ReportsBrokerHealth):
         Returns:
             The report, or None before the first one (or without ``watch_retention``).
         """
-        return self._retention_report
-
-    def _read_limits(self) -> None:
-        """Reads the topic's retention configs; a failure keeps the last ones (logged)."""
-        try:
-            if self._admin is None:
-                self._admin = AdminClient(admin_config(self.servers, self._kafka_config))
-            found = topic_configs(self.servers, [self.topic], admin=self._admin)
-        except (TopicAdminError, KafkaException) as exc:
-            error = error_text(exc)
-            estimator = self.retention_estimator
-            if estimator.configs_error is None:  # once per streak of failures
-                logger.warning("could not read the retention configs of topic %s (%s); %s",
-                               self.topic, error,
-                               "estimating from the log start only until they can be read"
-                               if estimator.limits is None else "keeping the last ones")
-            estimator.set_limits(None, error)
-            return
-        configs = found.get(self.topic)
-        if configs is None:
-            self.retention_estimator.set_limits(None, f"topic {self.topic} not found")
-            return
-        limits = RetentionLimits.from_configs({k: v for k, (v, _own) in configs.items()})
-        if limits != self.retention_estimator.limits:
-            logger.info("topic %s retention: %s, segments of %s bytes", self.topic,
-                        limits.describe(), limits.segment_bytes or "?")
-        self.retention_estimator.set_limits(limits)
-
-    def _update_retention_report(self) -> None:
-        now = time.monotonic()
-        report = self.retention_estimator.report(now).as_dict()
-        self._retention_report = report
-        self._retention_warnings.log(report, now)
-
-    def _watch(self) -> None:
-        """The retention watch thread (see the module docstring)."""
-        next_configs = 0.0
-        while not self._watch_stop.is_set():
-            try:
-                if time.monotonic() >= next_configs:
-                    self._read_limits()
-                    next_configs = time.monotonic() + _RETENTION_CONFIGS_SECS
-                self._refresh_watermarks()
-                self._update_retention_report()
-            except Exception:  # never let the watch end the input; say why once a minute
-                logger.exception("retention watch of topic %s failed; retrying", self.topic)
-                self._watch_stop.wait(_RETENTION_CONFIGS_SECS)
-            self._watch_stop.wait(_RETENTION_WATCH_SECS)
+        return self._retention.report
 
     # ------------------------------------------------------------------ commit
     def request_commit(self, positions: Mapping[int, int]) -> None:
@@ -648,12 +588,10 @@ class KafkaSource(ReportsBrokerHealth):
     def close(self) -> None:
         """Closes the consumer (without leaving uncommitted state behind)."""
         if not self._closed:
-            self._watch_stop.set()
+            self._retention.stop()
             with self._watermark_lock:  # no watermark query in flight past here
                 self._closed = True
-            if self._watch_thread is not None:
-                self._watch_thread.join(timeout=5.0)
-            self._admin = None  # its connections close with it
+            self._retention.join()
             self._consumer.close()
             self._offsets_consumer.close()
 
