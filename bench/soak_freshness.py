@@ -80,7 +80,21 @@ def counter_quantile(counts: Counter, q: float) -> Optional[float]:
     return weighted_quantile(list(counts.items()), q)
 
 
-class TopicFollower(threading.Thread):
+class _HaltableThread(threading.Thread):
+    """A daemon thread whose loop ends once ``stop`` sets ``_halt``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name=name, daemon=True)
+        self._halt = threading.Event()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops the thread (after its current round) and waits up to ``timeout`` s."""
+        self._halt.set()
+        if self.is_alive():
+            self.join(timeout)
+
+
+class TopicFollower(_HaltableThread):
     """Fetches the new messages of a topic every ``interval_s`` and hands them to ``handle``.
 
     Args:
@@ -104,7 +118,7 @@ class TopicFollower(threading.Thread):
     def __init__(self, bootstrap: str, topic: str, handle: Callable[[list[Message]], None],
                  starts: Optional[dict[int, int]] = None, interval_s: float = 0.2,
                  delta: bool = False, name: str = "topic-follower") -> None:
-        super().__init__(name=name, daemon=True)
+        super().__init__(name)
         make = delta_consumer_config if delta else consumer_config
         self.conf = make(bootstrap, f"odl-bench-soak-{uuid.uuid4().hex[:8]}")
         self.conf["auto.offset.reset"] = "earliest"
@@ -116,13 +130,6 @@ class TopicFollower(threading.Thread):
         self.skipped = 0
         self.messages = 0
         self.error: Optional[str] = None
-        self._halt = threading.Event()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stops the thread (after its current round)."""
-        self._halt.set()
-        if self.is_alive():
-            self.join(timeout)
 
     def run(self) -> None:
         consumer = Consumer(self.conf)
@@ -341,7 +348,7 @@ class SampleTimestamps:
                 self.drop_below(p, off)
 
 
-class ServingApplies(threading.Thread):
+class ServingApplies(_HaltableThread):
     """Polls serving's ``/status``; notes each version seen applied.
 
     Args:
@@ -355,7 +362,7 @@ class ServingApplies(threading.Thread):
     """
 
     def __init__(self, url: str, poll_s: float = 0.1) -> None:
-        super().__init__(name="serving-applies", daemon=True)
+        super().__init__("serving-applies")
         self.url = url.rstrip("/") + "/status"
         self.poll_s = poll_s
         self._lock = threading.Lock()
@@ -364,13 +371,6 @@ class ServingApplies(threading.Thread):
         self.last: tuple[Optional[dict[str, Any]], float] = (None, 0.0)
         self.polls = 0
         self.failures = 0
-        self._halt = threading.Event()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stops polling."""
-        self._halt.set()
-        if self.is_alive():
-            self.join(timeout)
 
     def run(self) -> None:
         with httpx.Client(timeout=5.0) as client:

@@ -7,8 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 _SCRIPT = textwrap.dedent("""
     import logging, sys
     from odl.cli.cli_logging import setup_logging
@@ -34,7 +32,6 @@ def test_info_level_keeps_odl_lines_and_drops_a_library_s_root_info_lines():
     assert "a debug line" not in err
 
 
-@pytest.mark.parametrize("level", ["DEBUG"])
-def test_debug_level_shows_everything(level):
-    err = _stderr(level)
+def test_debug_level_shows_everything():
+    err = _stderr("DEBUG")
     assert "TBE=" in err and "a debug line" in err and "step 50 samples 51200" in err

@@ -196,12 +196,18 @@ def test_unknown_watermarks_and_unobserved_partitions():
     assert (risk.state, risk.seconds_to_loss, risk.headroom_records) == (OK, None, None)
 
 
-def test_report_summary_names_the_worst_partition():
+def _two_partitions() -> RetentionEstimator:
+    """Partition 0 keeps up; partition 1's lag grows by 100 records a second."""
     est = _estimator()
     _feed(est, 30, position=lambda t: 100 * t, low=lambda t: 0, high=lambda t: 50 + 100 * t,
           partition=0)
     _feed(est, 30, position=lambda t: 100 * t, low=lambda t: 0, high=lambda t: 1000 + 200 * t,
           partition=1)
+    return est
+
+
+def test_report_summary_names_the_worst_partition():
+    est = _two_partitions()
     doc = est.report(now=29.0).as_dict()
     assert doc["state"] == BEHIND and doc["partition"] == 1
     assert doc["seconds_to_loss"] == pytest.approx((9000 - 3900) / 100.0, abs=0.1)
@@ -257,11 +263,7 @@ def test_sources_without_retention_report_none():
 
 
 def test_trainer_gauges_from_a_report():
-    est = _estimator()
-    _feed(est, 30, position=lambda t: 100 * t, low=lambda t: 0, high=lambda t: 50 + 100 * t,
-          partition=0)
-    _feed(est, 30, position=lambda t: 100 * t, low=lambda t: 0, high=lambda t: 1000 + 200 * t,
-          partition=1)
+    est = _two_partitions()
     metrics = TrainerMetrics()
     metrics.set_retention(None)  # files, DataHub: nothing
     assert "odl_input_retention_state{" not in generate_latest(metrics.registry).decode()
