@@ -85,7 +85,7 @@ class _TrainerThread:
             return None
 
     def caught_up(self, ends: dict[int, int]) -> bool:
-        """Trained up to ``ends`` and every version up to the current step acknowledged."""
+        """Trained up to ``ends``, every version acknowledged, no checkpoint being written."""
         t = self.trainer
         if not self.thread.is_alive():
             raise AssertionError(f"the trainer exited: {self.error!r}") from self.error
@@ -94,7 +94,7 @@ class _TrainerThread:
         published = pub is None or (pub["last_version"] == t.module.global_step
                                     and not pub["republish_pending"])
         return (t.state == "training" and all(pos.get(p, 0) >= e for p, e in ends.items())
-                and published)
+                and published and not t.checkpoint_writing)
 
     def abandon(self) -> None:
         """Stops a trainer a failed test leaves behind (no checks)."""
@@ -245,6 +245,7 @@ def _empty_topic(bootstrap: str, topic: str) -> None:
 
 
 @pytest.mark.kafka
+@pytest.mark.slow
 def test_serving_that_read_past_the_lost_versions_goes_back_to_the_full_republish(
         kafka_bootstrap, kafka_topic_factory, tmp_path):
     """The delta topic loses its acknowledged versions while serving is not looking (here:

@@ -273,6 +273,11 @@ class Trainer:
         return self._stops.reason
 
     @property
+    def checkpoint_writing(self) -> bool:
+        """Whether a checkpoint is being written in the background (outcome not yet taken)."""
+        return self._checkpoint_writer.in_flight
+
+    @property
     def records_rejected(self) -> dict[str, int]:
         """Records not trained on, by reason."""
         return self._rejects.counts
@@ -447,6 +452,7 @@ class Trainer:
             item = pipeline.get(timeout=0.1)
             self._update_input_state()
             if item is None:
+                self._checkpoint_writer.collect()  # /status shows a finished write while idle
                 if pipeline.finished:
                     if self.passes is not None and self.passes.close_current():
                         self._pass_ended(day_ended=True)  # the stream ended with the last pass

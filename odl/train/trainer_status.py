@@ -89,6 +89,7 @@ class TrainerView(Protocol):
     samples_per_sec: float
     last_loss: Optional[float]
     last_checkpoint_error: Optional[str]
+    checkpoint_writing: bool
     last_sample_time_ms: Optional[int]
     failure: Optional[str]
     publisher: Optional[IncrementalPublisher]
@@ -191,6 +192,7 @@ class TrainerStatus:
                 "step": t.checkpoints.last_saved_step,
                 "time": t.checkpoints.last_saved_time,
                 "error": t.last_checkpoint_error,
+                "writing": t.checkpoint_writing,
                 "upload_seconds": t.checkpoints.last_upload_seconds,
             },
             "oss": oss_health(),
