@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from odl.config.pipeline_config import load_pipeline_config
 from odl.harness.delta_topic_audit import audit_delta_topic
 from odl.harness.topic_records import make_records, produce
@@ -50,6 +52,7 @@ def _published_to(trainer: Trainer, ends: dict[int, int]) -> bool:
             and pub.get("last_version") == trainer.module.global_step)
 
 
+@pytest.mark.slow
 def test_a_newer_trainer_fences_the_older_one(kafka_bootstrap, kafka_topic_factory, tmp_path):
     in_a, in_b = kafka_topic_factory(partitions=1), kafka_topic_factory(partitions=1)
     delta_topic = kafka_topic_factory(prefix="delta", create=False)

@@ -107,6 +107,7 @@ def _train_all_and_stop(cfg: str, ids: list[str], tmp_path) -> str:
     return ledger
 
 
+@pytest.mark.slow
 def test_two_ranks_under_torchrun_train_every_record_once(kafka_bootstrap, kafka_topic_factory,
                                                          tmp_path):
     """Two ranks train every record once; rank 0 scores an eval stream at every checkpoint
@@ -132,6 +133,7 @@ def test_two_ranks_under_torchrun_train_every_record_once(kafka_bootstrap, kafka
     assert one.global_step == ckpt.global_step > 0
 
 
+@pytest.mark.slow
 def test_two_ranks_split_a_datahub_topics_shards(tmp_path):
     """DataHub input under torchrun (the real SDK against the loopback double): rank r reads
     the shards s with s % 2 == r, every record is trained once over both ranks, and the final
@@ -155,6 +157,7 @@ def test_two_ranks_split_a_datahub_topics_shards(tmp_path):
     assert ckpt.positions == {0: 300, 1: 300, 2: 300}
 
 
+@pytest.mark.slow
 def test_two_hosts_meet_at_a_rendezvous_and_train_every_record_once(
         kafka_bootstrap, kafka_topic_factory, tmp_path):
     """Two torchrun agents (one per host, here both on loopback) of one rank each, meeting
@@ -181,6 +184,7 @@ def test_two_hosts_meet_at_a_rendezvous_and_train_every_record_once(
 
 
 @pytest.mark.parametrize("tables", ["fixed", "dynamic split by id"])
+@pytest.mark.slow
 def test_kill_9_of_one_rank_restarts_both_at_the_last_version_serving_sees(
         kafka_bootstrap, kafka_topic_factory, tmp_path, tables):
     """SIGKILL of rank 1 mid-stream while rank 0 publishes both ranks' rows: torchrun
@@ -270,6 +274,7 @@ def test_kill_9_of_one_rank_restarts_both_at_the_last_version_serving_sees(
     assert float(np.abs(np.asarray(served["probabilities"]) - expected).max()) <= 1e-6
 
 
+@pytest.mark.slow
 def test_two_ranks_train_offline_files_as_one_process_with_twice_the_batch(tmp_path):
     """Offline files (``train_input_path``, no ``--online``) under torchrun: rank r takes
     every other batch of the files' records, the ranks step together until both are done
@@ -308,6 +313,7 @@ def test_two_ranks_train_offline_files_as_one_process_with_twice_the_batch(tmp_p
                                    rtol=0, err_msg=name)
 
 
+@pytest.mark.slow
 def test_two_ranks_train_a_file_stream_as_one_process_and_resume_in_one(tmp_path):
     """A PaddleRec-style file stream (``file_stream_input``) under ``odl-train --nproc 2``:
     the ranks read the same groups of two batches, each training its own, and step through
@@ -399,6 +405,7 @@ def _slow_reader_rank(rank: int, world: int, text: str, slow_rank: int,
             "model": {k: v.numpy() for k, v in state.get("model", {}).items()}}
 
 
+@pytest.mark.slow
 def test_file_stream_ranks_wait_for_a_slow_reader_and_end_passes_together(tmp_path):
     """Two ranks on a file stream, one of them a slow reader: the fast rank holds its batch
     of each group until the slow one has its own, so both train every group at the same
@@ -448,6 +455,7 @@ def test_file_stream_ranks_that_read_different_records_stop_untrained(tmp_path):
 
 
 @pytest.mark.parametrize("stop_at", [0, 2, 3])
+@pytest.mark.slow
 def test_two_ranks_write_day_and_pass_saves_that_replay_to_serving_parity(tmp_path, stop_at):
     """A file stream's day and pass saves (``model_save_path``) written by two ranks under
     ``odl-train --nproc 2``, with a table shrunk at each day's end and a dynamic one (also
@@ -493,6 +501,7 @@ def test_two_ranks_write_day_and_pass_saves_that_replay_to_serving_parity(tmp_pa
     assert float(abs(service.model.predict_batch(probe) - model.predict(probe)).max()) <= 1e-6
 
 
+@pytest.mark.slow
 def test_kill_9_of_one_file_stream_rank_restarts_both_at_the_last_checkpoint(tmp_path):
     """SIGKILL of rank 1 inside a pass of a file stream with day and pass saves, under
     ``torchrun --max-restarts 1``: both ranks restart from the last checkpoint's positions

@@ -321,6 +321,7 @@ def _restore_parts_main(rank: int, world: int, model_dir: str, path: str,
             "global_step": gathered.get("global_step")}
 
 
+@pytest.mark.slow
 def test_each_rank_writes_its_own_rows_and_the_checkpoint_reads_whole(tmp_path):
     """With two ranks the checkpoint holds one table part per rank and model.pt no table;
     read back it is the state gathered on rank 0 (so it restores into any number of ranks),

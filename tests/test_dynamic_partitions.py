@@ -335,6 +335,7 @@ def test_partitions_that_do_not_fit_the_ranks_or_the_tables_are_refused(tmp_path
         TrainModule(config, FeatureBuilder(config), device="cpu")
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_split_by_id_train_files_as_one_process_split_alike(tmp_path):
     """``odl-train --nproc 2`` (``torchrun`` with two ranks) on offline files with the index
     split by id over the ranks ends, exit 0, with the checkpoint of one process holding both

@@ -487,6 +487,7 @@ def _checkpoint_steps_by_generation(model_dir: str) -> dict[str, int]:
     return last
 
 
+@pytest.mark.slow
 def test_kill_9_inside_passes_every_record_once_and_deltas_replay_to_the_last_base(tmp_path):
     import signal
     import subprocess

@@ -64,6 +64,7 @@ def test_an_evaluation_scores_the_new_records_with_the_model(kafka_bootstrap,
     assert result["logloss"] == pytest.approx(log_loss(probs, labels), abs=1e-6)
 
 
+@pytest.mark.slow
 def test_eval_topic_is_scored_at_checkpoints_never_trained_and_resumed(
         kafka_bootstrap, kafka_topic_factory, tmp_path):
     train, held_out = kafka_topic_factory(partitions=2), kafka_topic_factory(partitions=2)
