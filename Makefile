@@ -48,15 +48,15 @@ test: venv protos browser
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 demo: venv protos
-	$(BIN)/python -m odl.demo
+	$(BIN)/python -m odl.demos.kafka_demo
 
 # The same loop on DataHub and OSS, played by local test doubles (no cloud account needed).
 demo-cloud: venv protos
-	$(BIN)/python -m odl.demo_cloud
+	$(BIN)/python -m odl.demos.cloud_demo
 
 # PaddleRec-style file stream: day/pass splits, day/pass saves, serving from base + deltas.
 demo-filestream: venv protos
-	$(BIN)/python -m odl.demo_filestream
+	$(BIN)/python -m odl.demos.filestream_demo
 
 lint: venv
 	$(BIN)/ruff check .

@@ -8,7 +8,7 @@ of its rows (``upsert``), and its checkpoint state restored, in a fresh
 process for each way, into a new one-process model:
 
 * ``same``: with ``--from`` partitions (the index, counters and rows copied as they are);
-* ``resplit``: with ``--to`` partitions (``odl.models.dynamic_resplit``: every id moved
+* ``resplit``: with ``--to`` partitions (``odl.models.dynamic.resplit``: every id moved
   with its row of weights and optimizer state, free rows reset, a full partition's
   overflow dropped).
 
@@ -44,7 +44,7 @@ def _way(rank: int, args: dict) -> dict:
     from bench.dynamic_tables import config_text, csv_lines, make_stream
     from odl.config.pipeline_config import parse_pipeline_config_text
     from odl.features.feature_builder import FeatureBuilder
-    from odl.models.dynamic_partitions import partition_of
+    from odl.models.dynamic.partitions import partition_of
     from odl.train.train_module import TrainModule
 
     ns = argparse.Namespace(**args)

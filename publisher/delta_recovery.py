@@ -44,7 +44,7 @@ import torch
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from odl.kafka.client_settings import delta_consumer_config
-from odl.models.dynamic_table import DynamicTable
+from odl.models.dynamic.dynamic_table import DynamicTable
 from publisher.delta_decoder import decode_chunk
 from publisher.delta_format import DeltaFormatError, DeltaVersion, VersionHeader
 from publisher.full_republish import FullRepublishes

@@ -22,7 +22,7 @@ per row). ``take(..., republish_all=True)`` puts all of them, and every dense va
 one snapshot (after the broker lost acknowledged versions), marked ``full``; a merge with a
 full snapshot is full too.
 
-Dynamic tables (``odl.models.dynamic_table``; the module's ``dynamic_table(name)``): the
+Dynamic tables (``odl.models.dynamic``; the module's ``dynamic_table(name)``): the
 touched rows are published under the raw ids they hold at snapshot time (a row freed since
 it was touched is left out, a row given to another id since is sent under that id), only
 rows the table says are publishable (``delta_threshold``, ``delta_keep_days``), and the ids
@@ -46,7 +46,7 @@ from typing import Any, Optional, Protocol
 import numpy as np
 import torch
 
-from odl.models.dynamic_table import PUBLISHER_DELETES, DynamicTable
+from odl.models.dynamic.dynamic_table import PUBLISHER_DELETES, DynamicTable
 from publisher.delta_format import VersionHeader
 from publisher.delta_tracker import DeltaTracker
 from publisher.id_maps import IdMaps

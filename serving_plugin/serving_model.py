@@ -16,7 +16,7 @@ the model lock, so a version is applied completely or not at all, and a predicti
 half a version. Dense variables are addressed by the names in ``DENSE_UPDATE_VARIABLES``,
 which are the parameter names inside ``dense_model.pt``.
 
-Dynamic tables (raw ids, ``odl.models.dynamic_table``): each has its own
+Dynamic tables (raw ids, ``odl.models.dynamic``): each has its own
 ``RawIdIndex`` over its rows (built from the export). A lookup maps the raw ids of the
 lookups reading it through that index; an id without a row (never published, or deleted) is
 dropped from its bag, exactly as the trainer drops an id it has not admitted, so it

@@ -1,4 +1,4 @@
-"""The import contracts of ``pyproject.toml`` hold (``lint-imports``, the pinned import-linter).
+"""The import contracts of ``pyproject.toml`` hold (``lint-imports``), and what the package ships.
 
 Layers bottom to top, production code free of the development broker, datagen and the test
 harness, and ``tests/`` and ``bench/`` independent of each other. On failure the message is
@@ -27,3 +27,17 @@ def test_import_contracts_are_kept():
     report = result.stdout + result.stderr
     assert result.returncode == 0, report
     assert "0 broken" in report, report
+
+
+def test_the_installed_package_leaves_out_test_doubles_and_demos():
+    """What ``pip install`` ships: the find rule of ``pyproject.toml``, as setuptools applies it."""
+    import tomllib
+    from setuptools import find_packages
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        rule = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]
+    shipped = set(find_packages(REPO, include=rule["include"], exclude=rule.get("exclude", ())))
+    assert not {p for p in shipped if p.startswith(("odl.harness", "odl.demos"))}, shipped
+    for needed in ("odl.cli", "odl.train", "odl.models.dynamic", "odl.broker", "odl.datagen",
+                   "publisher", "serving_plugin"):  # odl-kafka and odl-datagen are commands
+        assert needed in shipped, needed

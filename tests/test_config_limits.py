@@ -465,7 +465,7 @@ def test_memory_estimate_counts_dynamic_tables_and_their_index() -> None:
     """A dynamic table is its capacity plus its id index and counters, as the engine builds."""
     from odl.config.memory_estimate import estimate_memory
     from odl.features.feature_builder import FeatureBuilder
-    from odl.models.dynamic_table import DynamicTables
+    from odl.models.dynamic.model_tables import DynamicTables
 
     config = load_pipeline_config(ONLINE, {
         "model_config.ev_params": {"max_capacity": 4096},

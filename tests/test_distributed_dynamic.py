@@ -16,7 +16,7 @@ from google.protobuf import text_format
 
 from odl.features.feature_builder import FeatureBuilder
 from odl.harness.spawned_ranks import run_ranks
-from odl.models.dynamic_partitions import partition_of
+from odl.models.dynamic.partitions import partition_of
 from odl.train.distributed import agree, check_several_ranks
 from odl.train.rank_publishing import RankPublishing
 from odl.train.train_module import EBC_PREFIX, TrainModule

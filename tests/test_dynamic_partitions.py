@@ -1,11 +1,11 @@
 """Dynamic tables split by id (``train_config.dynamic_index_partitions``).
 
-The contract (``odl.models.dynamic_partitions``): an id lives in the partition its hash
+The contract (``odl.models.dynamic.partitions``): an id lives in the partition its hash
 names, its row in that partition's block of the table (the block TorchRec's row-wise
 sharding gives the rank of the same number); two ranks, each holding one partition of the
 index, train as one process holding both (predictions, tables, rows of every id), and their
 checkpoints move between the two; a checkpoint of another number of partitions is re-split
-(``odl.models.dynamic_resplit``): each id keeps its row's values in its new partition.
+(``odl.models.dynamic.resplit``): each id keeps its row's values in its new partition.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from odl.config.config_error import ConfigError
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
 from odl.harness.spawned_ranks import run_ranks
-from odl.models.dynamic_partitions import partition_of, partition_spans
+from odl.models.dynamic.partitions import partition_of, partition_spans
 from odl.train.rank_checkpoint import save_across_ranks
 from odl.train.train_module import EBC_PREFIX, TrainModule
 from serving_plugin.serving_model import ServingModel
@@ -403,7 +403,7 @@ def test_a_process_holding_some_partitions_answers_no_row_for_the_others():
     """The held partitions admit their own ids into their own blocks; ids and rows of the
     other partitions get no row, no raw id, and are named as held elsewhere."""
     from odl.config.dynamic_table_config import DynamicTableSpec
-    from odl.models.dynamic_table import DynamicTables
+    from odl.models.dynamic.model_tables import DynamicTables
 
     spec = DynamicTableSpec(form="zch", capacity=40)
     tables = DynamicTables({"t": spec}, {"t": ["f"]}, partitions=4, held=(1, 2))

@@ -19,7 +19,7 @@ from odl.config.dynamic_table_config import DynamicTableSpec
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.raw_id_index import RawIdIndex
-from odl.models.dynamic_table import DynamicTable
+from odl.models.dynamic.dynamic_table import DynamicTable
 from odl.models.embedding_tables import DEEP_INIT_STD
 from odl.protos import pipeline_pb2
 from odl.train.train_module import EBC_PREFIX, TrainModule

@@ -16,7 +16,7 @@ checkpoint directory, so no rank ever holds every table at a save. Layout of one
 * ``offsets``: where this rank's block starts in each dimension, or None for a tensor that
   every rank holds whole and equal (written by every rank; any copy is the value);
 * ``dynamic_parts``: the partitions of the dynamic tables' state this rank holds when their
-  index is split by id (``odl.models.dynamic_partitions``); reading the checkpoint puts
+  index is split by id (``odl.models.dynamic.partitions``); reading the checkpoint puts
   them into the state's ``dynamic_tables["parts"]`` (``merge_dynamic_parts``).
 
 The checkpoint's ``model.pt`` then names its parts (``"table_parts": [file, ...]``, rank

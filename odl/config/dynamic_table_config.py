@@ -19,7 +19,7 @@ one of these, or when ``model_config.ev_params`` is set and the feature sets non
 
 :func:`dynamic_table_spec` turns a feature's config into a :class:`DynamicTableSpec` (or
 ``None`` for a fixed, hashed table) and raises ``ConfigError`` naming the field for anything
-odl cannot honour. The engine that applies a spec is ``odl.models.dynamic_table``.
+odl cannot honour. The engine that applies a spec is ``odl.models.dynamic``.
 """
 
 from __future__ import annotations

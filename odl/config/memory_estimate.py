@@ -99,7 +99,7 @@ RUNTIME_BYTES = 512 << 20
 METRICS_BYTES_PER_SAMPLE = 48
 ACTIVATION_COPIES = 3
 # A dynamic table's id index (row ids, 2 hash slots, free stack) and row counters (sightings,
-# last step, last time), per row; show / click add 16 (odl.models.dynamic_table).
+# last step, last time), per row; show / click add 16 (odl.models.dynamic.dynamic_table).
 DYNAMIC_MAP_BYTES_PER_ROW = 56
 WIDE_DIM_ALIGN = 4  # odl.models.embedding_tables.WIDE_DIM_ALIGN (not imported: no torch here)
 

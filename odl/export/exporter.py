@@ -83,7 +83,7 @@ the probability is ``sigmoid(logit)``. For DeepFM the inputs are ``deep [B, num_
 replayed dense variables are copied in by name. ``deep_dim`` ... ``wide_lookups`` repeat the
 model's embedding layout (deep and wide lookups) for readers that know DeepFM.
 
-A dynamic table (``odl.models.dynamic_table``) is exported as its live rows only, keyed by
+A dynamic table (``odl.models.dynamic``) is exported as its live rows only, keyed by
 raw id (rows below the table's ``base_threshold`` are left out); serving rebuilds its own id
 index from them, so nothing depends on the trainer's row layout.
 
@@ -132,7 +132,7 @@ from odl.export.export_layout import (
 from odl.export.fg_json import FG_JSON_NAME, fg_json_of
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import CtrModel
-from odl.models.dynamic_table import DynamicTables
+from odl.models.dynamic.model_tables import DynamicTables
 from odl.models.embedding_tables import WIDE_SUFFIX
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2

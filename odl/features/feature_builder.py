@@ -54,7 +54,7 @@ Feature kinds (``FeatureConfig.feature_type``):
   in ``[0, 2**63)``, the 63 low bits of the FNV-1a hash for hashed and combo features, the
   integer itself for ``num_buckets`` features (a negative integer keeps its 63 low bits, so
   -1 becomes 2**63 - 1) and the vocabulary index for vocabulary features. The trainer and
-  serving map raw ids to rows (``odl.models.dynamic_table``, ``odl.features.raw_id_index``).
+  serving map raw ids to rows (``odl.models.dynamic``, ``odl.features.raw_id_index``).
 
 Tables: features with the same ``embedding_name`` share one table (their row count and
 dimension must agree); otherwise a feature's table is named after the feature.

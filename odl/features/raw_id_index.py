@@ -4,7 +4,7 @@ A dynamic table (``odl.config.dynamic_table_config``) uses ids as they are: a ha
 63-bit FNV-1a value or an integer id (``FeatureBuilder``), never reduced modulo a bucket
 count. ``RawIdIndex`` maps such ids (``int64`` in ``[0, 2**63)``) to rows ``[0, capacity)``
 of the table's storage and keeps the free rows. The trainer's dynamic tables
-(``odl.models.dynamic_table``) and serving's (``serving_plugin.serving_model``) both use
+(``odl.models.dynamic``) and serving's (``serving_plugin.serving_model``) both use
 it, so the two sides drop and map ids by the same rules.
 
 Layout:

@@ -14,7 +14,7 @@ rank computes the same plan:
 
 * a table of at least ``row_wise_min_rows`` rows is split by rows over all ranks (TorchRec's
   row-wise sharding: rank r holds a contiguous block of about rows / N rows), and so is
-  every dynamic table whose index is split by id (``odl.models.dynamic_partitions``: rank
+  every dynamic table whose index is split by id (``odl.models.dynamic.partitions``: rank
   r's rows are partition r's);
 * every other table is placed whole on one rank (table-wise): largest first (bytes = rows x
   stored columns), each on the rank with the fewest bytes so far (ties: the lower rank).

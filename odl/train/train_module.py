@@ -25,7 +25,7 @@ them on rank 0; a checkpoint of several ranks is written instead from
 ``state_without_tables`` and each rank's ``table_part``, ``odl.checkpoint.table_parts``,
 which reading the checkpoint makes whole again). Wide tables keep their stored
 width (see ``odl.models.embedding_tables``). A model with dynamic tables
-(``odl.models.dynamic_table``) adds ``"dynamic_tables"``: ``DynamicTables.state_dict()``
+(``odl.models.dynamic``) adds ``"dynamic_tables"``: ``DynamicTables.state_dict()``
 (id index, free rows, counters, sketch, pending deletes; tensors) plus ``"stream_time"``.
 
 Dynamic tables: a training step first maps the batch's raw ids to rows
@@ -67,9 +67,10 @@ from odl.config.optimizer_support import table_kernel_kind
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import ModelOutput, predictions
-from odl.models.dynamic_partitions import partition_spans
-from odl.models.dynamic_resplit import resplit_state, saved_partitions
-from odl.models.dynamic_table import UNHELD, DynamicTable, DynamicTables
+from odl.models.dynamic.dynamic_table import DynamicTable
+from odl.models.dynamic.model_tables import UNHELD, DynamicTables
+from odl.models.dynamic.partitions import partition_spans
+from odl.models.dynamic.resplit import resplit_state, saved_partitions
 from odl.models.embedding_tables import (
     WIDE_SUFFIX,
     init_embedding_weights,
@@ -952,7 +953,7 @@ class TrainModule:
         step's records of all ranks in rank order, as one process would remap the
         concatenated batch, then each keeps its own records. With the whole index on every
         rank each rank makes every decision itself (the same everywhere); split by id
-        (``odl.models.dynamic_partitions``) each rank maps the ids of its own partition and
+        (``odl.models.dynamic.partitions``) each rank maps the ids of its own partition and
         the ranks exchange those rows. Rows evicted for admission are reset in the shards
         that hold them. Stream time is the newest event time of the step's records (rank
         0's clock without an event time field), the same on every rank.
@@ -1411,7 +1412,7 @@ class TrainModule:
         """The dynamic tables' index and counters of a checkpoint state (every rank).
 
         A state split into another number of partitions is re-split into this model's
-        (``odl.models.dynamic_resplit``): each id's row of weights and optimizer state moves
+        (``odl.models.dynamic.resplit``): each id's row of weights and optimizer state moves
         with it, the free rows get fresh values.
         """
         if self.dynamic:
@@ -1504,7 +1505,7 @@ class TrainModule:
             var_map: own (new) name -> source (old) name for renamed parameters.
             dynamic_state: the source checkpoint's ``"dynamic_tables"``, if any. Split into
                 another number of partitions, it is re-split into this model's and each
-                id's row moves with it (``odl.models.dynamic_resplit``).
+                id's row moves with it (``odl.models.dynamic.resplit``).
             source_step: the source checkpoint's global step (the keep priority of ids a
                 re-split has no room for).
 

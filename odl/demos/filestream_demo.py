@@ -45,9 +45,9 @@ import time
 import urllib.request
 from typing import Any, Optional
 
-from odl.demo import _free_port, _get, _py, _say, _stop_all
+from odl.demos.kafka_demo import _free_port, _get, _py, _say, _stop_all
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "samples", "deepfm_filestream.config")
 WORK = os.path.join(ROOT, ".odl", "demo-filestream")
 DONEFILE = "to.hadoop.done"  # the sample config's data_donefile

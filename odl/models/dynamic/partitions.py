@@ -35,7 +35,7 @@ import numpy as np
 from odl.features.raw_id_index import mix64
 
 if TYPE_CHECKING:
-    from odl.models.dynamic_table import DynamicTable, TableCounters
+    from odl.models.dynamic.dynamic_table import DynamicTable, TableCounters
 
 __all__ = ["PARTITION_SALT", "PartitionedDynamicTable", "partition_of", "partition_spans"]
 

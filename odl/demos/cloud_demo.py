@@ -31,7 +31,7 @@ import time
 from typing import Optional
 
 from odl.broker.embedded_broker import EmbeddedBroker
-from odl.demo import (
+from odl.demos.kafka_demo import (
     _free_port,
     _get,
     _py,
@@ -44,7 +44,7 @@ from odl.harness.datahub_double import DatahubDouble
 from odl.harness.oss_double import OssDouble
 from odl.kafka.topic_admin import create_topic
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "samples", "deepfm_online.config")
 BUCKET = "odl-demo"
 MODEL_DIR = f"oss://{BUCKET}/ctr/model_dir"

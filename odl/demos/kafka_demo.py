@@ -36,7 +36,7 @@ from odl.kafka.topic_admin import (
     end_offsets,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "samples", "deepfm_online.config")
 TOPIC = "odl_samples"
 DELTA_TOPIC = "odl_deltas"

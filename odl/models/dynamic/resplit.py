@@ -2,7 +2,7 @@
 
 A checkpoint's dynamic tables are split by id into the P partitions of the
 ``train_config.dynamic_index_partitions`` it was trained with
-(``odl.models.dynamic_partitions``). A job restored with another P' (to run on more ranks
+(``odl.models.dynamic.partitions``). A job restored with another P' (to run on more ranks
 than P allows, or to put the index back together) has the state re-split at restore
 (``TrainModule.load_checkpoint_state``; a warm start from a checkpoint with another P
 likewise). :func:`resplit_state` builds the state of P' partitions from the saved one, for
@@ -43,17 +43,17 @@ import numpy as np
 
 from odl.config.dynamic_table_config import DynamicTableSpec
 from odl.features.raw_id_index import RawIdIndex
-from odl.models.dynamic_partitions import partition_of, partition_spans
-from odl.models.dynamic_table import (
+from odl.models.dynamic.admission_sketch import CountMinSketch
+from odl.models.dynamic.dynamic_table import (
     PUBLISHER_DELETES,
     STATE_FORMAT,
-    CountMinSketch,
     DynamicTable,
     TableCounters,
     hash_name,
     state_arrays,
     state_tensors,
 )
+from odl.models.dynamic.partitions import partition_of, partition_spans
 
 logger = logging.getLogger(__name__)
 
