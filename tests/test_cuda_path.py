@@ -16,7 +16,8 @@ from odl.harness.exactly_once_audit import ledger_sample_ids
 from odl.harness.topic_records import make_records as make_stream_records
 from odl.harness.topic_records import produce
 from odl.kafka.topic_admin import end_offsets
-from odl.train.train_module import TrainModule, resolve_device
+from odl.train.torch_runtime import resolve_device
+from odl.train.train_module import TrainModule
 from tests.harness import run_in_process, write_config
 from tests.test_models import batches, config, make_records, roc_auc
 

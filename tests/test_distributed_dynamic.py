@@ -19,7 +19,8 @@ from odl.harness.spawned_ranks import run_ranks
 from odl.models.dynamic.partitions import partition_of
 from odl.train.distributed import agree, check_several_ranks
 from odl.train.rank_publishing import RankPublishing
-from odl.train.train_module import EBC_PREFIX, TrainModule
+from odl.train.table_shards import EBC_PREFIX
+from odl.train.train_module import TrainModule
 from publisher.delta_recovery import apply_recovered_state
 from publisher.id_maps import build_id_maps
 from publisher.publisher_factory import (

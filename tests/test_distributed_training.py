@@ -23,7 +23,8 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.harness.spawned_ranks import run_ranks
 from odl.inputs.partition_assignment import rank_partitions
 from odl.train.distributed import check_several_ranks, table_placement
-from odl.train.train_module import TrainModule, rank_device
+from odl.train.torch_runtime import rank_device
+from odl.train.train_module import TrainModule
 from tests.harness import assert_tables_close, load_config_text
 
 BATCH = 256
@@ -380,7 +381,7 @@ def test_each_rank_writes_its_own_rows_and_the_checkpoint_reads_whole(tmp_path):
 def test_recovered_rows_go_to_the_shards_that_hold_them():
     """Crash recovery's rows written through ``ShardRows``: each shard takes the rows (and
     columns) it holds, as a whole table would."""
-    from odl.train.train_module import ShardRows
+    from odl.train.table_shards import ShardRows
 
     whole = torch.zeros(6, 4)
     top, bottom = torch.zeros(3, 4), torch.zeros(3, 4)  # rows 0-2 and 3-5 of one table

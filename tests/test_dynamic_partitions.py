@@ -27,7 +27,8 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.harness.spawned_ranks import run_ranks
 from odl.models.dynamic.partitions import partition_of, partition_spans
 from odl.train.rank_checkpoint import save_across_ranks
-from odl.train.train_module import EBC_PREFIX, TrainModule
+from odl.train.table_shards import EBC_PREFIX
+from odl.train.train_module import TrainModule
 from serving_plugin.serving_model import ServingModel
 from tests.harness import assert_tables_close
 from tests.test_distributed_dynamic import GLOBAL, ROW_WISE_MIN_ROWS, _steps
@@ -167,7 +168,7 @@ def _saved_last_steps(saved: dict, name: str) -> dict[int, int]:
 
 def _dynamic_params(tm: TrainModule, name: str) -> list[str]:
     """The parameter names of a dynamic table's torch tables (deep and wide)."""
-    return [f"{EBC_PREFIX}{t}.weight" for t in tm._dynamic_torch_tables[name]]
+    return [f"{EBC_PREFIX}{t}.weight" for t in tm.dynamic_torch_tables[name]]
 
 
 @pytest.mark.parametrize("old,new", [(2, 1), (1, 4), (2, 4)])

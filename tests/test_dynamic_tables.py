@@ -22,7 +22,8 @@ from odl.features.raw_id_index import RawIdIndex
 from odl.models.dynamic.dynamic_table import DynamicTable
 from odl.models.embedding_tables import DEEP_INIT_STD
 from odl.protos import pipeline_pb2
-from odl.train.train_module import EBC_PREFIX, TrainModule
+from odl.train.table_shards import EBC_PREFIX
+from odl.train.train_module import TrainModule
 from publisher.delta_decoder import decode_chunk
 from publisher.delta_encoder import encode_version
 from publisher.delta_recovery import RecoveredState, RecoveryMerger, apply_recovered_state

@@ -159,7 +159,7 @@ def test_train_module_applies_the_schedule_to_both_optimizers() -> None:
     assert tm.current_learning_rates() == pytest.approx((0.2, 0.1))
     tm.train_step(batch)  # step 1 at half rates
     assert tm.fused_optimizer.param_groups[0]["lr"] == pytest.approx(0.2)
-    assert tm._dense_opt.param_groups[0]["lr"] == pytest.approx(0.1)
+    assert tm.dense_optimizer.param_groups[0]["lr"] == pytest.approx(0.1)
     tables = {k: v.clone() for k, v in tm.embedding_tables().items()}
     dense = {k: v.clone() for k, v in tm.dense_parameters().items()}
     tm.train_step(batch)  # step 2: cosine at T_max -> rate 0, nothing moves
@@ -287,15 +287,15 @@ def test_train_module_clips_dense_gradients(monkeypatch: pytest.MonkeyPatch) -> 
     fb = FeatureBuilder(c)
     tm = TrainModule(c, fb, device="cpu")
     norms = []
-    real_step = tm._dense_opt.step
+    real_step = tm.dense_optimizer.step
 
     def step(*args, **kwargs):
         norms.append(math.sqrt(sum(float((p.grad ** 2).sum())
-                                   for g in tm._dense_opt.param_groups for p in g["params"]
+                                   for g in tm.dense_optimizer.param_groups for p in g["params"]
                                    if p.grad is not None)))
         return real_step(*args, **kwargs)
 
-    monkeypatch.setattr(tm._dense_opt, "step", step)
+    monkeypatch.setattr(tm.dense_optimizer, "step", step)
     for seed in range(3):
         tm.train_step(fb.build(records(64, seed)).batch)
     assert len(norms) == 3 and max(norms) <= 0.001 * (1 + 1e-4)

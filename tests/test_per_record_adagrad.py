@@ -55,7 +55,7 @@ def _module(config) -> tuple[TrainModule, FeatureBuilder]:
 
 
 def _accumulators(tm: TrainModule) -> dict[str, torch.Tensor]:
-    _, states = tm._row_state_views()
+    _, states = tm.row_state_views()
     return {name[len("ebc.embedding_bags."):-len(".weight")]: v[0].clone()
             for name, v in states.items()}
 

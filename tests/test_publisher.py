@@ -19,7 +19,8 @@ from odl.harness.topic_records import make_records, produce
 from odl.kafka.client_settings import delta_consumer_config
 from odl.kafka.topic_admin import end_offsets
 from odl.protos import pipeline_pb2
-from odl.train.train_module import EBC_PREFIX, TrainModule
+from odl.train.table_shards import EBC_PREFIX
+from odl.train.train_module import TrainModule
 from publisher.delta_decoder import decode_chunk
 from publisher.delta_sink import SentOffsets
 from publisher.delta_tracker import DeltaTracker

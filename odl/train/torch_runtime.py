@@ -1,9 +1,13 @@
-"""Process-wide torch settings chosen by the odl daemons' command lines."""
+"""Process-wide torch settings chosen by the odl daemons' command lines, and the device."""
 
 from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -41,3 +45,25 @@ def configure_torch_threads(requested: int) -> int:
     torch.set_num_threads(requested)
     logger.info("torch intra-op threads: %d", requested)
     return requested
+
+
+def resolve_device(device: str) -> torch.device:
+    """``"auto"`` -> CUDA when available, else CPU; anything else as given.
+
+    A CUDA device without an index is the rank's own GPU under ``torchrun``
+    (``cuda:<LOCAL_RANK>``), so the ranks of one host do not all share GPU 0.
+    """
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return rank_device(torch.device(device), os.environ.get("LOCAL_RANK"))
+
+
+def rank_device(device: torch.device, local_rank: str | None) -> torch.device:
+    """``cuda`` without an index -> ``cuda:<local_rank>`` when a local rank is set."""
+    import torch
+
+    if device.type == "cuda" and device.index is None and local_rank:
+        return torch.device("cuda", int(local_rank))
+    return device

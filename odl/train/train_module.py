@@ -6,27 +6,9 @@
 data-parallel wrapper: one process has nothing to all-reduce) and runs predict-then-train
 steps.
 
-Checkpoint state (``state_dict_for_checkpoint``), all plain CPU tensors::
-
-    {
-      "format": "odl.train_module/1",
-      "global_step": int,
-      "model": {name: Tensor},            # parameters and buffers, e.g.
-                                          # "ebc.embedding_bags.C1.weight" [rows, dim],
-                                          # "dense.dnn.0.weight", "dense.wide_bias"
-      "dense_optimizer": torch.optim state_dict (tensors on CPU),
-      "sparse_optimizer": {table_param_name: {state_name: Tensor}},
-                                          # e.g. {"ebc.embedding_bags.C1.weight":
-                                          #        {"C1.momentum1": Tensor[rows]}}
-    }
-
-Table weights are full tensors (with several ranks ``state_dict_for_checkpoint`` gathers
-them on rank 0; a checkpoint of several ranks is written instead from
-``state_without_tables`` and each rank's ``table_part``, ``odl.checkpoint.table_parts``,
-which reading the checkpoint makes whole again). Wide tables keep their stored
-width (see ``odl.models.embedding_tables``). A model with dynamic tables
-(``odl.models.dynamic``) adds ``"dynamic_tables"``: ``DynamicTables.state_dict()``
-(id index, free rows, counters, sketch, pending deletes; tensors) plus ``"stream_time"``.
+Its checkpoint state (what a checkpoint holds, save, restore into any number of ranks, warm
+start) is written in ``odl.train.module_state``; the tables as this rank holds them are read
+and written through ``odl.train.table_shards``.
 
 Dynamic tables: a training step first maps the batch's raw ids to rows
 (``DynamicTables.remap``: admission, eviction), resets the weights and table-optimizer state
@@ -38,11 +20,11 @@ the batches carry event times, else the clock.
 
 from __future__ import annotations
 
+import functools
 import logging
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -60,40 +42,33 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from odl.checkpoint import table_parts
-from odl.config.config_error import ConfigError
 from odl.config.loss_settings import num_classes, regression_outputs
 from odl.config.optimizer_support import table_kernel_kind
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import ModelOutput, predictions
 from odl.models.dynamic.dynamic_table import DynamicTable
-from odl.models.dynamic.model_tables import UNHELD, DynamicTables
-from odl.models.dynamic.partitions import partition_spans
-from odl.models.dynamic.resplit import resplit_state, saved_partitions
+from odl.models.dynamic.model_tables import DynamicTables
 from odl.models.embedding_tables import (
     WIDE_SUFFIX,
     init_embedding_weights,
     initial_rows,
-    reset_embedding_rows,
 )
 from odl.models.model_factory import build_model
 from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.protos import pipeline_pb2
+from odl.train import module_state
 from odl.train.batch_row_pairs import RowPairIndex, RowPairs, TableRows
 from odl.train.distributed import (
     ROW_WISE_MIN_ROWS,
     agree,
-    arrays_from_every_rank,
     average_gradients,
     broadcast_parameters,
-    from_every_rank,
-    gather_to_rank0,
-    int64_from_every_rank,
     join_process_group,
     local_world_size,
     table_placement,
 )
+from odl.train.dynamic_rows import DynamicRows, dynamic_partitions, held_partitions
 from odl.train.in_batch_learning import InBatchLearning
 from odl.train.in_batch_scan import InBatchScan, error_model_is_exact, loss_slopes
 from odl.train.optimizer_builder import (
@@ -104,16 +79,21 @@ from odl.train.optimizer_builder import (
     sparse_optimizer_args,
 )
 from odl.train.per_record_adagrad import PerRecordAdagrad, hook_pooled_gradients
+from odl.train.published_rows import PublishedRows
 from odl.train.rank_in_batch import rank_logit_shift
 from odl.train.rank_per_record import RankPerRecordAdagrad
+from odl.train.table_shards import (
+    EBC_PREFIX,
+    ShardRows,
+    local_shards,
+    local_view,
+    read_held_accumulators,
+    write_held_rows,
+)
+from odl.train.torch_runtime import resolve_device
 
 logger = logging.getLogger(__name__)
 
-# a re-split copies the rows moving with their ids this many at a time
-_RESPLIT_CHUNK_ROWS = 1 << 16
-
-CHECKPOINT_FORMAT = "odl.train_module/1"
-EBC_PREFIX = "ebc.embedding_bags."
 
 
 @dataclass
@@ -139,21 +119,6 @@ class StepOutput:
         return int(self.probs.shape[0])
 
 
-@dataclass
-class WarmStartReport:
-    """What ``load_parameters`` did.
-
-    Attributes:
-        loaded: ``(name, source name)`` pairs copied.
-        missing: own names with no source tensor (kept their initial values).
-        unused: source names nothing was loaded from.
-    """
-
-    loaded: list[tuple[str, str]] = field(default_factory=list)
-    missing: list[str] = field(default_factory=list)
-    unused: list[str] = field(default_factory=list)
-
-
 class _NoDataParallel(DataParallelWrapper):
     """Leaves dense parameters unwrapped (no DDP).
 
@@ -164,104 +129,6 @@ class _NoDataParallel(DataParallelWrapper):
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv,
              device: torch.device) -> None:
         return None
-
-
-def resolve_device(device: str) -> torch.device:
-    """``"auto"`` -> CUDA when available, else CPU; anything else as given.
-
-    A CUDA device without an index is the rank's own GPU under ``torchrun``
-    (``cuda:<LOCAL_RANK>``), so the ranks of one host do not all share GPU 0.
-    """
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    return rank_device(torch.device(device), os.environ.get("LOCAL_RANK"))
-
-
-def rank_device(device: torch.device, local_rank: str | None) -> torch.device:
-    """``cuda`` without an index -> ``cuda:<local_rank>`` when a local rank is set."""
-    if device.type == "cuda" and device.index is None and local_rank:
-        return torch.device("cuda", int(local_rank))
-    return device
-
-
-def to_full_cpu(t: Any) -> torch.Tensor:
-    """A plain, full, detached CPU copy of a tensor, ShardedTensor or DTensor."""
-    if hasattr(t, "local_shards") and hasattr(t, "metadata"):
-        out = torch.empty(tuple(t.size()), dtype=t.dtype)
-        for shard in t.local_shards():
-            off = shard.metadata.shard_offsets
-            sizes = shard.metadata.shard_sizes
-            idx = tuple(slice(o, o + s) for o, s in zip(off, sizes, strict=True))
-            out[idx] = shard.tensor.detach().cpu()
-        return out
-    if hasattr(t, "full_tensor"):
-        t = t.full_tensor()
-    return t.detach().cpu().clone()
-
-
-def _local_view(t: Any) -> torch.Tensor:
-    """The writable full local tensor of a single-worker ShardedTensor / DTensor / tensor."""
-    if hasattr(t, "local_shards") and hasattr(t, "metadata"):
-        shards = t.local_shards()
-        if len(shards) != 1 or tuple(shards[0].tensor.shape) != tuple(t.size()):
-            raise RuntimeError("this needs a table whole in this process, and this rank "
-                               "holds part of it (a model sharded over several ranks)")
-        return shards[0].tensor
-    if hasattr(t, "to_local"):
-        return t.to_local()
-    return t
-
-
-class ShardRows:
-    """A whole table as far as writing rows goes, written through to this rank's shards.
-
-    Supports what copying recovered rows needs (``publisher.delta_recovery``) and resetting
-    a dynamic table's evicted rows (``reset_embedding_rows``): ``shape``, ``device``,
-    ``dtype``, ``rows[:, :dim]`` (the first ``dim`` columns), ``rows[ids] = values`` (``ids``
-    whole-table row numbers, ``values`` ``[len(ids), dim]``), ``index_copy_`` and
-    ``index_fill_`` of rows: each shard takes the rows and columns it holds.
-
-    Args:
-        shards: ``[(offsets, shard tensor)]`` of this rank.
-        shape: the whole table's ``(rows, columns)``.
-        columns: the columns written (the first ``columns``; None: all).
-    """
-
-    def __init__(self, shards: list[tuple[tuple[int, ...], torch.Tensor]],
-                 shape: tuple[int, ...], columns: int | None = None) -> None:
-        self._shards = shards
-        self._whole = shape
-        self._columns = shape[1] if columns is None else columns
-        self.shape = (shape[0], self._columns)
-        self.device = shards[0][1].device if shards else torch.device("cpu")
-        self.dtype = shards[0][1].dtype if shards else torch.float32
-
-    def __getitem__(self, key: Any) -> ShardRows:
-        rows, cols = key
-        if rows != slice(None) or cols.start not in (None, 0) or cols.step not in (None, 1):
-            raise TypeError("ShardRows takes [:, :dim] only")
-        return ShardRows(self._shards, self._whole, min(cols.stop, self._columns))
-
-    def index_copy_(self, dim: int, ids: torch.Tensor, values: torch.Tensor) -> ShardRows:
-        """``rows[ids] = values`` (``dim`` 0), as ``Tensor.index_copy_``."""
-        if dim != 0:
-            raise TypeError("ShardRows copies rows only")
-        self[ids] = values
-        return self
-
-    def index_fill_(self, dim: int, ids: torch.Tensor, value: float) -> ShardRows:
-        """``rows[ids] = value`` (``dim`` 0), as ``Tensor.index_fill_``."""
-        return self.index_copy_(dim, ids, torch.full((ids.numel(), self.shape[1]), value))
-
-    def __setitem__(self, ids: torch.Tensor, values: torch.Tensor) -> None:
-        for (row0, col0), shard in self._shards:
-            mine = (ids >= row0) & (ids < row0 + shard.shape[0])
-            hi = min(self._columns, col0 + shard.shape[1])
-            if not bool(mine.any()) or hi <= col0:
-                continue
-            local = (ids[mine] - row0).to(shard.device)
-            shard[local, :hi - col0] = values[mine.to(values.device)][:, col0:hi].to(
-                device=shard.device, dtype=shard.dtype)
 
 
 class TrainModule:
@@ -294,8 +161,8 @@ class TrainModule:
         if self.device.type == "cpu":  # dense weights decay into subnormals (that module)
             flush_subnormal_floats()
         self.rank, self.world_size = join_process_group(self.device)
-        self._seed = int(config.train_config.seed)
-        torch.manual_seed(self._seed)
+        self.seed = int(config.train_config.seed)
+        torch.manual_seed(self.seed)
         self.model = build_model(config, feature_builder)
         self._feature_builder = feature_builder
         # per output: a regression predicts its logit, the others sigmoid(logit)
@@ -324,7 +191,7 @@ class TrainModule:
         specs = {s.name: s for s in feature_builder.table_specs
                  if s.dynamic is not None and s.name in set(tables) | {
                      t[: -len(WIDE_SUFFIX)] for t in tables if t.endswith(WIDE_SUFFIX)}}
-        partitions = self._dynamic_partitions(config, specs)
+        partitions = dynamic_partitions(config, specs, self.world_size)
         split_by_id = {t for base in specs for t in (base, base + WIDE_SUFFIX)
                        if partitions > 1 and t in tables}
         placement = table_placement(
@@ -345,37 +212,35 @@ class TrainModule:
             data_parallel_wrapper=_NoDataParallel(),
         )
         if self.world_size == 1:
-            init_embedding_weights(self.embedding_tables(), self._seed)
+            init_embedding_weights(self.embedding_tables(), self.seed)
         else:
             self._init_local_shards()
         self.dynamic = DynamicTables(
             {n: s.dynamic for n, s in specs.items()},
-            {n: s.feature_names for n, s in specs.items()}, self._seed,
+            {n: s.feature_names for n, s in specs.items()}, self.seed,
             record_deletes=config.train_config.HasField("incr_save_config"),
             partitions=partitions,
-            held=self._held_partitions(partitions))
-        # several ranks, split by id: the step's rows of every rank's records in the dynamic
-        # tables, recorded beside this rank's own (it names and publishes its partitions')
-        self._step_rows: KeyedJaggedTensor | None = None
-        self._dynamic_features = {f for s in specs.values() for f in s.feature_names}
-        # rank 0, split by id: table -> (rows, raw ids) every rank named in the last read_rows
-        self._read_names: dict[str, tuple[np.ndarray, np.ndarray]] = {}
-        self._dynamic_torch_tables = {
+            held=held_partitions(partitions, self.rank, self.world_size))
+        self.published_rows = PublishedRows(self)
+        self.dynamic_rows = DynamicRows(
+            self, {f for s in specs.values() for f in s.feature_names})
+        self.dynamic_torch_tables = {
             base: [t for t in (base, base + WIDE_SUFFIX) if t in tables] for base in specs}
         self._dynamic_of_torch = {t: self.dynamic.tables[base]
-                                  for base, ts in self._dynamic_torch_tables.items() for t in ts}
+                                  for base, ts in self.dynamic_torch_tables.items() for t in ts}
         self._row_views: tuple[dict, dict] | None = None
         self._shard_views: dict[str, tuple[Any, list[Any]]] | None = None
-        self._stream_time = 0.0
+        self.stream_time = 0.0
         self._dense_params = list(self._dense_module().parameters())
         if self.world_size > 1:  # every rank starts from rank 0's dense parameters
             broadcast_parameters(self._dense_params)
-        self._dense_opt = make_dense_optimizer(self._dense_spec, self._dense_params)
+        self.dense_optimizer = make_dense_optimizer(self._dense_spec, self._dense_params)
         self._grad_clip = gradient_clipping(config.train_config)  # dense gradients only
         self.global_step = 0
         self._lrs: tuple[float, float] | None = None
         self._lr_groups: list[tuple[dict, float]] | None = None
         self._lookup_tables: list[str] = []
+        self._read_held: Callable[..., tuple[np.ndarray, np.ndarray]] | None = None
         self._row_pairs, self._in_batch, self._per_record = self._row_pair_learning(
             config, table_configs)
         self._touched_rows_hook: Callable[[KeyedJaggedTensor], None] | None = None
@@ -406,7 +271,7 @@ class TrainModule:
             raise ValueError("train_config.in_batch_sequential: false is not implemented for "
                              "a model sharded over several ranks yet")
         # several ranks: no rank holds whole tables; the accumulators come from their shards
-        tables, states = self._row_state_views() if self.world_size == 1 else ({}, {})
+        tables, states = self.row_state_views() if self.world_size == 1 else ({}, {})
         rows = {}
         for c in table_configs:
             state = states.get(f"{EBC_PREFIX}{c.name}.weight", [])
@@ -420,6 +285,10 @@ class TrainModule:
         self._lookup_tables = [t for g in self.model.pooled_layout for _, t in g.lookups]
         index = RowPairIndex(self.model.pooled_layout, rows,
                              rowwise=self._table_kind == "rowwise_adagrad")
+        # per-record accumulators of several ranks: read from the shards that hold them
+        self._read_held = functools.partial(
+            read_held_accumulators, self.table_shards,
+            1 if self._table_kind == "rowwise_adagrad" else index.width)
         return (index,
                 InBatchLearning(index, self._table_kind, TABLE_EPS,
                                 InBatchScan(self._table_kind, tc.per_record_adagrad,
@@ -433,8 +302,9 @@ class TrainModule:
                  if self.world_size == 1 else
                  RankPerRecordAdagrad(index, self._table_kind, TABLE_EPS,
                                       float(tc.per_record_adagrad_max_gain),
-                                      self._lookup_tables, self._held_accumulators,
-                                      self._write_held_rows))
+                                      self._lookup_tables,
+                                      self._read_held,
+                                      functools.partial(write_held_rows, self.table_shards)))
                 if tc.per_record_adagrad else None)
 
     @torch.no_grad()
@@ -450,11 +320,11 @@ class TrainModule:
                 continue
             table = name[len(EBC_PREFIX):-len(".weight")]
             if not hasattr(t, "local_shards"):
-                init_embedding_weights({table: t}, self._seed)
+                init_embedding_weights({table: t}, self.seed)
                 continue
             for sh in t.local_shards():
                 (r0, c0), (n, m) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
-                for first, values in initial_rows(table, self._seed, tuple(t.size()), r0,
+                for first, values in initial_rows(table, self.seed, tuple(t.size()), r0,
                                                   r0 + n):
                     sh.tensor[first - r0 : first - r0 + values.shape[0]].copy_(
                         values[:, c0 : c0 + m].to(device=sh.tensor.device,
@@ -483,7 +353,7 @@ class TrainModule:
         out = {}
         for name, t in self._dmp.state_dict().items():
             if name.startswith(EBC_PREFIX) and name.endswith(".weight"):
-                out[name[len(EBC_PREFIX) : -len(".weight")]] = _local_view(t)
+                out[name[len(EBC_PREFIX) : -len(".weight")]] = local_view(t)
         return out
 
     def table_rows(self) -> dict[str, ShardRows]:
@@ -496,121 +366,32 @@ class TrainModule:
         for name, t in self._dmp.state_dict().items():
             if name.startswith(EBC_PREFIX) and name.endswith(".weight"):
                 out[name[len(EBC_PREFIX):-len(".weight")]] = ShardRows(
-                    _local_shards(t), tuple(int(x) for x in t.size()))
+                    local_shards(t), tuple(int(x) for x in t.size()))
         return out
 
     def table_shapes(self) -> dict[str, tuple[int, int]]:
         """Table name -> ``(rows, stored columns)`` of the whole table, on any rank."""
         return dict(self._table_shapes)
 
-    @torch.no_grad()
     def read_rows(self, requested: Mapping[str, torch.Tensor]
                   ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Current values of table rows, wherever their shard lives.
+        """Current values of table rows, wherever their shard lives (``PublishedRows``).
 
-        One process: ``{table: (ids, rows)}`` for the ids as given. Several ranks: a
-        collective every rank calls with the rows it wants (its own touched rows, say); each
-        rank contributes the wanted rows its shards hold, and rank 0 gets every table's
-        sorted union of the ranks' ids with their whole rows (the other ranks get ``{}``).
-
-        Args:
-            requested: table name -> row ids (int64, sorted and unique for one process).
-
-        Returns:
-            Table name -> ``(row ids, rows [n, stored columns])``; rows on the model's
-            device for one process, on the CPU when gathered.
+        With several ranks a collective: rank 0 gets every rank's wanted rows, the others
+        ``{}``.
         """
-        if self.world_size == 1:
-            tables = self.embedding_tables()
-            return {name: (ids, tables[name].index_select(0, ids.to(tables[name].device)))
-                    for name, ids in requested.items()}
-        union: dict[str, np.ndarray] = {}
-        for part in from_every_rank({name: ids.cpu().numpy().astype(np.int64)
-                                     for name, ids in requested.items()}):
-            for name, ids in part.items():
-                union[name] = np.union1d(union[name], ids) if name in union else np.unique(ids)
-        held: dict[str, list] = {}  # table -> [(row ids, first column, values)]
-        for key, t in self._dmp.state_dict().items():
-            name = key[len(EBC_PREFIX):-len(".weight")] if key.startswith(EBC_PREFIX) else ""
-            if name not in union or not hasattr(t, "local_shards"):
-                continue
-            ids = union[name]
-            for sh in t.local_shards():
-                (r0, c0), (nr, _) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
-                mine = ids[(ids >= r0) & (ids < r0 + nr)]
-                if len(mine):
-                    rows = sh.tensor.index_select(
-                        0, torch.from_numpy(mine - r0).to(sh.tensor.device))
-                    held.setdefault(name, []).append((mine, c0, rows.cpu()))
-        names: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # split by id: own rows' raw ids
-        if self._dynamic_in_parts():
-            for name, ids in union.items():
-                dyn = self.dynamic_table(name)
-                if dyn is not None:
-                    raw = dyn.raw_ids(ids)
-                    names[name] = (ids[raw >= 0], raw[raw >= 0])
-        everyone = gather_to_rank0((held, names))
-        if everyone is None:
-            return {}
-        self._read_names = {}
-        for name in names:  # every rank's named rows of the table, sorted by row
-            ids = np.concatenate([part[name][0] for _held, part in everyone if name in part])
-            raw = np.concatenate([part[name][1] for _held, part in everyone if name in part])
-            order = np.argsort(ids, kind="stable")
-            self._read_names[name] = (ids[order], raw[order])
-        shapes = self.table_shapes()
-        out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        for name, ids in union.items():
-            values = torch.zeros((len(ids), shapes[name][1]), dtype=torch.float32)
-            for part, _names in everyone:
-                for mine, c0, rows in part.get(name, []):
-                    at = torch.from_numpy(np.searchsorted(ids, mine))
-                    values[at, c0:c0 + rows.shape[1]] = rows.to(values.dtype)
-            out[name] = (torch.from_numpy(ids), values)
-        return out
+        return self.published_rows.read_rows(requested)
 
     def raw_ids(self, table: str, rows: np.ndarray) -> np.ndarray:
-        """The raw ids rows of a dynamic table hold (-1: free).
-
-        Split by id over several ranks a rank knows only its own partition's rows: rank 0
-        names the rows of the last ``read_rows`` from what every rank sent along with them.
-
-        Args:
-            table: a TorchRec table backed by a dynamic table (``<t>`` or ``<t>_wide``).
-            rows: its rows.
-        """
-        dyn = self.dynamic_table(table)
-        if dyn is None:
-            raise KeyError(f"{table} is not a dynamic table")
-        rows = np.asarray(rows, dtype=np.int64)
-        if not self._dynamic_in_parts():
-            return dyn.raw_ids(rows)
-        ids, raw = self._read_names.get(table, (np.empty(0, np.int64), np.empty(0, np.int64)))
-        out = np.full(rows.shape[0], -1, dtype=np.int64)
-        if not len(ids):
-            return out
-        at = np.minimum(np.searchsorted(ids, rows), len(ids) - 1)
-        found = ids[at] == rows
-        out[found] = raw[at[found]]
-        return out
+        """The raw ids rows of a dynamic table hold (-1: free; ``PublishedRows.raw_ids``)."""
+        return self.published_rows.raw_ids(table, rows)
 
     def take_deleted(self, consumer: str) -> dict[str, np.ndarray]:
         """Dynamic table -> raw ids evicted since ``consumer``'s last take (unique).
 
-        Split by id over several ranks a collective: rank 0 gets every partition's ids, the
-        other ranks ``{}``.
+        Split by id over several ranks a collective: rank 0 gets every partition's ids.
         """
-        mine = self.dynamic.take_deleted(consumer)
-        if not self._dynamic_in_parts():
-            return mine
-        everyone = gather_to_rank0(mine)
-        if everyone is None:
-            return {}
-        out: dict[str, np.ndarray] = {}
-        for part in everyone:
-            for name, ids in part.items():
-                out[name] = np.union1d(out[name], ids) if name in out else np.unique(ids)
-        return out
+        return self.published_rows.take_deleted(consumer)
 
     def dense_parameters(self) -> dict[str, torch.Tensor]:
         """``dense.*`` name -> live dense parameter / buffer tensor."""
@@ -619,78 +400,9 @@ class TrainModule:
         out.update({f"dense.{k}": v for k, v in d.named_buffers()})
         return out
 
-    def _dynamic_partitions(self, config: pipeline_pb2.EasyRecConfig,
-                            specs: Mapping[str, Any]) -> int:
-        """``train_config.dynamic_index_partitions``, checked against the ranks and tables.
-
-        With N ranks, P = 1 (the whole index on every rank) or a multiple of N: rank r holds
-        partitions ``[r * P / N, (r + 1) * P / N)``, whose blocks of rows make its TorchRec
-        row-wise block when P = N or every dynamic table's capacity is a multiple of P.
-
-        Raises:
-            ConfigError: P not 1 or a multiple of the ranks, blocks that do not line up with
-                the ranks' row-wise blocks, or a table too small to split.
-        """
-        field = "train_config.dynamic_index_partitions"
-        partitions = max(1, int(config.train_config.dynamic_index_partitions))
-        world = self.world_size
-        if not specs or partitions == 1:
-            return 1
-        if partitions % world:
-            raise ConfigError(field, f"is {partitions} with {world} ranks: it must be 1 (the "
-                              f"whole index on every rank) or a multiple of {world} (each "
-                              "rank holds an equal share of the partitions)")
-        for name, spec in specs.items():
-            capacity = spec.dynamic.capacity
-            try:
-                partition_spans(capacity, partitions)
-            except ValueError as exc:
-                raise ConfigError(field, f"table {name}: {exc}") from exc
-            if 1 < world < partitions and capacity % partitions:
-                raise ConfigError(field, f"is {partitions} with {world} ranks, so each rank "
-                                  f"holds {partitions // world} partitions: table {name}'s "
-                                  f"capacity {capacity} must then be a multiple of "
-                                  f"{partitions} (its partitions' rows make each rank's "
-                                  "block of the table)")
-        return partitions
-
-    def _held_partitions(self, partitions: int) -> tuple[int, ...] | None:
-        """The partitions this rank holds (None: all, with one process or one partition)."""
-        if self.world_size == 1 or partitions == 1:
-            return None
-        share = partitions // self.world_size
-        return tuple(range(self.rank * share, (self.rank + 1) * share))
-
     def dynamic_table(self, table: str) -> DynamicTable | None:
         """The dynamic table behind a TorchRec table (``<t>`` or ``<t>_wide``), else None."""
         return self._dynamic_of_torch.get(table)
-
-    def dynamic_status(self) -> dict[str, dict[str, Any]]:
-        """Per dynamic table: ``DynamicTables.status()`` plus ``memory_bytes``.
-
-        ``memory_bytes`` counts its rows and their optimizer state in every TorchRec table it
-        backs, and its id index, counters and sketch.
-        """
-        out = self.dynamic.status()
-        if self.world_size > 1:  # this rank's shards of the rows, the whole index
-            for base, st in out.items():
-                nbytes = st["map_bytes"]
-                for t in self._dynamic_torch_tables[base]:
-                    weight, state = self._table_shards(t)
-                    held = [weight, *state]
-                    nbytes += sum(x.numel() * x.element_size()
-                                  for h in held for _o, x in _local_shards(h))
-                st["memory_bytes"] = int(nbytes)
-            return out
-        tables, states = self._row_state_views()
-        for base, st in out.items():
-            nbytes = st["map_bytes"]
-            for t in self._dynamic_torch_tables[base]:
-                nbytes += tables[t].numel() * tables[t].element_size()
-                nbytes += sum(v.numel() * v.element_size()
-                              for v in states.get(f"{EBC_PREFIX}{t}.weight", []))
-            st["memory_bytes"] = int(nbytes)
-        return out
 
     def feature_tables(self) -> dict[str, list[str]]:
         """Embedded feature name -> tables it is looked up in (deep and wide)."""
@@ -707,7 +419,7 @@ class TrainModule:
         for g, multiplier in self._fused_lr_groups():
             g["lr"] = lrs[0] * multiplier
         fused.step()  # fused optimizers only push the lr to the kernel here
-        for g in self._dense_opt.param_groups:
+        for g in self.dense_optimizer.param_groups:
             g["lr"] = lrs[1]
         self._lrs = lrs
 
@@ -751,49 +463,18 @@ class TrainModule:
         """
         self._extra_touched_rows_hooks.append(hook)
 
-    @torch.no_grad()
-    def shrink_dynamic(self, now: float | None = None) -> dict[str, int]:
-        """Runs every dynamic table's maintenance pass now (decay, expiry; a day's end).
-
-        With several ranks a collective (every rank calls it): the ranks use the latest of
-        their times.
-
-        Args:
-            now: stream time (unix seconds); default: the newest stream time trained on, or
-                the clock without ``event_time_field``.
-
-        Returns:
-            Dynamic table -> rows evicted (their rows are reset).
-        """
-        if not self.dynamic:
-            return {}
-        if now is None:
-            now = self._stream_time if self._stream_time > 0 else time.time()
-        if self.world_size > 1:  # a collective: every rank decides at the same time
-            now = max(float(t) for t in from_every_rank(float(now)))
-        evicted = self.dynamic.shrink(self.global_step, now)
-        if evicted:
-            self.reset_dynamic_rows(evicted, self.global_step)
-        return {name: int(rows.shape[0]) for name, rows in evicted.items()}
-
-    def _stream_now(self, batch: Batch) -> float:
-        if batch.event_times is not None and len(batch.event_times):
-            self._stream_time = max(self._stream_time, float(np.max(batch.event_times)))
-            return self._stream_time
-        return time.time()
-
-    def _row_state_views(self) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
+    def row_state_views(self) -> tuple[dict[str, torch.Tensor], dict[str, list[torch.Tensor]]]:
         """Live table weights and table-optimizer state tensors (cached views)."""
         if self._row_views is None:
             tables = self.embedding_tables()
             states: dict[str, list[torch.Tensor]] = {}
             for pname, st in self._dmp.fused_optimizer.state_dict()["state"].items():
-                states[pname] = [_local_view(v) for v in st.values()
+                states[pname] = [local_view(v) for v in st.values()
                                  if isinstance(v, torch.Tensor) or hasattr(v, "local_shards")]
             self._row_views = (tables, states)
         return self._row_views
 
-    def _table_shards(self, table: str) -> tuple[Any, list[Any]]:
+    def table_shards(self, table: str) -> tuple[Any, list[Any]]:
         """A table's weight and optimizer state tensors as this rank holds them (cached).
 
         Each is a ShardedTensor with several ranks (``_local_shards`` gives its local
@@ -810,51 +491,30 @@ class TrainModule:
                 if key.startswith(EBC_PREFIX) and key.endswith(".weight")}
         return self._shard_views[table]
 
-    @torch.no_grad()
-    def reset_dynamic_rows(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
-        """Fresh weights and zero optimizer state for evicted rows (dynamic table -> rows).
+    @property
+    def has_touched_rows_hooks(self) -> bool:
+        """Whether anything records the rows each step touches (a publisher, pass saves)."""
+        return self._touched_rows_hook is not None or bool(self._extra_touched_rows_hooks)
 
-        With several ranks each rank resets the rows its shards hold, to the values one
-        process would give them. Split by id, each partition's rows draw their values from
-        their own stream (the partition), so a rank knowing only its partition's evictions
-        resets them as one process holding every partition does.
+    def dynamic_status(self) -> dict[str, dict[str, Any]]:
+        """Per dynamic table: ``DynamicTables.status()`` plus ``memory_bytes``.
+
+        ``memory_bytes`` counts its rows and their optimizer state in every TorchRec table it
+        backs, and its id index, counters and sketch.
         """
-        if self.world_size > 1:
-            self._reset_dynamic_shards(evicted, step)
-            return
-        tables, states = self._row_state_views()
-        for base, rows in evicted.items():
-            for stream, r in self._reset_streams(base, rows):
-                for t in self._dynamic_torch_tables[base]:
-                    w = tables[t]
-                    reset_embedding_rows(t, w, r, self._seed, step, stream)
-                    for v in states.get(f"{EBC_PREFIX}{t}.weight", []):
-                        if v.dim() >= 1 and v.shape[0] == w.shape[0]:
-                            v.index_fill_(0, r.to(v.device), 0)
+        return self.dynamic_rows.status()
 
-    def _reset_streams(self, base: str, rows: np.ndarray) -> list[tuple[int, torch.Tensor]]:
-        """``[(stream, rows)]`` of evicted rows: per partition split by id, else one."""
-        r = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-        if self.dynamic.partitions == 1:
-            return [(0, r)]
-        spans = partition_spans(self.dynamic.tables[base].spec.capacity,
-                                self.dynamic.partitions)
-        return [(p, r[(r >= lo) & (r < hi)]) for p, (lo, hi) in enumerate(spans)]
+    def shrink_dynamic(self, now: float | None = None) -> dict[str, int]:
+        """Runs every dynamic table's maintenance pass now (``DynamicRows.shrink``).
 
-    def _reset_dynamic_shards(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
-        """``reset_dynamic_rows`` of one of several ranks: its own shards' rows."""
-        for base, rows in evicted.items():
-            r = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
-            for t in self._dynamic_torch_tables[base]:
-                weight, state = self._table_shards(t)
-                whole = ShardRows(_local_shards(weight), tuple(int(x) for x in weight.size()))
-                for stream, part in self._reset_streams(base, rows):
-                    reset_embedding_rows(t, whole, part, self._seed, step, stream)
-                for v in state:
-                    for (r0, *_c), shard in _local_shards(v):
-                        inside = r[(r >= r0) & (r < r0 + shard.shape[0])] - r0
-                        if inside.numel():
-                            shard.index_fill_(0, inside.to(shard.device), 0)
+        Returns:
+            Dynamic table -> rows evicted (their rows are reset).
+        """
+        return self.dynamic_rows.shrink(now)
+
+    def reset_dynamic_rows(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
+        """Fresh weights and zero optimizer state for evicted rows (dynamic table -> rows)."""
+        self.dynamic_rows.reset(evicted, step)
 
     def record_touched_rows(self, kjt: KeyedJaggedTensor) -> None:
         """Called by ``train_step`` with the batch's ids (after the update)."""
@@ -880,13 +540,13 @@ class TrainModule:
         self._set_lrs()
         now = 0.0
         if self.dynamic and self.world_size > 1:
-            batch, now = self._remap_ranks(batch)
+            batch, now = self.dynamic_rows.remap_ranks(batch)
         elif self.dynamic:
-            now = self._stream_now(batch)
+            now = self.dynamic_rows.stream_now(batch)
             remapped = self.dynamic.remap(batch, self.global_step + 1, now, admit=True)
             batch = remapped.batch
             if remapped.evicted:
-                self.reset_dynamic_rows(remapped.evicted, self.global_step + 1)
+                self.dynamic_rows.reset(remapped.evicted, self.global_step + 1)
         batch = batch.to(self.device)
         if not self._dmp.training:  # (train() walks every submodule: only when needed)
             self._dmp.train()
@@ -896,7 +556,7 @@ class TrainModule:
             if self.dynamic and self.global_step != before:  # every rank alike
                 expired = self.dynamic.maintain(self.global_step, now)
                 if expired:
-                    self.reset_dynamic_rows(expired, self.global_step)
+                    self.dynamic_rows.reset(expired, self.global_step)
             return out
         output = self._dmp(batch)
         logits = output.logits
@@ -930,104 +590,21 @@ class TrainModule:
         assert loss is not None
         pending = (self._per_record.before_backward(pairs, output.pooled)
                    if self._per_record is not None else None)
-        self._dense_opt.zero_grad(set_to_none=True)
+        self.dense_optimizer.zero_grad(set_to_none=True)
         loss.backward()  # table rows are updated inside backward (fused)
         if pending is not None:  # each record's squared gradient in the accumulators
             self._per_record.apply(pending, self._lrs[0])
         if self._grad_clip is not None:
-            self._grad_clip(self._dense_opt)
-        self._dense_opt.step()
+            self._grad_clip(self.dense_optimizer)
+        self.dense_optimizer.step()
         self.global_step += 1
         self.record_touched_rows(batch.sparse)
         if self.dynamic:
             expired = self.dynamic.maintain(self.global_step, now)
             if expired:
-                self.reset_dynamic_rows(expired, self.global_step)
+                self.dynamic_rows.reset(expired, self.global_step)
         probs = predictions(logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
-
-    def _remap_ranks(self, batch: Batch, admit: bool = True) -> tuple[Batch, float]:
-        """Dynamic tables' remap with several ranks (a collective): ``(batch, stream time)``.
-
-        The ranks exchange their batches' ids, labels, counts and event times, and remap the
-        step's records of all ranks in rank order, as one process would remap the
-        concatenated batch, then each keeps its own records. With the whole index on every
-        rank each rank makes every decision itself (the same everywhere); split by id
-        (``odl.models.dynamic.partitions``) each rank maps the ids of its own partition and
-        the ranks exchange those rows. Rows evicted for admission are reset in the shards
-        that hold them. Stream time is the newest event time of the step's records (rank
-        0's clock without an event time field), the same on every rank.
-
-        Args:
-            batch: this rank's batch (``empty_batch()`` when it has none).
-            admit: a training step (admission, eviction, counters); False: look up only.
-        """
-        kjt = batch.sparse
-        keys = list(kjt.keys())
-        b = batch.size
-        labels = batch.labels.detach().cpu().numpy().astype(np.float32)
-        mine = {"values": kjt.values().cpu().numpy().astype(np.int64),
-                "lengths": kjt.lengths().cpu().numpy().astype(np.int64).reshape(len(keys), b).T,
-                "labels": labels.reshape(b, int(np.prod(labels.shape[1:]))),
-                "times": (np.asarray(batch.event_times, dtype=np.float64)
-                          if batch.event_times is not None else np.zeros(0)),
-                "clock": np.array([time.time()])}
-        for name, values in sorted((batch.counts or {}).items()):
-            mine[f"count:{name}"] = np.asarray(values, dtype=np.float32)
-        everyone = arrays_from_every_rank(mine)
-        sizes = [len(p["lengths"]) for p in everyone]
-        total = sum(sizes)
-        times = np.concatenate([p["times"] for p in everyone])
-        if len(times) and admit:
-            self._stream_time = max(self._stream_time, float(times.max()))
-            now = self._stream_time
-        else:
-            now = float(everyone[0]["clock"][0])
-        if total == 0:  # no step: nothing to admit
-            return batch, now
-        lengths = np.concatenate([p["lengths"] for p in everyone])  # [total, keys]
-        values, at = [], [0] * len(everyone)
-        for k in range(len(keys)):  # per key, rank after rank (a KJT's layout)
-            for r, p in enumerate(everyone):
-                n = int(p["lengths"][:, k].sum())
-                values.append(p["values"][at[r]:at[r] + n])
-                at[r] += n
-        sparse = KeyedJaggedTensor(
-            keys=keys, values=torch.from_numpy(np.concatenate(values)),
-            lengths=torch.from_numpy(np.ascontiguousarray(lengths.T.reshape(-1))))
-        counts = {name[len("count:"):]: np.concatenate([p[name] for p in everyone])
-                  for name in mine if name.startswith("count:")}
-        whole = Batch(sparse=sparse, dense=torch.zeros(total, 0),
-                      labels=torch.from_numpy(np.concatenate([p["labels"] for p in everyone])
-                                              .reshape((total, *labels.shape[1:]))),
-                      counts=counts or None)
-        step = self.global_step + 1 if admit else self.global_step
-        if self.dynamic.partitions == 1:
-            remapped = self.dynamic.remap(whole, step, now, admit=admit)
-            mapped, evicted = remapped.batch, remapped.evicted
-        else:
-            found = self.dynamic.lookups(whole)
-            if found is None:
-                return batch, now
-            rows, evicted = self.dynamic.map_lookups(found, whole, step, now, admit)
-            assert found.owner is not None  # the rank holding each lookup's partition
-            owner = found.owner // (self.dynamic.partitions // self.world_size)
-            counts = np.bincount(owner, minlength=self.world_size).tolist()
-            for r, part in enumerate(int64_from_every_rank(rows[owner == self.rank], counts)):
-                if r != self.rank:
-                    rows[owner == r] = part
-            assert not (rows == UNHELD).any()
-            mapped = self.dynamic.with_rows(whole, found, rows)
-            if admit and (self._touched_rows_hook is not None
-                          or self._extra_touched_rows_hooks):
-                self._step_rows = mapped.sparse.permute(
-                    [i for i, k in enumerate(keys) if k in self._dynamic_features])
-        if evicted:
-            self.reset_dynamic_rows(evicted, step)
-        start = sum(sizes[:self.rank])
-        keep = torch.zeros(total, dtype=torch.bool)
-        keep[start:start + b] = True
-        return replace(batch, sparse=mapped.select(keep).sparse), now
 
     def _train_step_ranks(self, batch: Batch, sizes: Sequence[int] | None = None
                           ) -> StepOutput:
@@ -1080,21 +657,21 @@ class TrainModule:
         else:  # no records here: a zero loss still runs the backward's collectives
             loss = torch.tensor(float("nan"))
             weighted = output.logits.sum() * 0.0
-        self._dense_opt.zero_grad(set_to_none=True)
+        self.dense_optimizer.zero_grad(set_to_none=True)
         weighted.backward()  # table rows are updated inside backward (fused)
         if hooked is not None:  # each record's squared gradient in the accumulators
             assert isinstance(self._per_record, RankPerRecordAdagrad)
             self._per_record.apply_ranks(pairs, hooked, n, self.world_size, self._lrs[0])
         average_gradients(self._dense_params)
         if self._grad_clip is not None:
-            self._grad_clip(self._dense_opt)
-        self._dense_opt.step()
+            self._grad_clip(self.dense_optimizer)
+        self.dense_optimizer.step()
         self.global_step += 1
         self.record_touched_rows(batch.sparse)
-        if self._step_rows is not None:  # split by id: every rank's dynamic rows of the step,
-            # so this rank names and publishes its partitions' rows whoever trained them
-            self.record_touched_rows(self._step_rows.to(self.device))
-            self._step_rows = None
+        step_rows = self.dynamic_rows.take_step_rows()
+        if step_rows is not None:  # split by id: every rank's dynamic rows of the step, so
+            # this rank names and publishes its partitions' rows whoever trained them
+            self.record_touched_rows(step_rows.to(self.device))
         probs = predictions(mine.logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
@@ -1125,70 +702,7 @@ class TrainModule:
         return rank_logit_shift(
             self.rank, self._row_pairs, self._in_batch.sequential, self._lookup_tables, pairs,
             jac, logits, slope, curve, self._lrs[0],
-            self._held_accumulators if self._table_kind != "sgd" else None)
-
-    @torch.no_grad()
-    def _held_accumulators(self, tables: Sequence[str], rows: np.ndarray
-                           ) -> tuple[np.ndarray, np.ndarray]:
-        """The table optimizer's accumulators of the (table, row)s this rank's shards hold.
-
-        Returns ``(values [U, acc_width], held [U])``: 0 and False for the rows held
-        elsewhere.
-        """
-        assert self._row_pairs is not None
-        width = 1 if self._table_kind == "rowwise_adagrad" else self._row_pairs.width
-        values = np.zeros((len(rows), width), dtype=np.float32)
-        held = np.zeros(len(rows), dtype=bool)
-        names = np.asarray(tables)
-        for table in np.unique(names):
-            at = np.flatnonzero(names == table)
-            st = self._table_shards(str(table))[1]
-            if not st:
-                continue
-            for (r0, *c), shard in _local_shards(st[0]):
-                want = rows[at]
-                inside = (want >= r0) & (want < r0 + shard.shape[0])
-                if not inside.any():
-                    continue
-                got = shard.index_select(0, torch.from_numpy(want[inside] - r0).to(
-                    shard.device)).cpu().to(torch.float32).numpy()
-                got = got if got.ndim > 1 else got[:, None]
-                c0 = c[0] if c else 0
-                k = max(0, min(got.shape[1], width - c0))  # the pass reads `width` columns
-                values[at[inside], c0:c0 + k] = got[:, :k]
-                held[at[inside]] = True
-        return values, held
-
-    @torch.no_grad()
-    def _write_held_rows(self, tables: Sequence[str], rows: np.ndarray, delta: np.ndarray,
-                         acc: np.ndarray) -> None:
-        """Adds ``delta`` to the weights and sets the accumulators ``acc`` of rows held here.
-
-        Only the requested (table, row)s this rank's shards hold are written; the others
-        are skipped.
-        """
-        names = np.asarray(tables)
-        for table in np.unique(names):
-            at = np.flatnonzero(names == table)
-            weight, st = self._table_shards(str(table))
-            targets = [(weight, delta, False)] + ([(st[0], acc, True)] if st else [])
-            for tensor, values, is_state in targets:
-                for (r0, *c), shard in _local_shards(tensor):
-                    want = rows[at]
-                    inside = (want >= r0) & (want < r0 + shard.shape[0])
-                    if not inside.any():
-                        continue
-                    idx = torch.from_numpy(want[inside] - r0).to(shard.device)
-                    part = torch.from_numpy(values[at[inside]]).to(shard.device, shard.dtype)
-                    if shard.dim() == 1:  # row-wise accumulators
-                        shard.index_copy_(0, idx, part[:, 0])
-                        continue
-                    c0 = c[0] if c else 0
-                    k = max(0, min(shard.shape[1], part.shape[1] - c0))
-                    if is_state:
-                        shard[:, :k].index_copy_(0, idx, part[:, c0:c0 + k])
-                    else:
-                        shard[:, :k].index_add_(0, idx, part[:, c0:c0 + k])
+            self._read_held if self._table_kind != "sgd" else None)
 
     def empty_batch(self) -> Batch:
         """A batch of no records.
@@ -1207,7 +721,7 @@ class TrainModule:
         to the largest, as in ``train_step``).
         """
         if self.dynamic and self.world_size > 1 and self.dynamic.partitions > 1:
-            batch = self._remap_ranks(batch, admit=False)[0]  # ids of every partition
+            batch = self.dynamic_rows.remap_ranks(batch, admit=False)[0]  # ids of every partition
         elif self.dynamic:
             batch = self.dynamic.remap(batch, self.global_step, time.time(), admit=False).batch
         batch = batch.to(self.device)
@@ -1222,409 +736,50 @@ class TrainModule:
             self._dmp.train()
         return predictions(logits, self.regression, self.softmax)
 
-    # -- checkpoints ------------------------------------------------------------------------
+    # -- checkpoints (odl.train.module_state) ------------------------------------------------
 
-    def _named_state(self) -> dict[str, Any]:
-        """Own parameter/buffer name -> live tensor (tables as writable full views)."""
-        out: dict[str, Any] = {}
-        for name, t in self._dmp.state_dict().items():
-            out[name] = _local_view(t) if name.startswith(EBC_PREFIX) else t
-        out.update(self.dense_parameters())
-        return out
-
-    def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """Full training state as plain CPU tensors (see the module docstring).
-
-        With several ranks this is a collective: every rank must call it; rank 0 gets the
-        whole state (every table whole, in the same layout as one process's, so it restores
-        into any number of ranks) and the other ranks an empty dict.
-        """
-        if self.world_size > 1:
-            parts = self._gathered_parts()
-            if parts is None:
-                return {}
-            out = self.state_without_tables()
-            tables, out["sparse_optimizer"] = table_parts.assemble(parts)
-            out["model"].update(tables)
-            table_parts.merge_dynamic_parts(out, parts)
-            return out
-        out = self.state_without_tables(
-            {k: to_full_cpu(v) for k, v in self._named_state().items()})
-        out["sparse_optimizer"] = {
-            pname: {k: to_full_cpu(v) for k, v in states.items()}
-            for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items()}
-        return out
-
-    def state_without_tables(self, model: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The checkpoint state but the tables, the same on every rank; not a collective.
-
-        Step, dense part (or ``model``, when given), dense optimizer and the dynamic tables'
-        state. A checkpoint of several ranks holds this in ``model.pt`` and each rank's
-        ``table_part`` beside it (``odl.train.rank_checkpoint``); reading it puts the parts
-        back together into ``state_dict_for_checkpoint``'s state.
-        """
-        out = {
-            "format": CHECKPOINT_FORMAT,
-            "global_step": int(self.global_step),
-            "model": model if model is not None else {
-                k: to_full_cpu(v) for k, v in self.dense_parameters().items()},
-            "dense_optimizer": _tensors_to_cpu(self._dense_opt.state_dict()),
-            "sparse_optimizer": {},
-        }
-        if self.dynamic:
-            out["dynamic_tables"] = self.dynamic.state_dict()
-            if self._dynamic_in_parts():  # each rank's partition travels in its table part
-                out["dynamic_tables"]["parts"] = {}
-            out["stream_time"] = float(self._stream_time)
-        return out
-
-    def _dynamic_in_parts(self) -> bool:
+    @property
+    def dynamic_split_over_ranks(self) -> bool:
         """Whether the dynamic tables are split by id over the ranks (each holding its share)."""
         return bool(self.dynamic) and self.world_size > 1 and self.dynamic.partitions > 1
 
-    @torch.no_grad()
-    def load_checkpoint_state(self, state: Mapping[str, Any], strict: bool = True) -> None:
-        """Restores parameters, buffers, optimizer states and the global step exactly.
+    def set_global_step(self, step: int) -> None:
+        """Sets the step (a restore); the learning rates follow it at the next step."""
+        self.global_step = int(step)
+        self._lrs = None
 
-        Args:
-            state: a dict from ``state_dict_for_checkpoint``.
-            strict: raise when names differ (otherwise missing entries keep their values).
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """The full training state as plain CPU tensors (``module_state.checkpoint_state``).
+
+        With several ranks a collective: rank 0 gets the whole state, the others ``{}``.
+        """
+        return module_state.checkpoint_state(self)
+
+    def state_without_tables(self, model: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The checkpoint state but the tables, the same on every rank; not a collective."""
+        return module_state.state_without_tables(self, model)
+
+    def table_part(self) -> dict[str, Any]:
+        """This rank's rows of every table and their optimizer state, as a part document."""
+        return module_state.table_part(self)
+
+    def load_checkpoint_state(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Restores a checkpoint state exactly (``module_state.load_state``).
 
         Raises:
             KeyError: ``strict`` and a name is missing or unexpected.
             ValueError: a shape differs.
         """
-        if self.world_size > 1:
-            self._load_sharded_state(state, strict)
-            return
-        own = self._named_state()
-        model = state["model"]
-        if strict:
-            _check_names(set(own), set(model), "model")
-        for name, t in own.items():
-            if name in model:
-                _copy_into(t, model[name], name, name)
-        own_sparse = self._dmp.fused_optimizer.state_dict()["state"]
-        saved_sparse = state.get("sparse_optimizer", {})
-        if strict:
-            _check_names(
-                {f"{p}/{k}" for p, s in own_sparse.items() for k in s},
-                {f"{p}/{k}" for p, s in saved_sparse.items() for k in s},
-                "sparse_optimizer")
-        for pname, states in own_sparse.items():
-            for k, v in states.items():
-                if pname in saved_sparse and k in saved_sparse[pname]:
-                    _copy_into(_local_view(v), saved_sparse[pname][k], f"{pname}/{k}",
-                               f"{pname}/{k}")
-        if "dense_optimizer" in state:
-            self._dense_opt.load_state_dict(state["dense_optimizer"])
-        self._load_dynamic_state(state, strict)
-        self.global_step = int(state.get("global_step", 0))
-        self._lrs = None
+        module_state.load_state(self, state, strict)
 
-    def _local_pieces(self) -> dict[tuple[str, str, str], tuple[tuple[int, ...], list]]:
-        """This rank's parts of the tables and their optimizer state.
-
-        Returns:
-            ``(kind, name, state key) -> (whole size, [(offsets, CPU tensor)])``.
-        """
-        pieces: dict[tuple[str, str, str], tuple[tuple[int, ...], list]] = {}
-        for name, t in self._dmp.state_dict().items():
-            if name.startswith(EBC_PREFIX):
-                pieces[("model", name, "")] = _shard_pieces(t)
-        for pname, states in self._dmp.fused_optimizer.state_dict()["state"].items():
-            for k, v in states.items():
-                pieces[("sparse", pname, k)] = _shard_pieces(v)
-        return pieces
-
-    def _gathered_parts(self) -> list[dict[str, Any]] | None:
-        """Every rank's table part gathered on rank 0 (a collective).
-
-        Returns:
-            The part documents in rank order on rank 0, None on the others.
-        """
-        part = self.table_part()
-        for piece in part["pieces"]:  # compact copies: a shard is a view of the fused
-            piece[4] = [[off, t.clone()] for off, t in piece[4]]  # buffer, pickled whole
-        return gather_to_rank0(part)
-
-    def table_part(self) -> dict[str, Any]:
-        """This rank's rows of every table and their optimizer state, as a part document.
-
-        See ``odl.checkpoint.table_parts``; with one process, the whole tables. Dynamic
-        tables split by id over the ranks add this rank's partition of their state.
-        """
-        return table_parts.part_document(
-            self._local_pieces(), self.rank, self.world_size,
-            self.dynamic.state_dict()["parts"] if self._dynamic_in_parts() else None)
-
-    def _sharded_state(self) -> dict[str, Any]:
-        """Own parameter / buffer name -> tables as ShardedTensors, the dense part plain."""
-        own = {n: t for n, t in self._dmp.state_dict().items() if n.startswith(EBC_PREFIX)}
-        own.update(self.dense_parameters())
-        return own
-
-    @torch.no_grad()
-    def _load_sharded_state(self, state: Mapping[str, Any], strict: bool) -> None:
-        """``load_checkpoint_state`` with several ranks: each copies its own rows.
-
-        From whole tables, or straight from the table parts a state names
-        (``read_checkpoint(whole_tables=False)``): then only the blocks overlapping this
-        rank's shards are read.
-        """
-        model = state["model"]
-        saved_sparse = state.get("sparse_optimizer", {})
-        own = self._sharded_state()
-        fused = self._dmp.fused_optimizer.state_dict()["state"]
-        if state.get("table_parts"):
-            local = {("model", n, ""): _local_shards(t) for n, t in own.items()
-                     if n.startswith(EBC_PREFIX)}
-            local.update({("sparse", p, k): _local_shards(v) for p, st in fused.items()
-                          for k, v in st.items()})
-            held = table_parts.load_blocks(
-                (table_parts.read_part(p, mmap=True) for p in state["table_parts"]), local)
-            if strict:  # every table; the optimizer state of the tables this rank holds
-                _check_names({i for i in local if i[0] == "model"},
-                             {i for i in held if i[0] == "model"}, "table parts")
-                lacking = sorted(i for i in local if i[0] == "sparse" and i not in held)
-                if lacking:
-                    raise KeyError(f"sparse_optimizer: the checkpoint lacks {lacking}")
-            own = {n: t for n, t in own.items() if not n.startswith(EBC_PREFIX)}
-            fused = {}
-        if strict:  # with parts, the state's "model" holds the dense part only
-            _check_names(set(own), set(model), "model")
-        for name, t in own.items():
-            if name in model:
-                _copy_shards(t, model[name], name)
-        for pname, states in fused.items():
-            for k, v in states.items():
-                if pname in saved_sparse and k in saved_sparse[pname]:
-                    _copy_shards(v, saved_sparse[pname][k], f"{pname}/{k}")
-                elif strict:
-                    raise KeyError(f"sparse_optimizer: the checkpoint lacks {pname}/{k}")
-        if "dense_optimizer" in state:
-            self._dense_opt.load_state_dict(state["dense_optimizer"])
-        self._load_dynamic_state(state, strict)
-        self.global_step = int(state.get("global_step", 0))
-        self._lrs = None
-
-    def _load_dynamic_state(self, state: Mapping[str, Any], strict: bool) -> None:
-        """The dynamic tables' index and counters of a checkpoint state (every rank).
-
-        A state split into another number of partitions is re-split into this model's
-        (``odl.models.dynamic.resplit``): each id's row of weights and optimizer state moves
-        with it, the free rows get fresh values.
-        """
-        if self.dynamic:
-            if "dynamic_tables" not in state:
-                raise KeyError("the checkpoint has no dynamic-table state but the model has "
-                               f"dynamic tables {sorted(self.dynamic.tables)}")
-            saved = state["dynamic_tables"]
-            if saved_partitions(saved) != self.dynamic.partitions:
-                self._load_resplit(saved, table_parts.TableBlocks(state), {},
-                                   int(state.get("global_step", 0)), list(self.dynamic.tables),
-                                   with_optimizer=True)
-            else:
-                self.dynamic.load_state_dict(saved)
-            self._stream_time = float(state.get("stream_time", 0.0))
-        elif strict and "dynamic_tables" in state:
-            raise KeyError("the checkpoint has dynamic tables "
-                           f"{sorted(state['dynamic_tables'].get('tables', {}))}, the model none")
-
-    @torch.no_grad()
-    def _load_resplit(self, saved: Mapping[str, Any], source: table_parts.TableBlocks,
-                      var_map: Mapping[str, str], step: int, names: Sequence[str],
-                      with_optimizer: bool) -> None:
-        """Loads a dynamic-table state of another number of partitions, re-split into ours.
-
-        Each kept id's row (weights, and with ``with_optimizer`` its optimizer state) is
-        copied from ``source``'s old row to its new one; with ``with_optimizer`` (a restore)
-        the other rows are reset as evicted rows are, otherwise (a warm start) they keep
-        their initial values. With several ranks each rank writes the rows it holds.
-
-        Args:
-            saved: the checkpoint's ``"dynamic_tables"`` (every partition).
-            source: the checkpoint's tables, whole or in parts.
-            var_map: own parameter name -> the source's (a warm start's renames).
-            step: the checkpoint's global step.
-            names: the dynamic tables to load (the others keep their state).
-            with_optimizer: move the optimizer state too and reset the free rows.
-        """
-        specs = {n: self.dynamic.tables[n].spec for n in names}
-        split = resplit_state(saved, specs, self._seed, self.dynamic.partitions, step,
-                              self.dynamic.delete_consumers())
-        self.dynamic.load_state_dict(split.state, tables=names)
-        fused = self._dmp.fused_optimizer.state_dict()["state"] if with_optimizer else {}
-        for base, src in split.sources.items():
-            for t in self._dynamic_torch_tables[base]:
-                pname = f"{EBC_PREFIX}{t}.weight"
-                weight = self._table_shards(t)[0]
-                targets = [("", weight)] + [
-                    (k, v) for k, v in fused.get(pname, {}).items()
-                    if (isinstance(v, torch.Tensor) or hasattr(v, "local_shards"))
-                    and len(v.size()) and int(v.size()[0]) == src.shape[0]]
-                for key, tensor in targets:
-                    shards = (_local_shards(tensor) if self.world_size > 1
-                              else [((0,) * len(tensor.size()), _local_view(tensor))])
-                    for offsets, shard in shards:
-                        from_rows = src[offsets[0]:offsets[0] + shard.shape[0]]
-                        kept = np.flatnonzero(from_rows >= 0)
-                        for c in range(0, kept.shape[0], _RESPLIT_CHUNK_ROWS):
-                            at = kept[c:c + _RESPLIT_CHUNK_ROWS]
-                            rows = source.take(var_map.get(pname, pname),
-                                               torch.from_numpy(from_rows[at]), key)
-                            if shard.dim() > 1:
-                                rows = rows[:, offsets[1]:offsets[1] + shard.shape[1]]
-                            shard.index_copy_(0, torch.from_numpy(at).to(shard.device),
-                                              rows.to(shard.device, shard.dtype))
-        if with_optimizer:
-            self.reset_dynamic_rows({b: np.flatnonzero(src < 0)
-                                     for b, src in split.sources.items()}, step)
-        logger.info("dynamic tables re-split from %d into %d partition(s) by id: %s",
-                    saved_partitions(saved), self.dynamic.partitions,
-                    ", ".join(f"{n} {self.dynamic.tables[n].live} rows kept on this rank, "
-                              f"{split.dropped[n].shape[0]} dropped" for n in names))
-
-    @torch.no_grad()
-    def load_parameters(
-        self,
-        named_tensors: Mapping[str, torch.Tensor],
-        var_map: Mapping[str, str] | None = None,
-        dynamic_state: Mapping[str, Any] | None = None,
-        source_step: int = 0,
-    ) -> WarmStartReport:
-        """Warm start: copies parameters (and buffers) only, no optimizer state.
-
-        A dynamic table's rows mean nothing without its id index: its weights are copied only
-        with the source's dynamic-table state (``dynamic_state``, another checkpoint's
-        ``"dynamic_tables"``), which is then loaded too (ids, counters); otherwise the table
-        starts empty.
-
-        Args:
-            named_tensors: source name -> tensor (e.g. another checkpoint's ``"model"``).
-            var_map: own (new) name -> source (old) name for renamed parameters.
-            dynamic_state: the source checkpoint's ``"dynamic_tables"``, if any. Split into
-                another number of partitions, it is re-split into this model's and each
-                id's row moves with it (``odl.models.dynamic.resplit``).
-            source_step: the source checkpoint's global step (the keep priority of ids a
-                re-split has no room for).
-
-        Returns:
-            What was loaded, what is missing (kept initial values) and what was unused.
+    def load_parameters(self, named_tensors: Mapping[str, torch.Tensor],
+                        var_map: Mapping[str, str] | None = None,
+                        dynamic_state: Mapping[str, Any] | None = None,
+                        source_step: int = 0) -> module_state.WarmStartReport:
+        """Warm start: parameters only, with renames (``module_state.load_parameters``).
 
         Raises:
-            ValueError: a source tensor's shape differs (message names both).
+            ValueError: a source tensor's shape differs.
         """
-        var_map = dict(var_map or {})
-        report = WarmStartReport()
-        used = set()
-        saved_p = saved_partitions(dynamic_state or {})
-        saved_tables = (dynamic_state or {}).get("tables", {}) if saved_p == 1 else next(
-            iter((dynamic_state or {}).get("parts", {}).values()), {}).get("tables", {})
-        present = [b for b in self._dynamic_torch_tables if b in saved_tables]
-        skip, moved = set(), set()
-        for base, torch_tables in self._dynamic_torch_tables.items():
-            if base not in saved_tables:
-                skip |= {f"{EBC_PREFIX}{t}.weight" for t in torch_tables}
-                logger.warning("warm start: dynamic table %s starts empty (the source has no "
-                               "id index for it)", base)
-        if present and saved_p != self.dynamic.partitions:  # rows move with their ids
-            self._load_resplit(dynamic_state, table_parts.TableBlocks({"model": named_tensors}),
-                               var_map, source_step, present, with_optimizer=False)
-            for base in present:
-                for t in self._dynamic_torch_tables[base]:
-                    name = f"{EBC_PREFIX}{t}.weight"
-                    moved.add(name)
-                    used.add(var_map.get(name, name))
-                    report.loaded.append((name, var_map.get(name, name)))
-        elif present:
-            self.dynamic.load_state_dict(dynamic_state, tables=present)
-        own = self._named_state() if self.world_size == 1 else self._sharded_state()
-        for name, t in own.items():
-            if name in moved:
-                continue
-            if name in skip:
-                report.missing.append(name)
-                continue
-            src = var_map.get(name, name)
-            if src not in named_tensors:
-                report.missing.append(name)
-                continue
-            _copy_shards(t, named_tensors[src], name, src)  # each rank its own rows
-            used.add(src)
-            report.loaded.append((name, src))
-        report.unused = sorted(set(named_tensors) - used)
-        for name in report.missing:
-            logger.warning("warm start: no value for %s, keeping its initial value", name)
-        if report.unused:
-            logger.info("warm start: %d source tensors unused: %s", len(report.unused),
-                        ", ".join(report.unused[:20]))
-        logger.info("warm start: loaded %d tensors", len(report.loaded))
-        return report
-
-
-def _check_names(own: set[str], saved: set[str], what: str) -> None:
-    missing, unexpected = sorted(own - saved), sorted(saved - own)
-    if missing or unexpected:
-        raise KeyError(f"checkpoint {what} does not match the model: missing {missing}, "
-                       f"unexpected {unexpected}")
-
-
-def _copy_into(dst: torch.Tensor, src: torch.Tensor, name: str, src_name: str) -> None:
-    src = torch.as_tensor(src)
-    if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(
-            f"shape mismatch: {name} has shape {tuple(dst.shape)} but the source "
-            f"{src_name} has shape {tuple(src.shape)}")
-    dst.copy_(src.to(device=dst.device, dtype=dst.dtype))
-
-
-def _shard_pieces(t: Any) -> tuple[tuple[int, ...], list]:
-    """``(whole size, [(offsets, CPU tensor)])`` of a ShardedTensor's local shards.
-
-    On CPU a shard's tensor is a view of the rank's fused buffer, not a copy. A plain tensor
-    (the same on every rank) is one piece with offsets None.
-    """
-    if hasattr(t, "local_shards") and hasattr(t, "metadata"):
-        return tuple(t.size()), [(off, x.detach().cpu()) for off, x in _local_shards(t)]
-    t = torch.as_tensor(t)
-    return tuple(t.shape), [(None, t.detach().cpu().clone())]
-
-
-def _local_shards(t: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
-    """``[(offsets, writable tensor)]`` of a ShardedTensor's local shards.
-
-    A plain tensor is itself at offset 0.
-    """
-    if hasattr(t, "local_shards") and hasattr(t, "metadata"):
-        return [(tuple(sh.metadata.shard_offsets), sh.tensor) for sh in t.local_shards()]
-    return [(tuple(0 for _ in t.shape), t)]
-
-
-def _copy_shards(dst: Any, whole: torch.Tensor, name: str, src_name: str = "") -> None:
-    """Copies each local shard of ``dst`` from the rows and columns it covers in ``whole``.
-
-    A plain ``dst`` is copied whole.
-    """
-    whole = torch.as_tensor(whole)
-    src_name = src_name or name
-    if not (hasattr(dst, "local_shards") and hasattr(dst, "metadata")):
-        _copy_into(dst, whole, name, src_name)
-        return
-    if tuple(dst.size()) != tuple(whole.shape):
-        raise ValueError(f"shape mismatch: {name} has shape {tuple(dst.size())} but the "
-                         f"source {src_name} has shape {tuple(whole.shape)}")
-    for sh in dst.local_shards():
-        idx = tuple(slice(o, o + n) for o, n in zip(sh.metadata.shard_offsets,
-                                                    sh.metadata.shard_sizes, strict=True))
-        sh.tensor.copy_(whole[idx].to(device=sh.tensor.device, dtype=sh.tensor.dtype))
-
-
-def _tensors_to_cpu(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().cpu().clone()
-    if isinstance(obj, dict):
-        return {k: _tensors_to_cpu(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_tensors_to_cpu(v) for v in obj]
-    return obj
+        return module_state.load_parameters(self, named_tensors, var_map, dynamic_state,
+                                            source_step)
