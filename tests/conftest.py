@@ -17,10 +17,9 @@ import uuid
 from collections.abc import Callable, Iterator
 
 import pytest
-from confluent_kafka.admin import AdminClient
 
 from odl.broker.embedded_broker import EmbeddedBroker
-from odl.kafka.client_settings import admin_config
+from odl.harness.topic_records import delete_topics
 from odl.kafka.topic_admin import create_topic
 
 EXTERNAL_BOOTSTRAP_ENV = "ODL_KAFKA_BOOTSTRAP"
@@ -81,16 +80,8 @@ def kafka_topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
         return name
 
     yield make
-    # deleted after the test on every broker: the embedded one rewrites all it holds after
-    # each write (odl.broker.embedded_broker), so topics left behind would make every later
-    # test's writes cost more
-    if created:
-        admin = AdminClient(admin_config(kafka_bootstrap))
-        for future in admin.delete_topics(created, operation_timeout=10).values():
-            try:
-                future.result(timeout=15)
-            except Exception:  # noqa: BLE001 - best effort cleanup on a shared broker
-                pass
+    # deleted after the test on every broker (see delete_topics)
+    delete_topics(kafka_bootstrap, created)
 
 
 OSS_TEST_SECRET = "oss-test-secret-never-logged"

@@ -35,7 +35,7 @@ from odl.checkpoint.checkpoint_manager import list_checkpoints
 from odl.config.pipeline_config import load_pipeline_config
 from odl.export.exporter import export_checkpoint
 from odl.harness.http_client import free_port, http_request
-from odl.harness.topic_records import make_records, produce
+from odl.harness.topic_records import delete_topics, make_records, produce
 from odl.harness.trainer_process import start_cli_trainer, trainer_url
 from odl.http.metric_history import MetricHistory
 from odl.kafka.topic_admin import create_topic
@@ -168,6 +168,7 @@ def daemons(kafka_bootstrap, tmp_path_factory):
                     proc.wait(60)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+        delete_topics(kafka_bootstrap, [topic, delta])
 
 
 def _used_metrics() -> set[str]:

@@ -407,13 +407,14 @@ def test_restart_inside_a_pass_keeps_every_record_once_and_the_pass_delta_whole(
     assert _parity(service, runs[1], 34, values[-170:]) <= 1e-6  # the last pass's records
 
 
-def test_kafka_publishing_and_pass_deltas_both_reach_serving_parity(kafka_bootstrap, tmp_path):
+def test_kafka_publishing_and_pass_deltas_both_reach_serving_parity(kafka_bootstrap,
+                                                                    kafka_topic_factory, tmp_path):
     from odl.export.exporter import export_checkpoint
     from serving_plugin.serving_service import ServingService
 
     data, saves = tmp_path / "data", tmp_path / "saves"
     _ids, values = _write_two_days(data)
-    topic = f"odl-fs-deltas-{os.getpid()}-{time.time_ns()}"
+    topic = kafka_topic_factory(prefix="fs-deltas", create=False)
     incr = (f'incr_save_config {{ sparse_save_steps: 3 dense_save_steps: 3 kafka {{ server: '
             f'"{kafka_bootstrap}" topic: "{topic}" }} }}')
     config = parse_pipeline_config_text(_saves_config(tmp_path, str(data), str(saves), incr))
@@ -441,7 +442,8 @@ def test_kafka_publishing_and_pass_deltas_both_reach_serving_parity(kafka_bootst
     assert files.metrics.deletes._value.get() > 0 and kafka.metrics.deletes._value.get() > 0
 
 
-def test_recovery_past_the_checkpoint_still_ends_the_pass_it_was_in(kafka_bootstrap, tmp_path):
+def test_recovery_past_the_checkpoint_still_ends_the_pass_it_was_in(kafka_bootstrap,
+                                                                   kafka_topic_factory, tmp_path):
     """A trainer publishing a version every step to Kafka stops right after the first pass's
     last record and its last checkpoint is lost (a kill after publishing): the next start
     recovers to the last version, resumes the pass that version ended inside, and ends it at
@@ -452,7 +454,7 @@ def test_recovery_past_the_checkpoint_still_ends_the_pass_it_was_in(kafka_bootst
 
     data, saves = tmp_path / "data", tmp_path / "saves"
     _ids, values = _write_two_days(data)
-    topic = f"odl-fs-recover-{os.getpid()}-{time.time_ns()}"
+    topic = kafka_topic_factory(prefix="fs-recover", create=False)
     incr = (f'incr_save_config {{ sparse_save_steps: 1 dense_save_steps: 1 kafka {{ server: '
             f'"{kafka_bootstrap}" topic: "{topic}" }} }}')
     text = _saves_config(tmp_path, str(data), str(saves), incr)
@@ -542,6 +544,7 @@ def test_kill_9_inside_passes_every_record_once_and_deltas_replay_to_the_last_ba
 
 
 def test_bad_records_of_a_file_stream_are_dead_lettered_with_their_split(kafka_bootstrap,
+                                                                         kafka_topic_factory,
                                                                          tmp_path):
     from odl.harness.topic_records import read_messages
     from odl.inputs.dead_letter import REASON_HEADER, SOURCE_HEADER
@@ -551,7 +554,7 @@ def test_bad_records_of_a_file_stream_are_dead_lettered_with_their_split(kafka_b
     bad = [b"not,a,record", b"also-bad"]
     _write_split(data, "20261124", "2300", [values[:100], values[100:150] + bad + values[150:]])
     text = _config(tmp_path, str(data), "20261124")
-    dlq = f"odl-fs-dlq-{os.getpid()}-{time.time_ns()}"
+    dlq = kafka_topic_factory(prefix="fs-dlq", create=False)
     text = text.replace("batch_size: 50", f'batch_size: 50 dead_letter_topic: "{dlq}"')
     config = parse_pipeline_config_text(text)
     with pytest.raises(ConfigError, match="dead_letter_server"):  # no Kafka input to borrow

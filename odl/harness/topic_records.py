@@ -1,4 +1,4 @@
-"""Records on real broker topics: synthetic samples, the one producer helper, a reader.
+"""Records on real broker topics: synthetic samples, the one producer helper, a reader, cleanup.
 
 ``produce`` writes values round robin over a topic's partitions and returns where each one
 landed; tests and benchmarks use it for sample topics and for hand-made delta topics alike.
@@ -13,10 +13,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Optional
 
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from odl.datagen.datagen_config import records_for_model
 from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
-from odl.kafka.client_settings import consumer_config, producer_config
+from odl.kafka.client_settings import admin_config, consumer_config, producer_config
 
 logger = logging.getLogger(__name__)
 
@@ -151,3 +152,19 @@ def read_messages(bootstrap: str, topic: str, n: int,
     finally:
         consumer.close()
     return out
+
+
+def delete_topics(bootstrap: str, topics: Sequence[str], timeout: float = 15.0) -> None:
+    """Deletes topics a test made, best effort (a name never created is skipped).
+
+    The embedded broker rewrites everything it holds after each write
+    (``odl.broker.embedded_broker``), so topics left behind make every later write cost more.
+    """
+    if not topics:
+        return
+    admin = AdminClient(admin_config(bootstrap))
+    for future in admin.delete_topics(list(topics), operation_timeout=10).values():
+        try:
+            future.result(timeout=timeout)
+        except Exception:  # noqa: BLE001 - cleanup: unknown topics and a gone broker alike
+            pass
