@@ -9,15 +9,15 @@ predicted before it is learned from (progressive AUC). Rules within a batch of B
 * ``plain``: every record predicted with the weights of the batch's start; each weight then
   steps once on the batch's summed gradient ``S`` (accumulator ``+= S**2``), as a batched
   trainer's fused Adagrad kernel does;
-* ``in-batch``: odl's in-batch learning (``odl.train.in_batch_learning``) on this linear
+* ``in-batch``: odl's in-batch learning (``odl.train.in_batch.in_batch_learning``) on this linear
   model: record j predicted after a batched Adagrad step on the unshifted errors of the
   batch's earlier records that share its features, then trained (``plain`` update) on the
   shifted predictions' errors;
 * ``in-batch-q``: the same with per-record accumulators in the shift and the update
-  (``odl.train.per_record_adagrad``, largest gain 3);
+  (``odl.train.in_batch.per_record_adagrad``, largest gain 3);
 * ``in-batch-seq`` / ``in-batch-q-seq``: sequential in-batch learning
-  (``odl.train.in_batch_scan``): the earlier records' errors in the shift are those of their
-  own shifted predictions, computed record by record, without / with per-record
+  (``odl.train.in_batch.in_batch_scan``): the earlier records' errors in the shift are those
+  of their own shifted predictions, computed record by record, without / with per-record
   accumulators.
 
 B = 1 is per-sample Adagrad (what VW does, up to VW's own normalisation). The point is to

@@ -1,4 +1,4 @@
-"""In-batch learning and the wide tables' rate (``odl.train.in_batch_learning``).
+"""In-batch learning and the wide tables' rate (``odl.train.in_batch.in_batch_learning``).
 
 The contract: with ``in_batch_learning`` each record's prediction is the one the model would
 make after one table-optimizer step on the batch's earlier records (exactly for the wide

@@ -1,4 +1,4 @@
-"""Sequential in-batch learning (``odl.train.in_batch_scan``).
+"""Sequential in-batch learning (``odl.train.in_batch.in_batch_scan``).
 
 The contract: each record's prediction is the one the model would make after the batch's
 earlier records were learned one at a time, in order, each from its own error at that point
@@ -16,8 +16,8 @@ import torch
 
 from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
-from odl.train import in_batch_scan
-from odl.train.in_batch_scan import (
+from odl.train.in_batch import in_batch_scan
+from odl.train.in_batch.in_batch_scan import (
     KINDS,
     InBatchScan,
     fit_errors,

@@ -1,4 +1,4 @@
-"""Per-record Adagrad accumulators (``odl.train.per_record_adagrad``).
+"""Per-record Adagrad accumulators (``odl.train.in_batch.per_record_adagrad``).
 
 The contract: a table row that several records of a step read accumulates each record's
 squared gradient (at least ``S**2 / c**2``) and moves by ``-lr * S / (sqrt(G + Q) + eps)``;

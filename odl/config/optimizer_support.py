@@ -51,11 +51,11 @@ SPARSE_OPTIMIZER_DEVICES: dict[str, frozenset[str]] = {
     "lamb": frozenset({"cuda"}),
 }
 
-# Table kernel kinds whose update in-batch learning follows (odl.train.in_batch_learning).
+# Table kernel kinds whose update in-batch learning follows (odl.train.in_batch.in_batch_learning).
 IN_BATCH_TABLE_KINDS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
 
 # Table kernel kinds whose accumulator can count records one by one
-# (odl.train.per_record_adagrad).
+# (odl.train.in_batch.per_record_adagrad).
 PER_RECORD_TABLE_KINDS: tuple[str, ...] = ("adagrad", "rowwise_adagrad")
 
 # Configured kind -> the table kernel that stands in for it (kinds without a kernel).

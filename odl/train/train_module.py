@@ -58,7 +58,6 @@ from odl.models.model_factory import build_model
 from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.protos import pipeline_pb2
 from odl.train import module_state
-from odl.train.batch_row_pairs import RowPairIndex, RowPairs, TableRows
 from odl.train.distributed import (
     ROW_WISE_MIN_ROWS,
     agree,
@@ -69,8 +68,12 @@ from odl.train.distributed import (
     table_placement,
 )
 from odl.train.dynamic_rows import DynamicRows, dynamic_partitions, held_partitions
-from odl.train.in_batch_learning import InBatchLearning
-from odl.train.in_batch_scan import InBatchScan, error_model_is_exact, loss_slopes
+from odl.train.in_batch.batch_row_pairs import RowPairIndex, RowPairs, TableRows
+from odl.train.in_batch.in_batch_learning import InBatchLearning
+from odl.train.in_batch.in_batch_scan import InBatchScan, error_model_is_exact, loss_slopes
+from odl.train.in_batch.per_record_adagrad import PerRecordAdagrad, hook_pooled_gradients
+from odl.train.in_batch.rank_in_batch import rank_logit_shift
+from odl.train.in_batch.rank_per_record import RankPerRecordAdagrad
 from odl.train.optimizer_builder import (
     TABLE_EPS,
     gradient_clipping,
@@ -78,10 +81,7 @@ from odl.train.optimizer_builder import (
     optimizer_specs,
     sparse_optimizer_args,
 )
-from odl.train.per_record_adagrad import PerRecordAdagrad, hook_pooled_gradients
 from odl.train.published_rows import PublishedRows
-from odl.train.rank_in_batch import rank_logit_shift
-from odl.train.rank_per_record import RankPerRecordAdagrad
 from odl.train.table_shards import (
     EBC_PREFIX,
     ShardRows,
@@ -261,8 +261,8 @@ class TrainModule:
         optimizer (SGD or (row-wise) Adagrad; (row-wise) Adagrad for per-record
         accumulators); the classes refuse any other. With several ranks the index has no
         table storage (no rank holds whole tables): in-batch learning runs through
-        ``odl.train.rank_in_batch`` and per-record Adagrad is ``RankPerRecordAdagrad``, both
-        reading and writing rows in the shards that hold them.
+        ``odl.train.in_batch.rank_in_batch`` and per-record Adagrad is
+        ``RankPerRecordAdagrad``, both reading and writing rows in the shards that hold them.
         """
         tc = config.train_config
         if not (tc.in_batch_learning or tc.per_record_adagrad):
@@ -677,7 +677,7 @@ class TrainModule:
 
     def _rank_shift(self, batch: Batch, output: ModelOutput, mine: ModelOutput,
                     sizes: Sequence[int], pairs: RowPairs | None) -> torch.Tensor:
-        """In-batch learning's shifts of this rank's records (``odl.train.rank_in_batch``).
+        """In-batch learning's shifts of this rank's records (``odl.train.in_batch.rank_in_batch``).
 
         ``output`` is the padded batch's forward, ``mine`` its rows of this rank's records;
         their loss slopes are the ones the ranked update gives the tables (the weighted loss's

@@ -9,7 +9,7 @@ item's burst of events lands in one batch) that makes a batch learn a new id's f
 several times more slowly than a per-sample learner does.
 
 Contract (``PerRecordAdagrad.apply``), for every table row ``r`` read by at least two records
-of a step through the model's pooled lookups (``odl.train.batch_row_pairs``), ``g_j`` the
+of a step through the model's pooled lookups (``odl.train.in_batch.batch_row_pairs``), ``g_j`` the
 gradient the step's loss puts on ``r`` through record ``j``'s reads (the record's pooled
 gradient times each read's weight, summed over the record's reads of ``r``), ``S = sum_j
 g_j``, ``G`` its accumulator before the step and ``c`` the largest gain
@@ -36,11 +36,11 @@ are set to ``G + Q``. The records' gradients come from hooks on the pooled group
 that backward (they include the loss's embedding regularization), so ``S`` is the gradient
 the kernel applied.
 
-It is meant to run with in-batch learning (``odl.train.in_batch_learning``), whose errors
+It is meant to run with in-batch learning (``odl.train.in_batch.in_batch_learning``), whose errors
 already account for the batch's earlier records; validation refuses it alone, which the
 bench found to overshoot (``docs/benchmarks.md``).
 
-With several ranks ``odl.train.rank_per_record`` applies the same rule, each shared row
+With several ranks ``odl.train.in_batch.rank_per_record`` applies the same rule, each shared row
 corrected by the rank holding it.
 
 Not covered: SGD tables (a batched SGD step already is the sum of per-record steps) and
@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from odl.config.optimizer_support import PER_RECORD_TABLE_KINDS
-from odl.train.batch_row_pairs import RowPairIndex, RowPairs, RowPlan
+from odl.train.in_batch.batch_row_pairs import RowPairIndex, RowPairs, RowPlan
 
 
 def hook_pooled_gradients(pooled: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:

@@ -1,11 +1,11 @@
 """The (table row, record) reads of a training step, sorted by row, and the rows' storage.
 
-In-batch learning (``odl.train.in_batch_learning``) and the per-record Adagrad accumulator
-(``odl.train.per_record_adagrad``) both look at a step as its *pairs*: one pair per read of a
-table row by a record through a pooled lookup (a multi-valued feature reads several rows; a
-record that reads a row through two lookups of one table, or twice through one lookup, has
-two pairs for it). ``RowPairIndex.pairs`` lists them sorted by (table, row, record), so a
-row's pairs are contiguous and in batch order:
+In-batch learning (``odl.train.in_batch.in_batch_learning``) and the per-record Adagrad
+accumulator (``odl.train.in_batch.per_record_adagrad``) both look at a step as its *pairs*:
+one pair per read of a table row by a record through a pooled lookup (a multi-valued
+feature reads several rows; a record that reads a row through two lookups of one table, or
+twice through one lookup, has two pairs for it). ``RowPairIndex.pairs`` lists them sorted
+by (table, row, record), so a row's pairs are contiguous and in batch order:
 
 * ``rows[p]``, ``lookup[p]``, ``sample[p]``: the row, the lookup (index into the model's
   ``pooled_layout`` lookups, group after group) and the record of pair ``p``;

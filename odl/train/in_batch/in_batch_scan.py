@@ -1,6 +1,6 @@
 """Sequential in-batch learning: the batch's earlier records count with their own shifted errors.
 
-In-batch learning (``odl.train.in_batch_learning``) shifts record ``i``'s logit by the
+In-batch learning (``odl.train.in_batch.in_batch_learning``) shifts record ``i``'s logit by the
 first-order change that the batch's earlier records' table steps make to the rows ``i``
 reads. Which errors those earlier records step with decides how close that comes to a
 per-sample learner. With ``train_config.in_batch_sequential`` they are the errors of the
@@ -9,14 +9,14 @@ on a burst of one user's events the first records' errors shrink as the burst is
 and the later records' shifts stop growing, instead of every earlier record adding its
 error at the batch's starting state.
 
-Contract (``InBatchScan.shift``). With the notation of ``odl.train.in_batch_learning``
+Contract (``InBatchScan.shift``). With the notation of ``odl.train.in_batch.in_batch_learning``
 (``S_r(i)`` the gradient of row ``r`` from the records before ``i``, ``D_r(i)`` the change
 one optimizer step makes with it, ``a_if`` a read's weight), every record ``i`` in batch
 order gets ``shift_i = sum over its reads f of a_if * <dlogit_i/de_if, D_r(i)>`` where
 
 * ``S_r(i) = sum over j < i reading r of e_j * a_jf * dlogit_j/de_jf``, ``e_j`` the slope of
   record ``j``'s loss at its *shifted* logit ``l_j + shift_j``;
-* ``D_r(i)`` is the step of the table's optimizer as in ``odl.train.in_batch_learning``,
+* ``D_r(i)`` is the step of the table's optimizer as in ``odl.train.in_batch.in_batch_learning``,
   except that with ``per_record_adagrad`` the accumulator grows by ``max(Q_r(i), S_r(i)**2 /
   c**2)`` (``Q_r(i)`` the sum of the earlier records' squared gradients of ``r``, ``c`` the
   largest gain), the growth that rule's update gives the row.
@@ -29,7 +29,7 @@ loss's slope and curvature (``fit_errors``: exact for cross entropy and L2 losse
 and for other losses the pass is repeated from the logits it reached (``InBatchScan.shift``,
 at most ``ITERATIONS`` passes). A record's slope must depend on its own logit only: losses
 that couple records (pairwise, JRC) are refused by validation. With several ranks the pass
-runs over every rank's records of the step (``odl.train.rank_in_batch``).
+runs over every rank's records of the step (``odl.train.in_batch.rank_in_batch``).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ import torch
 
 from odl.protos import pipeline_pb2
 from odl.storage.file_store import cache_root
-from odl.train.batch_row_pairs import argsort
+from odl.train.in_batch.batch_row_pairs import argsort
 
 logger = logging.getLogger(__name__)
 

@@ -1,13 +1,13 @@
-/* The sequential pass of in-batch learning (odl/train/in_batch_scan.py states the contract).
+/* The sequential pass of in-batch learning (odl/train/in_batch/in_batch_scan.py states the contract).
  *
- * Inputs are the step's (table row, record) pairs (odl/train/batch_row_pairs.py), visited in
+ * Inputs are the step's (table row, record) pairs (odl/train/in_batch/batch_row_pairs.py), visited in
  * (record, row slot) order through `order`. `cols`, `rate`, `acc` and `stored` are per row
  * slot: the table's width (the columns of `jrow`, `acc`, `sums` and `squares` beyond it are
  * not read), its rate, the row's accumulator, the table's stored columns. All arrays are
  * C-contiguous; floats are float32, indices int64; `sums` and `squares` are float64 scratch
  * of [slots, width], zeroed by the caller; `scratch` is float64 of [2 * width]. `shift`
  * ([records]) is written for every record that has a pair; the caller zeroes it. Compiled
- * by odl/train/in_batch_scan.py with the system C compiler and called through ctypes; the
+ * by odl/train/in_batch/in_batch_scan.py with the system C compiler and called through ctypes; the
  * Python pass there computes the same thing one record at a time.
  */
 #include <math.h>

@@ -36,7 +36,7 @@ predictions (``TrainModule.predict``, ``odl-serve``) are not shifted.
 Which errors the earlier records step with: by default their errors at the batch's starting
 state (``dloss`` above, one batched pass). With ``train_config.in_batch_sequential`` they are
 their own shifted predictions' errors, found in one pass over the records in order
-(``odl.train.in_batch_scan``, whose docstring states that variant).
+(``odl.train.in_batch.in_batch_scan``, whose docstring states that variant).
 
 Not covered (the logit is not shifted by them): sequence lookups that are not pooled
 (target attention's items), dense parameters, and second-order terms. Batch norm in the
@@ -52,8 +52,8 @@ import torch
 
 from odl.config.optimizer_support import IN_BATCH_TABLE_KINDS
 from odl.models.ctr_model import ModelOutput
-from odl.train.batch_row_pairs import RowPairIndex, RowPairs
-from odl.train.in_batch_scan import InBatchScan, ScanPairs, record_order, scan_pairs
+from odl.train.in_batch.batch_row_pairs import RowPairIndex, RowPairs
+from odl.train.in_batch.in_batch_scan import InBatchScan, ScanPairs, record_order, scan_pairs
 
 
 class InBatchLearning:
@@ -63,8 +63,9 @@ class InBatchLearning:
         index: the model's ``RowPairIndex`` (its tables' accumulators for Adagrad kinds).
         kind: the table kernel, one of ``IN_BATCH_TABLE_KINDS``.
         eps: the fused kernel's epsilon.
-        sequential: the pass of ``odl.train.in_batch_scan`` (``in_batch_sequential``); None:
-            the earlier records' errors at the batch's starting state.
+        sequential: the pass of ``odl.train.in_batch.in_batch_scan``
+            (``in_batch_sequential``); None: the earlier records' errors at the batch's
+            starting state.
 
     Raises:
         ValueError: ``kind`` is not one of ``IN_BATCH_TABLE_KINDS``.

@@ -4,7 +4,7 @@ With several ranks a step trains the records of every rank together (``TrainModu
 ranked step: the update one process makes on the ranks' records in rank order). In-batch
 learning keeps that equivalence: each record is shifted by the batch's earlier records *of
 every rank* (rank 0's records first, then rank 1's, ...), exactly as one process with the
-concatenated batch would shift it (``odl.train.in_batch_scan``'s contract). Per step, a
+concatenated batch would shift it (``odl.train.in_batch.in_batch_scan``'s contract). Per step, a
 collective every rank calls:
 
 1. each rank lists its records' row reads (``RowPairIndex.pairs`` of its own batch), their
@@ -31,9 +31,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from odl.train.batch_row_pairs import ROW_SPAN, RowPairIndex, RowPairs, argsort
 from odl.train.distributed import arrays_from_every_rank
-from odl.train.in_batch_scan import InBatchScan, fit_errors, scan_pairs, scan_pass
+from odl.train.in_batch.batch_row_pairs import ROW_SPAN, RowPairIndex, RowPairs, argsort
+from odl.train.in_batch.in_batch_scan import InBatchScan, fit_errors, scan_pairs, scan_pass
 
 # (tables, rows) -> (accumulators [U, acc_width], held [U] bool) of the rows this rank holds
 HeldAccumulators = Callable[[Sequence[str], np.ndarray], tuple[np.ndarray, np.ndarray]]

@@ -1,12 +1,12 @@
 """Per-record Adagrad with several ranks: each shared row corrected by the rank holding it.
 
-The rule is ``odl.train.per_record_adagrad``'s, applied to the step's records of every rank
+The rule is ``odl.train.in_batch.per_record_adagrad``'s, applied to the step's records of every rank
 (the update one process makes on the ranks' records together). After the ranked step's
 fused backward (a collective every rank calls):
 
 1. each rank sums, per table row its records read, the gradient its records put on the row
    (``S_r``), the sum of its records' squared gradients (``Q_r``) and how many of its records
-   read the row; the gradients are the pooled groups' (``odl.train.per_record_adagrad.
+   read the row; the gradients are the pooled groups' (``odl.train.in_batch.per_record_adagrad.
    hook_pooled_gradients``) over the number of ranks, the share of TorchRec's averaged
    table update;
 2. every rank receives every rank's sums (``arrays_from_every_rank``) and adds them per row:
@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from odl.train.batch_row_pairs import ROW_SPAN, RowPairIndex, RowPairs
 from odl.train.distributed import arrays_from_every_rank
-from odl.train.per_record_adagrad import PerRecordAdagrad
-from odl.train.rank_in_batch import HeldAccumulators
+from odl.train.in_batch.batch_row_pairs import ROW_SPAN, RowPairIndex, RowPairs
+from odl.train.in_batch.per_record_adagrad import PerRecordAdagrad
+from odl.train.in_batch.rank_in_batch import HeldAccumulators
 
 # (tables, rows, weight deltas [U, width], accumulators [U, acc_width]) for held rows only
 WriteHeld = Callable[[Sequence[str], np.ndarray, np.ndarray, np.ndarray], None]
