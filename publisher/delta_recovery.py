@@ -20,8 +20,9 @@ the topic's end:
   starts over at the full version's first chunk (``RecoveredState.rewound_to``), as serving
   does, so the trainer recovers what serving converges to. Each full version is sought once.
 
-``RecoveryMerger`` does the decoding, fencing, assembling and merging message by message and
-needs no broker; ``read_published_state`` feeds it the topic.
+``RecoveryMerger`` merges message by message and needs no broker; decoding, fencing,
+assembling and the full-republish rule are serving's own path (``publisher.delta_stream``);
+``read_published_state`` feeds it the topic.
 
 Every checkpoint the trainer writes equals a fully published version (it publishes and
 waits for the acknowledgement first), so checkpoint + these versions is exactly the model
@@ -45,12 +46,10 @@ from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from odl.kafka.client_settings import delta_consumer_config
 from odl.models.dynamic.dynamic_table import DynamicTable
-from publisher.delta_decoder import decode_chunk
 from publisher.delta_format import DeltaFormatError, DeltaVersion, VersionHeader
+from publisher.delta_stream import DeltaStreamReader
 from publisher.full_republish import FullRepublishes
-from publisher.generation_fence import FENCED_REASON, GenerationFence
 from publisher.id_maps import IdMaps
-from publisher.version_assembler import VersionAssembler
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +120,9 @@ class RecoveredState:
 class RecoveryMerger:
     """Folds delta-topic messages, in topic order, into a ``RecoveredState``.
 
-    Each message goes through what serving does with it (decode, generation fence,
-    all-or-nothing assembly); every complete version newer than ``min_version`` is merged,
+    Each message goes through what serving does with it (``publisher.delta_stream``: decode,
+    generation fence, all-or-nothing assembly, the full-republish rule); every complete
+    version newer than ``min_version`` is merged,
     the newest value of each row / variable winning. ``read_published_state`` feeds it the
     topic's messages; it needs no broker.
 
@@ -135,21 +135,17 @@ class RecoveryMerger:
             the checkpoint's, those at or after the first offset fed; shared by the mergers
             of one read); one it does not hold sets ``rewind_to``. None: not checked.
 
-    Attributes:
-        rewind_to: the offset to read again from, with a fresh merger; None: read on.
     """
 
     def __init__(self, state: RecoveredState, min_version: Optional[int] = None,
                  owner: Optional[str] = None, max_message_bytes: int = 64 << 20,
                  republishes: Optional[FullRepublishes] = None) -> None:
         self.state = state
-        self.rewind_to: Optional[int] = None
-        self._republishes = republishes
         self._min_version = min_version
-        self._max_bytes = max_message_bytes
-        self._fence = GenerationFence(owner)
-        self._assembler = VersionAssembler(max_pending_versions=1 << 20,
-                                           max_pending_bytes=1 << 62)
+        # every version of the read may be pending at once: nothing is dropped for room
+        self._reader = DeltaStreamReader(owner, republishes, max_message_bytes,
+                                         max_pending_versions=1 << 20,
+                                         max_pending_bytes=1 << 62, what="delta recovery")
         self._dense: dict[int, np.ndarray] = {}
         self._parts: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
         # table id -> (ids, order key) of every delete and row event, key 2*seq (delete) or
@@ -166,16 +162,7 @@ class RecoveryMerger:
         """
         state = self.state
         try:
-            if not data:
-                raise DeltaFormatError("empty", "empty message")
-            chunk = decode_chunk(data, max_bytes=self._max_bytes)
-            if not self._fence.admit(chunk.header.generation):
-                state.rejected[FENCED_REASON] += 1
-                logger.warning("delta recovery: message at offset %d is from generation %s, "
-                               "superseded by %s: ignored", offset, chunk.header.generation,
-                               self._fence.owner)
-                return
-            version = self._assembler.add(chunk)
+            version = self._reader.read(data, offset)
         except DeltaFormatError as exc:
             state.rejected[exc.reason] += 1
             logger.warning("delta recovery: rejected message at offset %d: %s", offset, exc)
@@ -183,8 +170,6 @@ class RecoveryMerger:
         if version is None:
             return
         h = version.header
-        if self._skipped_full(h, offset):
-            return
         if self._min_version is not None and h.version <= self._min_version:
             state.skipped_versions += 1
             logger.info("delta recovery: version %d (%s) is not newer than the checkpoint (%d): "
@@ -196,17 +181,10 @@ class RecoveryMerger:
         if not state.generations or state.generations[-1] != h.generation:
             state.generations.append(h.generation)
 
-    def _skipped_full(self, h: VersionHeader, offset: int) -> bool:
-        """Whether ``h`` names a full republish before the read's start the checkpoint lacks."""
-        target = self._republishes.skipped(h) if self._republishes is not None else None
-        if target is None:
-            return False
-        self.rewind_to = target
-        logger.error("delta recovery: version %d (generation %s) at offset %d names the full "
-                     "republish %d at offset %d, before where this read started: the topic "
-                     "lost versions after the checkpoint; reading again from offset %d",
-                     h.version, h.generation, offset, h.last_full_version, target, target)
-        return True
+    @property
+    def rewind_to(self) -> Optional[int]:
+        """The offset to read again from, with a fresh merger; None: read on."""
+        return self._reader.rewind_to
 
     def _merge(self, version: DeltaVersion) -> None:
         self._dense.update(version.dense)
@@ -224,8 +202,9 @@ class RecoveryMerger:
             The state.
         """
         state = self.state
-        pending = self._assembler.pending_versions
-        state.dropped_versions = self._assembler.dropped_versions + pending
+        assembler = self._reader.assembler
+        pending = assembler.pending_versions
+        state.dropped_versions = assembler.dropped_versions + pending
         if pending:
             logger.warning("delta recovery: %d incomplete version(s) at the end of %s (half-sent "
                            "when the trainer stopped) ignored", pending, state.topic)

@@ -70,8 +70,8 @@ publisher had refilled the log past its position) reads on from its position and
 publisher's full republish. Every version published after it names it (``RepublishMark``
 in ``protos/delta.proto``): a version naming a full republish this replay neither applied
 nor has in its base export is not applied; replay goes back to the full version's first
-chunk and applies everything from there in topic order (``_skipped_full``; logged, counted
-in ``republish_rewinds``). Each full version is sought once.
+chunk and applies everything from there in topic order (``publisher.delta_stream``; logged,
+counted in ``republish_rewinds``). Each full version is sought once.
 """
 
 from __future__ import annotations
@@ -94,10 +94,10 @@ from odl.kafka.broker_health import (
     out_of_range_target,
 )
 from odl.kafka.client_settings import delta_consumer_config
-from publisher.delta_decoder import decode_chunk
-from publisher.delta_format import DeltaFormatError, VersionHeader
+from publisher.delta_format import DeltaFormatError
+from publisher.delta_stream import DeltaStreamReader
 from publisher.full_republish import FullRepublishes
-from publisher.generation_fence import FENCED_REASON, GenerationFence
+from publisher.generation_fence import GenerationFence
 from publisher.version_assembler import VersionAssembler
 from serving_plugin.export_reader import KafkaReplaySource
 from serving_plugin.serving_metrics import ServingMetrics
@@ -145,21 +145,17 @@ class DeltaReplayer(ReportsBrokerHealth):
         self.source = source
         self.metrics = metrics
         self._kafka_extra = dict(kafka_extra or {})
-        self._max_bytes = max_message_bytes
         self._fetch_interval = fetch_interval_ms / 1000.0
-        self.assembler = VersionAssembler()
+        self._republishes = FullRepublishes(model.state.generation, int(model.state.version))
         # the base export's generation owns the topic until a newer one publishes
-        self.fence = GenerationFence(model.state.generation or None)
+        self.reader = DeltaStreamReader(model.state.generation or None, self._republishes,
+                                        max_message_bytes, what="delta replay")
         self.next_offset = int(source.offset)
         self.end_offset = -1
         self.messages = 0
         self.rejected: _Counter[str] = _Counter()
         self.health = BrokerHealth(f"delta broker of {source.topic}")
         self.offset_resets = 0
-        self.republish_rewinds = 0
-        # a full republish the replay has not applied: rewind to this offset (``_run``)
-        self.rewind_to: Optional[int] = None
-        self._republishes = FullRepublishes(model.state.generation, int(model.state.version))
         self.last_error: Optional[str] = None
         self._last_reject_log = 0.0
         self._stop = threading.Event()
@@ -186,16 +182,7 @@ class DeltaReplayer(ReportsBrokerHealth):
             self.metrics.messages.inc()
         applied = None
         try:
-            if not data:  # parses as an all-default chunk; never a real version
-                raise DeltaFormatError("empty", "empty message")
-            chunk = decode_chunk(data, max_bytes=self._max_bytes)
-            if not self.fence.admit(chunk.header.generation):
-                raise DeltaFormatError(
-                    FENCED_REASON, f"generation {chunk.header.generation} was superseded by "
-                                   f"{self.fence.owner} (another trainer publishes to the topic)")
-            version = self.assembler.add(chunk)
-            if version is not None and self._skipped_full(version.header, offset):
-                version = None
+            version = self.reader.read(data, offset)
             if version is not None:
                 rows = self.model.apply_version(version)
                 self._republishes.applied(version.header)
@@ -217,25 +204,32 @@ class DeltaReplayer(ReportsBrokerHealth):
             self._cv.notify_all()
         return applied
 
-    def _skipped_full(self, header: VersionHeader, offset: Optional[int]) -> bool:
-        """Whether ``header`` names a full republish this replay skipped (then asks to rewind).
+    @property
+    def fence(self) -> GenerationFence:
+        """The generation fence (``owner``, ``superseded``)."""
+        return self.reader.fence
 
-        The rule is ``publisher.full_republish`` (the base export's and the applied full
-        versions are held; each is sought once). A skipped one: the version is not applied,
-        ``rewind_to`` is set to the full version's first chunk, and replay goes on from there
-        in topic order (the thread acts on it; ``handle`` alone only sets it).
+    @property
+    def assembler(self) -> VersionAssembler:
+        """The version assembler (``pending_versions``)."""
+        return self.reader.assembler
+
+    @property
+    def rewind_to(self) -> Optional[int]:
+        """The offset replay goes back to next (a skipped full republish), or None.
+
+        ``handle`` only sets it; the replay thread acts on it (``_rewind``).
         """
-        target = self._republishes.skipped(header)
-        if target is None:
-            return False
-        self.republish_rewinds += 1
-        self.rewind_to = target
-        logger.error("delta version %d (generation %s) at offset %s names the full republish %d "
-                     "at offset %d, which this replay skipped (the delta topic lost versions "
-                     "and was refilled past the replay position); replaying from offset %d",
-                     header.version, header.generation, offset, header.last_full_version,
-                     target, target)
-        return True
+        return self.reader.rewind_to
+
+    @rewind_to.setter
+    def rewind_to(self, offset: Optional[int]) -> None:
+        self.reader.rewind_to = offset
+
+    @property
+    def republish_rewinds(self) -> int:
+        """Rewinds to a skipped full republish so far."""
+        return self.reader.rewinds
 
     def _reject(self, reason: str, detail: str, offset: Optional[int]) -> None:
         self.rejected[reason] += 1
@@ -376,13 +370,13 @@ class DeltaReplayer(ReportsBrokerHealth):
                 self._cv.notify_all()
 
     def _rewind(self, consumer: Consumer) -> None:
-        """Replays from ``rewind_to`` (a skipped full republish, ``_skipped_full``)."""
+        """Replays from ``rewind_to`` (a skipped full republish, ``publisher.delta_stream``)."""
         assert self.rewind_to is not None
         target, self.rewind_to = self.rewind_to, None
         with self._cv:
             self.next_offset = target
             self._cv.notify_all()
-        self.assembler = VersionAssembler()  # chunks read past the target come again
+        self.reader.restart_assembly()  # chunks read past the target come again
         consumer.assign([TopicPartition(self.source.topic, 0, target)])
 
     def _reset_offset(self, consumer: Consumer, tp: TopicPartition) -> None:
@@ -412,7 +406,7 @@ class DeltaReplayer(ReportsBrokerHealth):
             self.next_offset = int(target)
             self.end_offset = int(high)
             self._cv.notify_all()
-        self.assembler = VersionAssembler()  # chunks of a cut version never complete
+        self.reader.restart_assembly()  # chunks of a cut version never complete
         consumer.assign([TopicPartition(self.source.topic, 0, int(target))])
 
     def _refresh_watermark(self, tp: TopicPartition, force: bool = False) -> Optional[int]:
