@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from odl.config.config_error import ConfigError
-from odl.features.feature_builder import FeatureBuilder, sequence_key, sequence_length_column
+from odl.features.feature_builder import FeatureBuilder
+from odl.features.feature_plan import sequence_key, sequence_length_column
 from odl.models.building_blocks import SequencePool, TargetAttention
 from odl.models.model_factory import build_model
 from odl.protos import pipeline_pb2

@@ -7,7 +7,8 @@ import pytest
 
 from odl.config.config_error import ConfigError
 from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
-from odl.features.feature_builder import FeatureBuilder, sequence_key, sequence_length_column
+from odl.features.feature_builder import FeatureBuilder
+from odl.features.feature_plan import sequence_key, sequence_length_column
 from odl.features.id_hashing import bucketize_hashes, hash_segments
 from tests.harness import assert_edit_refused, load_config_text
 

@@ -1,63 +1,7 @@
 """Turns raw records into model batches: parse, hash / bucketize, pack as a KeyedJaggedTensor.
 
-Feature kinds (``FeatureConfig.feature_type``):
-
-* ``IdFeature`` with ``hash_bucket_size``: row = ``fnv1a64(utf8(value)) % hash_bucket_size``
-  (``odl.features.id_hashing``; the value's text as it appears in the record).
-* ``IdFeature`` with ``num_buckets``: row = ``int(value) % num_buckets`` (Python modulo, so
-  negative ids wrap to ``[0, num_buckets)``); a value that is not a decimal integer rejects
-  the record as ``bad_number``.
-* ``IdFeature`` with ``vocab_list`` / ``vocab_file``: row = the value's index in the
-  vocabulary, 0 for a value not in it (EasyRec's ``default_value=0``); a table of one row
-  per entry (``odl.config.feature_settings``). Values are matched by their FNV-1a 64 hash
-  and byte length.
-* All IdFeature forms are multi-valued: the value is split on the feature's ``separator``
-  (default ``|``), empty pieces are dropped; an empty value gives no id (a zero-length bag,
-  pooled to zeros).
-* ``RawFeature`` with ``max_val > min_val``: the value is first normalized to
-  ``(x - min_val) / (max_val - min_val)`` (not clipped).
-* ``RawFeature`` without ``boundaries``: one float32 column of ``Batch.dense``; a value
-  beyond float32's range (it would reach the model as inf) rejects the record as
-  ``non_finite``.
-* ``RawFeature`` with ``raw_input_dim`` d > 1 (TorchEasyRec's ``value_dim``): a STRING
-  column of d numbers split on the feature's ``separator`` (a JSON list is joined with it),
-  d float32 columns of ``Batch.dense`` (:func:`dense_columns`: ``"<feature>#<k>"``); an
-  empty value reads d zeros, any other count of numbers rejects the record as
-  ``bad_number``.
-* ``RawFeature`` with ``boundaries``: row = ``searchsorted(boundaries, value, side="right")``
-  in a table of ``len(boundaries) + 1`` rows (bucket i is ``[b[i-1], b[i])``).
-* ``SequenceFeature`` (of ids: ``sub_feature_type`` IdFeature): its ids as an IdFeature's,
-  the first ``max_seq_len`` (default :data:`DEFAULT_MAX_SEQ_LEN`) kept in order, each
-  position its own KJT key (:func:`sequence_key`: ``"<feature>#<position>"``, an id or an
-  empty bag) looked up in the feature's table, and the kept length a ``Batch.dense`` column
-  (:func:`sequence_length_column`: ``"<feature>#len"``, after the dense raw features). DIN
-  towers read them (``odl.models.tower_models``).
-* ``SequenceFeature`` of numbers (``sub_feature_type`` RawFeature): with ``boundaries``, each
-  number bucketized as a RawFeature's and the buckets embedded as a sequence of ids (above);
-  without, the first ``max_seq_len`` numbers are ``max_seq_len`` dense columns
-  (``"<feature>#<position>"``, 0 past the sequence's end) and the kept length its
-  ``"<feature>#len"`` column. A piece that is not a number rejects the record as
-  ``bad_number``.
-* Weighted tags (EasyRec's TagFeature with a second input of weights, or with
-  ``kv_separator``: pieces ``tag<kv_separator>weight``): the ids as above, each with its
-  weight (a number; a missing or non-numeric weight, or a weights column with another count
-  of pieces than the tags column, rejects the record as ``bad_number``). A batch of a config
-  with weighted tags carries per-value weights for every feature (``Batch.sparse.weights()``)
-  and every table is sum-pooled over them: a weighted feature's values weigh their weight
-  (``combiner: mean``: weight / the bag's sum of weights, EasyRec's weighted mean), the other
-  features' values 1 (``mean``: 1 / the bag's length), so sum and mean features keep their
-  pooling. (:attr:`FeatureBuilder.weighted`.)
-* ``ComboFeature``: row = ``fnv1a64(v1 + combo_join_sep + v2 + ...) % hash_bucket_size`` over
-  the input values' texts (not split); no id when any input is empty.
-* Features of a *dynamic* table (``ev_params`` / ``zch`` / ``ctr_accessor_param``, see
-  ``odl.config.dynamic_table_config``) are not reduced to a bucket: their ids are *raw ids*
-  in ``[0, 2**63)``, the 63 low bits of the FNV-1a hash for hashed and combo features, the
-  integer itself for ``num_buckets`` features (a negative integer keeps its 63 low bits, so
-  -1 becomes 2**63 - 1) and the vocabulary index for vocabulary features. The trainer and
-  serving map raw ids to rows (``odl.models.dynamic``, ``odl.features.raw_id_index``).
-
-Tables: features with the same ``embedding_name`` share one table (their row count and
-dimension must agree); otherwise a feature's table is named after the feature.
+What each feature becomes is the plan's (``odl.features.feature_plan``, its module docstring
+lists the feature kinds); :class:`FeatureBuilder` is a plan that builds batches by it.
 
 Only fields that some feature, the label, or the event time reads are validated as numbers;
 other columns are carried as text and never reject a record.
@@ -83,7 +27,6 @@ tensors and a KeyedJaggedTensor without copying. This module imports torch only 
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import time
@@ -93,15 +36,10 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from odl.config.config_error import ConfigError
-from odl.config.dynamic_table_config import DynamicTableSpec, dynamic_table_spec
-from odl.config.feature_configs import feature_configs
-from odl.config.feature_settings import has_vocabulary, normalizes, read_vocabulary
-from odl.config.loss_settings import jrc_session_field, num_classes, real_valued_labels
-from odl.config.metric_settings import grouped_auc_field
-from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments, pack_strings
+from odl.features.feature_plan import FeaturePlan, PlannedDense, PlannedSparse
+from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments
 from odl.features.raw_id_index import RAW_ID_MASK
-from odl.features.record_parser import ParsedColumns, RecordParser, parse_numbers
+from odl.features.record_parser import ParsedColumns, parse_numbers
 from odl.protos import pipeline_pb2
 
 if TYPE_CHECKING:
@@ -109,8 +47,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_FT = pipeline_pb2.FeatureConfig.FeatureType
-_DT = pipeline_pb2.DatasetConfig.FieldType
 # Dense inputs reach the model as float32: a finite float64 beyond this would become inf.
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 # The event time window (unix seconds): 2000-01-01T00:00:00Z up to one day ahead of now.
@@ -118,32 +54,6 @@ EVENT_TIME_MIN_SECS = 946_684_800.0
 EVENT_TIME_MAX_AHEAD_SECS = 86_400.0
 # At most one "unprocessable record" traceback per this many seconds (per process).
 _GUARD_LOG_INTERVAL_SECS = 30.0
-
-
-@dataclass(frozen=True)
-class TableSpec:
-    """One embedding table as the features define it.
-
-    Attributes:
-        name: table name (``embedding_name``, or the feature name when unset).
-        num_rows: number of rows (hash_bucket_size, num_buckets or len(boundaries) + 1).
-        dim: embedding dimension (0 when no feature gave one, e.g. wide-only features).
-        feature_names: features looked up in this table, in config order.
-        pooling: ``"sum"`` or ``"mean"`` (the features' ``combiner``; always ``"sum"`` in
-            a weighted batch, whose weights carry the means).
-        dynamic: the admission / eviction settings of a dynamic table (its features give
-            raw ids and ``num_rows`` is its capacity); None for a fixed table.
-        weighted: looked up with the batch's per-value weights (every table of a config with
-            weighted tags).
-    """
-
-    name: str
-    num_rows: int
-    dim: int
-    feature_names: tuple[str, ...]
-    pooling: str = "sum"
-    dynamic: DynamicTableSpec | None = None
-    weighted: bool = False
 
 
 @dataclass
@@ -211,96 +121,8 @@ class BuildResult:
     rejected: list[tuple[int, str]] = field(default_factory=list)
 
 
-# SequenceFeature: positions kept when max_seq_len is 0
-DEFAULT_MAX_SEQ_LEN = 50
-
-
-def sequence_key(feature: str, position: int) -> str:
-    """The KJT key of position ``position`` of SequenceFeature ``feature``."""
-    return f"{feature}#{position}"
-
-
-def sequence_length_column(feature: str) -> str:
-    """The ``Batch.dense`` column holding SequenceFeature ``feature``'s length."""
-    return f"{feature}#len"
-
-
-def dense_columns(feature: str, width: int) -> list[str]:
-    """The ``Batch.dense`` columns of a dense feature ``width`` values wide.
-
-    A one-value RawFeature's column is the feature's name; a wider one's (``raw_input_dim``,
-    or a dense sequence's positions) are ``"<feature>#<k>"``.
-    """
-    return [feature] if width == 1 else [f"{feature}#{k}" for k in range(width)]
-
-
-@dataclass(frozen=True)
-class _Dense:
-    name: str
-    input: str
-    width: int = 1  # values per record: raw_input_dim, or a dense sequence's positions
-    separator: bytes = b""  # splits a value of several numbers (width > 1 or a sequence)
-    sequence: bool = False  # a SequenceFeature of numbers (kept length: its own column)
-    norm: tuple[float, float] | None = None  # (min_val, max_val - min_val)
-
-    @property
-    def columns(self) -> list[str]:
-        """Its ``Batch.dense`` columns."""
-        return dense_columns(self.name, self.width)
-
-
-@dataclass(frozen=True)
-class _Sparse:
-    name: str
-    kind: str  # "hash" | "int" | "vocab" | "bucket" | "combo"
-    inputs: tuple[str, ...]
-    num_rows: int
-    separator: bytes = b""
-    combo_sep: bytes = b""
-    boundaries: np.ndarray | None = None
-    raw_ids: bool = False
-    vocab: _Vocabulary | None = None
-    norm: tuple[float, float] | None = None  # (min_val, max_val - min_val)
-    seq_len: int = 0  # SequenceFeature: positions kept (one KJT key each); 0: not one
-    mean: bool = False  # combiner mean (a weighted batch's weights carry it)
-    weights_input: str = ""  # weighted tags: the column of the weights
-    kv_separator: bytes = b""  # weighted tags: tag<kv>weight pieces
-
-    @property
-    def keys(self) -> list[str]:
-        """Its KJT keys: the feature, or one per position of a sequence."""
-        if self.seq_len:
-            return [sequence_key(self.name, p) for p in range(self.seq_len)]
-        return [self.name]
-
-
-@dataclass(frozen=True)
-class _Vocabulary:
-    """A vocabulary as sorted FNV-1a 64 hashes with the byte length and row of each entry."""
-
-    hashes: np.ndarray  # uint64, ascending
-    lengths: np.ndarray  # int64
-    rows: np.ndarray  # int64
-
-    @classmethod
-    def of(cls, entries: list[str], where: str) -> _Vocabulary:
-        buf, starts, ends = pack_strings(entries)
-        h = hash_segments(buf, starts, ends)
-        order = np.argsort(h, kind="stable")
-        h = h[order]
-        if h.shape[0] > 1 and np.any(h[1:] == h[:-1]):
-            raise ConfigError(where, "two vocabulary entries have the same FNV-1a 64 hash")
-        return cls(h, (ends - starts)[order], order.astype(np.int64))
-
-    def lookup(self, h: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-        """Rows of the values with hashes ``h`` and byte lengths ``lengths`` (0 when absent)."""
-        pos = np.minimum(np.searchsorted(self.hashes, h), self.hashes.shape[0] - 1)
-        found = (self.hashes[pos] == h) & (self.lengths[pos] == lengths)
-        return np.where(found, self.rows[pos], 0).astype(np.int64)
-
-
-class FeatureBuilder:
-    """Builds ``Batch``es from raw record bytes according to a pipeline config.
+class FeatureBuilder(FeaturePlan):
+    """Builds ``Batch``es from raw record bytes by its feature plan (module docstring).
 
     Args:
         pipeline_config: the pipeline config (``data_config`` and the features).
@@ -318,280 +140,8 @@ class FeatureBuilder:
         max_record_bytes: int = 1 << 20,
         check_event_time: bool = True,
     ) -> None:
-        dc = pipeline_config.data_config
-        field_types = {f.input_name: f.input_type for f in dc.input_fields}
-        if not dc.label_fields:
-            raise ConfigError("data_config.label_fields", "at least one label field is needed")
-        if len(set(dc.label_fields)) != len(dc.label_fields):
-            raise ConfigError("data_config.label_fields",
-                              f"label fields repeat: {list(dc.label_fields)}")
-        self._labels = list(dc.label_fields)
-        self._label = self._labels[0]
-        self._sample_id_field = dc.sample_id_field
-        self._group_field = grouped_auc_field(pipeline_config)
-        self._session_field = jrc_session_field(pipeline_config)
-        self._event_time_field = dc.event_time_field
-        self._check_event_time = bool(check_event_time and dc.event_time_field)
-        for fname, path in (*((lf, "data_config.label_fields") for lf in self._labels),
-                            (dc.sample_id_field, "data_config.sample_id_field"),
-                            (dc.event_time_field, "data_config.event_time_field")):
-            if fname and fname not in field_types:
-                raise ConfigError(path, f"{fname!r} is not one of data_config.input_fields")
-
-        self._sparse: list[_Sparse] = []
-        self._dense: list[_Dense] = []
-        self._seq_lengths: list[str] = []  # SequenceFeatures: a length column each
-        tables: dict[str, dict] = {}
-        numeric_fields: list[str] = []
-        list_seps: dict[str, str] = {}
-        seen: set[str] = set()
-        mc = pipeline_config.model_config
-        model_ev = mc.ev_params if mc.HasField("ev_params") else None
-        for i, fc in enumerate(feature_configs(pipeline_config)):
-            path = f"feature_configs[{i}]"
-            name = fc.feature_name
-            dyn = dynamic_table_spec(fc, model_ev, path)
-            if not fc.input_names:
-                raise ConfigError(f"{path}.input_names", "a feature needs at least one input")
-            if name in seen:
-                raise ConfigError(f"{path}.feature_name", f"duplicate feature name {name!r}")
-            seen.add(name)
-            for inp in fc.input_names:
-                if inp not in field_types:
-                    raise ConfigError(
-                        f"{path}.input_names", f"{inp!r} is not one of data_config.input_fields")
-            for inp in fc.input_names:
-                if field_types[inp] != _DT.STRING:
-                    numeric_fields.append(inp)
-            inp0 = fc.input_names[0]
-            raw_sequence = (fc.feature_type == _FT.SequenceFeature
-                            and fc.sub_feature_type == _FT.RawFeature)
-            if fc.feature_type == _FT.RawFeature or raw_sequence:
-                width = 1 if raw_sequence else int(fc.raw_input_dim)
-                if width < 1 or (raw_sequence and fc.raw_input_dim != 1):
-                    raise ConfigError(f"{path}.raw_input_dim",
-                                      "must be at least 1 (1 for a SequenceFeature)")
-                listed = width > 1 or raw_sequence
-                if listed:
-                    if field_types[inp0] != _DT.STRING:
-                        raise ConfigError(
-                            f"{path}.input_names",
-                            f"{inp0!r} holds several numbers split on the separator "
-                            f"{fc.separator!r}: its input field must be STRING")
-                    if not fc.separator:
-                        raise ConfigError(f"{path}.separator", "must not be empty")
-                    list_seps[inp0] = fc.separator
-                else:
-                    numeric_fields.append(inp0)
-                norm = ((float(fc.min_val), float(fc.max_val) - float(fc.min_val))
-                        if normalizes(fc) else None)
-                seq_len = (int(fc.max_seq_len or DEFAULT_MAX_SEQ_LEN) if raw_sequence else 0)
-                if not fc.boundaries:
-                    self._dense.append(_Dense(
-                        name, inp0, seq_len or width,
-                        separator=fc.separator.encode() if listed else b"",
-                        sequence=raw_sequence, norm=norm))
-                    if raw_sequence:
-                        self._seq_lengths.append(name)
-                    continue
-                if width > 1:
-                    raise ConfigError(f"{path}.raw_input_dim",
-                                      "a RawFeature with boundaries buckets one number")
-                b = np.asarray(list(fc.boundaries), dtype=np.float64)
-                if np.any(np.diff(b) <= 0):
-                    raise ConfigError(f"{path}.boundaries", "must be strictly ascending")
-                if raw_sequence:
-                    self._seq_lengths.append(name)
-                sp = _Sparse(name, "bucket", (inp0,), len(b) + 1, boundaries=b, norm=norm,
-                             separator=fc.separator.encode() if raw_sequence else b"",
-                             seq_len=seq_len)
-            elif fc.feature_type in (_FT.IdFeature, _FT.SequenceFeature):
-                if (fc.feature_type == _FT.SequenceFeature
-                        and fc.sub_feature_type != _FT.IdFeature):
-                    raise ConfigError(f"{path}.sub_feature_type",
-                                      "a SequenceFeature holds ids (IdFeature) or numbers "
-                                      "(RawFeature)")
-                vocab = None
-                if has_vocabulary(fc):
-                    if fc.hash_bucket_size or fc.num_buckets:
-                        raise ConfigError(
-                            f"{path}.hash_bucket_size",
-                            "give one of hash_bucket_size, num_buckets, vocab_list, vocab_file")
-                    vocab = _Vocabulary.of(read_vocabulary(fc, path), f"{path}.vocab_list")
-                elif bool(fc.hash_bucket_size) == bool(fc.num_buckets) and not (
-                        dyn is not None and not fc.num_buckets):
-                    raise ConfigError(
-                        f"{path}.hash_bucket_size",
-                        "an IdFeature needs exactly one of hash_bucket_size or num_buckets")
-                if not fc.separator:
-                    raise ConfigError(f"{path}.separator", "must not be empty")
-                kind = "hash" if fc.hash_bucket_size else "int"
-                rows = int(fc.hash_bucket_size or fc.num_buckets)
-                if vocab is not None:
-                    kind, rows = "vocab", int(vocab.rows.shape[0])
-                if dyn is not None:
-                    if vocab is None:
-                        kind = "int" if fc.num_buckets and not fc.hash_bucket_size else "hash"
-                    rows = dyn.capacity
-                seq_len = 0
-                if fc.feature_type == _FT.SequenceFeature:
-                    pad = (fc.sequence_combiner.text_cnn.pad_sequence_length
-                           if fc.sequence_combiner.HasField("text_cnn") else 0)
-                    seq_len = int(fc.max_seq_len or pad or DEFAULT_MAX_SEQ_LEN)
-                    self._seq_lengths.append(name)
-                weights_input = fc.input_names[1] if len(fc.input_names) > 1 else ""
-                if (weights_input or fc.kv_separator) and (seq_len or dyn is not None):
-                    raise ConfigError(f"{path}.input_names",
-                                      "weighted tags are not implemented for a SequenceFeature "
-                                      "or a dynamic table")
-                if weights_input and fc.kv_separator:
-                    raise ConfigError(f"{path}.kv_separator",
-                                      "give the weights in a second input or with "
-                                      "kv_separator, not both")
-                sp = _Sparse(name, kind, (inp0,), rows, separator=fc.separator.encode(),
-                             raw_ids=dyn is not None, vocab=vocab, seq_len=seq_len,
-                             weights_input=weights_input,
-                             kv_separator=fc.kv_separator.encode())
-                list_seps[inp0] = fc.separator
-                if weights_input:
-                    list_seps[weights_input] = fc.separator
-            elif fc.feature_type == _FT.ComboFeature:
-                if not fc.hash_bucket_size and dyn is None:
-                    raise ConfigError(f"{path}.hash_bucket_size", "a ComboFeature needs it")
-                rows = dyn.capacity if dyn is not None else int(fc.hash_bucket_size)
-                sp = _Sparse(name, "combo", tuple(fc.input_names), rows,
-                             combo_sep=fc.combo_join_sep.encode(), raw_ids=dyn is not None)
-            else:
-                raise ConfigError(f"{path}.feature_type", "unsupported feature type")
-            if fc.combiner not in ("sum", "mean"):
-                raise ConfigError(f"{path}.combiner", f"expected sum or mean, got {fc.combiner!r}")
-            if fc.combiner == "mean":  # every kind of feature: a weighted batch's mean
-                sp = dataclasses.replace(sp, mean=True)
-            self._sparse.append(sp)
-            tname = fc.embedding_name or name
-            t = tables.setdefault(
-                tname, {"rows": sp.num_rows, "dim": 0, "features": [], "pooling": fc.combiner,
-                        "dynamic": dyn})
-            if t["dynamic"] != dyn:
-                raise ConfigError(
-                    f"{path}.embedding_name",
-                    f"table {tname!r} is shared by features with different dynamic-table "
-                    "settings (ev_params / zch / ctr_accessor_param must agree)")
-            if t["rows"] != sp.num_rows:
-                raise ConfigError(
-                    f"{path}.embedding_name",
-                    f"table {tname!r} is shared by features with different row counts "
-                    f"({t['rows']} vs {sp.num_rows})")
-            if fc.embedding_dim:
-                if t["dim"] and t["dim"] != fc.embedding_dim:
-                    raise ConfigError(
-                        f"{path}.embedding_dim",
-                        f"table {tname!r} is shared by features with different dims "
-                        f"({t['dim']} vs {fc.embedding_dim})")
-                t["dim"] = int(fc.embedding_dim)
-            if t["pooling"] != fc.combiner:
-                raise ConfigError(f"{path}.combiner",
-                                  f"table {tname!r} is shared by features with different combiners")
-            t["features"].extend(sp.keys)
-        self._count_fields: list[str] = []
-        for tname, t in tables.items():
-            dyn = t["dynamic"]
-            for attr in ("show_field", "click_field"):
-                f = getattr(dyn, attr, "") if dyn is not None else ""
-                if not f:
-                    continue
-                if f not in field_types or field_types[f] == _DT.STRING:
-                    raise ConfigError(
-                        f"ctr_accessor_param.{attr}",
-                        f"table {tname!r}: {f!r} must be a numeric data_config.input_fields "
-                        "field")
-                numeric_fields.append(f)
-                if f not in self._count_fields:
-                    self._count_fields.append(f)
-        self._weighted = any(sp.weights_input or sp.kv_separator for sp in self._sparse)
-        self._tables = [
-            TableSpec(n, t["rows"], t["dim"], tuple(t["features"]),
-                      "sum" if self._weighted else t["pooling"], t["dynamic"], self._weighted)
-            for n, t in tables.items()
-        ]
-        self._feature_to_table = {f: t.name for t in self._tables for f in t.feature_names}
-        if self._check_event_time:
-            numeric_fields.append(self._event_time_field)
-        self._parser = RecordParser(
-            dc,
-            max_record_bytes=max_record_bytes,
-            list_separators=list_seps,
-            numeric_fields=list(dict.fromkeys(numeric_fields)),
-            real_labels=sorted(real_valued_labels(pipeline_config)),
-            class_labels=({self._label: num_classes(pipeline_config)}
-                          if num_classes(pipeline_config) > 1 else None),
-        )
-        self._classes = num_classes(pipeline_config)
-        self._seps = sorted({sp.separator for sp in self._sparse if sp.separator
-                             and sp.kind in ("hash", "int", "vocab", "bucket")}
-                            | {d.separator for d in self._dense if d.separator}
-                            | {sp.kv_separator for sp in self._sparse if sp.kv_separator})
+        super().__init__(pipeline_config, max_record_bytes, check_event_time)
         self._last_guard_log = -_GUARD_LOG_INTERVAL_SECS
-
-    # -- introspection ----------------------------------------------------------------------
-
-    @property
-    def sparse_feature_names(self) -> list[str]:
-        """KJT keys: embedded features in config order, a SequenceFeature one per position."""
-        return [k for sp in self._sparse for k in sp.keys]
-
-    @property
-    def dense_feature_names(self) -> list[str]:
-        """``Batch.dense`` columns: the dense features', then each SequenceFeature's length."""
-        return [c for d in self._dense for c in d.columns] + [sequence_length_column(n)
-                                                              for n in self._seq_lengths]
-
-    @property
-    def weighted(self) -> bool:
-        """Whether batches carry per-value weights (the config has weighted tags)."""
-        return self._weighted
-
-    @property
-    def dense_feature_columns(self) -> dict[str, list[str]]:
-        """Dense feature name -> its columns (one, ``raw_input_dim``, or positions)."""
-        return {d.name: d.columns for d in self._dense}
-
-    @property
-    def sequence_features(self) -> dict[str, int]:
-        """SequenceFeature name -> positions kept (``max_seq_len``), embedded and dense."""
-        out = {sp.name: sp.seq_len for sp in self._sparse if sp.seq_len}
-        out.update(self.dense_sequence_features)
-        return out
-
-    @property
-    def dense_sequence_features(self) -> dict[str, int]:
-        """SequenceFeatures of numbers without boundaries -> positions (dense columns)."""
-        return {d.name: d.width for d in self._dense if d.sequence}
-
-    @property
-    def table_specs(self) -> list[TableSpec]:
-        """Embedding tables, in order of first use."""
-        return list(self._tables)
-
-    @property
-    def feature_to_table(self) -> dict[str, str]:
-        """Embedded feature name -> table name."""
-        return dict(self._feature_to_table)
-
-    @property
-    def label_field(self) -> str:
-        """The first label column."""
-        return self._label
-
-    @property
-    def label_fields(self) -> list[str]:
-        """The label columns (``Batch.labels`` is ``[B]`` for one, ``[B, n]`` for several)."""
-        return list(self._labels)
-
-    @property
-    def parser(self) -> RecordParser:
-        """The record parser used by ``build``."""
-        return self._parser
 
     # -- building ---------------------------------------------------------------------------
 
@@ -774,7 +324,7 @@ class FeatureBuilder:
         return self._build_parsed(parsed, rejected, raw, pieces, sep_pos, dense_values,
                                   tag_weights)
 
-    def _tag_weights(self, parsed: ParsedColumns, sp: _Sparse,
+    def _tag_weights(self, parsed: ParsedColumns, sp: PlannedSparse,
                      pieces: tuple[np.ndarray, np.ndarray, np.ndarray], sep_pos: dict
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Weighted tags: ``(id starts, id ends, lengths, weights, bad rows)``.
@@ -814,7 +364,7 @@ class FeatureBuilder:
             bad[row[same][~ok | ~np.isfinite(parsed_w)]] = True
         return s, e, lengths, w, bad
 
-    def _dense_values(self, parsed: ParsedColumns, d: _Dense, sep_pos: dict
+    def _dense_values(self, parsed: ParsedColumns, d: PlannedDense, sep_pos: dict
                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """A dense feature's ``[n, width]`` values (normalized by ``min_val`` / ``max_val``).
 
@@ -989,7 +539,7 @@ class FeatureBuilder:
             return parsed.numeric[self._label].astype(np.float32)
         return np.stack([parsed.numeric[lf] for lf in self._labels], axis=1).astype(np.float32)
 
-    def _combo(self, parsed: ParsedColumns, sp: _Sparse) -> tuple[np.ndarray, np.ndarray]:
+    def _combo(self, parsed: ParsedColumns, sp: PlannedSparse) -> tuple[np.ndarray, np.ndarray]:
         buf = parsed.buffer
         n = parsed.num_rows
         nonempty = np.ones(n, dtype=bool)

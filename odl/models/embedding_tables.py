@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from odl.features.feature_builder import TableSpec
+from odl.features.feature_plan import TableSpec
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ from odl.config.model_classes import (
     uses_fm,
     wide_deep_settings,
 )
-from odl.features.feature_builder import FeatureBuilder, sequence_key, sequence_length_column
+from odl.features.feature_builder import FeatureBuilder
+from odl.features.feature_plan import sequence_key, sequence_length_column
 from odl.models.building_blocks import (
     SequenceBlock,
     SequencePool,
