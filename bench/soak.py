@@ -551,10 +551,11 @@ class Soak:
         acc = self.rss_acc.setdefault(self.minute_of(now), {})
         for role, v in rss.items():
             if v is not None:
-                a = acc.setdefault(role, [0.0, 0, 0.0])
+                a = acc.setdefault(role, [0.0, 0, 0.0, v])  # sum, count, max, min
                 a[0] += v
                 a[1] += 1
                 a[2] = max(a[2], v)
+                a[3] = min(a[3], v)
         return rss
 
     def sample(self, now: float) -> dict[str, Any]:
@@ -692,6 +693,7 @@ class Soak:
         acc = self.rss_acc.get(i, {})
         rss = {r: round(acc[r][0] / acc[r][1], 1) if r in acc else None for r in ROLES}
         rss_max = {r: round(acc[r][2], 1) if r in acc else None for r in ROLES}
+        rss_min = {r: round(acc[r][3], 1) if r in acc else None for r in ROLES}
         sv_ok = end.get("serving_version") is not None and end.get("trainer_version") is not None
         stale = [s["serving_freshness_s"] for s in inside if s["serving_freshness_s"] is not None]
         steps = [s.get("checkpoint_step") for s in [start, *inside]]
@@ -719,6 +721,7 @@ class Soak:
                                           default=None),
             "rss_mib": rss,
             "rss_mib_max": rss_max,
+            "rss_mib_min": rss_min,
             "cpu_cores": {r: round((end["cpu_s"][r] - start["cpu_s"][r]) / dt, 3)
                           for r in ROLES},
         }
@@ -860,6 +863,13 @@ class Soak:
                 a0 = steady[0]["rss_mib"].get(role)
                 a1 = steady[-1]["rss_mib"].get(role)
                 rss_growth[role] = round(100.0 * (a1 - a0) / a0, 1) if a0 and a1 else None
+            # the floor (each minute's lowest sample): memory kept, without transient peaks
+            # such as the embedded broker's saves (a sawtooth around a minute's mean)
+            floor_growth = {}
+            for role in ROLES:
+                f0 = steady[0]["rss_mib_min"].get(role)
+                f1 = steady[-1]["rss_mib_min"].get(role)
+                floor_growth[role] = round(100.0 * (f1 - f0) / f0, 1) if f0 and f1 else None
             t_a = self.boundaries[a.warmup_minutes]
             t_b = self.boundaries[len(self.rows)]
             dn = t_b["trained"] - t_a["trained"]
@@ -875,6 +885,7 @@ class Soak:
                 "records_lost_total": self.rows[-1]["lost_total"],
                 "records_lost_steady": sum(r["lost"] for r in steady),
                 "rss_growth_pct": rss_growth,
+                "rss_floor_growth_pct": floor_growth,
                 "train_rate": round(dn / dt, 1),
                 "produce_rate": round((t_b["produced"] - t_a["produced"]) / dt, 1),
                 "trainer_cores": round(cpu_tr / dt, 3),
@@ -981,6 +992,9 @@ class Soak:
             print("RSS growth first -> last steady minute: " + ", ".join(
                 f"{r} {'-' if g is None else f'{g:+.1f} %'}"
                 for r, g in s["rss_growth_pct"].items()) + " (bench not judged)")
+            print("RSS floor (each minute's lowest sample) growth: " + ", ".join(
+                f"{r} {'-' if g is None else f'{g:+.1f} %'}"
+                for r, g in s["rss_floor_growth_pct"].items()))
             print(f"trainer CPU: {s['trainer_cores']} cores + input process "
                   f"{s['input_cores']} = {s['trainer_cores_per_10k_samples_per_s']} cores per "
                   f"10k samples/s ({s['trainer_only_cores_per_10k_samples_per_s']} without the "
