@@ -43,7 +43,7 @@ import os
 import sys
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -217,6 +217,38 @@ def _collective_device() -> torch.device:
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class RankTurn(NamedTuple):
+    """What one rank tells the others at each turn of ``Trainer._loop_ranks`` (small ints).
+
+    Attributes:
+        stop: it stops (a request, a stop condition or a failure).
+        has_batch: it holds a batch.
+        finished: its input has ended (and it holds no batch).
+        checkpoint_due: a checkpoint is due by time (rank 0's clock counts for all).
+        failed: it failed.
+        publish_flags: which parts of a delta version are due (rank 0's publisher counts).
+        split, file, record: a file stream's position of its batch (-1: none), so the
+            ranks can check they train the same group of batches.
+        size: the records of its batch (what it trains this step).
+    """
+
+    stop: int
+    has_batch: int
+    finished: int
+    checkpoint_due: int
+    failed: int
+    publish_flags: int
+    split: int
+    file: int
+    record: int
+    size: int
+
+    @property
+    def file_position(self) -> tuple[int, int, int]:
+        """``(split, file, record)`` of its batch."""
+        return self.split, self.file, self.record
 
 
 def agree(values: Sequence[int]) -> list[list[int]]:

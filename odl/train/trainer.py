@@ -55,6 +55,7 @@ from odl.storage.oss_store import StorageError
 from odl.train.checkpoint_writer import CheckpointWriter
 from odl.train.crash_recovery import CrashRecovery, RestoredState
 from odl.train.distributed import (
+    RankTurn,
     agree,
     check_several_ranks,
     from_rank0,
@@ -529,41 +530,45 @@ class Trainer:
             where = ([item.positions.get(k, -1) for k in (SPLIT_KEY, FILE_KEY, RECORD_KEY)]
                      if lockstep and item is not None else [-1, -1, -1])
             size = item.batch.size if item is not None and item.batch is not None else 0
-            turn = agree([int(stop), int(item is not None),
-                          int(item is None and pipeline.finished),
-                          int(clock.time_due(tc.save_checkpoints_secs)),
-                          int(self.failure is not None),
-                          publishing.turn_flags(step) if publishing is not None else 0,
-                          *where, int(size)])
-            if lockstep and all(t[1] for t in turn) and len({tuple(t[6:9]) for t in turn}) > 1:
+            turn = [RankTurn(*t) for t in agree(RankTurn(
+                stop=int(stop), has_batch=int(item is not None),
+                finished=int(item is None and pipeline.finished),
+                checkpoint_due=int(clock.time_due(tc.save_checkpoints_secs)),
+                failed=int(self.failure is not None),
+                publish_flags=publishing.turn_flags(step) if publishing is not None else 0,
+                split=where[0], file=where[1], record=where[2], size=int(size)))]
+            if (lockstep and all(t.has_batch for t in turn)
+                    and len({t.file_position for t in turn}) > 1):
                 self._fail("the ranks read different records of the file stream (a split "
                            "completed while they were deciding to skip it?): "
-                           f"{[t[6:9] for t in turn]}; restart from the last checkpoint", 1)
+                           f"{[t.file_position for t in turn]}; restart from the last "
+                           "checkpoint", 1)
                 continue  # every rank saw it: they stop together on the next turn
-            if any(t[0] for t in turn) or all(t[2] for t in turn):
-                failed = [r for r, t in enumerate(turn) if t[4]]
+            if any(t.stop for t in turn) or all(t.finished for t in turn):
+                failed = [r for r, t in enumerate(turn) if t.failed]
                 if failed and self.failure is None:  # no last version or checkpoint then
                     self._fail(f"rank {failed[0]} stopped on a failure", 1)
-                ended = all(t[2] for t in turn) and not any(t[0] for t in turn)
+                ended = all(t.finished for t in turn) and not any(t.stop for t in turn)
                 if (ended and not failed and self.passes is not None
                         and self.passes.close_current()):  # on every rank: passes go together
                     self._pass_ended(day_ended=True)  # the stream ended with the last pass
                 if not self._stops.requested:
-                    self._stops.request("end of input" if all(t[2] for t in turn)
+                    self._stops.request("end of input" if all(t.finished for t in turn)
                                         else "another rank stopped")
                 self._ranks_stopped_together = not failed
                 break
-            any_batch = (all if lockstep else any)(t[1] for t in turn)
+            any_batch = (all if lockstep else any)(t.has_batch for t in turn)
             if lockstep and item is not None and not any_batch:
                 held = item  # the others have not read this group yet
             if publishing is not None:  # rank 0's schedule for all, before the step
-                publishing.after_turn(step, turn[0][5], any_batch, self.positions_snapshot())
+                publishing.after_turn(step, turn[0].publish_flags, any_batch,
+                                      self.positions_snapshot())
             if not any_batch:
                 continue
-            sizes = [t[9] for t in turn]  # what each rank trains this step
+            sizes = [t.size for t in turn]  # what each rank trains this step
             self._stepped(clock, self._train_on(item, sizes) if item is not None
                           else self._train_empty(sizes))
-            self._checkpoint_if_due(clock, bool(turn[0][3]))  # rank 0's clock for all
+            self._checkpoint_if_due(clock, bool(turn[0].checkpoint_due))  # rank 0's clock
 
     def _train_empty(self, sizes: Optional[list[int]] = None) -> int:
         """This rank's part of a step it holds no records for (several ranks)."""
