@@ -40,7 +40,6 @@ from odl.features.feature_plan import FeaturePlan, PlannedDense, PlannedSparse
 from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments
 from odl.features.raw_id_index import RAW_ID_MASK
 from odl.features.record_parser import ParsedColumns, parse_numbers
-from odl.protos import pipeline_pb2
 
 if TYPE_CHECKING:
     from odl.features.batch import Batch
@@ -124,24 +123,12 @@ class BuildResult:
 class FeatureBuilder(FeaturePlan):
     """Builds ``Batch``es from raw record bytes by its feature plan (module docstring).
 
-    Args:
-        pipeline_config: the pipeline config (``data_config`` and the features).
-        max_record_bytes: records longer than this are rejected as ``oversized``.
-        check_event_time: reject records whose event time is outside the window (see the
-            module docstring); serving, which never reads event times, passes False.
-
-    Raises:
-        ConfigError: a feature or the data config is inconsistent.
+    Made as a :class:`FeaturePlan` is (the same arguments); the event-time window it checks
+    is this module's.
     """
 
-    def __init__(
-        self,
-        pipeline_config: pipeline_pb2.EasyRecConfig,
-        max_record_bytes: int = 1 << 20,
-        check_event_time: bool = True,
-    ) -> None:
-        super().__init__(pipeline_config, max_record_bytes, check_event_time)
-        self._last_guard_log = -_GUARD_LOG_INTERVAL_SECS
+    # the last "unprocessable record" traceback logged (monotonic seconds), per builder
+    _last_guard_log = -_GUARD_LOG_INTERVAL_SECS
 
     # -- building ---------------------------------------------------------------------------
 
