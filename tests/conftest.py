@@ -1,4 +1,4 @@
-"""Suite-wide Kafka fixtures (one broker per test session, a fresh topic per test) and markers.
+"""Suite-wide Kafka fixtures (one broker per test worker, a fresh topic per test), markers, order.
 
 Set ``ODL_KAFKA_BOOTSTRAP=host:port`` to run against an external broker instead of the
 embedded one. Topics made by ``kafka_topic_factory`` are unique per test and deleted after it
