@@ -77,7 +77,7 @@ class WarmStartReport:
     unused: list[str] = field(default_factory=list)
 
 
-def named_state(m: TrainModule) -> dict[str, Any]:
+def _named_state(m: TrainModule) -> dict[str, Any]:
     """Own parameter/buffer name -> live tensor (tables as writable full views)."""
     out: dict[str, Any] = {}
     for name, t in m.dmp.state_dict().items():
@@ -102,8 +102,7 @@ def checkpoint_state(m: TrainModule) -> dict[str, Any]:
         out["model"].update(tables)
         table_parts.merge_dynamic_parts(out, parts)
         return out
-    out = state_without_tables(
-        m,         {k: to_full_cpu(v) for k, v in named_state(m).items()})
+    out = state_without_tables(m, {k: to_full_cpu(v) for k, v in _named_state(m).items()})
     out["sparse_optimizer"] = {
         pname: {k: to_full_cpu(v) for k, v in states.items()}
         for pname, states in m.fused_optimizer.state_dict()["state"].items()}
@@ -150,7 +149,7 @@ def load_state(m: TrainModule, state: Mapping[str, Any], strict: bool = True) ->
     if m.world_size > 1:
         _load_sharded_state(m, state, strict)
         return
-    own = named_state(m)
+    own = _named_state(m)
     model = state["model"]
     if strict:
         _check_names(set(own), set(model), "model")
@@ -214,7 +213,7 @@ def table_part(m: TrainModule) -> dict[str, Any]:
         m.dynamic.state_dict()["parts"] if m.dynamic_split_over_ranks else None)
 
 
-def sharded_state(m: TrainModule) -> dict[str, Any]:
+def _sharded_state(m: TrainModule) -> dict[str, Any]:
     """Own parameter / buffer name -> tables as ShardedTensors, the dense part plain."""
     own = {n: t for n, t in m.dmp.state_dict().items() if n.startswith(EBC_PREFIX)}
     own.update(m.dense_parameters())
@@ -231,7 +230,7 @@ def _load_sharded_state(m: TrainModule, state: Mapping[str, Any], strict: bool) 
     """
     model = state["model"]
     saved_sparse = state.get("sparse_optimizer", {})
-    own = sharded_state(m)
+    own = _sharded_state(m)
     fused = m.fused_optimizer.state_dict()["state"]
     if state.get("table_parts"):
         local = {("model", n, ""): local_shards(t) for n, t in own.items()
@@ -400,7 +399,7 @@ def load_parameters(
                 report.loaded.append((name, var_map.get(name, name)))
     elif present:
         m.dynamic.load_state_dict(dynamic_state, tables=present)
-    own = named_state(m) if m.world_size == 1 else sharded_state(m)
+    own = _named_state(m) if m.world_size == 1 else _sharded_state(m)
     for name, t in own.items():
         if name in moved:
             continue
