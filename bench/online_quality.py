@@ -69,7 +69,6 @@ from google.protobuf import text_format  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.auc import roc_auc  # noqa: E402
-from odl.config.config_validation import validate_pipeline_config  # noqa: E402
 from odl.config.pipeline_config import (  # noqa: E402
     load_pipeline_config,
     parse_pipeline_config_text,
@@ -79,6 +78,7 @@ from odl.datagen.datagen_config import bursty_config_text, deepfm_config_text  #
 from odl.datagen.movielens_stream import MovieLensStream  # noqa: E402
 from odl.datagen.synthetic_ctr import INTERACTION_PAIRS, SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
+from odl.models.model_registry import check_pipeline_config  # noqa: E402
 from odl.train.progressive_metrics import log_loss  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
 
@@ -224,7 +224,7 @@ def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr
         if lr.WhichOneof("learning_rate") != "constant_learning_rate":
             raise SystemExit(f"{config_path}: the bench sets constant learning rates only")
         lr.constant_learning_rate.learning_rate = rate
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     return config
 
 

@@ -24,7 +24,7 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_losses import loss_terms
 from odl.models.deepfm import DeepFMDense, DeepFMRegularization, deepfm_loss
 from odl.models.embedding_tables import WIDE_SUFFIX, build_embedding_layout
-from odl.models.model_factory import model_groups
+from odl.models.group_inputs import model_groups
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)

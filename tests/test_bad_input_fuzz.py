@@ -253,12 +253,12 @@ def test_dead_letter_sink_truncates_huge_values_and_drops_when_full(kafka_bootst
 
 def test_dead_letter_topic_must_differ_from_input(tmp_path):
     from odl.config.config_error import ConfigError
-    from odl.config.config_validation import validate_pipeline_config
+    from odl.models.model_registry import check_pipeline_config
 
     cfg = load_pipeline_config(write_config(tmp_path, "127.0.0.1:1", "samples"),
                                '{"data_config.dead_letter_topic": "samples"}')
     try:
-        validate_pipeline_config(cfg, online=True)
+        check_pipeline_config(cfg, online=True)
     except ConfigError as exc:
         assert "data_config.dead_letter_topic" in str(exc)
     else:

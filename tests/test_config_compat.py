@@ -62,6 +62,7 @@ LOADS = {
     "torcheasyrec/mmoe_has_sequence.config",
     "easyrec/deepfm_with_embed.config",
     "torcheasyrec/dbmtl_has_sequence_mock.config",
+    "easyrec/fm_on_taobao.config",
 }
 
 
@@ -176,8 +177,8 @@ def test_sample_configs_that_load_train(name: str) -> None:
     """Every loading sample builds its batches from records of its schema and trains."""
     import math
 
-    from odl.config.memory_estimate import estimate_memory
     from odl.features.feature_builder import FeatureBuilder
+    from odl.train.memory_estimate import estimate_memory
     from odl.train.train_module import TrainModule
 
     flavor = name.split("/")[0]

@@ -27,7 +27,7 @@ from odl.config.config_error import ConfigError
 from odl.config.pipeline_config import load_pipeline_config
 from tests.harness import REPO
 
-# odl.config.memory_estimate, optimizer_support and startup_checks are imported inside the
+# odl.train.memory_estimate, optimizer_support and startup_checks are imported inside the
 # tests, so that each test stands on its own.
 MEMORY_FRACTION_ENV = "ODL_MAX_MEMORY_FRACTION"
 
@@ -76,7 +76,7 @@ def model_dir(tmp_path: Path) -> Path:
 def host_memory(monkeypatch: pytest.MonkeyPatch):
     """Pins the available host memory (16 GiB unless changed) so results do not depend on
     the machine running the tests."""
-    from odl.config import memory_estimate
+    from odl.train import memory_estimate
 
     state = {"bytes": 16 * GIB}
     monkeypatch.setattr(memory_estimate, "available_host_memory",
@@ -186,7 +186,7 @@ def test_dense_part_beyond_memory_names_the_dnn(model_dir: Path, host_memory) ->
 
 
 def test_cgroup_limit_lowers_the_available_memory(tmp_path: Path) -> None:
-    from odl.config.memory_estimate import available_host_memory
+    from odl.train.memory_estimate import available_host_memory
 
     proc = tmp_path / "cgroup"
     proc.write_text("0::/system.slice/odl-train.service\n")
@@ -222,9 +222,9 @@ def test_cgroup_limit_lowers_the_available_memory(tmp_path: Path) -> None:
 ])
 def test_memory_estimate_follows_the_model(edit: dict) -> None:
     """Tables and dense parameters of the estimate are those the model builder makes."""
-    from odl.config.memory_estimate import estimate_memory
     from odl.features.feature_builder import FeatureBuilder
-    from odl.models.model_factory import build_model
+    from odl.models.model_registry import build_model
+    from odl.train.memory_estimate import estimate_memory
 
     config = load_pipeline_config(ONLINE, edit)
     model = build_model(config, FeatureBuilder(config))  # tables on the meta device
@@ -263,7 +263,7 @@ def test_optimizer_choices_agree_with_the_builder(text: str, sparse: str, dense:
 
 
 def test_estimate_state_per_optimizer() -> None:
-    from odl.config.memory_estimate import estimate_memory
+    from odl.train.memory_estimate import estimate_memory
 
     config = load_pipeline_config(ONLINE)
     rows_x_dim = estimate_memory(config, "cpu").table_bytes // 4
@@ -463,9 +463,9 @@ def test_real_processes_exit_2_with_one_line(tmp_path: Path) -> None:
 
 def test_memory_estimate_counts_dynamic_tables_and_their_index() -> None:
     """A dynamic table is its capacity plus its id index and counters, as the engine builds."""
-    from odl.config.memory_estimate import estimate_memory
     from odl.features.feature_builder import FeatureBuilder
     from odl.models.dynamic.model_tables import DynamicTables
+    from odl.train.memory_estimate import estimate_memory
 
     config = load_pipeline_config(ONLINE, {
         "model_config.ev_params": {"max_capacity": 4096},
@@ -488,9 +488,9 @@ def test_memory_estimate_counts_dynamic_tables_and_their_index() -> None:
                                     "dcn_online", "dcn_v2_online", "din_online",
                                     "mmoe_online", "dbmtl_online"])
 def test_memory_estimate_follows_every_model_class(sample: str) -> None:
-    from odl.config.memory_estimate import estimate_memory
     from odl.features.feature_builder import FeatureBuilder
-    from odl.models.model_factory import build_model
+    from odl.models.model_registry import build_model
+    from odl.train.memory_estimate import estimate_memory
 
     config = load_pipeline_config(ONLINE.replace("deepfm_online", sample))
     model = build_model(config, FeatureBuilder(config))
@@ -506,7 +506,7 @@ def test_memory_of_several_ranks_is_each_ranks_share() -> None:
     """With ranks each holds its share of the tables: a model too large for one 16 GiB host
     fits 8 hosts of one rank each, not 8 ranks on that one host; on CUDA each device holds
     a share. A dynamic table's index counts whole on every rank unless split by id."""
-    from odl.config.memory_estimate import AvailableMemory, check_memory, estimate_memory
+    from odl.train.memory_estimate import AvailableMemory, check_memory, estimate_memory
 
     big = {"feature_configs[0].hash_bucket_size": 1.5e8,
            "feature_configs[1].hash_bucket_size": 1.5e8}

@@ -32,7 +32,6 @@ from odl.checkpoint.checkpoint_manager import (
     list_checkpoints,
     read_checkpoint,
 )
-from odl.config.config_validation import validate_pipeline_config
 from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.export.exporter import export_checkpoint
@@ -43,6 +42,7 @@ from odl.harness.http_client import free_port, get_json, post_json
 from odl.harness.topic_records import make_records, produce
 from odl.harness.trainer_killer import TrainerKiller
 from odl.kafka.topic_admin import end_offsets
+from odl.models.model_registry import check_pipeline_config
 from odl.train.sample_ledger import read_ledger
 from odl.train.train_module import TrainModule
 from odl.train.trainer import Trainer, TrainerOptions
@@ -72,7 +72,7 @@ def _config(tmp_path, bootstrap: str, topic: str, delta_topic: str, ckpt_steps: 
 
 def _restore_only(cfg: str) -> tuple[Trainer, dict[int, int] | None]:
     config = load_pipeline_config(cfg)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
     positions = trainer.restore()  # the unit under test
     return trainer, positions

@@ -9,12 +9,12 @@ import torch
 from google.protobuf import text_format
 
 from odl.config.config_error import ConfigError
-from odl.config.config_validation import validate_pipeline_config
 from odl.config.pipeline_config import parse_pipeline_config_text
 from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_losses import ctr_loss
+from odl.models.model_registry import check_pipeline_config
 from odl.protos import pipeline_pb2
 from odl.train.train_module import TrainModule
 
@@ -25,7 +25,7 @@ Y = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0], dtype=torch.float64)
 def _module_and_stream(text: str) -> tuple[FeatureBuilder, TrainModule, SyntheticCtrStream]:
     """The config's feature builder and a fresh train module, and the synthetic stream."""
     config = parse_pipeline_config_text(text)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     fb = FeatureBuilder(config)
     return fb, TrainModule(config, fb, device="cpu"), SyntheticCtrStream(seed=3)
 
@@ -176,7 +176,7 @@ def test_easyrec_loss_settings_are_checked_by_field(tmp_path, settings: str, fie
     text = deepfm_config_text(str(tmp_path / "m"), batch_size=64).replace(
         'model_class: "DeepFM"', f'model_class: "DeepFM"\n  losses {{ {settings} }}')
     with pytest.raises(ConfigError) as info:
-        validate_pipeline_config(parse_pipeline_config_text(text), online=True)
+        check_pipeline_config(parse_pipeline_config_text(text), online=True)
     assert info.value.field == f"model_config.losses[0].{field}"
 
 
@@ -251,7 +251,7 @@ def test_a_two_class_model_trains_with_jrc_loss(tmp_path) -> None:
         if edit[1] == "num_class: 1":
             bad = bad.replace("wide_output_dim: 2", "wide_output_dim: 1")
         with pytest.raises(ConfigError, match=words):
-            validate_pipeline_config(parse_pipeline_config_text(bad), online=True)
+            check_pipeline_config(parse_pipeline_config_text(bad), online=True)
 
 
 @pytest.mark.parametrize("model, losses", [
@@ -284,5 +284,5 @@ def test_session_pairs_are_refused_by_field(tmp_path) -> None:
         'model_class: "DeepFM"', 'model_class: "DeepFM"\n  losses { loss_type: PAIR_WISE_LOSS '
         'pairwise_loss { session_name: "user_id" } }')
     with pytest.raises(ConfigError, match="session") as info:
-        validate_pipeline_config(parse_pipeline_config_text(text), online=True)
+        check_pipeline_config(parse_pipeline_config_text(text), online=True)
     assert info.value.field == "model_config.losses[0].pairwise_loss.session_name"

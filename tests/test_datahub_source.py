@@ -15,12 +15,12 @@ import threading
 import pytest
 
 from odl.config.config_error import ConfigError
-from odl.config.config_validation import validate_pipeline_config
 from odl.config.pipeline_config import parse_pipeline_config_text
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.harness.datahub_double import DatahubDouble
 from odl.inputs.datahub_source import DatahubSource, parse_datahub_start
 from odl.inputs.source_factory import online_source_args
+from odl.models.model_registry import check_pipeline_config
 
 P, T = "proj", "topic"
 
@@ -192,7 +192,7 @@ def test_config_errors_name_the_field(section: str, field: str) -> None:
     end = text.index("}", start) + 1
     config = parse_pipeline_config_text(text[:start] + section + text[end:])
     with pytest.raises(ConfigError) as err:
-        validate_pipeline_config(config, online=True)
+        check_pipeline_config(config, online=True)
     assert err.value.field == field
 
 
@@ -200,10 +200,10 @@ def test_both_inputs_are_refused_and_the_region_becomes_the_endpoint() -> None:
     config = parse_pipeline_config_text(_config(
         'datahub_train_input { region: "cn-hangzhou" project: "p" topic: "t" }'))
     with pytest.raises(ConfigError) as err:
-        validate_pipeline_config(config, online=True)
+        check_pipeline_config(config, online=True)
     assert "one online input" in str(err.value)
     config.ClearField("kafka_train_input")
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     _start, args = online_source_args(config, None)
     assert args["kind"] == "datahub" and args["endpoint"] == "https://dh-cn-hangzhou.aliyuncs.com"
 

@@ -8,13 +8,13 @@ import re
 import pytest
 
 from odl.config.config_error import ConfigError
-from odl.config.config_validation import validate_pipeline_config
 from odl.config.easyrec_compat import normalize_config_forms
 from odl.config.feature_settings import expand_names, with_vocab_files_inlined
-from odl.config.memory_estimate import estimate_memory
 from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_config_text
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.features.feature_builder import FeatureBuilder
+from odl.models.model_registry import check_pipeline_config
+from odl.train.memory_estimate import estimate_memory
 
 
 def _text(tmp_path) -> str:
@@ -30,7 +30,7 @@ def _feature(text: str, name: str, extra: str) -> str:
 
 def _validated(text: str):
     config = parse_pipeline_config_text(text)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     return config
 
 
@@ -133,14 +133,14 @@ def test_vocab_file_is_relative_to_the_config_and_sizes_the_table(tmp_path, monk
     monkeypatch.chdir(tmp_path)  # not the config's directory
     config = load_pipeline_config(str(path))
     assert config.feature_configs[4].vocab_file == str(conf_dir / "c5.txt")
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     fb = FeatureBuilder(config)
     assert {t.name: t.num_rows for t in fb.table_specs}["C5"] == 3
     est = {t.name: t.rows for t in estimate_memory(config, "cpu").tables}
     assert est["C5"] == 3 and est["C5_wide"] == 3 and est["C6"] == 2000
     (conf_dir / "c5.txt").unlink()
     with pytest.raises(ConfigError, match="file not found") as info:
-        validate_pipeline_config(load_pipeline_config(str(path)), online=True)
+        check_pipeline_config(load_pipeline_config(str(path)), online=True)
     assert info.value.field == "feature_configs[4].vocab_file"
 
 
@@ -155,7 +155,7 @@ def test_an_export_writes_the_vocab_file_as_its_list(tmp_path) -> None:
     fc = inlined.feature_configs[4]
     assert list(fc.vocab_list) == ["x", "y", "z"] and not fc.vocab_file
     (tmp_path / "c5.txt").unlink()  # the inlined config no longer needs the file
-    validate_pipeline_config(inlined, online=True)
+    check_pipeline_config(inlined, online=True)
     assert {t.name: t.num_rows for t in FeatureBuilder(inlined).table_specs}["C5"] == 3
     assert with_vocab_files_inlined(inlined) is inlined
 
@@ -181,5 +181,5 @@ def test_shared_names_add_a_feature_per_column_with_the_same_settings(tmp_path):
     c2 = features["C2"]
     assert list(c2.input_names) == ["C2"] and not c2.shared_names
     assert (c2.embedding_dim, c2.hash_bucket_size) == (16, 10000)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     assert FeatureBuilder(config).feature_to_table["C2"] == "C2"  # its own table

@@ -14,7 +14,6 @@ from prometheus_client import generate_latest
 
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.config_error import ConfigError
-from odl.config.config_validation import validate_pipeline_config
 from odl.config.pipeline_config import parse_pipeline_config_text
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.harness.topic_records import make_records
@@ -26,6 +25,7 @@ from odl.inputs.file_stream_source import (
     FileStreamStart,
     split_minute,
 )
+from odl.models.model_registry import check_pipeline_config
 from odl.train.sample_ledger import read_ledger
 from odl.train.trainer import Trainer, TrainerOptions
 from tests.harness import as_model, as_wide_and_deep
@@ -179,7 +179,7 @@ def _config(tmp_path, data_dir: str, end_day: str) -> str:
 
 def _train(tmp_path, text: str, ledger: str) -> Trainer:
     config = parse_pipeline_config_text(text)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
                                              sample_ledger=ledger))
     assert trainer.run() == 0
@@ -226,7 +226,7 @@ def test_file_stream_config_errors(tmp_path):
         broken = text.replace(bad, {"start_day": 'start_day: "2026-11-24"',
                                     "split_interval": "split_interval: 7"}[field])
         with pytest.raises(ConfigError, match=field):
-            validate_pipeline_config(parse_pipeline_config_text(broken), online=True)
+            check_pipeline_config(parse_pipeline_config_text(broken), online=True)
 
 
 def test_datagen_writes_splits_the_source_reads(tmp_path, capsys):
@@ -299,7 +299,7 @@ def _train_all_once(tmp_path, text: str, ids: list[str]) -> Trainer:
     from odl.export.exporter import export_checkpoint
 
     config = parse_pipeline_config_text(text)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     ledger = str(tmp_path / "ledger.tsv")
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1,
                                              sample_ledger=ledger,
@@ -371,7 +371,7 @@ def test_day_and_pass_saves_replay_in_order_to_serving_parity(tmp_path):
 
 
 @pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "MultiTowerDIN",
-                                   "DCN", "DCNV2", "MMoE", "DBMTL"])
+                                   "DCN", "DCNV2", "MMoE", "DBMTL", "FM"])
 def test_restart_inside_a_pass_keeps_every_record_once_and_the_pass_delta_whole(tmp_path,
                                                                                model):
     from odl.export.exporter import export_checkpoint
@@ -558,9 +558,9 @@ def test_bad_records_of_a_file_stream_are_dead_lettered_with_their_split(kafka_b
     text = text.replace("batch_size: 50", f'batch_size: 50 dead_letter_topic: "{dlq}"')
     config = parse_pipeline_config_text(text)
     with pytest.raises(ConfigError, match="dead_letter_server"):  # no Kafka input to borrow
-        validate_pipeline_config(config, online=True)
+        check_pipeline_config(config, online=True)
     config.data_config.dead_letter_server = kafka_bootstrap
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
     assert trainer.run() == 0 and trainer.samples_trained == 200
     assert trainer.records_rejected == {"field_count": 2}
@@ -600,7 +600,7 @@ def test_grouped_auc_metric_reports_gauc_by_its_grouping_column(tmp_path):
         'model_class: "DeepFM"\n  metrics { auc {} }\n'
         '  metrics { grouped_auc { grouping_key: "C9" } }')
     config = parse_pipeline_config_text(text)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     built = FeatureBuilder(config).build(values[:200]).batch
     c9 = [v.split(b",")[3 + 13 + 8] for v in values[:200]]  # C9: 3 meta, 13 dense, C1..C8
     keys = built.group_keys.tolist()

@@ -15,7 +15,7 @@ from odl.models.embedding_tables import (
     initial_rows,
     wide_storage_dim,
 )
-from odl.models.model_factory import build_model
+from odl.models.model_registry import build_model
 from odl.protos import pipeline_pb2
 from odl.train.optimizer_builder import LrSchedule, optimizer_specs, sparse_optimizer_args
 from odl.train.train_module import TrainModule

@@ -11,7 +11,7 @@ from odl.datagen.conversion_labels import conversion_labels, encode_with_convers
 from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.model_factory import build_model
+from odl.models.model_registry import build_model
 from tests.harness import load_config_text
 
 
@@ -145,7 +145,7 @@ def test_uncertainty_weighting_learns_a_weight_per_marked_term():
     m, batch, _ = _model_and_batch("DBMTL", text=text)
     u = m.dense.loss_uncertainty
     assert u.shape == (2,)
-    from odl.config.memory_estimate import estimate_memory
+    from odl.train.memory_estimate import estimate_memory
 
     assert estimate_memory(load_config_text(text), "cpu").dense_parameters == sum(
         p.numel() for p in m.dense.parameters())

@@ -11,7 +11,7 @@ from odl.config.config_error import ConfigError
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.feature_plan import sequence_key, sequence_length_column
 from odl.models.building_blocks import SequencePool, TargetAttention
-from odl.models.model_factory import build_model
+from odl.models.model_registry import build_model
 from odl.protos import pipeline_pb2
 from tests.harness import assert_edit_refused, load_config_text
 

@@ -119,7 +119,7 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
 
 
 @pytest.mark.parametrize("model", ["DeepFM", "WideAndDeep", "MultiTower", "MultiTowerDIN",
-                                   "DCN", "DCNV2", "MMoE", "DBMTL"])
+                                   "DCN", "DCNV2", "MMoE", "DBMTL", "FM"])
 def test_serving_replay_matches_trainer_predictions(
     kafka_bootstrap, kafka_topic_factory, tmp_path, model
 ):
@@ -145,6 +145,9 @@ def test_serving_replay_matches_trainer_predictions(
     elif model == "MultiTowerDIN":  # the deep tower, then target attention over hist_C3
         assert [type(t).__name__ for t in dense.towers] == ["Sequential", "TargetAttention"]
         assert dense.towers[1].seq_len == 5 and dense.towers[1].key == 8
+    elif model == "FM":  # first-order terms (the dense features' too) and the FM term only
+        assert type(dense).__name__ == "FMDense" and dense.fm_out is None
+        assert dense.wide_dense.in_features == 13 and dense.num_deep == 26
     elif model == "DCNV2":  # the v2 cross network (no backbone), then the deep DNN
         assert [type(m).__name__ for m in dense.towers[0]] == ["Sequential", "CrossNetV2"]
         assert len(dense.towers) == 2 and len(dense.towers[0][1].layers) == 2
@@ -296,7 +299,7 @@ def test_idle_input_publishes_the_last_steps(kafka_bootstrap, kafka_topic_factor
     """Steps-based publishing alone would hold back the tail of a burst until more data came."""
     import threading
 
-    from odl.config.config_validation import validate_pipeline_config
+    from odl.models.model_registry import check_pipeline_config
     from odl.train.trainer import Trainer, TrainerOptions
 
     topic = kafka_topic_factory(partitions=PARTS)
@@ -310,7 +313,7 @@ def test_idle_input_publishes_the_last_steps(kafka_bootstrap, kafka_topic_factor
     )
     cfg = write_config(tmp_path, kafka_bootstrap, topic, batch_size=100, extra_train=incr)
     config = load_pipeline_config(cfg)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
     runner = threading.Thread(target=trainer.run, daemon=True)
     runner.start()

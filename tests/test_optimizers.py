@@ -16,9 +16,9 @@ from google.protobuf import text_format
 
 from odl.cli import train_cli
 from odl.config.config_error import ConfigError
-from odl.config.config_validation import validate_pipeline_config
 from odl.config.optimizer_support import optimizer_choices, table_optimizer_plan
 from odl.features.feature_builder import FeatureBuilder
+from odl.models.model_registry import check_pipeline_config
 from odl.protos import pipeline_pb2
 from odl.train.optimizer_builder import (
     CosineAnnealingSchedule,
@@ -413,7 +413,7 @@ def test_validation_names_the_optimizer_field(edit: str, field: str) -> None:
         config.train_config.ClearField("optimizer_config")
     text_format.Merge(edit, config.train_config)
     with pytest.raises(ConfigError) as info:
-        validate_pipeline_config(config, online=True)
+        check_pipeline_config(config, online=True)
     assert info.value.field == field
 
 

@@ -24,7 +24,6 @@ from odl.checkpoint.checkpoint_manager import (
     read_checkpoint,
     verify_checkpoint,
 )
-from odl.config.config_validation import validate_pipeline_config
 from odl.config.pipeline_config import load_pipeline_config
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
@@ -32,6 +31,7 @@ from odl.harness.exactly_once_audit import ledger_sample_ids
 from odl.harness.http_client import http_request, post_json
 from odl.harness.topic_records import make_records, produce
 from odl.kafka.topic_admin import create_topic, end_offsets
+from odl.models.model_registry import check_pipeline_config
 from odl.train.trainer import Trainer, TrainerOptions
 from serving_plugin.serving_service import ServingService
 from tests.harness import write_config
@@ -61,7 +61,7 @@ class _TrainerThread:
 
     def __init__(self, cfg: str, ledger: str) -> None:
         config = load_pipeline_config(cfg)
-        validate_pipeline_config(config, online=True)
+        check_pipeline_config(config, online=True)
         self.trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=0,
                                                       sample_ledger=ledger))
         self.rc: list[int] = []

@@ -15,10 +15,11 @@ import pytest
 from odl.config.config_edit import apply_edit_config_json
 from odl.config.config_error import ConfigError, ConfigErrors
 from odl.config.config_redaction import config_to_text, save_pipeline_config
-from odl.config.config_validation import validate_pipeline_config
 from odl.config.feature_configs import feature_configs
 from odl.config.field_formats import parse_dead_line, parse_offset_info
 from odl.config.pipeline_config import load_pipeline_config
+from odl.features.feature_builder import FeatureBuilder
+from odl.models.model_registry import build_model, check_pipeline_config
 from odl.protos import pipeline_pb2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,7 +182,7 @@ def error_of(fn, *args, **kwargs) -> ConfigError:
 
 def test_online_sample_loads_and_validates() -> None:
     config = load_pipeline_config(str(ONLINE))
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     assert config.model_dir == ".odl/deepfm_online"
     assert config.kafka_train_input.topic == "odl_samples"
     assert len(config.data_config.input_fields) == 42
@@ -196,7 +197,7 @@ def test_online_sample_loads_and_validates() -> None:
 
 def test_offline_sample_loads_and_validates() -> None:
     config = load_pipeline_config(str(OFFLINE))
-    validate_pipeline_config(config, online=False)
+    check_pipeline_config(config, online=False)
     assert config.train_input_path
     assert config.train_config.HasField("sparse_optimizer")
     assert config.train_config.num_steps > 0
@@ -209,7 +210,7 @@ def test_offline_sample_loads_and_validates() -> None:
 
 def test_easyrec_style_config_loads(tmp_path: Path) -> None:
     config = load_text(tmp_path, EASYREC_STYLE, model_dir=str(tmp_path / "m"))
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     assert config.model_dir == str(tmp_path / "m")
     feats = feature_configs(config)
     assert [f.feature_name for f in feats] == ["user_id", "item_id", "age", "price", "user_item"]
@@ -233,11 +234,13 @@ def test_every_sample_config_validates(path: Path) -> None:
     config = load_pipeline_config(str(path))
     online = any(config.HasField(f) for f in ("kafka_train_input", "datahub_train_input",
                                               "file_stream_input"))
-    validate_pipeline_config(config, online=online)
-    from odl.config.memory_estimate import estimate_memory
+    check_pipeline_config(config, online=online)
+    from odl.train.memory_estimate import estimate_memory
 
     est = estimate_memory(config, "cpu")  # what odl-train --validate_only checks next
-    assert est.dense_parameters > 1_000 and est.tables
+    model = build_model(config, FeatureBuilder(config))
+    assert est.tables and est.dense_parameters == sum(
+        p.numel() for p in model.dense.parameters()) > 0
 
 
 def test_wide_and_deep_sample_is_the_deepfm_sample_without_fm() -> None:
@@ -613,7 +616,7 @@ def test_edit_malformed_json(online) -> None:
 )
 def test_validation_names_the_field(online, edits, online_mode, field) -> None:
     apply_edit_config_json(online, edits)
-    err = error_of(validate_pipeline_config, online, online=online_mode)
+    err = error_of(check_pipeline_config, online, online=online_mode)
     assert err.field == field, str(err)
     assert str(err).startswith(f"invalid config field '{field}': ")
 
@@ -621,21 +624,21 @@ def test_validation_names_the_field(online, edits, online_mode, field) -> None:
 def test_validation_both_feature_forms(online) -> None:
     online.feature_config.features.add(input_names=["C1"], embedding_dim=16,
                                        hash_bucket_size=10)
-    err = error_of(validate_pipeline_config, online, online=True)
+    err = error_of(check_pipeline_config, online, online=True)
     assert err.field == "feature_config"
 
 
 def test_validation_nested_feature_form_paths() -> None:
     config = load_pipeline_config(str(OFFLINE))
     apply_edit_config_json(config, {"feature_config.features[2].embedding_dim": 0})
-    err = error_of(validate_pipeline_config, config, online=False)
+    err = error_of(check_pipeline_config, config, online=False)
     assert err.field == "feature_config.features[2].embedding_dim"
 
 
 def test_validation_tzrec_optimizers_go_together() -> None:
     config = load_pipeline_config(str(OFFLINE))
     config.train_config.ClearField("dense_optimizer")
-    err = error_of(validate_pipeline_config, config, online=False)
+    err = error_of(check_pipeline_config, config, online=False)
     assert err.field == "train_config.dense_optimizer"
 
 
@@ -644,7 +647,7 @@ def test_validation_fine_tune_var_map_exists(online, tmp_path: Path) -> None:
     var_map.write_text("a\tb\n")
     apply_edit_config_json(online, {"train_config.fine_tune_checkpoint": str(tmp_path),
                                     "train_config.fine_tune_ckpt_var_map": str(var_map)})
-    validate_pipeline_config(online, online=True)
+    check_pipeline_config(online, online=True)
 
 
 # ------------------------------------------------------------------ helpers
@@ -702,7 +705,7 @@ def test_save_is_atomic_redacted_and_reloadable(online, tmp_path: Path) -> None:
     assert again.kafka_train_input.kafka_config["sasl.password"] == "***"
     online.kafka_train_input.kafka_config["sasl.password"] = "***"
     assert again == online
-    validate_pipeline_config(again, online=True)
+    check_pipeline_config(again, online=True)
 
 
 def test_round_trip_easyrec_style(tmp_path: Path) -> None:
@@ -716,17 +719,17 @@ def test_round_trip_easyrec_style(tmp_path: Path) -> None:
 def test_wide_and_deep_concatenates_mixed_embedding_dims_and_fm_refuses_them(
         tmp_path: Path) -> None:
     from odl.features.feature_builder import FeatureBuilder
-    from odl.models.model_factory import build_model
+    from odl.models.model_registry import build_model
 
     edit = ('input_names: "C1" feature_type: IdFeature embedding_dim: 16',
             'input_names: "C1" feature_type: IdFeature embedding_dim: 8')
     text = (ROOT / "samples" / "wide_and_deep_online.config").read_text().replace(*edit)
     config = load_text(tmp_path, text)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     deep = build_model(config, FeatureBuilder(config)).pooled_layout[0]
     assert deep.dim == 0 and dict(zip(deep.lookups, deep.dims, strict=True))[("C1", "C1")] == 8
     assert deep.width == 8 + 16 * (len(deep.lookups) - 1)
-    err = error_of(validate_pipeline_config, load_text(tmp_path, ONLINE.read_text().replace(
+    err = error_of(check_pipeline_config, load_text(tmp_path, ONLINE.read_text().replace(
         *edit)), online=True)
     assert err.field.startswith("model_config.feature_groups[")
     assert "FM needs" in str(err) and "C1=8" in str(err)
@@ -739,7 +742,7 @@ def test_kafka_offset_time_takes_easyrec_strings_and_numbers(tmp_path: Path, for
     text = ONLINE.read_text().replace('group: "odl_deepfm"',
                                       f'group: "odl_deepfm"\n  offset_time: {form}')
     config = load_text(tmp_path, text)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     start, _args = online_source_args(config, None)
     assert start.timestamp_s == 1650765731.0
 
@@ -750,7 +753,7 @@ def test_kafka_offset_time_refuses_what_it_cannot_read(tmp_path: Path, form: str
                                                         why: str) -> None:
     text = ONLINE.read_text().replace('group: "odl_deepfm"',
                                       f'group: "odl_deepfm"\n  offset_time: {form}')
-    err = error_of(validate_pipeline_config, load_text(tmp_path, text), online=True)
+    err = error_of(check_pipeline_config, load_text(tmp_path, text), online=True)
     assert err.field == "kafka_train_input.offset_time" and why in str(err)
 
 
@@ -762,7 +765,7 @@ def test_easyrec_and_torcheasyrec_spellings_become_odl_forms(tmp_path: Path) -> 
                                              "  deepfm {\n    deep {")
     text = text.replace("train_config {", "train_config {\n  num_epochs: 3", 1)
     config = load_text(tmp_path, text)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     ft = pipeline_pb2.FeatureConfig.FeatureType
     assert feature_configs(config)[0].feature_type == ft.IdFeature  # tags: a multi-valued id
     assert config.model_config.deepfm.dnn.hidden_units == [256, 128, 64]
@@ -786,7 +789,7 @@ def test_torcheasyrec_feature_schema_becomes_the_flat_form(tmp_path: Path) -> No
     text = text.replace('group_name: "wide"', 'group_name: "wide" group_type: WIDE')
     assert "id_feature" in text and "group_type" in text
     config = load_text(tmp_path, text)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     c1 = feature_configs(config)[0]
     assert (c1.feature_name, list(c1.input_names), c1.hash_bucket_size, c1.combiner) == (
         "C1", ["C1"], 10000, "mean")
@@ -824,7 +827,7 @@ train_config {
 }
 """.replace("MODEL", str(tmp_path / "m"))
     config = load_text(tmp_path, text)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     types = pipeline_pb2.DatasetConfig
     assert [(f.input_name, f.input_type) for f in config.data_config.input_fields] == [
         ("clk", types.DOUBLE), ("user_id", types.STRING), ("item_id", types.STRING),
@@ -842,7 +845,7 @@ train_config {
     flat = flat.replace('feature_names: ["user_id", "item_id"]', 'feature_names: "user_id"')
     flat = flat.replace('feature_names: ["user_id", "item_id", "price"]',
                         'feature_names: "user_id"')
-    err = error_of(validate_pipeline_config, load_text(tmp_path, flat), online=True)
+    err = error_of(check_pipeline_config, load_text(tmp_path, flat), online=True)
     assert err.field == "data_config.input_fields"
 
 
@@ -851,7 +854,7 @@ def test_fg_mode_dag_reads_the_columns_and_bucketize_is_refused(tmp_path: Path,
     text = ONLINE.read_text().replace("data_config {", "data_config {\n  fg_mode: FG_DAG", 1)
     with caplog.at_level(logging.WARNING):
         config = load_text(tmp_path, text)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     assert "no feature generator" in caplog.text
     err = error_of(load_text, tmp_path, text.replace("FG_DAG", "FG_BUCKETIZE"))
     assert err.field == "data_config.fg_mode"

@@ -343,12 +343,12 @@ def test_trainer_publishes_versions_equal_to_checkpoints(kafka_bootstrap, kafka_
 
 
 def _validated(tmp_path, incr: str):
-    from odl.config.config_validation import validate_pipeline_config
     from odl.config.pipeline_config import load_pipeline_config
+    from odl.models.model_registry import check_pipeline_config
 
     cfg = write_config(tmp_path, "127.0.0.1:1", "t", extra_train=incr)
     config = load_pipeline_config(cfg)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     return config
 
 

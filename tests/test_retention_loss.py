@@ -29,7 +29,6 @@ import threading
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 
-from odl.config.config_validation import validate_pipeline_config
 from odl.config.pipeline_config import load_pipeline_config
 from odl.harness.http_client import get_json, http_request
 from odl.harness.topic_records import make_records, produce
@@ -37,6 +36,7 @@ from odl.harness.trainer_process import trainer_url
 from odl.inputs.kafka_source import KafkaSource, StartPositions
 from odl.kafka.client_settings import consumer_config
 from odl.kafka.topic_admin import create_topic
+from odl.models.model_registry import check_pipeline_config
 from odl.train.trainer import Trainer, TrainerOptions
 from tests.harness import run_in_thread, wait_for_value, write_config
 
@@ -62,7 +62,7 @@ def test_behind_is_reported_before_retention_deletes_unread_records(
         "retention.ms": "3600000"})
     cfg = write_config(tmp_path, kafka_bootstrap, topic, batch_size=32)
     config = load_pipeline_config(cfg)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=0))
     model_dir = str(tmp_path / "model_dir")
     release = threading.Event()

@@ -75,7 +75,7 @@ def test_keys_and_sequences_must_be_as_wide():
 def test_torcheasyrec_sequence_feature_and_sequence_group_become_a_din_tower(tmp_path):
     """TorchEasyRec's sequence_feature {} / SEQUENCE group / multi_tower_din read as
     EasyRec's SequenceFeatures, seq_att_groups and MultiTowerDIN (its DIN encoder form)."""
-    from odl.models.model_factory import build_model
+    from odl.models.model_registry import build_model
     from odl.protos import pipeline_pb2
 
     text = """
@@ -126,7 +126,7 @@ def test_deepfm_embedding_regularization_averages_over_every_deep_lookup():
 
     import torch
 
-    from odl.models.model_factory import build_model
+    from odl.models.model_registry import build_model
 
     deepfm = deepfm_config_text("/tmp/odl-seq-unused", dim=8, buckets=50, hidden_units=(16,))
     field = next(line for line in TEXT.splitlines() if '"hist_C3" input_type' in line)

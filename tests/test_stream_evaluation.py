@@ -139,10 +139,10 @@ def test_a_datahub_eval_topic_is_scored_and_resumed(tmp_path):
 ])
 def test_datahub_eval_input_errors_name_the_field(tmp_path, extra, field):
     from odl.config.config_error import ConfigError
-    from odl.config.config_validation import validate_pipeline_config
+    from odl.models.model_registry import check_pipeline_config
 
     cfg = write_config(tmp_path, "127.0.0.1:1", "unused", batch_size=50)
     open(cfg, "a").write("\n" + extra + "\n")
     with pytest.raises(ConfigError) as e:
-        validate_pipeline_config(load_pipeline_config(cfg), online=True)
+        check_pipeline_config(load_pipeline_config(cfg), online=True)
     assert e.value.field == field, e.value

@@ -10,13 +10,13 @@ import time
 
 import pytest
 
-from odl.config.config_validation import validate_pipeline_config
 from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
 from odl.harness.exactly_once_audit import ledger_sample_ids
 from odl.harness.http_client import get_json, http_request
 from odl.harness.topic_records import make_records, produce
 from odl.kafka.topic_admin import end_offsets
+from odl.models.model_registry import check_pipeline_config
 from odl.train.trainer import Trainer, TrainerOptions
 from tests.harness import REPO, run_in_process, write_config
 
@@ -88,7 +88,7 @@ def test_status_api_reports_progress_offsets_and_metrics(
     ends = end_offsets(kafka_bootstrap, topic)
     cfg = write_config(tmp_path, kafka_bootstrap, topic)
     config = load_pipeline_config(cfg)
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=0))
     runner = threading.Thread(target=trainer.run, daemon=True)
     runner.start()

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
-from odl.config.config_validation import validate_pipeline_config
 from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.datagen_config import deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.harness.topic_records import produce
 from odl.kafka.topic_admin import end_offsets
+from odl.models.model_registry import check_pipeline_config
 from odl.train.trainer import Trainer, TrainerOptions
 from tests.harness import REPO
 
@@ -59,7 +59,7 @@ def test_offline_training_reads_csv_and_parquet(tmp_path):
     cfg.write_text(deepfm_config_text(str(model_dir), batch_size=100))
     config = load_pipeline_config(str(cfg))
     config.train_input_path = f"{tmp_path}/a.parquet,{tmp_path}/b.csv"
-    validate_pipeline_config(config, online=False)
+    check_pipeline_config(config, online=False)
     trainer = Trainer(config, TrainerOptions(online=False, device="cpu", status_port=-1))
     assert trainer.run() == 0
     assert trainer.stop_reason == "end of input"
@@ -74,7 +74,7 @@ def _first_step_loss(config_text: str, tmp_path, name: str, bootstrap: str, topi
     path.write_text(config_text)
     config = load_pipeline_config(str(path))
     config.train_config.num_steps = 1
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
     assert trainer.run() == 0
     assert trainer.module.global_step == 1
@@ -121,7 +121,7 @@ def test_warm_start_var_map_loads_renamed_tables(tmp_path):
     path = tmp_path / "new.config"
     path.write_text(text)
     config = load_pipeline_config(str(path))
-    validate_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
     trainer.restore()
     tables = trainer.module.embedding_tables()

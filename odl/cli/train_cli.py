@@ -14,8 +14,9 @@ Examples::
     odl-train --pipeline_config_path p.config --online --nproc 4
 
 Before anything is built, a start (and ``--validate_only``) checks the config on its own
-(``validate_pipeline_config``) and against this machine (``odl.train.startup_checks``:
-device and table optimizer, writable ``model_dir``, ``fine_tune_checkpoint``, librdkafka
+(``odl.models.model_registry.check_pipeline_config``: the config layer's checks, then the
+model class's) and against this machine (``odl.train.startup_checks``: device and table
+optimizer, writable ``model_dir``, ``fine_tune_checkpoint``, librdkafka
 settings, estimated memory).
 
 Exit codes: 0 clean stop (stop signal, SIGTERM/SIGINT, dead_line, num_steps, end of offline
@@ -158,10 +159,10 @@ def _main(argv: Optional[list[str]]) -> int:
     setup_logging(args.log_level)
     # Heavy imports after argument parsing so --help is instant.
     from odl.config.config_error import ConfigError
-    from odl.config.config_validation import validate_pipeline_config
     from odl.config.pipeline_config import load_pipeline_config
     from odl.features.feature_builder import FeatureBuilder
     from odl.http.auth import AuthConfigError, resolve_auth_token
+    from odl.models.model_registry import check_pipeline_config
     from odl.train.startup_checks import check_start
 
     try:
@@ -172,7 +173,7 @@ def _main(argv: Optional[list[str]]) -> int:
             config.train_config.fine_tune_checkpoint = args.fine_tune_checkpoint
         if args.train_input_path:
             config.train_input_path = args.train_input_path
-        validate_pipeline_config(config, online=args.online)
+        check_pipeline_config(config, online=args.online)
         FeatureBuilder(config)  # the feature checks the trainer does at start
         token = resolve_auth_token(args.auth_token_file or None)
         # the checks against this machine, before anything is allocated

@@ -59,8 +59,8 @@ from odl.config.loss_settings import (
     validate_loss_settings,
 )
 from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
-from odl.config.model_classes import is_multi_task_model
-from odl.config.model_validation import validate_features, validate_model
+from odl.config.model_classes import is_multi_task_model, multi_task_model_classes
+from odl.config.model_validation import validate_features, validate_model_common
 from odl.config.optimizer_support import (
     IN_BATCH_TABLE_KINDS,
     PER_RECORD_TABLE_KINDS,
@@ -122,7 +122,7 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
     grouped_auc_reduction(config)
     checked = with_vocabularies_as_buckets(config)
     features = validate_features(checked, fields)
-    validate_model(checked, features)
+    validate_model_common(checked, features)
     _validate_train(config)
 
 
@@ -384,9 +384,9 @@ def _validate_data_config(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
         raise ConfigError("data_config.label_fields", "required (the label column)")
     if len(dc.label_fields) > 1 and not is_multi_task_model(config.model_config):
         raise ConfigError("data_config.label_fields",
-                          f"{len(dc.label_fields)} label fields need a multi-task model (MMoE, "
-                          f"DBMTL); {config.model_config.model_class or 'this model'} trains "
-                          "on one")
+                          f"{len(dc.label_fields)} label fields need a multi-task model "
+                          f"({', '.join(multi_task_model_classes())}); "
+                          f"{config.model_config.model_class or 'this model'} trains on one")
     for i, label in enumerate(dc.label_fields):
         if label not in fields:
             raise ConfigError(f"data_config.label_fields[{i}]",

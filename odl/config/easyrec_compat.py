@@ -30,7 +30,9 @@ from odl.config.feature_settings import (
 from odl.config.model_classes import (
     IMPLEMENTED_MODEL_CLASSES,
     MODEL_MESSAGES,
-    MULTI_TASK_MODEL_CLASSES,
+    classes_of_message,
+    is_multi_task_model,
+    multi_task_model_classes,
 )
 from odl.protos import pipeline_pb2
 
@@ -384,19 +386,16 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
             g.wide_deep = g.group_type
             g.ClearField("group_type")
     _sequence_groups_to_attention(config)
-    if mc.HasField("multi_tower_din"):  # TorchEasyRec's DIN: model_class MultiTowerDIN
-        if mc.HasField("multi_tower"):
-            raise ConfigError("model_config.multi_tower_din",
-                              "give one of multi_tower_din (TorchEasyRec) and multi_tower")
-        src = mc.multi_tower_din
+    if mc.HasField("multi_tower_din"):  # TorchEasyRec's DIN, read through multi_tower
+        src = pipeline_pb2.TzMultiTowerDIN()
+        src.CopyFrom(mc.multi_tower_din)  # setting multi_tower clears it (oneof model)
         mc.multi_tower.towers.extend(src.towers)
         mc.multi_tower.din_towers.extend(src.din_towers)
         if src.HasField("final"):
             mc.multi_tower.final.CopyFrom(src.final)
         mc.multi_tower.l2_regularization = 0.0  # TorchEasyRec's models have none
-        mc.ClearField("multi_tower_din")
         if not mc.model_class:
-            mc.model_class = "MultiTowerDIN"
+            mc.model_class = classes_of_message("multi_tower_din")[0]
     if mc.HasField("deepfm"):
         _rename(mc.deepfm, "model_config.deepfm", (("deep", "dnn"), ("final", "final_dnn")))
     if mc.HasField("multi_tower"):
@@ -675,9 +674,8 @@ def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:
                        "id_feature / raw_feature from its expression's column, which is what "
                        "the generator makes of such a feature (other generator features are "
                        "refused by name)", pipeline_pb2.DatasetConfig.FgMode.Name(dc.fg_mode))
-    multi_task = (mc.model_class in MULTI_TASK_MODEL_CLASSES if mc.model_class
-                  else any(mc.HasField(MODEL_MESSAGES[c]) for c in MULTI_TASK_MODEL_CLASSES))
-    if len(config.data_config.label_fields) > 1 and not multi_task:
+    if len(config.data_config.label_fields) > 1 and not is_multi_task_model(mc):
         raise ConfigError("data_config.label_fields",
-                          "several label fields train a multi-task model (MMoE, DBMTL); "
+                          "several label fields train a multi-task model "
+                          f"({', '.join(multi_task_model_classes())}); "
                           f"{mc.model_class or 'this model'} trains on one label")

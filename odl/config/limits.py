@@ -3,7 +3,7 @@
 :func:`odl.config.config_validation.validate_pipeline_config` refuses values outside these
 bounds with a :class:`~odl.config.config_error.ConfigError` naming the field, so a config that
 validates never fails at start-up for a size the libraries cannot handle. Whether the sizes
-together fit the host is a separate check (:mod:`odl.config.memory_estimate`).
+together fit the host is a separate check (:mod:`odl.train.memory_estimate`).
 
 Bounds that come from a library:
 
@@ -64,5 +64,5 @@ MAX_METRICS_WINDOW_SAMPLES = 10_000_000
 MAX_EDIT_JSON_DEPTH = 64
 # Tables of at least this many rows are split by rows over the ranks of a job; smaller ones
 # are placed whole on one rank (odl.train.distributed.table_placement; the memory estimate
-# of one rank, odl.config.memory_estimate, counts on it).
+# of one rank, odl.train.memory_estimate, counts on it).
 ROW_WISE_MIN_ROWS = 1 << 20

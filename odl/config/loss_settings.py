@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from odl.config.config_error import ConfigError
-from odl.config.model_classes import is_multi_task_model, task_label_names
+from odl.config.model_classes import is_multi_task_model, model_settings, task_label_names
 from odl.protos import pipeline_pb2
 
 __all__ = ["JRC_STRATEGIES", "POINTWISE_LOSS_TYPES", "jrc_session_field", "loss_entries",
@@ -41,10 +41,9 @@ def loss_entries(config: pipeline_pb2.EasyRecConfig) -> Iterator[tuple[str, pipe
     mc = config.model_config
     for i, loss in enumerate(mc.losses):
         yield f"model_config.losses[{i}]", loss
-    for field in ("mmoe", "dbmtl"):
-        if field not in mc.DESCRIPTOR.fields_by_name or not mc.HasField(field):
-            continue
-        for t, task in enumerate(getattr(mc, field).task_towers):
+    if is_multi_task_model(mc):
+        field, settings = model_settings(mc)
+        for t, task in enumerate(settings.task_towers):
             for i, loss in enumerate(task.losses):
                 yield f"model_config.{field}.task_towers[{t}].losses[{i}]", loss
 
@@ -52,10 +51,9 @@ def loss_entries(config: pipeline_pb2.EasyRecConfig) -> Iterator[tuple[str, pipe
 def _output_terms(config: pipeline_pb2.EasyRecConfig) -> list[list[int]]:
     """Per model output (the model's one, or each task tower's), its loss types."""
     mc = config.model_config
-    for field in ("mmoe", "dbmtl"):
-        if mc.HasField(field):
-            return [[t.loss_type for t in task.losses] or [task.loss_type]
-                    for task in getattr(mc, field).task_towers]
+    if is_multi_task_model(mc):
+        return [[t.loss_type for t in task.losses] or [task.loss_type]
+                for task in model_settings(mc)[1].task_towers]
     return [[t.loss_type for t in mc.losses] or [mc.loss_type]]
 
 

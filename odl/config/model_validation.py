@@ -1,6 +1,4 @@
-"""Validation of the model a pipeline config describes: its features and ``model_config``.
-
-The rules DeepFM and its embedding tables rely on, checked before anything is built:
+"""Validation of a pipeline config's features and of what every model class shares.
 
 * features: every input is a configured input field and not the label; an IdFeature or
   ComboFeature has ``embedding_dim`` and exactly one of ``hash_bucket_size`` /
@@ -8,13 +6,13 @@ The rules DeepFM and its embedding tables rely on, checked before anything is bu
   ``embedding_dim``) or bucketized (ascending ``boundaries`` and an ``embedding_dim``);
   features sharing an ``embedding_name`` have the same table shape; sizes stay within
   :mod:`odl.config.limits`;
-* model: unique, non-empty feature groups naming existing features; DeepFM's ``wide`` and
-  ``deep`` groups and its ``dnn``; ``wide_output_dim`` equal to ``num_class`` without a
-  ``final_dnn``; one embedding dim across the FM group (the other models concatenate
-  embeddings of any dims);
-  MultiTower / DCN towers over existing groups; MMoE / DBMTL tasks, labels and relations.
+* the model's common part: loss terms, ``num_class``, unique non-empty feature groups naming
+  existing features, combiners of the SequenceFeatures they list.
 
-Called by :func:`odl.config.config_validation.validate_pipeline_config`.
+The checks model modules share are here too (:func:`validate_dnn`,
+:func:`validate_sequence_groups`); a class's own settings are checked by its module
+(``odl.models.model_registry``). Called by
+:func:`odl.config.config_validation.validate_pipeline_config`.
 """
 
 from __future__ import annotations
@@ -33,26 +31,13 @@ from odl.config.feature_configs import (
     embedded_feature,
     feature_configs,
     feature_list_path,
-    projected_raw,
 )
 from odl.config.feature_settings import has_vocabulary
-from odl.config.loss_settings import POINTWISE_LOSS_TYPES
-from odl.config.model_classes import (
-    IMPLEMENTED_MODEL_CLASSES,
-    MULTI_TASK_MODEL_CLASSES,
-    TOWER_MODEL_CLASSES,
-    WIDE_DEEP_MODEL_CLASSES,
-    is_multi_task_model,
-    is_tower_model,
-    multi_task_settings,
-    task_label_names,
-    tower_settings,
-    uses_fm,
-    wide_deep_settings,
-)
+from odl.config.model_classes import is_multi_task_model
 from odl.protos import pipeline_pb2
 
-__all__ = ["SUPPORTED_ACTIVATIONS", "validate_features", "validate_model"]
+__all__ = ["SUPPORTED_ACTIVATIONS", "sequence_combiner_width", "validate_dnn", "validate_features",
+           "validate_losses", "validate_model_common", "validate_sequence_groups"]
 
 _FT = pipeline_pb2.FeatureConfig.FeatureType
 _FIELD_TYPE = pipeline_pb2.DatasetConfig.FieldType
@@ -226,10 +211,13 @@ def validate_features(
     return by_name
 
 
-def validate_model(
+def validate_model_common(
     config: pipeline_pb2.EasyRecConfig, features: dict[str, FeatureConfig]
 ) -> None:
-    """Checks ``model_config``: losses, feature groups and the DeepFM / WideAndDeep towers.
+    """Checks what every model class shares: losses, classes, feature groups.
+
+    A class's own settings, and which group contents it takes, are checked by
+    ``odl.models.model_registry.validate_model``.
 
     Args:
         config: the config.
@@ -241,12 +229,9 @@ def validate_model(
     if not config.HasField("model_config"):
         raise ConfigError("model_config", "required")
     mc = config.model_config
-    if not mc.model_class:
-        raise ConfigError("model_config.model_class",
-                          f"required ({', '.join(IMPLEMENTED_MODEL_CLASSES)})")
     if mc.embedding_regularization < 0:
         raise ConfigError("model_config.embedding_regularization", "must be >= 0")
-    _validate_losses(mc.losses, "model_config.losses", mc.loss_weight_strategy)
+    validate_losses(mc.losses, "model_config.losses", mc.loss_weight_strategy)
     if mc.num_class > 1:
         _validate_classes(config)
     if not mc.feature_groups:
@@ -261,94 +246,15 @@ def validate_model(
         groups[g.group_name] = i
         if not g.feature_names:
             raise ConfigError(f"{where}.feature_names", "a group needs at least one feature")
-        if g.sequence_features:
-            if (mc.model_class not in (("WideAndDeep",) + TOWER_MODEL_CLASSES
-                                       + MULTI_TASK_MODEL_CLASSES)
-                    or (mc.model_class == "WideAndDeep" and g.wide_deep != pipeline_pb2.DEEP)):
-                raise ConfigError(f"{where}.sequence_features",
-                                  "a group's target attention (sequence_features) is "
-                                  "implemented for WideAndDeep deep groups and the tower and "
-                                  f"multi-task models' groups, not for {mc.model_class}"
-                                  f"{'' if g.wide_deep == pipeline_pb2.DEEP else ' wide groups'}")
-            _validate_sequence_groups(config, features, g.sequence_features,
-                                      f"{where}.sequence_features",
-                                      dense_parts=mc.model_class != "WideAndDeep")
         seen = set()
         for j, name in enumerate(g.feature_names):
             if name not in features:
                 raise ConfigError(f"{where}.feature_names[{j}]", f"no feature named {name!r}")
-            if (projected_raw(features[name])
-                    and mc.model_class not in WIDE_DEEP_MODEL_CLASSES):
-                raise ConfigError(f"{where}.feature_names[{j}]",
-                                  f"RawFeature {name!r} has an embedding_dim and no "
-                                  "boundaries (EasyRec's projected raw feature): implemented "
-                                  "for DeepFM and WideAndDeep; for "
-                                  f"{mc.model_class} add boundaries or remove embedding_dim")
             if features[name].feature_type == _FT.SequenceFeature:
-                _check_group_sequence(mc, g, features[name], f"{where}.feature_names[{j}]")
+                _check_group_sequence(features[name], f"{where}.feature_names[{j}]")
             if name in seen:
                 raise ConfigError(f"{where}.feature_names[{j}]", f"{name!r} listed twice")
             seen.add(name)
-    if is_tower_model(mc):
-        _validate_towers(config, features, groups)
-        return
-    if is_multi_task_model(mc):
-        _validate_multi_task(config, features, groups)
-        return
-    # DeepFM / WideAndDeep
-    field, d = wide_deep_settings(mc)
-    where = f"model_config.{field}"
-    for required in ("wide", "deep"):
-        if required not in groups:
-            raise ConfigError("model_config.feature_groups",
-                              f'{mc.model_class} needs a feature group named "{required}"')
-    if not mc.HasField(field):
-        raise ConfigError(where, f"{mc.model_class} needs {field} {{ dnn {{ hidden_units }} }}")
-    _validate_dnn(d.dnn, f"{where}.dnn", required=True)
-    if d.HasField("final_dnn"):
-        _validate_dnn(d.final_dnn, f"{where}.final_dnn", required=True)
-    if d.wide_output_dim <= 0:
-        raise ConfigError(f"{where}.wide_output_dim", "must be > 0")
-    if d.wide_output_dim > limits.MAX_WIDE_OUTPUT_DIM:
-        raise ConfigError(f"{where}.wide_output_dim",
-                          f"{d.wide_output_dim} is above the limit of "
-                          f"{limits.MAX_WIDE_OUTPUT_DIM}")
-    if not d.HasField("final_dnn") and d.wide_output_dim != mc.num_class:
-        raise ConfigError(f"{where}.wide_output_dim",
-                          "without final_dnn the wide and deep outputs are summed, so "
-                          f"wide_output_dim must equal num_class ({mc.num_class})")
-    for name in ("l2_regularization", "wide_regularization", "dense_regularization"):
-        if name in d.DESCRIPTOR.fields_by_name and getattr(d, name) < 0:
-            raise ConfigError(f"{where}.{name}", "must be >= 0")
-    fm = uses_fm(mc)
-    deep_gi = groups["deep"]
-    projected = {n: features[n].embedding_dim for n in mc.feature_groups[deep_gi].feature_names
-                 if projected_raw(features[n])}
-    if len(set(projected.values())) > 1:
-        shown = ", ".join(f"{n}={v}" for n, v in list(projected.items())[:6])
-        raise ConfigError(f"model_config.feature_groups[{deep_gi}].feature_names",
-                          f"the deep group's projected raw features need one embedding_dim; "
-                          f"got {shown}")
-    if not fm:  # WideAndDeep concatenates the deep group's embeddings, whatever their dims
-        return
-    # FM takes inner products of the group's embeddings: one dim
-    group = "fm" if "fm" in groups else "deep"
-    why = "FM needs"
-    gi = groups[group]
-    dims = {n: (sequence_combiner_width(features[n])
-                if features[n].feature_type == _FT.SequenceFeature
-                else features[n].embedding_dim)
-            for n in mc.feature_groups[gi].feature_names
-            if embedded_feature(features[n]) or projected_raw(features[n])}
-    if not dims:
-        raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
-                          f'the "{group}" group needs at least one embedded feature for FM')
-    if len(set(dims.values())) > 1:
-        shown = ", ".join(f"{n}={v}" for n, v in list(dims.items())[:6])
-        raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
-                          f'{why} every embedded feature of the "{group}" group to have '
-                          f"the same embedding_dim; got {shown}"
-                          f"{', ...' if len(dims) > 6 else ''}")
 
 
 def _validate_classes(config: pipeline_pb2.EasyRecConfig) -> None:
@@ -372,7 +278,7 @@ def _validate_classes(config: pipeline_pb2.EasyRecConfig) -> None:
                                      f"JRC_LOSS, not {pipeline_pb2.LossType.Name(kind)}")
 
 
-def _validate_losses(losses: Any, prefix: str, strategy: int = 0) -> None:
+def validate_losses(losses: Any, prefix: str, strategy: int = 0) -> None:
     """Checks the settings of each loss term (``model_config.losses`` or a task's)."""
     for i, loss in enumerate(losses):
         where = f"{prefix}[{i}]"
@@ -395,152 +301,6 @@ def _validate_losses(losses: Any, prefix: str, strategy: int = 0) -> None:
                                   "not implement yet (pairs are formed over the batch)")
 
 
-def _validate_multi_task(config: pipeline_pb2.EasyRecConfig,
-                         features: dict[str, FeatureConfig], groups: dict[str, int]) -> None:
-    """MMoE / DBMTL: the input group, the experts, the tasks and their labels and relations."""
-    mc = config.model_config
-    field, settings = multi_task_settings(mc)
-    where = f"model_config.{field}"
-    if not mc.HasField(field):
-        raise ConfigError(where, f"{mc.model_class} needs {field} {{ ... task_towers {{ ... }} }}")
-    if "all" not in groups and len(groups) != 1:
-        raise ConfigError("model_config.feature_groups",
-                          f'{mc.model_class} reads the feature group named "all" (or the only '
-                          f"group); groups are {sorted(groups)}")
-    if field == "mmoe" or settings.HasField("expert_dnn"):
-        _validate_dnn(settings.expert_dnn, f"{where}.expert_dnn", required=True)
-        if not 1 <= settings.num_expert <= limits.MAX_EXPERTS:
-            raise ConfigError(f"{where}.num_expert",
-                              f"must be 1 to {limits.MAX_EXPERTS}, got {settings.num_expert}")
-    if field == "mmoe" and settings.HasField("gate_mlp"):
-        _validate_dnn(settings.gate_mlp, f"{where}.gate_mlp", required=False)
-    if field == "dbmtl" and settings.HasField("bottom_dnn"):
-        _validate_dnn(settings.bottom_dnn, f"{where}.bottom_dnn", required=False)
-    if settings.l2_regularization < 0:
-        raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
-    if not settings.task_towers:
-        raise ConfigError(f"{where}.task_towers", "at least one task is needed")
-    label_fields = list(config.data_config.label_fields)
-    labels = task_label_names(mc, label_fields)
-    names: list[str] = []
-    for i, task in enumerate(settings.task_towers):
-        tw = f"{where}.task_towers[{i}]"
-        if not task.tower_name:
-            raise ConfigError(f"{tw}.tower_name", "required (the task's output name)")
-        if task.tower_name in names:
-            raise ConfigError(f"{tw}.tower_name", f"duplicate task {task.tower_name!r}")
-        if labels[i] not in label_fields:
-            raise ConfigError(f"{tw}.label_name",
-                              f"{labels[i] or 'no label'!r} is not one of "
-                              f"data_config.label_fields {label_fields}")
-        if task.num_class != 1:
-            raise ConfigError(f"{tw}.num_class",
-                              f"num_class {task.num_class} is an EasyRec value that odl does not "
-                              "implement yet (only 1: binary classification)")
-        if task.weight < 0:
-            raise ConfigError(f"{tw}.weight", "must be >= 0")
-        if task.HasField("dnn"):
-            _validate_dnn(task.dnn, f"{tw}.dnn", required=False)
-        if task.HasField("relation_dnn"):
-            _validate_dnn(task.relation_dnn, f"{tw}.relation_dnn", required=False)
-        for j, r in enumerate(task.relation_tower_names):
-            if field != "dbmtl":
-                raise ConfigError(f"{tw}.relation_tower_names", "only DBMTL has relations")
-            if r not in names:
-                raise ConfigError(f"{tw}.relation_tower_names[{j}]",
-                                  f"{r!r} is not an earlier task (tasks so far: {names})")
-        _validate_losses(task.losses, f"{tw}.losses", mc.loss_weight_strategy)
-        if task.task_space_indicator_label:
-            if task.task_space_indicator_label not in label_fields:
-                raise ConfigError(f"{tw}.task_space_indicator_label",
-                                  f"{task.task_space_indicator_label!r} is not one of "
-                                  f"data_config.label_fields {label_fields}")
-            for name in ("in_task_space_weight", "out_task_space_weight"):
-                if getattr(task, name) < 0:
-                    raise ConfigError(f"{tw}.{name}", "must be >= 0")
-            kinds = [loss.loss_type for loss in task.losses] or [task.loss_type]
-            for k in kinds:
-                if k not in POINTWISE_LOSS_TYPES:
-                    raise ConfigError(f"{tw}.task_space_indicator_label",
-                                      f"task-space weights apply to pointwise losses; "
-                                      f"{pipeline_pb2.LossType.Name(k)} is not one")
-        names.append(task.tower_name)
-    spaces = {t.task_space_indicator_label for t in settings.task_towers}
-    unused = [lf for lf in label_fields if lf not in labels and lf not in spaces]
-    if unused:
-        raise ConfigError("data_config.label_fields",
-                          f"label fields {unused} are not trained by any task")
-
-
-def _validate_towers(config: pipeline_pb2.EasyRecConfig, features: dict[str, FeatureConfig],
-                     groups: dict[str, int]) -> None:
-    """MultiTower / DCN / DCNV2: towers over existing groups, their settings, final_dnn."""
-    mc = config.model_config
-    field, settings, towers = tower_settings(mc)
-    where = f"model_config.{field}"
-    if not mc.HasField(field):
-        raise ConfigError(where, f"{mc.model_class} needs {field} {{ ... final_dnn {{ ... }} }}")
-    if field == "multi_tower":
-        if not towers:
-            raise ConfigError(f"{where}.towers", "at least one tower is needed")
-        paths = [f"{where}.towers[{i}]" for i in range(len(settings.towers))]
-    elif field == "dcn_v2":
-        if not settings.HasField("cross"):
-            raise ConfigError(f"{where}.cross", "required (e.g. { cross_num: 3 low_rank: 32 })")
-        cross = settings.cross
-        if not 1 <= cross.cross_num <= limits.MAX_HIDDEN_LAYERS:
-            raise ConfigError(f"{where}.cross.cross_num",
-                              f"must be 1 to {limits.MAX_HIDDEN_LAYERS}, got {cross.cross_num}")
-        if not 1 <= cross.low_rank <= limits.MAX_HIDDEN_UNITS:
-            raise ConfigError(f"{where}.cross.low_rank",
-                              f"must be 1 to {limits.MAX_HIDDEN_UNITS:,}, got {cross.low_rank}")
-        if settings.HasField("backbone"):
-            _validate_dnn(settings.backbone, f"{where}.backbone", required=False)
-        paths = [f"{where}.cross", f"{where}.deep"][: len(towers)]
-    else:
-        for name in ("deep_tower", "cross_tower"):
-            if not settings.HasField(name):
-                raise ConfigError(f"{where}.{name}", "required")
-        paths = [f"{where}.deep_tower", f"{where}.cross_tower"]
-    if field == "multi_tower" and settings.din_towers:
-        if mc.model_class != "MultiTowerDIN":
-            raise ConfigError(f"{where}.din_towers",
-                              'din_towers need model_class: "MultiTowerDIN"')
-        paths += [f"{where}.din_towers[{i}]" for i in range(len(settings.din_towers))]
-        _validate_sequence_groups(config, features)
-    for path, (kind, group, tower) in zip(paths, towers, strict=True):
-        if kind == "din":
-            names = [g.group_name for g in mc.seq_att_groups]
-            if group not in names:
-                raise ConfigError(f"{path}.input",
-                                  f"no model_config.seq_att_groups group named {group!r} "
-                                  f"(groups: {names})")
-            if tower.HasField("attn_mlp"):  # TorchEasyRec's encoder: any MLP, then a score
-                _validate_dnn(tower.attn_mlp, f"{path}.attn_mlp", required=True)
-                continue
-            _validate_dnn(tower.dnn, f"{path}.dnn", required=True)
-            if tower.dnn.hidden_units[-1] != 1:
-                raise ConfigError(f"{path}.dnn.hidden_units",
-                                  "a DIN tower's dnn ends in a layer of 1 unit (the score of "
-                                  "a position), e.g. [128, 64, 32, 1]")
-            continue
-        if group not in groups:
-            raise ConfigError(f"{path}.input", f"no feature group named {group!r}")
-        if kind == "dnn":
-            _validate_dnn(tower, path if field == "dcn_v2" else f"{path}.dnn", required=True)
-        elif kind == "cross_v2":
-            continue  # checked above
-        elif not 1 <= tower <= limits.MAX_HIDDEN_LAYERS:
-            raise ConfigError(f"{path}.cross_num",
-                              f"must be 1 to {limits.MAX_HIDDEN_LAYERS}, got {tower}")
-    if not settings.HasField("final_dnn"):
-        name = "final" if field == "dcn_v2" else "final_dnn"  # TorchEasyRec's name
-        raise ConfigError(f"{where}.{name}", "required (e.g. { hidden_units: [64] })")
-    _validate_dnn(settings.final_dnn, f"{where}.final_dnn", required=True)
-    if settings.l2_regularization < 0:
-        raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
-
-
 def sequence_combiner_width(fc: FeatureConfig) -> int:
     """Width of the vector a SequenceFeature's ``sequence_combiner`` makes (0: none set)."""
     which = fc.sequence_combiner.WhichOneof("combiner")
@@ -551,8 +311,8 @@ def sequence_combiner_width(fc: FeatureConfig) -> int:
     return 0
 
 
-def _check_group_sequence(mc: Any, group: Any, fc: FeatureConfig, where: str) -> None:
-    """A SequenceFeature listed in a feature group: its combiner, and a model that takes it."""
+def _check_group_sequence(fc: FeatureConfig, where: str) -> None:
+    """A SequenceFeature listed in a feature group: its combiner."""
     name = fc.feature_name
     which = fc.sequence_combiner.WhichOneof("combiner")
     if dense_sequence(fc):
@@ -564,9 +324,6 @@ def _check_group_sequence(mc: Any, group: Any, fc: FeatureConfig, where: str) ->
         raise ConfigError(where, f"SequenceFeature {name!r} in a feature group needs a "
                                  "sequence_combiner (attention {} or text_cnn {...}); a DIN "
                                  "tower reads sequences through model_config.seq_att_groups")
-    if mc.model_class in WIDE_DEEP_MODEL_CLASSES and group.wide_deep != pipeline_pb2.DEEP:
-        raise ConfigError(where, f"SequenceFeature {name!r}: sequences are combined in DEEP "
-                                 "groups (not in a wide part)")
     if which == "text_cnn":
         t = fc.sequence_combiner.text_cnn
         cw = f"{where} ({name}.sequence_combiner.text_cnn)"
@@ -582,7 +339,7 @@ def _check_group_sequence(mc: Any, group: Any, fc: FeatureConfig, where: str) ->
                                   f"{positions} positions")
 
 
-def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
+def validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
                               features: dict[str, FeatureConfig], groups: Any = None,
                               prefix: str = "model_config.seq_att_groups",
                               dense_parts: bool = True) -> None:
@@ -642,7 +399,7 @@ def _validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
         if len(lengths) > 1:
             raise ConfigError(where, "the group's SequenceFeatures need one max_seq_len")
         if g.HasField("seq_dnn"):
-            _validate_dnn(g.seq_dnn, f"{where}.seq_dnn", required=True)
+            validate_dnn(g.seq_dnn, f"{where}.seq_dnn", required=True)
             if g.seq_dnn.hidden_units[-1] != 1:
                 raise ConfigError(f"{where}.seq_dnn.hidden_units",
                                   "the attention DNN ends in a layer of 1 unit (the score)")
@@ -681,7 +438,17 @@ def _validate_number_sequence(fc: FeatureConfig, where: str, fields: dict) -> No
                           "add boundaries")
 
 
-def _validate_dnn(dnn: Any, where: str, required: bool) -> None:
+def validate_dnn(dnn: Any, where: str, required: bool) -> None:
+    """Checks a ``DNN`` message: layers, units, dropout ratios, activation.
+
+    Args:
+        dnn: the ``DNN``.
+        where: its dotted path.
+        required: it needs at least one hidden layer.
+
+    Raises:
+        ConfigError: naming the offending field.
+    """
     if required and not dnn.hidden_units:
         raise ConfigError(f"{where}.hidden_units", "required (e.g. [256, 128, 64])")
     if len(dnn.hidden_units) > limits.MAX_HIDDEN_LAYERS:

@@ -134,7 +134,7 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import CtrModel
 from odl.models.dynamic.model_tables import DynamicTables
 from odl.models.embedding_tables import WIDE_SUFFIX
-from odl.models.model_factory import build_model
+from odl.models.model_registry import build_model
 from odl.protos import pipeline_pb2
 from odl.storage import file_store
 from odl.storage.atomic_directory import (

@@ -39,10 +39,11 @@ its arguments only. The same ``model.dense`` class is what the exporter scripts 
 lookups of the same layout, so a model's math exists once; nothing else in training,
 publishing, export or serving is model specific.
 
-Adding a model: subclass ``CtrModel``; in ``__init__`` build ``self.ebc`` (tables from
-``odl.models.embedding_tables``), ``self.dense`` (a scriptable module following the rules
-above) and ``self.pooled_layout``, set ``self.output_names``; implement ``loss``; and name
-the class in ``odl.models.model_factory``.
+Adding a model: one module of this package that subclasses ``CtrModel`` (in ``__init__``
+build ``self.ebc`` from ``odl.models.embedding_tables``, ``self.dense`` (a scriptable module
+following the rules above) and ``self.pooled_layout``, set ``self.output_names``; implement
+``loss``) and registers its class (``odl.models.model_registry``), plus its settings message
+in ``protos/pipeline.proto``.
 """
 
 from __future__ import annotations

@@ -40,8 +40,13 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from odl.config.model_classes import uses_fm, wide_deep_settings
+from odl.config import limits
+from odl.config.config_error import ConfigError
+from odl.config.feature_configs import embedded_feature, feature_configs, projected_raw
+from odl.config.model_classes import model_settings
+from odl.config.model_validation import sequence_combiner_width, validate_dnn
 from odl.features.batch import Batch
+from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import GroupSequences, SequenceBlock, build_mlp, fm_term
 from odl.models.ctr_losses import (
     add_loss_weights,
@@ -54,7 +59,9 @@ from odl.models.ctr_losses import (
     session_tensor,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
-from odl.models.embedding_tables import DEEP_INIT_STD, EmbeddingLayout
+from odl.models.embedding_tables import DEEP_INIT_STD, EmbeddingLayout, build_embedding_layout
+from odl.models.group_inputs import dense_columns, model_groups, sequence_blocks
+from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -286,7 +293,7 @@ class DeepFMRegularization:
         Returns:
             The weights.
         """
-        _field, cfg = wide_deep_settings(model_config)
+        _field, cfg = model_settings(model_config)
         dense_reg = getattr(cfg, "dense_regularization", 0.0)
         wide_reg = getattr(cfg, "wide_regularization", 0.0)
         return cls(
@@ -351,8 +358,7 @@ class DeepFM(CtrModel):
         dense_features: names of ``Batch.dense`` columns, in order.
         deep_dense: dense features in the deep group.
         wide_dense: dense features in a wide group.
-        model_config: the ``EasyRecModel`` (DeepFM / WideAndDeep settings, regularization;
-            ``model_class`` says which).
+        model_config: the ``EasyRecModel`` (DeepFM / WideAndDeep settings, regularization).
         output_name: the name of the model's one output (the label it predicts).
         ebc_device: device of the tables (``meta``: materialized by DMP).
         projected: the deep group's projected raw features' ``Batch.dense`` columns.
@@ -360,6 +366,7 @@ class DeepFM(CtrModel):
         projected_widths: columns per projected feature (default: 1 each).
         sequences: the deep groups' sequence blocks, looked up after the other lookups.
         deep_features: the deep groups' embedded features (a block's key may be one too).
+        use_fm: add the FM term (DeepFM); false: WideAndDeep.
 
     Raises:
         ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
@@ -379,6 +386,7 @@ class DeepFM(CtrModel):
         sequences: Sequence[SequenceBlock] = (),
         deep_features: Sequence[str] = (),
         projected_widths: "Sequence[int] | None" = None,
+        use_fm: bool = True,
     ) -> None:
         super().__init__()
         self.layout = layout
@@ -400,7 +408,7 @@ class DeepFM(CtrModel):
         if sequences:
             seqs = GroupSequences.of_blocks(
                 list(sequences), dim_of, sum(dim_of[f] for f, _t in deep_keys), len(sequences))
-        _field, settings = wide_deep_settings(model_config)
+        _field, settings = model_settings(model_config)
         regular_dims = {dim_of[f] for f, _t in regular}
         self.dense = DeepFMDense(
             settings,
@@ -411,7 +419,7 @@ class DeepFM(CtrModel):
             deep_dense_idx=[col[n] for n in deep_dense],
             wide_dense_idx=[col[n] for n in wide_dense],
             num_dense=len(dense_features),
-            use_fm=uses_fm(model_config),
+            use_fm=use_fm,
             deep_width=sum(dim_of[f] for f, _t in regular),
             projected_idx=[col[n] for n in projected],
             projected_widths=projected_widths,
@@ -450,3 +458,122 @@ class DeepFM(CtrModel):
                                                             output.logits),
                            softmax=self.dense.num_class > 1,
                            sessions=session_tensor(batch))
+
+
+def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder,
+           use_fm: bool) -> DeepFM:
+    """DeepFM (``use_fm``) or WideAndDeep over the "deep" and "wide" groups."""
+    mc = config.model_config
+    labels = list(config.data_config.label_fields) or ["label"]
+    groups = model_groups(mc, feature_builder)
+    field, settings = model_settings(mc)
+    wide_dim = int(settings.wide_output_dim) or 1
+    try:
+        blocks = [b for g in mc.feature_groups if g.wide_deep == pipeline_pb2.DEEP
+                  for b in sequence_blocks(config, feature_builder).get(g.group_name, [])]
+        positions = [k for b in blocks for k in b.lookups if k not in groups["deep_sparse"]]
+        layout = build_embedding_layout(
+            feature_builder.table_specs, groups["deep_sparse"] + positions, groups["wide_sparse"],
+            wide_dim, mixed_dims=not use_fm)
+    except ValueError as e:
+        raise ConfigError("model_config.feature_groups", str(e)) from e
+    if not settings.dnn.hidden_units:
+        raise ConfigError(f"model_config.{field}.dnn.hidden_units",
+                          "at least one layer is needed")
+    # EasyRec's projected raw features (embedding_dim, no boundaries) in the deep group
+    dims = {fc.feature_name: int(fc.embedding_dim) for fc in feature_configs(config)}
+    projected = [f for f in groups["deep_dense"] if dims.get(f, 0) > 0]
+    deep_dense = [f for f in groups["deep_dense"] if f not in projected]
+    widths = {f: len(c) for f, c in feature_builder.dense_feature_columns.items()}
+    try:
+        return DeepFM(layout, feature_builder.dense_feature_names,
+                      dense_columns(feature_builder, deep_dense),
+                      dense_columns(feature_builder, groups["wide_dense"]), mc,
+                      output_name=labels[0], projected=dense_columns(feature_builder, projected),
+                      projected_dim=dims[projected[0]] if projected else 0,
+                      projected_widths=[widths[f] for f in projected],
+                      sequences=blocks, deep_features=groups["deep_sparse"], use_fm=use_fm)
+    except ValueError as e:
+        raise ConfigError(f"model_config.{field}", str(e)) from e
+
+
+def _validate(check: ModelCheck, use_fm: bool) -> None:
+    """The "wide" and "deep" groups, the towers, the wide width; FM's one embedding dim."""
+    mc, groups, features = check.config.model_config, check.groups, check.features
+    d, where = check.settings, check.where()
+    for required in ("wide", "deep"):
+        if required not in groups:
+            raise ConfigError("model_config.feature_groups",
+                              f'{check.model_class} needs a feature group named "{required}"')
+    for i, g in enumerate(mc.feature_groups):
+        for j, name in enumerate(g.feature_names):
+            if (g.wide_deep != pipeline_pb2.DEEP
+                    and features[name].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature):
+                raise ConfigError(f"model_config.feature_groups[{i}].feature_names[{j}]",
+                                  f"SequenceFeature {name!r}: sequences are combined in DEEP "
+                                  "groups (not in a wide part)")
+    if not mc.HasField(check.field):
+        raise ConfigError(where, f"{check.model_class} needs {check.field} "
+                                 "{ dnn { hidden_units } }")
+    validate_dnn(d.dnn, f"{where}.dnn", required=True)
+    if d.HasField("final_dnn"):
+        validate_dnn(d.final_dnn, f"{where}.final_dnn", required=True)
+    if d.wide_output_dim <= 0:
+        raise ConfigError(f"{where}.wide_output_dim", "must be > 0")
+    if d.wide_output_dim > limits.MAX_WIDE_OUTPUT_DIM:
+        raise ConfigError(f"{where}.wide_output_dim", f"{d.wide_output_dim} is above the "
+                                                      f"limit of {limits.MAX_WIDE_OUTPUT_DIM}")
+    if not d.HasField("final_dnn") and d.wide_output_dim != mc.num_class:
+        raise ConfigError(f"{where}.wide_output_dim",
+                          "without final_dnn the wide and deep outputs are summed, so "
+                          f"wide_output_dim must equal num_class ({mc.num_class})")
+    for name in ("l2_regularization", "wide_regularization", "dense_regularization"):
+        if name in d.DESCRIPTOR.fields_by_name and getattr(d, name) < 0:
+            raise ConfigError(f"{where}.{name}", "must be >= 0")
+    deep_gi = groups["deep"]
+    projected = {n: features[n].embedding_dim for n in mc.feature_groups[deep_gi].feature_names
+                 if projected_raw(features[n])}
+    if len(set(projected.values())) > 1:
+        shown = ", ".join(f"{n}={v}" for n, v in list(projected.items())[:6])
+        raise ConfigError(f"model_config.feature_groups[{deep_gi}].feature_names",
+                          f"the deep group's projected raw features need one embedding_dim; "
+                          f"got {shown}")
+    if use_fm:  # FM takes inner products of the group's embeddings: one dim
+        check_fm_group(check, "fm" if "fm" in groups else "deep")
+
+
+def check_fm_group(check: ModelCheck, group: str) -> None:
+    """The FM term's group: at least one embedded feature, all of one width.
+
+    Args:
+        check: the model being checked.
+        group: the group the FM term reads.
+
+    Raises:
+        ConfigError: naming the group's ``feature_names``.
+    """
+    features = check.features
+    gi = check.groups[group]
+    dims = {n: (sequence_combiner_width(features[n])
+                if features[n].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature
+                else features[n].embedding_dim)
+            for n in check.config.model_config.feature_groups[gi].feature_names
+            if embedded_feature(features[n]) or projected_raw(features[n])}
+    where = f"model_config.feature_groups[{gi}].feature_names"
+    if not dims:
+        raise ConfigError(where, f'the "{group}" group needs at least one embedded feature '
+                                 "for FM")
+    if len(set(dims.values())) > 1:
+        shown = ", ".join(f"{n}={v}" for n, v in list(dims.items())[:6])
+        raise ConfigError(where, f'FM needs every embedded feature of the "{group}" group to '
+                                 f"have the same embedding_dim; got {shown}"
+                                 f"{', ...' if len(dims) > 6 else ''}")
+
+
+register_model(ModelClass(
+    "DeepFM", lambda config, fb: _build(config, fb, use_fm=True),
+    lambda check: _validate(check, use_fm=True), projected_raw=True))
+register_model(ModelClass(
+    "WideAndDeep", lambda config, fb: _build(config, fb, use_fm=False),
+    lambda check: _validate(check, use_fm=False), group_attention="deep",
+    attention_dense_parts=False, projected_raw=True))

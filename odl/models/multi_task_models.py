@@ -44,8 +44,13 @@ import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from odl.config.model_classes import multi_task_settings
+from odl.config import limits
+from odl.config.config_error import ConfigError
+from odl.config.loss_settings import POINTWISE_LOSS_TYPES
+from odl.config.model_classes import model_settings, task_label_names
+from odl.config.model_validation import validate_dnn, validate_losses
 from odl.features.batch import Batch
+from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import (
     ExpertGates,
     GroupSequences,
@@ -62,7 +67,9 @@ from odl.models.ctr_losses import (
     random_loss_weights,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
-from odl.models.embedding_tables import EmbeddingLayout
+from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
+from odl.models.group_inputs import embedded_and_dense, sequence_blocks
+from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -230,7 +237,7 @@ class MultiTaskModel(CtrModel):
         if sequences:  # the blocks' lookups end the group, their lengths its dense columns
             seqs = GroupSequences.of_blocks(list(sequences), dim_of,
                                             sum(dim_of[f] for f in lookups), len(group_dense))
-        field, settings = multi_task_settings(model_config)
+        field, settings = model_settings(model_config)
         names = [t.tower_name or f"task{i}" for i, t in enumerate(settings.task_towers)]
         if len(set(names)) != len(names):
             raise ValueError(f"task tower names must differ: {names}")
@@ -309,3 +316,134 @@ class MultiTaskModel(CtrModel):
         if self.embedding_regularization and lookups:
             loss = loss + self.embedding_regularization * embedding_l2(pooled, lookups)
         return loss
+
+
+def multi_task_group(mc: pipeline_pb2.EasyRecModel) -> str:
+    """The feature group a multi-task model reads: ``"all"``, or the model's only group.
+
+    Raises:
+        ConfigError: neither exists.
+    """
+    names = [g.group_name for g in mc.feature_groups]
+    if "all" in names:
+        return "all"
+    if len(names) == 1:
+        return names[0]
+    raise ConfigError("model_config.feature_groups",
+                      f"{mc.model_class} reads the feature group named \"all\" (or the only "
+                      f"group); groups are {names}")
+
+
+def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder
+           ) -> "MultiTaskModel":
+    """MMoE / DBMTL over the "all" group (and its sequence blocks); each task's label."""
+    mc = config.model_config
+    label_fields = list(config.data_config.label_fields) or ["label"]
+    sequences = sequence_blocks(config, feature_builder)
+    field, settings = model_settings(mc)
+    group = multi_task_group(mc)
+    blocks = sequences.get(group, [])
+    emb, raw = embedded_and_dense(mc, feature_builder, {group: blocks})[group]
+    regular = emb[: len(emb) - sum(len(b.lookups) for b in blocks)]
+    columns = []
+    spaces: list[int | None] = []
+    for i, name in enumerate(task_label_names(mc, label_fields)):
+        if name not in label_fields:
+            raise ConfigError(f"model_config.{field}.task_towers[{i}].label_name",
+                              f"label {name!r} is not one of data_config.label_fields "
+                              f"{label_fields}")
+        columns.append(label_fields.index(name))
+        space = settings.task_towers[i].task_space_indicator_label
+        if space and space not in label_fields:
+            raise ConfigError(f"model_config.{field}.task_towers[{i}]"
+                              ".task_space_indicator_label",
+                              f"{space!r} is not one of data_config.label_fields")
+        spaces.append(label_fields.index(space) if space else None)
+    try:
+        layout = build_embedding_layout(feature_builder.table_specs, list(dict.fromkeys(emb)),
+                                        [], 1, mixed_dims=True)
+        return MultiTaskModel(layout, feature_builder.dense_feature_names, raw, mc, columns,
+                              spaces, regular=regular, sequences=blocks)
+    except ValueError as e:
+        raise ConfigError(f"model_config.{field}", str(e)) from e
+
+
+def _validate(check: ModelCheck) -> None:
+    """The input group, the experts, the tasks and their labels and relations."""
+    config, groups = check.config, check.groups
+    mc = config.model_config
+    field, settings = check.field, check.settings
+    where = f"model_config.{field}"
+    if not mc.HasField(field):
+        raise ConfigError(where, f"{mc.model_class} needs {field} {{ ... task_towers {{ ... }} }}")
+    if "all" not in groups and len(groups) != 1:
+        raise ConfigError("model_config.feature_groups",
+                          f'{mc.model_class} reads the feature group named "all" (or the only '
+                          f"group); groups are {sorted(groups)}")
+    if field == "mmoe" or settings.HasField("expert_dnn"):
+        validate_dnn(settings.expert_dnn, f"{where}.expert_dnn", required=True)
+        if not 1 <= settings.num_expert <= limits.MAX_EXPERTS:
+            raise ConfigError(f"{where}.num_expert",
+                              f"must be 1 to {limits.MAX_EXPERTS}, got {settings.num_expert}")
+    if field == "mmoe" and settings.HasField("gate_mlp"):
+        validate_dnn(settings.gate_mlp, f"{where}.gate_mlp", required=False)
+    if field == "dbmtl" and settings.HasField("bottom_dnn"):
+        validate_dnn(settings.bottom_dnn, f"{where}.bottom_dnn", required=False)
+    if settings.l2_regularization < 0:
+        raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
+    if not settings.task_towers:
+        raise ConfigError(f"{where}.task_towers", "at least one task is needed")
+    label_fields = list(config.data_config.label_fields)
+    labels = task_label_names(mc, label_fields)
+    names: list[str] = []
+    for i, task in enumerate(settings.task_towers):
+        tw = f"{where}.task_towers[{i}]"
+        if not task.tower_name:
+            raise ConfigError(f"{tw}.tower_name", "required (the task's output name)")
+        if task.tower_name in names:
+            raise ConfigError(f"{tw}.tower_name", f"duplicate task {task.tower_name!r}")
+        if labels[i] not in label_fields:
+            raise ConfigError(f"{tw}.label_name",
+                              f"{labels[i] or 'no label'!r} is not one of "
+                              f"data_config.label_fields {label_fields}")
+        if task.num_class != 1:
+            raise ConfigError(f"{tw}.num_class",
+                              f"num_class {task.num_class} is an EasyRec value that odl does not "
+                              "implement yet (only 1: binary classification)")
+        if task.weight < 0:
+            raise ConfigError(f"{tw}.weight", "must be >= 0")
+        if task.HasField("dnn"):
+            validate_dnn(task.dnn, f"{tw}.dnn", required=False)
+        if task.HasField("relation_dnn"):
+            validate_dnn(task.relation_dnn, f"{tw}.relation_dnn", required=False)
+        for j, r in enumerate(task.relation_tower_names):
+            if field != "dbmtl":
+                raise ConfigError(f"{tw}.relation_tower_names", "only DBMTL has relations")
+            if r not in names:
+                raise ConfigError(f"{tw}.relation_tower_names[{j}]",
+                                  f"{r!r} is not an earlier task (tasks so far: {names})")
+        validate_losses(task.losses, f"{tw}.losses", mc.loss_weight_strategy)
+        if task.task_space_indicator_label:
+            if task.task_space_indicator_label not in label_fields:
+                raise ConfigError(f"{tw}.task_space_indicator_label",
+                                  f"{task.task_space_indicator_label!r} is not one of "
+                                  f"data_config.label_fields {label_fields}")
+            for name in ("in_task_space_weight", "out_task_space_weight"):
+                if getattr(task, name) < 0:
+                    raise ConfigError(f"{tw}.{name}", "must be >= 0")
+            kinds = [loss.loss_type for loss in task.losses] or [task.loss_type]
+            for k in kinds:
+                if k not in POINTWISE_LOSS_TYPES:
+                    raise ConfigError(f"{tw}.task_space_indicator_label",
+                                      f"task-space weights apply to pointwise losses; "
+                                      f"{pipeline_pb2.LossType.Name(k)} is not one")
+        names.append(task.tower_name)
+    spaces = {t.task_space_indicator_label for t in settings.task_towers}
+    unused = [lf for lf in label_fields if lf not in labels and lf not in spaces]
+    if unused:
+        raise ConfigError("data_config.label_fields",
+                          f"label fields {unused} are not trained by any task")
+
+
+for _name in ("MMoE", "DBMTL"):
+    register_model(ModelClass(_name, _build, _validate, group_attention="all"))

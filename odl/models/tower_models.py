@@ -35,13 +35,19 @@ class's annotations as types.
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from odl.config.model_classes import sequence_attention_features, tower_settings
+from odl.config import limits
+from odl.config.config_error import ConfigError
+from odl.config.model_classes import sequence_attention_features
+from odl.config.model_validation import validate_dnn, validate_sequence_groups
 from odl.features.batch import Batch
+from odl.features.feature_builder import FeatureBuilder
+from odl.features.feature_plan import sequence_key, sequence_length_column
 from odl.models.building_blocks import (
     CrossNet,
     CrossNetV2,
@@ -62,10 +68,15 @@ from odl.models.ctr_losses import (
     session_tensor,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
-from odl.models.embedding_tables import EmbeddingLayout
+from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
+from odl.models.group_inputs import embedded_and_dense, sequence_blocks
+from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
+
+# the class whose towers are followed by din_towers (EasyRec reads both from multi_tower)
+_DIN = "MultiTowerDIN"
 
 
 class TowerDense(nn.Module):
@@ -273,3 +284,163 @@ class TowerModel(CtrModel):
         if self.embedding_regularization and lookups:
             loss = loss + self.embedding_regularization * embedding_l2(pooled, lookups)
         return loss
+
+
+# (kind, group name, settings): ("dnn", group, DNN), ("cross", group, cross_num),
+# ("cross_v2", group, (CrossV2, backbone DNN or None)) or ("din", sequence attention group,
+# DINTower)
+TowerSpec = tuple[str, str, Any]
+
+
+def tower_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, Any, list[TowerSpec]]:
+    """``(field name, message, towers)`` of a tower-family model.
+
+    Args:
+        model_config: the model config (MultiTower, DCN or DCNV2).
+
+    Returns:
+        The settings message (its ``final_dnn`` joins the towers) and its towers in order,
+        each ``(kind, group name, settings)``: ``("dnn", group, DNN)``, ``("cross", group,
+        cross_num)``, ``("cross_v2", group, (CrossV2, backbone DNN or None))`` or
+        ``("din", sequence attention group, DINTower)`` (MultiTowerDIN, after its towers).
+        DCNV2 reads the first feature group (TorchEasyRec's rule): its cross network, then
+        its ``deep`` DNN when set.
+    """
+    field = model_config.WhichOneof("model")
+    if field == "dcn_v2":
+        d = model_config.dcn_v2
+        group = model_config.feature_groups[0].group_name if model_config.feature_groups else ""
+        towers: list[TowerSpec] = [
+            ("cross_v2", group, (d.cross, d.backbone if d.HasField("backbone") else None))]
+        if d.HasField("deep"):
+            towers.append(("dnn", group, d.deep))
+        return "dcn_v2", d, towers
+    if field == "dcn":
+        d = model_config.dcn
+        return "dcn", d, [("dnn", d.deep_tower.input, d.deep_tower.dnn),
+                          ("cross", d.cross_tower.input, int(d.cross_tower.cross_num))]
+    m = model_config.multi_tower
+    towers: list[TowerSpec] = [("dnn", t.input, t.dnn) for t in m.towers]
+    if model_config.model_class == _DIN:
+        towers += [("din", t.input, t) for t in m.din_towers]
+    return "multi_tower", m, towers
+
+
+def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> TowerModel:
+    """MultiTower(DIN) / DCN(V2): the towers' groups, split into embedded and dense features.
+
+    A DIN tower's group (a sequence attention group) holds its keys, then its sequences'
+    positional keys position after position, and, as its dense feature, the first
+    sequence's length column.
+    """
+    mc = config.model_config
+    output_name = (list(config.data_config.label_fields) or ["label"])[0]
+    sequences = sequence_blocks(config, feature_builder)
+    field, _settings, towers = tower_settings(mc)
+    groups = embedded_and_dense(mc, feature_builder, sequences)
+    seq_lens = feature_builder.sequence_features
+    dense_seqs = feature_builder.dense_sequence_features
+    cols = feature_builder.dense_feature_columns
+    din_dense: dict[str, tuple[int, int]] = {}
+    for kind, group, _tower in towers:
+        if kind != "din" or group in groups:
+            continue
+        keys, hists = sequence_attention_features(mc, group)
+        if not hists or any(h not in seq_lens for h in hists):
+            raise ConfigError("model_config.seq_att_groups",
+                              f"group {group!r} needs SequenceFeatures in hist_seq")
+        positions = seq_lens[hists[0]]
+        # embedded keys and items first, then the dense ones (each position's after another)
+        dense_keys = [c for k in keys if k in cols for c in cols[k]]
+        items = [h for h in hists if h not in dense_seqs]
+        dense_items = [h for h in hists if h in dense_seqs]
+        groups[group] = ([k for k in keys if k not in cols]
+                         + [sequence_key(h, p) for p in range(positions) for h in items],
+                         dense_keys + [cols[h][p] for p in range(positions) for h in dense_items]
+                         + [sequence_length_column(hists[0])])
+        din_dense[group] = (len(dense_keys), len(dense_items))
+    embedded: list[str] = []
+    for _kind, group, _tower in towers:
+        for f in groups.get(group, ([], []))[0]:
+            if f not in embedded:
+                embedded.append(f)
+    try:
+        layout = build_embedding_layout(feature_builder.table_specs, embedded, [], 1,
+                                        mixed_dims=True)
+        return TowerModel(layout, feature_builder.dense_feature_names, groups, mc,
+                          output_name=output_name, sequences=sequences, din_dense=din_dense)
+    except ValueError as e:
+        raise ConfigError(f"model_config.{field}", str(e)) from e
+
+
+def _validate(check: ModelCheck) -> None:
+    """Towers over existing groups, their settings, final_dnn."""
+    config, features, groups = check.config, check.features, check.groups
+    mc = config.model_config
+    field, settings, towers = tower_settings(mc)
+    where = f"model_config.{field}"
+    if not mc.HasField(field):
+        raise ConfigError(where, f"{mc.model_class} needs {field} {{ ... final_dnn {{ ... }} }}")
+    if field == "multi_tower":
+        if not towers:
+            raise ConfigError(f"{where}.towers", "at least one tower is needed")
+        paths = [f"{where}.towers[{i}]" for i in range(len(settings.towers))]
+    elif field == "dcn_v2":
+        if not settings.HasField("cross"):
+            raise ConfigError(f"{where}.cross", "required (e.g. { cross_num: 3 low_rank: 32 })")
+        cross = settings.cross
+        if not 1 <= cross.cross_num <= limits.MAX_HIDDEN_LAYERS:
+            raise ConfigError(f"{where}.cross.cross_num",
+                              f"must be 1 to {limits.MAX_HIDDEN_LAYERS}, got {cross.cross_num}")
+        if not 1 <= cross.low_rank <= limits.MAX_HIDDEN_UNITS:
+            raise ConfigError(f"{where}.cross.low_rank",
+                              f"must be 1 to {limits.MAX_HIDDEN_UNITS:,}, got {cross.low_rank}")
+        if settings.HasField("backbone"):
+            validate_dnn(settings.backbone, f"{where}.backbone", required=False)
+        paths = [f"{where}.cross", f"{where}.deep"][: len(towers)]
+    else:
+        for name in ("deep_tower", "cross_tower"):
+            if not settings.HasField(name):
+                raise ConfigError(f"{where}.{name}", "required")
+        paths = [f"{where}.deep_tower", f"{where}.cross_tower"]
+    if field == "multi_tower" and settings.din_towers:
+        if mc.model_class != _DIN:
+            raise ConfigError(f"{where}.din_towers",
+                              f'din_towers need model_class: "{_DIN}"')
+        paths += [f"{where}.din_towers[{i}]" for i in range(len(settings.din_towers))]
+        validate_sequence_groups(config, features)
+    for path, (kind, group, tower) in zip(paths, towers, strict=True):
+        if kind == "din":
+            names = [g.group_name for g in mc.seq_att_groups]
+            if group not in names:
+                raise ConfigError(f"{path}.input",
+                                  f"no model_config.seq_att_groups group named {group!r} "
+                                  f"(groups: {names})")
+            if tower.HasField("attn_mlp"):  # TorchEasyRec's encoder: any MLP, then a score
+                validate_dnn(tower.attn_mlp, f"{path}.attn_mlp", required=True)
+                continue
+            validate_dnn(tower.dnn, f"{path}.dnn", required=True)
+            if tower.dnn.hidden_units[-1] != 1:
+                raise ConfigError(f"{path}.dnn.hidden_units",
+                                  "a DIN tower's dnn ends in a layer of 1 unit (the score of "
+                                  "a position), e.g. [128, 64, 32, 1]")
+            continue
+        if group not in groups:
+            raise ConfigError(f"{path}.input", f"no feature group named {group!r}")
+        if kind == "dnn":
+            validate_dnn(tower, path if field == "dcn_v2" else f"{path}.dnn", required=True)
+        elif kind == "cross_v2":
+            continue  # checked above
+        elif not 1 <= tower <= limits.MAX_HIDDEN_LAYERS:
+            raise ConfigError(f"{path}.cross_num",
+                              f"must be 1 to {limits.MAX_HIDDEN_LAYERS}, got {tower}")
+    if not settings.HasField("final_dnn"):
+        name = "final" if field == "dcn_v2" else "final_dnn"  # TorchEasyRec's name
+        raise ConfigError(f"{where}.{name}", "required (e.g. { hidden_units: [64] })")
+    validate_dnn(settings.final_dnn, f"{where}.final_dnn", required=True)
+    if settings.l2_regularization < 0:
+        raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
+
+
+for _name in ("MultiTower", _DIN, "DCN", "DCNV2"):
+    register_model(ModelClass(_name, _build, _validate, group_attention="all"))

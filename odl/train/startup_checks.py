@@ -1,6 +1,6 @@
 """What ``odl-train`` checks before it builds anything: the config against this machine.
 
-:func:`~odl.config.config_validation.validate_pipeline_config` checks a config on its own;
+:func:`~odl.models.model_registry.check_pipeline_config` checks a config on its own;
 :func:`check_start` checks what a start will need from the machine, so that a config that
 passes ``odl-train --validate_only`` also starts, and a start that cannot work exits with
 code 2 and one line naming the field before a table is allocated. Both ``--validate_only``
@@ -17,7 +17,8 @@ and a normal start run it. In order:
    (``bootstrap.servers`` left out), so librdkafka refuses bad settings now (an unknown
    property such as Java's ``sasl.jaas.config``, a missing ``ssl.key.location`` file, an
    unsupported ``sasl.mechanism``). Its message is passed on with every secret value masked.
-3. Memory: :func:`odl.config.memory_estimate.check_memory`.
+3. Memory: :func:`odl.train.memory_estimate.check_memory` (the model as built, on the
+   ``meta`` device).
 4. Paths: when ``model_dir`` holds no checkpoint, ``fine_tune_checkpoint`` must resolve to
    a complete checkpoint (a ``model.ckpt-N`` directory, or a directory whose newest intact
    checkpoint is used). The directory of ``--sample_ledger``,
@@ -43,13 +44,13 @@ from typing import Any
 
 from odl.config.config_error import ConfigError
 from odl.config.config_redaction import REDACTED, SECRET_FIELD_MARKERS
-from odl.config.memory_estimate import MemoryEstimate, check_memory, resolve_max_memory_fraction
 from odl.config.optimizer_support import optimizer_choices, table_optimizer_plan
 from odl.kafka.client_settings import consumer_config, delta_consumer_config, producer_config
 from odl.protos import pipeline_pb2
 from odl.storage import file_store
 from odl.storage.oss_credentials import OssCredentialsError, oss_credentials
 from odl.storage.storage_path import is_remote, join
+from odl.train.memory_estimate import MemoryEstimate, check_memory, resolve_max_memory_fraction
 
 logger = logging.getLogger(__name__)
 
@@ -461,7 +462,7 @@ def check_start(
 ) -> StartCheck:
     """Every start-up check, in order (see the module docstring); allocates nothing.
 
-    Call it on a config that passed ``validate_pipeline_config``.
+    Call it on a config that passed ``check_pipeline_config``.
 
     Args:
         config: the config.

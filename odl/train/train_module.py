@@ -54,7 +54,7 @@ from odl.models.embedding_tables import (
     init_embedding_weights,
     initial_rows,
 )
-from odl.models.model_factory import build_model
+from odl.models.model_registry import build_model
 from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.protos import pipeline_pb2
 from odl.train import module_state

@@ -8,7 +8,7 @@ Not a test: a report. For each ``easyrec/*.config`` and ``torcheasyrec/*.config`
    ``data_config.input_type`` (TorchEasyRec's ``data_config.dataset_type`` stays);
 2. loads it like ``odl-train`` does (:func:`odl.config.pipeline_config.load_pipeline_config`
    on a temporary file) and runs
-   :func:`odl.config.config_validation.validate_pipeline_config` with ``online=True``;
+   :func:`odl.models.model_registry.check_pipeline_config` with ``online=True``;
 3. prints one line per file (file, model class, OK or the error) and the OK count.
 
 Run from the repository root: ``.venv/bin/python tests/compat_configs/try_load.py``
@@ -28,8 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from odl.config.config_error import ConfigError  # noqa: E402
-from odl.config.config_validation import validate_pipeline_config  # noqa: E402
 from odl.config.pipeline_config import load_pipeline_config  # noqa: E402
+from odl.models.model_registry import check_pipeline_config  # noqa: E402
 
 KAFKA_INPUT = '\nkafka_train_input {\n  server: "127.0.0.1:9092"\n  topic: "t"\n  group: "g"\n}\n'
 
@@ -212,7 +212,7 @@ def load_one(path: str, flavor: str, verbose: bool = False):
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(new_text)
         config = load_pipeline_config(tmp)
-        validate_pipeline_config(config, online=True)
+        check_pipeline_config(config, online=True)
         return config
     finally:
         os.unlink(tmp)

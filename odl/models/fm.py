@@ -1,0 +1,183 @@
+"""EasyRec's FM (``model_class: "FM"``, settings ``fm {}``) as a ``CtrModel``.
+
+The contract is ``odl.models.ctr_model``. A factorization machine: first-order weights of
+the "wide" group plus the pairwise term over the "deep" group's embeddings, and a bias; no
+DNN. With ``C = max(num_class, 1)`` outputs::
+
+    wide  = sum over wide lookups of their C weights                           [B, C]
+            (+ a linear term over the dense features of the wide group)
+    v_i   = the deep lookups' vectors (one embedding_dim)
+    fm    = 0.5 * ((sum_i v_i)**2 - sum_i v_i**2)                              [B, D]
+    logit = wide + sum(fm) + bias                          (C = 1)
+    logit = wide + Linear(fm -> C) + bias                  (C > 1, EasyRec's fm_logits)
+
+Loss: the configured prediction loss (``odl.models.ctr_losses``) + ``fm.l2_regularization``
+* the squared dense Linear kernels + ``embedding_regularization`` * the mean squared pooled
+lookup of each group (``deepfm_loss``'s terms).
+
+Parameter names: ``dense.bias``, ``dense.wide_dense.weight``, ``dense.fm_out.*``.
+
+This module has no ``from __future__ import annotations``: TorchScript reads ``FMDense``'s
+class annotations as types.
+"""
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+from odl.config.config_error import ConfigError
+from odl.features.batch import Batch
+from odl.features.feature_builder import FeatureBuilder
+from odl.models.building_blocks import fm_term
+from odl.models.ctr_losses import (
+    add_loss_weights,
+    learned_weight_terms,
+    loss_terms,
+    random_loss_weights,
+    session_tensor,
+)
+from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
+from odl.models.deepfm import DeepFMRegularization, check_fm_group, deepfm_loss
+from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
+from odl.models.group_inputs import dense_columns, model_groups
+from odl.models.model_registry import ModelCheck, ModelClass, register_model
+from odl.protos import pipeline_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class FMDense(nn.Module):
+    """FM after the embedding lookup (the module docstring); scriptable.
+
+    Args:
+        num_deep: lookups of the "deep" group (the FM vectors).
+        dim: their embedding dim.
+        num_wide: lookups of the "wide" group.
+        wide_dense_idx: ``Batch.dense`` columns of the wide group's dense features.
+        num_class: outputs (``[B]`` logits for 1, ``[B, C]`` for C > 1).
+    """
+
+    __constants__ = ["num_deep", "dim", "num_wide", "num_class"]
+    wide_dense_idx: list[int]
+
+    def __init__(self, num_deep: int, dim: int, num_wide: int, wide_dense_idx: Sequence[int],
+                 num_class: int = 1) -> None:
+        super().__init__()
+        self.num_deep = int(num_deep)
+        self.dim = int(dim)
+        self.num_wide = int(num_wide)
+        self.num_class = max(int(num_class), 1)
+        self.wide_dense_idx = [int(i) for i in wide_dense_idx]
+        # Registration order fixes the dense optimizer's parameter order in checkpoints.
+        self.bias = nn.Parameter(torch.zeros(self.num_class))
+        self.wide_dense = (nn.Linear(len(self.wide_dense_idx), self.num_class, bias=False)
+                           if self.wide_dense_idx else None)
+        self.fm_out = nn.Linear(self.dim, self.num_class) if self.num_class > 1 else None
+
+    def forward(self, deep: torch.Tensor, wide: torch.Tensor,
+                dense: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B]`` (``[B, C]`` for C > 1) of the pooled groups and dense features."""
+        b = dense.shape[0]
+        logits = self.bias.expand(b, self.num_class)
+        if self.num_wide > 0:
+            logits = logits + wide.reshape(b, self.num_wide, self.num_class).sum(dim=1)
+        wide_dense = self.wide_dense
+        if wide_dense is not None:
+            logits = logits + wide_dense(dense[:, self.wide_dense_idx])
+        fm = fm_term(deep.reshape(b, self.num_deep, self.dim))
+        fm_out = self.fm_out
+        if fm_out is not None:
+            return logits + fm_out(fm)
+        return (logits + fm.sum(dim=1, keepdim=True)).squeeze(1)
+
+
+class FM(CtrModel):
+    """FM over an ``EmbeddingBagCollection`` built on ``ebc_device``.
+
+    Args:
+        layout: table layout (deep lookups: the FM vectors; wide lookups ``num_class`` wide).
+        dense_features: names of ``Batch.dense`` columns, in order.
+        wide_dense: the wide group's dense features.
+        model_config: the ``EasyRecModel`` (``fm``, regularization, losses).
+        output_name: the name of the model's output (the label it predicts).
+        ebc_device: device of the tables (``meta``: materialized by DMP).
+    """
+
+    def __init__(self, layout: EmbeddingLayout, dense_features: Sequence[str],
+                 wide_dense: Sequence[str], model_config: pipeline_pb2.EasyRecModel,
+                 output_name: str = "label", ebc_device: "torch.device | str" = "meta") -> None:
+        super().__init__()
+        self.layout = layout
+        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device),
+                                          is_weighted=layout.weighted)
+        col = {n: i for i, n in enumerate(dense_features)}
+        dims = set(layout.deep_dims)
+        self.dense = FMDense(len(layout.deep_keys), dims.pop() if len(dims) == 1 else 0,
+                             len(layout.wide_keys), [col[n] for n in wide_dense],
+                             int(model_config.num_class))
+        self.pooled_layout = (
+            PooledGroup.of("deep", tuple(layout.deep_keys), list(layout.deep_dims)),
+            PooledGroup("wide", tuple(layout.wide_keys), layout.wide_output_dim),
+        )
+        self.output_names, self.output_labels = class_outputs(output_name,
+                                                              model_config.num_class)
+        self.regularization = DeepFMRegularization(
+            l2=float(model_config.fm.l2_regularization),
+            embedding=float(model_config.embedding_regularization),
+            wide=float(model_config.embedding_regularization))
+        self.model_config = model_config
+        self.loss_terms = loss_terms(model_config)
+        self.learned = learned_weight_terms(model_config, self.loss_terms)
+        add_loss_weights(self.dense, sum(self.learned))
+
+    def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
+        """The prediction loss plus the regularization (module docstring)."""
+        deep, wide = output.pooled
+        return deepfm_loss(output.logits, batch.labels, deep, wide, self.dense,
+                           self.regularization, self.loss_terms, self.learned,
+                           term_weights=random_loss_weights(self.model_config,
+                                                            len(self.loss_terms),
+                                                            output.logits),
+                           softmax=self.dense.num_class > 1, sessions=session_tensor(batch))
+
+
+def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> FM:
+    mc = config.model_config
+    groups = model_groups(mc, feature_builder)
+    if groups["deep_dense"]:
+        logger.warning("FM reads the embedded features of its deep group; its dense features "
+                       "%s are not read (as in EasyRec: put them in the wide group for a "
+                       "first-order term)", groups["deep_dense"])
+    try:
+        layout = build_embedding_layout(feature_builder.table_specs, groups["deep_sparse"],
+                                        groups["wide_sparse"], max(int(mc.num_class), 1))
+    except ValueError as e:
+        raise ConfigError("model_config.feature_groups", str(e)) from e
+    return FM(layout, feature_builder.dense_feature_names,
+              dense_columns(feature_builder, groups["wide_dense"]), mc,
+              output_name=(list(config.data_config.label_fields) or ["label"])[0])
+
+
+def _validate(check: ModelCheck) -> None:
+    """The "wide" and "deep" groups; the deep group's embedded features of one dim."""
+    mc, features = check.config.model_config, check.features
+    for required in ("wide", "deep"):
+        if required not in check.groups:
+            raise ConfigError("model_config.feature_groups",
+                              f'FM needs a feature group named "{required}"')
+    if check.settings.l2_regularization < 0:
+        raise ConfigError(check.where("l2_regularization"), "must be >= 0")
+    sequence = pipeline_pb2.FeatureConfig.SequenceFeature
+    for i, g in enumerate(mc.feature_groups):
+        for j, name in enumerate(g.feature_names):
+            fc = features[name]
+            where = f"model_config.feature_groups[{i}].feature_names[{j}]"
+            if fc.feature_type == sequence:
+                raise ConfigError(where, f"SequenceFeature {name!r}: FM reads no sequences")
+    check_fm_group(check, "deep")
+
+
+register_model(ModelClass("FM", _build, _validate))

@@ -1,0 +1,171 @@
+"""What a model's feature groups feed it: embedded and dense features, sequence blocks.
+
+The model modules share these readings of ``model_config.feature_groups`` against a
+``FeatureBuilder``: :func:`model_groups` (the wide-and-deep split), :func:`embedded_and_dense`
+(per group, its lookups and dense columns), :func:`sequence_blocks` (the parts of a group's
+input made from sequences) and :func:`dense_columns`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from odl.config.config_error import ConfigError
+from odl.config.feature_configs import feature_configs
+from odl.features.feature_builder import FeatureBuilder
+from odl.features.feature_plan import sequence_key, sequence_length_column
+from odl.models.building_blocks import (
+    SequenceBlock,
+    SequencePool,
+    TargetAttention,
+    sequence_combiner,
+)
+from odl.protos import pipeline_pb2
+
+logger = logging.getLogger(__name__)
+
+
+def model_groups(
+    model_config: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder
+) -> dict[str, list[str]]:
+    """Splits the feature groups into deep / wide, embedded / dense feature lists.
+
+    Args:
+        model_config: the model config.
+        feature_builder: the feature builder (which features exist, which are embedded).
+
+    Returns:
+        ``{"deep_sparse", "deep_dense", "wide_sparse", "wide_dense"}`` -> feature names, in
+        group order without repeats (a deep group's SequenceFeatures: its
+        :func:`sequence_blocks`).
+
+    Raises:
+        ConfigError: a group names an unknown feature.
+    """
+    sparse = set(feature_builder.sparse_feature_names)
+    dense = plain_dense(feature_builder)
+    sequences = feature_builder.sequence_features
+    out: dict[str, list[str]] = {k: [] for k in ("deep_sparse", "deep_dense", "wide_sparse",
+                                                 "wide_dense")}
+    for gi, g in enumerate(model_config.feature_groups):
+        parts = []
+        if g.wide_deep in (pipeline_pb2.DEEP, pipeline_pb2.WIDE_AND_DEEP):
+            parts.append("deep")
+        if g.wide_deep in (pipeline_pb2.WIDE, pipeline_pb2.WIDE_AND_DEEP):
+            parts.append("wide")
+        for f in g.feature_names:
+            if f in sparse:
+                kind = "sparse"
+            elif f in dense:
+                kind = "dense"
+            elif f in sequences and parts == ["deep"]:
+                continue  # combined with the group's other sequences (sequence_blocks)
+            else:
+                raise ConfigError(
+                    f"model_config.feature_groups[{gi}].feature_names",
+                    f"group {g.group_name!r} names unknown feature {f!r}")
+            for p in parts:
+                lst = out[f"{p}_{kind}"]
+                if f not in lst:
+                    lst.append(f)
+    return out
+
+
+def plain_dense(feature_builder: FeatureBuilder) -> dict[str, list[str]]:
+    """Dense features other than sequences -> their ``Batch.dense`` columns."""
+    sequences = feature_builder.dense_sequence_features
+    return {f: cols for f, cols in feature_builder.dense_feature_columns.items()
+            if f not in sequences}
+
+
+def dense_columns(feature_builder: FeatureBuilder, features: list[str]) -> list[str]:
+    """The ``Batch.dense`` columns of dense features, feature after feature."""
+    cols = feature_builder.dense_feature_columns
+    return [c for f in features for c in cols[f]]
+
+
+def embedded_and_dense(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBuilder,
+                        blocks: dict[str, list[SequenceBlock]] | None = None
+                        ) -> dict[str, tuple[list[str], list[str]]]:
+    """Feature group name -> (embedded features, dense features), in group order.
+
+    A group's sequence blocks (:func:`sequence_blocks`) come last: their lookups after the
+    embedded features, their dense columns then their length columns after the dense ones
+    (``GroupSequences``' layout).
+    """
+    sparse = set(feature_builder.sparse_feature_names)
+    dense = plain_dense(feature_builder)
+    positions = feature_builder.sequence_features
+    groups: dict[str, tuple[list[str], list[str]]] = {}
+    for gi, g in enumerate(mc.feature_groups):
+        emb, raw = [], []
+        for f in g.feature_names:
+            if f in sparse:
+                emb.append(f)
+            elif f in dense:
+                raw += dense[f]
+            elif f not in positions:
+                raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
+                                  f"group {g.group_name!r} names unknown feature {f!r}")
+        group_blocks = (blocks or {}).get(g.group_name, [])
+        for b in group_blocks:
+            emb += list(b.lookups)
+        raw += [c for b in group_blocks for c in b.dense]
+        raw += [b.length_column for b in group_blocks]
+        groups[g.group_name] = (emb, raw)
+    return groups
+
+
+# EasyRec's attention DNN of a feature group's sequence_features when seq_dnn is unset
+DEFAULT_SEQ_DNN_UNITS = (128, 64, 32, 1)
+
+
+def sequence_blocks(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder
+                    ) -> dict[str, list[SequenceBlock]]:
+    """Feature group name -> the parts of its input made from sequences, in order.
+
+    Each SequenceFeature listed in the group (its positions, combined by its
+    ``sequence_combiner``), then each of its ``sequence_features`` (a target attention:
+    the keys, then the sequences' positions, into ``[attended sequence, key]``).
+    """
+    fcs = {fc.feature_name: fc for fc in feature_configs(config)}
+    positions = feature_builder.sequence_features
+    cols = feature_builder.dense_feature_columns
+    out: dict[str, list[SequenceBlock]] = {}
+    for g in config.model_config.feature_groups:
+        blocks = []
+        for f in g.feature_names:
+            if f in positions:
+                n, d = positions[f], int(fcs[f].embedding_dim)
+                blocks.append(SequenceBlock(
+                    tuple(sequence_key(f, p) for p in range(n)),
+                    sequence_combiner(d, n, fcs[f].sequence_combiner),
+                    sequence_length_column(f)))
+        for sa in g.sequence_features:
+            keys = [k for m in sa.seq_att_map for k in m.key]
+            hists = [h for m in sa.seq_att_map for h in m.hist_seq]
+            n = positions[hists[0]]
+            # embedded keys and items are looked up; dense ones are Batch.dense columns
+            emb_keys = [k for k in keys if k not in cols]
+            emb_hists = [h for h in hists if h not in cols]
+            dense_hists = [h for h in hists if h in cols]
+            items = tuple(sequence_key(h, p) for p in range(n) for h in emb_hists)
+            length = sequence_length_column(hists[0])
+            if sa.pooling:  # TorchEasyRec's pooling encoder: the items only
+                width = sum(int(fcs[h].embedding_dim) for h in hists)
+                blocks.append(SequenceBlock(items, SequencePool(width, n, sa.pooling), length))
+                continue
+            encoder = sa.HasField("attn_mlp")  # TorchEasyRec's DIN encoder
+            dnn = (sa.attn_mlp if encoder else sa.seq_dnn if sa.HasField("seq_dnn")
+                   else pipeline_pb2.DNN(hidden_units=DEFAULT_SEQ_DNN_UNITS))
+            dense_keys = [c for k in keys if k in cols for c in cols[k]]
+            width = sum(int(fcs[k].embedding_dim) for k in emb_keys) + len(dense_keys)
+            blocks.append(SequenceBlock(
+                tuple(emb_keys) + items,
+                TargetAttention(width, n, dnn, encoder=encoder, dense_key=len(dense_keys),
+                                dense_item=len(dense_hists)),
+                length,
+                tuple(dense_keys) + tuple(cols[h][p] for p in range(n) for h in dense_hists)))
+        if blocks:
+            out[g.group_name] = blocks
+    return out
