@@ -220,13 +220,15 @@ def _collective_device() -> torch.device:
 
 
 class RankTurn(NamedTuple):
-    """What one rank tells the others at each turn of ``Trainer._loop_ranks`` (small ints).
+    """What one rank tells the others at each turn of ``Trainer._loop`` (small ints).
 
     Attributes:
         stop: it stops (a request, a stop condition or a failure).
         has_batch: it holds a batch.
         finished: its input has ended (and it holds no batch).
         checkpoint_due: a checkpoint is due by time (rank 0's clock counts for all).
+        retry_checkpoint: no rank holds a batch and the last checkpoint failed long enough
+            ago: retry it now (rank 0's counts for all).
         failed: it failed.
         publish_flags: which parts of a delta version are due (rank 0's publisher counts).
         split, file, record: a file stream's position of its batch (-1: none), so the
@@ -238,6 +240,7 @@ class RankTurn(NamedTuple):
     has_batch: int
     finished: int
     checkpoint_due: int
+    retry_checkpoint: int
     failed: int
     publish_flags: int
     split: int
@@ -249,6 +252,13 @@ class RankTurn(NamedTuple):
     def file_position(self) -> tuple[int, int, int]:
         """``(split, file, record)`` of its batch."""
         return self.split, self.file, self.record
+
+
+def exchange_turn(turn: RankTurn) -> list[RankTurn]:
+    """Every rank's turn in rank order (a collective with several ranks; one: its own)."""
+    if world()[1] == 1:
+        return [turn]
+    return [RankTurn(*t) for t in agree(turn)]
 
 
 def agree(values: Sequence[int]) -> list[list[int]]:

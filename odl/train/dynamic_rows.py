@@ -205,6 +205,20 @@ class DynamicRows:
                         if inside.numel():
                             shard.index_fill_(0, inside.to(shard.device), 0)
 
+    def remap(self, batch: Batch) -> tuple[Batch, float]:
+        """A training step's remap of this rank's batch: ``(batch, stream time)``.
+
+        One rank remaps (admission, eviction, counters) and resets the rows evicted for
+        admission; several do it together (:meth:`remap_ranks`).
+        """
+        if self._m.world_size > 1:
+            return self.remap_ranks(batch)
+        now = self.stream_now(batch)
+        remapped = self._m.dynamic.remap(batch, self._m.global_step + 1, now, admit=True)
+        if remapped.evicted:
+            self.reset(remapped.evicted, self._m.global_step + 1)
+        return remapped.batch, now
+
     def remap_ranks(self, batch: Batch, admit: bool = True) -> tuple[Batch, float]:
         """Dynamic tables' remap with several ranks (a collective): ``(batch, stream time)``.
 

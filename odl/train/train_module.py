@@ -524,13 +524,24 @@ class TrainModule:
             hook(kjt)
 
     def train_step(self, batch: Batch, sizes: Sequence[int] | None = None) -> StepOutput:
-        """One predict-then-train step.
+        """One predict-then-train step of this rank (a collective with several ranks).
+
+        One process is the one rank of a job of one. With several, every rank calls it at
+        every step, with ``empty_batch()`` when it has no records, and the update is the one
+        a single process makes on all ranks' records of the step (their mean loss): each
+        rank's loss is weighted by its share of the step's records, the dense gradients are
+        averaged. A step with no records on any rank changes nothing. Every rank pads its
+        batch to the step's largest (``Batch.padded``: samples without ids, left out of the
+        loss), as TorchRec's sharded lookup needs one batch size on all ranks. Samples with
+        a non-finite prediction (a feature value that overflows the network would turn every
+        parameter it reaches into NaN) are left out; when any rank leaves some out, every
+        rank runs its forward again, so the collectives match.
 
         Args:
             batch: the batch (any device; moved to the model's).
-            sizes: several ranks: every rank's batch size this step, in rank order, when the
-                caller agreed them already (the trainer's turn); None: the step agrees them
-                (one all-gather more).
+            sizes: every rank's batch size this step, in rank order, when the caller agreed
+                them already (the trainer's turn); None: the step agrees them (one
+                all-gather more with several ranks).
 
         Returns:
             The forward pass's predictions (before the update) and the loss. They equal
@@ -538,131 +549,84 @@ class TrainModule:
             dropout (the step's forward runs in train mode).
         """
         self._set_lrs()
+        before = self.global_step
         now = 0.0
-        if self.dynamic and self.world_size > 1:
-            batch, now = self.dynamic_rows.remap_ranks(batch)
-        elif self.dynamic:
-            now = self.dynamic_rows.stream_now(batch)
-            remapped = self.dynamic.remap(batch, self.global_step + 1, now, admit=True)
-            batch = remapped.batch
-            if remapped.evicted:
-                self.dynamic_rows.reset(remapped.evicted, self.global_step + 1)
+        if self.dynamic:
+            batch, now = self.dynamic_rows.remap(batch)
         batch = batch.to(self.device)
         if not self._dmp.training:  # (train() walks every submodule: only when needed)
             self._dmp.train()
-        if self.world_size > 1:
-            before = self.global_step
-            out = self._train_step_ranks(batch, sizes)
-            if self.dynamic and self.global_step != before:  # every rank alike
-                expired = self.dynamic.maintain(self.global_step, now)
-                if expired:
-                    self.dynamic_rows.reset(expired, self.global_step)
-            return out
-        output = self._dmp(batch)
-        logits = output.logits
-        finite = torch.isfinite(logits)
-        dropped = np.empty(0, dtype=np.int64)
-        if not bool(finite.all()):
-            # A sample with a non-finite prediction (a feature value that overflows the
-            # network) would turn every parameter it reaches into NaN: leave it out.
-            dropped = (~finite).nonzero().flatten().cpu().numpy().astype(np.int64)
-            logger.warning("%d of %d samples have a non-finite prediction and are not "
-                           "trained on (non_finite_output)", len(dropped), batch.size)
-            if len(dropped) == batch.size:
-                return StepOutput(probs=np.empty(0, dtype=np.float64), loss=float("nan"),
-                                  dropped=dropped)
-            batch = batch.select(finite)
-            output = self._dmp(batch)
-            logits = output.logits
-        # the loss at the unshifted logits: not needed by the sequential pass
-        sequential = self._in_batch is not None and self._in_batch.sequential is not None
-        loss = None if sequential else self._module().loss(output, batch)
-        pairs = (self._row_pairs.pairs(batch.sparse, batch.size, logits.dtype)
-                 if self._row_pairs is not None else None)
-        if self._in_batch is not None:  # predict each record after its batch's earlier ones
-            pooled = tuple(p.detach() for p in output.pooled)
-            shift = self._in_batch.logit_shift(
-                pairs, output, loss, self._lrs[0],
-                lambda at: self._module().loss(ModelOutput(at, pooled), batch))
-            output = ModelOutput(output.logits + shift, output.pooled)
-            logits = output.logits
-            loss = self._module().loss(output, batch)
-        assert loss is not None
-        pending = (self._per_record.before_backward(pairs, output.pooled)
-                   if self._per_record is not None else None)
-        self.dense_optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # table rows are updated inside backward (fused)
-        if pending is not None:  # each record's squared gradient in the accumulators
-            self._per_record.apply(pending, self._lrs[0])
-        if self._grad_clip is not None:
-            self._grad_clip(self.dense_optimizer)
-        self.dense_optimizer.step()
-        self.global_step += 1
-        self.record_touched_rows(batch.sparse)
-        if self.dynamic:
+        out = self._step(batch, sizes)
+        if self.dynamic and self.global_step != before:  # every rank alike
             expired = self.dynamic.maintain(self.global_step, now)
             if expired:
                 self.dynamic_rows.reset(expired, self.global_step)
-        probs = predictions(logits.detach(), self.regression, self.softmax)
-        return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
+        return out
 
-    def _train_step_ranks(self, batch: Batch, sizes: Sequence[int] | None = None
-                          ) -> StepOutput:
-        """``train_step`` of one of several ranks (a collective).
-
-        Every rank calls it at every step, with ``empty_batch()`` when it has no records;
-        the update is the one a single process makes on all ranks' records of the step
-        (their mean loss): each rank's loss is weighted by its share of the step's records.
-        A step with no records on any rank changes nothing. Every rank pads its batch to
-        the step's largest (``Batch.padded``: samples without ids, left out of the loss),
-        as TorchRec's sharded lookup needs one batch size on all ranks. Samples with a
-        non-finite prediction are left out as in one process; every rank then runs its
-        forward again, so the collectives match.
-        """
+    def _step_sizes(self, batch: Batch, sizes: Sequence[int] | None) -> list[int]:
+        """Every rank's batch size, in rank order (``[batch.size]`` with one rank)."""
         if sizes is None:
-            sizes = [s for (s,) in agree([batch.size])]
-        elif sizes[self.rank] != batch.size:
+            return [batch.size] if self.world_size == 1 else [s for (s,) in agree([batch.size])]
+        if sizes[self.rank] != batch.size:
             raise ValueError(f"rank {self.rank}: a batch of {batch.size} records, but "
                              f"{sizes[self.rank]} were agreed")
+        return list(sizes)
+
+    def _forward(self, batch: Batch, sizes: Sequence[int]) -> tuple[ModelOutput, ModelOutput]:
+        """The forward of the batch padded to the step's largest, and its rows of ``batch``."""
+        most = max(sizes)
+        output = self._dmp(batch.padded(most) if most > batch.size else batch)
+        if most == batch.size:
+            return output, output
+        n = batch.size
+        return output, ModelOutput(output.logits[:n], tuple(p[:n] for p in output.pooled))
+
+    def _step(self, batch: Batch, sizes: Sequence[int] | None) -> StepOutput:
+        """``train_step`` after the dynamic tables' remap (see there)."""
+        sizes = self._step_sizes(batch, sizes)
         if sum(sizes) == 0:
             return StepOutput(probs=np.empty(0, dtype=np.float64), loss=float("nan"))
-        # TorchRec's sharded lookup wants one batch size on every rank: pad to the largest
-        output = self._dmp(batch.padded(max(sizes)))
-        finite = torch.isfinite(output.logits[:batch.size])
+        output, mine = self._forward(batch, sizes)
+        finite = torch.isfinite(mine.logits)
+        if finite.dim() > 1:  # several outputs: a sample is finite when all its logits are
+            finite = finite.all(dim=1)
         dropped = np.empty(0, dtype=np.int64)
-        if any(bad for (bad,) in agree([int(not bool(finite.all()))])):
-            # some rank drops samples: all run the forward again
+        bad = int(not bool(finite.all()))
+        if bad if self.world_size == 1 else any(b for (b,) in agree([bad])):
             dropped = (~finite).nonzero().flatten().cpu().numpy().astype(np.int64)
             if len(dropped):
                 logger.warning("%d of %d samples have a non-finite prediction and are not "
                                "trained on (non_finite_output)", len(dropped), batch.size)
-            batch = batch.select(finite.reshape(batch.size, -1).all(dim=1))
-            sizes = [s for (s,) in agree([batch.size])]
+            batch = batch.select(finite)
+            sizes = self._step_sizes(batch, None)
             if sum(sizes) == 0:
                 return StepOutput(probs=np.empty(0, dtype=np.float64), loss=float("nan"),
                                   dropped=dropped)
-            output = self._dmp(batch.padded(max(sizes)))
+            output, mine = self._forward(batch, sizes)
         n = batch.size
-        mine = ModelOutput(output.logits[:n], tuple(p[:n] for p in output.pooled))
         pairs = (self._row_pairs.pairs(batch.sparse, n, mine.logits.dtype)
                  if self._row_pairs is not None and n else None)
-        if self._in_batch is not None:  # every rank, records or not: a collective
-            mine = ModelOutput(
-                mine.logits + self._rank_shift(batch, output, mine, sizes, pairs), mine.pooled)
-        hooked = (hook_pooled_gradients(output.pooled)
-                  if isinstance(self._per_record, RankPerRecordAdagrad) else None)
+        if self._in_batch is not None:  # each record predicted after its batch's earlier ones
+            mine = ModelOutput(mine.logits + self._in_batch_shift(batch, output, mine, sizes,
+                                                                  pairs), mine.pooled)
         if n:
             loss = self._module().loss(mine, batch)
-            weighted = loss * (n * self.world_size / sum(sizes))
+            weighted = loss if len(sizes) == 1 else loss * (n * len(sizes) / sum(sizes))
         else:  # no records here: a zero loss still runs the backward's collectives
             loss = torch.tensor(float("nan"))
             weighted = output.logits.sum() * 0.0
+        ranked = isinstance(self._per_record, RankPerRecordAdagrad)
+        hooked = hook_pooled_gradients(output.pooled) if ranked else None
+        pending = (self._per_record.before_backward(pairs, mine.pooled)
+                   if self._per_record is not None and not ranked else None)
         self.dense_optimizer.zero_grad(set_to_none=True)
         weighted.backward()  # table rows are updated inside backward (fused)
-        if hooked is not None:  # each record's squared gradient in the accumulators
+        if pending is not None:  # each record's squared gradient in the accumulators
+            self._per_record.apply(pending, self._lrs[0])
+        if hooked is not None:  # the same, by the rank holding each row
             assert isinstance(self._per_record, RankPerRecordAdagrad)
             self._per_record.apply_ranks(pairs, hooked, n, self.world_size, self._lrs[0])
-        average_gradients(self._dense_params)
+        average_gradients(self._dense_params)  # nothing to average with one rank
         if self._grad_clip is not None:
             self._grad_clip(self.dense_optimizer)
         self.dense_optimizer.step()
@@ -674,6 +638,24 @@ class TrainModule:
             self.record_touched_rows(step_rows.to(self.device))
         probs = predictions(mine.logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
+
+    def _in_batch_shift(self, batch: Batch, output: ModelOutput, mine: ModelOutput,
+                        sizes: Sequence[int], pairs: RowPairs | None) -> torch.Tensor:
+        """In-batch learning's logit shifts of this rank's records.
+
+        One rank holds whole tables and shifts by ``InBatchLearning``; several read the rows
+        from the shards that hold them (``_rank_shift``).
+        """
+        assert self._in_batch is not None
+        if self.world_size > 1:
+            return self._rank_shift(batch, output, mine, sizes, pairs)
+        # the loss at the unshifted logits: not needed by the sequential pass
+        loss = (None if self._in_batch.sequential is not None
+                else self._module().loss(mine, batch))
+        pooled = tuple(p.detach() for p in mine.pooled)
+        return self._in_batch.logit_shift(
+            pairs, mine, loss, self._lrs[0],
+            lambda at: self._module().loss(ModelOutput(at, pooled), batch))
 
     def _rank_shift(self, batch: Batch, output: ModelOutput, mine: ModelOutput,
                     sizes: Sequence[int], pairs: RowPairs | None) -> torch.Tensor:

@@ -29,6 +29,7 @@ Contracts:
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import threading
 import time
@@ -58,6 +59,7 @@ from odl.train.distributed import (
     RankTurn,
     agree,
     check_several_ranks,
+    exchange_turn,
     from_rank0,
     leave_process_group,
 )
@@ -403,10 +405,10 @@ class Trainer:
             if self.pass_saves is not None and not self._stops.requested:
                 self._first_base()
             self.state = "training"
-            if self.module.world_size > 1:
-                self._loop_ranks()
-            else:
-                self._loop()
+            # what start-up made (modules, the model, the restored state) leaves the
+            # collector's view: no full collection walks it while the loop holds the GIL
+            gc.freeze()
+            self._loop()
         except DeltaSinkUnsupported as exc:  # the broker refuses fencing: a setup error
             self._fail(str(exc), 2)
         except StorageError as exc:  # OSS down while restoring: never start from nothing
@@ -438,40 +440,112 @@ class Trainer:
 
     # ------------------------------------------------------------------ loop
     def _loop(self) -> None:
-        tc = self.config.train_config
+        """The loop of one rank; one process is the one rank of a job of one.
+
+        Each turn every rank says what it holds (``RankTurn``): whether it stops, holds a
+        batch (and its size, so the step need not ask again), has finished its input or
+        failed, and (rank 0's, for all) whether a checkpoint is due by time or a failed one
+        is to be retried and which parts of a delta version are due. All stop when one stops,
+        all publish together before the step (``odl.train.rank_publishing``), all train when
+        one holds a batch (the others with an empty one), and all checkpoint on the same
+        steps (``odl.train.distributed``). After a failure on any rank no rank runs the
+        collectives of a clean stop. On a file stream the ranks train a group of batches only
+        when every rank holds its batch of it (``odl.inputs.file_stream_source``), so passes
+        end at the same step everywhere; ranks holding different groups stop on a failure.
+        With one rank the exchange is the rank's own turn (no collective).
+        """
         clock = _LoopClock(self.module.global_step)
         pipeline = self.input_pipeline
         assert pipeline is not None
-        while not self._stops.requested:
+        publishing = self._rank_publishing
+        # a file stream: every rank reads the same groups of batches and trains its batch of
+        # a group only when every rank holds its own, so they step through the groups (and
+        # the passes) together; a rank holding a group's batch keeps it until then
+        lockstep = self.options.online and online_input_kind(self.config) == "file_stream"
+        held: Optional[PreparedBatch] = None
+        while True:
             if self.publisher is not None and self.publisher.fatal_error is not None:
                 # fenced: another trainer owns the delta topic (3, not restarted by systemd);
                 # else a publisher bug (1: a restart resumes from the last checkpoint)
                 self._fail(self.publisher.fatal_error, 3 if self.publisher.fenced else 1)
-                break
-            if self._stops.check(self.module.global_step):
-                break
-            item = pipeline.get(timeout=0.1)
+            stop = self._stops.requested or self._stops.check(self.module.global_step)
+            item = None if stop else (held if held is not None else pipeline.get(timeout=0.1))
+            held = None
             self._update_input_state()
-            if item is None:
-                self._checkpoint_writer.collect()  # /status shows a finished write while idle
-                if pipeline.finished:
-                    if self.passes is not None and self.passes.close_current():
-                        self._pass_ended(day_ended=True)  # the stream ended with the last pass
-                    self._stops.request("end of input")
-                    break
-                if self.publisher is not None:  # idle input: publish the last steps now
-                    self.publisher.publish_if_behind(self.module.global_step,
-                                                     self.positions_snapshot())
-                if (self.last_checkpoint_error is not None
-                        and self.module.global_step != self.checkpoints.last_saved_step
-                        and clock.secs_since_checkpoint() >= _CHECKPOINT_RETRY_SECS):
-                    # idle (no new records) after a failed checkpoint: retry without waiting
-                    # for the next due step, so health recovers once the cause is gone
-                    self._checkpoint()
-                    clock.checkpointed(self.module.global_step)
+            turn = exchange_turn(self._turn(clock, stop, item, lockstep))
+            if (lockstep and all(t.has_batch for t in turn)
+                    and len({t.file_position for t in turn}) > 1):
+                self._fail("the ranks read different records of the file stream (a split "
+                           "completed while they were deciding to skip it?): "
+                           f"{[t.file_position for t in turn]}; restart from the last "
+                           "checkpoint", 1)
+                continue  # every rank saw it: they stop together on the next turn
+            if any(t.stop for t in turn) or all(t.finished for t in turn):
+                self._loop_ends(turn)
+                break
+            any_batch = (all if lockstep else any)(t.has_batch for t in turn)
+            if lockstep and item is not None and not any_batch:
+                held = item  # the others have not read this group yet
+            if publishing is not None:  # rank 0's schedule for all, before the step
+                publishing.after_turn(self.module.global_step, turn[0].publish_flags,
+                                      any_batch, self.positions_snapshot())
+            if not any_batch:
+                self._idle(clock, bool(turn[0].retry_checkpoint))
                 continue
-            self._stepped(clock, self._train_on(item))
-            self._checkpoint_if_due(clock, clock.time_due(tc.save_checkpoints_secs))
+            sizes = [t.size for t in turn]  # what each rank trains this step
+            self._stepped(clock, self._train_on(item, sizes) if item is not None
+                          else self._train_empty(sizes))
+            self._checkpoint_if_due(clock, bool(turn[0].checkpoint_due))  # rank 0's clock
+
+    def _turn(self, clock: _LoopClock, stop: bool, item: Optional[PreparedBatch],
+              lockstep: bool) -> RankTurn:
+        """What this rank tells the others this turn."""
+        pipeline = self.input_pipeline
+        assert pipeline is not None
+        step = self.module.global_step
+        where = ([item.positions.get(k, -1) for k in (SPLIT_KEY, FILE_KEY, RECORD_KEY)]
+                 if lockstep and item is not None else [-1, -1, -1])
+        publishing = self._rank_publishing
+        retry = (item is None and self.last_checkpoint_error is not None
+                 and step != self.checkpoints.last_saved_step
+                 and clock.secs_since_checkpoint() >= _CHECKPOINT_RETRY_SECS)
+        return RankTurn(
+            stop=int(stop), has_batch=int(item is not None),
+            finished=int(item is None and pipeline.finished),
+            checkpoint_due=int(clock.time_due(self.config.train_config.save_checkpoints_secs)),
+            retry_checkpoint=int(retry), failed=int(self.failure is not None),
+            publish_flags=publishing.turn_flags(step) if publishing is not None else 0,
+            split=where[0], file=where[1], record=where[2],
+            size=int(item.batch.size if item is not None and item.batch is not None else 0))
+
+    def _loop_ends(self, turn: list[RankTurn]) -> None:
+        """A turn where a rank stops or every input has ended: the stop, on every rank."""
+        failed = [r for r, t in enumerate(turn) if t.failed]
+        if failed and self.failure is None:  # no last version or checkpoint then
+            self._fail(f"rank {failed[0]} stopped on a failure", 1)
+        ended = all(t.finished for t in turn) and not any(t.stop for t in turn)
+        if (ended and not failed and self.passes is not None
+                and self.passes.close_current()):  # on every rank: passes go together
+            self._pass_ended(day_ended=True)  # the stream ended with the last pass
+        if not self._stops.requested:
+            self._stops.request("end of input" if all(t.finished for t in turn)
+                                else "another rank stopped")
+        self._ranks_stopped_together = not failed
+
+    def _idle(self, clock: _LoopClock, retry_checkpoint: bool) -> None:
+        """A turn without a batch on any rank.
+
+        A finished background checkpoint is taken in (``/status`` shows it while idle); one
+        process's publisher publishes the last steps now; after a failed checkpoint
+        (rank 0's turn says) every rank retries without waiting for the next due step, so
+        health recovers once the cause is gone.
+        """
+        self._checkpoint_writer.collect()
+        if self.publisher is not None and self._rank_publishing is None:
+            self.publisher.publish_if_behind(self.module.global_step, self.positions_snapshot())
+        if retry_checkpoint:
+            self._checkpoint()
+            clock.checkpointed(self.module.global_step)
 
     def _stepped(self, clock: _LoopClock, trained: int) -> None:
         """After a step: the samples/s window of ``/status`` and the progress log line."""
@@ -495,81 +569,6 @@ class Trainer:
             self._checkpoint(background=True)
             clock.checkpointed(step)
 
-    def _loop_ranks(self) -> None:
-        """``_loop`` of one of several ranks: every rank steps together (a collective).
-
-        Each turn the ranks tell each other whether they stop, hold a batch (and its size, so
-        the step need not ask again), have finished their input or failed, and (rank 0's
-        clock) whether a checkpoint is due by time and (rank 0's publisher) which parts of a
-        delta version are due; all stop when one stops,
-        all publish together before the step (``odl.train.rank_publishing``), all train when
-        one holds a batch (the others with an empty one), and all checkpoint on the same steps
-        (``odl.train.distributed``). After a failure on any rank no rank runs the collectives
-        of a clean stop. On a file stream the ranks train a group of batches only when every
-        rank holds its batch of it (``odl.inputs.file_stream_source``), so passes end at the
-        same step everywhere; ranks holding different groups stop on a failure.
-        """
-        tc = self.config.train_config
-        clock = _LoopClock(self.module.global_step)
-        pipeline = self.input_pipeline
-        assert pipeline is not None
-        publishing = self._rank_publishing
-        # a file stream: every rank reads the same groups of batches and trains its batch of
-        # a group only when every rank holds its own, so they step through the groups (and
-        # the passes) together; a rank holding a group's batch keeps it until then
-        lockstep = self.options.online and online_input_kind(self.config) == "file_stream"
-        held: Optional[PreparedBatch] = None
-        while True:
-            if self.publisher is not None and self.publisher.fatal_error is not None:
-                self._fail(self.publisher.fatal_error, 3 if self.publisher.fenced else 1)
-            stop = self._stops.requested or self._stops.check(self.module.global_step)
-            item = None if stop else (held if held is not None else pipeline.get(timeout=0.1))
-            held = None
-            self._update_input_state()
-            step = self.module.global_step
-            where = ([item.positions.get(k, -1) for k in (SPLIT_KEY, FILE_KEY, RECORD_KEY)]
-                     if lockstep and item is not None else [-1, -1, -1])
-            size = item.batch.size if item is not None and item.batch is not None else 0
-            turn = [RankTurn(*t) for t in agree(RankTurn(
-                stop=int(stop), has_batch=int(item is not None),
-                finished=int(item is None and pipeline.finished),
-                checkpoint_due=int(clock.time_due(tc.save_checkpoints_secs)),
-                failed=int(self.failure is not None),
-                publish_flags=publishing.turn_flags(step) if publishing is not None else 0,
-                split=where[0], file=where[1], record=where[2], size=int(size)))]
-            if (lockstep and all(t.has_batch for t in turn)
-                    and len({t.file_position for t in turn}) > 1):
-                self._fail("the ranks read different records of the file stream (a split "
-                           "completed while they were deciding to skip it?): "
-                           f"{[t.file_position for t in turn]}; restart from the last "
-                           "checkpoint", 1)
-                continue  # every rank saw it: they stop together on the next turn
-            if any(t.stop for t in turn) or all(t.finished for t in turn):
-                failed = [r for r, t in enumerate(turn) if t.failed]
-                if failed and self.failure is None:  # no last version or checkpoint then
-                    self._fail(f"rank {failed[0]} stopped on a failure", 1)
-                ended = all(t.finished for t in turn) and not any(t.stop for t in turn)
-                if (ended and not failed and self.passes is not None
-                        and self.passes.close_current()):  # on every rank: passes go together
-                    self._pass_ended(day_ended=True)  # the stream ended with the last pass
-                if not self._stops.requested:
-                    self._stops.request("end of input" if all(t.finished for t in turn)
-                                        else "another rank stopped")
-                self._ranks_stopped_together = not failed
-                break
-            any_batch = (all if lockstep else any)(t.has_batch for t in turn)
-            if lockstep and item is not None and not any_batch:
-                held = item  # the others have not read this group yet
-            if publishing is not None:  # rank 0's schedule for all, before the step
-                publishing.after_turn(step, turn[0].publish_flags, any_batch,
-                                      self.positions_snapshot())
-            if not any_batch:
-                continue
-            sizes = [t.size for t in turn]  # what each rank trains this step
-            self._stepped(clock, self._train_on(item, sizes) if item is not None
-                          else self._train_empty(sizes))
-            self._checkpoint_if_due(clock, bool(turn[0].checkpoint_due))  # rank 0's clock
-
     def _train_empty(self, sizes: Optional[list[int]] = None) -> int:
         """This rank's part of a step it holds no records for (several ranks)."""
         self.module.train_step(self.module.empty_batch(), sizes)
@@ -586,7 +585,7 @@ class Trainer:
             self._rejects.built_rejects(item)
         batch = item.batch
         trained = 0
-        if (batch is None or not batch.size) and self.module.world_size > 1:
+        if (batch is None or not batch.size) and sizes is not None and sum(sizes):
             self._train_empty(sizes)  # the others step: take part with nothing
         if batch is not None and batch.size:
             out = self.module.train_step(batch, sizes)
@@ -967,6 +966,7 @@ class Trainer:
         if self.evaluator is not None:
             self.evaluator.close()
         self._rejects.close()
+        gc.unfreeze()  # (a process that goes on, e.g. tests, collects them again)
         self.state = "stopped"
         if self.samples_trained:
             self._status.log_progress()
