@@ -8,7 +8,7 @@ import re
 import pytest
 
 from odl.config.config_error import ConfigError
-from odl.config.easyrec_compat import normalize_config_forms
+from odl.config.config_forms import normalize_config_forms
 from odl.config.feature_settings import expand_names, with_vocab_files_inlined
 from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_config_text
 from odl.datagen.datagen_config import deepfm_config_text

@@ -290,7 +290,7 @@ feature_config {
 
 
 def _vocab_builder(tmp_path, file_text="a\r\nü\nbb\n", extra=""):
-    from odl.config.easyrec_compat import normalize_config_forms
+    from odl.config.config_forms import normalize_config_forms
 
     vocab = tmp_path / "tags.txt"
     vocab.write_bytes(file_text.encode())

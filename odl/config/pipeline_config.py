@@ -32,6 +32,7 @@ from odl.config.config_fields import (
     short_name,
     suggest_field,
 )
+from odl.config.config_forms import normalize_config_forms
 from odl.config.config_redaction import REDACTED, mask_echoed_values, may_hold_secret
 from odl.config.easyrec_compat import (
     EASYREC_NO_EFFECT_FIELDS,
@@ -39,7 +40,6 @@ from odl.config.easyrec_compat import (
     EASYREC_NOT_IMPLEMENTED_VALUES,
     check_implemented,
     infer_model_class,
-    normalize_config_forms,
     not_implemented_field_message,
 )
 from odl.config.feature_settings import resolve_vocab_files

@@ -1,0 +1,318 @@
+"""Validation of a pipeline config's ``train_config``.
+
+:func:`validate_train_config` checks, with a :class:`~odl.config.config_error.ConfigError`
+naming the first offending field: one optimizer form (EasyRec's ``optimizer_config`` or
+TorchEasyRec's ``sparse_optimizer`` + ``dense_optimizer``) with valid rates, schedules and
+optimizer settings; at most one gradient clipping form; stop and logging intervals;
+``dead_line``; the wide learning rate multiplier, ``per_record_adagrad`` and
+``in_batch_learning`` (with the model and tables they need); the fine-tune var map; and
+``incr_save_config`` (where versions go, chunk size within :data:`MIN_DELTA_CHUNK_BYTES` and
+:data:`MAX_DELTA_CHUNK_BYTES`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from odl.config import limits
+from odl.config.config_error import ConfigError
+from odl.config.field_formats import parse_dead_line
+from odl.config.loss_settings import POINTWISE_LOSS_TYPES, num_classes, regression_outputs
+from odl.config.optimizer_support import (
+    IN_BATCH_TABLE_KINDS,
+    PER_RECORD_TABLE_KINDS,
+    optimizer_choices,
+    table_kernel_kind,
+)
+from odl.protos import pipeline_pb2
+
+__all__ = [
+    "MAX_DELTA_CHUNK_BYTES",
+    "MIN_DELTA_CHUNK_BYTES",
+    "validate_train_config",
+]
+
+# Largest delta chunk: the delta topic is created with max.message.bytes = 16 MiB.
+MAX_DELTA_CHUNK_BYTES = 16 << 20
+MIN_DELTA_CHUNK_BYTES = 4096
+
+
+def validate_train_config(config: pipeline_pb2.EasyRecConfig) -> None:
+    """Checks ``train_config``; raises on the first problem.
+
+    Args:
+        config: a loaded config (its model settings are read too, for in-batch learning).
+
+    Raises:
+        ConfigError: naming the offending field.
+    """
+    tc = config.train_config
+    where = "train_config"
+    opts = list(tc.optimizer_config)
+    tzrec = tc.HasField("sparse_optimizer") or tc.HasField("dense_optimizer")
+    if opts and tzrec:
+        raise ConfigError(f"{where}.optimizer_config",
+                          "give either optimizer_config (EasyRec) or sparse_optimizer + "
+                          "dense_optimizer (TorchEasyRec), not both")
+    if opts:
+        if len(opts) > 2:
+            raise ConfigError(f"{where}.optimizer_config",
+                              f"1 entry (all parameters) or 2 (embeddings, dense) are supported, "
+                              f"got {len(opts)}")
+        for i, opt in enumerate(opts):
+            _validate_easyrec_optimizer(opt, f"{where}.optimizer_config[{i}]")
+    elif tzrec:
+        for name in ("sparse_optimizer", "dense_optimizer"):
+            if not tc.HasField(name):
+                raise ConfigError(f"{where}.{name}",
+                                  "sparse_optimizer and dense_optimizer go together")
+            _validate_tzrec_optimizer(getattr(tc, name), f"{where}.{name}")
+    else:
+        raise ConfigError(f"{where}.optimizer_config",
+                          "no optimizer configured: set optimizer_config (EasyRec) or "
+                          "sparse_optimizer + dense_optimizer (TorchEasyRec)")
+    _validate_grad_clipping(tc, where)
+    if tc.HasField("num_steps") and tc.num_steps == 0:
+        raise ConfigError(f"{where}.num_steps", "must be > 0 (leave it unset to run until "
+                                                "stopped)")
+    if tc.log_step_count_steps <= 0:
+        raise ConfigError(f"{where}.log_step_count_steps", "must be > 0")
+    if tc.keep_checkpoint_max > 100000:
+        raise ConfigError(f"{where}.keep_checkpoint_max", "unreasonably large (0 keeps all)")
+    if not tc.stop_signal_poll_secs > 0 or not math.isfinite(tc.stop_signal_poll_secs):
+        raise ConfigError(f"{where}.stop_signal_poll_secs", "must be > 0")
+    if tc.metrics_window_samples <= 0:
+        raise ConfigError(f"{where}.metrics_window_samples", "must be > 0")
+    if tc.metrics_window_samples > limits.MAX_METRICS_WINDOW_SAMPLES:
+        raise ConfigError(f"{where}.metrics_window_samples",
+                          f"{tc.metrics_window_samples:,} is above the limit of "
+                          f"{limits.MAX_METRICS_WINDOW_SAMPLES:,}")
+    parse_dead_line(tc.dead_line)
+    _validate_in_batch_learning(config)
+    if tc.fine_tune_ckpt_var_map and not os.path.isfile(tc.fine_tune_ckpt_var_map):
+        raise ConfigError(f"{where}.fine_tune_ckpt_var_map",
+                          f"file not found: {tc.fine_tune_ckpt_var_map}")
+    if tc.fine_tune_ckpt_var_map and not tc.fine_tune_checkpoint:
+        raise ConfigError(f"{where}.fine_tune_ckpt_var_map",
+                          "set fine_tune_checkpoint too (the map renames its parameters)")
+    if tc.HasField("incr_save_config"):
+        _validate_incr_save(tc.incr_save_config, f"{where}.incr_save_config")
+
+
+def _validate_in_batch_learning(config: pipeline_pb2.EasyRecConfig) -> None:
+    """The wide rate, ``per_record_adagrad``'s settings, ``in_batch_learning``'s model."""
+    tc = config.train_config
+    m = tc.wide_learning_rate_multiplier
+    if not (0 < m <= limits.MAX_WIDE_LR_MULTIPLIER) or not math.isfinite(m):
+        raise ConfigError("train_config.wide_learning_rate_multiplier",
+                          f"must be > 0 and at most {limits.MAX_WIDE_LR_MULTIPLIER:g}, got {m:g}")
+    gain = tc.per_record_adagrad_max_gain
+    if not (1 <= gain <= limits.MAX_PER_RECORD_GAIN):
+        raise ConfigError("train_config.per_record_adagrad_max_gain",
+                          f"must be at least 1 and at most {limits.MAX_PER_RECORD_GAIN:g}, "
+                          f"got {gain:g}")
+    if tc.per_record_adagrad:
+        field = "train_config.per_record_adagrad"
+        sparse, _ = optimizer_choices(tc)
+        if table_kernel_kind(sparse.kind) not in PER_RECORD_TABLE_KINDS:
+            raise ConfigError(field, f"needs (row-wise) Adagrad tables; the tables train with "
+                                     f"{sparse.kind}")
+        if not tc.in_batch_learning:
+            raise ConfigError(field, "needs in_batch_learning: true (without it the larger "
+                                     "steps overshoot; docs/training.md#per-record-adagrad)")
+    if tc.in_batch_sequential and tc.in_batch_learning:
+        field = "train_config.in_batch_sequential"
+        mc = config.model_config
+        types = [t.loss_type for t in mc.losses] or [mc.loss_type]
+        coupled = [pipeline_pb2.LossType.Name(t) for t in types
+                   if t not in POINTWISE_LOSS_TYPES]
+        if coupled:
+            raise ConfigError(field, f"needs losses of one record each; {', '.join(coupled)} "
+                                     "couples the batch's records (set it to false)")
+    if not tc.in_batch_learning:
+        return
+    field = "train_config.in_batch_learning"
+    outputs = max(len(regression_outputs(config)), num_classes(config))
+    if outputs != 1:
+        raise ConfigError(field, f"needs a model with one output; this "
+                                 f"{config.model_config.model_class} has {outputs}")
+    sparse, _ = optimizer_choices(tc)
+    if table_kernel_kind(sparse.kind) not in IN_BATCH_TABLE_KINDS:
+        raise ConfigError(field, f"needs SGD or (row-wise) Adagrad tables; the tables "
+                                 f"train with {sparse.kind}")
+
+def _validate_incr_save(isc: Any, where: str) -> None:
+    if not (isc.sparse_save_steps or isc.dense_save_steps or isc.sparse_save_secs
+            or isc.dense_save_secs):
+        raise ConfigError(f"{where}.sparse_save_steps",
+                          "set at least one of sparse_save_steps, dense_save_steps, "
+                          "sparse_save_secs, dense_save_secs (> 0)")
+    kind = isc.WhichOneof("incr_update")
+    if kind is None:
+        raise ConfigError(f"{where}.kafka", "choose where versions go: kafka { server topic } "
+                                            "or fs { incr_save_dir }")
+    if kind == "kafka":
+        if not isc.kafka.server:
+            raise ConfigError(f"{where}.kafka.server", "required (host:port list)")
+        if not isc.kafka.topic:
+            raise ConfigError(f"{where}.kafka.topic", "required")
+    elif not isc.fs.incr_save_dir:
+        raise ConfigError(f"{where}.fs.incr_save_dir", "must not be empty")
+    if not MIN_DELTA_CHUNK_BYTES <= isc.max_chunk_bytes <= MAX_DELTA_CHUNK_BYTES:
+        raise ConfigError(f"{where}.max_chunk_bytes",
+                          f"must be in [{MIN_DELTA_CHUNK_BYTES}, {MAX_DELTA_CHUNK_BYTES}]")
+
+
+def _validate_easyrec_optimizer(opt: Any, where: str) -> None:
+    kind = opt.WhichOneof("optimizer")
+    if kind is None:
+        raise ConfigError(where, "choose an optimizer (sgd_optimizer, momentum_optimizer, "
+                                 "adagrad_optimizer, adam_optimizer, adamw_optimizer, "
+                                 "lazy_adam_optimizer or ftrl_optimizer)")
+    inner = getattr(opt, kind)
+    _validate_easyrec_lr(inner.learning_rate, f"{where}.{kind}.learning_rate")
+    w = f"{where}.{kind}"
+    if kind in ("adam_optimizer", "adamw_optimizer", "lazy_adam_optimizer"):
+        _check_betas(inner, w)
+    if kind == "adamw_optimizer" and not 0 <= inner.weight_decay < 1:
+        raise ConfigError(f"{w}.weight_decay", "must be in [0, 1) (the decay per step)")
+    if kind == "momentum_optimizer" and not 0 <= inner.momentum_optimizer_value < 1:
+        raise ConfigError(f"{w}.momentum_optimizer_value", "must be in [0, 1)")
+    if kind == "adagrad_optimizer" and inner.initial_accumulator_value < 0:
+        raise ConfigError(f"{w}.initial_accumulator_value", "must be >= 0")
+    if kind == "ftrl_optimizer":
+        if not inner.learning_rate_power <= 0:
+            raise ConfigError(f"{w}.learning_rate_power", "must be <= 0")
+        if not inner.initial_accumulator_value > 0:
+            raise ConfigError(f"{w}.initial_accumulator_value", "must be > 0")
+        for name in ("l1_reg", "l2_reg", "l2_shrinkage_reg"):
+            if not getattr(inner, name) >= 0:
+                raise ConfigError(f"{w}.{name}", "must be >= 0")
+
+
+def _validate_easyrec_lr(lr: Any, lr_where: str) -> None:
+    which = lr.WhichOneof("learning_rate")
+    if which == "constant_learning_rate":
+        if not lr.constant_learning_rate.learning_rate > 0:
+            raise ConfigError(f"{lr_where}.constant_learning_rate.learning_rate", "must be > 0")
+    elif which == "exponential_decay_learning_rate":
+        e = lr.exponential_decay_learning_rate
+        ew = f"{lr_where}.exponential_decay_learning_rate"
+        if not e.initial_learning_rate > 0:
+            raise ConfigError(f"{ew}.initial_learning_rate", "must be > 0")
+        if e.decay_steps <= 0:
+            raise ConfigError(f"{ew}.decay_steps", "must be > 0")
+        if not 0 < e.decay_factor <= 1:
+            raise ConfigError(f"{ew}.decay_factor", "must be in (0, 1]")
+        if e.min_learning_rate < 0:
+            raise ConfigError(f"{ew}.min_learning_rate", "must be >= 0")
+        if e.burnin_learning_rate < 0:
+            raise ConfigError(f"{ew}.burnin_learning_rate", "must be >= 0")
+        if e.burnin_learning_rate > 0 and e.burnin_steps == 0:
+            raise ConfigError(f"{ew}.burnin_steps", "must be > 0 when burnin_learning_rate "
+                                                    "is set")
+    elif which == "cosine_decay_learning_rate":
+        c = lr.cosine_decay_learning_rate
+        cw = f"{lr_where}.cosine_decay_learning_rate"
+        if not c.learning_rate_base > 0:
+            raise ConfigError(f"{cw}.learning_rate_base", "must be > 0")
+        if not 0 <= c.warmup_learning_rate <= c.learning_rate_base:
+            raise ConfigError(f"{cw}.warmup_learning_rate",
+                              "must be in [0, learning_rate_base]")
+        if not c.total_steps > c.warmup_steps + c.hold_base_rate_steps:
+            raise ConfigError(f"{cw}.total_steps",
+                              f"must be > warmup_steps + hold_base_rate_steps "
+                              f"({c.warmup_steps + c.hold_base_rate_steps}), got "
+                              f"{c.total_steps}")
+    elif which == "poly_decay_learning_rate":
+        p = lr.poly_decay_learning_rate
+        pw = f"{lr_where}.poly_decay_learning_rate"
+        if not p.learning_rate_base > 0:
+            raise ConfigError(f"{pw}.learning_rate_base", "required, > 0")
+        if p.total_steps <= 0:
+            raise ConfigError(f"{pw}.total_steps", "required, > 0")
+        if not p.power > 0:
+            raise ConfigError(f"{pw}.power", "required, > 0 (1: linear)")
+        if not 0 <= p.end_learning_rate:
+            raise ConfigError(f"{pw}.end_learning_rate", "must be >= 0")
+
+
+def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
+    kind = opt.WhichOneof("optimizer")
+    if kind is None:
+        raise ConfigError(where, "choose an optimizer (e.g. adagrad_optimizer { lr: 0.05 })")
+    inner = getattr(opt, kind)
+    w = f"{where}.{kind}"
+    if not inner.lr > 0:
+        raise ConfigError(f"{w}.lr", "must be > 0")
+    fields = inner.DESCRIPTOR.fields_by_name
+    if "beta1" in fields:
+        _check_betas(inner, w)
+    for name in ("weight_decay", "initial_accumulator_value", "dampening"):
+        if name in fields and not getattr(inner, name) >= 0:
+            raise ConfigError(f"{w}.{name}", "must be >= 0")
+    if "eps" in fields and not inner.eps > 0:
+        raise ConfigError(f"{w}.eps", "must be > 0")
+    if "momentum" in fields:
+        if not 0 <= inner.momentum < 1:
+            raise ConfigError(f"{w}.momentum", "must be in [0, 1)")
+        if inner.nesterov and (inner.momentum == 0 or inner.dampening != 0):
+            raise ConfigError(f"{w}.nesterov", "needs momentum > 0 and dampening 0")
+    which = opt.WhichOneof("learning_rate")
+    if which == "exponential_decay_learning_rate":
+        e = opt.exponential_decay_learning_rate
+        ew = f"{where}.exponential_decay_learning_rate"
+        size = "decay_size" if e.HasField("decay_size") else "decay_steps"
+        if getattr(e, size) <= 0:
+            raise ConfigError(f"{ew}.{size}", "must be > 0")
+        factor = ("decay_rate" if e.HasField("decay_rate") and not e.HasField("decay_factor")
+                  else "decay_factor")
+        if not 0 < getattr(e, factor) <= 1:
+            raise ConfigError(f"{ew}.{factor}", "must be in (0, 1]")
+        if e.min_learning_rate < 0:
+            raise ConfigError(f"{ew}.min_learning_rate", "must be >= 0")
+        _check_tzrec_warmup(e, ew)
+    elif which == "cosine_annealing_learning_rate":
+        c = opt.cosine_annealing_learning_rate
+        cw = f"{where}.cosine_annealing_learning_rate"
+        if c.T_max <= 0:
+            raise ConfigError(f"{cw}.T_max", "required, > 0 (steps)")
+        if c.min_learning_rate < 0:
+            raise ConfigError(f"{cw}.min_learning_rate", "must be >= 0")
+        _check_tzrec_warmup(c, cw)
+
+
+def _check_tzrec_warmup(msg: Any, where: str) -> None:
+    if msg.by_epoch:
+        raise ConfigError(f"{where}.by_epoch", "schedules by epoch are not implemented (a "
+                                               "stream has no epochs): give sizes in steps")
+    if msg.warmup_learning_rate < 0:
+        raise ConfigError(f"{where}.warmup_learning_rate", "must be >= 0")
+
+
+def _validate_grad_clipping(tc: Any, where: str) -> None:
+    if not tc.gradient_clipping_by_norm >= 0 or not math.isfinite(tc.gradient_clipping_by_norm):
+        raise ConfigError(f"{where}.gradient_clipping_by_norm", "must be >= 0 (0: no clipping)")
+    if not tc.HasField("grad_clipping"):
+        return
+    gc = tc.grad_clipping
+    gw = f"{where}.grad_clipping"
+    kind = gc.clipping_type.strip().lower()
+    if kind not in ("norm", "value", "none"):
+        raise ConfigError(f"{gw}.clipping_type", f"expected norm, value or none, got "
+                                                 f"{gc.clipping_type!r}")
+    if kind != "none" and tc.gradient_clipping_by_norm > 0:
+        raise ConfigError(f"{gw}", "give gradient_clipping_by_norm (EasyRec) or grad_clipping "
+                                   "(TorchEasyRec), not both")
+    if not gc.max_gradient > 0 or not math.isfinite(gc.max_gradient):
+        raise ConfigError(f"{gw}.max_gradient", "must be > 0")
+    if not gc.norm_type > 0:
+        raise ConfigError(f"{gw}.norm_type", "must be > 0 (2.0: L2, inf: max)")
+
+
+def _check_betas(inner: Any, where: str) -> None:
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(inner, name) < 1:
+            raise ConfigError(f"{where}.{name}", "must be in [0, 1)")
