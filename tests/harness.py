@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import tempfile
 import threading
 import time
@@ -24,7 +23,6 @@ from odl.checkpoint.checkpoint_manager import CheckpointManager
 from odl.config.config_redaction import config_to_text
 from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_config_text
 from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
-from odl.datagen.synthetic_ctr import DENSE_FIELDS
 from odl.features.feature_builder import FeatureBuilder
 from odl.harness.topic_records import make_records
 from odl.models.model_registry import check_pipeline_config
@@ -312,21 +310,8 @@ def as_wide_and_deep(text: str, final_dnn: bool = False) -> str:
 
 
 def as_model(text: str, model: str) -> str:
-    """A datagen DeepFM config as another model class (``as_model_config_text``).
-
-    ``"FM"``: EasyRec's FM over the same groups, the dense features moved from the deep
-    group (FM's vectors) to the wide group (a first-order term each).
-    """
-    if model != "FM":
-        return as_model_config_text(text, model)
-    block = re.search(r"  deepfm \{.*?\n  \}", text, re.S)
-    assert block is not None, "not a datagen DeepFM config"
-    text = text[:block.start()] + "  fm { l2_regularization: 1e-5 }" + text[block.end():]
-    dense = " ".join(f'feature_names: "{f}"' for f in DENSE_FIELDS)
-    assert f" {dense} wide_deep: DEEP" in text
-    text = text.replace(f" {dense} wide_deep: DEEP", " wide_deep: DEEP")
-    text = text.replace(" wide_deep: WIDE }", f" {dense} wide_deep: WIDE }}", 1)
-    return text.replace('model_class: "DeepFM"', 'model_class: "FM"')
+    """A datagen DeepFM config as another model class (``as_model_config_text``)."""
+    return as_model_config_text(text, model)
 
 
 # Adagrad steps an element by lr * g / (sqrt(acc) + eps) (eps = 1e-8). Where the records'

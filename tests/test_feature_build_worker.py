@@ -158,7 +158,7 @@ def test_training_is_the_same_with_and_without_workers(tmp_path):
 
 def test_num_workers_default_depends_on_device_and_cpus(monkeypatch):
     from odl.protos import pipeline_pb2
-    from odl.train import trainer as trainer_module
+    from odl.train import torch_runtime as trainer_module
 
     dc = pipeline_pb2.DatasetConfig()
     monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(range(16)))

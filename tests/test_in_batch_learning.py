@@ -151,10 +151,10 @@ def test_wide_tables_learn_at_their_multiplier(tmp_path):
             state = tm.state_dict_for_checkpoint()
             again, _ = _module(config)
             again.load_checkpoint_state(state)
-            assert sorted(round(g["lr"] / 0.5, 4) for g, _ in again._fused_lr_groups()) == [
-                1.0, 3.0]
+            groups = again.rates.fused_groups(again.fused_optimizer)
+            assert sorted(round(g["lr"] / 0.5, 4) for g, _ in groups) == [1.0, 3.0]
             again.train_step(fb.build(records).batch)
-            for g, mult in again._fused_lr_groups():
+            for g, mult in again.rates.fused_groups(again.fused_optimizer):
                 assert g["lr"] == pytest.approx(0.5 * mult)
     for name, d1 in moved[1.0].items():
         d3 = moved[3.0][name]

@@ -194,7 +194,7 @@ def test_regression_model_steps_with_one_exact_pass(tmp_path):
     config = load_config_text(text)
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu")
-    scan = tm._in_batch.sequential
+    scan = tm.row_pair_learning.in_batch.sequential
     assert scan is not None and scan.exact and not scan.logistic
     records = _records(256)
     tm.train_step(fb.build(records[:128]).batch)

@@ -15,9 +15,11 @@ On-disk layout (one directory per checkpoint inside ``model_dir``)::
                            "generation": str, "files": {name: {"bytes": int, "sha256": hex}}}
         DONE              completion marker, written last
 
-A checkpoint of several ranks adds one file per rank, ``tables.rank-<r>-of-<N>.pt``, the
-rows that rank holds (``odl.checkpoint.table_parts``); its ``model.pt`` holds everything but
-the tables plus ``"table_parts": [file names]``, and the manifest lists every part.
+The file names, the listing of complete checkpoints and their verification are
+``odl.checkpoint.checkpoint_layout``'s. A checkpoint of several ranks adds one file per
+rank, ``tables.rank-<r>-of-<N>.pt``, the rows that rank holds
+(``odl.checkpoint.table_parts``); its ``model.pt`` holds everything but the tables plus
+``"table_parts": [file names]``, and the manifest lists every part.
 ``read_checkpoint`` puts the tables back together, so every reader sees one process's state.
 The ranks write it together (``begin_save``, each rank ``write_table_part``, rank 0
 ``commit_save`` once every rank has written, or ``abort_save``): the parts go into rank 0's
@@ -49,7 +51,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -59,26 +60,28 @@ from typing import Any, Optional
 import torch
 
 from odl.checkpoint import table_parts
+from odl.checkpoint.checkpoint_layout import (
+    CKPT_PREFIX,
+    CKPT_RE,
+    CONFIG_FILE,
+    DONE_FILE,
+    MANIFEST_FILE,
+    MODEL_FILE,
+    POSITIONS_FILE,
+    TMP_RE,
+    CheckpointError,
+    checkpoint_step,
+    list_checkpoints,
+    local_checkpoint_copy,
+    verify_checkpoint,
+)
 from odl.checkpoint.file_digest import sha256_file
 from odl.storage import file_store
 from odl.storage.atomic_directory import commit_directory, write_durable
 from odl.storage.oss_store import StorageError, oss_store
-from odl.storage.storage_path import basename, is_remote, join, parse_oss
+from odl.storage.storage_path import is_remote, join, parse_oss
 
 logger = logging.getLogger(__name__)
-
-CKPT_PREFIX = "model.ckpt-"
-_CKPT_RE = re.compile(r"^model\.ckpt-(\d+)$")
-_TMP_RE = re.compile(r"^\.model\.ckpt-\d+\.(tmp|part)-\d+$")
-MODEL_FILE = "model.pt"
-POSITIONS_FILE = "positions.json"
-CONFIG_FILE = "pipeline.config"
-MANIFEST_FILE = "MANIFEST.json"
-DONE_FILE = "DONE"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read."""
 
 
 @dataclass(frozen=True)
@@ -121,119 +124,6 @@ class LoadedCheckpoint:
     positions: dict[int, int]
     source: dict
     manifest: dict
-
-
-def checkpoint_step(path: str) -> Optional[int]:
-    """Returns the step of a ``model.ckpt-<step>`` path, or None."""
-    m = _CKPT_RE.match(basename(path))
-    return int(m.group(1)) if m else None
-
-
-def list_checkpoints(model_dir: str) -> list[str]:
-    """Checkpoint directories in ``model_dir`` that have a DONE marker, oldest first.
-
-    Args:
-        model_dir: the model directory (local or ``oss://``).
-
-    Returns:
-        Paths sorted by step.
-
-    Raises:
-        odl.storage.oss_store.StorageError: OSS could not be listed.
-    """
-    found = []
-    if is_remote(model_dir):
-        dirs, _files = file_store.list_dir(model_dir)
-        for name in dirs:
-            m = _CKPT_RE.match(name)
-            if m and file_store.is_file(join(model_dir, name, DONE_FILE)):
-                found.append((int(m.group(1)), join(model_dir, name)))
-        return [p for _, p in sorted(found)]
-    if not os.path.isdir(model_dir):
-        return []
-    for name in os.listdir(model_dir):
-        m = _CKPT_RE.match(name)
-        if m and os.path.exists(os.path.join(model_dir, name, DONE_FILE)):
-            found.append((int(m.group(1)), os.path.join(model_dir, name)))
-    return [p for _, p in sorted(found)]
-
-
-def local_checkpoint_copy(path: str) -> str:
-    """A local directory holding checkpoint ``path``: itself when local, else its mirror.
-
-    A remote checkpoint is downloaded into its mirror unless the mirror already holds the
-    same manifest and DONE (the files are verified by the caller either way).
-
-    Args:
-        path: the checkpoint directory.
-
-    Returns:
-        The local directory.
-
-    Raises:
-        CheckpointError: it has no DONE marker or a file is missing.
-        odl.storage.oss_store.StorageError: OSS failed (never taken as a damaged checkpoint:
-            a restore must not fall back to an older one, or to none, because OSS was down).
-    """
-    if not is_remote(path):
-        return path
-    local = file_store.cache_dir_for(path)
-    try:
-        if not file_store.is_file(join(path, DONE_FILE)):
-            raise CheckpointError(f"checkpoint {path} is not usable: no DONE marker "
-                                  "(incomplete)")
-        remote_manifest = file_store.read_bytes(join(path, MANIFEST_FILE))
-        local_manifest = os.path.join(local, MANIFEST_FILE)
-        if os.path.exists(os.path.join(local, DONE_FILE)) and os.path.exists(local_manifest):
-            with open(local_manifest, "rb") as f:
-                same = f.read() == remote_manifest
-            # a mirror that lacks a file (another host's table part) is downloaded whole
-            if same and all(os.path.exists(os.path.join(local, name))
-                            for name in json.loads(remote_manifest).get("files", {})):
-                return local
-        t0 = time.monotonic()
-        tmp = f"{local}.download.{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        nbytes = file_store.download_tree(path, tmp)
-        shutil.rmtree(local, ignore_errors=True)
-        os.replace(tmp, local)
-        logger.info("downloaded %s (%.1f MB in %.2fs)", path, nbytes / 1e6,
-                    time.monotonic() - t0)
-        return local
-    except OSError as exc:  # a file pruned while reading, a full local disk
-        raise CheckpointError(f"checkpoint {path} could not be read: {exc}") from exc
-
-
-def verify_checkpoint(path: str) -> Optional[str]:
-    """Checks a checkpoint against its manifest.
-
-    Args:
-        path: checkpoint directory.
-
-    Returns:
-        None when it is complete and intact, else the reason it is not.
-    """
-    if is_remote(path):
-        try:
-            path = local_checkpoint_copy(path)
-        except CheckpointError as exc:
-            return str(exc)
-    if not os.path.exists(os.path.join(path, DONE_FILE)):
-        return "no DONE marker (incomplete)"
-    try:
-        with open(os.path.join(path, MANIFEST_FILE)) as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as exc:
-        return f"unreadable manifest: {exc}"
-    for name, info in manifest.get("files", {}).items():
-        fp = os.path.join(path, name)
-        if not os.path.exists(fp):
-            return f"{name} is missing"
-        if os.path.getsize(fp) != info["bytes"]:
-            return f"{name} has {os.path.getsize(fp)} bytes, manifest says {info['bytes']}"
-        if sha256_file(fp) != info["sha256"]:
-            return f"{name} does not match its checksum"
-    return None
 
 
 def resolve_checkpoint_path(path: str) -> str:
@@ -369,7 +259,7 @@ class CheckpointManager:
 
     def _remove_stale_temporaries(self) -> None:
         for name in os.listdir(self.local_dir):
-            if _TMP_RE.match(name):
+            if TMP_RE.match(name):
                 logger.info("removing unfinished checkpoint %s", name)
                 shutil.rmtree(os.path.join(self.local_dir, name), ignore_errors=True)
 
@@ -379,7 +269,7 @@ class CheckpointManager:
         try:
             dirs, _files = file_store.list_dir(self.model_dir)
             for name in dirs:
-                m = _CKPT_RE.match(name)
+                m = CKPT_RE.match(name)
                 if not m or (below_step is not None and int(m.group(1)) >= below_step):
                     continue
                 path = join(self.model_dir, name)
@@ -618,7 +508,7 @@ class CheckpointManager:
         if self.remote:
             # the local mirror keeps only the newest checkpoint (the upload source)
             for name in os.listdir(self.local_dir):
-                m = _CKPT_RE.match(name)
+                m = CKPT_RE.match(name)
                 if m and int(m.group(1)) != saved_step:
                     shutil.rmtree(os.path.join(self.local_dir, name), ignore_errors=True)
             self._remove_remote_orphans(below_step=saved_step, uploads_older_than=3600.0)

@@ -257,12 +257,14 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     DBMTL read the "deep" group (renamed "all"; the "wide" group goes) and train two tasks,
     "ctr" on ``label`` and "cvr" on ``buy``, a column added after the stream's 42
     (``odl.datagen.conversion_labels``): MMoE with 3 experts like the DeepFM tower, DBMTL
-    with the DeepFM tower as its bottom and "cvr" related to "ctr".
+    with the DeepFM tower as its bottom and "cvr" related to "ctr". FM (EasyRec's) keeps the
+    groups with the dense features moved from the deep group (FM's vectors) to the wide group
+    (a first-order term each).
 
     Args:
         text: the DeepFM config text.
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
-            ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"`` or ``"DBMTL"``.
+            ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"`` or ``"FM"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:
@@ -273,6 +275,12 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     m = re.search(r"deepfm \{\n    dnn \{ hidden_units: \[([^\]]*)\] \}.*?\n  \}", text, re.S)
     if m is None:
         raise ValueError("not a deepfm_config_text config")
+    if model == "FM":
+        text = text[:m.start()] + "fm { l2_regularization: 1e-5 }" + text[m.end():]
+        dense = " ".join(f'feature_names: "{f}"' for f in DENSE_FIELDS)
+        text = text.replace(f" {dense} wide_deep: DEEP", " wide_deep: DEEP")
+        text = text.replace(" wide_deep: WIDE }", f" {dense} wide_deep: WIDE }}", 1)
+        return text.replace('model_class: "DeepFM"', 'model_class: "FM"')
     if model in _MULTI_TASK_BLOCKS:
         block = _MULTI_TASK_BLOCKS[model].format(units=m.group(1))
         text = text[:m.start()] + block + text[m.end():]

@@ -21,7 +21,7 @@ saved in every checkpoint (its ``source`` entry ``"eval_positions"``), so a rest
 goes on with the records after them; without a checkpoint it starts where the section's
 ``offset_info`` / ``offset_time`` / ``offset`` say (as for the train input of the same kind),
 else at the earliest records. With several ranks rank 0 alone reads and scores; the trainer
-makes the other ranks join each prediction (``Trainer._evaluate``). Malformed records are
+makes the other ranks join each prediction (:func:`evaluate_at_checkpoint`). Malformed records are
 skipped (counted in the result as ``rejected``). An unreachable broker or DataHub makes one
 evaluation report an error; training goes on.
 """
@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -43,12 +43,16 @@ from odl.auc import grouped_auc, roc_auc
 from odl.config.field_formats import parse_offset_info, parse_offset_time
 from odl.config.loss_settings import regression_outputs
 from odl.config.metric_settings import grouped_auc_reduction
+from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.inputs.datahub_source import DatahubSource, datahub_endpoint, parse_datahub_start
 from odl.inputs.kafka_source import start_positions_from_config
 from odl.kafka.client_settings import consumer_config
 from odl.protos import pipeline_pb2
+from odl.train.distributed import from_rank0
 from odl.train.progressive_metrics import log_loss
+from odl.train.train_module import TrainModule
+from odl.train.trainer_metrics import TrainerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -322,3 +326,43 @@ class StreamEvaluator:
     def close(self) -> None:
         """Closes the reader (its consumer or HTTP session)."""
         self._reader.close()
+
+
+def rank_predict(module: TrainModule) -> Callable[[Batch], np.ndarray]:
+    """Rank 0's predict for the evaluator: with several ranks the others join each one."""
+    if module.world_size == 1:
+        return module.predict
+
+    def predict(batch: Batch) -> np.ndarray:
+        from_rank0(True)  # one more batch: the other ranks take part in its forward
+        return module.predict(batch)
+
+    return predict
+
+
+def evaluate_at_checkpoint(evaluator: StreamEvaluator | None, module: TrainModule,
+                           metrics: TrainerMetrics) -> None:
+    """Scores the eval stream's new records and sets the eval gauges.
+
+    Several ranks (a collective): rank 0 reads and scores; every other rank joins each of
+    its predictions with an empty batch until rank 0 says it is done.
+
+    Args:
+        evaluator: rank 0's evaluator (None on the other ranks).
+        module: the model.
+        metrics: the trainer's metrics.
+    """
+    if module.world_size > 1 and module.rank != 0:
+        while from_rank0(None):
+            module.predict(module.empty_batch())
+        return
+    try:
+        assert evaluator is not None
+        result = evaluator.evaluate(module.global_step)
+        metrics.eval_samples.set(result["samples"])
+        for key, gauge in (("auc", metrics.eval_auc), ("logloss", metrics.eval_logloss)):
+            if result.get(key) is not None:
+                gauge.set(result[key])
+    finally:
+        if module.world_size > 1:
+            from_rank0(False)

@@ -1,4 +1,7 @@
-"""Process-wide torch settings chosen by the odl daemons' command lines, and the device."""
+"""Process-wide torch settings, the device a rank runs on, the CPUs spent on building batches.
+
+The settings are those the odl daemons' command lines choose.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+    from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -67,3 +72,31 @@ def rank_device(device: torch.device, local_rank: str | None) -> torch.device:
     if device.type == "cuda" and device.index is None and local_rank:
         return torch.device("cuda", int(local_rank))
     return device
+
+
+# data_config.num_workers when unset and training on CUDA: the step there is short and mostly
+# Python, so building batches in the reader thread holds the GIL the step needs
+# (docs/training.md, "Input threads and processes")
+_CUDA_DEFAULT_WORKERS = 4
+
+
+def effective_num_workers(data_config: pipeline_pb2.DatasetConfig, device_type: str) -> int:
+    """Feature build worker processes to start.
+
+    Args:
+        data_config: the pipeline's ``data_config``.
+        device_type: ``"cpu"`` or ``"cuda"``, the device the model trains on.
+
+    Returns:
+        ``num_workers`` when set; otherwise 0 on CPU and, on CUDA, 4 where the host has at
+        least 8 CPUs this process may use (0 below that).
+    """
+    if data_config.HasField("num_workers"):
+        return int(data_config.num_workers)
+    if device_type != "cuda":
+        return 0
+    cpus = usable_cpus()
+    workers = _CUDA_DEFAULT_WORKERS if cpus >= 2 * _CUDA_DEFAULT_WORKERS else 0
+    logger.info("data_config.num_workers unset on CUDA: %d feature build worker(s) (%d CPUs)",
+                workers, cpus)
+    return workers

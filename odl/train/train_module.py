@@ -20,7 +20,6 @@ the batches carry event times, else the clock.
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -38,8 +37,6 @@ from torchrec.distributed.sharding_plan import (
     table_wise,
 )
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.config.loss_settings import num_classes, regression_outputs
@@ -68,18 +65,12 @@ from odl.train.distributed import (
     table_placement,
 )
 from odl.train.dynamic_rows import DynamicRows, dynamic_partitions, held_partitions
-from odl.train.in_batch.batch_row_pairs import RowPairIndex, RowPairs, TableRows
-from odl.train.in_batch.in_batch_learning import InBatchLearning
-from odl.train.in_batch.in_batch_scan import InBatchScan, error_model_is_exact, loss_slopes
-from odl.train.in_batch.per_record_adagrad import PerRecordAdagrad, hook_pooled_gradients
-from odl.train.in_batch.rank_in_batch import rank_logit_shift
-from odl.train.in_batch.rank_per_record import RankPerRecordAdagrad
+from odl.train.in_batch.row_pair_learning import RowPairLearning
+from odl.train.learning_rates import LearningRates
 from odl.train.optimizer_builder import (
-    TABLE_EPS,
     gradient_clipping,
     make_dense_optimizer,
     optimizer_specs,
-    sparse_optimizer_args,
 )
 from odl.train.published_rows import PublishedRows
 from odl.train.table_shards import (
@@ -87,8 +78,6 @@ from odl.train.table_shards import (
     ShardRows,
     local_shards,
     local_view,
-    read_held_accumulators,
-    write_held_rows,
 )
 from odl.train.torch_runtime import resolve_device
 
@@ -169,20 +158,10 @@ class TrainModule:
         self.regression = regression_outputs(config)
         self.softmax = num_classes(config) > 1  # a num_class model: softmax over its classes
         self._sparse_spec, self._dense_spec = optimizer_specs(config.train_config)
-        cls, kwargs = sparse_optimizer_args(self._sparse_spec, self.device.type)
-        # wide tables at their own rate form a second fused group (a separate kernel)
-        self._wide_lr_multiplier = float(config.train_config.wide_learning_rate_multiplier)
-        wide_params = [p for n, p in self.model.ebc.named_parameters()
-                       if n.split(".")[-2].endswith(WIDE_SUFFIX)]
-        if self._wide_lr_multiplier != 1.0 and wide_params:
-            wide_ids = {id(p) for p in wide_params}
-            apply_optimizer_in_backward(
-                cls, [p for p in self.model.ebc.parameters() if id(p) not in wide_ids], kwargs)
-            apply_optimizer_in_backward(
-                cls, wide_params, {**kwargs, "lr": kwargs["lr"] * self._wide_lr_multiplier})
-        else:
-            apply_optimizer_in_backward(cls, self.model.ebc.parameters(), kwargs)
-        self._table_kind = table_kernel_kind(self._sparse_spec.kind)
+        self.wide_lr_multiplier = float(config.train_config.wide_learning_rate_multiplier)
+        self.rates = LearningRates(self._sparse_spec, self._dense_spec, self.wide_lr_multiplier)
+        self.rates.fuse_table_optimizer(self.model.ebc, self.device.type)
+        self.table_kind = table_kernel_kind(self._sparse_spec.kind)
         self.model.dense.to(self.device)
         table_configs = list(self.model.ebc.embedding_bag_configs())
         tables = [c.name for c in table_configs]
@@ -237,75 +216,13 @@ class TrainModule:
         self.dense_optimizer = make_dense_optimizer(self._dense_spec, self._dense_params)
         self._grad_clip = gradient_clipping(config.train_config)  # dense gradients only
         self.global_step = 0
-        self._lrs: tuple[float, float] | None = None
-        self._lr_groups: list[tuple[dict, float]] | None = None
-        self._lookup_tables: list[str] = []
-        self._read_held: Callable[..., tuple[np.ndarray, np.ndarray]] | None = None
-        self._row_pairs, self._in_batch, self._per_record = self._row_pair_learning(
-            config, table_configs)
+        # in-batch learning and per-record Adagrad (None when both are off)
+        self.row_pair_learning = RowPairLearning.build(self, config, table_configs)
         self._touched_rows_hook: Callable[[KeyedJaggedTensor], None] | None = None
         self._extra_touched_rows_hooks: list[Callable[[KeyedJaggedTensor], None]] = []
         logger.info(
             "TrainModule on %s: %d tables, sparse %s, dense %s", self.device, len(tables),
             self._sparse_spec.kind, self._dense_spec.kind)
-
-    def _row_pair_learning(self, config: pipeline_pb2.EasyRecConfig,
-                           table_configs: list[EmbeddingBagConfig]
-                           ) -> tuple[RowPairIndex | None, InBatchLearning | None,
-                                      PerRecordAdagrad | None]:
-        """``in_batch_learning``, ``per_record_adagrad`` and their row-pair index.
-
-        Each is None when off.
-
-        Validation has checked the model (one output, for in-batch learning) and the table
-        optimizer (SGD or (row-wise) Adagrad; (row-wise) Adagrad for per-record
-        accumulators); the classes refuse any other. With several ranks the index has no
-        table storage (no rank holds whole tables): in-batch learning runs through
-        ``odl.train.in_batch.rank_in_batch`` and per-record Adagrad is
-        ``RankPerRecordAdagrad``, both reading and writing rows in the shards that hold them.
-        """
-        tc = config.train_config
-        if not (tc.in_batch_learning or tc.per_record_adagrad):
-            return None, None, None
-        if self.world_size > 1 and not tc.in_batch_sequential:
-            raise ValueError("train_config.in_batch_sequential: false is not implemented for "
-                             "a model sharded over several ranks yet")
-        # several ranks: no rank holds whole tables; the accumulators come from their shards
-        tables, states = self.row_state_views() if self.world_size == 1 else ({}, {})
-        rows = {}
-        for c in table_configs:
-            state = states.get(f"{EBC_PREFIX}{c.name}.weight", [])
-            rows[c.name] = TableRows(
-                state=state[0] if state and self._table_kind != "sgd" else None,
-                stored_columns=c.embedding_dim, mean_pooling=c.pooling == PoolingType.MEAN,
-                lr_multiplier=(self._wide_lr_multiplier if c.name.endswith(WIDE_SUFFIX)
-                               else 1.0),
-                weight=tables.get(c.name))
-        # per lookup of the index (group after group), the TorchRec table it reads
-        self._lookup_tables = [t for g in self.model.pooled_layout for _, t in g.lookups]
-        index = RowPairIndex(self.model.pooled_layout, rows,
-                             rowwise=self._table_kind == "rowwise_adagrad")
-        # per-record accumulators of several ranks: read from the shards that hold them
-        self._read_held = functools.partial(
-            read_held_accumulators, self.table_shards,
-            1 if self._table_kind == "rowwise_adagrad" else index.width)
-        return (index,
-                InBatchLearning(index, self._table_kind, TABLE_EPS,
-                                InBatchScan(self._table_kind, tc.per_record_adagrad,
-                                            float(tc.per_record_adagrad_max_gain), TABLE_EPS,
-                                            logistic=not any(self.regression),
-                                            exact=error_model_is_exact(config.model_config))
-                                if tc.in_batch_sequential else None)
-                if tc.in_batch_learning else None,
-                (PerRecordAdagrad(index, self._table_kind, TABLE_EPS,
-                                  float(tc.per_record_adagrad_max_gain))
-                 if self.world_size == 1 else
-                 RankPerRecordAdagrad(index, self._table_kind, TABLE_EPS,
-                                      float(tc.per_record_adagrad_max_gain),
-                                      self._lookup_tables,
-                                      self._read_held,
-                                      functools.partial(write_held_rows, self.table_shards)))
-                if tc.per_record_adagrad else None)
 
     @torch.no_grad()
     def _init_local_shards(self) -> None:
@@ -341,6 +258,10 @@ class TrainModule:
     def fused_optimizer(self) -> Any:
         """TorchRec's keyed optimizer of the fused table updates."""
         return self._dmp.fused_optimizer
+
+    def step_loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
+        """The model's training loss of ``output`` on ``batch``."""
+        return self._module().loss(output, batch)
 
     def _module(self) -> nn.Module:
         return self._dmp.module
@@ -410,43 +331,9 @@ class TrainModule:
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _set_lrs(self) -> None:
-        lrs = (self._sparse_spec.schedule(self.global_step),
-               self._dense_spec.schedule(self.global_step))
-        if lrs == self._lrs:
-            return
-        fused = self._dmp.fused_optimizer
-        for g, multiplier in self._fused_lr_groups():
-            g["lr"] = lrs[0] * multiplier
-        fused.step()  # fused optimizers only push the lr to the kernel here
-        for g in self.dense_optimizer.param_groups:
-            g["lr"] = lrs[1]
-        self._lrs = lrs
-
-    def _fused_lr_groups(self) -> list[tuple[dict, float]]:
-        """Each fused table-optimizer parameter group with its rate multiplier.
-
-        The wide tables' group has ``wide_learning_rate_multiplier``, the others 1.
-        """
-        if self._lr_groups is None:
-            groups: list[tuple[dict, float]] = []
-            pending: list[Any] = [self._dmp.fused_optimizer]
-            while pending:
-                opt = pending.pop()
-                if hasattr(opt, "optimizers"):  # a CombinedOptimizer: (name, optimizer) pairs
-                    pending.extend(o for _, o in opt.optimizers)
-                    continue
-                wide = any(n.split(".")[-2].endswith(WIDE_SUFFIX)
-                           for n in getattr(opt, "params", {}))
-                groups.extend((g, self._wide_lr_multiplier if wide else 1.0)
-                              for g in opt.param_groups)
-            self._lr_groups = groups
-        return self._lr_groups
-
     def current_learning_rates(self) -> tuple[float, float]:
         """``(sparse, dense)`` rates for the next step."""
-        return (self._sparse_spec.schedule(self.global_step),
-                self._dense_spec.schedule(self.global_step))
+        return self.rates.at(self.global_step)
 
     def set_touched_rows_hook(self, hook: Callable[[KeyedJaggedTensor], None] | None) -> None:
         """Registers ``hook(kjt)``, called once per training step with the step's ids.
@@ -548,7 +435,7 @@ class TrainModule:
             ``predict(batch)`` called just before the step unless the model has batch norm or
             dropout (the step's forward runs in train mode).
         """
-        self._set_lrs()
+        self.rates.set(self.global_step, self._dmp.fused_optimizer, self.dense_optimizer)
         before = self.global_step
         now = 0.0
         if self.dynamic:
@@ -604,28 +491,24 @@ class TrainModule:
                                   dropped=dropped)
             output, mine = self._forward(batch, sizes)
         n = batch.size
-        pairs = (self._row_pairs.pairs(batch.sparse, n, mine.logits.dtype)
-                 if self._row_pairs is not None and n else None)
-        if self._in_batch is not None:  # each record predicted after its batch's earlier ones
-            mine = ModelOutput(mine.logits + self._in_batch_shift(batch, output, mine, sizes,
-                                                                  pairs), mine.pooled)
+        learning = self.row_pair_learning
+        pairs = learning.pairs(batch, n, mine.logits.dtype) if learning is not None else None
+        if learning is not None and learning.in_batch is not None:
+            # each record predicted after its batch's earlier ones
+            mine = ModelOutput(mine.logits + learning.shift(batch, output, mine, sizes, pairs,
+                                                            self.rates.tables), mine.pooled)
         if n:
             loss = self._module().loss(mine, batch)
             weighted = loss if len(sizes) == 1 else loss * (n * len(sizes) / sum(sizes))
         else:  # no records here: a zero loss still runs the backward's collectives
             loss = torch.tensor(float("nan"))
             weighted = output.logits.sum() * 0.0
-        ranked = isinstance(self._per_record, RankPerRecordAdagrad)
-        hooked = hook_pooled_gradients(output.pooled) if ranked else None
-        pending = (self._per_record.before_backward(pairs, mine.pooled)
-                   if self._per_record is not None and not ranked else None)
+        pending = (learning.before_backward(pairs, output, mine)
+                   if learning is not None else None)
         self.dense_optimizer.zero_grad(set_to_none=True)
         weighted.backward()  # table rows are updated inside backward (fused)
-        if pending is not None:  # each record's squared gradient in the accumulators
-            self._per_record.apply(pending, self._lrs[0])
-        if hooked is not None:  # the same, by the rank holding each row
-            assert isinstance(self._per_record, RankPerRecordAdagrad)
-            self._per_record.apply_ranks(pairs, hooked, n, self.world_size, self._lrs[0])
+        if learning is not None:  # each record's squared gradient in the accumulators
+            learning.after_backward(pending, pairs, n, self.rates.tables)
         average_gradients(self._dense_params)  # nothing to average with one rank
         if self._grad_clip is not None:
             self._grad_clip(self.dense_optimizer)
@@ -638,53 +521,6 @@ class TrainModule:
             self.record_touched_rows(step_rows.to(self.device))
         probs = predictions(mine.logits.detach(), self.regression, self.softmax)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
-
-    def _in_batch_shift(self, batch: Batch, output: ModelOutput, mine: ModelOutput,
-                        sizes: Sequence[int], pairs: RowPairs | None) -> torch.Tensor:
-        """In-batch learning's logit shifts of this rank's records.
-
-        One rank holds whole tables and shifts by ``InBatchLearning``; several read the rows
-        from the shards that hold them (``_rank_shift``).
-        """
-        assert self._in_batch is not None
-        if self.world_size > 1:
-            return self._rank_shift(batch, output, mine, sizes, pairs)
-        # the loss at the unshifted logits: not needed by the sequential pass
-        loss = (None if self._in_batch.sequential is not None
-                else self._module().loss(mine, batch))
-        pooled = tuple(p.detach() for p in mine.pooled)
-        return self._in_batch.logit_shift(
-            pairs, mine, loss, self._lrs[0],
-            lambda at: self._module().loss(ModelOutput(at, pooled), batch))
-
-    def _rank_shift(self, batch: Batch, output: ModelOutput, mine: ModelOutput,
-                    sizes: Sequence[int], pairs: RowPairs | None) -> torch.Tensor:
-        """In-batch learning's shifts of this rank's records (``odl.train.in_batch.rank_in_batch``).
-
-        ``output`` is the padded batch's forward, ``mine`` its rows of this rank's records;
-        their loss slopes are the ones the ranked update gives the tables (the weighted loss's
-        over the number of ranks).
-        """
-        assert self._in_batch is not None and self._in_batch.sequential is not None
-        n = batch.size
-        logits = mine.logits
-        jac: tuple[torch.Tensor | None, ...] = tuple(None for _ in output.pooled)
-        slope = curve = np.empty(0, dtype=np.float32)
-        if n:
-            grads = torch.autograd.grad(output.logits[:n].sum(), output.pooled,
-                                        retain_graph=True, allow_unused=True)
-            jac = tuple(g[:n] if g is not None else None for g in grads)
-            pooled = tuple(p.detach() for p in mine.pooled)
-            share = n / sum(sizes)  # the weighted loss over the ranks: each record's share
-
-            def loss_at(at: torch.Tensor) -> torch.Tensor:
-                return self._module().loss(ModelOutput(at, pooled), batch) * share
-
-            slope, curve = loss_slopes(loss_at, logits.detach())
-        return rank_logit_shift(
-            self.rank, self._row_pairs, self._in_batch.sequential, self._lookup_tables, pairs,
-            jac, logits, slope, curve, self._lrs[0],
-            self._read_held if self._table_kind != "sgd" else None)
 
     def empty_batch(self) -> Batch:
         """A batch of no records.
@@ -709,11 +545,7 @@ class TrainModule:
         batch = batch.to(self.device)
         self._dmp.eval()
         try:
-            if self.world_size > 1:
-                largest = max(s for (s,) in agree([batch.size]))
-                logits = self._dmp(batch.padded(largest)).logits[:batch.size]
-            else:
-                logits = self._dmp(batch).logits
+            logits = self._forward(batch, self._step_sizes(batch, None))[1].logits
         finally:
             self._dmp.train()
         return predictions(logits, self.regression, self.softmax)
@@ -728,7 +560,7 @@ class TrainModule:
     def set_global_step(self, step: int) -> None:
         """Sets the step (a restore); the learning rates follow it at the next step."""
         self.global_step = int(step)
-        self._lrs = None
+        self.rates.reset()
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """The full training state as plain CPU tensors (``module_state.checkpoint_state``).

@@ -28,7 +28,6 @@ Contracts:
 
 from __future__ import annotations
 
-import functools
 import gc
 import logging
 import threading
@@ -39,41 +38,40 @@ from typing import Optional
 
 import numpy as np
 
-from odl.checkpoint.checkpoint_manager import CheckpointError, CheckpointManager
+from odl.checkpoint.checkpoint_manager import CheckpointManager
 from odl.config.config_redaction import config_to_text
 from odl.config.loss_settings import regression_outputs
 from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
-from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.http.server import BackgroundHttpServer
 from odl.inputs.batch_prefetcher import PreparedBatch
 from odl.inputs.dead_letter import DeadLetterSink
 from odl.inputs.file_stream_source import FILE_KEY, RECORD_KEY, SPLIT_KEY
 from odl.inputs.input_pipeline import InputPipeline, build_input_pipeline
-from odl.inputs.source_factory import online_input_kind, online_input_name
+from odl.inputs.source_factory import online_input_kind
 from odl.protos import pipeline_pb2
 from odl.storage.oss_store import StorageError
-from odl.train.checkpoint_writer import CheckpointWriter
 from odl.train.crash_recovery import CrashRecovery, RestoredState
 from odl.train.distributed import (
     RankTurn,
-    agree,
     check_several_ranks,
     exchange_turn,
     from_rank0,
     leave_process_group,
 )
-from odl.train.pass_metrics import PassMetrics, pass_of
-from odl.train.pass_saves import BaseExporter, PassSaves, day_before
+from odl.train.loop_clock import LoopClock
+from odl.train.pass_boundaries import PassBoundaries
+from odl.train.pass_metrics import PassMetrics
+from odl.train.pass_saves import BaseExporter, PassSaves
 from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics, output_column
-from odl.train.rank_checkpoint import save_across_ranks
 from odl.train.rank_publishing import RankPublishing
 from odl.train.record_rejects import RejectedRecords
 from odl.train.sample_ledger import SampleLedger
 from odl.train.stop_conditions import StopConditions
-from odl.train.stream_evaluation import StreamEvaluator
-from odl.train.torch_runtime import usable_cpus
+from odl.train.stream_evaluation import StreamEvaluator, rank_predict
+from odl.train.torch_runtime import effective_num_workers
 from odl.train.train_module import TrainModule
+from odl.train.trainer_checkpoints import TrainerCheckpoints
 from odl.train.trainer_metrics import TrainerMetrics
 from odl.train.trainer_status import TrainerStatus, start_status_server
 from publisher.delta_sink import DeltaSink, DeltaSinkUnsupported
@@ -82,8 +80,6 @@ from publisher.publisher_factory import build_delta_sink, build_publisher
 
 logger = logging.getLogger(__name__)
 
-_RATE_WINDOW_SECS = 5.0
-_CHECKPOINT_SYNC_SECS = 10.0
 _CHECKPOINT_RETRY_SECS = 5.0
 
 
@@ -118,74 +114,6 @@ class TrainerOptions:
     export_base: Optional[BaseExporter] = field(default=None, repr=False)
 
 
-# data_config.num_workers when unset and training on CUDA: the step there is short and mostly
-# Python, so building batches in the reader thread holds the GIL the step needs
-# (docs/training.md, "Input threads and processes")
-_CUDA_DEFAULT_WORKERS = 4
-
-
-def effective_num_workers(data_config: pipeline_pb2.DatasetConfig, device_type: str) -> int:
-    """Feature build worker processes to start.
-
-    Args:
-        data_config: the pipeline's ``data_config``.
-        device_type: ``"cpu"`` or ``"cuda"``, the device the model trains on.
-
-    Returns:
-        ``num_workers`` when set; otherwise 0 on CPU and, on CUDA, 4 where the host has at
-        least 8 CPUs this process may use (0 below that).
-    """
-    if data_config.HasField("num_workers"):
-        return int(data_config.num_workers)
-    if device_type != "cuda":
-        return 0
-    cpus = usable_cpus()
-    workers = _CUDA_DEFAULT_WORKERS if cpus >= 2 * _CUDA_DEFAULT_WORKERS else 0
-    logger.info("data_config.num_workers unset on CUDA: %d feature build worker(s) (%d CPUs)",
-                workers, cpus)
-    return workers
-
-
-class _LoopClock:
-    """What a training loop keeps between steps.
-
-    The last checkpoint's step and time, and the window of the samples/s rate ``/status``
-    shows.
-
-    Args:
-        step: the global step the loop starts at.
-    """
-
-    def __init__(self, step: int) -> None:
-        self.last_ckpt_step = step
-        self.last_ckpt_time = time.monotonic()
-        self._window_start = time.monotonic()
-        self._window_samples = 0
-        self.rate = 0.0
-
-    def secs_since_checkpoint(self) -> float:
-        """Seconds since the loop started or last checkpointed."""
-        return time.monotonic() - self.last_ckpt_time
-
-    def time_due(self, every_secs: float) -> bool:
-        """Whether ``save_checkpoints_secs`` (0: never) has passed since the last one."""
-        return bool(every_secs and self.secs_since_checkpoint() >= every_secs)
-
-    def checkpointed(self, step: int) -> None:
-        """Records a checkpoint at ``step``, now."""
-        self.last_ckpt_step, self.last_ckpt_time = step, time.monotonic()
-
-    def count(self, trained: int) -> float | None:
-        """Adds a step's samples; the window's samples/s once it is over (else None)."""
-        self._window_samples += trained
-        elapsed = time.monotonic() - self._window_start
-        if elapsed < _RATE_WINDOW_SECS:
-            return None
-        self.rate = self._window_samples / elapsed
-        self._window_start, self._window_samples = time.monotonic(), 0
-        return self.rate
-
-
 class Trainer:
     """Runs one training pipeline until told to stop.
 
@@ -217,8 +145,7 @@ class Trainer:
                                    train_auc_samples=fs.train_auc_samples)
                        if file_stream else None)
         self.checkpoints = CheckpointManager(self.model_dir, tc.keep_checkpoint_max)
-        # the periodic checkpoints of one process are written beside the loop
-        self._checkpoint_writer = CheckpointWriter()
+        self._checkpointing = TrainerCheckpoints(self)
         self.features = FeatureBuilder(config)
         self.module = TrainModule(config, self.features, device=options.device)
         if self.module.world_size > 1:
@@ -233,6 +160,11 @@ class Trainer:
         # day/pass saves (before restore: the checkpoint holds their pending rows and deletes)
         self.pass_saves = (PassSaves(config, self.module, self.generation, options.export_base)
                            if file_stream and fs.model_save_path else None)
+        self._pass_boundaries = (
+            PassBoundaries(config, self.module, self.passes, self.pass_saves, self.metrics,
+                           self.checkpoints, self._checkpointing.take, self.positions_snapshot,
+                           self._label_column)
+            if self.passes is not None else None)
         self.positions: dict[int, int] = {}
         self.samples_trained = 0
         self.last_loss: Optional[float] = None
@@ -243,21 +175,22 @@ class Trainer:
         self.input_pipeline: Optional[InputPipeline] = None
         self._http: Optional[BackgroundHttpServer] = None
         self._ledger: Optional[SampleLedger] = None
-        self._config_text = config_to_text(config, redact=True)
+        self.config_text = config_to_text(config, redact=True)
         self._lock = threading.Lock()
         self.publisher: Optional[IncrementalPublisher] = None  # rank 0's with several ranks
         # several ranks: every rank's part in publishing (rank_publishing)
-        self._rank_publishing: Optional[RankPublishing] = None
+        self.rank_publishing: Optional[RankPublishing] = None
         # several ranks: the loop ended on a stop all ranks agreed, none failed; only then
         # may the shutdown run collectives (a last version, a last checkpoint)
         self._ranks_stopped_together = False
-        self._restored = RestoredState()
+        self.restored = RestoredState()
         # evaluation on kafka_eval_input at every checkpoint (online, opened with the input)
         self.evaluator: Optional[StreamEvaluator] = None
-        # where serving replays the delta topic from to continue the restored state
-        self._restored_delta_offset: Optional[int] = None
         self.recovery: Optional[dict] = None
         self._input_opened = False  # start positions resolved, partitions assigned
+        # online with an eval stream: an evaluation at every checkpoint
+        self.evaluates = options.online and bool(config.kafka_eval_input.topic
+                                                  or config.datahub_eval_input.topic)
         # why the trainer stopped on a failure (exit code ``exit_code``), None for a clean stop
         self.failure: Optional[str] = None
         self.exit_code = 0
@@ -278,7 +211,7 @@ class Trainer:
     @property
     def checkpoint_writing(self) -> bool:
         """Whether a checkpoint is being written in the background (outcome not yet taken)."""
-        return self._checkpoint_writer.in_flight
+        return self._checkpointing.writer.in_flight
 
     @property
     def records_rejected(self) -> dict[str, int]:
@@ -312,7 +245,7 @@ class Trainer:
 
         Also sets the ``odl_healthy`` gauge.
         """
-        ok, reason = self._status.health(self._delta_broker_error())
+        ok, reason = self._status.health(self.delta_broker_error())
         self.metrics.healthy.set(1 if ok else 0)
         return ok, reason
 
@@ -331,28 +264,11 @@ class Trainer:
             self.pass_saves.load_state_dict(restored.pass_saves_state)
             if restored.recovered_version is not None:
                 self.pass_saves.mark_all_rows()
-        if self.passes is not None:
-            self._resume_pass(restored)
-        self._restored = restored
-        self._restored_delta_offset = restored.delta_offset
+        if self._pass_boundaries is not None:
+            self._pass_boundaries.resume(restored)
+        self.restored = restored
         self.recovery = restored.report
         return restored.positions
-
-    def _resume_pass(self, restored: RestoredState) -> None:
-        """Opens the file-stream pass the restored state was inside (``PassMetrics.resume``).
-
-        The checkpoint's pass in progress; after crash recovery moved the model past the
-        checkpoint, the pass of the last record trained (the recovered positions' split).
-        """
-        assert self.passes is not None
-        open_pass = restored.open_pass
-        if restored.recovered_version is not None:
-            split = (restored.positions or {}).get(SPLIT_KEY)
-            fs = self.config.file_stream_input
-            open_pass = (pass_of(int(split), fs.split_interval, fs.split_per_pass)
-                         if split is not None else None)
-        if open_pass is not None:
-            self.passes.resume(*open_pass)
 
     def _set_state(self, state: str) -> str:
         """Sets ``state``; returns the previous one."""
@@ -372,10 +288,10 @@ class Trainer:
                 self._delta_sink = build_delta_sink(self.config)
             restored_positions = self.restore()
             if publishes and self.module.world_size > 1:
-                self._rank_publishing = RankPublishing.build(
+                self.rank_publishing = RankPublishing.build(
                     self.config, self.module, self.generation, self.module.rank,
                     self.metrics.registry, self._delta_sink)
-                self.publisher = self._rank_publishing.publisher
+                self.publisher = self.rank_publishing.publisher
             elif self._delta_sink is not None:
                 self.publisher = build_publisher(
                     self.config, self.module, self.generation, self.metrics.registry,
@@ -393,17 +309,15 @@ class Trainer:
                 logger.info("stopped before the input was open (%s)", self.stop_reason)
                 return 0
             self._input_opened = True
-            if self._evaluates and self.module.rank == 0:  # rank 0 reads the eval stream
+            if self.evaluates and self.module.rank == 0:  # rank 0 reads the eval stream
                 self.evaluator = StreamEvaluator(
-                    self.config, self.features,
-                    self.module.predict if self.module.world_size == 1
-                    else self._predict_beside_ranks,
-                    self.module.model.outputs, self._restored.eval_positions)
-            if self._restored.needs_base_checkpoint and not self._stops.requested:
+                    self.config, self.features, rank_predict(self.module),
+                    self.module.model.outputs, self.restored.eval_positions)
+            if self.restored.needs_base_checkpoint and not self._stops.requested:
                 # the first recovery point of a fresh start: where its versions begin
-                self._checkpoint()
-            if self.pass_saves is not None and not self._stops.requested:
-                self._first_base()
+                self._checkpointing.take()
+            if self._pass_boundaries is not None and not self._stops.requested:
+                self._pass_boundaries.first_base()
             self.state = "training"
             # what start-up made (modules, the model, the restored state) leaves the
             # collector's view: no full collection walks it while the loop holds the GIL
@@ -454,10 +368,10 @@ class Trainer:
         end at the same step everywhere; ranks holding different groups stop on a failure.
         With one rank the exchange is the rank's own turn (no collective).
         """
-        clock = _LoopClock(self.module.global_step)
+        clock = LoopClock(self.module.global_step)
         pipeline = self.input_pipeline
         assert pipeline is not None
-        publishing = self._rank_publishing
+        publishing = self.rank_publishing
         # a file stream: every rank reads the same groups of batches and trains its batch of
         # a group only when every rank holds its own, so they step through the groups (and
         # the passes) together; a rank holding a group's batch keeps it until then
@@ -497,7 +411,7 @@ class Trainer:
                           else self._train_empty(sizes))
             self._checkpoint_if_due(clock, bool(turn[0].checkpoint_due))  # rank 0's clock
 
-    def _turn(self, clock: _LoopClock, stop: bool, item: Optional[PreparedBatch],
+    def _turn(self, clock: LoopClock, stop: bool, item: Optional[PreparedBatch],
               lockstep: bool) -> RankTurn:
         """What this rank tells the others this turn."""
         pipeline = self.input_pipeline
@@ -505,7 +419,7 @@ class Trainer:
         step = self.module.global_step
         where = ([item.positions.get(k, -1) for k in (SPLIT_KEY, FILE_KEY, RECORD_KEY)]
                  if lockstep and item is not None else [-1, -1, -1])
-        publishing = self._rank_publishing
+        publishing = self.rank_publishing
         retry = (item is None and self.last_checkpoint_error is not None
                  and step != self.checkpoints.last_saved_step
                  and clock.secs_since_checkpoint() >= _CHECKPOINT_RETRY_SECS)
@@ -524,15 +438,14 @@ class Trainer:
         if failed and self.failure is None:  # no last version or checkpoint then
             self._fail(f"rank {failed[0]} stopped on a failure", 1)
         ended = all(t.finished for t in turn) and not any(t.stop for t in turn)
-        if (ended and not failed and self.passes is not None
-                and self.passes.close_current()):  # on every rank: passes go together
-            self._pass_ended(day_ended=True)  # the stream ended with the last pass
+        if ended and not failed and self._pass_boundaries is not None:
+            self._pass_boundaries.stream_ended()  # on every rank: passes go together
         if not self._stops.requested:
             self._stops.request("end of input" if all(t.finished for t in turn)
                                 else "another rank stopped")
         self._ranks_stopped_together = not failed
 
-    def _idle(self, clock: _LoopClock, retry_checkpoint: bool) -> None:
+    def _idle(self, clock: LoopClock, retry_checkpoint: bool) -> None:
         """A turn without a batch on any rank.
 
         A finished background checkpoint is taken in (``/status`` shows it while idle); one
@@ -540,14 +453,14 @@ class Trainer:
         (rank 0's turn says) every rank retries without waiting for the next due step, so
         health recovers once the cause is gone.
         """
-        self._checkpoint_writer.collect()
-        if self.publisher is not None and self._rank_publishing is None:
+        self._checkpointing.writer.collect()
+        if self.publisher is not None and self.rank_publishing is None:
             self.publisher.publish_if_behind(self.module.global_step, self.positions_snapshot())
         if retry_checkpoint:
-            self._checkpoint()
+            self._checkpointing.take()
             clock.checkpointed(self.module.global_step)
 
-    def _stepped(self, clock: _LoopClock, trained: int) -> None:
+    def _stepped(self, clock: LoopClock, trained: int) -> None:
         """After a step: the samples/s window of ``/status`` and the progress log line."""
         if clock.count(trained) is not None:  # the rate /status shows, every few s
             self.samples_per_sec = clock.rate
@@ -555,18 +468,18 @@ class Trainer:
         if trained and self.module.global_step % log_every == 0:
             self._status.log_progress()
 
-    def _checkpoint_if_due(self, clock: _LoopClock, time_due: bool) -> None:
+    def _checkpoint_if_due(self, clock: LoopClock, time_due: bool) -> None:
         """A checkpoint when ``save_checkpoints_steps`` or ``time_due`` says so.
 
         One process writes it in the background (its outcome is taken in here, after a
         later step); several ranks write theirs together, on the loop's thread.
         """
-        self._checkpoint_writer.collect()
+        self._checkpointing.writer.collect()
         step = self.module.global_step
         every_steps = self.config.train_config.save_checkpoints_steps
         due = (every_steps and step - clock.last_ckpt_step >= every_steps) or time_due
         if due and step != clock.last_ckpt_step and step != self.checkpoints.last_saved_step:
-            self._checkpoint(background=True)
+            self._checkpointing.take(background=True)
             clock.checkpointed(step)
 
     def _train_empty(self, sizes: Optional[list[int]] = None) -> int:
@@ -576,10 +489,8 @@ class Trainer:
 
     def _train_on(self, item: PreparedBatch, sizes: Optional[list[int]] = None) -> int:
         """Trains ``item``; with several ranks ``sizes`` are every rank's batch sizes."""
-        if self.passes is not None and SPLIT_KEY in item.positions:
-            prev = self.passes.current_day
-            if self.passes.begin(item.positions[SPLIT_KEY]):
-                self._pass_ended(day_ended=self.passes.current_day != prev)
+        if self._pass_boundaries is not None:
+            self._pass_boundaries.begin(item)
         self.metrics.records_consumed.inc(item.num_records)
         if item.rejected:
             self._rejects.built_rejects(item)
@@ -608,9 +519,8 @@ class Trainer:
                 self.tasks.update(out.probs, labels, groups)
             labels = output_column(labels, self._label_column)
             self.progress.update(probs, labels, groups)
-            if self.passes is not None and SPLIT_KEY in item.positions:
-                self.passes.update(item.positions[SPLIT_KEY], probs, labels)
-                self.passes.keep_batch(batch)
+            if self._pass_boundaries is not None:
+                self._pass_boundaries.trained(item, probs, labels)
             self.samples_trained += trained
             self.last_loss = float(out.loss)
             self.metrics.samples_trained.inc(trained)
@@ -624,109 +534,9 @@ class Trainer:
             self.last_sample_time_ms = int(item.raw.timestamps_ms.max())
         with self._lock:
             self.positions.update(item.positions)
-        if self.publisher is not None or self._rank_publishing is not None:
+        if self.publisher is not None or self.rank_publishing is not None:
             self._maybe_publish(item)
         return trained
-
-    def _pass_ended(self, day_ended: bool) -> None:
-        """Handles a closed file-stream pass, before any record of the next pass is trained.
-
-        Gauges and the pass's train AUC; with ``model_save_path``, the day's end shrink and
-        ``<day>/delta_<pass>``; a checkpoint every ``checkpoint_per_pass`` passes (copied to
-        ``<day>/<pass>``); at a day's end the checkpoint after the shrink and ``<day>/base``.
-
-        Args:
-            day_ended: the next batch belongs to another day, or the stream ended.
-        """
-        assert self.passes is not None
-        last = self.passes.last_closed()
-        if last is None:
-            return
-        self.metrics.pass_samples.set(last["samples"])
-        if last["auc"] is not None:
-            self.metrics.pass_auc.set(last["auc"])
-        if last["logloss"] is not None:
-            self.metrics.pass_logloss.set(last["logloss"])
-        self._train_auc()
-        day, pass_id = last["day"], int(last["pass"])
-        step = self.module.global_step
-        saves = self.pass_saves
-        shrunk = False
-        if day_ended and self.module.dynamic:
-            evicted = self.module.shrink_dynamic()
-            shrunk = bool(evicted)
-            logger.info("day %s ended: shrink evicted %s", day, evicted or "nothing")
-        if saves is not None:
-            try:
-                saves.write_delta(day, pass_id, step, self.positions_snapshot())
-                self.metrics.pass_deltas.inc()
-            except (OSError, StorageError) as exc:
-                logger.error("pass %s/%d: delta not written: %s", day, pass_id, exc)
-        every = int(self.config.file_stream_input.checkpoint_per_pass)
-        due = bool(every and self.passes.passes_closed % every == 0)
-        base_due = day_ended and saves is not None and saves.export_base is not None
-        if not (due or base_due) or not step:
-            return
-        logger.info("pass %s/%d ended: checkpoint%s", day, pass_id,
-                    " and day base" if base_due else "")
-        if step != self.checkpoints.last_saved_step or shrunk:
-            if not self._checkpoint(overwrite=shrunk):
-                logger.warning("pass %s/%d: no checkpoint, so no pass copy or base", day,
-                               pass_id)
-                return
-        path = self.checkpoints.last_saved_path
-        if saves is None or path is None:
-            return
-        try:
-            if due:
-                saves.copy_checkpoint(path, day, pass_id)
-            if base_due:
-                saves.write_base(day, path)
-                self.metrics.day_bases.inc()
-        except (OSError, StorageError, CheckpointError) as exc:
-            logger.error("pass %s/%d: day/pass save failed: %s", day, pass_id, exc)
-        except Exception as exc:  # noqa: BLE001 - the exporter's errors must not stop training
-            logger.exception("day %s: base export failed: %s", day, exc)
-
-    def _train_auc(self) -> None:
-        """Scores the closed pass's sampled batches with the model after the pass."""
-        assert self.passes is not None
-        batches = self.passes.take_rescore()
-        if self.module.world_size > 1:  # predict is a collective: as many calls on every rank
-            most = max(n for (n,) in agree([len(batches)]))
-            for _ in range(most - len(batches)):
-                self.module.predict(self.module.empty_batch())
-        if not batches:
-            return
-        probs = [output_column(self.module.predict(b), 0) for b in batches]
-        labels = [output_column(b.labels.detach().cpu().numpy(), self._label_column)
-                  for b in batches]
-        auc = self.passes.set_train_auc(np.concatenate(probs), np.concatenate(labels))
-        if auc is not None:
-            self.metrics.pass_train_auc.set(auc)
-
-    def _first_base(self) -> None:
-        """Writes the starting model as a base when ``model_save_path`` holds none yet.
-
-        It is the base of the day before the first split to train, so that day's deltas
-        apply to it.
-        """
-        saves = self.pass_saves
-        assert saves is not None
-        if saves.export_base is None or saves.has_base():
-            return
-        fs = self.config.file_stream_input
-        first = self.positions_snapshot().get(SPLIT_KEY)
-        day = (pass_of(int(first), fs.split_interval, fs.split_per_pass)[0] if first
-               else fs.start_day)
-        step = self.module.global_step
-        if step != self.checkpoints.last_saved_step and not self._checkpoint():
-            logger.warning("no starting base: the checkpoint failed")
-            return
-        path = self.checkpoints.last_saved_path
-        if path is not None:
-            saves.write_base(day_before(day), path)
-            self.metrics.day_bases.inc()
 
     def _maybe_publish(self, item: PreparedBatch) -> None:
         """Hands the step's positions and time ranges to the delta publisher.
@@ -741,8 +551,8 @@ class Trainer:
                 event = (int(finite.min() * 1000), int(finite.max() * 1000))
         if len(item.raw.timestamps_ms):
             produce = (int(item.raw.timestamps_ms.min()), int(item.raw.timestamps_ms.max()))
-        if self._rank_publishing is not None:
-            self._rank_publishing.note_times(event, produce)
+        if self.rank_publishing is not None:
+            self.rank_publishing.note_times(event, produce)
             return
         assert self.publisher is not None
         self.publisher.maybe_publish(self.module.global_step, self.positions_snapshot(), event,
@@ -762,175 +572,6 @@ class Trainer:
             if self.state == "waiting_for_broker":
                 self.state = "training"
 
-    # ------------------------------------------------------------------ checkpoint
-    def _checkpoint(self, overwrite: bool = False, background: bool = False) -> bool:
-        """Takes a checkpoint of the current step: the state, positions and replay point.
-
-        Args:
-            overwrite: replace a checkpoint of the same step (a day's shrink).
-            background: one process only: copy the state here and write it in the
-                background (``odl.train.checkpoint_writer``); the outcome is recorded when
-                the write ends. Otherwise the write is done before returning.
-
-        Returns:
-            False when the checkpoint was skipped or failed (recorded in
-            ``last_checkpoint_error``); True when written or, in the background, started.
-        """
-        self._checkpoint_writer.wait()  # checkpoints complete in step order
-        if not overwrite and self.module.global_step == self.checkpoints.last_saved_step:
-            return True  # the write just waited for was of this step
-        if self._restored.incomplete:
-            logger.warning("not checkpointing: crash recovery did not finish")
-            return False
-        if self.publisher is not None or self._rank_publishing is not None:
-            # A checkpoint must equal a fully published version (the crash-recovery point).
-            with self._lock:
-                positions = dict(self.positions)
-            # no use stalling the train loop for a delta broker known to be down
-            sync_secs = 0.0 if self._delta_broker_error() else _CHECKPOINT_SYNC_SECS
-            if self._rank_publishing is not None:  # with every rank's rows and positions
-                synced = self._rank_publishing.sync(self.module.global_step, positions,
-                                                    sync_secs)
-            else:
-                assert self.publisher is not None
-                synced = self.publisher.sync(self.module.global_step, positions,
-                                             timeout=sync_secs)
-            if not synced:
-                self.metrics.checkpoint_failures.inc()
-                self.last_checkpoint_error = (
-                    f"delta version {self.module.global_step} not published: checkpoint "
-                    "skipped (a checkpoint must equal a published version)")
-                logger.warning("%s; the next checkpoint will retry", self.last_checkpoint_error)
-                return False
-        prev_state = self.state
-        self.state = "checkpointing"
-        try:
-            with self._lock:
-                positions = dict(self.positions)
-            source = (
-                {"source": online_input_kind(self.config), "topic": online_input_name(self.config)}
-                if self.options.online
-                else {"source": "files", "path": self.config.train_input_path}
-            )
-            source.update(self._delta_replay_point())
-            if self.passes is not None and self.passes.open_pass is not None:
-                source["open_pass"] = list(self.passes.open_pass)  # resumed at a restart
-            if self._evaluates and self.module.global_step:
-                try:
-                    self._evaluate()
-                except Exception:  # noqa: BLE001 - an evaluation must not stop checkpoints
-                    logger.exception("evaluation at step %d failed", self.module.global_step)
-            if self.evaluator is not None:
-                source["eval_positions"] = {str(p): o for p, o in
-                                            self.evaluator.positions().items()}
-            step = self.module.global_step
-            if self.module.world_size > 1:
-                self._save_across_ranks(positions, source, overwrite)
-            else:
-                state = self.module.state_dict_for_checkpoint()  # a copy: training goes on
-                if self.pass_saves is not None:
-                    state["pass_saves"] = self.pass_saves.state_dict()
-                save = functools.partial(self.checkpoints.save, step, state, positions, source,
-                                         self._config_text, self.generation,
-                                         overwrite=overwrite)
-                if background:
-                    self._checkpoint_writer.start(
-                        save, functools.partial(self._checkpoint_written, step, positions))
-                    return True
-                save()
-            self._checkpoint_written(step, positions, None)
-            return True
-        except CheckpointError as exc:
-            self._checkpoint_written(self.module.global_step, positions, exc)
-            return False
-        finally:
-            self.state = prev_state if prev_state != "checkpointing" else "training"
-
-    def _checkpoint_written(self, step: int, positions: dict[int, int],
-                            error: Optional[CheckpointError]) -> None:
-        """Records a checkpoint's outcome (on the loop's thread, also for a background one)."""
-        if error is not None:
-            self.metrics.checkpoint_failures.inc()
-            self.last_checkpoint_error = str(error)
-            logger.error("%s; training continues and the next checkpoint will retry", error)
-            return
-        self.metrics.checkpoint_step.set(step)
-        self.last_checkpoint_error = None
-        if self.input_pipeline is not None:
-            self.input_pipeline.request_commit(positions)
-
-    def _save_across_ranks(self, positions: dict[int, int], source: dict,
-                           overwrite: bool) -> None:
-        """The checkpoint save of one of several ranks (a collective).
-
-        Every rank writes its own table rows, rank 0 the rest with every rank's positions
-        and commits once all parts are in (``odl.train.rank_checkpoint``); every rank learns
-        the outcome, so all keep checkpointing on the same steps.
-
-        Raises:
-            CheckpointError: on every rank, when any rank's part or the commit failed.
-        """
-        extra = ({"pass_saves": self.pass_saves.state_dict()}  # a collective: every rank's
-                 if self.pass_saves is not None else None)
-        save_across_ranks(self.checkpoints, self.module, positions, source, self._config_text,
-                          self.generation, overwrite, extra_state=extra)
-
-    @property
-    def _evaluates(self) -> bool:
-        """Online with an eval stream: an evaluation at every checkpoint."""
-        return self.options.online and bool(self.config.kafka_eval_input.topic
-                                            or self.config.datahub_eval_input.topic)
-
-    def _predict_beside_ranks(self, batch: Batch) -> np.ndarray:
-        """Rank 0's evaluation predict with several ranks: the others join each one."""
-        from_rank0(True)  # one more batch: the other ranks take part in its forward
-        return self.module.predict(batch)
-
-    def _evaluate(self) -> None:
-        """Scores the eval topic's new records (``odl.train.stream_evaluation``).
-
-        Several ranks (a collective): rank 0 reads and scores; every other rank joins each of
-        its predictions with an empty batch until rank 0 says it is done.
-        """
-        if self.module.world_size > 1 and self.module.rank != 0:
-            while from_rank0(None):
-                self.module.predict(self.module.empty_batch())
-            return
-        try:
-            self._score_eval_stream()
-        finally:
-            if self.module.world_size > 1:
-                from_rank0(False)
-
-    def _score_eval_stream(self) -> None:
-        assert self.evaluator is not None
-        result = self.evaluator.evaluate(self.module.global_step)
-        self.metrics.eval_samples.set(result["samples"])
-        for key, gauge in (("auc", self.metrics.eval_auc),
-                           ("logloss", self.metrics.eval_logloss)):
-            if result.get(key) is not None:
-                gauge.set(result[key])
-
-    def _delta_replay_point(self) -> dict:
-        """Where serving must start replaying the delta topic to continue this checkpoint.
-
-        Every version published so far is at a step <= the checkpoint's, and versions carry
-        full values, so replaying from just after the last delivered version is exact.
-        """
-        if self.publisher is None:
-            return {}
-        sink = self.publisher.sink
-        out: dict = {}
-        if sink.topic is not None:
-            out["delta_topic"] = sink.topic
-            out["delta_server"] = sink.servers
-        last = self.publisher.status().get("last_offset")
-        if last is not None and last >= 0:
-            out["delta_topic_offset"] = int(last) + 1
-        elif self._restored_delta_offset is not None:
-            out["delta_topic_offset"] = self._restored_delta_offset
-        return out
-
     # ------------------------------------------------------------------ stop
     def request_stop(self, reason: str) -> None:
         """Asks the loop to finish the current step, checkpoint and exit (thread/signal safe)."""
@@ -942,22 +583,22 @@ class Trainer:
             self.input_pipeline.stop()
         self._rejects.flush_log()
         together = self.module.world_size == 1 or self._ranks_stopped_together
-        if self._rank_publishing is not None:  # a last version only when all stopped cleanly
-            self._rank_publishing.flush(self.module.global_step if together else None,
+        if self.rank_publishing is not None:  # a last version only when all stopped cleanly
+            self.rank_publishing.flush(self.module.global_step if together else None,
                                         dict(self.positions), timeout=30.0)
         elif self.publisher is not None:  # first, so the final checkpoint covers it
             self.publisher.flush(timeout=30.0, step=self.module.global_step,
                                  positions=dict(self.positions))
         elif self._delta_sink is not None:  # stopped before the publisher was built
             self._delta_sink.close()
-        self._checkpoint_writer.wait()  # a background checkpoint in flight ends first
+        self._checkpointing.writer.wait()  # a background checkpoint in flight ends first
         # one more checkpoint on every clean stop, also when the state was only brought
         # forward by crash recovery (nothing trained in this run, but a newer step); not
         # before the input was open: its positions are unknown then, and a checkpoint without
         # them would override the config's start positions on the next start
         if (self._input_opened and self.failure is None and together
                 and self.module.global_step != self.checkpoints.last_saved_step):
-            self._checkpoint()
+            self._checkpointing.take()
         if self.input_pipeline is not None:
             self.input_pipeline.commit_now(self.positions)
             self.input_pipeline.close()
@@ -973,6 +614,6 @@ class Trainer:
         if self._http is not None:
             self._http.stop()
 
-    def _delta_broker_error(self) -> Optional[str]:
+    def delta_broker_error(self) -> Optional[str]:
         """Why the delta publisher's broker is unreachable, or None."""
         return self.publisher.sink.broker_error if self.publisher is not None else None

@@ -1,0 +1,103 @@
+"""The tables' and the dense part's learning rates, following their schedules.
+
+The tables' optimizer is fused into TorchRec's backward (fbgemm); the wide tables at
+``wide_learning_rate_multiplier`` times the rate form a second fused group (a separate
+kernel). Before each step the rates of the step are pushed to both optimizers when they
+changed (:mod:`odl.train.optimizer_builder` makes the schedules).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.optim import Optimizer
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+from odl.models.embedding_tables import WIDE_SUFFIX
+from odl.train.optimizer_builder import OptimizerSpec, sparse_optimizer_args
+
+
+class LearningRates:
+    """The rates of a train module's two optimizers (module docstring).
+
+    Args:
+        sparse: the tables' optimizer and schedule.
+        dense: the dense part's optimizer and schedule.
+        wide_multiplier: the wide tables' rate over the other tables'.
+    """
+
+    def __init__(self, sparse: OptimizerSpec, dense: OptimizerSpec,
+                 wide_multiplier: float) -> None:
+        self._sparse = sparse
+        self._dense = dense
+        self._wide_multiplier = float(wide_multiplier)
+        self._current: tuple[float, float] | None = None
+        self._groups: list[tuple[dict, float]] | None = None
+
+    def fuse_table_optimizer(self, ebc: nn.Module, device_type: str) -> None:
+        """Fuses the tables' optimizer into the backward (two groups with a wide multiplier).
+
+        Args:
+            ebc: the model's embedding bag collection.
+            device_type: ``"cpu"`` or ``"cuda"``.
+        """
+        cls, kwargs = sparse_optimizer_args(self._sparse, device_type)
+        wide = [p for n, p in ebc.named_parameters() if n.split(".")[-2].endswith(WIDE_SUFFIX)]
+        if self._wide_multiplier != 1.0 and wide:
+            wide_ids = {id(p) for p in wide}
+            apply_optimizer_in_backward(
+                cls, [p for p in ebc.parameters() if id(p) not in wide_ids], kwargs)
+            apply_optimizer_in_backward(
+                cls, wide, {**kwargs, "lr": kwargs["lr"] * self._wide_multiplier})
+        else:
+            apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
+
+    def at(self, step: int) -> tuple[float, float]:
+        """``(tables, dense)`` rates of the step after ``step`` steps."""
+        return self._sparse.schedule(step), self._dense.schedule(step)
+
+    @property
+    def tables(self) -> float:
+        """The tables' rate last set (call :meth:`set` first)."""
+        assert self._current is not None
+        return self._current[0]
+
+    def set(self, step: int, fused: Any, dense: Optimizer) -> None:
+        """Pushes the rates of ``step`` to both optimizers when they changed.
+
+        Args:
+            step: the global step.
+            fused: the fused table optimizer (``DistributedModelParallel.fused_optimizer``).
+            dense: the dense optimizer.
+        """
+        rates = self.at(step)
+        if rates == self._current:
+            return
+        for g, multiplier in self.fused_groups(fused):
+            g["lr"] = rates[0] * multiplier
+        fused.step()  # fused optimizers only push the lr to the kernel here
+        for g in dense.param_groups:
+            g["lr"] = rates[1]
+        self._current = rates
+
+    def reset(self) -> None:
+        """The step moved (a restore): the next :meth:`set` pushes the rates again."""
+        self._current = None
+
+    def fused_groups(self, fused: Any) -> list[tuple[dict, float]]:
+        """Each fused parameter group with its rate multiplier (the wide tables' group's)."""
+        if self._groups is None:
+            groups: list[tuple[dict, float]] = []
+            pending: list[Any] = [fused]
+            while pending:
+                opt = pending.pop()
+                if hasattr(opt, "optimizers"):  # a CombinedOptimizer: (name, optimizer) pairs
+                    pending.extend(o for _, o in opt.optimizers)
+                    continue
+                wide = any(n.split(".")[-2].endswith(WIDE_SUFFIX)
+                           for n in getattr(opt, "params", {}))
+                groups.extend((g, self._wide_multiplier if wide else 1.0)
+                              for g in opt.param_groups)
+            self._groups = groups
+        return self._groups
