@@ -858,3 +858,61 @@ def test_fg_mode_dag_reads_the_columns_and_bucketize_is_refused(tmp_path: Path,
     assert "no feature generator" in caplog.text
     err = error_of(load_text, tmp_path, text.replace("FG_DAG", "FG_BUCKETIZE"))
     assert err.field == "data_config.fg_mode"
+
+
+def _feature(config: pipeline_pb2.EasyRecConfig,
+             name: str) -> tuple[int, pipeline_pb2.FeatureConfig]:
+    return next((i, fc) for i, fc in enumerate(config.feature_configs)
+                if (fc.feature_name or fc.input_names[0]) == name)
+
+
+def _combo_num_buckets(c):
+    i, fc = _feature(c, "C6_C14")
+    fc.hash_bucket_size, fc.num_buckets = 0, 100
+    return f"feature_configs[{i}].hash_bucket_size"
+
+
+def _empty_separator(c):
+    i, fc = _feature(c, "C1")
+    fc.separator = ""
+    return f"feature_configs[{i}].separator"
+
+
+def _shared_table_other_combiner(c):
+    _i, first = _feature(c, "C1")
+    i, fc = _feature(c, "C2")
+    fc.embedding_name, fc.hash_bucket_size, fc.combiner = "C1", first.hash_bucket_size, "mean"
+    return f"feature_configs[{i}].embedding_name"
+
+
+def _shared_table_other_boundaries(c):
+    _i, fc = _feature(c, "I2")  # listed before I1_bucket: the later one is refused
+    fc.boundaries.extend([1.0, 2.0])
+    fc.embedding_dim, fc.embedding_name = 16, "I1_bucket"
+    i, _fc = _feature(c, "I1_bucket")
+    return f"feature_configs[{i}].embedding_name"
+
+
+def _dynamic_bucketized_number(c):
+    i, fc = _feature(c, "I1_bucket")
+    fc.zch.zch_size = 100
+    return f"feature_configs[{i}].zch"
+
+
+def _string_click_field(c):
+    i, fc = _feature(c, "C1")
+    fc.ctr_accessor_param.click_field = "C2"
+    return f"feature_configs[{i}].ctr_accessor_param.click_field"
+
+
+@pytest.mark.parametrize("edit", [_combo_num_buckets, _empty_separator,
+                                  _shared_table_other_combiner, _shared_table_other_boundaries,
+                                  _dynamic_bucketized_number, _string_click_field],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_what_the_feature_builder_refuses_validation_refuses_first(edit) -> None:
+    """``odl-train --validate_only`` passes no config whose features the builder refuses."""
+    config = load_pipeline_config(str(ONLINE))
+    field = edit(config)
+    with pytest.raises(ConfigError):
+        FeatureBuilder(config)
+    assert error_of(check_pipeline_config, config, online=True).field == field

@@ -114,6 +114,14 @@ def validate_features(
                                   "ctr_accessor_param) are not implemented")
         if fc.combiner not in ("sum", "mean"):
             raise ConfigError(f"{where}.combiner", f"expected sum or mean, got {fc.combiner!r}")
+        listed = (fc.feature_type in (_FT.IdFeature, _FT.SequenceFeature)
+                  or (fc.feature_type == _FT.RawFeature and fc.raw_input_dim > 1))
+        if listed and not fc.separator:
+            raise ConfigError(f"{where}.separator", "must not be empty")
+        if fc.feature_type == _FT.RawFeature or (
+                fc.feature_type == _FT.SequenceFeature
+                and fc.sub_feature_type == _FT.RawFeature):  # numbers: no dynamic table
+            dynamic_table_spec(fc, model_ev, where)
         if (fc.feature_type == _FT.SequenceFeature
                 and fc.sub_feature_type == _FT.RawFeature):
             _validate_number_sequence(fc, where, fields)
@@ -132,6 +140,17 @@ def validate_features(
                     raise ConfigError(f"{where}.{dyn.form}",
                                       f"{dyn.capacity:,} rows is above the limit of "
                                       f"{limits.MAX_TABLE_ROWS:,} (2**31 - 1) rows per table")
+                for attr in ("show_field", "click_field"):
+                    count = getattr(dyn, attr, "")
+                    if count and fields.get(count, _FIELD_TYPE.STRING) == _FIELD_TYPE.STRING:
+                        raise ConfigError(f"{where}.ctr_accessor_param.{attr}",
+                                          f"{count!r} must be a numeric "
+                                          "data_config.input_fields field")
+            elif fc.feature_type == _FT.ComboFeature and (fc.num_buckets
+                                                          or not fc.hash_bucket_size):
+                raise ConfigError(f"{where}.hash_bucket_size",
+                                  "a ComboFeature hashes its crossed values: it needs "
+                                  "hash_bucket_size (not num_buckets)")
             elif bool(fc.hash_bucket_size) == bool(fc.num_buckets):
                 raise ConfigError(f"{where}.hash_bucket_size",
                                   f"a {kind} needs exactly one of hash_bucket_size / num_buckets")
@@ -202,11 +221,13 @@ def validate_features(
                               f"{fc.embedding_dim} is above the limit of "
                               f"{limits.MAX_EMBEDDING_DIM}")
         table = fc.embedding_name or fc.feature_name
-        shape = (fc.embedding_dim, fc.hash_bucket_size, fc.num_buckets, kind, dyn)
-        if fc.embedding_name and table in tables and tables[table] != shape:
+        shape = (fc.embedding_dim, fc.hash_bucket_size, fc.num_buckets, len(fc.boundaries),
+                 kind, dyn, fc.combiner)
+        if table in tables and tables[table] != shape:
             raise ConfigError(f"{where}.embedding_name",
                               f"features sharing embedding {table!r} must have the same "
-                              "embedding_dim, bucket sizes, type and dynamic-table settings")
+                              "embedding_dim, bucket sizes or boundaries, type, combiner and "
+                              "dynamic-table settings")
         tables.setdefault(table, shape)
     return by_name
 
