@@ -38,7 +38,6 @@ __all__ = [
     "EASYREC_NO_EFFECT_FIELDS",
     "EASYREC_NOT_IMPLEMENTED_FIELDS",
     "EASYREC_NOT_IMPLEMENTED_VALUES",
-    "IMPLEMENTED_MODEL_CLASSES",
     "check_implemented",
     "infer_model_class",
     "not_implemented_field_message",

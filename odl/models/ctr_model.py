@@ -40,10 +40,10 @@ lookups of the same layout, so a model's math exists once; nothing else in train
 publishing, export or serving is model specific.
 
 Adding a model: one module of this package that subclasses ``CtrModel`` (in ``__init__``
-build ``self.ebc`` from ``odl.models.embedding_tables``, ``self.dense`` (a scriptable module
-following the rules above) and ``self.pooled_layout``, set ``self.output_names``; implement
-``loss``) and registers its class (``odl.models.model_registry``), plus its settings message
-in ``protos/pipeline.proto``.
+build ``self.ebc`` with ``set_tables`` from a layout of ``odl.models.embedding_tables``,
+``self.dense`` (a scriptable module following the rules above) and ``self.pooled_layout``,
+set ``self.output_names``; implement ``loss``) and registers its class
+(``odl.models.model_registry``), plus its settings message in ``protos/pipeline.proto``.
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ from odl.features.batch import Batch
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from odl.models.embedding_tables import EmbeddingLayout
 
 logger = logging.getLogger(__name__)
 
@@ -209,6 +211,17 @@ class CtrModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._gathers: dict[tuple, list[_ColumnGather]] = {}
+
+    def set_tables(self, layout: EmbeddingLayout, device: torch.device | str = "meta") -> None:
+        """Sets ``self.layout`` and builds ``self.ebc``, its tables, on ``device``.
+
+        Args:
+            layout: the model's table layout (``odl.models.embedding_tables``).
+            device: where the tables are built (``meta``: materialized by DMP).
+        """
+        self.layout = layout
+        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(device),
+                                          is_weighted=layout.weighted)
 
     @property
     def outputs(self) -> list[tuple[str, int]]:

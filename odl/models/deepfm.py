@@ -38,7 +38,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config import limits
 from odl.config.config_error import ConfigError
@@ -389,9 +388,7 @@ class DeepFM(CtrModel):
         use_fm: bool = True,
     ) -> None:
         super().__init__()
-        self.layout = layout
-        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device),
-                                          is_weighted=layout.weighted)
+        self.set_tables(layout, ebc_device)
         col = {n: i for i, n in enumerate(dense_features)}
         # the deep group: its other lookups, then each sequence block's
         dim_of = dict(zip((f for f, _t in layout.deep_keys), layout.deep_dims, strict=True))

@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config.config_error import ConfigError
 from odl.features.batch import Batch
@@ -110,9 +109,7 @@ class FM(CtrModel):
                  wide_dense: Sequence[str], model_config: pipeline_pb2.EasyRecModel,
                  output_name: str = "label", ebc_device: "torch.device | str" = "meta") -> None:
         super().__init__()
-        self.layout = layout
-        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device),
-                                          is_weighted=layout.weighted)
+        self.set_tables(layout, ebc_device)
         col = {n: i for i, n in enumerate(dense_features)}
         dims = set(layout.deep_dims)
         self.dense = FMDense(len(layout.deep_keys), dims.pop() if len(dims) == 1 else 0,

@@ -42,7 +42,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config import limits
 from odl.config.config_error import ConfigError
@@ -225,9 +224,7 @@ class MultiTaskModel(CtrModel):
         sequences: Sequence[SequenceBlock] = (),
     ) -> None:
         super().__init__()
-        self.layout = layout
-        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device),
-                                          is_weighted=layout.weighted)
+        self.set_tables(layout, ebc_device)
         col = {n: i for i, n in enumerate(dense_features)}
         table_of = dict(layout.deep_keys)
         dim_of = dict(zip((f for f, _t in layout.deep_keys), layout.deep_dims, strict=True))

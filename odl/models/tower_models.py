@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.config import limits
 from odl.config.config_error import ConfigError
@@ -207,9 +206,7 @@ class TowerModel(CtrModel):
         din_dense: "dict[str, tuple[int, int]] | None" = None,
     ) -> None:
         super().__init__()
-        self.layout = layout
-        self.ebc = EmbeddingBagCollection(tables=layout.configs, device=torch.device(ebc_device),
-                                          is_weighted=layout.weighted)
+        self.set_tables(layout, ebc_device)
         table_of = dict(layout.deep_keys)
         dim_of = {f: d for (f, _t), d in zip(layout.deep_keys, layout.deep_dims, strict=True)}
         col = {n: i for i, n in enumerate(dense_features)}
