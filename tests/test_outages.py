@@ -8,6 +8,7 @@ SIGTERM (the noida broker saves its data) and started again on the same port and
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -386,10 +387,19 @@ def test_checkpoint_disk_full_keeps_previous_and_retries(kafka_bootstrap, kafka_
         produce(kafka_bootstrap, topic, values[:500], PARTS)  # >= 10 steps: >= 2 checkpoints
         _wait(lambda: trainer.caught_up(end_offsets(kafka_bootstrap, topic)), 90, "phase 1")
         good = max(_ckpt_steps(model_dir))
-        st = os.statvfs(mnt)
         filler = os.path.join(mnt, "filler")
-        with open(filler, "wb") as f:  # leave ~64 KiB: far less than one checkpoint
-            f.write(b"\0" * max(0, st.f_bavail * st.f_frsize - (64 << 10)))
+        # fill the disk until ENOSPC (so other small writes meanwhile cannot make the filler
+        # fail), then leave ~64 KiB: far less than one checkpoint
+        with open(filler, "wb", buffering=0) as f:
+            chunk = b"\0" * (1 << 20)
+            while True:
+                try:
+                    f.write(chunk)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
+        os.truncate(filler, max(0, os.path.getsize(filler) - (64 << 10)))
         produce(kafka_bootstrap, topic, values[500:1500], PARTS)  # >= 20 steps
         _wait(lambda: trainer.caught_up(end_offsets(kafka_bootstrap, topic)), 90, "phase 2")
         st_doc, code, health = _status(trainer)
