@@ -6,7 +6,7 @@ STAMP := $(VENV)/.odl-installed
 PROTO_SRC := $(wildcard protos/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,odl/protos/%_pb2.py,$(PROTO_SRC))
 
-.PHONY: venv protos browser test demo demo-cloud demo-filestream lint bench clean
+.PHONY: venv protos browser test demo demo-cloud demo-filestream lint bench clean gpu-check
 
 venv: $(STAMP)
 
@@ -46,6 +46,13 @@ browser:
 TEST_WORKERS ?= 2
 test: venv protos browser
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
+
+# On a GPU machine whose python3 holds a CUDA torch: installs fbgemm-gpu / torchrec paired
+# with it and the other pins (bench/gpu_install.sh), then runs every check that needs the GPU
+# and prints one JSON (bench/gpu_check.py; docs/benchmarks.md#gpu-check).
+gpu-check:
+	bench/gpu_install.sh
+	$(PYTHON) bench/gpu_check.py --json gpu_check.json
 
 demo: venv protos
 	$(BIN)/python -m odl.demos.kafka_demo

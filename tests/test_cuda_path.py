@@ -132,3 +132,69 @@ def test_in_batch_learning_on_cuda_equals_cpu(tmp_path):
         oc, og = cpu.train_step(b), gpu.train_step(b)
         np.testing.assert_allclose(og.probs, oc.probs, atol=1e-4, rtol=0)
     _assert_tables_equal(cpu, gpu, atol=1e-4)
+
+
+def test_dynamic_tables_on_cuda_equal_cpu(tmp_path):
+    """Admission, expiry, eviction and the row remap give the CPU's predictions, tables and
+    id index on CUDA (the index lives on the host either way)."""
+    from tests.test_dynamic_tables import _config as dynamic_config
+    from tests.test_dynamic_tables import _records as dynamic_records
+
+    cfg = dynamic_config(str(tmp_path / "m"))
+    fbd = FeatureBuilder(cfg)
+    records = dynamic_records(64 * 30, seed=3)
+    cpu = TrainModule(cfg, fbd, device="cpu")
+    gpu = TrainModule(cfg, fbd, device="cuda")
+    for k in range(0, len(records), 64):
+        b = fbd.build(records[k:k + 64]).batch
+        oc, og = cpu.train_step(b), gpu.train_step(b)
+        np.testing.assert_allclose(og.probs, oc.probs, atol=1e-4, rtol=0)
+    assert cpu.dynamic.tables and set(cpu.dynamic.tables) == set(gpu.dynamic.tables)
+    ids = np.arange(-5, 200)
+    for name, table in cpu.dynamic.tables.items():
+        np.testing.assert_array_equal(gpu.dynamic.tables[name].lookup(ids), table.lookup(ids))
+    _assert_tables_equal(cpu, gpu, atol=1e-4)
+
+
+def _rank_on_its_gpu(rank: int, world: int, model_dir: str, schedule: list) -> tuple:
+    """One rank of ``test_two_nccl_ranks_train_as_one_process``, on ``cuda:<rank>``."""
+    from tests.test_distributed_training import ROW_WISE_MIN_ROWS, _config, _tables
+
+    torch.cuda.set_device(rank)
+    config = _config(model_dir)
+    fbr = FeatureBuilder(config)
+    tm = TrainModule(config, fbr, device=f"cuda:{rank}", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    probs = [tm.train_step(fbr.build(step[rank]).batch).probs for step in schedule]
+    tables = _tables(tm.state_dict_for_checkpoint())  # gathered on rank 0
+    dense = {k: v.detach().cpu().numpy() for k, v in tm.dense_parameters().items()}
+    return np.concatenate(probs), tables, dense
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="needs 2 GPUs: TorchRec places rank r's table shards on cuda:r")
+def test_two_nccl_ranks_train_as_one_process(tmp_path):
+    """Two NCCL ranks, one GPU each, train the model one CUDA process trains on the whole
+    batches: predictions, gathered tables and dense parameters."""
+    from odl.datagen.bursty_stream import BurstyStream
+    from odl.harness.spawned_ranks import run_ranks
+    from tests.test_distributed_training import BATCH, _config, _even, _merged_probs, _tables
+
+    world = 2
+    records = BurstyStream(seed=4).next_batch(6 * BATCH).encode("csv")
+    got = run_ranks(_rank_on_its_gpu, world, world, str(tmp_path / "m"),
+                    _even(records, world))
+    config = _config(str(tmp_path / "one"))
+    fbo = FeatureBuilder(config)
+    one = TrainModule(config, fbo, device="cuda")
+    probs = np.concatenate([one.train_step(fbo.build(records[k:k + BATCH]).batch).probs
+                            for k in range(0, len(records), BATCH)])
+    np.testing.assert_allclose(_merged_probs(got, world, len(records)), probs, atol=1e-4,
+                               rtol=0)
+    tables = _tables(one.state_dict_for_checkpoint())
+    assert set(got[0][1]) == set(tables) and got[1][1] == {}
+    for name, t in tables.items():
+        np.testing.assert_allclose(got[0][1][name], t, atol=1e-4, rtol=0, err_msg=name)
+    for name, v in one.dense_parameters().items():
+        for r in range(world):
+            np.testing.assert_allclose(got[r][2][name], v.detach().cpu().numpy(), atol=1e-4,
+                                       rtol=0, err_msg=f"rank {r} {name}")

@@ -9,6 +9,8 @@ import logging
 import os
 from typing import TYPE_CHECKING
 
+from odl.config.config_error import ConfigError
+
 if TYPE_CHECKING:
     import torch
 
@@ -57,12 +59,24 @@ def resolve_device(device: str) -> torch.device:
 
     A CUDA device without an index is the rank's own GPU under ``torchrun``
     (``cuda:<LOCAL_RANK>``), so the ranks of one host do not all share GPU 0.
+
+    Raises:
+        ConfigError: the device is a GPU this host does not have (more ranks than GPUs:
+            TorchRec places local rank r's table shards on ``cuda:r``).
     """
     import torch
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return rank_device(torch.device(device), os.environ.get("LOCAL_RANK"))
+    chosen = rank_device(torch.device(device), os.environ.get("LOCAL_RANK"))
+    if chosen.type == "cuda" and torch.cuda.is_available():
+        gpus = torch.cuda.device_count()
+        if (chosen.index or 0) >= gpus:
+            # TorchRec places the table shards of local rank r on cuda:r: ranks cannot share
+            raise ConfigError(
+                f"this rank trains on {chosen}, but this host has {gpus} GPU(s): run at most "
+                f"one rank per GPU (--nproc / torchrun --nproc_per_node <= {gpus})")
+    return chosen
 
 
 def rank_device(device: torch.device, local_rank: str | None) -> torch.device:
