@@ -13,7 +13,10 @@ considered, and every shard is verified after the download. It then loads:
   embedding inputs (``PooledGroup``s; an export without the key is read as DeepFM's two
   groups ``deep_lookups`` / ``wide_lookups``);
 * ``pipeline.config`` -> the same ``FeatureBuilder`` as training (parsing, fnv1a64 hashing),
-  so request records map to the same rows;
+  so request records map to the same rows; the config's data and features are validated
+  first (``odl.config.config_validation.validate_data_and_features``: the plan takes a
+  validated config, and ``odl-export`` writes the config it was given), so an export whose
+  features break a rule is refused by field;
 * ``DENSE_UPDATE_VARIABLES`` / ``embed_name_to_ids.txt`` -> the id maps;
 * ``embeddings/`` (or ``serving_model.json``'s ``embeddings_dir``) -> one float32
   ``[rows, dim]`` tensor per table; every shard must exist, have the manifest's shape, cover
@@ -41,6 +44,7 @@ import numpy as np
 import torch
 
 from odl.checkpoint.file_digest import sha256_file
+from odl.config.config_validation import validate_data_and_features
 from odl.config.pipeline_config import load_pipeline_config
 from odl.export.export_layout import (
     CONFIG_FILE,
@@ -201,7 +205,8 @@ def read_export(export_dir: str, verify: bool = True) -> ExportContents:
         The export's contents.
 
     Raises:
-        ExportLoadError: missing, malformed or inconsistent files.
+        ExportLoadError: missing, malformed or inconsistent files, or a config whose data or
+            features break a validation rule.
     """
     origin = find_latest_export(export_dir)
     path = origin
@@ -218,6 +223,7 @@ def read_export(export_dir: str, verify: bool = True) -> ExportContents:
         with open(os.path.join(path, SERVING_MODEL_FILE), encoding="utf-8") as f:
             sig = json.load(f)
         config = load_pipeline_config(os.path.join(path, CONFIG_FILE))
+        validate_data_and_features(config)  # the rules the feature plan relies on
         fb = FeatureBuilder(config, check_event_time=False)  # requests need no event time
         id_maps = read_id_maps(path)
         groups = pooled_inputs_of(sig)

@@ -257,15 +257,58 @@ def test_feature_builder_combo_empty_input_gives_no_id():
     assert b.sparse.to_dict()["user"].lengths().tolist() == [0]
 
 
-def test_feature_builder_config_errors():
+# CONFIG as a whole pipeline config, for the checks of odl.models.model_registry
+MODEL = """
+model_dir: "/tmp/odl-test-features-unused"
+train_input_path: "/tmp/odl-test-features-unused.csv"
+model_config {
+  model_class: "DeepFM"
+  feature_groups { group_name: "wide" wide_deep: WIDE
+                   feature_names: ["age_bucket", "user", "tags", "cat", "shop_id", "user_cat"] }
+  feature_groups { group_name: "deep" wide_deep: DEEP
+                   feature_names: ["price", "user", "tags", "cat", "shop_id", "user_cat"] }
+  deepfm { dnn { hidden_units: [8] } wide_output_dim: 1 }
+}
+train_config {
+  sparse_optimizer { adagrad_optimizer { lr: 0.1 } }
+  dense_optimizer { adam_optimizer { lr: 0.005 } }
+}
+"""
+
+
+def refused_field(c) -> str:
+    """The field ``check_pipeline_config`` names refusing ``c`` (CONFIG edited, + MODEL)."""
+    from odl.config.config_error import ConfigError
+    from odl.models.model_registry import check_pipeline_config
+
+    c.MergeFrom(text_format.Parse(MODEL, pipeline_pb2.EasyRecConfig()))
+    with pytest.raises(ConfigError) as info:
+        check_pipeline_config(c, online=False)
+    return info.value.field
+
+
+def test_the_config_is_valid_as_a_pipeline_config():
+    from odl.models.model_registry import check_pipeline_config
+
+    c = config()
+    c.MergeFrom(text_format.Parse(MODEL, pipeline_pb2.EasyRecConfig()))
+    check_pipeline_config(c, online=False)
+
+
+def test_feature_config_errors_name_the_field():
+    """The feature rules are validation's (the builder takes a validated config)."""
     c = config()
     c.feature_config.features[2].num_buckets = 5  # both hash_bucket_size and num_buckets
-    with pytest.raises(ValueError, match="feature_configs\\[2\\]"):
-        FeatureBuilder(c)
+    assert refused_field(c) == "feature_config.features[2].hash_bucket_size"
     c = config()
     c.feature_config.features[5].num_buckets = 8  # shared table with different sizes
-    with pytest.raises(ValueError, match="shared"):
-        FeatureBuilder(c)
+    assert refused_field(c) == "feature_config.features[5].embedding_name"
+    c = config()
+    c.feature_config.features[0].combiner = "max"  # a dense number's: not read, not accepted
+    assert refused_field(c) == "feature_config.features[0].combiner"
+    c = config()
+    c.data_config.input_fields[6].default_val = "3.5"  # the parser reads INT64 as integers
+    assert refused_field(c) == "data_config.input_fields[6].default_val"
 
 
 # -- vocabularies and raw value normalization (odl.config.feature_settings) ------------------
@@ -289,14 +332,26 @@ feature_config {
 """
 
 
-def _vocab_builder(tmp_path, file_text="a\r\nü\nbb\n", extra=""):
+def _vocab_builder(tmp_path, file_text="a\r\nü\nbb\n", extra="", write=True):
     from odl.config.config_forms import normalize_config_forms
 
     vocab = tmp_path / "tags.txt"
-    vocab.write_bytes(file_text.encode())
+    if write:
+        vocab.write_bytes(file_text.encode())
     c = text_format.Parse(VOCAB_CONFIG % vocab + extra, pipeline_pb2.EasyRecConfig())
     normalize_config_forms(c)  # TagFeature -> IdFeature
     return FeatureBuilder(c)
+
+
+def test_a_vocabulary_the_builder_cannot_read_is_refused_by_field(tmp_path):
+    """The builder reads vocab_file itself: its errors name the field as validation does."""
+    _vocab_builder(tmp_path)
+    (tmp_path / "tags.txt").unlink()
+    from odl.config.config_error import ConfigError
+
+    with pytest.raises(ConfigError, match="file not found") as info:
+        _vocab_builder(tmp_path, write=False)
+    assert info.value.field == "feature_config.features[1].vocab_file"
 
 
 def test_vocabulary_ids_are_list_indices_and_oov_is_row_0(tmp_path):

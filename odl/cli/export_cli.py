@@ -62,13 +62,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     setup_logging(args.log_level)
     from odl.checkpoint.checkpoint_manager import CheckpointError
     from odl.config.config_error import ConfigError
+    from odl.config.config_validation import validate_data_and_features
     from odl.config.pipeline_config import load_pipeline_config
     from odl.export.exporter import ExportError, export_checkpoint
+    from odl.models.model_registry import validate_model
     from odl.storage.oss_credentials import OssCredentialsError
     from odl.storage.oss_store import StorageError
 
     try:
         config = load_pipeline_config(args.pipeline_config_path, args.edit_config_json)
+        # what the export builds: the feature plan and the model (not the inputs)
+        validate_data_and_features(config)
+        validate_model(config)
     except ConfigError as exc:
         print(f"odl-export: {exc}", file=sys.stderr)
         return 2

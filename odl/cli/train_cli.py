@@ -174,7 +174,7 @@ def _main(argv: Optional[list[str]]) -> int:
         if args.train_input_path:
             config.train_input_path = args.train_input_path
         check_pipeline_config(config, online=args.online)
-        FeatureBuilder(config)  # the feature checks the trainer does at start
+        FeatureBuilder(config)  # reads the vocabularies as the trainer does at start
         token = resolve_auth_token(args.auth_token_file or None)
         # the checks against this machine, before anything is allocated
         start = check_start(config, online=args.online, device=args.device,

@@ -34,7 +34,7 @@ from odl.config.config_error import ConfigError
 from odl.config.config_fields import is_map_field, join_path
 from odl.config.config_forms import normalize_config_forms
 from odl.config.easyrec_compat import check_implemented
-from odl.config.feature_configs import NUMERIC_FIELD_TYPES
+from odl.config.feature_configs import NUMERIC_FIELD_TYPES, FeatureConfig
 from odl.config.feature_settings import validate_feature_settings, with_vocabularies_as_buckets
 from odl.config.field_formats import path_scheme
 from odl.config.input_validation import validate_input_sections
@@ -48,6 +48,7 @@ from odl.storage.storage_path import UnsupportedPathError, check_supported, pars
 
 __all__ = [
     "check_path_schemes",
+    "validate_data_and_features",
     "validate_pipeline_config",
 ]
 
@@ -72,15 +73,48 @@ def validate_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -
         raise ConfigError("model_dir", "required (set it in the config or pass --model_dir)")
     check_path_schemes(config, online)
     validate_input_sections(config, online)
+    checked, features = _validate_data_and_features(config)
+    validate_model_common(checked, features)
+    validate_train_config(config)
+
+
+def validate_data_and_features(config: pipeline_pb2.EasyRecConfig) -> None:
+    """Checks what a feature plan relies on: ``data_config`` and the features.
+
+    The part of :func:`validate_pipeline_config` that ``odl.features.feature_plan`` needs, for
+    a reader that builds a plan from a config it did not train with (serving, from an
+    export's ``pipeline.config``); input sections, the model and ``train_config`` are not
+    checked.
+
+    Args:
+        config: a loaded config (rewritten into one form in place, as
+            :func:`validate_pipeline_config` does).
+
+    Raises:
+        ConfigError: naming the offending field.
+    """
+    normalize_config_forms(config)
+    check_implemented(config)
+    _check_finite(config, "")
+    _validate_data_and_features(config)
+
+
+def _validate_data_and_features(
+    config: pipeline_pb2.EasyRecConfig,
+) -> tuple[pipeline_pb2.EasyRecConfig, dict[str, FeatureConfig]]:
+    """``data_config``, feature settings, loss and GAUC columns, then every feature.
+
+    Returns:
+        The config as the feature checks read it (vocabularies as bucket counts) and the
+        features by name.
+    """
     fields = _validate_data_config(config)
     validate_feature_settings(config)
     validate_loss_settings(config)
     grouped_auc_field(config)
     grouped_auc_reduction(config)
     checked = with_vocabularies_as_buckets(config)
-    features = validate_features(checked, fields)
-    validate_model_common(checked, features)
-    validate_train_config(config)
+    return checked, validate_features(checked, fields)
 
 
 def _check_finite(msg: Message, prefix: str) -> None:
@@ -176,12 +210,11 @@ def _validate_data_config(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
                               f"[{list(fields).index(f.input_name)}])")
         fields[f.input_name] = f.input_type
         if f.default_val and f.input_type in NUMERIC_FIELD_TYPES:
-            ok = (f.default_val.lower() in ("true", "false", "0", "1")
-                  if f.input_type == _FIELD_TYPE.BOOL else _is_number(f.default_val))
-            if not ok:
+            wanted = _default_text_error(f.default_val, f.input_type)
+            if wanted:
                 raise ConfigError(f"{where}.default_val",
                                   f"{f.default_val!r} is not a valid "
-                                  f"{_FIELD_TYPE.Name(f.input_type)}")
+                                  f"{_FIELD_TYPE.Name(f.input_type)} ({wanted})")
     if not dc.label_fields:
         raise ConfigError("data_config.label_fields", "required (the label column)")
     if len(dc.label_fields) > 1 and not is_multi_task_model(config.model_config):
@@ -211,9 +244,24 @@ def _validate_data_config(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
     return fields
 
 
-def _is_number(text: str) -> bool:
+def _default_text_error(text: str, field_type: int) -> str:
+    """What a numeric field's ``default_val`` must be, or "" when ``text`` is that.
+
+    The record parser (``odl.features.record_parser``) reads the default as it reads the
+    field's values: an INT32 / INT64 field an integer in int64's range, a FLOAT / DOUBLE field
+    a finite number, a BOOL field ``true`` / ``false`` / ``0`` / ``1`` (any case).
+    """
+    if field_type == _FIELD_TYPE.BOOL:
+        ok = text.lower() in ("true", "false", "0", "1")
+        return "" if ok else "true, false, 0 or 1"
+    if field_type in (_FIELD_TYPE.INT32, _FIELD_TYPE.INT64):
+        try:
+            ok = -(1 << 63) <= int(text) < (1 << 63)
+        except ValueError:
+            ok = False
+        return "" if ok else "an integer in int64's range"
     try:
-        float(text)
+        ok = math.isfinite(float(text))
     except ValueError:
-        return False
-    return True
+        ok = False
+    return "" if ok else "a finite number"

@@ -115,12 +115,12 @@ def _probability(value: float, path: str) -> float:
     return float(value)
 
 
-def _from_ev(ev: pipeline_pb2.EVParams, fc: pipeline_pb2.FeatureConfig,
-             path: str) -> DynamicTableSpec:
+def _from_ev(ev: pipeline_pb2.EVParams, fc: pipeline_pb2.FeatureConfig, path: str,
+             feature_path: str) -> DynamicTableSpec:
     if ev.HasField("max_capacity") or not fc.hash_bucket_size:
         capacity = _capacity(int(ev.max_capacity), f"{path}.max_capacity")
     else:
-        capacity = _capacity(int(fc.hash_bucket_size), "hash_bucket_size")
+        capacity = _capacity(int(fc.hash_bucket_size), f"{feature_path}.hash_bucket_size")
     ttl = int(ev.steps_to_live)
     interval = min(EV_MAINTENANCE_INTERVAL, max(1, ttl // 4)) if ttl else EV_MAINTENANCE_INTERVAL
     return DynamicTableSpec(
@@ -195,7 +195,8 @@ def dynamic_table_spec(
     Args:
         fc: the feature's config.
         model_ev: ``model_config.ev_params`` when the config sets it, else None.
-        path: the feature's config path (``feature_configs[3]``), for errors.
+        path: the feature's config path (``feature_configs[3]`` or
+            ``feature_config.features[3]``, as ``feature_list_path`` gives it), for errors.
 
     Returns:
         The spec, or None.
@@ -217,11 +218,11 @@ def dynamic_table_spec(
                               "only IdFeature and ComboFeature tables can be dynamic")
         return None
     if not forms:
-        return _from_ev(model_ev, fc, "model_config.ev_params")
+        return _from_ev(model_ev, fc, "model_config.ev_params", path)
     form = forms[0]
     sub = f"{path}.{form}"
     if form == "ev_params":
-        return _from_ev(fc.ev_params, fc, sub)
+        return _from_ev(fc.ev_params, fc, sub, path)
     if form == "zch":
         return _from_zch(fc.zch, sub)
     return _from_accessor(fc.ctr_accessor_param, fc, sub)

@@ -130,13 +130,14 @@ def expand_shared_names(config: pipeline_pb2.EasyRecConfig) -> None:
         ConfigError: an empty or too long range.
     """
     auto = config.data_config.auto_expand_input_fields
-    for container in (config.feature_configs, config.feature_config.features):
+    for prefix, container in (("feature_configs", config.feature_configs),
+                              ("feature_config.features", config.feature_config.features)):
         extra = []
         for i, fc in enumerate(container):
             if not fc.shared_names:
                 continue
             names = [x for n in fc.shared_names
-                     for x in (expand_names(n, f"feature_configs[{i}].shared_names")
+                     for x in (expand_names(n, f"{prefix}[{i}].shared_names")
                                if auto else [n])]
             fc.ClearField("shared_names")
             for name in names:

@@ -4,7 +4,9 @@
   ComboFeature has ``embedding_dim`` and exactly one of ``hash_bucket_size`` /
   ``num_buckets``; a RawFeature reads a numeric field and is either dense (no
   ``embedding_dim``) or bucketized (ascending ``boundaries`` and an ``embedding_dim``);
-  features sharing an ``embedding_name`` have the same table shape; sizes stay within
+  ``combiner`` is ``sum`` or ``mean`` on every feature (a dense number has nothing to pool
+  and its combiner is not read, but no other value is accepted there either); features
+  sharing an ``embedding_name`` have the same table shape; sizes stay within
   :mod:`odl.config.limits`;
 * the model's common part: loss terms, ``num_class``, unique non-empty feature groups naming
   existing features, combiners of the SequenceFeatures they list.
@@ -13,6 +15,11 @@ The checks model modules share are here too (:func:`validate_dnn`,
 :func:`validate_sequence_groups`); a class's own settings are checked by its module
 (``odl.models.model_registry``). Called by
 :func:`odl.config.config_validation.validate_pipeline_config`.
+
+:func:`validate_features` (with :mod:`odl.config.feature_settings` for vocabularies and
+normalization and :mod:`odl.config.dynamic_table_config` for dynamic tables) holds every
+static rule of a feature: the feature plan (``odl.features.feature_plan``) builds from a
+config that passed it and checks only what needs a vocabulary's entries.
 """
 
 from __future__ import annotations

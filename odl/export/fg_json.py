@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from odl.config.feature_configs import feature_configs
+from odl.config.feature_configs import feature_configs, feature_list_path
 from odl.config.feature_settings import has_vocabulary, read_vocabulary
 from odl.protos import pipeline_pb2
 
@@ -79,7 +79,7 @@ def fg_json_of(config: pipeline_pb2.EasyRecConfig) -> dict[str, Any]:
         if fc.num_buckets:
             entry["num_buckets"] = int(fc.num_buckets)
         if has_vocabulary(fc):
-            entry["vocab_list"] = read_vocabulary(fc, f"feature_configs[{i}]")
+            entry["vocab_list"] = read_vocabulary(fc, f"{feature_list_path(config)}[{i}]")
         if fc.boundaries:
             entry["boundaries"] = [float(b) for b in fc.boundaries]
         if kind == _FT.RawFeature and fc.raw_input_dim > 1:

@@ -1,7 +1,9 @@
 """Turns raw records into model batches: parse, hash / bucketize, pack as a KeyedJaggedTensor.
 
 What each feature becomes is the plan's (``odl.features.feature_plan``, its module docstring
-lists the feature kinds); :class:`FeatureBuilder` is a plan that builds batches by it.
+lists the feature kinds); :class:`FeatureBuilder` is a plan that builds batches by it, with
+the column operations of ``odl.features.column_ops``. Like the plan it takes a validated
+config and checks no config rule of its own.
 
 Only fields that some feature, the label, or the event time reads are validated as numbers;
 other columns are carried as text and never reject a record.
@@ -36,9 +38,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from odl.features.column_ops import bag_weights, raw_ids, sequence_positions, split_column
 from odl.features.feature_plan import FeaturePlan, PlannedDense, PlannedSparse
 from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments
-from odl.features.raw_id_index import RAW_ID_MASK
 from odl.features.record_parser import ParsedColumns, parse_numbers
 
 if TYPE_CHECKING:
@@ -123,8 +125,8 @@ class BuildResult:
 class FeatureBuilder(FeaturePlan):
     """Builds ``Batch``es from raw record bytes by its feature plan (module docstring).
 
-    Made as a :class:`FeaturePlan` is (the same arguments); the event-time window it checks
-    is this module's.
+    Made as a :class:`FeaturePlan` is (the same arguments: a validated config); the
+    event-time window it checks is this module's.
     """
 
     # the last "unprocessable record" traceback logged (monotonic seconds), per builder
@@ -257,13 +259,14 @@ class FeatureBuilder(FeaturePlan):
         if parsed.num_rows == 0:
             return ArraysResult(None, parsed.accepted, rejected)
         raw = parsed.buffer.tobytes()
-        sep_pos = self._separator_positions(raw)
+        sep_pos = self._separatorsequence_positions(raw)
         pieces = {}
         bad = np.zeros(parsed.num_rows, dtype=bool)
         tag_weights: dict[str, np.ndarray] = {}
         for sp in self._sparse:
             if sp.kind in ("hash", "int", "vocab"):
-                pieces[sp.name] = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+                pieces[sp.name] = split_column(parsed, sp.inputs[0], sp.separator,
+                                               sep_pos[sp.separator])
                 if sp.weights_input or sp.kv_separator:
                     s, e, lengths, w, wrong = self._tag_weights(parsed, sp, pieces[sp.name],
                                                                 sep_pos)
@@ -286,7 +289,8 @@ class FeatureBuilder(FeaturePlan):
             overflow |= ~(np.abs(values) <= _FLOAT32_MAX).all(axis=1)
         for sp in self._sparse:
             if sp.kind == "bucket" and sp.seq_len:
-                s, e, lengths = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+                s, e, lengths = split_column(parsed, sp.inputs[0], sp.separator,
+                                             sep_pos[sp.separator])
                 numbers, ok = parse_numbers(parsed.buffer, s, e, "float")
                 row = np.repeat(np.arange(parsed.num_rows), lengths)
                 bad[row[~ok]] = True
@@ -339,7 +343,7 @@ class FeatureBuilder(FeaturePlan):
             bad[row[missing | ~ok | ~np.isfinite(w)]] = True
             e = k
         else:
-            ws, we, wlen = _split(parsed, sp.weights_input, sp.separator,
+            ws, we, wlen = split_column(parsed, sp.weights_input, sp.separator,
                                   sep_pos[sp.separator])
             bad |= wlen != lengths
             w = np.ones(s.shape[0], dtype=np.float64)
@@ -366,7 +370,7 @@ class FeatureBuilder(FeaturePlan):
         if not d.separator:
             v = parsed.numeric[d.input].astype(np.float64, copy=False).reshape(n, 1)
         else:
-            s, e, lengths = _split(parsed, d.input, d.separator, sep_pos[d.separator])
+            s, e, lengths = split_column(parsed, d.input, d.separator, sep_pos[d.separator])
             numbers, ok = parse_numbers(parsed.buffer, s, e, "float")
             row = np.repeat(np.arange(n), lengths)
             bad[row[~ok]] = True
@@ -386,7 +390,7 @@ class FeatureBuilder(FeaturePlan):
                 v = np.where(np.arange(d.width)[None, :] < kept[:, None], v, 0.0)
         return v, bad, kept
 
-    def _separator_positions(self, raw: bytes) -> dict[bytes, np.ndarray | None]:
+    def _separatorsequence_positions(self, raw: bytes) -> dict[bytes, np.ndarray | None]:
         out: dict[bytes, np.ndarray | None] = {}
         for sep in self._seps:
             if raw.find(sep) < 0:
@@ -411,19 +415,21 @@ class FeatureBuilder(FeaturePlan):
         n = parsed.num_rows
         buf = parsed.buffer
         if sep_pos is None:
-            sep_pos = self._separator_positions(raw)
+            sep_pos = self._separatorsequence_positions(raw)
         pieces = dict(pieces or {})
         tag_weights = dict(tag_weights or {})
         for sp in self._sparse:
             if sp.kind in ("hash", "int", "vocab") and sp.name not in pieces:
-                pieces[sp.name] = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+                pieces[sp.name] = split_column(parsed, sp.inputs[0], sp.separator,
+                                               sep_pos[sp.separator])
                 if sp.weights_input or sp.kv_separator:
                     s, e, lengths, w, _bad = self._tag_weights(parsed, sp, pieces[sp.name],
                                                                sep_pos)
                     pieces[sp.name] = (s, e, lengths)
                     tag_weights[sp.name] = w
             if sp.kind == "bucket" and sp.seq_len and sp.name not in pieces:
-                s, e, lengths = _split(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+                s, e, lengths = split_column(parsed, sp.inputs[0], sp.separator,
+                                             sep_pos[sp.separator])
                 pieces[sp.name] = (lengths, parse_numbers(buf, s, e, "float")[0])
             if sp.kind == "int" and len(pieces[sp.name]) == 3:
                 s, e, lengths = pieces[sp.name]
@@ -448,11 +454,11 @@ class FeatureBuilder(FeaturePlan):
         for sp in self._sparse:
             if sp.kind == "hash":
                 _, _, lengths = pieces[sp.name]
-                ids = (_raw_ids(hashed[sp.name]) if sp.raw_ids
+                ids = (raw_ids(hashed[sp.name]) if sp.raw_ids
                        else bucketize_hashes(hashed[sp.name], sp.num_rows))
             elif sp.kind == "int":
                 _, _, lengths, ints = pieces[sp.name]
-                ids = _raw_ids(ints) if sp.raw_ids else np.mod(ints, sp.num_rows)
+                ids = raw_ids(ints) if sp.raw_ids else np.mod(ints, sp.num_rows)
             elif sp.kind == "vocab":
                 s, e, lengths = pieces[sp.name]
                 ids = sp.vocab.lookup(hashed[sp.name], e - s)
@@ -468,12 +474,12 @@ class FeatureBuilder(FeaturePlan):
             else:
                 ids, lengths = self._combo(parsed, sp)
             if sp.seq_len:
-                ids, lengths, kept = _positions(ids, lengths, sp.seq_len)
+                ids, lengths, kept = sequence_positions(ids, lengths, sp.seq_len)
                 seq_lengths[sp.name] = kept
             values_list.append(ids)
             lengths_list.append(lengths)
             if self._weighted:
-                weights_list.append(_bag_weights(tag_weights.get(sp.name), lengths, sp.mean))
+                weights_list.append(bag_weights(tag_weights.get(sp.name), lengths, sp.mean))
         values = np.concatenate(values_list) if values_list else np.zeros(0, dtype=np.int64)
         lengths = (np.concatenate(lengths_list) if lengths_list
                    else np.zeros(0, dtype=np.int64)).astype(np.int32)
@@ -539,88 +545,6 @@ class FeatureBuilder(FeaturePlan):
                 for byte in sp.combo_sep:
                     h = (h ^ np.uint64(byte)) * prime
             h = hash_segments(buf, s, e, init=h)
-        ids = _raw_ids(h[nonempty]) if sp.raw_ids else bucketize_hashes(h[nonempty], sp.num_rows)
+        ids = raw_ids(h[nonempty]) if sp.raw_ids else bucketize_hashes(h[nonempty], sp.num_rows)
         return ids, nonempty.astype(np.int64)
 
-
-def _positions(ids: np.ndarray, lengths: np.ndarray,
-               seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A sequence's ids by position: the KJT values and lengths of its ``seq_len`` keys.
-
-    Args:
-        ids: the sequence's ids, sample after sample.
-        lengths: ids per sample.
-        seq_len: positions kept (the first ones).
-
-    Returns:
-        ``(values, lengths, kept)``: position-major values (position 0's id of every sample
-        that has one, then position 1's, ...), ``[seq_len * B]`` lengths (0 or 1) in the same
-        order, and the kept length per sample.
-    """
-    lengths = lengths.astype(np.int64)
-    n = lengths.shape[0]
-    starts = np.cumsum(lengths) - lengths
-    pos = np.arange(ids.shape[0]) - np.repeat(starts, lengths)
-    sample = np.repeat(np.arange(n), lengths)
-    keep = pos < seq_len
-    order = np.lexsort((sample[keep], pos[keep]))  # position-major, samples in order
-    kept = np.minimum(lengths, seq_len)
-    per_key = (kept[None, :] > np.arange(seq_len)[:, None]).astype(np.int64).reshape(-1)
-    return ids[keep][order], per_key, kept
-
-
-def _bag_weights(weights: np.ndarray | None, lengths: np.ndarray, mean: bool) -> np.ndarray:
-    """Per-value weights of one feature in a weighted batch (module docstring).
-
-    Args:
-        weights: the values' own weights (weighted tags), or None (1 each).
-        lengths: values per bag.
-        mean: the feature's combiner is ``mean``: each weight divided by its bag's sum.
-    """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    w = (np.ones(int(lengths.sum()), dtype=np.float64) if weights is None
-         else np.asarray(weights, dtype=np.float64))
-    if not mean or w.shape[0] == 0:
-        return w
-    bag = np.repeat(np.arange(lengths.shape[0]), lengths)
-    total = np.bincount(bag, weights=w, minlength=lengths.shape[0])
-    denom = total[bag]
-    return np.divide(w, denom, out=np.zeros_like(w), where=denom != 0)
-
-
-def _raw_ids(values: np.ndarray) -> np.ndarray:
-    """The 63 low bits of hashes or integers as ``int64`` raw ids (module docstring)."""
-    return (np.asarray(values).astype(np.uint64) & np.uint64(RAW_ID_MASK)).astype(np.int64)
-
-
-def _split(
-    parsed: ParsedColumns, inp: str, sep: bytes, positions: np.ndarray | None
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Splits column ``inp`` on ``sep``; returns (piece starts, piece ends, pieces per row).
-
-    Empty pieces are dropped, so an empty value has no pieces.
-    """
-    s, e = parsed.starts[inp], parsed.ends[inp]
-    if positions is not None and positions.shape[0]:
-        lo = np.searchsorted(positions, s)
-        hi = np.searchsorted(positions, e - len(sep) + 1)
-        cnt = np.maximum(hi - lo, 0)
-    else:
-        cnt = None
-    if cnt is None or not cnt.any():
-        nonempty = e > s
-        return s[nonempty], e[nonempty], nonempty.astype(np.int64)
-    npieces = cnt + 1
-    total = int(npieces.sum())
-    first = np.cumsum(npieces) - npieces
-    k = np.arange(total) - np.repeat(first, npieces)
-    pidx = np.repeat(lo, npieces) + k
-    last = positions.shape[0] - 1
-    ps = np.where(k == 0, np.repeat(s, npieces),
-                  positions[np.clip(pidx - 1, 0, last)] + len(sep))
-    pe = np.where(k == np.repeat(cnt, npieces), np.repeat(e, npieces),
-                  positions[np.clip(pidx, 0, last)])
-    keep = pe > ps
-    row = np.repeat(np.arange(s.shape[0]), npieces)
-    lengths = np.bincount(row[keep], minlength=s.shape[0]).astype(np.int64)
-    return ps[keep], pe[keep], lengths

@@ -1,4 +1,4 @@
-"""The feature plan: what each configured feature becomes, checked once when it is made.
+"""The feature plan: what each configured feature becomes, read once when it is made.
 
 Feature kinds (``FeatureConfig.feature_type``):
 
@@ -56,12 +56,17 @@ Feature kinds (``FeatureConfig.feature_type``):
   -1 becomes 2**63 - 1) and the vocabulary index for vocabulary features. The trainer and
   serving map raw ids to rows (``odl.models.dynamic``, ``odl.features.raw_id_index``).
 
-Tables: features with the same ``embedding_name`` share one table (their row count and
-dimension must agree); otherwise a feature's table is named after the feature.
+Tables: features with the same ``embedding_name`` share one table (validation requires
+them to agree on its shape); otherwise a feature's table is named after the feature.
 
 :class:`FeaturePlan` reads the config once: the inputs each feature reads, its table (rows,
 dimension, dynamic or not), vocabularies and normalization, sequences and weights, the
-labels and the special columns; every inconsistency is a ``ConfigError`` naming the field.
+labels and the special columns. It takes a validated config: every static rule of the
+features and the data config is :mod:`odl.config.config_validation`'s (through
+:func:`odl.config.model_validation.validate_features`), and the plan checks only what needs
+the vocabularies' data: a ``vocab_file`` it cannot read (the file changed or went away since
+validation) and two entries with one FNV-1a 64 hash, each a ``ConfigError`` naming the field
+as validation does (``feature_config.features[j].vocab_file``).
 ``odl.features.feature_builder.FeatureBuilder`` builds batches by that plan.
 """
 
@@ -74,7 +79,7 @@ import numpy as np
 
 from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import DynamicTableSpec, dynamic_table_spec
-from odl.config.feature_configs import feature_configs
+from odl.config.feature_configs import FeatureConfig, feature_configs, feature_list_path
 from odl.config.feature_settings import has_vocabulary, normalizes, read_vocabulary
 from odl.config.loss_settings import jrc_session_field, num_classes, real_valued_labels
 from odl.config.metric_settings import grouped_auc_field
@@ -209,14 +214,18 @@ class FeaturePlan:
     """The features of a pipeline config, as they are built (module docstring).
 
     Args:
-        pipeline_config: the pipeline config (``data_config`` and the features).
+        pipeline_config: a config that passed validation
+            (``odl.models.model_registry.check_pipeline_config``, or
+            :func:`odl.config.config_validation.validate_data_and_features` where only the
+            data and the features matter, as in serving); the plan relies on its rules.
         max_record_bytes: records longer than this are rejected as ``oversized``.
         check_event_time: reject records whose event time is outside the window
             (``odl.features.feature_builder``); serving, which never reads event times,
             passes False.
 
     Raises:
-        ConfigError: a feature or the data config is inconsistent.
+        ConfigError: a vocabulary cannot be read or has two entries with one FNV-1a 64 hash
+            (the field named as validation names it).
     """
 
     def __init__(
@@ -227,11 +236,6 @@ class FeaturePlan:
     ) -> None:
         dc = pipeline_config.data_config
         field_types = {f.input_name: f.input_type for f in dc.input_fields}
-        if not dc.label_fields:
-            raise ConfigError("data_config.label_fields", "at least one label field is needed")
-        if len(set(dc.label_fields)) != len(dc.label_fields):
-            raise ConfigError("data_config.label_fields",
-                              f"label fields repeat: {list(dc.label_fields)}")
         self._labels = list(dc.label_fields)
         self._label = self._labels[0]
         self._sample_id_field = dc.sample_id_field
@@ -239,54 +243,28 @@ class FeaturePlan:
         self._session_field = jrc_session_field(pipeline_config)
         self._event_time_field = dc.event_time_field
         self._check_event_time = bool(check_event_time and dc.event_time_field)
-        for fname, path in (*((lf, "data_config.label_fields") for lf in self._labels),
-                            (dc.sample_id_field, "data_config.sample_id_field"),
-                            (dc.event_time_field, "data_config.event_time_field")):
-            if fname and fname not in field_types:
-                raise ConfigError(path, f"{fname!r} is not one of data_config.input_fields")
-
         self._sparse: list[PlannedSparse] = []
         self._dense: list[PlannedDense] = []
         self._seq_lengths: list[str] = []  # SequenceFeatures: a length column each
         tables: dict[str, dict] = {}
         numeric_fields: list[str] = []
         list_seps: dict[str, str] = {}
-        seen: set[str] = set()
         mc = pipeline_config.model_config
         model_ev = mc.ev_params if mc.HasField("ev_params") else None
+        prefix = feature_list_path(pipeline_config)
         for i, fc in enumerate(feature_configs(pipeline_config)):
-            path = f"feature_configs[{i}]"
+            path = f"{prefix}[{i}]"
             name = fc.feature_name
             dyn = dynamic_table_spec(fc, model_ev, path)
-            if not fc.input_names:
-                raise ConfigError(f"{path}.input_names", "a feature needs at least one input")
-            if name in seen:
-                raise ConfigError(f"{path}.feature_name", f"duplicate feature name {name!r}")
-            seen.add(name)
-            for inp in fc.input_names:
-                if inp not in field_types:
-                    raise ConfigError(
-                        f"{path}.input_names", f"{inp!r} is not one of data_config.input_fields")
-            for inp in fc.input_names:
-                if field_types[inp] != _DT.STRING:
-                    numeric_fields.append(inp)
+            numeric_fields.extend(inp for inp in fc.input_names
+                                  if field_types[inp] != _DT.STRING)
             inp0 = fc.input_names[0]
             raw_sequence = (fc.feature_type == _FT.SequenceFeature
                             and fc.sub_feature_type == _FT.RawFeature)
             if fc.feature_type == _FT.RawFeature or raw_sequence:
                 width = 1 if raw_sequence else int(fc.raw_input_dim)
-                if width < 1 or (raw_sequence and fc.raw_input_dim != 1):
-                    raise ConfigError(f"{path}.raw_input_dim",
-                                      "must be at least 1 (1 for a SequenceFeature)")
-                listed = width > 1 or raw_sequence
+                listed = width > 1 or raw_sequence  # numbers split on the separator
                 if listed:
-                    if field_types[inp0] != _DT.STRING:
-                        raise ConfigError(
-                            f"{path}.input_names",
-                            f"{inp0!r} holds several numbers split on the separator "
-                            f"{fc.separator!r}: its input field must be STRING")
-                    if not fc.separator:
-                        raise ConfigError(f"{path}.separator", "must not be empty")
                     list_seps[inp0] = fc.separator
                 else:
                     numeric_fields.append(inp0)
@@ -301,120 +279,38 @@ class FeaturePlan:
                     if raw_sequence:
                         self._seq_lengths.append(name)
                     continue
-                if width > 1:
-                    raise ConfigError(f"{path}.raw_input_dim",
-                                      "a RawFeature with boundaries buckets one number")
                 b = np.asarray(list(fc.boundaries), dtype=np.float64)
-                if np.any(np.diff(b) <= 0):
-                    raise ConfigError(f"{path}.boundaries", "must be strictly ascending")
                 if raw_sequence:
                     self._seq_lengths.append(name)
                 sp = PlannedSparse(name, "bucket", (inp0,), len(b) + 1, boundaries=b, norm=norm,
-                             separator=fc.separator.encode() if raw_sequence else b"",
-                             seq_len=seq_len)
-            elif fc.feature_type in (_FT.IdFeature, _FT.SequenceFeature):
-                if (fc.feature_type == _FT.SequenceFeature
-                        and fc.sub_feature_type != _FT.IdFeature):
-                    raise ConfigError(f"{path}.sub_feature_type",
-                                      "a SequenceFeature holds ids (IdFeature) or numbers "
-                                      "(RawFeature)")
-                vocab = None
-                if has_vocabulary(fc):
-                    if fc.hash_bucket_size or fc.num_buckets:
-                        raise ConfigError(
-                            f"{path}.hash_bucket_size",
-                            "give one of hash_bucket_size, num_buckets, vocab_list, vocab_file")
-                    vocab = Vocabulary.of(read_vocabulary(fc, path), f"{path}.vocab_list")
-                elif bool(fc.hash_bucket_size) == bool(fc.num_buckets) and not (
-                        dyn is not None and not fc.num_buckets):
-                    raise ConfigError(
-                        f"{path}.hash_bucket_size",
-                        "an IdFeature needs exactly one of hash_bucket_size or num_buckets")
-                if not fc.separator:
-                    raise ConfigError(f"{path}.separator", "must not be empty")
-                kind = "hash" if fc.hash_bucket_size else "int"
-                rows = int(fc.hash_bucket_size or fc.num_buckets)
-                if vocab is not None:
-                    kind, rows = "vocab", int(vocab.rows.shape[0])
-                if dyn is not None:
-                    if vocab is None:
-                        kind = "int" if fc.num_buckets and not fc.hash_bucket_size else "hash"
-                    rows = dyn.capacity
-                seq_len = 0
-                if fc.feature_type == _FT.SequenceFeature:
-                    pad = (fc.sequence_combiner.text_cnn.pad_sequence_length
-                           if fc.sequence_combiner.HasField("text_cnn") else 0)
-                    seq_len = int(fc.max_seq_len or pad or DEFAULT_MAX_SEQ_LEN)
-                    self._seq_lengths.append(name)
-                weights_input = fc.input_names[1] if len(fc.input_names) > 1 else ""
-                if (weights_input or fc.kv_separator) and (seq_len or dyn is not None):
-                    raise ConfigError(f"{path}.input_names",
-                                      "weighted tags are not implemented for a SequenceFeature "
-                                      "or a dynamic table")
-                if weights_input and fc.kv_separator:
-                    raise ConfigError(f"{path}.kv_separator",
-                                      "give the weights in a second input or with "
-                                      "kv_separator, not both")
-                sp = PlannedSparse(name, kind, (inp0,), rows, separator=fc.separator.encode(),
-                             raw_ids=dyn is not None, vocab=vocab, seq_len=seq_len,
-                             weights_input=weights_input,
-                             kv_separator=fc.kv_separator.encode())
-                list_seps[inp0] = fc.separator
-                if weights_input:
-                    list_seps[weights_input] = fc.separator
+                                   separator=fc.separator.encode() if raw_sequence else b"",
+                                   seq_len=seq_len)
             elif fc.feature_type == _FT.ComboFeature:
-                if not fc.hash_bucket_size and dyn is None:
-                    raise ConfigError(f"{path}.hash_bucket_size", "a ComboFeature needs it")
                 rows = dyn.capacity if dyn is not None else int(fc.hash_bucket_size)
                 sp = PlannedSparse(name, "combo", tuple(fc.input_names), rows,
-                             combo_sep=fc.combo_join_sep.encode(), raw_ids=dyn is not None)
-            else:
-                raise ConfigError(f"{path}.feature_type", "unsupported feature type")
-            if fc.combiner not in ("sum", "mean"):
-                raise ConfigError(f"{path}.combiner", f"expected sum or mean, got {fc.combiner!r}")
+                                   combo_sep=fc.combo_join_sep.encode(), raw_ids=dyn is not None)
+            else:  # an IdFeature, or a SequenceFeature of ids
+                sp = self._plan_ids(fc, path, dyn)
+                if sp.seq_len:
+                    self._seq_lengths.append(name)
+                list_seps[inp0] = fc.separator
+                if sp.weights_input:
+                    list_seps[sp.weights_input] = fc.separator
             if fc.combiner == "mean":  # every kind of feature: a weighted batch's mean
                 sp = dataclasses.replace(sp, mean=True)
             self._sparse.append(sp)
-            tname = fc.embedding_name or name
-            t = tables.setdefault(
-                tname, {"rows": sp.num_rows, "dim": 0, "features": [], "pooling": fc.combiner,
-                        "dynamic": dyn})
-            if t["dynamic"] != dyn:
-                raise ConfigError(
-                    f"{path}.embedding_name",
-                    f"table {tname!r} is shared by features with different dynamic-table "
-                    "settings (ev_params / zch / ctr_accessor_param must agree)")
-            if t["rows"] != sp.num_rows:
-                raise ConfigError(
-                    f"{path}.embedding_name",
-                    f"table {tname!r} is shared by features with different row counts "
-                    f"({t['rows']} vs {sp.num_rows})")
-            if fc.embedding_dim:
-                if t["dim"] and t["dim"] != fc.embedding_dim:
-                    raise ConfigError(
-                        f"{path}.embedding_dim",
-                        f"table {tname!r} is shared by features with different dims "
-                        f"({t['dim']} vs {fc.embedding_dim})")
-                t["dim"] = int(fc.embedding_dim)
-            if t["pooling"] != fc.combiner:
-                raise ConfigError(f"{path}.combiner",
-                                  f"table {tname!r} is shared by features with different combiners")
+            t = tables.setdefault(  # a shared table's features agree (validated)
+                fc.embedding_name or name,
+                {"rows": sp.num_rows, "dim": int(fc.embedding_dim), "features": [],
+                 "pooling": fc.combiner, "dynamic": dyn})
             t["features"].extend(sp.keys)
-        self._count_fields: list[str] = []
-        for tname, t in tables.items():
-            dyn = t["dynamic"]
+        self._count_fields: list[str] = []  # ctr_accessor_param's show / click fields
+        for t in tables.values():
             for attr in ("show_field", "click_field"):
-                f = getattr(dyn, attr, "") if dyn is not None else ""
-                if not f:
-                    continue
-                if f not in field_types or field_types[f] == _DT.STRING:
-                    raise ConfigError(
-                        f"ctr_accessor_param.{attr}",
-                        f"table {tname!r}: {f!r} must be a numeric data_config.input_fields "
-                        "field")
-                numeric_fields.append(f)
-                if f not in self._count_fields:
+                f = getattr(t["dynamic"], attr, "")
+                if f and f not in self._count_fields:
                     self._count_fields.append(f)
+        numeric_fields.extend(self._count_fields)
         self._weighted = any(sp.weights_input or sp.kv_separator for sp in self._sparse)
         self._tables = [
             TableSpec(n, t["rows"], t["dim"], tuple(t["features"]),
@@ -438,6 +334,42 @@ class FeaturePlan:
                              and sp.kind in ("hash", "int", "vocab", "bucket")}
                             | {d.separator for d in self._dense if d.separator}
                             | {sp.kv_separator for sp in self._sparse if sp.kv_separator})
+
+    @staticmethod
+    def _plan_ids(fc: FeatureConfig, path: str, dyn: DynamicTableSpec | None) -> PlannedSparse:
+        """An IdFeature's (or a SequenceFeature of ids') ids: hashed, integers or a vocabulary.
+
+        Args:
+            fc: the feature (validated: one of hash_bucket_size, num_buckets or a
+                vocabulary; a dynamic table may give neither size).
+            path: the feature's config path, for a vocabulary's errors.
+            dyn: its dynamic-table spec, or None.
+
+        Raises:
+            ConfigError: its vocabulary cannot be read or has two entries with one hash.
+        """
+        vocab = None
+        if has_vocabulary(fc):
+            field = f"{path}.vocab_list" if fc.vocab_list else f"{path}.vocab_file"
+            vocab = Vocabulary.of(read_vocabulary(fc, path), field)
+        kind = "hash" if fc.hash_bucket_size else "int"
+        rows = int(fc.hash_bucket_size or fc.num_buckets)
+        if vocab is not None:
+            kind, rows = "vocab", int(vocab.rows.shape[0])
+        if dyn is not None:
+            if vocab is None:
+                kind = "int" if fc.num_buckets and not fc.hash_bucket_size else "hash"
+            rows = dyn.capacity
+        seq_len = 0
+        if fc.feature_type == _FT.SequenceFeature:
+            pad = (fc.sequence_combiner.text_cnn.pad_sequence_length
+                   if fc.sequence_combiner.HasField("text_cnn") else 0)
+            seq_len = int(fc.max_seq_len or pad or DEFAULT_MAX_SEQ_LEN)
+        return PlannedSparse(fc.feature_name, kind, (fc.input_names[0],), rows,
+                             separator=fc.separator.encode(), raw_ids=dyn is not None,
+                             vocab=vocab, seq_len=seq_len,
+                             weights_input=fc.input_names[1] if len(fc.input_names) > 1 else "",
+                             kv_separator=fc.kv_separator.encode())
 
     # -- introspection ----------------------------------------------------------------------
 

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -193,7 +192,9 @@ class RecordParser:
     """Parses a batch of raw record bytes into ``ParsedColumns``.
 
     Args:
-        data_config: the pipeline's ``DatasetConfig`` (fields, separator, labels, format).
+        data_config: the pipeline's ``DatasetConfig`` (fields, separator, labels, format),
+            validated (``odl.config.config_validation``: unique fields, labels among them, a
+            separator, default texts that parse as their field's type).
         max_record_bytes: records longer than this are rejected as ``oversized``.
         list_separators: field name -> separator used to join a JSON list in that field.
         numeric_fields: numeric fields to parse and validate (default: every field whose
@@ -215,18 +216,9 @@ class RecordParser:
         self._real_labels = set(real_labels)
         self._class_labels = dict(class_labels or {})
         self._fields = [f.input_name for f in data_config.input_fields]
-        if not self._fields:
-            raise ValueError("data_config.input_fields is empty")
-        if len(set(self._fields)) != len(self._fields):
-            raise ValueError("data_config.input_fields has duplicate input_name values")
         self._types = {f.input_name: f.input_type for f in data_config.input_fields}
         self._labels = list(data_config.label_fields)
-        for name in self._labels:
-            if name not in self._types:
-                raise ValueError(f"data_config.label_fields: {name!r} is not an input field")
         self._sep = data_config.separator.encode("utf-8")
-        if not self._sep:
-            raise ValueError("data_config.separator is empty")
         self._format = data_config.record_format
         self._max_bytes = int(max_record_bytes)
         self._list_seps = dict(list_separators or {})
@@ -240,31 +232,11 @@ class RecordParser:
         # Default texts (empty field replacement), appended after the records in the buffer.
         self._defaults = {f.input_name: f.default_val.encode("utf-8") for f in
                           data_config.input_fields}
-        for name in numeric:
-            d = self._defaults[name]
-            if d and not self._valid_default(name, d):
-                raise ValueError(
-                    f"data_config.input_fields[{name}].default_val {d.decode()!r} is not a "
-                    f"valid {_FT.Name(self._types[name])}"
-                )
 
     @property
     def field_names(self) -> list[str]:
         """Input field names in record order."""
         return list(self._fields)
-
-    def _valid_default(self, name: str, d: bytes) -> bool:
-        t = self._types[name]
-        try:
-            if t in _INT_TYPES:
-                int(d)
-            elif t == _FT.BOOL:
-                return d.lower() in _BOOL_TEXT
-            else:
-                return math.isfinite(float(d))
-        except ValueError:
-            return False
-        return True
 
     def parse(self, values: Sequence[bytes]) -> ParsedColumns:
         """Parses ``values``; a malformed record is rejected, never raised.

@@ -235,6 +235,10 @@ def _classes_with_projection() -> list[str]:
 def check_pipeline_config(config: pipeline_pb2.EasyRecConfig, online: bool) -> None:
     """Every check of a config that needs no machine: the config layer's, then the model's.
 
+    A config that passes it builds its feature plan (``odl.features.feature_plan``), which
+    holds no static rule of its own: it refuses only a vocabulary it cannot read or whose
+    entries share an FNV-1a 64 hash.
+
     Args:
         config: a loaded config.
         online: True for ``odl-train --online``.
