@@ -54,8 +54,8 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     }),
     "KafkaServer": frozenset({"consumer", "sink"}),
     "DatasetConfig": frozenset({
-        "label_sep", "label_dim", "extra_label_func", "shard",
-        "file_shard", "selected_cols", "selected_col_types", "rtp_separator", "ignore_error",
+        "label_sep", "label_dim", "extra_label_func",
+        "selected_cols", "selected_col_types", "rtp_separator", "ignore_error",
         "sample_weight", "data_compression_type", "n_data_batch_tfrecord", "with_header",
         "feature_fields", "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
         "hard_negative_sampler_v2", "negative_sampler_in_memory", "drop_remainder",
@@ -65,7 +65,6 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "input_dim", "input_shape", "user_define_fn", "user_define_fn_path",
         "user_define_fn_res_type", "ignore_val",
     }),
-    "FeatureConfigV2": frozenset({"embedding_on_cpu"}),
     "TzIdFeature": frozenset({"value_dim", "vocab_list", "vocab_dict", "vocab_file",
                               "default_value", "default_bucketize_value", "weighted",
                               "init_fn", "zch", "mc_modules",
@@ -83,7 +82,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "TzSeqGroupConfig": frozenset({"embedding_name_suffix"}),
     "FeatureConfig": frozenset({
         "seq_multi_sep",
-        "lookup_max_sel_elem_num", "max_partitions", "initializer",
+        "lookup_max_sel_elem_num", "initializer",
         "precision", "normalizer_fn",
         "sequence_length", "expression", "combo_input_seps",
         # TorchEasyRec's other per-kind feature messages.
@@ -98,7 +97,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "SeqAttGroupConfig": frozenset({"allow_key_transform", "transform_dnn"}),
     "FeatureGroupConfig": frozenset({"negative_sampler", "embedding_name_suffix"}),
     "EasyRecModel": frozenset({
-        "model_name", "model_params", "dummy", "fm",
+        "model_name", "model_params", "dummy",
         "autoint", "dlrm", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat", "esmm",
         "simple_multi_task", "ple", "rocket_launching", "kd",
@@ -117,7 +116,6 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "DBMTL": frozenset({"bottom_cmbf", "bottom_uniter", "use_feature_bn", "use_feature_ln",
                         "sequence_dnn"}),
     "TrainConfig": frozenset({
-        "sparse_accumulator_type",
         "force_restore_shape_compatible", "freeze_gradient",
         "save_checkpoints_epochs", "fine_tune_ckpt_param_map", "cudnn_allow_tf32",
         "cuda_matmul_allow_tf32",
@@ -178,9 +176,20 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "fg_threads": ("features are built in the input process", frozenset()),
         "odps_data_quota_name": ("an ODPS table setting (the input section names what is "
                                  "read)", frozenset()),
+        "shard": ("ranks split the topic's partitions among themselves", frozenset()),
+        "file_shard": ("ranks split the topic's partitions among themselves", frozenset()),
+    },
+    "FeatureConfig": {
+        "max_partitions": ("a parameter-server variable partitioning; odl splits large "
+                           "tables over the ranks by rows itself", frozenset()),
+    },
+    "FeatureConfigV2": {
+        "embedding_on_cpu": ("tables live on the training device (--device)", frozenset()),
     },
     "TrainConfig": {
         "sync_replicas": ("one trainer process (no parameter-server replicas)", frozenset()),
+        "sparse_accumulator_type": ("a parameter-server gradient accumulator; odl's ranks "
+                                    "exchange gradients every step", frozenset()),
         "startup_delay_steps": ("one trainer process", frozenset()),
         "train_distribute": ("one trainer process", frozenset()),
         "num_gpus_per_worker": ("the device is --device", frozenset()),
@@ -290,12 +299,6 @@ EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
         "LookupFeature", "ExprFeature", "PassThroughFeature",
     }),
     "WideOrDeep": frozenset({"JAGGED_SEQUENCE"}),
-    "DatasetConfig.InputType": frozenset({
-        "CSVInputV2", "CSVInputEx", "OdpsInput", "OdpsInputV2", "OdpsInputV3", "DataHubInput",
-        "RTPInput", "RTPInputV2", "OdpsRTPInput", "OdpsRTPInputV2", "TFRecordInput",
-        "BatchTFRecordInput", "DummyInput", "HiveInput", "HiveRTPInput", "HiveParquetInput",
-        "ParquetInputV2", "ParquetInputV3", "CriteoInput",
-    }),
     "LossType": frozenset({
         "SOFTMAX_CROSS_ENTROPY",
         "CIRCLE_LOSS", "MULTI_SIMILARITY_LOSS", "SOFTMAX_CROSS_ENTROPY_WITH_NEGATIVE_MINING",

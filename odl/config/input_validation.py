@@ -25,7 +25,7 @@ from odl.config.field_formats import parse_datahub_offsets, parse_offset_info, p
 from odl.protos import pipeline_pb2
 from odl.storage.storage_path import UnsupportedPathError, check_supported
 
-__all__ = ["validate_input_sections"]
+__all__ = ["eval_reads_training_topic", "validate_input_sections"]
 
 
 def validate_input_sections(config: pipeline_pb2.EasyRecConfig, online: bool) -> None:
@@ -82,18 +82,28 @@ def _validate_datahub_section(d: pipeline_pb2.DatahubServer, where: str) -> None
         raise ConfigError(f"{where}.{field}", str(exc)) from None
 
 
+def eval_reads_training_topic(config: pipeline_pb2.EasyRecConfig) -> bool:
+    """Whether the eval input names the training topic (EasyRec's online-training form).
+
+    The evaluation then reads that topic with positions of its own and scores records that
+    training may already have learned from: a trailing figure, unlike the progressive
+    metrics, which score each record before training on it.
+    """
+    k, t = config.kafka_eval_input, config.kafka_train_input
+    if k.topic:
+        return k.topic == t.topic and k.server == t.server
+    d, dt = config.datahub_eval_input, config.datahub_train_input
+    return bool(d.topic) and (d.project, d.topic) == (dt.project, dt.topic) and (
+        d.endpoint or d.region) == (dt.endpoint or dt.region)
+
+
 def _validate_datahub_eval(config: pipeline_pb2.EasyRecConfig) -> None:
-    """``datahub_eval_input``: one eval input, a valid section, not the training topic."""
+    """``datahub_eval_input``: one eval input and a valid section."""
     d = config.datahub_eval_input
     if config.kafka_eval_input.topic:
         raise ConfigError("datahub_eval_input", "give one of kafka_eval_input and "
                                                 "datahub_eval_input")
     _validate_datahub_section(d, "datahub_eval_input")
-    t = config.datahub_train_input
-    if (d.project, d.topic) == (t.project, t.topic) and (d.endpoint or d.region) == (
-            t.endpoint or t.region):
-        raise ConfigError("datahub_eval_input.topic", "must differ from datahub_train_input's "
-                                                      "(the evaluation scores held-out records)")
 
 
 def _validate_file_stream(config: pipeline_pb2.EasyRecConfig) -> None:
@@ -164,7 +174,7 @@ def _validate_kafka(config: pipeline_pb2.EasyRecConfig) -> None:
 
 
 def _validate_kafka_eval(config: pipeline_pb2.EasyRecConfig) -> None:
-    """``kafka_eval_input``: a topic on a known broker, not the training topic."""
+    """``kafka_eval_input``: a topic on a known broker; on the training topic, another group."""
     k = config.kafka_eval_input
     if not k.server.strip():
         raise ConfigError("kafka_eval_input.server", "required with kafka_eval_input.topic")
@@ -172,9 +182,11 @@ def _validate_kafka_eval(config: pipeline_pb2.EasyRecConfig) -> None:
     if not k.group.strip():
         raise ConfigError("kafka_eval_input.group", "must not be empty")
     t = config.kafka_train_input
-    if k.topic == t.topic and k.server == t.server:
-        raise ConfigError("kafka_eval_input.topic", "must differ from kafka_train_input.topic "
-                                                    "(the evaluation scores held-out records)")
+    if eval_reads_training_topic(config) and k.group.strip() == t.group.strip():
+        # EasyRec's online-training form: the same topic, another consumer group
+        raise ConfigError("kafka_eval_input.group", "must differ from kafka_train_input.group "
+                                                    "when the evaluation reads the training "
+                                                    "topic")
     try:
         parse_offset_time(k.offset_time)
     except ValueError as exc:

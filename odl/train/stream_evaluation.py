@@ -1,6 +1,10 @@
 """Evaluation beside online training on a held-out stream (Kafka or DataHub).
 
-The stream is ``kafka_eval_input`` or ``datahub_eval_input``.
+The stream is ``kafka_eval_input`` or ``datahub_eval_input``: a held-out topic, or, in
+EasyRec's online-training form, the training topic itself read with positions of its own
+(Kafka: another consumer group). On the training topic the evaluation scores records that
+training may already have learned from, so its figures trail the progressive metrics (which
+score each record before training on it); the result says ``reads_training_topic``.
 
 At every checkpoint the trainer scores, with the model of that step, the records of the eval
 topic it has not scored yet: every record that arrived since the last evaluation, or the
@@ -41,6 +45,7 @@ from datahub.exceptions import DatahubException
 
 from odl.auc import grouped_auc, roc_auc
 from odl.config.field_formats import parse_offset_info, parse_offset_time
+from odl.config.input_validation import eval_reads_training_topic
 from odl.config.loss_settings import regression_outputs
 from odl.config.metric_settings import grouped_auc_reduction
 from odl.features.batch import Batch
@@ -246,6 +251,12 @@ class StreamEvaluator:
             if config.kafka_eval_input.topic else
             _DatahubReader(config.datahub_eval_input, self._batch_size, positions))
         self.topic = self._reader.topic
+        self.reads_training_topic = eval_reads_training_topic(config)
+        if self.reads_training_topic:
+            logger.info("the evaluation reads the training topic %s with positions of its own "
+                        "(EasyRec's form): it scores records training may have learned from, "
+                        "so its AUC trails the progressive AUC, which scores each record "
+                        "before training on it", self.topic)
         self.last: Optional[dict[str, Any]] = None
         self.evaluations = 0
         self.samples_total = 0  # records scored by this process's evaluations
@@ -261,12 +272,13 @@ class StreamEvaluator:
             step: the global step of the model.
 
         Returns:
-            The result (also kept as ``last``): ``step``, ``samples``, ``samples_total``
-            (since the trainer started), ``rejected``, ``auc``, ``logloss``,
-            ``positive_rate``, [``gauc``], [``tasks``], ``seconds``, ``error``.
+            The result (also kept as ``last``): ``step``, ``reads_training_topic``,
+            ``samples``, ``samples_total`` (since the trainer started), ``rejected``, ``auc``,
+            ``logloss``, ``positive_rate``, [``gauc``], [``tasks``], ``seconds``, ``error``.
         """
         t0 = time.monotonic()
-        result: dict[str, Any] = {"step": int(step), "time": time.time()}
+        result: dict[str, Any] = {"step": int(step), "time": time.time(),
+                                  "reads_training_topic": self.reads_training_topic}
         try:
             values = self._reader.read(self._limit)
         except (KafkaException, DatahubException, requests.exceptions.RequestException,
