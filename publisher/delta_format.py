@@ -46,7 +46,8 @@ class DeltaFormatError(ValueError):
     ``truncated``, ``format_version``, ``chunk_index``, ``kind``, ``value_type``,
     ``crc_mismatch``, ``shape``, ``values_length``, ``duplicate``, ``dim``, ``ids_length``,
     ``ids`` and ``version_rows``; the assembler (``VersionAssembler``) ``dense_slices`` and
-    ``dim``; readers of a topic ``empty`` (a message without a value).
+    ``dim``; readers of a topic (``publisher.delta_stream``) ``empty`` (a message without a
+    value), ``other_model`` (another model's generation) and ``fenced_generation``.
 
     Attributes:
         reason: short machine-friendly reason (e.g. ``"crc_mismatch"``).

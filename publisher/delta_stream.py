@@ -6,11 +6,14 @@ Serving's replay (``serving_plugin.delta_replayer``) and the trainer's crash rec
 
 1. **decode** (``decode_chunk``): an empty, corrupt or oversized message is rejected with
    its reason (``DeltaFormatError.reason``, e.g. ``crc_mismatch``);
-2. **generation fence** (``publisher.generation_fence``): chunks of a generation superseded
+2. **model** (``publisher.model_identity``): when the read's owner generation names a model,
+   chunks of another model's generations (a trainer of another model_dir that took the topic
+   over) are rejected as ``other_model`` and never reach the fence;
+3. **generation fence** (``publisher.generation_fence``): chunks of a generation superseded
    by a newer one (a zombie trainer) are rejected as ``fenced_generation``;
-3. **assembly** (``VersionAssembler``): chunks become a version only when all of them
+4. **assembly** (``VersionAssembler``): chunks become a version only when all of them
    arrived; a version cut short never completes;
-4. **full-republish rule** (``publisher.full_republish``): a complete version that names a
+5. **full-republish rule** (``publisher.full_republish``): a complete version that names a
    full republish the reader skipped (the topic lost versions and was refilled past the
    read position) is not handed on; ``rewind_to`` says where the read must start over,
    with the assembly restarted (:meth:`DeltaStreamReader.restart_assembly`).
@@ -28,11 +31,15 @@ from publisher.delta_decoder import decode_chunk
 from publisher.delta_format import DeltaFormatError, DeltaVersion
 from publisher.full_republish import FullRepublishes
 from publisher.generation_fence import FENCED_REASON, GenerationFence
+from publisher.model_identity import model_of_generation
 from publisher.version_assembler import VersionAssembler
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DeltaStreamReader"]
+__all__ = ["OTHER_MODEL_REASON", "DeltaStreamReader"]
+
+# The reject reason of a chunk of another model's generation.
+OTHER_MODEL_REASON = "other_model"
 
 
 class DeltaStreamReader:
@@ -48,6 +55,7 @@ class DeltaStreamReader:
 
     Attributes:
         fence: the generation fence (its ``owner`` and ``superseded`` generations).
+        model: the model id of ``owner`` (``""``: none, every model's chunks are read).
         assembler: the version assembler (``pending_versions``, ``dropped_versions``).
         rewind_to: the offset the read must start over from, or None.
         rewinds: how many times the read was asked to start over.
@@ -57,6 +65,7 @@ class DeltaStreamReader:
                  max_message_bytes: int, max_pending_versions: Optional[int] = None,
                  max_pending_bytes: Optional[int] = None, what: str = "delta read") -> None:
         self.fence = GenerationFence(owner)
+        self.model = model_of_generation(owner or "")
         self._republishes = republishes
         self._max_bytes = max_message_bytes
         self._limits = {k: v for k, v in (("max_pending_versions", max_pending_versions),
@@ -79,11 +88,17 @@ class DeltaStreamReader:
 
         Raises:
             DeltaFormatError: the message is rejected; ``reason`` says why (a decoding
-                reason, or ``fenced_generation``).
+                reason, ``other_model`` or ``fenced_generation``).
         """
         if not data:  # parses as an all-default chunk; never a real version
             raise DeltaFormatError("empty", "empty message")
         chunk = decode_chunk(data, max_bytes=self._max_bytes)
+        other = model_of_generation(chunk.header.generation)
+        if self.model and other and other != self.model:
+            raise DeltaFormatError(
+                OTHER_MODEL_REASON, f"generation {chunk.header.generation} is model {other}'s, "
+                                    f"not this read's model {self.model} (another model_dir "
+                                    "publishes to the topic)")
         if not self.fence.admit(chunk.header.generation):
             raise DeltaFormatError(
                 FENCED_REASON, f"generation {chunk.header.generation} was superseded by "

@@ -55,6 +55,8 @@ from odl.http.dashboard_page import dashboard_html
 from odl.http.latency_window import LatencyWindow
 from odl.http.metric_history import HistorySampler, MetricHistory
 from odl.http.server import BackgroundHttpServer
+from publisher.delta_stream import OTHER_MODEL_REASON
+from publisher.model_identity import model_of_generation
 from serving_plugin.delta_replayer import DeltaReplayer
 from serving_plugin.export_reader import ExportLoadError, KafkaReplaySource, read_kafka_txt
 from serving_plugin.pass_delta_follower import PassDeltaFollower, base_day_of
@@ -206,8 +208,12 @@ class ServingService:
             "rejected_by_reason": dict(r.rejected) if r else {},
             "last_reject": r.last_error if r else None,
             "pending_versions": r.assembler.pending_versions if r else 0,
-            # topic ownership: the newest generation on the delta topic owns it; versions of
-            # the generations it superseded are rejected as fenced_generation
+            # topic ownership: only the base's model is applied (another model's versions are
+            # rejected as other_model); of its generations the newest owns the topic, and
+            # versions of the generations it superseded are rejected as fenced_generation
+            "model_id": r.reader.model if r else model_of_generation(st.generation or ""),
+            "other_model_versions_rejected": (r.rejected.get(OTHER_MODEL_REASON, 0)
+                                              if r else 0),
             "owner_generation": r.fence.owner if r else st.generation,
             "superseded_generations": r.fence.superseded[-10:] if r else [],
             "broker_error": r.broker_error if r else None,

@@ -1,11 +1,14 @@
-"""One delta topic, one publisher: a newer trainer fences the older one at the broker.
+"""One delta topic, one model, one publisher.
 
-Two trainers configured with the same delta topic (a copy started by mistake, or a zombie
-left behind a network partition) must not both reach serving. The newer trainer claims the
+A delta topic carries one model's versions (``publisher.delta_topic_owner``). A trainer of
+another model_dir configured with the same topic by mistake stops at start with exit code 2
+naming the owner, and the owner trains and publishes on. Told to take the topic over
+(``--take_over_delta_topic``), or being the same model restarted, the newer trainer claims the
 topic's transactional producer at start; the older one's next version is refused by the
 broker, and it stops with exit code 3 (which the systemd unit does not restart), writing no
-checkpoint. Serving and crash recovery see the older generation's versions only up to the
-newer one's first (``publisher.generation_fence``, tested with hand-made versions in
+checkpoint. Serving and crash recovery apply only their base's model, and of its generations
+the older ones only up to the newer one's first (``publisher.delta_stream``,
+``publisher.generation_fence``, tested with hand-made versions here and in
 ``test_serving.py``).
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from odl.config.pipeline_config import load_pipeline_config
@@ -20,8 +24,13 @@ from odl.harness.delta_topic_audit import audit_delta_topic
 from odl.harness.topic_records import make_records, produce
 from odl.kafka.topic_admin import end_offsets
 from odl.train.trainer import Trainer, TrainerOptions
+from publisher.delta_encoder import encode_version
+from publisher.delta_format import DeltaFormatError, VersionHeader
 from publisher.delta_recovery import read_published_state
+from publisher.delta_stream import OTHER_MODEL_REASON, DeltaStreamReader
+from publisher.delta_topic_owner import DeltaTopicOwnedError
 from publisher.generation_fence import GenerationFence
+from publisher.model_identity import model_id, model_of_generation, new_generation
 from tests.harness import run_in_thread, write_config
 
 
@@ -34,14 +43,16 @@ def _wait(cond, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _start(tmp_path, name: str, bootstrap: str, topic: str, delta_topic: str):
+def _start(tmp_path, name: str, bootstrap: str, topic: str, delta_topic: str,
+           take_over: bool = False):
     incr = (f'incr_save_config {{ sparse_save_steps: 2 dense_save_steps: 2 kafka {{ server: '
             f'"{bootstrap}" topic: "{delta_topic}" }} model_name: "ctr" }}')
     root = tmp_path / name
-    root.mkdir()
+    root.mkdir(exist_ok=True)
     cfg = write_config(root, bootstrap, topic, batch_size=50, extra_train=incr)
     trainer = Trainer(load_pipeline_config(cfg),
-                      TrainerOptions(online=True, device="cpu", status_port=-1))
+                      TrainerOptions(online=True, device="cpu", status_port=-1,
+                                     take_over_delta_topic=take_over))
     thread, outcome = run_in_thread(trainer)
     return trainer, thread, outcome
 
@@ -53,7 +64,8 @@ def _published_to(trainer: Trainer, ends: dict[int, int]) -> bool:
 
 
 @pytest.mark.slow
-def test_a_newer_trainer_fences_the_older_one(kafka_bootstrap, kafka_topic_factory, tmp_path):
+def test_a_trainer_told_to_take_over_fences_the_older_one(kafka_bootstrap, kafka_topic_factory,
+                                                          tmp_path):
     in_a, in_b = kafka_topic_factory(partitions=1), kafka_topic_factory(partitions=1)
     delta_topic = kafka_topic_factory(prefix="delta", create=False)
     _, values = make_records(600, seed=21)
@@ -65,7 +77,8 @@ def test_a_newer_trainer_fences_the_older_one(kafka_bootstrap, kafka_topic_facto
         ends_a = end_offsets(kafka_bootstrap, in_a)
         _wait(lambda: _published_to(a, ends_a), 90, "trainer A published its backlog")
         a_step, a_ckpt = a.module.global_step, a.checkpoints.last_saved_step
-        b, b_thread, b_out = _start(tmp_path, "b", kafka_bootstrap, in_b, delta_topic)
+        b, b_thread, b_out = _start(tmp_path, "b", kafka_bootstrap, in_b, delta_topic,
+                                    take_over=True)
         ends_b = end_offsets(kafka_bootstrap, in_b)
         _wait(lambda: _published_to(b, ends_b), 90, "trainer B published its backlog")
         assert b.publisher.status()["fencing"] == "transactional"
@@ -108,3 +121,76 @@ def test_generation_fence_rule():
         assert bounded.admit(g)
     assert bounded.superseded == ["b", "c"]
     assert not bounded.admit("b") and bounded.admit("d")
+
+
+@pytest.mark.slow
+def test_another_model_on_the_topic_is_refused_and_a_restart_takes_over(
+        kafka_bootstrap, kafka_topic_factory, tmp_path):
+    in_a, in_b = kafka_topic_factory(partitions=1), kafka_topic_factory(partitions=1)
+    delta_topic = kafka_topic_factory(prefix="delta", create=False)
+    _, values = make_records(500, seed=22)
+    produce(kafka_bootstrap, in_a, values[:200], 1)
+    produce(kafka_bootstrap, in_b, values[200:300], 1)
+    a, a_thread, _ = _start(tmp_path, "a", kafka_bootstrap, in_a, delta_topic)
+    try:
+        ends_a = end_offsets(kafka_bootstrap, in_a)
+        _wait(lambda: _published_to(a, ends_a), 90, "trainer A published its backlog")
+        # a second trainer with another model_dir and the same delta topic: refused at start
+        b, b_thread, b_out = _start(tmp_path, "b", kafka_bootstrap, in_b, delta_topic)
+        b_thread.join(60)
+        err = b_out.get("error")
+        assert isinstance(err, DeltaTopicOwnedError), b_out
+        assert err.field == "train_config.incr_save_config.kafka.topic"
+        assert model_id(a.model_dir) in str(err) and model_id(b.model_dir) in str(err)
+        assert "--take_over_delta_topic" in str(err)
+        assert b.publisher is None and b.module.global_step == 0
+        # the owner was not disturbed: it trains and publishes on
+        produce(kafka_bootstrap, in_a, values[300:400], 1)
+        ends_a = end_offsets(kafka_bootstrap, in_a)
+        _wait(lambda: _published_to(a, ends_a), 90, "trainer A published after the refusal")
+        assert not a.publisher.fenced and a.publisher.status()["failures"] == 0
+    finally:
+        a.request_stop("test: restart")
+        a_thread.join(60)
+    # the same model restarted (same model_dir, new generation) takes over at once
+    produce(kafka_bootstrap, in_a, values[400:], 1)
+    a2, a2_thread, a2_out = _start(tmp_path, "a", kafka_bootstrap, in_a, delta_topic)
+    try:
+        ends_a = end_offsets(kafka_bootstrap, in_a)
+        _wait(lambda: _published_to(a2, ends_a), 90, "the restarted trainer published")
+        assert a2.generation != a.generation
+        assert model_of_generation(a2.generation) == model_of_generation(a.generation)
+    finally:
+        a2.request_stop("test: done")
+        a2_thread.join(60)
+    assert a2_out == {"rc": 0}, a2_out
+    audit = audit_delta_topic(kafka_bootstrap, delta_topic)
+    assert {g for g, _ in audit.complete_versions} == {a.generation, a2.generation}
+
+
+def _chunk(generation: str, version: int) -> bytes:
+    header = VersionHeader(model_name="ctr", version=version, generation=generation)
+    return encode_version(header, {0: np.zeros(2, np.float32)}, {})[0]
+
+
+def test_a_read_applies_only_its_models_versions():
+    """Serving's and crash recovery's reader: another model's versions are rejected as
+    other_model and do not move the generation fence; the model's own restart does."""
+    a1, a2 = new_generation("/models/a"), new_generation("/models/a")
+    b1 = new_generation("/models/b")
+    assert model_of_generation(a1) == model_of_generation(a2) == model_id("/models/a")
+    assert model_of_generation(b1) == model_id("/models/b") != model_id("/models/a")
+    assert model_of_generation("0123456789abcdef") == ""  # a generation naming no model
+    assert model_id("oss://bucket/m/") == model_id("oss://bucket/m")
+
+    reader = DeltaStreamReader(a1, None, 1 << 20)
+    assert reader.model == model_id("/models/a")
+    assert reader.read(_chunk(a1, 2), 0).header.version == 2
+    with pytest.raises(DeltaFormatError) as e:
+        reader.read(_chunk(b1, 9), 1)
+    assert e.value.reason == OTHER_MODEL_REASON
+    assert reader.fence.owner == a1  # the other model did not take the read over
+    assert reader.read(_chunk(a2, 3), 2).header.version == 3  # the same model's restart
+    assert reader.fence.owner == a2
+    # a read that names no model (a base written before model ids) reads every model's
+    assert DeltaStreamReader(None, None, 1 << 20).read(_chunk(b1, 9), 0) is not None

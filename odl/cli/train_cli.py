@@ -80,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "0 = no memory check)")
     p.add_argument("--sample_ledger",
                    help="append '<generation>\\t<step>\\t<sample_id>' per trained sample")
+    p.add_argument("--take_over_delta_topic", action="store_true",
+                   help="publish to incr_save_config's delta topic even when its newest "
+                        "version is another model's (another model_dir); without it such a "
+                        "start exits 2 naming the owner (docs/operations.md)")
     p.add_argument(
         "--torch_threads", type=int, default=0,
         help="torch intra-op threads; 0 = half of the CPUs (leaves room for input and I/O)",
@@ -213,6 +217,7 @@ def _main(argv: Optional[list[str]]) -> int:
         auth_token=token,
         dashboard_interval_s=args.dashboard_interval_s,
         export_base=functools.partial(export_checkpoint, warn_without_topic=False),
+        take_over_delta_topic=args.take_over_delta_topic,
     )
     try:
         trainer = Trainer(config, options)

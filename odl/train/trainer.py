@@ -32,7 +32,6 @@ import gc
 import logging
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -75,7 +74,9 @@ from odl.train.trainer_checkpoints import TrainerCheckpoints
 from odl.train.trainer_metrics import TrainerMetrics
 from odl.train.trainer_status import TrainerStatus, start_status_server
 from publisher.delta_sink import DeltaSink, DeltaSinkUnsupported
+from publisher.delta_topic_owner import check_delta_topic_owner
 from publisher.incremental_publisher import IncrementalPublisher
+from publisher.model_identity import new_generation
 from publisher.publisher_factory import build_delta_sink, build_publisher
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class TrainerOptions:
         export_base: writes an export of a checkpoint (``odl.export.exporter.
             export_checkpoint``; the CLI hands it in): the day bases of
             ``file_stream_input.model_save_path``. None: no bases.
+        take_over_delta_topic: publish to the delta topic even when its newest version is
+            another model's (``publisher.delta_topic_owner``).
     """
 
     online: bool = True
@@ -112,6 +115,7 @@ class TrainerOptions:
     auth_token: Optional[str] = field(default=None, repr=False)
     dashboard_interval_s: float = 2.0
     export_base: Optional[BaseExporter] = field(default=None, repr=False)
+    take_over_delta_topic: bool = False
 
 
 class Trainer:
@@ -127,7 +131,7 @@ class Trainer:
         self.options = options
         self.model_dir = config.model_dir
         tc = config.train_config
-        self.generation = uuid.uuid4().hex[:16]
+        self.generation = new_generation(self.model_dir)
         self._stops = StopConditions(tc, self.model_dir)
         self.stop_event = self._stops.event
         self.state = "starting"
@@ -285,6 +289,11 @@ class Trainer:
                     self.generation, self.options.dashboard_interval_s)
             publishes = self.config.train_config.HasField("incr_save_config")
             if publishes and self.module.rank == 0:  # one sink, rank 0's
+                isc = self.config.train_config.incr_save_config
+                if isc.WhichOneof("incr_update") == "kafka":  # before claiming its producer
+                    check_delta_topic_owner(isc.kafka.server, isc.kafka.topic, self.model_dir,
+                                            self.options.take_over_delta_topic,
+                                            dict(isc.kafka.kafka_config))
                 self._delta_sink = build_delta_sink(self.config)
             restored_positions = self.restore()
             if publishes and self.module.world_size > 1:
