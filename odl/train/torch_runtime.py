@@ -74,8 +74,9 @@ def resolve_device(device: str) -> torch.device:
         if (chosen.index or 0) >= gpus:
             # TorchRec places the table shards of local rank r on cuda:r: ranks cannot share
             raise ConfigError(
-                f"this rank trains on {chosen}, but this host has {gpus} GPU(s): run at most "
-                f"one rank per GPU (--nproc / torchrun --nproc_per_node <= {gpus})")
+                "--nproc", f"this rank trains on {chosen}, but this host has {gpus} GPU(s): "
+                           f"run at most one rank per GPU (--nproc / torchrun "
+                           f"--nproc_per_node <= {gpus})")
     return chosen
 
 
