@@ -146,3 +146,35 @@ def test_datahub_eval_input_errors_name_the_field(tmp_path, extra, field):
     with pytest.raises(ConfigError) as e:
         check_pipeline_config(load_pipeline_config(cfg), online=True)
     assert e.value.field == field, e.value
+
+
+@pytest.mark.slow
+def test_easyrecs_form_the_training_topic_with_another_group(kafka_bootstrap,
+                                                            kafka_topic_factory, tmp_path):
+    """EasyRec's online-training configs name the training topic in kafka_eval_input with a
+    group of its own: accepted as written; training still reads every record once, and the
+    evaluation reads the same records with positions of its own and says what it scored."""
+    from odl.config.config_error import ConfigError
+    from odl.models.model_registry import check_pipeline_config
+
+    topic = kafka_topic_factory(partitions=2)
+    produce(kafka_bootstrap, topic, SyntheticCtrStream(seed=3).next_batch(1200).encode("csv"), 2)
+    ends = end_offsets(kafka_bootstrap, topic)
+    cfg = write_config(tmp_path, kafka_bootstrap, topic, batch_size=100)
+    text = open(cfg).read().replace("save_checkpoints_steps: 50", "save_checkpoints_steps: 6")
+    same_group = text + (f'\nkafka_eval_input {{ server: "{kafka_bootstrap}" topic: "{topic}" '
+                         'group: "odl_test" }\n')
+    open(cfg, "w").write(same_group)
+    with pytest.raises(ConfigError) as e:  # one group for both would share its commits
+        check_pipeline_config(load_pipeline_config(cfg), online=True)
+    assert e.value.field == "kafka_eval_input.group"
+
+    open(cfg, "w").write(same_group.replace('group: "odl_test" }\n', 'group: "odl_eval" }\n'))
+    trainer = run_in_process(cfg, ends)
+    assert trainer.samples_trained == 1200  # the evaluation took no record from training
+    assert trainer.evaluator.samples_total == 1200  # and read every record once itself
+    status = trainer.status()["evaluation"]
+    assert status["reads_training_topic"] is True and status["error"] is None
+    last = read_checkpoint(list_checkpoints(trainer.model_dir)[-1])
+    assert last.positions == ends
+    assert {int(p): o for p, o in last.source["eval_positions"].items()} == ends
