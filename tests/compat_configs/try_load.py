@@ -2,10 +2,11 @@
 
 Not a test: a report. For each ``easyrec/*.config`` and ``torcheasyrec/*.config`` it
 
-1. replaces the input section with ``kafka_train_input { server: "127.0.0.1:9092" topic: "t"
-   group: "g" }``: removes the top-level ``train_input_path``, ``eval_input_path`` and every
-   top-level ``*_train_input`` / ``*_eval_input`` block; for EasyRec configs also
-   ``data_config.input_type`` (TorchEasyRec's ``data_config.dataset_type`` stays);
+1. points its input at a local broker, editing nothing else: a config with
+   ``kafka_train_input`` / ``kafka_eval_input`` keeps them with each ``server`` set to
+   ``127.0.0.1:9092``; any other gets ``kafka_train_input { server: "127.0.0.1:9092"
+   topic: "t" group: "g" }`` in place of its top-level ``train_input_path``,
+   ``eval_input_path`` and ``*_train_input`` / ``*_eval_input`` blocks;
 2. loads it like ``odl-train`` does (:func:`odl.config.pipeline_config.load_pipeline_config`
    on a temporary file) and runs
    :func:`odl.models.model_registry.check_pipeline_config` with ``online=True``;
@@ -31,6 +32,7 @@ from odl.config.config_error import ConfigError  # noqa: E402
 from odl.config.pipeline_config import load_pipeline_config  # noqa: E402
 from odl.models.model_registry import check_pipeline_config  # noqa: E402
 
+KAFKA_SECTIONS = ("kafka_train_input", "kafka_eval_input")
 KAFKA_INPUT = '\nkafka_train_input {\n  server: "127.0.0.1:9092"\n  topic: "t"\n  group: "g"\n}\n'
 
 # TorchEasyRec names the model by its message inside model_config
@@ -166,23 +168,31 @@ def join(path: str, name: str) -> str:
 # --- the rewrite -----------------------------------------------------------------------------
 
 def to_kafka_input(text: str, flavor: str) -> tuple[str, list[str]]:
-    """The text with its input section replaced by kafka_train_input; and what was removed."""
+    """The text with its input pointed at the broker; and what was changed.
+
+    A config that reads Kafka already (``kafka_train_input`` / ``kafka_eval_input``) keeps its
+    sections, topics, groups and offsets: only each ``server`` becomes the local broker. Any
+    other config gets ``kafka_train_input`` in place of its input sections. Nothing else
+    changes (``data_config.input_type`` stays: odl reads it as informational).
+    """
+    fields = scan_fields(text)
+    kafka = {f.name for f in fields if f.path == "" and f.name in KAFKA_SECTIONS}
     spans = []
-    for f in scan_fields(text):
-        top_input = f.path == "" and (
-            f.name in ("train_input_path", "eval_input_path")
-            or f.name.endswith("_train_input") or f.name.endswith("_eval_input"))
-        easyrec_input_type = (flavor == "easyrec" and f.path == "data_config"
-                              and f.name == "input_type")
-        if top_input or easyrec_input_type:
-            spans.append((f.start, f.end, join(f.path, f.name)))
+    for f in fields:
+        if kafka and f.path in kafka and f.name == "server":
+            spans.append((f.start, f.end, join(f.path, f.name), 'server: "127.0.0.1:9092"\n'))
+        elif f.path == "" and f.name not in kafka and (
+                f.name in ("train_input_path", "eval_input_path")
+                or f.name.endswith("_train_input") or f.name.endswith("_eval_input")):
+            spans.append((f.start, f.end, join(f.path, f.name), ""))
     out = []
     pos = 0
-    for start, end, _ in sorted(spans):
-        out.append(text[pos:start])
+    for start, end, _, replacement in sorted(spans):
+        out.append(text[pos:start] + replacement)
         pos = end
     out.append(text[pos:])
-    return "".join(out).rstrip() + "\n" + KAFKA_INPUT, [s[2] for s in sorted(spans)]
+    tail = "" if kafka else KAFKA_INPUT
+    return "".join(out).rstrip() + "\n" + tail, [s[2] for s in sorted(spans)]
 
 
 def model_class_of(text: str) -> str:
