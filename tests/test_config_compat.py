@@ -88,34 +88,17 @@ _MAX_ROWS = 1000  # table rows per feature in the training check (the CI machine
 
 
 def _small_cpu_config(config):
-    """The config with tables of at most ``_MAX_ROWS`` rows, small batches, CPU tables.
+    """The config with tables of at most ``_MAX_ROWS`` rows and small batches.
 
-    Table optimizers without a CPU kernel (Adam) become Adagrad at the same rate, which is
-    what ``odl-train --validate_only --device cpu`` tells a user to do; the model itself is
-    unchanged.
+    The optimizers stay as written: Adam, AdamW, FTRL and momentum tables run row-sparse on
+    the CPU (``odl.train.row_sparse_tables``); the model itself is unchanged.
     """
-    from odl.config.optimizer_support import optimizer_choices, supported_sparse_optimizers
-
     for fc in list(config.feature_configs) + list(config.feature_config.features):
         for name in ("hash_bucket_size", "num_buckets"):
             if getattr(fc, name) > _MAX_ROWS:
                 setattr(fc, name, _MAX_ROWS)
     config.data_config.batch_size = 32
     config.data_config.input_process = False
-    tc = config.train_config
-    sparse, _dense = optimizer_choices(tc)
-    if sparse.kind and sparse.kind not in supported_sparse_optimizers("cpu"):
-        if tc.optimizer_config:
-            if len(tc.optimizer_config) == 1:  # one entry: tables and dense parameters
-                tc.optimizer_config.add().CopyFrom(tc.optimizer_config[0])
-            first = tc.optimizer_config[0]
-            rate = getattr(first, first.WhichOneof("optimizer")).learning_rate
-            rate = type(rate)().__class__.FromString(rate.SerializeToString())
-            first.adagrad_optimizer.learning_rate.CopyFrom(rate)
-        else:
-            so = tc.sparse_optimizer
-            lr = getattr(so, so.WhichOneof("optimizer")).lr
-            so.adagrad_optimizer.lr = lr
     return config
 
 

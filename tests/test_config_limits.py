@@ -416,14 +416,13 @@ def test_dead_letter_producer_is_checked_only_when_used(model_dir: Path) -> None
 # --------------------------------------------------------------------------- device
 
 
-def test_adam_tables_on_cpu_are_refused(model_dir: Path) -> None:
-    refused(run_cli(*edits(model_dir, {"train_config.optimizer_config[0]": "adam_optimizer {}"})),
-            "train_config.optimizer_config[0].adam_optimizer", "not supported on cpu")
+def test_lamb_tables_on_cpu_are_refused(model_dir: Path) -> None:
+    # Adam, AdamW, FTRL, momentum tables run row-sparse on CPU (tests/test_table_optimizers)
     refused(run_cli("--model_dir", str(model_dir), "--train_input_path", "x/*.csv",
                     "--edit_config_json", json.dumps({"train_config.sparse_optimizer":
-                                                      "adam_optimizer { lr: 0.01 }"}),
+                                                      "lamb_optimizer { lr: 0.01 }"}),
                     config=OFFLINE, online=False),
-            "train_config.sparse_optimizer.adam_optimizer", "not supported on cpu")
+            "train_config.sparse_optimizer.lamb_optimizer", "not supported on cpu")
 
 
 def test_cuda_requested_without_cuda(model_dir: Path) -> None:

@@ -273,8 +273,11 @@ def test_lr_schedules():
     cls, kwargs = sparse_optimizer_args(optimizer_specs(rw)[0], "cpu")
     assert cls.__name__ == "RowWiseAdagrad" and kwargs["lr"] == pytest.approx(0.3)
     adam = text_format.Parse("sparse_optimizer { adam_optimizer {} }", pipeline_pb2.TrainConfig())
+    cls, kwargs = sparse_optimizer_args(optimizer_specs(adam)[0], "cpu")  # row-sparse Adam
+    assert cls is torch.optim.SGD and kwargs["lr"] == 0.0
+    lamb = text_format.Parse("sparse_optimizer { lamb_optimizer {} }", pipeline_pb2.TrainConfig())
     with pytest.raises(ConfigError, match="sparse_optimizer"):
-        sparse_optimizer_args(optimizer_specs(adam)[0], "cpu")
+        sparse_optimizer_args(optimizer_specs(lamb)[0], "cpu")
 
 
 def test_train_module_applies_scheduled_lrs(fb):

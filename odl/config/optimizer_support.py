@@ -1,37 +1,39 @@
 """Which optimizer a config picks for the tables and the dense part, and where it runs.
 
 Read from the config alone (no torch import), so validation can refuse a table optimizer
-the resolved device has no kernel for before anything is built, and ``odl-train
---validate_only`` can say which substitute a start will use. ``odl.train.optimizer_builder``
-builds the optimizers from the same choices and uses :func:`table_optimizer_plan` for the
-same rule.
+the resolved device cannot run before anything is built, and ``odl-train --validate_only``
+can say where the tables' update differs from the configured one.
+``odl.train.optimizer_builder`` builds the optimizers from the same choices and uses
+:func:`table_optimizer_plan` for the same rule.
 
-Table optimizers are fbgemm's fused kernels (updated inside backward). fbgemm-gpu-cpu
-implements ``exact_sgd``, ``exact_adagrad`` and ``exact_row_wise_adagrad`` on CPU; its Adam,
-LAMB, LARS-SGD and partial row-wise Adam/LAMB are CUDA only (on CPU the kernel constructor
-asserts ``Optimizer adam is not supported in CPU mode``). No fbgemm build has FTRL or momentum
-SGD for tables. Per configured kind, the tables get:
+Table optimizers are fbgemm's fused kernels (updated inside backward) where fbgemm has one:
+fbgemm-gpu-cpu implements ``exact_sgd``, ``exact_adagrad`` and ``exact_row_wise_adagrad`` on
+CPU; its Adam, LAMB, LARS-SGD and partial row-wise Adam/LAMB are CUDA only (on CPU the kernel
+constructor asserts ``Optimizer adam is not supported in CPU mode``); no fbgemm build has FTRL,
+momentum SGD or decoupled (AdamW) decay for tables. Those run *row-sparse*
+(``odl.train.row_sparse_tables``): the fused kernel runs as SGD at rate 0 and, after
+backward, the configured update is applied to the rows the batch touched (TF's sparse
+applies, ``odl.train.row_sparse_rules``; cost follows the batch). Per configured kind:
 
 ======================  ===================================  =================================
 configured kind         CPU                                  CUDA
 ======================  ===================================  =================================
-sgd                     exact SGD                            exact SGD
-adagrad                 exact element-wise Adagrad           exact element-wise Adagrad
-rowwise_adagrad         exact row-wise Adagrad               exact row-wise Adagrad
-ftrl                    Adagrad at the FTRL rate (warning)   Adagrad at the FTRL rate (warning)
-momentum                plain SGD at the same rate (warning) plain SGD at the same rate (warning)
-adam (lazy_adam)        refused: use adagrad for the tables  fbgemm Adam
-adamw                   refused: use adagrad for the tables  fbgemm Adam, no decay (warning)
-lamb                    refused: use adagrad for the tables  fbgemm LAMB
+sgd                     exact SGD (fused)                    exact SGD (fused)
+adagrad                 exact element-wise Adagrad (fused)   exact element-wise Adagrad (fused)
+rowwise_adagrad         exact row-wise Adagrad (fused)       exact row-wise Adagrad (fused)
+ftrl                    FTRL-Proximal (row-sparse)           FTRL-Proximal (row-sparse)
+momentum                TF momentum (row-sparse)             TF momentum (row-sparse)
+adam (lazy_adam)        lazy Adam (row-sparse)               fbgemm Adam (fused, lazy)
+adamw                   lazy Adam + decay (row-sparse)       lazy Adam + decay (row-sparse)
+lamb                    refused: use adagrad for the tables  fbgemm LAMB (fused)
 ======================  ===================================  =================================
 
-Why these substitutes: FTRL-Proximal with ``learning_rate_power`` -0.5 and no l1/l2 makes the
-same updates as Adagrad (McMahan et al. 2013), so Adagrad at the FTRL rate is FTRL minus its
-regularization (the warning lists the settings not applied: l1/l2 sparsity is lost). TF's
-momentum on a sparse (embedding) gradient moves a row by ``lr * grad`` on its first update,
-the same as plain SGD; rows updated on many consecutive steps move up to ``1 / (1 - momentum)``
-times further under momentum. Adam and LAMB have no close CPU substitute (their rates are
-tuned for normalized steps), so they are refused with the exact optimizer to use instead.
+Adam on the tables is lazy (touched rows only, bias correction with the global step), as
+TF's ``LazyAdamOptimizer`` and fbgemm's Adam; EasyRec's ``adam_optimizer`` (TF's
+``AdamOptimizer``) also decays the moments of the untouched rows and moves them, which no
+path here does (noted at start-up). LAMB's trust ratio has no row-sparse form here yet, so
+LAMB tables on CPU are refused with the exact optimizer to use instead. Row-sparse kinds do
+not combine with in-batch learning / per-record Adagrad (``IN_BATCH_TABLE_KINDS``).
 """
 
 from __future__ import annotations
@@ -58,8 +60,14 @@ IN_BATCH_TABLE_KINDS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
 # (odl.train.in_batch.per_record_adagrad).
 PER_RECORD_TABLE_KINDS: tuple[str, ...] = ("adagrad", "rowwise_adagrad")
 
-# Configured kind -> the table kernel that stands in for it (kinds without a kernel).
-TABLE_SUBSTITUTES: dict[str, str] = {"ftrl": "adagrad", "momentum": "sgd", "adamw": "adam"}
+# Configured kind -> devices where it runs row-sparse (odl.train.row_sparse_tables): the
+# fused kernel as SGD at rate 0, the update applied to the touched rows after backward.
+ROW_SPARSE_DEVICES: dict[str, frozenset[str]] = {
+    "adam": frozenset({"cpu"}),
+    "adamw": frozenset({"cpu", "cuda"}),
+    "ftrl": frozenset({"cpu", "cuda"}),
+    "momentum": frozenset({"cpu", "cuda"}),
+}
 
 # Kind used for the tables / the dense part when nothing is configured
 # (see odl.train.optimizer_builder).
@@ -103,15 +111,18 @@ class TablePlan:
     Attributes:
         configured: the configured kind.
         kernel: the fused kernel kind that runs (``"sgd"``, ``"adagrad"``,
-            ``"rowwise_adagrad"``, ``"adam"`` or ``"lamb"``).
+            ``"rowwise_adagrad"``, ``"adam"`` or ``"lamb"``; ``"sgd"`` at rate 0 when
+            ``row_sparse``).
         note: ``""`` when the configured optimizer runs as configured; else one sentence
-            naming the field and the substitution (logged as a warning at start-up and
-            printed by ``--validate_only``).
+            naming the field and what differs (logged as a warning at start-up and printed
+            by ``--validate_only``).
+        row_sparse: the configured update runs row-sparse (``odl.train.row_sparse_tables``).
     """
 
     configured: str
     kernel: str
     note: str = ""
+    row_sparse: bool = False
 
 
 def supported_sparse_optimizers(device_type: str) -> frozenset[str]:
@@ -128,24 +139,20 @@ def supported_sparse_optimizers(device_type: str) -> frozenset[str]:
 
 
 def table_kernel_kind(kind: str) -> str:
-    """The table kernel kind a configured kind runs as (device aside)."""
-    return TABLE_SUBSTITUTES.get(kind, kind)
+    """The table update kind a configured kind runs as (device aside): the kind itself.
+
+    Every configured kind runs as configured (fused or row-sparse) or is refused; kept for
+    the callers that check a kind against ``IN_BATCH_TABLE_KINDS`` / ``PER_RECORD_TABLE_KINDS``.
+    """
+    return kind
 
 
-def _fmt(value: float) -> str:
-    return f"{value:g}"
-
-
-def _ftrl_dropped(msg: Any) -> list[str]:
-    dropped = [f"{name} {_fmt(getattr(msg, name))}"
-               for name in ("l1_reg", "l2_reg", "l2_shrinkage_reg") if getattr(msg, name)]
-    if msg.learning_rate_power != -0.5:
-        dropped.append(f"learning_rate_power {_fmt(msg.learning_rate_power)} (Adagrad: -0.5)")
-    return dropped
+def row_sparse_kind(kind: str, device_type: str) -> bool:
+    """Whether tables of a configured kind run row-sparse on a device type."""
+    return device_type in ROW_SPARSE_DEVICES.get(kind, frozenset())
 
 
 def _refusal(choice: OptimizerChoice, device_type: str) -> str:
-    kernel = table_kernel_kind(choice.kind)
     supported = ", ".join(sorted(supported_sparse_optimizers(device_type)))
     if choice.form == "easyrec":
         use = ("give two optimizer_config entries, [tables, dense], with adagrad_optimizer "
@@ -155,8 +162,7 @@ def _refusal(choice: OptimizerChoice, device_type: str) -> str:
     else:
         use = ("use sparse_optimizer { adagrad_optimizer { lr: ... } } (or "
                "rowwise_adagrad_optimizer)")
-    via = f" (it runs as fbgemm's {kernel})" if kernel != choice.kind else ""
-    return (f"{choice.kind}{via} for the embedding tables is not supported on {device_type} "
+    return (f"{choice.kind} for the embedding tables is not supported on {device_type} "
             f"(no fused kernel; fbgemm's kernels there: {supported}); {use}, or train on CUDA")
 
 
@@ -171,32 +177,20 @@ def table_optimizer_plan(choice: OptimizerChoice, device_type: str) -> TablePlan
         The plan; ``note`` says what differs from the configured optimizer.
 
     Raises:
-        ConfigError: naming the optimizer field when no kernel can run it on the device
-            (Adam, AdamW, LAMB on CPU) and saying which optimizer to use instead.
+        ConfigError: naming the optimizer field when nothing can run it on the device
+            (LAMB on CPU) and saying which optimizer to use instead.
     """
-    kernel = table_kernel_kind(choice.kind)
     field = choice.field or "train_config.sparse_optimizer"
+    note = ""
+    if choice.form == "easyrec" and field.endswith((".adam_optimizer", ".adamw_optimizer")):
+        note = (f"{field}: the tables run lazy Adam (the touched rows' moments only, as TF's "
+                "LazyAdamOptimizer); TF's AdamOptimizer also decays the moments of the "
+                "untouched rows and moves them")
+    if row_sparse_kind(choice.kind, device_type):
+        return TablePlan(choice.kind, "sgd", note, row_sparse=True)
+    kernel = table_kernel_kind(choice.kind)
     if kernel not in supported_sparse_optimizers(device_type):
         raise ConfigError(field, _refusal(choice, device_type))
-    msg = choice.message
-    note = ""
-    if choice.kind == "ftrl":
-        dropped = _ftrl_dropped(msg) if msg is not None else []
-        note = (f"{field}: fbgemm has no FTRL kernel for embedding tables; the tables use "
-                "exact element-wise Adagrad at the FTRL learning rate (FTRL-Proximal without "
-                "l1/l2 and with learning_rate_power -0.5 makes the same updates); table "
-                "accumulators start at 0")
-        if dropped:
-            note += f"; not applied to the tables: {', '.join(dropped)}"
-    elif choice.kind == "momentum":
-        value = _fmt(msg.momentum_optimizer_value) if msg is not None else "0.9"
-        note = (f"{field}: fbgemm has no momentum kernel for embedding tables; the tables use "
-                f"plain SGD at the same learning rate (momentum {value} is not applied to "
-                "the tables)")
-    elif choice.kind == "adamw":
-        decay = _fmt(msg.weight_decay) if msg is not None else "?"
-        note = (f"{field}: the tables use fbgemm's Adam without weight decay (weight_decay "
-                f"{decay} is not applied to the tables)")
     return TablePlan(choice.kind, kernel, note)
 
 

@@ -108,8 +108,10 @@ DEFAULT_MAX_MEMORY_FRACTION = 0.8
 MAX_MEMORY_FRACTION_ENV = "ODL_MAX_MEMORY_FRACTION"
 
 # Table optimizer state: (floats per row, floats per row and dimension).
+# Row-sparse kinds (odl.train.row_sparse_tables) keep theirs per table value as well: FTRL
+# its accumulator and linear term, momentum its buffer, Adam / AdamW two moments.
 _SPARSE_STATE = {"sgd": (0, 0), "adagrad": (0, 1), "rowwise_adagrad": (1, 0), "adam": (0, 2),
-                 "lamb": (0, 2)}
+                 "adamw": (0, 2), "lamb": (0, 2), "ftrl": (0, 2), "momentum": (0, 1)}
 # Dense optimizer state floats per parameter.
 _DENSE_STATE = {"sgd": 0, "momentum": 1, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2,
                 "adamw": 2, "ftrl": 2}

@@ -31,15 +31,13 @@ default 0.9, ``weight_decay``, ``dampening``, ``nesterov``), ``momentum`` -> SGD
 scaled by the rate, as EasyRec's TF AdamW), TorchEasyRec: ``torch.optim.AdamW``; ``ftrl`` ->
 :class:`FtrlProximal` (TF's FTRL-Proximal update with l1, l2 and l2 shrinkage).
 
-Embedding tables are updated by fbgemm's fused kernel inside backward (see
-:mod:`odl.config.optimizer_support` for which kernel runs per kind and device, and the
-substitutes): ``sgd`` -> exact SGD, ``adagrad`` -> exact element-wise Adagrad (as EasyRec's TF
-Adagrad), ``rowwise_adagrad`` (TorchEasyRec's ``rowwise_adagrad_optimizer``) -> exact row-wise
-Adagrad (one accumulator per row), ``adam`` -> fbgemm Adam and ``lamb`` -> fbgemm LAMB (CUDA
-only), ``ftrl`` -> exact Adagrad at the FTRL rate, ``momentum`` -> exact SGD at the same rate,
-``adamw`` -> fbgemm Adam without weight decay. A substitute is logged as a warning when the
-tables are built. Table accumulators start at 0; ``initial_accumulator_value`` applies to
-dense parameters only.
+Embedding tables (see :mod:`odl.config.optimizer_support` for what runs per kind and
+device): fbgemm's fused kernel inside backward for ``sgd`` (exact SGD), ``adagrad`` (exact
+element-wise Adagrad, as EasyRec's TF Adagrad), ``rowwise_adagrad`` (exact row-wise Adagrad),
+``adam`` / ``lamb`` on CUDA (fbgemm Adam / LAMB); row-sparse (:mod:`odl.train.row_sparse_tables`,
+the fused kernel at rate 0) for ``ftrl``, ``momentum``, ``adamw`` and ``adam`` on CPU. Fused
+table accumulators start at 0; ``initial_accumulator_value`` applies to dense parameters and
+to the row-sparse FTRL.
 
 Gradient clipping (EasyRec ``gradient_clipping_by_norm``, TorchEasyRec ``grad_clipping``)
 applies to the dense gradients, between backward and the dense step. Table gradients are
@@ -388,8 +386,9 @@ def sparse_optimizer_args(
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """Optimizer class and kwargs for ``apply_optimizer_in_backward`` on the tables.
 
-    Logs a warning when the tables run a substitute for the configured optimizer
-    (:func:`odl.config.optimizer_support.table_optimizer_plan`).
+    Logs a warning when the tables' update differs from the configured optimizer
+    (:func:`odl.config.optimizer_support.table_optimizer_plan`). A row-sparse kind gets
+    exact SGD at rate 0 (``odl.train.row_sparse_tables`` makes the update).
 
     Args:
         spec: the sparse optimizer choice.
@@ -399,13 +398,13 @@ def sparse_optimizer_args(
         ``(optimizer class, kwargs)``; the class maps to an fbgemm fused optimizer.
 
     Raises:
-        ConfigError: the kind has no fused kernel on this device (Adam, LAMB on CPU).
+        ConfigError: nothing runs the kind on this device (LAMB on CPU).
     """
     choice = spec.choice or OptimizerChoice(spec.kind, spec.source)
     plan = table_optimizer_plan(choice, device_type)
     if plan.note:
         logger.warning("%s", plan.note)
-    lr = spec.schedule(0)
+    lr = 0.0 if plan.row_sparse else spec.schedule(0)
     if plan.kernel == "sgd":
         return torch.optim.SGD, {"lr": lr}
     if plan.kernel == "rowwise_adagrad":

@@ -7,10 +7,11 @@ code 2 and one line naming the field before a table is allocated. Both ``--valid
 and a normal start run it. In order:
 
 1. Device: ``--device cuda`` needs a CUDA device; ``auto`` resolves to CUDA when one is
-   available, else CPU. The table optimizer must have a fused kernel on that device (Adam
-   and LAMB tables need CUDA); where the tables run a substitute (FTRL as Adagrad, momentum
-   as plain SGD, see :mod:`odl.config.optimizer_support`) the check returns a note saying
-   so, which ``--validate_only`` prints and a start logs as a warning.
+   available, else CPU. The table optimizer must run on that device, fused or row-sparse
+   (LAMB tables need CUDA; see :mod:`odl.config.optimizer_support`); where the tables run
+   differently from what the config names (EasyRec's ``adam_optimizer`` as lazy Adam) the
+   check returns a note saying so, which ``--validate_only`` prints and a start logs as a
+   warning.
 2. Kafka client settings: the consumer of ``kafka_train_input``, the dead-letter producer
    and the delta producer (and its recovery consumer) of ``incr_save_config.kafka`` are
    constructed with the settings the trainer will use and closed at once, without a broker
@@ -81,8 +82,8 @@ class StartCheck:
     Attributes:
         device_type: the resolved device, ``"cpu"`` or ``"cuda"``.
         memory: the memory estimate.
-        notes: what the start will do differently from the config (e.g. the table
-            optimizer's substitute), one sentence each.
+        notes: what the start will do differently from the config (e.g. Adam tables run
+            lazily), one sentence each.
     """
 
     device_type: str
@@ -127,17 +128,17 @@ def resolve_device_type(device: str) -> str:
 def check_device_support(
     config: pipeline_pb2.EasyRecConfig, device_type: str
 ) -> tuple[str, ...]:
-    """Refuses a table optimizer that has no fused kernel on ``device_type``.
+    """Refuses a table optimizer that cannot run on ``device_type`` (fused or row-sparse).
 
     Args:
         config: the config.
         device_type: ``"cpu"`` or ``"cuda"``.
 
     Returns:
-        Notes on substitutes the tables will run (empty: the configured optimizer runs).
+        Notes on how the tables' update differs from the configured one (empty: none).
 
     Raises:
-        ConfigError: naming the optimizer field, e.g. Adam tables on CPU.
+        ConfigError: naming the optimizer field, e.g. LAMB tables on CPU.
     """
     sparse, _dense = optimizer_choices(config.train_config)
     if not sparse.kind:

@@ -4,7 +4,7 @@
 (``apply_optimizer_in_backward`` -> fbgemm TBE), wraps the model in a single-process
 ``DistributedModelParallel`` (tables sharded table-wise on rank 0 with the fused kernel; no
 data-parallel wrapper: one process has nothing to all-reduce) and runs predict-then-train
-steps.
+steps. Tables whose optimizer fbgemm lacks run row-sparse (``odl.train.row_sparse_tables``).
 
 Its checkpoint state (what a checkpoint holds, save, restore into any number of ranks, warm
 start) is written in ``odl.train.module_state``; the tables as this rank holds them are read
@@ -73,6 +73,8 @@ from odl.train.optimizer_builder import (
     optimizer_specs,
 )
 from odl.train.published_rows import PublishedRows
+from odl.train.row_sparse_rules import row_sparse_rule
+from odl.train.row_sparse_tables import RowSparseTables
 from odl.train.table_shards import (
     EBC_PREFIX,
     ShardRows,
@@ -82,7 +84,6 @@ from odl.train.table_shards import (
 from odl.train.torch_runtime import resolve_device
 
 logger = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -109,11 +110,7 @@ class StepOutput:
 
 
 class _NoDataParallel(DataParallelWrapper):
-    """Leaves dense parameters unwrapped (no DDP).
-
-    One process needs no all-reduce; several average their gradients in ``train_step``
-    (``odl.train.distributed``).
-    """
+    """Leaves dense parameters unwrapped (no DDP): ``train_step`` averages their gradients."""
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv,
              device: torch.device) -> None:
@@ -190,6 +187,9 @@ class TrainModule:
             self.model, device=self.device, plan=ShardingPlan({"ebc": plan}),
             data_parallel_wrapper=_NoDataParallel(),
         )
+        rule = row_sparse_rule(self._sparse_spec, self.device.type)  # None: fused updates
+        self.row_sparse = None if rule is None else RowSparseTables(
+            self._dmp, rule, self.wide_lr_multiplier, self.world_size)
         if self.world_size == 1:
             init_embedding_weights(self.embedding_tables(), self.seed)
         else:
@@ -256,8 +256,9 @@ class TrainModule:
 
     @property
     def fused_optimizer(self) -> Any:
-        """TorchRec's keyed optimizer of the fused table updates."""
-        return self._dmp.fused_optimizer
+        """TorchRec's keyed optimizer of the fused table updates (row-sparse state joined)."""
+        fused = self._dmp.fused_optimizer
+        return fused if self.row_sparse is None else self.row_sparse.optimizer_view(fused)
 
     def step_loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
         """The model's training loss of ``output`` on ``batch``."""
@@ -355,7 +356,7 @@ class TrainModule:
         if self._row_views is None:
             tables = self.embedding_tables()
             states: dict[str, list[torch.Tensor]] = {}
-            for pname, st in self._dmp.fused_optimizer.state_dict()["state"].items():
+            for pname, st in self.fused_optimizer.state_dict()["state"].items():
                 states[pname] = [local_view(v) for v in st.values()
                                  if isinstance(v, torch.Tensor) or hasattr(v, "local_shards")]
             self._row_views = (tables, states)
@@ -369,7 +370,7 @@ class TrainModule:
         """
         if self._shard_views is None:
             model = self._dmp.state_dict()
-            states = self._dmp.fused_optimizer.state_dict()["state"]
+            states = self.fused_optimizer.state_dict()["state"]
             self._shard_views = {
                 key[len(EBC_PREFIX):-len(".weight")]: (
                     t, [v for v in states.get(key, {}).values()
@@ -435,7 +436,7 @@ class TrainModule:
             ``predict(batch)`` called just before the step unless the model has batch norm or
             dropout (the step's forward runs in train mode).
         """
-        self.rates.set(self.global_step, self._dmp.fused_optimizer, self.dense_optimizer)
+        self.rates.set(self.global_step, self.fused_optimizer, self.dense_optimizer)
         before = self.global_step
         now = 0.0
         if self.dynamic:
@@ -509,6 +510,8 @@ class TrainModule:
         weighted.backward()  # table rows are updated inside backward (fused)
         if learning is not None:  # each record's squared gradient in the accumulators
             learning.after_backward(pending, pairs, n, self.rates.tables)
+        if self.row_sparse is not None:  # the touched rows of Adam, FTRL, ... tables
+            self.row_sparse.apply(self.rates.tables, self.global_step + 1)
         average_gradients(self._dense_params)  # nothing to average with one rank
         if self._grad_clip is not None:
             self._grad_clip(self.dense_optimizer)
@@ -523,11 +526,7 @@ class TrainModule:
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
     def empty_batch(self) -> Batch:
-        """A batch of no records.
-
-        A rank with nothing to train passes it to ``train_step`` so the other ranks' step
-        can run.
-        """
+        """A batch of no records (a rank with nothing to train passes it to ``train_step``)."""
         return self._feature_builder.to_batch(self._feature_builder.empty_arrays())
 
     @torch.no_grad()
@@ -584,6 +583,8 @@ class TrainModule:
             KeyError: ``strict`` and a name is missing or unexpected.
             ValueError: a shape differs.
         """
+        if self.row_sparse is not None:  # a checkpoint of the substitutes before row-sparse
+            state = self.row_sparse.upgrade_state(dict(state), self.rates)
         module_state.load_state(self, state, strict)
 
     def load_parameters(self, named_tensors: Mapping[str, torch.Tensor],

@@ -1,0 +1,152 @@
+"""Update rules of the row-sparse table optimizers: TF's sparse applies on gathered rows.
+
+Each rule updates the ``U`` rows a step touched, given their summed gradient ``g`` ``[U,
+D]`` (duplicates summed, as TF's ``_apply_sparse_duplicate_indices``), their weights ``w``
+and their optimizer state, all gathered from the table; :mod:`odl.train.row_sparse_tables`
+gathers and scatters. ``t`` is the global step counting this one (1 at the first step).
+
+* ``adam`` / ``lazy_adam`` (LazyAdam, as ``tf.contrib.opt.LazyAdamOptimizer`` and fbgemm's
+  Adam): ``m = b1 * m + (1 - b1) * g``, ``v = b2 * v + (1 - b2) * g * g`` for the touched
+  rows only; EasyRec form ``w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``
+  (TF's epsilon-hat); TorchEasyRec form ``w -= lr * m_hat / (sqrt(v_hat) + eps)`` with
+  ``m_hat = m / (1 - b1^t)``, ``v_hat = v / (1 - b2^t)`` (torch / fbgemm), its
+  ``weight_decay`` added to the gradient as ``weight_decay * w`` (``torch.optim.Adam``).
+* ``adamw``: the decoupled decay of the touched rows first, EasyRec ``w -= weight_decay *
+  w`` (``tf.contrib.opt.AdamWOptimizer``, as :class:`odl.train.optimizer_builder.
+  DecoupledAdamW`), TorchEasyRec ``w -= lr * weight_decay * w`` (``torch.optim.AdamW``),
+  then the Adam step of its form.
+* ``ftrl``: TF's ``SparseApplyFtrlV2`` (``tf.train.FtrlOptimizer``), with ``p =
+  learning_rate_power``: ``g_s = g + 2 * l2_shrinkage * w``, ``n' = n + g * g``, ``z += g_s -
+  (n'^-p - n^-p) / lr * w``, ``w = (sign(z) * l1 - z) / (n'^-p / lr + 2 * l2)`` where ``|z| >
+  l1``, else 0. The accumulator is stored as ``n - initial_accumulator_value`` so that a
+  zeroed row (a dynamic table's evicted row, a fresh table) is a fresh accumulator.
+* ``momentum``: TF's ``SparseApplyMomentum``: ``a = momentum * a + g``, ``w -= lr * a``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from odl.config.optimizer_support import OptimizerChoice, table_optimizer_plan
+
+if TYPE_CHECKING:
+    from odl.train.optimizer_builder import OptimizerSpec
+
+__all__ = ["ROW_SPARSE_STATE", "RowSparseRule", "row_sparse_rule"]
+
+# kind -> names of its per-value state tensors (each [rows, stored columns])
+ROW_SPARSE_STATE: dict[str, tuple[str, ...]] = {
+    "adam": ("exp_avg", "exp_avg_sq"),
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "ftrl": ("accumulator", "linear"),
+    "momentum": ("momentum_buffer",),
+}
+
+TF_EPSILON = 1e-8
+
+
+@dataclass(frozen=True)
+class RowSparseRule:
+    """One row-sparse optimizer (module docstring).
+
+    Attributes:
+        kind: ``"adam"``, ``"adamw"``, ``"ftrl"`` or ``"momentum"``.
+        params: the optimizer's settings (``OptimizerSpec.params``).
+        tf_form: EasyRec's (TF) form of Adam / AdamW; False: TorchEasyRec's (torch).
+    """
+
+    kind: str
+    params: Mapping[str, Any] = field(default_factory=dict)
+    tf_form: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROW_SPARSE_STATE:
+            raise ValueError(f"no row-sparse rule for {self.kind!r}; "
+                             f"known: {sorted(ROW_SPARSE_STATE)}")
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Names of the state tensors the rule keeps per table."""
+        return ROW_SPARSE_STATE[self.kind]
+
+    def apply(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], lr: float,
+              t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The touched rows' new weights and state.
+
+        Args:
+            w: the rows' weights ``[U, D]`` (not modified).
+            g: their summed gradients ``[U, D]``.
+            state: their state, one ``[U, D]`` tensor per ``state_names`` (not modified).
+            lr: the table's rate of this step.
+            t: the global step counting this one (>= 1).
+
+        Returns:
+            ``(new weights, new state)``.
+        """
+        if self.kind == "ftrl":
+            return self._ftrl(w, g, state, lr)
+        if self.kind == "momentum":
+            a = state[0] * float(self.params.get("momentum", 0.9)) + g
+            return w - lr * a, [a]
+        return self._adam(w, g, state, lr, t)
+
+    def _adam(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], lr: float,
+              t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        p = self.params
+        b1, b2 = float(p.get("beta1", 0.9)), float(p.get("beta2", 0.999))
+        decay = float(p.get("weight_decay", 0.0))
+        if self.kind == "adamw" and decay:
+            w = w * (1.0 - (decay if self.tf_form else lr * decay))
+        elif decay:  # torch.optim.Adam's L2 term
+            g = g + decay * w
+        m = state[0] * b1 + g * (1.0 - b1)
+        v = state[1] * b2 + g * g * (1.0 - b2)
+        if self.tf_form:
+            step = lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
+            return w - step * m / (v.sqrt() + TF_EPSILON), [m, v]
+        eps = float(p.get("eps", TF_EPSILON))
+        m_hat = m / (1.0 - b1**t)
+        v_hat = v / (1.0 - b2**t)
+        return w - lr * m_hat / (v_hat.sqrt() + eps), [m, v]
+
+    def _ftrl(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor],
+              lr: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        if lr <= 0:  # FTRL divides by the rate: a rate of 0 leaves the rows as they are
+            return w, state
+        p = self.params
+        power = float(p.get("lr_power", -0.5))
+        init = float(p.get("initial_accumulator_value", 0.1))
+        l1, l2 = float(p.get("l1", 0.0)), float(p.get("l2", 0.0))
+        shrink = float(p.get("l2_shrinkage", 0.0))
+        n = state[0] + init
+        z = state[1]
+        g_s = g + 2.0 * shrink * w if shrink else g
+        n_new = n + g * g
+        n_pow_new = n_new.pow(-power)
+        z = z + g_s - (n_pow_new - n.pow(-power)) / lr * w
+        quadratic = n_pow_new / lr + 2.0 * l2
+        new_w = torch.where(z.abs() > l1, (torch.sign(z) * l1 - z) / quadratic,
+                            torch.zeros_like(z))
+        return new_w, [n_new - init, z]
+
+
+def row_sparse_rule(spec: OptimizerSpec, device_type: str) -> RowSparseRule | None:
+    """The row-sparse rule of the tables' optimizer on a device, None when it runs fused.
+
+    Args:
+        spec: the tables' optimizer (``optimizer_specs(...)[0]``).
+        device_type: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        The rule (EasyRec's form: TF's Adam; TorchEasyRec's: torch's), or None.
+    """
+    choice = spec.choice or OptimizerChoice(spec.kind, spec.source)
+    if not table_optimizer_plan(choice, device_type).row_sparse:
+        return None
+    tf_form = choice.form != "tzrec"
+    return RowSparseRule(spec.kind, dict(spec.params), tf_form)

@@ -1,0 +1,388 @@
+"""Row-sparse table optimizers (odl.train.row_sparse_tables): Adam, AdamW, FTRL, momentum.
+
+Each update is checked step by step against a numpy port of TF's sparse applies on a real
+``TrainModule``: the rows' summed gradients of a step come from a twin module whose tables
+train with exact SGD at rate 1 (and whose dense part does not move), loaded with the
+module's parameters before the step.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from google.protobuf import text_format
+
+from odl.config.config_error import ConfigError
+from odl.config.optimizer_support import optimizer_choices, table_optimizer_plan
+from odl.features.feature_builder import FeatureBuilder
+from odl.protos import pipeline_pb2
+from odl.train.train_module import TrainModule
+from tests.test_optimizers import MODEL, records
+
+LR = 0.05
+SGD_TWIN = """
+optimizer_config { sgd_optimizer { learning_rate { constant_learning_rate { learning_rate: 1 } } } }
+optimizer_config { sgd_optimizer { learning_rate { constant_learning_rate { learning_rate: 0 } } } }
+"""
+DENSE = ("optimizer_config { adam_optimizer { learning_rate { constant_learning_rate { "
+         "learning_rate: 0.01 } } } }")
+
+
+# a multi-valued feature pooled by mean (its rows' gradients divided by the bag's length)
+MEAN_MODEL = """
+data_config {
+  input_fields { input_name: "label" input_type: INT32 }
+  input_fields { input_name: "x" input_type: FLOAT }
+  input_fields { input_name: "tags" }
+  input_fields { input_name: "c1" }
+  label_fields: "label"
+}
+feature_config {
+  features { input_names: "x" feature_type: RawFeature }
+  features { input_names: "tags" hash_bucket_size: 60 embedding_dim: 4 combiner: "mean" }
+  features { input_names: "c1" hash_bucket_size: 100 embedding_dim: 4 }
+}
+model_config {
+  model_class: "DeepFM"
+  feature_groups { group_name: "wide" feature_names: ["tags", "c1"] wide_deep: WIDE }
+  feature_groups { group_name: "deep" feature_names: ["tags", "c1", "x"] wide_deep: DEEP }
+  deepfm { dnn { hidden_units: [8] } }
+}
+"""
+
+
+def mean_records(n: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        tags = "|".join(f"t{t}" for t in rng.integers(0, 60, rng.integers(1, 5)))
+        out.append(f"{int(rng.random() < 0.4)},{rng.normal():.3f},{tags},"
+                   f"c{rng.integers(0, 100)}".encode())
+    return out
+
+
+def module(train: str, model: str = MODEL) -> tuple[TrainModule, FeatureBuilder]:
+    c = text_format.Parse(model, pipeline_pb2.EasyRecConfig())
+    text_format.Merge(train, c.train_config)
+    fb = FeatureBuilder(c)
+    return TrainModule(c, fb, device="cpu"), fb
+
+
+def tables_config(opt: str, extra: str = "") -> str:
+    rate = f"learning_rate {{ constant_learning_rate {{ learning_rate: {LR} }} }}"
+    return f"optimizer_config {{ {opt} {{ {rate} {extra} }} }} {DENSE}"
+
+
+def touched(tm: TrainModule, batch) -> dict[str, np.ndarray]:
+    """Table -> the rows the batch reads."""
+    out: dict[str, list[np.ndarray]] = {}
+    kjt = batch.sparse.to_dict()
+    for feature, tables in tm.feature_tables().items():
+        if feature in kjt:
+            for t in tables:
+                out.setdefault(t, []).append(kjt[feature].values().numpy())
+    return {t: np.unique(np.concatenate(v)) for t, v in out.items()}
+
+
+def row_gradients(tm: TrainModule, twin: TrainModule, batch) -> dict[str, np.ndarray]:
+    """Each table's summed gradient of ``batch`` at ``tm``'s parameters (twin SGD at rate 1)."""
+    with torch.no_grad():
+        for name, t in twin.embedding_tables().items():
+            t.copy_(tm.embedding_tables()[name])
+        own = tm.dense_parameters()
+        for name, t in twin.dense_parameters().items():
+            t.copy_(own[name])
+    before = {k: v.double().numpy().copy() for k, v in twin.embedding_tables().items()}
+    twin.train_step(batch)
+    return {k: before[k] - v.double().numpy() for k, v in twin.embedding_tables().items()}
+
+
+def tf_adam(w, g, st, lr, t, b1=0.9, b2=0.999, eps=1e-8, decay=0.0):
+    m, v = st
+    w = w - decay * w
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    step = lr * math.sqrt(1 - b2**t) / (1 - b1**t)
+    return w - step * m / (np.sqrt(v) + eps), [m, v]
+
+
+def tf_ftrl(w, g, st, lr, t, power=-0.5, l1=0.0, l2=0.0, shrink=0.0):
+    n, z = st
+    g_s = g + 2 * shrink * w
+    n_new = n + g * g
+    z = z + g_s - (n_new ** -power - n ** -power) / lr * w
+    quad = n_new ** -power / lr + 2 * l2
+    w = np.where(np.abs(z) > l1, (np.sign(z) * l1 - z) / quad, 0.0)
+    return w, [n_new, z]
+
+
+def tf_momentum(w, g, st, lr, t, momentum=0.9):
+    a = momentum * st[0] + g
+    return w - lr * a, [a]
+
+
+CASES = {
+    "adam": ("adam_optimizer", "", tf_adam, [0.0, 0.0]),
+    "lazy_adam": ("lazy_adam_optimizer", "beta1: 0.8 beta2: 0.99",
+                  lambda *a: tf_adam(*a, b1=0.8, b2=0.99), [0.0, 0.0]),
+    "adamw": ("adamw_optimizer", "weight_decay: 0.01",
+              lambda *a: tf_adam(*a, decay=0.01), [0.0, 0.0]),
+    "ftrl": ("ftrl_optimizer", "l1_reg: 0.01 l2_reg: 0.1 l2_shrinkage_reg: 0.05",
+             lambda *a: tf_ftrl(*a, l1=0.01, l2=0.1, shrink=0.05), [0.1, 0.0]),
+    "ftrl_power": ("ftrl_optimizer", "learning_rate_power: -0.7 initial_accumulator_value: 0.5",
+                   lambda *a: tf_ftrl(*a, power=-0.7), [0.5, 0.0]),
+    "momentum": ("momentum_optimizer", "momentum_optimizer_value: 0.8",
+                 lambda *a: tf_momentum(*a, momentum=0.8), [0.0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + ["mean_adam", "mean_ftrl"])
+def test_updates_follow_tf_step_by_step(case: str) -> None:
+    mean = case.startswith("mean_")
+    opt, extra, ref, init = CASES[case.removeprefix("mean_")]
+    model = MEAN_MODEL if mean else MODEL
+    tm, fb = module(tables_config(opt, extra), model)
+    twin, _ = module(SGD_TWIN, model)
+    assert tm.row_sparse is not None
+    assert any(tbe.mean for tbe in tm.row_sparse._tbes) == mean  # fbgemm's mean pooling
+    w = {k: v.double().numpy().copy() for k, v in tm.embedding_tables().items()}
+    state = {k: [np.full_like(v, s) for s in init] for k, v in w.items()}
+    for step in range(4):
+        batch = fb.build((mean_records if mean else records)(48, 7 + step)).batch
+        grads = row_gradients(tm, twin, batch)
+        rows = touched(tm, batch)
+        tm.train_step(batch)
+        for table, got in tm.embedding_tables().items():
+            r = rows[table]
+            new_w, new_st = ref(w[table][r], grads[table][r],
+                                [s[r] for s in state[table]], LR, step + 1)
+            w[table][r] = new_w
+            for s, v in zip(state[table], new_st, strict=True):
+                s[r] = v
+            got = got.double().numpy()
+            np.testing.assert_allclose(got[r], w[table][r], rtol=2e-4, atol=2e-6,
+                                       err_msg=f"{case} step {step} table {table}")
+            untouched = np.setdiff1d(np.arange(got.shape[0]), r)
+            np.testing.assert_array_equal(got[untouched], w[table][untouched])
+            w[table] = got.copy()  # the next step starts from the module's float32 rows
+
+
+def test_wide_tables_take_the_wide_rate() -> None:
+    tm, fb = module(tables_config("momentum_optimizer", "momentum_optimizer_value: 0.5")
+                    + " wide_learning_rate_multiplier: 3")
+    twin, _ = module(SGD_TWIN)
+    batch = fb.build(records(32, 3)).batch
+    before = {k: v.double().numpy().copy() for k, v in tm.embedding_tables().items()}
+    grads = row_gradients(tm, twin, batch)
+    tm.train_step(batch)
+    for table, got in tm.embedding_tables().items():
+        lr = LR * (3 if table.endswith("_wide") else 1)
+        np.testing.assert_allclose(got.double().numpy(), before[table] - lr * grads[table],
+                                   rtol=1e-5, atol=1e-7)
+
+
+def test_checkpoint_round_trip_continues_as_uninterrupted() -> None:
+    config = tables_config("ftrl_optimizer", "l1_reg: 0.01")
+    tm, fb = module(config)
+    batches = [fb.build(records(40, 20 + k)).batch for k in range(6)]
+    for b in batches[:3]:
+        tm.train_step(b)
+    state = tm.state_dict_for_checkpoint()
+    sparse = state["sparse_optimizer"]["ebc.embedding_bags.c1.weight"]
+    assert set(sparse) == {"c1.accumulator", "c1.linear"}
+    assert float(sparse["c1.linear"].abs().sum()) > 0
+    restored, _ = module(config)
+    restored.load_checkpoint_state(state)
+    for b in batches[3:]:
+        tm.train_step(b)
+        restored.train_step(b)
+    for name, t in tm.embedding_tables().items():
+        torch.testing.assert_close(restored.embedding_tables()[name], t, rtol=0, atol=0)
+    a = tm.state_dict_for_checkpoint()["sparse_optimizer"]
+    b = restored.state_dict_for_checkpoint()["sparse_optimizer"]
+    for pname, states in a.items():
+        for k, v in states.items():
+            torch.testing.assert_close(b[pname][k], v, rtol=0, atol=0)
+
+
+def test_adam_state_is_in_the_views_dynamic_resets_zero() -> None:
+    tm, fb = module(tables_config("adam_optimizer"))
+    tm.train_step(fb.build(records(40, 1)).batch)
+    _tables, states = tm.row_state_views()
+    st = states["ebc.embedding_bags.c1.weight"]
+    assert len(st) == 2 and all(v.shape == (100, 4) for v in st)
+    assert float(st[0].abs().sum()) > 0  # live: the views a dynamic reset zeroes
+    _w, shard_state = tm.table_shards("c2")
+    assert len(shard_state) == 2
+
+
+def test_ftrl_zero_state_is_a_fresh_accumulator() -> None:
+    from odl.train.row_sparse_rules import RowSparseRule
+
+    rule = RowSparseRule("ftrl", {"initial_accumulator_value": 0.3})
+    w = torch.tensor([[0.5, -0.2]])
+    g = torch.tensor([[0.1, 0.4]])
+    got, (n, z) = rule.apply(w, g, [torch.zeros(1, 2), torch.zeros(1, 2)], 0.1, 1)
+    ref_w, (ref_n, ref_z) = tf_ftrl(w.double().numpy(), g.double().numpy(),
+                                    [np.full((1, 2), 0.3), np.zeros((1, 2))], 0.1, 1)
+    np.testing.assert_allclose(got.numpy(), ref_w, rtol=1e-6)
+    np.testing.assert_allclose(n.numpy() + 0.3, ref_n, rtol=1e-6)
+    np.testing.assert_allclose(z.numpy(), ref_z, rtol=1e-6)
+
+
+def test_plans_run_row_sparse_and_lamb_is_refused_on_cpu() -> None:
+    def choice(text: str):
+        return optimizer_choices(text_format.Parse(text, pipeline_pb2.TrainConfig()))[0]
+
+    for kind in ("adam", "adamw", "ftrl", "momentum", "lazy_adam"):
+        plan = table_optimizer_plan(choice(f"optimizer_config {{ {kind}_optimizer {{}} }}"),
+                                    "cpu")
+        assert plan.row_sparse and plan.kernel == "sgd"
+    assert "lazy Adam" in table_optimizer_plan(
+        choice("optimizer_config { adam_optimizer {} }"), "cpu").note
+    assert table_optimizer_plan(
+        choice("optimizer_config { lazy_adam_optimizer {} }"), "cpu").note == ""
+    cuda = table_optimizer_plan(choice("sparse_optimizer { adam_optimizer { lr: 0.1 } }"),
+                                "cuda")
+    assert not cuda.row_sparse and cuda.kernel == "adam"
+    assert table_optimizer_plan(choice("optimizer_config { ftrl_optimizer {} }"),
+                                "cuda").row_sparse
+    with pytest.raises(ConfigError, match="lamb"):
+        table_optimizer_plan(choice("sparse_optimizer { lamb_optimizer { lr: 0.1 } }"), "cpu")
+
+
+@pytest.mark.parametrize("flags, field", [
+    ("in_batch_learning: true", "train_config.in_batch_learning"),
+    ("in_batch_learning: true per_record_adagrad: true", "train_config.per_record_adagrad"),
+])
+def test_in_batch_learning_is_refused_with_row_sparse_tables(flags: str, field: str) -> None:
+    from odl.config.pipeline_config import load_pipeline_config
+    from odl.models.model_registry import check_pipeline_config
+    from tests.test_optimizers import ONLINE
+
+    config = load_pipeline_config(ONLINE)
+    config.train_config.ClearField("optimizer_config")
+    text_format.Merge(tables_config("ftrl_optimizer") + " " + flags, config.train_config)
+    with pytest.raises(ConfigError) as info:
+        check_pipeline_config(config, online=True)
+    assert info.value.field == field
+
+
+def _rank_tables(rank: int, world: int, model_dir: str, schedule: list, optimizer: str,
+                 row_wise_min_rows: int) -> dict[str, np.ndarray]:
+    """One rank's training with ``optimizer`` tables; the gathered tables on rank 0."""
+    from odl.datagen.datagen_config import bursty_config_text
+    from tests.harness import load_config_text
+
+    text = bursty_config_text(model_dir, batch_size=256, buckets=4096)
+    config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=row_wise_min_rows)
+    assert tm.row_sparse is not None
+    for step in schedule:
+        tm.train_step(fb.build(step[rank]).batch if step[rank] else tm.empty_batch())
+    state = tm.state_dict_for_checkpoint()
+    out = {k: v.numpy() for k, v in state.get("model", {}).items()
+           if k.startswith("ebc.embedding_bags.")}
+    out.update({f"{p}/{k}": v.numpy() for p, st in state.get("sparse_optimizer", {}).items()
+                for k, v in st.items()})
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["ftrl_optimizer", "adam_optimizer"])
+def test_two_ranks_train_row_sparse_tables_as_one_process(tmp_path, optimizer: str) -> None:
+    """Tables split by rows (4096-row id tables) and whole on one rank: each rank updates
+    the rows it holds and keeps their state; the gathered tables and state are one
+    process's."""
+    from odl.datagen.bursty_stream import BurstyStream
+    from odl.harness.spawned_ranks import run_ranks
+
+    batch, world = 256, 2
+    records = BurstyStream(seed=5).next_batch(4 * batch).encode("csv")
+    schedule = [[records[k + r * batch // world:k + (r + 1) * batch // world]
+                 for r in range(world)] for k in range(0, len(records), batch)]
+    one = _rank_tables(0, 1, str(tmp_path / "one"), [[sum(s, [])] for s in schedule],
+                       optimizer, 2048)
+    got = run_ranks(_rank_tables, world, world, str(tmp_path / "m"), schedule, optimizer,
+                    2048, timeout=600.0)  # a loaded machine
+    assert set(got[0]) == set(one) and got[1] == {}
+    assert any("/" in k for k in one)
+    for name, t in one.items():
+        np.testing.assert_allclose(got[0][name], t, atol=5e-5, rtol=0, err_msg=name)
+
+
+DYNAMIC_MODEL = """
+data_config {
+  input_fields { input_name: "label" input_type: INT32 }
+  input_fields { input_name: "x" input_type: FLOAT }
+  input_fields { input_name: "user" }
+  input_fields { input_name: "item" input_type: INT64 }
+  label_fields: "label"
+}
+feature_config {
+  features { input_names: "x" feature_type: RawFeature }
+  features { input_names: "user" embedding_dim: 4 combiner: "mean" zch { zch_size: 30 lru {} } }
+  features { input_names: "item" num_buckets: 1 embedding_dim: 4
+             ev_params { filter_freq: 1 max_capacity: 20 steps_to_live: 5 } }
+}
+model_config {
+  model_class: "DeepFM"
+  feature_groups { group_name: "wide" feature_names: ["user", "item"] wide_deep: WIDE }
+  feature_groups { group_name: "deep" feature_names: ["user", "item", "x"] wide_deep: DEEP }
+  deepfm { dnn { hidden_units: [8] } wide_output_dim: 1 }
+}
+"""
+
+
+def dynamic_records(n: int, seed: int) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    return [f"{int(rng.random() < 0.3)},{rng.normal():.3f},u{rng.integers(0, 90)}|"
+            f"u{rng.integers(0, 90)},{rng.integers(0, 70)}".encode() for _ in range(n)]
+
+
+@pytest.mark.parametrize("opt", ["ftrl_optimizer", "adam_optimizer"])
+def test_dynamic_rows_evicted_get_a_fresh_optimizer_state(opt: str) -> None:
+    tm, fb = module(tables_config(opt), DYNAMIC_MODEL)
+    assert tm.row_sparse is not None and tm.dynamic
+    for k in range(8):  # more ids than rows: admissions evict
+        out = tm.train_step(fb.build(dynamic_records(64, k)).batch)
+        assert math.isfinite(out.loss)
+    _tables, states = tm.row_state_views()
+    for base, torch_tables in tm.dynamic_torch_tables.items():
+        rows = np.array([0, 3, 5])
+        held = {t: [v[rows].clone() for v in states[f"ebc.embedding_bags.{t}.weight"]]
+                for t in torch_tables}
+        assert any(float(v.abs().sum()) > 0 for vs in held.values() for v in vs), base
+        tm.reset_dynamic_rows({base: rows}, tm.global_step)
+        for t in torch_tables:
+            for v in states[f"ebc.embedding_bags.{t}.weight"]:
+                assert float(v[rows].abs().sum()) == 0.0, (base, t)  # a fresh state
+
+
+@pytest.mark.parametrize("opt", ["ftrl_optimizer", "momentum_optimizer"])
+def test_checkpoints_of_the_former_substitutes_restore(opt: str) -> None:
+    """FTRL tables ran as Adagrad (``<t>.momentum1``), momentum tables as SGD (no state):
+    their checkpoints restore, FTRL's weights a fixed point of its restored state."""
+    config = tables_config(opt, "l1_reg: 0.01 l2_reg: 0.1" if opt == "ftrl_optimizer" else "")
+    tm, fb = module(config)
+    tm.train_step(fb.build(records(40, 2)).batch)
+    state = tm.state_dict_for_checkpoint()
+    state["sparse_optimizer"] = {
+        p: ({f"{p.split('.')[-2]}.momentum1": torch.rand(100, 4)}
+            if opt == "ftrl_optimizer" else {}) for p in state["sparse_optimizer"]}
+    restored, _ = module(config)
+    restored.load_checkpoint_state(state)
+    rule = restored.row_sparse.rule
+    _tables, states = restored.row_state_views()
+    for name, w in restored.embedding_tables().items():
+        st = states[f"ebc.embedding_bags.{name}.weight"]
+        torch.testing.assert_close(w, state["model"][f"ebc.embedding_bags.{name}.weight"])
+        if opt == "momentum_optimizer":
+            assert float(st[0].abs().sum()) == 0.0
+            continue
+        same, _ = rule.apply(w.clone(), torch.zeros_like(w), [v.clone() for v in st], LR, 2)
+        torch.testing.assert_close(same, w, rtol=1e-5, atol=1e-6)
+    restored.train_step(fb.build(records(40, 3)).batch)
