@@ -96,6 +96,30 @@ def test_adam_on_the_tables_learns_on_cuda(fb):
     assert roc_auc(eval_labels, tm.predict(eval_batch)) > 0.75
 
 
+@pytest.mark.parametrize("optimizer", [
+    "ftrl_optimizer { learning_rate { constant_learning_rate { learning_rate: 0.1 } } "
+    "l1_reg: 0.001 l2_reg: 0.01 }",
+    "momentum_optimizer { learning_rate { constant_learning_rate { learning_rate: 0.05 } } "
+    "momentum_optimizer_value: 0.9 }",
+])
+def test_row_sparse_tables_on_cuda_equal_cpu(fb, optimizer):
+    """FTRL and momentum tables (no fbgemm kernel on any device) update the touched rows on
+    CUDA as on the CPU."""
+    text = (f"optimizer_config {{ {optimizer} }} "
+            "optimizer_config { adam_optimizer { learning_rate { constant_learning_rate { "
+            "learning_rate: 0.001 } } } }")
+    c = config(train_config=text)
+    c.train_config.ClearField("sparse_optimizer")
+    c.train_config.ClearField("dense_optimizer")
+    cpu = TrainModule(c, fb, device="cpu")
+    gpu = TrainModule(c, fb, device="cuda")
+    assert cpu.row_sparse is not None and gpu.row_sparse is not None
+    for b in batches(fb, 10, size=256, seed=6):
+        oc, og = cpu.train_step(b), gpu.train_step(b)
+        np.testing.assert_allclose(og.probs, oc.probs, atol=1e-4, rtol=0)
+    _assert_tables_equal(cpu, gpu, atol=1e-4)
+
+
 def test_online_loop_on_cuda_trains_every_record_once(kafka_bootstrap, kafka_topic_factory,
                                                       tmp_path):
     topic = kafka_topic_factory(partitions=3)
