@@ -1,0 +1,87 @@
+"""Table optimizers on the in-memory train step: fused Adagrad against the row-sparse kinds.
+
+fbgemm's CPU kernels cover SGD and (row-wise) Adagrad; Adam, FTRL and momentum tables run
+row-sparse (``odl.train.row_sparse_tables``: the touched rows updated after backward). Each
+kind trains the bursty sample model (DeepFM, batch ``--batch``, id tables of ``--buckets``
+rows) on the same pre-built batches, in turn within each round (order rotated per round);
+prints samples/s per kind and its ratio to fused Adagrad, the median over rounds of the
+per-round ratio. Run it at two ``--buckets`` to see that the row-sparse cost follows the
+batch, not the table.
+
+    .venv/bin/python bench/table_optimizers.py [--batch 1024] [--buckets 100000]
+        [--rounds 5] [--torch-threads 2] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.run_output import add_output_args, finish_run  # noqa: E402
+from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
+from odl.datagen.bursty_stream import BurstyStream  # noqa: E402
+from odl.datagen.datagen_config import bursty_config_text  # noqa: E402
+from odl.features.feature_builder import FeatureBuilder  # noqa: E402
+from odl.train.torch_runtime import configure_torch_threads  # noqa: E402
+from odl.train.train_module import TrainModule  # noqa: E402
+
+KINDS = ("adagrad_optimizer", "adam_optimizer", "ftrl_optimizer", "momentum_optimizer")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=1024)
+    ap.add_argument("--buckets", type=int, default=100_000, help="rows of each id table")
+    ap.add_argument("--steps", type=int, default=8, help="timed steps per kind and round")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--torch-threads", type=int, default=2)
+    add_output_args(ap)
+    args = ap.parse_args()
+    configure_torch_threads(args.torch_threads)
+    work = tempfile.mkdtemp(prefix="odl-bench-table-opt-")
+    records = BurstyStream(seed=1).next_batch(args.batch * args.steps).encode("csv")
+    modules = {}
+    for kind in KINDS:
+        text = bursty_config_text(os.path.join(work, kind), batch_size=args.batch,
+                                  buckets=args.buckets).replace("adagrad_optimizer", kind, 1)
+        config = parse_pipeline_config_text(text)
+        fb = FeatureBuilder(config)
+        tm = TrainModule(config, fb, device="cpu")
+        batches = [fb.build(records[k:k + args.batch]).batch
+                   for k in range(0, len(records), args.batch)]
+        for b in batches[:2]:  # warm-up
+            tm.train_step(b)
+        modules[kind] = (tm, batches)
+    rates: dict[str, list[float]] = {k: [] for k in KINDS}
+    for r in range(args.rounds):
+        order = KINDS[r % len(KINDS):] + KINDS[:r % len(KINDS)]
+        for kind in order:
+            tm, batches = modules[kind]
+            t0 = time.perf_counter()
+            for b in batches:
+                tm.train_step(b)
+            rates[kind].append(len(batches) * args.batch / (time.perf_counter() - t0))
+        print(f"round {r}: " + ", ".join(f"{k.split('_')[0]} {rates[k][-1]:,.0f}/s"
+                                          for k in KINDS), flush=True)
+    base = rates["adagrad_optimizer"]
+    result = {
+        "samples_per_sec": {k: round(statistics.median(v)) for k, v in rates.items()},
+        "over_fused_adagrad": {k: round(statistics.median(x / y for x, y in zip(v, base,
+                                                                                  strict=True)), 3)
+                               for k, v in rates.items() if k != "adagrad_optimizer"},
+        "batch": args.batch, "buckets": args.buckets, "rounds": args.rounds,
+        "torch_threads": args.torch_threads,
+    }
+    print(json.dumps(result, indent=1))
+    finish_run(args, result, work)
+
+
+if __name__ == "__main__":
+    main()
