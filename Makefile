@@ -42,7 +42,8 @@ browser:
 	  "test will be skipped; apt-get install chromium chromium-driver to run it"; fi
 
 # Two workers, whole files each (module fixtures set up once); tests/conftest.py starts the
-# files with the most slow tests first. TEST_WORKERS=0 runs everything in this process.
+# longest files first (its FILE_SECONDS table of measured times). TEST_WORKERS=0 runs
+# everything in this process.
 TEST_WORKERS ?= 2
 test: venv protos browser
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Mapping
 from typing import Optional
 
@@ -78,16 +79,21 @@ def newest_chunk_owner(server: str, topic: str,
         start = max(low, high - 8)  # a few back: the last offsets may be commit markers
         if high <= low:
             return None
-        consumer.assign([TopicPartition(topic, 0, start)])
+        tp = TopicPartition(topic, 0, start)
+        consumer.assign([tp])
         newest: Optional[TopicOwner] = None
-        remaining = high - start
-        while remaining > 0:
-            msg = consumer.poll(timeout)
+        deadline = time.monotonic() + timeout
+        # until the position passes the end: a transaction's commit marker takes the last
+        # offset and is never delivered, so waiting for a message there would wait it out
+        while time.monotonic() < deadline:
+            msg = consumer.poll(0.1)
             if msg is None:
-                break
+                pos = consumer.position([tp])[0].offset
+                if pos >= high:
+                    break
+                continue
             if msg.error() is not None:
                 continue
-            remaining = high - msg.offset() - 1
             chunk = delta_pb2.DeltaChunk()
             try:
                 chunk.ParseFromString(msg.value() or b"")

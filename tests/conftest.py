@@ -25,26 +25,72 @@ from odl.kafka.topic_admin import create_topic
 EXTERNAL_BOOTSTRAP_ENV = "ODL_KAFKA_BOOTSTRAP"
 KAFKA_FIXTURES = frozenset({"kafka_bootstrap", "kafka_topic_factory"})
 
+# Seconds a file takes in ``make test`` on two cores (the sum of its tests' times in a
+# ``--junitxml`` report, rounded), longest first; only the order in which the files start
+# depends on them. A file not named here counts SLOW_TEST_SECONDS per ``slow`` test and
+# TEST_SECONDS per other test.
+FILE_SECONDS = {
+    "test_crash_recovery.py": 190,
+    "test_distributed_file_stream.py": 160,
+    "test_distributed_online.py": 115,
+    "test_oss_training.py": 100,
+    "test_file_stream.py": 70,
+    "test_online_parity.py": 55,
+    "test_outages.py": 50,
+    "test_trainer_behaviour.py": 45,
+    "test_delta_topic_ownership.py": 45,
+    "test_distributed_dynamic.py": 30,
+    "test_dynamic_partitions.py": 30,
+    "test_config_compat.py": 25,
+    "test_secrets.py": 22,
+    "test_online_training.py": 21,
+    "test_kafka_input_process.py": 21,
+    "test_serving.py": 20,
+    "test_dashboards.py": 19,
+    "test_config_fuzz.py": 18,
+    "test_distributed_training.py": 18,
+    "test_stream_evaluation.py": 15,
+    "test_warm_start.py": 15,
+    "test_table_optimizers.py": 13,
+    "test_multi_class.py": 10,
+    "test_backlog.py": 10,
+}
+SLOW_TEST_SECONDS = 20.0
+TEST_SECONDS = 0.35
+
 
 def pytest_configure(config: pytest.Config) -> None:
-    """In-process trainers and serving use odl's default thread rule (as the CLIs do)."""
+    """In-process trainers and serving use odl's default thread rule (as the CLIs do); xdist
+    hands out files in the order ``pytest_collection_modifyitems`` leaves them."""
     from odl.train.torch_runtime import configure_torch_threads
 
     configure_torch_threads(0)
+    # xdist (>= 3.6) re-sorts ``--dist loadfile`` files by their number of tests unless told
+    # not to: the long files with few tests (crash recovery, OSS) then started last and ran
+    # alone at the end.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks ``kafka`` every test that uses a broker fixture; puts the heaviest files first.
+    """Marks ``kafka`` every test that uses a broker fixture; puts the longest files first.
 
     ``make test`` runs files on two workers (``-n 2 --dist loadfile``), each taken in this
-    order: the files with the most ``slow`` tests start at once and the short ones fill in
-    around them, so no long file is left to run alone at the end.
+    order (``pytest_configure`` keeps xdist from re-sorting them by test count): the longest
+    files start at once and the short ones fill in around them, so no long file is left to
+    run alone at the end. A file's length is its ``FILE_SECONDS`` entry, else an estimate
+    from its ``slow`` and other tests.
     """
     for item in items:
         if KAFKA_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.kafka)
-    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])  # stable: the order within a file is kept
+    seconds: collections.Counter = collections.Counter()
+    for item in items:
+        seconds[item.path] += (SLOW_TEST_SECONDS if item.get_closest_marker("slow")
+                               else TEST_SECONDS)
+    for path in seconds:
+        seconds[path] = FILE_SECONDS.get(path.name, seconds[path])
+    items.sort(key=lambda item: -seconds[item.path])  # stable: the order within a file is kept
 
 
 @pytest.fixture(scope="session")
@@ -82,6 +128,19 @@ def kafka_topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
     yield make
     # deleted after the test on every broker (see delete_topics)
     delete_topics(kafka_bootstrap, created)
+
+
+@pytest.fixture(scope="module")
+def ranks() -> Iterator[object]:
+    """Two spawned CPU ranks (``tests.harness.RankPool``) shared by a module's tests: the
+    processes and their imports start once, at the first ``ranks.run``."""
+    from tests.harness import RankPool
+
+    pool = RankPool(2)
+    try:
+        yield pool
+    finally:
+        pool.close()
 
 
 OSS_TEST_SECRET = "oss-test-secret-never-logged"

@@ -341,3 +341,130 @@ def assert_tables_close(got: dict, state: dict, atol: float, loose_atol: float =
         np.testing.assert_allclose(have[~loose], want[~loose], atol=atol, rtol=0,
                                    err_msg=name)
         np.testing.assert_allclose(have, want, atol=loose_atol, rtol=0, err_msg=name)
+
+
+def _pool_rank(rank: int, world: int, tasks, results) -> None:  # noqa: ANN001 (queues)
+    """One rank of a ``RankPool``: runs one task after another, each in a group of its own.
+
+    A task is ``(target, port, args)``; the rank joins the group on ``port`` when
+    ``target`` builds it (as under ``run_ranks``), hands back ``target(rank, *args)`` (or
+    its error), leaves the group with the others (barrier, teardown) and reports that done.
+    A failed task ends the process; so does ``None``. The process ends as a rank ends
+    (``end_rank_process``: no interpreter teardown).
+    """
+    import traceback
+
+    import torch.distributed as dist
+
+    from odl.models.subnormal_floats import flush_subnormal_floats
+    from odl.train.distributed import end_rank_process
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    flush_subnormal_floats()  # as odl-train's ranks do
+    code = 0
+    while code == 0:
+        task = tasks.get()
+        if task is None:
+            break
+        target, port, args = task
+        os.environ["MASTER_PORT"] = str(port)
+        try:
+            results.put((rank, "result", target(rank, *args)))
+            dist.barrier()  # leave together: a group torn down under a peer can abort
+            dist.destroy_process_group()
+            results.put((rank, "left", None))
+        except BaseException as e:  # reported to the caller, not lost in a child's stderr
+            results.put((rank, "error", repr(e)))
+            traceback.print_exc()
+            code = 1
+    results.close()
+    results.join_thread()  # everything is in the pipe before the process ends
+    end_rank_process(code)
+
+
+class RankPool:
+    """``world`` spawned CPU ranks that run one call after another: what
+    ``odl.harness.spawned_ranks.run_ranks`` does, with the processes (and their imports)
+    started once for a module's tests instead of once a call.
+
+    Each call's ranks join a new gloo group (the target builds it, as under ``run_ranks``,
+    on a port of its own) and leave it before the call returns. A target must leave no
+    state behind in its process (no monkeypatching, no threads still working). A failed
+    call ends the processes; the next call starts new ones.
+    """
+
+    def __init__(self, world: int = 2) -> None:
+        self.world = world
+        self._procs: list = []
+        self._tasks: list = []
+        self._results = None
+
+    def _start(self) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        self._procs = [ctx.Process(target=_pool_rank, daemon=True,
+                                   args=(r, self.world, self._tasks[r], self._results))
+                       for r in range(self.world)]
+        for p in self._procs:
+            p.start()
+
+    def _get(self, timeout: float) -> tuple:
+        import queue
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p.exitcode for p in self._procs if not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    self.close()
+                    raise RuntimeError(f"a rank exited with {dead}" if dead
+                                       else f"no answer of the ranks in {timeout:.0f}s"
+                                       ) from None
+
+    def run(self, target, *args, timeout: float = 240.0) -> dict:  # noqa: ANN001
+        """Runs ``target(rank, *args)`` on every rank; rank -> what it returned.
+
+        Raises:
+            RuntimeError: a rank raised (its exception's text) or died.
+        """
+        from odl.harness.spawned_ranks import free_port
+
+        if not self._procs or not all(p.is_alive() for p in self._procs):
+            self.close()
+            self._start()
+        port = free_port()
+        for q in self._tasks:
+            q.put((target, port, args))
+        got: dict = {}
+        left = 0
+        while left < self.world:
+            rank, kind, payload = self._get(timeout)
+            if kind == "error":
+                self.close()
+                raise RuntimeError(f"rank {rank} of {self.world}: {payload}")
+            if kind == "result":
+                got[rank] = payload
+            else:
+                left += 1
+        return got
+
+    def close(self) -> None:
+        """Ends the ranks (at once after a failure)."""
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except (OSError, ValueError):
+                pass
+        for p in self._procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+        self._procs, self._tasks, self._results = [], [], None

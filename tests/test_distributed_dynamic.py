@@ -80,7 +80,7 @@ def _rank_main(rank: int, world: int, model_dir: str, schedule: list, start: str
     return np.concatenate(probs), tables, _index(tm, fb, records)
 
 
-def test_two_ranks_admit_and_evict_as_one_process(tmp_path):
+def test_two_ranks_admit_and_evict_as_one_process(ranks, tmp_path):
     """One process trains the first steps and saves; two ranks restore that state and train
     on, against the one process going on: the same admissions and evictions (each rank's
     index equals the process's), predictions and tables."""
@@ -100,7 +100,7 @@ def test_two_ranks_admit_and_evict_as_one_process(tmp_path):
                             for k in range(0, len(rest), GLOBAL)])
     assert any(t.counters.evicted + t.counters.expired > evicted_before[n]  # rows do go
                for n, t in one.dynamic.tables.items())
-    got = run_ranks(_rank_main, 2, 2, str(tmp_path / "m"), _steps(rest, 2), start, records)
+    got = ranks.run(_rank_main, 2, str(tmp_path / "m"), _steps(rest, 2), start, records)
     share = GLOBAL // 2
     merged = np.concatenate([np.concatenate([got[r][0][b * share:(b + 1) * share]
                                              for r in range(2)])
@@ -195,7 +195,7 @@ def _recovering_rank(rank: int, world: int, model_dir: str, base: str, recovered
 
 
 @pytest.mark.parametrize("partitions", [1, 2])
-def test_two_ranks_recover_published_rows_and_deletes_as_one_process(tmp_path, partitions):
+def test_two_ranks_recover_published_rows_and_deletes_as_one_process(ranks, tmp_path, partitions):
     """Crash recovery's step with ranks: a base state restored into two ranks, then the
     delta versions published after it (rows under raw ids, deletes): every rank's index
     (split by id: the ids of its partition) and the shards' rows equal one process
@@ -208,7 +208,7 @@ def test_two_ranks_recover_published_rows_and_deletes_as_one_process(tmp_path, p
     torch.save(base_state, base)
     torch.save(state, recovered)
     records = _records(400, seed=5)
-    got = run_ranks(_recovering_rank, 2, 2, str(tmp_path / "m"), base, recovered, records,
+    got = ranks.run(_recovering_rank, 2, str(tmp_path / "m"), base, recovered, records,
                     partitions)
     want = _index(one, run.fb, records)
     for r in range(2):

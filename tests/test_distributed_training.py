@@ -20,12 +20,11 @@ from odl.config.config_error import ConfigError
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
-from odl.harness.spawned_ranks import run_ranks
 from odl.inputs.partition_assignment import rank_partitions
 from odl.train.distributed import check_several_ranks, table_placement
 from odl.train.torch_runtime import rank_device
 from odl.train.train_module import TrainModule
-from tests.harness import assert_tables_close, load_config_text
+from tests.harness import RankPool, assert_tables_close, load_config_text
 
 BATCH = 256
 ROW_WISE_MIN_ROWS = 2048  # the 4096-row id tables split by rows, device / hour (1024) whole
@@ -85,12 +84,13 @@ def _rank_main(rank: int, world: int, model_dir: str, schedule: list[list[list[b
     return np.concatenate(probs), tables, dense
 
 
-def _run_ranks(world: int, model_dir: str, schedule: list[list[list[bytes]]],
-               load_path: str = "", save_path: str = "", warm: bool = False,
-               extra_train: str = "") -> dict[int, tuple]:
-    """Runs ``_rank_main`` on ``world`` spawned ranks; rank -> (probs, tables, dense)."""
-    return run_ranks(_rank_main, world, world, model_dir, schedule, load_path, save_path,
-                     warm, extra_train)
+def _run_ranks(ranks: RankPool, world: int, model_dir: str,
+               schedule: list[list[list[bytes]]], load_path: str = "", save_path: str = "",
+               warm: bool = False, extra_train: str = "") -> dict[int, tuple]:
+    """Runs ``_rank_main`` on the ``world`` ranks; rank -> (probs, tables, dense)."""
+    assert world == ranks.world
+    return ranks.run(_rank_main, world, model_dir, schedule, load_path, save_path, warm,
+                     extra_train)
 
 
 def _trained_on(tmp_path, records: list[bytes]):
@@ -114,10 +114,10 @@ def _merged_probs(got: dict[int, tuple], world: int, n: int) -> np.ndarray:
         for b in range(n // BATCH)])
 
 
-def test_two_ranks_train_the_model_one_process_trains(tmp_path):
+def test_two_ranks_train_the_model_one_process_trains(ranks, tmp_path):
     world = 2
     records = BurstyStream(seed=4).next_batch(6 * BATCH).encode("csv")
-    got = _run_ranks(world, str(tmp_path / "m"), _even(records, world))
+    got = _run_ranks(ranks, world, str(tmp_path / "m"), _even(records, world))
 
     config = _config(str(tmp_path / "one"))
     fb = FeatureBuilder(config)
@@ -140,7 +140,7 @@ def test_two_ranks_train_the_model_one_process_trains(tmp_path):
 @pytest.mark.parametrize("optimizer,per_record", [("adagrad_optimizer", False),
                                                    ("sgd_optimizer", False),
                                                    ("adagrad_optimizer", True)])
-def test_two_ranks_learn_in_batch_as_one_process(tmp_path, optimizer, per_record):
+def test_two_ranks_learn_in_batch_as_one_process(ranks, tmp_path, optimizer, per_record):
     """Sequential in-batch learning with two ranks: each record is shifted by the step's
     earlier records of both ranks (rank 0's first), the accumulators of rows held by the
     other rank included, so the predictions and the tables are one process's on the
@@ -156,7 +156,7 @@ def test_two_ranks_learn_in_batch_as_one_process(tmp_path, optimizer, per_record
     one = TrainModule(config, fb, device="cpu")
     probs = np.concatenate([one.train_step(fb.build(records[k:k + BATCH]).batch).probs
                             for k in range(0, len(records), BATCH)])
-    got = run_ranks(_in_batch_rank_main, world, world, str(tmp_path / "m"),
+    got = ranks.run(_in_batch_rank_main, world, str(tmp_path / "m"),
                     _even(records, world), optimizer, extra)
     merged = np.concatenate([
         np.concatenate([got[r][0][b * (BATCH // world):(b + 1) * (BATCH // world)]
@@ -188,7 +188,7 @@ def _in_batch_rank_main(rank: int, world: int, model_dir: str,
 
 
 @pytest.mark.parametrize("written", ["state", "checkpoint"])
-def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path, written):
+def test_checkpoints_move_between_one_process_and_two_ranks(ranks, tmp_path, written):
     """One process's checkpoint state restores into two ranks (their tables split and
     placed as the plan says) and theirs, written by rank 0, into one process: the training
     that continues from it is the same on either side, and so are the states. The state
@@ -206,7 +206,7 @@ def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path, written):
     end_one = one.state_dict_for_checkpoint()
 
     end_two = str(tmp_path / "two.pt")
-    got = _run_ranks(2, str(tmp_path / "m"), _even(rest, 2), load_path=start,
+    got = _run_ranks(ranks, 2, str(tmp_path / "m"), _even(rest, 2), load_path=start,
                      save_path=end_two)
     np.testing.assert_allclose(_merged_probs(got, 2, len(rest)), probs, atol=2e-5, rtol=0)
     state = torch.load(end_two, weights_only=False)
@@ -227,7 +227,7 @@ def test_checkpoints_move_between_one_process_and_two_ranks(tmp_path, written):
     np.testing.assert_allclose(again.predict(batch), one.predict(batch), atol=2e-5, rtol=0)
 
 
-def test_two_ranks_warm_start_from_one_processs_parameters(tmp_path):
+def test_two_ranks_warm_start_from_one_processs_parameters(ranks, tmp_path):
     """fine_tune_checkpoint's warm start (parameters only) into two ranks: each copies its
     own rows; training on from there is one process's warm-started training."""
     records = BurstyStream(seed=9).next_batch(5 * BATCH).encode("csv")
@@ -237,11 +237,11 @@ def test_two_ranks_warm_start_from_one_processs_parameters(tmp_path):
     warm.load_parameters(source.state_dict_for_checkpoint()["model"])
     probs = np.concatenate([warm.train_step(fb.build(rest[k:k + BATCH]).batch).probs
                             for k in range(0, len(rest), BATCH)])
-    got = _run_ranks(2, str(tmp_path / "m"), _even(rest, 2), load_path=start, warm=True)
+    got = _run_ranks(ranks, 2, str(tmp_path / "m"), _even(rest, 2), load_path=start, warm=True)
     np.testing.assert_allclose(_merged_probs(got, 2, len(rest)), probs, atol=2e-5, rtol=0)
 
 
-def test_uneven_and_empty_shares_train_as_one_process_on_the_step_records(tmp_path):
+def test_uneven_and_empty_shares_train_as_one_process_on_the_step_records(ranks, tmp_path):
     """Ranks step in lock-step whatever they hold: uneven shares, a rank with none (it passes
     an empty batch), a step with none anywhere (skipped by all). Each step's update is one
     process's on the step's records together."""
@@ -251,7 +251,7 @@ def test_uneven_and_empty_shares_train_as_one_process_on_the_step_records(tmp_pa
     for a, b in sizes:
         schedule.append([records[k:k + a], records[k + a:k + a + b]])
         k += a + b
-    got = _run_ranks(2, str(tmp_path / "m"), schedule)
+    got = _run_ranks(ranks, 2, str(tmp_path / "m"), schedule)
 
     config = _config(str(tmp_path / "one"))
     fb = FeatureBuilder(config)
@@ -323,7 +323,7 @@ def _restore_parts_main(rank: int, world: int, model_dir: str, path: str,
 
 
 @pytest.mark.slow
-def test_each_rank_writes_its_own_rows_and_the_checkpoint_reads_whole(tmp_path):
+def test_each_rank_writes_its_own_rows_and_the_checkpoint_reads_whole(ranks, tmp_path):
     """With two ranks the checkpoint holds one table part per rank and model.pt no table;
     read back it is the state gathered on rank 0 (so it restores into any number of ranks),
     with both ranks' positions. A rank whose part fails leaves no checkpoint of that step,
@@ -336,7 +336,7 @@ def test_each_rank_writes_its_own_rows_and_the_checkpoint_reads_whole(tmp_path):
 
     records = BurstyStream(seed=11).next_batch(3 * BATCH).encode("csv")
     model_dir = str(tmp_path / "m")
-    got = run_ranks(_save_parts_main, 2, 2, model_dir, _even(records, 2), 1)
+    got = ranks.run(_save_parts_main, 2, model_dir, _even(records, 2), 1)
     path = got[0]["saved"]
     assert got[1]["saved"] == path and path.endswith("model.ckpt-2")
     files = sorted(p.name for p in (tmp_path / "m" / "model.ckpt-2").iterdir())
@@ -366,7 +366,7 @@ def test_each_rank_writes_its_own_rows_and_the_checkpoint_reads_whole(tmp_path):
     assert got[0]["last_saved_step"] == got[1]["last_saved_step"] == 2
     # two ranks restore from the parts, each reading its own rows' blocks, the tables now
     # placed whole on one rank each (another sharding than the writers'): the same state
-    back = run_ranks(_restore_parts_main, 2, 2, str(tmp_path / "r"), path, 1 << 20)[0]
+    back = ranks.run(_restore_parts_main, 2, str(tmp_path / "r"), path, 1 << 20)[0]
     assert back["global_step"] == 2
     for name, t in want["model"].items():
         np.testing.assert_array_equal(back["model"][name], t, err_msg=name)
@@ -455,11 +455,11 @@ def _predict_main(rank: int, model_dir: str, records: list[bytes]) -> np.ndarray
     return tm.predict(fb.build(records).batch if rank == 0 else tm.empty_batch())
 
 
-def test_rank_0_predicts_with_the_others_joining_empty(tmp_path):
+def test_rank_0_predicts_with_the_others_joining_empty(ranks, tmp_path):
     """Evaluation beside training with several ranks: rank 0's predictions through the
     sharded tables equal one process's; the joining rank gets none."""
     records = BurstyStream(seed=10).next_batch(300).encode("csv")
-    got = run_ranks(_predict_main, 2, str(tmp_path / "m"), records)
+    got = ranks.run(_predict_main, str(tmp_path / "m"), records)
     config = _config(str(tmp_path / "one"))
     fb = FeatureBuilder(config)
     one = TrainModule(config, fb, device="cpu")

@@ -24,7 +24,6 @@ from odl.checkpoint.checkpoint_manager import CheckpointManager, list_checkpoint
 from odl.config.config_error import ConfigError
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
-from odl.harness.spawned_ranks import run_ranks
 from odl.models.dynamic.partitions import partition_of, partition_spans
 from odl.train.rank_checkpoint import save_across_ranks
 from odl.train.table_shards import EBC_PREFIX
@@ -83,7 +82,7 @@ def _rank_main(rank: int, world: int, model_dir: str, schedule: list, start: str
 
 
 @pytest.mark.parametrize("partitions", [2, 4])
-def test_two_ranks_holding_their_partitions_train_as_one_process_holding_all(tmp_path,
+def test_two_ranks_holding_their_partitions_train_as_one_process_holding_all(ranks, tmp_path,
                                                                             partitions):
     """One process with 2 (or 4) partitions trains the first steps and saves; two ranks
     restore that state, each holding its half of the partitions, and train on. Against the
@@ -105,7 +104,7 @@ def test_two_ranks_holding_their_partitions_train_as_one_process_holding_all(tmp
     assert all(t.counters.evicted > evicted_before[n]  # both tables evict on
                for n, t in one.dynamic.tables.items())
     two_dir = str(tmp_path / "two")
-    got = run_ranks(_rank_main, 2, 2, two_dir, _steps(rest, 2), start, records, partitions)
+    got = ranks.run(_rank_main, 2, two_dir, _steps(rest, 2), start, records, partitions)
     share = GLOBAL // 2
     merged = np.concatenate([np.concatenate([got[r][0][b * share:(b + 1) * share]
                                              for r in range(2)])
@@ -296,7 +295,7 @@ def _resplit_rank(rank: int, world: int, model_dir: str, schedule: list, start: 
     return np.concatenate(probs), predicted, tables
 
 
-def test_ranks_re_split_a_checkpoint_as_one_process_does(tmp_path):
+def test_ranks_re_split_a_checkpoint_as_one_process_does(ranks, tmp_path):
     """Two ranks restoring a one-partition checkpoint into two partitions (one each) train
     as one process re-splitting it alike; their checkpoint, read a block at a time, re-splits
     into four partitions over the ranks as one process re-splits it whole."""
@@ -313,7 +312,7 @@ def test_ranks_re_split_a_checkpoint_as_one_process_does(tmp_path):
                             for k in range(0, len(rest), GLOBAL)])
     two_dir = str(tmp_path / "two")
     probe = records[:GLOBAL]
-    got = run_ranks(_resplit_rank, 2, 2, two_dir, _steps(rest, 2), start, probe)
+    got = ranks.run(_resplit_rank, 2, two_dir, _steps(rest, 2), start, probe)
     share = GLOBAL // 2
     merged = np.concatenate([np.concatenate([got[r][0][b * share:(b + 1) * share]
                                              for r in range(2)])
@@ -389,11 +388,11 @@ def _refusing_rank(rank: int, world: int, model_dir: str) -> list[str]:
     return errors
 
 
-def test_partitions_that_do_not_divide_among_the_ranks_are_refused(tmp_path):
+def test_partitions_that_do_not_divide_among_the_ranks_are_refused(ranks, tmp_path):
     """With two ranks: 3 partitions (not a multiple of 2), and 4 partitions of a table of 62
     rows (two partitions' blocks would not make a rank's block of the table), refused by
     field with what to set."""
-    got = run_ranks(_refusing_rank, 2, 2, str(tmp_path))
+    got = ranks.run(_refusing_rank, 2, str(tmp_path))
     for errors in got.values():
         assert len(errors) == 2
         assert "dynamic_index_partitions" in errors[0] and "multiple of 2" in errors[0]
