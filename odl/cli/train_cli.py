@@ -161,13 +161,12 @@ def _main(argv: Optional[list[str]]) -> int:
     launching = args.nproc > 1 and "WORLD_SIZE" not in os.environ
     apply_oss_arguments(args)
     setup_logging(args.log_level)
-    # Heavy imports after argument parsing so --help is instant.
+    # Imports after argument parsing so --help is instant; the config layer's checks run
+    # before torch is imported, so a config error exits at once.
     from odl.config.config_error import ConfigError
+    from odl.config.config_validation import validate_pipeline_config
     from odl.config.pipeline_config import load_pipeline_config
-    from odl.features.feature_builder import FeatureBuilder
-    from odl.http.auth import AuthConfigError, resolve_auth_token
-    from odl.models.model_registry import check_pipeline_config
-    from odl.train.startup_checks import check_start
+    from odl.http.auth import AuthConfigError
 
     try:
         config = load_pipeline_config(
@@ -177,7 +176,17 @@ def _main(argv: Optional[list[str]]) -> int:
             config.train_config.fine_tune_checkpoint = args.fine_tune_checkpoint
         if args.train_input_path:
             config.train_input_path = args.train_input_path
-        check_pipeline_config(config, online=args.online)
+        validate_pipeline_config(config, online=args.online)
+    except ConfigError as exc:
+        print(f"odl-train: {exc}", file=sys.stderr)
+        return 2
+    from odl.features.feature_builder import FeatureBuilder
+    from odl.http.auth import resolve_auth_token
+    from odl.models.model_registry import check_pipeline_config
+    from odl.train.startup_checks import check_start
+
+    try:
+        check_pipeline_config(config, online=args.online)  # the model class's own checks
         FeatureBuilder(config)  # reads the vocabularies as the trainer does at start
         token = resolve_auth_token(args.auth_token_file or None)
         # the checks against this machine, before anything is allocated
