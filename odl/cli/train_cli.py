@@ -14,10 +14,10 @@ Examples::
     odl-train --pipeline_config_path p.config --online --nproc 4
 
 Before anything is built, a start (and ``--validate_only``) checks the config on its own
-(``odl.models.model_registry.check_pipeline_config``: the config layer's checks, then the
-model class's) and against this machine (``odl.train.startup_checks``: device and table
-optimizer, writable ``model_dir``, ``fine_tune_checkpoint``, librdkafka
-settings, estimated memory).
+(what ``odl.models.model_registry.check_pipeline_config`` runs: the config layer's checks,
+before torch is imported, then the model class's) and against this machine
+(``odl.train.startup_checks``: device and table optimizer, writable ``model_dir``,
+``fine_tune_checkpoint``, librdkafka settings, estimated memory).
 
 Exit codes: 0 clean stop (stop signal, SIGTERM/SIGINT, dead_line, num_steps, end of offline
 input); 2 bad command line or config (one line naming the field), or a broker that refuses the
@@ -182,11 +182,11 @@ def _main(argv: Optional[list[str]]) -> int:
         return 2
     from odl.features.feature_builder import FeatureBuilder
     from odl.http.auth import resolve_auth_token
-    from odl.models.model_registry import check_pipeline_config
+    from odl.models.model_registry import validate_model
     from odl.train.startup_checks import check_start
 
     try:
-        check_pipeline_config(config, online=args.online)  # the model class's own checks
+        validate_model(config)  # the model class's own checks (check_pipeline_config's rest)
         FeatureBuilder(config)  # reads the vocabularies as the trainer does at start
         token = resolve_auth_token(args.auth_token_file or None)
         # the checks against this machine, before anything is allocated
