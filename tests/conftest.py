@@ -30,10 +30,10 @@ KAFKA_FIXTURES = frozenset({"kafka_bootstrap", "kafka_topic_factory"})
 # depends on them. A file not named here counts SLOW_TEST_SECONDS per ``slow`` test and
 # TEST_SECONDS per other test.
 FILE_SECONDS = {
-    "test_crash_recovery.py": 190,
     "test_distributed_file_stream.py": 160,
     "test_distributed_online.py": 115,
     "test_oss_training.py": 100,
+    "test_crash_recovery.py": 80,
     "test_file_stream.py": 70,
     "test_online_parity.py": 55,
     "test_outages.py": 50,
