@@ -34,9 +34,16 @@ prints the ratio.
 drives it: rank 0's flags exchanged each turn, the version taken before the next step) and
 prints the rate with publishing over the rate without, for the same rank count.
 
+``--job-status 1.0,0.01`` measures each rank count of several ranks also with every rank's
+job-status thread (``odl.train.job_status``: a report of the rank's state and 64 partitions
+written to the process group's store every given seconds, rank 0 reading the others') and
+prints the rate with it over the rate without. 1.0 is ``odl-train``'s interval; a shorter
+one magnifies the cost.
+
     .venv/bin/python bench/scaling.py [--ranks 1,2,4] [--batch 1024] [--steps 40]
         [--warmup 5] [--row-wise-min-rows 1048576] [--publish-steps 0] [--in-batch]
-        [--phases] [--sizes-agreed-by turn|step|both] [--json out.json]
+        [--phases] [--sizes-agreed-by turn|step|both] [--job-status 1.0]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -104,11 +111,17 @@ def _rank(rank: int, world: int, args: dict) -> float:
         step(b)
     if phases is not None:
         phases.clear()
+    channel = _job_status(rank, world, tm, args["job_status_s"]) if args.get(
+        "job_status_s") else None
     dist.barrier()
     t0 = time.perf_counter()
     for b in batches[args["warmup"]:]:
         step(b)
     dist.barrier()
+    if channel is not None:
+        channel.stop()
+        if rank == 0:
+            assert all(v.report is not None for v in channel.others())
     if phases is not None:
         print(f"  rank {rank} of {world}, ms per step: " + " ".join(
             f"{name} {secs / args['steps'] * 1e3:.2f}" for name, secs in phases.items()),
@@ -118,6 +131,24 @@ def _rank(rank: int, world: int, args: dict) -> float:
     if publishing is not None:
         publishing.flush(None, {}, timeout=30.0)
     return float(secs.item())
+
+
+def _job_status(rank: int, world: int, tm, interval_s: float):  # noqa: ANN001, ANN202
+    """A running job-status channel with a report the size of a trainer's (64 partitions)."""
+    from odl.train.job_status import JobStatusChannel
+
+    def report() -> dict:
+        step = tm.global_step
+        return {"rank": rank, "host": "bench", "pid": os.getpid(), "state": "training",
+                "healthy": True, "reason": "training", "global_step": step,
+                "samples_trained": step * 1024, "samples_per_sec": 1.0,
+                "records_consumed": step * 1024, "records_rejected": {"bad_label": 0},
+                "last_exchange_age_s": 0.0,
+                "input": {"broker_error": None, "partitions": {
+                    str(p): {"position": step, "high_watermark": step, "low_watermark": 0,
+                             "lag": 0, "rank": rank} for p in range(rank, 64, world)}}}
+
+    return JobStatusChannel(rank, world, report, interval_s=interval_s).start()
 
 
 def _time_phases(tm) -> dict[str, float]:  # noqa: ANN001 - a TrainModule
@@ -166,6 +197,9 @@ def main() -> int:
                     help="several ranks: the batch sizes travel in the loop's turn (as "
                          "odl-train does), or the step agrees them itself (one all-gather "
                          "more); both: measure both and print turn / step")
+    ap.add_argument("--job-status", default="",
+                    help="comma list of report intervals (s): several ranks also measured "
+                         "with the job-status thread at each; prints with / without")
     add_output_args(ap)
     args = ap.parse_args()
     ranks = [int(x) for x in args.ranks.split(",")]
@@ -179,6 +213,7 @@ def main() -> int:
             settings = {"batch": args.batch, "steps": args.steps, "warmup": args.warmup,
                         "row_wise_min_rows": args.row_wise_min_rows, "publish_steps": every,
                         "in_batch": args.in_batch, "phases": args.phases,
+                        "job_status_s": 0.0,
                         "sizes_in_turn": args.sizes_agreed_by != "step",
                         "model_dir": os.path.join(work, f"m{world}_{every}")}
             rate = run_world(world, settings)
@@ -191,6 +226,14 @@ def main() -> int:
                 print(f"{world} rank(s), sizes agreed by the step itself: {step_rate:,.0f} "
                       f"samples/s (in the turn / by the step: {rate / step_rate:.3f})",
                       flush=True)
+            for interval in ([float(x) for x in args.job_status.split(",")]
+                             if world > 1 and not every and args.job_status else []):
+                with_rate = run_world(world, {**settings, "job_status_s": interval,
+                                              "model_dir": os.path.join(work, f"j{world}")})
+                row[f"job_status_every_{interval}s"] = {
+                    "samples_per_sec": round(with_rate), "over_without": round(with_rate / rate, 3)}
+                print(f"{world} rank(s), job status every {interval} s: {with_rate:,.0f} "
+                      f"samples/s ({with_rate / rate:.3f} of without)", flush=True)
             if not every:
                 base = rate if world == 1 else rows[1]["samples_per_sec"]
                 row.update(samples_per_sec=round(rate),

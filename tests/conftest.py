@@ -39,6 +39,7 @@ FILE_SECONDS = {
     "test_outages.py": 50,
     "test_trainer_behaviour.py": 45,
     "test_delta_topic_ownership.py": 45,
+    "test_job_status.py": 35,
     "test_distributed_dynamic.py": 30,
     "test_dynamic_partitions.py": 30,
     "test_config_compat.py": 25,

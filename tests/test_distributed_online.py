@@ -5,6 +5,7 @@ step in lock-step, checkpoint and publish together, and every record is trained 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -33,6 +34,7 @@ from odl.harness.topic_records import make_records, produce
 from odl.kafka.topic_admin import end_offsets
 from odl.train.sample_ledger import read_ledger
 from odl.train.train_module import TrainModule
+from odl.train.trainer_status import STATUS_FILE
 from tests.harness import write_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,11 +53,11 @@ def _stream(bootstrap: str, topic_factory, tmp_path, partitions: int, records: i
 
 
 def _torchrun(cfg: str, ledger: str, log, *extra: str,
-              launch: tuple[str, ...] = ("--standalone", "--nproc_per_node", "2")
-              ) -> subprocess.Popen:
+              launch: tuple[str, ...] = ("--standalone", "--nproc_per_node", "2"),
+              status_port: int = -1) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", *launch, *extra,
            "-m", "odl.cli.train_cli", "--pipeline_config_path", cfg, "--online",
-           "--device", "cpu", "--status_port", "-1", "--sample_ledger", ledger,
+           "--device", "cpu", "--status_port", str(status_port), "--sample_ledger", ledger,
            "--log_level", "WARNING"]
     return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
 
@@ -96,15 +98,36 @@ def _trained(ledger: str, generation: str | None = None) -> set[str]:
     return {sid for gen, _, sid in _entries(ledger) if generation in (None, gen)}
 
 
-def _train_all_and_stop(cfg: str, ids: list[str], tmp_path) -> str:
+def _job_documents(model_dir, samples: int, proc: subprocess.Popen, log_path
+                   ) -> tuple[dict, dict]:
+    """Rank 0's ``/status`` once it counts ``samples`` trained over the job, and
+    ``/offsets`` then."""
+    status_file = model_dir / STATUS_FILE
+    _wait_until(status_file.exists, proc, log_path)
+    url = json.loads(status_file.read_text())["url"]
+    status: dict = {}
+
+    def counted() -> bool:
+        status.update(get_json(url + "/status") or {})
+        return status.get("samples_trained") == samples
+
+    _wait_until(counted, proc, log_path, secs=30)
+    return status, get_json(url + "/offsets")
+
+
+def _train_all_and_stop(cfg: str, ids: list[str], tmp_path, job: list | None = None) -> str:
     """Two ranks under torchrun until their ledgers hold every id, then a clean stop (the
-    final checkpoint covers every record); returns the ledger path (one file per rank)."""
+    final checkpoint covers every record); returns the ledger path (one file per rank).
+    ``job``: rank 0 serves its API, and its ``/status`` and ``/offsets`` once the job counts
+    every record are appended to it."""
     ledger = str(tmp_path / "ledger.tsv")
     log_path = tmp_path / "torchrun.log"
     with open(log_path, "wb") as log:
-        proc = _torchrun(cfg, ledger, log)
+        proc = _torchrun(cfg, ledger, log, status_port=-1 if job is None else 0)
         try:
             _wait_until(lambda: _trained(ledger) >= set(ids), proc, log_path)
+            if job is not None:
+                job.extend(_job_documents(tmp_path / "model_dir", len(ids), proc, log_path))
             _stop_ranks(proc, log_path)
         finally:
             _kill_tree(proc)
@@ -141,7 +164,8 @@ def test_two_ranks_under_torchrun_train_every_record_once(kafka_bootstrap, kafka
 def test_two_ranks_split_a_datahub_topics_shards(tmp_path):
     """DataHub input under torchrun (the real SDK against the loopback double): rank r reads
     the shards s with s % 2 == r, every record is trained once over both ranks, and the final
-    checkpoint holds every shard's end."""
+    checkpoint holds every shard's end. Rank 0's ``/status`` and ``/offsets`` show every
+    shard at its end with the rank reading it, and the job's samples."""
     ids, values = make_records(900, seed=24)
     with DatahubDouble() as dh:
         dh.create_topic("odl", "samples", shards=3)
@@ -154,11 +178,18 @@ def test_two_ranks_split_a_datahub_topics_shards(tmp_path):
                       f'endpoint: "{dh.endpoint}" project: "odl" topic: "samples" }}',
                       open(cfg).read())
         open(cfg, "w").write(text)
-        ledger = _train_all_and_stop(cfg, ids, tmp_path)
+        job: list = []
+        ledger = _train_all_and_stop(cfg, ids, tmp_path, job)
     assert sorted(ledger_sample_ids(ledger + ".rank0") + ledger_sample_ids(ledger + ".rank1")
                   ) == sorted(ids)
     ckpt = read_checkpoint(list_checkpoints(str(tmp_path / "model_dir"))[-1])
     assert ckpt.positions == {0: 300, 1: 300, 2: 300}
+    status, offsets = job
+    assert {p: (st["position"], st["rank"]) for p, st in status["input"]["partitions"].items()
+            } == {"0": (300, 0), "1": (300, 1), "2": (300, 0)}  # shard s on rank s % 2
+    assert [(r["rank"], r["partitions"]) for r in status["ranks"]] == [(0, [0, 2]), (1, [1])]
+    assert [r["samples_trained"] for r in status["ranks"]] == [600, 300]
+    assert offsets["positions"] == {"0": 300, "1": 300, "2": 300}
 
 
 @pytest.mark.slow

@@ -29,9 +29,11 @@ def setup_logging(level: str = "INFO") -> None:
         level=getattr(logging, level.upper(), logging.INFO),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
-    # Library chatter that says nothing to an odl user.
-    warnings.filterwarnings("ignore", category=UserWarning)
-    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    # Library chatter that says nothing to an odl user (torch's and torchrec's deprecation
+    # and future warnings, e.g. ShardedTensor's); --log_level DEBUG shows them
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        for category in (UserWarning, DeprecationWarning, FutureWarning):
+            warnings.filterwarnings("ignore", category=category)
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     for name in ("torch.fx._symbolic_trace", "torchrec", "fbgemm_gpu", "torch.distributed"):
         logging.getLogger(name).setLevel(logging.ERROR)

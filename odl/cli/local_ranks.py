@@ -11,6 +11,7 @@ run ``torchrun`` directly (docs/operations.md).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -52,7 +53,11 @@ def run_local_ranks(nproc: int, max_restarts: int, argv: Sequence[str]) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc_per_node", str(nproc), "--max-restarts", str(max_restarts),
            "-m", "odl.cli.train_cli", *rank_arguments(argv)]
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    # torchrun gives each rank OMP_NUM_THREADS=1 when it is unset, with a banner saying so;
+    # set here, the ranks get the same and the output stays the trainer's
+    env = {**os.environ}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.Popen(cmd, start_new_session=True, env=env)
 
     def to_ranks(_signum: int, _frame: object) -> None:
         try:

@@ -58,6 +58,7 @@ from odl.train.distributed import (
     from_rank0,
     leave_process_group,
 )
+from odl.train.job_status import JobStatusChannel
 from odl.train.loop_clock import LoopClock
 from odl.train.pass_boundaries import PassBoundaries
 from odl.train.pass_metrics import PassMetrics
@@ -175,6 +176,7 @@ class Trainer:
         self.samples_per_sec = 0.0
         self.last_checkpoint_error: Optional[str] = None
         self.last_sample_time_ms: Optional[int] = None
+        self.last_exchange_at: Optional[float] = None  # monotonic time of the last turn
         self._rejects = RejectedRecords(config, options.online, self.metrics)
         self.input_pipeline: Optional[InputPipeline] = None
         self._http: Optional[BackgroundHttpServer] = None
@@ -287,6 +289,9 @@ class Trainer:
                     self, self.metrics.registry, self.options.status_host,
                     self.options.status_port, self.options.auth_token, self.model_dir,
                     self.generation, self.options.dashboard_interval_s)
+            if self.module.world_size > 1:  # every rank's report, rank 0's view of the job
+                self._status.job = JobStatusChannel(self.module.rank, self.module.world_size,
+                                                    self._status.rank_report).start()
             publishes = self.config.train_config.HasField("incr_save_config")
             if publishes and self.module.rank == 0:  # one sink, rank 0's
                 isc = self.config.train_config.incr_save_config
@@ -396,6 +401,7 @@ class Trainer:
             held = None
             self._update_input_state()
             turn = exchange_turn(self._turn(clock, stop, item, lockstep))
+            self.last_exchange_at = time.monotonic()
             if (lockstep and all(t.has_batch for t in turn)
                     and len({t.file_position for t in turn}) > 1):
                 self._fail("the ranks read different records of the file stream (a split "
@@ -618,6 +624,8 @@ class Trainer:
         self._rejects.close()
         gc.unfreeze()  # (a process that goes on, e.g. tests, collects them again)
         self.state = "stopped"
+        if self._status.job is not None:
+            self._status.job.stop()  # its last report says so
         if self.samples_trained:
             self._status.log_progress()
         if self._http is not None:

@@ -10,7 +10,8 @@ status server:
 ``auc.task.<t>``                per task of a multi-task model (``logloss.task.<t>`` too)
 ``auc.pass``, ``logloss.pass``  the last closed pass of a file stream
 ``auc.eval``, ``logloss.eval``  the last evaluation on the eval stream
-``samples_per_sec``, ``loss``   training rate and the last step's loss
+``samples_per_sec``, ``loss``   training rate (the job's) and the last step's loss
+``samples_per_sec.rank.<r>``    each rank's rate (several ranks)
 ``global_step``
 ``lag.<p>``, ``lag_total``      records behind the high watermark, per partition / shard
 ``published_version``           the last delta version acknowledged
@@ -37,7 +38,7 @@ TRAINER_LAYOUT = DashboardLayout(
     title="odl-train",
     header=(("state", "state"), ("stop reason", "stop_reason"), ("generation", "generation"),
             ("global step", "global_step"), ("samples trained", "samples_trained"),
-            ("samples/s", "samples_per_sec"), ("device", "device"),
+            ("samples/s", "samples_per_sec"), ("ranks", "world_size"), ("device", "device"),
             ("last checkpoint", "last_checkpoint.step"),
             ("published version", "publisher.last_version"), ("topic", "input.topic")),
     charts=(
@@ -45,7 +46,7 @@ TRAINER_LAYOUT = DashboardLayout(
                                   "auc.eval")),
         Chart("Progressive logloss", ("logloss", "logloss_total", "logloss.task.*",
                                       "logloss.pass", "logloss.eval", "mse")),
-        Chart("Training rate", ("samples_per_sec",), "samples/s"),
+        Chart("Training rate", ("samples_per_sec", "samples_per_sec.rank.*"), "samples/s"),
         Chart("Lag", ("lag_total", "lag.*"), "records"),
         Chart("Published version", ("published_version", "checkpoint_step"), "step"),
         Chart("Age of the last version and checkpoint", ("published_age_s", "checkpoint_age_s"),
@@ -54,7 +55,7 @@ TRAINER_LAYOUT = DashboardLayout(
         Chart("Rejected records", ("rejects.*",), "records"),
         Chart("Dynamic table rows", ("rows.*",), "rows"),
     ),
-    alert_paths=("failure", "last_checkpoint.error", "input.broker_error",
+    alert_paths=("failure", "job_warning", "last_checkpoint.error", "input.broker_error",
                  "input.retention.warning", "publisher.last_error"),
 )
 
@@ -93,6 +94,10 @@ def history_point(status: dict[str, Any],
         out["auc.eval"] = _num(evaluation.get("auc"))
         out["logloss.eval"] = _num(evaluation.get("logloss"))
     out["samples_per_sec"] = _num(status.get("samples_per_sec"))
+    ranks = status.get("ranks") or []
+    if len(ranks) > 1:
+        for r in ranks:
+            out[f"samples_per_sec.rank.{r['rank']}"] = _num(r.get("samples_per_sec"))
     out["loss"] = _num(status.get("loss"))
     out["global_step"] = _num(status.get("global_step"))
     lags = {p: _num(st.get("lag"))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -95,6 +95,18 @@ class TrainerMetrics:
                                    "(file_stream_input.model_save_path)", registry=r)
         self.day_bases = Counter("odl_day_bases", "Day bases written "
                                  "(file_stream_input.model_save_path)", registry=r)
+        # several ranks: each rank as rank 0 last saw it (odl.train.job_status)
+        self.rank_up = Gauge("odl_rank_up", "1 while a rank reports (its report under "
+                             "STALE_AFTER_S old), else 0", ["rank"], registry=r)
+        self.rank_samples_trained = Gauge("odl_rank_samples_trained", "Samples a rank trained "
+                                          "in this run", ["rank"], registry=r)
+        self.rank_samples_per_sec = Gauge("odl_rank_samples_per_second", "A rank's training "
+                                          "rate over its last log interval", ["rank"],
+                                          registry=r)
+        self.rank_global_step = Gauge("odl_rank_global_step", "A rank's global step",
+                                      ["rank"], registry=r)
+        self.rank_report_age = Gauge("odl_rank_report_age_seconds", "Seconds since rank 0 "
+                                     "saw a rank's report change", ["rank"], registry=r)
         self.dynamic = {
             key: Gauge(f"odl_dynamic_table_{key}", text, ["table"], registry=r)
             for key, text in (
@@ -126,6 +138,26 @@ class TrainerMetrics:
             self.retention_state.labels(partition=p).set(
                 STATE_LEVELS.get(risk.get("state", "ok"), 0))
             self.retention_lost.labels(partition=p).set(risk.get("records_lost") or 0)
+
+    def set_ranks(self, views: Sequence[Any]) -> None:
+        """Sets the per-rank gauges, and lag and position of every rank's partitions.
+
+        Args:
+            views: ``odl.train.job_status.RankView`` of every rank (rank 0's own first).
+        """
+        for view in views:
+            rank = str(view.rank)
+            self.rank_up.labels(rank=rank).set(1 if view.answering else 0)
+            self.rank_report_age.labels(rank=rank).set(view.age_s)
+            report = view.report
+            if report is None:
+                continue
+            self.rank_samples_trained.labels(rank=rank).set(report["samples_trained"])
+            self.rank_samples_per_sec.labels(rank=rank).set(report["samples_per_sec"])
+            self.rank_global_step.labels(rank=rank).set(report["global_step"])
+            for p, st in ((report.get("input") or {}).get("partitions") or {}).items():
+                self.position.labels(partition=p).set(st["position"])
+                self.lag.labels(partition=p).set(-1 if st["lag"] is None else st["lag"])
 
     def set_dynamic_tables(self, status: dict) -> None:
         """Sets the per-table gauges from ``TrainModule.dynamic_status()``."""

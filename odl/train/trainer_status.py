@@ -21,6 +21,30 @@ topic's limits, ``warning``: the text ``/healthz`` adds, None while ok; None for
 DataHub and file streams), and each ``input.partitions[p].retention`` that partition's
 figures.
 
+Several ranks (:mod:`odl.train.job_status`): rank 0's documents describe the job. Every rank
+writes a report (:meth:`TrainerStatus.rank_report`) beside its loop; rank 0 merges them:
+
+- ``input.partitions``: every rank's partitions (shards, splits), each with ``rank``, the rank
+  that reads it; positions of other ranks as last reported (at most a second old).
+- ``samples_trained``, ``samples_per_sec``, ``records_consumed``, ``records_rejected``: sums
+  over the ranks (rank 0's own figures are in ``ranks[0]``).
+- ``world_size``, and ``ranks``: per rank its host, pid, state, health and reason, step,
+  samples, rate, rejects, partitions, ``last_exchange_age_s`` (seconds since its loop last
+  exchanged a turn with the others: all ranks' grow together while one is stuck),
+  ``report_age_s`` and ``answering`` (False once its report is ``STALE_AFTER_S`` old), and
+  ``source``, its input's own report (a file stream's split, file and record).
+- ``/offsets``: every partition's position, ``partition_ranks``, and ``stale_ranks`` (ranks
+  not answering: their positions are the last they reported).
+- ``/healthz``: unhealthy when any rank is, or is not answering (``rank 1: <its reason>``,
+  ``rank 1 has not reported for 7 s``); ``/status``'s ``job_warning`` holds that reason
+  (None while every other rank answers and is healthy).
+- ``/metrics``: ``odl_partition_lag`` / ``odl_partition_position`` for every partition, and
+  per rank (``rank`` label) ``odl_rank_up``, ``odl_rank_samples_trained``,
+  ``odl_rank_samples_per_second``, ``odl_rank_global_step``, ``odl_rank_report_age_seconds``.
+
+One process is the job of one rank: the same fields, ``world_size`` 1 and one entry in
+``ranks``.
+
 File written by :func:`start_status_server`, ``model_dir/status.json`` (where to reach the API
 of the running trainer; rewritten at every start)::
 
@@ -37,6 +61,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import time
 from collections.abc import Mapping
 from typing import Optional, Protocol
@@ -54,6 +79,7 @@ from odl.protos import pipeline_pb2
 from odl.storage import file_store
 from odl.storage.oss_store import StorageError, oss_health
 from odl.storage.storage_path import is_remote, join
+from odl.train.job_status import JobStatusChannel, RankView
 from odl.train.pass_metrics import PassMetrics
 from odl.train.pass_saves import PassSaves
 from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics
@@ -91,6 +117,7 @@ class TrainerView(Protocol):
     last_checkpoint_error: Optional[str]
     checkpoint_writing: bool
     last_sample_time_ms: Optional[int]
+    last_exchange_at: Optional[float]
     failure: Optional[str]
     publisher: Optional[IncrementalPublisher]
     recovery: Optional[dict]
@@ -123,6 +150,10 @@ class TrainerView(Protocol):
         """A copy of the trained positions (next offset per partition)."""
         ...
 
+    def delta_broker_error(self) -> Optional[str]:
+        """Why the delta publisher's broker is unreachable, or None."""
+        ...
+
 
 class TrainerStatus:
     """Builds the trainer's status documents and progress reports.
@@ -137,6 +168,9 @@ class TrainerStatus:
         # metrics_window_samples predictions, too slow for every /status request
         self._progress_cache: Optional[tuple[float, dict]] = None
         self._tasks_cache: Optional[dict] = None
+        # several ranks: the channel of every rank's report (set when the trainer starts it)
+        self.job: Optional[JobStatusChannel] = None
+        self._host = socket.gethostname()
 
     def _topic(self) -> Optional[str]:
         t = self._trainer
@@ -150,21 +184,15 @@ class TrainerStatus:
         """
         t = self._trainer
         src = t.input_pipeline
-        partitions = {}
         retention = src.retention if src is not None else None
-        risks = (retention or {}).get("partitions") or {}
-        if src is not None:
-            positions = t.positions_snapshot()
-            for p, st in sorted(src.partition_state.items()):
-                pos = positions.get(p, st.position)
-                partitions[str(p)] = {
-                    "position": pos,
-                    "high_watermark": st.high_watermark,
-                    "low_watermark": st.low_watermark,
-                    "lag": max(0, st.high_watermark - pos) if st.high_watermark >= 0 else None,
-                }
-                if retention is not None:
-                    partitions[str(p)]["retention"] = risks.get(str(p))
+        partitions = self._partitions(with_retention=True)
+        mine = self.rank_report()
+        ranks = self._rank_views(mine)
+        job = _job_totals(ranks)
+        for view in ranks[1:]:
+            for p, st in ((view.report or {}).get("input") or {}).get("partitions", {}).items():
+                partitions.setdefault(p, {**st, "rank": view.rank})
+        partitions = dict(sorted(partitions.items(), key=lambda kv: int(kv[0])))
         broker_error = src.broker_error if src is not None else None
         dead_letter = t.dead_letter
         return {
@@ -178,12 +206,11 @@ class TrainerStatus:
             "pid": os.getpid(),
             "uptime_s": round(time.time() - t.started_at, 3),
             "global_step": t.module.global_step,
-            "samples_trained": t.samples_trained,
-            "samples_per_sec": round(t.samples_per_sec, 1),
-            # offline, the file reader runs ahead of training: report what was trained
-            "records_consumed": (src.records_consumed if src is not None and t.online
-                                 else t.samples_trained),
-            "records_rejected": dict(t.records_rejected),
+            "world_size": len(ranks),
+            "samples_trained": job["samples_trained"],
+            "samples_per_sec": round(job["samples_per_sec"], 1),
+            "records_consumed": job["records_consumed"],
+            "records_rejected": job["records_rejected"],
             "loss": t.last_loss,
             "progressive": self.progress_summary(),
             "tasks": self.tasks_summary(),
@@ -217,7 +244,65 @@ class TrainerStatus:
             "pass_saves": t.pass_saves.status() if t.pass_saves is not None else None,
             "recovery": t.recovery,
             "dead_letter": dead_letter.status() if dead_letter is not None else None,
+            "ranks": [_rank_entry(v) for v in ranks],
+            # another rank unhealthy or not answering (what /healthz says then), else None
+            "job_warning": _ranks_health(ranks[1:], "")[1] or None,
         }
+
+    def _partitions(self, with_retention: bool = False) -> dict[str, dict]:
+        """This rank's partitions: position, watermarks, lag, its rank (and retention)."""
+        t = self._trainer
+        src = t.input_pipeline
+        if src is None:
+            return {}
+        retention = src.retention if with_retention else None
+        risks = (retention or {}).get("partitions") or {}
+        positions = t.positions_snapshot()
+        out = {}
+        for p, st in sorted(src.partition_state.items()):
+            pos = positions.get(p, st.position)
+            out[str(p)] = {
+                "position": pos,
+                "high_watermark": st.high_watermark,
+                "low_watermark": st.low_watermark,
+                "lag": max(0, st.high_watermark - pos) if st.high_watermark >= 0 else None,
+                "rank": t.module.rank,
+            }
+            if retention is not None:
+                out[str(p)]["retention"] = risks.get(str(p))
+        return out
+
+    def rank_report(self) -> dict:
+        """This rank's report to rank 0 (:mod:`odl.train.job_status`)."""
+        t = self._trainer
+        src = t.input_pipeline
+        ok, reason = self._health(t.delta_broker_error())
+        exchanged = t.last_exchange_at
+        return {
+            "rank": t.module.rank,
+            "host": self._host,
+            "pid": os.getpid(),
+            "state": t.state,
+            "healthy": ok,
+            "reason": reason,
+            "global_step": t.module.global_step,
+            "samples_trained": t.samples_trained,
+            "samples_per_sec": round(t.samples_per_sec, 1),
+            # offline, the file reader runs ahead of training: report what was trained
+            "records_consumed": (src.records_consumed if src is not None and t.online
+                                 else t.samples_trained),
+            "records_rejected": dict(t.records_rejected),
+            "last_exchange_age_s": (round(time.monotonic() - exchanged, 3)
+                                    if exchanged is not None else None),
+            "input": {"broker_error": src.broker_error if src is not None else None,
+                      "partitions": self._partitions(),
+                      "source": src.source_status if src is not None else {}},
+        }
+
+    def _rank_views(self, mine: dict) -> list[RankView]:
+        """Every rank, rank 0 (this one's live report) first."""
+        return [RankView(self._trainer.module.rank, mine, 0.0, True),
+                *(self.job.others() if self.job is not None else [])]
 
     def progress_summary(self) -> dict:
         """Progressive metrics, recomputed when samples were added and the last is over 1 s old.
@@ -254,21 +339,35 @@ class TrainerStatus:
         """Trained positions served at ``/offsets``.
 
         Returns:
-            ``{"topic", "global_step", "positions": {partition: next offset}}``.
+            ``{"topic", "global_step", "positions": {partition: next offset},
+            "partition_ranks": {partition: rank}, "stale_ranks": [rank, ...]}``.
         """
         t = self._trainer
+        owners = {p: t.module.rank for p in t.positions_snapshot()}
         positions = t.positions_snapshot()
+        stale = []
+        for view in (self.job.others() if self.job is not None else []):
+            if not view.answering:
+                stale.append(view.rank)
+            parts = ((view.report or {}).get("input") or {}).get("partitions") or {}
+            for p, st in parts.items():
+                positions.setdefault(int(p), st["position"])
+                owners.setdefault(int(p), view.rank)
         return {
             "topic": self._topic(),
             "global_step": t.module.global_step,
             "positions": {str(p): o for p, o in sorted(positions.items())},
+            "partition_ranks": {str(p): r for p, r in sorted(owners.items())},
+            "stale_ranks": stale,
         }
 
     def health(self, delta_broker_error: Optional[str]) -> tuple[bool, str]:
         """Healthy unless a broker is unreachable, publishing or checkpoints fail, or stopped.
 
-        A retention warning (see the module docstring) is appended to a healthy reason. Also
-        refreshes the retention gauges.
+        A retention warning (see the module docstring) is appended to a healthy reason. With
+        several ranks, unhealthy also when another rank is or does not answer. Also refreshes
+        the retention gauges and, with several ranks, the per-rank gauges and every
+        partition's lag and position.
 
         Args:
             delta_broker_error: why the delta publisher's broker is unreachable, or None.
@@ -281,6 +380,10 @@ class TrainerStatus:
         retention = src.retention if src is not None else None
         t.metrics.set_retention(retention)
         ok, reason = self._health(delta_broker_error)
+        others = self.job.others() if self.job is not None else []
+        t.metrics.set_ranks(self._rank_views(self.rank_report())[:1] + others)
+        if ok:
+            ok, reason = _ranks_health(others, reason)
         warning = input_warning(retention) if ok else None
         return ok, f"{reason}; {warning}" if warning else reason
 
@@ -374,6 +477,47 @@ class TrainerStatus:
             pos = positions.get(p, st.position)
             out[p] = max(0, st.high_watermark - pos) if st.high_watermark >= 0 else -1
         return out
+
+
+def _job_totals(ranks: list[RankView]) -> dict:
+    """Samples, rate, records and rejects summed over the ranks' last reports."""
+    reports = [v.report for v in ranks if v.report is not None]
+    rejected: dict[str, int] = {}
+    for r in reports:
+        for reason, n in r["records_rejected"].items():
+            rejected[reason] = rejected.get(reason, 0) + n
+    return {
+        "samples_trained": sum(r["samples_trained"] for r in reports),
+        "samples_per_sec": sum(r["samples_per_sec"] for r in reports),
+        "records_consumed": sum(r["records_consumed"] for r in reports),
+        "records_rejected": rejected,
+    }
+
+
+def _rank_entry(view: RankView) -> dict:
+    """One rank in ``/status``'s ``ranks``."""
+    r = view.report or {}
+    return {
+        "rank": view.rank,
+        "answering": view.answering,
+        "report_age_s": view.age_s,
+        **{k: r.get(k) for k in ("host", "pid", "state", "healthy", "reason", "global_step",
+                                 "samples_trained", "samples_per_sec", "records_consumed",
+                                 "records_rejected", "last_exchange_age_s")},
+        "partitions": sorted(int(p) for p in ((r.get("input") or {}).get("partitions") or {})),
+        # what its source reads now (a file stream's split, file and record; DataHub's shards)
+        "source": (r.get("input") or {}).get("source"),
+    }
+
+
+def _ranks_health(others: list[RankView], reason: str) -> tuple[bool, str]:
+    """The job's health given rank 0's (healthy, ``reason``): the first other rank's trouble."""
+    for view in others:
+        if not view.answering:
+            return False, f"rank {view.rank} has not reported for {view.age_s:.0f} s"
+        if view.report is not None and not view.report["healthy"]:
+            return False, f"rank {view.rank}: {view.report['reason']}"
+    return True, reason
 
 
 def start_status_server(provider: TrainerStatusProvider, registry: CollectorRegistry,
