@@ -416,13 +416,6 @@ def test_dead_letter_producer_is_checked_only_when_used(model_dir: Path) -> None
 # --------------------------------------------------------------------------- device
 
 
-def test_lamb_tables_on_cpu_are_refused(model_dir: Path) -> None:
-    # Adam, AdamW, FTRL, momentum tables run row-sparse on CPU (tests/test_table_optimizers)
-    refused(run_cli("--model_dir", str(model_dir), "--train_input_path", "x/*.csv",
-                    "--edit_config_json", json.dumps({"train_config.sparse_optimizer":
-                                                      "lamb_optimizer { lr: 0.01 }"}),
-                    config=OFFLINE, online=False),
-            "train_config.sparse_optimizer.lamb_optimizer", "not supported on cpu")
 
 
 def test_cuda_requested_without_cuda(model_dir: Path) -> None:

@@ -96,6 +96,20 @@ def test_adam_on_the_tables_learns_on_cuda(fb):
     assert roc_auc(eval_labels, tm.predict(eval_batch)) > 0.75
 
 
+def test_lamb_tables_fused_on_cuda_equal_row_sparse_on_cpu(fb):
+    """TorchEasyRec's LAMB tables: fbgemm's fused kernel on CUDA and the row-sparse rule on
+    the CPU make the same updates."""
+    c = config(train_config="sparse_optimizer { lamb_optimizer { lr: 0.01 weight_decay: 0.01 "
+               "} } dense_optimizer { adam_optimizer { lr: 0.001 } }")
+    cpu = TrainModule(c, fb, device="cpu")
+    gpu = TrainModule(c, fb, device="cuda")
+    assert cpu.row_sparse is not None and gpu.row_sparse is None
+    for b in batches(fb, 10, size=256, seed=7):
+        oc, og = cpu.train_step(b), gpu.train_step(b)
+        np.testing.assert_allclose(og.probs, oc.probs, atol=1e-4, rtol=0)
+    _assert_tables_equal(cpu, gpu, atol=1e-4)
+
+
 @pytest.mark.parametrize("optimizer", [
     "ftrl_optimizer { learning_rate { constant_learning_rate { learning_rate: 0.1 } } "
     "l1_reg: 0.001 l2_reg: 0.01 }",

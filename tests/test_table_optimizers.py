@@ -1,6 +1,7 @@
-"""Row-sparse table optimizers (odl.train.row_sparse_tables): Adam, AdamW, FTRL, momentum.
+"""Row-sparse table optimizers (odl.train.row_sparse_tables): Adam, AdamW, FTRL, momentum, LAMB.
 
-Each update is checked step by step against a numpy port of TF's sparse applies on a real
+Each update is checked step by step against a numpy port of TF's sparse applies (LAMB:
+fbgemm's CUDA kernel's formula) on a real
 ``TrainModule``: the rows' summed gradients of a step come from a twin module whose tables
 train with exact SGD at rate 1 (and whose dense part does not move), loaded with the
 module's parameters before the step.
@@ -139,12 +140,26 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + ["mean_adam", "mean_ftrl"])
-def test_updates_follow_tf_step_by_step(case: str) -> None:
-    mean = case.startswith("mean_")
-    opt, extra, ref, init = CASES[case.removeprefix("mean_")]
+def fbgemm_lamb(w, g, st, lr, t, b1=0.9, b2=0.999, eps=1e-8, decay=0.0):
+    """fbgemm's LAMB on one batch of rows (its CUDA kernel's formula, per row)."""
+    m, v = st
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    r = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps) + decay * w
+    ratio = np.linalg.norm(w, axis=1, keepdims=True) / np.linalg.norm(r, axis=1, keepdims=True)
+    return w - lr * ratio * r, [m, v]
+
+
+# TorchEasyRec's form: sparse_optimizer / dense_optimizer
+LAMB_TRAIN = (f"sparse_optimizer {{ lamb_optimizer {{ lr: {LR} beta1: 0.8 beta2: 0.99 "
+              "weight_decay: 0.01 } constant_learning_rate {} } "
+              "dense_optimizer { adam_optimizer { lr: 0.01 } constant_learning_rate {} }")
+
+
+def _check_steps(case: str, train: str, ref, init: list[float], mean: bool) -> None:  # noqa: ANN001
+    """Four steps of ``train``'s tables against ``ref`` on the rows each step touched."""
     model = MEAN_MODEL if mean else MODEL
-    tm, fb = module(tables_config(opt, extra), model)
+    tm, fb = module(train, model)
     twin, _ = module(SGD_TWIN, model)
     assert tm.row_sparse is not None
     assert any(tbe.mean for tbe in tm.row_sparse._tbes) == mean  # fbgemm's mean pooling
@@ -168,6 +183,33 @@ def test_updates_follow_tf_step_by_step(case: str) -> None:
             untouched = np.setdiff1d(np.arange(got.shape[0]), r)
             np.testing.assert_array_equal(got[untouched], w[table][untouched])
             w[table] = got.copy()  # the next step starts from the module's float32 rows
+
+
+@pytest.mark.parametrize("case", sorted(CASES) + ["mean_adam", "mean_ftrl"])
+def test_updates_follow_tf_step_by_step(case: str) -> None:
+    opt, extra, ref, init = CASES[case.removeprefix("mean_")]
+    _check_steps(case, tables_config(opt, extra), ref, init, case.startswith("mean_"))
+
+
+@pytest.mark.parametrize("mean", [False, True])
+def test_lamb_follows_fbgemm_step_by_step(mean: bool) -> None:
+    """TorchEasyRec's ``lamb_optimizer`` on CPU: fbgemm's CUDA LAMB rule, row by row."""
+    _check_steps("lamb", LAMB_TRAIN,
+                 lambda *a: fbgemm_lamb(*a, b1=0.8, b2=0.99, decay=0.01), [0.0, 0.0], mean)
+
+
+def test_lamb_rows_of_zeros_and_zero_steps_stay() -> None:
+    from odl.train.row_sparse_rules import RowSparseRule
+
+    rule = RowSparseRule("lamb", {"weight_decay": 0.0}, tf_form=False)
+    w = torch.tensor([[0.0, 0.0], [0.3, -0.4], [0.2, 0.1]])
+    g = torch.tensor([[0.5, 0.1], [0.0, 0.0], [0.1, 0.1]])
+    got, _state = rule.apply(w, g, [torch.zeros(3, 2), torch.zeros(3, 2)], 0.1, 1)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got[:2], w[:2])  # |w| = 0: no step; r = 0: no step
+    ref, _ = fbgemm_lamb(w[2:].double().numpy(), g[2:].double().numpy(),
+                         [np.zeros((1, 2)), np.zeros((1, 2))], 0.1, 1)
+    np.testing.assert_allclose(got[2:].numpy(), ref, rtol=1e-5)
 
 
 def test_wide_tables_take_the_wide_rate() -> None:
@@ -233,7 +275,7 @@ def test_ftrl_zero_state_is_a_fresh_accumulator() -> None:
     np.testing.assert_allclose(z.numpy(), ref_z, rtol=1e-6)
 
 
-def test_plans_run_row_sparse_and_lamb_is_refused_on_cpu() -> None:
+def test_plans_run_row_sparse_where_fbgemm_has_no_kernel() -> None:
     def choice(text: str):
         return optimizer_choices(text_format.Parse(text, pipeline_pb2.TrainConfig()))[0]
 
@@ -250,8 +292,9 @@ def test_plans_run_row_sparse_and_lamb_is_refused_on_cpu() -> None:
     assert not cuda.row_sparse and cuda.kernel == "adam"
     assert table_optimizer_plan(choice("optimizer_config { ftrl_optimizer {} }"),
                                 "cuda").row_sparse
-    with pytest.raises(ConfigError, match="lamb"):
-        table_optimizer_plan(choice("sparse_optimizer { lamb_optimizer { lr: 0.1 } }"), "cpu")
+    lamb = choice("sparse_optimizer { lamb_optimizer { lr: 0.1 } }")
+    assert table_optimizer_plan(lamb, "cpu").row_sparse
+    assert table_optimizer_plan(lamb, "cuda").kernel == "lamb"
 
 
 @pytest.mark.parametrize("flags, field", [

@@ -25,15 +25,15 @@ ftrl                    FTRL-Proximal (row-sparse)           FTRL-Proximal (row-
 momentum                TF momentum (row-sparse)             TF momentum (row-sparse)
 adam (lazy_adam)        lazy Adam (row-sparse)               fbgemm Adam (fused, lazy)
 adamw                   lazy Adam + decay (row-sparse)       lazy Adam + decay (row-sparse)
-lamb                    refused: use adagrad for the tables  fbgemm LAMB (fused)
+lamb                    fbgemm's LAMB (row-sparse)           fbgemm LAMB (fused)
 ======================  ===================================  =================================
 
 Adam on the tables is lazy (touched rows only, bias correction with the global step), as
 TF's ``LazyAdamOptimizer`` and fbgemm's Adam; EasyRec's ``adam_optimizer`` (TF's
 ``AdamOptimizer``) also decays the moments of the untouched rows and moves them, which no
-path here does (noted at start-up). LAMB's trust ratio has no row-sparse form here yet, so
-LAMB tables on CPU are refused with the exact optimizer to use instead. Row-sparse kinds do
-not combine with in-batch learning / per-record Adagrad (``IN_BATCH_TABLE_KINDS``).
+path here does (noted at start-up). Row-sparse LAMB is fbgemm's rule (each row's own trust
+ratio), so CPU and CUDA tables follow one rule. Row-sparse kinds do not combine with in-batch
+learning / per-record Adagrad (``IN_BATCH_TABLE_KINDS``).
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ ROW_SPARSE_DEVICES: dict[str, frozenset[str]] = {
     "adamw": frozenset({"cpu", "cuda"}),
     "ftrl": frozenset({"cpu", "cuda"}),
     "momentum": frozenset({"cpu", "cuda"}),
+    "lamb": frozenset({"cpu"}),
 }
 
 # Kind used for the tables / the dense part when nothing is configured
@@ -178,7 +179,7 @@ def table_optimizer_plan(choice: OptimizerChoice, device_type: str) -> TablePlan
 
     Raises:
         ConfigError: naming the optimizer field when nothing can run it on the device
-            (LAMB on CPU) and saying which optimizer to use instead.
+            and saying which optimizer to use instead.
     """
     field = choice.field or "train_config.sparse_optimizer"
     note = ""

@@ -35,7 +35,8 @@ Embedding tables (see :mod:`odl.config.optimizer_support` for what runs per kind
 device): fbgemm's fused kernel inside backward for ``sgd`` (exact SGD), ``adagrad`` (exact
 element-wise Adagrad, as EasyRec's TF Adagrad), ``rowwise_adagrad`` (exact row-wise Adagrad),
 ``adam`` / ``lamb`` on CUDA (fbgemm Adam / LAMB); row-sparse (:mod:`odl.train.row_sparse_tables`,
-the fused kernel at rate 0) for ``ftrl``, ``momentum``, ``adamw`` and ``adam`` on CPU. Fused
+the fused kernel at rate 0) for ``ftrl``, ``momentum``, ``adamw``, and ``adam`` and ``lamb``
+on CPU. Fused
 table accumulators start at 0; ``initial_accumulator_value`` applies to dense parameters and
 to the row-sparse FTRL.
 
@@ -398,7 +399,7 @@ def sparse_optimizer_args(
         ``(optimizer class, kwargs)``; the class maps to an fbgemm fused optimizer.
 
     Raises:
-        ConfigError: nothing runs the kind on this device (LAMB on CPU).
+        ConfigError: nothing runs the kind on this device.
     """
     choice = spec.choice or OptimizerChoice(spec.kind, spec.source)
     plan = table_optimizer_plan(choice, device_type)

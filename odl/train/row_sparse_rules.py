@@ -21,6 +21,11 @@ gathers and scatters. ``t`` is the global step counting this one (1 at the first
   l1``, else 0. The accumulator is stored as ``n - initial_accumulator_value`` so that a
   zeroed row (a dynamic table's evicted row, a fresh table) is a fresh accumulator.
 * ``momentum``: TF's ``SparseApplyMomentum``: ``a = momentum * a + g``, ``w -= lr * a``.
+* ``lamb`` (TorchEasyRec's ``lamb_optimizer``, as fbgemm's fused LAMB on CUDA): Adam's
+  moments of the touched rows, ``r = m_hat / (sqrt(v_hat) + eps) + weight_decay * w``, then
+  each row ``w -= lr * (|w| / |r|) * r`` with its own trust ratio (the rows' L2 norms). A
+  row whose ``r`` is zero does not move (fbgemm divides by zero there); a row of zeros stays
+  zero, as under fbgemm.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ ROW_SPARSE_STATE: dict[str, tuple[str, ...]] = {
     "adamw": ("exp_avg", "exp_avg_sq"),
     "ftrl": ("accumulator", "linear"),
     "momentum": ("momentum_buffer",),
+    "lamb": ("exp_avg", "exp_avg_sq"),
 }
 
 TF_EPSILON = 1e-8
@@ -55,7 +61,7 @@ class RowSparseRule:
     """One row-sparse optimizer (module docstring).
 
     Attributes:
-        kind: ``"adam"``, ``"adamw"``, ``"ftrl"`` or ``"momentum"``.
+        kind: ``"adam"``, ``"adamw"``, ``"ftrl"``, ``"momentum"`` or ``"lamb"``.
         params: the optimizer's settings (``OptimizerSpec.params``).
         tf_form: EasyRec's (TF) form of Adam / AdamW; False: TorchEasyRec's (torch).
     """
@@ -93,7 +99,25 @@ class RowSparseRule:
         if self.kind == "momentum":
             a = state[0] * float(self.params.get("momentum", 0.9)) + g
             return w - lr * a, [a]
+        if self.kind == "lamb":
+            return self._lamb(w, g, state, lr, t)
         return self._adam(w, g, state, lr, t)
+
+    def _lamb(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], lr: float,
+              t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        p = self.params
+        b1, b2 = float(p.get("beta1", 0.9)), float(p.get("beta2", 0.999))
+        eps = float(p.get("eps", TF_EPSILON))
+        m = state[0] * b1 + g * (1.0 - b1)
+        v = state[1] * b2 + g * g * (1.0 - b2)
+        r = (m / (1.0 - b1**t)) / ((v / (1.0 - b2**t)).sqrt() + eps)
+        decay = float(p.get("weight_decay", 0.0))
+        if decay:
+            r = r + decay * w
+        w_norm = w.norm(dim=1, keepdim=True)
+        r_norm = r.norm(dim=1, keepdim=True)
+        ratio = torch.where(r_norm > 0, w_norm / r_norm.clamp_min(1e-38), torch.zeros_like(r_norm))
+        return w - lr * ratio * r, [m, v]
 
     def _adam(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], lr: float,
               t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

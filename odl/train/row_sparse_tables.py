@@ -1,4 +1,4 @@
-"""Row-sparse table optimizers: Adam, AdamW, FTRL, momentum where fbgemm has no kernel.
+"""Row-sparse table optimizers: Adam, AdamW, FTRL, momentum, LAMB where fbgemm has no kernel.
 
 fbgemm's fused table kernels cover SGD and (row-wise) Adagrad on CPU (Adam and LAMB on
 CUDA); :mod:`odl.config.optimizer_support` says which configured kinds run here instead.
@@ -254,7 +254,9 @@ class RowSparseTables:
 
         Earlier versions ran FTRL tables as fbgemm Adagrad (state ``<t>.momentum1``, the
         sum of squared gradients), momentum tables as SGD (no state) and AdamW tables on
-        CUDA as fbgemm Adam (``<t>.momentum1`` / ``<t>.momentum2``: Adam's moments). Their
+        CUDA as fbgemm Adam (``<t>.momentum1`` / ``<t>.momentum2``: Adam's moments; the
+        same names as fbgemm's Adam and LAMB state on CUDA, so such a checkpoint restores
+        into row-sparse Adam / LAMB tables on a CPU). Their
         state becomes this rule's: FTRL takes the accumulator and the linear term ``z`` that
         keeps each weight where it is (``w = (sign(z) * l1 - z) / quadratic``), Adam the
         moments, anything else a fresh (zero) state. A state that has the rule's names, or
@@ -298,7 +300,7 @@ class RowSparseTables:
             n = m1 + float(p.get("initial_accumulator_value", 0.1))
             quad = n.pow(-float(p.get("lr_power", -0.5))) / lr + 2.0 * float(p.get("l2", 0.0))
             new = [m1, -w * quad - torch.sign(w) * float(p.get("l1", 0.0))]
-        elif self.rule.kind in ("adam", "adamw") and m1 is not None and m2 is not None \
+        elif self.rule.kind in ("adam", "adamw", "lamb") and m1 is not None and m2 is not None \
                 and m1.shape == w.shape == m2.shape:
             new = [m1, m2]
         return {f"{name}.{s}": v for s, v in zip(self.rule.state_names, new, strict=True)}

@@ -8,7 +8,7 @@ and a normal start run it. In order:
 
 1. Device: ``--device cuda`` needs a CUDA device; ``auto`` resolves to CUDA when one is
    available, else CPU. The table optimizer must run on that device, fused or row-sparse
-   (LAMB tables need CUDA; see :mod:`odl.config.optimizer_support`); where the tables run
+   (see :mod:`odl.config.optimizer_support`); where the tables run
    differently from what the config names (EasyRec's ``adam_optimizer`` as lazy Adam) the
    check returns a note saying so, which ``--validate_only`` prints and a start logs as a
    warning.
