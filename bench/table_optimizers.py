@@ -1,7 +1,8 @@
 """Table optimizers on the in-memory train step: fused Adagrad against the row-sparse kinds.
 
 fbgemm's CPU kernels cover SGD and (row-wise) Adagrad; Adam, FTRL and momentum tables run
-row-sparse (``odl.train.row_sparse_tables``: the touched rows updated after backward). Each
+row-sparse (``odl.train.row_sparse_tables``: the touched rows updated after backward), and
+so does TorchEasyRec's LAMB (its ``sparse_optimizer`` / ``dense_optimizer`` form). Each
 kind trains the bursty sample model (DeepFM, batch ``--batch``, id tables of ``--buckets``
 rows) on the same pre-built batches, in turn within each round (order rotated per round);
 prints samples/s per kind and its ratio to fused Adagrad, the median over rounds of the
@@ -32,7 +33,21 @@ from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.train.torch_runtime import configure_torch_threads  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
 
-KINDS = ("adagrad_optimizer", "adam_optimizer", "ftrl_optimizer", "momentum_optimizer")
+KINDS = ("adagrad_optimizer", "adam_optimizer", "ftrl_optimizer", "momentum_optimizer",
+         "lamb_optimizer")
+# TorchEasyRec's form of the sample's rates (LAMB exists in that form only)
+TZREC_LAMB = ("sparse_optimizer { lamb_optimizer { lr: 0.1 } constant_learning_rate {} } "
+              "dense_optimizer { adam_optimizer { lr: 0.001 } constant_learning_rate {} }")
+
+
+def config_text(kind: str, model_dir: str, batch: int, buckets: int) -> str:
+    """The bursty sample's config with ``kind`` for the tables."""
+    text = bursty_config_text(model_dir, batch_size=batch, buckets=buckets)
+    if kind != "lamb_optimizer":
+        return text.replace("adagrad_optimizer", kind, 1)
+    start = text.index("  optimizer_config")
+    end = text.index("  save_checkpoints_steps")
+    return text[:start] + "  " + TZREC_LAMB + "\n" + text[end:]
 
 
 def main() -> None:
@@ -49,9 +64,8 @@ def main() -> None:
     records = BurstyStream(seed=1).next_batch(args.batch * args.steps).encode("csv")
     modules = {}
     for kind in KINDS:
-        text = bursty_config_text(os.path.join(work, kind), batch_size=args.batch,
-                                  buckets=args.buckets).replace("adagrad_optimizer", kind, 1)
-        config = parse_pipeline_config_text(text)
+        config = parse_pipeline_config_text(config_text(kind, os.path.join(work, kind),
+                                                        args.batch, args.buckets))
         fb = FeatureBuilder(config)
         tm = TrainModule(config, fb, device="cpu")
         batches = [fb.build(records[k:k + args.batch]).batch
