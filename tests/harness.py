@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import tempfile
 import threading
 import time
@@ -84,6 +85,21 @@ def write_config(tmp_path, bootstrap: str, topic: str, name: str = "pipeline.con
     with open(path, "w") as f:
         f.write(deepfm_config_text(model_dir, server=bootstrap, topic=topic, **kw))
     return path
+
+
+def make_half_dynamic(cfg: str, ev_params: str) -> list[str]:
+    """Gives every other id feature of the config file ``cfg`` the ``ev_params`` message
+    (its tables become dynamic, the others stay fixed); returns their names."""
+    text = open(cfg).read()
+    made = []
+    for i, name in enumerate(re.findall(r'input_names: "(\w+)" feature_type: IdFeature', text)):
+        if i % 2:
+            text, n = re.subn(rf'(input_names: "{name}" feature_type: IdFeature [^}}]*)}}',
+                              rf"\1{ev_params} }}", text, count=1)
+            assert n == 1, name
+            made.append(name)
+    open(cfg, "w").write(text)
+    return made
 
 
 def run_in_process(

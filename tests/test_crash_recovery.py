@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
@@ -51,7 +50,7 @@ from odl.train.trainer import Trainer, TrainerOptions
 from publisher.delta_encoder import encode_version
 from publisher.delta_format import VersionHeader
 from publisher.id_maps import read_id_maps
-from tests.harness import run_in_process, write_config
+from tests.harness import make_half_dynamic, run_in_process, write_config
 
 PARTS = 2
 
@@ -169,20 +168,6 @@ SEED = 20240604
 DYNAMIC_FEATURE_PARAMS = "ev_params { filter_freq: 2 max_capacity: 150 steps_to_live: 40 }"
 
 
-def _half_dynamic(cfg: str) -> list[str]:
-    """Makes every other id feature of ``cfg`` dynamic; returns their names."""
-    text = open(cfg).read()
-    made = []
-    for i, name in enumerate(re.findall(r'input_names: "(\w+)" feature_type: IdFeature', text)):
-        if i % 2:
-            text, n = re.subn(rf'(input_names: "{name}" feature_type: IdFeature [^}}]*)}}',
-                              rf"\1{DYNAMIC_FEATURE_PARAMS} }}", text, count=1)
-            assert n == 1, name
-            made.append(name)
-    open(cfg, "w").write(text)
-    return made
-
-
 @pytest.mark.slow
 def test_sigkill_at_random_points_exactly_once_and_serving_parity(
         kafka_bootstrap, kafka_topic_factory, tmp_path):
@@ -193,7 +178,7 @@ def test_sigkill_at_random_points_exactly_once_and_serving_parity(
     # small chunks: versions span many messages, so some kills cut one half-sent
     cfg = _config(tmp_path, kafka_bootstrap, topic, delta_topic, ckpt_steps=6, batch_size=40,
                   keep=0, steps=2, chunk=16384)
-    assert len(_half_dynamic(cfg)) >= 2
+    assert len(make_half_dynamic(cfg, DYNAMIC_FEATURE_PARAMS)) >= 2
     model_dir = str(tmp_path / "model_dir")
     ledger = str(tmp_path / "ledger.tsv")
 
