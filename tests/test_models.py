@@ -133,6 +133,27 @@ def test_final_dnn_variant(fb):
     assert tuple(tm.dense_parameters()["dense.final_dnn.0.weight"].shape) == (8, 25)
 
 
+def test_wide_and_deep_without_final_dnn_is_num_class_wide(fb, caplog):
+    """EasyRec's WideAndDeep without final_dnn sums the wide part and the deep logits: its
+    wide part is num_class wide whatever wide_output_dim says (with a warning); DeepFM
+    refuses the same settings by field, as EasyRec asserts."""
+    from odl.models.model_registry import check_pipeline_config
+
+    c = config(model_config='model_class: "WideAndDeep" '
+                            "wide_and_deep { dnn { hidden_units: [16] } wide_output_dim: 6 }")
+    c.model_config.ClearField("deepfm")
+    tm = TrainModule(c, fb, device="cpu")
+    assert "wide_output_dim: 6 is not used without final_dnn" in caplog.text
+    wide = {n: w for n, w in tm.embedding_tables().items() if n.endswith(WIDE_SUFFIX)}
+    assert wide and all(w.shape[1] == wide_storage_dim(1) for w in wide.values())
+    out = tm.train_step(batches(fb, 1, size=32)[0])
+    assert out.probs.shape == (32,) and math.isfinite(out.loss)
+    deepfm = config(model_config="deepfm { wide_output_dim: 6 }")
+    deepfm.train_input_path, deepfm.model_dir = "x/*.csv", "m"
+    with pytest.raises(ConfigError, match="wide_output_dim"):
+        check_pipeline_config(deepfm, online=False)
+
+
 def test_wide_dim_layout(fb):
     assert [wide_storage_dim(d) for d in (1, 3, 4, 5, 8)] == [4, 4, 4, 8, 8]
     tm = TrainModule(config(), fb, device="cpu")

@@ -465,6 +465,13 @@ def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder,
     groups = model_groups(mc, feature_builder)
     field, settings = model_settings(mc)
     wide_dim = int(settings.wide_output_dim) or 1
+    if not use_fm and not settings.HasField("final_dnn") and wide_dim != max(mc.num_class, 1):
+        # EasyRec's WideAndDeep sums the wide part and the deep logits without final_dnn,
+        # its wide part then num_class wide whatever wide_output_dim says
+        logger.warning("model_config.%s.wide_output_dim: %d is not used without final_dnn; "
+                       "the wide part is num_class (%d) wide, as in EasyRec", field, wide_dim,
+                       max(mc.num_class, 1))
+        wide_dim = max(mc.num_class, 1)
     try:
         blocks = [b for g in mc.feature_groups if g.wide_deep == pipeline_pb2.DEEP
                   for b in sequence_blocks(config, feature_builder).get(g.group_name, [])]
@@ -520,7 +527,8 @@ def _validate(check: ModelCheck, use_fm: bool) -> None:
     if d.wide_output_dim > limits.MAX_WIDE_OUTPUT_DIM:
         raise ConfigError(f"{where}.wide_output_dim", f"{d.wide_output_dim} is above the "
                                                       f"limit of {limits.MAX_WIDE_OUTPUT_DIM}")
-    if not d.HasField("final_dnn") and d.wide_output_dim != mc.num_class:
+    if use_fm and not d.HasField("final_dnn") and d.wide_output_dim != mc.num_class:
+        # (WideAndDeep then makes its wide part num_class wide, as EasyRec does: _build)
         raise ConfigError(f"{where}.wide_output_dim",
                           "without final_dnn the wide and deep outputs are summed, so "
                           f"wide_output_dim must equal num_class ({mc.num_class})")
