@@ -99,3 +99,28 @@ def plot_curves(path: str, x: Sequence[float], curves: Mapping[str, Sequence[flo
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     _save(fig, path)
+
+
+def plot_scale(path: str, rows: Sequence[int], seconds: Mapping[str, Sequence[float]],
+               gigabytes: Mapping[str, Sequence[float]], title: str) -> None:
+    """Costs against a table's rows, log-log: seconds in one panel, sizes in the other.
+
+    Args:
+        path: the PNG to write.
+        rows: the table sizes (x).
+        seconds: stage -> seconds at each size.
+        gigabytes: what -> GB at each size.
+        title: figure title.
+    """
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9.6, 4.0))
+    for ax, series, ylabel in ((left, seconds, "seconds"), (right, gigabytes, "GB")):
+        for name, values in series.items():
+            ax.plot(rows[:len(values)], values, marker="o", label=name, lw=1.4)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("table rows")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    _save(fig, path)
