@@ -259,12 +259,14 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     (``odl.datagen.conversion_labels``): MMoE with 3 experts like the DeepFM tower, DBMTL
     with the DeepFM tower as its bottom and "cvr" related to "ctr". FM (EasyRec's) keeps the
     groups with the dense features moved from the deep group (FM's vectors) to the wide group
-    (a first-order term each).
+    (a first-order term each). DLRM (EasyRec's) reads a "dense" group (the dense features,
+    through a bot_dnn of one layer as wide as the embeddings) and a "sparse" group (the id
+    features), its top_dnn the DeepFM tower.
 
     Args:
         text: the DeepFM config text.
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
-            ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"`` or ``"FM"``.
+            ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"``, ``"FM"`` or ``"DLRM"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:
@@ -281,6 +283,20 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
         text = text.replace(f" {dense} wide_deep: DEEP", " wide_deep: DEEP")
         text = text.replace(" wide_deep: WIDE }", f" {dense} wide_deep: WIDE }}", 1)
         return text.replace('model_class: "DeepFM"', 'model_class: "FM"')
+    if model == "DLRM":  # bot_dnn over the dense features, ending at the embedding dim
+        dim = re.search(r"IdFeature embedding_dim: (\d+)", text)
+        if dim is None:
+            raise ValueError("DLRM needs the id features' embedding_dim")
+        block = (f"dlrm {{\n    bot_dnn {{ hidden_units: [{dim.group(1)}] }}\n"
+                 f"    top_dnn {{ hidden_units: [{m.group(1)}] }}\n  }}")
+        text = text[:m.start()] + block + text[m.end():]
+        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
+        dense = " ".join(f'feature_names: "{f}"' for f in DENSE_FIELDS)
+        text = text.replace(f" {dense} wide_deep: DEEP", " wide_deep: DEEP").replace(
+            '  feature_groups { group_name: "deep"',
+            f'  feature_groups {{ group_name: "dense" {dense} wide_deep: DEEP }}\n'
+            '  feature_groups { group_name: "sparse"')
+        return text.replace('model_class: "DeepFM"', 'model_class: "DLRM"')
     if model in _MULTI_TASK_BLOCKS:
         block = _MULTI_TASK_BLOCKS[model].format(units=m.group(1))
         text = text[:m.start()] + block + text[m.end():]
