@@ -224,7 +224,9 @@ def read_export(export_dir: str, verify: bool = True) -> ExportContents:
             sig = json.load(f)
         config = load_pipeline_config(os.path.join(path, CONFIG_FILE))
         validate_data_and_features(config)  # the rules the feature plan relies on
-        fb = FeatureBuilder(config, check_event_time=False)  # requests need no event time
+        # requests need no event time and no sample weight (a column left unread)
+        config.data_config.ClearField("sample_weight")
+        fb = FeatureBuilder(config, check_event_time=False)
         id_maps = read_id_maps(path)
         groups = pooled_inputs_of(sig)
         labels = list(config.data_config.label_fields[:1]) or ["label"]

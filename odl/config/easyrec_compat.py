@@ -56,7 +56,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "DatasetConfig": frozenset({
         "label_sep", "label_dim", "extra_label_func",
         "selected_cols", "selected_col_types", "rtp_separator", "ignore_error",
-        "sample_weight", "data_compression_type", "n_data_batch_tfrecord", "with_header",
+        "data_compression_type", "n_data_batch_tfrecord", "with_header",
         "feature_fields", "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
         "hard_negative_sampler_v2", "negative_sampler_in_memory", "drop_remainder",
         "fg_encoded", "fg_encoded_multival_sep",
@@ -98,7 +98,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "FeatureGroupConfig": frozenset({"negative_sampler", "embedding_name_suffix"}),
     "EasyRecModel": frozenset({
         "model_name", "model_params", "dummy",
-        "autoint", "dlrm", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
+        "autoint", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat", "esmm",
         "simple_multi_task", "ple", "rocket_launching", "kd",
         "restore_filters", "variational_dropout", "backbone",

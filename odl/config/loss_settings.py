@@ -8,7 +8,9 @@ columns may then hold any number.
 The formulas are :mod:`odl.models.ctr_losses`'s; the other loss terms' settings are checked by
 :func:`odl.config.model_validation.validate_model`. ``JRC_LOSS`` needs a ``num_class: 2``
 model and a session column (:func:`jrc_session_field`), whose hash the batches carry
-(``Batch.session_keys``).
+(``Batch.session_keys``). EasyRec's ``data_config.sample_weight`` names a numeric input
+column whose value weights each sample's loss (:func:`sample_weight_field`;
+``Batch.sample_weights``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from odl.protos import pipeline_pb2
 
 __all__ = ["JRC_STRATEGIES", "POINTWISE_LOSS_TYPES", "jrc_session_field", "loss_entries",
            "num_classes", "real_valued_labels",
-           "regression_outputs", "validate_loss_settings"]
+           "regression_outputs", "sample_weight_field", "validate_loss_settings"]
 
 _L = pipeline_pb2
 # loss types computed per sample, which per-sample weights (a task's sample space) apply to
@@ -142,6 +144,47 @@ def jrc_session_field(config: pipeline_pb2.EasyRecConfig) -> str:
     return chosen
 
 
+_NUMERIC_INPUTS = (pipeline_pb2.DatasetConfig.INT32, pipeline_pb2.DatasetConfig.INT64,
+                   pipeline_pb2.DatasetConfig.FLOAT, pipeline_pb2.DatasetConfig.DOUBLE)
+
+
+def sample_weight_field(config: pipeline_pb2.EasyRecConfig) -> str:
+    """The input column of EasyRec's ``data_config.sample_weight``; ``""`` without one.
+
+    Each sample's loss is multiplied by the column's value and a term is ``sum(w * loss) /
+    count(w != 0)`` over the batch (TF's ``SUM_BY_NONZERO_WEIGHTS``, as EasyRec's
+    ``tf.losses`` calls); a record whose weight is not a finite number is rejected
+    (``bad_number`` / ``non_finite``). Serving does not read it.
+
+    Raises:
+        ConfigError: the field names no numeric input field, names a label, or the model
+            has a loss term that is not computed per sample, or in-batch learning is on.
+    """
+    dc = config.data_config
+    name = dc.sample_weight
+    if not name:
+        return ""
+    where = "data_config.sample_weight"
+    fields = {f.input_name: f for f in dc.input_fields}
+    if name not in fields:
+        raise ConfigError(where, f"{name!r} is not an input field")
+    if fields[name].input_type not in _NUMERIC_INPUTS:
+        raise ConfigError(where, f"{name!r} must be a numeric input field (INT32, INT64, "
+                                 "FLOAT or DOUBLE)")
+    if name in dc.label_fields:
+        raise ConfigError(where, f"{name!r} is a label field")
+    for types in _output_terms(config):
+        for kind in types:
+            if kind not in POINTWISE_LOSS_TYPES:
+                raise ConfigError(where, "sample weights apply to losses computed per "
+                                         f"sample; {pipeline_pb2.LossType.Name(kind)} is not")
+    tc = config.train_config
+    for flag in ("in_batch_learning", "per_record_adagrad"):
+        if getattr(tc, flag):
+            raise ConfigError(where, f"train_config.{flag} does not take sample weights")
+    return name
+
+
 def validate_loss_settings(config: pipeline_pb2.EasyRecConfig) -> None:
     """Checks ``f1_reweighted_loss`` and ``pairwise_focal_loss`` of every loss term.
 
@@ -152,6 +195,7 @@ def validate_loss_settings(config: pipeline_pb2.EasyRecConfig) -> None:
         ConfigError: naming the first offending field.
     """
     jrc_session_field(config)
+    sample_weight_field(config)
     for where, loss in loss_entries(config):
         if loss.loss_type == _L.JRC_LOSS:
             jrc = loss.jrc_loss

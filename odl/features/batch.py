@@ -28,6 +28,8 @@ class Batch:
             ``click_field``, by field name (None when no table names one).
         group_keys: int64 per-sample GAUC group (a hash of the grouping column), or None.
         session_keys: int64 per-sample JRC_LOSS session (a hash of its column), or None.
+        sample_weights: float32 per-sample loss weights (``data_config.sample_weight``), or
+            None.
     """
 
     sparse: KeyedJaggedTensor
@@ -39,6 +41,7 @@ class Batch:
     counts: Optional[dict[str, np.ndarray]] = None
     group_keys: Optional[np.ndarray] = None
     session_keys: Optional[np.ndarray] = None
+    sample_weights: Optional[np.ndarray] = None
 
     @property
     def size(self) -> int:
@@ -79,6 +82,8 @@ class Batch:
                     if self.counts is not None else None),
             group_keys=self.group_keys[rows] if self.group_keys is not None else None,
             session_keys=self.session_keys[rows] if self.session_keys is not None else None,
+            sample_weights=(self.sample_weights[rows] if self.sample_weights is not None
+                            else None),
         )
 
     def padded(self, size: int) -> Batch:
@@ -127,4 +132,5 @@ class Batch:
             counts=self.counts,
             group_keys=self.group_keys,
             session_keys=self.session_keys,
+            sample_weights=self.sample_weights,
         )

@@ -78,6 +78,8 @@ class BatchArrays:
             weighted tags), or None.
         session_keys: ``int64`` per-sample FNV-1a hash of the JRC_LOSS session column's
             text (``odl.config.loss_settings.jrc_session_field``) when one is configured.
+        sample_weights: ``float32`` per-sample loss weights of ``data_config.sample_weight``
+            (``odl.config.loss_settings.sample_weight_field``) when one is configured.
     """
 
     values: np.ndarray
@@ -90,6 +92,7 @@ class BatchArrays:
     group_keys: np.ndarray | None = None
     weights: np.ndarray | None = None
     session_keys: np.ndarray | None = None
+    sample_weights: np.ndarray | None = None
 
 
 @dataclass
@@ -177,6 +180,7 @@ class FeatureBuilder(FeaturePlan):
             counts=arrays.counts,
             group_keys=arrays.group_keys,
             session_keys=arrays.session_keys,
+            sample_weights=arrays.sample_weights,
         )
 
     def empty_arrays(self) -> BatchArrays:
@@ -198,6 +202,7 @@ class FeatureBuilder(FeaturePlan):
             group_keys=np.zeros(0, np.int64) if self._group_field else None,
             weights=np.zeros(0, np.float32) if self._weighted else None,
             session_keys=np.zeros(0, np.int64) if self._session_field else None,
+            sample_weights=np.zeros(0, np.float32) if self._weight_field else None,
         )
 
     def build_arrays(self, values: Sequence[bytes]) -> ArraysResult:
@@ -518,6 +523,8 @@ class FeatureBuilder(FeaturePlan):
             session_keys=(hash_segments(buf, parsed.starts[self._session_field],
                                         parsed.ends[self._session_field]).astype(np.int64)
                           if self._session_field else None),
+            sample_weights=(parsed.numeric[self._weight_field].astype(np.float32)
+                            if self._weight_field else None),
         )
         return ArraysResult(arrays, parsed.accepted, rejected)
 

@@ -81,7 +81,12 @@ from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import DynamicTableSpec, dynamic_table_spec
 from odl.config.feature_configs import FeatureConfig, feature_configs, feature_list_path
 from odl.config.feature_settings import has_vocabulary, normalizes, read_vocabulary
-from odl.config.loss_settings import jrc_session_field, num_classes, real_valued_labels
+from odl.config.loss_settings import (
+    jrc_session_field,
+    num_classes,
+    real_valued_labels,
+    sample_weight_field,
+)
 from odl.config.metric_settings import grouped_auc_field
 from odl.features.id_hashing import hash_segments, pack_strings
 from odl.features.record_parser import RecordParser
@@ -241,6 +246,7 @@ class FeaturePlan:
         self._sample_id_field = dc.sample_id_field
         self._group_field = grouped_auc_field(pipeline_config)
         self._session_field = jrc_session_field(pipeline_config)
+        self._weight_field = sample_weight_field(pipeline_config)
         self._event_time_field = dc.event_time_field
         self._check_event_time = bool(check_event_time and dc.event_time_field)
         self._sparse: list[PlannedSparse] = []
@@ -311,6 +317,8 @@ class FeaturePlan:
                 if f and f not in self._count_fields:
                     self._count_fields.append(f)
         numeric_fields.extend(self._count_fields)
+        if self._weight_field:  # a finite number, else the record is rejected
+            numeric_fields.append(self._weight_field)
         self._weighted = any(sp.weights_input or sp.kv_separator for sp in self._sparse)
         self._tables = [
             TableSpec(n, t["rows"], t["dim"], tuple(t["features"]),

@@ -91,6 +91,12 @@ def random_loss_weights(model_config: pipeline_pb2.EasyRecModel, count: int,
     return torch.softmax(torch.randn(count, device=like.device, dtype=like.dtype), dim=0)
 
 
+def sample_weight_tensor(batch: Batch) -> torch.Tensor | None:
+    """The batch's ``data_config.sample_weight`` values as a tensor (None without one)."""
+    w = batch.sample_weights
+    return None if w is None else torch.from_numpy(np.asarray(w, dtype=np.float32))
+
+
 def session_tensor(batch: Batch) -> torch.Tensor | None:
     """The batch's JRC session keys as a tensor (None without a session column)."""
     keys = batch.session_keys
@@ -114,7 +120,8 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
              uncertainty: torch.Tensor | None = None,
              term_weights: torch.Tensor | None = None,
              softmax: bool = False,
-             sessions: torch.Tensor | None = None) -> torch.Tensor:
+             sessions: torch.Tensor | None = None,
+             data_weights: torch.Tensor | None = None) -> torch.Tensor:
     """The weighted sum of the loss terms (module docstring).
 
     Args:
@@ -134,6 +141,11 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
             (CLASSIFICATION / CROSS_ENTROPY_LOSS) the softmax cross entropy, a JRC_LOSS term
             :func:`jrc_loss`.
         sessions: ``[B]`` int64 session keys (``Batch.session_keys``) for JRC_LOSS.
+        data_weights: ``[B]`` EasyRec's ``data_config.sample_weight`` values
+            (:func:`sample_weight_tensor`), or None: each term is then ``sum(w * loss) /
+            count(w != 0)`` (TF's ``SUM_BY_NONZERO_WEIGHTS``), or, with ``sample_weights``,
+            weighted by both (``sum(w * s * loss) / sum(w * s)``). Pointwise terms and the
+            softmax cross entropy only (validation refuses the others).
 
     Returns:
         Scalar loss.
@@ -142,6 +154,11 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
         ValueError: weights for a loss that is not pointwise.
     """
     total = logits.new_zeros(())
+    if data_weights is not None:
+        data_weights = data_weights.to(device=logits.device, dtype=logits.dtype)
+        if sample_weights is not None:
+            sample_weights = sample_weights * data_weights
+            data_weights = None
     k = 0
     for i, term in enumerate(terms):
         if softmax and term.loss_type == _L.JRC_LOSS:
@@ -149,7 +166,12 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
                 raise ValueError("JRC_LOSS needs the batch's session keys")
             value = jrc_loss(logits, labels, sessions, term.jrc_loss)
         elif softmax:
-            value = -(labels * torch.log_softmax(logits, dim=1)).sum(dim=1).mean()
+            per_sample = -(labels * torch.log_softmax(logits, dim=1)).sum(dim=1)
+            value = (per_sample.mean() if data_weights is None
+                     else _mean_over_nonzero_weights(per_sample * data_weights, data_weights))
+        elif data_weights is not None:
+            value = _mean_over_nonzero_weights(
+                _pointwise(logits, labels, term) * data_weights, data_weights)
         elif sample_weights is None:
             value = _term(logits, labels, term)
         else:

@@ -55,6 +55,7 @@ from odl.models.ctr_losses import (
     linear_kernel_l2,
     loss_terms,
     random_loss_weights,
+    sample_weight_tensor,
     session_tensor,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
@@ -315,6 +316,7 @@ def deepfm_loss(
     term_weights: torch.Tensor | None = None,
     softmax: bool = False,
     sessions: torch.Tensor | None = None,
+    data_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The prediction loss plus DeepFM's regularization (module docstring).
 
@@ -332,13 +334,15 @@ def deepfm_loss(
         term_weights: the terms' weights of this step (the ``Random`` strategy), or None.
         softmax: a ``num_class`` model's ``[B, C]`` logits (softmax cross entropy).
         sessions: the batch's session keys (JRC_LOSS), or None.
+        data_weights: the batch's ``data_config.sample_weight`` values, or None.
 
     Returns:
         Scalar loss.
     """
     loss = ctr_loss(logits, labels, terms, learned=learned,
                     uncertainty=getattr(dense, "loss_uncertainty", None),
-                    term_weights=term_weights, softmax=softmax, sessions=sessions)
+                    term_weights=term_weights, softmax=softmax, sessions=sessions,
+                    data_weights=data_weights)
     if weights.l2:
         loss = loss + weights.l2 * linear_kernel_l2(dense)
     deep_lookups = dense.num_deep if deep_lookups is None else deep_lookups
@@ -454,7 +458,8 @@ class DeepFM(CtrModel):
                                                             len(self.loss_terms),
                                                             output.logits),
                            softmax=self.dense.num_class > 1,
-                           sessions=session_tensor(batch))
+                           sessions=session_tensor(batch),
+                           data_weights=sample_weight_tensor(batch))
 
 
 def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder,

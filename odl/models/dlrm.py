@@ -56,6 +56,7 @@ from odl.models.ctr_losses import (
     linear_kernel_l2,
     loss_terms,
     random_loss_weights,
+    sample_weight_tensor,
     session_tensor,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
@@ -283,7 +284,8 @@ class DLRM(CtrModel):
                         uncertainty=getattr(self.dense, "loss_uncertainty", None),
                         term_weights=random_loss_weights(self.model_config,
                                                          len(self.loss_terms), logits),
-                        softmax=self.dense.num_class > 1, sessions=session_tensor(batch))
+                        softmax=self.dense.num_class > 1, sessions=session_tensor(batch),
+                        data_weights=sample_weight_tensor(batch))
         if self.arch.l2:
             loss = loss + self.arch.l2 * linear_kernel_l2(self.dense)
         if self.embedding_regularization:

@@ -36,6 +36,7 @@ from odl.models.ctr_losses import (
     learned_weight_terms,
     loss_terms,
     random_loss_weights,
+    sample_weight_tensor,
     session_tensor,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
@@ -138,7 +139,8 @@ class FM(CtrModel):
                            term_weights=random_loss_weights(self.model_config,
                                                             len(self.loss_terms),
                                                             output.logits),
-                           softmax=self.dense.num_class > 1, sessions=session_tensor(batch))
+                           softmax=self.dense.num_class > 1, sessions=session_tensor(batch),
+                           data_weights=sample_weight_tensor(batch))
 
 
 def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> FM:

@@ -64,6 +64,7 @@ from odl.models.ctr_losses import (
     linear_kernel_l2,
     loss_terms,
     random_loss_weights,
+    sample_weight_tensor,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
@@ -290,6 +291,7 @@ class MultiTaskModel(CtrModel):
         loss = logits.new_zeros(())
         drawn = random_loss_weights(self.model_config, sum(len(x) for x in self.task_terms),
                                     logits)
+        data_weights = sample_weight_tensor(batch)
         first = 0
         for t, (w, terms) in enumerate(zip(self.task_weights, self.task_terms, strict=True)):
             term_weights = None if drawn is None else drawn[first : first + len(terms)]
@@ -305,7 +307,8 @@ class MultiTaskModel(CtrModel):
                 uncertainty = uncertainty[self.task_learned_start[t]:]
             loss = loss + ctr_loss(logits[:, t], labels[:, self.output_labels[t]], terms,
                                    weights, scale=w, learned=self.task_learned[t],
-                                   uncertainty=uncertainty, term_weights=term_weights)
+                                   uncertainty=uncertainty, term_weights=term_weights,
+                                   data_weights=data_weights)
         if self.l2:
             loss = loss + self.l2 * linear_kernel_l2(self.dense)
         (pooled,) = output.pooled

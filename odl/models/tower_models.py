@@ -64,6 +64,7 @@ from odl.models.ctr_losses import (
     linear_kernel_l2,
     loss_terms,
     random_loss_weights,
+    sample_weight_tensor,
     session_tensor,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
@@ -271,7 +272,8 @@ class TowerModel(CtrModel):
                         uncertainty=getattr(self.dense, "loss_uncertainty", None),
                         term_weights=random_loss_weights(self.model_config,
                                                          len(self.loss_terms), output.logits),
-                        softmax=self.dense.num_class > 1, sessions=session_tensor(batch))
+                        softmax=self.dense.num_class > 1, sessions=session_tensor(batch),
+                        data_weights=sample_weight_tensor(batch))
         if self.l2:
             sq = linear_kernel_l2(self.dense) + sum(
                 m.weights.square().sum() for m in self.dense.modules() if isinstance(m, CrossNet))

@@ -280,10 +280,7 @@ class DynamicTables:
         out_values, out_lengths = drop_unmapped(new_values, kjt.lengths().numpy(), keep)
         sparse = KeyedJaggedTensor(keys=list(kjt.keys()), values=torch.from_numpy(out_values),
                                    lengths=torch.from_numpy(np.ascontiguousarray(out_lengths)))
-        return Batch(sparse=sparse, dense=batch.dense, labels=batch.labels,
-                     sample_ids=batch.sample_ids, event_times=batch.event_times,
-                     counts=batch.counts, extras=batch.extras, group_keys=batch.group_keys,
-                     session_keys=batch.session_keys)
+        return replace(batch, sparse=sparse)  # every per-sample field kept
 
     def maintain(self, step: int, now: float) -> dict[str, np.ndarray]:
         """Runs the maintenance pass of every table due at ``step``; returns evicted rows."""
