@@ -51,7 +51,7 @@ def test_cross_network_v2_is_low_rank():
 def test_expert_gates_mix_the_experts_by_each_tasks_softmax():
     torch.manual_seed(0)
     dnn = pipeline_pb2.DNN(hidden_units=[6])
-    gates = ExpertGates(5, dnn, num_expert=3, num_tasks=2)
+    gates = ExpertGates(5, [dnn] * 3, num_tasks=2)
     x = torch.randn(4, 5)
     got = gates(x)
     experts = torch.stack([e(x) for e in gates.experts], dim=1)  # [B, E, H]

@@ -192,3 +192,30 @@ def test_random_strategy_weighs_every_task_term_by_a_fresh_softmax_draw():
         assert torch.allclose(loss, (w * terms).sum(), atol=1e-6)  # weight 7 is replaced
         losses.append(float(loss))
     assert losses[0] != losses[1]
+
+
+NAMED_EXPERTS = ('experts { expert_name: "a" dnn { hidden_units: [24, 16] } } '
+                 'experts { expert_name: "b" dnn { hidden_units: [16] } }')
+
+
+def test_easyrecs_named_experts_each_build_their_own_dnn():
+    """EasyRec's older MMoE form: one DNN per named expert, mixed by the gates."""
+    text = _text("MMoE").replace("expert_dnn { hidden_units: [16] }\n    num_expert: 3",
+                                 NAMED_EXPERTS)
+    m, batch, _ = _model_and_batch("MMoE", text=text)
+    experts = m.dense.experts.experts
+    assert len(experts) == 2 and len(m.dense.experts.gates[0].out.weight) == 2
+    assert [p.shape[0] for n, p in experts[0].named_parameters() if n.endswith("weight")] == [
+        24, 16]
+    assert m(batch).logits.shape == (64, 2)
+
+
+@pytest.mark.parametrize("experts, fragment", [
+    (NAMED_EXPERTS.replace("[16] }", "[8] }"), "last hidden_units must be equal"),
+    (NAMED_EXPERTS + " num_expert: 2", "not both"),
+])
+def test_named_experts_are_checked_by_field(experts, fragment):
+    text = _text("MMoE").replace("expert_dnn { hidden_units: [16] }\n    num_expert: 3", experts)
+    with pytest.raises(ConfigError) as e:
+        load_config_text(text)
+    assert e.value.field == "model_config.mmoe.experts" and fragment in str(e.value)

@@ -112,7 +112,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "DNN": frozenset({"use_final_bn", "final_activation", "use_final_bias", "use_bias"}),
     "TaskTower": frozenset({"use_sample_weight", "bias_tower",
                             "pareto_min_loss_weight", "sample_weight_name"}),
-    "MMoE": frozenset({"experts"}),
+    "MMoE": frozenset(),
     "DBMTL": frozenset({"bottom_cmbf", "bottom_uniter", "use_feature_bn", "use_feature_ln",
                         "sequence_dnn"}),
     "TrainConfig": frozenset({

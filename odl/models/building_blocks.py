@@ -23,6 +23,7 @@ annotations as types.
 """
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -464,35 +465,38 @@ class _Gate(nn.Module):
 
 
 class ExpertGates(nn.Module):
-    """MMoE: ``num_expert`` expert MLPs and one softmax gate per task; scriptable.
+    """MMoE: one MLP per expert and one softmax gate per task; scriptable.
 
     Args:
         in_width: input width.
-        expert_dnn: each expert's layers (all experts alike).
-        num_expert: number of experts (≥ 1).
+        expert_dnns: each expert's layers (``num_expert`` times ``expert_dnn``, or EasyRec's
+            ``experts``, each its own; their last layers of one width).
         num_tasks: number of gates.
         gate_dnn: layers before each gate's Linear (TorchEasyRec's ``gate_mlp``), or None.
 
     Raises:
-        ValueError: no expert, or experts without layers.
+        ValueError: no expert, an expert without layers, or experts of different widths.
     """
 
-    def __init__(self, in_width: int, expert_dnn: pipeline_pb2.DNN, num_expert: int,
+    def __init__(self, in_width: int, expert_dnns: Sequence[pipeline_pb2.DNN],
                  num_tasks: int, gate_dnn: Optional[pipeline_pb2.DNN] = None) -> None:
         super().__init__()
-        if int(num_expert) < 1:
-            raise ValueError("num_expert must be at least 1")
-        if not expert_dnn.hidden_units:
-            raise ValueError("expert_dnn needs at least one layer")
+        if not expert_dnns:
+            raise ValueError("at least one expert is needed")
         experts = []
-        width = in_width
-        for _ in range(int(num_expert)):
-            mlp, width = build_mlp(in_width, expert_dnn)
+        widths = []
+        for dnn in expert_dnns:
+            if not dnn.hidden_units:
+                raise ValueError("an expert needs at least one layer")
+            mlp, width = build_mlp(in_width, dnn)
             experts.append(mlp)
+            widths.append(width)
+        if len(set(widths)) > 1:
+            raise ValueError(f"the experts' last layers differ in width: {widths}")
         self.experts = nn.ModuleList(experts)
-        self.gates = nn.ModuleList(_Gate(in_width, int(num_expert), gate_dnn)
+        self.gates = nn.ModuleList(_Gate(in_width, len(experts), gate_dnn)
                                    for _ in range(int(num_tasks)))
-        self.out_width = width
+        self.out_width = widths[0]
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         """One ``[B, expert width]`` input per task."""

@@ -105,7 +105,7 @@ class MultiTaskDense(nn.Module):
         embedded_width: columns of the pooled ``all`` group.
         dense_idx: the group's columns of the raw dense features.
         bottom: DBMTL's ``bottom_dnn``, or None.
-        experts: ``(expert_dnn, num_expert, gate_dnn or None)``, or None.
+        experts: ``(one DNN per expert, gate_dnn or None)``, or None.
         tasks: per task ``(dnn or None, relation task indices, relation_dnn or None)``.
         sequences: the ``GroupSequences`` combining the group's sequences (their lookups end
             the pooled group, their lengths end ``dense_idx``), or None.
@@ -119,7 +119,7 @@ class MultiTaskDense(nn.Module):
 
     def __init__(self, embedded_width: int, dense_idx: Sequence[int],
                  bottom: Optional[pipeline_pb2.DNN],
-                 experts: Optional[tuple[pipeline_pb2.DNN, int, Optional[pipeline_pb2.DNN]]],
+                 experts: Optional[tuple[list[pipeline_pb2.DNN], Optional[pipeline_pb2.DNN]]],
                  tasks: Sequence[tuple[Optional[pipeline_pb2.DNN], Sequence[int],
                                        Optional[pipeline_pb2.DNN]]],
                  sequences: Optional[GroupSequences] = None) -> None:
@@ -140,8 +140,8 @@ class MultiTaskDense(nn.Module):
         self.bottom, width = build_optional_mlp(in_width, bottom)
         self.experts: Optional[ExpertGates] = None
         if experts is not None:
-            expert_dnn, num_expert, gate_dnn = experts
-            self.experts = ExpertGates(width, expert_dnn, num_expert, len(tasks), gate_dnn)
+            expert_dnns, gate_dnn = experts
+            self.experts = ExpertGates(width, expert_dnns, len(tasks), gate_dnn)
             width = self.experts.out_width
         heads: list[TaskHead] = []
         for dnn, relations, relation_dnn in tasks:
@@ -250,7 +250,9 @@ class MultiTaskModel(CtrModel):
             tasks.append((_dnn(t, "dnn"), relations, _dnn(t, "relation_dnn")))
         experts = None
         if field == "mmoe" or settings.HasField("expert_dnn"):
-            experts = (settings.expert_dnn, int(settings.num_expert),
+            named = list(settings.experts) if field == "mmoe" else []
+            experts = ([e.dnn for e in named] if named
+                       else [settings.expert_dnn] * int(settings.num_expert),
                        _dnn(settings, "gate_mlp") if field == "mmoe" else None)
         bottom = _dnn(settings, "bottom_dnn") if field == "dbmtl" else None
         self.dense = MultiTaskDense(sum(dim_of[f] for f in lookups),
@@ -368,6 +370,22 @@ def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder
         raise ConfigError(f"model_config.{field}", str(e)) from e
 
 
+def _validate_named_experts(settings: pipeline_pb2.MMoE, where: str) -> None:
+    """EasyRec's ``experts``: each its own DNN, one output width, no ``expert_dnn`` beside."""
+    if settings.HasField("expert_dnn") or settings.HasField("expert_mlp") or settings.num_expert:
+        raise ConfigError(f"{where}.experts", "give experts or expert_dnn with num_expert, "
+                                              "not both")
+    if len(settings.experts) > limits.MAX_EXPERTS:
+        raise ConfigError(f"{where}.experts", f"at most {limits.MAX_EXPERTS} experts")
+    widths = []
+    for i, expert in enumerate(settings.experts):
+        validate_dnn(expert.dnn, f"{where}.experts[{i}].dnn", required=True)
+        widths.append(int(expert.dnn.hidden_units[-1]))
+    if len(set(widths)) > 1:
+        raise ConfigError(f"{where}.experts", "the experts' last hidden_units must be equal "
+                                              f"(the gates mix their outputs); got {widths}")
+
+
 def _validate(check: ModelCheck) -> None:
     """The input group, the experts, the tasks and their labels and relations."""
     config, groups = check.config, check.groups
@@ -380,7 +398,9 @@ def _validate(check: ModelCheck) -> None:
         raise ConfigError("model_config.feature_groups",
                           f'{mc.model_class} reads the feature group named "all" (or the only '
                           f"group); groups are {sorted(groups)}")
-    if field == "mmoe" or settings.HasField("expert_dnn"):
+    if field == "mmoe" and settings.experts:  # EasyRec's older form: one DNN per expert
+        _validate_named_experts(settings, where)
+    elif field == "mmoe" or settings.HasField("expert_dnn"):
         validate_dnn(settings.expert_dnn, f"{where}.expert_dnn", required=True)
         if not 1 <= settings.num_expert <= limits.MAX_EXPERTS:
             raise ConfigError(f"{where}.num_expert",

@@ -8,7 +8,8 @@ Not a test: a report. For each ``easyrec/*.config`` and ``torcheasyrec/*.config`
    topic: "t" group: "g" }`` in place of its top-level ``train_input_path``,
    ``eval_input_path`` and ``*_train_input`` / ``*_eval_input`` blocks;
 2. loads it like ``odl-train`` does (:func:`odl.config.pipeline_config.load_pipeline_config`
-   on a temporary file) and runs
+   on a temporary file; a config without ``model_dir`` gets one as ``--model_dir`` gives it,
+   EasyRec's scripts passing theirs on the command line) and runs
    :func:`odl.models.model_registry.check_pipeline_config` with ``online=True``;
 3. prints one line per file (file, model class, OK or the error) and the OK count.
 
@@ -221,7 +222,10 @@ def load_one(path: str, flavor: str, verbose: bool = False):
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(new_text)
-        config = load_pipeline_config(tmp)
+        # a config without model_dir is run with odl-train's --model_dir, as EasyRec's
+        # scripts pass theirs on the command line
+        has_dir = re.search(r"^\s*model_dir\s*:", text, re.M) is not None
+        config = load_pipeline_config(tmp, model_dir=None if has_dir else "model_dir")
         check_pipeline_config(config, online=True)
         return config
     finally:
