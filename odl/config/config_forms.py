@@ -335,6 +335,7 @@ def _flatten_torcheasyrec_feature(path: str, fc: pipeline_pb2.FeatureConfig) -> 
         fc.boundaries.extend(tz.boundaries)
         fc.raw_input_dim = max(int(tz.value_dim), 1)
         fc.separator = tz.separator
+        fc.normalizer = tz.normalizer
     fc.ClearField(kind)
 
 

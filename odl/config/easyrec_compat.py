@@ -70,7 +70,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
                               "init_fn", "zch", "mc_modules",
                               "dynamicemb", "trainable", "data_type", "fg_value_type",
                               "constraints", "stub_type"}),
-    "TzRawFeature": frozenset({"normalizer", "default_value", "init_fn",
+    "TzRawFeature": frozenset({"default_value", "init_fn",
                                "mlp", "autodis", "fg_value_type", "stub_type"}),
     "TzSequenceSubFeature": frozenset({"combo_feature", "lookup_feature", "match_feature",
                                        "expr_feature", "overlap_feature", "tokenize_feature",

@@ -19,6 +19,9 @@ r"""EasyRec's feature settings: vocabularies, raw value normalization, expanded 
   values outside the range fall outside ``[0, 1]``); ``boundaries`` then apply to the
   normalized value. Setting them with ``max_val <= min_val`` (which EasyRec silently
   ignores) is refused.
+* ``normalizer`` (RawFeature; TorchEasyRec's ``raw_feature.normalizer``): the generator's
+  transform of the value before ``boundaries`` or use as a number
+  (:mod:`odl.config.raw_normalizer`); not together with ``min_val`` / ``max_val``.
 * ``num_buckets`` on a RawFeature with ``max_val > min_val`` and no ``boundaries``:
   EasyRec's equal-width bucketization of the normalized value, the boundaries
   ``[0, 1/n, ..., (n-1)/n]`` (``n + 1`` rows); :func:`raw_num_buckets_to_boundaries`
@@ -40,6 +43,7 @@ import re
 
 from odl.config.config_error import ConfigError
 from odl.config.feature_configs import feature_configs, feature_list_path
+from odl.config.raw_normalizer import parse_normalizer
 from odl.protos import pipeline_pb2
 
 __all__ = [
@@ -260,6 +264,13 @@ def validate_feature_settings(config: pipeline_pb2.EasyRecConfig) -> None:
     for i, fc in enumerate(feature_configs(config)):
         where = f"{prefix}[{i}]"
         kind = _FT.Name(fc.feature_type)
+        if fc.normalizer:
+            if fc.feature_type != _FT.RawFeature:
+                raise ConfigError(f"{where}.normalizer", f"normalizes a RawFeature, not a {kind}")
+            if normalizes(fc):
+                raise ConfigError(f"{where}.normalizer", "give normalizer or min_val / max_val, "
+                                                         "not both")
+            parse_normalizer(fc.normalizer, f"{where}.normalizer")
         if fc.HasField("min_val") or fc.HasField("max_val"):
             if fc.feature_type != _FT.RawFeature:
                 raise ConfigError(f"{where}.min_val",

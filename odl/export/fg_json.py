@@ -10,6 +10,7 @@ bucketized. Layout::
          "expression": "<side>:<column>",          (combo: "expression": [..., ...])
          "embedding_dim": int,                     (embedded features)
          "hash_bucket_size" | "num_buckets" | "vocab_list": ...,   (id / combo features)
+         "normalizer": str,                        (raw features: the generator's transform)
          "boundaries": [float, ...],               (bucketized raw features)
          "value_dim": int,                         (raw features of several numbers)
          "separator": str, "pooling": "sum" | "mean",
@@ -80,6 +81,8 @@ def fg_json_of(config: pipeline_pb2.EasyRecConfig) -> dict[str, Any]:
             entry["num_buckets"] = int(fc.num_buckets)
         if has_vocabulary(fc):
             entry["vocab_list"] = read_vocabulary(fc, f"{feature_list_path(config)}[{i}]")
+        if fc.normalizer:
+            entry["normalizer"] = fc.normalizer
         if fc.boundaries:
             entry["boundaries"] = [float(b) for b in fc.boundaries]
         if kind == _FT.RawFeature and fc.raw_input_dim > 1:

@@ -388,6 +388,10 @@ class FeatureBuilder(FeaturePlan):
             keep = (pos < d.width) & ~bad[row]
             v = np.zeros((n, d.width), dtype=np.float64)
             v[row[keep], pos[keep]] = numbers[keep]
+        if d.normalizer is not None:  # a value it cannot take: NaN, rejected as non_finite
+            v = d.normalizer.apply(v)
+            if kept is not None:  # padding positions stay 0
+                v = np.where(np.arange(d.width)[None, :] < kept[:, None], v, 0.0)
         if d.norm is not None:
             with np.errstate(over="ignore"):
                 v = (v - d.norm[0]) / d.norm[1]
@@ -473,6 +477,8 @@ class FeatureBuilder(FeaturePlan):
                 else:
                     v = parsed.numeric[sp.inputs[0]]
                     lengths = np.ones(n, dtype=np.int64)
+                if sp.normalizer is not None:  # NaN sorts past every boundary: last bucket
+                    v = sp.normalizer.apply(v)
                 if sp.norm is not None:
                     v = (v - sp.norm[0]) / sp.norm[1]
                 ids = np.searchsorted(sp.boundaries, v, side="right").astype(np.int64)

@@ -88,6 +88,7 @@ from odl.config.loss_settings import (
     sample_weight_field,
 )
 from odl.config.metric_settings import grouped_auc_field
+from odl.config.raw_normalizer import RawNormalizer, parse_normalizer
 from odl.features.id_hashing import hash_segments, pack_strings
 from odl.features.record_parser import RecordParser
 from odl.protos import pipeline_pb2
@@ -155,6 +156,7 @@ class PlannedDense:
     separator: bytes = b""  # splits a value of several numbers (width > 1 or a sequence)
     sequence: bool = False  # a SequenceFeature of numbers (kept length: its own column)
     norm: tuple[float, float] | None = None  # (min_val, max_val - min_val)
+    normalizer: RawNormalizer | None = None  # TorchEasyRec's normalizer, applied first
 
     @property
     def columns(self) -> list[str]:
@@ -176,6 +178,7 @@ class PlannedSparse:
     raw_ids: bool = False
     vocab: Vocabulary | None = None
     norm: tuple[float, float] | None = None  # (min_val, max_val - min_val)
+    normalizer: RawNormalizer | None = None  # TorchEasyRec's normalizer, applied first
     seq_len: int = 0  # SequenceFeature: positions kept (one KJT key each); 0: not one
     mean: bool = False  # combiner mean (a weighted batch's weights carry it)
     weights_input: str = ""  # weighted tags: the column of the weights
@@ -276,12 +279,14 @@ class FeaturePlan:
                     numeric_fields.append(inp0)
                 norm = ((float(fc.min_val), float(fc.max_val) - float(fc.min_val))
                         if normalizes(fc) else None)
+                normalizer = (parse_normalizer(fc.normalizer, f"{path}.normalizer")
+                              if fc.normalizer else None)
                 seq_len = (int(fc.max_seq_len or DEFAULT_MAX_SEQ_LEN) if raw_sequence else 0)
                 if not fc.boundaries:
                     self._dense.append(PlannedDense(
                         name, inp0, seq_len or width,
                         separator=fc.separator.encode() if listed else b"",
-                        sequence=raw_sequence, norm=norm))
+                        sequence=raw_sequence, norm=norm, normalizer=normalizer))
                     if raw_sequence:
                         self._seq_lengths.append(name)
                     continue
@@ -289,6 +294,7 @@ class FeaturePlan:
                 if raw_sequence:
                     self._seq_lengths.append(name)
                 sp = PlannedSparse(name, "bucket", (inp0,), len(b) + 1, boundaries=b, norm=norm,
+                                   normalizer=normalizer,
                                    separator=fc.separator.encode() if raw_sequence else b"",
                                    seq_len=seq_len)
             elif fc.feature_type == _FT.ComboFeature:
