@@ -96,7 +96,7 @@ def test_target_attention_attends_over_the_positions_within_the_length():
 
 
 def test_raw_projection_scales_each_feature_row_by_its_value():
-    from odl.models.deepfm import RawProjection
+    from odl.models.building_blocks import RawProjection
 
     proj = RawProjection([1, 1], 3)
     values = torch.tensor([[2.0, -1.0], [0.0, 0.5]])
@@ -108,7 +108,7 @@ def test_raw_projection_scales_each_feature_row_by_its_value():
 
 def test_raw_projection_of_several_values_sums_each_value_times_its_row():
     """A RawFeature of raw_input_dim d projects to sum_k v_k * p_k (EasyRec's weighted ids)."""
-    from odl.models.deepfm import RawProjection
+    from odl.models.building_blocks import RawProjection
 
     torch.manual_seed(0)
     proj = RawProjection([1, 3], 4)  # a one-value feature, then a three-value one

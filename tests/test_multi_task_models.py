@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -219,3 +221,22 @@ def test_named_experts_are_checked_by_field(experts, fragment):
     with pytest.raises(ConfigError) as e:
         load_config_text(text)
     assert e.value.field == "model_config.mmoe.experts" and fragment in str(e.value)
+
+
+def test_projected_raw_features_feed_the_multi_task_input():
+    """EasyRec's projected RawFeature (embedding_dim, no boundaries) in an MMoE group: a
+    learned vector times the value, part of the experts' input."""
+    text = _text("MMoE")
+    # the first dense feature gets an embedding_dim: projected
+    first = re.search(r'feature_configs \{ input_names: "(\w+)" feature_type: RawFeature \}',
+                       text).group(1)
+    text = text.replace(f'input_names: "{first}" feature_type: RawFeature }}',
+                        f'input_names: "{first}" feature_type: RawFeature embedding_dim: 8 }}')
+    m, batch, _ = _model_and_batch("MMoE", text=text)
+    assert m.dense.projection is not None and m.dense.projection.weight.shape == (1, 8)
+    col = m.dense.projected_idx[0]
+    with torch.no_grad():
+        before = m(batch).logits.clone()
+        batch.dense[:, col] += 1.0
+        after = m(batch).logits
+    assert not torch.allclose(before, after)

@@ -46,7 +46,13 @@ from odl.config.model_classes import model_settings
 from odl.config.model_validation import sequence_combiner_width, validate_dnn
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.building_blocks import GroupSequences, SequenceBlock, build_mlp, fm_term
+from odl.models.building_blocks import (
+    GroupSequences,
+    RawProjection,
+    SequenceBlock,
+    build_mlp,
+    fm_term,
+)
 from odl.models.ctr_losses import (
     add_loss_weights,
     ctr_loss,
@@ -59,48 +65,12 @@ from odl.models.ctr_losses import (
     session_tensor,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
-from odl.models.embedding_tables import DEEP_INIT_STD, EmbeddingLayout, build_embedding_layout
+from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.group_inputs import dense_columns, model_groups, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
-
-
-class RawProjection(nn.Module):
-    """Projected raw features: ``[B, columns]`` values to ``[B, n * dim]``.
-
-    EasyRec's RawFeature with ``embedding_dim`` and no ``boundaries`` (a table of one row
-    per value, weighted by the value): feature ``j`` of ``d_j`` values ``v`` becomes
-    ``sum_k v_k * p_jk`` (``value * p_j`` for one value). ``weight`` ``[columns, dim]``
-    holds the rows, feature after feature, initialized as deep tables are
-    (``N(0, DEEP_INIT_STD**2)``); scriptable.
-
-    Args:
-        widths: values per projected feature (``raw_input_dim``), in column order.
-        dim: the rows' width.
-    """
-
-    __constants__ = ["single"]
-    widths: list[int]
-
-    def __init__(self, widths: Sequence[int], dim: int) -> None:
-        super().__init__()
-        self.widths = [int(w) for w in widths]
-        self.weight = nn.Parameter(torch.randn(sum(self.widths), int(dim)) * DEEP_INIT_STD)
-        self.single = all(w == 1 for w in self.widths)
-
-    def forward(self, values: torch.Tensor) -> torch.Tensor:
-        """``[B, n * dim]``: per feature, its values times its rows, summed."""
-        if self.single:
-            return (values.unsqueeze(2) * self.weight.unsqueeze(0)).reshape(values.shape[0], -1)
-        parts: list[torch.Tensor] = []
-        start = 0
-        for w in self.widths:
-            parts.append(torch.matmul(values[:, start : start + w],
-                                      self.weight[start : start + w]))
-            start += w
-        return torch.cat(parts, dim=1)
 
 
 class DeepFMDense(nn.Module):

@@ -45,6 +45,7 @@ from torch import nn
 
 from odl.config import limits
 from odl.config.config_error import ConfigError
+from odl.config.feature_configs import feature_configs, projected_raw
 from odl.config.loss_settings import POINTWISE_LOSS_TYPES
 from odl.config.model_classes import model_settings, task_label_names
 from odl.config.model_validation import validate_dnn, validate_losses
@@ -53,6 +54,7 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import (
     ExpertGates,
     GroupSequences,
+    RawProjection,
     SequenceBlock,
     build_optional_mlp,
 )
@@ -109,26 +111,40 @@ class MultiTaskDense(nn.Module):
         tasks: per task ``(dnn or None, relation task indices, relation_dnn or None)``.
         sequences: the ``GroupSequences`` combining the group's sequences (their lookups end
             the pooled group, their lengths end ``dense_idx``), or None.
+        projected_idx: the group's columns of EasyRec's projected raw features (a
+            ``RawProjection`` makes each a ``projected_dim``-wide vector after the lookups).
+        projected_widths: columns per projected feature.
+        projected_dim: their ``embedding_dim``.
 
     Raises:
-        ValueError: no input, no task, a bad expert setting.
+        ValueError: no input, no task, a bad expert setting, projected features beside
+            sequences.
     """
 
-    __constants__ = ["has_embedded", "has_dense", "num_tasks"]
+    __constants__ = ["has_embedded", "has_dense", "num_tasks", "has_projected"]
     dense_idx: list[int]
+    projected_idx: list[int]
 
     def __init__(self, embedded_width: int, dense_idx: Sequence[int],
                  bottom: Optional[pipeline_pb2.DNN],
                  experts: Optional[tuple[list[pipeline_pb2.DNN], Optional[pipeline_pb2.DNN]]],
                  tasks: Sequence[tuple[Optional[pipeline_pb2.DNN], Sequence[int],
                                        Optional[pipeline_pb2.DNN]]],
-                 sequences: Optional[GroupSequences] = None) -> None:
+                 sequences: Optional[GroupSequences] = None,
+                 projected_idx: Sequence[int] = (), projected_widths: Sequence[int] = (),
+                 projected_dim: int = 0) -> None:
         super().__init__()
         self.dense_idx = [int(i) for i in dense_idx]
+        self.projected_idx = [int(i) for i in projected_idx]
         self.has_embedded = int(embedded_width) > 0
         self.has_dense = len(self.dense_idx) > 0
+        self.has_projected = len(self.projected_idx) > 0
         self.num_tasks = len(tasks)
-        in_width = int(embedded_width) + len(self.dense_idx)
+        if self.has_projected and sequences is not None:
+            raise ValueError("projected raw features and sequences in one group are not "
+                             "implemented for the multi-task models")
+        in_width = (int(embedded_width) + len(self.dense_idx)
+                    + len(list(projected_widths)) * int(projected_dim))
         if in_width == 0:
             raise ValueError("the model's feature group has no feature")
         self.sequences = sequences
@@ -148,6 +164,9 @@ class MultiTaskDense(nn.Module):
             rel_width = sum(heads[r].out_width for r in relations)
             heads.append(TaskHead(width, dnn, relations, rel_width, relation_dnn))
         self.heads = nn.ModuleList(heads)
+        # registered last: the checkpoints' parameter order of models without it stays
+        self.projection = (RawProjection(projected_widths, int(projected_dim))
+                           if self.has_projected else None)
 
     def forward(self, group: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, num_tasks]`` (``[B]`` with one task).
@@ -162,6 +181,9 @@ class MultiTaskDense(nn.Module):
         parts: list[torch.Tensor] = []
         if self.has_embedded:
             parts.append(group)
+        projection = self.projection
+        if projection is not None:
+            parts.append(projection(dense[:, self.projected_idx]))
         if self.has_dense:
             parts.append(dense[:, self.dense_idx])
         x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -207,6 +229,10 @@ class MultiTaskModel(CtrModel):
         regular: the group's embedded features (None: every deep lookup of ``layout``);
             with ``sequences``, the blocks' lookups follow them.
         sequences: the group's sequence blocks (their length columns end ``group_dense``).
+        projected: the ``Batch.dense`` columns of each of the group's projected raw features
+            (EasyRec's RawFeature with ``embedding_dim`` and no ``boundaries``), not in
+            ``group_dense``.
+        projected_dim: their ``embedding_dim``.
 
     Raises:
         ValueError: a relation names an unknown or later task, or a bad setting.
@@ -223,6 +249,8 @@ class MultiTaskModel(CtrModel):
         ebc_device: "torch.device | str" = "meta",
         regular: "Sequence[str] | None" = None,
         sequences: Sequence[SequenceBlock] = (),
+        projected: Sequence[Sequence[str]] = (),
+        projected_dim: int = 0,
     ) -> None:
         super().__init__()
         self.set_tables(layout, ebc_device)
@@ -256,7 +284,9 @@ class MultiTaskModel(CtrModel):
                        _dnn(settings, "gate_mlp") if field == "mmoe" else None)
         bottom = _dnn(settings, "bottom_dnn") if field == "dbmtl" else None
         self.dense = MultiTaskDense(sum(dim_of[f] for f in lookups),
-                                    [col[n] for n in group_dense], bottom, experts, tasks, seqs)
+                                    [col[n] for n in group_dense], bottom, experts, tasks, seqs,
+                                    [col[c] for cols in projected for c in cols],
+                                    [len(cols) for cols in projected], projected_dim)
         self.pooled_layout = (PooledGroup.of("all", tuple((f, table_of[f]) for f in lookups),
                                              [dim_of[f] for f in lookups]),)
         self.output_names = tuple(names)
@@ -347,6 +377,11 @@ def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder
     blocks = sequences.get(group, [])
     emb, raw = embedded_and_dense(mc, feature_builder, {group: blocks})[group]
     regular = emb[: len(emb) - sum(len(b.lookups) for b in blocks)]
+    # EasyRec's projected raw features (embedding_dim, no boundaries): a vector each
+    dims = {fc.feature_name: int(fc.embedding_dim) for fc in feature_configs(config)}
+    projected = [f for f in raw if dims.get(f, 0) > 0]
+    raw = [f for f in raw if f not in projected]
+    columns_of = feature_builder.dense_feature_columns
     columns = []
     spaces: list[int | None] = []
     for i, name in enumerate(task_label_names(mc, label_fields)):
@@ -365,7 +400,9 @@ def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder
         layout = build_embedding_layout(feature_builder.table_specs, list(dict.fromkeys(emb)),
                                         [], 1, mixed_dims=True)
         return MultiTaskModel(layout, feature_builder.dense_feature_names, raw, mc, columns,
-                              spaces, regular=regular, sequences=blocks)
+                              spaces, regular=regular, sequences=blocks,
+                              projected=[columns_of[f] for f in projected],
+                              projected_dim=dims[projected[0]] if projected else 0)
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
 
@@ -398,6 +435,21 @@ def _validate(check: ModelCheck) -> None:
         raise ConfigError("model_config.feature_groups",
                           f'{mc.model_class} reads the feature group named "all" (or the only '
                           f"group); groups are {sorted(groups)}")
+    gi = groups["all"] if "all" in groups else next(iter(groups.values()))
+    group = mc.feature_groups[gi]
+    projected = {n: check.features[n].embedding_dim for n in group.feature_names
+                 if projected_raw(check.features[n])}
+    if len(set(projected.values())) > 1:
+        shown = ", ".join(f"{n}={v}" for n, v in list(projected.items())[:6])
+        raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
+                          f"the projected raw features of a multi-task group need one "
+                          f"embedding_dim; got {shown}")
+    if projected and (group.sequence_features or group.sequence_groups or any(
+            check.features[n].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature
+            for n in group.feature_names)):
+        raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
+                          "projected raw features beside sequences in a multi-task group are "
+                          "not implemented")
     if field == "mmoe" and settings.experts:  # EasyRec's older form: one DNN per expert
         _validate_named_experts(settings, where)
     elif field == "mmoe" or settings.HasField("expert_dnn"):
@@ -466,4 +518,5 @@ def _validate(check: ModelCheck) -> None:
 
 
 for _name in ("MMoE", "DBMTL"):
-    register_model(ModelClass(_name, _build, _validate, group_attention="all"))
+    register_model(ModelClass(_name, _build, _validate, group_attention="all",
+                              projected_raw=True))
