@@ -1,3 +1,4 @@
+import logging
 import math
 
 import numpy as np
@@ -142,7 +143,8 @@ def test_wide_and_deep_without_final_dnn_is_num_class_wide(fb, caplog):
     c = config(model_config='model_class: "WideAndDeep" '
                             "wide_and_deep { dnn { hidden_units: [16] } wide_output_dim: 6 }")
     c.model_config.ClearField("deepfm")
-    tm = TrainModule(c, fb, device="cpu")
+    with caplog.at_level(logging.WARNING, logger="odl.models.deepfm"):
+        tm = TrainModule(c, fb, device="cpu")
     assert "wide_output_dim: 6 is not used without final_dnn" in caplog.text
     wide = {n: w for n, w in tm.embedding_tables().items() if n.endswith(WIDE_SUFFIX)}
     assert wide and all(w.shape[1] == wide_storage_dim(1) for w in wide.values())
