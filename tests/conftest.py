@@ -30,16 +30,15 @@ KAFKA_FIXTURES = frozenset({"kafka_bootstrap", "kafka_topic_factory"})
 # depends on them. A file not named here counts SLOW_TEST_SECONDS per ``slow`` test and
 # TEST_SECONDS per other test.
 FILE_SECONDS = {
-    "test_distributed_file_stream.py": 160,
-    "test_distributed_online.py": 85,
+    "test_distributed_file_stream.py": 110,
     "test_oss_training.py": 100,
+    "test_distributed_online.py": 90,
     "test_crash_recovery.py": 80,
     "test_file_stream.py": 70,
     "test_online_parity.py": 55,
     "test_outages.py": 50,
     "test_trainer_behaviour.py": 45,
     "test_delta_topic_ownership.py": 45,
-    "test_job_status.py": 35,
     "test_distributed_dynamic.py": 30,
     "test_dynamic_partitions.py": 30,
     "test_config_compat.py": 25,
@@ -48,6 +47,7 @@ FILE_SECONDS = {
     "test_kafka_input_process.py": 21,
     "test_serving.py": 20,
     "test_dashboards.py": 19,
+    "test_job_status.py": 18,
     "test_config_fuzz.py": 18,
     "test_distributed_training.py": 18,
     "test_stream_evaluation.py": 15,

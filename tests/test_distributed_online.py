@@ -32,6 +32,7 @@ from odl.harness.exactly_once_audit import ledger_sample_ids, reflected_exactly_
 from odl.harness.http_client import free_port, get_json, post_json
 from odl.harness.topic_records import make_records, produce
 from odl.kafka.topic_admin import end_offsets
+from odl.train.job_status import STALE_AFTER_S
 from odl.train.sample_ledger import read_ledger
 from odl.train.train_module import TrainModule
 from odl.train.trainer_status import STATUS_FILE
@@ -115,11 +116,13 @@ def _job_documents(model_dir, samples: int, proc: subprocess.Popen, log_path
     return status, get_json(url + "/offsets")
 
 
-def _train_all_and_stop(cfg: str, ids: list[str], tmp_path, job: list | None = None) -> str:
+def _train_all_and_stop(cfg: str, ids: list[str], tmp_path, job: list | None = None,
+                        while_up=None) -> str:  # noqa: ANN001
     """Two ranks under torchrun until their ledgers hold every id, then a clean stop (the
     final checkpoint covers every record); returns the ledger path (one file per rank).
     ``job``: rank 0 serves its API, and its ``/status`` and ``/offsets`` once the job counts
-    every record are appended to it."""
+    every record are appended to it; then ``while_up(url, proc, log_path)`` runs, if given,
+    before the stop."""
     ledger = str(tmp_path / "ledger.tsv")
     log_path = tmp_path / "torchrun.log"
     with open(log_path, "wb") as log:
@@ -128,24 +131,75 @@ def _train_all_and_stop(cfg: str, ids: list[str], tmp_path, job: list | None = N
             _wait_until(lambda: _trained(ledger) >= set(ids), proc, log_path)
             if job is not None:
                 job.extend(_job_documents(tmp_path / "model_dir", len(ids), proc, log_path))
+                if while_up is not None:
+                    url = json.loads((tmp_path / "model_dir" / STATUS_FILE).read_text())["url"]
+                    while_up(url, proc, log_path)
             _stop_ranks(proc, log_path)
         finally:
             _kill_tree(proc)
     return ledger
 
 
+def _rank_1_stopped_and_resumed(url: str, proc: subprocess.Popen, log_path) -> None:
+    """Rank 0's ``/metrics`` has every partition's lag and rank 1's gauges; rank 1 stopped
+    with SIGSTOP makes ``/healthz`` 503 naming it within seconds, ``/status`` and
+    ``/offsets`` say so; after SIGCONT the job is healthy again."""
+    from tests.test_job_status import _get_text, _healthz, _metric
+
+    status = get_json(url + "/status")
+    metrics = _get_text(url + "/metrics")
+    for p in status["input"]["partitions"]:
+        assert _metric(metrics, "odl_partition_lag", partition=p) == 0
+    assert _metric(metrics, "odl_rank_up", rank="1") == 1
+    assert _metric(metrics, "odl_rank_samples_trained", rank="1") == status["ranks"][1][
+        "samples_trained"]
+    assert _healthz(url)[0] == 200
+    rank1 = psutil.Process(status["ranks"][1]["pid"])
+    rank1.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        def unhealthy() -> bool:
+            return _healthz(url)[0] == 503
+        _wait_until(unhealthy, proc, log_path, secs=30)
+        assert time.monotonic() - stopped_at < STALE_AFTER_S + 5
+        body = _healthz(url)[1]
+        assert "rank 1 has not reported" in body["reason"], body
+        assert [r["answering"] for r in get_json(url + "/status")["ranks"]] == [True, False]
+        assert get_json(url + "/offsets")["stale_ranks"] == [1]
+        assert _metric(_get_text(url + "/metrics"), "odl_rank_up", rank="1") == 0
+    finally:
+        rank1.send_signal(signal.SIGCONT)
+    _wait_until(lambda: _healthz(url)[0] == 200, proc, log_path, secs=30)
+
+
 @pytest.mark.slow
 def test_two_ranks_under_torchrun_train_every_record_once(kafka_bootstrap, kafka_topic_factory,
                                                          tmp_path):
-    """Two ranks train every record once; rank 0 scores an eval stream at every checkpoint
-    (the other rank joining its predictions) and the checkpoints keep the eval positions."""
+    """Two ranks train every record of a 4-partition topic once; rank 0 scores an eval
+    stream at every checkpoint (the other rank joining its predictions) and the checkpoints
+    keep the eval positions. Rank 0's API describes the job: every partition at its end with
+    the rank reading it, the job's samples and each rank's; a rank stopped with SIGSTOP is
+    seen within seconds and the job recovers after SIGCONT."""
     eval_topic = kafka_topic_factory(partitions=1, prefix="eval")
     produce(kafka_bootstrap, eval_topic, make_records(300, seed=31)[1], 1)
-    ids, ends, cfg = _stream(kafka_bootstrap, kafka_topic_factory, tmp_path, partitions=3,
+    ids, ends, cfg = _stream(kafka_bootstrap, kafka_topic_factory, tmp_path, partitions=4,
                              records=1500, seed=21, batch_size=64, checkpoint_steps=4)
     with open(cfg, "a") as f:
         f.write(f'\nkafka_eval_input {{ server: "{kafka_bootstrap}" topic: "{eval_topic}" }}\n')
-    ledger = _train_all_and_stop(cfg, ids, tmp_path)
+    job: list = []
+    ledger = _train_all_and_stop(cfg, ids, tmp_path, job, _rank_1_stopped_and_resumed)
+    status, offsets = job
+    parts = status["input"]["partitions"]
+    assert {p: st["position"] for p, st in parts.items()} == {str(p): e for p, e in ends.items()}
+    assert {st["rank"] for st in parts.values()} == {0, 1}
+    assert status["world_size"] == 2 and [r["rank"] for r in status["ranks"]] == [0, 1]
+    assert all(r["samples_trained"] > 0 and r["healthy"] for r in status["ranks"])
+    assert sorted(status["ranks"][0]["partitions"] + status["ranks"][1]["partitions"]) == [
+        0, 1, 2, 3]
+    assert offsets["positions"] == {str(p): e for p, e in ends.items()}
+    assert offsets["stale_ranks"] == []
+    assert {int(p): r for p, r in offsets["partition_ranks"].items()} == {
+        int(p): st["rank"] for p, st in parts.items()}
     model_dir = str(tmp_path / "model_dir")
     trained = ledger_sample_ids(ledger + ".rank0") + ledger_sample_ids(ledger + ".rank1")
     assert sorted(trained) == sorted(ids)  # every record once, over both ranks
