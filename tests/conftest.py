@@ -31,8 +31,8 @@ KAFKA_FIXTURES = frozenset({"kafka_bootstrap", "kafka_topic_factory"})
 # TEST_SECONDS per other test.
 FILE_SECONDS = {
     "test_distributed_file_stream.py": 110,
-    "test_oss_training.py": 85,
     "test_distributed_online.py": 90,
+    "test_oss_training.py": 85,
     "test_crash_recovery.py": 80,
     "test_file_stream.py": 70,
     "test_online_parity.py": 55,
