@@ -139,8 +139,6 @@ def fill(tm, rows: int) -> None:  # noqa: ANN001 - a TrainModule
 
 def one_size(rows: int, args: argparse.Namespace, work: str) -> dict:
     """Every stage for one table size (in this process); the figures."""
-    import torch
-
     from odl.checkpoint.checkpoint_manager import CheckpointManager, read_checkpoint
     from odl.config.pipeline_config import parse_pipeline_config_text
     from odl.export.exporter import export_checkpoint
@@ -211,7 +209,6 @@ def one_size(rows: int, args: argparse.Namespace, work: str) -> dict:
           f"{out['restore_load_s']} s", flush=True)
     del tm
     gc.collect()
-    torch.set_num_threads(torch.get_num_threads())
 
     t0 = time.perf_counter()
     export_dir = os.path.join(work, "exports")
@@ -219,7 +216,7 @@ def one_size(rows: int, args: argparse.Namespace, work: str) -> dict:
     out["export_s"] = round(time.perf_counter() - t0, 2)
     out["export_bytes"] = tree_bytes(export_dir)
     print(f"  exported in {out['export_s']} s, {out['export_bytes']:,} bytes", flush=True)
-    out.update(serve(result.path if hasattr(result, "path") else export_dir, rows, args, work))
+    out.update(serve(result.path, rows, args, work))
     return out
 
 

@@ -435,7 +435,7 @@ def _validate(check: ModelCheck) -> None:
         raise ConfigError("model_config.feature_groups",
                           f'{mc.model_class} reads the feature group named "all" (or the only '
                           f"group); groups are {sorted(groups)}")
-    gi = groups["all"] if "all" in groups else next(iter(groups.values()))
+    gi = groups[multi_task_group(mc)]
     group = mc.feature_groups[gi]
     projected = {n: check.features[n].embedding_dim for n in group.feature_names
                  if projected_raw(check.features[n])}

@@ -6,8 +6,9 @@ A trainer of several ranks (``torchrun``, ``odl-train --nproc N``) is one job, a
 
 The side channel: the process group's key-value store (torchrun's rendezvous store, a
 ``TCPStore``; with ``odl-train --nproc`` the launcher's). Every rank's
-:class:`JobStatusChannel` thread writes the rank's report under ``odl/job_status/rank_<r>``
-every ``REPORT_INTERVAL_S`` seconds; rank 0's also reads the others' reports. Nothing of it
+:class:`JobStatusChannel` thread of every rank but 0 writes the rank's report under
+``odl/job_status/rank_<r>`` every ``REPORT_INTERVAL_S`` seconds; rank 0's reads them (its own
+report is built live for each request). Nothing of it
 runs in the training step or in its collectives, so a rank stuck in a collective (a peer
 stopped) still reports, and a rank that stops answering is seen by rank 0 whatever its loop
 is doing. ``bench/scaling.py --job-status`` measures what the thread costs the step.
@@ -71,7 +72,7 @@ class RankView:
 
 
 class JobStatusChannel:
-    """A rank's reporting thread; on rank 0 it also keeps the other ranks' last reports.
+    """A rank's reporting thread; on rank 0 the thread reads the other ranks' reports instead.
 
     Args:
         rank: this rank.
@@ -113,13 +114,15 @@ class JobStatusChannel:
         if self._thread is not None:
             self._thread.join(timeout=self.interval_s + 5.0)
             self._thread = None
-        self._publish()
+        if self.rank != 0:
+            self._publish()
 
     def _run(self) -> None:
         while True:
-            self._publish()
-            if self.rank == 0:
+            if self.rank == 0:  # rank 0 reads the others; its own report is read live
                 self._collect()
+            else:
+                self._publish()
             if self._stop.wait(self.interval_s):
                 return
 

@@ -379,11 +379,12 @@ class TrainerStatus:
         src = t.input_pipeline
         retention = src.retention if src is not None else None
         t.metrics.set_retention(retention)
-        ok, reason = self._health(delta_broker_error)
-        others = self.job.others() if self.job is not None else []
-        t.metrics.set_ranks(self._rank_views(self.rank_report())[:1] + others)
+        mine = self.rank_report()  # this rank's health is in it (delta_broker_error's)
+        ok, reason = mine["healthy"], mine["reason"]
+        views = self._rank_views(mine)
+        t.metrics.set_ranks(views)
         if ok:
-            ok, reason = _ranks_health(others, reason)
+            ok, reason = _ranks_health(views[1:], reason)
         warning = input_warning(retention) if ok else None
         return ok, f"{reason}; {warning}" if warning else reason
 
