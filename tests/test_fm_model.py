@@ -156,7 +156,7 @@ _STACK = ("odl/config", "odl/features", "odl/models", "odl/inputs", "odl/checkpo
 
 
 def _code_strings(path: str) -> set[str]:
-    """String constants of a module's code (docstrings and EasyRec's field tables aside)."""
+    """String constants of a module's code (docstrings aside)."""
     tree = ast.parse(open(path, encoding="utf-8").read())
     skip: set[int] = set()
     for node in ast.walk(tree):
@@ -164,10 +164,6 @@ def _code_strings(path: str) -> set[str]:
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(
                 body[0].value, ast.Constant):
             skip.add(id(body[0].value))
-        if isinstance(node, ast.AnnAssign | ast.Assign) and isinstance(node.value, ast.Dict):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id.startswith("EASYREC_") for t in targets):
-                skip.update(id(k) for k in node.value.keys)  # proto message names
     return {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant)
             and isinstance(n.value, str) and id(n) not in skip}
 

@@ -285,7 +285,11 @@ def test_unknown_field(tmp_path: Path) -> None:
     [
         ('fg_json_path: "fg.json"', "fg_json_path"),
         ("train_config { freeze_gradient: true }", "train_config.freeze_gradient"),
-        ("model_config { esmm { } }", "model_config.esmm"),
+        ("model_config { masknet { } }", "model_config.masknet"),
+        # a model's settings message lists its own (pipeline.proto's message option)
+        ("model_config { dbmtl { bottom_cmbf { } } }", "model_config.dbmtl.bottom_cmbf"),
+        ('model_config { multi_tower { bst_towers { input: "seq" } } }',
+         "model_config.multi_tower.bst_towers"),
         ('feature_configs { input_names: "a" } feature_configs { lookup_max_sel_elem_num: 3 }',
          "feature_configs[1].lookup_max_sel_elem_num"),
     ],

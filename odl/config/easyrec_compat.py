@@ -46,7 +46,8 @@ __all__ = [
 # Fields of Alibaba EasyRec's (and TorchEasyRec's) pipeline config that odl does not implement,
 # keyed by the odl message that would hold them. A config using one is rejected with "... is an
 # EasyRec field that odl does not implement yet" instead of "unknown field". A name leaves this
-# table when odl implements the field (and pipeline.proto gains it).
+# table when odl implements the field (and pipeline.proto gains it). A model's settings
+# message lists its own in its ``easyrec_fields_not_implemented`` option (added below).
 EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "EasyRecConfig": frozenset({
         "hive_train_input", "binary_train_input", "parquet_train_input", "odps_train_input",
@@ -90,7 +91,6 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "expr_feature", "overlap_feature", "tokenize_feature", "custom_feature",
         "sequence_id_feature", "sequence_raw_feature", "bool_mask_feature",
     }),
-    "MultiTower": frozenset({"bst_towers"}),
     "SeqAttMap": frozenset({"aux_hist_seq"}),
     "SequenceCombiner": frozenset({"multi_head_attention"}),
     "TextCNN": frozenset({"mlp"}),
@@ -112,9 +112,6 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "DNN": frozenset({"use_final_bn", "final_activation", "use_final_bias", "use_bias"}),
     "TaskTower": frozenset({"use_sample_weight", "bias_tower",
                             "pareto_min_loss_weight", "sample_weight_name"}),
-    "MMoE": frozenset(),
-    "DBMTL": frozenset({"bottom_cmbf", "bottom_uniter", "use_feature_bn", "use_feature_ln",
-                        "sequence_dnn"}),
     "TrainConfig": frozenset({
         "force_restore_shape_compatible", "freeze_gradient",
         "save_checkpoints_epochs", "fine_tune_ckpt_param_map", "cudnn_allow_tf32",
@@ -149,6 +146,23 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "TzrecLambOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
     "GradClipping": frozenset({"enable_global_grad_clip"}),
 }
+
+def _message_options() -> dict[str, frozenset[str]]:
+    """The ``easyrec_fields_not_implemented`` options of pipeline.proto's messages."""
+    out: dict[str, frozenset[str]] = {}
+    pending = list(pipeline_pb2.DESCRIPTOR.message_types_by_name.values())
+    while pending:
+        descriptor = pending.pop()
+        pending.extend(descriptor.nested_types)
+        names = descriptor.GetOptions().Extensions[pipeline_pb2.easyrec_fields_not_implemented]
+        if names:
+            out[descriptor.full_name.removeprefix("odl.protos.")] = frozenset(names)
+    return out
+
+
+for _message, _names in _message_options().items():
+    EASYREC_NOT_IMPLEMENTED_FIELDS[_message] = (
+        EASYREC_NOT_IMPLEMENTED_FIELDS.get(_message, frozenset()) | _names)
 
 # Fields of EasyRec's / TorchEasyRec's pipeline config that change nothing in an odl run:
 # accepted with one warning naming the field and why, and dropped. Keyed by the odl message
