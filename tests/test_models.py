@@ -18,7 +18,8 @@ from odl.models.embedding_tables import (
 )
 from odl.models.model_registry import build_model
 from odl.protos import pipeline_pb2
-from odl.train.optimizer_builder import LrSchedule, optimizer_specs, sparse_optimizer_args
+from odl.train.optimizer_builder import optimizer_specs, sparse_optimizer_args
+from odl.train.rate_schedules import LrSchedule
 from odl.train.train_module import TrainModule
 
 NUM_IDS = 40

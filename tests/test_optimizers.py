@@ -20,17 +20,19 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.models.model_registry import check_pipeline_config
 from odl.protos import pipeline_pb2
 from odl.train.optimizer_builder import (
-    CosineAnnealingSchedule,
-    CosineDecaySchedule,
     DecoupledAdamW,
     FtrlProximal,
     GradientClipping,
-    LrSchedule,
-    PolynomialDecaySchedule,
     gradient_clipping,
     make_dense_optimizer,
     optimizer_specs,
     sparse_optimizer_args,
+)
+from odl.train.rate_schedules import (
+    CosineAnnealingSchedule,
+    CosineDecaySchedule,
+    LrSchedule,
+    PolynomialDecaySchedule,
 )
 from odl.train.train_module import TrainModule
 from tests.harness import REPO

@@ -1,4 +1,5 @@
-"""Row-sparse table optimizers (odl.train.row_sparse_tables): Adam, AdamW, FTRL, momentum, LAMB.
+"""Table optimizers: the row-sparse ones (odl.train.row_sparse_tables: Adam, AdamW, FTRL,
+momentum, LAMB) and fbgemm's fused Adagrad with TF's ``initial_accumulator_value``.
 
 Each update is checked step by step against a numpy port of TF's sparse applies (LAMB:
 fbgemm's CUDA kernel's formula) on a real
@@ -120,6 +121,12 @@ def tf_ftrl(w, g, st, lr, t, power=-0.5, l1=0.0, l2=0.0, shrink=0.0):
     return w, [n_new, z]
 
 
+def tf_adagrad(w, g, st, lr, t):
+    """TF's Adagrad (accumulators from ``initial_accumulator_value``), with fbgemm's eps."""
+    acc = st[0] + g * g
+    return w - lr * g / (np.sqrt(acc) + 1e-8), [acc]
+
+
 def tf_momentum(w, g, st, lr, t, momentum=0.9):
     a = momentum * st[0] + g
     return w - lr * a, [a]
@@ -137,7 +144,11 @@ CASES = {
                    lambda *a: tf_ftrl(*a, power=-0.7), [0.5, 0.0]),
     "momentum": ("momentum_optimizer", "momentum_optimizer_value: 0.8",
                  lambda *a: tf_momentum(*a, momentum=0.8), [0.0]),
+    # fused (fbgemm's kernel), the accumulators filled at the start
+    "adagrad": ("adagrad_optimizer", "initial_accumulator_value: 0.3", tf_adagrad, [0.3]),
+    "adagrad_default": ("adagrad_optimizer", "", tf_adagrad, [0.1]),  # EasyRec's default
 }
+FUSED = {"adagrad", "adagrad_default"}
 
 
 def fbgemm_lamb(w, g, st, lr, t, b1=0.9, b2=0.999, eps=1e-8, decay=0.0):
@@ -161,8 +172,11 @@ def _check_steps(case: str, train: str, ref, init: list[float], mean: bool) -> N
     model = MEAN_MODEL if mean else MODEL
     tm, fb = module(train, model)
     twin, _ = module(SGD_TWIN, model)
-    assert tm.row_sparse is not None
-    assert any(tbe.mean for tbe in tm.row_sparse._tbes) == mean  # fbgemm's mean pooling
+    if case.removeprefix("mean_") in FUSED:
+        assert tm.row_sparse is None and tm.table_state_start == pytest.approx(init[0])
+    else:
+        assert tm.row_sparse is not None
+        assert any(tbe.mean for tbe in tm.row_sparse._tbes) == mean  # fbgemm's mean pooling
     w = {k: v.double().numpy().copy() for k, v in tm.embedding_tables().items()}
     state = {k: [np.full_like(v, s) for s in init] for k, v in w.items()}
     for step in range(4):
@@ -185,7 +199,7 @@ def _check_steps(case: str, train: str, ref, init: list[float], mean: bool) -> N
             w[table] = got.copy()  # the next step starts from the module's float32 rows
 
 
-@pytest.mark.parametrize("case", sorted(CASES) + ["mean_adam", "mean_ftrl"])
+@pytest.mark.parametrize("case", sorted(CASES) + ["mean_adam", "mean_ftrl", "mean_adagrad"])
 def test_updates_follow_tf_step_by_step(case: str) -> None:
     opt, extra, ref, init = CASES[case.removeprefix("mean_")]
     _check_steps(case, tables_config(opt, extra), ref, init, case.startswith("mean_"))
@@ -386,10 +400,12 @@ def dynamic_records(n: int, seed: int) -> list[bytes]:
             f"u{rng.integers(0, 90)},{rng.integers(0, 70)}".encode() for _ in range(n)]
 
 
-@pytest.mark.parametrize("opt", ["ftrl_optimizer", "adam_optimizer"])
+@pytest.mark.parametrize("opt", ["ftrl_optimizer", "adam_optimizer", "adagrad_optimizer"])
 def test_dynamic_rows_evicted_get_a_fresh_optimizer_state(opt: str) -> None:
-    tm, fb = module(tables_config(opt), DYNAMIC_MODEL)
-    assert tm.row_sparse is not None and tm.dynamic
+    tm, fb = module(tables_config(opt, "initial_accumulator_value: 0.2"
+                                  if opt.startswith("adagrad") else ""), DYNAMIC_MODEL)
+    assert (tm.row_sparse is None) == opt.startswith("adagrad") and tm.dynamic
+    start = 0.2 if opt.startswith("adagrad") else 0.0  # what a fresh state holds
     for k in range(8):  # more ids than rows: admissions evict
         out = tm.train_step(fb.build(dynamic_records(64, k)).batch)
         assert math.isfinite(out.loss)
@@ -398,11 +414,11 @@ def test_dynamic_rows_evicted_get_a_fresh_optimizer_state(opt: str) -> None:
         rows = np.array([0, 3, 5])
         held = {t: [v[rows].clone() for v in states[f"ebc.embedding_bags.{t}.weight"]]
                 for t in torch_tables}
-        assert any(float(v.abs().sum()) > 0 for vs in held.values() for v in vs), base
+        assert any(not torch.all(v == start) for vs in held.values() for v in vs), base
         tm.reset_dynamic_rows({base: rows}, tm.global_step)
         for t in torch_tables:
             for v in states[f"ebc.embedding_bags.{t}.weight"]:
-                assert float(v[rows].abs().sum()) == 0.0, (base, t)  # a fresh state
+                assert torch.all(v[rows] == np.float32(start)), (base, t)  # a fresh state
 
 
 @pytest.mark.parametrize("opt", ["ftrl_optimizer", "momentum_optimizer"])

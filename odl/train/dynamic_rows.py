@@ -2,7 +2,7 @@
 
 ``odl.models.dynamic`` decides which ids hold which rows; this module applies its decisions
 to the model's tables. Evicted rows get fresh weights (the table's initializer, seeded by
-table, step and partition) and zero optimizer state, in the shards that hold them; the
+table, step and partition) and restarted optimizer state, in the shards that hold them; the
 maintenance pass (:meth:`DynamicRows.shrink`) runs every rank's decision at the same stream
 time. With several ranks :meth:`DynamicRows.remap_ranks` is the step's collective remap: the
 ranks exchange their batches' ids and remap the step's records as one process would.
@@ -161,7 +161,10 @@ class DynamicRows:
 
     @torch.no_grad()
     def reset(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
-        """Fresh weights and zero optimizer state for evicted rows (dynamic table -> rows).
+        """Fresh weights and optimizer state for evicted rows (dynamic table -> rows).
+
+        The state restarts where the table optimizer starts it (0, or a fused Adagrad's
+        ``initial_accumulator_value``).
 
         With several ranks each rank resets the rows its shards hold, to the values one
         process would give them. Split by id, each partition's rows draw their values from
@@ -179,7 +182,7 @@ class DynamicRows:
                     reset_embedding_rows(t, w, r, self._m.seed, step, stream)
                     for v in states.get(f"{EBC_PREFIX}{t}.weight", []):
                         if v.dim() >= 1 and v.shape[0] == w.shape[0]:
-                            v.index_fill_(0, r.to(v.device), 0)
+                            v.index_fill_(0, r.to(v.device), self._m.table_state_start)
 
     def _reset_streams(self, base: str, rows: np.ndarray) -> list[tuple[int, torch.Tensor]]:
         """``[(stream, rows)]`` of evicted rows: per partition split by id, else one."""
@@ -203,7 +206,8 @@ class DynamicRows:
                     for (r0, *_c), shard in local_shards(v):
                         inside = r[(r >= r0) & (r < r0 + shard.shape[0])] - r0
                         if inside.numel():
-                            shard.index_fill_(0, inside.to(shard.device), 0)
+                            shard.index_fill_(0, inside.to(shard.device),
+                                             self._m.table_state_start)
 
     def remap(self, batch: Batch) -> tuple[Batch, float]:
         """A training step's remap of this rank's batch: ``(batch, stream time)``.

@@ -1,4 +1,4 @@
-"""Optimizers, learning-rate schedules and gradient clipping from either config form.
+"""Optimizers, their learning-rate schedules and gradient clipping from either config form.
 
 * EasyRec: ``train_config.optimizer_config`` with 1 entry (same kind for tables and dense
   parameters) or 2 entries (``[embeddings, dense]``); the schedule is inside the optimizer.
@@ -6,23 +6,8 @@
   ``lr`` and a schedule beside it.
 * Nothing configured: Adagrad lr 0.05 for tables, Adam lr 1e-3 for dense parameters.
 
-Schedules (``schedule(step)``, ``step`` = steps taken before this one):
-
-* constant: ``lr``.
-* exponential decay (:class:`LrSchedule`), EasyRec: ``max(initial * factor ** p, min_lr)``,
-  ``p = (step - burnin_steps) / decay_steps`` (``floor``-ed when ``staircase``); during the
-  burn-in (``step < burnin_steps``) ``max(burnin + (initial - burnin) * step / burnin_steps,
-  min_lr)``, or ``initial`` when ``burnin_learning_rate`` is 0. TorchEasyRec: the same with
-  ``lr``, ``decay_size``, ``decay_factor``, ``warmup_size``, ``warmup_learning_rate``, except
-  that the warm-up always ramps and is not floored at ``min_learning_rate``.
-* EasyRec cosine decay (:class:`CosineDecaySchedule`) and polynomial decay
-  (:class:`PolynomialDecaySchedule`), TorchEasyRec cosine annealing
-  (:class:`CosineAnnealingSchedule`): the formulas in their docstrings, as in EasyRec's
-  ``learning_schedules.py`` / TF's ``polynomial_decay`` and TorchEasyRec's
-  ``lr_scheduler.py``.
-
-The same schedule drives the dense optimizer and the fused table optimizer: the train module
-sets both rates before every step.
+Schedules are :mod:`odl.train.rate_schedules`'s. The same schedule drives the dense optimizer
+and the fused table optimizer: the train module sets both rates before every step.
 
 Dense parameters (``torch.optim``): ``sgd`` -> SGD (TorchEasyRec: with its ``momentum``,
 default 0.9, ``weight_decay``, ``dampening``, ``nesterov``), ``momentum`` -> SGD with momentum
@@ -37,8 +22,9 @@ element-wise Adagrad, as EasyRec's TF Adagrad), ``rowwise_adagrad`` (exact row-w
 ``adam`` / ``lamb`` on CUDA (fbgemm Adam / LAMB); row-sparse (:mod:`odl.train.row_sparse_tables`,
 the fused kernel at rate 0) for ``ftrl``, ``momentum``, ``adamw``, and ``adam`` and ``lamb``
 on CPU. Fused
-table accumulators start at 0; ``initial_accumulator_value`` applies to dense parameters and
-to the row-sparse FTRL.
+Adagrad table accumulators start at ``initial_accumulator_value`` as TF's do
+(:func:`table_accumulator_start`; evicted rows of dynamic tables restart there too); it applies
+to dense Adagrad and to the row-sparse FTRL as well.
 
 Gradient clipping (EasyRec ``gradient_clipping_by_norm``, TorchEasyRec ``grad_clipping``)
 applies to the dense gradients, between backward and the dense step. Table gradients are
@@ -48,7 +34,6 @@ applied inside the fused backward and are never clipped.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +50,13 @@ from odl.config.optimizer_support import (
     table_optimizer_plan,
 )
 from odl.protos import pipeline_pb2
+from odl.train.rate_schedules import (
+    CosineAnnealingSchedule,
+    CosineDecaySchedule,
+    LrSchedule,
+    PolynomialDecaySchedule,
+    Schedule,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -74,157 +66,18 @@ DEFAULT_DENSE_LR = 1e-3
 TABLE_EPS = 1e-8
 
 __all__ = [
-    "CosineAnnealingSchedule",
-    "CosineDecaySchedule",
     "DecoupledAdamW",
     "FtrlProximal",
     "GradientClipping",
-    "LrSchedule",
     "OptimizerSpec",
-    "PolynomialDecaySchedule",
     "gradient_clipping",
     "make_dense_optimizer",
     "optimizer_specs",
     "sparse_optimizer_args",
+    "table_accumulator_start",
 ]
 
 
-# --------------------------------------------------------------------------- schedules
-
-
-def _warmup(step: int, steps: int, start: float, end: float) -> float:
-    return start + (end - start) * step / steps
-
-
-@dataclass(frozen=True)
-class LrSchedule:
-    """Exponential decay after an optional linear warm-up (constant when ``decay_steps`` is 0).
-
-    Attributes:
-        base_lr: rate at the end of the warm-up (step 0 without one).
-        decay_steps: steps per decay period (0: no decay).
-        decay_rate: multiplier per period.
-        staircase: decay in whole periods.
-        min_lr: lower bound.
-        warmup_steps: warm-up length; the decay counts from its end.
-        warmup_lr: rate at step 0 of the warm-up.
-        floor_warmup: apply ``min_lr`` during the warm-up too (EasyRec's burn-in).
-    """
-
-    base_lr: float
-    decay_steps: int = 0
-    decay_rate: float = 1.0
-    staircase: bool = True
-    min_lr: float = 0.0
-    warmup_steps: int = 0
-    warmup_lr: float = 0.0
-    floor_warmup: bool = False
-
-    def __call__(self, step: int) -> float:
-        """Rate to use for global step ``step``."""
-        if step < self.warmup_steps:
-            lr = _warmup(step, self.warmup_steps, self.warmup_lr, self.base_lr)
-            return float(max(lr, self.min_lr) if self.floor_warmup else lr)
-        if self.decay_steps <= 0:
-            return float(self.base_lr)
-        p = (step - self.warmup_steps) / self.decay_steps
-        if self.staircase:
-            p = math.floor(p)
-        return float(max(self.base_lr * self.decay_rate**p, self.min_lr))
-
-
-@dataclass(frozen=True)
-class CosineDecaySchedule:
-    """EasyRec's ``cosine_decay_learning_rate`` (``cosine_decay_with_warmup``).
-
-    ``warmup_lr + (base_lr - warmup_lr) * step / warmup_steps`` while
-    ``step < warmup_steps``; ``base_lr`` up to ``warmup_steps + hold_steps``; then
-    ``0.5 * base_lr * (1 + cos(pi * (step - warmup - hold) / (total - warmup - hold)))``;
-    0 after ``total_steps``.
-
-    Attributes:
-        base_lr: peak rate.
-        total_steps: step at which the rate reaches 0.
-        warmup_lr: rate at step 0.
-        warmup_steps: warm-up length.
-        hold_steps: steps at ``base_lr`` after the warm-up.
-    """
-
-    base_lr: float
-    total_steps: int
-    warmup_lr: float = 0.0
-    warmup_steps: int = 0
-    hold_steps: int = 0
-
-    def __call__(self, step: int) -> float:
-        """Rate to use for global step ``step``."""
-        if step > self.total_steps:
-            return 0.0
-        if step < self.warmup_steps:
-            return float(_warmup(step, self.warmup_steps, self.warmup_lr, self.base_lr))
-        start = self.warmup_steps + self.hold_steps
-        if step <= start:
-            return float(self.base_lr)
-        frac = (step - start) / (self.total_steps - start)
-        return float(0.5 * self.base_lr * (1.0 + math.cos(math.pi * frac)))
-
-
-@dataclass(frozen=True)
-class PolynomialDecaySchedule:
-    """EasyRec's ``poly_decay_learning_rate`` (TF ``polynomial_decay``, no cycling).
-
-    ``(base_lr - end_lr) * (1 - min(step, total_steps) / total_steps) ** power + end_lr``.
-
-    Attributes:
-        base_lr: rate at step 0.
-        total_steps: steps to reach ``end_lr``.
-        power: exponent.
-        end_lr: final rate.
-    """
-
-    base_lr: float
-    total_steps: int
-    power: float = 1.0
-    end_lr: float = 0.0
-
-    def __call__(self, step: int) -> float:
-        """Rate to use for global step ``step``."""
-        frac = min(step, self.total_steps) / self.total_steps
-        return float((self.base_lr - self.end_lr) * (1.0 - frac) ** self.power + self.end_lr)
-
-
-@dataclass(frozen=True)
-class CosineAnnealingSchedule:
-    """TorchEasyRec's ``cosine_annealing_learning_rate`` (``CosineAnnealingLR``).
-
-    ``warmup_lr + (base_lr - warmup_lr) * step / warmup_steps`` while
-    ``step < warmup_steps``; then ``min_lr + (base_lr - min_lr) * 0.5 * (1 + cos(pi * t /
-    t_max))`` with ``t = min(step - warmup_steps, t_max)``.
-
-    Attributes:
-        base_lr: the optimizer's ``lr``.
-        t_max: cosine length in steps.
-        min_lr: final rate.
-        warmup_lr: rate at step 0.
-        warmup_steps: warm-up length.
-    """
-
-    base_lr: float
-    t_max: int
-    min_lr: float = 0.0
-    warmup_lr: float = 0.0
-    warmup_steps: int = 0
-
-    def __call__(self, step: int) -> float:
-        """Rate to use for global step ``step``."""
-        if step < self.warmup_steps:
-            return float(_warmup(step, self.warmup_steps, self.warmup_lr, self.base_lr))
-        t = min(step - self.warmup_steps, self.t_max)
-        scale = 0.5 * (1.0 + math.cos(math.pi * t / self.t_max))
-        return float(self.min_lr + (self.base_lr - self.min_lr) * scale)
-
-
-Schedule = LrSchedule | CosineDecaySchedule | PolynomialDecaySchedule | CosineAnnealingSchedule
 
 
 @dataclass(frozen=True)
@@ -418,6 +271,29 @@ def sparse_optimizer_args(
     if plan.kernel == "lamb":
         return trec_optim.LAMB, {**kwargs, "weight_decay": spec.params.get("weight_decay", 0.0)}
     return trec_optim.Adam, kwargs
+
+
+def table_accumulator_start(spec: OptimizerSpec, device_type: str) -> float:
+    """Where a fused Adagrad table's accumulators start: TF's ``initial_accumulator_value``.
+
+    TF's Adagrad (EasyRec's ``adagrad_optimizer``) starts every accumulator there, so a
+    row's first steps are ``lr * g / sqrt(initial_accumulator_value + g**2)``; fbgemm's kernels
+    start theirs at 0 unless the state is filled (:func:`odl.train.table_shards.fill_states`).
+    TorchEasyRec's ``adagrad_optimizer`` defaults to 0 and its row-wise Adagrad has no such
+    field.
+
+    Args:
+        spec: the sparse optimizer choice.
+        device_type: ``"cpu"`` or ``"cuda"``.
+
+    Returns:
+        The start value (0: other kinds, and the row-sparse ones, which keep their own).
+    """
+    choice = spec.choice or OptimizerChoice(spec.kind, spec.source)
+    plan = table_optimizer_plan(choice, device_type)
+    if plan.row_sparse or plan.kernel not in ("adagrad", "rowwise_adagrad"):
+        return 0.0
+    return float(spec.params.get("initial_accumulator_value", 0.0))
 
 
 # --------------------------------------------------------------------------- dense

@@ -12,7 +12,7 @@ several ranks).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -135,6 +135,21 @@ def local_shards(t: Any) -> list[tuple[tuple[int, ...], torch.Tensor]]:
     if hasattr(t, "local_shards") and hasattr(t, "metadata"):
         return [(tuple(sh.metadata.shard_offsets), sh.tensor) for sh in t.local_shards()]
     return [(tuple(0 for _ in t.shape), t)]
+
+
+@torch.no_grad()
+def fill_states(fused_state: Mapping[str, Mapping[str, Any]], value: float) -> None:
+    """Fills every table-optimizer state tensor this rank holds with ``value``.
+
+    Args:
+        fused_state: ``fused_optimizer.state_dict()["state"]`` (parameter -> name -> state).
+        value: the start value (a fused Adagrad's ``initial_accumulator_value``).
+    """
+    for states in fused_state.values():
+        for v in states.values():
+            if isinstance(v, torch.Tensor) or hasattr(v, "local_shards"):
+                for _offsets, shard in local_shards(v):
+                    shard.fill_(value)
 
 
 def copy_shards(dst: Any, whole: torch.Tensor, name: str, src_name: str = "") -> None:

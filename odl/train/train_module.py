@@ -71,6 +71,7 @@ from odl.train.optimizer_builder import (
     gradient_clipping,
     make_dense_optimizer,
     optimizer_specs,
+    table_accumulator_start,
 )
 from odl.train.published_rows import PublishedRows
 from odl.train.row_sparse_rules import row_sparse_rule
@@ -78,6 +79,7 @@ from odl.train.row_sparse_tables import RowSparseTables
 from odl.train.table_shards import (
     EBC_PREFIX,
     ShardRows,
+    fill_states,
     local_shards,
     local_view,
 )
@@ -194,6 +196,10 @@ class TrainModule:
             init_embedding_weights(self.embedding_tables(), self.seed)
         else:
             self._init_local_shards()
+        # TF's Adagrad starts its accumulators at initial_accumulator_value, fbgemm's at 0
+        self.table_state_start = table_accumulator_start(self._sparse_spec, self.device.type)
+        if self.table_state_start:
+            fill_states(self._dmp.fused_optimizer.state_dict()["state"], self.table_state_start)
         self.dynamic = DynamicTables(
             {n: s.dynamic for n, s in specs.items()},
             {n: s.feature_names for n, s in specs.items()}, self.seed,
@@ -401,7 +407,7 @@ class TrainModule:
         return self.dynamic_rows.shrink(now)
 
     def reset_dynamic_rows(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
-        """Fresh weights and zero optimizer state for evicted rows (dynamic table -> rows)."""
+        """Fresh weights and restarted optimizer state for evicted rows (dynamic table -> rows)."""
         self.dynamic_rows.reset(evicted, step)
 
     def record_touched_rows(self, kjt: KeyedJaggedTensor) -> None:
