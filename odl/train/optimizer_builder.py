@@ -22,9 +22,9 @@ element-wise Adagrad, as EasyRec's TF Adagrad), ``rowwise_adagrad`` (exact row-w
 ``adam`` / ``lamb`` on CUDA (fbgemm Adam / LAMB); row-sparse (:mod:`odl.train.row_sparse_tables`,
 the fused kernel at rate 0) for ``ftrl``, ``momentum``, ``adamw``, and ``adam`` and ``lamb``
 on CPU. Fused
-Adagrad table accumulators start at ``initial_accumulator_value`` as TF's do
-(:func:`table_accumulator_start`; evicted rows of dynamic tables restart there too); it applies
-to dense Adagrad and to the row-sparse FTRL as well.
+Adagrad table accumulators start at ``initial_accumulator_value`` as TF's do when the config
+writes it, else at 0 (:func:`table_accumulator_start`; evicted rows of dynamic tables restart
+there too); dense Adagrad and the row-sparse FTRL take the field's value, written or not.
 
 Gradient clipping (EasyRec ``gradient_clipping_by_norm``, TorchEasyRec ``grad_clipping``)
 applies to the dense gradients, between backward and the dense step. Table gradients are
@@ -274,26 +274,32 @@ def sparse_optimizer_args(
 
 
 def table_accumulator_start(spec: OptimizerSpec, device_type: str) -> float:
-    """Where a fused Adagrad table's accumulators start: TF's ``initial_accumulator_value``.
+    """Where a fused Adagrad table's accumulators start.
 
-    TF's Adagrad (EasyRec's ``adagrad_optimizer``) starts every accumulator there, so a
-    row's first steps are ``lr * g / sqrt(initial_accumulator_value + g**2)``; fbgemm's kernels
-    start theirs at 0 unless the state is filled (:func:`odl.train.table_shards.fill_states`).
-    TorchEasyRec's ``adagrad_optimizer`` defaults to 0 and its row-wise Adagrad has no such
-    field.
+    A config that writes ``initial_accumulator_value`` gets TF's Adagrad: every accumulator
+    starts there, so a row's first steps are ``lr * g / sqrt(initial_accumulator_value +
+    g**2)``. A config that does not write it gets 0, fbgemm's start, where a row's first step
+    is ``lr * sign(g)``: EasyRec's implied 0.1 learns far slower online (docs/training.md,
+    measured with ``bench/online_quality.py --table-init-acc``). The state is filled by
+    :func:`odl.train.table_shards.fill_states`.
 
     Args:
         spec: the sparse optimizer choice.
         device_type: ``"cpu"`` or ``"cuda"``.
 
     Returns:
-        The start value (0: other kinds, and the row-sparse ones, which keep their own).
+        The start value (0: not written, other kinds, and the row-sparse ones, which keep
+        their own).
     """
     choice = spec.choice or OptimizerChoice(spec.kind, spec.source)
     plan = table_optimizer_plan(choice, device_type)
     if plan.row_sparse or plan.kernel not in ("adagrad", "rowwise_adagrad"):
         return 0.0
-    return float(spec.params.get("initial_accumulator_value", 0.0))
+    message = choice.message
+    if message is None or "initial_accumulator_value" not in message.DESCRIPTOR.fields_by_name \
+            or not message.HasField("initial_accumulator_value"):
+        return 0.0
+    return float(message.initial_accumulator_value)
 
 
 # --------------------------------------------------------------------------- dense
