@@ -59,7 +59,8 @@ from typing import Any, Optional
 
 import torch
 
-from odl.checkpoint import table_parts
+from odl.checkpoint import checkpoint_chain, table_parts
+from odl.checkpoint.checkpoint_chain import TABLE_ROWS_KEY, ChainLink
 from odl.checkpoint.checkpoint_layout import (
     CKPT_PREFIX,
     CKPT_RE,
@@ -75,13 +76,27 @@ from odl.checkpoint.checkpoint_layout import (
     local_checkpoint_copy,
     verify_checkpoint,
 )
+from odl.checkpoint.checkpoint_reader import (
+    LoadedCheckpoint,
+    assemble_table_parts,
+    newest_usable,
+    read_checkpoint,
+    resolve_checkpoint_path,
+)
 from odl.checkpoint.file_digest import sha256_file
 from odl.storage import file_store
 from odl.storage.atomic_directory import commit_directory, write_durable
 from odl.storage.oss_store import StorageError, oss_store
-from odl.storage.storage_path import is_remote, join, parse_oss
+from odl.storage.storage_path import dirname, is_remote, join, parse_oss
 
 logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CKPT_PREFIX", "DONE_FILE", "MANIFEST_FILE", "MODEL_FILE", "POSITIONS_FILE",
+    "CheckpointError", "CheckpointManager", "LoadedCheckpoint", "PendingSave",
+    "assemble_table_parts", "checkpoint_step", "list_checkpoints", "local_checkpoint_copy",
+    "read_checkpoint", "resolve_checkpoint_path", "verify_checkpoint",
+]
 
 
 @dataclass(frozen=True)
@@ -96,6 +111,8 @@ class PendingSave:
         tmp: the temporary directory it is built in (empty when ``exists``).
         target: the committed path (``oss://`` for a remote model_dir).
         exists: a complete checkpoint of this step is there already: nothing to write.
+        parent: the checkpoint it is an increment of (``odl.checkpoint.checkpoint_chain``);
+            None for a full checkpoint.
     """
 
     global_step: int
@@ -103,134 +120,7 @@ class PendingSave:
     tmp: str
     target: str
     exists: bool = False
-
-
-@dataclass
-class LoadedCheckpoint:
-    """What a checkpoint holds.
-
-    Attributes:
-        path: the checkpoint directory.
-        global_step: training step it was taken at.
-        state: the TrainModule state (model, optimizer, step).
-        positions: next offset per partition (empty for offline checkpoints).
-        source: the positions' source description (topic etc.).
-        manifest: the parsed manifest.
-    """
-
-    path: str
-    global_step: int
-    state: dict
-    positions: dict[int, int]
-    source: dict
-    manifest: dict
-
-
-def resolve_checkpoint_path(path: str) -> str:
-    """A checkpoint directory, or a model_dir whose newest intact checkpoint is returned.
-
-    Args:
-        path: ``model.ckpt-N`` directory or a model_dir.
-
-    Returns:
-        The checkpoint directory.
-
-    Raises:
-        CheckpointError: nothing usable is there.
-    """
-    if checkpoint_step(path) is not None or file_store.is_file(join(path, MANIFEST_FILE)):
-        reason = verify_checkpoint(path)
-        if reason:
-            raise CheckpointError(f"checkpoint {path} is not usable: {reason}")
-        return path
-    for candidate in reversed(list_checkpoints(path)):
-        reason = verify_checkpoint(candidate)
-        if reason is None:
-            return candidate
-        logger.warning("skipping damaged checkpoint %s: %s", candidate, reason)
-    raise CheckpointError(f"no complete checkpoint in {path}")
-
-
-def read_checkpoint(path: str, map_location: str = "cpu",
-                    whole_tables: bool = True) -> LoadedCheckpoint:
-    """Loads a verified checkpoint directory.
-
-    Args:
-        path: checkpoint directory (verified by the caller or via resolve_checkpoint_path).
-        map_location: device for the tensors.
-        whole_tables: put the table parts of a checkpoint of several ranks back together;
-            False leaves them on disk and ``state["table_parts"]`` names their local paths
-            (``TrainModule.load_checkpoint_state`` of several ranks reads only the blocks
-            of its own rows; ``assemble_table_parts`` makes them whole later), and maps the
-            state file of a checkpoint of one process instead of reading it (a rank copying
-            its own rows out of the whole tables reads only those pages; writes stay in
-            this process).
-
-    Returns:
-        The loaded checkpoint.
-
-    Raises:
-        CheckpointError: the table parts do not make whole tables.
-    """
-    remote_path = path
-    path = local_checkpoint_copy(path)
-    with open(os.path.join(path, MANIFEST_FILE)) as f:
-        manifest = json.load(f)
-    state = torch.load(os.path.join(path, MODEL_FILE), map_location=map_location,
-                       weights_only=True, mmap=not whole_tables)
-    if state.get("table_parts"):  # written by several ranks
-        state["table_parts"] = [os.path.join(path, name) for name in state["table_parts"]]
-        try:  # dynamic tables split by id: each rank's partition is in its part (mapped)
-            table_parts.merge_dynamic_parts(
-                state, (table_parts.read_part(p, map_location, mmap=True)
-                        for p in state["table_parts"]))
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {remote_path}: its table parts do not hold "
-                                  f"the dynamic tables' partitions: {exc}") from exc
-        if whole_tables:
-            assemble_table_parts(state, remote_path, map_location)
-    positions: dict[int, int] = {}
-    source: dict = {}
-    pos_path = os.path.join(path, POSITIONS_FILE)
-    if os.path.exists(pos_path):
-        with open(pos_path) as f:
-            source = json.load(f)
-        positions = {int(k): int(v) for k, v in source.get("positions", {}).items()}
-    return LoadedCheckpoint(
-        path=remote_path,
-        global_step=int(manifest["global_step"]),
-        state=state,
-        positions=positions,
-        source=source,
-        manifest=manifest,
-    )
-
-
-def assemble_table_parts(state: dict, path: str = "", map_location: str = "cpu") -> None:
-    """Puts the table parts a state names back together.
-
-    The parts (``read_checkpoint(whole_tables=False)``) become the state's ``"model"`` tables
-    and ``"sparse_optimizer"``; a state without parts is left as it is.
-
-    Args:
-        state: the checkpoint state; changed in place.
-        path: the checkpoint, for the error message.
-        map_location: device for the tensors.
-
-    Raises:
-        CheckpointError: a part is unreadable, or the parts do not make whole tables.
-    """
-    if not state.get("table_parts"):
-        return
-    try:
-        tables, sparse = table_parts.assemble(
-            table_parts.read_part(p, map_location) for p in state["table_parts"])
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path}: its table parts do not make whole "
-                              f"tables: {exc}") from exc
-    del state["table_parts"]
-    state["model"].update(tables)
-    state["sparse_optimizer"] = sparse
+    parent: Optional[ChainLink] = None
 
 
 class CheckpointManager:
@@ -238,11 +128,20 @@ class CheckpointManager:
 
     Args:
         model_dir: the model directory, local (created if missing) or ``oss://``.
-        keep_max: keep at most this many complete checkpoints (0 = all).
+        keep_max: keep at most this many complete checkpoints (0 = all), and the links
+            their chains need.
+        full_every: every this many-th checkpoint is full, the others increments
+            (``odl.checkpoint.checkpoint_chain``); 1: all full.
+
+    Attributes:
+        chain: the last checkpoint written or restored, as the parent of the next
+            increment; None when the next must be full.
     """
 
-    def __init__(self, model_dir: str, keep_max: int = 10) -> None:
+    def __init__(self, model_dir: str, keep_max: int = 10, full_every: int = 1) -> None:
         self.model_dir = model_dir
+        self.full_every = max(1, int(full_every))
+        self.chain: Optional[ChainLink] = None
         self.remote = is_remote(model_dir)
         # where checkpoints are written first: model_dir itself, or its local mirror
         self.local_dir = file_store.cache_dir_for(model_dir)
@@ -293,6 +192,7 @@ class CheckpointManager:
         config_text: str,
         generation: str = "",
         overwrite: bool = False,
+        rows: Optional[dict[str, Any]] = None,
     ) -> str:
         """Writes one checkpoint atomically and prunes old ones.
 
@@ -306,6 +206,8 @@ class CheckpointManager:
             overwrite: replace a complete checkpoint of the same step (the state changed
                 without a step, e.g. a day's shrink of the dynamic tables); otherwise it is
                 kept and returned.
+            rows: write an increment of ``chain`` instead: ``state`` without the tables
+                and this process's changed rows (``checkpoint_chain.rows_document``).
 
         Returns:
             The checkpoint directory (an ``oss://`` path for a remote model_dir).
@@ -313,17 +215,37 @@ class CheckpointManager:
         Raises:
             CheckpointError: it could not be written (the previous ones are untouched).
         """
-        pending = self.begin_save(global_step, overwrite)
+        pending = self.begin_save(global_step, overwrite, increment=rows is not None)
         if pending.exists:
             return pending.target
-        return self.commit_save(pending, state, positions, source, config_text, generation)
+        if rows is None:
+            return self.commit_save(pending, state, positions, source, config_text,
+                                    generation)
+        try:
+            entry = self.write_table_part(pending, rows, 0, 1)
+        except CheckpointError:
+            self.abort_save(pending)
+            raise
+        return self.commit_save(pending, state, positions, source, config_text, generation,
+                                [entry])
 
-    def begin_save(self, global_step: int, overwrite: bool = False) -> PendingSave:
+    def increment_allowed(self, overwrite: bool = False) -> bool:
+        """Whether the next checkpoint may be an increment of ``chain``.
+
+        Not with ``full_every`` 1, without a parent, when the chain would reach
+        ``full_every`` links, or for a checkpoint replacing one of its step.
+        """
+        return (self.full_every > 1 and self.chain is not None and not overwrite
+                and self.chain.depth + 1 < self.full_every)
+
+    def begin_save(self, global_step: int, overwrite: bool = False,
+                   increment: bool = False) -> PendingSave:
         """Starts a checkpoint: its temporary directory, or the finding that it exists.
 
         Args:
             global_step: the step.
             overwrite: see ``save``.
+            increment: an increment of ``chain`` (``increment_allowed`` must be True).
 
         Returns:
             What ``write_table_part`` / ``commit_save`` / ``abort_save`` take.
@@ -338,10 +260,14 @@ class CheckpointManager:
             if not overwrite and file_store.is_file(join(target, DONE_FILE)):
                 logger.info("checkpoint %s exists already", target)
                 self._mark_saved(target, global_step)
+                self.chain = None  # not this state's rows: the next checkpoint is full
                 return PendingSave(global_step, final, "", target, exists=True)
         except StorageError as exc:
             self.last_error = str(exc)
             raise CheckpointError(f"checkpoint at step {global_step}: {exc}") from exc
+        if increment and not self.increment_allowed(overwrite):
+            raise CheckpointError(f"checkpoint at step {global_step}: no parent for an "
+                                  "increment (it must be full)")
         tmp = os.path.join(self.local_dir, f".{name}.tmp-{os.getpid()}")
         try:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -350,11 +276,14 @@ class CheckpointManager:
             self.last_error = f"{type(exc).__name__}: {exc}"
             raise CheckpointError(f"writing checkpoint at step {global_step} failed: "
                                   f"{exc}") from exc
-        return PendingSave(global_step, final, tmp, target)
+        return PendingSave(global_step, final, tmp, target,
+                           parent=self.chain if increment else None)
 
     def write_table_part(self, pending: PendingSave, document: dict, rank: int,
                          world_size: int) -> dict[str, Any]:
         """Writes one rank's table part (``odl.checkpoint.table_parts``) of a checkpoint.
+
+        Of an increment, the rank's changed rows (``checkpoint_chain.rows_document``).
 
         Into ``pending.tmp`` when this host sees it; on OSS, from a rank on another host,
         into this host's mirror and straight to the checkpoint's prefix.
@@ -372,7 +301,9 @@ class CheckpointManager:
             CheckpointError: it could not be written or uploaded, or a local model_dir is
                 not shared with rank 0.
         """
-        name = table_parts.part_file_name(rank, world_size)
+        name = (checkpoint_chain.rows_file_name(rank, world_size)
+                if checkpoint_chain.is_rows_document(document)
+                else table_parts.part_file_name(rank, world_size))
         here = os.path.isdir(pending.tmp)
         if not here and not self.remote:
             raise CheckpointError(
@@ -418,11 +349,17 @@ class CheckpointManager:
         global_step, final, tmp, target = (pending.global_step, pending.final, pending.tmp,
                                            pending.target)
         t0 = time.monotonic()
-        if parts:
+        increment = None
+        if pending.parent is not None:
+            increment = checkpoint_chain.increment_fields(pending.parent)
+            state = dict(state, **{TABLE_ROWS_KEY: [p["name"] for p in parts]})
+        elif parts:
             state = dict(state, table_parts=[p["name"] for p in parts])
         try:
             files = self._write_local(tmp, global_step, state, positions, source,
-                                      config_text, generation, parts)
+                                      config_text, generation, parts, increment)
+            with open(os.path.join(tmp, MANIFEST_FILE), "rb") as f:
+                link = checkpoint_chain.link_from_manifest(os.path.basename(final), f.read())
             commit_directory(tmp, final, replace=True)  # final: an incomplete leftover
         except (OSError, RuntimeError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -448,8 +385,11 @@ class CheckpointManager:
             self.last_upload_seconds = time.monotonic() - t_up
         self.last_error = None
         self._mark_saved(target, global_step)
+        self.chain = link
         logger.info(
-            "saved checkpoint %s (%.1f MB in %.2fs)",
+            "saved %s %s (%.1f MB in %.2fs)",
+            "checkpoint" if increment is None else
+            f"increment {increment['depth']} of {increment['base']}",
             target,
             sum(f["bytes"] for f in files.values()) / 1e6,
             time.monotonic() - t0,
@@ -469,10 +409,12 @@ class CheckpointManager:
     @staticmethod
     def _write_local(tmp: str, global_step: int, state: dict, positions: dict[int, int],
                      source: dict, config_text: str, generation: str,
-                     parts: Sequence[dict[str, Any]] = ()) -> dict:
+                     parts: Sequence[dict[str, Any]] = (),
+                     increment: Optional[dict[str, Any]] = None) -> dict:
         """Fills the temporary checkpoint directory; returns the manifest's file table.
 
-        The table parts the ranks wrote there are listed from ``parts``.
+        The table parts (or an increment's row files) the ranks wrote there are listed
+        from ``parts``; an increment's manifest names its parent (``increment``).
         """
         with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
             torch.save(state, f)
@@ -488,13 +430,15 @@ class CheckpointManager:
             files[name] = {"bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}
         for part in parts:
             files[part["name"]] = {"bytes": part["bytes"], "sha256": part["sha256"]}
-        manifest = {
-            "format": 1,
+        manifest: dict[str, Any] = {
+            "format": 1 if increment is None else checkpoint_chain.INCREMENT_FORMAT,
             "global_step": int(global_step),
             "created": time.time(),
             "generation": generation,
             "files": files,
         }
+        if increment is not None:
+            manifest["increment"] = increment
         write_durable(os.path.join(tmp, MANIFEST_FILE), json.dumps(manifest, indent=1).encode())
         write_durable(os.path.join(tmp, DONE_FILE), b"")
         return files
@@ -516,7 +460,10 @@ class CheckpointManager:
             return
         try:
             ckpts = list_checkpoints(self.model_dir)
+            needed = self._chain_links(ckpts[-self.keep_max:])
             for old in ckpts[: max(0, len(ckpts) - self.keep_max)]:
+                if old in needed:
+                    continue
                 logger.info("removing old checkpoint %s", old)
                 if self.remote:
                     # DONE first: a reader never trusts a half-removed checkpoint
@@ -526,16 +473,35 @@ class CheckpointManager:
             logger.warning("pruning old checkpoints failed (%s); the next checkpoint retries",
                            exc)
 
+    @staticmethod
+    def _chain_links(kept: Sequence[str]) -> set[str]:
+        """The checkpoints that the chains of ``kept`` checkpoints read from.
+
+        Parents are named by the manifests (one read per link); an unreadable manifest
+        ends its chain.
+        """
+        needed: set[str] = set()
+        for path in reversed(kept):
+            while path not in needed:
+                needed.add(path)
+                try:
+                    manifest, _raw = checkpoint_chain.manifest_of(path)
+                except CheckpointError as exc:
+                    logger.warning("%s; pruning keeps what it can", exc)
+                    break
+                parent = (manifest.get("increment") or {}).get("parent")
+                if not parent:
+                    break
+                path = join(dirname(path), str(parent))
+        return needed
+
     def latest(self) -> Optional[str]:
-        """The newest intact checkpoint, skipping damaged ones with a warning.
+        """The newest usable checkpoint, skipping damaged ones with a warning.
+
+        An increment is usable with its whole chain.
 
         Raises:
             odl.storage.oss_store.StorageError: OSS could not be listed (a restore must not
                 start from nothing because OSS was down).
         """
-        for candidate in reversed(list_checkpoints(self.model_dir)):
-            reason = verify_checkpoint(candidate)
-            if reason is None:
-                return candidate
-            logger.warning("skipping damaged checkpoint %s: %s", candidate, reason)
-        return None
+        return newest_usable(self.model_dir)

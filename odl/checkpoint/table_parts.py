@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from odl.checkpoint import checkpoint_chain
+
 PART_FORMAT = 1
 PART_PREFIX = "tables.rank-"
 
@@ -213,7 +215,9 @@ class TableBlocks:
     From the mapped parts of a checkpoint of several ranks (``state["table_parts"]``), or the
     state's own (mapped) tables, each one block (``read_checkpoint(whole_tables=False)``).
     Only the blocks asked for are read from disk; ``take`` reads chosen rows of a table or
-    of its optimizer state from whichever blocks hold them.
+    of its optimizer state from whichever blocks hold them. An increment's changed rows
+    (``state["table_rows"]``, ``odl.checkpoint.checkpoint_chain``) are read whole and
+    replace the base's rows in every block and row handed out.
 
     Args:
         state: a checkpoint state.
@@ -232,6 +236,43 @@ class TableBlocks:
                 into = (self._pieces.setdefault(name, (tuple(size), [])) if kind == "model"
                         else self._state_pieces.setdefault((name, key), (tuple(size), [])))
                 into[1].extend(parts)
+        self._rows = checkpoint_chain.merged_rows(
+            checkpoint_chain.read_rows(p) for p in state.get(checkpoint_chain.TABLE_ROWS_KEY)
+            or [])
+
+    def _changed(self, out: torch.Tensor, ident: tuple[str, str, str], rows: torch.Tensor
+                 ) -> torch.Tensor:
+        """``out`` (the base's values of whole-table ``rows``) with the increments' rows."""
+        changed = self._rows.get(ident)
+        if changed is None:
+            return out
+        _size, ids, values = changed
+        if ids is None:
+            return values.index_select(0, rows)
+        if not ids.numel() or not rows.numel():
+            return out
+        at = torch.searchsorted(ids, rows).clamp_(max=ids.numel() - 1)
+        found = ids[at] == rows
+        if bool(found.any()):
+            out = out.clone()
+            out[found] = values[at[found]].to(out.dtype)
+        return out
+
+    def _changed_block(self, name: str, start: int, block: torch.Tensor) -> torch.Tensor:
+        """A block of rows from ``start`` with the increments' rows of it."""
+        changed = self._rows.get(("model", name, ""))
+        if changed is None:
+            return block
+        _size, ids, values = changed
+        if ids is None:
+            return values[start:start + block.shape[0]]
+        lo, hi = (int(x) for x in torch.searchsorted(
+            ids, torch.tensor([start, start + block.shape[0]])))
+        if hi == lo:
+            return block
+        block = block.clone()
+        block.index_copy_(0, ids[lo:hi] - start, values[lo:hi].to(block.dtype))
+        return block
 
     def __contains__(self, name: str) -> bool:
         return name in self._pieces or name in self._model
@@ -249,7 +290,7 @@ class TableBlocks:
             ValueError: the blocks split the columns, overlap or leave rows out.
         """
         if name not in self._pieces:
-            return [(0, self._model[name])]
+            return [(0, self._changed_block(name, 0, self._model[name]))]
         size, parts = self._pieces[name]
         out: dict[int, torch.Tensor] = {}
         for offsets, tensor in parts:
@@ -268,7 +309,8 @@ class TableBlocks:
             at += int(tensor.shape[0])
         if at != size[0]:
             raise ValueError(f"{name}: its blocks cover {at} of its {size[0]} rows")
-        return sorted(out.items(), key=lambda kv: kv[0])
+        return [(start, self._changed_block(name, start, t))
+                for start, t in sorted(out.items(), key=lambda kv: kv[0])]
 
     def take(self, name: str, rows: torch.Tensor, key: str = "") -> torch.Tensor:
         """Rows ``rows`` (whole-table row numbers) of table ``name``, all its columns.
@@ -284,16 +326,17 @@ class TableBlocks:
             ValueError: the blocks do not cover the rows asked for.
         """
         rows = torch.as_tensor(rows, dtype=torch.int64)
+        ident = ("sparse", name, key) if key else ("model", name, "")
         pieces = self._state_pieces.get((name, key)) if key else self._pieces.get(name)
         if pieces is None:
             whole = self._sparse[name][key] if key else self._model[name]
-            return torch.as_tensor(whole).index_select(0, rows)
+            return self._changed(torch.as_tensor(whole).index_select(0, rows), ident, rows)
         size, parts = pieces
         out = torch.empty((rows.shape[0], *size[1:]), dtype=parts[0][1].dtype)
         covered = 0
         for offsets, tensor in parts:
             if offsets is None:  # whole and equal on every rank: any copy
-                return tensor.index_select(0, rows)
+                return self._changed(tensor.index_select(0, rows), ident, rows)
             r0 = int(offsets[0])
             at = torch.nonzero((rows >= r0) & (rows < r0 + tensor.shape[0])).squeeze(1)
             if not at.numel():
@@ -305,4 +348,4 @@ class TableBlocks:
         if covered != out.numel():
             raise ValueError(f"{name} {key}: its blocks cover {covered} of the "
                              f"{out.numel()} values of the rows asked for")
-        return out
+        return self._changed(out, ident, rows)

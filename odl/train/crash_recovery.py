@@ -48,6 +48,7 @@ from odl.checkpoint.checkpoint_manager import (
     resolve_checkpoint_path,
 )
 from odl.inputs.source_factory import online_input_name
+from odl.models.dynamic.resplit import saved_partitions
 from odl.protos import pipeline_pb2
 from odl.train.distributed import from_rank0
 from odl.train.train_module import TrainModule
@@ -167,6 +168,7 @@ class CrashRecovery:
             apply_recovered_state(module.embedding_tables(), module.dense_parameters(),
                                   self._id_maps(), recovered, module if module.dynamic else None)
             module.global_step = int(recovered.version)
+            self._checkpoints.chain = None  # rows changed beyond the checkpoint: next is full
         return restored
 
     def _restore_ranks(self) -> RestoredState:
@@ -198,6 +200,7 @@ class CrashRecovery:
             apply_recovered_state(module.table_rows(), module.dense_parameters(),
                                   self._id_maps(), recovered,
                                   module if module.dynamic else None)
+            self._checkpoints.chain = None  # rows changed beyond the checkpoint: next is full
             return restored
         module.load_checkpoint_state(state)
         return restored
@@ -261,6 +264,12 @@ class CrashRecovery:
         logger.info("restored %s: step %d, positions %s", path, ckpt.global_step, ckpt.positions)
         self._checkpoints.last_saved_path = path
         self._checkpoints.last_saved_step = ckpt.global_step
+        # the next increment's parent, unless the tables' rows moved (dynamic tables
+        # re-split into another number of partitions): then the next checkpoint is full
+        dynamic = ckpt.state.get("dynamic_tables")
+        self._checkpoints.chain = (
+            ckpt.link if not self._module.dynamic or dynamic is None
+            or saved_partitions(dynamic) == self._module.dynamic.partitions else None)
         self._metrics.checkpoint_step.set(ckpt.global_step)
         if self._online:
             topic = ckpt.source.get("topic")

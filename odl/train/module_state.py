@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from odl.checkpoint import table_parts
+from odl.checkpoint import checkpoint_chain, table_parts
 from odl.models.dynamic.resplit import resplit_state, saved_partitions
 from odl.train.distributed import gather_to_rank0
 from odl.train.table_shards import (
@@ -213,6 +213,54 @@ def table_part(m: TrainModule) -> dict[str, Any]:
         m.dynamic.state_dict()["parts"] if m.dynamic_split_over_ranks else None)
 
 
+@torch.no_grad()
+def changed_rows_part(m: TrainModule, rows: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """This rank's changed rows of every table and their optimizer state (an increment).
+
+    See ``odl.checkpoint.checkpoint_chain``: for each table and table-optimizer state, the
+    rows of ``rows`` that this rank's shards hold, all columns, as CPU copies; a state that
+    is not one value (or row) per table row is written whole. Dynamic tables split by id
+    over the ranks add this rank's partition of their state, as ``table_part`` does.
+
+    Args:
+        m: the module.
+        rows: TorchRec table name -> sorted unique whole-table row numbers changed.
+
+    Raises:
+        ValueError: a shard splits a table's columns (never with odl's placements).
+    """
+    tensors = {("model", n, ""): t for n, t in m.dmp.state_dict().items()
+               if n.startswith(EBC_PREFIX)}
+    for pname, states in m.fused_optimizer.state_dict()["state"].items():
+        for k, v in states.items():
+            if isinstance(v, torch.Tensor) or hasattr(v, "local_shards"):
+                tensors[("sparse", pname, k)] = v
+    shapes = m.table_shapes()
+    empty = np.empty(0, dtype=np.int64)
+    pieces: checkpoint_chain.RowPieces = {}
+    for (kind, name, key), t in tensors.items():
+        size = tuple(int(x) for x in t.size())
+        table = name[len(EBC_PREFIX):-len(".weight")]
+        if not size or table not in shapes or size[0] != shapes[table][0]:
+            pieces[(kind, name, key)] = (size, None, to_full_cpu(t))
+            continue
+        wanted = torch.from_numpy(np.asarray(rows.get(table, empty), dtype=np.int64))
+        got_ids, got = [], []
+        for offsets, shard in local_shards(t):
+            if len(size) > 1 and (offsets[1] != 0 or shard.shape[1] != size[1]):
+                raise ValueError(f"{name} {key}: a shard of columns {offsets[1]}.. is not "
+                                 "one of whole rows")
+            r0 = int(offsets[0])
+            mine = wanted[(wanted >= r0) & (wanted < r0 + shard.shape[0])]
+            got_ids.append(mine)
+            got.append(shard.index_select(0, (mine - r0).to(shard.device)).cpu())
+        if got_ids:
+            pieces[(kind, name, key)] = (size, torch.cat(got_ids), torch.cat(got))
+    return checkpoint_chain.rows_document(
+        pieces, m.rank, m.world_size,
+        m.dynamic.state_dict()["parts"] if m.dynamic_split_over_ranks else None)
+
+
 def _sharded_state(m: TrainModule) -> dict[str, Any]:
     """Own parameter / buffer name -> tables as ShardedTensors, the dense part plain."""
     own = {n: t for n, t in m.dmp.state_dict().items() if n.startswith(EBC_PREFIX)}
@@ -239,6 +287,10 @@ def _load_sharded_state(m: TrainModule, state: Mapping[str, Any], strict: bool) 
                       for k, v in st.items()})
         held = table_parts.load_blocks(
             (table_parts.read_part(p, mmap=True) for p in state["table_parts"]), local)
+        if state.get(checkpoint_chain.TABLE_ROWS_KEY):  # an increment's rows, in order
+            checkpoint_chain.apply_rows_to_shards(checkpoint_chain.merged_rows(
+                checkpoint_chain.read_rows(p)
+                for p in state[checkpoint_chain.TABLE_ROWS_KEY]), local)
         if strict:  # every table; the optimizer state of the tables this rank holds
             _check_names({i for i in local if i[0] == "model"},
                          {i for i in held if i[0] == "model"}, "table parts")

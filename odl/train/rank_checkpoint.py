@@ -14,6 +14,12 @@ Contract (``save_across_ranks``, a collective that every rank calls at the same 
 4. every rank learns the outcome, so all count the checkpoint as written, or all raise
    ``CheckpointError`` and go on training to the next one.
 
+An increment (``odl.checkpoint.checkpoint_chain``): rank 0 decides at 1 whether the
+checkpoint may be one (``CheckpointManager.increment_allowed``, its parent in the pending
+save); every rank then writes, instead of its table part, the rows of its shards that any
+rank changed since the parent (the union of every rank's ``CheckpointRows.take``, one
+all-gather of row numbers).
+
 No rank holds more than its own rows at a save. Reading the checkpoint puts the tables back
 together (``read_checkpoint``), so it restores as one process's; an export writes it block
 by block (``odl.checkpoint.table_parts.TableBlocks``); a restore of several ranks
@@ -27,15 +33,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
+
 from odl.checkpoint.checkpoint_manager import CheckpointError, CheckpointManager
-from odl.train.distributed import all_positions, from_rank0, gather_to_rank0
+from odl.train.distributed import all_positions, from_every_rank, from_rank0, gather_to_rank0
+from odl.train.module_state import changed_rows_part
 from odl.train.train_module import TrainModule
 
 
 def save_across_ranks(manager: CheckpointManager, module: TrainModule,
                       positions: Mapping[int, int], source: dict, config_text: str,
                       generation: str, overwrite: bool = False,
-                      extra_state: Mapping[str, object] | None = None) -> str:
+                      extra_state: Mapping[str, object] | None = None,
+                      changed: Mapping[str, np.ndarray] | None = None) -> str:
     """Writes one checkpoint of several ranks (module docstring; a collective).
 
     Args:
@@ -47,6 +57,8 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
         generation: the job's generation id.
         overwrite: replace a complete checkpoint of the same step.
         extra_state: more entries of the checkpoint state (rank 0's are written).
+        changed: this rank's rows changed since the last checkpoint (TorchRec table ->
+            row numbers), when it counts them; None on every rank: a full checkpoint.
 
     Returns:
         The checkpoint's path.
@@ -57,14 +69,15 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
     rank, world = module.rank, module.world_size
     step = module.global_step
     everyone = all_positions(positions)
-    part = module.table_part()
     state = module.state_without_tables() if rank == 0 else {}
     if rank == 0 and extra_state:
         state.update(extra_state)
     pending, error = None, None
     if rank == 0:
         try:
-            pending = manager.begin_save(step, overwrite)
+            pending = manager.begin_save(
+                step, overwrite,
+                increment=changed is not None and manager.increment_allowed(overwrite))
         except CheckpointError as exc:
             error = str(exc)
     pending, error = from_rank0((pending, error))
@@ -73,6 +86,14 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
     if pending.exists:
         manager.last_saved_step, manager.last_saved_path = step, pending.target
         return pending.target
+    if pending.parent is not None:
+        rows: dict[str, np.ndarray] = {}
+        for theirs in from_every_rank(dict(changed or {})):
+            for table, ids in theirs.items():
+                rows[table] = np.union1d(rows[table], ids) if table in rows else ids
+        part = changed_rows_part(module, rows)
+    else:
+        part = module.table_part()
     entry, my_error = None, None
     try:
         entry = manager.write_table_part(pending, part, rank, world)

@@ -149,7 +149,8 @@ class Trainer:
         self.passes = (PassMetrics(fs.split_interval, fs.split_per_pass,
                                    train_auc_samples=fs.train_auc_samples)
                        if file_stream else None)
-        self.checkpoints = CheckpointManager(self.model_dir, tc.keep_checkpoint_max)
+        self.checkpoints = CheckpointManager(self.model_dir, tc.keep_checkpoint_max,
+                                             tc.full_checkpoint_every)
         self._checkpointing = TrainerCheckpoints(self)
         self.features = FeatureBuilder(config)
         self.module = TrainModule(config, self.features, device=options.device)
@@ -266,6 +267,7 @@ class Trainer:
             self.config, self.options.online, self.options.continue_train, self.module,
             self.checkpoints, self.metrics, self.stop_event, self._delta_sink, self._set_state)
         restored = recovery.restore()
+        self._checkpointing.restored()  # the next increment's rows are counted from here
         if self.pass_saves is not None:
             self.pass_saves.load_state_dict(restored.pass_saves_state)
             if restored.recovered_version is not None:

@@ -9,6 +9,11 @@ and writes it in the background (:mod:`odl.train.checkpoint_writer`; outcomes ar
 on the loop's thread, in step order); several ranks write theirs together
 (:mod:`odl.train.rank_checkpoint`). An evaluation on the eval stream runs at every
 checkpoint. A written checkpoint's positions are committed to the consumer group.
+
+With ``train_config.full_checkpoint_every`` above 1, a checkpoint is an increment of the
+previous one (``odl.checkpoint.checkpoint_chain``) whenever the checkpoint manager allows
+it: the state but the tables, and the rows changed since (:mod:`odl.train.checkpoint_rows`,
+counted from the restored state on). A failed checkpoint puts its rows back.
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ import functools
 import logging
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
+
 from odl.checkpoint.checkpoint_manager import CheckpointError
 from odl.inputs.source_factory import online_input_kind, online_input_name
+from odl.train.checkpoint_rows import CheckpointRows
 from odl.train.checkpoint_writer import CheckpointWriter
+from odl.train.module_state import changed_rows_part
 from odl.train.rank_checkpoint import save_across_ranks
 from odl.train.stream_evaluation import evaluate_at_checkpoint
 
@@ -43,6 +52,21 @@ class TrainerCheckpoints:
         self._t = trainer
         # the periodic checkpoints of one process are written beside the loop
         self.writer = CheckpointWriter()
+        # rows changed since the last checkpoint (None: every checkpoint is full)
+        self.rows: Optional[CheckpointRows] = None
+
+    def restored(self) -> None:
+        """Starts counting changed rows from the restored (or initial) state.
+
+        Called once the trainer's state is restored; with ``full_checkpoint_every`` 1
+        nothing is counted and every checkpoint is full.
+        """
+        if self._t.checkpoints.full_every <= 1:
+            return
+        if self.rows is None:
+            self.rows = CheckpointRows(self._t.module)
+        else:
+            self.rows.restart()
 
     def take(self, overwrite: bool = False, background: bool = False) -> bool:
         """Takes a checkpoint of the current step: the state, positions and replay point.
@@ -103,30 +127,44 @@ class TrainerCheckpoints:
                 source["eval_positions"] = {str(p): o for p, o in
                                             t.evaluator.positions().items()}
             step = module.global_step
+            changed = self.rows.take() if self.rows is not None else None
             if module.world_size > 1:
-                self._save_across_ranks(positions, source, overwrite)
+                self._save_across_ranks(positions, source, overwrite, changed)
             else:
-                state = module.state_dict_for_checkpoint()  # a copy: training goes on
+                rows = None
+                if changed is not None and t.checkpoints.increment_allowed(overwrite):
+                    state = module.state_without_tables()  # copies: training goes on
+                    rows = changed_rows_part(module, changed)
+                else:
+                    state = module.state_dict_for_checkpoint()
                 if t.pass_saves is not None:
                     state["pass_saves"] = t.pass_saves.state_dict()
                 save = functools.partial(t.checkpoints.save, step, state, positions, source,
-                                         t.config_text, t.generation, overwrite=overwrite)
+                                         t.config_text, t.generation, overwrite=overwrite,
+                                         rows=rows)
                 if background:
-                    self.writer.start(save, functools.partial(self._written, step, positions))
+                    self.writer.start(save, functools.partial(self._written, step, positions,
+                                                              changed=changed))
                     return True
                 save()
             self._written(step, positions, None)
             return True
         except CheckpointError as exc:
-            self._written(module.global_step, positions, exc)
+            self._written(module.global_step, positions, exc, changed)
             return False
         finally:
             t.state = prev_state if prev_state != "checkpointing" else "training"
 
     def _written(self, step: int, positions: dict[int, int],
-                 error: Optional[CheckpointError]) -> None:
-        """Records a checkpoint's outcome (on the loop's thread, also for a background one)."""
+                 error: Optional[CheckpointError],
+                 changed: Optional[dict[str, np.ndarray]] = None) -> None:
+        """Records a checkpoint's outcome (on the loop's thread, also for a background one).
+
+        A failed one puts back the rows it took (``changed``), so the next one writes them.
+        """
         if error is not None:
+            if changed is not None and self.rows is not None:
+                self.rows.put_back(changed)
             self._t.metrics.checkpoint_failures.inc()
             self._t.last_checkpoint_error = str(error)
             logger.error("%s; training continues and the next checkpoint will retry", error)
@@ -137,7 +175,7 @@ class TrainerCheckpoints:
             self._t.input_pipeline.request_commit(positions)
 
     def _save_across_ranks(self, positions: dict[int, int], source: dict,
-                           overwrite: bool) -> None:
+                           overwrite: bool, changed: Optional[dict[str, np.ndarray]]) -> None:
         """The checkpoint save of one of several ranks (a collective).
 
         Every rank writes its own table rows, rank 0 the rest with every rank's positions
@@ -151,7 +189,7 @@ class TrainerCheckpoints:
         extra = ({"pass_saves": t.pass_saves.state_dict()}  # a collective: every rank's
                  if t.pass_saves is not None else None)
         save_across_ranks(t.checkpoints, t.module, positions, source, t.config_text,
-                          t.generation, overwrite, extra_state=extra)
+                          t.generation, overwrite, extra_state=extra, changed=changed)
 
     def replay_point(self) -> dict:
         """Where serving must start replaying the delta topic to continue this checkpoint.

@@ -1,0 +1,96 @@
+"""The table rows changed since the last checkpoint: what an incremental checkpoint writes.
+
+An increment (``odl.checkpoint.checkpoint_chain``) holds the rows whose weights or
+table-optimizer state changed since its parent. Two things change a row:
+
+* a training step: every row a step looks up is updated (fused or row-sparse optimizer,
+  in-batch learning): a ``publisher.delta_tracker.DeltaTracker`` of its own records them,
+  registered as one more touched-rows hook of the ``TrainModule`` (one bitmap scatter per
+  feature and step, as the publisher's; its bitmaps are not the publisher's, which clear
+  at every version);
+* a dynamic table's decision: a row evicted, expired or shrunk away is reset (fresh
+  weights, restarted optimizer state) without being looked up. Those rows are found at the
+  checkpoint by comparing each row's raw id with its id at the previous checkpoint (a row
+  that changed ids or became free), one vectorized pass over the index.
+
+:meth:`CheckpointRows.take` hands out both, per TorchRec table, and starts counting anew;
+a checkpoint that then fails puts them back (:meth:`CheckpointRows.put_back`). With several
+ranks each rank knows the rows its own batches touched and its own partitions' ids; the
+checkpoint's union over the ranks (``odl.train.rank_checkpoint``) is what each rank writes
+of its shards. Anything else that changes rows (restoring, crash recovery's replay,
+re-splitting dynamic tables, a warm start) makes the next checkpoint full instead
+(``CheckpointManager.chain`` cleared), after which counting starts from that state
+(:meth:`CheckpointRows.restart`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from publisher.delta_tracker import DeltaTracker
+
+if TYPE_CHECKING:
+    from odl.train.train_module import TrainModule
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointRows"]
+
+
+class CheckpointRows:
+    """Rows changed since the last checkpoint, per TorchRec table (module docstring).
+
+    Args:
+        module: the train module whose steps it follows (hooked on construction).
+    """
+
+    def __init__(self, module: TrainModule) -> None:
+        self._m = module
+        shapes = module.table_shapes()
+        self._tracker = DeltaTracker(module.feature_tables(),
+                                     {t: n for t, (n, _c) in shapes.items()})
+        module.add_touched_rows_hook(self._tracker.record)
+        self._ids_at_checkpoint: dict[str, np.ndarray] = {}
+        self.restart()
+
+    def _dynamic_ids(self) -> dict[str, np.ndarray]:
+        """Dynamic table -> the raw id each row holds now (-1: free; own partitions)."""
+        if not self._m.dynamic:
+            return {}
+        return {base: table.raw_ids(np.arange(table.spec.capacity, dtype=np.int64))
+                for base, table in self._m.dynamic.tables.items()}
+
+    def restart(self) -> None:
+        """Counts from the module's current state: nothing changed yet."""
+        self._tracker.take()
+        self._ids_at_checkpoint = self._dynamic_ids()
+
+    def take(self) -> dict[str, np.ndarray]:
+        """The rows changed since the last ``take`` / ``restart``; counting starts anew.
+
+        Returns:
+            TorchRec table name -> sorted unique ``int64`` whole-table row numbers.
+        """
+        out = {t: ids.cpu().numpy().astype(np.int64, copy=False)
+               for t, ids in self._tracker.take().items()}
+        now = self._dynamic_ids()
+        for base, ids in now.items():
+            before = self._ids_at_checkpoint.get(base)
+            moved = (np.flatnonzero(ids != before) if before is not None
+                     and before.shape == ids.shape else np.arange(ids.shape[0]))
+            if not moved.shape[0]:
+                continue
+            for t in self._m.dynamic_torch_tables.get(base, ()):
+                out[t] = np.union1d(out[t], moved) if t in out else moved.astype(np.int64)
+        self._ids_at_checkpoint = now
+        return out
+
+    def put_back(self, rows: Mapping[str, np.ndarray]) -> None:
+        """Marks rows as changed again (a checkpoint that took them failed)."""
+        self._tracker.put_back({t: torch.from_numpy(np.ascontiguousarray(ids))
+                                for t, ids in rows.items() if len(ids)})
