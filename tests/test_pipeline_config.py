@@ -337,12 +337,12 @@ def test_easyrec_field_that_would_change_the_model_is_refused(tmp_path: Path) ->
 
 def test_every_field_error_of_a_config_in_one_run(tmp_path: Path) -> None:
     text = ("train_config {\n  num_stepz: 3\n  freeze_gradient: true\n"
-            "  sync_replicas: true\n}\nmodel_config { esmm { } }\nmodl_dir: 'x'\n")
+            "  sync_replicas: true\n}\nmodel_config { dssm { } }\nmodl_dir: 'x'\n")
     err = error_of(load_text, tmp_path, text)
     assert isinstance(err, ConfigErrors)
     assert [e.field for e in err.errors] == [
         "train_config.num_stepz", "train_config.freeze_gradient",
-        "model_config.esmm", "modl_dir"]
+        "model_config.dssm", "modl_dir"]
     assert str(err).startswith("4 config errors:") and ":7:1" in str(err)
 
 
@@ -387,7 +387,7 @@ def test_unknown_enum_value(tmp_path: Path) -> None:
 
 
 def test_model_class_not_implemented_and_num_class_below_one(tmp_path: Path) -> None:
-    err = error_of(load_text, tmp_path, 'model_config { model_class: "ESMM" }')
+    err = error_of(load_text, tmp_path, 'model_config { model_class: "DSSM" }')
     assert err.field == "model_config.model_class"
     assert "EasyRec value that odl does not implement yet" in str(err)
     err = error_of(load_text, tmp_path, 'model_config { model_class: "DeepFM" num_class: 0 }')

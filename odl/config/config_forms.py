@@ -22,7 +22,7 @@ from odl.config.feature_settings import (
     expand_shared_names,
     raw_num_buckets_to_boundaries,
 )
-from odl.config.model_classes import classes_of_message
+from odl.config.model_classes import classes_of_message, task_towers
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -110,11 +110,11 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
         _rename(mc.dbmtl, "model_config.dbmtl",
                 (("bottom_mlp", "bottom_dnn"), ("expert_mlp", "expert_dnn")))
     losses = list(mc.losses)
-    for field in ("mmoe", "dbmtl"):
-        for i, task in enumerate(getattr(mc, field).task_towers):
-            _rename(task, f"model_config.{field}.task_towers[{i}]",
-                    (("mlp", "dnn"), ("relation_mlp", "relation_dnn")))
-            losses += list(task.losses)
+    for where, task in task_towers(mc):
+        _rename(task, where, (("mlp", "dnn"), ("relation_mlp", "relation_dnn")))
+        losses += list(task.losses)
+    for i, tower in enumerate(mc.esmm.groups if mc.HasField("esmm") else ()):
+        _rename(tower, f"model_config.esmm.groups[{i}]", (("mlp", "dnn"),))
     for loss in losses:
         if loss.HasField("binary_cross_entropy"):
             loss.loss_type = pipeline_pb2.CLASSIFICATION

@@ -99,8 +99,8 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "EasyRecModel": frozenset({
         "model_name", "model_params", "dummy",
         "autoint", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
-        "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat", "esmm",
-        "simple_multi_task", "ple", "rocket_launching", "kd",
+        "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat",
+        "simple_multi_task", "rocket_launching", "kd",
         "restore_filters", "variational_dropout", "backbone",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet", "wukong",
         "rank_model", "dlrm_hstu",

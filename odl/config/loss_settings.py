@@ -18,7 +18,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from odl.config.config_error import ConfigError
-from odl.config.model_classes import is_multi_task_model, model_settings, task_label_names
+from odl.config.model_classes import (
+    is_multi_task_model,
+    product_output,
+    task_label_names,
+    task_towers,
+)
 from odl.protos import pipeline_pb2
 
 __all__ = ["JRC_STRATEGIES", "POINTWISE_LOSS_TYPES", "jrc_session_field", "loss_entries",
@@ -43,19 +48,21 @@ def loss_entries(config: pipeline_pb2.EasyRecConfig) -> Iterator[tuple[str, pipe
     mc = config.model_config
     for i, loss in enumerate(mc.losses):
         yield f"model_config.losses[{i}]", loss
-    if is_multi_task_model(mc):
-        field, settings = model_settings(mc)
-        for t, task in enumerate(settings.task_towers):
-            for i, loss in enumerate(task.losses):
-                yield f"model_config.{field}.task_towers[{t}].losses[{i}]", loss
+    for path, task in task_towers(mc):
+        for i, loss in enumerate(task.losses):
+            yield f"{path}.losses[{i}]", loss
 
 
 def _output_terms(config: pipeline_pb2.EasyRecConfig) -> list[list[int]]:
-    """Per model output (the model's one, or each task tower's), its loss types."""
+    """Per model output (the model's one, or each task tower's), its loss types.
+
+    A product output (``product_output``) follows the tasks' with the first task's types.
+    """
     mc = config.model_config
     if is_multi_task_model(mc):
-        return [[t.loss_type for t in task.losses] or [task.loss_type]
-                for task in model_settings(mc)[1].task_towers]
+        terms = [[t.loss_type for t in task.losses] or [task.loss_type]
+                 for _path, task in task_towers(mc)]
+        return terms + (terms[:1] if product_output(mc) else [])
     return [[t.loss_type for t in mc.losses] or [mc.loss_type]]
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from odl.config.config_error import ConfigError
 from odl.config.feature_configs import feature_configs
-from odl.config.model_classes import is_multi_task_model, model_settings
+from odl.config.model_classes import task_towers
 from odl.protos import pipeline_pb2
 
 __all__ = ["GAUC_REDUCTIONS", "grouped_auc_field", "grouped_auc_reduction"]
@@ -32,12 +32,10 @@ def _grouping_entries(config: pipeline_pb2.EasyRecConfig) -> list[tuple[str, str
     torch_form = [(f"model_config.metrics[{i}]", m) for i, m in enumerate(mc.metrics)]
     easyrec_form = [(f"eval_config.metrics_set[{i}]", m)
                     for i, m in enumerate(config.eval_config.metrics_set)]
-    field, settings = model_settings(mc)
-    for t, task in enumerate(settings.task_towers if is_multi_task_model(mc) else ()):
-            where = f"model_config.{field}.task_towers[{t}]"
-            torch_form += [(f"{where}.metrics[{i}]", m) for i, m in enumerate(task.metrics)]
-            easyrec_form += [(f"{where}.metrics_set[{i}]", m)
-                             for i, m in enumerate(task.metrics_set)]
+    for where, task in task_towers(mc):
+        torch_form += [(f"{where}.metrics[{i}]", m) for i, m in enumerate(task.metrics)]
+        easyrec_form += [(f"{where}.metrics_set[{i}]", m)
+                         for i, m in enumerate(task.metrics_set)]
     out = [(f"{p}.grouped_auc.grouping_key", m.grouped_auc.grouping_key, "mean")
            for p, m in torch_form if m.HasField("grouped_auc")]
     for p, m in easyrec_form:

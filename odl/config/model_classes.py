@@ -7,8 +7,11 @@ it holds (EasyRec names a model by ``model_class``; TorchEasyRec by the message 
 everything the config layer knows about a model class; what a class is (its module, how it
 builds, validates and counts its outputs) is ``odl.models.model_registry``'s.
 
-A model whose settings message has ``task_towers`` is multi-task: one output per task, each
-trained on its own label (:func:`is_multi_task_model`, :func:`task_label_names`).
+A model whose settings message has tasks is multi-task: one output per task, each trained on
+its own label (:func:`is_multi_task_model`, :func:`task_label_names`). Its tasks are its
+``task_towers``, or, for a message without that field, its ``TaskTower`` fields in declaration
+order (EasyRec's ESMM: ``cvr_tower``, ``ctr_tower``; :func:`task_towers`). A message whose
+``product_output`` option names an output has that output after its tasks' (:func:`product_output`).
 """
 
 from __future__ import annotations
@@ -56,23 +59,67 @@ def model_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, Any]:
     return (field, getattr(model_config, field)) if field else ("", None)
 
 
+def _task_fields(descriptor: Any) -> list[Any]:
+    """The singular ``TaskTower`` fields of a settings message without ``task_towers``."""
+    if "task_towers" in descriptor.fields_by_name:
+        return []
+    return [fd for fd in descriptor.fields
+            if fd.message_type is pipeline_pb2.TaskTower.DESCRIPTOR
+            and not fd.is_repeated]
+
+
+def _has_tasks(descriptor: Any) -> bool:
+    return "task_towers" in descriptor.fields_by_name or bool(_task_fields(descriptor))
+
+
+def task_towers(model_config: pipeline_pb2.EasyRecModel) -> list[tuple[str, Any]]:
+    """``(dotted path, TaskTower)`` per task of a multi-task model, in task order.
+
+    Args:
+        model_config: the model config.
+
+    Returns:
+        ``model_config.<field>.task_towers[i]`` each, or the message's ``TaskTower`` fields in
+        declaration order; empty for a model that is not multi-task.
+    """
+    field, settings = model_settings(model_config)
+    if settings is None:
+        return []
+    where = f"model_config.{field}"
+    if "task_towers" in settings.DESCRIPTOR.fields_by_name:
+        return [(f"{where}.task_towers[{i}]", t) for i, t in enumerate(settings.task_towers)]
+    return [(f"{where}.{fd.name}", getattr(settings, fd.name))
+            for fd in _task_fields(settings.DESCRIPTOR)]
+
+
 def _task_towers(model_config: pipeline_pb2.EasyRecModel) -> Any:
     _field, settings = model_settings(model_config)
-    if settings is None or "task_towers" not in settings.DESCRIPTOR.fields_by_name:
+    if settings is None or not _has_tasks(settings.DESCRIPTOR):
         return None
-    return settings.task_towers
+    return [t for _path, t in task_towers(model_config)]
+
+
+def product_output(model_config: pipeline_pb2.EasyRecModel) -> str:
+    """The name of the model's output after its tasks' (the product of their predictions).
+
+    ``""`` when its settings message declares none (``product_output`` option).
+    """
+    _field, settings = model_settings(model_config)
+    if settings is None:
+        return ""
+    return settings.DESCRIPTOR.GetOptions().Extensions[pipeline_pb2.product_output]
 
 
 def is_multi_task_model(model_config: pipeline_pb2.EasyRecModel) -> bool:
-    """Whether the model trains one output per task (its settings have ``task_towers``)."""
+    """Whether the model trains one output per task (its settings message has tasks)."""
     return _task_towers(model_config) is not None
 
 
 def multi_task_model_classes() -> tuple[str, ...]:
-    """The classes whose settings message has ``task_towers`` (for messages to users)."""
+    """The classes whose settings message has tasks (for messages to users)."""
     return tuple(name for name, field in MODEL_MESSAGES.items()
-                 if "task_towers" in pipeline_pb2.EasyRecModel.DESCRIPTOR.fields_by_name[
-                     field].message_type.fields_by_name)
+                 if _has_tasks(pipeline_pb2.EasyRecModel.DESCRIPTOR.fields_by_name[
+                     field].message_type))
 
 
 def task_label_names(model_config: pipeline_pb2.EasyRecModel,

@@ -219,6 +219,21 @@ _MULTI_TASK_BLOCKS = {
               '    task_towers {{ tower_name: "cvr" label_name: "buy" '
               'dnn {{ hidden_units: [8] }} relation_tower_names: "ctr" '
               'relation_dnn {{ hidden_units: [8] }} }}\n  }}'),
+    "ESMM": ('esmm {{\n    groups {{ input: "all" dnn {{ hidden_units: [{units}] }} }}\n'
+             '    cvr_tower {{ tower_name: "cvr" label_name: "buy" '
+             'dnn {{ hidden_units: [8] }} }}\n'
+             '    ctr_tower {{ tower_name: "ctr" label_name: "label" '
+             'dnn {{ hidden_units: [8] }} }}\n  }}'),
+    "PLE": ('ple {{\n    extraction_networks {{ network_name: "layer1" expert_num_per_task: 2 '
+            'share_num: 1 task_expert_net {{ hidden_units: [{units}] }} '
+            'share_expert_net {{ hidden_units: [{units}] }} }}\n'
+            '    extraction_networks {{ network_name: "layer2" expert_num_per_task: 1 '
+            'share_num: 1 task_expert_net {{ hidden_units: [8] }} '
+            'share_expert_net {{ hidden_units: [8] }} }}\n'
+            '    task_towers {{ tower_name: "ctr" label_name: "label" '
+            'dnn {{ hidden_units: [8] }} }}\n'
+            '    task_towers {{ tower_name: "cvr" label_name: "buy" '
+            'dnn {{ hidden_units: [8] }} }}\n  }}'),
 }
 MULTI_TASK_MODELS = tuple(_MULTI_TASK_BLOCKS)
 
@@ -257,16 +272,19 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     DBMTL read the "deep" group (renamed "all"; the "wide" group goes) and train two tasks,
     "ctr" on ``label`` and "cvr" on ``buy``, a column added after the stream's 42
     (``odl.datagen.conversion_labels``): MMoE with 3 experts like the DeepFM tower, DBMTL
-    with the DeepFM tower as its bottom and "cvr" related to "ctr". FM (EasyRec's) keeps the
-    groups with the dense features moved from the deep group (FM's vectors) to the wide group
-    (a first-order term each). DLRM (EasyRec's) reads a "dense" group (the dense features,
-    through a bot_dnn of one layer as wide as the embeddings) and a "sparse" group (the id
-    features), its top_dnn the DeepFM tower.
+    with the DeepFM tower as its bottom and "cvr" related to "ctr", ESMM with the DeepFM tower
+    as its group's DNN (outputs "cvr", "ctr", "ctcvr"), PLE with two extraction networks
+    (2 task experts like the DeepFM tower and 1 shared, then 1 and 1 of 8 units). FM
+    (EasyRec's) keeps the groups with the dense features moved from the deep group (FM's
+    vectors) to the wide group (a first-order term each). DLRM (EasyRec's) reads a "dense"
+    group (the dense features, through a bot_dnn of one layer as wide as the embeddings) and a
+    "sparse" group (the id features), its top_dnn the DeepFM tower.
 
     Args:
         text: the DeepFM config text.
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
-            ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"``, ``"FM"`` or ``"DLRM"``.
+            ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"``, ``"ESMM"``, ``"PLE"``,
+            ``"FM"`` or ``"DLRM"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:

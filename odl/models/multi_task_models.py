@@ -8,6 +8,8 @@ SequenceFeature with a ``sequence_combiner``, a target attention or pooling of i
 
     h       = bottom_dnn(x)                       DBMTL with bottom_dnn; else h = x
     in_t    = sum_e gate_t(h)_e * expert_e(h)     with expert_dnn (MMoE always); else in_t = h
+    in_t    = mixture(h)_t                        a model's own mixture (PLE's extraction
+                                                  networks, odl.models.ple) instead
     tower_t = dnn_t(in_t)                          (no dnn: in_t)
     rel_t   = relation_dnn_t(concat(tower_t, rel_r for r in relation_tower_names_t))
     logit_t = Linear(rel_t -> 1)                   (DBMTL; MMoE: rel_t = tower_t)
@@ -37,7 +39,7 @@ class's annotations as types.
 """
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
@@ -115,6 +117,8 @@ class MultiTaskDense(nn.Module):
             ``RawProjection`` makes each a ``projected_dim``-wide vector after the lookups).
         projected_widths: columns per projected feature.
         projected_dim: their ``embedding_dim``.
+        mixture: instead of ``experts``, ``(input width, number of tasks) -> module`` mapping
+            the bottom output to one input per task (a list), with ``out_width``; or None.
 
     Raises:
         ValueError: no input, no task, a bad expert setting, projected features beside
@@ -132,7 +136,8 @@ class MultiTaskDense(nn.Module):
                                        Optional[pipeline_pb2.DNN]]],
                  sequences: Optional[GroupSequences] = None,
                  projected_idx: Sequence[int] = (), projected_widths: Sequence[int] = (),
-                 projected_dim: int = 0) -> None:
+                 projected_dim: int = 0,
+                 mixture: Optional[Callable[[int, int], nn.Module]] = None) -> None:
         super().__init__()
         self.dense_idx = [int(i) for i in dense_idx]
         self.projected_idx = [int(i) for i in projected_idx]
@@ -159,6 +164,9 @@ class MultiTaskDense(nn.Module):
             expert_dnns, gate_dnn = experts
             self.experts = ExpertGates(width, expert_dnns, len(tasks), gate_dnn)
             width = self.experts.out_width
+        elif mixture is not None:
+            self.experts = mixture(width, len(tasks))
+            width = int(self.experts.out_width)
         heads: list[TaskHead] = []
         for dnn, relations, relation_dnn in tasks:
             rel_width = sum(heads[r].out_width for r in relations)
@@ -233,6 +241,8 @@ class MultiTaskModel(CtrModel):
             (EasyRec's RawFeature with ``embedding_dim`` and no ``boundaries``), not in
             ``group_dense``.
         projected_dim: their ``embedding_dim``.
+        mixture: the tasks' inputs from the shared input (``MultiTaskDense``'s), instead of
+            the settings' experts.
 
     Raises:
         ValueError: a relation names an unknown or later task, or a bad setting.
@@ -251,6 +261,7 @@ class MultiTaskModel(CtrModel):
         sequences: Sequence[SequenceBlock] = (),
         projected: Sequence[Sequence[str]] = (),
         projected_dim: int = 0,
+        mixture: Optional[Callable[[int, int], nn.Module]] = None,
     ) -> None:
         super().__init__()
         self.set_tables(layout, ebc_device)
@@ -277,7 +288,7 @@ class MultiTaskModel(CtrModel):
                 relations.append(names.index(r))
             tasks.append((_dnn(t, "dnn"), relations, _dnn(t, "relation_dnn")))
         experts = None
-        if field == "mmoe" or settings.HasField("expert_dnn"):
+        if field == "mmoe" or (field == "dbmtl" and settings.HasField("expert_dnn")):
             named = list(settings.experts) if field == "mmoe" else []
             experts = ([e.dnn for e in named] if named
                        else [settings.expert_dnn] * int(settings.num_expert),
@@ -286,7 +297,8 @@ class MultiTaskModel(CtrModel):
         self.dense = MultiTaskDense(sum(dim_of[f] for f in lookups),
                                     [col[n] for n in group_dense], bottom, experts, tasks, seqs,
                                     [col[c] for cols in projected for c in cols],
-                                    [len(cols) for cols in projected], projected_dim)
+                                    [len(cols) for cols in projected], projected_dim,
+                                    mixture=mixture)
         self.pooled_layout = (PooledGroup.of("all", tuple((f, table_of[f]) for f in lookups),
                                              [dim_of[f] for f in lookups]),)
         self.output_names = tuple(names)
@@ -366,9 +378,23 @@ def multi_task_group(mc: pipeline_pb2.EasyRecModel) -> str:
                       f"group); groups are {names}")
 
 
-def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder
-           ) -> "MultiTaskModel":
-    """MMoE / DBMTL over the "all" group (and its sequence blocks); each task's label."""
+def build_multi_task_model(
+    config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder,
+    mixture: Optional[Callable[[int, int], nn.Module]] = None,
+) -> "MultiTaskModel":
+    """A multi-task model over the "all" group (and its sequence blocks); each task's label.
+
+    Args:
+        config: the config (MMoE, DBMTL, or a class with its own ``mixture``).
+        feature_builder: its feature builder.
+        mixture: the tasks' inputs from the shared input (``MultiTaskDense``'s), or None.
+
+    Returns:
+        The model.
+
+    Raises:
+        ConfigError: a task's label is not a label field, or a bad setting.
+    """
     mc = config.model_config
     label_fields = list(config.data_config.label_fields) or ["label"]
     sequences = sequence_blocks(config, feature_builder)
@@ -402,7 +428,8 @@ def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder
         return MultiTaskModel(layout, feature_builder.dense_feature_names, raw, mc, columns,
                               spaces, regular=regular, sequences=blocks,
                               projected=[columns_of[f] for f in projected],
-                              projected_dim=dims[projected[0]] if projected else 0)
+                              projected_dim=dims[projected[0]] if projected else 0,
+                              mixture=mixture)
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
 
@@ -423,8 +450,15 @@ def _validate_named_experts(settings: pipeline_pb2.MMoE, where: str) -> None:
                                               f"(the gates mix their outputs); got {widths}")
 
 
-def _validate(check: ModelCheck) -> None:
-    """The input group, the experts, the tasks and their labels and relations."""
+def validate_multi_task(check: ModelCheck) -> None:
+    """The input group, the tasks and their labels and relations (every multi-task class's).
+
+    Args:
+        check: the model's check.
+
+    Raises:
+        ConfigError: naming the first offending field.
+    """
     config, groups = check.config, check.groups
     mc = config.model_config
     field, settings = check.field, check.settings
@@ -450,17 +484,6 @@ def _validate(check: ModelCheck) -> None:
         raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
                           "projected raw features beside sequences in a multi-task group are "
                           "not implemented")
-    if field == "mmoe" and settings.experts:  # EasyRec's older form: one DNN per expert
-        _validate_named_experts(settings, where)
-    elif field == "mmoe" or settings.HasField("expert_dnn"):
-        validate_dnn(settings.expert_dnn, f"{where}.expert_dnn", required=True)
-        if not 1 <= settings.num_expert <= limits.MAX_EXPERTS:
-            raise ConfigError(f"{where}.num_expert",
-                              f"must be 1 to {limits.MAX_EXPERTS}, got {settings.num_expert}")
-    if field == "mmoe" and settings.HasField("gate_mlp"):
-        validate_dnn(settings.gate_mlp, f"{where}.gate_mlp", required=False)
-    if field == "dbmtl" and settings.HasField("bottom_dnn"):
-        validate_dnn(settings.bottom_dnn, f"{where}.bottom_dnn", required=False)
     if settings.l2_regularization < 0:
         raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
     if not settings.task_towers:
@@ -517,6 +540,24 @@ def _validate(check: ModelCheck) -> None:
                           f"label fields {unused} are not trained by any task")
 
 
+def _validate(check: ModelCheck) -> None:
+    """The input group, the experts, the tasks and their labels and relations."""
+    validate_multi_task(check)
+    field, settings = check.field, check.settings
+    where = f"model_config.{field}"
+    if field == "mmoe" and settings.experts:  # EasyRec's older form: one DNN per expert
+        _validate_named_experts(settings, where)
+    elif field == "mmoe" or settings.HasField("expert_dnn"):
+        validate_dnn(settings.expert_dnn, f"{where}.expert_dnn", required=True)
+        if not 1 <= settings.num_expert <= limits.MAX_EXPERTS:
+            raise ConfigError(f"{where}.num_expert",
+                              f"must be 1 to {limits.MAX_EXPERTS}, got {settings.num_expert}")
+    if field == "mmoe" and settings.HasField("gate_mlp"):
+        validate_dnn(settings.gate_mlp, f"{where}.gate_mlp", required=False)
+    if field == "dbmtl" and settings.HasField("bottom_dnn"):
+        validate_dnn(settings.bottom_dnn, f"{where}.bottom_dnn", required=False)
+
+
 for _name in ("MMoE", "DBMTL"):
-    register_model(ModelClass(_name, _build, _validate, group_attention="all",
+    register_model(ModelClass(_name, build_multi_task_model, _validate, group_attention="all",
                               projected_raw=True))
