@@ -62,11 +62,14 @@ def _incr(bootstrap: str, delta_topic: str, steps: int = 3, chunk: int = 900_000
 
 
 def _config(tmp_path, bootstrap: str, topic: str, delta_topic: str, ckpt_steps: int,
-            batch_size: int, keep: int = 10, steps: int = 3, chunk: int = 900_000) -> str:
+            batch_size: int, keep: int = 10, steps: int = 3, chunk: int = 900_000,
+            full_every: int = 10) -> str:
     cfg = write_config(tmp_path, bootstrap, topic, batch_size=batch_size,
                        extra_train=_incr(bootstrap, delta_topic, steps, chunk),
                        save_checkpoints_steps=ckpt_steps)
-    text = open(cfg).read().replace("keep_checkpoint_max: 3", f"keep_checkpoint_max: {keep}")
+    text = open(cfg).read().replace(
+        "keep_checkpoint_max: 3",
+        f"keep_checkpoint_max: {keep} full_checkpoint_every: {full_every}")
     open(cfg, "w").write(text)
     return cfg
 
@@ -98,18 +101,23 @@ def _append_half_version(bootstrap: str, delta_topic: str, model_dir: str, versi
     produce(bootstrap, delta_topic, chunks[:1])  # the first chunk only: a half version
 
 
-def test_restore_lands_on_last_complete_version(kafka_bootstrap, kafka_topic_factory, tmp_path):
+@pytest.mark.parametrize("full_every", [1, 3])  # every checkpoint full; increments between
+def test_restore_lands_on_last_complete_version(kafka_bootstrap, kafka_topic_factory, tmp_path,
+                                                full_every):
     topic = kafka_topic_factory(partitions=PARTS)
     delta_topic = kafka_topic_factory(partitions=1, prefix="delta", create=False)
     _ids, values = make_records(1200, seed=11)
     produce(kafka_bootstrap, topic, values, PARTS)
     ends = end_offsets(kafka_bootstrap, topic)
-    cfg = _config(tmp_path, kafka_bootstrap, topic, delta_topic, ckpt_steps=10, batch_size=50)
+    cfg = _config(tmp_path, kafka_bootstrap, topic, delta_topic, ckpt_steps=10, batch_size=50,
+                  full_every=full_every)
     trainer = run_in_process(cfg, ends)
     final_step = trainer.module.global_step
     model_dir = trainer.model_dir
     steps = [checkpoint_step(p) for p in list_checkpoints(model_dir)]
     assert steps[0] == 0 and steps[-1] == final_step and len(steps) >= 4, steps
+    increments = [p for p in list_checkpoints(model_dir) if read_checkpoint(p).chain[1:]]
+    assert len(increments) == (0 if full_every == 1 else 2), increments
     final = read_checkpoint(list_checkpoints(model_dir)[-1])
     assert final.positions == ends
     expected = final.state["model"]

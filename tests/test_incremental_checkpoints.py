@@ -1,0 +1,261 @@
+"""Incremental checkpoints (``odl.checkpoint.checkpoint_chain``): a chain reads as a full one.
+
+* A model with fixed and dynamic tables (evictions and expiry included) checkpointed every
+  few steps as a full checkpoint and its increments: the chain's newest checkpoint reads,
+  restores and exports bitwise as a full checkpoint of the same state does.
+* Damaged chains: a missing, damaged or replaced link makes its increments unusable (the
+  error names the link) and a restore falls back to the newest checkpoint whose chain is
+  whole; retention keeps the links a kept checkpoint needs; on OSS the same.
+* kill -9 (a real SIGKILL) while an increment's rows are being written leaves the chain up
+  to its parent usable.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from odl.checkpoint import checkpoint_chain
+from odl.checkpoint.checkpoint_manager import (
+    MANIFEST_FILE,
+    CheckpointError,
+    CheckpointManager,
+    list_checkpoints,
+    read_checkpoint,
+    resolve_checkpoint_path,
+)
+from odl.checkpoint.table_parts import TableBlocks
+from odl.config.pipeline_config import load_pipeline_config
+from odl.export.exporter import export_checkpoint
+from odl.features.feature_builder import FeatureBuilder
+from odl.storage import file_store
+from odl.train.checkpoint_rows import CheckpointRows
+from odl.train.module_state import changed_rows_part
+from odl.train.train_module import TrainModule
+from tests.harness import make_half_dynamic, synthetic_records, write_config
+
+# small capacity and a short life: rows are evicted for admission and expire untouched
+DYNAMIC = "ev_params { filter_freq: 1 max_capacity: 120 steps_to_live: 6 }"
+TABLE = "ebc.embedding_bags.t.weight"
+
+
+def _assert_same(a: object, b: object, where: str = "") -> None:
+    """Bitwise equality of nested dicts / lists of tensors and arrays."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(a), sorted(b))
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def _module(tmp_path):
+    cfg = write_config(tmp_path, "127.0.0.1:1", "t", buckets=400,
+                       sparse_fields=tuple(f"C{i}" for i in range(1, 7)))
+    assert make_half_dynamic(cfg, DYNAMIC)
+    config = load_pipeline_config(cfg)
+    fb = FeatureBuilder(config)
+    return config, fb, TrainModule(config, fb, device="cpu")
+
+
+def _checkpoint(manager: CheckpointManager, rows: CheckpointRows, tm: TrainModule) -> str:
+    """What ``TrainerCheckpoints.take`` does for one process, without a trainer."""
+    changed = rows.take()
+    step = tm.global_step
+    if manager.increment_allowed():
+        return manager.save(step, tm.state_without_tables(), {0: step}, {}, "cfg",
+                            rows=changed_rows_part(tm, changed))
+    return manager.save(step, tm.state_dict_for_checkpoint(), {0: step}, {}, "cfg")
+
+
+def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path) -> None:
+    config, fb, tm = _module(tmp_path)
+    chain_dir, full_dir = str(tmp_path / "chain"), str(tmp_path / "full")
+    manager = CheckpointManager(chain_dir, keep_max=2, full_every=4)
+    rows = CheckpointRows(tm)
+    records = synthetic_records(64 * 22, 5)
+    for i in range(22):
+        tm.train_step(fb.build(records[i * 64:(i + 1) * 64]).batch)
+        if i % 3 == 2:
+            _checkpoint(manager, rows, tm)
+    newest = _checkpoint(manager, rows, tm)
+    evicted = sum(s["counters"].get("evicted", 0) + s["counters"].get("expired", 0)
+                  for s in tm.dynamic.state_dict()["tables"].values())
+    assert evicted > 0  # rows were reset without a lookup
+    full = CheckpointManager(full_dir, full_every=1).save(
+        tm.global_step, tm.state_dict_for_checkpoint(), {0: tm.global_step}, {}, "cfg")
+
+    chain = read_checkpoint(resolve_checkpoint_path(chain_dir))
+    assert chain.path == newest and len(chain.chain) >= 3  # a full one and increments
+    assert chain.manifest["increment"]["base"] == os.path.basename(chain.chain[0])
+    # retention: 2 kept, plus the links they read from
+    assert set(chain.chain) <= set(list_checkpoints(chain_dir))
+    whole = read_checkpoint(full)
+    _assert_same(chain.state, whole.state)
+    mapped = read_checkpoint(newest, whole_tables=False)
+    blocks, reference = TableBlocks(mapped.state), TableBlocks(read_checkpoint(full).state)
+    for name in whole.state["model"]:
+        if name.startswith("ebc."):
+            assert torch.equal(blocks.blocks(name)[0][1], reference.blocks(name)[0][1]), name
+
+    restored = TrainModule(config, fb, device="cpu")
+    restored.load_checkpoint_state(read_checkpoint(newest).state)
+    _assert_same(restored.state_dict_for_checkpoint(), tm.state_dict_for_checkpoint())
+
+    a = export_checkpoint(config, newest, str(tmp_path / "export_chain"),
+                          warn_without_topic=False)
+    b = export_checkpoint(config, full, str(tmp_path / "export_full"),
+                          warn_without_topic=False)
+    files = sorted(os.path.relpath(p, a.path) for p in glob.glob(f"{a.path}/embeddings/*/*"))
+    assert files
+    for rel in files:
+        assert np.array_equal(np.load(os.path.join(a.path, rel)),
+                              np.load(os.path.join(b.path, rel))), rel
+
+
+def _tables(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(50, 4, generator=g), torch.rand(50, generator=g)
+
+
+def _save_chain(manager: CheckpointManager, steps: range) -> dict[int, tuple]:
+    """Saves steps of a table whose rows 2*step, 2*step+1 change per step; returns each
+    step's expected (weights, accumulators)."""
+    w, acc = _tables(0)
+    expected = {}
+    for step in steps:
+        ids = torch.tensor([2 * step, 2 * step + 1])
+        w[ids], acc[ids] = float(step), float(step)
+        dense = {"dense.b": torch.full((2,), float(step))}
+        if manager.increment_allowed():
+            pieces = {("model", TABLE, ""): ((50, 4), ids, w[ids].clone()),
+                      ("sparse", TABLE, "m"): ((50,), ids, acc[ids].clone())}
+            manager.save(step, {"global_step": step, "model": dense, "sparse_optimizer": {}},
+                         {0: step}, {}, "cfg",
+                         rows=checkpoint_chain.rows_document(pieces, 0, 1))
+        else:
+            manager.save(step, {"global_step": step, "model": {TABLE: w.clone(), **dense},
+                                "sparse_optimizer": {TABLE: {"m": acc.clone()}}},
+                         {0: step}, {}, "cfg")
+        expected[step] = (w.clone(), acc.clone())
+    return expected
+
+
+def _assert_step(path: str, step: int, expected: dict[int, tuple]) -> None:
+    ckpt = read_checkpoint(path)
+    assert ckpt.global_step == step
+    assert torch.equal(ckpt.state["model"][TABLE], expected[step][0])
+    assert torch.equal(ckpt.state["sparse_optimizer"][TABLE]["m"], expected[step][1])
+    assert torch.equal(ckpt.state["model"]["dense.b"], torch.full((2,), float(step)))
+
+
+def test_a_broken_chain_is_refused_by_link_and_restore_falls_back(tmp_path) -> None:
+    model_dir = str(tmp_path / "m")
+    manager = CheckpointManager(model_dir, keep_max=0, full_every=4)
+    expected = _save_chain(manager, range(1, 8))  # full 1, increments 2-4, full 5, 6-7
+    path = {s: os.path.join(model_dir, f"model.ckpt-{s}") for s in expected}
+    manifest = checkpoint_chain.manifest_of(path[4])[0]
+    assert manifest["format"] == 2 and manifest["increment"]["depth"] == 3
+    assert checkpoint_chain.manifest_of(path[5])[0]["format"] == 1
+    for s in expected:
+        _assert_step(path[s], s, expected)
+
+    shutil.rmtree(path[6])  # a lost link: 7 is unusable, 5 is the newest whole chain
+    with pytest.raises(CheckpointError, match="model.ckpt-6"):
+        resolve_checkpoint_path(path[7])
+    assert manager.latest() == path[5] == resolve_checkpoint_path(model_dir)
+
+    rows = glob.glob(os.path.join(path[3], "rows.rank-*"))[0]
+    with open(rows, "r+b") as f:  # a damaged link
+        f.truncate(50)
+    with pytest.raises(CheckpointError, match="model.ckpt-3"):
+        resolve_checkpoint_path(path[4])
+
+    # a parent replaced by another checkpoint of its step: refused by manifest digest
+    CheckpointManager(model_dir, keep_max=0).save(
+        1, {"global_step": 1, "model": {TABLE: torch.zeros(50, 4), "dense.b": torch.ones(2)},
+            "sparse_optimizer": {TABLE: {"m": torch.zeros(50)}}}, {0: 1}, {}, "cfg",
+        overwrite=True)
+    with pytest.raises(CheckpointError, match="another one"):
+        resolve_checkpoint_path(path[2])
+
+
+def test_retention_keeps_the_links_a_kept_checkpoint_needs(tmp_path) -> None:
+    model_dir = str(tmp_path / "m")
+    expected = _save_chain(CheckpointManager(model_dir, keep_max=2, full_every=5),
+                           range(1, 10))
+    steps = [int(p.rsplit("-", 1)[1]) for p in list_checkpoints(model_dir)]
+    assert steps == [6, 7, 8, 9]  # 8 and 9 kept, with their base 6 and the link 7
+    _assert_step(resolve_checkpoint_path(model_dir), 9, expected)
+
+
+def test_chain_on_oss(oss) -> None:
+    model_dir = "oss://bkt/odl/inc"
+    expected = _save_chain(CheckpointManager(model_dir, keep_max=1, full_every=3),
+                           range(1, 6))
+    assert [p.rsplit("-", 1)[1] for p in list_checkpoints(model_dir)] == ["4", "5"]
+    newest = resolve_checkpoint_path(model_dir)
+    assert newest == f"{model_dir}/model.ckpt-5"
+    _assert_step(newest, 5, expected)
+    file_store.remove(f"{model_dir}/model.ckpt-4/DONE")
+    with pytest.raises(CheckpointError, match="model.ckpt-4"):
+        resolve_checkpoint_path(newest)
+
+
+_WRITER = """
+import sys, torch
+from odl.checkpoint import checkpoint_chain
+from odl.checkpoint.checkpoint_manager import CheckpointManager
+rows = 1 << 20
+m = CheckpointManager(sys.argv[1], keep_max=0, full_every=1000)
+w = torch.zeros(rows, 16)
+m.save(0, {"global_step": 0, "model": {"t": w}, "sparse_optimizer": {}}, {}, {}, "cfg")
+for step in range(1, 1000):
+    ids = torch.arange(step % 2, rows, 2)
+    w[ids] = float(step)
+    m.save(step, {"global_step": step, "model": {}, "sparse_optimizer": {}}, {}, {}, "cfg",
+           rows=checkpoint_chain.rows_document({("model", "t", ""): ((rows, 16), ids, w[ids])},
+                                               0, 1))
+"""
+
+
+def test_sigkill_during_an_increment_write_leaves_the_chain_usable(tmp_path) -> None:
+    model_dir = str(tmp_path / "m")
+    proc = subprocess.Popen([sys.executable, "-c", _WRITER, model_dir])
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:  # kill inside the second increment's row file write
+            if glob.glob(os.path.join(model_dir, ".model.ckpt-2.tmp-*", "rows.rank-*")):
+                break
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert glob.glob(os.path.join(model_dir, ".model.ckpt-2.tmp-*")), "not killed mid-write"
+    manager = CheckpointManager(model_dir, keep_max=0, full_every=1000)  # removes the rest
+    assert not glob.glob(os.path.join(model_dir, ".model.ckpt-*"))
+    newest = manager.latest()
+    assert newest is not None and newest.endswith("model.ckpt-1")
+    table = read_checkpoint(newest).state["model"]["t"]
+    assert float(table[1::2].min()) == float(table[1::2].max()) == 1.0
+    assert float(table[0::2].abs().max()) == 0.0
+    assert os.path.exists(os.path.join(newest, MANIFEST_FILE))
