@@ -510,8 +510,7 @@ class TrainModule:
         else:  # no records here: a zero loss still runs the backward's collectives
             loss = torch.tensor(float("nan"))
             weighted = output.logits.sum() * 0.0
-        pending = (learning.before_backward(pairs, output, mine)
-                   if learning is not None else None)
+        pending = learning.before_backward(output) if learning is not None else None
         self.dense_optimizer.zero_grad(set_to_none=True)
         weighted.backward()  # table rows are updated inside backward (fused)
         if learning is not None:  # each record's squared gradient in the accumulators

@@ -3,7 +3,8 @@
 ``in_batch_learning.py`` shifts each record's prediction by what the batch's earlier records
 taught its rows (``in_batch_scan.py`` with ``in_batch_scan.c``: the sequential pass, C compiled
 on first use); ``per_record_adagrad.py`` counts a batch's records one by one in Adagrad's
-accumulators; ``batch_row_pairs.py`` is the step's (table row, record) index both read. With
-several ranks ``rank_in_batch.py`` runs the pass over every rank's records of a step and
-``rank_per_record.py`` corrects the accumulators by the rank holding each row.
+accumulators; ``batch_row_pairs.py`` is the step's (table row, record) index both read. The
+batch is the step's, every rank's records: ``step_exchange.py`` gives every rank every rank's
+part of the step (the identity with one rank) and ``held_rows.py`` reads and writes the rows
+this rank holds. ``row_pair_learning.py`` is what the training step calls.
 """

@@ -211,6 +211,10 @@ class RowPairIndex:
             [c + j if j < d else start for c, d in zip(columns, self.dims, strict=True)
              for j in range(self.width)], dtype=torch.long)
         self._table_key = torch.tensor(table_index, dtype=torch.long) * ROW_SPAN
+        # the same on the CPU, for the step's reads of every rank (``row_keys``, ``jacobian_rows``)
+        self._table_of_lookup = np.array(table_index, dtype=np.int64)
+        self._cpu_gather = self._gather.clone()
+        self.columns = start  # the groups' columns side by side
         self._mean = torch.tensor([t.mean_pooling for t in self.tables])
         self._any_mean = bool(self._mean.any())
         self.multiplier = torch.tensor([t.lr_multiplier for t in self.tables])
@@ -218,6 +222,10 @@ class RowPairIndex:
         self._key_order: tuple[tuple[str, ...], list[int]] | None = None
         self._cols = torch.arange(self.width)
         self.col_mask = torch.tensor([[j < d for j in range(self.width)] for d in self.dims])
+        # per lookup, on the CPU: its rate multiplier, its table's stored columns, its width
+        self.lookup_multiplier = self.multiplier.numpy().astype(np.float32)
+        self.lookup_stored = self.stored.numpy().astype(np.float32)
+        self.lookup_width = np.array(self.dims, dtype=np.int64)
         self._states: _FlatStorage | None = None
         self._weights: _FlatStorage | None = None
         if self.tables and all(t.state is not None for t in self.tables):
@@ -309,6 +317,25 @@ class RowPairIndex:
         cat = torch.cat([*parts, torch.zeros(b, 1, dtype=dtype, device=device)], dim=1)
         per_lookup = cat.index_select(1, self._gather).view(-1, self.width)  # [B * L, width]
         return per_lookup.index_select(0, pairs.sample * len(self.features) + pairs.lookup)
+
+    def row_keys(self, lookup: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Each (lookup, row)'s table row as one int64 (the order ``pairs`` sorts by)."""
+        return self._table_of_lookup[lookup] * ROW_SPAN + rows
+
+    def jacobian_rows(self, jac: np.ndarray, sample: np.ndarray,
+                      lookup: np.ndarray) -> torch.Tensor:
+        """``[K, width]``: ``per_pair`` of the reads ``(sample[k], lookup[k])`` on the CPU.
+
+        Args:
+            jac: ``[N, columns]`` the pooled groups' columns side by side, per record.
+            sample: ``[K]`` each read's record.
+            lookup: ``[K]`` each read's lookup.
+        """
+        t = torch.from_numpy(jac)
+        cat = torch.cat([t, t.new_zeros(t.shape[0], 1)], dim=1)
+        per_lookup = cat.index_select(1, self._cpu_gather).view(-1, self.width)
+        return per_lookup.index_select(0, torch.from_numpy(sample * len(self.features)
+                                                           + lookup))
 
     def plan_accumulators(self, lookup: torch.Tensor, rows: torch.Tensor) -> RowPlan:
         """Where (lookup, row)s' accumulators lie.

@@ -33,10 +33,21 @@ shifted predictions (the progressive metrics). The state a step leaves, what che
 publishing and serving see, is the ordinary batched update with those errors: serving's
 predictions (``TrainModule.predict``, ``odl-serve``) are not shifted.
 
-Which errors the earlier records step with: by default their errors at the batch's starting
-state (``dloss`` above, one batched pass). With ``train_config.in_batch_sequential`` they are
-their own shifted predictions' errors, found in one pass over the records in order
-(``odl.train.in_batch.in_batch_scan``, whose docstring states that variant).
+Which errors the earlier records step with: with ``train_config.in_batch_sequential`` (the
+default) their own shifted predictions' errors, found in one pass over the records in order
+(``odl.train.in_batch.in_batch_scan``, whose docstring states that variant); with
+``in_batch_sequential: false`` their errors at the batch's starting state (the loss's slope
+above, one batched computation).
+
+The batch is the step's: with several ranks, every rank's records of the step, rank 0's
+first, as one process training their concatenation would see them (``TrainModule``'s step).
+Each rank gives its part of the step (``RecordReads``: its records' logits and loss slopes,
+``dlogit/d pooled``, its row reads) to the ``StepExchange`` (the identity with one rank), the
+accumulators of the shared rows come from the ranks holding them (``held_rows``), and every
+rank computes the same shifts of all records and keeps its own. A record's loss slope is the
+one the step's table update sees: its rank's loss weighted by the rank's share of the step's
+records (1 with one rank). Only rows that two or more records read shift anything, so only
+their reads are kept after the exchange.
 
 Not covered (the logit is not shifted by them): sequence lookups that are not pooled
 (target attention's items), dense parameters, and second-order terms. Batch norm in the
@@ -45,34 +56,143 @@ dense part couples records; the shift then uses its train-mode Jacobian as it is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from odl.config.optimizer_support import IN_BATCH_TABLE_KINDS
-from odl.models.ctr_model import ModelOutput
 from odl.train.in_batch.batch_row_pairs import RowPairIndex, RowPairs
-from odl.train.in_batch.in_batch_scan import InBatchScan, ScanPairs, record_order, scan_pairs
+from odl.train.in_batch.held_rows import HeldRows
+from odl.train.in_batch.in_batch_scan import InBatchScan, loss_slopes, scan_pairs
+from odl.train.in_batch.step_exchange import StepExchange
+
+LossAt = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class RecordReads:
+    """One rank's part of a step for in-batch learning: ``n`` records, ``P`` row reads.
+
+    Attributes:
+        base: ``[n]`` float32, the records' logits at the step's start.
+        slope: ``[n]`` float32, each record's loss slope there (as the table update sees it).
+        curve: ``[n]`` float32, the slope's derivative in the record's own logit.
+        jac: ``[n, columns]`` float32, ``dlogit/d pooled``, the groups side by side.
+        lookup: ``[P]`` int64, each read's lookup.
+        rows: ``[P]`` int64, its table row.
+        sample: ``[P]`` int64, its record (numbered within the rank).
+        weight: ``[P]`` float32, its weight in the lookup's pooled vector.
+    """
+
+    base: np.ndarray
+    slope: np.ndarray
+    curve: np.ndarray
+    jac: np.ndarray
+    lookup: np.ndarray
+    rows: np.ndarray
+    sample: np.ndarray
+    weight: np.ndarray
+
+
+@dataclass(frozen=True)
+class RecordSlopes:
+    """One rank's records' loss slopes and their derivatives at given logits (``[n]`` each)."""
+
+    slope: np.ndarray
+    curve: np.ndarray
+
+
+@dataclass(frozen=True)
+class SharedReads:
+    """The step's reads of rows that two or more records read, in (row, record) order.
+
+    Records are numbered over the whole step, rank after rank; ``K`` reads of ``U`` rows.
+
+    Attributes:
+        sample: ``[K]`` each read's record.
+        lookup: ``[K]`` its lookup.
+        weight: ``[K]`` its weight.
+        slot: ``[K]`` its row, numbered ``0..U-1``.
+        new_row: ``[K]`` the read starts its row's reads.
+        new_pair: ``[K]`` the read starts its (row, record)'s reads.
+        head_lookup: ``[U]`` a lookup reading each row.
+        head_rows: ``[U]`` each row in its table.
+    """
+
+    sample: np.ndarray
+    lookup: np.ndarray
+    weight: np.ndarray
+    slot: np.ndarray
+    new_row: np.ndarray
+    new_pair: np.ndarray
+    head_lookup: np.ndarray
+    head_rows: np.ndarray
+
+
+def shared_reads(parts: list[RecordReads], index: RowPairIndex) -> SharedReads | None:
+    """The reads of ``parts`` (every rank's, in rank order) that ``SharedReads`` keeps.
+
+    Each part lists its reads in (row, record) order (``RowPairIndex.pairs``), so one part
+    is in order already; several are put in order together.
+
+    Returns:
+        None when no row is read by two or more records.
+    """
+    if len(parts) == 1:
+        lookup, rows, sample, weight = (parts[0].lookup, parts[0].rows, parts[0].sample,
+                                        parts[0].weight)
+        key = index.row_keys(lookup, rows)
+    else:
+        starts = np.cumsum([0] + [len(p.base) for p in parts])
+        lookup = np.concatenate([p.lookup for p in parts])
+        rows = np.concatenate([p.rows for p in parts])
+        sample = np.concatenate([p.sample + start for p, start in zip(parts, starts,
+                                                                        strict=False)])
+        weight = np.concatenate([p.weight for p in parts])
+        key = index.row_keys(lookup, rows)
+        order = np.argsort(key * (int(starts[-1]) + 1) + sample)
+        lookup, rows, sample, weight, key = (lookup[order], rows[order], sample[order],
+                                             weight[order], key[order])
+    if len(key) < 2:
+        return None
+    new_row = np.ones(len(key), dtype=bool)
+    new_row[1:] = key[1:] != key[:-1]
+    new_pair = new_row.copy()
+    new_pair[1:] |= sample[1:] != sample[:-1]
+    slot = np.cumsum(new_row) - 1
+    readers = np.bincount(slot, weights=new_pair)
+    keep = np.flatnonzero(readers[slot] > 1)
+    if not len(keep):
+        return None
+    first = new_row[keep]
+    heads = keep[first]
+    return SharedReads(sample=sample[keep], lookup=lookup[keep], weight=weight[keep],
+                       slot=np.cumsum(first) - 1, new_row=first, new_pair=new_pair[keep],
+                       head_lookup=lookup[heads], head_rows=rows[heads])
 
 
 class InBatchLearning:
     """Computes the logit shift of the module docstring for every step of one model.
 
     Args:
-        index: the model's ``RowPairIndex`` (its tables' accumulators for Adagrad kinds).
+        index: the model's ``RowPairIndex``.
         kind: the table kernel, one of ``IN_BATCH_TABLE_KINDS``.
         eps: the fused kernel's epsilon.
         sequential: the pass of ``odl.train.in_batch.in_batch_scan``
             (``in_batch_sequential``); None: the earlier records' errors at the batch's
             starting state.
+        held: the table rows this rank holds (their accumulators).
+        exchange: the step's exchange between the ranks.
 
     Raises:
         ValueError: ``kind`` is not one of ``IN_BATCH_TABLE_KINDS``.
     """
 
     def __init__(self, index: RowPairIndex, kind: str, eps: float,
-                 sequential: InBatchScan | None = None) -> None:
+                 sequential: InBatchScan | None, held: HeldRows,
+                 exchange: StepExchange) -> None:
         if kind not in IN_BATCH_TABLE_KINDS:
             raise ValueError(f"in-batch learning supports {IN_BATCH_TABLE_KINDS} tables, not "
                              f"{kind!r}")
@@ -80,96 +200,137 @@ class InBatchLearning:
         self.eps = float(eps)
         self._index = index
         self.sequential = sequential
+        self._held = held
+        self._exchange = exchange
 
-    def logit_shift(self, pairs: RowPairs | None, output: ModelOutput,
-                    loss: torch.Tensor | None, lr: float,
-                    loss_at: Callable[[torch.Tensor], torch.Tensor] | None = None
-                    ) -> torch.Tensor:
-        """The ``[B]`` shift of ``output.logits`` (module docstring); no gradient flows.
+    def logit_shift(self, pairs: RowPairs | None, jac: torch.Tensor | None,
+                    logits: torch.Tensor, loss_at: LossAt, lr: float) -> torch.Tensor:
+        """This rank's ``[n]`` shifts of ``logits`` (module docstring); no gradient flows.
+
+        A collective with several ranks: every rank calls it at every step, with or without
+        records.
 
         Args:
-            pairs: the step's row reads (``RowPairIndex.pairs`` of the batch's ids, after any
-                dynamic-table remap); None: nothing read.
-            output: the step's forward output (logits ``[B]``, pooled groups in the graph).
-            loss: the step's loss on ``output`` (its graph is kept for the backward); the
-                sequential pass does not need it (None).
+            pairs: this rank's row reads (``RowPairIndex.pairs`` of its batch's ids, after
+                any dynamic-table remap); None: nothing read.
+            jac: ``[n, columns]`` ``dlogit/d pooled`` of this rank's records (the groups side
+                by side); None where ``pairs`` is.
+            logits: ``[n]`` this rank's records' logits at the step's start.
+            loss_at: this rank's part of the step's loss at given ``[n]`` logits (the rest
+                of the forward fixed), weighted as the table update weighs it.
             lr: the table rate of this step.
-            loss_at: the step's loss at given ``[B]`` logits; needed when ``sequential``.
 
         Returns:
-            Float tensor ``[B]`` on the logits' device.
+            Tensor ``[n]`` like ``logits``.
         """
-        logits = output.logits
-        b = logits.shape[0]
-        shift = torch.zeros(b, dtype=logits.dtype, device=logits.device)
-        if pairs is None or b < 2:
-            return shift
-        jac = torch.autograd.grad(logits.sum(), output.pooled, retain_graph=True,
-                                  allow_unused=True)
-        if self.sequential is not None:
-            if loss_at is None:
-                raise ValueError("in_batch_sequential needs the loss at given logits")
-            with torch.no_grad():
-                prepared = self._scan_pairs(pairs, jac, lr, logits.dtype)
-            return self.sequential.shift(prepared, logits.detach(), loss_at)
-        if loss is None:
-            raise ValueError("the batched shift needs the step's loss")
-        (dloss,) = torch.autograd.grad(loss, logits, retain_graph=True)
-        with torch.no_grad():
-            return self._shift(pairs, dloss.detach(), jac, lr, shift)
+        n = int(logits.shape[0])
+        parts = self._exchange.every_rank(_record_reads(self._index, pairs, jac, logits,
+                                                        loss_at))
+        offset = int(sum(len(p.base) for p in parts[:self._exchange.rank]))
+        base = np.concatenate([p.base for p in parts])
+        shift = np.zeros(len(base), dtype=np.float32)
+        shared = shared_reads(parts, self._index)
+        if shared is not None:
+            acc = None
+            if self.kind != "sgd":
+                read = self._held.accumulators(shared.head_lookup, shared.head_rows)
+                acc = self._exchange.held_values(read.values, read.held)
+            jac_all = np.concatenate([p.jac for p in parts])
+            slope = np.concatenate([p.slope for p in parts])
+            if self.sequential is not None:
+                curve = np.concatenate([p.curve for p in parts])
+                shift = self._sequential(shared, jac_all, acc, lr, base, slope, curve,
+                                         self._slopes_at(offset, n, logits, loss_at))
+            else:
+                shift = self._batched(shared, jac_all, acc, lr, slope, len(base))
+        own = np.ascontiguousarray(shift[offset:offset + n])
+        return torch.from_numpy(own).to(logits.device, logits.dtype)
 
-    def _scan_pairs(self, pairs: RowPairs, jac: Sequence[torch.Tensor | None], lr: float,
-                    dtype: torch.dtype) -> ScanPairs:
-        """The pass's inputs.
+    def _slopes_at(self, offset: int, n: int, logits: torch.Tensor,
+                   loss_at: LossAt) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+        """The step's records' loss slopes at given logits: each rank gives its records'."""
+        def slopes_at(at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            mine = RecordSlopes(*_slopes(loss_at, torch.from_numpy(
+                np.ascontiguousarray(at[offset:offset + n])).to(logits.device, logits.dtype)))
+            parts = self._exchange.every_rank(mine)
+            return (np.concatenate([p.slope for p in parts]),
+                    np.concatenate([p.curve for p in parts]))
+        return slopes_at
 
-        Only the pairs of rows that two or more records read: a row that one record reads
-        shifts nothing.
-        """
-        slot = torch.cumsum(pairs.new_row.long(), 0) - 1
-        readers = torch.zeros(int(slot[-1]) + 1, dtype=torch.long, device=slot.device)
-        readers.index_add_(0, slot, pairs.new_pair.long())
-        keep = (readers.index_select(0, slot) > 1).nonzero().flatten()
-        first = pairs.new_row.index_select(0, keep)
-        slot = torch.cumsum(first.long(), 0) - 1  # the kept rows, numbered
+    def _sequential(self, shared: SharedReads, jac: np.ndarray, acc: np.ndarray | None,
+                    lr: float, base: np.ndarray, slope: np.ndarray, curve: np.ndarray,
+                    slopes_at: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+                    ) -> np.ndarray:
+        """The sequential pass's shifts (``InBatchScan.solve``) of every record of the step."""
+        assert self.sequential is not None
         index = self._index
-        heads = keep.index_select(0, first.nonzero().flatten())  # each kept row's first pair
-        lookup, rows = pairs.lookup.index_select(0, heads), pairs.rows.index_select(0, heads)
-        acc = None
-        if self.kind != "sgd":
-            acc = index.accumulators(index.plan_accumulators(lookup, rows), dtype)
-        # the pairs in the pass's (record, row) order, so that it reads them in sequence
-        order = record_order(pairs.sample.index_select(0, keep), slot)
-        keep, slot = keep.index_select(0, order), slot.index_select(0, order)
-        shared = replace(pairs, **{f: getattr(pairs, f).index_select(0, keep) for f in (
-            "lookup", "sample", "weight")})
-        return scan_pairs(shared.sample, slot, index.per_pair(jac, shared, dtype),
-                          shared.weight, lr * index.multiplier.index_select(0, lookup), acc,
-                          index.stored.index_select(0, lookup),
-                          index.col_mask.sum(1).index_select(0, lookup), in_record_order=True)
+        # the reads in the pass's (record, row) order, so that it reads them in sequence
+        order = np.argsort(shared.sample * (int(shared.slot[-1]) + 1) + shared.slot)
+        sample, lookup = shared.sample[order], shared.lookup[order]
+        heads = shared.head_lookup
+        prepared = scan_pairs(
+            torch.from_numpy(sample), torch.from_numpy(shared.slot[order]),
+            index.jacobian_rows(jac, sample, lookup),
+            torch.from_numpy(shared.weight[order]),
+            torch.from_numpy(lr * index.lookup_multiplier[heads]),
+            torch.from_numpy(acc) if acc is not None else None,
+            torch.from_numpy(index.lookup_stored[heads]),
+            torch.from_numpy(index.lookup_width[heads]), in_record_order=True)
+        return self.sequential.solve(prepared, base, slope, curve, slopes_at)
 
-    def _shift(self, pairs: RowPairs, dloss: torch.Tensor,
-               jac: Sequence[torch.Tensor | None], lr: float,
-               shift: torch.Tensor) -> torch.Tensor:
+    def _batched(self, shared: SharedReads, jac: np.ndarray, acc: np.ndarray | None,
+                 lr: float, slope: np.ndarray, records: int) -> np.ndarray:
+        """The shifts with the earlier records' errors at the step's start (the contract)."""
         index = self._index
-        dtype = shift.dtype
-        lookup, sample, weight = pairs.lookup, pairs.sample, pairs.weight
-        jrow = index.per_pair(jac, pairs, dtype)  # [P, width]
-        grads = (weight * dloss.index_select(0, sample)).unsqueeze(1) * jrow
+        sample = torch.from_numpy(shared.sample)
+        lookup = shared.lookup
+        weight = torch.from_numpy(shared.weight)
+        jrow = index.jacobian_rows(jac, shared.sample, lookup)
+        grads = (weight * torch.from_numpy(slope).index_select(0, sample)).unsqueeze(1) * jrow
         cum = torch.cat([grads.new_zeros(1, index.width), torch.cumsum(grads, 0)])
+        at = torch.arange(len(shared.sample))
+        row_start = torch.cummax(torch.where(torch.from_numpy(shared.new_row), at, 0), 0)
+        pair_start = torch.cummax(torch.where(torch.from_numpy(shared.new_pair), at, 0), 0)
         # S_r(i): the row's gradient from strictly earlier records
-        earlier = (cum.index_select(0, pairs.pair_start)
-                   - cum.index_select(0, pairs.row_start))
-        rate = (lr * index.multiplier.index_select(0, lookup)).to(dtype).unsqueeze(1)
+        earlier = (cum.index_select(0, pair_start.values)
+                   - cum.index_select(0, row_start.values))
+        rate = torch.from_numpy(lr * index.lookup_multiplier[lookup]).unsqueeze(1)
         if self.kind == "sgd":
             change = earlier.mul_(-rate)
         else:
-            acc = index.accumulators(index.plan_accumulators(lookup, pairs.rows), dtype)
+            assert acc is not None
+            per_read = torch.from_numpy(acc[shared.slot])
             if self.kind == "rowwise_adagrad":
-                stored = index.stored.index_select(0, lookup).unsqueeze(1)
-                acc.add_((earlier * earlier).sum(1, keepdim=True).div_(stored))
+                stored = torch.from_numpy(index.lookup_stored[lookup]).unsqueeze(1)
+                per_read.add_((earlier * earlier).sum(1, keepdim=True).div_(stored))
             else:
-                acc.addcmul_(earlier, earlier)
+                per_read.addcmul_(earlier, earlier)
             # -lr * S / sqrt(G + S**2), eps as the kernel's: (x + eps**2)**-0.5 differs from
             # 1 / (sqrt(x) + eps) by a relative eps / sqrt(x) where S != 0 (and is 0 at S = 0)
-            change = earlier.mul_(acc.add_(self.eps * self.eps).rsqrt_()).mul_(-rate)
-        return shift.index_add_(0, sample, weight * (jrow * change).sum(1))
+            change = earlier.mul_(per_read.add_(self.eps * self.eps).rsqrt_()).mul_(-rate)
+        shift = torch.zeros(records, dtype=torch.float32)
+        return shift.index_add_(0, sample, weight * (jrow * change).sum(1)).numpy()
+
+
+def _slopes(loss_at: LossAt, at: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """``loss_slopes`` of ``n`` records; empty arrays for none."""
+    if not at.shape[0]:
+        return np.empty(0, dtype=np.float32), np.empty(0, dtype=np.float32)
+    return loss_slopes(loss_at, at)
+
+
+def _record_reads(index: RowPairIndex, pairs: RowPairs | None, jac: torch.Tensor | None,
+                  logits: torch.Tensor, loss_at: LossAt) -> RecordReads:
+    """This rank's part of the step (``RecordReads``)."""
+    slope, curve = _slopes(loss_at, logits.detach())
+    n = int(logits.shape[0])
+    base = logits.detach().to("cpu", torch.float32).numpy()
+    if pairs is None or jac is None:
+        empty = np.empty(0, dtype=np.int64)
+        return RecordReads(base, slope, curve, np.zeros((n, index.columns), dtype=np.float32),
+                           empty, empty, empty, np.empty(0, dtype=np.float32))
+    return RecordReads(
+        base, slope, curve, jac.detach().to("cpu", torch.float32).numpy(),
+        pairs.lookup.cpu().numpy().astype(np.int64), pairs.rows.cpu().numpy().astype(np.int64),
+        pairs.sample.cpu().numpy().astype(np.int64),
+        pairs.weight.detach().to("cpu", torch.float32).numpy())

@@ -29,7 +29,8 @@ loss's slope and curvature (``fit_errors``: exact for cross entropy and L2 losse
 and for other losses the pass is repeated from the logits it reached (``InBatchScan.shift``,
 at most ``ITERATIONS`` passes). A record's slope must depend on its own logit only: losses
 that couple records (pairwise, JRC) are refused by validation. With several ranks the pass
-runs over every rank's records of the step (``odl.train.in_batch.rank_in_batch``).
+runs over every rank's records of the step, each rank giving its records' slopes between
+passes (``odl.train.in_batch.in_batch_learning``).
 """
 
 from __future__ import annotations
@@ -360,10 +361,7 @@ class InBatchScan:
               loss_at: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """The ``[B]`` shifts of ``logits`` (module docstring); no gradient flows.
 
-        Each pass models every record's error by ``fit_errors`` at the last pass's logits
-        (the unshifted ones first) and runs the records in order. The shifts are final when
-        the model matched the loss's true slope at the logits the pass reached (within
-        ``TOLERANCE`` of the largest slope), or at once where the model is ``exact``.
+        ``solve`` with the slopes of ``loss_at``.
 
         Args:
             pairs: the step's prepared pairs.
@@ -373,9 +371,35 @@ class InBatchScan:
         Returns:
             Tensor ``[B]`` like ``logits``.
         """
+        def slopes_at(at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            return loss_slopes(loss_at, torch.from_numpy(at).to(logits.device, logits.dtype))
+
         base = _f32(logits)
-        at = base
         slope, curve = loss_slopes(loss_at, logits)
+        shift = self.solve(pairs, base, slope, curve, slopes_at)
+        return torch.from_numpy(shift).to(logits.device, logits.dtype)
+
+    def solve(self, pairs: ScanPairs, base: np.ndarray, slope: np.ndarray, curve: np.ndarray,
+              slopes_at: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """The ``[B]`` shifts of the records' logits ``base`` (module docstring).
+
+        Each pass models every record's error by ``fit_errors`` at the last pass's logits
+        (the unshifted ones first) and runs the records in order. The shifts are final when
+        the model matched the loss's true slope at the logits the pass reached (within
+        ``TOLERANCE`` of the largest slope), or at once where the model is ``exact``.
+
+        Args:
+            pairs: the step's prepared pairs.
+            base: ``[B]`` float32, the records' logits at the step's start.
+            slope: ``[B]`` each record's loss slope at ``base``.
+            curve: ``[B]`` its derivative in the record's own logit.
+            slopes_at: the records' ``(slope, curve)`` at given ``[B]`` logits (called
+                between passes only, never where the model is ``exact``).
+
+        Returns:
+            ``[B]`` float32.
+        """
+        at = base
         shift = np.zeros_like(base)
         self.passes = 0
         while self.passes < ITERATIONS:
@@ -386,12 +410,11 @@ class InBatchScan:
             if self.exact:
                 break
             at = base + shift
-            slope, curve = loss_slopes(loss_at, torch.from_numpy(at).to(logits.device,
-                                                                    logits.dtype))
+            slope, curve = slopes_at(at)
             scale = float(np.abs(slope).max(initial=0.0))
             if float(np.abs(errors.at(at) - slope).max(initial=0.0)) <= TOLERANCE * scale:
                 break
-        return torch.from_numpy(shift).to(logits.device, logits.dtype)
+        return shift
 
 
 def error_model_is_exact(model_config: pipeline_pb2.EasyRecModel) -> bool:

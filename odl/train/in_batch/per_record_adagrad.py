@@ -30,18 +30,24 @@ records' gradients cancel (a frequent row near its optimum) the accumulator grow
 the fused kernel's and the row moves less.
 
 The rule is applied after the fused backward as a correction of the rows the kernel
-updated: their weights get ``-lr * S * (1 / (sqrt(G + Q) + eps) - 1 / (sqrt(G + S**2) +
-eps))`` added (row-wise: ``sum(S**2) / stored_columns`` for ``S**2``) and their accumulators
-are set to ``G + Q``. The records' gradients come from hooks on the pooled groups during
-that backward (they include the loss's embedding regularization), so ``S`` is the gradient
-the kernel applied.
+updated. The kernel left a shared row's accumulator at ``G + fused`` (``fused = S**2``;
+row-wise ``sum(S**2) / stored_columns``), so ``G`` is that less ``fused``; the row's weights
+get ``lr * S * (1 / (sqrt(G + fused) + eps) - 1 / (sqrt(G + Q) + eps))`` added and its
+accumulator is set to ``G + Q``. The records' gradients come from hooks on the pooled groups
+during that backward (they include the loss's embedding regularization), so ``S`` is the
+gradient the kernel applied.
 
-It is meant to run with in-batch learning (``odl.train.in_batch.in_batch_learning``), whose errors
-already account for the batch's earlier records; validation refuses it alone, which the
-bench found to overshoot (``docs/benchmarks.md``).
+The batch is the step's: with several ranks, every rank's records of the step (the update
+one process makes on the ranks' records together). Each rank sums, per table row its
+records read, the gradient its records put on the row, the sum of its records' squared
+gradients and how many of its records read it (``RowGradientSums``; the gradients over the
+number of ranks, the share of TorchRec's averaged table update, 1 with one rank); the
+``StepExchange`` gives every rank every rank's sums (the identity with one rank), which are
+added per row; and the rank holding a shared row corrects it (``held_rows``).
 
-With several ranks ``odl.train.in_batch.rank_per_record`` applies the same rule, each shared row
-corrected by the rank holding it.
+It is meant to run with in-batch learning (``odl.train.in_batch.in_batch_learning``), whose
+errors already account for the batch's earlier records; validation refuses it alone, which
+the bench found to overshoot (``docs/benchmarks.md``).
 
 Not covered: SGD tables (a batched SGD step already is the sum of per-record steps) and
 other optimizers; rows that the model reads outside its pooled lookups keep the fused update.
@@ -52,10 +58,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from odl.config.optimizer_support import PER_RECORD_TABLE_KINDS
-from odl.train.in_batch.batch_row_pairs import RowPairIndex, RowPairs, RowPlan
+from odl.train.in_batch.batch_row_pairs import RowPairIndex, RowPairs
+from odl.train.in_batch.held_rows import HeldRows
+from odl.train.in_batch.step_exchange import StepExchange
 
 
 def hook_pooled_gradients(pooled: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
@@ -80,22 +89,61 @@ def hook_pooled_gradients(pooled: Sequence[torch.Tensor]) -> list[torch.Tensor |
     return grads
 
 
+@dataclass(frozen=True)
+class RowGradientSums:
+    """One rank's part of a step for per-record Adagrad: ``R`` table rows its records read.
+
+    Attributes:
+        key: ``[R]`` int64, the row as ``RowPairIndex.row_keys`` numbers it.
+        lookup: ``[R]`` int64, a lookup reading it.
+        rows: ``[R]`` int64, the row in its table.
+        readers: ``[R]`` int64, how many of the rank's records read it.
+        total: ``[R, width]`` float64, the gradient the records put on it (``S``).
+        squares: ``[R, 1 | width]`` float64, the sum of their squared gradients (``Q``;
+            summed over the columns for row-wise Adagrad).
+    """
+
+    key: np.ndarray
+    lookup: np.ndarray
+    rows: np.ndarray
+    readers: np.ndarray
+    total: np.ndarray
+    squares: np.ndarray
+
+
+def _added_per_row(parts: list[RowGradientSums]) -> RowGradientSums:
+    """Every rank's sums added per row (one entry per row)."""
+    key = np.concatenate([p.key for p in parts])
+    uniq, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    total = np.zeros((len(uniq), parts[0].total.shape[1]))
+    squares = np.zeros((len(uniq), parts[0].squares.shape[1]))
+    readers = np.zeros(len(uniq), dtype=np.int64)
+    np.add.at(total, inverse, np.concatenate([p.total for p in parts]))
+    np.add.at(squares, inverse, np.concatenate([p.squares for p in parts]))
+    np.add.at(readers, inverse, np.concatenate([p.readers for p in parts]))
+    return RowGradientSums(uniq, np.concatenate([p.lookup for p in parts])[first],
+                           np.concatenate([p.rows for p in parts])[first], readers, total,
+                           squares)
+
+
 class PerRecordAdagrad:
     """Applies the module docstring's accumulator rule after each step's fused backward.
 
     Args:
-        index: the model's ``RowPairIndex`` (weights and accumulators addressable).
+        index: the model's ``RowPairIndex``.
         kind: the table kernel, one of ``PER_RECORD_TABLE_KINDS``.
         eps: the fused kernel's epsilon.
         max_gain: the most a row's step may exceed the fused step (``c`` in the module
             docstring, at least 1).
+        held: the table rows this rank holds (read and corrected).
+        exchange: the step's exchange between the ranks.
 
     Raises:
         ValueError: ``kind`` is not one of ``PER_RECORD_TABLE_KINDS``, or ``max_gain`` < 1.
     """
 
-    def __init__(self, index: RowPairIndex, kind: str, eps: float,
-                 max_gain: float = 3.0) -> None:
+    def __init__(self, index: RowPairIndex, kind: str, eps: float, max_gain: float,
+                 held: HeldRows, exchange: StepExchange) -> None:
         if kind not in PER_RECORD_TABLE_KINDS:
             raise ValueError(f"per-record accumulators apply to {PER_RECORD_TABLE_KINDS} "
                              f"tables, not {kind!r}")
@@ -105,98 +153,82 @@ class PerRecordAdagrad:
         self.kind = kind
         self.eps = float(eps)
         self._index = index
-
-    def before_backward(self, pairs: RowPairs | None,
-                        pooled: Sequence[torch.Tensor]) -> _Pending | None:
-        """Reads the shared rows' accumulators and hooks the pooled groups.
-
-        The shared rows are those that two or more records read; the backward leaves the
-        pooled groups' gradients in the result.
-
-        Args:
-            pairs: the step's row reads (as the step's forward read them); None: nothing.
-            pooled: the step's pooled groups (``ModelOutput.pooled``).
-
-        Returns:
-            What ``apply`` needs after the backward, or None when no row is shared.
-        """
-        if pairs is None or pairs.b < 2:
-            return None
-        index = self._index
-        run = torch.cumsum(pairs.new_pair.long(), 0) - 1  # (row, record) run of each pair
-        row_seg = torch.cumsum(pairs.new_row.long(), 0) - 1
-        first_pair = pairs.new_pair.nonzero().flatten()
-        row_of_run = row_seg.index_select(0, first_pair)
-        shared = (torch.bincount(row_of_run) > 1).nonzero().flatten()
-        if shared.numel() == 0:
-            return None
-        starts = pairs.new_row.nonzero().flatten().index_select(0, shared)
-        lookup = pairs.lookup.index_select(0, starts)
-        rows = pairs.rows.index_select(0, starts)
-        dtype = pooled[0].dtype if pooled else torch.float32
-        with torch.no_grad():
-            states = index.plan_accumulators(lookup, rows)
-            acc = index.accumulators(states, dtype)
-            weights = index.plan_weights(lookup, rows)
-        grads = hook_pooled_gradients(pooled)
-        return _Pending(pairs, grads, run, row_of_run, shared, lookup, states, weights, acc)
+        self._held = held
+        self._exchange = exchange
 
     @torch.no_grad()
-    def apply(self, pending: _Pending | None, lr: float) -> int:
-        """Corrects the shared rows the step's fused update wrote (module docstring).
+    def apply(self, pairs: RowPairs | None, grads: Sequence[torch.Tensor | None], n: int,
+              lr: float) -> int:
+        """Corrects the shared rows this rank holds (module docstring).
+
+        A collective with several ranks: every rank calls it after every step's backward.
 
         Args:
-            pending: ``before_backward``'s result, after the backward.
-            lr: the table rate of this step.
+            pairs: this rank's row reads (None: none).
+            grads: the pooled groups' gradients (``hook_pooled_gradients`` before the
+                backward; the rows of a batch padded to the step's largest).
+            n: this rank's records (the first ``n`` rows of ``grads``).
+            lr: the table rate of the step.
 
         Returns:
-            The number of rows corrected (read by two or more records).
+            The number of shared rows this rank corrected (read by two or more records).
         """
-        if pending is None or all(g is None for g in pending.grads):
+        parts = self._exchange.every_rank(self._row_sums(pairs, grads, n))
+        # one rank's sums already are one entry per row
+        sums = parts[0] if len(parts) == 1 else _added_per_row(parts)
+        shared = np.flatnonzero(sums.readers > 1)
+        if not len(shared):
+            return 0
+        read = self._held.accumulators(sums.lookup[shared], sums.rows[shared])
+        at = np.flatnonzero(read.held)
+        if not len(at):
             return 0
         index = self._index
-        pairs = pending.pairs
-        acc = pending.acc
-        dtype = acc.dtype
-        grads = pairs.weight.to(dtype).unsqueeze(1) * index.per_pair(pending.grads, pairs, dtype)
-        runs = int(pending.run[-1]) + 1
-        per_record = (grads if runs == grads.shape[0]  # no record reads a row twice
-                      else grads.new_zeros(runs, index.width).index_add_(0, pending.run, grads))
-        squares = per_record * per_record
+        total, q, lookup = sums.total[shared[at]], sums.squares[shared[at]], read.lookup[at]
         if self.kind == "rowwise_adagrad":
-            squares = squares.sum(1, keepdim=True)
-        nrows = int(pending.row_of_run[-1]) + 1
-        width = index.width
-        sums = grads.new_zeros(nrows, width + squares.shape[1]).index_add_(
-            0, pending.row_of_run, torch.cat([per_record, squares], 1)).index_select(
-            0, pending.shared)
-        total, q = sums[:, :width], sums[:, width:]
-        lookup = pending.lookup
-        if self.kind == "rowwise_adagrad":
-            stored = index.stored.index_select(0, lookup).unsqueeze(1)
-            fused = (total * total).sum(1, keepdim=True) / stored
+            stored = index.lookup_stored[lookup][:, None].astype(np.float64)
+            fused = (total * total).sum(1, keepdims=True) / stored
             q = q / stored
         else:
             fused = total * total
-        q = torch.maximum(q, fused * self._floor)  # at most max_gain times the fused step
-        rate = (lr * index.multiplier.index_select(0, lookup)).to(dtype).unsqueeze(1)
-        delta = rate * total * ((acc + fused).sqrt_().add_(self.eps).reciprocal_()
-                                - (acc + q).sqrt_().add_(self.eps).reciprocal_())
-        index.add_to_weights(pending.weights, delta)
-        index.set_accumulators(pending.states, acc + q)
-        return int(pending.shared.shape[0])
+        q = np.maximum(q, fused * self._floor)  # at most max_gain times the fused step
+        before = read.values[at].astype(np.float64) - fused  # the fused kernel added `fused`
+        rate = lr * index.lookup_multiplier[lookup][:, None].astype(np.float64)
+        delta = rate * total * (1.0 / (np.sqrt(np.maximum(before + fused, 0)) + self.eps)
+                                - 1.0 / (np.sqrt(np.maximum(before + q, 0)) + self.eps))
+        self._held.update(read, at, delta.astype(np.float32), (before + q).astype(np.float32))
+        return len(at)
 
-
-@dataclass
-class _Pending:
-    """A step's shared rows between ``before_backward`` and ``apply``."""
-
-    pairs: RowPairs
-    grads: list[torch.Tensor | None]  # the pooled groups' gradients, filled by the backward
-    run: torch.Tensor  # [P] each pair's (row, record) run
-    row_of_run: torch.Tensor  # [runs] each run's row (index among the step's rows)
-    shared: torch.Tensor  # indices of the rows two or more records read
-    lookup: torch.Tensor  # [shared] a lookup reading the row
-    states: RowPlan  # where the rows' accumulators lie
-    weights: RowPlan  # where the rows' weights lie
-    acc: torch.Tensor  # [shared, 1 | width] their accumulators before the step
+    def _row_sums(self, pairs: RowPairs | None, grads: Sequence[torch.Tensor | None],
+                  n: int) -> RowGradientSums:
+        """This rank's part of the step (``RowGradientSums``)."""
+        index = self._index
+        width = index.width
+        qw = 1 if self.kind == "rowwise_adagrad" else width
+        if pairs is None or not n or all(g is None for g in grads):
+            empty = np.empty(0, dtype=np.int64)
+            return RowGradientSums(empty, empty, empty, empty, np.empty((0, width)),
+                                   np.empty((0, qw)))
+        dtype = next(g.dtype for g in grads if g is not None)
+        g = index.per_pair([g[:n] if g is not None else None for g in grads], pairs, dtype)
+        # each read's weight; the gradients over the ranks: TorchRec averages the tables'
+        g.mul_((pairs.weight.to(dtype) / self._exchange.world_size).unsqueeze(1))
+        run = torch.cumsum(pairs.new_pair.long(), 0) - 1  # (row, record) run of a read
+        runs = int(run[-1]) + 1
+        per_record = (g if runs == g.shape[0]  # no record reads a row twice
+                      else g.new_zeros(runs, width).index_add_(0, run, g))
+        squares = per_record * per_record
+        if self.kind == "rowwise_adagrad":
+            squares = squares.sum(1, keepdim=True)
+        row_seg = torch.cumsum(pairs.new_row.long(), 0) - 1
+        row_of_run = row_seg.index_select(0, pairs.new_pair.nonzero().flatten())
+        nrows = int(row_seg[-1]) + 1
+        sums = g.new_zeros(nrows, width + qw).index_add_(
+            0, row_of_run, torch.cat([per_record, squares], 1)).cpu().numpy().astype(np.float64)
+        heads = pairs.new_row.nonzero().flatten()
+        lookup = pairs.lookup.index_select(0, heads).cpu().numpy().astype(np.int64)
+        rows = pairs.rows.index_select(0, heads).cpu().numpy().astype(np.int64)
+        return RowGradientSums(
+            index.row_keys(lookup, rows), lookup, rows,
+            torch.bincount(row_of_run, minlength=nrows).cpu().numpy().astype(np.int64),
+            sums[:, :width], sums[:, width:])
