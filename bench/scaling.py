@@ -12,8 +12,8 @@ figure is ``N x batch x steps / the slowest rank's seconds`` and its ratio to N 
 times one). Each rank runs one torch thread; ranks beyond the host's cores share them, and
 the output says how many cores there are.
 
-``--in-batch`` trains with sequential in-batch learning (``odl.train.in_batch.rank_in_batch`` with
-several ranks: one pass over every rank's records per step).
+``--in-batch`` trains with sequential in-batch learning (``odl.train.in_batch``: one pass over
+every rank's records per step).
 
 ``--phases`` also prints, per rank, the milliseconds per timed step spent in the step's
 parts: ``agree`` (the step's all-gathers: the finite-prediction flag, and the batch sizes

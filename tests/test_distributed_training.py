@@ -176,15 +176,54 @@ def _in_batch_settings(per_record: bool) -> str:
 
 
 def _in_batch_rank_main(rank: int, world: int, model_dir: str,
-                        schedule: list[list[list[bytes]]], optimizer: str, extra: str) -> tuple:
-    """One rank of ``test_two_ranks_learn_in_batch_as_one_process``."""
-    text = bursty_config_text(model_dir, batch_size=BATCH, buckets=4096, extra_train=extra)
+                        schedule: list[list[list[bytes]]], optimizer: str, extra: str,
+                        loss: str = "") -> tuple:
+    """One rank of ``test_two_ranks_learn_in_batch_as_one_process`` (and the focal loss's)."""
+    text = _with_loss(bursty_config_text(model_dir, batch_size=BATCH, buckets=4096,
+                                         extra_train=extra), loss)
     config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
     probs = [tm.train_step(fb.build(step[rank]).batch if step[rank] else tm.empty_batch()).probs
              for step in schedule]
-    return np.concatenate(probs), _tables(tm.state_dict_for_checkpoint())
+    passes = tm.row_pair_learning.in_batch.sequential.passes
+    return np.concatenate(probs), _tables(tm.state_dict_for_checkpoint()), passes
+
+
+FOCAL = "losses { loss_type: BINARY_FOCAL_LOSS binary_focal_loss { gamma: 0.5 } }"
+
+
+def _with_loss(text: str, loss: str) -> str:
+    """The config with ``loss`` (a ``losses`` entry) in its model config, if given."""
+    model_class = 'model_class: "DeepFM"'
+    assert model_class in text
+    return text.replace(model_class, f"{model_class}\n  {loss}", 1) if loss else text
+
+
+def test_two_ranks_refine_the_pass_for_a_loss_it_fits_as_one_process(ranks, tmp_path):
+    """Binary focal loss, whose errors the sequential pass only fits: it repeats from the
+    logits it reached, and with two ranks every pass runs over both ranks' records (the
+    ranks giving their records' slopes between passes) as one process's passes run over
+    the concatenated batch: the same number of passes, predictions and tables."""
+    world = 2
+    records = BurstyStream(seed=8).next_batch(4 * BATCH).encode("csv")
+    extra = _in_batch_settings(True)
+    config = load_config_text(_with_loss(bursty_config_text(
+        str(tmp_path / "one"), batch_size=BATCH, buckets=4096, extra_train=extra), FOCAL))
+    fb = FeatureBuilder(config)
+    one = TrainModule(config, fb, device="cpu")
+    probs = np.concatenate([one.train_step(fb.build(records[k:k + BATCH]).batch).probs
+                            for k in range(0, len(records), BATCH)])
+    scan = one.row_pair_learning.in_batch.sequential
+    assert not scan.exact and scan.passes > 1  # the last step's pass repeated
+    got = ranks.run(_in_batch_rank_main, world, str(tmp_path / "m"), _even(records, world),
+                    "adagrad_optimizer", extra, FOCAL)
+    assert [got[r][2] for r in range(world)] == [scan.passes] * world
+    merged = np.concatenate([
+        np.concatenate([got[r][0][b * (BATCH // world):(b + 1) * (BATCH // world)]
+                        for r in range(world)]) for b in range(len(records) // BATCH)])
+    np.testing.assert_allclose(merged, probs, atol=5e-5, rtol=0)
+    assert_tables_close(got[0][1], one.state_dict_for_checkpoint(), atol=5e-5)
 
 
 @pytest.mark.parametrize("written", ["state", "checkpoint"])
