@@ -21,6 +21,13 @@ rank, ``tables.rank-<r>-of-<N>.pt``, the rows that rank holds
 (``odl.checkpoint.table_parts``); its ``model.pt`` holds everything but the tables plus
 ``"table_parts": [file names]``, and the manifest lists every part.
 ``read_checkpoint`` puts the tables back together, so every reader sees one process's state.
+
+That is a **full** checkpoint. With ``full_every`` above 1 the checkpoints between two full
+ones are **increments**: the same files but the tables, whose changed rows each rank writes
+into ``rows.rank-<r>-of-<N>.pt``, and a manifest (``"format": 2``) naming the parent and base
+it continues. Their contract (what they hold, when a checkpoint must be full, how a chain
+is verified and read, retention) is ``odl.checkpoint.checkpoint_chain``'s docstring; finding
+and reading checkpoints, full or not, is ``odl.checkpoint.checkpoint_reader``'s.
 The ranks write it together (``begin_save``, each rank ``write_table_part``, rank 0
 ``commit_save`` once every rank has written, or ``abort_save``): the parts go into rank 0's
 temporary directory, which the ranks share (one host, or a model_dir on a shared file
@@ -32,7 +39,8 @@ last) and then renamed into place (``odl.storage.atomic_directory``), so a crash
 moment leaves either the complete directory or a temporary one that is ignored and removed at
 the next start. A checkpoint
 whose DONE marker is missing or whose files do not match the manifest is never loaded: the
-loader warns and falls back to the previous one.
+loader warns and falls back to the previous one (for an increment: the previous one whose
+whole chain is usable).
 
 On OSS (``model_dir = oss://bucket/prefix``) the same layout is kept under the prefix. A
 checkpoint is written to the local mirror of ``model_dir``
