@@ -47,9 +47,13 @@ VW rows are skipped and say so.
         [--records 200000] [--seed 1]
         [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--sparse-lr 0.1] [--dense-lr 0.001]
         [--in-batch 0,1] [--sequential 0,1] [--wide-lr-mult 1,3] [--per-record 0,1]
-        [--per-record-gain 2,3]
-        [--serve-delay 2500] [--config samples/X.config]
+        [--per-record-gain 2,3] [--table-init-acc 0,0.1]
+        [--serve-delay 2500] [--config samples/X.config] [--config-as-written]
         [--broker] [--json out.json]
+
+``--config-as-written``: ``--config`` with its own batch size and rates (what a user who
+brings the config gets from odl's defaults), then the same config plus odl's in-batch
+fields (``AS_WRITTEN_EXTRAS``), against VW's grid, in one run.
 """
 
 from __future__ import annotations
@@ -180,18 +184,24 @@ SETTINGS = (
     ("--wide-lr-mult", "wide_learning_rate_multiplier", float, "wide x"),
     ("--per-record", "per_record_adagrad", bool, "per-record"),
     ("--per-record-gain", "per_record_adagrad_max_gain", float, "gain"),
+    # the tables' Adagrad (optimizer_config[0]), not a train_config field
+    ("--table-init-acc", "initial_accumulator_value", float, "acc"),
 )
+TABLE_OPTIMIZER_FIELDS = ("initial_accumulator_value",)
+# --config-as-written's second run: the config plus odl's in-batch extension fields
+AS_WRITTEN_EXTRAS = (("in_batch_learning", True), ("in_batch_sequential", True),
+                     ("per_record_adagrad", True), ("wide_learning_rate_multiplier", 3.0))
 # settings that need in_batch_learning: off with it unless the run names them
 NEEDS_IN_BATCH = ("in_batch_sequential", "per_record_adagrad")
 
 
-def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr: float,
-               config_path: str = "", train: dict | None = None, **kw):
+def odl_config(kind: str, model_dir: str, batch: int | None, sparse_lr: float | None,
+               dense_lr: float | None, config_path: str = "", train: dict | None = None, **kw):
     """The odl config of a run: ``config_path`` (e.g. a sample), else the stream's DeepFM (the
     bursty sample's shape, or the Criteo-like demo's: 26 ids of dim 16 in tables of 100k
     rows, 13 dense, DNN 256-128-64); its batch size and its two ``optimizer_config``
-    constant rates (tables, dense part) set to the run's, and the ``train`` settings
-    (``SETTINGS`` fields) where given."""
+    constant rates (tables, dense part) set to the run's (None: the config's as written),
+    and the ``train`` settings (``SETTINGS`` fields) where given."""
     if kind == "movielens" and not config_path:
         config_path = MOVIELENS_SAMPLE
     if config_path:
@@ -211,15 +221,21 @@ def odl_config(kind: str, model_dir: str, batch: int, sparse_lr: float, dense_lr
     else:
         config = parse_pipeline_config_text(bursty_config_text(model_dir, **kw))
     config.model_dir = model_dir
-    config.data_config.batch_size = batch
+    if batch is not None:
+        config.data_config.batch_size = batch
     train = dict(train or {})
     if train.get("in_batch_learning") is False:
         for field in NEEDS_IN_BATCH:
             train.setdefault(field, False)
-    for field, value in train.items():
-        setattr(config.train_config, field, value)
     tables, dense = config.train_config.optimizer_config[:2]
+    for field, value in train.items():
+        if field in TABLE_OPTIMIZER_FIELDS:
+            setattr(getattr(tables, tables.WhichOneof("optimizer")), field, value)
+        else:
+            setattr(config.train_config, field, value)
     for entry, rate in ((tables, sparse_lr), (dense, dense_lr)):
+        if rate is None:
+            continue
         lr = getattr(entry, entry.WhichOneof("optimizer")).learning_rate
         if lr.WhichOneof("learning_rate") != "constant_learning_rate":
             raise SystemExit(f"{config_path}: the bench sets constant learning rates only")
@@ -318,8 +334,8 @@ def run_vw(examples: list[str], lr: float, quadratic: str,
     return probs, rate, served
 
 
-def run_odl(values: list[bytes], batch: int, work: str, sparse_lr: float = 0.1,
-            dense_lr: float = 0.001, delay: int = 0, kind: str = "bursty",
+def run_odl(values: list[bytes], batch: int | None, work: str, sparse_lr: float | None = 0.1,
+            dense_lr: float | None = 0.001, delay: int = 0, kind: str = "bursty",
             config_path: str = "", **settings) -> tuple[np.ndarray, float, float,
                                                         np.ndarray | None]:
     """odl's progressive predictions, its rate (building included), its mean train step in
@@ -328,6 +344,7 @@ def run_odl(values: list[bytes], batch: int, work: str, sparse_lr: float = 0.1,
     ``m - delay``. The served predictions are made after the timing."""
     config = odl_config(kind, os.path.join(work, f"odl-{batch}-{sparse_lr}-{dense_lr}"),
                         batch, sparse_lr, dense_lr, config_path, **settings)
+    batch = int(config.data_config.batch_size)
     fb = FeatureBuilder(config)
     module = TrainModule(config, fb, device="cpu")
     n = len(values)
@@ -359,7 +376,7 @@ def run_odl(values: list[bytes], batch: int, work: str, sparse_lr: float = 0.1,
     return np.concatenate(probs), rate, step_ms, served
 
 
-def run_broker(values: list[bytes], batch: int, work: str, sparse_lr: float,
+def run_broker(values: list[bytes], batch: int | None, work: str, sparse_lr: float | None,
                kind: str = "bursty", config_path: str = "", **settings) -> dict:
     from bench.train_throughput import measure_trainer_rate
     from odl.broker.embedded_broker import EmbeddedBroker
@@ -371,8 +388,9 @@ def run_broker(values: list[bytes], batch: int, work: str, sparse_lr: float,
         topic = kind
         produce(broker.bootstrap, topic, values, 1)
         ends = end_offsets(broker.bootstrap, topic)
-        config = odl_config(kind, os.path.join(work, "odl-train"), batch, sparse_lr, 0.001,
-                            config_path, server=broker.bootstrap, topic=topic, **settings,
+        config = odl_config(kind, os.path.join(work, "odl-train"), batch, sparse_lr,
+                            None if batch is None else 0.001, config_path,
+                            server=broker.bootstrap, topic=topic, **settings,
                             extra_train=f"metrics_window_samples: {int(len(values) * TAIL)}")
         trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
 
@@ -415,6 +433,10 @@ def main() -> int:
                          "that learned the records before it minus this many (0: off)")
     ap.add_argument("--broker", action="store_true",
                     help="also train through the embedded broker (odl-train --online's path)")
+    ap.add_argument("--config-as-written", action="store_true",
+                    help="--config as its user wrote it (its batch size and rates), then the "
+                         "same with odl's in-batch fields (AS_WRITTEN_EXTRAS), against VW; "
+                         "--batch, --sparse-lr, --dense-lr and the settings are not used")
     add_output_args(ap)
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="odl-quality-")
@@ -447,21 +469,28 @@ def main() -> int:
     except ImportError:
         rows["vw"] = {"skipped": "vowpalwabbit is not installed "
                                  "(pip install -r bench/requirements-quality.txt)"}
-    grid = [(b, slr, dlr, train) for b in [int(x) for x in args.batch.split(",")]
-            for slr in [float(x) for x in args.sparse_lr.split(",")]
-            for dlr in [float(x) for x in args.dense_lr.split(",")]
-            for train in settings_grid(args)]
+    if args.config_as_written:
+        if not args.config:
+            ap.error("--config-as-written needs --config")
+        grid = [(None, None, None, {}), (None, None, None, dict(AS_WRITTEN_EXTRAS))]
+    else:
+        grid = [(b, slr, dlr, train) for b in [int(x) for x in args.batch.split(",")]
+                for slr in [float(x) for x in args.sparse_lr.split(",")]
+                for dlr in [float(x) for x in args.dense_lr.split(",")]
+                for train in settings_grid(args)]
     for b, slr, dlr, train in grid:
         probs, rate, step_ms, served = run_odl(values, b, work, slr, dlr, args.serve_delay,
                                                args.stream, args.config, train=train)
-        name = f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}" + settings_name(train)
+        name = (("odl as written" + (" + in-batch fields" if train else ""))
+                if args.config_as_written else
+                f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}" + settings_name(train))
         rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
                       "step_ms": round(step_ms, 3), **served_scores(served, labels)}
         curves[name] = auc_curve(probs, labels)
         print(name, rows[name], flush=True)
     if args.broker:
         b, slr, _dlr, train = grid[0]
-        rows[f"odl-train --online batch {b}" + settings_name(train)] = run_broker(
+        rows[f"odl-train --online batch {b or 'as written'}" + settings_name(train)] = run_broker(
             values, b, work, slr, args.stream, args.config, train=train)
     result = {"stream": args.stream, "config": args.config or "the stream's DeepFM",
               "records": len(values), "seed": args.seed,
