@@ -280,7 +280,7 @@ def test_serving_replay_matches_trainer_predictions(kafka_bootstrap, kafka_topic
     delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
     trainer, cfg = _train_with_publishing(
         tmp_path, kafka_bootstrap, kafka_topic_factory,
-        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), model=model)
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), n=800, model=model)
     outputs = {"ESMM": ("cvr", "ctr", "ctcvr"), "PLE": ("ctr", "cvr")}[model]
     assert trainer.module.model.output_names == outputs
     assert trainer.publisher.status()["last_version"] == trainer.module.global_step

@@ -204,7 +204,7 @@ class ESMMModel(CtrModel):
                              product_output(model_config))
         cvr_col, ctr_col = (int(c) for c in label_columns)
         self.output_labels = (cvr_col, ctr_col, cvr_col)
-        self.weights = (float(towers[0].weight), float(towers[1].weight))
+        self.tower_weights = (float(towers[0].weight), float(towers[1].weight))
         self.l2 = float(settings.l2_regularization)
         self.embedding_regularization = float(model_config.embedding_regularization)
 
@@ -224,7 +224,7 @@ class ESMMModel(CtrModel):
         cvr_col, ctr_col, _ = self.output_labels
         click = labels[:, ctr_col]
         ctcvr_label = click * labels[:, cvr_col]
-        w_cvr, w_ctr = self.weights
+        w_cvr, w_ctr = self.tower_weights
         loss = w_ctr * functional.binary_cross_entropy_with_logits(logits[:, 1], click,
                                                                     reduction="sum")
         if self.cvr_regression:
