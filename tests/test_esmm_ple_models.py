@@ -149,11 +149,19 @@ def test_esmm_towers_read_label_fields_in_easyrecs_order_and_the_all_group_witho
     (("  esmm {", "  loss_weight_strategy: Uncertainty\n  esmm {"),
      "model_config.loss_weight_strategy"),
     (("  esmm {", "  esmm {\n    l2_regularization: -1"), "model_config.esmm.l2_regularization"),
+    (('  label_fields: "buy"', '  label_fields: "buy"\n  sample_weight: "I1"'),
+     "data_config.sample_weight"),
 ])
 def test_esmm_settings_are_refused_by_field(edit: tuple[str, str], field: str) -> None:
     with pytest.raises(ConfigError) as info:
         check_pipeline_config(parse_pipeline_config_text(_text("ESMM", edit)), online=True)
     assert info.value.field == field, info.value
+
+
+def test_esmm_named_by_its_message_alone_is_esmm():
+    config = parse_pipeline_config_text(_text("ESMM", ('model_class: "ESMM"\n', "")))
+    check_pipeline_config(config, online=True)
+    assert model_class_of(config.model_config).name == "ESMM"
 
 
 # --- PLE -------------------------------------------------------------------------------------

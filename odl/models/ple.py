@@ -168,6 +168,7 @@ class ExtractionNetworks(nn.Module):
 
 def _build(config: pipeline_pb2.EasyRecConfig,
            feature_builder: FeatureBuilder) -> MultiTaskModel:
+    """The multi-task model whose tasks' inputs are the extraction networks' outputs."""
     networks = list(config.model_config.ple.extraction_networks)
 
     def mixture(width: int, tasks: int) -> nn.Module:
