@@ -337,6 +337,24 @@ def as_model(text: str, model: str) -> str:
 ILL_CONDITIONED_ACCUMULATOR = 1e-12
 
 
+def assert_same(a: object, b: object, where: str = "") -> None:
+    """Bitwise equality of nested dicts / lists of tensors and arrays."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(a), sorted(b))
+        for k in a:
+            assert_same(a[k], b[k], f"{where}/{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), where
+    else:
+        assert a == b, where
+
+
 def assert_tables_close(got: dict, state: dict, atol: float, loose_atol: float = 1e-3) -> None:
     """Each embedding table of checkpoint ``state`` equals ``got[name]`` within ``atol``.
 

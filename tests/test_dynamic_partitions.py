@@ -25,11 +25,12 @@ from odl.config.config_error import ConfigError
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.dynamic.partitions import partition_of, partition_spans
+from odl.train.checkpoint_rows import CheckpointRows
 from odl.train.rank_checkpoint import save_across_ranks
 from odl.train.table_shards import EBC_PREFIX
 from odl.train.train_module import TrainModule
 from serving_plugin.serving_model import ServingModel
-from tests.harness import assert_tables_close
+from tests.harness import assert_same, assert_tables_close
 from tests.test_distributed_dynamic import GLOBAL, ROW_WISE_MIN_ROWS, _steps
 from tests.test_dynamic_tables import _config, _records
 
@@ -422,3 +423,39 @@ def test_a_process_holding_some_partitions_answers_no_row_for_the_others():
     assert table.unheld_rows().tolist() == list(range(0, 10)) + list(range(30, 40))
     assert table.holds(np.arange(40)).tolist() == [10 <= r < 30 for r in range(40)]
     assert table.live == 20 and sorted(table.live_rows().tolist()) == list(range(10, 30))
+
+
+def _chain_rank(rank: int, world: int, model_dir: str, schedule: list) -> tuple:
+    config = _split_config(model_dir, GLOBAL // world, 2)
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    changed = CheckpointRows(tm)
+    manager = CheckpointManager(model_dir, keep_max=0, full_every=3)
+    for i, step in enumerate(schedule):
+        tm.train_step(fb.build(step[rank]).batch if step[rank] else tm.empty_batch())
+        if i % 2:
+            save_across_ranks(manager, tm, {rank: i}, {}, "", "gen0", changed=changed.take())
+    final = tm.state_dict_for_checkpoint()  # gathered on rank 0
+    again = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    again.load_checkpoint_state(
+        read_checkpoint(list_checkpoints(model_dir)[-1], whole_tables=False).state)
+    return final, again.state_dict_for_checkpoint()
+
+
+def test_ranks_write_increments_that_restore_into_any_number_of_ranks(ranks, tmp_path):
+    """Two ranks (tables split by rows, dynamic tables by id) write a full checkpoint and
+    increments of the rows any rank changed in their shards: the chain restores bitwise
+    into the two ranks (each reading its blocks and rows), reads as their gathered state in
+    one process, and re-splits into one partition as that state does."""
+    records = _records(10 * GLOBAL, seed=9)
+    model_dir = str(tmp_path / "two")
+    final, again = ranks.run(_chain_rank, 2, model_dir, _steps(records, 2))[0]
+    chains = [read_checkpoint(p).chain for p in list_checkpoints(model_dir)]
+    assert [len(c) for c in chains] == [1, 2, 3, 1, 2]  # full every third
+    assert_same(again, final)
+    assert_same(read_checkpoint(list_checkpoints(model_dir)[-1]).state, final)
+    _c, _f, chained = _one_process(tmp_path / "a", records, 1)
+    chained.load_checkpoint_state(read_checkpoint(list_checkpoints(model_dir)[-1]).state)
+    _c, _f, whole = _one_process(tmp_path / "b", records, 1)
+    whole.load_checkpoint_state(final)
+    assert_same(chained.state_dict_for_checkpoint(), whole.state_dict_for_checkpoint())

@@ -32,6 +32,7 @@ from odl.checkpoint.checkpoint_manager import (
     list_checkpoints,
     read_checkpoint,
     resolve_checkpoint_path,
+    write_full_copy,
 )
 from odl.checkpoint.table_parts import TableBlocks
 from odl.config.pipeline_config import load_pipeline_config
@@ -41,29 +42,11 @@ from odl.storage import file_store
 from odl.train.checkpoint_rows import CheckpointRows
 from odl.train.module_state import changed_rows_part
 from odl.train.train_module import TrainModule
-from tests.harness import make_half_dynamic, synthetic_records, write_config
+from tests.harness import assert_same, make_half_dynamic, synthetic_records, write_config
 
 # small capacity and a short life: rows are evicted for admission and expire untouched
 DYNAMIC = "ev_params { filter_freq: 1 max_capacity: 120 steps_to_live: 6 }"
 TABLE = "ebc.embedding_bags.t.weight"
-
-
-def _assert_same(a: object, b: object, where: str = "") -> None:
-    """Bitwise equality of nested dicts / lists of tensors and arrays."""
-    if isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (where, sorted(a), sorted(b))
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert torch.equal(a, b), where
-    elif isinstance(a, np.ndarray):
-        assert np.array_equal(a, b), where
-    else:
-        assert a == b, where
 
 
 def _module(tmp_path):
@@ -108,7 +91,7 @@ def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path) -> No
     # retention: 2 kept, plus the links they read from
     assert set(chain.chain) <= set(list_checkpoints(chain_dir))
     whole = read_checkpoint(full)
-    _assert_same(chain.state, whole.state)
+    assert_same(chain.state, whole.state)
     mapped = read_checkpoint(newest, whole_tables=False)
     blocks, reference = TableBlocks(mapped.state), TableBlocks(read_checkpoint(full).state)
     for name in whole.state["model"]:
@@ -117,7 +100,7 @@ def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path) -> No
 
     restored = TrainModule(config, fb, device="cpu")
     restored.load_checkpoint_state(read_checkpoint(newest).state)
-    _assert_same(restored.state_dict_for_checkpoint(), tm.state_dict_for_checkpoint())
+    assert_same(restored.state_dict_for_checkpoint(), tm.state_dict_for_checkpoint())
 
     a = export_checkpoint(config, newest, str(tmp_path / "export_chain"),
                           warn_without_topic=False)
@@ -176,6 +159,11 @@ def test_a_broken_chain_is_refused_by_link_and_restore_falls_back(tmp_path) -> N
     assert checkpoint_chain.manifest_of(path[5])[0]["format"] == 1
     for s in expected:
         _assert_step(path[s], s, expected)
+    # a self-contained copy of an increment (a file stream's pass copy) is written full
+    copy = write_full_copy(path[4], str(tmp_path / "day" / "1"))
+    assert checkpoint_chain.manifest_of(copy)[0]["format"] == 1
+    assert read_checkpoint(copy).chain == (copy,)
+    _assert_step(copy, 4, expected)
 
     shutil.rmtree(path[6])  # a lost link: 7 is unusable, 5 is the newest whole chain
     with pytest.raises(CheckpointError, match="model.ckpt-6"):

@@ -103,7 +103,7 @@ __all__ = [
     "CKPT_PREFIX", "DONE_FILE", "MANIFEST_FILE", "MODEL_FILE", "POSITIONS_FILE",
     "CheckpointError", "CheckpointManager", "LoadedCheckpoint", "PendingSave",
     "assemble_table_parts", "checkpoint_step", "list_checkpoints", "local_checkpoint_copy",
-    "read_checkpoint", "resolve_checkpoint_path", "verify_checkpoint",
+    "read_checkpoint", "resolve_checkpoint_path", "verify_checkpoint", "write_full_copy",
 ]
 
 
@@ -129,6 +129,49 @@ class PendingSave:
     target: str
     exists: bool = False
     parent: Optional[ChainLink] = None
+
+
+def write_full_copy(path: str, target: str) -> str:
+    """Writes checkpoint ``path`` as a full checkpoint at ``target`` (a self-contained copy).
+
+    An increment is read through its chain (``read_checkpoint``, whole tables) and written
+    with the layout of a full checkpoint, committed as every checkpoint is (a temporary
+    directory renamed into place, or uploaded with MANIFEST.json and DONE last).
+
+    Args:
+        path: a verified checkpoint.
+        target: the directory to write (replaced when it exists).
+
+    Returns:
+        ``target``.
+
+    Raises:
+        CheckpointError: it could not be read or written.
+    """
+    ckpt = read_checkpoint(path)
+    local = local_checkpoint_copy(path)
+    with open(os.path.join(local, CONFIG_FILE)) as f:
+        config_text = f.read()
+    tmp = (f"{file_store.cache_dir_for(target)}.tmp-{os.getpid()}" if is_remote(target)
+           else os.path.join(os.path.dirname(target.rstrip("/")),
+                             f".{os.path.basename(target.rstrip('/'))}.tmp-{os.getpid()}"))
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        CheckpointManager._write_local(tmp, ckpt.global_step, ckpt.state, ckpt.positions,
+                                       ckpt.source, config_text,
+                                       str(ckpt.manifest.get("generation", "")))
+        if is_remote(target):
+            file_store.remove_tree(target)
+            file_store.upload_tree(tmp, target, last=(MANIFEST_FILE, DONE_FILE))
+        else:
+            commit_directory(tmp, target, replace=True)
+    except (OSError, RuntimeError, StorageError) as exc:
+        raise CheckpointError(f"writing a full copy of {path} at {target} failed: "
+                              f"{exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
 
 
 class CheckpointManager:

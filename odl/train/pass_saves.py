@@ -9,7 +9,9 @@ checkpoints in ``model_dir``::
                                         checkpoint_per_pass passes: a copy (hard links when
                                         local) of model_dir's model.ckpt-<step>, same files
                                         (odl.checkpoint.checkpoint_manager), DONE last; usable
-                                        as fine_tune_checkpoint or by odl-export
+                                        as fine_tune_checkpoint or by odl-export; an
+                                        increment is written full (its chain read), so
+                                        the copy stands alone
         delta_<pass_id>/                what the pass changed: one delta version in the layout
                                         of publisher.fs_sink (<step:020d>-<generation>.delta
                                         and its .delta.done), version = the global step at the
@@ -49,6 +51,7 @@ them into its next delta.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import os
 import shutil
@@ -58,7 +61,12 @@ from typing import Any, Optional
 
 import torch
 
-from odl.checkpoint.checkpoint_manager import DONE_FILE, MANIFEST_FILE, local_checkpoint_copy
+from odl.checkpoint.checkpoint_manager import (
+    DONE_FILE,
+    MANIFEST_FILE,
+    local_checkpoint_copy,
+    write_full_copy,
+)
 from odl.inputs.source_factory import online_input_name
 from odl.storage import file_store
 from odl.storage.atomic_directory import atomic_directory
@@ -235,6 +243,9 @@ class PassSaves:
     def copy_checkpoint(self, checkpoint: str, day: str, pass_id: int) -> Optional[str]:
         """Copies a checkpoint to ``<day>/<pass_id>`` (hard links when both are local).
 
+        An increment is written as a full checkpoint instead (``write_full_copy``): its
+        parents are not copied.
+
         Args:
             checkpoint: the checkpoint directory (model_dir's ``model.ckpt-<step>``).
             day: ``YYYYMMDD``.
@@ -247,7 +258,11 @@ class PassSaves:
             return None
         src = local_checkpoint_copy(checkpoint)
         final = join(self.root, day, str(int(pass_id)))
-        if is_remote(final):
+        with open(os.path.join(src, MANIFEST_FILE)) as f:
+            increment = bool(json.load(f).get("increment"))
+        if increment:  # its parents stay in model_dir: the copy is written full
+            write_full_copy(checkpoint, final)
+        elif is_remote(final):
             file_store.remove_tree(final)
             file_store.upload_tree(src, final, last=(MANIFEST_FILE, DONE_FILE))
         else:
