@@ -24,8 +24,11 @@ Contract (enforced here and by ``odl.checkpoint.checkpoint_manager``):
   (n: the increments since the base, this one included), and lists the row files.
 * Every ``full_checkpoint_every``-th checkpoint is full (depth never reaches it); so is the
   first one after a start from nothing, a warm start, a restore that re-split dynamic
-  tables or that crash recovery moved forward, and one that replaces a checkpoint of the
-  same step (a day's shrink). A failed increment leaves its rows marked changed.
+  tables or that crash recovery moved forward, one that replaces a checkpoint of the same
+  step (a day's shrink), and the next one after a save that found its step's checkpoint
+  there already. A failed checkpoint leaves its rows marked changed
+  (``odl.train.checkpoint_rows``), so the next one writes them. A copy that must stand
+  alone (a file stream's pass copy) is written full (``checkpoint_manager.write_full_copy``).
 * **Reading** an increment (:func:`chain_of`) walks its parents down to the base: every
   link must be committed (DONE), match its manifest, and its MANIFEST.json must hash to the
   digest its child recorded; otherwise the increment is unusable and the error names the
