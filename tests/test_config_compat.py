@@ -58,6 +58,8 @@ LOADS = {
     "torcheasyrec/mmoe_taobao.config",
     "torcheasyrec/multi_tower_taobao.config",
     "torcheasyrec/multi_tower_din_taobao.config",
+    "torcheasyrec/mmoe_taobao_ccp.config",
+    "torcheasyrec/ple_taobao_ccp.config",
     "torcheasyrec/multi_tower_din_mock.config",
     "torcheasyrec/mmoe_has_sequence.config",
     "easyrec/deepfm_with_embed.config",
@@ -183,6 +185,10 @@ def _records(config, n: int, seed: int) -> list[bytes]:
                 makers[name] = lambda v=vocab: str(v[rng.integers(len(v))])
             elif fc.num_buckets:
                 makers[name] = lambda k=int(fc.num_buckets): str(rng.integers(k))
+            elif fc.kv_separator:  # weighted ids: "id<kv>weight" pieces
+                makers[name] = lambda sep=fc.separator, kv=fc.kv_separator: sep.join(
+                    f"t{rng.integers(20)}{kv}{rng.random() + 0.5:.2f}"
+                    for _ in range(int(rng.integers(1, 4))))
             elif fc.feature_type == ft.TagFeature or fc.HasField("separator"):
                 makers[name] = lambda sep=fc.separator: sep.join(
                     f"t{rng.integers(20)}" for _ in range(int(rng.integers(1, 4))))

@@ -119,3 +119,23 @@ def test_weighted_tags_train_and_serve_to_parity(tmp_path) -> None:
 ])
 def test_weighted_tag_errors_name_the_field(tmp_path, edit, field, words) -> None:
     assert_edit_refused(TEXT.replace("MODEL", str(tmp_path / "m")), edit, field, words)
+
+
+def test_torcheasyrec_weighted_id_feature_reads_what_kv_tags_read(tmp_path) -> None:
+    """TorchEasyRec's ``id_feature { weighted: true }`` reads ``id:weight`` values with their
+    weights, as the flat TagFeature with ``kv_separator: ":"`` does."""
+    tz = TEXT.replace(
+        'features { input_names: "kv" feature_type: TagFeature kv_separator: ":"\n'
+        '             hash_bucket_size: 40 embedding_dim: 8 combiner: "mean" }',
+        'features { id_feature { feature_name: "kv" expression: "item:kv" weighted: true\n'
+        '             hash_bucket_size: 40 embedding_dim: 8 pooling: "mean" } }')
+    assert tz != TEXT
+    rng = np.random.default_rng(5)
+    records = [_row(rng) for _ in range(16)]
+    batches = [FeatureBuilder(load_config_text(text.replace("MODEL", str(tmp_path)))).build(
+        records).batch for text in (TEXT, tz)]
+    flat, weighted = (b.sparse.to_dict()["kv"] for b in batches)
+    assert np.array_equal(flat.values().numpy(), weighted.values().numpy())
+    assert np.array_equal(flat.lengths().numpy(), weighted.lengths().numpy())
+    assert np.allclose(flat.weights().numpy(), weighted.weights().numpy())
+    assert not np.allclose(weighted.weights().numpy(), weighted.weights().numpy()[0])

@@ -331,6 +331,8 @@ def _flatten_torcheasyrec_feature(path: str, fc: pipeline_pb2.FeatureConfig) -> 
         fc.fg_expression = tz.expression
     if kind == "id_feature" and tz.HasField("pooling"):
         fc.combiner = tz.pooling
+    if kind == "id_feature" and tz.weighted:  # TorchEasyRec's "id:weight" values
+        fc.kv_separator = ":"
     if kind == "raw_feature":
         fc.boundaries.extend(tz.boundaries)
         fc.raw_input_dim = max(int(tz.value_dim), 1)

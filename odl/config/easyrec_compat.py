@@ -67,7 +67,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "user_define_fn_res_type", "ignore_val",
     }),
     "TzIdFeature": frozenset({"value_dim", "vocab_list", "vocab_dict", "vocab_file",
-                              "default_value", "default_bucketize_value", "weighted",
+                              "default_value", "default_bucketize_value",
                               "init_fn", "zch", "mc_modules",
                               "dynamicemb", "trainable", "data_type", "fg_value_type",
                               "constraints", "stub_type"}),
