@@ -212,39 +212,12 @@ def _records(config, n: int, seed: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("name", sorted(LOADS))
-def test_sample_configs_that_load_train(name: str) -> None:
-    """Every loading sample builds its batches from records of its schema and trains."""
-    import math
-
-    from odl.features.feature_builder import FeatureBuilder
-    from odl.train.memory_estimate import estimate_memory
-    from odl.train.train_module import TrainModule
-
-    flavor = name.split("/")[0]
-    config = _small_cpu_config(try_load.load_one(os.path.join(_HERE, name), flavor))
-    fb = FeatureBuilder(config)
-    module = TrainModule(config, fb, device="cpu")
-    # the memory estimate counts exactly what was built
-    est = estimate_memory(config, "cpu")
-    assert est.dense_parameters == sum(p.numel() for p in module.model.dense.parameters())
-    assert {t.name: (t.rows, t.dim) for t in est.tables} == {
-        c.name: (c.num_embeddings, c.embedding_dim) for c in module.model.layout.configs}
-    losses = []
-    for step in range(3):
-        built = fb.build(_records(config, 32, seed=step))
-        assert not built.rejected, built.rejected[:3]
-        out = module.train_step(built.batch)
-        losses.append(out.loss)
-        assert out.probs.shape[0] == 32
-        assert out.probs.reshape(32, -1).shape[1] == len(module.model.output_names)
-    assert module.global_step == 3 and all(math.isfinite(x) for x in losses), losses
-
-
-@pytest.mark.parametrize("name", sorted(LOADS))
-def test_sample_configs_export_and_serve_to_parity(name: str, tmp_path) -> None:
-    """An export of each trained sample predicts, in serving (its TorchScript dense part and
+def test_sample_configs_train_then_export_and_serve_to_parity(name: str, tmp_path) -> None:
+    """Every loading sample builds its batches from records of its schema and trains; an
+    export of the trained model predicts, in serving (its TorchScript dense part and
     serving's own lookups), what the trainer predicts."""
     import json
+    import math
 
     import numpy as np
 
@@ -253,6 +226,7 @@ def test_sample_configs_export_and_serve_to_parity(name: str, tmp_path) -> None:
     from odl.config.feature_configs import feature_configs as fb_features
     from odl.export.exporter import export_checkpoint
     from odl.features.feature_builder import FeatureBuilder
+    from odl.train.memory_estimate import estimate_memory
     from odl.train.train_module import TrainModule
     from serving_plugin.serving_model import ServingModel
 
@@ -261,8 +235,21 @@ def test_sample_configs_export_and_serve_to_parity(name: str, tmp_path) -> None:
     config.model_dir = str(tmp_path / "model_dir")
     fb = FeatureBuilder(config)
     module = TrainModule(config, fb, device="cpu")
+    # the memory estimate counts exactly what was built
+    est = estimate_memory(config, "cpu")
+    assert est.dense_parameters == sum(p.numel() for p in module.model.dense.parameters())
+    assert {t.name: (t.rows, t.dim) for t in est.tables} == {
+        c.name: (c.num_embeddings, c.embedding_dim) for c in module.model.layout.configs}
+    losses = []
     for step in range(4):
-        module.train_step(fb.build(_records(config, 32, seed=step)).batch)
+        built = fb.build(_records(config, 32, seed=step))
+        assert not built.rejected, built.rejected[:3]
+        out = module.train_step(built.batch)
+        losses.append(out.loss)
+        assert out.probs.shape[0] == 32
+        assert out.probs.reshape(32, -1).shape[1] == len(module.model.output_names)
+    assert module.global_step == 4 and all(math.isfinite(x) for x in losses), losses
+
     path = CheckpointManager(config.model_dir).save(
         module.global_step, module.state_dict_for_checkpoint(), {0: 128},
         {"source": "kafka", "topic": "samples"}, config_to_text(config), generation="gen0")
