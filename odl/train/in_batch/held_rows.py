@@ -71,6 +71,9 @@ class WholeTables:
 
     def __init__(self, index: RowPairIndex) -> None:
         self._index = index
+        # the last rows read and where they lie: a step reads its shared rows' accumulators
+        # before the backward (the shift) and after it (per-record Adagrad)
+        self._last: RowsRead | None = None
 
     def _at(self, lookup: np.ndarray, rows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         device = self._index.multiplier.device
@@ -80,10 +83,16 @@ class WholeTables:
     def accumulators(self, lookup: np.ndarray, rows: np.ndarray) -> RowsRead:
         """See ``HeldRows.accumulators``: every row is held."""
         index = self._index
-        at = self._at(lookup, rows)
-        plan = index.plan_accumulators(*at)
+        last = self._last
+        if (last is not None and np.array_equal(last.rows, rows)
+                and np.array_equal(last.lookup, lookup)):
+            at, plan = last.where
+        else:
+            at = self._at(lookup, rows)
+            plan = index.plan_accumulators(*at)
         values = index.accumulators(plan, torch.float32).cpu().numpy()
-        return RowsRead(values, np.ones(len(rows), dtype=bool), lookup, rows, (at, plan))
+        self._last = RowsRead(values, np.ones(len(rows), dtype=bool), lookup, rows, (at, plan))
+        return self._last
 
     def update(self, read: RowsRead, at: np.ndarray, delta: np.ndarray,
                acc: np.ndarray) -> None:

@@ -331,6 +331,5 @@ def _record_reads(index: RowPairIndex, pairs: RowPairs | None, jac: torch.Tensor
                            empty, empty, empty, np.empty(0, dtype=np.float32))
     return RecordReads(
         base, slope, curve, jac.detach().to("cpu", torch.float32).numpy(),
-        pairs.lookup.cpu().numpy().astype(np.int64), pairs.rows.cpu().numpy().astype(np.int64),
-        pairs.sample.cpu().numpy().astype(np.int64),
+        *(t.to("cpu", torch.int64).numpy() for t in (pairs.lookup, pairs.rows, pairs.sample)),
         pairs.weight.detach().to("cpu", torch.float32).numpy())

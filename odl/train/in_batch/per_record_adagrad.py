@@ -226,9 +226,9 @@ class PerRecordAdagrad:
         sums = g.new_zeros(nrows, width + qw).index_add_(
             0, row_of_run, torch.cat([per_record, squares], 1)).cpu().numpy().astype(np.float64)
         heads = pairs.new_row.nonzero().flatten()
-        lookup = pairs.lookup.index_select(0, heads).cpu().numpy().astype(np.int64)
-        rows = pairs.rows.index_select(0, heads).cpu().numpy().astype(np.int64)
+        lookup = pairs.lookup.index_select(0, heads).cpu().numpy().astype(np.int64, copy=False)
+        rows = pairs.rows.index_select(0, heads).cpu().numpy().astype(np.int64, copy=False)
         return RowGradientSums(
             index.row_keys(lookup, rows), lookup, rows,
-            torch.bincount(row_of_run, minlength=nrows).cpu().numpy().astype(np.int64),
+            torch.bincount(row_of_run, minlength=nrows).cpu().numpy().astype(np.int64, copy=False),
             sums[:, :width], sums[:, width:])
