@@ -42,7 +42,8 @@ import psutil  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
-from odl.inputs.kafka_source import KafkaSource, StartPositions  # noqa: E402
+from odl.inputs.kafka_source import KafkaSource  # noqa: E402
+from odl.inputs.start_positions import StartPositions  # noqa: E402
 from odl.kafka.topic_admin import create_topic  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -44,7 +44,8 @@ from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.harness.topic_records import produce  # noqa: E402
-from odl.inputs.kafka_source import KafkaSource, start_positions_from_config  # noqa: E402
+from odl.inputs.kafka_source import KafkaSource  # noqa: E402
+from odl.inputs.start_positions import start_positions_from_config  # noqa: E402
 from odl.kafka.topic_admin import create_topic  # noqa: E402
 from odl.protos import pipeline_pb2  # noqa: E402
 from odl.train.torch_runtime import configure_torch_threads, usable_cpus  # noqa: E402

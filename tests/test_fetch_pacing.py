@@ -14,7 +14,8 @@ import time
 import pytest
 from confluent_kafka import Producer
 
-from odl.inputs.kafka_source import KafkaSource, StartPositions
+from odl.inputs.kafka_source import KafkaSource
+from odl.inputs.start_positions import StartPositions
 from odl.kafka.client_settings import producer_config
 
 PARTITIONS = 2

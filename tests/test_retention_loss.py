@@ -33,7 +33,8 @@ from odl.config.pipeline_config import load_pipeline_config
 from odl.harness.http_client import get_json, http_request
 from odl.harness.topic_records import make_records, produce
 from odl.harness.trainer_process import trainer_url
-from odl.inputs.kafka_source import KafkaSource, StartPositions
+from odl.inputs.kafka_source import KafkaSource
+from odl.inputs.start_positions import StartPositions
 from odl.kafka.client_settings import consumer_config
 from odl.kafka.topic_admin import create_topic
 from odl.models.model_registry import check_pipeline_config

@@ -38,7 +38,7 @@ from typing import Any, Literal, Optional, Union
 
 import numpy as np
 
-from odl.inputs.kafka_source import StartPositions
+from odl.inputs.start_positions import StartPositions
 
 # How often the child reports the consumer's state (watermarks, broker error, counters).
 STATUS_INTERVAL_SECS = 0.25

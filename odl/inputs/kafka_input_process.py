@@ -46,7 +46,8 @@ from odl.inputs.input_process_messages import (
     InputStatus,
     ToChild,
 )
-from odl.inputs.kafka_source import PartitionState, RawBatch, StartPositions
+from odl.inputs.kafka_source import PartitionState, RawBatch
+from odl.inputs.start_positions import StartPositions
 from odl.protos import pipeline_pb2
 
 if TYPE_CHECKING:

@@ -5,15 +5,7 @@ partitions are assigned explicitly, never by group rebalancing, so the trainer k
 which records it owns. The consumer group is only used to commit positions for
 monitoring tools; the trainer's checkpoint is the source of truth.
 
-Start positions, first match wins:
-
-1. positions restored from a checkpoint (next offset to read per partition; partitions the
-   checkpoint does not know start at their beginning),
-2. ``offset_info`` ``{"timestamp": s}`` / ``offset_time``: the first offset whose message
-   timestamp is >= s (a partition with none starts at its end),
-3. ``offset_info`` ``{"<partition>": <offset>}`` / repeated ``offset``: those offsets (unlisted
-   partitions start at their beginning),
-4. otherwise offset 0 (the partition's beginning).
+Start positions: :mod:`odl.inputs.start_positions` (a checkpoint's, else the config's).
 
 Records come out as :class:`RawBatch` objects carrying the positions *after* the batch, so a
 consumer of batches can checkpoint exactly what it has trained.
@@ -73,6 +65,7 @@ from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaExcepti
 
 from odl.inputs.partition_assignment import rank_partitions
 from odl.inputs.retention_watch import RetentionWatch
+from odl.inputs.start_positions import StartPositions, resolve_start_offsets
 from odl.kafka.broker_health import (
     OUT_OF_RANGE_CODES,
     BrokerHealth,
@@ -117,15 +110,6 @@ class RawBatch:
 
     def __len__(self) -> int:
         return len(self.values)
-
-
-@dataclass
-class StartPositions:
-    """How to position each partition at start."""
-
-    checkpoint: Optional[dict[int, int]] = None
-    timestamp_s: Optional[float] = None
-    offsets: Optional[dict[int, int]] = None
 
 
 @dataclass
@@ -269,51 +253,17 @@ class KafkaSource(ReportsBrokerHealth):
                 time.sleep(1.0)
 
     def _resolve_starts(self) -> dict[int, int]:
-        start = self._start
         lows = {p: self._watermarks(p)[0] for p in self._partitions}
-        if start.checkpoint is not None:
-            out = {}
-            for p in self._partitions:
-                if p in start.checkpoint:
-                    off = int(start.checkpoint[p])
-                    if 0 <= lows[p] and off < lows[p]:
-                        logger.error(
-                            "partition %d: checkpoint offset %d is below the log start %d; "
-                            "records %d..%d were deleted by retention and cannot be trained",
-                            p,
-                            off,
-                            lows[p],
-                            off,
-                            lows[p] - 1,
-                        )
-                        self.retention_estimator.note_loss(p, lows[p] - off, time.monotonic())
-                        off = lows[p]
-                    out[p] = off
-                else:
-                    logger.info("partition %d is not in the checkpoint: starting at its "
-                                "beginning", p)
-                    out[p] = max(lows[p], 0)
-            return out
-        if start.timestamp_s is not None:
-            ts_ms = int(start.timestamp_s * 1000)
-            tps = [TopicPartition(self.topic, p, ts_ms) for p in self._partitions]
-            found = self._consumer.offsets_for_times(tps, timeout=10)
-            out = {}
-            for tp in found:
-                if tp.error is not None:
-                    raise KafkaException(tp.error)
-                if tp.offset < 0:  # no message at or after the timestamp: start at the end
-                    out[tp.partition] = self._watermarks(tp.partition)[1]
-                else:
-                    out[tp.partition] = tp.offset
-            return out
-        if start.offsets is not None:
-            unknown = sorted(set(start.offsets) - set(self._partitions))
-            if unknown:
-                logger.warning("offset_info names partitions %s that the topic does not have",
-                               unknown)
-            return {p: int(start.offsets.get(p, max(lows[p], 0))) for p in self._partitions}
-        return {p: max(lows[p], 0) for p in self._partitions}
+
+        def deleted(p: int, records: int) -> None:
+            self.retention_estimator.note_loss(p, records, time.monotonic())
+
+        def at_times(ts_ms: int) -> list[TopicPartition]:
+            return self._consumer.offsets_for_times(
+                [TopicPartition(self.topic, p, ts_ms) for p in self._partitions], timeout=10)
+
+        return resolve_start_offsets(self._start, self._partitions, lows, at_times,
+                                     lambda p: self._watermarks(p)[1], deleted)
 
     def _watermarks(self, partition: int) -> tuple[int, int]:
         return self._offsets_consumer.get_watermark_offsets(
@@ -596,42 +546,9 @@ class KafkaSource(ReportsBrokerHealth):
             self._offsets_consumer.close()
 
 
-def start_positions_from_config(
-    offset_info: Optional[tuple[str, object]],
-    offset_time: int,
-    offsets: list[int],
-    checkpoint_positions: Optional[dict[int, int]],
-) -> StartPositions:
-    """Builds :class:`StartPositions` with the documented precedence.
-
-    Args:
-        offset_info: parsed ``offset_info`` (``("timestamp", s)`` or ``("offsets", {p: o})``).
-        offset_time: ``offset_time`` seconds (0 = unset).
-        offsets: EasyRec's repeated ``offset`` field (partition i starts at offsets[i]).
-        checkpoint_positions: positions restored from a checkpoint, if any.
-
-    Returns:
-        The start rules for :class:`KafkaSource`.
-    """
-    if checkpoint_positions is not None:
-        return StartPositions(checkpoint=dict(checkpoint_positions))
-    if offset_info is not None:
-        kind, value = offset_info
-        if kind == "timestamp":
-            return StartPositions(timestamp_s=float(value))  # type: ignore[arg-type]
-        return StartPositions(offsets={int(k): int(v) for k, v in dict(value).items()})  # type: ignore[call-overload]
-    if offset_time:
-        return StartPositions(timestamp_s=float(offset_time))
-    if offsets:
-        return StartPositions(offsets={i: int(o) for i, o in enumerate(offsets)})
-    return StartPositions()
-
-
 __all__ = [
     "KafkaSource",
     "RawBatch",
-    "StartPositions",
     "PartitionState",
-    "start_positions_from_config",
     "OFFSET_BEGINNING",
 ]

@@ -19,7 +19,8 @@ from odl.inputs.datahub_source import (
     parse_datahub_start,
 )
 from odl.inputs.file_stream_source import FileStreamSource, FileStreamStart
-from odl.inputs.kafka_source import KafkaSource, StartPositions, start_positions_from_config
+from odl.inputs.kafka_source import KafkaSource
+from odl.inputs.start_positions import StartPositions, start_positions_from_config
 from odl.protos import pipeline_pb2
 
 Start = Union[StartPositions, DatahubStart, FileStreamStart]

@@ -51,7 +51,7 @@ from odl.config.metric_settings import grouped_auc_reduction
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.inputs.datahub_source import DatahubSource, datahub_endpoint, parse_datahub_start
-from odl.inputs.kafka_source import start_positions_from_config
+from odl.inputs.start_positions import start_positions_from_config
 from odl.kafka.client_settings import consumer_config
 from odl.protos import pipeline_pb2
 from odl.train.distributed import from_rank0
