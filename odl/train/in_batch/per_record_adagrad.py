@@ -98,9 +98,10 @@ class RowGradientSums:
         lookup: ``[R]`` int64, a lookup reading it.
         rows: ``[R]`` int64, the row in its table.
         readers: ``[R]`` int64, how many of the rank's records read it.
-        total: ``[R, width]`` float64, the gradient the records put on it (``S``).
-        squares: ``[R, 1 | width]`` float64, the sum of their squared gradients (``Q``;
-            summed over the columns for row-wise Adagrad).
+        total: ``[R, width]``, the gradient the records put on it (``S``; float32, the
+            ranks' parts added in float64).
+        squares: ``[R, 1 | width]``, the sum of their squared gradients (``Q``; summed over
+            the columns for row-wise Adagrad).
     """
 
     key: np.ndarray
@@ -184,7 +185,8 @@ class PerRecordAdagrad:
         if not len(at):
             return 0
         index = self._index
-        total, q, lookup = sums.total[shared[at]], sums.squares[shared[at]], read.lookup[at]
+        total = sums.total[shared[at]].astype(np.float64)
+        q, lookup = sums.squares[shared[at]].astype(np.float64), read.lookup[at]
         if self.kind == "rowwise_adagrad":
             stored = index.lookup_stored[lookup][:, None].astype(np.float64)
             fused = (total * total).sum(1, keepdims=True) / stored
@@ -207,8 +209,9 @@ class PerRecordAdagrad:
         qw = 1 if self.kind == "rowwise_adagrad" else width
         if pairs is None or not n or all(g is None for g in grads):
             empty = np.empty(0, dtype=np.int64)
-            return RowGradientSums(empty, empty, empty, empty, np.empty((0, width)),
-                                   np.empty((0, qw)))
+            return RowGradientSums(empty, empty, empty, empty,
+                                   np.empty((0, width), dtype=np.float32),
+                                   np.empty((0, qw), dtype=np.float32))
         dtype = next(g.dtype for g in grads if g is not None)
         g = index.per_pair([g[:n] if g is not None else None for g in grads], pairs, dtype)
         # each read's weight; the gradients over the ranks: TorchRec averages the tables'
@@ -224,7 +227,7 @@ class PerRecordAdagrad:
         row_of_run = row_seg.index_select(0, pairs.new_pair.nonzero().flatten())
         nrows = int(row_seg[-1]) + 1
         sums = g.new_zeros(nrows, width + qw).index_add_(
-            0, row_of_run, torch.cat([per_record, squares], 1)).cpu().numpy().astype(np.float64)
+            0, row_of_run, torch.cat([per_record, squares], 1)).to("cpu", torch.float32).numpy()
         heads = pairs.new_row.nonzero().flatten()
         lookup = pairs.lookup.index_select(0, heads).cpu().numpy().astype(np.int64, copy=False)
         rows = pairs.rows.index_select(0, heads).cpu().numpy().astype(np.int64, copy=False)
