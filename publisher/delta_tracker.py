@@ -146,6 +146,27 @@ class DeltaTracker:
                     bm = self._bitmap(self._group_of[table], ids.device)
                     bm[ids.numpy() if isinstance(bm, np.ndarray) else ids] = True
 
+    def grow(self, table_rows: Mapping[str, int]) -> None:
+        """Widens the bitmaps of tables that grew to ``table_rows`` rows; marks are kept.
+
+        Args:
+            table_rows: table name -> its rows now (tables left out or not larger keep theirs).
+        """
+        with self._lock:
+            for t, n in table_rows.items():
+                if t in self._rows and int(n) > self._rows[t]:
+                    self._rows[t] = int(n)
+            for group, tables in self._group_tables.items():
+                n = max(self._rows[t] for t in tables)
+                self._rows[group] = n
+                bm = self._bitmaps.get(group)
+                if bm is None or bm.shape[0] >= n:
+                    continue
+                wider = (np.zeros(n, dtype=bool) if isinstance(bm, np.ndarray)
+                         else torch.zeros(n, dtype=torch.bool, device=bm.device))
+                wider[: bm.shape[0]] = bm
+                self._bitmaps[group] = wider
+
     def pending_rows(self) -> int:
         """Rows currently marked, over all tables (costs a count over every bitmap)."""
         with self._lock:

@@ -36,6 +36,8 @@ def published_table_dims(module: Any) -> dict[str, tuple[int, int]]:
 
     A table is stored with a multiple of 4 columns; a wide table is read (and published) at
     ``wide_output_dim``, a deep one at its ``embedding_dim`` (``EmbeddingLayout.read_dims``).
+    A growing dynamic table's rows are the most it may reach (``DynamicTableSpec.max_rows``),
+    so the id maps stay those of the table whatever it grows to.
 
     Args:
         module: a ``TrainModule``.
@@ -47,6 +49,9 @@ def published_table_dims(module: Any) -> dict[str, tuple[int, int]]:
     read = dict(layout.read_dims) if layout is not None else {}
     out = {}
     for name, (rows, columns) in module.table_shapes().items():
+        dyn = module.dynamic_table(name) if hasattr(module, "dynamic_table") else None
+        if dyn is not None:
+            rows = max(rows, dyn.spec.max_rows)
         out[name] = (rows, int(read.get(name, columns)))
     return out
 
@@ -159,4 +164,7 @@ def _touched_rows_tracker(module: Any) -> DeltaTracker:
     tracker = DeltaTracker(module.feature_tables(),
                            {name: rows for name, (rows, _) in module.table_shapes().items()})
     module.set_touched_rows_hook(tracker.record)
+    if hasattr(module, "add_table_growth_hook"):
+        module.add_table_growth_hook(
+            lambda shapes: tracker.grow({n: r for n, (r, _c) in shapes.items()}))
     return tracker

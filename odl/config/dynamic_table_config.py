@@ -9,7 +9,9 @@ one of these, or when ``model_config.ev_params`` is set and the feature sets non
   ``admit_probability`` at each step), eviction of rows unseen for
   ``steps_to_live`` steps, least recently used rows make room when the table is full;
   ``max_capacity`` rows (``hash_bucket_size`` when ``max_capacity`` is not written and the
-  feature has one);
+  feature has one). With neither written the table *grows*, as EasyRec's EmbeddingVariable
+  does: it starts at ``init_capacity`` rows when written, else ``GROWING_START_ROWS``, and
+  doubles as ids are admitted up to ``EV_DEFAULT_MAX_CAPACITY`` (``grows_to``);
 * ``zch { zch_size eviction_interval lfu{} | lru{} | distance_lfu{} }`` (TorchEasyRec
   zero-collision hash): ``zch_size`` rows, the policy decides which rows make room;
 * ``ctr_accessor_param { ... }`` (PaddleRec ``CtrCommonAccessor``): rows scored by decayed
@@ -30,7 +32,8 @@ from typing import Optional
 from odl.config.config_error import ConfigError
 from odl.protos import pipeline_pb2
 
-__all__ = ["DynamicTableSpec", "dynamic_table_spec", "EV_MAINTENANCE_INTERVAL"]
+__all__ = ["DynamicTableSpec", "dynamic_table_spec", "EV_DEFAULT_MAX_CAPACITY",
+           "EV_MAINTENANCE_INTERVAL", "GROWING_START_ROWS"]
 
 _FT = pipeline_pb2.FeatureConfig.FeatureType
 # Steps between two maintenance passes (expiry by steps_to_live) of an ev_params table, at
@@ -38,6 +41,11 @@ _FT = pipeline_pb2.FeatureConfig.FeatureType
 EV_MAINTENANCE_INTERVAL = 100
 # Largest table odl builds (rows); beyond it the memory estimate is meaningless anyway.
 MAX_DYNAMIC_CAPACITY = 1 << 34
+# EasyRec's default max_capacity: the rows a growing table (ev_params with neither
+# max_capacity nor hash_bucket_size) may reach.
+EV_DEFAULT_MAX_CAPACITY = 16_777_216
+# Rows a growing table starts with unless ev_params.init_capacity is written.
+GROWING_START_ROWS = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -47,7 +55,9 @@ class DynamicTableSpec:
     Attributes:
         form: the config form it came from: ``"ev_params"``, ``"zch"`` or
             ``"ctr_accessor_param"``.
-        capacity: rows of the table (live ids at most).
+        capacity: rows of the table (live ids at most); a growing table's rows now.
+        grows_to: the rows a growing table may reach, doubling as ids are admitted
+            (``odl.train.table_growth``); 0: the table keeps ``capacity`` rows.
         admit_freq: sightings an id needs before it gets a row (<= 1: at once).
         admit_score: score (show / click, counted before admission) an id needs (0: none).
         admit_probability: chance that a candidate passing the thresholds gets a row at a
@@ -71,6 +81,7 @@ class DynamicTableSpec:
 
     form: str
     capacity: int
+    grows_to: int = 0
     admit_freq: int = 0
     admit_score: float = 0.0
     admit_probability: float = 1.0
@@ -88,6 +99,16 @@ class DynamicTableSpec:
     base_threshold: Optional[float] = None
     show_field: str = ""
     click_field: str = ""
+
+    @property
+    def grows(self) -> bool:
+        """Whether the table grows from ``capacity`` towards ``grows_to`` rows."""
+        return self.grows_to > self.capacity
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows the table can have: ``grows_to`` for a growing table, else ``capacity``."""
+        return max(self.capacity, self.grows_to)
 
     @property
     def counts_candidates(self) -> bool:
@@ -117,14 +138,23 @@ def _probability(value: float, path: str) -> float:
 
 def _from_ev(ev: pipeline_pb2.EVParams, fc: pipeline_pb2.FeatureConfig, path: str,
              feature_path: str) -> DynamicTableSpec:
-    if ev.HasField("max_capacity") or not fc.hash_bucket_size:
+    grows_to = 0
+    if ev.HasField("max_capacity"):
         capacity = _capacity(int(ev.max_capacity), f"{path}.max_capacity")
-    else:
+    elif fc.hash_bucket_size:
         capacity = _capacity(int(fc.hash_bucket_size), f"{feature_path}.hash_bucket_size")
+    else:  # no written capacity: the table grows, as EasyRec's EmbeddingVariable does
+        grows_to = EV_DEFAULT_MAX_CAPACITY
+        start = (int(ev.init_capacity) if ev.HasField("init_capacity")
+                 else GROWING_START_ROWS)
+        capacity = min(_capacity(start, f"{path}.init_capacity"), grows_to)
+        if capacity == grows_to:
+            grows_to = 0
     ttl = int(ev.steps_to_live)
     interval = min(EV_MAINTENANCE_INTERVAL, max(1, ttl // 4)) if ttl else EV_MAINTENANCE_INTERVAL
     return DynamicTableSpec(
-        form="ev_params", capacity=capacity, admit_freq=int(ev.filter_freq),
+        form="ev_params", capacity=capacity, grows_to=grows_to,
+        admit_freq=int(ev.filter_freq),
         admit_probability=_probability(ev.admit_probability, f"{path}.admit_probability"),
         policy="lru",
         maintenance_interval=interval, steps_to_live=ttl)

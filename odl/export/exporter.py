@@ -132,6 +132,7 @@ from odl.export.export_layout import (
 from odl.export.fg_json import FG_JSON_NAME, fg_json_of
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import CtrModel
+from odl.models.dynamic.growth import saved_capacities, sized_specs
 from odl.models.dynamic.model_tables import DynamicTables
 from odl.models.embedding_tables import WIDE_SUFFIX
 from odl.models.model_registry import build_model
@@ -398,14 +399,19 @@ def export_checkpoint(
         raise ExportError(f"checkpoint {ckpt_dir}: its table parts are unreadable: {e}") from e
     table_pooling: dict[str, str] = {}
     table_shapes: dict[str, tuple[int, int]] = {}
+    block_rows: dict[str, int] = {}  # rows of the checkpoint's table
     dynamic_rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # table -> live rows, ids
+    most_rows = {s.name: s.dynamic.max_rows for s in fb.table_specs if s.dynamic is not None}
     for cfg in model.layout.configs:
         key = f"{EBC_PREFIX}{cfg.name}.weight"
         if key not in blocks:
             raise ExportError(f"checkpoint {ckpt_dir} has no table {cfg.name} ({key})")
         rows, stored = blocks.size(key)
-        table_shapes[cfg.name] = (int(rows), int(min(used.get(cfg.name, stored), stored)))
+        block_rows[cfg.name] = int(rows)
         base = cfg.name[: -len(WIDE_SUFFIX)] if cfg.name.endswith(WIDE_SUFFIX) else cfg.name
+        # a growing dynamic table is exported at the most rows it may reach (its id maps')
+        rows = max(int(rows), most_rows.get(base, 0))
+        table_shapes[cfg.name] = (int(rows), int(min(used.get(cfg.name, stored), stored)))
         if base in live:
             dynamic_rows[cfg.name] = live[base]
         table_pooling[cfg.name] = pooling.get(base, "sum")
@@ -425,7 +431,7 @@ def export_checkpoint(
         at = 0
         for start, t in table_blocks:  # the live rows of each block, with their raw ids
             inside = (live_rows >= start) & (live_rows < start + t.shape[0])
-            last = start + t.shape[0] >= table_shapes[name][0]
+            last = start + t.shape[0] >= block_rows[name]
             if inside.any() or (at == 0 and last):  # an empty table: one empty part
                 picked = torch.from_numpy(live_rows[inside] - start)
                 yield at, t[picked][:, :cols].to(torch.float32).numpy(), ids[inside]
@@ -540,6 +546,7 @@ def _live_dynamic_rows(fb: FeatureBuilder, state: Mapping,
     if saved is None:
         raise ExportError(f"checkpoint {ckpt_dir} has no dynamic-table state but the config "
                           f"has dynamic tables {sorted(specs)}")
+    specs = sized_specs(specs, saved_capacities(saved))  # growing tables as they grew
     tables = DynamicTables(specs, {n: () for n in specs},
                            partitions=int(saved.get("partitions", 1)))
     tables.load_state_dict(saved)

@@ -55,6 +55,8 @@ class CheckpointRows:
         self._tracker = DeltaTracker(module.feature_tables(),
                                      {t: n for t, (n, _c) in shapes.items()})
         module.add_touched_rows_hook(self._tracker.record)
+        module.add_table_growth_hook(  # growing dynamic tables: the bitmaps follow
+            lambda shapes: self._tracker.grow({t: n for t, (n, _c) in shapes.items()}))
         self._ids_at_checkpoint: dict[str, np.ndarray] = {}
         self.restart()
 

@@ -41,6 +41,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional, TypeVar
 
+import numpy as np
+
 from odl.checkpoint.checkpoint_manager import (
     CheckpointManager,
     LoadedCheckpoint,
@@ -51,6 +53,7 @@ from odl.inputs.source_factory import online_input_name
 from odl.models.dynamic.resplit import saved_partitions
 from odl.protos import pipeline_pb2
 from odl.train.distributed import from_rank0
+from odl.train.table_growth import grow_to_hold
 from odl.train.train_module import TrainModule
 from odl.train.trainer_metrics import TrainerMetrics
 from publisher.delta_recovery import (
@@ -165,6 +168,14 @@ class CrashRecovery:
         recovered = self._read_delta_topic(restored)
         if recovered is not None and self._note_recovered(restored, recovered):
             module = self._module
+            if module.dynamic:  # growing tables first grow to hold the replayed ids
+                names = self._id_maps().table_names()
+                replayed: dict[str, np.ndarray] = {}
+                for tid, (ids, _values) in recovered.sparse.items():
+                    dyn = module.dynamic_table(names.get(int(tid), ""))
+                    if dyn is not None:  # a deep table and its wide twin: one index
+                        replayed[dyn.name] = np.union1d(replayed.get(dyn.name, ids), ids)
+                grow_to_hold(module, replayed)
             apply_recovered_state(module.embedding_tables(), module.dense_parameters(),
                                   self._id_maps(), recovered, module if module.dynamic else None)
             module.global_step = int(recovered.version)

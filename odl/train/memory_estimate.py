@@ -16,7 +16,12 @@ Formula (bytes; every value is fp32, 4 bytes):
   ``embedding_dim`` (a multiple of 4, ``odl.models.embedding_tables``); a dynamic table's
   rows are its capacity, plus 56 bytes per row (72 with show / click) for its id index and
   counters and 16 MiB at most for its admission sketch (32 MiB when it counts clicks),
-  counted once per table even when it also has a wide twin.
+  counted once per table even when it also has a wide twin. A *growing* dynamic table
+  (``ev_params`` without a written capacity, ``odl.train.table_growth``) counts its start
+  rows: it grows only once the memory a doubling needs is available. The estimate reports
+  the rows the growing tables can reach (:func:`growth_limit`): their ``grows_to``, or fewer
+  when the memory left allows fewer. With several ranks or ``dynamic_index_partitions`` > 1
+  the table does not grow and is counted at ``grows_to``.
   ``tables = 4 x sum(rows x stored dim)``.
 * Table optimizer state (fbgemm's fused optimizer, one state per table):
   ``sgd`` none; ``adagrad`` (element-wise, odl's default and EasyRec's) ``rows x dim``
@@ -128,6 +133,7 @@ class TableEstimate:
         weight_bytes: ``4 x rows x dim``.
         state_bytes: its optimizer state (and a dynamic table's id index and counters).
         map_bytes: of ``state_bytes``, a dynamic table's id index and counters.
+        grows_to: rows a growing dynamic table may reach (0: the table keeps ``rows``).
     """
 
     name: str
@@ -136,6 +142,7 @@ class TableEstimate:
     weight_bytes: int
     state_bytes: int
     map_bytes: int = 0
+    grows_to: int = 0
 
 
 @dataclass(frozen=True)
@@ -228,18 +235,23 @@ def _gib(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB"
 
 
-def _map_bytes(dyn: DynamicTableSpec | None) -> int:
-    """Bytes of a dynamic table's id index, counters and sketch (0 for a fixed table)."""
+def _map_bytes(dyn: DynamicTableSpec | None, rows: int = 0) -> int:
+    """Bytes of a dynamic table's id index, counters and sketch (0 for a fixed table).
+
+    Args:
+        dyn: the table's spec (None: a fixed table).
+        rows: the rows counted (0: its capacity).
+    """
     if dyn is None:
         return 0
     per_row = DYNAMIC_MAP_BYTES_PER_ROW + (16 if dyn.keeps_scores else 0)
     sketch = 0
     if dyn.counts_candidates:  # 4 rows of float32 show (and click) counters
         width = 1024
-        while width < dyn.capacity and width < 1 << 20:
+        while width < dyn.max_rows and width < 1 << 20:
             width *= 2
         sketch = 16 * width * (2 if dyn.admit_score > 0 or dyn.keeps_scores else 1)
-    return per_row * dyn.capacity + sketch
+    return per_row * (rows or dyn.capacity) + sketch
 
 
 def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str, ranks: int = 1,
@@ -270,15 +282,22 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str, ranks:
     per_row, per_value = _SPARSE_STATE.get(table_kernel_kind(sparse.kind), (0, 2))
     tables: list[TableEstimate] = []
     mapped: set[str] = set()  # dynamic tables whose index is counted (once per deep/wide pair)
+    # growing tables grow with one rank and one partition only; otherwise built at grows_to
+    can_grow = ranks <= 1 and int(config.train_config.dynamic_index_partitions) <= 1
     for c in model.ebc.embedding_bag_configs():
         base = c.name if c.name in specs else c.name.removesuffix(WIDE_SUFFIX)
         spec = specs.get(base)
-        map_bytes = 0 if base in mapped or spec is None else _map_bytes(spec.dynamic)
-        mapped.add(base)
+        dyn = spec.dynamic if spec is not None else None
         rows, dim = int(c.num_embeddings), int(c.embedding_dim)
+        grows_to = dyn.grows_to if dyn is not None and dyn.grows and can_grow else 0
+        if dyn is not None and dyn.grows and not can_grow:
+            rows = dyn.max_rows
+        map_bytes = 0 if base in mapped or dyn is None else _map_bytes(dyn, rows)
+        mapped.add(base)
         tables.append(TableEstimate(
             c.name, rows, dim, BYTES_PER_VALUE * rows * dim,
-            BYTES_PER_VALUE * rows * (per_row + per_value * dim) + map_bytes, map_bytes))
+            BYTES_PER_VALUE * rows * (per_row + per_value * dim) + map_bytes, map_bytes,
+            grows_to))
     params = sum(p.numel() for p in model.dense.parameters())
     pooled = sum(g.width for g in model.pooled_layout)
     dense_in = len(feature_builder.dense_feature_names)
@@ -398,6 +417,43 @@ def _describe(est: MemoryEstimate, where: str) -> str:
             f"{f'; largest tables {largest}' if largest else ''}{ranks}")
 
 
+def growth_limit(est: MemoryEstimate, allowed_bytes: float) -> dict[str, int]:
+    """The rows each growing dynamic table can reach within ``allowed_bytes``.
+
+    Every growing table is assumed to grow alike (to the same number of rows, at most its
+    ``grows_to``): the room the estimate leaves is shared out by their bytes per row (on
+    CPU twice, as the estimate counts the tables: a checkpoint's copy beside them).
+
+    Args:
+        est: the estimate (growing tables at their start rows).
+        allowed_bytes: the memory the run may use (host, or device on CUDA).
+
+    Returns:
+        Growing table (deep and wide twins each) -> the rows it can reach (>= its start
+        rows); empty when no table grows.
+    """
+    growing = [t for t in est.tables if t.grows_to > t.rows]
+    if not growing:
+        return {}
+    used = est.device_bytes if est.device_type == "cuda" else est.host_bytes
+    copies = 1 if est.device_type == "cuda" else 2
+    per_row = sum(copies * (t.weight_bytes + t.state_bytes) / t.rows for t in growing)
+    now = sum(copies * (t.weight_bytes + t.state_bytes) for t in growing)
+    reach = int((allowed_bytes - used + now) // per_row) if per_row else 0
+    return {t.name: max(t.rows, min(t.grows_to, reach)) for t in growing}
+
+
+def _report_growth(est: MemoryEstimate, allowed_bytes: float | None) -> None:
+    """Logs the growing tables' start rows and the rows they can reach (their cap)."""
+    reach = growth_limit(est, allowed_bytes) if allowed_bytes else {
+        t.name: t.grows_to for t in est.tables if t.grows_to > t.rows}
+    for t in est.tables:
+        if t.name in reach:
+            logger.info("dynamic table %s grows: counted at its start, %d rows; it may reach "
+                        "%d rows (grows_to %d%s)", t.name, t.rows, reach[t.name], t.grows_to,
+                        "" if reach[t.name] >= t.grows_to else ", as far as the memory allows")
+
+
 def check_memory(
     config: pipeline_pb2.EasyRecConfig,
     device_type: str,
@@ -434,6 +490,7 @@ def check_memory(
                 f"; {est.ranks} ranks, {est.ranks_on_host} on this host, "
                 f"{_gib(est.rank_sparse_bytes)} of tables each" if est.ranks > 1 else "")
     if fraction <= 0:
+        _report_growth(est, None)
         return est
     how = (f"--max_memory_fraction or {MAX_MEMORY_FRACTION_ENV} sets the share, 0 turns "
            "the check off")
@@ -448,6 +505,8 @@ def check_memory(
                 f"({how})")
     avail = host_available if host_available is not None else available_host_memory()
     allowed = fraction * avail.bytes
+    _report_growth(est, fraction * device_available
+                   if device_type == "cuda" and device_available is not None else allowed)
     if est.host_bytes > allowed:
         sparse = est.sparse_bytes * (1 if device_type == "cuda" else 2)
         where = "this host has" if avail.source == "host" else f"{avail.source} leaves"

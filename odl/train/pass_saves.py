@@ -121,6 +121,7 @@ class PassSaves:
         self._table_rows = {name: rows for name, (rows, _) in module.table_shapes().items()}
         self.tracker = DeltaTracker(module.feature_tables(), self._table_rows)
         module.add_touched_rows_hook(self.tracker.record)
+        module.add_table_growth_hook(self._tables_grew)
         self.snapshots = ParameterSnapshotter(module, self.id_maps, self.tracker,
                                               online_input_name(config),
                                               delete_consumer=PASS_DELETES)
@@ -176,6 +177,11 @@ class PassSaves:
         touched = {name: torch.as_tensor(ids, dtype=torch.int64)
                    for name, ids in state.get("touched", {}).items() if name in self._table_rows}
         self.tracker.put_back(touched)
+
+    def _tables_grew(self, shapes: dict[str, tuple[int, int]]) -> None:
+        """Growing dynamic tables grew (``odl.train.table_growth``): the tracker follows."""
+        self._table_rows = {name: rows for name, (rows, _) in shapes.items()}
+        self.tracker.grow(self._table_rows)
 
     def mark_all_rows(self) -> None:
         """Puts every row into the next delta (state changed by crash recovery)."""

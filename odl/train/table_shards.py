@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from odl.models.embedding_tables import init_embedding_weights, initial_rows
+
 # the state-dict prefix of the tables (``EmbeddingBagCollection`` named ``ebc``)
 EBC_PREFIX = "ebc.embedding_bags."
 
@@ -249,3 +251,27 @@ def write_held_rows(table_shards: TableShards, tables: Sequence[str], rows: np.n
                     shard[:, :k].index_copy_(0, idx, part[:, c0:c0 + k])
                 else:
                     shard[:, :k].index_add_(0, idx, part[:, c0:c0 + k])
+
+
+@torch.no_grad()
+def init_local_shards(dmp: Any, seed: int) -> None:
+    """``init_embedding_weights`` for the shards this rank holds of ``dmp``'s tables.
+
+    Each shard gets the values its rows and columns have in the whole table as one
+    process initializes it, drawn for its rows alone (``initial_rows``): no rank holds
+    more than its shards and one block of rows.
+    """
+    for name, t in dmp.state_dict().items():
+        if not (name.startswith(EBC_PREFIX) and name.endswith(".weight")):
+            continue
+        table = name[len(EBC_PREFIX):-len(".weight")]
+        if not hasattr(t, "local_shards"):
+            init_embedding_weights({table: t}, seed)
+            continue
+        for sh in t.local_shards():
+            (r0, c0), (n, m) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
+            for first, values in initial_rows(table, seed, tuple(t.size()), r0,
+                                              r0 + n):
+                sh.tensor[first - r0 : first - r0 + values.shape[0]].copy_(
+                    values[:, c0 : c0 + m].to(device=sh.tensor.device,
+                                              dtype=sh.tensor.dtype))

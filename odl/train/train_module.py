@@ -46,11 +46,7 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import ModelOutput, predictions
 from odl.models.dynamic.dynamic_table import DynamicTable
 from odl.models.dynamic.model_tables import DynamicTables
-from odl.models.embedding_tables import (
-    WIDE_SUFFIX,
-    init_embedding_weights,
-    initial_rows,
-)
+from odl.models.embedding_tables import WIDE_SUFFIX, init_embedding_weights
 from odl.models.model_registry import build_model
 from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.protos import pipeline_pb2
@@ -76,10 +72,12 @@ from odl.train.optimizer_builder import (
 from odl.train.published_rows import PublishedRows
 from odl.train.row_sparse_rules import row_sparse_rule
 from odl.train.row_sparse_tables import RowSparseTables
+from odl.train.table_growth import TableGrowth, grow_if_due, size_for_state, table_rows_at_start
 from odl.train.table_shards import (
     EBC_PREFIX,
     ShardRows,
     fill_states,
+    init_local_shards,
     local_shards,
     local_view,
 )
@@ -128,6 +126,8 @@ class TrainModule:
         device: ``"auto"`` (CUDA if available else CPU), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
         row_wise_min_rows: with several ranks, tables of at least this many rows are split
             by rows (``odl.train.distributed``).
+        table_rows: growing dynamic table -> its rows (``odl.train.table_growth``: a growth or
+            a restore rebuilds the module with them); None: their start rows.
 
     Attributes:
         global_step: number of training steps taken (restored by ``load_checkpoint_state``).
@@ -142,7 +142,10 @@ class TrainModule:
         feature_builder: FeatureBuilder,
         device: str = "auto",
         row_wise_min_rows: int = ROW_WISE_MIN_ROWS,
+        table_rows: Mapping[str, int] | None = None,
     ) -> None:
+        self.build_arguments = (config, feature_builder, device, row_wise_min_rows)
+        self.growth = TableGrowth()
         self.device = resolve_device(device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
@@ -151,7 +154,8 @@ class TrainModule:
         self.rank, self.world_size = join_process_group(self.device)
         self.seed = int(config.train_config.seed)
         torch.manual_seed(self.seed)
-        self.model = build_model(config, feature_builder)
+        sized = table_rows_at_start(config, feature_builder, self.world_size, table_rows)
+        self.model = build_model(config, sized)
         self._feature_builder = feature_builder
         # per output: a regression predicts its logit, the others sigmoid(logit)
         self.regression = regression_outputs(config)
@@ -166,7 +170,7 @@ class TrainModule:
         tables = [c.name for c in table_configs]
         self._table_shapes = {c.name: (int(c.num_embeddings), int(c.embedding_dim))
                               for c in table_configs}
-        specs = {s.name: s for s in feature_builder.table_specs
+        specs = {s.name: s for s in sized.table_specs
                  if s.dynamic is not None and s.name in set(tables) | {
                      t[: -len(WIDE_SUFFIX)] for t in tables if t.endswith(WIDE_SUFFIX)}}
         partitions = dynamic_partitions(config, specs, self.world_size)
@@ -195,7 +199,7 @@ class TrainModule:
         if self.world_size == 1:
             init_embedding_weights(self.embedding_tables(), self.seed)
         else:
-            self._init_local_shards()
+            init_local_shards(self._dmp, self.seed)
         # TF's Adagrad starts its accumulators at initial_accumulator_value, fbgemm's at 0
         self.table_state_start = table_accumulator_start(self._sparse_spec, self.device.type)
         if self.table_state_start:
@@ -229,29 +233,6 @@ class TrainModule:
         logger.info(
             "TrainModule on %s: %d tables, sparse %s, dense %s", self.device, len(tables),
             self._sparse_spec.kind, self._dense_spec.kind)
-
-    @torch.no_grad()
-    def _init_local_shards(self) -> None:
-        """``init_embedding_weights`` for the shards this rank holds.
-
-        Each shard gets the values its rows and columns have in the whole table as one
-        process initializes it, drawn for its rows alone (``initial_rows``): no rank holds
-        more than its shards and one block of rows.
-        """
-        for name, t in self._dmp.state_dict().items():
-            if not (name.startswith(EBC_PREFIX) and name.endswith(".weight")):
-                continue
-            table = name[len(EBC_PREFIX):-len(".weight")]
-            if not hasattr(t, "local_shards"):
-                init_embedding_weights({table: t}, self.seed)
-                continue
-            for sh in t.local_shards():
-                (r0, c0), (n, m) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
-                for first, values in initial_rows(table, self.seed, tuple(t.size()), r0,
-                                                  r0 + n):
-                    sh.tensor[first - r0 : first - r0 + values.shape[0]].copy_(
-                        values[:, c0 : c0 + m].to(device=sh.tensor.device,
-                                                  dtype=sh.tensor.dtype))
 
     # -- accessors --------------------------------------------------------------------------
 
@@ -349,6 +330,10 @@ class TrainModule:
         tracker uses this to record which rows each table touched.
         """
         self._touched_rows_hook = hook
+
+    def add_table_growth_hook(self, hook: Callable[[dict[str, tuple[int, int]]], None]) -> None:
+        """Registers ``hook(table_shapes())``, called after growing tables grew."""
+        self.growth.hooks.append(hook)
 
     def add_touched_rows_hook(self, hook: Callable[[KeyedJaggedTensor], None]) -> None:
         """Registers one more ``hook(kjt)`` beside ``set_touched_rows_hook``'s.
@@ -455,6 +440,8 @@ class TrainModule:
             expired = self.dynamic.maintain(self.global_step, now)
             if expired:
                 self.dynamic_rows.reset(expired, self.global_step)
+            if self.world_size == 1:  # growing tables double at a step's end
+                grow_if_due(self)
         return out
 
     def _step_sizes(self, batch: Batch, sizes: Sequence[int] | None) -> list[int]:
@@ -588,6 +575,7 @@ class TrainModule:
             KeyError: ``strict`` and a name is missing or unexpected.
             ValueError: a shape differs.
         """
+        size_for_state(self, state)  # growing tables at the rows the checkpoint holds
         if self.row_sparse is not None:  # a checkpoint of the substitutes before row-sparse
             state = self.row_sparse.upgrade_state(dict(state), self.rates)
         module_state.load_state(self, state, strict)

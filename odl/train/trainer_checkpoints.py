@@ -65,8 +65,18 @@ class TrainerCheckpoints:
             return
         if self.rows is None:
             self.rows = CheckpointRows(self._t.module)
+            self._t.module.add_table_growth_hook(self._tables_grew)
         else:
             self.rows.restart()
+
+    def _tables_grew(self, _shapes: dict[str, tuple[int, int]]) -> None:
+        """Growing dynamic tables grew: the next checkpoint is full.
+
+        An increment holds rows of tables of its parent's shapes (``odl.train.table_growth``).
+        A write in flight is waited for first: it would make itself the next parent.
+        """
+        self.writer.wait()
+        self._t.checkpoints.chain = None
 
     def take(self, overwrite: bool = False, background: bool = False) -> bool:
         """Takes a checkpoint of the current step: the state, positions and replay point.

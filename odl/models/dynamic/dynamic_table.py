@@ -76,7 +76,8 @@ class DynamicTable:
         self.sightings, self.last_step, self.last_time = counters
         self.show = np.zeros(c if spec.keeps_scores else 0, dtype=np.float64)
         self.click = np.zeros(c if spec.keeps_scores else 0, dtype=np.float64)
-        self.sketch = (CountMinSketch(c, seed ^ (hash_name(name) & 0xFFFF),
+        # sized for the most rows the table can have, so a growing table keeps its sketch
+        self.sketch = (CountMinSketch(spec.max_rows, seed ^ (hash_name(name) & 0xFFFF),
                                       clicks=spec.admit_score > 0 or spec.keeps_scores)
                        if spec.counts_candidates else None)
         self.counters = TableCounters()

@@ -1,0 +1,334 @@
+"""Dynamic tables that grow: a rebuild of the ``TrainModule`` at more rows, at a step boundary.
+
+A *growing* dynamic table (``ev_params`` with neither ``max_capacity`` nor
+``hash_bucket_size``: ``DynamicTableSpec.grows_to``) starts with ``capacity`` rows. After a
+training step in which its live rows passed ``GROW_AT`` of its rows it doubles (at most to
+``grows_to``):
+
+1. the module's whole state is copied to the host (``module_state.checkpoint_state``, as a
+   checkpoint does);
+2. the module is built again, in place, at the new rows (``TrainModule.__init__`` with
+   ``table_rows``: the model, the sharding plan and ``DistributedModelParallel``, the fused
+   and row-sparse optimizers, the dynamic tables), the old model freed first;
+3. the copy is put back: the grown tables' rows, their fused or row-sparse optimizer state
+   and their index and counters into the first rows (``odl.models.dynamic.growth``), every
+   other tensor as it was; the rows added keep their initial values and optimizer state.
+
+The step count, the random generators, the touched-rows hooks and the delete consumers are
+kept, so training continues exactly as a module restored from a checkpoint of the grown
+state would. Whoever sizes something by the tables' rows (the delta trackers, the chain of
+incremental checkpoints) registers a hook (``TrainModule.add_table_growth_hook``), called
+with the new table shapes after every rebuild.
+
+A doubling happens only when the memory it needs is free (the copy of the state, plus the
+rows added): otherwise the table stops growing there, logged once, and makes room by
+eviction as a full table does. A restore builds the tables at the rows the checkpoint holds
+(:func:`size_for_state`), and crash recovery grows them to hold the ids it replays
+(:func:`grow_to_hold`).
+
+Growing needs one rank and ``dynamic_index_partitions`` 1: otherwise the table is built at
+``grows_to`` rows from the start (:func:`table_rows_at_start`), logged.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from odl.features.feature_plan import TableSpec
+from odl.models.dynamic.growth import grown_tables_state, saved_capacities
+from odl.train import module_state
+from odl.train.host_memory import available_host_memory
+from odl.train.table_shards import EBC_PREFIX, local_view
+
+if TYPE_CHECKING:
+    from odl.protos import pipeline_pb2
+    from odl.train.train_module import TrainModule
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["GROW_AT", "GrowthEvent", "SizedFeatures", "TableGrowth", "grow_if_due",
+           "grow_tables", "grow_to_hold", "size_for_state", "table_rows_at_start"]
+
+# A growing table doubles after a step that leaves more than this share of its rows live.
+GROW_AT = 0.75
+# Attributes of the module a rebuild keeps (what others registered on it, and growth's own).
+_KEPT = ("_touched_rows_hook", "_extra_touched_rows_hooks", "growth")
+
+
+@dataclass
+class GrowthEvent:
+    """One growth of the tables.
+
+    Attributes:
+        step: the global step after which they grew.
+        rows: dynamic table -> ``(rows before, rows after)``.
+        seconds: wall time of the growth.
+    """
+
+    step: int
+    rows: dict[str, tuple[int, int]]
+    seconds: float
+
+
+@dataclass
+class TableGrowth:
+    """What a module keeps about growth across its rebuilds.
+
+    Attributes:
+        hooks: called with ``table_shapes()`` after the tables grew.
+        stopped: dynamic tables that stopped growing (memory), with the rows they stay at.
+        events: the growths so far, oldest first.
+    """
+
+    hooks: list[Callable[[dict[str, tuple[int, int]]], None]] = field(default_factory=list)
+    stopped: dict[str, int] = field(default_factory=dict)
+    events: list[GrowthEvent] = field(default_factory=list)
+
+
+class SizedFeatures:
+    """A feature builder whose growing tables have other rows; everything else delegated.
+
+    The model is built from it (``build_model`` reads ``table_specs``); batches are still
+    built by the feature builder itself, which gives a dynamic table's raw ids whatever its
+    rows.
+
+    Args:
+        builder: the feature builder.
+        rows: table name -> its rows (growing tables only).
+    """
+
+    def __init__(self, builder: Any, rows: Mapping[str, int]) -> None:
+        self._builder = builder
+        self._specs = [
+            replace(s, num_rows=int(rows[s.name]),
+                    dynamic=replace(s.dynamic, capacity=int(rows[s.name])))
+            if s.dynamic is not None and s.name in rows else s
+            for s in builder.table_specs]
+
+    @property
+    def table_specs(self) -> list[TableSpec]:
+        """The builder's tables, the growing ones at their rows."""
+        return list(self._specs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._builder, name)
+
+
+def table_rows_at_start(config: pipeline_pb2.EasyRecConfig, builder: Any, world_size: int,
+                        rows: Mapping[str, int] | None) -> Any:
+    """The feature builder to build a model from: growing tables at the rows they have.
+
+    Args:
+        config: the pipeline config.
+        builder: the feature builder.
+        world_size: the ranks training together.
+        rows: growing table -> its rows (a growth or a restore); None: their start rows.
+
+    Returns:
+        ``builder`` itself when every table has its configured rows, else a
+        :class:`SizedFeatures`.
+    """
+    growing = {s.name: s.dynamic for s in builder.table_specs
+               if s.dynamic is not None and s.dynamic.grows}
+    if not growing:
+        return builder
+    if world_size > 1 or int(config.train_config.dynamic_index_partitions) > 1:
+        for name, spec in growing.items():
+            logger.warning("dynamic table %s is built at %d rows (ev_params.max_capacity not "
+                           "written): it grows only with one rank and "
+                           "train_config.dynamic_index_partitions 1", name, spec.grows_to)
+        return SizedFeatures(builder, {n: s.grows_to for n, s in growing.items()})
+    if not rows:
+        return builder
+    return SizedFeatures(builder, {n: int(r) for n, r in rows.items() if n in growing})
+
+
+def _current_rows(m: TrainModule) -> dict[str, int]:
+    """Growing dynamic table -> its rows now (a grown table's ``grows_to`` is kept)."""
+    return {name: int(t.spec.capacity) for name, t in m.dynamic.tables.items()
+            if t.spec.grows_to}
+
+
+def _rebuild(m: TrainModule, rows: Mapping[str, int]) -> None:
+    """Builds ``m`` again in place with the growing tables at ``rows`` (its state not kept)."""
+    kept = {a: getattr(m, a) for a in _KEPT}
+    consumers = m.dynamic.delete_consumers()
+    cpu_rng = torch.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    config, builder, device, row_wise_min_rows = m.build_arguments
+    m.__dict__.clear()  # the old model is freed before the new one is allocated
+    gc.collect()
+    type(m).__init__(m, config, builder, device, row_wise_min_rows, table_rows=rows)
+    torch.set_rng_state(cpu_rng)
+    if cuda_rng is not None:
+        torch.cuda.set_rng_state_all(cuda_rng)
+    m.__dict__.update(kept)
+    for consumer in consumers:
+        m.dynamic.add_delete_consumer(consumer)
+    shapes = m.table_shapes()
+    for hook in list(m.growth.hooks):
+        hook(shapes)
+
+
+@torch.no_grad()
+def _load_grown(m: TrainModule, state: dict[str, Any], grown: Mapping[str, int]) -> None:
+    """Puts a state saved before the tables grew into the rebuilt module (module docstring)."""
+    torch_tables = [t for base in grown for t in m.dynamic_torch_tables[base]]
+    own = m.embedding_tables()
+    own_state = m.fused_optimizer.state_dict()["state"]
+    for t in torch_tables:
+        key = f"{EBC_PREFIX}{t}.weight"
+        saved = state["model"].pop(key)
+        own[t][: saved.shape[0]].copy_(saved.to(own[t].device, own[t].dtype))
+        for k, v in state["sparse_optimizer"].pop(key, {}).items():
+            live = local_view(own_state[key][k])
+            if v.dim() and live.dim() and v.shape[0] < live.shape[0]:
+                live[: v.shape[0]].copy_(v.to(live.device, live.dtype))
+            else:
+                live.copy_(v.to(live.device, live.dtype))
+    state["dynamic_tables"] = grown_tables_state(state["dynamic_tables"], grown)
+    module_state.load_state(m, state, strict=False)
+
+
+def _bytes_needed(m: TrainModule, grown: Mapping[str, int]) -> tuple[int, int]:
+    """``(host, device)`` bytes a growth needs beyond what the module holds now.
+
+    The host holds the state's copy (every table and its optimizer state); the rows added
+    (weights, optimizer state, index and counters) are allocated where the tables live.
+    """
+    tables, states = m.row_state_views()
+    copy = sum(t.numel() * t.element_size() for t in tables.values())
+    copy += sum(s.numel() * s.element_size() for ss in states.values() for s in ss)
+    added = 0
+    for base, rows in grown.items():
+        old = m.dynamic.tables[base].spec.capacity
+        added += (rows - old) * 56  # index and counters (memory_estimate's figure)
+        for t in m.dynamic_torch_tables[base]:
+            w = tables[t]
+            per_row = w[0].numel() * w.element_size()
+            per_row += sum(s.numel() * s.element_size() // max(1, w.shape[0])
+                           for s in states.get(f"{EBC_PREFIX}{t}.weight", ()))
+            added += (rows - old) * per_row
+    if m.device.type == "cuda":
+        return copy, added
+    return copy + added, 0
+
+
+def _memory_allows(m: TrainModule, grown: Mapping[str, int]) -> bool:
+    host, device = _bytes_needed(m, grown)
+    if host > available_host_memory().bytes:
+        return False
+    if device:
+        free, _total = torch.cuda.mem_get_info(m.device)
+        return device <= free
+    return True
+
+
+def grow_tables(m: TrainModule, grown: Mapping[str, int]) -> GrowthEvent:
+    """Grows dynamic tables of ``m`` to ``grown`` rows now (module docstring).
+
+    Args:
+        m: the module (one rank).
+        grown: growing dynamic table -> its new rows (at least its rows now).
+
+    Returns:
+        What grew and how long it took.
+    """
+    t0 = time.perf_counter()
+    before = _current_rows(m)
+    state = module_state.checkpoint_state(m)
+    _rebuild(m, {**before, **grown})
+    _load_grown(m, state, grown)
+    del state
+    event = GrowthEvent(m.global_step, {n: (before[n], int(r)) for n, r in grown.items()},
+                        time.perf_counter() - t0)
+    m.growth.events.append(event)
+    logger.info("dynamic tables grew after step %d in %.2f s: %s", event.step, event.seconds,
+                ", ".join(f"{n} {a:,} -> {b:,} rows" for n, (a, b) in event.rows.items()))
+    return event
+
+
+def grow_if_due(m: TrainModule) -> GrowthEvent | None:
+    """Doubles every growing table with more than ``GROW_AT`` of its rows live (a step's end).
+
+    Returns:
+        The growth, or None when none was due or the memory it needs is not free.
+    """
+    due = {}
+    for name, t in m.dynamic.tables.items():
+        spec = t.spec
+        if spec.grows and name not in m.growth.stopped and t.live > GROW_AT * spec.capacity:
+            due[name] = min(2 * spec.capacity, spec.grows_to)
+    if not due:
+        return None
+    if not _memory_allows(m, due):
+        for name in due:
+            m.growth.stopped[name] = m.dynamic.tables[name].spec.capacity
+            logger.warning("dynamic table %s stays at %d rows: the memory to double it is not "
+                           "free; full, it makes room by eviction", name,
+                           m.growth.stopped[name])
+        return None
+    return grow_tables(m, due)
+
+
+def grow_to_hold(m: TrainModule, new_ids: Mapping[str, np.ndarray]) -> GrowthEvent | None:
+    """Grows tables so that ids about to be given rows fit (crash recovery's replayed ids).
+
+    Each growing table doubles until its live rows plus the ids it does not hold yet are at
+    most ``GROW_AT`` of its rows (at most ``grows_to``), so recovering the rows serving
+    holds evicts none of them.
+
+    Args:
+        m: the module (one rank).
+        new_ids: dynamic table -> raw ids to be given rows.
+
+    Returns:
+        The growth, or None when none was needed.
+    """
+    due = {}
+    for name, ids in new_ids.items():
+        t = m.dynamic.tables.get(name)
+        if t is None or not t.spec.grows or not len(ids):
+            continue
+        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        want = t.live + int((t.lookup(ids) < 0).sum())
+        rows = t.spec.capacity
+        while want > GROW_AT * rows and rows < t.spec.grows_to:
+            rows = min(2 * rows, t.spec.grows_to)
+        if rows > t.spec.capacity:
+            due[name] = rows
+    return grow_tables(m, due) if due else None
+
+
+def size_for_state(m: TrainModule, state: Mapping[str, Any]) -> None:
+    """Builds ``m``'s growing tables at the rows a checkpoint state holds (before loading it).
+
+    Raises:
+        ValueError: several ranks and a checkpoint whose growing table has other rows than
+            the ranks build (``grows_to``).
+    """
+    if not m.dynamic or "dynamic_tables" not in state:
+        return
+    now = _current_rows(m)
+    saved = {n: r for n, r in saved_capacities(state["dynamic_tables"]).items()
+             if n in now and r != now[n]}
+    if not saved:
+        return
+    if m.world_size > 1 or m.dynamic.partitions > 1:
+        name, rows = next(iter(saved.items()))
+        raise ValueError(
+            f"dynamic table {name}: the checkpoint holds it at {rows} rows (it grew in one "
+            f"process) but {m.world_size} ranks with dynamic_index_partitions "
+            f"{m.dynamic.partitions} build it at {now[name]}: restore it into one process, "
+            "or write ev_params.max_capacity")
+    logger.info("building dynamic tables at the rows the checkpoint holds: %s",
+                ", ".join(f"{n} {r:,}" for n, r in saved.items()))
+    _rebuild(m, {**now, **saved})

@@ -1,0 +1,294 @@
+"""Dynamic tables that grow (ev_params without a written capacity): they start small, double
+at a step's end as ids are admitted, keep every row, its optimizer state and its index across
+a growth, restore at the rows a checkpoint holds, export and serve as fixed ones do, and the
+memory check counts their start rows and reports the rows they can reach.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from google.protobuf import text_format
+
+import odl.config.dynamic_table_config as dynamic_table_config
+from odl.checkpoint.checkpoint_manager import (
+    CheckpointManager,
+    read_checkpoint,
+    resolve_checkpoint_path,
+)
+from odl.config.config_redaction import config_to_text
+from odl.export.exporter import export_checkpoint
+from odl.features.feature_builder import FeatureBuilder
+from odl.protos import pipeline_pb2
+from odl.train import table_growth
+from odl.train.checkpoint_rows import CheckpointRows
+from odl.train.host_memory import AvailableMemory
+from odl.train.memory_estimate import estimate_memory, growth_limit
+from odl.train.module_state import changed_rows_part
+from odl.train.table_growth import grow_tables
+from odl.train.table_shards import EBC_PREFIX
+from odl.train.train_module import TrainModule
+from publisher.delta_decoder import decode_chunk
+from publisher.delta_encoder import encode_version
+from publisher.delta_tracker import DeltaTracker
+from publisher.id_maps import write_id_maps
+from publisher.publisher_factory import dense_variable_shapes, published_table_dims
+from publisher.version_assembler import VersionAssembler
+from publisher.version_snapshot import ParameterSnapshotter
+from serving_plugin.serving_model import ServingModel
+
+CONFIG = """
+data_config {
+  input_fields { input_name: "label" input_type: INT32 }
+  input_fields { input_name: "x" input_type: FLOAT }
+  input_fields { input_name: "user" }
+  input_fields { input_name: "item" input_type: INT64 }
+  label_fields: "label"
+}
+feature_config {
+  features { input_names: "x" feature_type: RawFeature }
+  features { input_names: "user" embedding_dim: 8 combiner: "mean"
+             zch { zch_size: 60 lru {} } }
+  features { input_names: "item" num_buckets: 1 embedding_dim: 8
+             ev_params { filter_freq: 2 init_capacity: 16 } }
+}
+model_config {
+  model_class: "DeepFM"
+  feature_groups { group_name: "wide" feature_names: ["user", "item"] wide_deep: WIDE }
+  feature_groups { group_name: "deep" feature_names: ["user", "item", "x"] wide_deep: DEEP }
+  deepfm { dnn { hidden_units: [16, 8] } wide_output_dim: 1 }
+}
+train_config {
+  sparse_optimizer { adagrad_optimizer { lr: 0.1 } }
+  dense_optimizer { adam_optimizer { lr: 0.005 } }
+  seed: 5
+}
+"""
+# the rows a growing table may reach here (EasyRec's 16,777,216 would not fit a test)
+CAP = 128
+
+
+@pytest.fixture(autouse=True)
+def _small_cap(monkeypatch):
+    monkeypatch.setattr(dynamic_table_config, "EV_DEFAULT_MAX_CAPACITY", CAP)
+
+
+def _config(sparse: str = "adagrad_optimizer { lr: 0.1 }",
+            model_dir: str = "") -> pipeline_pb2.EasyRecConfig:
+    cfg = text_format.Parse(CONFIG, pipeline_pb2.EasyRecConfig())
+    cfg.train_config.sparse_optimizer.Clear()
+    text_format.Merge(sparse, cfg.train_config.sparse_optimizer)
+    cfg.model_dir = model_dir
+    return cfg
+
+
+def _records(n: int, seed: int, items: int = 40) -> list[bytes]:
+    rng = np.random.default_rng(seed)
+    u = rng.integers(0, 80, n)
+    it = rng.integers(0, items, n)
+    lab = (rng.random(n) < 0.3).astype(int)
+    return [f"{y},{rng.normal():.3f},u{a},{i}".encode() for y, a, i in zip(lab, u, it,
+                                                                          strict=True)]
+
+
+def _train(tm: TrainModule, fb: FeatureBuilder, seeds, items: int = 40) -> None:
+    for s in seeds:
+        tm.train_step(fb.build(_records(32, s, items)).batch)
+
+
+def _rows(tm: TrainModule) -> int:
+    return tm.dynamic.tables["item"].spec.capacity
+
+
+def test_config_forms_that_grow():
+    cfg = _config()
+    spec = {s.name: s.dynamic for s in FeatureBuilder(cfg).table_specs}["item"]
+    assert (spec.capacity, spec.grows_to, spec.grows) == (16, CAP, True)
+    item = cfg.feature_config.features[2]
+    item.ev_params.ClearField("init_capacity")
+    spec = {s.name: s.dynamic for s in FeatureBuilder(cfg).table_specs}["item"]
+    assert spec.capacity == CAP and not spec.grows  # the default start is above this cap
+    item.ev_params.max_capacity = 50  # a written capacity: a fixed table
+    spec = {s.name: s.dynamic for s in FeatureBuilder(cfg).table_specs}["item"]
+    assert (spec.capacity, spec.grows) == (50, False)
+
+
+@pytest.mark.parametrize("sparse", ["adagrad_optimizer { lr: 0.1 }",
+                                    "adam_optimizer { lr: 0.01 }"])
+def test_growth_keeps_rows_optimizer_state_index_and_predictions(sparse):
+    """A growth changes nothing but the rows (fused Adagrad; row-sparse Adam on CPU)."""
+    cfg = _config(sparse)
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    _train(tm, fb, range(3), items=12)
+    assert _rows(tm) == 16 and tm.dynamic.tables["item"].live <= 12
+    before = tm.state_dict_for_checkpoint()
+    batch = fb.build(_records(64, 99)).batch
+    probs = tm.predict(batch)
+    event = grow_tables(tm, {"item": 32})
+    assert event.rows == {"item": (16, 32)} and _rows(tm) == 32
+    after = tm.state_dict_for_checkpoint()
+    for key, t in before["model"].items():
+        assert torch.equal(after["model"][key][: t.shape[0]], t), key
+    assert after["model"][f"{EBC_PREFIX}item.weight"].shape[0] == 32
+    for pname, states in before["sparse_optimizer"].items():
+        for k, v in states.items():
+            got = after["sparse_optimizer"][pname][k]
+            assert torch.equal(got[: v.shape[0]] if v.dim() else got, v), (pname, k)
+    old, new = before["dynamic_tables"]["tables"]["item"], after["dynamic_tables"]["tables"]["item"]
+    assert torch.equal(new["index"]["row_ids"][:16], old["index"]["row_ids"])
+    assert bool((new["index"]["row_ids"][16:] == -1).all())
+    assert np.array_equal(tm.predict(batch), probs)
+    assert tm.global_step == before["global_step"]
+
+
+def test_tables_grow_through_admissions_and_restore_continues_bit_for_bit():
+    cfg = _config()
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    seen = []
+    for s in range(30):
+        _train(tm, fb, [s], items=200)
+        seen.append(_rows(tm))
+        assert tm.dynamic.tables["item"].live <= _rows(tm)
+    assert seen[0] == 16 and seen[-1] == CAP  # doubled up to the cap
+    assert sorted(set(seen)) == [16, 32, 64, CAP]
+    assert [e.rows["item"] for e in tm.growth.events] == [(16, 32), (32, 64), (64, CAP)]
+    assert tm.dynamic.status()["item"]["evicted"] > 0  # full at the cap: it evicts
+    # a module built at the start rows restores the grown checkpoint and continues exactly
+    other = TrainModule(cfg, fb, device="cpu")
+    assert _rows(other) == 16
+    other.load_checkpoint_state(tm.state_dict_for_checkpoint())
+    assert _rows(other) == CAP
+    for s in range(30, 36):
+        b = fb.build(_records(32, s, 200)).batch
+        a, c = tm.train_step(b), other.train_step(b)
+        assert np.array_equal(a.probs, c.probs) and a.loss == c.loss
+    assert tm.dynamic.status() == other.dynamic.status()
+
+
+def test_growth_in_training_equals_a_restore_at_the_grown_rows():
+    """Training on from a growth equals training on from a checkpoint of the grown state."""
+    cfg = _config()
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    step = 0
+    while _rows(tm) == 16:
+        _train(tm, fb, [step], items=60)
+        step += 1
+    restored = TrainModule(cfg, fb, device="cpu")
+    restored.load_checkpoint_state(tm.state_dict_for_checkpoint())
+    for s in range(step, step + 5):
+        b = fb.build(_records(32, s, 60)).batch
+        assert np.array_equal(tm.train_step(b).probs, restored.train_step(b).probs)
+    for name, w in tm.embedding_tables().items():
+        assert torch.equal(w, restored.embedding_tables()[name]), name
+
+
+def test_serving_parity_through_growth(tmp_path):
+    cfg = _config(model_dir=str(tmp_path / "model_dir"))
+    cfg.train_config.incr_save_config.SetInParent()  # evictions kept as deletes
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    os.makedirs(cfg.model_dir)
+    maps = write_id_maps(cfg.model_dir, dense_variable_shapes(tm), published_table_dims(tm))
+    assert maps.tables["item"].num_rows == CAP  # the id maps name the most rows
+    tracker = DeltaTracker(tm.feature_tables(), {n: r for n, (r, _) in tm.table_shapes().items()})
+    tm.set_touched_rows_hook(tracker.record)
+    tm.add_table_growth_hook(lambda shapes: tracker.grow({n: r for n, (r, _) in shapes.items()}))
+    snaps = ParameterSnapshotter(tm, maps, tracker)
+    _train(tm, fb, range(4), items=200)  # grown once or more before the export
+    assert _rows(tm) > 16
+    snaps.take(tm.global_step, {}, dense=True, sparse=True)
+    ckpt = CheckpointManager(cfg.model_dir).save(
+        tm.global_step, tm.state_dict_for_checkpoint(), {0: 0},
+        {"source": "kafka", "topic": "s"}, config_to_text(cfg), generation="g")
+    export_checkpoint(cfg, ckpt, str(tmp_path / "export"))
+    serving = ServingModel.load(str(tmp_path / "export"))
+    assembler = VersionAssembler()
+    grown_at = _rows(tm)
+    for k in range(8):  # grows to the cap, then evicts (deletes)
+        _train(tm, fb, range(100 + 2 * k, 102 + 2 * k), items=200)
+        snap = snaps.take(tm.global_step, {}, dense=True, sparse=True)
+        for c in encode_version(snap.header("m", "g"), snap.dense, snap.sparse,
+                                max_chunk_bytes=4096, deletes=snap.deletes):
+            version = assembler.add(decode_chunk(c))
+        serving.apply_version(version)
+        b = fb.build(_records(100, 500 + k, 200)).batch
+        got = serving.predict_batch(fb.build(_records(100, 500 + k, 200)).batch)
+        assert float(np.abs(tm.predict(b) - got).max()) <= 1e-6, f"version {k}"
+    assert _rows(tm) == CAP > grown_at
+
+
+def test_memory_check_counts_the_start_rows_and_reports_the_cap():
+    cfg = _config()
+    est = estimate_memory(cfg, "cpu")
+    item = {t.name: t for t in est.tables}["item"]
+    assert (item.rows, item.grows_to) == (16, CAP)
+    assert growth_limit(est, est.host_bytes * 10) == {"item": CAP, "item_wide": CAP}
+    assert growth_limit(est, est.host_bytes) == {"item": 16, "item_wide": 16}  # no room left
+    cfg.train_config.dynamic_index_partitions = 2  # split by id: built at the cap
+    item = {t.name: t for t in estimate_memory(cfg, "cpu").tables}["item"]
+    assert (item.rows, item.grows_to) == (CAP, 0)
+
+
+def test_growth_stops_where_the_memory_is_not_free(monkeypatch):
+    cfg = _config()
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    monkeypatch.setattr(table_growth, "available_host_memory",
+                        lambda: AvailableMemory(1000, "host"))
+    _train(tm, fb, range(6), items=200)
+    assert _rows(tm) == 16 and tm.growth.stopped == {"item": 16}
+    assert tm.dynamic.status()["item"]["evicted"] > 0
+
+
+def test_split_by_id_builds_the_table_at_its_cap():
+    cfg = _config()
+    cfg.train_config.dynamic_index_partitions = 2
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    assert tm.table_shapes()["item"][0] == CAP
+    _train(tm, fb, range(2), items=200)
+    assert not tm.growth.events
+
+
+def test_crash_recovery_grows_the_table_to_hold_the_replayed_ids():
+    cfg = _config()
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    assert table_growth.grow_to_hold(tm, {"item": np.arange(1000, 1040)}) is not None
+    assert _rows(tm) == 64  # 40 ids fit under GROW_AT of 64 rows
+    assert table_growth.grow_to_hold(tm, {"item": np.arange(1000, 1040)}) is None
+
+
+def test_incremental_checkpoints_through_growth(tmp_path):
+    """After a growth the next checkpoint is full (TrainerCheckpoints' hook); the chain's
+    newest restores into a module built at the start rows exactly."""
+    cfg = _config()
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    manager = CheckpointManager(str(tmp_path / "ckpt"), keep_max=3, full_every=4)
+    rows = CheckpointRows(tm)
+    tm.add_table_growth_hook(lambda _shapes: setattr(manager, "chain", None))
+    fulls = 0
+    for s in range(12):
+        _train(tm, fb, [s], items=120)
+        changed = rows.take()
+        if manager.increment_allowed():
+            manager.save(tm.global_step, tm.state_without_tables(), {0: s}, {}, "cfg",
+                         rows=changed_rows_part(tm, changed))
+        else:
+            fulls += 1
+            manager.save(tm.global_step, tm.state_dict_for_checkpoint(), {0: s}, {}, "cfg")
+    assert len(tm.growth.events) >= 2 and fulls >= 3  # the first, and one per growth
+    restored = TrainModule(cfg, fb, device="cpu")
+    restored.load_checkpoint_state(read_checkpoint(resolve_checkpoint_path(
+        str(tmp_path / "ckpt"))).state)
+    want, got = tm.state_dict_for_checkpoint(), restored.state_dict_for_checkpoint()
+    for key, t in want["model"].items():
+        assert torch.equal(got["model"][key], t), key
+    assert tm.dynamic.status() == restored.dynamic.status()
