@@ -55,18 +55,18 @@ def _whole_table_draw() -> None:
         for name, weight in tables.items():
             weight.copy_(draw(name, tuple(weight.shape), seed))
 
-    def init_shards(self) -> None:  # noqa: ANN001
-        for name, t in self._dmp.state_dict().items():
+    def init_shards(dmp, seed: int) -> None:  # noqa: ANN001
+        for name, t in dmp.state_dict().items():
             if not (name.startswith("ebc.embedding_bags.") and name.endswith(".weight")):
                 continue
             table = name[len("ebc.embedding_bags."):-len(".weight")]
-            full = draw(table, tuple(t.size()), self._seed)
+            full = draw(table, tuple(t.size()), seed)
             for sh in t.local_shards():
                 (r0, c0), (n, m) = sh.metadata.shard_offsets, sh.metadata.shard_sizes
                 sh.tensor.copy_(full[r0:r0 + n, c0:c0 + m])
 
     train_module.init_embedding_weights = init_whole
-    train_module.TrainModule._init_local_shards = init_shards
+    train_module.init_local_shards = init_shards
 
 
 def _rank(rank: int, world: int, args: dict) -> dict:

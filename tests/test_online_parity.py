@@ -4,12 +4,14 @@ serving's predictions equal the trainer's at the same step."""
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
+import odl.config.dynamic_table_config as dynamic_table_config
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.conversion_labels import conversion_labels
@@ -41,6 +43,9 @@ def _incr_save(kind: str, where: str, value_type: str = "FP32", chunk: int = 900
 
 # Every id feature's table dynamic (EasyRec's model-wide form), small enough to evict.
 DYNAMIC_TABLES = 'model_class: "DeepFM"\n  ev_params { filter_freq: 2 max_capacity: 120 }'
+# tables that grow (no capacity written) from 32 rows, to at most GROWING_CAP here
+GROWING_TABLES = 'model_class: "DeepFM"\n  ev_params { filter_freq: 2 init_capacity: 32 }'
+GROWING_CAP = 512
 
 
 
@@ -49,7 +54,7 @@ _SENT: dict[str, object] = {}
 
 
 def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int = 1500,
-                           dynamic: bool = False, model: str = "DeepFM",
+                           dynamic: bool | str = False, model: str = "DeepFM",
                            edits: tuple[tuple[str, str], ...] = (), records_model: str = ""):
     topic = topic_factory(partitions=PARTS)
     stream = SyntheticCtrStream(seed=41)
@@ -60,8 +65,11 @@ def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int
     cfg = write_config(tmp_path, bootstrap, topic, batch_size=100, extra_train=incr)
     text = open(cfg).read().replace("save_checkpoints_steps: 50", "save_checkpoints_steps: 4")
     if dynamic:
-        text = text.replace('model_class: "DeepFM"', DYNAMIC_TABLES).replace(
+        text = text.replace('model_class: "DeepFM"',
+                            dynamic if isinstance(dynamic, str) else DYNAMIC_TABLES).replace(
             "log_step_count_steps: 20", "log_step_count_steps: 5")
+    if dynamic == GROWING_TABLES:  # no capacity written anywhere: the tables grow
+        text = re.sub(r"hash_bucket_size: \d+", "", text)
     text = as_model(text, model)
     for edit in edits:
         assert edit[0] in text, edit[0]
@@ -248,14 +256,20 @@ def test_sequence_combiners_in_a_feature_group_replay_to_parity(
     assert diff <= 1e-6
 
 
+@pytest.mark.parametrize("growing", [False, True])
 def test_dynamic_tables_replay_matches_trainer_predictions(
-    kafka_bootstrap, kafka_topic_factory, tmp_path
+    kafka_bootstrap, kafka_topic_factory, tmp_path, monkeypatch, growing
 ):
+    """Also with tables that grow while the trainer publishes and checkpoints (increments)."""
+    monkeypatch.setattr(dynamic_table_config, "EV_DEFAULT_MAX_CAPACITY", GROWING_CAP)
     delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
     trainer, cfg = _train_with_publishing(
         tmp_path, kafka_bootstrap, kafka_topic_factory,
-        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), dynamic=True,
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"),
+        dynamic=GROWING_TABLES if growing else True,
     )
+    if growing:
+        assert trainer.module.growth.events  # grown while training
     tables = trainer.status()["dynamic_tables"]
     assert tables == trainer.module.dynamic_status()
     metrics = generate_latest(trainer.metrics.registry).decode()

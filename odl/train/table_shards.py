@@ -7,7 +7,7 @@ is the writable table of one process, :class:`ShardRows` writes whole-table rows
 the shards that hold them, :func:`local_shards` / :func:`shard_pieces` list a rank's shards
 and :func:`copy_shards` fills each from a whole tensor; :func:`read_held_accumulators` and
 :func:`write_held_rows` read and update the rows a rank holds (per-record Adagrad of
-several ranks).
+several ranks); :func:`init_local_shards` gives each shard its initial values.
 """
 
 from __future__ import annotations

@@ -59,6 +59,7 @@ The engine's modules: :mod:`~odl.models.dynamic.admission_sketch` (the count-min
 candidates), :mod:`~odl.models.dynamic.dynamic_table` (one table: index, counters, the
 rules above), :mod:`~odl.models.dynamic.model_tables` (``DynamicTables``: every table of a
 model, a batch's remap, the held partitions, the state), :mod:`~odl.models.dynamic.partitions`
-(the split by id) and :mod:`~odl.models.dynamic.resplit` (a saved state re-split into
-another number of partitions).
+(the split by id), :mod:`~odl.models.dynamic.resplit` (a saved state re-split into
+another number of partitions) and :mod:`~odl.models.dynamic.growth` (a saved state at more
+rows: a table that grows, ``DynamicTableSpec.grows_to``).
 """
