@@ -60,6 +60,7 @@ LOADS = {
     "torcheasyrec/multi_tower_din_taobao.config",
     "torcheasyrec/mmoe_taobao_ccp.config",
     "torcheasyrec/ple_taobao_ccp.config",
+    "torcheasyrec/masknet_criteo.config",
     "torcheasyrec/multi_tower_din_mock.config",
     "torcheasyrec/mmoe_has_sequence.config",
     "easyrec/deepfm_with_embed.config",

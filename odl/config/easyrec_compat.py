@@ -114,7 +114,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
                             "pareto_min_loss_weight", "sample_weight_name"}),
     "TrainConfig": frozenset({
         "force_restore_shape_compatible", "freeze_gradient",
-        "save_checkpoints_epochs", "fine_tune_ckpt_param_map", "cudnn_allow_tf32",
+        "fine_tune_ckpt_param_map", "cudnn_allow_tf32",
         "cuda_matmul_allow_tf32",
         "global_embedding_constraints", "mixed_precision", "grad_scaler",
         "gradient_accumulation_steps",
@@ -207,6 +207,9 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "startup_delay_steps": ("one trainer process", frozenset()),
         "train_distribute": ("one trainer process", frozenset()),
         "num_gpus_per_worker": ("the device is --device", frozenset()),
+        "save_checkpoints_epochs": ("checkpoints follow save_checkpoints_steps / "
+                                    "save_checkpoints_secs, and the end of an offline run "
+                                    "writes one", frozenset()),
         "save_summary_steps": ("metrics go to /status and /metrics", frozenset()),
         "summary_model_vars": ("metrics go to /status and /metrics", frozenset()),
         "use_tensorboard": ("metrics go to /status and /metrics", frozenset()),

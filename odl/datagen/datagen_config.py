@@ -204,6 +204,9 @@ _TOWER_BLOCKS = {
     # TorchEasyRec's form (final, not final_dnn); it reads the first group: "deep" is put first
     "DCNV2": ("dcn_v2 {{\n    cross {{ cross_num: 2 low_rank: 8 }}\n"
               "    deep {{ hidden_units: [{units}] }}\n    final {{ hidden_units: [8] }}\n  }}"),
+    "MaskNet": ("mask_net {{\n    mask_net_module {{\n      n_mask_blocks: 2\n"
+                "      mask_block {{ reduction_ratio: 1 hidden_dim: 32 }}\n"
+                "      top_mlp {{ hidden_units: [{units}] }}\n    }}\n  }}"),
 }
 
 
@@ -266,7 +269,9 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     MultiTower gets one tower per group ("deep", "wide"); DCN a deep tower and a cross
     network of 2 layers over "deep"; DCNV2 (TorchEasyRec's form) a v2 cross network of 2
     layers of rank 8 and the deep tower over "deep" (the "wide" group goes: DCNV2 reads the
-    first group); MultiTowerDIN the deep tower and a DIN tower (attention DNN [8, 1]) from C3
+    first group); MaskNet (TorchEasyRec's) two parallel mask blocks of 32 over "deep" and
+    the DeepFM tower as its top MLP (the "wide" group goes); MultiTowerDIN the deep tower
+    and a DIN tower (attention DNN [8, 1]) from C3
     over ``hist_C3``, a column added after the stream's 42 (``odl.datagen.behavior_history``).
     The tower models end in a ``final_dnn`` of 8. MMoE and
     DBMTL read the "deep" group (renamed "all"; the "wide" group goes) and train two tasks,
@@ -284,7 +289,7 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
         text: the DeepFM config text.
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
             ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"``, ``"ESMM"``, ``"PLE"``,
-            ``"FM"`` or ``"DLRM"``.
+            ``"FM"``, ``"DLRM"`` or ``"MaskNet"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:
@@ -329,7 +334,7 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     block = _TOWER_BLOCKS[model].format(
         units=m.group(1), final="final_dnn { hidden_units: [8] }\n    " if final_dnn else "")
     text = text[:m.start()] + block + text[m.end():]
-    if model == "DCNV2":
+    if model in ("DCNV2", "MaskNet"):  # they read one group: "deep"
         text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
     if model == "MultiTowerDIN":  # the history column and its SequenceFeature
         c3 = re.search(r'feature_configs \{ input_names: "C3" feature_type: IdFeature '

@@ -41,6 +41,7 @@ TZREC_MODEL_MESSAGES = {
     "deepfm": "DeepFM", "wide_and_deep": "WideAndDeep", "multi_tower": "MultiTower",
     "multi_tower_din": "MultiTowerDIN", "dbmtl": "DBMTL", "mmoe": "MMoE", "dcn": "DCN",
     "dcn_v2": "DCNV2", "dlrm": "DLRM", "ple": "PLE", "rank_model": "RankModel",
+    "mask_net": "MaskNet",
 }
 
 
@@ -222,9 +223,9 @@ def load_one(path: str, flavor: str, verbose: bool = False):
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(new_text)
-        # a config without model_dir is run with odl-train's --model_dir, as EasyRec's
-        # scripts pass theirs on the command line
-        has_dir = re.search(r"^\s*model_dir\s*:", text, re.M) is not None
+        # a config without model_dir (or with an empty one) is run with odl-train's
+        # --model_dir, as EasyRec's and TorchEasyRec's scripts pass theirs on the command line
+        has_dir = re.search(r'^\s*model_dir\s*:\s*"[^"]+"', text, re.M) is not None
         config = load_pipeline_config(tmp, model_dir=None if has_dir else "model_dir")
         check_pipeline_config(config, online=True)
         return config
