@@ -25,7 +25,8 @@ considered, and every shard is verified after the download. It then loads:
   table belongs to the first pooled input that reads it. A dynamic table (``"keys":
   "raw_id"``) has ``rows`` = its capacity; its ``live`` exported rows fill the first rows of
   its range and its raw ids (``ids-*.npy``, verified like the values) build a
-  ``RawIdIndex`` (``ExportContents.dynamic``);
+  ``RawIdIndex`` (``ExportContents.dynamic``); a growing one's ``max_rows`` (the most it may
+  reach) is kept in ``ExportContents.max_rows``;
 * ``dense_model.pt`` -> the TorchScript dense part (eval mode).
 
 ``read_kafka_txt`` reads ``kafka.txt``: the delta topic and the offset from which replay
@@ -152,6 +153,8 @@ class ExportContents:
         pooled_inputs: the dense part's embedding inputs, in argument order.
         outputs: names of the dense part's outputs.
         dynamic: dynamic table name -> its raw id -> row index (rows of ``tables[name]``).
+        max_rows: growing dynamic table -> the most rows it may reach (its manifest's
+            ``max_rows``; ``serving_plugin.table_growth``).
     """
 
     path: str
@@ -165,6 +168,7 @@ class ExportContents:
     pooled_inputs: tuple[PooledGroup, ...]
     outputs: tuple[str, ...]
     dynamic: dict[str, RawIdIndex] = field(default_factory=dict)
+    max_rows: dict[str, int] = field(default_factory=dict)
 
 
 def pooled_inputs_of(signature: dict) -> tuple[PooledGroup, ...]:
@@ -241,19 +245,20 @@ def read_export(export_dir: str, verify: bool = True) -> ExportContents:
             raise ExportLoadError(f"cannot download embeddings {emb_dir}: {e}") from e
     elif not os.path.isabs(emb_dir):
         emb_dir = os.path.join(path, emb_dir)
-    tables, dynamic = _load_tables(emb_dir, verify, groups)
+    tables, dynamic, max_rows = _load_tables(emb_dir, verify, groups)
     dense = torch.jit.load(os.path.join(path, sig["dense_model"]), map_location="cpu")
     dense.eval()
     return ExportContents(path, origin, sig, config, fb, id_maps, tables, dense, groups,
-                          outputs, dynamic)
+                          outputs, dynamic, max_rows)
 
 
 def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...]) -> tuple[
-        dict[str, torch.Tensor], dict[str, RawIdIndex]]:
+        dict[str, torch.Tensor], dict[str, RawIdIndex], dict[str, int]]:
     """Loads the shards (module docstring).
 
     Returns:
-        Table name -> float32 ``[rows, dim]`` tensor, and dynamic table -> its id index.
+        Table name -> float32 ``[rows, dim]`` tensor, dynamic table -> its id index, and
+        growing dynamic table -> the most rows it may reach.
     """
     try:
         with open(os.path.join(emb_dir, MANIFEST_FILE), encoding="utf-8") as f:
@@ -290,6 +295,8 @@ def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...]) ->
             tables[n] = storage[row : row + rows]
             row += rows
     dynamic: dict[str, RawIdIndex] = {}
+    max_rows = {name: int(info["max_rows"]) for name, info in infos.items()
+                if info.get("keys") == "raw_id" and "max_rows" in info}
     for name, info in infos.items():
         rows, dim = int(info["rows"]), int(info["dim"])
         if info.get("dtype", "float32") != "float32":
@@ -315,7 +322,7 @@ def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...]) ->
             covered += n
         if covered != rows:
             raise ExportLoadError(f"table {name}: parts cover {covered} of {rows} rows")
-    return tables, dynamic
+    return tables, dynamic, max_rows
 
 
 def _load_dynamic_parts(emb_dir: str, name: str, info: dict, w: torch.Tensor,

@@ -21,7 +21,8 @@ Dynamic tables (raw ids, ``odl.models.dynamic``): each has its own
 lookups reading it through that index; an id without a row (never published, or deleted) is
 dropped from its bag, exactly as the trainer drops an id it has not admitted, so it
 contributes nothing (sum) and is not counted (mean). A version's deletes free rows first
-(zeroed), then its rows are written, new ids taking free rows.
+(zeroed), then its rows are written, new ids taking free rows. A growing dynamic table gets
+more rows first when a version's new ids need them (``serving_plugin.table_growth``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.protos import pipeline_pb2
 from publisher.delta_format import DeltaVersion
 from serving_plugin.export_reader import ExportContents, ExportLoadError, read_export
+from serving_plugin.table_growth import grown_index, grown_tables, rows_for
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +113,7 @@ class ServingModel:
         self.feature_builder = export.feature_builder
         self.tables = export.tables
         self.dynamic = export.dynamic
+        self.max_rows = dict(export.max_rows)  # growing dynamic tables (table_growth)
         self.dense_module = export.dense_module
         self.id_maps = export.id_maps
         self.lock = threading.Lock()
@@ -135,28 +138,55 @@ class ServingModel:
                 raise ExportLoadError(f"{name}: shape {tuple(params[name].shape)} in the dense "
                                       f"model, {tuple(info.shape)} in DENSE_UPDATE_VARIABLES")
             self._dense_by_id[info.id] = (name, params[name])
-        self._table_by_id: dict[int, tuple[str, torch.Tensor]] = {}
         for name, info in self.id_maps.tables.items():
             if name not in self.tables:
                 raise ExportLoadError(f"embed_name_to_ids.txt names table {name}, which the "
                                       "export does not have")
             t = self.tables[name]
-            if (t.shape[0], t.shape[1]) != (info.num_rows, info.dim):
+            rows = self.max_rows.get(name, t.shape[0])  # a growing table: its most rows
+            if (rows, t.shape[1]) != (info.num_rows, info.dim) or t.shape[0] > rows:
                 raise ExportLoadError(f"table {name}: {tuple(t.shape)} exported, "
                                       f"{info.num_rows}x{info.dim} in embed_name_to_ids.txt")
-            self._table_by_id[info.id] = (name, t)
         keys = self.feature_builder.sparse_feature_names
         key_idx = {k: i for i, k in enumerate(keys)}
         pooling = {n: t["pooling"] for n, t in self.signature["tables"].items()}
         self._num_keys = len(keys)
-        self._groups = [
-            _PooledInput.build([(key_idx[f], t, pooling[t]) for f, t in g.lookups], g.dims,
-                               self.tables, self.dynamic)
-            for g in export.pooled_inputs
-        ]
+        self._lookups = [([(key_idx[f], t, pooling[t]) for f, t in g.lookups], g.dims)
+                         for g in export.pooled_inputs]
+        self._link_tables()
         gen = str(self.signature.get("generation", ""))
         self.state = AppliedState(version=int(self.signature.get("global_step", 0)),
                                   generation=gen)
+
+    def _link_tables(self) -> None:
+        """The id maps' table ids and the lookup groups over ``tables`` (again after a growth)."""
+        self._table_by_id: dict[int, tuple[str, torch.Tensor]] = {
+            info.id: (name, self.tables[name]) for name, info in self.id_maps.tables.items()}
+        self._groups = [_PooledInput.build(lookups, dims, self.tables, self.dynamic)
+                        for lookups, dims in self._lookups]
+
+    def _grow_for(self, version: DeltaVersion) -> None:
+        """Grows the growing tables whose new ids in ``version`` need more rows (table_growth)."""
+        grow: dict[str, int] = {}
+        for tid, (ids, _vals) in version.sparse.items():
+            entry = self._table_by_id.get(int(tid))
+            if entry is None or entry[0] not in self.max_rows:
+                continue
+            name = entry[0]
+            rows = rows_for(self.dynamic[name], np.asarray(ids, dtype=np.int64),
+                            version.deletes.get(tid, np.empty(0, dtype=np.int64)),
+                            self.max_rows[name])
+            if rows > self.dynamic[name].capacity:
+                grow[name] = rows
+        if not grow:
+            return
+        with self.lock:
+            self.tables = grown_tables(self.tables, grow)
+            for name, rows in grow.items():
+                self.dynamic[name] = grown_index(self.dynamic[name], rows)
+            self._link_tables()
+        logger.info("dynamic tables grew: %s", ", ".join(f"{n} to {r:,} rows"
+                                                           for n, r in grow.items()))
 
     @classmethod
     def load(cls, export_dir: str, verify: bool = True) -> ServingModel:
@@ -343,6 +373,8 @@ class ServingModel:
             DeltaApplyError: the version does not fit the model (nothing was applied).
         """
         t0 = time.perf_counter()
+        if self.max_rows:  # growing tables: rows for the version's new ids first
+            self._grow_for(version)
         plan = self._check_version(version)
         rows = 0
         names = self.id_maps.table_names()

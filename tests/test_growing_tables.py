@@ -189,6 +189,8 @@ def test_growth_in_training_equals_a_restore_at_the_grown_rows():
 
 
 def test_serving_parity_through_growth(tmp_path):
+    """An export of a grown table, then versions of it growing to the cap and evicting:
+    serving grows its own table as the versions' new ids need and predicts as the trainer."""
     cfg = _config(model_dir=str(tmp_path / "model_dir"))
     cfg.train_config.incr_save_config.SetInParent()  # evictions kept as deletes
     fb = FeatureBuilder(cfg)
@@ -210,6 +212,8 @@ def test_serving_parity_through_growth(tmp_path):
     serving = ServingModel.load(str(tmp_path / "export"))
     assembler = VersionAssembler()
     grown_at = _rows(tm)
+    # serving starts at the rows the checkpoint holds and may grow to the cap
+    assert serving.dynamic["item"].capacity == grown_at and serving.max_rows["item"] == CAP
     for k in range(8):  # grows to the cap, then evicts (deletes)
         _train(tm, fb, range(100 + 2 * k, 102 + 2 * k), items=200)
         snap = snaps.take(tm.global_step, {}, dense=True, sparse=True)
@@ -221,6 +225,12 @@ def test_serving_parity_through_growth(tmp_path):
         got = serving.predict_batch(fb.build(_records(100, 500 + k, 200)).batch)
         assert float(np.abs(tm.predict(b) - got).max()) <= 1e-6, f"version {k}"
     assert _rows(tm) == CAP > grown_at
+    for name in ("item", "item_wide"):  # serving grew with the ids it was sent
+        index = serving.dynamic[name]
+        assert grown_at < index.capacity <= CAP
+        table = tm.dynamic.tables["item"]
+        assert np.array_equal(np.sort(index.row_ids[index.row_ids >= 0]),
+                              np.sort(table.raw_ids(table.live_rows())))
 
 
 def test_memory_check_counts_the_start_rows_and_reports_the_cap():

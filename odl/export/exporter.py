@@ -37,7 +37,8 @@ On-disk layout of one export (``<export_dir>/<unix-seconds>/``; names in
                                       start_id counts the live rows of the parts before;
                                       the table entry adds "keys": "raw_id", "live": total,
                                       and the part "ids_file", "ids_sha256"; "rows" is the
-                                      capacity)
+                                      capacity; a growing table's "rows" are its rows in
+                                      the checkpoint and "max_rows" the most it may reach)
         MANIFEST.json                 {"format": 1, "files": {relpath: {"bytes", "sha256"}}}
                                       over every file above except DONE
         DONE                          completion marker, written last
@@ -101,7 +102,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -115,6 +116,7 @@ from odl.config.config_redaction import config_to_text
 from odl.config.feature_settings import with_vocab_files_inlined
 from odl.config.loss_settings import num_classes, regression_outputs
 from odl.export.dense_export import script_dense
+from odl.export.embedding_files import write_embeddings
 from odl.export.export_layout import (
     ASSETS_DIR,
     CONFIG_FILE,
@@ -122,11 +124,9 @@ from odl.export.export_layout import (
     DONE_FILE,
     EMBEDDINGS_DIR,
     EXPORT_FORMAT,
-    IDS_FILE,
     KAFKA_FILE,
     MANIFEST_FILE,
     SERVING_MODEL_FILE,
-    SHARD_FILE,
     temporary_export_name,
 )
 from odl.export.fg_json import FG_JSON_NAME, fg_json_of
@@ -472,7 +472,8 @@ def export_checkpoint(
         if oss_path and is_remote(oss_path):
             emb_ref = join(oss_path, name, EMBEDDINGS_DIR)
             shutil.rmtree(emb_staging, ignore_errors=True)
-            _write_embeddings(emb_staging, table_shapes, id_maps, table_pooling, parts_of)
+            write_embeddings(emb_staging, table_shapes, id_maps, table_pooling, parts_of,
+                              block_rows)
             try:
                 file_store.remove_tree(emb_ref)
                 file_store.upload_tree(emb_staging, emb_ref, last=(MANIFEST_FILE,))
@@ -485,11 +486,12 @@ def export_checkpoint(
             emb_ref = os.path.abspath(os.path.join(oss_path, name, EMBEDDINGS_DIR))
             if os.path.exists(emb_ref):
                 shutil.rmtree(emb_ref)
-            _write_embeddings(emb_ref, table_shapes, id_maps, table_pooling, parts_of)
+            write_embeddings(emb_ref, table_shapes, id_maps, table_pooling, parts_of,
+                              block_rows)
         else:
             emb_ref = EMBEDDINGS_DIR
-            _write_embeddings(os.path.join(tmp, EMBEDDINGS_DIR), table_shapes, id_maps,
-                              table_pooling, parts_of)
+            write_embeddings(os.path.join(tmp, EMBEDDINGS_DIR), table_shapes, id_maps,
+                              table_pooling, parts_of, block_rows)
         torch.jit.save(script_dense(model), os.path.join(tmp, DENSE_MODEL_FILE))
         ckpt_ref = ckpt_dir if is_remote(ckpt_dir) else os.path.abspath(ckpt_dir)
         write_json_durable(os.path.join(tmp, SERVING_MODEL_FILE), _signature(
@@ -556,54 +558,3 @@ def _live_dynamic_rows(fb: FeatureBuilder, state: Mapping,
         rows = rows[table.exportable(rows)]
         out[name] = (rows, table.raw_ids(rows))
     return out
-
-
-def _save_npy(fp: str, arr: np.ndarray) -> None:
-    with open(fp, "wb") as f:
-        np.save(f, arr)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _write_embeddings(
-    root: str,
-    shapes: Mapping[str, tuple[int, int]],
-    ids: IdMaps,
-    pooling: Mapping[str, str],
-    parts_of: Callable[[str], Iterable[tuple[int, np.ndarray, Optional[np.ndarray]]]],
-) -> None:
-    """Writes ``root/<table>/part-<k>.npy`` per part of each table, ``MANIFEST.json`` last.
-
-    Args:
-        root: the embeddings directory.
-        shapes: table -> ``(rows, exported columns)``.
-        ids: the id maps.
-        pooling: table -> its pooling.
-        parts_of: table -> its parts ``(start id, values, raw ids or None)``, one at a time
-            (a dynamic table's: its live rows with their raw ids; ``start`` counts them).
-    """
-    os.makedirs(root, exist_ok=True)
-    manifest: dict = {"format": 1, "tables": {}}
-    for name, (rows, dim) in shapes.items():
-        tdir = os.path.join(root, name)
-        os.makedirs(tdir, exist_ok=True)
-        info: dict = {"id": int(ids.tables[name].id), "rows": int(rows), "dim": int(dim),
-                      "dtype": "float32", "pooling": pooling[name], "parts": []}
-        live = None
-        for index, (start, values, raw) in enumerate(parts_of(name)):
-            part = SHARD_FILE.format(index=index)
-            fp = os.path.join(tdir, part)
-            _save_npy(fp, np.ascontiguousarray(values, dtype=np.float32))
-            entry = {"file": part, "start_id": int(start), "rows": int(values.shape[0]),
-                     "bytes": os.path.getsize(fp), "sha256": sha256_file(fp)}
-            if raw is not None:
-                ids_file = IDS_FILE.format(index=index)
-                ids_fp = os.path.join(tdir, ids_file)
-                _save_npy(ids_fp, np.asarray(raw, dtype=np.int64))
-                entry.update(ids_file=ids_file, ids_sha256=sha256_file(ids_fp))
-                live = (live or 0) + int(values.shape[0])
-            info["parts"].append(entry)
-        if live is not None:
-            info.update(keys="raw_id", live=live, rows=int(ids.tables[name].num_rows))
-        manifest["tables"][name] = info
-    write_json_durable(os.path.join(root, MANIFEST_FILE), manifest)

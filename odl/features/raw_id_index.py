@@ -33,8 +33,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RAW_ID_MASK", "RawIdIndex", "RawIdIndexGroup", "drop_unmapped", "mix64",
-           "slots_for"]
+__all__ = ["RAW_ID_MASK", "RawIdIndex", "RawIdIndexGroup", "drop_unmapped", "grown_index_state",
+           "mix64", "slots_for"]
 
 # Raw ids are 63-bit: hashes and negative integers are masked to [0, 2**63).
 RAW_ID_MASK = (1 << 63) - 1
@@ -230,6 +230,27 @@ class RawIdIndex:
         self._free[: free.shape[0]] = free
         self._free_top = int(free.shape[0])
         self._rebuild()
+
+
+def grown_index_state(state: dict, capacity: int) -> dict[str, np.ndarray]:
+    """A ``RawIdIndex.state_dict`` at ``capacity`` rows: every id in its row.
+
+    The rows added are free, below the old free rows on the stack (taken after them), the
+    lowest of them first, so the index allocates as one that had them from the start would
+    once its old free rows are used.
+
+    Raises:
+        ValueError: ``capacity`` is below the saved rows.
+    """
+    row_ids = np.asarray(state["row_ids"], dtype=np.int64)
+    old = int(row_ids.shape[0])
+    if capacity < old:
+        raise ValueError(f"an index of {old} rows cannot grow to {capacity}")
+    grown = np.full(capacity, _EMPTY, dtype=np.int64)
+    grown[:old] = row_ids
+    return {"row_ids": grown,
+            "free": np.concatenate([np.arange(capacity - 1, old - 1, -1, dtype=np.int64),
+                                    np.asarray(state["free"], dtype=np.int64)])}
 
 
 def slots_for(capacity: int) -> int:

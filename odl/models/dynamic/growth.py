@@ -2,9 +2,8 @@
 
 A growing table (``DynamicTableSpec.grows_to``, ``odl.train.table_growth``) is rebuilt at
 more rows and its saved state put into it. The state keeps every id in its row with its
-counters; the rows added are free and are taken after the rows free before (the free-row
-stack gets them below its old entries, lowest row on top), so the table allocates as a table
-that had them from the start would once its old free rows are used. The admission sketch is
+counters; the rows added are free, taken after the rows free before, lowest first
+(``odl.features.raw_id_index.grown_index_state``). The admission sketch is
 sized for ``grows_to`` from the start and carries over as it is.
 
 The state is one partition's (``DynamicTables.state_dict`` without ``partitions``): tables
@@ -20,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from odl.config.dynamic_table_config import DynamicTableSpec
+from odl.features.raw_id_index import grown_index_state
 from odl.models.dynamic.dynamic_table import state_arrays, state_tensors
 
 __all__ = ["grown_table_state", "grown_tables_state", "saved_capacities", "sized_specs"]
@@ -48,18 +48,9 @@ def grown_table_state(state: Mapping[str, Any], capacity: int) -> dict[str, Any]
         ValueError: ``capacity`` is below the saved rows.
     """
     arrays = state_arrays(dict(state))
-    index = arrays["index"]
-    row_ids = np.asarray(index["row_ids"], dtype=np.int64)
-    old = int(row_ids.shape[0])
-    if capacity < old:
-        raise ValueError(f"a table of {old} rows cannot grow to {capacity}")
+    old = int(np.asarray(arrays["index"]["row_ids"]).shape[0])
     out = dict(arrays)
-    out["index"] = {
-        "row_ids": _padded(row_ids, capacity, -1),
-        # the added rows below the old free rows, the lowest of them taken first
-        "free": np.concatenate([np.arange(capacity - 1, old - 1, -1, dtype=np.int64),
-                                np.asarray(index["free"], dtype=np.int64)]),
-    }
+    out["index"] = grown_index_state(arrays["index"], capacity)
     for name, fill in _ROW_COUNTERS.items():
         values = np.asarray(arrays[name])
         if values.shape[0] == old:  # show / click are empty when the table keeps no scores
