@@ -128,7 +128,12 @@ def test_growth_keeps_rows_optimizer_state_index_and_predictions(sparse):
     before = tm.state_dict_for_checkpoint()
     batch = fb.build(_records(64, 99)).batch
     probs = tm.predict(batch)
+    status, seen = tm.dynamic_status(), []
+    tm.add_table_growth_hook(  # called mid-growth: /status reads the status from before
+        lambda _shapes: seen.append((tm.dynamic_status(), tm.global_step)))
     event = grow_tables(tm, {"item": 32})
+    assert seen == [(status, before["global_step"])]
+    assert tm.dynamic_status()["item"]["capacity"] == 32
     assert event.rows == {"item": (16, 32)} and _rows(tm) == 32
     after = tm.state_dict_for_checkpoint()
     for key, t in before["model"].items():

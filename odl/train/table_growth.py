@@ -59,8 +59,17 @@ __all__ = ["GROW_AT", "GrowthEvent", "SizedFeatures", "TableGrowth", "grow_if_du
 
 # A growing table doubles after a step that leaves more than this share of its rows live.
 GROW_AT = 0.75
-# Attributes of the module a rebuild keeps (what others registered on it, and growth's own).
-_KEPT = ("_touched_rows_hook", "_extra_touched_rows_hooks", "growth")
+# Attributes of the module a rebuild keeps: what others registered on it, growth's own, and
+# what ``/status`` reads from another thread while the module is rebuilt.
+_KEPT = ("_touched_rows_hook", "_extra_touched_rows_hooks", "growth", "global_step", "device",
+         "rank", "world_size")
+
+
+class _Rebuilding:
+    """What ``TrainModule.dynamic`` is while the module is rebuilt: tables exist (status)."""
+
+    def __bool__(self) -> bool:
+        return True
 
 
 @dataclass
@@ -86,11 +95,14 @@ class TableGrowth:
         hooks: called with ``table_shapes()`` after the tables grew.
         stopped: dynamic tables that stopped growing (memory), with the rows they stay at.
         events: the growths so far, oldest first.
+        frozen_status: while the module is rebuilt, its dynamic tables' status from before
+            (``TrainModule.dynamic_status``, read by ``/status``); None otherwise.
     """
 
     hooks: list[Callable[[dict[str, tuple[int, int]]], None]] = field(default_factory=list)
     stopped: dict[str, int] = field(default_factory=dict)
     events: list[GrowthEvent] = field(default_factory=list)
+    frozen_status: dict[str, dict[str, Any]] | None = None
 
 
 class SizedFeatures:
@@ -158,15 +170,25 @@ def _current_rows(m: TrainModule) -> dict[str, int]:
 
 
 def _rebuild(m: TrainModule, rows: Mapping[str, int]) -> None:
-    """Builds ``m`` again in place with the growing tables at ``rows`` (its state not kept)."""
+    """Builds ``m`` again in place with the growing tables at ``rows`` (its state not kept).
+
+    ``/status`` reads the dynamic tables' status from before until the caller clears
+    ``m.growth.frozen_status`` (once the state is back).
+    """
     kept = {a: getattr(m, a) for a in _KEPT}
     consumers = m.dynamic.delete_consumers()
     cpu_rng = torch.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     config, builder, device, row_wise_min_rows = m.build_arguments
-    m.__dict__.clear()  # the old model is freed before the new one is allocated
+    m.growth.frozen_status = m.dynamic_status()
+    # the old model is freed before the new one is allocated; /status reads what is kept
+    m.__dict__ = {**kept, "dynamic": _Rebuilding()}
     gc.collect()
-    type(m).__init__(m, config, builder, device, row_wise_min_rows, table_rows=rows)
+    try:
+        type(m).__init__(m, config, builder, device, row_wise_min_rows, table_rows=rows)
+    except BaseException:
+        m.growth.frozen_status = None
+        raise
     torch.set_rng_state(cpu_rng)
     if cuda_rng is not None:
         torch.cuda.set_rng_state_all(cuda_rng)
@@ -245,8 +267,11 @@ def grow_tables(m: TrainModule, grown: Mapping[str, int]) -> GrowthEvent:
     t0 = time.perf_counter()
     before = _current_rows(m)
     state = module_state.checkpoint_state(m)
-    _rebuild(m, {**before, **grown})
-    _load_grown(m, state, grown)
+    try:
+        _rebuild(m, {**before, **grown})
+        _load_grown(m, state, grown)
+    finally:  # /status reads the module again
+        m.growth.frozen_status = None
     del state
     event = GrowthEvent(m.global_step, {n: (before[n], int(r)) for n, r in grown.items()},
                         time.perf_counter() - t0)
@@ -332,3 +357,4 @@ def size_for_state(m: TrainModule, state: Mapping[str, Any]) -> None:
     logger.info("building dynamic tables at the rows the checkpoint holds: %s",
                 ", ".join(f"{n} {r:,}" for n, r in saved.items()))
     _rebuild(m, {**now, **saved})
+    m.growth.frozen_status = None  # a restore: the state is loaded next

@@ -145,7 +145,8 @@ class TrainModule:
         table_rows: Mapping[str, int] | None = None,
     ) -> None:
         self.build_arguments = (config, feature_builder, device, row_wise_min_rows)
-        self.growth = TableGrowth()
+        # a rebuild at more rows (odl.train.table_growth) keeps its growth record and step
+        self.growth: TableGrowth = self.__dict__.get("growth") or TableGrowth()
         self.device = resolve_device(device)
         if self.device.type == "cuda" and self.device.index is not None:
             torch.cuda.set_device(self.device)
@@ -225,7 +226,7 @@ class TrainModule:
             broadcast_parameters(self._dense_params)
         self.dense_optimizer = make_dense_optimizer(self._dense_spec, self._dense_params)
         self._grad_clip = gradient_clipping(config.train_config)  # dense gradients only
-        self.global_step = 0
+        self.global_step: int = self.__dict__.get("global_step", 0)
         # in-batch learning and per-record Adagrad (None when both are off)
         self.row_pair_learning = RowPairLearning.build(self, config, table_configs)
         self._touched_rows_hook: Callable[[KeyedJaggedTensor], None] | None = None
@@ -379,9 +380,11 @@ class TrainModule:
         """Per dynamic table: ``DynamicTables.status()`` plus ``memory_bytes``.
 
         ``memory_bytes`` counts its rows and their optimizer state in every TorchRec table it
-        backs, and its id index, counters and sketch.
+        backs, and its id index, counters and sketch. While growing tables grow, the status
+        from before the growth.
         """
-        return self.dynamic_rows.status()
+        frozen = self.growth.frozen_status
+        return frozen if frozen is not None else self.dynamic_rows.status()
 
     def shrink_dynamic(self, now: float | None = None) -> dict[str, int]:
         """Runs every dynamic table's maintenance pass now (``DynamicRows.shrink``).
