@@ -307,3 +307,18 @@ def test_incremental_checkpoints_through_growth(tmp_path):
     for key, t in want["model"].items():
         assert torch.equal(got["model"][key], t), key
     assert tm.dynamic.status() == restored.dynamic.status()
+
+
+def test_warm_start_from_a_grown_checkpoint():
+    cfg = _config()
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    _train(tm, fb, range(4), items=200)
+    assert _rows(tm) > 16
+    state = tm.state_dict_for_checkpoint()
+    warm = TrainModule(cfg, fb, device="cpu")
+    warm.load_parameters(state["model"], dynamic_state=state["dynamic_tables"],
+                         source_step=state["global_step"])
+    assert _rows(warm) == _rows(tm)
+    batch = fb.build(_records(64, 77, 200)).batch
+    assert np.array_equal(warm.predict(batch), tm.predict(batch))

@@ -592,5 +592,7 @@ class TrainModule:
         Raises:
             ValueError: a source tensor's shape differs.
         """
+        if dynamic_state is not None:  # growing tables at the rows the source holds
+            size_for_state(self, {"dynamic_tables": dynamic_state})
         return module_state.load_parameters(self, named_tensors, var_map, dynamic_state,
                                             source_step)
