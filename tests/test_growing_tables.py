@@ -163,6 +163,8 @@ def test_tables_grow_through_admissions_and_restore_continues_bit_for_bit():
     assert sorted(set(seen)) == [16, 32, 64, CAP]
     assert [e.rows["item"] for e in tm.growth.events] == [(16, 32), (32, 64), (64, CAP)]
     assert tm.dynamic.status()["item"]["evicted"] > 0  # full at the cap: it evicts
+    assert (tm.dynamic_status()["item"]["capacity"], tm.dynamic_status()["item"]["grows_to"]) \
+        == (CAP, CAP)
     # a module built at the start rows restores the grown checkpoint and continues exactly
     other = TrainModule(cfg, fb, device="cpu")
     assert _rows(other) == 16

@@ -319,6 +319,8 @@ class DynamicTables:
     def status(self) -> dict[str, dict[str, Any]]:
         """Per table: form, capacity, live rows, admitted, rejected, evicted, map bytes.
 
+        A growing table adds ``grows_to``, the most rows it may reach (``capacity``: its rows now).
+
         Split by id: the capacity and counts are the held partitions'; ``partitions`` and
         ``held`` say which.
         """
@@ -334,6 +336,8 @@ class DynamicTables:
                          "map_bytes": t.map_bytes()}
             if self.partitions > 1:
                 out[name].update(partitions=self.partitions, held=list(self.held))
+            elif t.spec.grows_to:  # a growing table: the most rows it may reach
+                out[name]["grows_to"] = t.spec.grows_to
         return out
 
     def state_dict(self) -> dict[str, Any]:
