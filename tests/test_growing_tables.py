@@ -26,7 +26,7 @@ from odl.protos import pipeline_pb2
 from odl.train import table_growth
 from odl.train.checkpoint_rows import CheckpointRows
 from odl.train.host_memory import AvailableMemory
-from odl.train.memory_estimate import estimate_memory, growth_limit
+from odl.train.memory_estimate import check_memory, estimate_memory, growth_limit, growth_notes
 from odl.train.module_state import changed_rows_part
 from odl.train.table_growth import grow_tables
 from odl.train.table_shards import EBC_PREFIX
@@ -246,6 +246,10 @@ def test_memory_check_counts_the_start_rows_and_reports_the_cap():
     item = {t.name: t for t in est.tables}["item"]
     assert (item.rows, item.grows_to) == (16, CAP)
     assert growth_limit(est, est.host_bytes * 10) == {"item": CAP, "item_wide": CAP}
+    checked = check_memory(cfg, "cpu", 0.8, host_available=AvailableMemory(1 << 40, "host"))
+    assert growth_notes(checked) == [
+        f"dynamic table item grows: counted at its start, 16 rows; it may reach {CAP} rows "
+        f"(grows_to {CAP})"]
     assert growth_limit(est, est.host_bytes) == {"item": 16, "item_wide": 16}  # no room left
     cfg.train_config.dynamic_index_partitions = 2  # split by id: built at the cap
     item = {t.name: t for t in estimate_memory(cfg, "cpu").tables}["item"]

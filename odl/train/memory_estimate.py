@@ -68,7 +68,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -162,6 +162,8 @@ class MemoryEstimate:
         ranks: processes training the model together (``torchrun``'s ``WORLD_SIZE``).
         ranks_on_host: of those, the ones on this host (``LOCAL_WORLD_SIZE``).
         index_partitions: ``train_config.dynamic_index_partitions``.
+        growth_reach: growing dynamic table (deep and wide twins) -> the rows it can reach
+            within the memory allowed (:func:`check_memory` fills it in).
     """
 
     device_type: str
@@ -176,6 +178,7 @@ class MemoryEstimate:
     ranks: int = 1
     ranks_on_host: int = 1
     index_partitions: int = 1
+    growth_reach: dict[str, int] = field(default_factory=dict)
 
     @property
     def table_bytes(self) -> int:
@@ -443,15 +446,23 @@ def growth_limit(est: MemoryEstimate, allowed_bytes: float) -> dict[str, int]:
     return {t.name: max(t.rows, min(t.grows_to, reach)) for t in growing}
 
 
-def _report_growth(est: MemoryEstimate, allowed_bytes: float | None) -> None:
-    """Logs the growing tables' start rows and the rows they can reach (their cap)."""
+def growth_notes(est: MemoryEstimate) -> list[str]:
+    """One line per growing dynamic table: its start rows and the rows it can reach."""
+    return [f"dynamic table {t.name} grows: counted at its start, {t.rows:,} rows; it may "
+            f"reach {est.growth_reach[t.name]:,} rows (grows_to {t.grows_to:,}"
+            f"{'' if est.growth_reach[t.name] >= t.grows_to else ', as far as the memory allows'})"
+            for t in est.tables  # one line per table (its wide twin grows with it)
+            if t.name in est.growth_reach and not t.name.endswith(WIDE_SUFFIX)]
+
+
+def _with_growth(est: MemoryEstimate, allowed_bytes: float | None) -> MemoryEstimate:
+    """``est`` with its ``growth_reach`` (``None``: no limit), logged."""
     reach = growth_limit(est, allowed_bytes) if allowed_bytes else {
         t.name: t.grows_to for t in est.tables if t.grows_to > t.rows}
-    for t in est.tables:  # one line per table (its wide twin grows with it)
-        if t.name in reach and not t.name.endswith(WIDE_SUFFIX):
-            logger.info("dynamic table %s grows: counted at its start, %d rows; it may reach "
-                        "%d rows (grows_to %d%s)", t.name, t.rows, reach[t.name], t.grows_to,
-                        "" if reach[t.name] >= t.grows_to else ", as far as the memory allows")
+    est = replace(est, growth_reach=reach)
+    for line in growth_notes(est):
+        logger.info("%s", line)
+    return est
 
 
 def check_memory(
@@ -490,8 +501,7 @@ def check_memory(
                 f"; {est.ranks} ranks, {est.ranks_on_host} on this host, "
                 f"{_gib(est.rank_sparse_bytes)} of tables each" if est.ranks > 1 else "")
     if fraction <= 0:
-        _report_growth(est, None)
-        return est
+        return _with_growth(est, None)
     how = (f"--max_memory_fraction or {MAX_MEMORY_FRACTION_ENV} sets the share, 0 turns "
            "the check off")
     if device_type == "cuda" and device_available is not None:
@@ -505,8 +515,8 @@ def check_memory(
                 f"({how})")
     avail = host_available if host_available is not None else available_host_memory()
     allowed = fraction * avail.bytes
-    _report_growth(est, fraction * device_available
-                   if device_type == "cuda" and device_available is not None else allowed)
+    est = _with_growth(est, fraction * device_available
+                       if device_type == "cuda" and device_available is not None else allowed)
     if est.host_bytes > allowed:
         sparse = est.sparse_bytes * (1 if device_type == "cuda" else 2)
         where = "this host has" if avail.source == "host" else f"{avail.source} leaves"

@@ -51,7 +51,12 @@ from odl.protos import pipeline_pb2
 from odl.storage import file_store
 from odl.storage.oss_credentials import OssCredentialsError, oss_credentials
 from odl.storage.storage_path import is_remote, join
-from odl.train.memory_estimate import MemoryEstimate, check_memory, resolve_max_memory_fraction
+from odl.train.memory_estimate import (
+    MemoryEstimate,
+    check_memory,
+    growth_notes,
+    resolve_max_memory_fraction,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -496,4 +501,4 @@ def check_start(
     estimate = check_memory(config, device_type, fraction, device_available=device_free,
                             ranks=ranks, ranks_on_host=on_host)
     _check_paths(config, sample_ledger, create_dirs)  # last: may leave model_dir created
-    return StartCheck(device_type, estimate, notes)
+    return StartCheck(device_type, estimate, (*notes, *growth_notes(estimate)))
