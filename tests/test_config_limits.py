@@ -479,7 +479,8 @@ def test_memory_estimate_counts_dynamic_tables_and_their_index() -> None:
 @pytest.mark.parametrize("sample", ["wide_and_deep_online", "multi_tower_online",
                                     "dcn_online", "dcn_v2_online", "din_online",
                                     "mmoe_online", "dbmtl_online", "esmm_online",
-                                    "ple_online", "masknet_online"])
+                                    "ple_online", "masknet_online",
+                                    "wukong_online"])
 def test_memory_estimate_follows_every_model_class(sample: str) -> None:
     from odl.features.feature_builder import FeatureBuilder
     from odl.models.model_registry import build_model

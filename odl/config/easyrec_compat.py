@@ -102,7 +102,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat",
         "simple_multi_task", "rocket_launching", "kd",
         "restore_filters", "variational_dropout", "backbone",
-        "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet", "wukong",
+        "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet",
         "rank_model", "dlrm_hstu",
     }),
     "Loss": frozenset({
@@ -285,7 +285,7 @@ _TORCHEASYREC_ONLY_FIELDS: dict[str, frozenset[str]] = {
         "tokenize_feature", "custom_feature", "sequence_id_feature", "sequence_raw_feature",
         "bool_mask_feature"}),
     "FeatureGroupConfig": frozenset({"embedding_name_suffix"}),
-    "EasyRecModel": frozenset({"rank_model", "dlrm_hstu", "wukong"}),
+    "EasyRecModel": frozenset({"rank_model", "dlrm_hstu"}),
     "TrainConfig": frozenset({"mixed_precision", "grad_scaler", "gradient_accumulation_steps",
                               "cudnn_allow_tf32", "cuda_matmul_allow_tf32",
                               "global_embedding_constraints"}),

@@ -283,13 +283,15 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     (EasyRec's) keeps the groups with the dense features moved from the deep group (FM's
     vectors) to the wide group (a first-order term each). DLRM (EasyRec's) reads a "dense"
     group (the dense features, through a bot_dnn of one layer as wide as the embeddings) and a
-    "sparse" group (the id features), its top_dnn the DeepFM tower.
+    "sparse" group (the id features), its top_dnn the DeepFM tower; WuKong (TorchEasyRec's)
+    the same groups, its dense_mlp as DLRM's bot_dnn, one layer of 8 + 8 vectors (FM
+    compressed to 8, an MLP of 32) and the DeepFM tower as its final MLP.
 
     Args:
         text: the DeepFM config text.
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
             ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"``, ``"ESMM"``, ``"PLE"``,
-            ``"FM"``, ``"DLRM"`` or ``"MaskNet"``.
+            ``"FM"``, ``"DLRM"``, ``"MaskNet"`` or ``"WuKong"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:
@@ -306,12 +308,16 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
         text = text.replace(f" {dense} wide_deep: DEEP", " wide_deep: DEEP")
         text = text.replace(" wide_deep: WIDE }", f" {dense} wide_deep: WIDE }}", 1)
         return text.replace('model_class: "DeepFM"', 'model_class: "FM"')
-    if model == "DLRM":  # bot_dnn over the dense features, ending at the embedding dim
+    if model in ("DLRM", "WuKong"):  # the dense features' MLP ends at the embedding dim
         dim = re.search(r"IdFeature embedding_dim: (\d+)", text)
         if dim is None:
-            raise ValueError("DLRM needs the id features' embedding_dim")
+            raise ValueError(f"{model} needs the id features' embedding_dim")
         block = (f"dlrm {{\n    bot_dnn {{ hidden_units: [{dim.group(1)}] }}\n"
-                 f"    top_dnn {{ hidden_units: [{m.group(1)}] }}\n  }}")
+                 f"    top_dnn {{ hidden_units: [{m.group(1)}] }}\n  }}" if model == "DLRM" else
+                 f"wukong {{\n    dense_mlp {{ hidden_units: [{dim.group(1)}] }}\n"
+                 "    wukong_layers { lcb_feature_num: 8 fmb_feature_num: 8 "
+                 "compressed_feature_num: 8\n      feature_num_mlp { hidden_units: [32] } }\n"
+                 f"    final {{ hidden_units: [{m.group(1)}] }}\n  }}")
         text = text[:m.start()] + block + text[m.end():]
         text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
         dense = " ".join(f'feature_names: "{f}"' for f in DENSE_FIELDS)
@@ -319,7 +325,7 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
             '  feature_groups { group_name: "deep"',
             f'  feature_groups {{ group_name: "dense" {dense} wide_deep: DEEP }}\n'
             '  feature_groups { group_name: "sparse"')
-        return text.replace('model_class: "DeepFM"', 'model_class: "DLRM"')
+        return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
     if model in _MULTI_TASK_BLOCKS:
         block = _MULTI_TASK_BLOCKS[model].format(units=m.group(1))
         text = text[:m.start()] + block + text[m.end():]
