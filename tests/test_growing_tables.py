@@ -22,6 +22,7 @@ from odl.checkpoint.checkpoint_manager import (
 from odl.config.config_redaction import config_to_text
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
+from odl.models.embedding_tables import initial_rows
 from odl.protos import pipeline_pb2
 from odl.train import table_growth
 from odl.train.checkpoint_rows import CheckpointRows
@@ -139,6 +140,10 @@ def test_growth_keeps_rows_optimizer_state_index_and_predictions(sparse):
     for key, t in before["model"].items():
         assert torch.equal(after["model"][key][: t.shape[0]], t), key
     assert after["model"][f"{EBC_PREFIX}item.weight"].shape[0] == 32
+    for t in ("item", "item_wide"):  # the rows added hold their initial values
+        w = after["model"][f"{EBC_PREFIX}{t}.weight"]
+        first, values = next(initial_rows(t, cfg.train_config.seed, tuple(w.shape), 16, 32))
+        assert torch.equal(w[16:], values[16 - first:32 - first]), t
     for pname, states in before["sparse_optimizer"].items():
         for k, v in states.items():
             got = after["sparse_optimizer"][pname][k]

@@ -219,11 +219,15 @@ class RawIdIndex:
         if row_ids.shape != (self.capacity,):
             raise ValueError(f"saved table has {row_ids.shape[0]} rows, this one "
                              f"{self.capacity}")
-        empty = np.flatnonzero(row_ids < 0)
-        if free.shape[0] != empty.shape[0] or not np.array_equal(np.sort(free), empty):
+        empty = row_ids < 0
+        listed = np.zeros(self.capacity, dtype=bool)  # the free rows, each once (no sort)
+        if free.shape[0] and (int(free.min()) < 0 or int(free.max()) >= self.capacity):
+            raise ValueError("saved free rows are outside the table")
+        listed[free] = True
+        if free.shape[0] != int(empty.sum()) or not np.array_equal(listed, empty):
             raise ValueError("saved free rows do not match the saved row ids")
-        live = row_ids[row_ids >= 0]
-        if np.unique(live).shape[0] != live.shape[0]:
+        live = np.sort(row_ids[row_ids >= 0])  # (a sort: np.unique's hashing is slower)
+        if live.shape[0] > 1 and bool((live[1:] == live[:-1]).any()):
             raise ValueError("saved row ids are not unique")
         self.row_ids[:] = row_ids  # in place: the storage may be a group's buffer
         self._free = np.empty(self.capacity, dtype=np.int64)

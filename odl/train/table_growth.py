@@ -9,10 +9,12 @@ training step in which its live rows passed ``GROW_AT`` of its rows it doubles (
    checkpoint does);
 2. the module is built again, in place, at the new rows (``TrainModule.__init__`` with
    ``table_rows``: the model, the sharding plan and ``DistributedModelParallel``, the fused
-   and row-sparse optimizers, the dynamic tables), the old model freed first;
+   and row-sparse optimizers, the dynamic tables; the tables' rows left to this module),
+   the old model freed first;
 3. the copy is put back: the grown tables' rows, their fused or row-sparse optimizer state
    and their index and counters into the first rows (``odl.models.dynamic.growth``), every
-   other tensor as it was; the rows added keep their initial values and optimizer state.
+   other tensor as it was; the rows added get their initial values (drawn for them alone,
+   ``initial_rows``) and optimizer state.
 
 The step count, the random generators, the touched-rows hooks and the delete consumers are
 kept, so training continues exactly as a module restored from a checkpoint of the grown
@@ -44,6 +46,7 @@ import torch
 
 from odl.features.feature_plan import TableSpec
 from odl.models.dynamic.growth import grown_tables_state, saved_capacities
+from odl.models.embedding_tables import init_embedding_weights, initial_rows
 from odl.train import module_state
 from odl.train.host_memory import available_host_memory
 from odl.train.table_shards import EBC_PREFIX, local_view
@@ -209,7 +212,12 @@ def _load_grown(m: TrainModule, state: dict[str, Any], grown: Mapping[str, int])
     for t in torch_tables:
         key = f"{EBC_PREFIX}{t}.weight"
         saved = state["model"].pop(key)
-        own[t][: saved.shape[0]].copy_(saved.to(own[t].device, own[t].dtype))
+        w = own[t]
+        w[: saved.shape[0]].copy_(saved.to(w.device, w.dtype))
+        old = saved.shape[0]  # the rows added: their initial values, drawn for them alone
+        for first, values in initial_rows(t, m.seed, tuple(w.shape), old, w.shape[0]):
+            lo = max(first, old)
+            w[lo : first + values.shape[0]].copy_(values[lo - first :].to(w.device, w.dtype))
         for k, v in state["sparse_optimizer"].pop(key, {}).items():
             live = local_view(own_state[key][k])
             if v.dim() and live.dim() and v.shape[0] < live.shape[0]:
@@ -357,4 +365,5 @@ def size_for_state(m: TrainModule, state: Mapping[str, Any]) -> None:
     logger.info("building dynamic tables at the rows the checkpoint holds: %s",
                 ", ".join(f"{n} {r:,}" for n, r in saved.items()))
     _rebuild(m, {**now, **saved})
+    init_embedding_weights(m.embedding_tables(), m.seed)  # a warm start keeps the rest
     m.growth.frozen_status = None  # a restore: the state is loaded next

@@ -127,7 +127,8 @@ class TrainModule:
         row_wise_min_rows: with several ranks, tables of at least this many rows are split
             by rows (``odl.train.distributed``).
         table_rows: growing dynamic table -> its rows (``odl.train.table_growth``: a growth or
-            a restore rebuilds the module with them); None: their start rows.
+            a restore rebuilds the module with them and writes the tables' rows itself);
+            None: their start rows, every table initialized.
 
     Attributes:
         global_step: number of training steps taken (restored by ``load_checkpoint_state``).
@@ -197,9 +198,9 @@ class TrainModule:
         rule = row_sparse_rule(self._sparse_spec, self.device.type)  # None: fused updates
         self.row_sparse = None if rule is None else RowSparseTables(
             self._dmp, rule, self.wide_lr_multiplier, self.world_size)
-        if self.world_size == 1:
+        if table_rows is None and self.world_size == 1:  # (a rebuild writes every row)
             init_embedding_weights(self.embedding_tables(), self.seed)
-        else:
+        elif table_rows is None:
             init_local_shards(self._dmp, self.seed)
         # TF's Adagrad starts its accumulators at initial_accumulator_value, fbgemm's at 0
         self.table_state_start = table_accumulator_start(self._sparse_spec, self.device.type)
