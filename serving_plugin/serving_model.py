@@ -306,8 +306,9 @@ class ServingModel:
     # -- updates ----------------------------------------------------------------------------
 
     def dynamic_status(self) -> dict[str, dict[str, int]]:
-        """Dynamic table -> ``{"capacity", "live_rows"}``."""
-        return {n: {"capacity": ix.capacity, "live_rows": ix.live}
+        """Dynamic table -> ``{"capacity", "live_rows"}`` (a growing one adds ``max_rows``)."""
+        return {n: {"capacity": ix.capacity, "live_rows": ix.live,
+                    **({"max_rows": self.max_rows[n]} if n in self.max_rows else {})}
                 for n, ix in self.dynamic.items()}
 
     def _check_version(self, version: DeltaVersion) -> list[tuple[torch.Tensor, Any, Any]]:

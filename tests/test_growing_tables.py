@@ -225,7 +225,8 @@ def test_serving_parity_through_growth(tmp_path):
     assembler = VersionAssembler()
     grown_at = _rows(tm)
     # serving starts at the rows the checkpoint holds and may grow to the cap
-    assert serving.dynamic["item"].capacity == grown_at and serving.max_rows["item"] == CAP
+    assert serving.dynamic_status()["item"] == {
+        "capacity": grown_at, "live_rows": tm.dynamic.tables["item"].live, "max_rows": CAP}
     for k in range(8):  # grows to the cap, then evicts (deletes)
         _train(tm, fb, range(100 + 2 * k, 102 + 2 * k), items=200)
         snap = snaps.take(tm.global_step, {}, dense=True, sparse=True)
