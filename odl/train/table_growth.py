@@ -317,7 +317,7 @@ def grow_to_hold(m: TrainModule, new_ids: Mapping[str, np.ndarray]) -> GrowthEve
 
     Each growing table doubles until its live rows plus the ids it does not hold yet are at
     most ``GROW_AT`` of its rows (at most ``grows_to``), so recovering the rows serving
-    holds evicts none of them.
+    holds evicts none of them (when the memory for it is free).
 
     Args:
         m: the module (one rank).
@@ -338,6 +338,11 @@ def grow_to_hold(m: TrainModule, new_ids: Mapping[str, np.ndarray]) -> GrowthEve
             rows = min(2 * rows, t.spec.grows_to)
         if rows > t.spec.capacity:
             due[name] = rows
+    if due and not _memory_allows(m, due):
+        logger.warning("dynamic tables %s stay at their rows to recover: the memory to grow "
+                       "them is not free; recovered ids beyond them evict others",
+                       ", ".join(sorted(due)))
+        return None
     return grow_tables(m, due) if due else None
 
 
