@@ -30,9 +30,9 @@ KAFKA_FIXTURES = frozenset({"kafka_bootstrap", "kafka_topic_factory"})
 # depends on them. A file not named here counts SLOW_TEST_SECONDS per ``slow`` test and
 # TEST_SECONDS per other test.
 FILE_SECONDS = {
-    "test_distributed_file_stream.py": 130,
+    "test_distributed_file_stream.py": 110,
     "test_distributed_online.py": 80,
-    "test_crash_recovery.py": 80,
+    "test_crash_recovery.py": 70,
     "test_oss_training.py": 65,
     "test_file_stream.py": 60,
     "test_config_compat.py": 55,

@@ -48,11 +48,19 @@ def test_two_ranks_train_offline_files_as_one_process_with_twice_the_batch(tmp_p
         with open(cfg, "w") as f:
             f.write(text)
         ledger = str(tmp_path / f"{name}.ledger")
-        cmd = [sys.executable, *launch, "-m", "odl.cli.train_cli", "--pipeline_config_path",
-               cfg, "--train_input_path", str(data / "*.csv"), "--device", "cpu",
-               "--status_port", "-1", "--sample_ledger", ledger, "--log_level", "WARNING"]
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, timeout=300)
-        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        if not launch:  # one process: odl-train's Trainer in this process
+            from odl.train.trainer import Trainer, TrainerOptions
+
+            config = load_pipeline_config(cfg)
+            config.train_input_path = str(data / "*.csv")  # odl-train's --train_input_path
+            assert Trainer(config, TrainerOptions(online=False, device="cpu", status_port=-1,
+                                                  sample_ledger=ledger)).run() == 0
+        else:
+            cmd = [sys.executable, *launch, "-m", "odl.cli.train_cli", "--pipeline_config_path",
+                   cfg, "--train_input_path", str(data / "*.csv"), "--device", "cpu",
+                   "--status_port", "-1", "--sample_ledger", ledger, "--log_level", "WARNING"]
+            done = subprocess.run(cmd, cwd=REPO, capture_output=True, timeout=300)
+            assert done.returncode == 0, done.stderr.decode()[-3000:]
         runs[name] = (read_checkpoint(list_checkpoints(str(tmp_path / name))[-1]), ledger)
     one, one_ledger = runs["one"]
     two, two_ledger = runs["two"]
@@ -84,6 +92,15 @@ def test_two_ranks_train_a_file_stream_as_one_process_and_resume_in_one(tmp_path
         text = stream_config(tmp_path, str(data), end_day).replace(
             str(tmp_path / "model_dir"), model_dir).replace("batch_size: 50",
                                                             f"batch_size: {batch}")
+        if not launch:  # one process: odl-train's Trainer in this process
+            from odl.config.pipeline_config import parse_pipeline_config_text
+            from odl.train.trainer import Trainer, TrainerOptions
+
+            trainer = Trainer(parse_pipeline_config_text(text), TrainerOptions(
+                online=True, device="cpu", status_port=-1,
+                sample_ledger=str(tmp_path / f"{name}.ledger")))
+            assert trainer.run() == 0
+            return
         cfg = tmp_path / f"{name}.config"
         cfg.write_text(text)
         done = subprocess.run(

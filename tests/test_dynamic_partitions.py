@@ -348,14 +348,21 @@ def test_torchrun_two_ranks_split_by_id_train_files_as_one_process_split_alike(t
     for name, batch, launch in (("one", GLOBAL, ()), ("two", GLOBAL // 2, ("--nproc", "2"))):
         config = _split_config(str(tmp_path / name), batch)
         config.train_config.save_checkpoints_steps = 8
-        path = tmp_path / f"{name}.config"
-        path.write_text(text_format.MessageToString(config))
-        done = subprocess.run(
-            [sys.executable, "-m", "odl.cli.train_cli", "--pipeline_config_path",
-             str(path), "--train_input_path", str(data), "--device", "cpu", "--status_port",
-             "-1", "--log_level", "WARNING", *launch], cwd=REPO, capture_output=True,
-            timeout=300)
-        assert done.returncode == 0, done.stderr.decode()[-3000:]
+        if not launch:  # one process: odl-train's Trainer in this process
+            from odl.train.trainer import Trainer, TrainerOptions
+
+            config.train_input_path = str(data)  # odl-train's --train_input_path
+            assert Trainer(config, TrainerOptions(online=False, device="cpu",
+                                                  status_port=-1)).run() == 0
+        else:
+            path = tmp_path / f"{name}.config"
+            path.write_text(text_format.MessageToString(config))
+            done = subprocess.run(
+                [sys.executable, "-m", "odl.cli.train_cli", "--pipeline_config_path",
+                 str(path), "--train_input_path", str(data), "--device", "cpu",
+                 "--status_port", "-1", "--log_level", "WARNING", *launch], cwd=REPO,
+                capture_output=True, timeout=300)
+            assert done.returncode == 0, done.stderr.decode()[-3000:]
         runs[name] = read_checkpoint(list_checkpoints(str(tmp_path / name))[-1])
     one, two = runs["one"], runs["two"]
     assert one.global_step == two.global_step == 20
