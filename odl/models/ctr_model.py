@@ -58,6 +58,14 @@ from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.features.batch import Batch
+from odl.models.ctr_losses import (
+    ctr_loss,
+    embedding_l2,
+    linear_kernel_l2,
+    random_loss_weights,
+    sample_weight_tensor,
+    session_tensor,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -314,3 +322,37 @@ class CtrModel(nn.Module):
             Scalar loss.
         """
         raise NotImplementedError
+
+    def configured_loss(self, output: ModelOutput, batch: Batch,
+                        kernel_l2: float = 0.0) -> torch.Tensor:
+        """The loss of a model with one output column set (or ``num_class`` columns).
+
+        The configured prediction loss (``odl.models.ctr_losses.ctr_loss`` with the model's
+        ``loss_terms``, learned and random term weights, sessions and sample weights) +
+        ``kernel_l2`` * the squared dense Linear kernels + ``embedding_regularization`` *
+        each pooled group's mean squared lookup. A subclass calling it sets
+        ``model_config``, ``loss_terms``, ``learned`` and ``embedding_regularization``.
+
+        Args:
+            output: what ``forward(batch)`` returned.
+            batch: the batch (labels).
+            kernel_l2: the weight of the squared dense Linear kernels.
+
+        Returns:
+            Scalar loss.
+        """
+        logits = output.logits
+        loss = ctr_loss(logits, batch.labels, self.loss_terms, learned=self.learned,
+                        uncertainty=getattr(self.dense, "loss_uncertainty", None),
+                        term_weights=random_loss_weights(self.model_config,
+                                                         len(self.loss_terms), logits),
+                        softmax=self.dense.num_class > 1, sessions=session_tensor(batch),
+                        data_weights=sample_weight_tensor(batch))
+        if kernel_l2:
+            loss = loss + kernel_l2 * linear_kernel_l2(self.dense)
+        if self.embedding_regularization:
+            for pooled, group in zip(output.pooled, self.pooled_layout, strict=True):
+                if group.lookups:
+                    loss = loss + self.embedding_regularization * embedding_l2(
+                        pooled, len(group.lookups))
+        return loss

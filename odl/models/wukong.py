@@ -41,14 +41,8 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import build_mlp
 from odl.models.ctr_losses import (
     add_loss_weights,
-    ctr_loss,
-    embedding_l2,
     learned_weight_terms,
-    linear_kernel_l2,
     loss_terms,
-    random_loss_weights,
-    sample_weight_tensor,
-    session_tensor,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
 from odl.models.embedding_tables import build_embedding_layout
@@ -234,21 +228,7 @@ class WuKong(CtrModel):
         Returns:
             Scalar loss.
         """
-        logits = output.logits
-        loss = ctr_loss(logits, batch.labels, self.loss_terms, learned=self.learned,
-                        uncertainty=getattr(self.dense, "loss_uncertainty", None),
-                        term_weights=random_loss_weights(self.model_config,
-                                                         len(self.loss_terms), logits),
-                        softmax=self.dense.num_class > 1, sessions=session_tensor(batch),
-                        data_weights=sample_weight_tensor(batch))
-        if self.l2:
-            loss = loss + self.l2 * linear_kernel_l2(self.dense)
-        if self.embedding_regularization:
-            for pooled, group in zip(output.pooled, self.pooled_layout, strict=True):
-                if group.lookups:
-                    loss = loss + self.embedding_regularization * embedding_l2(
-                        pooled, len(group.lookups))
-        return loss
+        return self.configured_loss(output, batch, self.l2)
 
 
 def sparse_group_name(model_config: pipeline_pb2.EasyRecModel) -> str:
