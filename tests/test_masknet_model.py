@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -13,16 +10,8 @@ from odl.config.config_error import ConfigError
 from odl.config.pipeline_config import parse_pipeline_config_text
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.model_registry import check_pipeline_config, registered_model_classes
-from odl.train.sample_ledger import read_ledger
 from odl.train.train_module import TrainModule
-from odl.train.trainer import Trainer, TrainerOptions
-from tests.harness import as_model
-from tests.test_file_stream import _parity, _saves_config, _serve_from, _write_two_days
-from tests.test_online_parity import (
-    _check_serving_parity,
-    _incr_save,
-    _train_with_publishing,
-)
+from tests.model_checks import restart_inside_a_pass, serving_replay_diff, stream_auc
 
 MASKNET_CONFIG = """
 model_dir: "/tmp/unused"
@@ -165,37 +154,15 @@ def test_masknet_is_registered_by_its_module() -> None:
 def test_masknet_learns_the_synthetic_stream() -> None:
     """Trained online on the Criteo-like stream (80 steps of 256), MaskNet ranks the next
     records above chance."""
-    from odl.datagen.datagen_config import deepfm_config_text
-    from odl.datagen.synthetic_ctr import SyntheticCtrStream
-
-    config = parse_pipeline_config_text(as_model(deepfm_config_text("/tmp/unused"), "MaskNet"))
-    fb = FeatureBuilder(config)
-    torch.manual_seed(0)
-    tm = TrainModule(config, fb, device="cpu")
-    stream = SyntheticCtrStream(seed=5)
-    for _ in range(80):
-        tm.train_step(fb.build(stream.next_batch(256).encode("csv")).batch)
-    held = stream.next_batch(4000)
-    scores = tm.predict(fb.build(held.encode("csv")).batch)
-    labels = np.asarray(held.labels).astype(bool)
-    ranks = np.empty(len(scores))
-    ranks[np.argsort(scores)] = np.arange(1, len(scores) + 1)
-    auc = (ranks[labels].sum() - labels.sum() * (labels.sum() + 1) / 2) / (
-        labels.sum() * (~labels).sum())
-    assert auc > 0.6, auc
+    assert stream_auc("MaskNet", 80) > 0.6
 
 
 def test_serving_replay_matches_trainer_predictions(kafka_bootstrap, kafka_topic_factory,
                                                     tmp_path) -> None:
     """Trained from Kafka with publishing; an early export + the replayed deltas predict what
     the trainer predicts (max abs diff <= 1e-6)."""
-    delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
-    trainer, cfg = _train_with_publishing(
-        tmp_path, kafka_bootstrap, kafka_topic_factory,
-        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), model="MaskNet")
-    assert type(trainer.module.model.dense).__name__ == "MaskNetDense"
-    assert trainer.publisher.status()["last_version"] == trainer.module.global_step
-    status, diff = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)
+    status, diff = serving_replay_diff("MaskNet", "MaskNetDense", tmp_path, kafka_bootstrap,
+                                       kafka_topic_factory)
     assert status["versions_applied"] >= 2 and diff <= 1e-6
 
 
@@ -203,22 +170,4 @@ def test_restart_inside_a_pass_trains_every_record_once(tmp_path) -> None:
     """A file stream stopped at step 22 and restarted: every record trained exactly once
     (the sample ledger), and serving from the first day's base + the pass deltas predicts
     what the restarted trainer predicts."""
-    from odl.export.exporter import export_checkpoint
-
-    data, saves = tmp_path / "data", tmp_path / "saves"
-    ids, values = _write_two_days(data, model="MaskNet")
-    ledger = str(tmp_path / "ledger.tsv")
-    runs = []
-    for extra in ("num_steps: 22", ""):
-        text = as_model(_saves_config(tmp_path, str(data), str(saves), extra), "MaskNet")
-        trainer = Trainer(parse_pipeline_config_text(text),
-                          TrainerOptions(online=True, device="cpu", status_port=-1,
-                                         sample_ledger=ledger, export_base=export_checkpoint))
-        assert trainer.run() == 0
-        runs.append(trainer)
-    assert runs[0].module.global_step == 22
-    trained = [sid for _g, _s, sid in read_ledger(ledger)]
-    assert sorted(trained) == sorted(ids) and len(set(trained)) == len(trained)
-    service = _serve_from(str(saves / "20261123" / "base"), str(saves))
-    assert service.model.state.version == runs[1].module.global_step
-    assert _parity(service, runs[1], 34, values[-170:]) <= 1e-6
+    assert restart_inside_a_pass("MaskNet", tmp_path) <= 1e-6
