@@ -59,13 +59,17 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
 from odl.features.batch import Batch
 from odl.models.ctr_losses import (
+    add_loss_weights,
     ctr_loss,
     embedding_l2,
+    learned_weight_terms,
     linear_kernel_l2,
+    loss_terms,
     random_loss_weights,
     sample_weight_tensor,
     session_tensor,
 )
+from odl.protos import pipeline_pb2
 
 if TYPE_CHECKING:
     import numpy as np
@@ -322,6 +326,27 @@ class CtrModel(nn.Module):
             Scalar loss.
         """
         raise NotImplementedError
+
+    def set_configured_loss(self, model_config: pipeline_pb2.EasyRecModel,
+                            output_name: str) -> None:
+        """What :meth:`configured_loss` reads, from the model's config (``self.dense`` built).
+
+        Sets ``output_names`` / ``output_labels`` (one output, or ``num_class`` columns named
+        after ``output_name``), ``embedding_regularization``, ``model_config``,
+        ``loss_terms`` and ``learned`` (the terms with a learned weight, whose weights join
+        ``self.dense``).
+
+        Args:
+            model_config: the ``EasyRecModel``.
+            output_name: the name of the model's output (the label it predicts).
+        """
+        self.output_names, self.output_labels = class_outputs(output_name,
+                                                              model_config.num_class)
+        self.embedding_regularization = float(model_config.embedding_regularization)
+        self.model_config = model_config
+        self.loss_terms = loss_terms(model_config)
+        self.learned = learned_weight_terms(model_config, self.loss_terms)
+        add_loss_weights(self.dense, sum(self.learned))
 
     def configured_loss(self, output: ModelOutput, batch: Batch,
                         kernel_l2: float = 0.0) -> torch.Tensor:

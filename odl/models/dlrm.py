@@ -48,12 +48,7 @@ from odl.config.model_validation import validate_dnn
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import build_mlp
-from odl.models.ctr_losses import (
-    add_loss_weights,
-    learned_weight_terms,
-    loss_terms,
-)
-from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
+from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import build_embedding_layout
 from odl.models.group_inputs import embedded_and_dense
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
@@ -255,13 +250,7 @@ class DLRM(CtrModel):
             PooledGroup.of("dense", tuple((f, table_of[f]) for f in dense_emb),
                            [dim_of[f] for f in dense_emb]),
         )
-        self.output_names, self.output_labels = class_outputs(output_name,
-                                                              model_config.num_class)
-        self.embedding_regularization = float(model_config.embedding_regularization)
-        self.model_config = model_config
-        self.loss_terms = loss_terms(model_config)
-        self.learned = learned_weight_terms(model_config, self.loss_terms)
-        add_loss_weights(self.dense, sum(self.learned))
+        self.set_configured_loss(model_config, output_name)
 
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
         """The prediction loss plus the regularization (module docstring).
