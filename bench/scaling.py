@@ -91,10 +91,10 @@ def _rank(rank: int, world: int, args: dict) -> float:
                   if every else None)
 
     def step(b) -> None:
-        if world == 1:  # one process: Trainer._loop's turn is its own, no collective
+        if world == 1:  # one process: TrainingLoop's turn is its own, no collective
             tm.train_step(b)
             return
-        # as Trainer._loop with several ranks: the turn (rank 0's publishing flags, every
+        # as TrainingLoop with several ranks: the turn (rank 0's publishing flags, every
         # rank's batch size), publishing, then the step with the sizes agreed (or agreeing
         # them itself)
         flags = publishing.turn_flags(tm.global_step) if publishing is not None else 0

@@ -54,13 +54,10 @@ from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.config.model_classes import IMPLEMENTED_MODEL_CLASSES  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
-from odl.datagen.datagen_config import (  # noqa: E402
-    as_model_config_text,
-    deepfm_config_text,
-    records_for_model,
-)
+from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
+from odl.harness.model_configs import as_model_config_text, records_for_model  # noqa: E402
 from odl.harness.topic_records import produce  # noqa: E402
 from odl.kafka.topic_admin import create_topic, end_offsets  # noqa: E402
 from odl.train.torch_runtime import configure_torch_threads, usable_cpus  # noqa: E402

@@ -23,8 +23,9 @@ import torch
 from odl.checkpoint.checkpoint_manager import CheckpointManager
 from odl.config.config_redaction import config_to_text
 from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_config_text
-from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
+from odl.datagen.datagen_config import deepfm_config_text
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.model_configs import as_model_config_text
 from odl.harness.topic_records import make_records
 from odl.models.model_registry import check_pipeline_config
 from odl.protos import pipeline_pb2

@@ -10,9 +10,10 @@ from google.protobuf import text_format
 
 from odl.config.config_error import ConfigError
 from odl.config.pipeline_config import parse_pipeline_config_text
-from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
+from odl.datagen.datagen_config import deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.model_configs import as_model_config_text
 from odl.models.ctr_losses import ctr_loss
 from odl.models.model_registry import check_pipeline_config
 from odl.protos import pipeline_pb2

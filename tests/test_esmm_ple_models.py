@@ -14,9 +14,10 @@ from odl.config.config_error import ConfigError
 from odl.config.loss_settings import regression_outputs
 from odl.config.pipeline_config import parse_pipeline_config_text
 from odl.datagen.conversion_labels import encode_with_conversions
-from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
+from odl.datagen.datagen_config import deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.model_configs import as_model_config_text
 from odl.models.model_registry import build_model, check_pipeline_config, model_class_of
 from odl.train.sample_ledger import read_ledger
 from odl.train.train_module import TrainModule

@@ -10,9 +10,10 @@ import torch
 
 from odl.config.config_error import ConfigError
 from odl.datagen.conversion_labels import conversion_labels, encode_with_conversions
-from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
+from odl.datagen.datagen_config import deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.model_configs import as_model_config_text
 from odl.models.model_registry import build_model
 from tests.harness import load_config_text
 

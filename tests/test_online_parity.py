@@ -15,16 +15,12 @@ import odl.config.dynamic_table_config as dynamic_table_config
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.conversion_labels import conversion_labels
-from odl.datagen.datagen_config import (
-    MULTI_TASK_MODELS,
-    as_model_config_text,
-    deepfm_config_text,
-    records_for_model,
-)
+from odl.datagen.datagen_config import deepfm_config_text
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
 from odl.harness.http_client import get_json, post_json
+from odl.harness.model_configs import MULTI_TASK_MODELS, as_model_config_text, records_for_model
 from odl.harness.topic_records import produce
 from odl.kafka.topic_admin import end_offsets
 from publisher.fs_sink import list_versions

@@ -97,8 +97,9 @@ def test_easyrec_gauc_metric_sets_the_grouping_column_and_reduction():
     tower's) asks for the same GAUC as TorchEasyRec's grouped_auc, with its reduction."""
     from odl.config.config_error import ConfigError
     from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
-    from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
+    from odl.datagen.datagen_config import deepfm_config_text
     from odl.features.feature_builder import FeatureBuilder
+    from odl.harness.model_configs import as_model_config_text
     from tests.harness import load_config_text, synthetic_records
 
     base = deepfm_config_text("/tmp/odl-gauc-unused", dim=8, buckets=50)

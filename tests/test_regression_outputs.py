@@ -11,9 +11,10 @@ import pytest
 from odl.checkpoint.checkpoint_manager import CheckpointManager
 from odl.config.config_redaction import config_to_text
 from odl.config.loss_settings import real_valued_labels, regression_outputs
-from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
+from odl.datagen.datagen_config import deepfm_config_text
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
+from odl.harness.model_configs import as_model_config_text
 from odl.train.progressive_metrics import ProgressiveMetrics, TaskMetrics
 from odl.train.train_module import TrainModule
 from serving_plugin.serving_model import ServingModel

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 
 from odl.config.config_error import ConfigError
-from odl.datagen.datagen_config import as_model_config_text, deepfm_config_text
+from odl.datagen.datagen_config import deepfm_config_text
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.feature_plan import sequence_key, sequence_length_column
 from odl.features.id_hashing import bucketize_hashes, hash_segments
+from odl.harness.model_configs import as_model_config_text
 from tests.harness import assert_edit_refused, load_config_text
 
 TEXT = as_model_config_text(deepfm_config_text("/tmp/odl-seq-unused", dim=8, buckets=50,

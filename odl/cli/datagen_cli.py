@@ -43,8 +43,10 @@ from typing import Any
 
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from odl.datagen.behavior_history import HISTORY_FIELD
 from odl.datagen.bursty_stream import BurstyStream
-from odl.datagen.datagen_config import records_for_model
+from odl.datagen.conversion_labels import CONVERSION_FIELD
+from odl.datagen.datagen_config import records_with_column
 from odl.datagen.movielens_stream import MovieLensStream
 from odl.datagen.split_writer import write_splits
 from odl.datagen.synthetic_ctr import FORMATS, SyntheticCtrStream
@@ -151,11 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _model_of(args: argparse.Namespace) -> str:
-    """The model class whose sample the extra column is for (``records_for_model``)."""
+def _extra_column(args: argparse.Namespace) -> str:
+    """The column written after the stream's 42 (``records_with_column``), or ``""``."""
     if args.conversions:
-        return "MMoE"
-    return "MultiTowerDIN" if args.history else "DeepFM"
+        return CONVERSION_FIELD
+    return HISTORY_FIELD if args.history else ""
 
 
 def _install_stop_handlers(stop: threading.Event) -> dict[int, Any]:
@@ -237,7 +239,7 @@ def run(args: argparse.Namespace, stop: threading.Event) -> dict[str, Any]:
             burst = len(values)
         else:
             batch = stream.next_batch(burst, now=time.time())
-            values = records_for_model(_model_of(args), stream, batch, args.format)
+            values = records_with_column(_extra_column(args), stream, batch, args.format)
         timestamp_ms = int(time.time() * 1000)
         for i, (key, value) in enumerate(zip(batch.sample_ids, values, strict=True)):
             while True:
@@ -325,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             summary = write_splits(args.split_dir, day, args.splits, args.count,
                                    args.split_interval, args.start, args.parts, args.donefile,
-                                   args.seed, args.format, _model_of(args))
+                                   args.seed, args.format, _extra_column(args))
         except (ValueError, OSError) as exc:
             print(f"odl-datagen: error: {exc}", file=sys.stderr)
             return 2

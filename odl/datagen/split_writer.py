@@ -19,7 +19,7 @@ import logging
 import os
 from typing import Any
 
-from odl.datagen.datagen_config import records_for_model
+from odl.datagen.datagen_config import records_with_column
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 
 logger = logging.getLogger(__name__)
@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 def write_splits(root: str, day: str, splits: int, per_split: int, interval: int = 5,
                  start: str = "0000", parts: int = 2, donefile: str = "to.hadoop.done",
-                 seed: int = 0, fmt: str = "csv", model: str = "DeepFM") -> dict[str, Any]:
+                 seed: int = 0, fmt: str = "csv", column: str = "") -> dict[str, Any]:
     """Writes ``splits`` splits of ``per_split`` records each.
 
     Args:
@@ -41,8 +41,8 @@ def write_splits(root: str, day: str, splits: int, per_split: int, interval: int
         donefile: completion marker's name ("" for none).
         seed: the stream's seed.
         fmt: ``"csv"`` or ``"json"``.
-        model: write the columns ``as_model_config_text``'s config of this model class reads
-            (``odl.datagen.datagen_config.records_for_model``: e.g. ``buy`` for MMoE).
+        column: a column written after the stream's 42 (``"buy"``, ``"hist_C3"``:
+            ``odl.datagen.datagen_config.records_with_column``), or ``""``.
 
     Returns:
         A summary: records, the splits written (``YYYYMMDD/HHMM``), oracle AUC.
@@ -60,7 +60,7 @@ def write_splits(root: str, day: str, splits: int, per_split: int, interval: int
             batch = stream.next_batch(n, now=base + 60.0 * interval * (p + 1) / parts)
             tmp = os.path.join(d, f".part-{p:05d}.tmp")
             with open(tmp, "wb") as f:
-                values = records_for_model(model, stream, batch, fmt)
+                values = records_with_column(column, stream, batch, fmt)
                 f.write(b"".join(v + b"\n" for v in values))
             os.replace(tmp, os.path.join(d, f"part-{p:05d}"))
         if donefile:

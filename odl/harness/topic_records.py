@@ -15,8 +15,8 @@ from typing import NamedTuple, Optional
 from confluent_kafka import Consumer, KafkaError, Message, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient
 
-from odl.datagen.datagen_config import records_for_model
 from odl.datagen.synthetic_ctr import SyntheticCtrStream, encode
+from odl.harness.model_configs import records_for_model
 from odl.kafka.client_settings import admin_config, consumer_config, producer_config
 
 logger = logging.getLogger(__name__)
@@ -114,7 +114,7 @@ def make_records(n: int, seed: int = 0, fmt: str = "csv",
         seed: the stream's seed (same seed, same records).
         fmt: ``"csv"`` or ``"json"``.
         model: with the columns the ``as_model_config_text`` config of this model class
-            reads (``odl.datagen.datagen_config.records_for_model``).
+            reads (``odl.harness.model_configs.records_for_model``).
 
     Returns:
         ``(sample_ids, encoded values)``.

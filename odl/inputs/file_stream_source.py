@@ -39,7 +39,7 @@ records, which may be empty when the group ends its split early (the rank then t
 in the step with nothing). The ranks' reads are identical, so their positions after a group
 are equal: a checkpoint's positions name the next record of the whole stream and restore
 into any number of ranks. The trainer steps the ranks through the same group together
-(``Trainer._loop``), so the ranks train as one process with the group as its batch.
+(``odl.train.training_loop``), so the ranks train as one process with the group as its batch.
 """
 
 from __future__ import annotations

@@ -220,7 +220,7 @@ def _collective_device() -> torch.device:
 
 
 class RankTurn(NamedTuple):
-    """What one rank tells the others at each turn of ``Trainer._loop`` (small ints).
+    """What one rank tells the others at each turn of ``odl.train.training_loop`` (small ints).
 
     Attributes:
         stop: it stops (a request, a stop condition or a failure).

@@ -1,4 +1,4 @@
-"""What the training loop keeps between steps (``Trainer._loop``)."""
+"""What the training loop keeps between steps (``odl.train.training_loop``)."""
 
 from __future__ import annotations
 

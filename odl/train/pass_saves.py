@@ -38,7 +38,7 @@ since the last delta and the ids evicted since then are part of every checkpoint
 recovery brought the model past its checkpoint with published Kafka versions, the next delta
 carries every row (what recovery changed is not tracked row by row).
 
-With several ranks (a file stream's ranks close every pass together, ``Trainer._loop``)
+With several ranks (a file stream's ranks close every pass together, ``odl.train.training_loop``)
 every rank tracks the rows its own batches touch, and writing a pass delta is a collective:
 each rank hands its rows to the model's collective read and rank 0 writes the delta with
 their union and the dynamic tables' evictions of every rank (as ``odl.train.rank_publishing``

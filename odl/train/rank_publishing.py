@@ -9,7 +9,7 @@ it: it is assembled on rank 0 from all of them before it is sent.
 
 When: rank 0's schedule (``sparse_save_steps`` / ``_secs``, ``dense_save_*``) decides. Its
 ``turn_flags`` travel in the train loop's exchange at the start of each turn
-(``Trainer._loop``), so every rank publishes at the same turn, before that turn's
+(``odl.train.training_loop``), so every rank publishes at the same turn, before that turn's
 step; when no rank holds a batch and steps were trained since the last version, the
 version is published too (an idle input, as one process publishes the last steps of a
 burst without waiting for more data).

@@ -7,7 +7,8 @@ One ``Trainer`` runs one pipeline config, online (Kafka) or offline (files):
   last published version, or a warm start), the publisher, the dead-letter sink, then the
   input (:func:`odl.inputs.input_pipeline.build_input_pipeline`, whichever layout the config
   asks for);
-* loop: each batch is scored before it is trained on (progressive validation); rates, AUC,
+* loop (:mod:`odl.train.training_loop`: when each rank steps, publishes, checkpoints and
+  stops): each batch is scored before it is trained on (progressive validation); rates, AUC,
   logloss and lag are logged every ``log_step_count_steps``; the publisher gets every step's
   positions and time ranges; a checkpoint is taken every ``save_checkpoints_steps`` /
   ``save_checkpoints_secs`` (one process writes it in the background,
@@ -45,21 +46,17 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.http.server import BackgroundHttpServer
 from odl.inputs.batch_prefetcher import PreparedBatch
 from odl.inputs.dead_letter import DeadLetterSink
-from odl.inputs.file_stream_source import FILE_KEY, RECORD_KEY, SPLIT_KEY
 from odl.inputs.input_pipeline import InputPipeline, build_input_pipeline
 from odl.inputs.source_factory import online_input_kind
 from odl.protos import pipeline_pb2
 from odl.storage.oss_store import StorageError
 from odl.train.crash_recovery import CrashRecovery, RestoredState
 from odl.train.distributed import (
-    RankTurn,
     check_several_ranks,
-    exchange_turn,
     from_rank0,
     leave_process_group,
 )
 from odl.train.job_status import JobStatusChannel
-from odl.train.loop_clock import LoopClock
 from odl.train.pass_boundaries import PassBoundaries
 from odl.train.pass_metrics import PassMetrics
 from odl.train.pass_saves import BaseExporter, PassSaves
@@ -74,6 +71,7 @@ from odl.train.train_module import TrainModule
 from odl.train.trainer_checkpoints import TrainerCheckpoints
 from odl.train.trainer_metrics import TrainerMetrics
 from odl.train.trainer_status import TrainerStatus, start_status_server
+from odl.train.training_loop import TrainingLoop
 from publisher.delta_sink import DeltaSink, DeltaSinkUnsupported
 from publisher.delta_topic_owner import check_delta_topic_owner
 from publisher.incremental_publisher import IncrementalPublisher
@@ -81,9 +79,6 @@ from publisher.model_identity import new_generation
 from publisher.publisher_factory import build_delta_sink, build_publisher
 
 logger = logging.getLogger(__name__)
-
-_CHECKPOINT_RETRY_SECS = 5.0
-
 
 @dataclass
 class TrainerOptions:
@@ -133,8 +128,8 @@ class Trainer:
         self.model_dir = config.model_dir
         tc = config.train_config
         self.generation = new_generation(self.model_dir)
-        self._stops = StopConditions(tc, self.model_dir)
-        self.stop_event = self._stops.event
+        self.stops = StopConditions(tc, self.model_dir)
+        self.stop_event = self.stops.event
         self.state = "starting"
         self.started_at = time.time()
         self.metrics = TrainerMetrics()
@@ -151,7 +146,7 @@ class Trainer:
                        if file_stream else None)
         self.checkpoints = CheckpointManager(self.model_dir, tc.keep_checkpoint_max,
                                              tc.full_checkpoint_every)
-        self._checkpointing = TrainerCheckpoints(self)
+        self.checkpointing = TrainerCheckpoints(self)
         self.features = FeatureBuilder(config)
         self.module = TrainModule(config, self.features, device=options.device)
         if self.module.world_size > 1:
@@ -166,9 +161,9 @@ class Trainer:
         # day/pass saves (before restore: the checkpoint holds their pending rows and deletes)
         self.pass_saves = (PassSaves(config, self.module, self.generation, options.export_base)
                            if file_stream and fs.model_save_path else None)
-        self._pass_boundaries = (
+        self.pass_boundaries = (
             PassBoundaries(config, self.module, self.passes, self.pass_saves, self.metrics,
-                           self.checkpoints, self._checkpointing.take, self.positions_snapshot,
+                           self.checkpoints, self.checkpointing.take, self.positions_snapshot,
                            self._label_column)
             if self.passes is not None else None)
         self.positions: dict[int, int] = {}
@@ -189,7 +184,7 @@ class Trainer:
         self.rank_publishing: Optional[RankPublishing] = None
         # several ranks: the loop ended on a stop all ranks agreed, none failed; only then
         # may the shutdown run collectives (a last version, a last checkpoint)
-        self._ranks_stopped_together = False
+        self.ranks_stopped_together = False
         self.restored = RestoredState()
         # evaluation on kafka_eval_input at every checkpoint (online, opened with the input)
         self.evaluator: Optional[StreamEvaluator] = None
@@ -213,12 +208,12 @@ class Trainer:
     @property
     def stop_reason(self) -> Optional[str]:
         """Why the trainer stops, None until a stop is requested."""
-        return self._stops.reason
+        return self.stops.reason
 
     @property
     def checkpoint_writing(self) -> bool:
         """Whether a checkpoint is being written in the background (outcome not yet taken)."""
-        return self._checkpointing.writer.in_flight
+        return self.checkpointing.writer.in_flight
 
     @property
     def records_rejected(self) -> dict[str, int]:
@@ -247,6 +242,10 @@ class Trainer:
         """Trained positions served at ``/offsets``."""
         return self._status.offsets()
 
+    def log_progress(self) -> None:
+        """Logs the progress line (rates, AUC, logloss, lag)."""
+        self._status.log_progress()
+
     def health(self) -> tuple[bool, str]:
         """Healthy unless a broker is unreachable, publishing or checkpoints fail, or stopped.
 
@@ -267,13 +266,13 @@ class Trainer:
             self.config, self.options.online, self.options.continue_train, self.module,
             self.checkpoints, self.metrics, self.stop_event, self._delta_sink, self._set_state)
         restored = recovery.restore()
-        self._checkpointing.restored()  # the next increment's rows are counted from here
+        self.checkpointing.restored()  # the next increment's rows are counted from here
         if self.pass_saves is not None:
             self.pass_saves.load_state_dict(restored.pass_saves_state)
             if restored.recovered_version is not None:
                 self.pass_saves.mark_all_rows()
-        if self._pass_boundaries is not None:
-            self._pass_boundaries.resume(restored)
+        if self.pass_boundaries is not None:
+            self.pass_boundaries.resume(restored)
         self.restored = restored
         self.recovery = restored.report
         return restored.positions
@@ -320,7 +319,7 @@ class Trainer:
             try:
                 self._open_input(restored_positions)
             except InterruptedError:  # stopped while waiting for the topic: a clean stop
-                if not self._stops.requested:
+                if not self.stops.requested:
                     raise
                 logger.info("stopped before the input was open (%s)", self.stop_reason)
                 return 0
@@ -329,20 +328,20 @@ class Trainer:
                 self.evaluator = StreamEvaluator(
                     self.config, self.features, rank_predict(self.module),
                     self.module.model.outputs, self.restored.eval_positions)
-            if self.restored.needs_base_checkpoint and not self._stops.requested:
+            if self.restored.needs_base_checkpoint and not self.stops.requested:
                 # the first recovery point of a fresh start: where its versions begin
-                self._checkpointing.take()
-            if self._pass_boundaries is not None and not self._stops.requested:
-                self._pass_boundaries.first_base()
+                self.checkpointing.take()
+            if self.pass_boundaries is not None and not self.stops.requested:
+                self.pass_boundaries.first_base()
             self.state = "training"
             # what start-up made (modules, the model, the restored state) leaves the
             # collector's view: no full collection walks it while the loop holds the GIL
             gc.freeze()
-            self._loop()
+            TrainingLoop(self).run()
         except DeltaSinkUnsupported as exc:  # the broker refuses fencing: a setup error
-            self._fail(str(exc), 2)
+            self.fail(str(exc), 2)
         except StorageError as exc:  # OSS down while restoring: never start from nothing
-            self._fail(f"{exc}; not starting without the checkpoints of {self.model_dir} "
+            self.fail(f"{exc}; not starting without the checkpoints of {self.model_dir} "
                        "(a restart retries)", 1)
         finally:
             self._shutdown()
@@ -353,11 +352,11 @@ class Trainer:
             leave_process_group()  # after a clean stop, all ranks together
         return 0
 
-    def _fail(self, why: str, exit_code: int) -> None:
+    def fail(self, why: str, exit_code: int) -> None:
         """Stops the trainer on a failure; ``run`` returns ``exit_code``."""
         if self.failure is None:
             self.failure, self.exit_code = why, exit_code
-        self._stops.request(why)
+        self.stops.request(why)
 
     def _open_input(self, restored_positions: Optional[dict[int, int]]) -> None:
         num_workers = effective_num_workers(self.config.data_config, self.module.device.type)
@@ -368,153 +367,23 @@ class Trainer:
             self.state = "waiting_for_topic"
         self.positions = self.input_pipeline.open(self.stop_event)
 
-    # ------------------------------------------------------------------ loop
-    def _loop(self) -> None:
-        """The loop of one rank; one process is the one rank of a job of one.
-
-        Each turn every rank says what it holds (``RankTurn``): whether it stops, holds a
-        batch (and its size, so the step need not ask again), has finished its input or
-        failed, and (rank 0's, for all) whether a checkpoint is due by time or a failed one
-        is to be retried and which parts of a delta version are due. All stop when one stops,
-        all publish together before the step (``odl.train.rank_publishing``), all train when
-        one holds a batch (the others with an empty one), and all checkpoint on the same
-        steps (``odl.train.distributed``). After a failure on any rank no rank runs the
-        collectives of a clean stop. On a file stream the ranks train a group of batches only
-        when every rank holds its batch of it (``odl.inputs.file_stream_source``), so passes
-        end at the same step everywhere; ranks holding different groups stop on a failure.
-        With one rank the exchange is the rank's own turn (no collective).
-        """
-        clock = LoopClock(self.module.global_step)
-        pipeline = self.input_pipeline
-        assert pipeline is not None
-        publishing = self.rank_publishing
-        # a file stream: every rank reads the same groups of batches and trains its batch of
-        # a group only when every rank holds its own, so they step through the groups (and
-        # the passes) together; a rank holding a group's batch keeps it until then
-        lockstep = self.options.online and online_input_kind(self.config) == "file_stream"
-        held: Optional[PreparedBatch] = None
-        while True:
-            if self.publisher is not None and self.publisher.fatal_error is not None:
-                # fenced: another trainer owns the delta topic (3, not restarted by systemd);
-                # else a publisher bug (1: a restart resumes from the last checkpoint)
-                self._fail(self.publisher.fatal_error, 3 if self.publisher.fenced else 1)
-            stop = self._stops.requested or self._stops.check(self.module.global_step)
-            item = None if stop else (held if held is not None else pipeline.get(timeout=0.1))
-            held = None
-            self._update_input_state()
-            turn = exchange_turn(self._turn(clock, stop, item, lockstep))
-            self.last_exchange_at = time.monotonic()
-            if (lockstep and all(t.has_batch for t in turn)
-                    and len({t.file_position for t in turn}) > 1):
-                self._fail("the ranks read different records of the file stream (a split "
-                           "completed while they were deciding to skip it?): "
-                           f"{[t.file_position for t in turn]}; restart from the last "
-                           "checkpoint", 1)
-                continue  # every rank saw it: they stop together on the next turn
-            if any(t.stop for t in turn) or all(t.finished for t in turn):
-                self._loop_ends(turn)
-                break
-            any_batch = (all if lockstep else any)(t.has_batch for t in turn)
-            if lockstep and item is not None and not any_batch:
-                held = item  # the others have not read this group yet
-            if publishing is not None:  # rank 0's schedule for all, before the step
-                publishing.after_turn(self.module.global_step, turn[0].publish_flags,
-                                      any_batch, self.positions_snapshot())
-            if not any_batch:
-                self._idle(clock, bool(turn[0].retry_checkpoint))
-                continue
-            sizes = [t.size for t in turn]  # what each rank trains this step
-            self._stepped(clock, self._train_on(item, sizes) if item is not None
-                          else self._train_empty(sizes))
-            self._checkpoint_if_due(clock, bool(turn[0].checkpoint_due))  # rank 0's clock
-
-    def _turn(self, clock: LoopClock, stop: bool, item: Optional[PreparedBatch],
-              lockstep: bool) -> RankTurn:
-        """What this rank tells the others this turn."""
-        pipeline = self.input_pipeline
-        assert pipeline is not None
-        step = self.module.global_step
-        where = ([item.positions.get(k, -1) for k in (SPLIT_KEY, FILE_KEY, RECORD_KEY)]
-                 if lockstep and item is not None else [-1, -1, -1])
-        publishing = self.rank_publishing
-        retry = (item is None and self.last_checkpoint_error is not None
-                 and step != self.checkpoints.last_saved_step
-                 and clock.secs_since_checkpoint() >= _CHECKPOINT_RETRY_SECS)
-        return RankTurn(
-            stop=int(stop), has_batch=int(item is not None),
-            finished=int(item is None and pipeline.finished),
-            checkpoint_due=int(clock.time_due(self.config.train_config.save_checkpoints_secs)),
-            retry_checkpoint=int(retry), failed=int(self.failure is not None),
-            publish_flags=publishing.turn_flags(step) if publishing is not None else 0,
-            split=where[0], file=where[1], record=where[2],
-            size=int(item.batch.size if item is not None and item.batch is not None else 0))
-
-    def _loop_ends(self, turn: list[RankTurn]) -> None:
-        """A turn where a rank stops or every input has ended: the stop, on every rank."""
-        failed = [r for r, t in enumerate(turn) if t.failed]
-        if failed and self.failure is None:  # no last version or checkpoint then
-            self._fail(f"rank {failed[0]} stopped on a failure", 1)
-        ended = all(t.finished for t in turn) and not any(t.stop for t in turn)
-        if ended and not failed and self._pass_boundaries is not None:
-            self._pass_boundaries.stream_ended()  # on every rank: passes go together
-        if not self._stops.requested:
-            self._stops.request("end of input" if all(t.finished for t in turn)
-                                else "another rank stopped")
-        self._ranks_stopped_together = not failed
-
-    def _idle(self, clock: LoopClock, retry_checkpoint: bool) -> None:
-        """A turn without a batch on any rank.
-
-        A finished background checkpoint is taken in (``/status`` shows it while idle); one
-        process's publisher publishes the last steps now; after a failed checkpoint
-        (rank 0's turn says) every rank retries without waiting for the next due step, so
-        health recovers once the cause is gone.
-        """
-        self._checkpointing.writer.collect()
-        if self.publisher is not None and self.rank_publishing is None:
-            self.publisher.publish_if_behind(self.module.global_step, self.positions_snapshot())
-        if retry_checkpoint:
-            self._checkpointing.take()
-            clock.checkpointed(self.module.global_step)
-
-    def _stepped(self, clock: LoopClock, trained: int) -> None:
-        """After a step: the samples/s window of ``/status`` and the progress log line."""
-        if clock.count(trained) is not None:  # the rate /status shows, every few s
-            self.samples_per_sec = clock.rate
-        log_every = max(1, self.config.train_config.log_step_count_steps)
-        if trained and self.module.global_step % log_every == 0:
-            self._status.log_progress()
-
-    def _checkpoint_if_due(self, clock: LoopClock, time_due: bool) -> None:
-        """A checkpoint when ``save_checkpoints_steps`` or ``time_due`` says so.
-
-        One process writes it in the background (its outcome is taken in here, after a
-        later step); several ranks write theirs together, on the loop's thread.
-        """
-        self._checkpointing.writer.collect()
-        step = self.module.global_step
-        every_steps = self.config.train_config.save_checkpoints_steps
-        due = (every_steps and step - clock.last_ckpt_step >= every_steps) or time_due
-        if due and step != clock.last_ckpt_step and step != self.checkpoints.last_saved_step:
-            self._checkpointing.take(background=True)
-            clock.checkpointed(step)
-
-    def _train_empty(self, sizes: Optional[list[int]] = None) -> int:
+    # ------------------------------------------------------------------ a step
+    def train_empty(self, sizes: Optional[list[int]] = None) -> int:
         """This rank's part of a step it holds no records for (several ranks)."""
         self.module.train_step(self.module.empty_batch(), sizes)
         return 0
 
-    def _train_on(self, item: PreparedBatch, sizes: Optional[list[int]] = None) -> int:
+    def train_on(self, item: PreparedBatch, sizes: Optional[list[int]] = None) -> int:
         """Trains ``item``; with several ranks ``sizes`` are every rank's batch sizes."""
-        if self._pass_boundaries is not None:
-            self._pass_boundaries.begin(item)
+        if self.pass_boundaries is not None:
+            self.pass_boundaries.begin(item)
         self.metrics.records_consumed.inc(item.num_records)
         if item.rejected:
             self._rejects.built_rejects(item)
         batch = item.batch
         trained = 0
         if (batch is None or not batch.size) and sizes is not None and sum(sizes):
-            self._train_empty(sizes)  # the others step: take part with nothing
+            self.train_empty(sizes)  # the others step: take part with nothing
         if batch is not None and batch.size:
             out = self.module.train_step(batch, sizes)
             labels = batch.labels.detach().cpu().numpy()
@@ -536,8 +405,8 @@ class Trainer:
                 self.tasks.update(out.probs, labels, groups)
             labels = output_column(labels, self._label_column)
             self.progress.update(probs, labels, groups)
-            if self._pass_boundaries is not None:
-                self._pass_boundaries.trained(item, probs, labels)
+            if self.pass_boundaries is not None:
+                self.pass_boundaries.trained(item, probs, labels)
             self.samples_trained += trained
             self.last_loss = float(out.loss)
             self.metrics.samples_trained.inc(trained)
@@ -575,7 +444,7 @@ class Trainer:
         self.publisher.maybe_publish(self.module.global_step, self.positions_snapshot(), event,
                                      produce)
 
-    def _update_input_state(self) -> None:
+    def update_input_state(self) -> None:
         """Follows the input's broker: ``waiting_for_broker`` while it is unreachable."""
         pipeline = self.input_pipeline
         if pipeline is None:
@@ -592,14 +461,14 @@ class Trainer:
     # ------------------------------------------------------------------ stop
     def request_stop(self, reason: str) -> None:
         """Asks the loop to finish the current step, checkpoint and exit (thread/signal safe)."""
-        self._stops.request(reason)
+        self.stops.request(reason)
 
     def _shutdown(self) -> None:
         self.state = "stopping"
         if self.input_pipeline is not None:
             self.input_pipeline.stop()
         self._rejects.flush_log()
-        together = self.module.world_size == 1 or self._ranks_stopped_together
+        together = self.module.world_size == 1 or self.ranks_stopped_together
         if self.rank_publishing is not None:  # a last version only when all stopped cleanly
             self.rank_publishing.flush(self.module.global_step if together else None,
                                         dict(self.positions), timeout=30.0)
@@ -608,14 +477,14 @@ class Trainer:
                                  positions=dict(self.positions))
         elif self._delta_sink is not None:  # stopped before the publisher was built
             self._delta_sink.close()
-        self._checkpointing.writer.wait()  # a background checkpoint in flight ends first
+        self.checkpointing.writer.wait()  # a background checkpoint in flight ends first
         # one more checkpoint on every clean stop, also when the state was only brought
         # forward by crash recovery (nothing trained in this run, but a newer step); not
         # before the input was open: its positions are unknown then, and a checkpoint without
         # them would override the config's start positions on the next start
         if (self._input_opened and self.failure is None and together
                 and self.module.global_step != self.checkpoints.last_saved_step):
-            self._checkpointing.take()
+            self.checkpointing.take()
         if self.input_pipeline is not None:
             self.input_pipeline.commit_now(self.positions)
             self.input_pipeline.close()

@@ -1,0 +1,198 @@
+"""A datagen DeepFM config as another model class, for tests and benches.
+
+``as_model_config_text`` turns ``odl.datagen.datagen_config.deepfm_config_text``'s config into
+each model class over the same feature groups; ``records_for_model`` encodes the records
+that config reads. This module names model classes, so it lives with the test harness
+(outside the installed package), not in the generator users run.
+"""
+
+from __future__ import annotations
+
+import re
+
+from odl.datagen.behavior_history import HISTORY_FIELD, HISTORY_LENGTH
+from odl.datagen.conversion_labels import CONVERSION_FIELD
+from odl.datagen.datagen_config import records_with_column
+from odl.datagen.synthetic_ctr import DENSE_FIELDS, CtrBatch, SyntheticCtrStream
+
+_TOWER_BLOCKS = {
+    "WideAndDeep": "wide_and_deep {{\n    {final}dnn {{ hidden_units: [{units}] }}\n"
+                   "    wide_output_dim: 1\n  }}",
+    "MultiTower": ('multi_tower {{\n'
+                   '    towers {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
+                   '    towers {{ input: "wide" dnn {{ hidden_units: [8] }} }}\n'
+                   "    final_dnn {{ hidden_units: [8] }}\n  }}"),
+    "MultiTowerDIN": ('seq_att_groups {{ group_name: "din"\n'
+                      '    seq_att_map {{ key: "C3" hist_seq: "hist_C3" }} }}\n'
+                      '  multi_tower {{\n'
+                      '    towers {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
+                      '    din_towers {{ input: "din" dnn {{ hidden_units: [8, 1] }} }}\n'
+                      "    final_dnn {{ hidden_units: [8] }}\n  }}"),
+    "DCN": ('dcn {{\n    deep_tower {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
+            '    cross_tower {{ input: "deep" cross_num: 2 }}\n'
+            "    final_dnn {{ hidden_units: [8] }}\n  }}"),
+    # TorchEasyRec's form (final, not final_dnn); it reads the first group: "deep" is put first
+    "DCNV2": ("dcn_v2 {{\n    cross {{ cross_num: 2 low_rank: 8 }}\n"
+              "    deep {{ hidden_units: [{units}] }}\n    final {{ hidden_units: [8] }}\n  }}"),
+    "MaskNet": ("mask_net {{\n    mask_net_module {{\n      n_mask_blocks: 2\n"
+                "      mask_block {{ reduction_ratio: 1 hidden_dim: 32 }}\n"
+                "      top_mlp {{ hidden_units: [{units}] }}\n    }}\n  }}"),
+}
+
+
+_MULTI_TASK_BLOCKS = {
+    "MMoE": ('mmoe {{\n    expert_dnn {{ hidden_units: [{units}] }}\n    num_expert: 3\n'
+             '    task_towers {{ tower_name: "ctr" label_name: "label" '
+             'dnn {{ hidden_units: [8] }} }}\n'
+             '    task_towers {{ tower_name: "cvr" label_name: "buy" '
+             'dnn {{ hidden_units: [8] }} }}\n  }}'),
+    "DBMTL": ('dbmtl {{\n    bottom_dnn {{ hidden_units: [{units}] }}\n'
+              '    task_towers {{ tower_name: "ctr" label_name: "label" '
+              'dnn {{ hidden_units: [8] }} relation_dnn {{ hidden_units: [8] }} }}\n'
+              '    task_towers {{ tower_name: "cvr" label_name: "buy" '
+              'dnn {{ hidden_units: [8] }} relation_tower_names: "ctr" '
+              'relation_dnn {{ hidden_units: [8] }} }}\n  }}'),
+    "ESMM": ('esmm {{\n    groups {{ input: "all" dnn {{ hidden_units: [{units}] }} }}\n'
+             '    cvr_tower {{ tower_name: "cvr" label_name: "buy" '
+             'dnn {{ hidden_units: [8] }} }}\n'
+             '    ctr_tower {{ tower_name: "ctr" label_name: "label" '
+             'dnn {{ hidden_units: [8] }} }}\n  }}'),
+    "PLE": ('ple {{\n    extraction_networks {{ network_name: "layer1" expert_num_per_task: 2 '
+            'share_num: 1 task_expert_net {{ hidden_units: [{units}] }} '
+            'share_expert_net {{ hidden_units: [{units}] }} }}\n'
+            '    extraction_networks {{ network_name: "layer2" expert_num_per_task: 1 '
+            'share_num: 1 task_expert_net {{ hidden_units: [8] }} '
+            'share_expert_net {{ hidden_units: [8] }} }}\n'
+            '    task_towers {{ tower_name: "ctr" label_name: "label" '
+            'dnn {{ hidden_units: [8] }} }}\n'
+            '    task_towers {{ tower_name: "cvr" label_name: "buy" '
+            'dnn {{ hidden_units: [8] }} }}\n  }}'),
+}
+MULTI_TASK_MODELS = tuple(_MULTI_TASK_BLOCKS)
+
+
+def extra_column_of(model: str) -> str:
+    """The column ``as_model_config_text``'s config of ``model`` reads after the 42.
+
+    Args:
+        model: the model class.
+
+    Returns:
+        ``"buy"`` for the multi-task models, ``"hist_C3"`` for MultiTowerDIN, else ``""``.
+    """
+    if model in MULTI_TASK_MODELS:
+        return CONVERSION_FIELD
+    return HISTORY_FIELD if model == "MultiTowerDIN" else ""
+
+
+def records_for_model(model: str, stream: SyntheticCtrStream, batch: CtrBatch,
+                      fmt: str = "csv") -> list[bytes]:
+    """``batch``'s records with the columns ``as_model_config_text(text, model)`` reads.
+
+    Args:
+        model: the model class of the config.
+        stream: the stream that made ``batch``.
+        batch: the records.
+        fmt: ``"csv"`` or ``"json"``.
+
+    Returns:
+        The encoded records (``odl.datagen.datagen_config.records_with_column``).
+    """
+    return records_with_column(extra_column_of(model), stream, batch, fmt)
+
+
+def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
+    """A ``deepfm_config_text`` config as another model class over the same feature groups.
+
+    WideAndDeep keeps the deep tower (with ``final_dnn``: a tower of 8 over [wide, deep]);
+    MultiTower gets one tower per group ("deep", "wide"); DCN a deep tower and a cross
+    network of 2 layers over "deep"; DCNV2 (TorchEasyRec's form) a v2 cross network of 2
+    layers of rank 8 and the deep tower over "deep" (the "wide" group goes: DCNV2 reads the
+    first group); MaskNet (TorchEasyRec's) two parallel mask blocks of 32 over "deep" and
+    the DeepFM tower as its top MLP (the "wide" group goes); MultiTowerDIN the deep tower
+    and a DIN tower (attention DNN [8, 1]) from C3
+    over ``hist_C3``, a column added after the stream's 42 (``odl.datagen.behavior_history``).
+    The tower models end in a ``final_dnn`` of 8. MMoE and
+    DBMTL read the "deep" group (renamed "all"; the "wide" group goes) and train two tasks,
+    "ctr" on ``label`` and "cvr" on ``buy``, a column added after the stream's 42
+    (``odl.datagen.conversion_labels``): MMoE with 3 experts like the DeepFM tower, DBMTL
+    with the DeepFM tower as its bottom and "cvr" related to "ctr", ESMM with the DeepFM tower
+    as its group's DNN (outputs "cvr", "ctr", "ctcvr"), PLE with two extraction networks
+    (2 task experts like the DeepFM tower and 1 shared, then 1 and 1 of 8 units). FM
+    (EasyRec's) keeps the groups with the dense features moved from the deep group (FM's
+    vectors) to the wide group (a first-order term each). DLRM (EasyRec's) reads a "dense"
+    group (the dense features, through a bot_dnn of one layer as wide as the embeddings) and a
+    "sparse" group (the id features), its top_dnn the DeepFM tower; WuKong (TorchEasyRec's)
+    the same groups, its dense_mlp as DLRM's bot_dnn, one layer of 8 + 8 vectors (FM
+    compressed to 8, an MLP of 32) and the DeepFM tower as its final MLP.
+
+    Args:
+        text: the DeepFM config text.
+        model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
+            ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"``, ``"ESMM"``, ``"PLE"``,
+            ``"FM"``, ``"DLRM"``, ``"MaskNet"`` or ``"WuKong"``.
+        final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
+
+    Returns:
+        The config text.
+    """
+    if model == "DeepFM":
+        return text
+    m = re.search(r"deepfm \{\n    dnn \{ hidden_units: \[([^\]]*)\] \}.*?\n  \}", text, re.S)
+    if m is None:
+        raise ValueError("not a deepfm_config_text config")
+    if model == "FM":
+        text = text[:m.start()] + "fm { l2_regularization: 1e-5 }" + text[m.end():]
+        dense = " ".join(f'feature_names: "{f}"' for f in DENSE_FIELDS)
+        text = text.replace(f" {dense} wide_deep: DEEP", " wide_deep: DEEP")
+        text = text.replace(" wide_deep: WIDE }", f" {dense} wide_deep: WIDE }}", 1)
+        return text.replace('model_class: "DeepFM"', 'model_class: "FM"')
+    if model in ("DLRM", "WuKong"):  # the dense features' MLP ends at the embedding dim
+        dim = re.search(r"IdFeature embedding_dim: (\d+)", text)
+        if dim is None:
+            raise ValueError(f"{model} needs the id features' embedding_dim")
+        block = (f"dlrm {{\n    bot_dnn {{ hidden_units: [{dim.group(1)}] }}\n"
+                 f"    top_dnn {{ hidden_units: [{m.group(1)}] }}\n  }}" if model == "DLRM" else
+                 f"wukong {{\n    dense_mlp {{ hidden_units: [{dim.group(1)}] }}\n"
+                 "    wukong_layers { lcb_feature_num: 8 fmb_feature_num: 8 "
+                 "compressed_feature_num: 8\n      feature_num_mlp { hidden_units: [32] } }\n"
+                 f"    final {{ hidden_units: [{m.group(1)}] }}\n  }}")
+        text = text[:m.start()] + block + text[m.end():]
+        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
+        dense = " ".join(f'feature_names: "{f}"' for f in DENSE_FIELDS)
+        text = text.replace(f" {dense} wide_deep: DEEP", " wide_deep: DEEP").replace(
+            '  feature_groups { group_name: "deep"',
+            f'  feature_groups {{ group_name: "dense" {dense} wide_deep: DEEP }}\n'
+            '  feature_groups { group_name: "sparse"')
+        return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
+    if model in _MULTI_TASK_BLOCKS:
+        block = _MULTI_TASK_BLOCKS[model].format(units=m.group(1))
+        text = text[:m.start()] + block + text[m.end():]
+        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
+        text = text.replace('group_name: "deep"', 'group_name: "all"')
+        last = text.rindex("  input_fields {")
+        end = text.index("\n", last) + 1
+        text = (text[:end] + '  input_fields { input_name: "buy" input_type: INT32 }\n'
+                + text[end:])
+        text = text.replace('label_fields: "label"', 'label_fields: "label"\n  label_fields: "buy"')
+        return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
+    block = _TOWER_BLOCKS[model].format(
+        units=m.group(1), final="final_dnn { hidden_units: [8] }\n    " if final_dnn else "")
+    text = text[:m.start()] + block + text[m.end():]
+    if model in ("DCNV2", "MaskNet"):  # they read one group: "deep"
+        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
+    if model == "MultiTowerDIN":  # the history column and its SequenceFeature
+        c3 = re.search(r'feature_configs \{ input_names: "C3" feature_type: IdFeature '
+                       r"embedding_dim: (\d+) hash_bucket_size: (\d+) \}", text)
+        if c3 is None:
+            raise ValueError("MultiTowerDIN needs C3 as an id feature")
+        last = text.rindex("  input_fields {")
+        end = text.index("\n", last) + 1
+        text = (text[:end] + f'  input_fields {{ input_name: "{HISTORY_FIELD}" '
+                "input_type: STRING }\n" + text[end:])
+        text = text.replace(c3.group(0), c3.group(0) + "\n" + (
+            f'feature_configs {{ input_names: "{HISTORY_FIELD}" feature_type: SequenceFeature '
+            f'separator: "|" embedding_dim: {c3.group(1)} hash_bucket_size: {c3.group(2)} '
+            f"max_seq_len: {HISTORY_LENGTH} }}"))
+    return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
+
