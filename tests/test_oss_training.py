@@ -27,6 +27,7 @@ import pytest
 
 from odl.checkpoint.checkpoint_chain import chain_of
 from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
+from odl.cli import export_cli
 from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.features.feature_builder import FeatureBuilder
@@ -80,7 +81,7 @@ def _upload_in_flight(oss, model_dir_key: str) -> bool:
 
 @pytest.mark.slow
 def test_datahub_to_oss_kills_during_uploads_and_reads_exactly_once_then_serve_from_oss(
-        oss, kafka_bootstrap, kafka_topic_factory, tmp_path):
+        oss, kafka_bootstrap, kafka_topic_factory, tmp_path, capsys):
     topic = "samples"
     delta_topic = kafka_topic_factory(partitions=1, prefix="delta", create=False)
     ids, values = make_records(3000, seed=31)
@@ -135,12 +136,12 @@ def test_datahub_to_oss_kills_during_uploads_and_reads_exactly_once_then_serve_f
     # export to OSS (embeddings elsewhere on OSS), serve from OSS: same predictions
     env = dict(os.environ)
     export_dir = f"oss://{BUCKET}/jobs/ctr/exports"
-    out = subprocess.run(
-        [sys.executable, "-m", "odl.cli.export_cli", "--pipeline_config_path", cfg,
-         "--export_dir", export_dir, "--oss_path", f"oss://{BUCKET}/jobs/ctr/emb"],
-        capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip().startswith(export_dir + "/")
+    capsys.readouterr()
+    rc = export_cli.main(["--pipeline_config_path", cfg, "--export_dir", export_dir,
+                          "--oss_path", f"oss://{BUCKET}/jobs/ctr/emb"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.strip().startswith(export_dir + "/")
     assert oss.objects(BUCKET, "jobs/ctr/emb/")
     config = load_pipeline_config(cfg)
     fb = FeatureBuilder(config)
