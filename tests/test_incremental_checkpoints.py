@@ -36,23 +36,29 @@ from odl.checkpoint.checkpoint_manager import (
 )
 from odl.checkpoint.table_parts import TableBlocks
 from odl.config.pipeline_config import load_pipeline_config
+from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
+from odl.models.dynamic.state_changes import CHANGES_FORMAT
 from odl.storage import file_store
 from odl.train.checkpoint_rows import CheckpointRows
 from odl.train.module_state import changed_rows_part
 from odl.train.train_module import TrainModule
-from tests.harness import assert_same, make_half_dynamic, synthetic_records, write_config
+from tests.harness import assert_same, make_half_dynamic, write_config
 
 # small capacity and a short life: rows are evicted for admission and expire untouched
 DYNAMIC = "ev_params { filter_freq: 1 max_capacity: 120 steps_to_live: 6 }"
+# PaddleRec's form: show / click scores that decay (all rows at once) and a shrink by score
+SCORED = ("ctr_accessor_param { embedx_threshold: 0 delete_threshold: 0.05 capacity: 400 "
+          "shrink_interval_steps: 4 show_click_decay_rate: 0.5 base_threshold: 0 "
+          "delta_threshold: 0 }")
 TABLE = "ebc.embedding_bags.t.weight"
 
 
-def _module(tmp_path):
+def _module(tmp_path, dynamic: str = DYNAMIC):
     cfg = write_config(tmp_path, "127.0.0.1:1", "t", buckets=400,
                        sparse_fields=tuple(f"C{i}" for i in range(1, 7)))
-    assert make_half_dynamic(cfg, DYNAMIC)
+    assert make_half_dynamic(cfg, dynamic)
     config = load_pipeline_config(cfg)
     fb = FeatureBuilder(config)
     return config, fb, TrainModule(config, fb, device="cpu")
@@ -63,22 +69,31 @@ def _checkpoint(manager: CheckpointManager, rows: CheckpointRows, tm: TrainModul
     changed = rows.take()
     step = tm.global_step
     if manager.increment_allowed():
-        return manager.save(step, tm.state_without_tables(), {0: step}, {}, "cfg",
-                            rows=changed_rows_part(tm, changed))
+        return manager.save(step, tm.state_without_tables(dynamic_state=rows.dynamic_changes),
+                            {0: step}, {}, "cfg", rows=changed_rows_part(tm, changed))
     return manager.save(step, tm.state_dict_for_checkpoint(), {0: step}, {}, "cfg")
 
 
-def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path) -> None:
-    config, fb, tm = _module(tmp_path)
+@pytest.mark.parametrize("dynamic", [DYNAMIC, SCORED], ids=["ev_params", "ctr_accessor"])
+def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path, dynamic) -> None:
+    config, fb, tm = _module(tmp_path, dynamic)
     chain_dir, full_dir = str(tmp_path / "chain"), str(tmp_path / "full")
     manager = CheckpointManager(chain_dir, keep_max=2, full_every=4)
     rows = CheckpointRows(tm)
-    records = synthetic_records(64 * 22, 5)
-    for i in range(22):
-        tm.train_step(fb.build(records[i * 64:(i + 1) * 64]).batch)
-        if i % 3 == 2:
+    stream = SyntheticCtrStream(seed=5)
+    for i in range(22):  # 6 hours of stream time a step: PaddleRec's scores decay
+        records = stream.next_batch(64, now=1.79e9 + i * 21600.0).encode("csv")
+        tm.train_step(fb.build(records).batch)
+        if i % 2 == 1:
             _checkpoint(manager, rows, tm)
+        elif i in (8, 14):  # a checkpoint that failed: its rows are put back
+            rows.put_back(rows.take())
     newest = _checkpoint(manager, rows, tm)
+    # the increments hold the dynamic tables' changed rows, not their whole state
+    changes = torch.load(os.path.join(newest, "model.pt"), weights_only=True)["dynamic_tables"]
+    assert changes["format"] == CHANGES_FORMAT
+    assert all(t["rows"].shape[0] < t["last_step"].shape[0] or t["rows"].shape[0] < 120
+               for t in changes["tables"].values())
     evicted = sum(s["counters"].get("evicted", 0) + s["counters"].get("expired", 0)
                   for s in tm.dynamic.state_dict()["tables"].values())
     assert evicted > 0  # rows were reset without a lookup

@@ -6,8 +6,8 @@ Contract (enforced here and by ``odl.checkpoint.checkpoint_manager``):
   (manifest ``"format": 1``). With ``train_config.full_checkpoint_every = 1`` every
   checkpoint is full.
 * An **increment** ``model.ckpt-<step>`` has the same files but the tables: ``model.pt``
-  holds the rest of the state (dense part, dense optimizer, step, the dynamic tables' whole
-  state and index, pass saves) plus ``"table_rows": [file, ...]``, and each rank writes
+  holds the rest of the state (dense part, dense optimizer, step, the dynamic tables' state,
+  pass saves) plus ``"table_rows": [file, ...]``, and each rank writes
   ``rows.rank-<r>-of-<N>.pt`` (:func:`rows_file_name`): the table rows changed since the
   **parent** (the checkpoint written, or restored, just before it), weights and
   table-optimizer state of those rows, a ``torch.save`` of::
@@ -22,6 +22,10 @@ Contract (enforced here and by ``odl.checkpoint.checkpoint_manager``):
   manifest says ``"format": 2`` and ``"increment": {"parent": name, "parent_manifest":
   sha256 of the parent's MANIFEST.json, "base": name of the full checkpoint, "depth": n}``
   (n: the increments since the base, this one included), and lists the row files.
+  The dynamic tables' state in ``model.pt`` is their whole state, or (one process, one
+  partition) their changes since the parent (``odl.models.dynamic.state_changes``: the
+  changed rows' ids and counters, the moved part of the free-row stack); a reader applies
+  every link's changes in order onto the base's state.
 * Every ``full_checkpoint_every``-th checkpoint is full (depth never reaches it); so is the
   first one after a start from nothing, a warm start, a restore that re-split dynamic
   tables or that crash recovery moved forward, one that replaces a checkpoint of the same

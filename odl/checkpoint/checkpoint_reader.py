@@ -29,6 +29,7 @@ from odl.checkpoint.checkpoint_layout import (
     local_checkpoint_copy,
     verify_checkpoint,
 )
+from odl.models.dynamic.state_changes import apply_changes, is_changes
 from odl.storage import file_store
 from odl.storage.storage_path import basename, join
 
@@ -219,6 +220,9 @@ def _chain_state(chain: list[str], local: str, map_location: str, whole_tables: 
             names = sorted(n for n in json.load(f)["files"]
                            if n.startswith(checkpoint_chain.ROWS_PREFIX))
         rows.extend(os.path.join(link_local, n) for n in names)
+    if is_changes(state.get("dynamic_tables")):
+        state["dynamic_tables"] = _dynamic_through_chain(base, state, chain, local,
+                                                         map_location)
     newest = [p for p in rows if os.path.dirname(p) == local]
     try:  # split by id: each rank's partitions travel in the newest increment's rows
         table_parts.merge_dynamic_parts(
@@ -244,6 +248,31 @@ def _chain_state(chain: list[str], local: str, map_location: str, whole_tables: 
         for p, st in base.get("sparse_optimizer", {}).items()}
     _apply_row_files(state, rows, chain[-1], map_location)
     return state
+
+
+def _dynamic_through_chain(base: dict, state: dict, chain: list[str], local: str,
+                           map_location: str) -> dict:
+    """The dynamic tables' full state at an increment whose state holds their changes.
+
+    The base's full state, then every increment's changes (or full state) in chain order
+    (``odl.models.dynamic.state_changes``).
+    """
+    dynamic = base.get("dynamic_tables")
+    try:
+        for link in chain[1:]:
+            if link == chain[-1]:
+                saved = state["dynamic_tables"]
+            else:
+                saved = torch.load(os.path.join(local_checkpoint_copy(link), MODEL_FILE),
+                                   map_location=map_location, weights_only=True,
+                                   mmap=True).get("dynamic_tables")
+            if dynamic is None or saved is None:
+                raise ValueError(f"{link} or its parent holds no dynamic tables")
+            dynamic = apply_changes(dynamic, saved) if is_changes(saved) else saved
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckpointError(f"checkpoint {chain[-1]}: its dynamic tables' changes do not "
+                              f"apply to its chain: {exc}") from exc
+    return dynamic
 
 
 def _apply_row_files(state: dict, rows: list[str], path: str, map_location: str) -> None:

@@ -204,6 +204,10 @@ class RawIdIndex:
 
     # -- checkpoints ------------------------------------------------------------------------
 
+    def free_stack(self) -> np.ndarray:
+        """The free rows, bottom to top (the next admission takes the top): a view."""
+        return self._free[: self._free_top]
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """``row_ids`` and the free-row stack (bottom to top): everything needed to restore."""
         return {"row_ids": self.row_ids.copy(), "free": self._free[: self._free_top].copy()}

@@ -13,6 +13,12 @@ table-optimizer state changed since its parent. Two things change a row:
   checkpoint by comparing each row's raw id with its id at the previous checkpoint (a row
   that changed ids or became free), one vectorized pass over the index.
 
+The same rows are the only ones whose dynamic-table state (id, counters) changed, so one
+process with dynamic tables in one partition also gets their state as changes
+(:attr:`CheckpointRows.dynamic_changes`, ``odl.models.dynamic.state_changes``): those rows,
+the part of the free-row stack that moved (compared with the stack at the previous
+checkpoint) and, after a decay of the show / click scores, the scores whole.
+
 :meth:`CheckpointRows.take` hands out both, per TorchRec table, and starts counting anew;
 a checkpoint that then fails puts them back (:meth:`CheckpointRows.put_back`). With several
 ranks each rank knows the rows its own batches touched and its own partitions' ids; the
@@ -32,6 +38,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from odl.models.dynamic.state_changes import CHANGES_FORMAT, kept_free_rows, table_changes
 from publisher.delta_tracker import DeltaTracker
 
 if TYPE_CHECKING:
@@ -58,7 +65,26 @@ class CheckpointRows:
         module.add_table_growth_hook(  # growing dynamic tables: the bitmaps follow
             lambda shapes: self._tracker.grow({t: n for t, (n, _c) in shapes.items()}))
         self._ids_at_checkpoint: dict[str, np.ndarray] = {}
+        # dynamic tables (one process, one partition): free-row stacks and score-decay times
+        # at the previous checkpoint, and before the last take (put back when it fails)
+        self._marks: dict[str, tuple[np.ndarray, object]] = {}
+        self._marks_before: dict[str, tuple[np.ndarray, object]] = {}
+        # the dynamic tables' state as changes since the previous checkpoint, made by
+        # ``take`` (None: the tables' whole state goes into the checkpoint)
+        self.dynamic_changes: dict | None = None
         self.restart()
+
+    @property
+    def _changes_kept(self) -> bool:
+        """Whether the dynamic tables' state can be written as changes (module docstring)."""
+        m = self._m
+        return bool(m.dynamic) and m.world_size == 1 and m.dynamic.partitions == 1
+
+    def _dynamic_marks(self) -> dict[str, tuple[np.ndarray, object]]:
+        if not self._changes_kept:
+            return {}
+        return {base: (table.index.free_stack().copy(), table.decayed_at)
+                for base, table in self._m.dynamic.tables.items()}
 
     def _dynamic_ids(self) -> dict[str, np.ndarray]:
         """Dynamic table -> the raw id each row holds now (-1: free; own partitions)."""
@@ -71,6 +97,8 @@ class CheckpointRows:
         """Counts from the module's current state: nothing changed yet."""
         self._tracker.take()
         self._ids_at_checkpoint = self._dynamic_ids()
+        self._marks = self._dynamic_marks()
+        self.dynamic_changes = None
 
     def take(self) -> dict[str, np.ndarray]:
         """The rows changed since the last ``take`` / ``restart``; counting starts anew.
@@ -90,9 +118,30 @@ class CheckpointRows:
             for t in self._m.dynamic_torch_tables.get(base, ()):
                 out[t] = np.union1d(out[t], moved) if t in out else moved.astype(np.int64)
         self._ids_at_checkpoint = now
+        self.dynamic_changes = self._take_dynamic_changes(out)
         return out
+
+    def _take_dynamic_changes(self, rows: Mapping[str, np.ndarray]) -> dict | None:
+        """The dynamic tables' changes since the previous checkpoint (``take``'s rows)."""
+        self._marks_before = self._marks
+        self._marks = self._dynamic_marks()
+        if not self._changes_kept or set(self._marks_before) != set(self._marks):
+            return None
+        tables = {}
+        empty = np.empty(0, dtype=np.int64)
+        for base, table in self._m.dynamic.tables.items():
+            changed = empty
+            for t in self._m.dynamic_torch_tables.get(base, ()):
+                changed = np.union1d(changed, rows.get(t, empty))
+            free_before, decayed_before = self._marks_before[base]
+            tables[base] = table_changes(
+                table, changed, kept_free_rows(free_before, table.index.free_stack()),
+                scores_whole=table.decayed_at != decayed_before)
+        return {"format": CHANGES_FORMAT, "tables": tables}
 
     def put_back(self, rows: Mapping[str, np.ndarray]) -> None:
         """Marks rows as changed again (a checkpoint that took them failed)."""
         self._tracker.put_back({t: torch.from_numpy(np.ascontiguousarray(ids))
                                 for t, ids in rows.items() if len(ids)})
+        self._marks = self._marks_before  # the next changes are counted from the parent
+        self.dynamic_changes = None

@@ -109,13 +109,16 @@ def checkpoint_state(m: TrainModule) -> dict[str, Any]:
     return out
 
 
-def state_without_tables(m: TrainModule, model: dict[str, Any] | None = None) -> dict[str, Any]:
+def state_without_tables(m: TrainModule, model: dict[str, Any] | None = None,
+                         dynamic_state: dict[str, Any] | None = None) -> dict[str, Any]:
     """The checkpoint state but the tables, the same on every rank; not a collective.
 
     Step, dense part (or ``model``, when given), dense optimizer and the dynamic tables'
     state. A checkpoint of several ranks holds this in ``model.pt`` and each rank's
     ``table_part`` beside it (``odl.train.rank_checkpoint``); reading it puts the parts
-    back together into ``state_dict_for_checkpoint``'s state.
+    back together into ``state_dict_for_checkpoint``'s state. ``dynamic_state``, when
+    given, stands for the dynamic tables' state (an increment's changes document,
+    ``odl.models.dynamic.state_changes``).
     """
     out = {
         "format": CHECKPOINT_FORMAT,
@@ -126,7 +129,8 @@ def state_without_tables(m: TrainModule, model: dict[str, Any] | None = None) ->
         "sparse_optimizer": {},
     }
     if m.dynamic:
-        out["dynamic_tables"] = m.dynamic.state_dict()
+        out["dynamic_tables"] = (dynamic_state if dynamic_state is not None
+                                 else m.dynamic.state_dict())
         if m.dynamic_split_over_ranks:  # each rank's partition travels in its table part
             out["dynamic_tables"]["parts"] = {}
         out["stream_time"] = float(m.stream_time)

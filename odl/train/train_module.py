@@ -564,9 +564,10 @@ class TrainModule:
         """
         return module_state.checkpoint_state(self)
 
-    def state_without_tables(self, model: dict[str, Any] | None = None) -> dict[str, Any]:
+    def state_without_tables(self, model: dict[str, Any] | None = None,
+                             dynamic_state: dict[str, Any] | None = None) -> dict[str, Any]:
         """The checkpoint state but the tables, the same on every rank; not a collective."""
-        return module_state.state_without_tables(self, model)
+        return module_state.state_without_tables(self, model, dynamic_state)
 
     def table_part(self) -> dict[str, Any]:
         """This rank's rows of every table and their optimizer state, as a part document."""

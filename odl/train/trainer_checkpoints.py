@@ -143,7 +143,8 @@ class TrainerCheckpoints:
             else:
                 rows = None
                 if changed is not None and t.checkpoints.increment_allowed(overwrite):
-                    state = module.state_without_tables()  # copies: training goes on
+                    state = module.state_without_tables(  # copies: training goes on
+                        dynamic_state=self.rows.dynamic_changes if self.rows else None)
                     rows = changed_rows_part(module, changed)
                 else:
                     state = module.state_dict_for_checkpoint()

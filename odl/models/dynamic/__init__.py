@@ -60,6 +60,8 @@ candidates), :mod:`~odl.models.dynamic.dynamic_table` (one table: index, counter
 rules above), :mod:`~odl.models.dynamic.model_tables` (``DynamicTables``: every table of a
 model, a batch's remap, the held partitions, the state), :mod:`~odl.models.dynamic.partitions`
 (the split by id), :mod:`~odl.models.dynamic.resplit` (a saved state re-split into
-another number of partitions) and :mod:`~odl.models.dynamic.growth` (a saved state at more
-rows: a table that grows, ``DynamicTableSpec.grows_to``).
+another number of partitions), :mod:`~odl.models.dynamic.growth` (a saved state at more
+rows: a table that grows, ``DynamicTableSpec.grows_to``) and
+:mod:`~odl.models.dynamic.state_changes` (a table's state as the rows changed since a
+checkpoint: an incremental checkpoint's).
 """

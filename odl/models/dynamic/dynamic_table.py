@@ -390,13 +390,20 @@ class DynamicTable:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue exactly (index, counters, sketch, pending deletes)."""
-        return {
+        out = {
             "index": self.index.state_dict(),
             "sightings": self.sightings.copy(),
             "last_step": self.last_step.copy(),
             "last_time": self.last_time.copy(),
             "show": self.show.copy(),
             "click": self.click.copy(),
+        }
+        out.update(self.state_dict_without_rows())
+        return out
+
+    def state_dict_without_rows(self) -> dict[str, Any]:
+        """The part of ``state_dict`` that is not per row: sketch, counts, pending deletes."""
+        return {
             "sketch": self.sketch.state_dict() if self.sketch is not None else None,
             "counters": dict(vars(self.counters)),
             "decayed_at": self.decayed_at,

@@ -1,0 +1,166 @@
+"""A dynamic table's state as the rows changed since a checkpoint, and that change applied.
+
+An incremental checkpoint (``odl.checkpoint.checkpoint_chain``) writes the table rows changed
+since its parent. A dynamic table's own state (``DynamicTable.state_dict``: the id of every
+row, the free-row stack, per-row counters, the sketch) is written the same way, so an
+increment's size follows what changed, not the table's capacity.
+
+Contract. The caller (``odl.train.checkpoint_rows``) names the **changed rows**: every row
+a training step looked up since the parent (its counters moved) and every row whose id
+changed (admitted, evicted, expired). Those are the only rows whose per-row arrays
+(``row_ids``, ``sightings``, ``last_step``, ``last_time``, ``show``, ``click``) can differ
+from the parent's, except:
+
+* ``show`` / ``click`` decay over all rows when a maintenance pass decays them: an
+  increment then carries them whole (``scores_whole``);
+* the free-row stack: rows are popped from its top and pushed back on it, so the parent's
+  stack and this one share a bottom part; the increment holds the length of that part
+  (``free_kept``) and the rest (``free_top``).
+
+Everything else of the table (the admission sketch, lifetime counters, stream time, pending
+deletes) is small or not per row, and is carried whole. :func:`apply_table_changes` turns the
+parent's full state and an increment's changes into the increment's full state, so a
+reader of a chain hands one full state to ``DynamicTable.load_state_dict``, as from a full
+checkpoint. A changes document says ``"format": CHANGES_FORMAT``; a reader that does not
+know the format refuses it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from odl.models.dynamic.dynamic_table import STATE_FORMAT, DynamicTable, state_tensors
+
+__all__ = ["CHANGES_FORMAT", "apply_changes", "apply_table_changes", "is_changes",
+           "kept_free_rows", "table_changes"]
+
+CHANGES_FORMAT = "odl.dynamic_tables.changes/1"
+_ROW_ARRAYS = ("sightings", "last_step", "last_time")
+_SCORE_ARRAYS = ("show", "click")
+
+
+def kept_free_rows(before: np.ndarray, now: np.ndarray) -> int:
+    """Length of the bottom part two free-row stacks share (bottom to top)."""
+    n = min(before.shape[0], now.shape[0])
+    if n == 0:
+        return 0
+    differ = np.flatnonzero(before[:n] != now[:n])
+    return int(differ[0]) if differ.shape[0] else n
+
+
+def table_changes(table: DynamicTable, rows: np.ndarray, free_kept: int,
+                  scores_whole: bool) -> dict[str, Any]:
+    """``table``'s state as changes since a checkpoint (module docstring), arrays as tensors.
+
+    Args:
+        table: the table.
+        rows: sorted unique rows changed since the checkpoint.
+        free_kept: how much of the checkpoint's free-row stack (from the bottom) is
+            unchanged (:func:`kept_free_rows`).
+        scores_whole: ``show`` / ``click`` decayed since the checkpoint: carry them whole.
+
+    Returns:
+        The changes document of one table.
+    """
+    rows = np.asarray(rows, dtype=np.int64)
+    free = table.index.free_stack()
+    out: dict[str, Any] = {
+        "rows": rows,
+        "row_ids": table.index.row_ids[rows].copy(),
+        "free_kept": int(free_kept),
+        "free_top": free[int(free_kept):].copy(),
+        "scores_whole": bool(scores_whole),
+    }
+    for name in _ROW_ARRAYS:
+        out[name] = getattr(table, name)[rows].copy()
+    for name in _SCORE_ARRAYS:
+        values = getattr(table, name)
+        out[name] = (values.copy() if scores_whole or values.shape[0] == 0
+                     else values[rows].copy())
+    out.update(table.state_dict_without_rows())
+    return state_tensors(out)
+
+
+def apply_table_changes(full: Mapping[str, Any], changes: Mapping[str, Any]
+                        ) -> dict[str, Any]:
+    """The full state of one table after ``changes`` (its parent's state ``full``).
+
+    Args:
+        full: the parent's ``DynamicTable.state_dict`` (arrays or tensors).
+        changes: :func:`table_changes`' document.
+
+    Returns:
+        A full state (tensors), ``full`` left as it was.
+
+    Raises:
+        ValueError: the changes do not fit the parent (rows outside it, a free stack
+            shorter than the part they keep).
+    """
+    rows = _array(changes["rows"])
+    index = full["index"]
+    row_ids = _array(index["row_ids"]).copy()
+    if rows.shape[0] and (int(rows.min()) < 0 or int(rows.max()) >= row_ids.shape[0]):
+        raise ValueError(f"changed rows outside the table of {row_ids.shape[0]} rows")
+    row_ids[rows] = _array(changes["row_ids"])
+    kept = int(changes["free_kept"])
+    parent_free = _array(index["free"])
+    if kept > parent_free.shape[0]:
+        raise ValueError(f"the changes keep {kept} free rows of the parent's "
+                         f"{parent_free.shape[0]}")
+    out: dict[str, Any] = {
+        "index": {"row_ids": row_ids,
+                  "free": np.concatenate([parent_free[:kept], _array(changes["free_top"])])},
+    }
+    for name in _ROW_ARRAYS:
+        values = _array(full[name]).copy()
+        values[rows] = _array(changes[name])
+        out[name] = values
+    for name in _SCORE_ARRAYS:
+        values = _array(full[name])
+        if bool(changes["scores_whole"]) or values.shape[0] == 0:
+            out[name] = _array(changes[name]).copy()
+        else:
+            values = values.copy()
+            values[rows] = _array(changes[name])
+            out[name] = values
+    for key, value in changes.items():
+        if key not in out and key not in ("rows", "row_ids", "free_kept", "free_top",
+                                          "scores_whole"):
+            out[key] = value
+    return state_tensors(out)
+
+
+def is_changes(state: Mapping[str, Any] | None) -> bool:
+    """Whether a checkpoint's ``dynamic_tables`` entry is a changes document."""
+    return state is not None and state.get("format") == CHANGES_FORMAT
+
+
+def apply_changes(full: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
+    """``DynamicTables.state_dict`` of the parent plus one increment's changes document.
+
+    Args:
+        full: the parent's full state (``{"format", "tables"}``, one partition).
+        changes: ``{"format": CHANGES_FORMAT, "tables": {name: table changes}}``.
+
+    Returns:
+        The increment's full state.
+
+    Raises:
+        ValueError: not the same tables, or a table's changes do not fit.
+    """
+    if full.get("format") != STATE_FORMAT or "tables" not in full:
+        raise ValueError("the parent's dynamic tables are not one partition's full state")
+    if set(full["tables"]) != set(changes["tables"]):
+        raise ValueError(f"the increment has dynamic tables {sorted(changes['tables'])}, its "
+                         f"parent {sorted(full['tables'])}")
+    return {"format": STATE_FORMAT,
+            "tables": {name: apply_table_changes(full["tables"][name], table)
+                       for name, table in changes["tables"].items()}}
+
+
+def _array(value: Any) -> np.ndarray:
+    return value.numpy() if isinstance(value, torch.Tensor) else np.asarray(value)
