@@ -123,14 +123,59 @@ def test_fm_learns_the_synthetic_stream() -> None:
     (("fm { }", "fm { l2_regularization: -1 }"), "model_config.fm.l2_regularization"),
     (('"c2" hash_bucket_size: 200 embedding_dim: 8', '"c2" hash_bucket_size: 200 '
       "embedding_dim: 4"), "model_config.feature_groups[1].feature_names"),
-    (('features { input_names: "x" feature_type: RawFeature }',
-      'features { input_names: "x" feature_type: RawFeature embedding_dim: 8 }'),
-     "model_config.feature_groups[0].feature_names[3]"),
 ])
 def test_fm_settings_are_refused_by_field(edit: tuple[str, str], field: str) -> None:
     with pytest.raises(ConfigError) as info:
         check_pipeline_config(_config(edit=edit), online=True)
     assert info.value.field == field
+
+
+# x as EasyRec's projected raw feature (embedding_dim, no boundaries) in the deep group too
+_PROJECTED = ('features { input_names: "x" feature_type: RawFeature }',
+              'features { input_names: "x" feature_type: RawFeature embedding_dim: DIM }')
+_X_IN_DEEP = ('feature_names: ["c1", "c2", "c3"] wide_deep: DEEP',
+              'feature_names: ["c1", "c2", "c3", "x"] wide_deep: DEEP')
+
+
+def _projected_config(dim: int):
+    text = FM_CONFIG.replace("NUM_CLASS", "").replace(*_X_IN_DEEP)
+    return parse_pipeline_config_text(
+        text.replace(_PROJECTED[0], _PROJECTED[1].replace("DIM", str(dim))))
+
+
+def test_fm_reads_projected_raw_features_as_vectors_and_serves_them() -> None:
+    """A projected raw feature x of the deep group is one more FM vector, x * p (EasyRec's
+    raw feature projection); in the wide group it stays a first-order term."""
+    config = _projected_config(8)
+    check_pipeline_config(config, online=True)
+    fb = FeatureBuilder(config)
+    torch.manual_seed(5)
+    tm = TrainModule(config, fb, device="cpu")
+    dense = tm.model.dense
+    batch = fb.build(RECORDS).batch
+    deep, wide = tm.model.lookup(batch)
+    x = batch.dense.numpy()[:, 0].astype(np.float64)
+    p = dense.projection.weight.detach().numpy().astype(np.float64)  # [1, 8]
+    v = np.concatenate([deep.detach().numpy().reshape(len(RECORDS), 3, 8),
+                        (x[:, None] * p)[:, None, :]], axis=1)
+    fm = 0.5 * (v.sum(axis=1) ** 2 - (v ** 2).sum(axis=1))
+    first = (wide.detach().numpy().reshape(len(RECORDS), 3).sum(axis=1)
+             + x * float(dense.wide_dense.weight.detach()[0, 0]) + float(dense.bias.detach()))
+    np.testing.assert_allclose(tm.model(batch).logits.detach().numpy(), first + fm.sum(axis=1),
+                               rtol=1e-5, atol=1e-6)
+    scripted = torch.jit.script(dense)  # what odl-export writes and odl-serve runs
+    assert torch.equal(scripted(deep, wide, batch.dense), dense(deep, wide, batch.dense))
+    before = dense.projection.weight.detach().clone()
+    tm.train_step(batch)
+    assert not torch.equal(before, dense.projection.weight.detach())  # it learns
+
+
+def test_fm_refuses_projected_raw_features_of_another_dim() -> None:
+    """EasyRec's fm_on_criteo.config: raw features projected to 10 among ids of 16; FM stacks
+    the group's vectors (EasyRec's FM layer too), so the dims must agree."""
+    with pytest.raises(ConfigError) as info:
+        check_pipeline_config(_projected_config(4), online=True)
+    assert info.value.field == "model_config.feature_groups[1].feature_names"
 
 
 def test_fm_named_by_its_message_alone_is_fm() -> None:

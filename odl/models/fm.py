@@ -6,7 +6,9 @@ DNN. With ``C = max(num_class, 1)`` outputs::
 
     wide  = sum over wide lookups of their C weights                           [B, C]
             (+ a linear term over the dense features of the wide group)
-    v_i   = the deep lookups' vectors (one embedding_dim)
+    v_i   = the deep lookups' vectors (one embedding_dim), then sum_k value_jk * p_jk for
+            each projected raw feature j of the deep group (EasyRec's RawFeature with
+            embedding_dim and no boundaries; value_j * p_j for one value)
     fm    = 0.5 * ((sum_i v_i)**2 - sum_i v_i**2)                              [B, D]
     logit = wide + sum(fm) + bias                          (C = 1)
     logit = wide + Linear(fm -> C) + bias                  (C > 1, EasyRec's fm_logits)
@@ -15,7 +17,8 @@ Loss: the configured prediction loss (``odl.models.ctr_losses``) + ``fm.l2_regul
 * the squared dense Linear kernels + ``embedding_regularization`` * the mean squared pooled
 lookup of each group (``deepfm_loss``'s terms).
 
-Parameter names: ``dense.bias``, ``dense.wide_dense.weight``, ``dense.fm_out.*``.
+Parameter names: ``dense.bias``, ``dense.wide_dense.weight``, ``dense.fm_out.*``,
+``dense.projection.weight`` (the projected raw features' rows, registered last).
 
 This module has no ``from __future__ import annotations``: TorchScript reads ``FMDense``'s
 class annotations as types.
@@ -28,9 +31,10 @@ import torch
 from torch import nn
 
 from odl.config.config_error import ConfigError
+from odl.config.feature_configs import feature_configs
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.building_blocks import fm_term
+from odl.models.building_blocks import RawProjection, fm_term
 from odl.models.ctr_losses import (
     add_loss_weights,
     learned_weight_terms,
@@ -58,14 +62,22 @@ class FMDense(nn.Module):
         num_wide: lookups of the "wide" group.
         wide_dense_idx: ``Batch.dense`` columns of the wide group's dense features.
         num_class: outputs (``[B]`` logits for 1, ``[B, C]`` for C > 1).
+        projected_idx: ``Batch.dense`` columns of the deep group's projected raw features.
+        projected_widths: columns per projected feature (default: 1 each).
     """
 
-    __constants__ = ["num_deep", "dim", "num_wide", "num_class"]
+    __constants__ = ["num_deep", "dim", "num_wide", "num_class", "num_projected"]
     wide_dense_idx: list[int]
+    projected_idx: list[int]
 
     def __init__(self, num_deep: int, dim: int, num_wide: int, wide_dense_idx: Sequence[int],
-                 num_class: int = 1) -> None:
+                 num_class: int = 1, projected_idx: Sequence[int] = (),
+                 projected_widths: "Sequence[int] | None" = None) -> None:
         super().__init__()
+        self.projected_idx = [int(i) for i in projected_idx]
+        widths = ([1] * len(self.projected_idx) if projected_widths is None
+                  else [int(w) for w in projected_widths])
+        self.num_projected = len(widths) if self.projected_idx else 0
         self.num_deep = int(num_deep)
         self.dim = int(dim)
         self.num_wide = int(num_wide)
@@ -76,6 +88,7 @@ class FMDense(nn.Module):
         self.wide_dense = (nn.Linear(len(self.wide_dense_idx), self.num_class, bias=False)
                            if self.wide_dense_idx else None)
         self.fm_out = nn.Linear(self.dim, self.num_class) if self.num_class > 1 else None
+        self.projection = RawProjection(widths, self.dim) if self.num_projected else None
 
     def forward(self, deep: torch.Tensor, wide: torch.Tensor,
                 dense: torch.Tensor) -> torch.Tensor:
@@ -87,7 +100,12 @@ class FMDense(nn.Module):
         wide_dense = self.wide_dense
         if wide_dense is not None:
             logits = logits + wide_dense(dense[:, self.wide_dense_idx])
-        fm = fm_term(deep.reshape(b, self.num_deep, self.dim))
+        vectors = deep
+        projection = self.projection
+        if projection is not None:
+            proj = projection(dense[:, self.projected_idx])
+            vectors = proj if self.num_deep == 0 else torch.cat([deep, proj], dim=1)
+        fm = fm_term(vectors.reshape(b, self.num_deep + self.num_projected, self.dim))
         fm_out = self.fm_out
         if fm_out is not None:
             return logits + fm_out(fm)
@@ -108,14 +126,18 @@ class FM(CtrModel):
 
     def __init__(self, layout: EmbeddingLayout, dense_features: Sequence[str],
                  wide_dense: Sequence[str], model_config: pipeline_pb2.EasyRecModel,
-                 output_name: str = "label", ebc_device: "torch.device | str" = "meta") -> None:
+                 output_name: str = "label", ebc_device: "torch.device | str" = "meta",
+                 projected: Sequence[str] = (), projected_dim: int = 0,
+                 projected_widths: "Sequence[int] | None" = None) -> None:
         super().__init__()
         self.set_tables(layout, ebc_device)
         col = {n: i for i, n in enumerate(dense_features)}
-        dims = set(layout.deep_dims)
+        dims = set(layout.deep_dims) | ({int(projected_dim)} if projected else set())
         self.dense = FMDense(len(layout.deep_keys), dims.pop() if len(dims) == 1 else 0,
                              len(layout.wide_keys), [col[n] for n in wide_dense],
-                             int(model_config.num_class))
+                             int(model_config.num_class),
+                             projected_idx=[col[n] for n in projected],
+                             projected_widths=projected_widths)
         self.pooled_layout = (
             PooledGroup.of("deep", tuple(layout.deep_keys), list(layout.deep_dims)),
             PooledGroup("wide", tuple(layout.wide_keys), layout.wide_output_dim),
@@ -146,18 +168,26 @@ class FM(CtrModel):
 def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> FM:
     mc = config.model_config
     groups = model_groups(mc, feature_builder)
-    if groups["deep_dense"]:
-        logger.warning("FM reads the embedded features of its deep group; its dense features "
-                       "%s are not read (as in EasyRec: put them in the wide group for a "
-                       "first-order term)", groups["deep_dense"])
+    # EasyRec's projected raw features (embedding_dim, no boundaries): FM vectors
+    dims = {fc.feature_name: int(fc.embedding_dim) for fc in feature_configs(config)}
+    projected = [f for f in groups["deep_dense"] if dims.get(f, 0) > 0]
+    unread = [f for f in groups["deep_dense"] if f not in projected]
+    if unread:
+        logger.warning("FM reads the embedded and projected raw features of its deep group; "
+                       "its dense features %s are not read (as in EasyRec: put them in the "
+                       "wide group for a first-order term)", unread)
     try:
         layout = build_embedding_layout(feature_builder.table_specs, groups["deep_sparse"],
                                         groups["wide_sparse"], max(int(mc.num_class), 1))
     except ValueError as e:
         raise ConfigError("model_config.feature_groups", str(e)) from e
+    widths = {f: len(c) for f, c in feature_builder.dense_feature_columns.items()}
     return FM(layout, feature_builder.dense_feature_names,
               dense_columns(feature_builder, groups["wide_dense"]), mc,
-              output_name=(list(config.data_config.label_fields) or ["label"])[0])
+              output_name=(list(config.data_config.label_fields) or ["label"])[0],
+              projected=dense_columns(feature_builder, projected),
+              projected_dim=dims[projected[0]] if projected else 0,
+              projected_widths=[widths[f] for f in projected])
 
 
 def _validate(check: ModelCheck) -> None:
@@ -179,4 +209,4 @@ def _validate(check: ModelCheck) -> None:
     check_fm_group(check, "deep")
 
 
-register_model(ModelClass("FM", _build, _validate))
+register_model(ModelClass("FM", _build, _validate, projected_raw=True))
