@@ -80,7 +80,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Marks ``kafka`` every test that uses a broker fixture; puts the longest files first.
 
-    ``make test`` runs files on two workers (``-n 2 --dist loadfile``), each taken in this
+    ``make test`` runs files on three workers (``-n 3 --dist loadfile``), each taken in this
     order (``pytest_configure`` keeps xdist from re-sorting them by test count): the longest
     files start at once and the short ones fill in around them, so no long file is left to
     run alone at the end. A file's length is its ``FILE_SECONDS`` entry, else an estimate
