@@ -262,3 +262,36 @@ def test_sigkill_during_an_increment_write_leaves_the_chain_usable(tmp_path) -> 
     assert float(table[1::2].min()) == float(table[1::2].max()) == 1.0
     assert float(table[0::2].abs().max()) == 0.0
     assert os.path.exists(os.path.join(newest, MANIFEST_FILE))
+
+
+def test_a_dynamic_tables_changes_rebuild_its_state_when_its_free_rows_sink_and_rise() -> None:
+    """``state_changes``: the parent's full state plus an increment's changes is the table's
+    state, when between them the free-row stack sank below the parent's (admissions took
+    rows the parent had free) and rose again (evictions gave rows back), so only its bottom
+    part is the parent's."""
+    from odl.config.dynamic_table_config import DynamicTableSpec
+    from odl.models.dynamic.dynamic_table import DynamicTable, state_tensors
+    from odl.models.dynamic.state_changes import (
+        apply_table_changes,
+        kept_free_rows,
+        table_changes,
+    )
+
+    table = DynamicTable("t", DynamicTableSpec(form="zch", capacity=64, policy="lru"), seed=1)
+    table.admit(np.arange(20, dtype=np.int64), np.zeros(20), step=1, now=1.0)
+    parent = state_tensors(table.state_dict())
+    parent_free = table.index.free_stack().copy()
+    parent_ids = table.index.row_ids.copy()
+    parent_last = table.last_step.copy()
+    table.admit(np.arange(100, 130, dtype=np.int64), np.zeros(30), step=2, now=2.0)  # sinks
+    table.forget(np.arange(5, 15, dtype=np.int64))  # rises: 10 rows back on top
+    table.admit(np.arange(200, 203, dtype=np.int64), np.zeros(3), step=3, now=3.0)
+    free_now = table.index.free_stack()
+    kept = kept_free_rows(parent_free, free_now)
+    assert kept < parent_free.shape[0] and kept < free_now.shape[0]  # the stack moved
+    changed = np.flatnonzero((table.index.row_ids != parent_ids) | (table.last_step != parent_last))
+    got = apply_table_changes(parent, table_changes(table, changed, kept, scores_whole=False))
+    assert_same(got, state_tensors(table.state_dict()))
+    # keeping more of the parent's stack than it shares is wrong, and shows
+    wrong = apply_table_changes(parent, table_changes(table, changed, kept + 1, False))
+    assert not torch.equal(wrong["index"]["free"], torch.from_numpy(free_now.copy()))
