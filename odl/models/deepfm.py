@@ -54,17 +54,14 @@ from odl.models.building_blocks import (
     fm_term,
 )
 from odl.models.ctr_losses import (
-    add_loss_weights,
     ctr_loss,
     embedding_l2,
-    learned_weight_terms,
     linear_kernel_l2,
-    loss_terms,
     random_loss_weights,
     sample_weight_tensor,
     session_tensor,
 )
-from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
+from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.group_inputs import dense_columns, model_groups, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
@@ -402,13 +399,8 @@ class DeepFM(CtrModel):
             PooledGroup.of("deep", tuple(deep_keys), [dim_of[f] for f, _t in deep_keys]),
             PooledGroup("wide", tuple(layout.wide_keys), layout.wide_output_dim),
         )
-        self.output_names, self.output_labels = class_outputs(output_name,
-                                                              model_config.num_class)
+        self.set_configured_loss(model_config, output_name)
         self.regularization = DeepFMRegularization.from_config(model_config)
-        self.model_config = model_config
-        self.loss_terms = loss_terms(model_config)
-        self.learned = learned_weight_terms(model_config, self.loss_terms)
-        add_loss_weights(self.dense, sum(self.learned))
 
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
         """``deepfm_loss`` of the step's logits and pooled lookups.

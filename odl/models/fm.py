@@ -36,14 +36,11 @@ from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import RawProjection, fm_term
 from odl.models.ctr_losses import (
-    add_loss_weights,
-    learned_weight_terms,
-    loss_terms,
     random_loss_weights,
     sample_weight_tensor,
     session_tensor,
 )
-from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
+from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.deepfm import DeepFMRegularization, check_fm_group, deepfm_loss
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.group_inputs import dense_columns, model_groups
@@ -142,16 +139,11 @@ class FM(CtrModel):
             PooledGroup.of("deep", tuple(layout.deep_keys), list(layout.deep_dims)),
             PooledGroup("wide", tuple(layout.wide_keys), layout.wide_output_dim),
         )
-        self.output_names, self.output_labels = class_outputs(output_name,
-                                                              model_config.num_class)
+        self.set_configured_loss(model_config, output_name)
         self.regularization = DeepFMRegularization(
             l2=float(model_config.fm.l2_regularization),
             embedding=float(model_config.embedding_regularization),
             wide=float(model_config.embedding_regularization))
-        self.model_config = model_config
-        self.loss_terms = loss_terms(model_config)
-        self.learned = learned_weight_terms(model_config, self.loss_terms)
-        add_loss_weights(self.dense, sum(self.learned))
 
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
         """The prediction loss plus the regularization (module docstring)."""

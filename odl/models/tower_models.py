@@ -57,17 +57,14 @@ from odl.models.building_blocks import (
     build_optional_mlp,
 )
 from odl.models.ctr_losses import (
-    add_loss_weights,
     ctr_loss,
     embedding_l2,
-    learned_weight_terms,
     linear_kernel_l2,
-    loss_terms,
     random_loss_weights,
     sample_weight_tensor,
     session_tensor,
 )
-from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup, class_outputs
+from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.group_inputs import embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
@@ -249,14 +246,8 @@ class TowerModel(CtrModel):
         self.dense = TowerDense(specs, settings.final_dnn, seq_mods,
                                 int(model_config.num_class))
         self.pooled_layout = (PooledGroup.of("towers", tuple(lookups), dims),)
-        self.output_names, self.output_labels = class_outputs(output_name,
-                                                              model_config.num_class)
+        self.set_configured_loss(model_config, output_name)
         self.l2 = float(settings.l2_regularization)
-        self.embedding_regularization = float(model_config.embedding_regularization)
-        self.loss_terms = loss_terms(model_config)
-        self.learned = learned_weight_terms(model_config, self.loss_terms)
-        self.model_config = model_config
-        add_loss_weights(self.dense, sum(self.learned))
 
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
         """The prediction loss plus the regularization terms (module docstring).
