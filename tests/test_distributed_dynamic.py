@@ -218,3 +218,46 @@ def test_two_ranks_recover_published_rows_and_deletes_as_one_process(ranks, tmp_
         if name.startswith(EBC_PREFIX):
             np.testing.assert_allclose(got[0][0][name], t.numpy(), atol=1e-6, rtol=0,
                                        err_msg=name)
+
+
+def _increment_rank(rank: int, world: int, model_dir: str, steps: list) -> dict:
+    """Two checkpoints of the ranks through ``save_across_ranks``, as the trainer takes them:
+    a full one after the first half of the steps, an increment (the dynamic tables' changes
+    from every rank's rows) after the rest; rank 0 returns the tables' state then."""
+    from odl.checkpoint.checkpoint_manager import CheckpointManager
+    from odl.models.dynamic.dynamic_table import state_arrays
+    from odl.train.checkpoint_rows import CheckpointRows
+    from odl.train.rank_checkpoint import save_across_ranks
+
+    config = _config(model_dir)
+    config.data_config.batch_size = GLOBAL // world
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+    rows = CheckpointRows(tm)
+    manager = CheckpointManager(model_dir, keep_max=0, full_every=5)
+    paths = []
+    for half in (steps[:len(steps) // 2], steps[len(steps) // 2:]):
+        for step in half:
+            tm.train_step(fb.build(step[rank]).batch)
+        paths.append(save_across_ranks(manager, tm, {rank: tm.global_step}, {"source": "t"},
+                                       "cfg", "gen", changed=rows.take(),
+                                       dynamic_changes=rows.dynamic_changes_of))
+    return {"paths": paths, "dynamic": state_arrays(tm.dynamic.state_dict())}
+
+
+def test_two_ranks_write_the_dynamic_tables_changes_into_an_increment(ranks, tmp_path):
+    """Every rank holds the whole index: an increment of two ranks holds the dynamic tables
+    as the rows changed on either rank (not their whole state), and its chain reads back the
+    ranks' index and counters bitwise."""
+    from odl.checkpoint.checkpoint_manager import read_checkpoint
+    from odl.models.dynamic.dynamic_table import state_arrays
+    from odl.models.dynamic.state_changes import CHANGES_FORMAT
+    from tests.harness import assert_same
+
+    records = _records(16 * GLOBAL, seed=7)
+    got = ranks.run(_increment_rank, 2, str(tmp_path / "m"), _steps(records, 2))
+    full, inc = got[0]["paths"]
+    saved = torch.load(f"{inc}/model.pt", weights_only=True)["dynamic_tables"]
+    assert saved["format"] == CHANGES_FORMAT
+    assert read_checkpoint(inc).chain == (full, inc)
+    assert_same(got[0]["dynamic"], state_arrays(read_checkpoint(inc).state["dynamic_tables"]))

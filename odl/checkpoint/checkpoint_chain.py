@@ -22,10 +22,11 @@ Contract (enforced here and by ``odl.checkpoint.checkpoint_manager``):
   manifest says ``"format": 2`` and ``"increment": {"parent": name, "parent_manifest":
   sha256 of the parent's MANIFEST.json, "base": name of the full checkpoint, "depth": n}``
   (n: the increments since the base, this one included), and lists the row files.
-  The dynamic tables' state in ``model.pt`` is their whole state, or (one process, one
-  partition) their changes since the parent (``odl.models.dynamic.state_changes``: the
-  changed rows' ids and counters, the moved part of the free-row stack); a reader applies
-  every link's changes in order onto the base's state.
+  The dynamic tables' state in ``model.pt`` is their whole state, or (one partition:
+  every rank holding the whole index) their changes since the parent
+  (``odl.models.dynamic.state_changes``: the changed rows' ids and counters, the moved part
+  of the free-row stack); a reader applies every link's changes in order onto the base's
+  state.
 * Every ``full_checkpoint_every``-th checkpoint is full (depth never reaches it); so is the
   first one after a start from nothing, a warm start, a restore that re-split dynamic
   tables or that crash recovery moved forward, one that replaces a checkpoint of the same

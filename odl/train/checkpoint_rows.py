@@ -13,11 +13,14 @@ table-optimizer state changed since its parent. Two things change a row:
   checkpoint by comparing each row's raw id with its id at the previous checkpoint (a row
   that changed ids or became free), one vectorized pass over the index.
 
-The same rows are the only ones whose dynamic-table state (id, counters) changed, so one
-process with dynamic tables in one partition also gets their state as changes
-(:attr:`CheckpointRows.dynamic_changes`, ``odl.models.dynamic.state_changes``): those rows,
-the part of the free-row stack that moved (compared with the stack at the previous
-checkpoint) and, after a decay of the show / click scores, the scores whole.
+The same rows are the only ones whose dynamic-table state (id, counters) changed, so dynamic
+tables in one partition (every rank holding the whole index) go into an increment as changes
+too (``odl.models.dynamic.state_changes``): those rows, the part of the free-row stack that
+moved (compared with the stack at the previous checkpoint) and, after a decay of the show /
+click scores, the scores whole. One process gets them from :attr:`CheckpointRows.
+dynamic_changes`; several ranks from :meth:`CheckpointRows.dynamic_changes_of` with the
+rows of every rank joined (each rank counts the rows its own records looked up, and every
+rank holds the same index).
 
 :meth:`CheckpointRows.take` hands out both, per TorchRec table, and starts counting anew;
 a checkpoint that then fails puts them back (:meth:`CheckpointRows.put_back`). With several
@@ -77,8 +80,7 @@ class CheckpointRows:
     @property
     def _changes_kept(self) -> bool:
         """Whether the dynamic tables' state can be written as changes (module docstring)."""
-        m = self._m
-        return bool(m.dynamic) and m.world_size == 1 and m.dynamic.partitions == 1
+        return bool(self._m.dynamic) and self._m.dynamic.partitions == 1
 
     def _dynamic_marks(self) -> dict[str, tuple[np.ndarray, object]]:
         if not self._changes_kept:
@@ -122,9 +124,22 @@ class CheckpointRows:
         return out
 
     def _take_dynamic_changes(self, rows: Mapping[str, np.ndarray]) -> dict | None:
-        """The dynamic tables' changes since the previous checkpoint (``take``'s rows)."""
+        """Marks the checkpoint; one process: its dynamic tables' changes (``take``'s rows)."""
         self._marks_before = self._marks
         self._marks = self._dynamic_marks()
+        return self.dynamic_changes_of(rows) if self._m.world_size == 1 else None
+
+    def dynamic_changes_of(self, rows: Mapping[str, np.ndarray]) -> dict | None:
+        """The dynamic tables' changes since the previous checkpoint, after ``take``.
+
+        Args:
+            rows: TorchRec table -> rows changed: ``take``'s, with several ranks every
+                rank's joined.
+
+        Returns:
+            The changes document, or None (no dynamic tables in one partition, or tables
+            that differ from the previous checkpoint's): the state goes in whole.
+        """
         if not self._changes_kept or set(self._marks_before) != set(self._marks):
             return None
         tables = {}

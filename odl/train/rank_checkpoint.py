@@ -18,7 +18,8 @@ An increment (``odl.checkpoint.checkpoint_chain``): rank 0 decides at 1 whether 
 checkpoint may be one (``CheckpointManager.increment_allowed``, its parent in the pending
 save); every rank then writes, instead of its table part, the rows of its shards that any
 rank changed since the parent (the union of every rank's ``CheckpointRows.take``, one
-all-gather of row numbers).
+all-gather of row numbers); with dynamic tables whose whole index every rank holds, rank 0
+writes their state as those rows' changes (``odl.models.dynamic.state_changes``), else whole.
 
 No rank holds more than its own rows at a save. Reading the checkpoint puts the tables back
 together (``read_checkpoint``), so it restores as one process's; an export writes it block
@@ -31,7 +32,7 @@ writes the recovered delta rows through to the shards that hold them
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -45,7 +46,9 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
                       positions: Mapping[int, int], source: dict, config_text: str,
                       generation: str, overwrite: bool = False,
                       extra_state: Mapping[str, object] | None = None,
-                      changed: Mapping[str, np.ndarray] | None = None) -> str:
+                      changed: Mapping[str, np.ndarray] | None = None,
+                      dynamic_changes: Callable[[Mapping[str, np.ndarray]], dict | None]
+                      | None = None) -> str:
     """Writes one checkpoint of several ranks (module docstring; a collective).
 
     Args:
@@ -59,6 +62,9 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
         extra_state: more entries of the checkpoint state (rank 0's are written).
         changed: this rank's rows changed since the last checkpoint (TorchRec table ->
             row numbers), when it counts them; None on every rank: a full checkpoint.
+        dynamic_changes: gives an increment's dynamic-table state from every rank's
+            changed rows (``CheckpointRows.dynamic_changes_of``; rank 0's is called), or
+            None: the state goes in whole.
 
     Returns:
         The checkpoint's path.
@@ -92,6 +98,10 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
             for table, ids in theirs.items():
                 rows[table] = np.union1d(rows[table], ids) if table in rows else ids
         part = changed_rows_part(module, rows)
+        if rank == 0 and dynamic_changes is not None and not module.dynamic_split_over_ranks:
+            changes = dynamic_changes(rows)  # the whole index's rows changed on any rank
+            if changes is not None:
+                state["dynamic_tables"] = changes
     else:
         part = module.table_part()
     entry, my_error = None, None

@@ -200,7 +200,9 @@ class TrainerCheckpoints:
         extra = ({"pass_saves": t.pass_saves.state_dict()}  # a collective: every rank's
                  if t.pass_saves is not None else None)
         save_across_ranks(t.checkpoints, t.module, positions, source, t.config_text,
-                          t.generation, overwrite, extra_state=extra, changed=changed)
+                          t.generation, overwrite, extra_state=extra, changed=changed,
+                          dynamic_changes=(self.rows.dynamic_changes_of
+                                           if self.rows is not None else None))
 
     def replay_point(self) -> dict:
         """Where serving must start replaying the delta topic to continue this checkpoint.
