@@ -68,7 +68,7 @@ class CheckpointRows:
         module.add_table_growth_hook(  # growing dynamic tables: the bitmaps follow
             lambda shapes: self._tracker.grow({t: n for t, (n, _c) in shapes.items()}))
         self._ids_at_checkpoint: dict[str, np.ndarray] = {}
-        # dynamic tables (one process, one partition): free-row stacks and score-decay times
+        # dynamic tables in one partition: free-row stacks and score-decay times
         # at the previous checkpoint, and before the last take (put back when it fails)
         self._marks: dict[str, tuple[np.ndarray, object]] = {}
         self._marks_before: dict[str, tuple[np.ndarray, object]] = {}
