@@ -486,12 +486,14 @@ def main() -> int:
         # -- publishing on vs off, same batches, nothing else running
         rates: dict[str, list[float]] = {"off": [], "on": []}
         if args.rate_batches:
-            create_topic(bs, "deltas-rate", partitions=1)
             for r in range(args.rate_rounds):
+                # a delta topic per round: each round's model is another model_dir, and a
+                # trainer refuses a topic another model publishes to (delta_topic_owner)
+                create_topic(bs, f"deltas-rate-{r}", partitions=1)
                 for kind in ("off", "on"):
                     md = os.path.join(work, f"rate_{kind}_{r}")
                     text = config_text(md, bs, f"bench-rate-{kind}-{r}", args.publish_steps,
-                                       "deltas-rate" if kind == "on" else None)
+                                       f"deltas-rate-{r}" if kind == "on" else None)
                     rates[kind].append(rate_run(text, args.rate_batches, 5, args.rate_max_seconds))
                 print(f"rate round {r}: publishing off {rates['off'][-1]:,.0f}/s, on "
                       f"{rates['on'][-1]:,.0f}/s", flush=True)
