@@ -195,6 +195,7 @@ class TrainModule:
             self.model, device=self.device, plan=ShardingPlan({"ebc": plan}),
             data_parallel_wrapper=_NoDataParallel(),
         )
+        self._table_views: dict[str, torch.Tensor] | None = None  # embedding_tables()'s
         rule = row_sparse_rule(self._sparse_spec, self.device.type)  # None: fused updates
         self.row_sparse = None if rule is None else RowSparseTables(
             self._dmp, rule, self.wide_lr_multiplier, self.world_size)
@@ -260,12 +261,18 @@ class TrainModule:
         return self._dmp.module.dense
 
     def embedding_tables(self) -> dict[str, torch.Tensor]:
-        """Table name -> live full weight tensor (on the model's device; do not resize)."""
-        out = {}
-        for name, t in self._dmp.state_dict().items():
-            if name.startswith(EBC_PREFIX) and name.endswith(".weight"):
-                out[name[len(EBC_PREFIX) : -len(".weight")]] = local_view(t)
-        return out
+        """Table name -> live full weight tensor (on the model's device; do not resize).
+
+        The views are taken once (the DMP's ``state_dict`` costs milliseconds, and the
+        publisher reads the tables at every version): the tables' storage lives as long as
+        the DMP, restores copy into it, and a table that grows builds a new module.
+        """
+        if self._table_views is None:
+            self._table_views = {
+                name[len(EBC_PREFIX) : -len(".weight")]: local_view(t)
+                for name, t in self._dmp.state_dict().items()
+                if name.startswith(EBC_PREFIX) and name.endswith(".weight")}
+        return dict(self._table_views)
 
     def table_rows(self) -> dict[str, ShardRows]:
         """Table name -> its rows as written through to this rank's shards.
