@@ -22,6 +22,7 @@ from odl.train.sample_ledger import read_ledger
 from odl.train.train_module import TrainModule
 from odl.train.trainer import Trainer, TrainerOptions
 from tests.harness import as_model
+from tests.model_checks import stream_auc
 from tests.test_file_stream import _parity, _saves_config, _serve_from, _write_two_days
 from tests.test_online_parity import (
     _check_serving_parity,
@@ -151,23 +152,7 @@ def test_dlrm_loss_adds_l2_on_kernels_and_the_embedding_term() -> None:
 def test_dlrm_learns_the_synthetic_stream() -> None:
     """Trained online on the Criteo-like stream (100 steps of 256), DLRM ranks the next
     records well above chance."""
-    from odl.datagen.datagen_config import deepfm_config_text
-    from odl.datagen.synthetic_ctr import SyntheticCtrStream
-
-    config = parse_pipeline_config_text(as_model(deepfm_config_text("/tmp/unused"), "DLRM"))
-    fb = FeatureBuilder(config)
-    torch.manual_seed(0)
-    tm = TrainModule(config, fb, device="cpu")
-    stream = SyntheticCtrStream(seed=5)
-    for _ in range(100):
-        tm.train_step(fb.build(stream.next_batch(256).encode("csv")).batch)
-    held = stream.next_batch(4000)
-    scores = tm.predict(fb.build(held.encode("csv")).batch)
-    labels = np.asarray(held.labels).astype(bool)
-    ranks = np.empty(len(scores))
-    ranks[np.argsort(scores)] = np.arange(1, len(scores) + 1)
-    auc = (ranks[labels].sum() - labels.sum() * (labels.sum() + 1) / 2) / (
-        labels.sum() * (~labels).sum())
+    auc = stream_auc("DLRM", 100)
     assert auc > 0.6, auc
 
 
