@@ -1,8 +1,9 @@
 """Table optimizers on the in-memory train step: fused Adagrad against the row-sparse kinds.
 
-fbgemm's CPU kernels cover SGD and (row-wise) Adagrad; Adam, FTRL and momentum tables run
-row-sparse (``odl.train.row_sparse_tables``: the touched rows updated after backward), and
-so does TorchEasyRec's LAMB (its ``sparse_optimizer`` / ``dense_optimizer`` form). Each
+fbgemm's CPU kernels cover SGD and (row-wise) Adagrad; EasyRec's Adam, FTRL, momentum,
+MomentumW and RMSProp tables run row-sparse (``odl.train.row_sparse_tables``: the touched rows
+updated after backward), and so do TorchEasyRec's LAMB, LARS-SGD, partial row-wise Adam /
+LAMB, RMSprop and Adadelta (its ``sparse_optimizer`` / ``dense_optimizer`` form). Each
 kind trains the bursty sample model (DeepFM, batch ``--batch``, id tables of ``--buckets``
 rows) on the same pre-built batches, in turn within each round (order rotated per round);
 prints samples/s per kind and its ratio to fused Adagrad, the median over rounds of the
@@ -33,21 +34,25 @@ from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.train.torch_runtime import configure_torch_threads  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
 
-KINDS = ("adagrad_optimizer", "adam_optimizer", "ftrl_optimizer", "momentum_optimizer",
-         "lamb_optimizer")
-# TorchEasyRec's form of the sample's rates (LAMB exists in that form only)
-TZREC_LAMB = ("sparse_optimizer { lamb_optimizer { lr: 0.1 } constant_learning_rate {} } "
-              "dense_optimizer { adam_optimizer { lr: 0.001 } constant_learning_rate {} }")
+EASYREC_KINDS = ("adagrad_optimizer", "adam_optimizer", "ftrl_optimizer", "momentum_optimizer",
+                 "momentumw_optimizer", "rms_prop_optimizer")
+# kinds that exist in TorchEasyRec's form only
+TZREC_KINDS = ("lamb_optimizer", "lars_sgd_optimizer", "partial_rowwise_adam_optimizer",
+               "partial_rowwise_lamb_optimizer", "rmsprop_optimizer", "adadelta_optimizer")
+KINDS = EASYREC_KINDS + TZREC_KINDS
 
 
 def config_text(kind: str, model_dir: str, batch: int, buckets: int) -> str:
-    """The bursty sample's config with ``kind`` for the tables."""
+    """The bursty sample's config with ``kind`` for the tables (TorchEasyRec's kinds with
+    the sample's rates in that form)."""
     text = bursty_config_text(model_dir, batch_size=batch, buckets=buckets)
-    if kind != "lamb_optimizer":
+    if kind in EASYREC_KINDS:
         return text.replace("adagrad_optimizer", kind, 1)
     start = text.index("  optimizer_config")
     end = text.index("  save_checkpoints_steps")
-    return text[:start] + "  " + TZREC_LAMB + "\n" + text[end:]
+    tzrec = (f"sparse_optimizer {{ {kind} {{ lr: 0.1 }} constant_learning_rate {{}} }} "
+             "dense_optimizer { adam_optimizer { lr: 0.001 } constant_learning_rate {} }")
+    return text[:start] + "  " + tzrec + "\n" + text[end:]
 
 
 def main() -> None:
@@ -82,8 +87,8 @@ def main() -> None:
             for b in batches:
                 tm.train_step(b)
             rates[kind].append(len(batches) * args.batch / (time.perf_counter() - t0))
-        print(f"round {r}: " + ", ".join(f"{k.split('_')[0]} {rates[k][-1]:,.0f}/s"
-                                          for k in KINDS), flush=True)
+        print(f"round {r}: " + ", ".join(
+            f"{k.removesuffix('_optimizer')} {rates[k][-1]:,.0f}/s" for k in KINDS), flush=True)
     base = rates["adagrad_optimizer"]
     result = {
         "samples_per_sec": {k: round(statistics.median(v)) for k, v in rates.items()},

@@ -23,6 +23,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from google.protobuf import text_format
 
 from odl.checkpoint import checkpoint_chain
 from odl.checkpoint.checkpoint_manager import (
@@ -55,11 +56,20 @@ SCORED = ("ctr_accessor_param { embedx_threshold: 0 delete_threshold: 0.05 capac
 TABLE = "ebc.embedding_bags.t.weight"
 
 
-def _module(tmp_path, dynamic: str = DYNAMIC):
+# TorchEasyRec's partial row-wise LAMB: row-sparse tables with a state of one column per row
+ROW_WISE_STATE_TABLES = (
+    "sparse_optimizer { partial_rowwise_lamb_optimizer { lr: 0.05 } constant_learning_rate {} } "
+    "dense_optimizer { adam_optimizer { lr: 0.01 } constant_learning_rate {} }")
+
+
+def _module(tmp_path, dynamic: str = DYNAMIC, optimizer: str = ""):
     cfg = write_config(tmp_path, "127.0.0.1:1", "t", buckets=400,
                        sparse_fields=tuple(f"C{i}" for i in range(1, 7)))
     assert make_half_dynamic(cfg, dynamic)
     config = load_pipeline_config(cfg)
+    if optimizer:
+        config.train_config.ClearField("optimizer_config")
+        text_format.Merge(optimizer, config.train_config)
     fb = FeatureBuilder(config)
     return config, fb, TrainModule(config, fb, device="cpu")
 
@@ -74,9 +84,13 @@ def _checkpoint(manager: CheckpointManager, rows: CheckpointRows, tm: TrainModul
     return manager.save(step, tm.state_dict_for_checkpoint(), {0: step}, {}, "cfg")
 
 
-@pytest.mark.parametrize("dynamic", [DYNAMIC, SCORED], ids=["ev_params", "ctr_accessor"])
-def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path, dynamic) -> None:
-    config, fb, tm = _module(tmp_path, dynamic)
+@pytest.mark.parametrize("dynamic, optimizer", [
+    (DYNAMIC, ""), (SCORED, ""), (DYNAMIC, ROW_WISE_STATE_TABLES)],
+    ids=["ev_params", "ctr_accessor", "row_sparse_row_wise_state"])
+def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path, dynamic,
+                                                                 optimizer) -> None:
+    config, fb, tm = _module(tmp_path, dynamic, optimizer)
+    assert (tm.row_sparse is not None) == bool(optimizer)
     chain_dir, full_dir = str(tmp_path / "chain"), str(tmp_path / "full")
     manager = CheckpointManager(chain_dir, keep_max=2, full_every=4)
     rows = CheckpointRows(tm)

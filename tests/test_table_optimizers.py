@@ -1,8 +1,10 @@
 """Table optimizers: the row-sparse ones (odl.train.row_sparse_tables: Adam, AdamW, FTRL,
-momentum, LAMB) and fbgemm's fused Adagrad with TF's ``initial_accumulator_value``.
+momentum, MomentumW, RMSProp, Adadelta, LAMB, LARS-SGD, partial row-wise Adam / LAMB) and
+fbgemm's fused Adagrad with TF's ``initial_accumulator_value``.
 
-Each update is checked step by step against a numpy port of TF's sparse applies (LAMB:
-fbgemm's CUDA kernel's formula) on a real
+Each update is checked step by step against a numpy port of TF's sparse applies (LAMB,
+LARS-SGD and the partial row-wise kinds: fbgemm's CUDA kernels' formulas; TorchEasyRec's
+RMSprop and Adadelta: torch's) on a real
 ``TrainModule``: the rows' summed gradients of a step come from a twin module whose tables
 train with exact SGD at rate 1 (and whose dense part does not move), loaded with the
 module's parameters before the step.
@@ -10,6 +12,7 @@ module's parameters before the step.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -132,8 +135,28 @@ def tf_momentum(w, g, st, lr, t, momentum=0.9):
     return w - lr * a, [a]
 
 
+def tf_rmsprop(w, g, st, lr, t, rho=0.9, momentum=0.9, eps=1.0):
+    """TF's SparseApplyRMSProp (its mean square starts at 1)."""
+    ms = rho * st[0] + (1 - rho) * g * g
+    mom = momentum * st[1] + lr * g / np.sqrt(ms + eps)
+    return w - mom, [ms, mom]
+
+
+def tf_momentumw(w, g, st, lr, t, momentum=0.9, decay=0.0):
+    return tf_momentum(w - decay * w, g, st, lr, t, momentum=momentum)
+
+
 CASES = {
     "adam": ("adam_optimizer", "", tf_adam, [0.0, 0.0]),
+    "adam_async": ("adam_async_optimizer", "beta2: 0.99",
+                   lambda *a: tf_adam(*a, b2=0.99), [0.0, 0.0]),
+    "adam_asyncw": ("adam_asyncw_optimizer", "weight_decay: 0.02",
+                    lambda *a: tf_adam(*a, decay=0.02), [0.0, 0.0]),
+    "rms_prop": ("rms_prop_optimizer", "momentum_optimizer_value: 0.5 decay: 0.8 epsilon: 0.1",
+                 lambda *a: tf_rmsprop(*a, rho=0.8, momentum=0.5, eps=0.1), [1.0, 0.0]),
+    "rms_prop_default": ("rms_prop_optimizer", "", tf_rmsprop, [1.0, 0.0]),
+    "momentumw": ("momentumw_optimizer", "weight_decay: 0.01 momentum_optimizer_value: 0.8",
+                  lambda *a: tf_momentumw(*a, momentum=0.8, decay=0.01), [0.0]),
     "lazy_adam": ("lazy_adam_optimizer", "beta1: 0.8 beta2: 0.99",
                   lambda *a: tf_adam(*a, b1=0.8, b2=0.99), [0.0, 0.0]),
     "adamw": ("adamw_optimizer", "weight_decay: 0.01",
@@ -213,6 +236,134 @@ def test_lamb_follows_fbgemm_step_by_step(mean: bool) -> None:
                  lambda *a: fbgemm_lamb(*a, b1=0.8, b2=0.99, decay=0.01), [0.0, 0.0], mean)
 
 
+def fbgemm_partial_rowwise(w, g, st, lr, t, b1=0.9, b2=0.999, eps=1e-8, decay=0.0,
+                           lamb=False):
+    """fbgemm's partial row-wise Adam / LAMB: the second moment is one value per row (kept
+    here repeated over the row's columns)."""
+    m, v = st
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * np.mean(g * g, axis=1, keepdims=True)
+    r = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps) + decay * w
+    if not lamb:
+        return w - lr * r, [m, v]
+    ratio = np.linalg.norm(w, axis=1, keepdims=True) / np.linalg.norm(r, axis=1, keepdims=True)
+    return w - lr * ratio * r, [m, v]
+
+
+def fbgemm_lars_sgd(w, g, st, lr, t, momentum=0.9, decay=0.0, eta=1e-3):
+    w_norm = np.linalg.norm(w, axis=1, keepdims=True)
+    rate = lr * eta * w_norm / (np.linalg.norm(g, axis=1, keepdims=True) + decay * w_norm)
+    a = momentum * st[0] + rate * (g + decay * w)
+    return w - a, [a]
+
+
+def torch_rmsprop(w, g, st, lr, t, alpha=0.99, eps=1e-8, decay=0.0):
+    g = g + decay * w
+    sq = alpha * st[0] + (1 - alpha) * g * g
+    return w - lr * g / (np.sqrt(sq) + eps), [sq]
+
+
+def torch_adadelta(w, g, st, lr, t, rho=0.95, eps=1e-6, decay=0.0):
+    g = g + decay * w
+    sq = rho * st[0] + (1 - rho) * g * g
+    d = np.sqrt(st[1] + eps) / np.sqrt(sq + eps) * g
+    acc = rho * st[1] + (1 - rho) * d * d
+    return w - lr * d, [sq, acc]
+
+
+def tzrec_tables(opt: str, fields: str) -> str:
+    return (f"sparse_optimizer {{ {opt} {{ lr: {LR} {fields} }} constant_learning_rate {{}} }} "
+            "dense_optimizer { adam_optimizer { lr: 0.01 } constant_learning_rate {} }")
+
+
+TZREC_CASES = {
+    "partial_rowwise_adam": (
+        "partial_rowwise_adam_optimizer", "beta1: 0.8 beta2: 0.99 weight_decay: 0.01",
+        lambda *a: fbgemm_partial_rowwise(*a, b1=0.8, b2=0.99, decay=0.01), [0.0, 0.0]),
+    "partial_rowwise_lamb": (
+        "partial_rowwise_lamb_optimizer", "beta1: 0.8 weight_decay: 0.01",
+        lambda *a: fbgemm_partial_rowwise(*a, b1=0.8, decay=0.01, lamb=True), [0.0, 0.0]),
+    "lars_sgd": ("lars_sgd_optimizer", "momentum: 0.5 weight_decay: 0.01",
+                 lambda *a: fbgemm_lars_sgd(*a, momentum=0.5, decay=0.01), [0.0]),
+    "rmsprop": ("rmsprop_optimizer", "alpha: 0.9 weight_decay: 0.01",
+                lambda *a: torch_rmsprop(*a, alpha=0.9, decay=0.01), [0.0]),
+    "adadelta": ("adadelta_optimizer", "rho: 0.9 eps: 1e-4",
+                 lambda *a: torch_adadelta(*a, rho=0.9, eps=1e-4), [0.0, 0.0]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TZREC_CASES) + ["mean_partial_rowwise_lamb"])
+def test_torcheasyrec_updates_follow_their_kernels_step_by_step(case: str) -> None:
+    """TorchEasyRec's other table optimizers (fbgemm's experimental CUDA kernels, or kernels
+    public fbgemm lacks) run row-sparse on CPU with their rules, row by row."""
+    opt, fields, ref, init = TZREC_CASES[case.removeprefix("mean_")]
+    _check_steps(case, tzrec_tables(opt, fields), ref, init, case.startswith("mean_"))
+
+
+def test_dense_parameters_follow_tf_rmsprop_and_momentumw() -> None:
+    """EasyRec's rms_prop / momentumw as the dense optimizer (one optimizer_config entry)."""
+    from odl.train.optimizer_builder import (
+        DecoupledMomentumW,
+        TfRmsProp,
+        make_dense_optimizer,
+        optimizer_specs,
+    )
+
+    rate = "learning_rate { constant_learning_rate { learning_rate: 0.1 } }"
+    rng = np.random.default_rng(3)
+    for text, cls, ref, init in [
+        (f"rms_prop_optimizer {{ {rate} decay: 0.8 momentum_optimizer_value: 0.5 "
+         "epsilon: 0.01 }", TfRmsProp,
+         lambda w, g, st: tf_rmsprop(w, g, st, 0.1, 0, rho=0.8, momentum=0.5, eps=0.01),
+         [1.0, 0.0]),
+        (f"momentumw_optimizer {{ {rate} weight_decay: 0.05 momentum_optimizer_value: 0.7 }}",
+         DecoupledMomentumW,
+         lambda w, g, st: tf_momentumw(w, g, st, 0.1, 0, momentum=0.7, decay=0.05), [0.0]),
+    ]:
+        tc = text_format.Parse(f"optimizer_config {{ {text} }}", pipeline_pb2.TrainConfig())
+        _sparse, dense = optimizer_specs(tc)
+        p = torch.nn.Parameter(torch.tensor(rng.normal(size=(3, 2)), dtype=torch.float64))
+        opt = make_dense_optimizer(dense, [p])
+        assert type(opt) is cls
+        w = p.detach().numpy().copy()
+        st = [np.full_like(w, s) for s in init]
+        for _ in range(3):
+            g = rng.normal(size=w.shape)
+            p.grad = torch.tensor(g)
+            opt.step()
+            w, st = ref(w, g, st)
+            np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-6)  # float32 settings
+
+
+def test_torcheasyrec_dense_adadelta_and_rmsprop_are_torchs() -> None:
+    from odl.train.optimizer_builder import make_dense_optimizer, optimizer_specs
+
+    for text, cls, want in [
+        ("adadelta_optimizer { lr: 0.5 rho: 0.8 eps: 1e-5 weight_decay: 0.01 }",
+         torch.optim.Adadelta, {"lr": 0.5, "rho": 0.8, "eps": 1e-5, "weight_decay": 0.01}),
+        ("rmsprop_optimizer { lr: 0.02 alpha: 0.9 eps: 1e-6 }", torch.optim.RMSprop,
+         {"lr": 0.02, "alpha": 0.9, "eps": 1e-6, "weight_decay": 0.0}),
+    ]:
+        tc = text_format.Parse(
+            f"sparse_optimizer {{ adagrad_optimizer {{ lr: 0.1 }} }} dense_optimizer {{ {text} }}",
+            pipeline_pb2.TrainConfig())
+        opt = make_dense_optimizer(optimizer_specs(tc)[1], [torch.nn.Parameter(torch.zeros(2))])
+        assert type(opt) is cls
+        for k, v in want.items():
+            assert opt.param_groups[0][k] == pytest.approx(v), (text, k)
+
+
+def test_table_only_kinds_are_refused_for_the_dense_part() -> None:
+    from odl.train.optimizer_builder import make_dense_optimizer, optimizer_specs
+
+    tc = text_format.Parse("optimizer_config { adam_optimizer {} }", pipeline_pb2.TrainConfig())
+    spec = optimizer_specs(tc)[1]
+    for kind in ("lamb", "lars_sgd", "partial_rowwise_adam"):
+        spec = dataclasses.replace(spec, kind=kind)
+        with pytest.raises(ConfigError, match="table optimizer"):
+            make_dense_optimizer(spec, [torch.nn.Parameter(torch.zeros(2))])
+
+
 def test_lamb_rows_of_zeros_and_zero_steps_stay() -> None:
     from odl.train.row_sparse_rules import RowSparseRule
 
@@ -241,16 +392,21 @@ def test_wide_tables_take_the_wide_rate() -> None:
                                    rtol=1e-5, atol=1e-7)
 
 
-def test_checkpoint_round_trip_continues_as_uninterrupted() -> None:
-    config = tables_config("ftrl_optimizer", "l1_reg: 0.01")
+@pytest.mark.parametrize("config, names", [
+    (tables_config("ftrl_optimizer", "l1_reg: 0.01"), {"accumulator": 4, "linear": 4}),
+    (tables_config("rms_prop_optimizer", ""), {"mean_square": 4, "momentum_buffer": 4}),
+    (tzrec_tables("partial_rowwise_lamb_optimizer", ""), {"exp_avg": 4, "exp_avg_sq_row": 1}),
+], ids=["ftrl", "rms_prop", "partial_rowwise_lamb"])
+def test_checkpoint_round_trip_continues_as_uninterrupted(config: str, names: dict) -> None:
     tm, fb = module(config)
     batches = [fb.build(records(40, 20 + k)).batch for k in range(6)]
     for b in batches[:3]:
         tm.train_step(b)
     state = tm.state_dict_for_checkpoint()
     sparse = state["sparse_optimizer"]["ebc.embedding_bags.c1.weight"]
-    assert set(sparse) == {"c1.accumulator", "c1.linear"}
-    assert float(sparse["c1.linear"].abs().sum()) > 0
+    assert {k: tuple(v.shape) for k, v in sparse.items()} == {
+        f"c1.{n}": (100, width) for n, width in names.items()}
+    assert all(float(v.abs().sum()) > 0 for v in sparse.values())
     restored, _ = module(config)
     restored.load_checkpoint_state(state)
     for b in batches[3:]:
@@ -294,10 +450,17 @@ def test_plans_run_row_sparse_where_fbgemm_has_no_kernel() -> None:
     def choice(text: str):
         return optimizer_choices(text_format.Parse(text, pipeline_pb2.TrainConfig()))[0]
 
-    for kind in ("adam", "adamw", "ftrl", "momentum", "lazy_adam"):
+    for kind in ("adam", "adamw", "ftrl", "momentum", "lazy_adam", "rms_prop", "momentumw",
+                 "adam_async", "adam_asyncw"):
         plan = table_optimizer_plan(choice(f"optimizer_config {{ {kind}_optimizer {{}} }}"),
                                     "cpu")
         assert plan.row_sparse and plan.kernel == "sgd"
+    for kind in ("lars_sgd", "partial_rowwise_adam", "partial_rowwise_lamb", "adadelta",
+                 "rmsprop"):
+        for device in ("cpu", "cuda"):
+            plan = table_optimizer_plan(
+                choice(f"sparse_optimizer {{ {kind}_optimizer {{ lr: 0.1 }} }}"), device)
+            assert plan.row_sparse and plan.configured == kind
     assert "lazy Adam" in table_optimizer_plan(
         choice("optimizer_config { adam_optimizer {} }"), "cpu").note
     assert table_optimizer_plan(
@@ -336,7 +499,12 @@ def _rank_tables(rank: int, world: int, model_dir: str, schedule: list, optimize
     from tests.harness import load_config_text
 
     text = bursty_config_text(model_dir, batch_size=256, buckets=4096)
-    config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
+    if optimizer.startswith("sparse_optimizer"):  # TorchEasyRec's form
+        config = load_config_text(text)
+        config.train_config.ClearField("optimizer_config")
+        text_format.Merge(optimizer, config.train_config)
+    else:
+        config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=row_wise_min_rows)
     assert tm.row_sparse is not None
@@ -350,11 +518,13 @@ def _rank_tables(rank: int, world: int, model_dir: str, schedule: list, optimize
     return out
 
 
-@pytest.mark.parametrize("optimizer", ["ftrl_optimizer", "adam_optimizer"])
+@pytest.mark.parametrize("optimizer", [
+    "ftrl_optimizer", tzrec_tables("partial_rowwise_lamb_optimizer", "weight_decay: 0.01")],
+    ids=["ftrl", "partial_rowwise_lamb"])
 def test_two_ranks_train_row_sparse_tables_as_one_process(tmp_path, optimizer: str) -> None:
     """Tables split by rows (4096-row id tables) and whole on one rank: each rank updates
-    the rows it holds and keeps their state; the gathered tables and state are one
-    process's."""
+    the rows it holds and keeps their state (partial row-wise LAMB: a second moment of one
+    column per row); the gathered tables and state are one process's."""
     from odl.datagen.bursty_stream import BurstyStream
     from odl.harness.spawned_ranks import run_ranks
 
@@ -401,7 +571,8 @@ def dynamic_records(n: int, seed: int) -> list[bytes]:
             f"u{rng.integers(0, 90)},{rng.integers(0, 70)}".encode() for _ in range(n)]
 
 
-@pytest.mark.parametrize("opt", ["ftrl_optimizer", "adam_optimizer", "adagrad_optimizer"])
+@pytest.mark.parametrize("opt", ["ftrl_optimizer", "adam_optimizer", "adagrad_optimizer",
+                                 "rms_prop_optimizer"])
 def test_dynamic_rows_evicted_get_a_fresh_optimizer_state(opt: str) -> None:
     tm, fb = module(tables_config(opt, "initial_accumulator_value: 0.2"
                                   if opt.startswith("adagrad") else ""), DYNAMIC_MODEL)
@@ -446,3 +617,27 @@ def test_checkpoints_of_the_former_substitutes_restore(opt: str) -> None:
         same, _ = rule.apply(w.clone(), torch.zeros_like(w), [v.clone() for v in st], LR, 2)
         torch.testing.assert_close(same, w, rtol=1e-5, atol=1e-6)
     restored.train_step(fb.build(records(40, 3)).batch)
+
+
+@pytest.mark.parametrize("train, field", [
+    ("optimizer_config { rms_prop_optimizer { decay: 1.0 } }",
+     "train_config.optimizer_config[0].rms_prop_optimizer.decay"),
+    ("optimizer_config { rms_prop_optimizer { epsilon: 0 } }",
+     "train_config.optimizer_config[0].rms_prop_optimizer.epsilon"),
+    ("optimizer_config { momentumw_optimizer { weight_decay: 1.5 } }",
+     "train_config.optimizer_config[0].momentumw_optimizer.weight_decay"),
+    (tzrec_tables("adadelta_optimizer", "rho: 1.5"),
+     "train_config.sparse_optimizer.adadelta_optimizer.rho"),
+    (tzrec_tables("rmsprop_optimizer", "alpha: -0.1"),
+     "train_config.sparse_optimizer.rmsprop_optimizer.alpha"),
+    (tzrec_tables("lars_sgd_optimizer", "momentum: 1.0"),
+     "train_config.sparse_optimizer.lars_sgd_optimizer.momentum"),
+])
+def test_optimizer_settings_out_of_range_are_refused_by_field(train: str, field: str) -> None:
+    from odl.config.train_validation import validate_train_config
+
+    config = text_format.Parse(MODEL, pipeline_pb2.EasyRecConfig())
+    text_format.Merge(train, config.train_config)
+    with pytest.raises(ConfigError) as info:
+        validate_train_config(config)
+    assert info.value.field == field

@@ -122,20 +122,15 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "IncrementSaveConfig": frozenset({"datahub"}),
     "IncrementSaveConfig.Kafka.Consumer": frozenset({"config_topic", "config_global", "timeout"}),
     "IncrementSaveConfig.File": frozenset({"relative", "mount_path"}),
-    "OptimizerConfig": frozenset({
-        "rms_prop_optimizer", "momentumw_optimizer", "adam_async_optimizer",
-        "adam_asyncw_optimizer", "embedding_learning_rate_multiplier",
-    }),
+    "OptimizerConfig": frozenset({"embedding_learning_rate_multiplier"}),
     "LearningRate": frozenset({"manual_step_learning_rate", "transformer_learning_rate"}),
     "SparseOptimizer": frozenset({
-        "lars_sgd_optimizer", "partial_rowwise_adam_optimizer",
-        "partial_rowwise_lamb_optimizer", "rowwise_adagrad_optimizer_with_decay",
-        "adadelta_optimizer", "rmsprop_optimizer", "manual_step_learning_rate",
+        "rowwise_adagrad_optimizer_with_decay", "manual_step_learning_rate",
         "cosine_annealing_warm_restarts_learning_rate",
     }),
     "DenseOptimizer": frozenset({
-        "adadelta_optimizer", "rmsprop_optimizer", "part_optimizers", "ema",
-        "manual_step_learning_rate", "cosine_annealing_warm_restarts_learning_rate",
+        "part_optimizers", "ema", "manual_step_learning_rate",
+        "cosine_annealing_warm_restarts_learning_rate",
     }),
     # TorchEasyRec's per-kernel clipping of the table gradients (fbgemm's gradient_clipping)
     "TzrecSgdOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
@@ -144,6 +139,9 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "TzrecRowWiseAdagradOptimizer": frozenset({
         "weight_decay", "weight_decay_mode", "gradient_clipping", "max_gradient"}),
     "TzrecLambOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
+    "TzrecLarsSgdOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
+    "TzrecAdadeltaOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
+    "TzrecRmspropOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
     "GradClipping": frozenset({"enable_global_grad_clip"}),
 }
 

@@ -10,7 +10,7 @@ Table optimizers are fbgemm's fused kernels (updated inside backward) where fbge
 fbgemm-gpu-cpu implements ``exact_sgd``, ``exact_adagrad`` and ``exact_row_wise_adagrad`` on
 CPU; its Adam, LAMB, LARS-SGD and partial row-wise Adam/LAMB are CUDA only (on CPU the kernel
 constructor asserts ``Optimizer adam is not supported in CPU mode``); no fbgemm build has FTRL,
-momentum SGD or decoupled (AdamW) decay for tables. Those run *row-sparse*
+momentum SGD, RMSProp, Adadelta or decoupled (AdamW) decay for tables. Those run *row-sparse*
 (``odl.train.row_sparse_tables``): the fused kernel runs as SGD at rate 0 and, after
 backward, the configured update is applied to the rows the batch touched (TF's sparse
 applies, ``odl.train.row_sparse_rules``; cost follows the batch). Per configured kind:
@@ -26,7 +26,17 @@ momentum                TF momentum (row-sparse)             TF momentum (row-sp
 adam (lazy_adam)        lazy Adam (row-sparse)               fbgemm Adam (fused, lazy)
 adamw                   lazy Adam + decay (row-sparse)       lazy Adam + decay (row-sparse)
 lamb                    fbgemm's LAMB (row-sparse)           fbgemm LAMB (fused)
+momentumw               TF momentum + decay (row-sparse)     TF momentum + decay (row-sparse)
+rmsprop                 TF / torch RMSProp (row-sparse)      TF / torch RMSProp (row-sparse)
+adadelta                torch Adadelta (row-sparse)          torch Adadelta (row-sparse)
+lars_sgd                fbgemm's LARS-SGD (row-sparse)       fbgemm's LARS-SGD (row-sparse)
+partial_rowwise_adam    fbgemm's rule (row-sparse)           fbgemm's rule (row-sparse)
+partial_rowwise_lamb    fbgemm's rule (row-sparse)           fbgemm's rule (row-sparse)
 ======================  ===================================  =================================
+
+EasyRec's ``adam_async_optimizer`` / ``adam_asyncw_optimizer`` (PAI-TF) are configured kinds
+``adam`` / ``adamw``. The kinds fbgemm has fused on CUDA only as experimental kernels (LARS-SGD,
+partial row-wise Adam / LAMB) run row-sparse on both devices: one rule, one state layout.
 
 Adam on the tables is lazy (touched rows only, bias correction with the global step), as
 TF's ``LazyAdamOptimizer`` and fbgemm's Adam; EasyRec's ``adam_optimizer`` (TF's
@@ -68,6 +78,9 @@ ROW_SPARSE_DEVICES: dict[str, frozenset[str]] = {
     "ftrl": frozenset({"cpu", "cuda"}),
     "momentum": frozenset({"cpu", "cuda"}),
     "lamb": frozenset({"cpu"}),
+    **{kind: frozenset({"cpu", "cuda"}) for kind in (
+        "momentumw", "rmsprop", "adadelta", "lars_sgd", "partial_rowwise_adam",
+        "partial_rowwise_lamb")},
 }
 
 # Kind used for the tables / the dense part when nothing is configured
@@ -78,12 +91,17 @@ DEFAULT_DENSE_KIND = "adam"
 EASYREC_KINDS: dict[str, str] = {
     "sgd_optimizer": "sgd", "adagrad_optimizer": "adagrad", "adam_optimizer": "adam",
     "lazy_adam_optimizer": "adam", "momentum_optimizer": "momentum",
-    "adamw_optimizer": "adamw", "ftrl_optimizer": "ftrl",
+    "adamw_optimizer": "adamw", "ftrl_optimizer": "ftrl", "rms_prop_optimizer": "rmsprop",
+    "momentumw_optimizer": "momentumw", "adam_async_optimizer": "adam",
+    "adam_asyncw_optimizer": "adamw",
 }
 TZREC_KINDS: dict[str, str] = {
     "sgd_optimizer": "sgd", "adagrad_optimizer": "adagrad", "adam_optimizer": "adam",
     "rowwise_adagrad_optimizer": "rowwise_adagrad", "lamb_optimizer": "lamb",
-    "adamw_optimizer": "adamw",
+    "adamw_optimizer": "adamw", "lars_sgd_optimizer": "lars_sgd",
+    "partial_rowwise_adam_optimizer": "partial_rowwise_adam",
+    "partial_rowwise_lamb_optimizer": "partial_rowwise_lamb", "adadelta_optimizer": "adadelta",
+    "rmsprop_optimizer": "rmsprop",
 }
 
 
@@ -93,7 +111,9 @@ class OptimizerChoice:
 
     Attributes:
         kind: ``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"rowwise_adagrad"``, ``"adam"``,
-            ``"adamw"``, ``"ftrl"`` or ``"lamb"`` (``""``: none set).
+            ``"adamw"``, ``"ftrl"``, ``"lamb"``, ``"momentumw"``, ``"rmsprop"``,
+            ``"adadelta"``, ``"lars_sgd"``, ``"partial_rowwise_adam"`` or
+            ``"partial_rowwise_lamb"`` (``""``: none set).
         field: dotted path of the config field that chose it (``""`` for the default).
         form: ``"easyrec"``, ``"tzrec"`` or ``"default"``.
         message: the optimizer's own message (e.g. the ``FtrlOptimizer``), None for the default.

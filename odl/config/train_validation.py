@@ -170,16 +170,24 @@ def _validate_easyrec_optimizer(opt: Any, where: str) -> None:
     if kind is None:
         raise ConfigError(where, "choose an optimizer (sgd_optimizer, momentum_optimizer, "
                                  "adagrad_optimizer, adam_optimizer, adamw_optimizer, "
-                                 "lazy_adam_optimizer or ftrl_optimizer)")
+                                 "lazy_adam_optimizer, ftrl_optimizer, rms_prop_optimizer, "
+                                 "momentumw_optimizer, adam_async_optimizer or "
+                                 "adam_asyncw_optimizer)")
     inner = getattr(opt, kind)
     _validate_easyrec_lr(inner.learning_rate, f"{where}.{kind}.learning_rate")
     w = f"{where}.{kind}"
-    if kind in ("adam_optimizer", "adamw_optimizer", "lazy_adam_optimizer"):
+    fields = inner.DESCRIPTOR.fields_by_name
+    if "beta1" in fields:
         _check_betas(inner, w)
-    if kind == "adamw_optimizer" and not 0 <= inner.weight_decay < 1:
+    if "weight_decay" in fields and not 0 <= inner.weight_decay < 1:
         raise ConfigError(f"{w}.weight_decay", "must be in [0, 1) (the decay per step)")
-    if kind == "momentum_optimizer" and not 0 <= inner.momentum_optimizer_value < 1:
+    if "momentum_optimizer_value" in fields and not 0 <= inner.momentum_optimizer_value < 1:
         raise ConfigError(f"{w}.momentum_optimizer_value", "must be in [0, 1)")
+    if kind == "rms_prop_optimizer":
+        if not 0 <= inner.decay < 1:
+            raise ConfigError(f"{w}.decay", "must be in [0, 1)")
+        if not inner.epsilon > 0:
+            raise ConfigError(f"{w}.epsilon", "must be > 0")
     if kind == "adagrad_optimizer" and inner.initial_accumulator_value < 0:
         raise ConfigError(f"{w}.initial_accumulator_value", "must be >= 0")
     if kind == "ftrl_optimizer":
@@ -255,11 +263,14 @@ def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
             raise ConfigError(f"{w}.{name}", "must be >= 0")
     if "eps" in fields and not inner.eps > 0:
         raise ConfigError(f"{w}.eps", "must be > 0")
-    if "momentum" in fields:
-        if not 0 <= inner.momentum < 1:
-            raise ConfigError(f"{w}.momentum", "must be in [0, 1)")
-        if inner.nesterov and (inner.momentum == 0 or inner.dampening != 0):
-            raise ConfigError(f"{w}.nesterov", "needs momentum > 0 and dampening 0")
+    if "momentum" in fields and not 0 <= inner.momentum < 1:
+        raise ConfigError(f"{w}.momentum", "must be in [0, 1)")
+    if "nesterov" in fields and inner.nesterov and (inner.momentum == 0
+                                                    or inner.dampening != 0):
+        raise ConfigError(f"{w}.nesterov", "needs momentum > 0 and dampening 0")
+    for name in ("rho", "alpha"):
+        if name in fields and not 0 <= getattr(inner, name) < 1:
+            raise ConfigError(f"{w}.{name}", "must be in [0, 1)")
     which = opt.WhichOneof("learning_rate")
     if which == "exponential_decay_learning_rate":
         e = opt.exponential_decay_learning_rate

@@ -114,12 +114,18 @@ MAX_MEMORY_FRACTION_ENV = "ODL_MAX_MEMORY_FRACTION"
 
 # Table optimizer state: (floats per row, floats per row and dimension).
 # Row-sparse kinds (odl.train.row_sparse_tables) keep theirs per table value as well: FTRL
-# its accumulator and linear term, momentum its buffer, Adam / AdamW two moments.
+# its accumulator and linear term, momentum its buffer, Adam / AdamW two moments, the
+# partial row-wise ones a first moment per value and a second per row.
 _SPARSE_STATE = {"sgd": (0, 0), "adagrad": (0, 1), "rowwise_adagrad": (1, 0), "adam": (0, 2),
-                 "adamw": (0, 2), "lamb": (0, 2), "ftrl": (0, 2), "momentum": (0, 1)}
+                 "adamw": (0, 2), "lamb": (0, 2), "ftrl": (0, 2), "momentum": (0, 1),
+                 "momentumw": (0, 1), "lars_sgd": (0, 1), "rmsprop": (0, 2),
+                 "adadelta": (0, 2), "partial_rowwise_adam": (1, 1),
+                 "partial_rowwise_lamb": (1, 1)}
+# TorchEasyRec's RMSprop keeps no momentum buffer
+_TZREC_SPARSE_STATE = {"rmsprop": (0, 1)}
 # Dense optimizer state floats per parameter.
 _DENSE_STATE = {"sgd": 0, "momentum": 1, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2,
-                "adamw": 2, "ftrl": 2}
+                "adamw": 2, "ftrl": 2, "momentumw": 1, "rmsprop": 2, "adadelta": 2}
 
 
 @dataclass(frozen=True)
@@ -282,7 +288,9 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str, ranks:
         model = build_model(config, feature_builder)
     specs = {s.name: s for s in feature_builder.table_specs}
     sparse, dense = optimizer_choices(config.train_config)
-    per_row, per_value = _SPARSE_STATE.get(table_kernel_kind(sparse.kind), (0, 2))
+    kind = table_kernel_kind(sparse.kind)
+    per_row, per_value = ((_TZREC_SPARSE_STATE.get(kind) if sparse.form == "tzrec" else None)
+                          or _SPARSE_STATE.get(kind, (0, 2)))
     tables: list[TableEstimate] = []
     mapped: set[str] = set()  # dynamic tables whose index is counted (once per deep/wide pair)
     # growing tables grow with one rank and one partition only; otherwise built at grows_to

@@ -14,14 +14,18 @@ default 0.9, ``weight_decay``, ``dampening``, ``nesterov``), ``momentum`` -> SGD
 (as TF's MomentumOptimizer), ``adagrad`` / ``rowwise_adagrad`` -> Adagrad, ``adam`` -> Adam,
 ``adamw`` -> EasyRec: :class:`DecoupledAdamW` (``var -= weight_decay * var`` per step, not
 scaled by the rate, as EasyRec's TF AdamW), TorchEasyRec: ``torch.optim.AdamW``; ``ftrl`` ->
-:class:`FtrlProximal` (TF's FTRL-Proximal update with l1, l2 and l2 shrinkage).
+:class:`FtrlProximal` (TF's FTRL-Proximal update with l1, l2 and l2 shrinkage);
+``momentumw`` -> :class:`DecoupledMomentumW` (TF contrib's MomentumW); ``rmsprop`` -> EasyRec:
+:class:`TfRmsProp` (TF's RMSProp: the mean square starts at 1, epsilon under the root),
+TorchEasyRec: ``torch.optim.RMSprop``; ``adadelta`` -> ``torch.optim.Adadelta``. The
+table-only kinds (``lamb``, ``lars_sgd``, ``partial_rowwise_adam`` / ``_lamb``) are refused
+for the dense part.
 
 Embedding tables (see :mod:`odl.config.optimizer_support` for what runs per kind and
 device): fbgemm's fused kernel inside backward for ``sgd`` (exact SGD), ``adagrad`` (exact
 element-wise Adagrad, as EasyRec's TF Adagrad), ``rowwise_adagrad`` (exact row-wise Adagrad),
 ``adam`` / ``lamb`` on CUDA (fbgemm Adam / LAMB); row-sparse (:mod:`odl.train.row_sparse_tables`,
-the fused kernel at rate 0) for ``ftrl``, ``momentum``, ``adamw``, and ``adam`` and ``lamb``
-on CPU. Fused
+the fused kernel at rate 0) for the other kinds, and ``adam`` and ``lamb`` on CPU. Fused
 Adagrad table accumulators start at ``initial_accumulator_value`` as TF's do when the config
 writes it, else at 0 (:func:`table_accumulator_start`; evicted rows of dynamic tables restart
 there too); dense Adagrad and the row-sparse FTRL take the field's value, written or not.
@@ -67,6 +71,7 @@ TABLE_EPS = 1e-8
 
 __all__ = [
     "DecoupledAdamW",
+    "DecoupledMomentumW",
     "FtrlProximal",
     "GradientClipping",
     "OptimizerSpec",
@@ -75,7 +80,10 @@ __all__ = [
     "optimizer_specs",
     "sparse_optimizer_args",
     "table_accumulator_start",
+    "TfRmsProp",
 ]
+# kinds that only the embedding tables run
+TABLE_ONLY_KINDS = ("lamb", "lars_sgd", "partial_rowwise_adam", "partial_rowwise_lamb")
 
 
 
@@ -85,8 +93,7 @@ class OptimizerSpec:
     """One optimizer choice.
 
     Attributes:
-        kind: ``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"rowwise_adagrad"`` (tables only),
-            ``"adam"``, ``"adamw"``, ``"ftrl"`` or ``"lamb"`` (tables only).
+        kind: an ``OptimizerChoice`` kind (``odl.config.optimizer_support``).
         schedule: learning-rate schedule.
         params: extra settings (``initial_accumulator_value``, ``beta1``, ``beta2``,
             ``momentum``, ``weight_decay``, ``eps``, FTRL's ``lr_power``, ``l1``, ``l2``,
@@ -131,6 +138,12 @@ def _easyrec_params(kind: str, msg: Any) -> dict[str, Any]:
         return {"initial_accumulator_value": float(msg.initial_accumulator_value)}
     if kind == "momentum":
         return {"momentum": float(msg.momentum_optimizer_value)}
+    if kind == "momentumw":
+        return {"momentum": float(msg.momentum_optimizer_value),
+                "weight_decay": float(msg.weight_decay)}
+    if kind == "rmsprop":
+        return {"momentum": float(msg.momentum_optimizer_value), "decay": float(msg.decay),
+                "eps": float(msg.epsilon)}
     if kind in ("adam", "adamw"):
         out = {"beta1": float(msg.beta1), "beta2": float(msg.beta2)}
         if kind == "adamw":
@@ -175,7 +188,8 @@ def _tzrec_schedule(msg: pipeline_pb2.SparseOptimizer | pipeline_pb2.DenseOptimi
 
 def _tzrec_params(kind: str, opt: Any) -> dict[str, Any]:
     names = [n for n in ("momentum", "weight_decay", "dampening", "nesterov",
-                         "initial_accumulator_value", "eps", "amsgrad", "beta1", "beta2")
+                         "initial_accumulator_value", "eps", "amsgrad", "beta1", "beta2",
+                         "rho", "alpha")
              if n in opt.DESCRIPTOR.fields_by_name]
     out: dict[str, Any] = {n: getattr(opt, n) for n in names}
     for n in ("nesterov", "amsgrad"):
@@ -338,6 +352,86 @@ class DecoupledAdamW(torch.optim.Adam):
         return super().step(closure)
 
 
+class DecoupledMomentumW(torch.optim.SGD):
+    """EasyRec's (TF contrib) MomentumW: ``p -= weight_decay * p``, then TF's momentum step.
+
+    TF's momentum (``accum = momentum * accum + g``, ``p -= lr * accum``) is torch's SGD with
+    momentum and no dampening. The decay is not multiplied by the learning rate; only
+    parameters with a gradient decay.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        momentum: momentum.
+        weight_decay: decay per step.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.9,
+                 weight_decay: float = 1e-6) -> None:
+        super().__init__(params, lr=lr, momentum=momentum)
+        for group in self.param_groups:
+            group.setdefault("step_weight_decay", float(weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Decays every parameter that has a gradient, then takes a momentum step."""
+        for group in self.param_groups:
+            decay = group["step_weight_decay"]
+            if decay:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.mul_(1.0 - decay)
+        return super().step(closure)
+
+
+class TfRmsProp(torch.optim.Optimizer):
+    """TF's ``RMSPropOptimizer`` (not centered), as EasyRec's ``rms_prop_optimizer``.
+
+    Per coordinate::
+
+        ms  = decay * ms + (1 - decay) * g * g        (ms starts at 1)
+        mom = momentum * mom + lr * g / sqrt(ms + epsilon)
+        p  -= mom
+
+    ``torch.optim.RMSprop`` differs: its mean square starts at 0 and its epsilon is added
+    outside the root.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (read from the group every step, so schedules apply).
+        decay: decay of the mean square.
+        momentum: momentum.
+        eps: added to the mean square under the root.
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, decay: float = 0.9,
+                 momentum: float = 0.9, eps: float = 1.0) -> None:
+        super().__init__(params, {"lr": lr, "decay": decay, "momentum": momentum, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One RMSProp update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, rho = group["lr"], group["decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                state = self.state[p]
+                if not state:
+                    state["mean_square"] = torch.ones_like(p)
+                    state["momentum_buffer"] = torch.zeros_like(p)
+                ms, mom = state["mean_square"], state["momentum_buffer"]
+                ms.mul_(rho).addcmul_(g, g, value=1.0 - rho)
+                mom.mul_(group["momentum"]).add_(lr * g / (ms + group["eps"]).sqrt())
+                p.sub_(mom)
+        return loss
+
+
 class FtrlProximal(torch.optim.Optimizer):
     """FTRL-Proximal as TF's ``FtrlOptimizer`` (the ApplyFtrlV2 update), per coordinate.
 
@@ -426,6 +520,20 @@ def make_dense_optimizer(
         return FtrlProximal(params, lr=lr, lr_power=p["lr_power"],
                             initial_accumulator_value=p["initial_accumulator_value"],
                             l1=p["l1"], l2=p["l2"], l2_shrinkage=p["l2_shrinkage"])
+    if spec.kind == "momentumw":
+        return DecoupledMomentumW(params, lr=lr, momentum=p["momentum"],
+                                  weight_decay=p["weight_decay"])
+    if spec.kind == "rmsprop" and "decay" in p:  # EasyRec's (TF's) form
+        return TfRmsProp(params, lr=lr, decay=p["decay"], momentum=p["momentum"], eps=p["eps"])
+    if spec.kind == "rmsprop":
+        return torch.optim.RMSprop(params, lr=lr, alpha=p.get("alpha", 0.99),
+                                   eps=p.get("eps", 1e-8), weight_decay=p.get("weight_decay", 0.0))
+    if spec.kind == "adadelta":
+        return torch.optim.Adadelta(params, lr=lr, rho=p.get("rho", 0.95), eps=p.get("eps", 1e-6),
+                                    weight_decay=p.get("weight_decay", 0.0))
+    if spec.kind in TABLE_ONLY_KINDS:
+        raise ConfigError(spec.source, f"{spec.kind} is a table optimizer (sparse_optimizer "
+                                       "only, or the first of two optimizer_config entries)")
     betas = (p.get("beta1", 0.9), p.get("beta2", 0.999))
     if spec.kind == "adamw" and not p.get("decay_scaled_by_lr", True):
         return DecoupledAdamW(params, lr=lr, betas=betas, weight_decay=p["weight_decay"])
@@ -438,8 +546,6 @@ def make_dense_optimizer(
                                  weight_decay=p.get("weight_decay", 0.0),
                                  eps=p.get("eps", 1e-8), amsgrad=p.get("amsgrad", False),
                                  fused=fused or None)
-    if spec.kind == "lamb":
-        raise ConfigError(spec.source, "lamb is a table optimizer (sparse_optimizer only)")
     return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=p.get("weight_decay", 0.0),
                             eps=p.get("eps", 1e-8), amsgrad=p.get("amsgrad", False),
                             fused=fused or None)

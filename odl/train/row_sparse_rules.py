@@ -26,6 +26,25 @@ gathers and scatters. ``t`` is the global step counting this one (1 at the first
   each row ``w -= lr * (|w| / |r|) * r`` with its own trust ratio (the rows' L2 norms). A
   row whose ``r`` is zero does not move (fbgemm divides by zero there); a row of zeros stays
   zero, as under fbgemm.
+* ``partial_rowwise_adam`` / ``partial_rowwise_lamb`` (TorchEasyRec, fbgemm's partial
+  row-wise kernels): Adam's / LAMB's rule with one second moment per row, ``v = b2 * v + (1 -
+  b2) * mean(g * g over the row)`` (state ``[rows, 1]``); Adam adds ``weight_decay * w`` to
+  its step (``w -= lr * (m_hat / (sqrt(v_hat) + eps) + weight_decay * w)``, fbgemm's form).
+* ``lars_sgd`` (TorchEasyRec, fbgemm's LARS-SGD): each row's own rate ``lr * eta * |w| /
+  (|g| + weight_decay * |w|)`` (``eta`` 0.001, fbgemm's default, which TorchEasyRec keeps),
+  ``a = momentum * a + rate * (g + weight_decay * w)``, ``w -= a``. A row whose rate's
+  denominator is zero does not move (fbgemm divides by zero there), nor does a row of zeros.
+* ``rmsprop``: EasyRec form, TF's ``SparseApplyRMSProp`` (``tf.train.RMSPropOptimizer``, not
+  centered): ``ms = decay * ms + (1 - decay) * g * g``, ``mom = momentum * mom + lr * g /
+  sqrt(ms + epsilon)``, ``w -= mom``; TF starts ``ms`` at 1, stored here as ``ms - 1`` so that
+  a zeroed row is a fresh one. TorchEasyRec form, ``torch.optim.RMSprop`` without momentum:
+  ``g += weight_decay * w``, ``sq = alpha * sq + (1 - alpha) * g * g``, ``w -= lr * g /
+  (sqrt(sq) + eps)``.
+* ``adadelta`` (TorchEasyRec, ``torch.optim.Adadelta``): ``g += weight_decay * w``, ``sq = rho
+  * sq + (1 - rho) * g * g``, ``d = sqrt(acc + eps) / sqrt(sq + eps) * g``, ``acc = rho * acc +
+  (1 - rho) * d * d``, ``w -= lr * d``.
+* ``momentumw`` (EasyRec, TF contrib's ``MomentumWOptimizer``): the touched rows' decoupled
+  decay ``w -= weight_decay * w`` (not scaled by the rate), then TF's momentum step.
 """
 
 from __future__ import annotations
@@ -42,16 +61,30 @@ from odl.config.optimizer_support import OptimizerChoice, table_optimizer_plan
 if TYPE_CHECKING:
     from odl.train.optimizer_builder import OptimizerSpec
 
-__all__ = ["ROW_SPARSE_STATE", "RowSparseRule", "row_sparse_rule"]
+__all__ = ["ROW_SPARSE_STATE", "ROW_WISE_STATE", "RowSparseRule", "row_sparse_rule",
+           "row_sparse_state_names"]
 
-# kind -> names of its per-value state tensors (each [rows, stored columns])
+# kind -> names of its state tensors (each [rows, stored columns], or [rows, 1] for the names
+# in ROW_WISE_STATE)
 ROW_SPARSE_STATE: dict[str, tuple[str, ...]] = {
     "adam": ("exp_avg", "exp_avg_sq"),
     "adamw": ("exp_avg", "exp_avg_sq"),
     "ftrl": ("accumulator", "linear"),
     "momentum": ("momentum_buffer",),
+    "momentumw": ("momentum_buffer",),
     "lamb": ("exp_avg", "exp_avg_sq"),
+    "partial_rowwise_adam": ("exp_avg", "exp_avg_sq_row"),
+    "partial_rowwise_lamb": ("exp_avg", "exp_avg_sq_row"),
+    "lars_sgd": ("momentum_buffer",),
+    "rmsprop": ("mean_square", "momentum_buffer"),
+    "adadelta": ("square_avg", "acc_delta"),
 }
+# TorchEasyRec's form where its state differs from EasyRec's (RMSprop without momentum)
+_TORCH_FORM_STATE: dict[str, tuple[str, ...]] = {"rmsprop": ("square_avg",)}
+# state kept as one value per row
+ROW_WISE_STATE = frozenset({"exp_avg_sq_row"})
+# fbgemm's LARS-SGD trust coefficient (TorchEasyRec leaves it at fbgemm's default)
+LARS_ETA = 1e-3
 
 TF_EPSILON = 1e-8
 
@@ -61,9 +94,10 @@ class RowSparseRule:
     """One row-sparse optimizer (module docstring).
 
     Attributes:
-        kind: ``"adam"``, ``"adamw"``, ``"ftrl"``, ``"momentum"`` or ``"lamb"``.
+        kind: a key of ``ROW_SPARSE_STATE``.
         params: the optimizer's settings (``OptimizerSpec.params``).
-        tf_form: EasyRec's (TF) form of Adam / AdamW; False: TorchEasyRec's (torch).
+        tf_form: EasyRec's (TF) form of Adam / AdamW / RMSProp; False: TorchEasyRec's
+            (torch's, fbgemm's).
     """
 
     kind: str
@@ -78,7 +112,7 @@ class RowSparseRule:
     @property
     def state_names(self) -> tuple[str, ...]:
         """Names of the state tensors the rule keeps per table."""
-        return ROW_SPARSE_STATE[self.kind]
+        return row_sparse_state_names(self.kind, self.tf_form)
 
     def apply(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], lr: float,
               t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -87,7 +121,8 @@ class RowSparseRule:
         Args:
             w: the rows' weights ``[U, D]`` (not modified).
             g: their summed gradients ``[U, D]``.
-            state: their state, one ``[U, D]`` tensor per ``state_names`` (not modified).
+            state: their state, one ``[U, D]`` (``[U, 1]`` row-wise) tensor per
+                ``state_names`` (not modified).
             lr: the table's rate of this step.
             t: the global step counting this one (>= 1).
 
@@ -96,12 +131,77 @@ class RowSparseRule:
         """
         if self.kind == "ftrl":
             return self._ftrl(w, g, state, lr)
-        if self.kind == "momentum":
+        if self.kind in ("momentum", "momentumw"):
+            decay = float(self.params.get("weight_decay", 0.0)) if self.kind == "momentumw" else 0
+            if decay:
+                w = w * (1.0 - decay)
             a = state[0] * float(self.params.get("momentum", 0.9)) + g
             return w - lr * a, [a]
         if self.kind == "lamb":
             return self._lamb(w, g, state, lr, t)
+        if self.kind in ("partial_rowwise_adam", "partial_rowwise_lamb"):
+            return self._partial_rowwise(w, g, state, lr, t)
+        if self.kind == "lars_sgd":
+            return self._lars_sgd(w, g, state, lr)
+        if self.kind == "rmsprop":
+            return self._rmsprop(w, g, state, lr)
+        if self.kind == "adadelta":
+            return self._adadelta(w, g, state, lr)
         return self._adam(w, g, state, lr, t)
+
+    def _partial_rowwise(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor],
+                         lr: float, t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        p = self.params
+        b1, b2 = float(p.get("beta1", 0.9)), float(p.get("beta2", 0.999))
+        eps = float(p.get("eps", TF_EPSILON))
+        decay = float(p.get("weight_decay", 0.0))
+        m = state[0] * b1 + g * (1.0 - b1)
+        v = state[1] * b2 + (g * g).mean(dim=1, keepdim=True) * (1.0 - b2)
+        r = (m / (1.0 - b1**t)) / ((v / (1.0 - b2**t)).sqrt() + eps)
+        if decay:
+            r = r + decay * w
+        if self.kind == "partial_rowwise_adam":
+            return w - lr * r, [m, v]
+        return w - lr * _trust_ratio(w, r) * r, [m, v]
+
+    def _lars_sgd(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor],
+                  lr: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        p = self.params
+        decay = float(p.get("weight_decay", 0.0))
+        w_norm = w.norm(dim=1, keepdim=True)
+        below = g.norm(dim=1, keepdim=True) + decay * w_norm
+        rate = torch.where(below > 0, lr * LARS_ETA * w_norm / below.clamp_min(1e-38),
+                           torch.zeros_like(below))
+        a = state[0] * float(p.get("momentum", 0.9)) + rate * (g + decay * w)
+        return w - a, [a]
+
+    def _rmsprop(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor],
+                 lr: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        p = self.params
+        if self.tf_form:
+            rho = float(p.get("decay", 0.9))
+            ms = (state[0] + 1.0) * rho + g * g * (1.0 - rho)
+            mom = state[1] * float(p.get("momentum", 0.9)) + lr * g / (
+                ms + float(p.get("eps", 1.0))).sqrt()
+            return w - mom, [ms - 1.0, mom]
+        decay = float(p.get("weight_decay", 0.0))
+        if decay:
+            g = g + decay * w
+        alpha = float(p.get("alpha", 0.99))
+        sq = state[0] * alpha + g * g * (1.0 - alpha)
+        return w - lr * g / (sq.sqrt() + float(p.get("eps", TF_EPSILON))), [sq]
+
+    def _adadelta(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor],
+                  lr: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        p = self.params
+        rho, eps = float(p.get("rho", 0.95)), float(p.get("eps", 1e-6))
+        decay = float(p.get("weight_decay", 0.0))
+        if decay:
+            g = g + decay * w
+        sq = state[0] * rho + g * g * (1.0 - rho)
+        d = (state[1] + eps).sqrt() / (sq + eps).sqrt() * g
+        acc = state[1] * rho + d * d * (1.0 - rho)
+        return w - lr * d, [sq, acc]
 
     def _lamb(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], lr: float,
               t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -114,10 +214,7 @@ class RowSparseRule:
         decay = float(p.get("weight_decay", 0.0))
         if decay:
             r = r + decay * w
-        w_norm = w.norm(dim=1, keepdim=True)
-        r_norm = r.norm(dim=1, keepdim=True)
-        ratio = torch.where(r_norm > 0, w_norm / r_norm.clamp_min(1e-38), torch.zeros_like(r_norm))
-        return w - lr * ratio * r, [m, v]
+        return w - lr * _trust_ratio(w, r) * r, [m, v]
 
     def _adam(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor], lr: float,
               t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -157,6 +254,28 @@ class RowSparseRule:
         new_w = torch.where(z.abs() > l1, (torch.sign(z) * l1 - z) / quadratic,
                             torch.zeros_like(z))
         return new_w, [n_new - init, z]
+
+
+def _trust_ratio(w: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """LAMB's per-row ``|w| / |r|`` (0 where ``r`` is zero)."""
+    w_norm = w.norm(dim=1, keepdim=True)
+    r_norm = r.norm(dim=1, keepdim=True)
+    return torch.where(r_norm > 0, w_norm / r_norm.clamp_min(1e-38), torch.zeros_like(r_norm))
+
+
+def row_sparse_state_names(kind: str, tf_form: bool = True) -> tuple[str, ...]:
+    """Names of the state tensors a row-sparse kind keeps per table, in its form.
+
+    Args:
+        kind: a key of ``ROW_SPARSE_STATE``.
+        tf_form: EasyRec's form; False: TorchEasyRec's.
+
+    Returns:
+        The names (those in ``ROW_WISE_STATE`` are one value per row).
+    """
+    if not tf_form and kind in _TORCH_FORM_STATE:
+        return _TORCH_FORM_STATE[kind]
+    return ROW_SPARSE_STATE[kind]
 
 
 def row_sparse_rule(spec: OptimizerSpec, device_type: str) -> RowSparseRule | None:

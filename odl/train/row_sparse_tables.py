@@ -1,4 +1,4 @@
-"""Row-sparse table optimizers: Adam, AdamW, FTRL, momentum, LAMB where fbgemm has no kernel.
+"""Row-sparse table optimizers: Adam, FTRL, momentum, RMSProp, ... where fbgemm has no kernel.
 
 fbgemm's fused table kernels cover SGD and (row-wise) Adagrad on CPU (Adam and LAMB on
 CUDA); :mod:`odl.config.optimizer_support` says which configured kinds run here instead.
@@ -10,7 +10,8 @@ output. After backward, :meth:`RowSparseTables.apply` turns them into each touch
 summed gradient (a value read by sample ``b`` through feature ``f`` gets ``grad_out[b, f's
 columns]``, times its per-sample weight, over the bag's length under mean pooling) and
 applies the rule (:class:`odl.train.row_sparse_rules.RowSparseRule`) to those rows of the
-TBE's weights and of the state tensors kept here per table (``[rows, stored columns]`` each).
+TBE's weights and of the state tensors kept here per table (``[rows, stored columns]`` each,
+``[rows, 1]`` for a state kept per row, ``row_sparse_rules.ROW_WISE_STATE``).
 The cost follows the batch (its unique rows), not the table.
 
 The TBE sees its inputs after TorchRec's input distribution, so with several ranks each
@@ -31,7 +32,7 @@ import torch
 from torch import nn
 
 from odl.models.embedding_tables import WIDE_SUFFIX
-from odl.train.row_sparse_rules import RowSparseRule
+from odl.train.row_sparse_rules import ROW_WISE_STATE, RowSparseRule
 from odl.train.table_shards import EBC_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -144,8 +145,8 @@ class RowSparseTables:
                 name = cfg.name
                 mult = wide_multiplier if name.endswith(WIDE_SUFFIX) else 1.0
                 self._multipliers[name] = mult
-                state = [torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-                         for _ in rule.state_names]
+                state = [torch.zeros(_state_shape(s, w), dtype=torch.float32, device=w.device)
+                         for s in rule.state_names]
                 tables.append(_Table(name, w, state, mult,
                                      [f for f, t in enumerate(ftm) if t == k]))
                 pname = f"{EBC_PREFIX}{name}.weight"
@@ -293,7 +294,7 @@ class RowSparseTables:
     def _upgraded(self, name: str, entries: dict[str, Any], w: torch.Tensor,
                   lr: float) -> dict[str, torch.Tensor]:
         old = {k.rsplit(".", 1)[-1]: torch.as_tensor(v).float() for k, v in entries.items()}
-        new = [torch.zeros_like(w) for _ in self.rule.state_names]
+        new = [torch.zeros(_state_shape(s, w)) for s in self.rule.state_names]
         m1, m2 = old.get("momentum1"), old.get("momentum2")
         if self.rule.kind == "ftrl" and m1 is not None and m1.shape == w.shape and lr > 0:
             p = self.rule.params
@@ -312,12 +313,38 @@ class RowSparseTables:
         self._hooks = []
 
 
+def _state_shape(name: str, weight: torch.Tensor) -> tuple[int, int]:
+    """The shape of a state tensor of a table: the weights', or one column per row."""
+    rows, dim = weight.shape
+    return (int(rows), 1 if name in ROW_WISE_STATE else int(dim))
+
+
 def _like_weight(weight: Any, local: torch.Tensor) -> Any:
-    """``local`` as a ShardedTensor laid out as this rank's shard of ``weight``."""
+    """``local`` as a ShardedTensor laid out as this rank's shard of ``weight``.
+
+    A state of one column per row keeps the shard's rows with one column.
+    """
+    import copy
+
     from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
     shards = weight.local_shards()
-    if len(shards) != 1 or tuple(shards[0].tensor.shape) != tuple(local.shape):
+    if len(shards) != 1 or shards[0].tensor.shape[0] != local.shape[0]:
         raise RuntimeError("row-sparse tables need one shard of each table per rank")
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        [Shard(local, shards[0].metadata)], weight.metadata())
+    width = int(local.shape[1])
+    if width == shards[0].tensor.shape[1]:
+        return ShardedTensor._init_from_local_shards_and_global_metadata(
+            [Shard(local, shards[0].metadata)], weight.metadata())
+    # a state of one column per row: every shard keeps its rows, with `width` columns
+    meta = copy.deepcopy(weight.metadata())
+    full = int(meta.size[1])
+    for m in meta.shards_metadata:
+        if m.shard_offsets[1] != 0 or m.shard_sizes[1] != full:
+            raise RuntimeError("a row-wise optimizer state needs tables split by rows, not "
+                               "by columns")
+        m.shard_sizes = [m.shard_sizes[0], width]
+    meta.size = torch.Size([int(meta.size[0]), width])
+    own = next(m for m in meta.shards_metadata
+               if m.shard_offsets[0] == shards[0].metadata.shard_offsets[0]
+               and m.placement == shards[0].metadata.placement)
+    return ShardedTensor._init_from_local_shards_and_global_metadata([Shard(local, own)], meta)
