@@ -220,10 +220,12 @@ def test_two_ranks_recover_published_rows_and_deletes_as_one_process(ranks, tmp_
                                        err_msg=name)
 
 
-def _increment_rank(rank: int, world: int, model_dir: str, steps: list) -> dict:
-    """Two checkpoints of the ranks through ``save_across_ranks``, as the trainer takes them:
-    a full one after the first half of the steps, an increment (the dynamic tables' changes
-    from every rank's rows) after the rest; rank 0 returns the tables' state then."""
+def _increment_rank(rank: int, world: int, model_dir: str, steps: list,
+                    partitions: int = 1) -> dict:
+    """Three checkpoints of the ranks through ``save_across_ranks``, as the trainer takes
+    them: a full one after the first third of the steps, then two increments (the dynamic
+    tables' changes from every rank's rows); each rank returns the paths and its dynamic
+    tables' state at the end (split by id: its own partition's)."""
     from odl.checkpoint.checkpoint_manager import CheckpointManager
     from odl.models.dynamic.dynamic_table import state_arrays
     from odl.train.checkpoint_rows import CheckpointRows
@@ -231,13 +233,15 @@ def _increment_rank(rank: int, world: int, model_dir: str, steps: list) -> dict:
 
     config = _config(model_dir)
     config.data_config.batch_size = GLOBAL // world
+    config.train_config.dynamic_index_partitions = partitions
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
     rows = CheckpointRows(tm)
     manager = CheckpointManager(model_dir, keep_max=0, full_every=5)
     paths = []
-    for half in (steps[:len(steps) // 2], steps[len(steps) // 2:]):
-        for step in half:
+    third = len(steps) // 3
+    for part in (steps[:third], steps[third:2 * third], steps[2 * third:]):
+        for step in part:
             tm.train_step(fb.build(step[rank]).batch)
         paths.append(save_across_ranks(manager, tm, {rank: tm.global_step}, {"source": "t"},
                                        "cfg", "gen", changed=rows.take(),
@@ -245,19 +249,38 @@ def _increment_rank(rank: int, world: int, model_dir: str, steps: list) -> dict:
     return {"paths": paths, "dynamic": state_arrays(tm.dynamic.state_dict())}
 
 
-def test_two_ranks_write_the_dynamic_tables_changes_into_an_increment(ranks, tmp_path):
-    """Every rank holds the whole index: an increment of two ranks holds the dynamic tables
-    as the rows changed on either rank (not their whole state), and its chain reads back the
-    ranks' index and counters bitwise."""
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_two_ranks_write_the_dynamic_tables_changes_into_an_increment(ranks, tmp_path,
+                                                                       partitions):
+    """An increment of two ranks holds the dynamic tables as the rows changed (not their
+    whole state): rank 0 writes the changes of the whole index every rank holds, or, split
+    by id, each rank the changes of its own partition beside its rows; the chain (a full
+    checkpoint, two increments) reads back the ranks' index and counters bitwise."""
+    import glob
+
+    from odl.checkpoint.checkpoint_chain import read_rows
     from odl.checkpoint.checkpoint_manager import read_checkpoint
     from odl.models.dynamic.dynamic_table import state_arrays
     from odl.models.dynamic.state_changes import CHANGES_FORMAT
     from tests.harness import assert_same
 
-    records = _records(16 * GLOBAL, seed=7)
-    got = ranks.run(_increment_rank, 2, str(tmp_path / "m"), _steps(records, 2))
-    full, inc = got[0]["paths"]
-    saved = torch.load(f"{inc}/model.pt", weights_only=True)["dynamic_tables"]
-    assert saved["format"] == CHANGES_FORMAT
-    assert read_checkpoint(inc).chain == (full, inc)
-    assert_same(got[0]["dynamic"], state_arrays(read_checkpoint(inc).state["dynamic_tables"]))
+    records = _records(18 * GLOBAL, seed=7)  # 18 steps of two ranks
+    got = ranks.run(_increment_rank, 2, str(tmp_path / "m"), _steps(records, 2), partitions)
+    full, first, newest = got[0]["paths"]
+    assert read_checkpoint(newest).chain == (full, first, newest)
+    saved = read_checkpoint(newest).state["dynamic_tables"]
+    if partitions == 1:
+        assert torch.load(f"{newest}/model.pt",
+                          weights_only=True)["dynamic_tables"]["format"] == CHANGES_FORMAT
+        assert_same(got[0]["dynamic"], state_arrays(saved))
+        return
+    for inc in (first, newest):
+        parts = {}
+        for path in sorted(glob.glob(f"{inc}/rows*")):
+            parts.update(read_rows(path)["dynamic_parts"])
+        assert sorted(parts) == [0, 1]
+        assert all(part["format"] == CHANGES_FORMAT for part in parts.values())
+    want = {p: part for r in range(2) for p, part in got[r]["dynamic"]["parts"].items()}
+    assert sorted(saved["parts"]) == [0, 1]
+    for p in (0, 1):
+        assert_same(want[p], state_arrays(saved["parts"][p]))

@@ -62,7 +62,7 @@ ROW_WISE_STATE_TABLES = (
     "dense_optimizer { adam_optimizer { lr: 0.01 } constant_learning_rate {} }")
 
 
-def _module(tmp_path, dynamic: str = DYNAMIC, optimizer: str = ""):
+def _module(tmp_path, dynamic: str = DYNAMIC, optimizer: str = "", partitions: int = 1):
     cfg = write_config(tmp_path, "127.0.0.1:1", "t", buckets=400,
                        sparse_fields=tuple(f"C{i}" for i in range(1, 7)))
     assert make_half_dynamic(cfg, dynamic)
@@ -70,6 +70,7 @@ def _module(tmp_path, dynamic: str = DYNAMIC, optimizer: str = ""):
     if optimizer:
         config.train_config.ClearField("optimizer_config")
         text_format.Merge(optimizer, config.train_config)
+    config.train_config.dynamic_index_partitions = partitions
     fb = FeatureBuilder(config)
     return config, fb, TrainModule(config, fb, device="cpu")
 
@@ -84,12 +85,12 @@ def _checkpoint(manager: CheckpointManager, rows: CheckpointRows, tm: TrainModul
     return manager.save(step, tm.state_dict_for_checkpoint(), {0: step}, {}, "cfg")
 
 
-@pytest.mark.parametrize("dynamic, optimizer", [
-    (DYNAMIC, ""), (SCORED, ""), (DYNAMIC, ROW_WISE_STATE_TABLES)],
-    ids=["ev_params", "ctr_accessor", "row_sparse_row_wise_state"])
+@pytest.mark.parametrize("dynamic, optimizer, partitions", [
+    (DYNAMIC, "", 1), (SCORED, "", 1), (DYNAMIC, ROW_WISE_STATE_TABLES, 1), (SCORED, "", 2)],
+    ids=["ev_params", "ctr_accessor", "row_sparse_row_wise_state", "split_by_id"])
 def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path, dynamic,
-                                                                 optimizer) -> None:
-    config, fb, tm = _module(tmp_path, dynamic, optimizer)
+                                                                 optimizer, partitions) -> None:
+    config, fb, tm = _module(tmp_path, dynamic, optimizer, partitions)
     assert (tm.row_sparse is not None) == bool(optimizer)
     chain_dir, full_dir = str(tmp_path / "chain"), str(tmp_path / "full")
     manager = CheckpointManager(chain_dir, keep_max=2, full_every=4)
@@ -106,10 +107,14 @@ def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path, dynam
     # the increments hold the dynamic tables' changed rows, not their whole state
     changes = torch.load(os.path.join(newest, "model.pt"), weights_only=True)["dynamic_tables"]
     assert changes["format"] == CHANGES_FORMAT
+    by_part = changes["parts"].values() if partitions > 1 else [changes]
+    assert len(by_part) == partitions
     assert all(t["rows"].shape[0] < t["last_step"].shape[0] or t["rows"].shape[0] < 120
-               for t in changes["tables"].values())
+               for part in by_part for t in part["tables"].values())
+    state = tm.dynamic.state_dict()
     evicted = sum(s["counters"].get("evicted", 0) + s["counters"].get("expired", 0)
-                  for s in tm.dynamic.state_dict()["tables"].values())
+                  for part in (state["parts"].values() if partitions > 1 else [state])
+                  for s in part["tables"].values())
     assert evicted > 0  # rows were reset without a lookup
     full = CheckpointManager(full_dir, full_every=1).save(
         tm.global_step, tm.state_dict_for_checkpoint(), {0: tm.global_step}, {}, "cfg")

@@ -14,7 +14,8 @@ Contract (enforced here and by ``odl.checkpoint.checkpoint_manager``):
 
       {"format": 1, "rank": r, "world_size": N,
        "rows": [[kind, name, key, whole_size, row_ids, values], ...],
-       "dynamic_parts": {partition: state}}   (only with dynamic tables split by id)
+       "dynamic_parts": {partition: state}}   (only with dynamic tables split by id over
+                                               the ranks: its partitions, whole or changes)
 
   ``kind``/``name``/``key``/``whole_size`` as in ``odl.checkpoint.table_parts``;
   ``row_ids`` whole-table row numbers (``int64``), ``values`` those rows (all columns); a
@@ -22,11 +23,12 @@ Contract (enforced here and by ``odl.checkpoint.checkpoint_manager``):
   manifest says ``"format": 2`` and ``"increment": {"parent": name, "parent_manifest":
   sha256 of the parent's MANIFEST.json, "base": name of the full checkpoint, "depth": n}``
   (n: the increments since the base, this one included), and lists the row files.
-  The dynamic tables' state in ``model.pt`` is their whole state, or (one partition:
-  every rank holding the whole index) their changes since the parent
-  (``odl.models.dynamic.state_changes``: the changed rows' ids and counters, the moved part
-  of the free-row stack); a reader applies every link's changes in order onto the base's
-  state.
+  The dynamic tables' state in ``model.pt`` (one process, or every rank holding the whole
+  index), or each rank's partitions in its row file (split by id over the ranks), is whole
+  or their changes since the parent (``odl.models.dynamic.state_changes``: the changed
+  rows' ids and counters, the moved part of the free-row stack); a reader applies every
+  link's changes in order onto the base's state (of a partition: onto the state the link
+  before left it).
 * Every ``full_checkpoint_every``-th checkpoint is full (depth never reaches it); so is the
   first one after a start from nothing, a warm start, a restore that re-split dynamic
   tables or that crash recovery moved forward, one that replaces a checkpoint of the same

@@ -29,7 +29,7 @@ from odl.checkpoint.checkpoint_layout import (
     local_checkpoint_copy,
     verify_checkpoint,
 )
-from odl.models.dynamic.state_changes import apply_changes, is_changes
+from odl.models.dynamic.state_changes import apply_changes, apply_part_changes, is_changes
 from odl.storage import file_store
 from odl.storage.storage_path import basename, join
 
@@ -214,22 +214,26 @@ def _chain_state(chain: list[str], local: str, map_location: str, whole_tables: 
     state = torch.load(os.path.join(local, MODEL_FILE), map_location=map_location,
                        weights_only=True)
     rows: list[str] = []
+    link_rows: list[list[str]] = []
     for link in chain[1:]:
         link_local = local if link == chain[-1] else local_checkpoint_copy(link)
         with open(os.path.join(link_local, MANIFEST_FILE)) as f:
             names = sorted(n for n in json.load(f)["files"]
                            if n.startswith(checkpoint_chain.ROWS_PREFIX))
-        rows.extend(os.path.join(link_local, n) for n in names)
+        link_rows.append([os.path.join(link_local, n) for n in names])
+        rows.extend(link_rows[-1])
     if is_changes(state.get("dynamic_tables")):
         state["dynamic_tables"] = _dynamic_through_chain(base, state, chain, local,
                                                          map_location)
-    newest = [p for p in rows if os.path.dirname(p) == local]
-    try:  # split by id: each rank's partitions travel in the newest increment's rows
-        table_parts.merge_dynamic_parts(
-            state, (checkpoint_chain.read_rows(p, map_location) for p in newest))
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {chain[-1]}: its row files do not hold the "
-                              f"dynamic tables' partitions: {exc}") from exc
+    dynamic = state.get("dynamic_tables")
+    if isinstance(dynamic, dict) and int(dynamic.get("partitions", 1)) > 1 \
+            and not dynamic.get("parts"):
+        try:  # split by id over ranks: each rank's partitions travel in its row files
+            held = _dynamic_parts_through_chain(chain[0], link_rows, map_location)
+            table_parts.merge_dynamic_parts(state, [{"dynamic_parts": held}])
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"checkpoint {chain[-1]}: its row files do not hold the "
+                                  f"dynamic tables' partitions: {exc}") from exc
     dense = state.pop("model")
     del state[TABLE_ROWS_KEY]
     if base.get("table_parts"):
@@ -273,6 +277,41 @@ def _dynamic_through_chain(base: dict, state: dict, chain: list[str], local: str
         raise CheckpointError(f"checkpoint {chain[-1]}: its dynamic tables' changes do not "
                               f"apply to its chain: {exc}") from exc
     return dynamic
+
+
+def _dynamic_parts_through_chain(base_path: str, link_rows: list[list[str]],
+                                 map_location: str) -> dict[int, dict]:
+    """The partitions of dynamic tables split over ranks at a chain's newest increment.
+
+    Each increment's row files carry their rank's partitions, whole or as changes since the
+    parent (``odl.models.dynamic.state_changes``); the changes apply, in chain order, to the
+    partition as the link before left it (the base's table parts for the first).
+    """
+    parts: dict[int, dict] = {}
+    base_parts: dict[int, dict] | None = None
+    for files in link_rows:
+        for path in files:
+            doc = checkpoint_chain.read_rows(path, map_location)
+            for p, part in (doc.get("dynamic_parts") or {}).items():
+                p = int(p)
+                if not is_changes(part):
+                    parts[p] = part
+                    continue
+                if p not in parts:
+                    if base_parts is None:
+                        base_parts = _base_dynamic_parts(base_path, map_location)
+                    if p not in base_parts:
+                        raise ValueError(f"the chain's base lacks partition {p}")
+                    parts[p] = base_parts[p]
+                parts[p] = apply_part_changes(parts[p], part)
+    return parts
+
+
+def _base_dynamic_parts(path: str, map_location: str) -> dict[int, dict]:
+    """The dynamic tables' partitions a full checkpoint of several ranks holds in its parts."""
+    state = _full_state(path, local_checkpoint_copy(path), map_location, whole_tables=False,
+                        dynamic_parts=True)
+    return {int(p): v for p, v in (state["dynamic_tables"].get("parts") or {}).items()}
 
 
 def _apply_row_files(state: dict, rows: list[str], path: str, map_location: str) -> None:

@@ -14,13 +14,14 @@ table-optimizer state changed since its parent. Two things change a row:
   that changed ids or became free), one vectorized pass over the index.
 
 The same rows are the only ones whose dynamic-table state (id, counters) changed, so dynamic
-tables in one partition (every rank holding the whole index) go into an increment as changes
-too (``odl.models.dynamic.state_changes``): those rows, the part of the free-row stack that
-moved (compared with the stack at the previous checkpoint) and, after a decay of the show /
-click scores, the scores whole. One process gets them from :attr:`CheckpointRows.
+tables go into an increment as changes too (``odl.models.dynamic.state_changes``): those
+rows, the part of the free-row stack that moved (compared with the stack at the previous
+checkpoint) and, after a decay of the show / click scores, the scores whole; per partition
+when the tables are split by id. One process gets them from :attr:`CheckpointRows.
 dynamic_changes`; several ranks from :meth:`CheckpointRows.dynamic_changes_of` with the
-rows of every rank joined (each rank counts the rows its own records looked up, and every
-rank holds the same index).
+rows of every rank joined (each rank counts the rows its own records looked up): every
+rank holding the whole index gives the same document (rank 0's is written), a rank holding
+some partitions the changes of its own.
 
 :meth:`CheckpointRows.take` hands out both, per TorchRec table, and starts counting anew;
 a checkpoint that then fails puts them back (:meth:`CheckpointRows.put_back`). With several
@@ -68,25 +69,30 @@ class CheckpointRows:
         module.add_table_growth_hook(  # growing dynamic tables: the bitmaps follow
             lambda shapes: self._tracker.grow({t: n for t, (n, _c) in shapes.items()}))
         self._ids_at_checkpoint: dict[str, np.ndarray] = {}
-        # dynamic tables in one partition: free-row stacks and score-decay times
-        # at the previous checkpoint, and before the last take (put back when it fails)
-        self._marks: dict[str, tuple[np.ndarray, object]] = {}
-        self._marks_before: dict[str, tuple[np.ndarray, object]] = {}
+        # (partition, dynamic table) -> free-row stack and score-decay time at the previous
+        # checkpoint, and before the last take (put back when it fails)
+        self._marks: dict[tuple[int, str], tuple[np.ndarray, object]] = {}
+        self._marks_before: dict[tuple[int, str], tuple[np.ndarray, object]] = {}
         # the dynamic tables' state as changes since the previous checkpoint, made by
         # ``take`` (None: the tables' whole state goes into the checkpoint)
         self.dynamic_changes: dict | None = None
         self.restart()
 
-    @property
-    def _changes_kept(self) -> bool:
-        """Whether the dynamic tables' state can be written as changes (module docstring)."""
-        return bool(self._m.dynamic) and self._m.dynamic.partitions == 1
+    def _held_tables(self):
+        """``(partition, first row, name, DynamicTable)`` of every held partition's table."""
+        dynamic = self._m.dynamic
+        if not dynamic:
+            return
+        for base, table in dynamic.tables.items():
+            if dynamic.partitions == 1:
+                yield 0, 0, base, table
+            else:
+                for p, (lo, part) in table.held.items():
+                    yield p, lo, base, part
 
-    def _dynamic_marks(self) -> dict[str, tuple[np.ndarray, object]]:
-        if not self._changes_kept:
-            return {}
-        return {base: (table.index.free_stack().copy(), table.decayed_at)
-                for base, table in self._m.dynamic.tables.items()}
+    def _dynamic_marks(self) -> dict[tuple[int, str], tuple[np.ndarray, object]]:
+        return {(p, base): (table.index.free_stack().copy(), table.decayed_at)
+                for p, _lo, base, table in self._held_tables()}
 
     def _dynamic_ids(self) -> dict[str, np.ndarray]:
         """Dynamic table -> the raw id each row holds now (-1: free; own partitions)."""
@@ -137,22 +143,29 @@ class CheckpointRows:
                 rank's joined.
 
         Returns:
-            The changes document, or None (no dynamic tables in one partition, or tables
-            that differ from the previous checkpoint's): the state goes in whole.
+            The changes document (``odl.models.dynamic.state_changes``; split by id: of the
+            partitions held here), or None (no dynamic tables, or tables that differ from
+            the previous checkpoint's): the state goes in whole.
         """
-        if not self._changes_kept or set(self._marks_before) != set(self._marks):
+        if not self._m.dynamic or not self._marks or set(self._marks_before) != set(
+                self._marks):
             return None
-        tables = {}
+        parts: dict[int, dict] = {}
         empty = np.empty(0, dtype=np.int64)
-        for base, table in self._m.dynamic.tables.items():
+        for p, lo, base, table in self._held_tables():
             changed = empty
             for t in self._m.dynamic_torch_tables.get(base, ()):
                 changed = np.union1d(changed, rows.get(t, empty))
-            free_before, decayed_before = self._marks_before[base]
-            tables[base] = table_changes(
-                table, changed, kept_free_rows(free_before, table.index.free_stack()),
-                scores_whole=table.decayed_at != decayed_before)
-        return {"format": CHANGES_FORMAT, "tables": tables}
+            local = changed[(changed >= lo) & (changed < lo + table.spec.capacity)] - lo
+            free_before, decayed_before = self._marks_before[(p, base)]
+            parts.setdefault(p, {"format": CHANGES_FORMAT, "tables": {}})["tables"][base] = \
+                table_changes(table, local,
+                              kept_free_rows(free_before, table.index.free_stack()),
+                              scores_whole=table.decayed_at != decayed_before)
+        if self._m.dynamic.partitions == 1:
+            return parts[0]
+        return {"format": CHANGES_FORMAT, "partitions": self._m.dynamic.partitions,
+                "parts": parts}
 
     def put_back(self, rows: Mapping[str, np.ndarray]) -> None:
         """Marks rows as changed again (a checkpoint that took them failed)."""

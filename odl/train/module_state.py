@@ -218,17 +218,22 @@ def table_part(m: TrainModule) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def changed_rows_part(m: TrainModule, rows: Mapping[str, np.ndarray]) -> dict[str, Any]:
+def changed_rows_part(m: TrainModule, rows: Mapping[str, np.ndarray],
+                      dynamic_parts: Mapping[int, Any] | None = None) -> dict[str, Any]:
     """This rank's changed rows of every table and their optimizer state (an increment).
 
     See ``odl.checkpoint.checkpoint_chain``: for each table and table-optimizer state, the
     rows of ``rows`` that this rank's shards hold, all columns, as CPU copies; a state that
     is not one value (or row) per table row is written whole. Dynamic tables split by id
-    over the ranks add this rank's partition of their state, as ``table_part`` does.
+    over the ranks add this rank's partitions of their state: their changes
+    (``dynamic_parts``, ``odl.models.dynamic.state_changes``), else whole, as ``table_part``
+    does.
 
     Args:
         m: the module.
         rows: TorchRec table name -> sorted unique whole-table row numbers changed.
+        dynamic_parts: partition -> its changes since the parent, for the partitions this
+            rank holds (split over the ranks only); None: whole.
 
     Raises:
         ValueError: a shard splits a table's columns (never with odl's placements).
@@ -260,9 +265,11 @@ def changed_rows_part(m: TrainModule, rows: Mapping[str, np.ndarray]) -> dict[st
             got.append(shard.index_select(0, (mine - r0).to(shard.device)).cpu())
         if got_ids:
             pieces[(kind, name, key)] = (size, torch.cat(got_ids), torch.cat(got))
-    return checkpoint_chain.rows_document(
-        pieces, m.rank, m.world_size,
-        m.dynamic.state_dict()["parts"] if m.dynamic_split_over_ranks else None)
+    if not m.dynamic_split_over_ranks:
+        dynamic_parts = None
+    elif dynamic_parts is None:
+        dynamic_parts = m.dynamic.state_dict()["parts"]
+    return checkpoint_chain.rows_document(pieces, m.rank, m.world_size, dynamic_parts)
 
 
 def _sharded_state(m: TrainModule) -> dict[str, Any]:

@@ -18,8 +18,9 @@ An increment (``odl.checkpoint.checkpoint_chain``): rank 0 decides at 1 whether 
 checkpoint may be one (``CheckpointManager.increment_allowed``, its parent in the pending
 save); every rank then writes, instead of its table part, the rows of its shards that any
 rank changed since the parent (the union of every rank's ``CheckpointRows.take``, one
-all-gather of row numbers); with dynamic tables whose whole index every rank holds, rank 0
-writes their state as those rows' changes (``odl.models.dynamic.state_changes``), else whole.
+all-gather of row numbers); the dynamic tables' state goes in as those rows' changes
+(``odl.models.dynamic.state_changes``): written by rank 0 when every rank holds the whole
+index, by each rank for its own partitions beside its rows when they are split by id.
 
 No rank holds more than its own rows at a save. Reading the checkpoint puts the tables back
 together (``read_checkpoint``), so it restores as one process's; an export writes it block
@@ -63,8 +64,9 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
         changed: this rank's rows changed since the last checkpoint (TorchRec table ->
             row numbers), when it counts them; None on every rank: a full checkpoint.
         dynamic_changes: gives an increment's dynamic-table state from every rank's
-            changed rows (``CheckpointRows.dynamic_changes_of``; rank 0's is called), or
-            None: the state goes in whole.
+            changed rows (``CheckpointRows.dynamic_changes_of``: rank 0's is called, or every
+            rank's when the tables are split by id over the ranks), or None: the state goes
+            in whole.
 
     Returns:
         The checkpoint's path.
@@ -97,7 +99,11 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
         for theirs in from_every_rank(dict(changed or {})):
             for table, ids in theirs.items():
                 rows[table] = np.union1d(rows[table], ids) if table in rows else ids
-        part = changed_rows_part(module, rows)
+        own_parts = None
+        if dynamic_changes is not None and module.dynamic_split_over_ranks:
+            changes = dynamic_changes(rows)  # this rank's partitions
+            own_parts = changes["parts"] if changes is not None else None
+        part = changed_rows_part(module, rows, own_parts)
         if rank == 0 and dynamic_changes is not None and not module.dynamic_split_over_ranks:
             changes = dynamic_changes(rows)  # the whole index's rows changed on any rank
             if changes is not None:

@@ -23,6 +23,14 @@ parent's full state and an increment's changes into the increment's full state, 
 reader of a chain hands one full state to ``DynamicTable.load_state_dict``, as from a full
 checkpoint. A changes document says ``"format": CHANGES_FORMAT``; a reader that does not
 know the format refuses it.
+
+Tables split by id (``dynamic_index_partitions`` > 1) change per partition: each partition
+is a table of its own rows (rows numbered from the partition's first), so its changes are
+that table's (:func:`table_changes` with the partition's rows). The document mirrors
+``DynamicTables.state_dict``: ``{"format", "partitions": P, "parts": {p: {"tables": ...}}}``
+from one process holding every partition; with the partitions split over ranks each rank's
+increment carries its partitions' parts, each ``{"format": CHANGES_FORMAT, "tables": ...}``
+(:func:`apply_part_changes`).
 """
 
 from __future__ import annotations
@@ -35,8 +43,8 @@ import torch
 
 from odl.models.dynamic.dynamic_table import STATE_FORMAT, DynamicTable, state_tensors
 
-__all__ = ["CHANGES_FORMAT", "apply_changes", "apply_table_changes", "is_changes",
-           "kept_free_rows", "table_changes"]
+__all__ = ["CHANGES_FORMAT", "apply_changes", "apply_part_changes", "apply_table_changes",
+           "is_changes", "kept_free_rows", "table_changes"]
 
 CHANGES_FORMAT = "odl.dynamic_tables.changes/1"
 _ROW_ARRAYS = ("sightings", "last_step", "last_time")
@@ -139,27 +147,58 @@ def is_changes(state: Mapping[str, Any] | None) -> bool:
     return state is not None and state.get("format") == CHANGES_FORMAT
 
 
+def apply_part_changes(full: Mapping[str, Any], changes: Mapping[str, Any]
+                       ) -> dict[str, Any]:
+    """One partition's (or one unsplit model's) tables after ``changes``.
+
+    Args:
+        full: the parent's ``{"tables": {name: DynamicTable.state_dict()}}`` (more keys kept).
+        changes: ``{"tables": {name: table changes}}`` (its ``format`` not read).
+
+    Returns:
+        ``full`` with every table's state replaced by its changed state.
+
+    Raises:
+        ValueError: not the same tables, or a table's changes do not fit.
+    """
+    if set(full["tables"]) != set(changes["tables"]):
+        raise ValueError(f"the increment has dynamic tables {sorted(changes['tables'])}, its "
+                         f"parent {sorted(full['tables'])}")
+    return {**full, "tables": {name: apply_table_changes(full["tables"][name], table)
+                               for name, table in changes["tables"].items()}}
+
+
 def apply_changes(full: Mapping[str, Any], changes: Mapping[str, Any]) -> dict[str, Any]:
     """``DynamicTables.state_dict`` of the parent plus one increment's changes document.
 
     Args:
-        full: the parent's full state (``{"format", "tables"}``, one partition).
-        changes: ``{"format": CHANGES_FORMAT, "tables": {name: table changes}}``.
+        full: the parent's full state (``{"format", "tables"}``, or split by id
+            ``{"format", "partitions", "parts"}`` with every partition the changes name).
+        changes: ``{"format": CHANGES_FORMAT, "tables": {name: table changes}}``, or split
+            by id ``{"format", "partitions": P, "parts": {p: {"tables": ...}}}``.
 
     Returns:
         The increment's full state.
 
     Raises:
-        ValueError: not the same tables, or a table's changes do not fit.
+        ValueError: not the same tables or partitions, or a table's changes do not fit.
     """
-    if full.get("format") != STATE_FORMAT or "tables" not in full:
-        raise ValueError("the parent's dynamic tables are not one partition's full state")
-    if set(full["tables"]) != set(changes["tables"]):
-        raise ValueError(f"the increment has dynamic tables {sorted(changes['tables'])}, its "
-                         f"parent {sorted(full['tables'])}")
-    return {"format": STATE_FORMAT,
-            "tables": {name: apply_table_changes(full["tables"][name], table)
-                       for name, table in changes["tables"].items()}}
+    if full.get("format") != STATE_FORMAT:
+        raise ValueError("the parent's dynamic tables are not a full state")
+    partitions = int(changes.get("partitions", 1))
+    if partitions != int(full.get("partitions", 1)):
+        raise ValueError(f"the increment's dynamic tables are split into {partitions} "
+                         f"partition(s), its parent's into {full.get('partitions', 1)}")
+    if partitions == 1:
+        if "tables" not in full:
+            raise ValueError("the parent's dynamic tables hold no tables")
+        return {"format": STATE_FORMAT, **apply_part_changes(full, changes)}
+    parts = {int(p): v for p, v in (full.get("parts") or {}).items()}
+    for p, part in (changes.get("parts") or {}).items():
+        if int(p) not in parts:
+            raise ValueError(f"the parent lacks partition {p} of the dynamic tables")
+        parts[int(p)] = apply_part_changes(parts[int(p)], part)
+    return {"format": STATE_FORMAT, "partitions": partitions, "parts": parts}
 
 
 def _array(value: Any) -> np.ndarray:
