@@ -334,3 +334,77 @@ def test_warm_start_from_a_grown_checkpoint():
     assert _rows(warm) == _rows(tm)
     batch = fb.build(_records(64, 77, 200)).batch
     assert np.array_equal(warm.predict(batch), tm.predict(batch))
+
+
+def _growing_rank(rank: int, world: int, steps: list, sparse: str, start: str = "") -> dict:
+    """One of ``world`` ranks training ``steps`` (each rank its share of every step) on the
+    growing config with its tables split by rows, from the state saved at ``start`` when
+    given; rank 0 returns the gathered state."""
+    dynamic_table_config.EV_DEFAULT_MAX_CAPACITY = CAP  # (a spawned rank: not monkeypatched)
+    cfg = _config(sparse)
+    cfg.data_config.batch_size = 32 // world
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu", row_wise_min_rows=8)
+    if world > 1:  # the growing table's rows are split between the ranks
+        shards = tm.dmp.state_dict()[f"{EBC_PREFIX}item.weight"].local_shards()
+        assert [tuple(sh.tensor.shape) for sh in shards] == [(16 // world, 8)]
+    if start:  # built at the start rows, then at the rows the state holds
+        tm.load_checkpoint_state(torch.load(start, weights_only=False))
+    probs, rows = [], []
+    for step in steps:
+        share = len(step) // world
+        probs.append(tm.train_step(fb.build(step[rank * share:(rank + 1) * share]).batch).probs)
+        rows.append(_rows(tm))
+    state = tm.state_dict_for_checkpoint()  # gathered on rank 0
+    return {"probs": np.concatenate(probs), "rows": rows,
+            "events": [e.rows for e in tm.growth.events],
+            "tables": {k: v.numpy() for k, v in state.get("model", {}).items()
+                       if k.startswith(EBC_PREFIX)},
+            "sparse": {f"{p}/{k}": v.numpy() for p, st in state.get("sparse_optimizer",
+                                                                     {}).items()
+                       for k, v in st.items()},
+            "status": tm.dynamic.status()}
+
+
+@pytest.mark.parametrize("sparse", ["adagrad_optimizer { lr: 0.1 }",
+                                    "adam_optimizer { lr: 0.01 }"], ids=["fused", "row_sparse"])
+def test_two_ranks_grow_as_one_process(sparse):
+    """Two ranks, the growing table split by rows between them: they double at the steps one
+    process does, each rank's rows move to the rank that holds them after the growth, and
+    predictions, tables, optimizer state and index equal one process's on the same records."""
+    from odl.harness.spawned_ranks import run_ranks
+
+    steps = [_records(32, s, 200) for s in range(12)]
+    one = _growing_rank(0, 1, steps, sparse)
+    assert one["events"] == [{"item": (16, 32)}, {"item": (32, 64)}, {"item": (64, CAP)}]
+    got = run_ranks(_growing_rank, 2, 2, steps, sparse)
+    assert got[0]["events"] == got[1]["events"] == one["events"]
+    assert got[0]["rows"] == one["rows"] and got[0]["status"] == one["status"]
+    ranks_probs = np.concatenate([np.concatenate([got[r]["probs"][k * 16:(k + 1) * 16]
+                                                  for r in range(2)]) for k in range(12)])
+    np.testing.assert_allclose(ranks_probs, one["probs"], atol=1e-5, rtol=0)
+    assert set(got[0]["tables"]) == set(one["tables"])
+    for name, t in one["tables"].items():
+        np.testing.assert_allclose(got[0]["tables"][name], t, atol=1e-5, rtol=0, err_msg=name)
+    for name, t in one["sparse"].items():
+        np.testing.assert_allclose(got[0]["sparse"][name], t, atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_a_grown_checkpoint_restores_into_two_ranks(tmp_path):
+    """A checkpoint of a table grown in one process restores into two ranks (they build it
+    at its rows) and they continue as one process does."""
+    from odl.harness.spawned_ranks import run_ranks
+
+    cfg = _config()
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    _train(tm, fb, range(6), items=200)
+    assert _rows(tm) > 16
+    start = str(tmp_path / "grown.pt")
+    torch.save(tm.state_dict_for_checkpoint(), start)
+    steps = [_records(32, s, 200) for s in range(6, 10)]
+    one = _growing_rank(0, 1, steps, "adagrad_optimizer { lr: 0.1 }", start)
+    got = run_ranks(_growing_rank, 2, 2, steps, "adagrad_optimizer { lr: 0.1 }", start)
+    assert got[0]["rows"] == one["rows"] and got[0]["status"] == one["status"]
+    for name, t in one["tables"].items():
+        np.testing.assert_allclose(got[0]["tables"][name], t, atol=1e-5, rtol=0, err_msg=name)

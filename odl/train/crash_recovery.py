@@ -168,14 +168,7 @@ class CrashRecovery:
         recovered = self._read_delta_topic(restored)
         if recovered is not None and self._note_recovered(restored, recovered):
             module = self._module
-            if module.dynamic:  # growing tables first grow to hold the replayed ids
-                names = self._id_maps().table_names()
-                replayed: dict[str, np.ndarray] = {}
-                for tid, (ids, _values) in recovered.sparse.items():
-                    dyn = module.dynamic_table(names.get(int(tid), ""))
-                    if dyn is not None:  # a deep table and its wide twin: one index
-                        replayed[dyn.name] = np.union1d(replayed.get(dyn.name, ids), ids)
-                grow_to_hold(module, replayed)
+            self._grow_to_hold(recovered)
             apply_recovered_state(module.embedding_tables(), module.dense_parameters(),
                                   self._id_maps(), recovered, module if module.dynamic else None)
             module.global_step = int(recovered.version)
@@ -208,6 +201,7 @@ class CrashRecovery:
             # dynamic tables, the recovered ids in the index every rank holds)
             state["global_step"] = int(recovered.version)
             module.load_checkpoint_state(state)
+            self._grow_to_hold(recovered)  # the same ids on every rank
             apply_recovered_state(module.table_rows(), module.dense_parameters(),
                                   self._id_maps(), recovered,
                                   module if module.dynamic else None)
@@ -215,6 +209,19 @@ class CrashRecovery:
             return restored
         module.load_checkpoint_state(state)
         return restored
+
+    def _grow_to_hold(self, recovered: RecoveredState) -> None:
+        """Growing dynamic tables grow to hold the recovered ids (``grow_to_hold``)."""
+        module = self._module
+        if not module.dynamic:
+            return
+        names = self._id_maps().table_names()
+        replayed: dict[str, np.ndarray] = {}
+        for tid, (ids, _values) in recovered.sparse.items():
+            dyn = module.dynamic_table(names.get(int(tid), ""))
+            if dyn is not None:  # a deep table and its wide twin: one index
+                replayed[dyn.name] = np.union1d(replayed.get(dyn.name, ids), ids)
+        grow_to_hold(module, replayed)
 
     def _id_maps(self) -> IdMaps:
         """The ids the publisher gives the module's variables and tables."""

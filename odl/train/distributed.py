@@ -342,8 +342,13 @@ def gather_to_rank0(value: object) -> list | None:
 
 def from_rank0(value: object) -> object:
     """Rank 0's ``value`` on every rank (a collective)."""
+    return from_rank(value, 0)
+
+
+def from_rank(value: object, src: int) -> object:
+    """Rank ``src``'s ``value`` on every rank (a collective; the others' ``value`` unused)."""
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=src)
     return box[0]
 
 

@@ -293,8 +293,8 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str, ranks:
                           or _SPARSE_STATE.get(kind, (0, 2)))
     tables: list[TableEstimate] = []
     mapped: set[str] = set()  # dynamic tables whose index is counted (once per deep/wide pair)
-    # growing tables grow with one rank and one partition only; otherwise built at grows_to
-    can_grow = ranks <= 1 and int(config.train_config.dynamic_index_partitions) <= 1
+    # growing tables grow with the whole index (one partition); otherwise built at grows_to
+    can_grow = int(config.train_config.dynamic_index_partitions) <= 1
     for c in model.ebc.embedding_bag_configs():
         base = c.name if c.name in specs else c.name.removesuffix(WIDE_SUFFIX)
         spec = specs.get(base)

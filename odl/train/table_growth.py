@@ -6,7 +6,7 @@ training step in which its live rows passed ``GROW_AT`` of its rows it doubles (
 ``grows_to``):
 
 1. the module's whole state is copied to the host (``module_state.checkpoint_state``, as a
-   checkpoint does);
+   checkpoint does; with several ranks each rank copies its own rows, ``table_part``);
 2. the module is built again, in place, at the new rows (``TrainModule.__init__`` with
    ``table_rows``: the model, the sharding plan and ``DistributedModelParallel``, the fused
    and row-sparse optimizers, the dynamic tables; the tables' rows left to this module),
@@ -14,7 +14,11 @@ training step in which its live rows passed ``GROW_AT`` of its rows it doubles (
 3. the copy is put back: the grown tables' rows, their fused or row-sparse optimizer state
    and their index and counters into the first rows (``odl.models.dynamic.growth``), every
    other tensor as it was; the rows added get their initial values (drawn for them alone,
-   ``initial_rows``) and optimizer state.
+   ``initial_rows``) and optimizer state. With several ranks the rebuilt module's shards lie
+   elsewhere (a grown table's row blocks are larger): every rank's copy is sent to the others
+   in turn, one at a time, and each rank keeps the blocks that overlap its new shards
+   (``table_parts.load_blocks``, as a restore into another number of ranks reads them), so
+   no rank holds more than its rows and one other rank's copy.
 
 The step count, the random generators, the touched-rows hooks and the delete consumers are
 kept, so training continues exactly as a module restored from a checkpoint of the grown
@@ -28,8 +32,10 @@ eviction as a full table does. A restore builds the tables at the rows the check
 (:func:`size_for_state`), and crash recovery grows them to hold the ids it replays
 (:func:`grow_to_hold`).
 
-Growing needs one rank and ``dynamic_index_partitions`` 1: otherwise the table is built at
-``grows_to`` rows from the start (:func:`table_rows_at_start`), logged.
+Every rank holds the whole index (``dynamic_index_partitions`` 1), so every rank decides the
+same growth at the same step; the memory check is every rank's (all must have room). With
+the index split by id the table is built at ``grows_to`` rows from the start
+(:func:`table_rows_at_start`), logged.
 """
 
 from __future__ import annotations
@@ -44,12 +50,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from odl.checkpoint.table_parts import load_blocks
 from odl.features.feature_plan import TableSpec
 from odl.models.dynamic.growth import grown_tables_state, saved_capacities
 from odl.models.embedding_tables import init_embedding_weights, initial_rows
 from odl.train import module_state
+from odl.train.distributed import agree, from_every_rank, from_rank
 from odl.train.host_memory import available_host_memory
-from odl.train.table_shards import EBC_PREFIX, local_view
+from odl.train.table_shards import EBC_PREFIX, init_local_shards, local_shards, local_view
 
 if TYPE_CHECKING:
     from odl.protos import pipeline_pb2
@@ -155,11 +163,11 @@ def table_rows_at_start(config: pipeline_pb2.EasyRecConfig, builder: Any, world_
                if s.dynamic is not None and s.dynamic.grows}
     if not growing:
         return builder
-    if world_size > 1 or int(config.train_config.dynamic_index_partitions) > 1:
+    if int(config.train_config.dynamic_index_partitions) > 1:
         for name, spec in growing.items():
             logger.warning("dynamic table %s is built at %d rows (ev_params.max_capacity not "
-                           "written): it grows only with one rank and "
-                           "train_config.dynamic_index_partitions 1", name, spec.grows_to)
+                           "written): it grows only with train_config.dynamic_index_partitions "
+                           "1", name, spec.grows_to)
         return SizedFeatures(builder, {n: s.grows_to for n, s in growing.items()})
     if not rows:
         return builder
@@ -228,12 +236,75 @@ def _load_grown(m: TrainModule, state: dict[str, Any], grown: Mapping[str, int])
     module_state.load_state(m, state, strict=False)
 
 
+@torch.no_grad()
+def _load_rows_across_ranks(m: TrainModule, part: Mapping[str, Any],
+                            old_rows: Mapping[str, int]) -> None:
+    """Puts every rank's rows from before a growth into the rebuilt module's shards.
+
+    Each rank's ``part`` (its rows and their optimizer state, ``table_part``) goes to every
+    rank in turn; a rank copies the blocks that overlap its shards (a collective). The rows
+    a grown table added (from ``old_rows``) get their initial values; their optimizer state
+    is the rebuilt module's fresh one.
+
+    Args:
+        m: the rebuilt module.
+        part: this rank's part document from before the growth (its tensors compact copies).
+        old_rows: TorchRec table of a grown dynamic table -> its rows before.
+    """
+    tables = {n: t for n, t in m.dmp.state_dict().items() if n.startswith(EBC_PREFIX)}
+    local = {("model", n, ""): local_shards(t) for n, t in tables.items()}
+    local.update({("sparse", p, k): local_shards(v) for p, st in
+                  m.fused_optimizer.state_dict()["state"].items() for k, v in st.items()})
+    added = []  # (table, whole shape, offsets, shard) of weight shards with rows added
+    for ident, shards in local.items():
+        table = ident[1][len(EBC_PREFIX):-len(".weight")]
+        if table not in old_rows:
+            continue
+        rows, kept = old_rows[table], []
+        for start, shard in shards:
+            if not shard.dim():
+                kept.append((start, shard))
+                continue
+            r0 = int(start[0])
+            if r0 < rows:  # the rows it held before come from the parts
+                kept.append((start, shard[: min(shard.shape[0], rows - r0)]))
+            if ident[0] == "model" and r0 + shard.shape[0] > rows:
+                added.append((table, tuple(tables[ident[1]].size()), start, shard))
+        local[ident] = kept
+    load_blocks((from_rank(part if src == m.rank else None, src)
+                 for src in range(m.world_size)), local)
+    for table, shape, (r0, c0), shard in added:
+        lo = max(int(r0), old_rows[table])
+        for first, values in initial_rows(table, m.seed, shape, lo, r0 + shard.shape[0]):
+            shard[first - r0 : first - r0 + values.shape[0]].copy_(
+                values[:, c0 : c0 + shard.shape[1]].to(shard.device, shard.dtype))
+
+
+def _grow_across_ranks(m: TrainModule, rows: Mapping[str, int], grown: Mapping[str, int],
+                       before: Mapping[str, int]) -> None:
+    """``grow_tables`` of one of several ranks (a collective; module docstring)."""
+    old_rows = {t: int(before[base]) for base in grown for t in m.dynamic_torch_tables[base]}
+    part = module_state.table_part(m)
+    for piece in part["pieces"]:  # compact copies: a shard is a view of the fused buffer
+        piece[4] = [[off, t.clone()] for off, t in piece[4]]
+    state = module_state.state_without_tables(m)
+    _rebuild(m, rows)
+    _load_rows_across_ranks(m, part, old_rows)
+    del part
+    state["dynamic_tables"] = grown_tables_state(state["dynamic_tables"], grown)
+    module_state.load_state(m, state, strict=False)
+
+
 def _bytes_needed(m: TrainModule, grown: Mapping[str, int]) -> tuple[int, int]:
     """``(host, device)`` bytes a growth needs beyond what the module holds now.
 
     The host holds the state's copy (every table and its optimizer state); the rows added
     (weights, optimizer state, index and counters) are allocated where the tables live.
+    With several ranks a rank copies its own rows and holds one other rank's copy at a time
+    (counted as large as its own), and the rows added are counted as if it held them all.
     """
+    if m.world_size > 1:
+        return _rank_bytes_needed(m, grown)
     tables, states = m.row_state_views()
     copy = sum(t.numel() * t.element_size() for t in tables.values())
     copy += sum(s.numel() * s.element_size() for ss in states.values() for s in ss)
@@ -252,21 +323,46 @@ def _bytes_needed(m: TrainModule, grown: Mapping[str, int]) -> tuple[int, int]:
     return copy + added, 0
 
 
+def _rank_bytes_needed(m: TrainModule, grown: Mapping[str, int]) -> tuple[int, int]:
+    """``_bytes_needed`` of one of several ranks."""
+    tables = {n: t for n, t in m.dmp.state_dict().items() if n.startswith(EBC_PREFIX)}
+    states = m.fused_optimizer.state_dict()["state"]
+    own = 0
+    for t in [*tables.values(), *(v for st in states.values() for v in st.values())]:
+        own += sum(sh.numel() * sh.element_size() for _off, sh in local_shards(t))
+    added = 0
+    for base, rows in grown.items():
+        old = m.dynamic.tables[base].spec.capacity
+        per_row = 56  # index and counters (memory_estimate's figure)
+        for t in m.dynamic_torch_tables[base]:
+            key = f"{EBC_PREFIX}{t}.weight"
+            size = tables[key].size()
+            per_row += 4 * int(size[1])
+            per_row += sum(4 * int(np.prod(v.size())) // max(1, int(size[0]))
+                           for v in states.get(key, {}).values())
+        added += (rows - old) * per_row
+    if m.device.type == "cuda":
+        return 2 * own, added
+    return 2 * own + added, 0
+
+
 def _memory_allows(m: TrainModule, grown: Mapping[str, int]) -> bool:
+    """Whether the memory a growth needs is free (on every rank: a collective with ranks)."""
     host, device = _bytes_needed(m, grown)
-    if host > available_host_memory().bytes:
-        return False
-    if device:
+    ok = host <= available_host_memory().bytes
+    if ok and device:
         free, _total = torch.cuda.mem_get_info(m.device)
-        return device <= free
-    return True
+        ok = device <= free
+    if m.world_size > 1:
+        return all(v[0] for v in agree([int(ok)]))
+    return ok
 
 
 def grow_tables(m: TrainModule, grown: Mapping[str, int]) -> GrowthEvent:
     """Grows dynamic tables of ``m`` to ``grown`` rows now (module docstring).
 
     Args:
-        m: the module (one rank).
+        m: the module (with several ranks every rank calls it: a collective).
         grown: growing dynamic table -> its new rows (at least its rows now).
 
     Returns:
@@ -274,13 +370,19 @@ def grow_tables(m: TrainModule, grown: Mapping[str, int]) -> GrowthEvent:
     """
     t0 = time.perf_counter()
     before = _current_rows(m)
-    state = module_state.checkpoint_state(m)
-    try:
-        _rebuild(m, {**before, **grown})
-        _load_grown(m, state, grown)
-    finally:  # /status reads the module again
-        m.growth.frozen_status = None
-    del state
+    if m.world_size > 1:
+        try:
+            _grow_across_ranks(m, {**before, **grown}, grown, before)
+        finally:  # /status reads the module again
+            m.growth.frozen_status = None
+    else:
+        state = module_state.checkpoint_state(m)
+        try:
+            _rebuild(m, {**before, **grown})
+            _load_grown(m, state, grown)
+        finally:
+            m.growth.frozen_status = None
+        del state
     event = GrowthEvent(m.global_step, {n: (before[n], int(r)) for n, r in grown.items()},
                         time.perf_counter() - t0)
     m.growth.events.append(event)
@@ -320,13 +422,13 @@ def grow_to_hold(m: TrainModule, new_ids: Mapping[str, np.ndarray]) -> GrowthEve
     holds evicts none of them (when the memory for it is free).
 
     Args:
-        m: the module (one rank).
+        m: the module (with several ranks every rank calls it with the same ids).
         new_ids: dynamic table -> raw ids to be given rows.
 
     Returns:
         The growth, or None when none was needed.
     """
-    due = {}
+    due: dict[str, int] = {}
     for name, ids in new_ids.items():
         t = m.dynamic.tables.get(name)
         if t is None or not t.spec.grows or not len(ids):
@@ -338,6 +440,10 @@ def grow_to_hold(m: TrainModule, new_ids: Mapping[str, np.ndarray]) -> GrowthEve
             rows = min(2 * rows, t.spec.grows_to)
         if rows > t.spec.capacity:
             due[name] = rows
+    if m.world_size > 1:  # the same on every rank; agreed so that no rank waits alone
+        for theirs in from_every_rank(due):
+            for name, rows in theirs.items():
+                due[name] = max(rows, due.get(name, 0))
     if due and not _memory_allows(m, due):
         logger.warning("dynamic tables %s stay at their rows to recover: the memory to grow "
                        "them is not free; recovered ids beyond them evict others",
@@ -350,8 +456,8 @@ def size_for_state(m: TrainModule, state: Mapping[str, Any]) -> None:
     """Builds ``m``'s growing tables at the rows a checkpoint state holds (before loading it).
 
     Raises:
-        ValueError: several ranks and a checkpoint whose growing table has other rows than
-            the ranks build (``grows_to``).
+        ValueError: the index split by id and a checkpoint whose growing table has other
+            rows than it builds (``grows_to``).
     """
     if not m.dynamic or "dynamic_tables" not in state:
         return
@@ -360,15 +466,18 @@ def size_for_state(m: TrainModule, state: Mapping[str, Any]) -> None:
              if n in now and r != now[n]}
     if not saved:
         return
-    if m.world_size > 1 or m.dynamic.partitions > 1:
+    if m.dynamic.partitions > 1:
         name, rows = next(iter(saved.items()))
         raise ValueError(
-            f"dynamic table {name}: the checkpoint holds it at {rows} rows (it grew in one "
-            f"process) but {m.world_size} ranks with dynamic_index_partitions "
-            f"{m.dynamic.partitions} build it at {now[name]}: restore it into one process, "
-            "or write ev_params.max_capacity")
+            f"dynamic table {name}: the checkpoint holds it at {rows} rows (it grew with the "
+            f"whole index) but dynamic_index_partitions {m.dynamic.partitions} builds it at "
+            f"{now[name]}: restore it with dynamic_index_partitions 1, or write "
+            "ev_params.max_capacity")
     logger.info("building dynamic tables at the rows the checkpoint holds: %s",
                 ", ".join(f"{n} {r:,}" for n, r in saved.items()))
     _rebuild(m, {**now, **saved})
-    init_embedding_weights(m.embedding_tables(), m.seed)  # a warm start keeps the rest
+    if m.world_size > 1:  # a warm start keeps the rest
+        init_local_shards(m.dmp, m.seed)
+    else:
+        init_embedding_weights(m.embedding_tables(), m.seed)
     m.growth.frozen_status = None  # a restore: the state is loaded next

@@ -451,8 +451,7 @@ class TrainModule:
             expired = self.dynamic.maintain(self.global_step, now)
             if expired:
                 self.dynamic_rows.reset(expired, self.global_step)
-            if self.world_size == 1:  # growing tables double at a step's end
-                grow_if_due(self)
+            grow_if_due(self)  # growing tables double at a step's end (every rank alike)
         return out
 
     def _step_sizes(self, batch: Batch, sizes: Sequence[int] | None) -> list[int]:
