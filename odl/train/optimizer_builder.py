@@ -319,6 +319,25 @@ def table_accumulator_start(spec: OptimizerSpec, device_type: str) -> float:
 # --------------------------------------------------------------------------- dense
 
 
+def _set_step_decay(groups: list[dict[str, Any]], weight_decay: float) -> None:
+    """Gives every parameter group TF contrib's decoupled decay per step (unless it has one)."""
+    for group in groups:
+        group.setdefault("step_weight_decay", float(weight_decay))
+
+
+def _decay_parameters(groups: list[dict[str, Any]]) -> None:
+    """``p -= step_weight_decay * p`` for every parameter with a gradient.
+
+    TF decays the variables it updates; the decay is not scaled by the learning rate.
+    """
+    for group in groups:
+        decay = group["step_weight_decay"]
+        if decay:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.mul_(1.0 - decay)
+
+
 class DecoupledAdamW(torch.optim.Adam):
     """EasyRec's (TF contrib) AdamW: ``p -= weight_decay * p``, then an Adam step.
 
@@ -337,18 +356,12 @@ class DecoupledAdamW(torch.optim.Adam):
                  betas: tuple[float, float] = (0.9, 0.999), weight_decay: float = 1e-6,
                  eps: float = 1e-8) -> None:
         super().__init__(params, lr=lr, betas=betas, eps=eps)
-        for group in self.param_groups:
-            group.setdefault("step_weight_decay", float(weight_decay))
+        _set_step_decay(self.param_groups, weight_decay)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Decays every parameter that has a gradient, then takes an Adam step."""
-        for group in self.param_groups:
-            decay = group["step_weight_decay"]
-            if decay:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.mul_(1.0 - decay)
+        _decay_parameters(self.param_groups)
         return super().step(closure)
 
 
@@ -369,18 +382,12 @@ class DecoupledMomentumW(torch.optim.SGD):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.9,
                  weight_decay: float = 1e-6) -> None:
         super().__init__(params, lr=lr, momentum=momentum)
-        for group in self.param_groups:
-            group.setdefault("step_weight_decay", float(weight_decay))
+        _set_step_decay(self.param_groups, weight_decay)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Decays every parameter that has a gradient, then takes a momentum step."""
-        for group in self.param_groups:
-            decay = group["step_weight_decay"]
-            if decay:
-                for p in group["params"]:
-                    if p.grad is not None:
-                        p.mul_(1.0 - decay)
+        _decay_parameters(self.param_groups)
         return super().step(closure)
 
 
