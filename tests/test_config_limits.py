@@ -521,3 +521,23 @@ def test_memory_of_several_ranks_is_each_ranks_share() -> None:
         "feature_configs[1].zch": {"zch_size": 4_000_000, "lru": {}},
         "train_config.dynamic_index_partitions": p}), "cpu", 4, 1) for p in (1, 4))
     assert whole.rank_sparse_bytes - split.rank_sparse_bytes == index - index // 4
+
+
+def test_release_freed_memory_hands_freed_heap_blocks_back():
+    """Blocks freed between live ones stay resident under glibc until ``malloc_trim``."""
+    import numpy as np
+    import psutil
+
+    from odl.train.host_memory import release_freed_memory
+
+    me = psutil.Process()
+    big = np.ones(2 << 20)  # 16 MiB, mapped; once freed, glibc serves 1 MiB blocks from heaps
+    del big
+    blocks = [np.ones(1 << 17) for _ in range(400)]  # 1 MiB each
+    held = me.memory_info().rss
+    del blocks[::2]  # 200 MiB freed in holes between live blocks: the heap cannot shrink
+    before = me.memory_info().rss
+    assert held - before < 50 << 20  # freed, still resident
+    assert release_freed_memory()
+    assert before - me.memory_info().rss > 100 << 20
+    del blocks

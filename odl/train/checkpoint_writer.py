@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Optional
 
 from odl.checkpoint.checkpoint_manager import CheckpointError
+from odl.train.host_memory import release_freed_memory
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class CheckpointWriter:
             return
         thread.join()
         self._thread = None
+        release_freed_memory()  # the state the write copied: back to the host
         error, on_done = self._error, self._on_done
         self._error = self._on_done = None
         if error is not None and not isinstance(error, CheckpointError):

@@ -56,7 +56,7 @@ from odl.models.dynamic.growth import grown_tables_state, saved_capacities
 from odl.models.embedding_tables import init_embedding_weights, initial_rows
 from odl.train import module_state
 from odl.train.distributed import agree, from_every_rank, from_rank
-from odl.train.host_memory import available_host_memory
+from odl.train.host_memory import available_host_memory, release_freed_memory
 from odl.train.table_shards import EBC_PREFIX, init_local_shards, local_shards, local_view
 
 if TYPE_CHECKING:
@@ -383,6 +383,8 @@ def grow_tables(m: TrainModule, grown: Mapping[str, int]) -> GrowthEvent:
         finally:
             m.growth.frozen_status = None
         del state
+    gc.collect()
+    release_freed_memory()  # the old module and the copy: back to the host
     event = GrowthEvent(m.global_step, {n: (before[n], int(r)) for n, r in grown.items()},
                         time.perf_counter() - t0)
     m.growth.events.append(event)
