@@ -33,6 +33,7 @@ LOADS = {
     "easyrec/deepfm_combo_avazu_kafka_time_offset.config",
     "easyrec/deepfm_combo_on_avazu_ctr.config",
     "easyrec/deepfm_combo_on_avazu_embed_adagrad.config",
+    "easyrec/deepfm_combo_on_avazu_momentumw_ctr.config",
     "easyrec/dcn_on_taobao.config",
     "easyrec/dbmtl_on_taobao.config",
     "easyrec/dbmtl_mmoe_on_taobao.config",
