@@ -47,9 +47,10 @@ keep up with ``--rate`` the output says so (achieved rates, lag) -- measure a lo
 ``--rate`` honestly then. The load average before and after is printed, since other work
 on the machine skews every figure. ``--torch-threads N`` sets torch's intra-op threads of
 the trainer (``OMP_NUM_THREADS``) and of serving / the rate runs (``torch.set_num_threads``);
-by default torch's own default (one per core) is left alone. When the processes together
-want more than the cores, 1 is far better here (OpenMP workers of one process wait on
-workers that another process has pushed off the CPU).
+by default (0) each takes what ``odl-train`` and ``odl-serve`` take
+(``configure_torch_threads``: half the CPUs, 1 on 2 cores), so the in-process serving and
+rate runs match the daemons. With more threads than the processes leave free, OpenMP
+workers of one process wait on workers that another has pushed off the CPU.
 
     .venv/bin/python bench/freshness.py [--rate 10000] [--seconds 60] [--warmup 15]
                                         [--publish-steps 2] [--torch-threads 0] [--served-auc]
@@ -93,6 +94,7 @@ from odl.export.exporter import export_checkpoint  # noqa: E402
 from odl.harness.trainer_process import trainer_json  # noqa: E402
 from odl.kafka.client_settings import consumer_config  # noqa: E402
 from odl.kafka.topic_admin import create_topic, end_offsets  # noqa: E402
+from odl.train.torch_runtime import configure_torch_threads  # noqa: E402
 from odl.train.trainer import Trainer, TrainerOptions  # noqa: E402
 from serving_plugin.serving_service import ServingService  # noqa: E402
 
@@ -325,14 +327,24 @@ def cpu_seconds(procs: dict[str, psutil.Process]) -> dict[str, float]:
     return out
 
 
-def rate_run(text: str, steps: int, warmup: int, max_seconds: float) -> float:
+def rate_run(text: str, steps: int, warmup: int, max_seconds: float,
+             broker: psutil.Process | None = None) -> tuple[float, dict[str, float]]:
     """Trainer samples/s from step ``warmup`` to ``steps`` or ``max_seconds`` after it
-    (in process, like train_throughput)."""
+    (in process, like train_throughput), and the CPU seconds per 1,000 samples trained in
+    that window of the trainer (this process and its input process) and of the broker."""
     config = parse_pipeline_config_text(text)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
-    return measure_trainer_rate(
-        trainer, warmup, lambda step, secs: step >= steps or secs > max_seconds
-    )
+    me = psutil.Process()
+    cpu: dict[str, tuple[dict[str, float], int]] = {}
+
+    def mark(name: str) -> None:
+        procs = {"trainer": me, **({"broker": broker} if broker is not None else {})}
+        cpu[name] = (cpu_seconds(procs), trainer.samples_trained)
+
+    rate = measure_trainer_rate(
+        trainer, warmup, lambda step, secs: step >= steps or secs > max_seconds, on_mark=mark)
+    (c0, s0), (c1, s1) = cpu["start"], cpu["end"]
+    return rate, {k: round(1000 * (c1[k] - c0[k]) / max(1, s1 - s0), 4) for k in c1}
 
 
 def main() -> int:
@@ -360,7 +372,8 @@ def main() -> int:
                     help="also ask serving for a prediction of every sample as it arrives "
                          "and report their AUC next to the trainer's progressive AUC")
     ap.add_argument("--torch-threads", type=int, default=0,
-                    help="torch intra-op threads of trainer and serving (0 = torch's default)")
+                    help="torch intra-op threads of trainer and serving (0 = the daemons' "
+                         "auto: half the CPUs)")
     add_output_args(ap)
     args = ap.parse_args()
     global NUM_WORKERS, INPUT_PROCESS
@@ -368,8 +381,8 @@ def main() -> int:
     INPUT_PROCESS = bool(args.input_process)
     logging.basicConfig(level=logging.WARNING)
     global CHILD_ENV
+    configure_torch_threads(args.torch_threads)  # serving and the rate runs, as the daemons
     if args.torch_threads:
-        torch.set_num_threads(args.torch_threads)
         CHILD_ENV = dict(os.environ, OMP_NUM_THREADS=str(args.torch_threads))
 
     load_before = os.getloadavg()
@@ -485,6 +498,9 @@ def main() -> int:
 
         # -- publishing on vs off, same batches, nothing else running
         rates: dict[str, list[float]] = {"off": [], "on": []}
+        # CPU seconds per 1,000 samples of the trainer / the broker, per arm and round
+        rate_cpu: dict[str, list[dict[str, float]]] = {"off": [], "on": []}
+        broker_proc = psutil.Process(broker.pid) if broker.pid else None
         if args.rate_batches:
             for r in range(args.rate_rounds):
                 # a delta topic per round: each round's model is another model_dir, and a
@@ -494,9 +510,15 @@ def main() -> int:
                     md = os.path.join(work, f"rate_{kind}_{r}")
                     text = config_text(md, bs, f"bench-rate-{kind}-{r}", args.publish_steps,
                                        f"deltas-rate-{r}" if kind == "on" else None)
-                    rates[kind].append(rate_run(text, args.rate_batches, 5, args.rate_max_seconds))
+                    rate, cpu = rate_run(text, args.rate_batches, 5, args.rate_max_seconds,
+                                         broker_proc)
+                    rates[kind].append(rate)
+                    rate_cpu[kind].append(cpu)
                 print(f"rate round {r}: publishing off {rates['off'][-1]:,.0f}/s, on "
-                      f"{rates['on'][-1]:,.0f}/s", flush=True)
+                      f"{rates['on'][-1]:,.0f}/s; CPU s per 1k samples trainer "
+                      f"{rate_cpu['off'][-1]['trainer']} / {rate_cpu['on'][-1]['trainer']}, "
+                      f"broker {rate_cpu['off'][-1].get('broker')} / "
+                      f"{rate_cpu['on'][-1].get('broker')}", flush=True)
 
     # -- figures
     window = [v for v in applied if gen_start + args.warmup <= v["applied"] <= gen_end]
@@ -567,7 +589,14 @@ def main() -> int:
         result["publishing_cost"] = {"samples_per_sec_off": round(off),
                                      "samples_per_sec_on": round(on),
                                      "on_over_off": round(on / off, 3),
+                                     "per_round": [round(b / a, 3) for a, b in
+                                                   zip(rates["off"], rates["on"], strict=True)],
                                      "batches": args.rate_batches, "rounds": args.rate_rounds}
+        for who in ("trainer", "broker"):
+            arms = {k: [c[who] for c in v if who in c] for k, v in rate_cpu.items()}
+            if arms["off"] and arms["on"]:
+                result["publishing_cost"][f"{who}_cpu_ms_per_sample"] = {
+                    k: round(statistics.median(v), 4) for k, v in arms.items()}
     print(json.dumps(result, indent=1))
     lat = fresh["latency_s"]
     if cpu_cores:
@@ -599,7 +628,12 @@ def main() -> int:
         pc = result["publishing_cost"]
         print(f"trainer with publishing / without = {pc['on_over_off']} "
               f"({pc['samples_per_sec_on']:,} vs {pc['samples_per_sec_off']:,} samples/s; "
-              "target >= 0.90)")
+              f"per round {pc['per_round']}; target >= 0.90)")
+        for who in ("trainer", "broker"):
+            c = pc.get(f"{who}_cpu_ms_per_sample")
+            if c:
+                print(f"{who} CPU ms per sample, publishing on / off: {c['on']} / {c['off']}"
+                      + (f" = {c['on'] / c['off']:.3f}" if c["off"] else ""))
     finish_run(args, result, work, plot=lambda path: plot_cdf(
         path, stages, "seconds", f"freshness: {args.rate} samples/s for {args.seconds} s, "
         f"publish every {args.publish_steps} steps"))

@@ -17,12 +17,13 @@ DeepFM on ``uid`` (the N-row table, dim ``--dim``, and its wide table of N rows)
    and their tables (and a dynamic table's ids and counters) compared bitwise.
 
 A dynamic table's increment holds its changed rows' ids and counters, not its whole index
-(``odl.models.dynamic.state_changes``), plus its admission sketch whole. Prints one line per
-stage and a JSON table.
+(``odl.models.dynamic.state_changes``), plus its admission sketch whole; with ``--partitions
+P`` (``dynamic_index_partitions``) the index is split by id into P partitions, each with its
+changes. Prints one line per stage and a JSON table.
 
     .venv/bin/python bench/incremental_checkpoint.py [--rows 10000000] [--kinds fixed,dynamic]
         [--dim 16] [--optimizer adagrad|rowwise_adagrad|adam] [--touch 0.01]
-        [--batch 4096] [--json out.json] [--keep]
+        [--batch 4096] [--partitions 1] [--json out.json] [--keep]
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ model_config {{ model_class: "DeepFM"
   feature_groups {{ group_name: "wide" feature_names: ["uid", "cat"] wide_deep: WIDE }}
   feature_groups {{ group_name: "deep" feature_names: ["uid", "cat"] wide_deep: DEEP }}
   deepfm {{ dnn {{ hidden_units: [64, 32] }} }} }}
-train_config {{ {OPTIMIZERS[args.optimizer]} full_checkpoint_every: 10 }}
+train_config {{ {OPTIMIZERS[args.optimizer]} full_checkpoint_every: 10
+  dynamic_index_partitions: {args.partitions} }}
 """
 
 
@@ -99,8 +101,13 @@ def one_kind(rows: int, kind: str, args: argparse.Namespace, work: str) -> dict:
                  "touch": args.touch}
     fb = FeatureBuilder(config)
     tm = TrainModule(config, fb, device="cpu")
+    ids = rows
     if kind == "dynamic":
-        fill(tm, rows)
+        # split by id, a partition holds the ids that hash to it: fill short of every
+        # partition's capacity (the touched ids below are among the filled ones)
+        ids = rows if args.partitions == 1 else int(rows * 0.98)
+        fill(tm, ids)
+        out["filled_ids"] = ids
     tracker = CheckpointRows(tm)
     hook_secs = [0.0]
     record = tracker._tracker.record  # noqa: SLF001 - timing the hook the step calls
@@ -125,7 +132,7 @@ def one_kind(rows: int, kind: str, args: argparse.Namespace, work: str) -> dict:
     print(f"{kind} table of {rows:,} rows: full checkpoint {out['full_bytes']:,} bytes in "
           f"{out['full_s']} s", flush=True)
 
-    batches = [fb.build(b).batch for b in touch_batches(rows, kind, args)]
+    batches = [fb.build(b).batch for b in touch_batches(ids, kind, args)]
     t0 = time.perf_counter()
     for b in batches:
         tm.train_step(b)
@@ -195,6 +202,8 @@ def main() -> int:
     ap.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adagrad")
     ap.add_argument("--touch", type=float, default=0.01, help="share of the rows touched")
     ap.add_argument("--batch", type=int, default=4096)
+    ap.add_argument("--partitions", type=int, default=1,
+                    help="train_config.dynamic_index_partitions (the index split by id)")
     ap.add_argument("--one", default="", help=argparse.SUPPRESS)
     ap.add_argument("--work", default="", help=argparse.SUPPRESS)
     add_output_args(ap)
@@ -209,7 +218,8 @@ def main() -> int:
         os.makedirs(sub)
         cmd = [sys.executable, os.path.abspath(__file__), "--one", kind, "--work", sub,
                "--rows", str(args.rows), "--dim", str(args.dim), "--optimizer",
-               args.optimizer, "--touch", str(args.touch), "--batch", str(args.batch)]
+               args.optimizer, "--touch", str(args.touch), "--batch", str(args.batch),
+               "--partitions", str(args.partitions)]
         done = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
         lines = done.stdout.strip().splitlines()
         print("\n".join(lines[:-1]), flush=True)
@@ -218,7 +228,8 @@ def main() -> int:
             table.append({"kind": kind, "failed": done.returncode})
             continue
         table.append(json.loads(lines[-1]))
-    result = {"cpu_count": os.cpu_count(), "rows": args.rows, "kinds": table}
+    result = {"cpu_count": os.cpu_count(), "rows": args.rows, "partitions": args.partitions,
+              "kinds": table}
     print(json.dumps(result, indent=1))
     finish_run(args, result, work)
     return 0

@@ -93,13 +93,16 @@ def time_steps(step, batches, warmup: int) -> float:
 
 
 def measure_trainer_rate(trainer: Trainer, warmup: int,
-                         done: Callable[[int, float], bool]) -> float:
+                         done: Callable[[int, float], bool],
+                         on_mark: Callable[[str], None] | None = None) -> float:
     """Runs ``trainer``; samples/s from global step ``warmup`` until ``done`` says stop.
 
     Args:
         trainer: a trainer, not started.
         warmup: steps excluded from the measurement.
         done: ``done(step, seconds_since_warmup)``; True ends the measurement and the run.
+        on_mark: called with ``"start"`` and ``"end"`` as the measurement starts and ends
+            (e.g. to read CPU counters over the same window).
 
     Returns:
         Samples trained per second between the two marks.
@@ -111,9 +114,13 @@ def measure_trainer_rate(trainer: Trainer, warmup: int,
             step, samples = trainer.module.global_step, trainer.samples_trained
             if "start" not in marks and step >= warmup:
                 marks["start"] = (time.perf_counter(), samples)
+                if on_mark is not None:
+                    on_mark("start")
             since = time.perf_counter() - marks["start"][0] if "start" in marks else 0.0
             if ("start" in marks and done(step, since)) or trainer.stop_event.is_set():
                 marks["end"] = (time.perf_counter(), trainer.samples_trained)
+                if on_mark is not None:
+                    on_mark("end")
                 trainer.request_stop("benchmark done")
                 return
             time.sleep(0.02)  # rarely: this thread competes for the GIL with the trainer
