@@ -15,12 +15,12 @@ threshold is one record (``queued.min.messages`` 1) and a partition with records
 locally is refetched only every ``fetch.queue.backoff.ms`` = ``fetch_interval_ms``; the
 reader takes what is queued and, while its batch is not full, waits one interval before
 looking again. Each fetch then carries an interval's worth of records, from any broker, at
-the price of about two intervals of latency. Unpaced (0: a prefetch of four batches and
-librdkafka's default 1 s queue backoff) has two failure modes: against a broker without fetch
-long-polling a consumer at the log end refetches at once, tens of thousands of times a second;
-and once one fetch returns more than the prefetch threshold the partition is not fetched
-again for a second, so records wait up to a second. ``bench/fetch_pacing.py`` measures both
-(figures in docs/benchmarks.md).
+the price of about two intervals of latency. Unpaced (0: a prefetch of four batches) has a
+failure mode: against a broker without fetch long-polling a consumer at the log end refetches
+at once, tens of thousands of times a second. Its queue backoff is ``UNPACED_QUEUE_BACKOFF_MS``
+(50 ms): with librdkafka's default of 1 s, once one fetch returned more than the prefetch
+threshold the partition was not fetched again for a second, and records waited up to a
+second. ``bench/fetch_pacing.py`` measures both modes (figures in docs/benchmarks.md).
 
 Parking (paced only): when a whole batch timeout brings nothing and every partition is at its
 log end, the source unassigns its partitions (nothing fetched is pending, so nothing is
@@ -76,6 +76,11 @@ from odl.kafka.broker_health import (
 from odl.kafka.client_settings import consumer_config
 
 logger = logging.getLogger(__name__)
+
+# librdkafka's fetch.queue.backoff.ms when fetch pacing is off (fetch_interval_ms 0): how long
+# a partition whose local queue passed the prefetch threshold waits before its next fetch
+# (librdkafka's default, 1 s, left records waiting a second after every large fetch)
+UNPACED_QUEUE_BACKOFF_MS = 50
 
 _WATERMARK_REFRESH_SECS = 2.0
 _PARKED_POLL_SECS = 0.05  # how often a parked source asks for the log ends
@@ -175,7 +180,8 @@ class KafkaSource(ReportsBrokerHealth):
             # fetch_interval_ms while records are queued (see the module docstring)
             owned += [("queued.min.messages", 1), ("fetch.queue.backoff.ms", fetch_interval_ms)]
         else:
-            owned += [("queued.min.messages", max(4 * self.batch_size, 1000))]
+            owned += [("queued.min.messages", max(4 * self.batch_size, 1000)),
+                      ("fetch.queue.backoff.ms", UNPACED_QUEUE_BACKOFF_MS)]
         for key, value in owned:
             if not kafka_config or key not in kafka_config:
                 conf[key] = value

@@ -46,6 +46,7 @@ from typing import Any
 from odl.config.config_error import ConfigError
 from odl.config.config_redaction import REDACTED, SECRET_FIELD_MARKERS
 from odl.config.optimizer_support import optimizer_choices, table_optimizer_plan
+from odl.inputs.kafka_source import UNPACED_QUEUE_BACKOFF_MS
 from odl.kafka.client_settings import consumer_config, delta_consumer_config, producer_config
 from odl.protos import pipeline_pb2
 from odl.storage import file_store
@@ -428,7 +429,8 @@ def check_kafka_settings(config: pipeline_pb2.EasyRecConfig, online: bool) -> No
             source.update({"queued.min.messages": 1,
                            "fetch.queue.backoff.ms": int(dc.fetch_interval_ms)})
         else:
-            source["queued.min.messages"] = max(4 * int(dc.batch_size), 1000)
+            source.update({"queued.min.messages": max(4 * int(dc.batch_size), 1000),
+                           "fetch.queue.backoff.ms": UNPACED_QUEUE_BACKOFF_MS})
         for key, value in source.items():
             if key not in extra:
                 conf[key] = value
