@@ -391,7 +391,29 @@ class DecoupledMomentumW(torch.optim.SGD):
         return super().step(closure)
 
 
-class TfRmsProp(torch.optim.Optimizer):
+class _PerParameterOptimizer(torch.optim.Optimizer):
+    """An optimizer that updates every parameter with a gradient on its own (``_update``)."""
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._update(p, p.grad, self.state[p], group)
+        return loss
+
+    def _update(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any],
+                group: dict[str, Any]) -> None:
+        """Updates ``p`` in place from its gradient ``g``, its ``state`` and its group."""
+        raise NotImplementedError
+
+
+class TfRmsProp(_PerParameterOptimizer):
     """TF's ``RMSPropOptimizer`` (not centered), as EasyRec's ``rms_prop_optimizer``.
 
     Per coordinate::
@@ -415,31 +437,19 @@ class TfRmsProp(torch.optim.Optimizer):
                  momentum: float = 0.9, eps: float = 1.0) -> None:
         super().__init__(params, {"lr": lr, "decay": decay, "momentum": momentum, "eps": eps})
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One RMSProp update of every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, rho = group["lr"], group["decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                state = self.state[p]
-                if not state:
-                    state["mean_square"] = torch.ones_like(p)
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                ms, mom = state["mean_square"], state["momentum_buffer"]
-                ms.mul_(rho).addcmul_(g, g, value=1.0 - rho)
-                mom.mul_(group["momentum"]).add_(lr * g / (ms + group["eps"]).sqrt())
-                p.sub_(mom)
-        return loss
+    def _update(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any],
+                group: dict[str, Any]) -> None:
+        """One RMSProp update of ``p``."""
+        if not state:
+            state["mean_square"] = torch.ones_like(p)
+            state["momentum_buffer"] = torch.zeros_like(p)
+        ms, mom, rho = state["mean_square"], state["momentum_buffer"], group["decay"]
+        ms.mul_(rho).addcmul_(g, g, value=1.0 - rho)
+        mom.mul_(group["momentum"]).add_(group["lr"] * g / (ms + group["eps"]).sqrt())
+        p.sub_(mom)
 
 
-class FtrlProximal(torch.optim.Optimizer):
+class FtrlProximal(_PerParameterOptimizer):
     """FTRL-Proximal as TF's ``FtrlOptimizer`` (the ApplyFtrlV2 update), per coordinate.
 
     With ``g`` the gradient, ``n`` the accumulator and ``z`` the linear term::
@@ -468,35 +478,23 @@ class FtrlProximal(torch.optim.Optimizer):
                     "l2_shrinkage": l2_shrinkage}
         super().__init__(params, defaults)
 
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One FTRL update of every parameter that has a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            lr, power = group["lr"], group["lr_power"]
-            l1, l2, shrink = group["l1"], group["l2"], group["l2_shrinkage"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                state = self.state[p]
-                if not state:
-                    state["accumulator"] = torch.full_like(
-                        p, group["initial_accumulator_value"])
-                    state["linear"] = torch.zeros_like(p)
-                n, z = state["accumulator"], state["linear"]
-                g_s = g + 2.0 * shrink * p if shrink else g
-                n_new = n + g * g
-                n_pow_new = n_new.pow(-power)
-                z.add_(g_s - (n_pow_new - n.pow(-power)) / lr * p)
-                quadratic = n_pow_new / lr + 2.0 * l2
-                w = (torch.sign(z) * l1 - z) / quadratic
-                p.copy_(torch.where(z.abs() > l1, w, torch.zeros_like(w)))
-                n.copy_(n_new)
-        return loss
+    def _update(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any],
+                group: dict[str, Any]) -> None:
+        """One FTRL update of ``p``."""
+        lr, power = group["lr"], group["lr_power"]
+        l1, l2, shrink = group["l1"], group["l2"], group["l2_shrinkage"]
+        if not state:
+            state["accumulator"] = torch.full_like(p, group["initial_accumulator_value"])
+            state["linear"] = torch.zeros_like(p)
+        n, z = state["accumulator"], state["linear"]
+        g_s = g + 2.0 * shrink * p if shrink else g
+        n_new = n + g * g
+        n_pow_new = n_new.pow(-power)
+        z.add_(g_s - (n_pow_new - n.pow(-power)) / lr * p)
+        quadratic = n_pow_new / lr + 2.0 * l2
+        w = (torch.sign(z) * l1 - z) / quadratic
+        p.copy_(torch.where(z.abs() > l1, w, torch.zeros_like(w)))
+        n.copy_(n_new)
 
 
 def make_dense_optimizer(
