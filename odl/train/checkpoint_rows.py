@@ -36,7 +36,7 @@ re-splitting dynamic tables, a warm start) makes the next checkpoint full instea
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -46,6 +46,7 @@ from odl.models.dynamic.state_changes import CHANGES_FORMAT, kept_free_rows, tab
 from publisher.delta_tracker import DeltaTracker
 
 if TYPE_CHECKING:
+    from odl.models.dynamic.dynamic_table import DynamicTable
     from odl.train.train_module import TrainModule
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class CheckpointRows:
         self.dynamic_changes: dict | None = None
         self.restart()
 
-    def _held_tables(self):
+    def _held_tables(self) -> Iterator[tuple[int, int, str, DynamicTable]]:
         """``(partition, first row, name, DynamicTable)`` of every held partition's table."""
         dynamic = self._m.dynamic
         if not dynamic:
