@@ -147,13 +147,13 @@ def is_rows_document(document: Mapping[str, Any]) -> bool:
     return "rows" in document
 
 
-def read_rows(path: str, map_location: str = "cpu") -> dict[str, Any]:
-    """Reads a row file.
+def read_rows(path: str, map_location: str = "cpu", mmap: bool = False) -> dict[str, Any]:
+    """Reads a row file (``mmap``: mapped, its tensors read only where used).
 
     Raises:
         ValueError: it is not a row file of a known format.
     """
-    doc = torch.load(path, map_location=map_location, weights_only=True)
+    doc = torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     if not isinstance(doc, dict) or doc.get("format") != ROWS_FORMAT or "rows" not in doc:
         raise ValueError(f"{path} is not a table row file of format {ROWS_FORMAT}")
     return doc

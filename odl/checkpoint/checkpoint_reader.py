@@ -291,7 +291,7 @@ def _dynamic_parts_through_chain(base_path: str, link_rows: list[list[str]],
     base_parts: dict[int, dict] | None = None
     for files in link_rows:
         for path in files:
-            doc = checkpoint_chain.read_rows(path, map_location)
+            doc = checkpoint_chain.read_rows(path, map_location, mmap=True)  # (rows unread)
             for p, part in (doc.get("dynamic_parts") or {}).items():
                 p = int(p)
                 if not is_changes(part):

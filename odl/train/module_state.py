@@ -200,10 +200,18 @@ def _gathered_parts(m: TrainModule) -> list[dict[str, Any]] | None:
     Returns:
         The part documents in rank order on rank 0, None on the others.
     """
+    return gather_to_rank0(table_part_copy(m))
+
+
+def table_part_copy(m: TrainModule) -> dict[str, Any]:
+    """``table_part`` with its tensors compact copies, to send or keep across a rebuild.
+
+    A shard is a view of the fused buffer, which pickling would send whole.
+    """
     part = table_part(m)
-    for piece in part["pieces"]:  # compact copies: a shard is a view of the fused
-        piece[4] = [[off, t.clone()] for off, t in piece[4]]  # buffer, pickled whole
-    return gather_to_rank0(part)
+    for piece in part["pieces"]:
+        piece[4] = [[off, t.clone()] for off, t in piece[4]]
+    return part
 
 
 def table_part(m: TrainModule) -> dict[str, Any]:

@@ -99,15 +99,15 @@ def save_across_ranks(manager: CheckpointManager, module: TrainModule,
         for theirs in from_every_rank(dict(changed or {})):
             for table, ids in theirs.items():
                 rows[table] = np.union1d(rows[table], ids) if table in rows else ids
-        own_parts = None
-        if dynamic_changes is not None and module.dynamic_split_over_ranks:
-            changes = dynamic_changes(rows)  # this rank's partitions
-            own_parts = changes["parts"] if changes is not None else None
-        part = changed_rows_part(module, rows, own_parts)
-        if rank == 0 and dynamic_changes is not None and not module.dynamic_split_over_ranks:
-            changes = dynamic_changes(rows)  # the whole index's rows changed on any rank
-            if changes is not None:
-                state["dynamic_tables"] = changes
+        # split by id: this rank's partitions' changes, beside its rows; else the whole
+        # index's rows changed on any rank, in rank 0's state
+        split = module.dynamic_split_over_ranks
+        changes = (dynamic_changes(rows) if dynamic_changes is not None
+                   and (split or rank == 0) else None)
+        part = changed_rows_part(module, rows,
+                                 changes["parts"] if split and changes is not None else None)
+        if changes is not None and not split:
+            state["dynamic_tables"] = changes
     else:
         part = module.table_part()
     entry, my_error = None, None

@@ -284,9 +284,7 @@ def _grow_across_ranks(m: TrainModule, rows: Mapping[str, int], grown: Mapping[s
                        before: Mapping[str, int]) -> None:
     """``grow_tables`` of one of several ranks (a collective; module docstring)."""
     old_rows = {t: int(before[base]) for base in grown for t in m.dynamic_torch_tables[base]}
-    part = module_state.table_part(m)
-    for piece in part["pieces"]:  # compact copies: a shard is a view of the fused buffer
-        piece[4] = [[off, t.clone()] for off, t in piece[4]]
+    part = module_state.table_part_copy(m)
     state = module_state.state_without_tables(m)
     _rebuild(m, rows)
     _load_rows_across_ranks(m, part, old_rows)
