@@ -409,7 +409,9 @@ def apply_recovered_state(tables: Mapping[str, torch.Tensor],
     Dynamic tables: the recovered deletes are forgotten (their rows freed and reset) and the
     recovered raw ids are given rows (``DynamicTable.upsert``, evicting by the table's
     policy when full) before their values are copied, so the trainer holds what serving
-    holds. Their counters restart from the recovery (sightings 1, last seen now).
+    holds. Their counters restart from the recovery (sightings 1, last seen now). A recovered
+    id on a table's disk tier takes its values in its slot (its counters and optimizer state
+    kept); the rows moved to disk to make room are written there first.
 
     Args:
         tables: table name -> live weight tensor (``TrainModule.embedding_tables()``).
@@ -481,9 +483,20 @@ def apply_recovered_state(tables: Mapping[str, torch.Tensor],
             if freed.shape[0]:
                 dynamic.reset_dynamic_rows({dyn.name: freed}, step)
     for name, dyn, ids, values in dyn_rows:
+        ids = np.asarray(ids, dtype=np.int64)
+        disk = getattr(dyn, "disk", None)
+        if disk is not None and len(ids):  # ids on a disk tier take their values there
+            on = disk.slots(ids)
+            if (on >= 0).any():
+                record = disk.read(on[on >= 0])
+                first = disk.columns[name]
+                record[:, first:first + int(values.shape[1])] = values[on >= 0]
+                disk.write(on[on >= 0], record)
+                rows += int((on >= 0).sum())
+                ids, values = ids[on < 0], values[on < 0]
         if not len(ids):
             continue
-        slots, evicted = dyn.upsert(np.asarray(ids, dtype=np.int64), step, now)
+        slots, evicted = dyn.upsert(ids, step, now)
         if evicted.shape[0]:
             dynamic.reset_dynamic_rows({dyn.name: evicted}, step)
         ok = slots >= 0

@@ -37,7 +37,8 @@ def published_table_dims(module: Any) -> dict[str, tuple[int, int]]:
     A table is stored with a multiple of 4 columns; a wide table is read (and published) at
     ``wide_output_dim``, a deep one at its ``embedding_dim`` (``EmbeddingLayout.read_dims``).
     A growing dynamic table's rows are the most it may reach (``DynamicTableSpec.max_rows``),
-    so the id maps stay those of the table whatever it grows to.
+    so the id maps stay those of the table whatever it grows to; a table with a disk tier's,
+    the most ids it may hold in RAM and on disk (``most_ids``).
 
     Args:
         module: a ``TrainModule``.
@@ -51,7 +52,7 @@ def published_table_dims(module: Any) -> dict[str, tuple[int, int]]:
     for name, (rows, columns) in module.table_shapes().items():
         dyn = module.dynamic_table(name) if hasattr(module, "dynamic_table") else None
         if dyn is not None:
-            rows = max(rows, dyn.spec.max_rows)
+            rows = max(rows, dyn.spec.most_ids)
         out[name] = (rows, int(read.get(name, columns)))
     return out
 

@@ -337,6 +337,37 @@ class ParameterSnapshotter:
                 out[dyn.name] = dyn.take_deleted(self.delete_consumer)
         return out
 
+    def _add_moved_out(self, shapes: Mapping[str, Any],
+                       out: dict[int, tuple[np.ndarray, np.ndarray]],
+                       republish_all: bool) -> None:
+        """Adds the rows moved to a disk tier since the last take, read from disk.
+
+        A row may have been updated since the last version and moved out before this one
+        (``DynamicTable.take_moved_out``): its values are sent from its slot. An id back in
+        RAM is not on disk, and is sent from its row when a step touched it. A republish
+        sends every row on disk.
+        """
+        moved: dict[str, np.ndarray] = {}
+        for name in shapes:
+            dyn = self._dynamic(name)
+            info = self.id_maps.tables.get(name)
+            if dyn is None or info is None or getattr(dyn, "disk", None) is None:
+                continue
+            if dyn.name not in moved:
+                moved[dyn.name] = dyn.take_moved_out(self.delete_consumer)
+                if republish_all:
+                    moved[dyn.name] = dyn.disk.ids()
+            keys, values = dyn.disk_rows(moved[dyn.name])
+            if not keys.shape[0]:
+                continue
+            first = dyn.disk.columns[name]
+            values = values[:, first:first + info.dim]
+            if info.id in out:
+                old_keys, old_values = out[info.id]
+                keys = np.concatenate([old_keys, keys])
+                values = np.concatenate([old_values, values])
+            out[info.id] = (keys, values)
+
     def _raw_ids(self, name: str, dyn: DynamicTable, rows: np.ndarray) -> np.ndarray:
         """The raw ids ``rows`` of a dynamic table hold (-1: free).
 
@@ -412,6 +443,7 @@ class ParameterSnapshotter:
                 keys = ids.cpu().numpy().astype(np.int64, copy=False)
                 self._published_rows[name][ids.cpu()] = True
             out[info.id] = (keys, rows[:, : info.dim].cpu().numpy())
+        self._add_moved_out(shapes, out, republish_all)
         if republish_all:
             logger.warning("delta version %d republishes all %d rows ever published (the "
                            "broker lost acknowledged versions)", step,

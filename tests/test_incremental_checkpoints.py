@@ -40,6 +40,7 @@ from odl.config.pipeline_config import load_pipeline_config
 from odl.datagen.synthetic_ctr import SyntheticCtrStream
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
+from odl.models.dynamic.disk_rows import CHANGES_FORMAT as DISK_CHANGES_FORMAT
 from odl.models.dynamic.state_changes import CHANGES_FORMAT
 from odl.storage import file_store
 from odl.train.checkpoint_rows import CheckpointRows
@@ -62,7 +63,8 @@ ROW_WISE_STATE_TABLES = (
     "dense_optimizer { adam_optimizer { lr: 0.01 } constant_learning_rate {} }")
 
 
-def _module(tmp_path, dynamic: str = DYNAMIC, optimizer: str = "", partitions: int = 1):
+def _module(tmp_path, dynamic: str = DYNAMIC, optimizer: str = "", partitions: int = 1,
+            ram_rows: int = 0):
     cfg = write_config(tmp_path, "127.0.0.1:1", "t", buckets=400,
                        sparse_fields=tuple(f"C{i}" for i in range(1, 7)))
     assert make_half_dynamic(cfg, dynamic)
@@ -71,6 +73,9 @@ def _module(tmp_path, dynamic: str = DYNAMIC, optimizer: str = "", partitions: i
         config.train_config.ClearField("optimizer_config")
         text_format.Merge(optimizer, config.train_config)
     config.train_config.dynamic_index_partitions = partitions
+    if ram_rows:  # a disk tier (its files under the test's directory)
+        config.train_config.disk_tier.dir = str(tmp_path / f"tier-{os.getpid()}-{id(cfg)}")
+        config.train_config.disk_tier.ram_rows = ram_rows
     fb = FeatureBuilder(config)
     return config, fb, TrainModule(config, fb, device="cpu")
 
@@ -85,12 +90,13 @@ def _checkpoint(manager: CheckpointManager, rows: CheckpointRows, tm: TrainModul
     return manager.save(step, tm.state_dict_for_checkpoint(), {0: step}, {}, "cfg")
 
 
-@pytest.mark.parametrize("dynamic, optimizer, partitions", [
-    (DYNAMIC, "", 1), (SCORED, "", 1), (DYNAMIC, ROW_WISE_STATE_TABLES, 1), (SCORED, "", 2)],
-    ids=["ev_params", "ctr_accessor", "row_sparse_row_wise_state", "split_by_id"])
-def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path, dynamic,
-                                                                 optimizer, partitions) -> None:
-    config, fb, tm = _module(tmp_path, dynamic, optimizer, partitions)
+@pytest.mark.parametrize("dynamic, optimizer, partitions, ram_rows", [
+    (DYNAMIC, "", 1, 0), (SCORED, "", 1, 0), (DYNAMIC, ROW_WISE_STATE_TABLES, 1, 0),
+    (SCORED, "", 2, 0), (DYNAMIC, "", 1, 24)],
+    ids=["ev_params", "ctr_accessor", "row_sparse_row_wise_state", "split_by_id", "disk_tier"])
+def test_chain_reads_restores_and_exports_as_the_full_checkpoint(
+        tmp_path, dynamic, optimizer, partitions, ram_rows) -> None:
+    config, fb, tm = _module(tmp_path, dynamic, optimizer, partitions, ram_rows)
     assert (tm.row_sparse is not None) == bool(optimizer)
     chain_dir, full_dir = str(tmp_path / "chain"), str(tmp_path / "full")
     manager = CheckpointManager(chain_dir, keep_max=2, full_every=4)
@@ -103,6 +109,8 @@ def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path, dynam
             _checkpoint(manager, rows, tm)
         elif i in (8, 14):  # a checkpoint that failed: its rows are put back
             rows.put_back(rows.take())
+    tm.train_step(fb.build(stream.next_batch(64, now=1.79e9 + 22 * 21600.0).encode("csv")).batch)
+    rows.put_back(rows.take())  # failed: the newest increment holds what it took
     newest = _checkpoint(manager, rows, tm)
     # the increments hold the dynamic tables' changed rows, not their whole state
     changes = torch.load(os.path.join(newest, "model.pt"), weights_only=True)["dynamic_tables"]
@@ -113,9 +121,10 @@ def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path, dynam
                for part in by_part for t in part["tables"].values())
     state = tm.dynamic.state_dict()
     evicted = sum(s["counters"].get("evicted", 0) + s["counters"].get("expired", 0)
+                  + s["counters"].get("to_disk", 0)
                   for part in (state["parts"].values() if partitions > 1 else [state])
                   for s in part["tables"].values())
-    assert evicted > 0  # rows were reset without a lookup
+    assert evicted > 0  # rows were reset without a lookup (or moved to disk)
     full = CheckpointManager(full_dir, full_every=1).save(
         tm.global_step, tm.state_dict_for_checkpoint(), {0: tm.global_step}, {}, "cfg")
 
@@ -132,6 +141,12 @@ def test_chain_reads_restores_and_exports_as_the_full_checkpoint(tmp_path, dynam
         if name.startswith("ebc."):
             assert torch.equal(blocks.blocks(name)[0][1], reference.blocks(name)[0][1]), name
 
+    if ram_rows:  # the increments hold the tier's changed slots, not all its rows
+        tiers = [t["tier"]["disk"] for t in changes["tables"].values()]
+        assert all(d["format"] == DISK_CHANGES_FORMAT for d in tiers)
+        on_disk = [len(s["tier"]["disk"]["ids"]) for s in state["tables"].values()]
+        assert sum(len(d["ids"]) + len(d["freed"]) for d in tiers) < sum(on_disk)
+        config.train_config.disk_tier.dir += "-restored"
     restored = TrainModule(config, fb, device="cpu")
     restored.load_checkpoint_state(read_checkpoint(newest).state)
     assert_same(restored.state_dict_for_checkpoint(), tm.state_dict_for_checkpoint())

@@ -26,7 +26,7 @@ odl cannot honour. The engine that applies a spec is ``odl.models.dynamic``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from odl.config.config_error import ConfigError
@@ -46,6 +46,8 @@ MAX_DYNAMIC_CAPACITY = 1 << 34
 EV_DEFAULT_MAX_CAPACITY = 16_777_216
 # Rows a growing table starts with unless ev_params.init_capacity is written.
 GROWING_START_ROWS = 1 << 20
+# the most ids a table with a disk tier may hold (a raw-id index's bound)
+MOST_IDS = (1 << 31) - 1
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,10 @@ class DynamicTableSpec:
         base_threshold: export only rows whose score is at least this (None: every row).
         show_field: input field counting a sample's shows ("": 1 per sample).
         click_field: input field counting a sample's clicks ("": the label, positive = 1).
+        disk_rows: with the disk tier (``train_config.disk_tier``), the most rows on disk
+            (-1: bounded by the disk only); 0: no disk tier.
+        disk_after_unseen_days: with the disk tier, rows unseen this many days move to disk
+            at the maintenance pass (None: only to make room).
     """
 
     form: str
@@ -99,6 +105,8 @@ class DynamicTableSpec:
     base_threshold: Optional[float] = None
     show_field: str = ""
     click_field: str = ""
+    disk_rows: int = 0
+    disk_after_unseen_days: Optional[float] = None
 
     @property
     def grows(self) -> bool:
@@ -109,6 +117,16 @@ class DynamicTableSpec:
     def max_rows(self) -> int:
         """The most rows the table can have: ``grows_to`` for a growing table, else ``capacity``."""
         return max(self.capacity, self.grows_to)
+
+    @property
+    def most_ids(self) -> int:
+        """The most ids the table holds: ``max_rows`` plus its disk tier's rows.
+
+        The id maps' and serving's bound; with a tier bounded by the disk only, ``MOST_IDS``.
+        """
+        if not self.disk_rows:
+            return self.max_rows
+        return MOST_IDS if self.disk_rows < 0 else min(self.max_rows + self.disk_rows, MOST_IDS)
 
     @property
     def counts_candidates(self) -> bool:
@@ -219,6 +237,7 @@ def dynamic_table_spec(
     fc: pipeline_pb2.FeatureConfig,
     model_ev: Optional[pipeline_pb2.EVParams],
     path: str,
+    disk_tier: Optional[pipeline_pb2.DiskTier] = None,
 ) -> Optional[DynamicTableSpec]:
     """The dynamic-table spec of a feature, or None when its table is a fixed hashed one.
 
@@ -227,6 +246,7 @@ def dynamic_table_spec(
         model_ev: ``model_config.ev_params`` when the config sets it, else None.
         path: the feature's config path (``feature_configs[3]`` or
             ``feature_config.features[3]``, as ``feature_list_path`` gives it), for errors.
+        disk_tier: ``train_config.disk_tier`` (:func:`with_disk_tier`); None: none.
 
     Returns:
         The spec, or None.
@@ -248,11 +268,31 @@ def dynamic_table_spec(
                               "only IdFeature and ComboFeature tables can be dynamic")
         return None
     if not forms:
-        return _from_ev(model_ev, fc, "model_config.ev_params", path)
-    form = forms[0]
-    sub = f"{path}.{form}"
-    if form == "ev_params":
-        return _from_ev(fc.ev_params, fc, sub, path)
-    if form == "zch":
-        return _from_zch(fc.zch, sub)
-    return _from_accessor(fc.ctr_accessor_param, fc, sub)
+        spec = _from_ev(model_ev, fc, "model_config.ev_params", path)
+    elif forms[0] == "ev_params":
+        spec = _from_ev(fc.ev_params, fc, f"{path}.ev_params", path)
+    elif forms[0] == "zch":
+        spec = _from_zch(fc.zch, f"{path}.zch")
+    else:
+        spec = _from_accessor(fc.ctr_accessor_param, fc, f"{path}.ctr_accessor_param")
+    if disk_tier is not None and disk_tier.dir:
+        accessor = fc.ctr_accessor_param if forms == ["ctr_accessor_param"] else None
+        spec = with_disk_tier(spec, disk_tier, accessor)
+    return spec
+
+
+def with_disk_tier(spec: DynamicTableSpec, tier: pipeline_pb2.DiskTier,
+                   accessor: Optional[pipeline_pb2.CtrAccessorParameter] = None
+                   ) -> DynamicTableSpec:
+    """``spec`` with the disk tier: ``ram_rows`` rows in RAM, the rest on disk.
+
+    The RAM rows are ``tier.ram_rows`` (0: the table's capacity; a growing table's start
+    rows: it does not grow). PaddleRec's ``ssd_unseenday_threshold`` (> 0) moves rows unseen
+    that many days to disk at the maintenance pass.
+    """
+    ram = int(tier.ram_rows) or spec.capacity
+    unseen = (float(accessor.ssd_unseenday_threshold)
+              if accessor is not None and accessor.ssd_unseenday_threshold > 0 else None)
+    return replace(spec, capacity=_capacity(ram, "train_config.disk_tier.ram_rows"),
+                   grows_to=0, disk_rows=int(tier.max_disk_rows) or -1,
+                   disk_after_unseen_days=unseen)

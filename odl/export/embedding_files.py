@@ -70,7 +70,9 @@ def write_embeddings(
             info["parts"].append(entry)
         if live is not None:
             most = int(ids.tables[name].num_rows)
-            info.update(keys="raw_id", live=live, rows=min(most, int(rows_now.get(name, most))))
+            # at least its live ids (a disk tier's rows are more than the table's)
+            info.update(keys="raw_id", live=live,
+                        rows=min(most, max(live, int(rows_now.get(name, most)))))
             if info["rows"] < most:  # a growing table: serving grows it up to max_rows
                 info["max_rows"] = most
         manifest["tables"][name] = info

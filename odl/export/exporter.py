@@ -104,7 +104,7 @@ import shutil
 import time
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -392,7 +392,7 @@ def export_checkpoint(
         raise ExportError(f"checkpoint {ckpt_dir} does not match the config's model: {e}") from e
     used = _used_columns(model)
     pooling = {spec.name: spec.pooling for spec in fb.table_specs}
-    live = _live_dynamic_rows(fb, ckpt.state, ckpt_dir)
+    live, on_disk = _live_dynamic_rows(fb, ckpt.state, ckpt_dir)
     try:
         blocks = TableBlocks(ckpt.state)
     except (OSError, ValueError) as e:
@@ -401,7 +401,7 @@ def export_checkpoint(
     table_shapes: dict[str, tuple[int, int]] = {}
     block_rows: dict[str, int] = {}  # rows of the checkpoint's table
     dynamic_rows: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # table -> live rows, ids
-    most_rows = {s.name: s.dynamic.max_rows for s in fb.table_specs if s.dynamic is not None}
+    most_rows = {s.name: s.dynamic.most_ids for s in fb.table_specs if s.dynamic is not None}
     for cfg in model.layout.configs:
         key = f"{EBC_PREFIX}{cfg.name}.weight"
         if key not in blocks:
@@ -436,6 +436,11 @@ def export_checkpoint(
                 picked = torch.from_numpy(live_rows[inside] - start)
                 yield at, t[picked][:, :cols].to(torch.float32).numpy(), ids[inside]
                 at += int(inside.sum())
+        base = name[: -len(WIDE_SUFFIX)] if name.endswith(WIDE_SUFFIX) else name
+        disk = on_disk.get(base)
+        if disk is not None:  # the rows on the disk tier: one more part
+            first = int(disk["columns"][name])
+            yield at, np.asarray(disk["values"])[:, first:first + cols], np.asarray(disk["ids"])
 
     dense_shapes = _dense_variable_shapes(model)
 
@@ -538,12 +543,27 @@ def export_checkpoint(
     return ExportResult(path, emb_dir, ckpt.global_step, delta_offset)
 
 
-def _live_dynamic_rows(fb: FeatureBuilder, state: Mapping,
-                       ckpt_dir: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Dynamic table -> ``(rows, raw ids)`` of its exported rows (live, >= base_threshold)."""
+def _exported_disk_rows(disk: Mapping[str, Any], spec: Any) -> dict[str, Any]:
+    """A table's rows on the disk tier that ``odl-export`` writes (``base_threshold``)."""
+    if spec.base_threshold is None:
+        return dict(disk)
+    counters = np.asarray(disk["counters"])
+    show, click = counters[:, 3], counters[:, 4]
+    keep = spec.click_coeff * click + spec.nonclk_coeff * (show - click) >= spec.base_threshold
+    return {**disk, "ids": np.asarray(disk["ids"])[keep],
+            "values": np.asarray(disk["values"])[keep]}
+
+
+def _live_dynamic_rows(fb: FeatureBuilder, state: Mapping, ckpt_dir: str
+                       ) -> tuple[dict[str, tuple[np.ndarray, np.ndarray]], dict[str, Any]]:
+    """Dynamic table -> ``(rows, raw ids)`` of its exported rows (live, >= base_threshold).
+
+    Also dynamic table -> its rows on the disk tier (``DiskRows.state_dict``; tables with
+    rows there only), exported whole.
+    """
     specs = {s.name: s.dynamic for s in fb.table_specs if s.dynamic is not None}
     if not specs:
-        return {}
+        return {}, {}
     saved = state.get("dynamic_tables")
     if saved is None:
         raise ExportError(f"checkpoint {ckpt_dir} has no dynamic-table state but the config "
@@ -551,10 +571,16 @@ def _live_dynamic_rows(fb: FeatureBuilder, state: Mapping,
     specs = sized_specs(specs, saved_capacities(saved))  # growing tables as they grew
     tables = DynamicTables(specs, {n: () for n in specs},
                            partitions=int(saved.get("partitions", 1)))
+    on_disk = {name: _exported_disk_rows(t["tier"]["disk"], specs[name])
+               for name, t in (saved.get("tables") or {}).items()
+               if isinstance(t, Mapping) and t.get("tier") and len(t["tier"]["disk"]["ids"])}
+    if on_disk:  # read here, not by the tables (they have no disk tier)
+        saved = {**saved, "tables": {name: {**t, "tier": None} if name in on_disk else t
+                                     for name, t in saved["tables"].items()}}
     tables.load_state_dict(saved)
     out = {}
     for name, table in tables.tables.items():
         rows = table.live_rows()
         rows = rows[table.exportable(rows)]
         out[name] = (rows, table.raw_ids(rows))
-    return out
+    return out, on_disk

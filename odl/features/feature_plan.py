@@ -260,11 +260,13 @@ class FeaturePlan:
         list_seps: dict[str, str] = {}
         mc = pipeline_config.model_config
         model_ev = mc.ev_params if mc.HasField("ev_params") else None
+        tc = pipeline_config.train_config
+        disk_tier = tc.disk_tier if tc.HasField("disk_tier") else None
         prefix = feature_list_path(pipeline_config)
         for i, fc in enumerate(feature_configs(pipeline_config)):
             path = f"{prefix}[{i}]"
             name = fc.feature_name
-            dyn = dynamic_table_spec(fc, model_ev, path)
+            dyn = dynamic_table_spec(fc, model_ev, path, disk_tier)
             numeric_fields.extend(inp for inp in fc.input_names
                                   if field_types[inp] != _DT.STRING)
             inp0 = fc.input_names[0]

@@ -17,11 +17,12 @@ The same rows are the only ones whose dynamic-table state (id, counters) changed
 tables go into an increment as changes too (``odl.models.dynamic.state_changes``): those
 rows, the part of the free-row stack that moved (compared with the stack at the previous
 checkpoint) and, after a decay of the show / click scores, the scores whole; per partition
-when the tables are split by id. One process gets them from :attr:`CheckpointRows.
-dynamic_changes`; several ranks from :meth:`CheckpointRows.dynamic_changes_of` with the
-rows of every rank joined (each rank counts the rows its own records looked up): every
-rank holding the whole index gives the same document (rank 0's is written), a rank holding
-some partitions the changes of its own.
+when the tables are split by id. A table's disk tier goes in as its slots written or freed
+since the previous checkpoint (``odl.models.dynamic.disk_rows``; counted by the tier). One
+process gets them from :attr:`CheckpointRows.dynamic_changes`; several ranks from
+:meth:`CheckpointRows.dynamic_changes_of` with the rows of every rank joined (each rank
+counts the rows its own records looked up): every rank holding the whole index gives the
+same document (rank 0's is written), a rank holding some partitions the changes of its own.
 
 :meth:`CheckpointRows.take` hands out both, per TorchRec table, and starts counting anew;
 a checkpoint that then fails puts them back (:meth:`CheckpointRows.put_back`). With several
@@ -74,6 +75,8 @@ class CheckpointRows:
         # checkpoint, and before the last take (put back when it fails)
         self._marks: dict[tuple[int, str], tuple[np.ndarray, object]] = {}
         self._marks_before: dict[tuple[int, str], tuple[np.ndarray, object]] = {}
+        # dynamic table -> its disk tier's slots changed up to the last take
+        self._tier_slots: dict[str, np.ndarray] = {}
         # the dynamic tables' state as changes since the previous checkpoint, made by
         # ``take`` (None: the tables' whole state goes into the checkpoint)
         self.dynamic_changes: dict | None = None
@@ -107,7 +110,15 @@ class CheckpointRows:
         self._tracker.take()
         self._ids_at_checkpoint = self._dynamic_ids()
         self._marks = self._dynamic_marks()
+        self._take_tier_slots()
         self.dynamic_changes = None
+
+    def _take_tier_slots(self) -> dict[str, np.ndarray]:
+        """Disk-tier slots changed since the last take, per dynamic table with a tier."""
+        self._tier_slots = {base: table.disk.take_changed()
+                            for _p, _lo, base, table in self._held_tables()
+                            if table.disk is not None}
+        return self._tier_slots
 
     def take(self) -> dict[str, np.ndarray]:
         """The rows changed since the last ``take`` / ``restart``; counting starts anew.
@@ -134,6 +145,7 @@ class CheckpointRows:
         """Marks the checkpoint; one process: its dynamic tables' changes (``take``'s rows)."""
         self._marks_before = self._marks
         self._marks = self._dynamic_marks()
+        self._take_tier_slots()
         return self.dynamic_changes_of(rows) if self._m.world_size == 1 else None
 
     def dynamic_changes_of(self, rows: Mapping[str, np.ndarray]) -> dict | None:
@@ -162,7 +174,8 @@ class CheckpointRows:
             parts.setdefault(p, {"format": CHANGES_FORMAT, "tables": {}})["tables"][base] = \
                 table_changes(table, local,
                               kept_free_rows(free_before, table.index.free_stack()),
-                              scores_whole=table.decayed_at != decayed_before)
+                              scores_whole=table.decayed_at != decayed_before,
+                              tier_slots=self._tier_slots.get(base))
         if self._m.dynamic.partitions == 1:
             return parts[0]
         return {"format": CHANGES_FORMAT, "partitions": self._m.dynamic.partitions,
@@ -173,4 +186,8 @@ class CheckpointRows:
         self._tracker.put_back({t: torch.from_numpy(np.ascontiguousarray(ids))
                                 for t, ids in rows.items() if len(ids)})
         self._marks = self._marks_before  # the next changes are counted from the parent
+        for _p, _lo, base, table in self._held_tables():
+            if base in self._tier_slots:
+                table.disk.put_back_changed(self._tier_slots[base])
+        self._tier_slots = {}
         self.dynamic_changes = None

@@ -8,10 +8,18 @@ time. With several ranks :meth:`DynamicRows.remap_ranks` is the step's collectiv
 ranks exchange their batches' ids and remap the step's records as one process would.
 :func:`dynamic_partitions` and :func:`held_partitions` check and place the split by id
 (``train_config.dynamic_index_partitions``).
+
+With the disk tier (``train_config.disk_tier``, :mod:`odl.models.dynamic.disk_rows`) the
+tables record the rows that moved between RAM and disk in a remap or maintenance pass, and
+:meth:`DynamicRows.reset` moves their values before and after the reset: a row leaving RAM
+is written to its slot (every TorchRec table of the dynamic table and its per-row optimizer
+state, side by side) before its RAM row gets fresh values, and a row coming back is read
+into its new RAM row after, so the step that reads it sees it as it was.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import replace
@@ -23,6 +31,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.config.config_error import ConfigError
 from odl.features.batch import Batch
+from odl.models.dynamic.disk_moves import RowMoves
+from odl.models.dynamic.disk_rows import DiskRows
 from odl.models.dynamic.model_tables import UNHELD
 from odl.models.dynamic.partitions import partition_spans
 from odl.models.embedding_tables import reset_embedding_rows
@@ -94,6 +104,79 @@ class DynamicRows:
         # several ranks, split by id: the step's rows of every rank's records in the dynamic
         # tables, recorded beside this rank's own (it names and publishes its partitions')
         self._step_rows: KeyedJaggedTensor | None = None
+        self.disk_tier = False  # attach_disk_tier
+
+    def attach_disk_tier(self, config: pipeline_pb2.EasyRecConfig) -> None:
+        """Gives every dynamic table its disk tier when the config has one (module docstring).
+
+        Raises:
+            ConfigError: several ranks or the index split by id, or a table whose optimizer
+                state is not float32.
+        """
+        tier = config.train_config.disk_tier
+        if not config.train_config.HasField("disk_tier") or not tier.dir or not self._m.dynamic:
+            return
+        if self._m.world_size > 1 or self._m.dynamic.partitions > 1:
+            raise ConfigError("train_config.disk_tier", "runs with one process and "
+                              "dynamic_index_partitions 1 (each rank would hold its own "
+                              "rows on disk: not supported yet)")
+        tables = self._m.row_state_views()[0]
+        for base, table in self._m.dynamic.tables.items():
+            layout = self._disk_layout(base)
+            for x in layout:
+                if x.dtype != torch.float32:
+                    raise ConfigError("train_config.disk_tier", f"table {base} holds "
+                                      f"{x.dtype} values; the disk tier keeps float32 rows")
+            columns, at = {}, 0
+            for x in layout:
+                for t in self._m.dynamic_torch_tables[base]:
+                    if x is tables[t]:
+                        columns[t] = at
+                at += x.shape[1]
+            table.attach_disk(DiskRows(os.path.join(tier.dir, base), at,
+                                       max(0, table.spec.disk_rows), columns))
+        self.disk_tier = True
+
+    def _disk_layout(self, base: str) -> list[torch.Tensor]:
+        """``[rows, k]`` views of the tensors a disk row of ``base`` holds, in slot order."""
+        tables, states = self._m.row_state_views()
+        out = []
+        for t in self._m.dynamic_torch_tables[base]:
+            w = tables[t]
+            out.append(w)
+            out.extend(v.reshape(w.shape[0], -1)
+                       for v in states.get(f"{EBC_PREFIX}{t}.weight", [])
+                       if v.dim() >= 1 and v.shape[0] == w.shape[0])
+        return out
+
+    @torch.no_grad()
+    def disk_row_values(self, base: str, rows: np.ndarray) -> np.ndarray:
+        """RAM rows of dynamic table ``base`` as the disk tier lays them out (``[n, width]``)."""
+        r = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
+        values = [x.index_select(0, r.to(x.device)).to("cpu", torch.float32)
+                  for x in self._disk_layout(base)]
+        return torch.cat(values, 1).numpy()
+
+    def _write_out(self, base: str, moves: RowMoves) -> None:
+        """Writes the values of rows that left RAM to their slots (before the reset)."""
+        if moves.out_ids.shape[0]:
+            self._m.dynamic.tables[base].disk.write(
+                moves.out_slots, self.disk_row_values(base, moves.out_rows))
+
+    @torch.no_grad()
+    def _read_in(self, base: str, moves: RowMoves) -> None:
+        """Reads the values of rows back in RAM from their slots (after the reset)."""
+        if not moves.in_ids.shape[0]:
+            return
+        disk = self._m.dynamic.tables[base].disk
+        values = torch.from_numpy(disk.read(moves.in_slots))
+        r = torch.from_numpy(moves.in_rows)
+        at = 0
+        for x in self._disk_layout(base):
+            k = x.shape[1]
+            x.index_copy_(0, r.to(x.device), values[:, at:at + k].to(x.device, x.dtype))
+            at += k
+        disk.release(moves.in_slots)
 
     def take_step_rows(self) -> KeyedJaggedTensor | None:
         """The last ``remap_ranks``' rows of every rank's records (split by id), once."""
@@ -148,7 +231,7 @@ class DynamicRows:
         if self._m.world_size > 1:  # a collective: every rank decides at the same time
             now = max(float(t) for t in from_every_rank(float(now)))
         evicted = self._m.dynamic.shrink(self._m.global_step, now)
-        if evicted:
+        if evicted or self.disk_tier:
             self.reset(evicted, self._m.global_step)
         return {name: int(rows.shape[0]) for name, rows in evicted.items()}
 
@@ -164,16 +247,27 @@ class DynamicRows:
         """Fresh weights and optimizer state for evicted rows (dynamic table -> rows).
 
         The state restarts where the table optimizer starts it (0, or a fused Adagrad's
-        ``initial_accumulator_value``).
+        ``initial_accumulator_value``). With the disk tier, rows that moved to disk are
+        written out first and rows that came back read in after (module docstring).
 
         With several ranks each rank resets the rows its shards hold, to the values one
         process would give them. Split by id, each partition's rows draw their values from
         their own stream (the partition), so a rank knowing only its partition's evictions
         resets them as one process holding every partition does.
         """
+        moves = ({base: m for base, t in self._m.dynamic.tables.items()
+                  if (m := t.take_moves()) is not None} if self.disk_tier else {})
+        for base, m in moves.items():
+            self._write_out(base, m)
         if self._m.world_size > 1:
             self._reset_shards(evicted, step)
             return
+        self._reset_rows(evicted, step)
+        for base, m in moves.items():
+            self._read_in(base, m)
+
+    def _reset_rows(self, evicted: Mapping[str, np.ndarray], step: int) -> None:
+        """``reset`` of one process."""
         tables, states = self._m.row_state_views()
         for base, rows in evicted.items():
             for stream, r in self._reset_streams(base, rows):
@@ -219,7 +313,7 @@ class DynamicRows:
             return self.remap_ranks(batch)
         now = self.stream_now(batch)
         remapped = self._m.dynamic.remap(batch, self._m.global_step + 1, now, admit=True)
-        if remapped.evicted:
+        if remapped.evicted or self.disk_tier:
             self.reset(remapped.evicted, self._m.global_step + 1)
         return remapped.batch, now
 

@@ -222,6 +222,7 @@ class TrainModule:
                                   for base, ts in self.dynamic_torch_tables.items() for t in ts}
         self._row_views: tuple[dict, dict] | None = None
         self._shard_views: dict[str, tuple[Any, list[Any]]] | None = None
+        self.dynamic_rows.attach_disk_tier(config)
         self.stream_time = 0.0
         self._dense_params = list(self._dense_module().parameters())
         if self.world_size > 1:  # every rank starts from rank 0's dense parameters

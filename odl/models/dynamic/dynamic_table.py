@@ -4,6 +4,13 @@ The rules it applies (one per step, the ``maintenance_interval`` pass, the delet
 the publisher) are the engine's, written in :mod:`odl.models.dynamic`. Its state
 (:meth:`DynamicTable.state_dict`: the index, the free-row stack, the counters, the sketch)
 restores it exactly.
+
+With a disk tier (``DynamicTable.tier``, :mod:`odl.models.dynamic.disk_rows`) a row that has
+to make room, or is unseen for ``spec.disk_after_unseen_days``, moves to disk with its
+counters instead of being dropped (no delete is published: serving keeps the id), and an id
+on disk that a batch reads comes back at once, whatever the admission rule. The table
+records each move (ids, rows, slots) for the trainer, which copies the values
+(:mod:`odl.models.dynamic.disk_moves`).
 """
 
 from __future__ import annotations
@@ -19,6 +26,8 @@ import torch
 from odl.config.dynamic_table_config import DynamicTableSpec
 from odl.features.raw_id_index import RawIdIndex, mix64
 from odl.models.dynamic.admission_sketch import CountMinSketch
+from odl.models.dynamic.disk_moves import DiskMoves, RowMoves
+from odl.models.dynamic.disk_rows import DiskRows
 
 __all__ = ["DynamicTable", "TableCounters", "state_arrays", "state_tensors"]
 
@@ -41,12 +50,16 @@ class TableCounters:
         rejected: candidate ids refused a row (once per step they appeared in).
         evicted: rows evicted (to make room or expired).
         expired: of those, rows evicted by a maintenance pass.
+        to_disk: rows moved to the disk tier.
+        from_disk: rows moved back from the disk tier.
     """
 
     admitted: int = 0
     rejected: int = 0
     evicted: int = 0
     expired: int = 0
+    to_disk: int = 0
+    from_disk: int = 0
 
 
 class DynamicTable:
@@ -84,6 +97,32 @@ class DynamicTable:
         self.decayed_at: Optional[float] = None
         self.now = 0.0  # newest stream time seen (unix seconds)
         self._deleted: dict[str, list[np.ndarray]] = {}
+        self.tier: Optional[DiskMoves] = None  # the disk tier (``attach_disk``)
+
+    @property
+    def disk(self) -> Optional[DiskRows]:
+        """The disk tier's store (None: no tier)."""
+        return self.tier.disk if self.tier is not None else None
+
+    def attach_disk(self, disk: DiskRows) -> None:
+        """Gives the table a disk tier (module docstring)."""
+        self.tier = DiskMoves(disk)
+
+    def take_moves(self) -> Optional[RowMoves]:
+        """Moves between RAM and disk since the last call (None: none, or no tier)."""
+        return self.tier.take() if self.tier is not None else None
+
+    def take_moved_out(self, consumer: str = PUBLISHER_DELETES) -> np.ndarray:
+        """Ids moved to disk since ``consumer``'s last call (unique, sorted)."""
+        if self.tier is None:
+            return np.empty(0, dtype=np.int64)
+        return self.tier.take_moved_out(consumer)
+
+    def disk_rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(ids, values)`` of those of ``ids`` on the disk tier (values: slot layout)."""
+        if self.tier is None or not len(ids):
+            return np.empty(0, dtype=np.int64), np.empty((0, 0), dtype=np.float32)
+        return self.tier.rows_on_disk(ids)
 
     @property
     def record_deletes(self) -> bool:
@@ -206,6 +245,7 @@ class DynamicTable:
             clk = (np.bincount(inv, weights=clicks[miss], minlength=u.shape[0])
                    if self.needs_clicks else np.zeros(u.shape[0]))
             ok = np.ones(u.shape[0], dtype=bool)
+            slot_u = self.tier.slots(u) if self.tier is not None else None
             prior_s = prior_c = None
             if self.sketch is not None:
                 est_s, est_c = self.sketch.add(u, cnt.astype(np.float64), clk)
@@ -219,6 +259,8 @@ class DynamicTable:
                 prior_c = np.maximum(est_c - clk, 0.0)
             if self.spec.admit_probability < 1.0:
                 ok &= _chance(u, step) < self.spec.admit_probability
+            if slot_u is not None:  # an id on disk was admitted before: it comes back
+                ok |= slot_u >= 0
             want = np.flatnonzero(ok)
             short = want.shape[0] - self.index.free
             if short > 0:
@@ -229,10 +271,12 @@ class DynamicTable:
             if self.spec.keeps_scores:
                 self.show[new_rows] = prior_s[want] if prior_s is not None else 0.0
                 self.click[new_rows] = prior_c[want] if prior_c is not None else 0.0
+            back = (self.tier.move_in(self, u[want], new_rows, slot_u[want])
+                    if slot_u is not None else 0)
             row_of_u = np.full(u.shape[0], -1, dtype=np.int64)
             row_of_u[want] = new_rows
             rows[miss] = row_of_u[inv]
-            self.counters.admitted += int(want.shape[0])
+            self.counters.admitted += int(want.shape[0]) - back
             self.counters.rejected += int(u.shape[0] - want.shape[0])
         return evicted
 
@@ -298,15 +342,27 @@ class DynamicTable:
         if protect.shape[0]:
             free = ~np.isin(victims, protect, assume_unique=True)
             victims = victims[free][np.argsort(prio[pos][free], kind="stable")[:k]]
-        self._remove(victims)
+        self._remove(victims, to_disk=True)
         return victims
 
-    def _remove(self, rows: np.ndarray, evicted: bool = True) -> None:
+    def _remove(self, rows: np.ndarray, evicted: bool = True, to_disk: bool = False) -> None:
         """Frees rows and clears their counters.
 
         An eviction is counted and, when deltas are published, its ids kept as deletes.
+        ``to_disk`` with a disk tier: the rows move to disk instead (not an eviction), but
+        for those past the tier's bound.
         """
         rows = np.sort(rows)
+        if to_disk and self.tier is not None and rows.shape[0]:
+            dropped = self.tier.move_out(self, rows)
+            if dropped.shape[0] < rows.shape[0]:
+                self._free_rows(np.setdiff1d(rows, dropped, assume_unique=True),
+                                evicted=False)
+            rows = dropped
+        self._free_rows(rows, evicted)
+
+    def _free_rows(self, rows: np.ndarray, evicted: bool) -> None:
+        """``_remove`` of sorted rows, without the disk tier."""
         gone = self.index.remove_rows(rows)
         self.sightings[rows] = 0.0
         if self.spec.keeps_scores:
@@ -341,6 +397,13 @@ class DynamicTable:
         if victims.shape[0]:
             self._remove(victims)
             self.counters.expired += int(victims.shape[0])
+        if self.tier is not None and spec.disk_after_unseen_days is not None:
+            kept = live[~expired]  # rows unseen that long move to disk (still live)
+            unseen = kept[(now - self.last_time[kept])
+                          > spec.disk_after_unseen_days * _SECS_PER_DAY]
+            if unseen.shape[0]:
+                self._remove(unseen, to_disk=True)
+                victims = np.concatenate([victims, unseen])
         return victims
 
     def take_deleted(self, consumer: str = "publisher") -> np.ndarray:
@@ -359,7 +422,10 @@ class DynamicTable:
 
         Used by crash recovery for ids whose delete serving already has.
         """
-        rows = self.index.lookup(np.unique(np.asarray(ids, dtype=np.int64)))
+        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        if self.disk is not None:
+            self.disk.drop_ids(ids)
+        rows = self.index.lookup(ids)
         rows = np.sort(rows[rows >= 0])
         if rows.shape[0]:
             self._remove(rows, evicted=False)
@@ -368,9 +434,14 @@ class DynamicTable:
     def upsert(self, ids: np.ndarray, step: int, now: float) -> tuple[np.ndarray, np.ndarray]:
         """Gives ``ids`` (unique) rows whatever the admission rule (crash recovery).
 
+        With a disk tier the ids' rows on disk are dropped: the values given to the rows
+        replace them.
+
         Returns:
             ``(rows of ids, evicted rows)``; ids that found no room get ``-1``.
         """
+        if self.disk is not None:
+            self.disk.drop_ids(ids)
         rows = self.index.lookup(ids)
         miss = np.flatnonzero(rows < 0)
         evicted = np.empty(0, dtype=np.int64)
@@ -401,8 +472,13 @@ class DynamicTable:
         out.update(self.state_dict_without_rows())
         return out
 
-    def state_dict_without_rows(self) -> dict[str, Any]:
-        """The part of ``state_dict`` that is not per row: sketch, counts, pending deletes."""
+    def state_dict_without_rows(self, tier_slots: Optional[np.ndarray] = None
+                                ) -> dict[str, Any]:
+        """The part of ``state_dict`` that is not per row: sketch, counts, pending deletes.
+
+        With a disk tier also its rows: all of them, or as the changes of ``tier_slots``
+        (an increment's, ``odl.models.dynamic.disk_rows``).
+        """
         return {
             "sketch": self.sketch.state_dict() if self.sketch is not None else None,
             "counters": dict(vars(self.counters)),
@@ -411,6 +487,7 @@ class DynamicTable:
             "deleted": self._pending(PUBLISHER_DELETES),
             "deleted_by": {c: self._pending(c) for c in sorted(self._deleted)
                            if c != PUBLISHER_DELETES},
+            "tier": self.tier.state_dict(tier_slots) if self.tier is not None else None,
         }
 
     def _pending(self, consumer: str) -> np.ndarray:
@@ -433,6 +510,14 @@ class DynamicTable:
         if self.sketch is not None and state.get("sketch") is not None:
             self.sketch.load_state_dict(state["sketch"])
         self.counters = TableCounters(**state.get("counters", {}))
+        tier = state.get("tier") or {}
+        on_disk = int(np.asarray(tier["disk"]["ids"]).shape[0]) if tier else 0
+        if self.tier is not None:
+            self.tier.load_state_dict(tier, self.delete_consumers)
+        elif on_disk:
+            raise ValueError(f"dynamic table {self.name}: the checkpoint holds {on_disk} of "
+                             "its rows on disk: set train_config.disk_tier.dir to restore "
+                             "them")
         self.decayed_at = state.get("decayed_at")
         self.now = float(state.get("now", 0.0))
         self._deleted = {}

@@ -320,6 +320,8 @@ class DynamicTables:
         """Per table: form, capacity, live rows, admitted, rejected, evicted, map bytes.
 
         A growing table adds ``grows_to``, the most rows it may reach (``capacity``: its rows now).
+        A table with a disk tier adds ``disk_rows`` (ids on disk), ``disk_file_bytes`` and the
+        moves ``to_disk`` / ``from_disk``; its ``map_bytes`` count the tier's index.
 
         Split by id: the capacity and counts are the held partitions'; ``partitions`` and
         ``held`` say which.
@@ -336,6 +338,10 @@ class DynamicTables:
                          "map_bytes": t.map_bytes()}
             if self.partitions > 1:
                 out[name].update(partitions=self.partitions, held=list(self.held))
+            elif getattr(t, "disk", None) is not None:  # the disk tier: its rows and moves
+                out[name].update(disk_rows=t.disk.live, disk_file_bytes=t.disk.disk_bytes(),
+                                 to_disk=c.to_disk, from_disk=c.from_disk)
+                out[name]["map_bytes"] += t.disk.ram_bytes()
             elif t.spec.grows_to:  # a growing table: the most rows it may reach
                 out[name]["grows_to"] = t.spec.grows_to
         return out

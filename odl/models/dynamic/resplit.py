@@ -138,8 +138,8 @@ def resplit_state(saved: Mapping[str, Any], specs: Mapping[str, DynamicTableSpec
         The re-split state, where each row's values come from and the ids dropped.
 
     Raises:
-        ValueError: the saved state lacks a partition or a table, or its shapes are not
-            those of ``specs``.
+        ValueError: the saved state lacks a partition or a table, its shapes are not those
+            of ``specs``, or a table has rows on a disk tier.
     """
     old_p = saved_partitions(saved)
     out: dict[str, Any] = {"format": STATE_FORMAT}
@@ -149,6 +149,12 @@ def resplit_state(saved: Mapping[str, Any], specs: Mapping[str, DynamicTableSpec
         old_spans = partition_spans(spec.capacity, old_p)
         old_tables: list[tuple[int, DynamicTable, Mapping[str, Any]]] = []
         for p, st in _saved_tables(saved, name).items():
+            tier = st.get("tier") or {}
+            if tier and len(tier["disk"]["ids"]):
+                raise ValueError(f"dynamic table {name}: the checkpoint holds rows on disk "
+                                 "(train_config.disk_tier), which are not re-split into "
+                                 "partitions: restore it with dynamic_index_partitions 1 "
+                                 "and the disk tier")
             lo, hi = old_spans[p]
             table = DynamicTable(name, replace(spec, capacity=hi - lo), seed)
             arrays = state_arrays(dict(st))

@@ -18,11 +18,12 @@ from the parent's, except:
   (``free_kept``) and the rest (``free_top``).
 
 Everything else of the table (the admission sketch, lifetime counters, stream time, pending
-deletes) is small or not per row, and is carried whole. :func:`apply_table_changes` turns the
-parent's full state and an increment's changes into the increment's full state, so a
-reader of a chain hands one full state to ``DynamicTable.load_state_dict``, as from a full
-checkpoint. A changes document says ``"format": CHANGES_FORMAT``; a reader that does not
-know the format refuses it.
+deletes) is small or not per row, and is carried whole; a disk tier's rows as the slots
+written or freed since the checkpoint (``odl.models.dynamic.disk_rows``).
+:func:`apply_table_changes` turns the parent's full state and an increment's changes into
+the increment's full state, so a reader of a chain hands one full state to
+``DynamicTable.load_state_dict``, as from a full checkpoint. A changes document says
+``"format": CHANGES_FORMAT``; a reader that does not know the format refuses it.
 
 Tables split by id (``dynamic_index_partitions`` > 1) change per partition: each partition
 is a table of its own rows (rows numbered from the partition's first), so its changes are
@@ -41,7 +42,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from odl.models.dynamic.dynamic_table import STATE_FORMAT, DynamicTable, state_tensors
+from odl.models.dynamic.disk_rows import CHANGES_FORMAT as DISK_CHANGES_FORMAT
+from odl.models.dynamic.disk_rows import apply_disk_changes
+from odl.models.dynamic.dynamic_table import (
+    STATE_FORMAT,
+    DynamicTable,
+    state_arrays,
+    state_tensors,
+)
 
 __all__ = ["CHANGES_FORMAT", "apply_changes", "apply_part_changes", "apply_table_changes",
            "is_changes", "kept_free_rows", "table_changes"]
@@ -61,7 +69,7 @@ def kept_free_rows(before: np.ndarray, now: np.ndarray) -> int:
 
 
 def table_changes(table: DynamicTable, rows: np.ndarray, free_kept: int,
-                  scores_whole: bool) -> dict[str, Any]:
+                  scores_whole: bool, tier_slots: np.ndarray | None = None) -> dict[str, Any]:
     """``table``'s state as changes since a checkpoint (module docstring), arrays as tensors.
 
     Args:
@@ -70,6 +78,8 @@ def table_changes(table: DynamicTable, rows: np.ndarray, free_kept: int,
         free_kept: how much of the checkpoint's free-row stack (from the bottom) is
             unchanged (:func:`kept_free_rows`).
         scores_whole: ``show`` / ``click`` decayed since the checkpoint: carry them whole.
+        tier_slots: with a disk tier, its slots changed since the checkpoint
+            (``DiskRows.take_changed``); None: its rows whole.
 
     Returns:
         The changes document of one table.
@@ -89,7 +99,7 @@ def table_changes(table: DynamicTable, rows: np.ndarray, free_kept: int,
         values = getattr(table, name)
         out[name] = (values.copy() if scores_whole or values.shape[0] == 0
                      else values[rows].copy())
-    out.update(table.state_dict_without_rows())
+    out.update(table.state_dict_without_rows(tier_slots))
     return state_tensors(out)
 
 
@@ -139,6 +149,10 @@ def apply_table_changes(full: Mapping[str, Any], changes: Mapping[str, Any]
         if key not in out and key not in ("rows", "row_ids", "free_kept", "free_top",
                                           "scores_whole"):
             out[key] = value
+    tier = changes.get("tier")
+    if tier and tier["disk"].get("format") == DISK_CHANGES_FORMAT:  # the rows on disk
+        out["tier"] = {**tier, "disk": apply_disk_changes(state_arrays(full["tier"]["disk"]),
+                                                          state_arrays(tier["disk"]))}
     return state_tensors(out)
 
 
