@@ -1,7 +1,9 @@
 """Incremental checkpoints: bytes and seconds after touching 1 % of a large table, vs full.
 
 For each table kind (``--kinds``: ``fixed``, a table of N hash buckets; ``dynamic``, EasyRec's
-``ev_params { max_capacity: N }`` filled with N admitted ids), in a process of its own:
+``ev_params { max_capacity: N }`` filled with N admitted ids; ``tier``, the same with
+``train_config.disk_tier { ram_rows: N / 8 }``, so 7 / 8 of the ids are on disk), in a
+process of its own:
 DeepFM on ``uid`` (the N-row table, dim ``--dim``, and its wide table of N rows) and ``cat``
 (100 buckets), tables trained with ``--optimizer`` as ``bench/table_scale.py`` does. Then:
 
@@ -19,9 +21,11 @@ DeepFM on ``uid`` (the N-row table, dim ``--dim``, and its wide table of N rows)
 A dynamic table's increment holds its changed rows' ids and counters, not its whole index
 (``odl.models.dynamic.state_changes``), plus its admission sketch whole; with ``--partitions
 P`` (``dynamic_index_partitions``) the index is split by id into P partitions, each with its
-changes. Prints one line per stage and a JSON table.
+changes. With the disk tier the increment holds the tier's slots written or freed (the ids
+the touch brought back to RAM and those it moved out). Prints one line per stage and a JSON
+table.
 
-    .venv/bin/python bench/incremental_checkpoint.py [--rows 10000000] [--kinds fixed,dynamic]
+    .venv/bin/python bench/incremental_checkpoint.py [--rows 10000000] [--kinds fixed,dynamic,tier]
         [--dim 16] [--optimizer adagrad|rowwise_adagrad|adam] [--touch 0.01]
         [--batch 4096] [--partitions 1] [--json out.json] [--keep]
 """
@@ -39,14 +43,17 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.disk_tier import fill as fill_tier  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from bench.table_scale import OPTIMIZERS, fill, rss_mb, tree_bytes  # noqa: E402
 
 
 def config_text(work: str, rows: int, kind: str, args: argparse.Namespace) -> str:
     """The bench's pipeline config: ``uid`` a fixed or dynamic table of ``rows`` rows."""
-    uid = (f"ev_params {{ max_capacity: {rows} }}" if kind == "dynamic"
+    uid = (f"ev_params {{ max_capacity: {rows} }}" if kind in ("dynamic", "tier")
            else f"hash_bucket_size: {rows}")
+    tier = (f'disk_tier {{ dir: "{work}/tier" ram_rows: {rows // 8} }}' if kind == "tier"
+            else "")
     return f"""
 model_dir: "{work}/model_dir"
 train_input_path: "{work}/unused/*.csv"
@@ -64,7 +71,7 @@ model_config {{ model_class: "DeepFM"
   feature_groups {{ group_name: "deep" feature_names: ["uid", "cat"] wide_deep: DEEP }}
   deepfm {{ dnn {{ hidden_units: [64, 32] }} }} }}
 train_config {{ {OPTIMIZERS[args.optimizer]} full_checkpoint_every: 10
-  dynamic_index_partitions: {args.partitions} }}
+  dynamic_index_partitions: {args.partitions} {tier} }}
 """
 
 
@@ -108,6 +115,9 @@ def one_kind(rows: int, kind: str, args: argparse.Namespace, work: str) -> dict:
         ids = rows if args.partitions == 1 else int(rows * 0.98)
         fill(tm, ids)
         out["filled_ids"] = ids
+    elif kind == "tier":  # the ids past the RAM rows move to disk as they are admitted
+        fill_tier(tm, rows)
+        out["filled_ids"] = rows
     tracker = CheckpointRows(tm)
     hook_secs = [0.0]
     record = tracker._tracker.record  # noqa: SLF001 - timing the hook the step calls
@@ -173,7 +183,7 @@ def one_kind(rows: int, kind: str, args: argparse.Namespace, work: str) -> dict:
     for name, states in whole["sparse_optimizer"].items():
         for key, t in states.items():
             assert torch.equal(t, chained["sparse_optimizer"][name][key]), (name, key)
-    if kind == "dynamic":  # the id index and counters too
+    if kind in ("dynamic", "tier"):  # the id index and counters (and the rows on disk) too
         assert_same_tree(whole["dynamic_tables"], chained["dynamic_tables"])
     print(f"  read: full {out['restore_full_s']} s, full + increment "
           f"{out['restore_chain_s']} s; tables bitwise equal", flush=True)

@@ -27,6 +27,7 @@ from odl.harness.exactly_once_audit import reflected_exactly_once
 from odl.harness.topic_records import make_records, produce
 from odl.kafka.topic_admin import end_offsets
 from odl.models.dynamic.disk_rows import DiskRows
+from odl.models.dynamic.dynamic_table import DynamicTable
 from odl.protos import pipeline_pb2
 from odl.train.sample_ledger import read_ledger
 from odl.train.train_module import TrainModule
@@ -298,3 +299,35 @@ def test_a_trainer_on_the_broker_moves_rows_restarts_and_serves_exactly_once(
         last.module.dynamic_rows.remap(batch)
         got = serving.predict_batch(fb.build(values[at:at + 8]).batch)
         assert float(np.abs(last.module.predict(batch) - got).max()) <= 1e-6, at
+
+
+def test_ssd_unseenday_threshold_moves_unseen_rows_to_disk_at_maintenance(tmp_path):
+    """PaddleRec's form: with the tier, rows unseen for more than ``ssd_unseenday_threshold``
+    days move to disk at the maintenance pass (no delete), those seen stay; expiry still
+    deletes."""
+    cfg = text_format.Parse(CONFIG, pipeline_pb2.EasyRecConfig())
+    item = cfg.feature_config.features[2]
+    item.ClearField("ev_params")
+    text_format.Merge("ctr_accessor_param { capacity: 64 embedx_threshold: 0 "
+                      "delete_threshold: 0 delete_after_unseen_days: 5 "
+                      "ssd_unseenday_threshold: 2 }", item)
+    cfg.train_config.disk_tier.dir = str(tmp_path / "tier")
+    cfg.train_config.disk_tier.ram_rows = 0  # the table's own capacity
+    spec = {s.name: s.dynamic for s in FeatureBuilder(cfg).table_specs}["item"]
+    assert (spec.capacity, spec.disk_after_unseen_days) == (64, 2.0)
+    table = DynamicTable("item", spec)
+    table.record_deletes = True
+    table.attach_disk(DiskRows(str(tmp_path / "t"), 3))
+    day = 86400.0
+    table.admit(np.array([1, 2, 3], dtype=np.int64), np.zeros(3), step=1, now=0.0)
+    table.admit(np.array([3], dtype=np.int64), np.zeros(1), step=2, now=1.5 * day)
+    moved = table.maintain(step=3, now=2.5 * day)  # 1, 2 unseen 2.5 days; 3 for 1
+    assert sorted(table.raw_ids(moved).tolist()) == [-1, -1]  # their rows are free now
+    moves = table.take_moves()
+    assert sorted(moves.out_ids.tolist()) == [1, 2] and not table.take_deleted().shape[0]
+    assert table.live == 1 and table.disk.live == 2
+    table.maintain(step=4, now=7.0 * day)  # 3 unseen 5.5 days: expired, a delete
+    assert table.take_deleted().tolist() == [3] and table.disk.live == 2
+    back, _evicted = table.admit(np.array([2], dtype=np.int64), np.zeros(1), step=5,
+                                 now=7.0 * day)
+    assert back[0] >= 0 and table.take_moves().in_ids.tolist() == [2]

@@ -63,6 +63,8 @@ KEEP_FREE_BYTES = 1 << 30
 # slots of a new tier's file
 _START_SLOTS = 1 << 14
 _ROWS = "rows.f32"
+# Linux's madvise advice that reclaims a range's pages (Python's mmap module has no name)
+_MADV_PAGEOUT = 21
 # float32 words of the counters in a record
 _COUNTER_WORDS = 2 * len(COUNTERS)
 
@@ -140,6 +142,15 @@ class DiskRows:
         out = np.empty((s.shape[0], self.width), dtype=np.float32)
         out[order] = self._rows[s[order], : self.width]
         return out
+
+    def page_out(self) -> None:
+        """Writes the file's changed pages and has the kernel drop its pages from memory.
+
+        ``MADV_PAGEOUT``: the next reads come from the disk, as for a tier larger than the
+        page cache (benchmarks).
+        """
+        self._rows.flush()
+        self._rows._mmap.madvise(_MADV_PAGEOUT)
 
     def read_counters(self, slots: np.ndarray) -> np.ndarray:
         """The counters (``float64 [n, 5]``, ``COUNTERS``, a copy) of ``slots``."""
