@@ -29,6 +29,7 @@ from odl.kafka.topic_admin import end_offsets
 from odl.models.dynamic.disk_rows import DiskRows
 from odl.models.dynamic.dynamic_table import DynamicTable
 from odl.protos import pipeline_pb2
+from odl.train.memory_estimate import DISK_INDEX_BYTES_PER_ROW, estimate_memory
 from odl.train.sample_ledger import read_ledger
 from odl.train.train_module import TrainModule
 from publisher.delta_decoder import decode_chunk
@@ -107,6 +108,12 @@ def test_the_config_sets_the_ram_rows_and_refuses_ranks(tmp_path):
     assert specs["item"].capacity == specs["user"].capacity == 16
     assert specs["item"].grows_to == 0 and specs["item"].disk_rows == -1
     assert specs["item"].most_ids == (1 << 31) - 1  # the id maps' and serving's bound
+    unbounded = estimate_memory(_config(tmp_path), "cpu")
+    bounded_cfg = _config(tmp_path)
+    bounded_cfg.train_config.disk_tier.max_disk_rows = 1000  # its index counted
+    bounded = estimate_memory(bounded_cfg, "cpu")
+    # two tables' indexes, each counted twice on the host (with the checkpoint's copy)
+    assert bounded.host_bytes - unbounded.host_bytes == 2 * 2 * 1000 * DISK_INDEX_BYTES_PER_ROW
     cfg = _config(tmp_path)
     cfg.train_config.dynamic_index_partitions = 2
     with pytest.raises(ConfigError, match="disk_tier"):

@@ -21,7 +21,10 @@ Formula (bytes; every value is fp32, 4 bytes):
   rows: it grows only once the memory a doubling needs is available. The estimate reports
   the rows the growing tables can reach (:func:`growth_limit`): their ``grows_to``, or fewer
   when the memory left allows fewer. With several ranks or ``dynamic_index_partitions`` > 1
-  the table does not grow and is counted at ``grows_to``.
+  the table does not grow and is counted at ``grows_to``. With a disk tier
+  (``train_config.disk_tier``) the rows are ``ram_rows``, and the tier's index of the rows on
+  disk adds ``DISK_INDEX_BYTES_PER_ROW`` a row of ``max_disk_rows``; a tier without that
+  bound is not counted (logged: its index grows with the ids on disk).
   ``tables = 4 x sum(rows x stored dim)``.
 * Table optimizer state (fbgemm's fused optimizer, one state per table):
   ``sgd`` none; ``adagrad`` (element-wise, odl's default and EasyRec's) ``rows x dim``
@@ -108,6 +111,9 @@ ACTIVATION_COPIES = 3
 # A dynamic table's id index (row ids, 2 hash slots, free stack) and row counters (sightings,
 # last step, last time), per row; show / click add 16 (odl.models.dynamic.dynamic_table).
 DYNAMIC_MAP_BYTES_PER_ROW = 56
+# RAM of a disk tier's index a row on disk, its doubling slack included
+# (``odl.models.dynamic.disk_rows``)
+DISK_INDEX_BYTES_PER_ROW = 65
 
 DEFAULT_MAX_MEMORY_FRACTION = 0.8
 MAX_MEMORY_FRACTION_ENV = "ODL_MAX_MEMORY_FRACTION"
@@ -304,6 +310,8 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str, ranks:
         if dyn is not None and dyn.grows and not can_grow:
             rows = dyn.max_rows
         map_bytes = 0 if base in mapped or dyn is None else _map_bytes(dyn, rows)
+        if map_bytes and dyn.disk_rows > 0:  # a bounded disk tier's index
+            map_bytes += DISK_INDEX_BYTES_PER_ROW * dyn.disk_rows
         mapped.add(base)
         tables.append(TableEstimate(
             c.name, rows, dim, BYTES_PER_VALUE * rows * dim,
@@ -503,6 +511,12 @@ def check_memory(
             estimate and the limit.
     """
     est = estimate_memory(config, device_type, ranks, ranks_on_host)
+    for spec in FeatureBuilder(config).table_specs:
+        if spec.dynamic is not None and spec.dynamic.disk_rows < 0:
+            logger.info("dynamic table %s keeps rows on disk without a bound "
+                        "(disk_tier.max_disk_rows 0): each costs about %d bytes of RAM for "
+                        "its slot in the tier's index, not counted here", spec.name,
+                        DISK_INDEX_BYTES_PER_ROW)
     logger.info("estimated memory: host %s, device %s (tables %s + %s state %s, dense %s%s)",
                 _gib(est.host_bytes), _gib(est.device_bytes), _gib(est.table_bytes),
                 est.sparse_kind, _gib(est.table_state_bytes), _gib(est.dense_bytes),
