@@ -146,11 +146,15 @@ class DeltaTracker:
                     bm = self._bitmap(self._group_of[table], ids.device)
                     bm[ids.numpy() if isinstance(bm, np.ndarray) else ids] = True
 
-    def grow(self, table_rows: Mapping[str, int]) -> None:
+    def grow(self, table_rows: Mapping[str, int],
+             moves: Mapping[str, Sequence[tuple[int, int, int]]] | None = None) -> None:
         """Widens the bitmaps of tables that grew to ``table_rows`` rows; marks are kept.
 
         Args:
             table_rows: table name -> its rows now (tables left out or not larger keep theirs).
+            moves: table name -> where its rows went (``[(old first row, new first row,
+                rows)]``, a table split by id, ``odl.train.table_growth``); the marks move
+                with them. None or a table left out: its rows stayed where they were.
         """
         with self._lock:
             for t, n in table_rows.items():
@@ -164,7 +168,10 @@ class DeltaTracker:
                     continue
                 wider = (np.zeros(n, dtype=bool) if isinstance(bm, np.ndarray)
                          else torch.zeros(n, dtype=torch.bool, device=bm.device))
-                wider[: bm.shape[0]] = bm
+                table_moves = next((moves[t] for t in tables if moves and t in moves),
+                                   [(0, 0, bm.shape[0])])
+                for old, new, rows in table_moves:
+                    wider[new : new + rows] = bm[old : old + rows]
                 self._bitmaps[group] = wider
 
     def pending_rows(self) -> int:

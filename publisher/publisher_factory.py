@@ -166,6 +166,7 @@ def _touched_rows_tracker(module: Any) -> DeltaTracker:
                            {name: rows for name, (rows, _) in module.table_shapes().items()})
     module.set_touched_rows_hook(tracker.record)
     if hasattr(module, "add_table_growth_hook"):
-        module.add_table_growth_hook(
-            lambda shapes: tracker.grow({n: r for n, (r, _c) in shapes.items()}))
+        module.add_table_growth_hook(  # the marks move with the rows (split by id)
+            lambda shapes: tracker.grow({n: r for n, (r, _c) in shapes.items()},
+                                        getattr(module.growth, "moves", None)))
     return tracker

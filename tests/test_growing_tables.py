@@ -22,6 +22,7 @@ from odl.checkpoint.checkpoint_manager import (
 from odl.config.config_redaction import config_to_text
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
+from odl.models.dynamic.partitions import partition_of
 from odl.models.embedding_tables import initial_rows
 from odl.protos import pipeline_pb2
 from odl.train import table_growth
@@ -78,12 +79,17 @@ def _small_cap(monkeypatch):
 
 
 def _config(sparse: str = "adagrad_optimizer { lr: 0.1 }",
-            model_dir: str = "") -> pipeline_pb2.EasyRecConfig:
+            model_dir: str = "", partitions: int = 1) -> pipeline_pb2.EasyRecConfig:
     cfg = text_format.Parse(CONFIG, pipeline_pb2.EasyRecConfig())
     cfg.train_config.sparse_optimizer.Clear()
     text_format.Merge(sparse, cfg.train_config.sparse_optimizer)
     cfg.model_dir = model_dir
+    cfg.train_config.dynamic_index_partitions = partitions
     return cfg
+
+
+# the index whole, and split by id into two partitions (each growing block by block)
+PARTITIONS = pytest.mark.parametrize("partitions", [1, 2], ids=["whole", "split_by_id"])
 
 
 def _records(n: int, seed: int, items: int = 40) -> list[bytes]:
@@ -155,8 +161,9 @@ def test_growth_keeps_rows_optimizer_state_index_and_predictions(sparse):
     assert tm.global_step == before["global_step"]
 
 
-def test_tables_grow_through_admissions_and_restore_continues_bit_for_bit():
-    cfg = _config()
+@PARTITIONS
+def test_tables_grow_through_admissions_and_restore_continues_bit_for_bit(partitions):
+    cfg = _config(partitions=partitions)
     fb = FeatureBuilder(cfg)
     tm = TrainModule(cfg, fb, device="cpu")
     seen = []
@@ -164,9 +171,10 @@ def test_tables_grow_through_admissions_and_restore_continues_bit_for_bit():
         _train(tm, fb, [s], items=200)
         seen.append(_rows(tm))
         assert tm.dynamic.tables["item"].live <= _rows(tm)
-    assert seen[0] == 16 and seen[-1] == CAP  # doubled up to the cap
-    assert sorted(set(seen)) == [16, 32, 64, CAP]
-    assert [e.rows["item"] for e in tm.growth.events] == [(16, 32), (32, 64), (64, CAP)]
+    assert seen[-1] == CAP  # doubled up to the cap
+    assert sorted(set(seen)) == [16, 32, 64, CAP][[16, 32, 64, CAP].index(seen[0]):]
+    assert [e.rows["item"] for e in tm.growth.events] == [
+        (r, 2 * r) for r in (16, 32, 64) if r >= seen[0]]
     assert tm.dynamic.status()["item"]["evicted"] > 0  # full at the cap: it evicts
     assert (tm.dynamic_status()["item"]["capacity"], tm.dynamic_status()["item"]["grows_to"]) \
         == (CAP, CAP)
@@ -182,9 +190,11 @@ def test_tables_grow_through_admissions_and_restore_continues_bit_for_bit():
     assert tm.dynamic.status() == other.dynamic.status()
 
 
-def test_growth_in_training_equals_a_restore_at_the_grown_rows():
-    """Training on from a growth equals training on from a checkpoint of the grown state."""
-    cfg = _config()
+@PARTITIONS
+def test_growth_in_training_equals_a_restore_at_the_grown_rows(partitions):
+    """Training on from a growth equals training on from a checkpoint of the grown state
+    (split by id: each partition's rows moved to their place in the grown table)."""
+    cfg = _config(partitions=partitions)
     fb = FeatureBuilder(cfg)
     tm = TrainModule(cfg, fb, device="cpu")
     step = 0
@@ -200,10 +210,12 @@ def test_growth_in_training_equals_a_restore_at_the_grown_rows():
         assert torch.equal(w, restored.embedding_tables()[name]), name
 
 
-def test_serving_parity_through_growth(tmp_path):
+@PARTITIONS
+def test_serving_parity_through_growth(tmp_path, partitions):
     """An export of a grown table, then versions of it growing to the cap and evicting:
-    serving grows its own table as the versions' new ids need and predicts as the trainer."""
-    cfg = _config(model_dir=str(tmp_path / "model_dir"))
+    serving grows its own table as the versions' new ids need and predicts as the trainer
+    (split by id: the rows touched before a growth are published at their new places)."""
+    cfg = _config(model_dir=str(tmp_path / "model_dir"), partitions=partitions)
     cfg.train_config.incr_save_config.SetInParent()  # evictions kept as deletes
     fb = FeatureBuilder(cfg)
     tm = TrainModule(cfg, fb, device="cpu")
@@ -212,7 +224,8 @@ def test_serving_parity_through_growth(tmp_path):
     assert maps.tables["item"].num_rows == CAP  # the id maps name the most rows
     tracker = DeltaTracker(tm.feature_tables(), {n: r for n, (r, _) in tm.table_shapes().items()})
     tm.set_touched_rows_hook(tracker.record)
-    tm.add_table_growth_hook(lambda shapes: tracker.grow({n: r for n, (r, _) in shapes.items()}))
+    tm.add_table_growth_hook(lambda shapes: tracker.grow(
+        {n: r for n, (r, _) in shapes.items()}, tm.growth.moves))
     snaps = ParameterSnapshotter(tm, maps, tracker)
     _train(tm, fb, range(4), items=200)  # grown once or more before the export
     assert _rows(tm) > 16
@@ -257,9 +270,9 @@ def test_memory_check_counts_the_start_rows_and_reports_the_cap():
         f"dynamic table item grows: counted at its start, 16 rows; it may reach {CAP} rows "
         f"(grows_to {CAP})"]
     assert growth_limit(est, est.host_bytes) == {"item": 16, "item_wide": 16}  # no room left
-    cfg.train_config.dynamic_index_partitions = 2  # split by id: built at the cap
+    cfg.train_config.dynamic_index_partitions = 3  # split by id: grows in whole blocks
     item = {t.name: t for t in estimate_memory(cfg, "cpu").tables}["item"]
-    assert (item.rows, item.grows_to) == (CAP, 0)
+    assert (item.rows, item.grows_to) == (18, CAP)
 
 
 def test_growth_stops_where_the_memory_is_not_free(monkeypatch):
@@ -273,23 +286,55 @@ def test_growth_stops_where_the_memory_is_not_free(monkeypatch):
     assert tm.dynamic.status()["item"]["evicted"] > 0
 
 
-def test_split_by_id_builds_the_table_at_its_cap():
-    cfg = _config()
-    cfg.train_config.dynamic_index_partitions = 2
+def test_split_by_id_grows_in_whole_blocks():
+    """Split by id a growing table's rows are a multiple of P from the start, and a growth
+    keeps each partition's ids in its block, each in its row within the block."""
+    cfg = _config(partitions=3)
     fb = FeatureBuilder(cfg)
     tm = TrainModule(cfg, fb, device="cpu")
-    assert tm.table_shapes()["item"][0] == CAP
-    _train(tm, fb, range(2), items=200)
-    assert not tm.growth.events
+    assert _rows(tm) == 18  # the 16 start rows in 3 blocks of 6
+    _train(tm, fb, range(2), items=12)
+    table = tm.dynamic.tables["item"]
+    rows = _rows(tm)
+    assert rows % 3 == 0 and [e.rows["item"] for e in tm.growth.events] == [(18, 36)]
+    before = {p: part.raw_ids(np.arange(rows // 3)) for p, (_lo, part) in table.held.items()}
+    ids = table.raw_ids(table.live_rows())
+    assert ids.shape[0] > 6
+
+    def by_id() -> dict:  # each id's weights and optimizer state, wherever its row is
+        rows = torch.from_numpy(tm.dynamic.tables["item"].lookup(ids))
+        state = tm.state_dict_for_checkpoint()
+        key = f"{EBC_PREFIX}item.weight"
+        return {"w": state["model"][key][rows],
+                **{k: v[rows] for k, v in state["sparse_optimizer"][key].items() if v.dim()}}
+
+    want = by_id()
+    grow_tables(tm, {"item": 2 * rows})
+    for p, (lo, part) in tm.dynamic.tables["item"].held.items():
+        assert lo == 2 * rows // 3 * p and part.spec.capacity == 2 * rows // 3
+        assert np.array_equal(part.raw_ids(np.arange(rows // 3)), before[p])
+    got = by_id()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def test_crash_recovery_grows_the_table_to_hold_the_replayed_ids():
-    cfg = _config()
+@PARTITIONS
+def test_crash_recovery_grows_the_table_to_hold_the_replayed_ids(partitions):
+    cfg = _config(partitions=partitions)
     fb = FeatureBuilder(cfg)
     tm = TrainModule(cfg, fb, device="cpu")
     assert table_growth.grow_to_hold(tm, {"item": np.arange(1000, 1040)}) is not None
-    assert _rows(tm) == 64  # 40 ids fit under GROW_AT of 64 rows
+    if partitions == 1:
+        assert _rows(tm) == 64  # 40 ids fit under GROW_AT of 64 rows
+    for _lo, part in tm.dynamic.tables["item"].held.values() if partitions > 1 else []:
+        ids = np.arange(1000, 1040)  # each partition's share fits under GROW_AT of its block
+        share = int((partition_of(ids, partitions) == part_index(tm, part)).sum())
+        assert share <= 0.75 * part.spec.capacity
     assert table_growth.grow_to_hold(tm, {"item": np.arange(1000, 1040)}) is None
+
+
+def part_index(tm: TrainModule, part) -> int:  # noqa: ANN001 - a DynamicTable
+    """The partition a held DynamicTable is."""
+    return next(p for p, (_lo, t) in tm.dynamic.tables["item"].held.items() if t is part)
 
 
 def test_incremental_checkpoints_through_growth(tmp_path):
@@ -336,12 +381,13 @@ def test_warm_start_from_a_grown_checkpoint():
     assert np.array_equal(warm.predict(batch), tm.predict(batch))
 
 
-def _growing_rank(rank: int, world: int, steps: list, sparse: str, start: str = "") -> dict:
+def _growing_rank(rank: int, world: int, steps: list, sparse: str, start: str = "",
+                  partitions: int = 1) -> dict:
     """One of ``world`` ranks training ``steps`` (each rank its share of every step) on the
     growing config with its tables split by rows, from the state saved at ``start`` when
     given; rank 0 returns the gathered state."""
     dynamic_table_config.EV_DEFAULT_MAX_CAPACITY = CAP  # (a spawned rank: not monkeypatched)
-    cfg = _config(sparse)
+    cfg = _config(sparse, partitions=partitions)
     cfg.data_config.batch_size = 32 // world
     fb = FeatureBuilder(cfg)
     tm = TrainModule(cfg, fb, device="cpu", row_wise_min_rows=8)
@@ -366,20 +412,29 @@ def _growing_rank(rank: int, world: int, steps: list, sparse: str, start: str = 
             "status": tm.dynamic.status()}
 
 
-@pytest.mark.parametrize("sparse", ["adagrad_optimizer { lr: 0.1 }",
-                                    "adam_optimizer { lr: 0.01 }"], ids=["fused", "row_sparse"])
-def test_two_ranks_grow_as_one_process(sparse):
+@pytest.mark.parametrize("sparse, partitions", [
+    ("adagrad_optimizer { lr: 0.1 }", 1), ("adam_optimizer { lr: 0.01 }", 1),
+    ("adagrad_optimizer { lr: 0.1 }", 2)], ids=["fused", "row_sparse", "split_by_id"])
+def test_two_ranks_grow_as_one_process(sparse, partitions):
     """Two ranks, the growing table split by rows between them: they double at the steps one
     process does, each rank's rows move to the rank that holds them after the growth, and
-    predictions, tables, optimizer state and index equal one process's on the same records."""
+    predictions, tables, optimizer state and index equal one process's on the same records.
+    Split by id each rank holds one partition (its index and its block of rows): the ranks
+    agree on each growth and every partition's rows move within its rank."""
     from odl.harness.spawned_ranks import run_ranks
 
     steps = [_records(32, s, 200) for s in range(12)]
-    one = _growing_rank(0, 1, steps, sparse)
+    one = _growing_rank(0, 1, steps, sparse, "", partitions)
     assert one["events"] == [{"item": (16, 32)}, {"item": (32, 64)}, {"item": (64, CAP)}]
-    got = run_ranks(_growing_rank, 2, 2, steps, sparse)
+    got = run_ranks(_growing_rank, 2, 2, steps, sparse, "", partitions)
     assert got[0]["events"] == got[1]["events"] == one["events"]
-    assert got[0]["rows"] == one["rows"] and got[0]["status"] == one["status"]
+    assert got[0]["rows"] == one["rows"]
+    if partitions == 1:
+        assert got[0]["status"] == one["status"]
+    else:  # split by id: each rank's status is its partition's
+        for name, st in one["status"].items():
+            for key in ("capacity", "live_rows", "admitted", "evicted"):
+                assert got[0]["status"][name][key] + got[1]["status"][name][key] == st[key]
     ranks_probs = np.concatenate([np.concatenate([got[r]["probs"][k * 16:(k + 1) * 16]
                                                   for r in range(2)]) for k in range(12)])
     np.testing.assert_allclose(ranks_probs, one["probs"], atol=1e-5, rtol=0)
@@ -408,3 +463,26 @@ def test_a_grown_checkpoint_restores_into_two_ranks(tmp_path):
     assert got[0]["rows"] == one["rows"] and got[0]["status"] == one["status"]
     for name, t in one["tables"].items():
         np.testing.assert_allclose(got[0]["tables"][name], t, atol=1e-5, rtol=0, err_msg=name)
+
+
+def test_a_table_grown_split_by_id_restores_into_another_partition_count():
+    """A checkpoint of a table grown in 2 partitions restores (re-split) into one partition,
+    predicting as before, and into 4, at the rows it holds; 3 do not divide its rows."""
+    cfg = _config(partitions=2)
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu")
+    _train(tm, fb, range(4), items=40)
+    assert _rows(tm) > 16 and tm.dynamic.tables["item"].live < 0.75 * _rows(tm)
+    state = tm.state_dict_for_checkpoint()
+    batch = fb.build(_records(64, 88, 40)).batch
+    for partitions in (1, 4):
+        other_cfg = _config(partitions=partitions)
+        other = TrainModule(other_cfg, FeatureBuilder(other_cfg), device="cpu")
+        other.load_checkpoint_state(state)
+        assert _rows(other) == _rows(tm)  # every id kept, each with its row's values
+        assert other.dynamic.tables["item"].live == tm.dynamic.tables["item"].live
+        if partitions == 1:  # (4 partitions of the fixed 60-row table drop a few ids)
+            np.testing.assert_allclose(other.predict(batch), tm.predict(batch), atol=1e-6)
+    three = _config(partitions=3)
+    with pytest.raises(ValueError, match="cannot split"):
+        TrainModule(three, FeatureBuilder(three), device="cpu").load_checkpoint_state(state)

@@ -69,7 +69,8 @@ class CheckpointRows:
                                      {t: n for t, (n, _c) in shapes.items()})
         module.add_touched_rows_hook(self._tracker.record)
         module.add_table_growth_hook(  # growing dynamic tables: the bitmaps follow
-            lambda shapes: self._tracker.grow({t: n for t, (n, _c) in shapes.items()}))
+            lambda shapes: self._tracker.grow({t: n for t, (n, _c) in shapes.items()},
+                                              module.growth.moves))
         self._ids_at_checkpoint: dict[str, np.ndarray] = {}
         # (partition, dynamic table) -> free-row stack and score-decay time at the previous
         # checkpoint, and before the last take (put back when it fails)

@@ -20,8 +20,8 @@ Formula (bytes; every value is fp32, 4 bytes):
   (``ev_params`` without a written capacity, ``odl.train.table_growth``) counts its start
   rows: it grows only once the memory a doubling needs is available. The estimate reports
   the rows the growing tables can reach (:func:`growth_limit`): their ``grows_to``, or fewer
-  when the memory left allows fewer. With several ranks or ``dynamic_index_partitions`` > 1
-  the table does not grow and is counted at ``grows_to``. With a disk tier
+  when the memory left allows fewer (with ``dynamic_index_partitions`` P > 1 the rows are a
+  multiple of P). With a disk tier
   (``train_config.disk_tier``) the rows are ``ram_rows``, and the tier's index of the rows on
   disk adds ``DISK_INDEX_BYTES_PER_ROW`` a row of ``max_disk_rows``; a tier without that
   bound is not counted (logged: its index grows with the ids on disk).
@@ -84,6 +84,7 @@ from odl.config.limits import ROW_WISE_MIN_ROWS
 from odl.config.model_classes import model_settings
 from odl.config.optimizer_support import optimizer_choices, table_kernel_kind
 from odl.features.feature_builder import FeatureBuilder
+from odl.models.dynamic.growth import partition_rows
 from odl.models.embedding_tables import WIDE_SUFFIX
 from odl.models.model_registry import build_model, registered_model_classes
 from odl.protos import pipeline_pb2
@@ -299,16 +300,15 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str, ranks:
                           or _SPARSE_STATE.get(kind, (0, 2)))
     tables: list[TableEstimate] = []
     mapped: set[str] = set()  # dynamic tables whose index is counted (once per deep/wide pair)
-    # growing tables grow with the whole index (one partition); otherwise built at grows_to
-    can_grow = int(config.train_config.dynamic_index_partitions) <= 1
+    partitions = max(1, int(config.train_config.dynamic_index_partitions))
     for c in model.ebc.embedding_bag_configs():
         base = c.name if c.name in specs else c.name.removesuffix(WIDE_SUFFIX)
         spec = specs.get(base)
         dyn = spec.dynamic if spec is not None else None
         rows, dim = int(c.num_embeddings), int(c.embedding_dim)
-        grows_to = dyn.grows_to if dyn is not None and dyn.grows and can_grow else 0
-        if dyn is not None and dyn.grows and not can_grow:
-            rows = dyn.max_rows
+        grows_to = dyn.grows_to if dyn is not None and dyn.grows else 0
+        if grows_to and partitions > 1:  # built and grown in whole blocks
+            rows = partition_rows(rows, partitions)
         map_bytes = 0 if base in mapped or dyn is None else _map_bytes(dyn, rows)
         if map_bytes and dyn.disk_rows > 0:  # a bounded disk tier's index
             map_bytes += DISK_INDEX_BYTES_PER_ROW * dyn.disk_rows

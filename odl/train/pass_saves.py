@@ -181,7 +181,7 @@ class PassSaves:
     def _tables_grew(self, shapes: dict[str, tuple[int, int]]) -> None:
         """Growing dynamic tables grew (``odl.train.table_growth``): the tracker follows."""
         self._table_rows = {name: rows for name, (rows, _) in shapes.items()}
-        self.tracker.grow(self._table_rows)
+        self.tracker.grow(self._table_rows, self.module.growth.moves)
 
     def mark_all_rows(self) -> None:
         """Puts every row into the next delta (state changed by crash recovery)."""

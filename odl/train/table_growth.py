@@ -32,10 +32,18 @@ eviction as a full table does. A restore builds the tables at the rows the check
 (:func:`size_for_state`), and crash recovery grows them to hold the ids it replays
 (:func:`grow_to_hold`).
 
-Every rank holds the whole index (``dynamic_index_partitions`` 1), so every rank decides the
-same growth at the same step; the memory check is every rank's (all must have room). With
-the index split by id the table is built at ``grows_to`` rows from the start
-(:func:`table_rows_at_start`), logged.
+With the whole index on every rank (``dynamic_index_partitions`` 1) every rank decides the
+same growth at the same step; the memory check is every rank's (all must have room).
+
+Split by id (``dynamic_index_partitions`` P > 1) a growing table's rows are a multiple of P
+(its start rows and every doubling rounded up), so all partitions' blocks have the same
+rows. The tables double when one partition's block has more than ``GROW_AT`` of its rows
+live (with several ranks, when one on any rank does: the ranks agree each step), and each
+partition's rows move to its place in the grown table (``odl.models.dynamic.growth.
+row_moves``): partition p's block keeps its rows in order at ``p·b'``. The moves are
+handed to the growth hooks (:attr:`TableGrowth.moves`), so that whoever counts rows by
+number (the delta trackers) moves its marks with them. A rank's partitions' rows stay on
+that rank, so its blocks are copied within the rank.
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +60,13 @@ import torch
 
 from odl.checkpoint.table_parts import load_blocks
 from odl.features.feature_plan import TableSpec
-from odl.models.dynamic.growth import grown_tables_state, saved_capacities
+from odl.models.dynamic.growth import (
+    grown_tables_state,
+    partition_rows,
+    row_moves,
+    saved_capacities,
+)
+from odl.models.dynamic.partitions import partition_of
 from odl.models.embedding_tables import init_embedding_weights, initial_rows
 from odl.train import module_state
 from odl.train.distributed import agree, from_every_rank, from_rank
@@ -108,12 +122,15 @@ class TableGrowth:
         events: the growths so far, oldest first.
         frozen_status: while the module is rebuilt, its dynamic tables' status from before
             (``TrainModule.dynamic_status``, read by ``/status``); None otherwise.
+        moves: while the hooks run, TorchRec table -> where its rows went
+            (``[(old first row, new first row, rows)]``, ``row_moves``); None otherwise.
     """
 
     hooks: list[Callable[[dict[str, tuple[int, int]]], None]] = field(default_factory=list)
     stopped: dict[str, int] = field(default_factory=dict)
     events: list[GrowthEvent] = field(default_factory=list)
     frozen_status: dict[str, dict[str, Any]] | None = None
+    moves: dict[str, list[tuple[int, int, int]]] | None = None
 
 
 class SizedFeatures:
@@ -163,12 +180,11 @@ def table_rows_at_start(config: pipeline_pb2.EasyRecConfig, builder: Any, world_
                if s.dynamic is not None and s.dynamic.grows}
     if not growing:
         return builder
-    if int(config.train_config.dynamic_index_partitions) > 1:
-        for name, spec in growing.items():
-            logger.warning("dynamic table %s is built at %d rows (ev_params.max_capacity not "
-                           "written): it grows only with train_config.dynamic_index_partitions "
-                           "1", name, spec.grows_to)
-        return SizedFeatures(builder, {n: s.grows_to for n, s in growing.items()})
+    partitions = max(1, int(config.train_config.dynamic_index_partitions))
+    if partitions > 1:  # whole blocks: the rows a multiple of P
+        start = {n: partition_rows(s.capacity, partitions) for n, s in growing.items()}
+        rows = {**start, **{n: int(r) for n, r in (rows or {}).items() if n in growing}}
+        return SizedFeatures(builder, rows)
     if not rows:
         return builder
     return SizedFeatures(builder, {n: int(r) for n, r in rows.items() if n in growing})
@@ -211,83 +227,136 @@ def _rebuild(m: TrainModule, rows: Mapping[str, int]) -> None:
         hook(shapes)
 
 
+def _gaps(moves: list[tuple[int, int, int]], rows: int) -> list[tuple[int, int]]:
+    """The rows of a grown table of ``rows`` rows that no move fills: ``[(first, end)]``."""
+    out, at = [], 0
+    for _old, new, n in sorted(moves, key=lambda move: move[1]):
+        if new > at:
+            out.append((at, new))
+        at = new + n
+    if at < rows:
+        out.append((at, rows))
+    return out
+
+
+def _initial_values(table: str, seed: int, shape: tuple[int, ...], lo: int, hi: int
+                    ) -> Iterator[tuple[int, torch.Tensor]]:
+    """``(first row, values)`` of rows ``[lo, hi)``: their initial values, drawn for them."""
+    for first, values in initial_rows(table, seed, shape, lo, hi):
+        a, b = max(first, lo), min(first + values.shape[0], hi)
+        if a < b:
+            yield a, values[a - first : b - first]
+
+
 @torch.no_grad()
-def _load_grown(m: TrainModule, state: dict[str, Any], grown: Mapping[str, int]) -> None:
+def _load_grown(m: TrainModule, state: dict[str, Any], grown: Mapping[str, int],
+                moves: Mapping[str, list[tuple[int, int, int]]]) -> None:
     """Puts a state saved before the tables grew into the rebuilt module (module docstring)."""
-    torch_tables = [t for base in grown for t in m.dynamic_torch_tables[base]]
     own = m.embedding_tables()
     own_state = m.fused_optimizer.state_dict()["state"]
-    for t in torch_tables:
+    for t, table_moves in moves.items():
         key = f"{EBC_PREFIX}{t}.weight"
         saved = state["model"].pop(key)
         w = own[t]
-        w[: saved.shape[0]].copy_(saved.to(w.device, w.dtype))
-        old = saved.shape[0]  # the rows added: their initial values, drawn for them alone
-        for first, values in initial_rows(t, m.seed, tuple(w.shape), old, w.shape[0]):
-            lo = max(first, old)
-            w[lo : first + values.shape[0]].copy_(values[lo - first :].to(w.device, w.dtype))
+        for old, new, n in table_moves:
+            w[new : new + n].copy_(saved[old : old + n].to(w.device, w.dtype))
+        for lo, hi in _gaps(table_moves, w.shape[0]):  # the rows added: initial values
+            for first, values in _initial_values(t, m.seed, tuple(w.shape), lo, hi):
+                w[first : first + values.shape[0]].copy_(values.to(w.device, w.dtype))
         for k, v in state["sparse_optimizer"].pop(key, {}).items():
             live = local_view(own_state[key][k])
             if v.dim() and live.dim() and v.shape[0] < live.shape[0]:
-                live[: v.shape[0]].copy_(v.to(live.device, live.dtype))
+                for old, new, n in table_moves:
+                    live[new : new + n].copy_(v[old : old + n].to(live.device, live.dtype))
             else:
                 live.copy_(v.to(live.device, live.dtype))
     state["dynamic_tables"] = grown_tables_state(state["dynamic_tables"], grown)
     module_state.load_state(m, state, strict=False)
 
 
+def _moved_part(part: Mapping[str, Any], moves: Mapping[str, list[tuple[int, int, int]]]
+                ) -> dict[str, Any]:
+    """A rank's part document with the grown tables' row blocks where the growth puts them."""
+    pieces = []
+    for kind, name, key, size, blocks in part["pieces"]:
+        table_moves = moves.get(name[len(EBC_PREFIX):-len(".weight")])
+        if table_moves is None:
+            pieces.append([kind, name, key, size, blocks])
+            continue
+        moved = []
+        for offsets, t in blocks:
+            if offsets is None or not t.dim():  # the same on every rank, or not per row
+                moved.append([offsets, t])
+                continue
+            r0 = int(offsets[0])
+            for old, new, n in table_moves:
+                lo, hi = max(r0, old), min(r0 + t.shape[0], old + n)
+                if lo < hi:
+                    moved.append([[new + lo - old, *offsets[1:]], t[lo - r0 : hi - r0]])
+        pieces.append([kind, name, key, size, moved])
+    return {**part, "pieces": pieces}
+
+
 @torch.no_grad()
 def _load_rows_across_ranks(m: TrainModule, part: Mapping[str, Any],
-                            old_rows: Mapping[str, int]) -> None:
+                            moves: Mapping[str, list[tuple[int, int, int]]]) -> None:
     """Puts every rank's rows from before a growth into the rebuilt module's shards.
 
-    Each rank's ``part`` (its rows and their optimizer state, ``table_part``) goes to every
-    rank in turn; a rank copies the blocks that overlap its shards (a collective). The rows
-    a grown table added (from ``old_rows``) get their initial values; their optimizer state
-    is the rebuilt module's fresh one.
+    Each rank's ``part`` (its rows and their optimizer state, ``table_part``), its blocks
+    moved where the growth puts them, goes to every rank in turn; a rank copies the blocks
+    that overlap its shards (a collective). The rows a grown table added (those no move
+    fills) get their initial values; their optimizer state is the rebuilt module's fresh one.
 
     Args:
         m: the rebuilt module.
         part: this rank's part document from before the growth (its tensors compact copies).
-        old_rows: TorchRec table of a grown dynamic table -> its rows before.
+        moves: TorchRec table of a grown dynamic table -> where its rows went (``row_moves``).
     """
     tables = {n: t for n, t in m.dmp.state_dict().items() if n.startswith(EBC_PREFIX)}
     local = {("model", n, ""): local_shards(t) for n, t in tables.items()}
     local.update({("sparse", p, k): local_shards(v) for p, st in
                   m.fused_optimizer.state_dict()["state"].items() for k, v in st.items()})
-    added = []  # (table, whole shape, offsets, shard) of weight shards with rows added
+    added = []  # (table, whole shape, offsets, shard, gap) of weight rows no move fills
     for ident, shards in local.items():
         table = ident[1][len(EBC_PREFIX):-len(".weight")]
-        if table not in old_rows:
+        if table not in moves:
             continue
-        rows, kept = old_rows[table], []
+        kept = []
+        rows = int(tables[f"{EBC_PREFIX}{table}.weight"].size()[0])
         for start, shard in shards:
             if not shard.dim():
                 kept.append((start, shard))
                 continue
-            r0 = int(start[0])
-            if r0 < rows:  # the rows it held before come from the parts
-                kept.append((start, shard[: min(shard.shape[0], rows - r0)]))
-            if ident[0] == "model" and r0 + shard.shape[0] > rows:
-                added.append((table, tuple(tables[ident[1]].size()), start, shard))
+            r0, r1 = int(start[0]), int(start[0]) + shard.shape[0]
+            for _old, new, n in moves[table]:  # the rows it held before come from the parts
+                lo, hi = max(r0, new), min(r1, new + n)
+                if lo < hi:
+                    kept.append(((lo, *start[1:]), shard[lo - r0 : hi - r0]))
+            if ident[0] == "model":
+                for lo, hi in _gaps(moves[table], rows):
+                    if max(lo, r0) < min(hi, r1):
+                        added.append((table, tuple(tables[ident[1]].size()), start, shard,
+                                      (max(lo, r0), min(hi, r1))))
         local[ident] = kept
-    load_blocks((from_rank(part if src == m.rank else None, src)
+    moved = _moved_part(part, moves)
+    load_blocks((from_rank(moved if src == m.rank else None, src)
                  for src in range(m.world_size)), local)
-    for table, shape, (r0, c0), shard in added:
-        lo = max(int(r0), old_rows[table])
-        for first, values in initial_rows(table, m.seed, shape, lo, r0 + shard.shape[0]):
+    for table, shape, (r0, c0), shard, (lo, hi) in added:
+        for first, values in _initial_values(table, m.seed, shape, lo, hi):
             shard[first - r0 : first - r0 + values.shape[0]].copy_(
                 values[:, c0 : c0 + shard.shape[1]].to(shard.device, shard.dtype))
 
 
 def _grow_across_ranks(m: TrainModule, rows: Mapping[str, int], grown: Mapping[str, int],
-                       before: Mapping[str, int]) -> None:
+                       moves: Mapping[str, list[tuple[int, int, int]]]) -> None:
     """``grow_tables`` of one of several ranks (a collective; module docstring)."""
-    old_rows = {t: int(before[base]) for base in grown for t in m.dynamic_torch_tables[base]}
     part = module_state.table_part_copy(m)
     state = module_state.state_without_tables(m)
     _rebuild(m, rows)
-    _load_rows_across_ranks(m, part, old_rows)
+    _load_rows_across_ranks(m, part, moves)
+    if part.get("dynamic_parts"):  # split by id over the ranks: this rank's partitions
+        state["dynamic_tables"] = {**state["dynamic_tables"],
+                                   "parts": dict(part["dynamic_parts"])}
     del part
     state["dynamic_tables"] = grown_tables_state(state["dynamic_tables"], grown)
     module_state.load_state(m, state, strict=False)
@@ -368,18 +437,22 @@ def grow_tables(m: TrainModule, grown: Mapping[str, int]) -> GrowthEvent:
     """
     t0 = time.perf_counter()
     before = _current_rows(m)
+    partitions = m.dynamic.partitions
+    moves = {t: row_moves(before[base], int(rows), partitions)
+             for base, rows in grown.items() for t in m.dynamic_torch_tables[base]}
+    m.growth.moves = moves  # for the hooks the rebuild calls
     if m.world_size > 1:
         try:
-            _grow_across_ranks(m, {**before, **grown}, grown, before)
+            _grow_across_ranks(m, {**before, **grown}, grown, moves)
         finally:  # /status reads the module again
-            m.growth.frozen_status = None
+            m.growth.frozen_status = m.growth.moves = None
     else:
         state = module_state.checkpoint_state(m)
         try:
             _rebuild(m, {**before, **grown})
-            _load_grown(m, state, grown)
+            _load_grown(m, state, grown, moves)
         finally:
-            m.growth.frozen_status = None
+            m.growth.frozen_status = m.growth.moves = None
         del state
     gc.collect()
     release_freed_memory()  # the old module and the copy: back to the host
@@ -391,17 +464,40 @@ def grow_tables(m: TrainModule, grown: Mapping[str, int]) -> GrowthEvent:
     return event
 
 
+def _fill(t: Any, partitions: int) -> float:
+    """The share of a dynamic table's rows live: split by id, its fullest held partition's."""
+    if partitions == 1:
+        return t.live / t.spec.capacity
+    return max(part.live / part.spec.capacity for _lo, part in t.held.values())
+
+
+def _agreed(due: Mapping[str, int]) -> dict[str, int]:
+    """Every rank's due growths joined (the most rows of each table): a collective."""
+    out: dict[str, int] = {}
+    for theirs in from_every_rank(dict(due)):
+        for name, rows in theirs.items():
+            out[name] = max(int(rows), out.get(name, 0))
+    return out
+
+
 def grow_if_due(m: TrainModule) -> GrowthEvent | None:
     """Doubles every growing table with more than ``GROW_AT`` of its rows live (a step's end).
+
+    Split by id: when one partition's block has more than ``GROW_AT`` of its rows live,
+    agreed by the ranks each step (a small collective while a table can still grow).
 
     Returns:
         The growth, or None when none was due or the memory it needs is not free.
     """
     due = {}
+    partitions = m.dynamic.partitions
     for name, t in m.dynamic.tables.items():
         spec = t.spec
-        if spec.grows and name not in m.growth.stopped and t.live > GROW_AT * spec.capacity:
-            due[name] = min(2 * spec.capacity, spec.grows_to)
+        if spec.grows and name not in m.growth.stopped and _fill(t, partitions) > GROW_AT:
+            due[name] = partition_rows(min(2 * spec.capacity, spec.grows_to), partitions)
+    if partitions > 1 and m.world_size > 1 and any(
+            t.spec.grows for t in m.dynamic.tables.values()):
+        due = _agreed(due)  # each rank saw its own partitions: one due is everyone's
     if not due:
         return None
     if not _memory_allows(m, due):
@@ -429,21 +525,27 @@ def grow_to_hold(m: TrainModule, new_ids: Mapping[str, np.ndarray]) -> GrowthEve
         The growth, or None when none was needed.
     """
     due: dict[str, int] = {}
+    partitions = m.dynamic.partitions
     for name, ids in new_ids.items():
         t = m.dynamic.tables.get(name)
         if t is None or not t.spec.grows or not len(ids):
             continue
         ids = np.unique(np.asarray(ids, dtype=np.int64))
-        want = t.live + int((t.lookup(ids) < 0).sum())
+        missing = ids[t.lookup(ids) < 0]
+        if partitions == 1:  # (live rows, rows) of the table, or of each held partition
+            fills = [(t.live + missing.shape[0], 1)]
+        else:
+            owner = partition_of(missing, partitions)
+            fills = [(part.live + int((owner == p).sum()), partitions)
+                     for p, (_lo, part) in t.held.items()]
         rows = t.spec.capacity
-        while want > GROW_AT * rows and rows < t.spec.grows_to:
-            rows = min(2 * rows, t.spec.grows_to)
+        while (any(want > GROW_AT * rows / share for want, share in fills)
+               and rows < t.spec.grows_to):
+            rows = partition_rows(min(2 * rows, t.spec.grows_to), partitions)
         if rows > t.spec.capacity:
             due[name] = rows
-    if m.world_size > 1:  # the same on every rank; agreed so that no rank waits alone
-        for theirs in from_every_rank(due):
-            for name, rows in theirs.items():
-                due[name] = max(rows, due.get(name, 0))
+    if m.world_size > 1:  # agreed so that no rank waits alone
+        due = _agreed(due)
     if due and not _memory_allows(m, due):
         logger.warning("dynamic tables %s stay at their rows to recover: the memory to grow "
                        "them is not free; recovered ids beyond them evict others",
@@ -456,8 +558,8 @@ def size_for_state(m: TrainModule, state: Mapping[str, Any]) -> None:
     """Builds ``m``'s growing tables at the rows a checkpoint state holds (before loading it).
 
     Raises:
-        ValueError: the index split by id and a checkpoint whose growing table has other
-            rows than it builds (``grows_to``).
+        ValueError: the index split into another number of partitions than the
+            checkpoint's and its grown rows not a multiple of it.
     """
     if not m.dynamic or "dynamic_tables" not in state:
         return
@@ -466,13 +568,13 @@ def size_for_state(m: TrainModule, state: Mapping[str, Any]) -> None:
              if n in now and r != now[n]}
     if not saved:
         return
-    if m.dynamic.partitions > 1:
-        name, rows = next(iter(saved.items()))
-        raise ValueError(
-            f"dynamic table {name}: the checkpoint holds it at {rows} rows (it grew with the "
-            f"whole index) but dynamic_index_partitions {m.dynamic.partitions} builds it at "
-            f"{now[name]}: restore it with dynamic_index_partitions 1, or write "
-            "ev_params.max_capacity")
+    for name, rows in saved.items():
+        if rows % m.dynamic.partitions:
+            raise ValueError(
+                f"dynamic table {name}: the checkpoint holds it at {rows:,} rows, which "
+                f"dynamic_index_partitions {m.dynamic.partitions} cannot split into equal "
+                "blocks: restore it with the checkpoint's dynamic_index_partitions, or one "
+                "that divides its rows")
     logger.info("building dynamic tables at the rows the checkpoint holds: %s",
                 ", ".join(f"{n} {r:,}" for n, r in saved.items()))
     _rebuild(m, {**now, **saved})

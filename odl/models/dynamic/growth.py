@@ -6,8 +6,11 @@ counters; the rows added are free, taken after the rows free before, lowest firs
 (``odl.features.raw_id_index.grown_index_state``). The admission sketch is
 sized for ``grows_to`` from the start and carries over as it is.
 
-The state is one partition's (``DynamicTables.state_dict`` without ``partitions``): tables
-split by id do not grow.
+Split by id (``dynamic_index_partitions`` P > 1) a growing table's rows are always a
+multiple of P (:func:`partition_rows`), so every partition's block has the same rows; each
+partition grows on its own to its new block (its state as above), and its rows move with
+the block: partition p's rows ``[p·b, p·b + b)`` become ``[p·b', p·b' + b)``
+(:func:`row_moves`), each in its place within the block, the rest of the new block added.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from odl.config.dynamic_table_config import DynamicTableSpec
 from odl.features.raw_id_index import grown_index_state
 from odl.models.dynamic.dynamic_table import state_arrays, state_tensors
 
-__all__ = ["grown_table_state", "grown_tables_state", "saved_capacities", "sized_specs"]
+__all__ = ["grown_table_state", "grown_tables_state", "partition_rows", "row_moves",
+           "saved_capacities", "sized_specs"]
 
 # per-row counters of a table's state, and what a new row holds in each
 _ROW_COUNTERS = {"sightings": 0.0, "last_step": 0, "last_time": 0.0, "show": 0.0, "click": 0.0}
@@ -58,29 +62,63 @@ def grown_table_state(state: Mapping[str, Any], capacity: int) -> dict[str, Any]
     return state_tensors(out)
 
 
+def partition_rows(rows: int, partitions: int) -> int:
+    """``rows`` rounded up to a multiple of ``partitions`` (a growing table split by id)."""
+    return -(-int(rows) // int(partitions)) * int(partitions)
+
+
+def row_moves(old_rows: int, new_rows: int, partitions: int) -> list[tuple[int, int, int]]:
+    """Where a growing table's rows go: ``[(old first row, new first row, rows)]``.
+
+    One partition: the rows stay where they are. Split by id: each partition's block moves
+    to its place in the grown table (module docstring).
+    """
+    if partitions <= 1:
+        return [(0, 0, int(old_rows))]
+    old, new = old_rows // partitions, new_rows // partitions
+    return [(p * old, p * new, old) for p in range(partitions)]
+
+
 def saved_capacities(dynamic_state: Mapping[str, Any]) -> dict[str, int]:
-    """Dynamic table -> its rows in a saved ``DynamicTables.state_dict`` of one partition."""
-    if int(dynamic_state.get("partitions", 1)) != 1:
-        return {}
-    return {name: int(np.asarray(state_arrays(t["index"]["row_ids"])).shape[0])
-            for name, t in (dynamic_state.get("tables") or {}).items()}
+    """Dynamic table -> its rows in a saved ``DynamicTables.state_dict``.
+
+    Split by id: the partitions' blocks times P (every saved partition's block has the
+    same rows, as a growing table's rows are a multiple of P; a fixed table's capacity is
+    not asked for).
+    """
+    partitions = int(dynamic_state.get("partitions", 1))
+    if partitions == 1:
+        tables = dynamic_state.get("tables") or {}
+    else:
+        parts = dynamic_state.get("parts") or {}
+        tables = next(iter(parts.values()), {}).get("tables") or {}
+    return {name: partitions * int(np.asarray(state_arrays(t["index"]["row_ids"])).shape[0])
+            for name, t in tables.items()}
 
 
 def grown_tables_state(dynamic_state: Mapping[str, Any],
                        capacities: Mapping[str, int]) -> dict[str, Any]:
-    """A ``DynamicTables.state_dict`` of one partition with some tables grown.
+    """A ``DynamicTables.state_dict`` with some tables grown (split by id: each partition's).
 
     Args:
         dynamic_state: the saved state.
-        capacities: table -> its rows now (tables left out keep theirs).
+        capacities: table -> its rows now, all partitions' (tables left out keep theirs).
 
     Returns:
         The state with those tables at their new rows.
     """
+    partitions = int(dynamic_state.get("partitions", 1))
+
+    def grown(tables: Mapping[str, Any]) -> dict[str, Any]:
+        return {name: (grown_table_state(t, capacities[name] // partitions)
+                       if name in capacities else t) for name, t in tables.items()}
+
     out = dict(dynamic_state)
-    out["tables"] = {name: (grown_table_state(t, capacities[name]) if name in capacities
-                            else t)
-                     for name, t in (dynamic_state.get("tables") or {}).items()}
+    if partitions == 1:
+        out["tables"] = grown(dynamic_state.get("tables") or {})
+    else:
+        out["parts"] = {p: {**part, "tables": grown(part.get("tables") or {})}
+                        for p, part in (dynamic_state.get("parts") or {}).items()}
     return out
 
 

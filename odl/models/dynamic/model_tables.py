@@ -342,7 +342,7 @@ class DynamicTables:
                 out[name].update(disk_rows=t.disk.live, disk_file_bytes=t.disk.disk_bytes(),
                                  to_disk=c.to_disk, from_disk=c.from_disk)
                 out[name]["map_bytes"] += t.disk.ram_bytes()
-            elif t.spec.grows_to:  # a growing table: the most rows it may reach
+            if t.spec.grows_to:  # a growing table: the most rows it may reach
                 out[name]["grows_to"] = t.spec.grows_to
         return out
 
