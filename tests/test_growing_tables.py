@@ -486,3 +486,37 @@ def test_a_table_grown_split_by_id_restores_into_another_partition_count():
     three = _config(partitions=3)
     with pytest.raises(ValueError, match="cannot split"):
         TrainModule(three, FeatureBuilder(three), device="cpu").load_checkpoint_state(state)
+
+
+def _recovering_rank(rank: int, world: int, partitions: int) -> dict:
+    """One of ``world`` ranks training two steps, then growing to hold 40 replayed ids
+    (crash recovery's ``grow_to_hold``); rank 0 returns the gathered state."""
+    dynamic_table_config.EV_DEFAULT_MAX_CAPACITY = CAP  # (a spawned rank: not monkeypatched)
+    cfg = _config(partitions=partitions)
+    cfg.data_config.batch_size = 32 // world
+    fb = FeatureBuilder(cfg)
+    tm = TrainModule(cfg, fb, device="cpu", row_wise_min_rows=8)
+    for s in range(2):
+        step = _records(32, s, 40)
+        share = len(step) // world
+        tm.train_step(fb.build(step[rank * share:(rank + 1) * share]).batch)
+    event = table_growth.grow_to_hold(tm, {"item": np.arange(1000, 1040)})
+    state = tm.state_dict_for_checkpoint()  # gathered on rank 0
+    return {"grown": event.rows if event is not None else None, "rows": _rows(tm),
+            "tables": {k: v.numpy() for k, v in state.get("model", {}).items()
+                       if k.startswith(EBC_PREFIX)}}
+
+
+@PARTITIONS
+def test_two_ranks_grow_to_hold_replayed_ids_as_one_process(partitions):
+    """Crash recovery's growth with two ranks (the ids agreed, the rows moved across or
+    within the ranks) ends at one process's rows and tables."""
+    from odl.harness.spawned_ranks import run_ranks
+
+    one = _recovering_rank(0, 1, partitions)
+    assert one["grown"] is not None and one["rows"] > 16
+    got = run_ranks(_recovering_rank, 2, 2, partitions)
+    assert got[0]["grown"] == got[1]["grown"] == one["grown"]
+    assert got[0]["rows"] == one["rows"]
+    for name, t in one["tables"].items():
+        np.testing.assert_allclose(got[0]["tables"][name], t, atol=1e-5, rtol=0, err_msg=name)
