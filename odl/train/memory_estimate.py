@@ -511,12 +511,11 @@ def check_memory(
             estimate and the limit.
     """
     est = estimate_memory(config, device_type, ranks, ranks_on_host)
-    for spec in FeatureBuilder(config).table_specs:
-        if spec.dynamic is not None and spec.dynamic.disk_rows < 0:
-            logger.info("dynamic table %s keeps rows on disk without a bound "
-                        "(disk_tier.max_disk_rows 0): each costs about %d bytes of RAM for "
-                        "its slot in the tier's index, not counted here", spec.name,
-                        DISK_INDEX_BYTES_PER_ROW)
+    tier = config.train_config.disk_tier
+    if tier.dir and not tier.max_disk_rows:
+        logger.info("the dynamic tables keep rows on disk without a bound "
+                    "(disk_tier.max_disk_rows 0): each costs about %d bytes of RAM for its "
+                    "slot in the tier's index, not counted here", DISK_INDEX_BYTES_PER_ROW)
     logger.info("estimated memory: host %s, device %s (tables %s + %s state %s, dense %s%s)",
                 _gib(est.host_bytes), _gib(est.device_bytes), _gib(est.table_bytes),
                 est.sparse_kind, _gib(est.table_state_bytes), _gib(est.dense_bytes),

@@ -50,8 +50,7 @@ from odl.features.raw_id_index import RawIdIndex, grown_index_state
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CHANGES_FORMAT", "COUNTERS", "KEEP_FREE_BYTES", "DiskRows", "DiskTierFull",
-           "apply_disk_changes"]
+__all__ = ["CHANGES_FORMAT", "COUNTERS", "KEEP_FREE_BYTES", "DiskRows", "apply_disk_changes"]
 
 # an increment's changes of the rows on disk (a full state has no "format")
 CHANGES_FORMAT = "odl.disk_rows.changes/1"
@@ -67,10 +66,6 @@ _ROWS = "rows.f32"
 _MADV_PAGEOUT = 21
 # float32 words of the counters in a record
 _COUNTER_WORDS = 2 * len(COUNTERS)
-
-
-class DiskTierFull(Exception):
-    """The tier cannot take more rows (``max_rows``, or the disk's free space)."""
 
 
 class DiskRows:
