@@ -26,7 +26,11 @@ considered, and every shard is verified after the download. It then loads:
   "raw_id"``) has ``rows`` = its capacity; its ``live`` exported rows fill the first rows of
   its range and its raw ids (``ids-*.npy``, verified like the values) build a
   ``RawIdIndex`` (``ExportContents.dynamic``); a growing one's ``max_rows`` (the most it may
-  reach) is kept in ``ExportContents.max_rows``;
+  reach) is kept in ``ExportContents.max_rows``. With a disk tier
+  (``serving_plugin.serving_tier``) a dynamic table that may hold more ids than the tier's
+  ``ram_rows`` gets ``ram_rows`` rows plus staging rows instead, its parts fill RAM first
+  and the rest go to disk (``ExportContents.tiers``); its part files are read through a
+  memory map, a block at a time;
 * ``dense_model.pt`` -> the TorchScript dense part (eval mode).
 
 ``read_kafka_txt`` reads ``kafka.txt``: the delta topic and the offset from which replay
@@ -39,6 +43,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -63,6 +68,14 @@ from odl.storage import file_store
 from odl.storage.oss_store import StorageError
 from odl.storage.storage_path import is_remote, join
 from publisher.id_maps import IdMaps, read_id_maps
+from serving_plugin.serving_tier import (
+    STAGING_START_ROWS,
+    DiskTierSettings,
+    TierDirectory,
+    TierDirectoryError,
+    TieredTable,
+    tiered,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +168,10 @@ class ExportContents:
         dynamic: dynamic table name -> its raw id -> row index (rows of ``tables[name]``).
         max_rows: growing dynamic table -> the most rows it may reach (its manifest's
             ``max_rows``; ``serving_plugin.table_growth``).
+        tiers: dynamic table on the disk tier -> its two tiers (not in ``dynamic`` or
+            ``max_rows``; ``serving_plugin.serving_tier``).
+        tier_dir: the disk tier's directory, owned while the export is served (None: no
+            tier).
     """
 
     path: str
@@ -169,6 +186,8 @@ class ExportContents:
     outputs: tuple[str, ...]
     dynamic: dict[str, RawIdIndex] = field(default_factory=dict)
     max_rows: dict[str, int] = field(default_factory=dict)
+    tiers: dict[str, TieredTable] = field(default_factory=dict)
+    tier_dir: TierDirectory | None = None
 
 
 def pooled_inputs_of(signature: dict) -> tuple[PooledGroup, ...]:
@@ -198,12 +217,14 @@ def pooled_inputs_of(signature: dict) -> tuple[PooledGroup, ...]:
     )
 
 
-def read_export(export_dir: str, verify: bool = True) -> ExportContents:
+def read_export(export_dir: str, verify: bool = True,
+                disk_tier: DiskTierSettings | None = None) -> ExportContents:
     """Reads the newest complete export under ``export_dir`` (or ``export_dir`` itself).
 
     Args:
         export_dir: an export or a parent of exports.
         verify: check the embedding shards' sha256 against their manifest.
+        disk_tier: serve large dynamic tables from RAM and disk (module docstring).
 
     Returns:
         The export's contents.
@@ -245,20 +266,36 @@ def read_export(export_dir: str, verify: bool = True) -> ExportContents:
             raise ExportLoadError(f"cannot download embeddings {emb_dir}: {e}") from e
     elif not os.path.isabs(emb_dir):
         emb_dir = os.path.join(path, emb_dir)
-    tables, dynamic, max_rows = _load_tables(emb_dir, verify, groups)
-    dense = torch.jit.load(os.path.join(path, sig["dense_model"]), map_location="cpu")
+    tier_dir = None
+    if disk_tier is not None:
+        try:
+            tier_dir = TierDirectory(disk_tier.dir)
+        except (TierDirectoryError, OSError) as e:
+            raise ExportLoadError(str(e)) from e
+    try:
+        tables, dynamic, max_rows, tiers = _load_tables(emb_dir, verify, groups, disk_tier,
+                                                        tier_dir)
+        dense = torch.jit.load(os.path.join(path, sig["dense_model"]), map_location="cpu")
+    except BaseException:
+        if tier_dir is not None:
+            tier_dir.close()
+        raise
     dense.eval()
     return ExportContents(path, origin, sig, config, fb, id_maps, tables, dense, groups,
-                          outputs, dynamic, max_rows)
+                          outputs, dynamic, max_rows, tiers, tier_dir)
 
 
-def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...]) -> tuple[
-        dict[str, torch.Tensor], dict[str, RawIdIndex], dict[str, int]]:
+def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...],
+                 disk_tier: DiskTierSettings | None = None,
+                 tier_dir: TierDirectory | None = None) -> tuple[
+        dict[str, torch.Tensor], dict[str, RawIdIndex], dict[str, int],
+        dict[str, TieredTable]]:
     """Loads the shards (module docstring).
 
     Returns:
-        Table name -> float32 ``[rows, dim]`` tensor, dynamic table -> its id index, and
-        growing dynamic table -> the most rows it may reach.
+        Table name -> float32 ``[rows, dim]`` tensor, dynamic table -> its id index,
+        growing dynamic table -> the most rows it may reach, and dynamic table on the disk
+        tier -> its tiers.
     """
     try:
         with open(os.path.join(emb_dir, MANIFEST_FILE), encoding="utf-8") as f:
@@ -279,6 +316,12 @@ def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...]) ->
         if int(infos[t]["dim"]) != dim:
             raise ExportLoadError(f"table {t} has dim {infos[t]['dim']}, its pooled input "
                                   f"{groups[gi].name!r} reads {dim}")
+    # rows of each table's tensor: a tiered table's RAM rows and staging rows
+    alloc = {n: int(info["rows"]) for n, info in infos.items()}
+    for n, info in infos.items():
+        if info.get("keys") == "raw_id" and tiered(disk_tier, int(info["rows"]),
+                                                   int(info.get("max_rows", 0))):
+            alloc[n] = disk_tier.ram_rows + STAGING_START_ROWS
     tables: dict[str, torch.Tensor] = {}
     for key in sorted(set(group_of.values()) | {(-1, -1)}):
         names = [n for n in infos if group_of.get(n, (-1, -1)) == key]
@@ -287,14 +330,14 @@ def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...]) ->
         dims = {int(infos[n]["dim"]) for n in names}
         if len(dims) != 1:  # only tables no input reads (key (-1, -1)) can differ
             raise ExportLoadError(f"tables {names} of one lookup group have dims {dims}")
-        storage = torch.empty((sum(int(infos[n]["rows"]) for n in names), dims.pop()),
-                              dtype=torch.float32)
+        storage = torch.empty((sum(alloc[n] for n in names), dims.pop()), dtype=torch.float32)
         row = 0
         for n in names:
-            rows = int(infos[n]["rows"])
+            rows = alloc[n]
             tables[n] = storage[row : row + rows]
             row += rows
     dynamic: dict[str, RawIdIndex] = {}
+    tiers: dict[str, TieredTable] = {}
     max_rows = {name: int(info["max_rows"]) for name, info in infos.items()
                 if info.get("keys") == "raw_id" and "max_rows" in info}
     for name, info in infos.items():
@@ -302,6 +345,12 @@ def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...]) ->
         if info.get("dtype", "float32") != "float32":
             raise ExportLoadError(f"table {name}: dtype {info['dtype']} is not supported")
         w = tables[name]
+        if alloc[name] != rows and info.get("keys") == "raw_id":  # on the disk tier
+            assert disk_tier is not None and tier_dir is not None
+            most = max(rows, max_rows.pop(name, 0))
+            tiers[name] = TieredTable(tier_dir.table_dir(name), dim, disk_tier, most)
+            _load_tiered_parts(emb_dir, name, info, w, tiers[name], verify)
+            continue
         if info.get("keys", "row") == "raw_id":
             dynamic[name] = RawIdIndex(rows)
             _load_dynamic_parts(emb_dir, name, info, w, dynamic[name], verify)
@@ -322,7 +371,29 @@ def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...]) ->
             covered += n
         if covered != rows:
             raise ExportLoadError(f"table {name}: parts cover {covered} of {rows} rows")
-    return tables, dynamic, max_rows
+    return tables, dynamic, max_rows, tiers
+
+
+def _dynamic_parts(emb_dir: str, name: str, info: dict, dim: int,
+                   verify: bool) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """A dynamic table's parts, verified: ``(values, raw ids)`` memory-mapped, one at a time."""
+    for part in info["parts"]:
+        fp = os.path.join(emb_dir, name, part["file"])
+        ids_fp = os.path.join(emb_dir, name, str(part.get("ids_file", "")))
+        for f, digest in ((fp, part["sha256"]), (ids_fp, part.get("ids_sha256"))):
+            if not os.path.isfile(f):
+                raise ExportLoadError(f"table {name}: {f} is missing")
+            if verify and sha256_file(f) != digest:
+                raise ExportLoadError(f"table {name}: {f} does not match its sha256")
+        arr = np.load(fp, mmap_mode="r", allow_pickle=False)
+        ids = np.load(ids_fp, allow_pickle=False)
+        n = int(part["rows"])
+        if (arr.shape != (n, dim) or ids.shape != (n,) or ids.dtype != np.int64
+                or (n and int(ids.min()) < 0) or np.unique(ids).shape[0] != n):
+            raise ExportLoadError(f"table {name}: part {part['file']} has values {arr.shape} "
+                                  f"and ids {ids.shape} ({ids.dtype}), manifest says {n} "
+                                  "unique non-negative ids")
+        yield arr, ids
 
 
 def _load_dynamic_parts(emb_dir: str, name: str, info: dict, w: torch.Tensor,
@@ -332,25 +403,34 @@ def _load_dynamic_parts(emb_dir: str, name: str, info: dict, w: torch.Tensor,
     live = int(info.get("live", 0))
     if live > w.shape[0]:
         raise ExportLoadError(f"table {name}: {live} live rows in a table of {w.shape[0]}")
-    for part in info["parts"]:
-        fp = os.path.join(emb_dir, name, part["file"])
-        ids_fp = os.path.join(emb_dir, name, str(part.get("ids_file", "")))
-        for f, digest in ((fp, part["sha256"]), (ids_fp, part.get("ids_sha256"))):
-            if not os.path.isfile(f):
-                raise ExportLoadError(f"table {name}: {f} is missing")
-            if verify and sha256_file(f) != digest:
-                raise ExportLoadError(f"table {name}: {f} does not match its sha256")
-        arr = np.load(fp, allow_pickle=False)
-        ids = np.load(ids_fp, allow_pickle=False)
-        n = int(part["rows"])
-        if (arr.shape != (n, w.shape[1]) or ids.shape != (n,) or ids.dtype != np.int64
-                or (n and int(ids.min()) < 0) or np.unique(ids).shape[0] != n):
-            raise ExportLoadError(f"table {name}: part {part['file']} has values {arr.shape} "
-                                  f"and ids {ids.shape} ({ids.dtype}), manifest says {n} "
-                                  "unique non-negative ids")
-        if n > index.free or index.lookup(ids).max(initial=-1) >= 0:
+    for arr, ids in _dynamic_parts(emb_dir, name, info, w.shape[1], verify):
+        if ids.shape[0] > index.free or index.lookup(ids).max(initial=-1) >= 0:
             raise ExportLoadError(f"table {name}: parts hold more or repeated ids than fit")
         rows = index.insert(ids)
-        w[torch.from_numpy(rows)] = torch.from_numpy(arr.astype(np.float32, copy=False))
+        w[torch.from_numpy(rows)] = torch.from_numpy(np.array(arr, dtype=np.float32))
     if index.live != live:
         raise ExportLoadError(f"table {name}: parts hold {index.live} ids, manifest says {live}")
+
+
+# rows of a part copied at a time into a tiered table (bounds the load's extra memory)
+_LOAD_BLOCK_ROWS = 1 << 20
+
+
+def _load_tiered_parts(emb_dir: str, name: str, info: dict, w: torch.Tensor,
+                       tier: TieredTable, verify: bool) -> None:
+    """Fills a tiered table from its parts: RAM first, then disk (module docstring)."""
+    w.zero_()
+    live = int(info.get("live", 0))
+    if live > tier.most_rows:
+        raise ExportLoadError(f"table {name}: {live} live rows, the most it may hold "
+                              f"{tier.most_rows}")
+    for arr, ids in _dynamic_parts(emb_dir, name, info, w.shape[1], verify):
+        if tier.holds(ids).any():
+            raise ExportLoadError(f"table {name}: parts hold repeated ids")
+        for at in range(0, ids.shape[0], _LOAD_BLOCK_ROWS):
+            try:
+                tier.load(w, ids[at : at + _LOAD_BLOCK_ROWS], arr[at : at + _LOAD_BLOCK_ROWS])
+            except ValueError as e:
+                raise ExportLoadError(f"table {name}: {e}") from e
+    if tier.live != live:
+        raise ExportLoadError(f"table {name}: parts hold {tier.live} ids, manifest says {live}")

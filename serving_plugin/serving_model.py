@@ -4,14 +4,16 @@
 
 Prediction: per pooled input of the export (``serving_model.json``'s ``pooled_inputs``, the
 training model's ``pooled_layout``), one ``torch.nn.functional.embedding_bag`` over the ids
-of all its lookups (sum or mean pooling, as each table's combiner; ``_LookupGroup``) gives
+of all its lookups (sum or mean pooling, as each table's combiner;
+``serving_plugin.pooled_lookups``) gives
 the ``[B, n_lookups * dim]`` tensor training feeds the dense part; ``dense_model.pt`` - the
 training model's own dense module, scripted - maps those tensors and the raw dense features
 to logits, then ``odl.models.ctr_model.predictions`` (a sigmoid, or the logit itself for a
 regression output). There is no serving copy of the model's math.
 
 Updates: ``apply_version`` checks a whole ``DeltaVersion`` first (known table and variable
-ids, dims, shapes, row ids in range, room in dynamic tables) and only then copies it in under
+ids, dims, shapes, row ids in range, room in dynamic tables; under the model lock too when a
+table has a disk tier, whose check may grow its file) and only then copies it in under
 the model lock, so a version is applied completely or not at all, and a prediction never sees
 half a version. Dense variables are addressed by the names in ``DENSE_UPDATE_VARIABLES``,
 which are the parameter names inside ``dense_model.pt``.
@@ -23,6 +25,9 @@ dropped from its bag, exactly as the trainer drops an id it has not admitted, so
 contributes nothing (sum) and is not counted (mean). A version's deletes free rows first
 (zeroed), then its rows are written, new ids taking free rows. A growing dynamic table gets
 more rows first when a version's new ids need them (``serving_plugin.table_growth``).
+With a disk tier (``ServingModel.load(..., disk_tier=...)``) the large dynamic tables keep a
+bounded set of rows in RAM and the rest on disk; a batch's ids on disk are staged before its
+lookups and versions write both tiers (``serving_plugin.serving_tier``).
 """
 
 from __future__ import annotations
@@ -37,16 +42,17 @@ from typing import Any, Optional
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from odl.config.loss_settings import num_classes, regression_outputs
 from odl.features.batch import Batch
-from odl.features.raw_id_index import RawIdIndex, drop_unmapped
 from odl.models.ctr_model import predictions
 from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.protos import pipeline_pb2
+from odl.train.host_memory import release_freed_memory
 from publisher.delta_format import DeltaVersion
 from serving_plugin.export_reader import ExportContents, ExportLoadError, read_export
+from serving_plugin.pooled_lookups import PooledInput
+from serving_plugin.serving_tier import DiskTierSettings, RowLookup
 from serving_plugin.table_growth import grown_index, grown_tables, rows_for
 
 logger = logging.getLogger(__name__)
@@ -114,6 +120,8 @@ class ServingModel:
         self.tables = export.tables
         self.dynamic = export.dynamic
         self.max_rows = dict(export.max_rows)  # growing dynamic tables (table_growth)
+        self.tiers = export.tiers  # dynamic tables on the disk tier (serving_tier)
+        self.tier_dir = export.tier_dir
         self.dense_module = export.dense_module
         self.id_maps = export.id_maps
         self.lock = threading.Lock()
@@ -144,7 +152,10 @@ class ServingModel:
                                       "export does not have")
             t = self.tables[name]
             rows = self.max_rows.get(name, t.shape[0])  # a growing table: its most rows
-            if (rows, t.shape[1]) != (info.num_rows, info.dim) or t.shape[0] > rows:
+            if name in self.tiers:  # RAM and staging rows; the ids it may hold
+                rows = self.tiers[name].most_rows
+            if (rows, t.shape[1]) != (info.num_rows, info.dim) or (
+                    t.shape[0] > rows and name not in self.tiers):
                 raise ExportLoadError(f"table {name}: {tuple(t.shape)} exported, "
                                       f"{info.num_rows}x{info.dim} in embed_name_to_ids.txt")
         keys = self.feature_builder.sparse_feature_names
@@ -153,6 +164,10 @@ class ServingModel:
         self._num_keys = len(keys)
         self._lookups = [([(key_idx[f], t, pooling[t]) for f, t in g.lookups], g.dims)
                          for g in export.pooled_inputs]
+        # tiered table -> the keys of the batch that read it (staged before a forward)
+        self._tier_keys = {name: sorted({k for lookups, _d in self._lookups
+                                         for k, t, _p in lookups if t == name})
+                           for name in self.tiers}
         self._link_tables()
         gen = str(self.signature.get("generation", ""))
         self.state = AppliedState(version=int(self.signature.get("global_step", 0)),
@@ -162,7 +177,8 @@ class ServingModel:
         """The id maps' table ids and the lookup groups over ``tables`` (again after a growth)."""
         self._table_by_id: dict[int, tuple[str, torch.Tensor]] = {
             info.id: (name, self.tables[name]) for name, info in self.id_maps.tables.items()}
-        self._groups = [_PooledInput.build(lookups, dims, self.tables, self.dynamic)
+        rows_of: dict[str, RowLookup] = {**self.dynamic, **self.tiers}
+        self._groups = [PooledInput.build(lookups, dims, self.tables, rows_of)
                         for lookups, dims in self._lookups]
 
     def _grow_for(self, version: DeltaVersion) -> None:
@@ -188,23 +204,58 @@ class ServingModel:
         logger.info("dynamic tables grew: %s", ", ".join(f"{n} to {r:,} rows"
                                                            for n, r in grow.items()))
 
+    def _stage_disk_rows(self, values: torch.Tensor, counts: torch.Tensor,
+                         starts: torch.Tensor) -> None:
+        """Copies a batch's ids on disk into their tables' staging rows (serving_tier)."""
+        v = values.numpy()
+        cnt, st = counts.tolist(), starts.tolist()
+        grow: dict[str, int] = {}
+        for name, tier in self.tiers.items():
+            keys = self._tier_keys[name]
+            ids = np.concatenate([v[st[k] : st[k] + cnt[k]] for k in keys]) if keys else v[:0]
+            need = tier.stage(ids)
+            rows = self.tables[name].shape[0]
+            if tier.ram_rows + need > rows:
+                while tier.ram_rows + need > rows:
+                    rows = tier.ram_rows + 2 * (rows - tier.ram_rows)
+                grow[name] = rows
+        if grow:
+            self.tables = grown_tables(self.tables, grow)
+            self._link_tables()
+        for name, tier in self.tiers.items():
+            tier.fill_staged(self.tables[name])
+
+    def close(self) -> None:
+        """Releases the disk tier's directory (the model serves no more)."""
+        if self.tier_dir is not None:
+            self.tier_dir.close()
+
     @classmethod
-    def load(cls, export_dir: str, verify: bool = True) -> ServingModel:
+    def load(cls, export_dir: str, verify: bool = True,
+             disk_tier: Optional[DiskTierSettings] = None) -> ServingModel:
         """Loads the newest complete export under ``export_dir`` (or ``export_dir`` itself).
 
         Args:
             export_dir: an export or a parent of exports.
             verify: check the embedding shards' sha256 against their manifest.
+            disk_tier: serve the large dynamic tables from RAM and disk
+                (``serving_plugin.serving_tier``).
 
         Returns:
             The model.
 
         Raises:
-            ExportLoadError: missing or inconsistent files.
+            ExportLoadError: missing or inconsistent files, or a tier directory in use.
         """
         t0 = time.monotonic()
-        export = read_export(export_dir, verify=verify)
-        model = cls(export)
+        export = read_export(export_dir, verify=verify, disk_tier=disk_tier)
+        try:
+            model = cls(export)
+        except BaseException:
+            if export.tier_dir is not None:
+                export.tier_dir.close()
+            raise
+        release_freed_memory()  # the load's temporary copies (part files, sorted ids)
         logger.info("loaded export %s (step %s, %d tables, %.1f MB) in %.2fs", export.origin,
                     export.signature.get("global_step"), len(export.tables),
                     sum(t.numel() * 4 for t in export.tables.values()) / 1e6,
@@ -300,16 +351,24 @@ class ServingModel:
         counts = lengths.sum(dim=1)
         starts = torch.cumsum(counts, 0) - counts
         weights = kjt.weights_or_none()  # weighted tags: per-value weights, tables sum-pooled
+        if self.tiers:
+            self._stage_disk_rows(values, counts, starts)
         pooled = [g.pooled(values, lengths, counts, starts, b, weights) for g in self._groups]
         return self.dense_module(*pooled, batch.dense)
 
     # -- updates ----------------------------------------------------------------------------
 
     def dynamic_status(self) -> dict[str, dict[str, int]]:
-        """Dynamic table -> ``{"capacity", "live_rows"}`` (a growing one adds ``max_rows``)."""
-        return {n: {"capacity": ix.capacity, "live_rows": ix.live,
-                    **({"max_rows": self.max_rows[n]} if n in self.max_rows else {})}
-                for n, ix in self.dynamic.items()}
+        """Dynamic table -> ``{"capacity", "live_rows"}`` and more.
+
+        A growing table adds ``max_rows``; one on the disk tier has its tiers' figures
+        (``TieredTable.status``).
+        """
+        out = {n: {"capacity": ix.capacity, "live_rows": ix.live,
+                   **({"max_rows": self.max_rows[n]} if n in self.max_rows else {})}
+               for n, ix in self.dynamic.items()}
+        out.update({n: tier.status() for n, tier in self.tiers.items()})
+        return out
 
     def _check_version(self, version: DeltaVersion) -> list[tuple[torch.Tensor, Any, Any]]:
         """Validates a whole version; returns the copy plan (nothing is modified).
@@ -322,7 +381,7 @@ class ServingModel:
             entry = self._table_by_id.get(int(tid))
             if entry is None:
                 raise DeltaApplyError("unknown_table_id", f"table id {tid}")
-            if entry[0] not in self.dynamic:
+            if entry[0] not in self.dynamic and entry[0] not in self.tiers:
                 raise DeltaApplyError("not_dynamic", f"deletes for fixed table {entry[0]}")
         for vid, arr in version.dense.items():
             entry = self._dense_by_id.get(int(vid))
@@ -342,11 +401,15 @@ class ServingModel:
                 raise DeltaApplyError("dim", f"table {name}: rows {tuple(vals.shape)}, table "
                                              f"dim {t.shape[1]}")
             index = self.dynamic.get(name)
-            if index is not None:
+            if index is not None or name in self.tiers:
                 gone = version.deletes.get(tid, np.empty(0, dtype=np.int64))
-                present = index.lookup(ids)
-                new = int(((present < 0) | np.isin(ids, gone)).sum())
-                room = index.free + int((index.lookup(gone) >= 0).sum())
+                if index is None:
+                    new, room = self.tiers[name].room_for(np.asarray(ids, dtype=np.int64),
+                                                          np.asarray(gone, dtype=np.int64))
+                else:
+                    present = index.lookup(ids)
+                    new = int(((present < 0) | np.isin(ids, gone)).sum())
+                    room = index.free + int((index.lookup(gone) >= 0).sum())
                 if new > room:
                     raise DeltaApplyError("capacity", f"table {name}: {new} new ids, "
                                                       f"{room} free rows")
@@ -376,18 +439,29 @@ class ServingModel:
         t0 = time.perf_counter()
         if self.max_rows:  # growing tables: rows for the version's new ids first
             self._grow_for(version)
-        plan = self._check_version(version)
+        if self.tiers:  # a tier's check may grow its file, which its lookups read
+            with self.lock:
+                plan = self._check_version(version)
+        else:
+            plan = self._check_version(version)
         rows = 0
         names = self.id_maps.table_names()
         with self.lock:
             for tid, gone in version.deletes.items():
                 name = names[int(tid)]
+                if name in self.tiers:
+                    self.tiers[name].delete(self.tables[name], gone)
+                    continue
                 freed = self.dynamic[name].remove_ids(gone)
                 if freed.shape[0]:
                     self.tables[name].index_fill_(0, torch.from_numpy(freed), 0.0)
             for t, ids, vals in plan:
                 if ids is None:
                     t.copy_(vals.to(t.dtype))
+                    continue
+                if isinstance(ids, tuple) and ids[1] in self.tiers:
+                    self.tiers[ids[1]].write(t, ids[2], vals)
+                    rows += int(ids[2].shape[0])
                     continue
                 if isinstance(ids, tuple):
                     index = self.dynamic[ids[1]]
@@ -413,145 +487,3 @@ class ServingModel:
             st.last_header = h
         self.state.apply_seconds += time.perf_counter() - t0
         return rows
-
-
-@dataclass
-class _PooledInput:
-    """One pooled input of the dense part: a ``_LookupGroup`` per lookup width.
-
-    A pooled input whose lookups share one width is one group; one of mixed widths (tables
-    of different dims, concatenated) is one group per width, their columns put back in the
-    input's lookup order by ``order``.
-    """
-
-    parts: list[_LookupGroup]
-    order: Optional[torch.Tensor]  # columns of cat(parts) in lookup order (None: as they are)
-
-    @classmethod
-    def build(cls, lookups: list[tuple[int, str, str]], dims: Sequence[int],
-              tables: dict[str, torch.Tensor],
-              dynamic: Optional[dict[str, RawIdIndex]] = None) -> _PooledInput:
-        widths = sorted(set(dims))
-        if len(widths) <= 1:
-            return cls([_LookupGroup.build(lookups, tables, widths[0] if widths else 0,
-                                           dynamic)], None)
-        parts, starts = [], {}
-        col = 0
-        for w in widths:
-            idx = [i for i, d in enumerate(dims) if d == w]
-            parts.append(_LookupGroup.build([lookups[i] for i in idx], tables, w, dynamic))
-            for i in idx:
-                starts[i] = col
-                col += w
-        order = [c for i, d in enumerate(dims) for c in range(starts[i], starts[i] + d)]
-        return cls(parts, torch.tensor(order, dtype=torch.int64))
-
-    def pooled(self, values: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
-               starts: torch.Tensor, b: int,
-               value_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[B, input width]`` pooled vectors of this input, in lookup order."""
-        outs = [p.pooled(values, lengths, counts, starts, b, value_weights)
-                for p in self.parts]
-        if self.order is None:
-            return outs[0]
-        return torch.cat(outs, dim=1).index_select(1, self.order)
-
-
-@dataclass
-class _LookupGroup:
-    """Lookups (deep or wide) answered by one ``embedding_bag`` over their shared storage.
-
-    Bags are ordered lookup-major (lookup j's B bags, then lookup j+1's); the result is
-    reshaped to ``[B, n_lookups * dim]`` in lookup order, the trainer's pooled layout.
-    Mean-pooled lookups use per-value weights ``1 / bag length`` (sum-pooled: no weights,
-    so the arithmetic is exactly a per-feature sum); a weighted batch's own per-value weights
-    (weighted tags; its tables are all sum-pooled) multiply them.
-    """
-
-    keys: torch.Tensor          # [n] KJT key index per lookup
-    row_offsets: torch.Tensor   # [n] first storage row of each lookup's table
-    is_mean: torch.Tensor       # [n] bool
-    any_mean: bool
-    storage: Optional[torch.Tensor]
-    dim: int
-    indexes: tuple[Optional[RawIdIndex], ...] = ()  # per lookup: its dynamic table's index
-
-    @classmethod
-    def build(cls, lookups: list[tuple[int, str, str]], tables: dict[str, torch.Tensor],
-              dim: int, dynamic: Optional[dict[str, RawIdIndex]] = None) -> _LookupGroup:
-        storage = None
-        offs = []
-        for _k, t, _m in lookups:
-            w = tables[t]
-            base = w._base if w._base is not None else w  # noqa: SLF001 - view's storage
-            if storage is None:
-                storage = base
-            elif base is not storage:
-                raise ExportLoadError("tables of one lookup group must share a storage")
-            offs.append(w.storage_offset() // max(1, w.shape[1]))
-        return cls(
-            keys=torch.tensor([k for k, _t, _m in lookups], dtype=torch.int64),
-            row_offsets=torch.tensor(offs, dtype=torch.int64),
-            is_mean=torch.tensor([m == "mean" for _k, _t, m in lookups], dtype=torch.bool),
-            any_mean=any(m == "mean" for _k, _t, m in lookups),
-            storage=storage,
-            dim=dim,
-            indexes=tuple((dynamic or {}).get(t) for _k, t, _m in lookups),
-        )
-
-    def pooled(self, values: torch.Tensor, lengths: torch.Tensor, counts: torch.Tensor,
-               starts: torch.Tensor, b: int,
-               value_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``[B, n_lookups * dim]`` pooled vectors of this group.
-
-        ``value_weights`` (a weighted batch's per-value weights, aligned with ``values``)
-        multiply each value's row.
-        """
-        n = int(self.keys.shape[0])
-        if n == 0 or self.storage is None:
-            return torch.zeros((b, 0), dtype=torch.float32)
-        bag_len = lengths.index_select(0, self.keys)              # [n, B]
-        cnt = counts.index_select(0, self.keys)                   # [n]
-        total = int(cnt.sum())
-        which = torch.repeat_interleave(torch.arange(n), cnt)     # lookup of each value
-        out_start = torch.cumsum(cnt, 0) - cnt
-        src = (torch.arange(total) - out_start.index_select(0, which)
-               + starts.index_select(0, self.keys).index_select(0, which))
-        vals = values.index_select(0, src)
-        flat_len = bag_len.reshape(-1)
-        own = value_weights.index_select(0, src) if value_weights is not None else None
-        if any(ix is not None for ix in self.indexes):
-            if own is not None:
-                raise ExportLoadError("weighted tags with dynamic tables are not supported")
-            vals, which, flat_len = self._map_raw_ids(vals, which, flat_len)
-            total = int(vals.shape[0])
-        ids = vals + self.row_offsets.index_select(0, which)
-        offsets = torch.cumsum(flat_len, 0) - flat_len
-        weights = None
-        if self.any_mean:
-            bag_of_value = torch.repeat_interleave(torch.arange(n * b), flat_len)
-            inv = 1.0 / flat_len.clamp(min=1).to(torch.float32)
-            weights = torch.where(self.is_mean.index_select(0, which),
-                                  inv.index_select(0, bag_of_value), torch.ones(total))
-        if own is not None:
-            weights = own.to(torch.float32) if weights is None else weights * own
-        out = F.embedding_bag(ids, self.storage, offsets, mode="sum",
-                              per_sample_weights=weights)
-        return out.view(n, b, self.dim).transpose(0, 1).reshape(b, n * self.dim)
-
-    def _map_raw_ids(self, vals: torch.Tensor, which: torch.Tensor,
-                     flat_len: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Raw ids of dynamic lookups -> rows; ids without a row leave their bags."""
-        v = vals.numpy().copy()
-        w = which.numpy()
-        keep = np.ones(v.shape[0], dtype=bool)
-        for j, index in enumerate(self.indexes):
-            if index is None:
-                continue
-            sel = np.flatnonzero(w == j)
-            rows = index.lookup(v[sel])
-            v[sel] = rows
-            keep[sel] = rows >= 0
-        kept, lengths = drop_unmapped(v, flat_len.numpy(), keep)
-        return (torch.from_numpy(kept), torch.from_numpy(w[keep]),
-                torch.from_numpy(np.ascontiguousarray(lengths)))

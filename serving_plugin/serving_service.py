@@ -74,6 +74,7 @@ from serving_plugin.predict_limits import (
 from serving_plugin.serving_dashboard import HISTORY_INTERVAL_S, SERVING_LAYOUT, history_point
 from serving_plugin.serving_metrics import ServingMetrics
 from serving_plugin.serving_model import ServingModel
+from serving_plugin.serving_tier import DiskTierSettings
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class ServingService:
         delta_after_day: the base's day (``YYYYMMDD``); default: from the export's path
             (``<root>/<day>/base/...``).
         delta_poll_secs: seconds between two looks for new delta directories.
+        disk_tier: serve the large dynamic tables from RAM and local disk
+            (``serving_plugin.serving_tier``; None: every row in RAM).
     """
 
     def __init__(
@@ -108,11 +111,12 @@ class ServingService:
         delta_dir: str = "",
         delta_after_day: str = "",
         delta_poll_secs: float = 5.0,
+        disk_tier: Optional[DiskTierSettings] = None,
     ) -> None:
         self.started = time.time()
         self.limits = limits or PredictLimits()
         self.metrics = ServingMetrics()
-        self.model = ServingModel.load(export_dir, verify=verify)
+        self.model = ServingModel.load(export_dir, verify=verify, disk_tier=disk_tier)
         self.input_fields: list[str] = self.model.feature_builder.parser.field_names
         self.metrics.version.set(self.model.state.version)
         self.source = read_kafka_txt(self.model.path)
@@ -174,6 +178,7 @@ class ServingService:
             self.replayer.stop()
         if self.follower is not None:
             self.follower.stop()
+        self.model.close()
 
     def status(self) -> dict[str, Any]:
         """The /status document."""

@@ -1,5 +1,6 @@
 """Dynamic embedding tables: admission, eviction by each policy, reset of evicted rows, exact
-restore, deletes published and applied by serving, parity through evictions, crash recovery.
+restore, deletes published and applied by serving (also from RAM and disk), parity through
+evictions, crash recovery.
 """
 
 from __future__ import annotations
@@ -33,7 +34,10 @@ from publisher.id_maps import write_id_maps
 from publisher.publisher_factory import dense_variable_shapes, published_table_dims
 from publisher.version_assembler import VersionAssembler
 from publisher.version_snapshot import ParameterSnapshotter
-from serving_plugin.serving_model import ServingModel
+from serving_plugin import export_reader
+from serving_plugin.export_reader import ExportLoadError
+from serving_plugin.serving_model import DeltaApplyError, ServingModel
+from serving_plugin.serving_tier import DiskTierSettings
 
 CONFIG = """
 data_config {
@@ -336,7 +340,8 @@ def test_restore_is_exact_and_evicted_rows_are_reset():
 class _Run:
     """A trainer with a tracker and snapshotter, and a serving model replaying its versions."""
 
-    def __init__(self, tmp_path, warm_steps: int = 6, partitions: int = 1) -> None:
+    def __init__(self, tmp_path, warm_steps: int = 6, partitions: int = 1,
+                 tier: DiskTierSettings | None = None) -> None:
         self.cfg = _config(str(tmp_path / "model_dir"))
         self.cfg.train_config.dynamic_index_partitions = partitions
         self.fb = FeatureBuilder(self.cfg)
@@ -355,6 +360,9 @@ class _Run:
             {"source": "kafka", "topic": "s"}, config_to_text(self.cfg), generation="g")
         self.export = export_checkpoint(self.cfg, ckpt, str(tmp_path / "export"))
         self.serving = ServingModel.load(str(tmp_path / "export"))
+        # the same export served from RAM and disk, given the same versions
+        self.tiered = (ServingModel.load(str(tmp_path / "export"), disk_tier=tier)
+                       if tier else None)
         self.assembler = VersionAssembler()
         self.versions = []
 
@@ -366,6 +374,8 @@ class _Run:
         for c in chunks:
             version = self.assembler.add(decode_chunk(c))
         self.serving.apply_version(version)
+        if self.tiered is not None:
+            self.tiered.apply_version(version)
         self.chunks = getattr(self, "chunks", []) + chunks
 
     def max_diff(self, seed: int) -> float:
@@ -488,3 +498,96 @@ def test_show_and_click_fields_count_like_paddlerec_slots():
     err = _refused(text_format.Parse(bad, pipeline_pb2.EasyRecConfig()))
     assert err.field == "feature_config.features[3].ctr_accessor_param.click_field"
     assert "numeric" in err.message
+
+
+# --------------------------------------------------------------------------- serving's disk tier
+
+
+def _held_ids(model: ServingModel, table: str) -> tuple[np.ndarray, np.ndarray]:
+    """(ids in RAM, ids on disk) of a table of a serving model (all in RAM: none on disk)."""
+    if table in model.tiers:
+        tier = model.tiers[table]
+        ram = tier.ram.row_ids[tier.ram.row_ids >= 0]
+        return np.sort(ram), np.sort(tier.disk.ids())
+    index = model.dynamic[table]
+    return np.sort(index.row_ids[index.row_ids >= 0]), np.empty(0, dtype=np.int64)
+
+
+def test_serving_from_ram_and_disk_predicts_bit_for_bit(tmp_path, monkeypatch):
+    """Serving with 8 rows a table in RAM and the rest on disk holds the ids the all-RAM
+    serving holds, through versions that update, add and delete rows in both tiers, and
+    predicts exactly what it predicts; batches with more ids on disk than staging rows grow
+    the staging rows."""
+    monkeypatch.setattr(export_reader, "STAGING_START_ROWS", 4)
+    run = _Run(tmp_path, tier=DiskTierSettings(str(tmp_path / "serve_tier"), ram_rows=8))
+    tiered = run.tiered
+    assert set(tiered.tiers) == {"user", "user_wide", "item", "item_wide"}  # cat: fixed
+    for k in range(12):  # one small step a version: some rows in RAM are not in it
+        run.tm.train_step(run.fb.build(_records(12, 100 + k)).batch)
+        run.publish()
+        batch = _records(200, 700 + k)
+        want = run.serving.predict_batch(run.fb.build(batch).batch)
+        got = tiered.predict_batch(run.fb.build(batch).batch)
+        assert np.array_equal(got, want), k
+        assert float(np.abs(run.tm.predict(run.fb.build(batch).batch) - got).max()) <= 1e-6
+        for table in tiered.tiers:
+            ram, disk = _held_ids(tiered, table)
+            assert ram.shape[0] <= 8 and np.intersect1d(ram, disk).shape[0] == 0
+            assert np.array_equal(np.sort(np.concatenate([ram, disk])),
+                                  _held_ids(run.serving, table)[0]), (k, table)
+    status = tiered.dynamic_status()
+    deleted = sum(len(v) for snap in run.versions for v in snap.deletes.values())
+    assert deleted > 0
+    for table in ("user", "item"):
+        st = status[table]
+        assert st["ram_live"] == 8 and st["disk_rows"] > 0, st
+        assert st["to_disk"] > 0 and st["from_disk"] > 0 and st["disk_reads"] > 0, st
+        assert st["live_rows"] == run.serving.dynamic_status()[table]["live_rows"]
+        assert tiered.tables[table].shape[0] > 8 + 4  # the staging rows grew
+    tiered.close()
+
+
+def test_serving_tier_refuses_what_does_not_fit_and_a_directory_it_does_not_own(tmp_path):
+    """A version with more new ids than the two tiers hold is refused whole; an export
+    larger than them is refused at load; one odl-serve owns a tier directory, and a
+    directory with other files is not emptied."""
+    run = _Run(tmp_path)
+    export = str(tmp_path / "export")
+    live = max(st["live_rows"] for st in run.serving.dynamic_status().values())
+    small = DiskTierSettings(str(tmp_path / "small"), ram_rows=4, max_disk_rows=live - 6)
+    with pytest.raises(ExportLoadError, match="no room"):
+        ServingModel.load(export, disk_tier=small)
+    tier = DiskTierSettings(str(tmp_path / "tier"), ram_rows=4, max_disk_rows=live + 2)
+    model = ServingModel.load(export, disk_tier=tier)
+    with pytest.raises(ExportLoadError, match="in use"):
+        ServingModel.load(export, disk_tier=tier)
+    _train(run.tm, run.fb, range(40, 43))
+    snap = run.snaps.take(run.tm.global_step, {}, dense=True, sparse=True)
+    tid = run.maps.tables["item"].id
+    ids, vals = snap.sparse[tid]
+    room = model.dynamic_status()["item"]["capacity"] - model.dynamic_status()["item"][
+        "live_rows"] + len(snap.deletes.get(tid, ()))  # the version's deletes free rows
+    fresh = np.arange(room + 1, dtype=np.int64) + (1 << 40)  # ids the table never held
+    snap.sparse[tid] = (np.concatenate([ids, fresh]),
+                        np.concatenate([vals, np.ones((fresh.shape[0], vals.shape[1]),
+                                                      dtype=vals.dtype)]))
+    version = None
+    for c in encode_version(snap.header("m", "g"), snap.dense, snap.sparse,
+                            deletes=snap.deletes):
+        version = run.assembler.add(decode_chunk(c))
+    batch = _records(100, 5)
+    before = model.predict_batch(run.fb.build(batch).batch)
+    status = model.dynamic_status()
+    with pytest.raises(DeltaApplyError) as err:
+        model.apply_version(version)
+    assert err.value.reason == "capacity"
+    assert model.dynamic_status() == status  # nothing written
+    assert np.array_equal(model.predict_batch(run.fb.build(batch).batch), before)
+    model.close()
+    ServingModel.load(export, disk_tier=tier).close()  # free again once closed
+    foreign = tmp_path / "trainer_tier"
+    foreign.mkdir()
+    (foreign / "rows.f32").write_bytes(b"x")
+    with pytest.raises(ExportLoadError, match="did not write"):
+        ServingModel.load(export, disk_tier=DiskTierSettings(str(foreign), ram_rows=4))
+    assert (foreign / "rows.f32").read_bytes() == b"x"

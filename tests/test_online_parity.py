@@ -25,6 +25,7 @@ from odl.harness.topic_records import produce
 from odl.kafka.topic_admin import end_offsets
 from publisher.fs_sink import list_versions
 from serving_plugin.serving_service import ServingService
+from serving_plugin.serving_tier import DiskTierSettings
 from tests.harness import as_model, run_in_process, write_config
 
 PARTS = 3
@@ -77,17 +78,24 @@ def _train_with_publishing(tmp_path, bootstrap, topic_factory, incr: str, n: int
 
 
 def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool = True,
-                          tolerance: float = 1e-6, records_model: str = ""):
-    """Serving (an early export + replay) predicts what the trainer predicts, every output."""
+                          tolerance: float = 1e-6, records_model: str = "",
+                          disk_tier: DiskTierSettings | None = None,
+                          served_out: list | None = None, stream_seed: int = 99):
+    """Serving (an early export + replay) predicts what the trainer predicts, every output.
+
+    ``disk_tier``: serve from RAM and disk; ``served_out`` gets the served outputs;
+    ``stream_seed``: the requests' stream (99: ids the trainer never saw; 41: its records).
+    """
     model_dir = trainer.model_dir
     final_step = trainer.module.global_step
     ckpts = list_checkpoints(model_dir)
     early = ckpts[0]  # a checkpoint well before the final step
     assert read_checkpoint(early).global_step < final_step
     config = load_pipeline_config(cfg)
-    export = export_checkpoint(config, early, str(tmp_path / "export"))
-    assert os.path.dirname(export.path) == str(tmp_path / "export")
-    service = ServingService(str(tmp_path / "export"))
+    if not os.path.isdir(tmp_path / "export"):
+        export = export_checkpoint(config, early, str(tmp_path / "export"))
+        assert os.path.dirname(export.path) == str(tmp_path / "export")
+    service = ServingService(str(tmp_path / "export"), disk_tier=disk_tier)
     port = service.start("127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -99,7 +107,7 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
                 break
             time.sleep(0.2)
         assert status.get("version") == final_step, status
-        stream = SyntheticCtrStream(seed=99)
+        stream = SyntheticCtrStream(seed=stream_seed)
         sample = stream.next_batch(1000)
         outputs = trainer.module.model.output_names
         records = records_for_model(records_model or trainer.config.model_config.model_class,
@@ -110,6 +118,8 @@ def _check_serving_parity(tmp_path, trainer, cfg, bootstrap, serving_kafka: bool
         built = FeatureBuilder(config).build(records)
         expected = trainer.module.predict(built.batch).reshape(len(records), -1)
         got = np.stack([served["outputs"][n] for n in outputs], axis=1)
+        if served_out is not None:
+            served_out.append(got)
         assert served["probabilities"] == served["outputs"][outputs[0]]
         diff = float(np.abs(got - expected).max())
         assert diff <= tolerance, diff
@@ -273,11 +283,24 @@ def test_dynamic_tables_replay_matches_trainer_predictions(
         assert f'odl_dynamic_table_{key}{{table="C1"}}' in metrics, key
     assert sum(t["evicted"] for t in tables.values()) > 0  # full tables evicted
     assert sum(t["rejected"] for t in tables.values()) > 0  # ids seen once got no row
-    status, _ = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)
+    served: list = []  # requests of trained records: their ids have rows
+    status, _ = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap,
+                                      served_out=served, stream_seed=41)
     assert status["versions_applied"] >= 2
     for name, st in status["dynamic_tables"].items():
         base = name[: -len("_wide")] if name.endswith("_wide") else name
         assert st["live_rows"] == tables[base]["live_rows"], name
+    # the same export and versions served with 16 rows a table in RAM, the rest on disk:
+    # the same predictions, bit for bit (the requests read hundreds of rows on disk)
+    tier = DiskTierSettings(str(tmp_path / "serve_tier"), ram_rows=16)
+    tiered, _ = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap, disk_tier=tier,
+                                      served_out=served, stream_seed=41)
+    assert np.array_equal(served[0], served[1])
+    assert tiered["versions_applied"] == status["versions_applied"]
+    for name, st in tiered["dynamic_tables"].items():
+        assert st["live_rows"] == status["dynamic_tables"][name]["live_rows"], name
+        assert st["ram_live"] <= 16 and st["ram_live"] + st["disk_rows"] == st["live_rows"]
+    assert sum(st["disk_rows"] for st in tiered["dynamic_tables"].values()) > 100
 
 
 def test_chunked_fp16_versions_replay_within_tolerance(

@@ -265,7 +265,7 @@ def test_generation_change_offset_and_restart(trained, tmp_path, kafka_topic_fac
 
 def test_grouped_lookup_matches_per_feature_embedding_bag():
     """One embedding_bag per group == per-feature sum / mean pooling (empty bags included)."""
-    from serving_plugin.serving_model import _LookupGroup
+    from serving_plugin.pooled_lookups import LookupGroup
 
     gen = torch.Generator().manual_seed(0)
     storage = torch.randn(70, 4, generator=gen)
@@ -278,7 +278,7 @@ def test_grouped_lookup_matches_per_feature_embedding_bag():
     hi = [30, 40, 40]
     values = torch.cat([torch.randint(0, hi[k], (int(counts[k]),), generator=gen)
                         for k in range(3)])
-    group = _LookupGroup.build(lookups, tables, 4)
+    group = LookupGroup.build(lookups, tables, 4)
     got = group.pooled(values, lengths, counts, starts, b)
     want = []
     for k, t, mode in lookups:
@@ -289,8 +289,9 @@ def test_grouped_lookup_matches_per_feature_embedding_bag():
 
 
 @pytest.mark.slow
-def test_serve_cli(trained, tmp_path):
-    """odl-serve: exit 2 without an export; serves, answers, and stops cleanly on SIGTERM."""
+def test_serve_cli(trained, tmp_path, capsys):
+    """odl-serve: exit 2 without an export or with a bad disk tier option; serves (with a
+    disk tier directory), answers, and stops cleanly on SIGTERM."""
     import signal
     import subprocess
     import sys
@@ -299,8 +300,13 @@ def test_serve_cli(trained, tmp_path):
 
     assert serve_cli.main(["--export_dir", str(tmp_path / "none"), "--port", "0"]) == 2
     export_root = os.path.dirname(_export(trained, tmp_path))
+    tier = str(tmp_path / "tier")
+    assert serve_cli.main(["--export_dir", export_root, "--disk_tier_dir", tier,
+                           "--ram_rows", "0"]) == 2
+    assert "--ram_rows must be > 0" in capsys.readouterr().err
     proc = subprocess.Popen(
-        [sys.executable, "-m", "odl.cli.serve_cli", "--export_dir", export_root, "--port", "0"],
+        [sys.executable, "-m", "odl.cli.serve_cli", "--export_dir", export_root, "--port", "0",
+         "--disk_tier_dir", tier, "--ram_rows", "4"],
         stderr=subprocess.PIPE, text=True)
     try:
         port = None
@@ -311,6 +317,7 @@ def test_serve_cli(trained, tmp_path):
         assert port, "odl-serve did not start"
         code, out = _predict(port, trained.records(1, 3)[0])
         assert code == 200 and len(out["probabilities"]) == 1
+        assert os.path.isfile(os.path.join(tier, "ODL_SERVING_DISK_TIER"))  # owned while served
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:

@@ -5,13 +5,17 @@ Examples::
     odl-serve --export_dir exports --port 8500
     odl-serve --export_dir exports/1767225600 --no_replay
     odl-serve --export_dir saves/20261124/base --delta_dir saves
+    odl-serve --export_dir exports --disk_tier_dir /data/odl-serve-tier --ram_rows 4000000
 
 Loads the newest complete export under ``--export_dir`` (see ``odl.export.exporter``),
 replays the delta topic from ``kafka.txt``'s offset (or, with ``--delta_dir``, a file
 stream's day/pass deltas after the base's day), and answers ``POST /predict``,
 ``GET /status``, ``GET /healthz`` and ``GET /metrics`` (see ``serving_plugin``). Runs until
-SIGTERM / SIGINT. Exit codes: 0 clean stop; 2 bad command line (a bad ``/predict`` limit,
-an unusable ``--auth_token_file``) or no usable export.
+SIGTERM / SIGINT. With ``--disk_tier_dir`` every dynamic table that may hold more than
+``--ram_rows`` ids keeps that many rows in RAM and the rest on local disk
+(``serving_plugin.serving_tier``). Exit codes: 0 clean stop; 2 bad command line (a bad
+``/predict`` limit or disk tier option, an unusable ``--auth_token_file``), no usable export,
+or a disk tier directory in use.
 """
 
 from __future__ import annotations
@@ -79,6 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--torch_threads", type=int, default=0,
         help="torch intra-op threads; 0 = half of the CPUs (leaves room for input and I/O)",
     )
+    p.add_argument("--disk_tier_dir", default="",
+                   help="serve dynamic tables larger than --ram_rows from RAM and this local "
+                        "directory (scratch, rebuilt from the export at start; one odl-serve "
+                        "per directory); default: every row in RAM")
+    p.add_argument("--ram_rows", type=int, default=1 << 20,
+                   help="with --disk_tier_dir: rows each such table keeps in RAM (default "
+                        "1048576); the others are on disk")
+    p.add_argument("--max_disk_rows", type=int, default=0,
+                   help="with --disk_tier_dir: the most rows of one table on disk (default 0: "
+                        "while the disk keeps 1 GiB free)")
     add_oss_arguments(p)
     p.add_argument("--log_level", default="INFO")
     return p
@@ -109,12 +123,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     from serving_plugin.export_reader import ExportLoadError
     from serving_plugin.predict_limits import PredictLimits
     from serving_plugin.serving_service import ServingService
+    from serving_plugin.serving_tier import DiskTierSettings
 
     try:
         limits = PredictLimits(max_body_bytes=args.max_body_bytes,
                                max_inflight_requests=args.max_inflight_requests,
                                max_inflight_bytes=args.max_inflight_bytes,
                                body_timeout_s=args.body_timeout_s)
+        disk_tier = (DiskTierSettings(args.disk_tier_dir, args.ram_rows, args.max_disk_rows)
+                     if args.disk_tier_dir else None)
     except ValueError as exc:
         print(f"odl-serve: {exc}", file=sys.stderr)
         return 2
@@ -126,7 +143,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                  fetch_interval_ms=max(0, args.fetch_interval_ms),
                                  limits=limits, delta_dir=args.delta_dir,
                                  delta_after_day=args.delta_after_day,
-                                 delta_poll_secs=max(0.1, args.delta_poll_secs))
+                                 delta_poll_secs=max(0.1, args.delta_poll_secs),
+                                 disk_tier=disk_tier)
     except (ExportLoadError, ConfigError) as exc:
         print(f"odl-serve: {exc}", file=sys.stderr)
         return 2

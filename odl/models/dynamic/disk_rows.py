@@ -13,6 +13,7 @@ of dropping it (:class:`DiskRows`). A row on disk is one *slot*, a record of the
   had stayed.
 
 Values and counters of a row share a record, so a move touches one page of the map a row.
+Serving's tier (``serving_plugin.serving_tier``) keeps values only (``counters=False``).
 
 Which id holds which slot is a ``RawIdIndex`` in RAM (about 32 bytes a slot: the cost of a
 row on disk in RAM). The file grows by doubling, up to ``max_rows`` slots and while the disk
@@ -77,16 +78,19 @@ class DiskRows:
         max_rows: the most rows on disk (0: bounded by the disk's free space only).
         columns: TorchRec table -> the first column of its weights in a row (saved with
             the rows, for ``odl-export``).
+        counters: keep the ``COUNTERS`` in each record (False: values only; ``reserve``
+            then takes no counters).
     """
 
     def __init__(self, path: str, width: int, max_rows: int = 0,
-                 columns: Mapping[str, int] | None = None) -> None:
+                 columns: Mapping[str, int] | None = None, counters: bool = True) -> None:
         if width < 1:
             raise ValueError(f"a disk row needs at least one value, got width {width}")
         self.path = path
         self.width = int(width)
         self.columns = {str(k): int(v) for k, v in (columns or {}).items()}
         self.max_rows = int(max_rows)
+        self._counter_words = _COUNTER_WORDS if counters else 0
         if os.path.isdir(path):
             shutil.rmtree(path)
         os.makedirs(path)
@@ -102,7 +106,7 @@ class DiskRows:
     def _map(self) -> np.memmap:
         """The file at the index's slots (extended: the slots it had are kept)."""
         fp = os.path.join(self.path, _ROWS)
-        rows, words = self.index.capacity, self.width + _COUNTER_WORDS
+        rows, words = self.index.capacity, self.width + self._counter_words
         with open(fp, "ab") as f:
             f.truncate(rows * words * 4)
         return np.memmap(fp, dtype=np.float32, mode="r+", shape=(rows, words))
@@ -154,8 +158,8 @@ class DiskRows:
 
     # -- changes ----------------------------------------------------------------------------
 
-    def reserve(self, ids: np.ndarray, counters: np.ndarray) -> np.ndarray:
-        """Gives ``ids`` (unique, not on disk) slots and writes their counters.
+    def reserve(self, ids: np.ndarray, counters: np.ndarray | None = None) -> np.ndarray:
+        """Gives ``ids`` (unique, not on disk) slots and writes their counters (if kept).
 
         Returns:
             Their slots; ``-1`` for the ids past the tier's bound (the first ids get slots).
@@ -164,11 +168,12 @@ class DiskRows:
         out = np.full(ids.shape[0], -1, dtype=np.int64)
         if not ids.shape[0]:
             return out
-        n = self._make_room(ids.shape[0])
+        n = self.make_room(ids.shape[0])
         if n:
             out[:n] = self.index.insert(ids[:n])
-            self._rows[out[:n], self.width:] = np.ascontiguousarray(
-                counters[:n], dtype=np.float64).view(np.float32)
+            if self._counter_words:
+                self._rows[out[:n], self.width:] = np.ascontiguousarray(
+                    counters[:n], dtype=np.float64).view(np.float32)
             self._changed[out[:n]] = True
         return out
 
@@ -191,7 +196,7 @@ class DiskRows:
         self._changed[freed] = True
         return int(freed.shape[0])
 
-    def _make_room(self, n: int) -> int:
+    def make_room(self, n: int) -> int:
         """Grows the file so that ``n`` more rows fit, if allowed; returns how many fit."""
         need = self.index.live + n
         if self.max_rows:
@@ -202,12 +207,13 @@ class DiskRows:
         if self.max_rows:
             rows = min(rows, self.max_rows)
         if rows > self.index.capacity:
-            extra = (rows - self.index.capacity) * (self.width + _COUNTER_WORDS) * 4
+            extra = (rows - self.index.capacity) * (self.width + self._counter_words) * 4
             if shutil.disk_usage(self.path).free - extra < KEEP_FREE_BYTES:
                 if not self._full_logged:
-                    logger.warning("disk tier %s: the disk keeps less than %d GiB free; rows "
-                                   "that leave RAM beyond its %d slots are dropped",
-                                   self.path, KEEP_FREE_BYTES >> 30, self.index.capacity)
+                    logger.warning("disk tier %s: the disk keeps less than %d GiB free; the "
+                                   "tier stays at %d slots (a row that finds none is not "
+                                   "kept)", self.path, KEEP_FREE_BYTES >> 30,
+                                   self.index.capacity)
                     self._full_logged = True
             else:
                 self._grow(rows)
