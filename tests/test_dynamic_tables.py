@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from odl.config.dynamic_table_config import DynamicTableSpec
 from odl.export.exporter import export_checkpoint
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.raw_id_index import RawIdIndex
+from odl.models.dynamic import disk_rows
 from odl.models.dynamic.dynamic_table import DynamicTable
 from odl.models.embedding_tables import DEEP_INIT_STD
 from odl.models.model_registry import check_pipeline_config
@@ -376,6 +378,7 @@ class _Run:
         self.serving.apply_version(version)
         if self.tiered is not None:
             self.tiered.apply_version(version)
+        self.applied = getattr(self, "applied", []) + [version]
         self.chunks = getattr(self, "chunks", []) + chunks
 
     def max_diff(self, seed: int) -> float:
@@ -591,3 +594,40 @@ def test_serving_tier_refuses_what_does_not_fit_and_a_directory_it_does_not_own(
     with pytest.raises(ExportLoadError, match="did not write"):
         ServingModel.load(export, disk_tier=DiskTierSettings(str(foreign), ram_rows=4))
     assert (foreign / "rows.f32").read_bytes() == b"x"
+
+
+def test_serving_tier_predictions_during_versions_see_whole_versions(tmp_path, monkeypatch):
+    """Predictions made while versions are applied to a tiered model (its disk file growing
+    meanwhile) each equal the all-RAM model's prediction at the version they report."""
+    monkeypatch.setattr(disk_rows, "_START_SLOTS", 2)  # the tier's file doubles often
+    run = _Run(tmp_path)
+    requests = [run.fb.build(_records(60, 900 + i)).batch for i in range(3)]
+    want = {run.serving.state.version: [run.serving.predict_batch(b) for b in requests]}
+    for k in range(10):
+        run.tm.train_step(run.fb.build(_records(12, 300 + k)).batch)
+        run.publish()
+        want[run.serving.state.version] = [run.serving.predict_batch(b) for b in requests]
+    tiered = ServingModel.load(run.export.path,
+                               disk_tier=DiskTierSettings(str(tmp_path / "tier"), ram_rows=6))
+    done = threading.Event()
+    seen: list[tuple[int, int, np.ndarray]] = []
+
+    def predict() -> None:
+        while not done.is_set():
+            for i, b in enumerate(requests):
+                probs, version, _ = tiered.predict_versioned(b)
+                seen.append((i, version, probs))
+
+    reader = threading.Thread(target=predict)
+    reader.start()
+    try:
+        for version in run.applied:
+            tiered.apply_version(version)
+    finally:
+        done.set()
+        reader.join()
+    assert tiered.tiers["item"].disk.index.capacity >= 16  # grown while read
+    assert len({v for _i, v, _p in seen}) >= 2  # predictions fell between versions
+    for i, version, probs in seen:
+        assert np.array_equal(probs, want[version][i]), (i, version)
+    tiered.close()
