@@ -224,6 +224,7 @@ def test_export_publishing_and_serving_see_one_table(tmp_path):
     ram, disk = _tiers(tm, "item")
     assert serving.dynamic_status()["item"]["live_rows"] == len(ram) + len(disk)
     assembler = VersionAssembler()
+    moved_by_predictions = 0
     for k in range(6):  # each version: steps that move trained rows out before it is taken
         for s in range(3):
             tm.train_step(fb.build(_records(BATCH, 100 + 3 * k + s)).batch)
@@ -233,10 +234,17 @@ def test_export_publishing_and_serving_see_one_table(tmp_path):
                                 max_chunk_bytes=4096, deletes=snap.deletes):
             version = assembler.add(decode_chunk(c))
         serving.apply_version(version)
-        b = fb.build(_records(BATCH, 100 + 3 * k)).batch  # trained ids, some on disk now
-        tm.dynamic_rows.remap(b)  # the batch's ids back in RAM, values unchanged
-        assert float(np.abs(tm.predict(b) - serving.predict_batch(b)).max()) <= 1e-6, k
-    assert tm.dynamic_status()["item"]["to_disk"] > 30
+        records = _records(BATCH, 100 + 3 * k)  # trained ids, some on disk now
+        item = tm.dynamic.tables["item"]
+        ids = np.unique(fb.build(records).batch.sparse["item"].values().numpy())
+        on_disk = int((item.disk.slots(ids) >= 0).sum())
+        back = item.counters.from_disk
+        got = tm.predict(fb.build(records).batch)  # its ids on disk come back to RAM first
+        assert item.counters.from_disk - back == on_disk, k
+        want = serving.predict_batch(fb.build(records).batch)
+        assert float(np.abs(got - want).max()) <= 1e-6, k
+        moved_by_predictions += on_disk
+    assert tm.dynamic_status()["item"]["to_disk"] > 30 and moved_by_predictions > 0
     ram, disk = _tiers(tm, "item")  # a republish (the broker lost versions): both tiers
     republished = snaps.take(tm.global_step, {}, dense=True, sparse=True, republish_all=True)
     sent = republished.sparse[maps.tables["item"].id][0]
@@ -302,8 +310,7 @@ def test_a_trainer_on_the_broker_moves_rows_restarts_and_serves_exactly_once(
     serving = ServingModel.load(str(tmp_path / "export"))
     fb = FeatureBuilder(config)
     for at in range(0, 160, 8):  # trained records, a few at a time: their ids fit in RAM
-        batch = fb.build(values[at:at + 8]).batch
-        last.module.dynamic_rows.remap(batch)
+        batch = fb.build(values[at:at + 8]).batch  # (its ids on disk come back to RAM)
         got = serving.predict_batch(fb.build(values[at:at + 8]).batch)
         assert float(np.abs(last.module.predict(batch) - got).max()) <= 1e-6, at
 

@@ -536,14 +536,18 @@ class TrainModule:
     def predict(self, batch: Batch) -> np.ndarray:
         """Predictions (float64 ``[B]``) in eval mode; no update (dynamic tables: no admission).
 
+        Ids on a disk tier come back to RAM first, their values unchanged, as for a step.
         With several ranks a collective: every rank calls it, those with nothing to predict
         with ``empty_batch()``; each gets its own batch's predictions (the batches are padded
         to the largest, as in ``train_step``).
         """
         if self.dynamic and self.world_size > 1 and self.dynamic.partitions > 1:
             batch = self.dynamic_rows.remap_ranks(batch, admit=False)[0]  # ids of every partition
-        elif self.dynamic:
-            batch = self.dynamic.remap(batch, self.global_step, time.time(), admit=False).batch
+        elif self.dynamic:  # ids on a disk tier come back to RAM, their values unchanged
+            remapped = self.dynamic.remap(batch, self.global_step, time.time(), admit=False)
+            if remapped.evicted or self.dynamic_rows.disk_tier:
+                self.dynamic_rows.reset(remapped.evicted, self.global_step)
+            batch = remapped.batch
         batch = batch.to(self.device)
         self._dmp.eval()
         try:

@@ -280,6 +280,35 @@ class DynamicTable:
             self.counters.rejected += int(u.shape[0] - want.shape[0])
         return evicted
 
+    def bring_back(self, ids: np.ndarray, rows: np.ndarray, step: int) -> np.ndarray:
+        """A prediction's lookups: ids on disk whose ``rows`` are -1 come back to RAM.
+
+        No admission and no counting (a prediction learns nothing); the rows that make room
+        move to disk as for a training step's admissions. ``rows`` is filled in.
+
+        Returns:
+            The rows that left RAM to make room.
+        """
+        miss = rows < 0
+        if self.tier is None or not miss.any():
+            return np.empty(0, dtype=np.int64)
+        u, inv = np.unique(ids[miss], return_inverse=True)
+        slot_u = self.tier.slots(u)
+        want = np.flatnonzero(slot_u >= 0)
+        evicted = np.empty(0, dtype=np.int64)
+        if not want.shape[0]:
+            return evicted
+        short = want.shape[0] - self.index.free
+        if short > 0:
+            evicted = self._evict_for_room(short, rows[~miss], step)
+            want = want[: self.index.free]
+        new_rows = self.index.insert(u[want])
+        self.tier.move_in(self, u[want], new_rows, slot_u[want])
+        row_of_u = np.full(u.shape[0], -1, dtype=np.int64)
+        row_of_u[want] = new_rows
+        rows[miss] = row_of_u[inv]
+        return evicted
+
     def count_used(self, rows: np.ndarray, clicks: np.ndarray, step: int, now: float,
                    shows: Optional[np.ndarray] = None) -> None:
         """Counts show / click of the rows used (step 4, per table) and the stream time.

@@ -167,7 +167,8 @@ class DynamicTables:
             batch: a batch as the feature builder made it (CPU tensors).
             step: the step being trained (training) or the current step.
             now: stream time (unix seconds).
-            admit: admit, evict and count (a training step) or only look up (prediction).
+            admit: admit, evict and count (a training step) or only look up (prediction;
+                ids on a disk tier come back to RAM, moving others out).
 
         Returns:
             The remapped batch and the rows evicted per table.
@@ -258,6 +259,15 @@ class DynamicTables:
             for p, at in picks.items():
                 self._parts[p].count_sightings(local[p], member if at is None else member[at],
                                                step, now)
+        elif found.owner is None:  # a prediction: ids on a disk tier come back to RAM
+            for j, (name, _k) in enumerate(self._plan):
+                table = self._parts[0].tables[name]
+                t_rows = local[0][seg[j]:seg[j + 1]]  # a view: bring_back fills it in
+                if table.tier is not None and (t_rows < 0).any():
+                    ev = table.bring_back(ids[seg[j]:seg[j + 1]], t_rows, step)
+                    if ev.shape[0]:
+                        lo = int(self._first_row[0][self._member[name]])
+                        evicted.setdefault(name, []).append(ev + lo)
         if found.owner is None:
             rows = local[0]
         else:
