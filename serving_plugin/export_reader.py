@@ -317,11 +317,10 @@ def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...],
             raise ExportLoadError(f"table {t} has dim {infos[t]['dim']}, its pooled input "
                                   f"{groups[gi].name!r} reads {dim}")
     # rows of each table's tensor: a tiered table's RAM rows and staging rows
-    alloc = {n: int(info["rows"]) for n, info in infos.items()}
-    for n, info in infos.items():
-        if info.get("keys") == "raw_id" and tiered(disk_tier, int(info["rows"]),
-                                                   int(info.get("max_rows", 0))):
-            alloc[n] = disk_tier.ram_rows + STAGING_START_ROWS
+    on_tier = {n for n, info in infos.items() if info.get("keys") == "raw_id" and tiered(
+        disk_tier, int(info["rows"]), int(info.get("max_rows", 0)))}
+    alloc = {n: (disk_tier.ram_rows + STAGING_START_ROWS if n in on_tier and disk_tier
+                 else int(info["rows"])) for n, info in infos.items()}
     tables: dict[str, torch.Tensor] = {}
     for key in sorted(set(group_of.values()) | {(-1, -1)}):
         names = [n for n in infos if group_of.get(n, (-1, -1)) == key]
@@ -345,7 +344,7 @@ def _load_tables(emb_dir: str, verify: bool, groups: tuple[PooledGroup, ...],
         if info.get("dtype", "float32") != "float32":
             raise ExportLoadError(f"table {name}: dtype {info['dtype']} is not supported")
         w = tables[name]
-        if alloc[name] != rows and info.get("keys") == "raw_id":  # on the disk tier
+        if name in on_tier:
             assert disk_tier is not None and tier_dir is not None
             most = max(rows, max_rows.pop(name, 0))
             tiers[name] = TieredTable(tier_dir.table_dir(name), dim, disk_tier, most)

@@ -214,11 +214,11 @@ class ServingModel:
             keys = self._tier_keys[name]
             ids = np.concatenate([v[st[k] : st[k] + cnt[k]] for k in keys]) if keys else v[:0]
             need = tier.stage(ids)
-            rows = self.tables[name].shape[0]
-            if tier.ram_rows + need > rows:
-                while tier.ram_rows + need > rows:
-                    rows = tier.ram_rows + 2 * (rows - tier.ram_rows)
-                grow[name] = rows
+            staging = self.tables[name].shape[0] - tier.ram_rows
+            if need > staging:  # the staging rows double until the batch's rows fit
+                while need > staging:
+                    staging = 2 * max(1, staging)
+                grow[name] = tier.ram_rows + staging
         if grow:
             self.tables = grown_tables(self.tables, grow)
             self._link_tables()
