@@ -23,8 +23,8 @@ the stream's hot ids: the versions bring the hot ids to RAM as the run goes. Req
 dense part; the request's parsing is the same in both arms and not counted), p50 / p99 per
 request, and rows/s of the version applies. ``--cold-every K`` hands the tier file's pages
 back to the kernel every K requests (``MADV_PAGEOUT``; not timed), as for a tier larger than
-the page cache. Memory after the run: anonymous (the process's own) and the tier's mapped
-file pages.
+the page cache. Memory after the run: anonymous (the process's own, with the tiers' slot
+indexes, also printed alone) and the tier's mapped file pages.
 
     .venv/bin/python bench/serving_tier.py [--ids 10000000] [--ram-rows N/8] [--dim 16]
         [--requests 3000] [--warmup 500] [--request-records 64] [--version-every 20]
@@ -135,7 +135,9 @@ def one_arm(args: argparse.Namespace, arm: str, export: str) -> dict:
            **memory_mb()}
     if tier is not None:
         st = model.dynamic_status()["uid"]
+        index = sum(model.dynamic_status()[n]["disk_index_bytes"] for n in model.tiers)
         out.update(ram_live=st["ram_live"], disk_rows=st["disk_rows"],
+                   disk_index_mb=index >> 20,  # the tiers' indexes, every tiered table
                    disk_reads_per_request=round(st["disk_reads"] / args.requests, 1),
                    to_disk=st["to_disk"], from_disk=st["from_disk"])
     model.close()

@@ -7,7 +7,7 @@ than ``N`` ids (its export's ``rows`` or ``max_rows``) from two tiers (:class:`T
   tier;
 * **disk**: every other row, values only, in ``DIR/<table>/rows.f32``
   (``odl.models.dynamic.disk_rows.DiskRows``: a memory-mapped file of fixed-width records
-  whose slot index stays in RAM, about 32 bytes a row on disk).
+  whose slot index stays in RAM: 32 bytes a slot, 32-64 bytes a row on disk).
 
 **Prediction reads rows on disk and never moves them.** Before a batch's lookups the batch's
 distinct ids that are on disk are copied into *staging rows* that follow the table's ``N``
