@@ -15,7 +15,6 @@ import torch
 from google.protobuf import text_format
 
 from odl.features.feature_builder import FeatureBuilder
-from odl.harness.spawned_ranks import run_ranks
 from odl.models.dynamic.partitions import partition_of
 from odl.train.distributed import agree, check_several_ranks
 from odl.train.rank_publishing import RankPublishing
@@ -144,7 +143,7 @@ def _publishing_rank(rank: int, world: int, model_dir: str, steps: list,
 
 
 @pytest.mark.parametrize("partitions", [1, 2])
-def test_two_ranks_publish_dynamic_tables_as_one_process(tmp_path, partitions):
+def test_two_ranks_publish_dynamic_tables_as_one_process(ranks, tmp_path, partitions):
     """Delta versions of a model with dynamic tables from two ranks: the same versions as one
     process's on the same records, rows under the raw ids they hold (the union of both
     ranks' touched rows, named by rank 0's whole index, or, split by id, by the rank whose
@@ -153,7 +152,7 @@ def test_two_ranks_publish_dynamic_tables_as_one_process(tmp_path, partitions):
     records = _records(16 * GLOBAL, seed=6)
     steps = [records[k:k + GLOBAL] for k in range(0, len(records), GLOBAL)]
     two_dir, one_dir = str(tmp_path / "two"), str(tmp_path / "one")
-    run_ranks(_publishing_rank, 2, 2, two_dir, steps, partitions)
+    ranks.run(_publishing_rank, 2, two_dir, steps, partitions)
     config = _publishing_config(one_dir, GLOBAL, partitions)
     fb = FeatureBuilder(config)
     one = TrainModule(config, fb, device="cpu")

@@ -19,7 +19,6 @@ from odl.checkpoint.checkpoint_manager import list_checkpoints, read_checkpoint
 from odl.config.pipeline_config import load_pipeline_config
 from odl.features.feature_builder import FeatureBuilder
 from odl.harness.exactly_once_audit import ledger_sample_ids, reflected_exactly_once
-from odl.harness.spawned_ranks import run_ranks
 from odl.harness.topic_records import make_records
 from odl.train.sample_ledger import read_ledger
 from odl.train.train_module import TrainModule
@@ -137,10 +136,18 @@ def _slow_reader_rank(rank: int, world: int, text: str, slow_rank: int,
     batch (its reading went another way); returns what it trained and, on rank 0, the
     model."""
     import odl.train.trainer as trainer_module
+
+    leave = trainer_module.leave_process_group
+    trainer_module.leave_process_group = lambda: None  # the harness leaves the group itself
+    try:
+        return _slow_reader_run(rank, text, slow_rank, loses)
+    finally:  # (a RankPool rank runs other tasks after this one)
+        trainer_module.leave_process_group = leave
+
+
+def _slow_reader_run(rank: int, text: str, slow_rank: int, loses: int) -> dict:
     from odl.config.pipeline_config import parse_pipeline_config_text
     from odl.train.trainer import Trainer, TrainerOptions
-
-    trainer_module.leave_process_group = lambda: None  # the harness leaves the group itself
 
     class SlowReader(Trainer):
         def _open_input(self, restored_positions):
@@ -176,7 +183,7 @@ def _slow_reader_rank(rank: int, world: int, text: str, slow_rank: int,
 
 
 @pytest.mark.slow
-def test_file_stream_ranks_wait_for_a_slow_reader_and_end_passes_together(tmp_path):
+def test_file_stream_ranks_wait_for_a_slow_reader_and_end_passes_together(ranks, tmp_path):
     """Two ranks on a file stream, one of them a slow reader: the fast rank holds its batch
     of each group until the slow one has its own, so both train every group at the same
     step and close every pass together; the model is that of one process with twice the
@@ -194,7 +201,7 @@ def test_file_stream_ranks_wait_for_a_slow_reader_and_end_passes_together(tmp_pa
     one = Trainer(parse_pipeline_config_text(one_text),
                   TrainerOptions(online=True, device="cpu", status_port=-1))
     assert one.run() == 0
-    got = run_ranks(_slow_reader_rank, 2, 2, text, 1)
+    got = ranks.run(_slow_reader_rank, 2, text, 1)
     assert got[0]["samples"] + got[1]["samples"] == one.samples_trained == len(ids)
     assert got[0]["step"] == got[1]["step"] == one.module.global_step
     assert got[0]["positions"] == got[1]["positions"] == one.positions
@@ -207,7 +214,7 @@ def test_file_stream_ranks_wait_for_a_slow_reader_and_end_passes_together(tmp_pa
                                    err_msg=name)
 
 
-def test_file_stream_ranks_that_read_different_records_stop_untrained(tmp_path):
+def test_file_stream_ranks_that_read_different_records_stop_untrained(ranks, tmp_path):
     """A rank whose reading went another way (here: one of its batches lost) holds another
     group than the others: the ranks stop with exit code 1 naming it, without training the
     mismatched step, so a restart resumes from the last checkpoint."""
@@ -216,8 +223,8 @@ def test_file_stream_ranks_that_read_different_records_stop_untrained(tmp_path):
 
     data = tmp_path / "data"
     _write_two_days(data)
-    got = run_ranks(_slow_reader_rank, 2, 2, stream_config(tmp_path, str(data), "20261125"),
-                    1, 3)
+    got = ranks.run(_slow_reader_rank, 2, stream_config(tmp_path, str(data), "20261125"), 1,
+                    3)
     for r in (0, 1):
         assert got[r]["code"] == 1 and "different records" in got[r]["failure"], got[r]
         assert got[r]["step"] == 2  # the two groups before the lost batch

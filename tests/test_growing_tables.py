@@ -6,7 +6,9 @@ memory check counts their start rows and reports the rows they can reach.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -381,12 +383,29 @@ def test_warm_start_from_a_grown_checkpoint():
     assert np.array_equal(warm.predict(batch), tm.predict(batch))
 
 
+@contextlib.contextmanager
+def _rank_cap() -> Iterator[None]:
+    """``CAP`` as the growing tables' cap in a rank process (not monkeypatched there), put
+    back when the rank's task ends: a ``RankPool`` rank runs other tasks after it."""
+    before = dynamic_table_config.EV_DEFAULT_MAX_CAPACITY
+    dynamic_table_config.EV_DEFAULT_MAX_CAPACITY = CAP
+    try:
+        yield
+    finally:
+        dynamic_table_config.EV_DEFAULT_MAX_CAPACITY = before
+
+
 def _growing_rank(rank: int, world: int, steps: list, sparse: str, start: str = "",
                   partitions: int = 1) -> dict:
     """One of ``world`` ranks training ``steps`` (each rank its share of every step) on the
     growing config with its tables split by rows, from the state saved at ``start`` when
     given; rank 0 returns the gathered state."""
-    dynamic_table_config.EV_DEFAULT_MAX_CAPACITY = CAP  # (a spawned rank: not monkeypatched)
+    with _rank_cap():
+        return _grow_steps(rank, world, steps, sparse, start, partitions)
+
+
+def _grow_steps(rank: int, world: int, steps: list, sparse: str, start: str,
+                partitions: int) -> dict:
     cfg = _config(sparse, partitions=partitions)
     cfg.data_config.batch_size = 32 // world
     fb = FeatureBuilder(cfg)
@@ -415,18 +434,16 @@ def _growing_rank(rank: int, world: int, steps: list, sparse: str, start: str = 
 @pytest.mark.parametrize("sparse, partitions", [
     ("adagrad_optimizer { lr: 0.1 }", 1), ("adam_optimizer { lr: 0.01 }", 1),
     ("adagrad_optimizer { lr: 0.1 }", 2)], ids=["fused", "row_sparse", "split_by_id"])
-def test_two_ranks_grow_as_one_process(sparse, partitions):
+def test_two_ranks_grow_as_one_process(ranks, sparse, partitions):
     """Two ranks, the growing table split by rows between them: they double at the steps one
     process does, each rank's rows move to the rank that holds them after the growth, and
     predictions, tables, optimizer state and index equal one process's on the same records.
     Split by id each rank holds one partition (its index and its block of rows): the ranks
     agree on each growth and every partition's rows move within its rank."""
-    from odl.harness.spawned_ranks import run_ranks
-
     steps = [_records(32, s, 200) for s in range(12)]
     one = _growing_rank(0, 1, steps, sparse, "", partitions)
     assert one["events"] == [{"item": (16, 32)}, {"item": (32, 64)}, {"item": (64, CAP)}]
-    got = run_ranks(_growing_rank, 2, 2, steps, sparse, "", partitions)
+    got = ranks.run(_growing_rank, 2, steps, sparse, "", partitions)
     assert got[0]["events"] == got[1]["events"] == one["events"]
     assert got[0]["rows"] == one["rows"]
     if partitions == 1:
@@ -445,11 +462,9 @@ def test_two_ranks_grow_as_one_process(sparse, partitions):
         np.testing.assert_allclose(got[0]["sparse"][name], t, atol=1e-5, rtol=0, err_msg=name)
 
 
-def test_a_grown_checkpoint_restores_into_two_ranks(tmp_path):
+def test_a_grown_checkpoint_restores_into_two_ranks(ranks, tmp_path):
     """A checkpoint of a table grown in one process restores into two ranks (they build it
     at its rows) and they continue as one process does."""
-    from odl.harness.spawned_ranks import run_ranks
-
     cfg = _config()
     fb = FeatureBuilder(cfg)
     tm = TrainModule(cfg, fb, device="cpu")
@@ -459,7 +474,7 @@ def test_a_grown_checkpoint_restores_into_two_ranks(tmp_path):
     torch.save(tm.state_dict_for_checkpoint(), start)
     steps = [_records(32, s, 200) for s in range(6, 10)]
     one = _growing_rank(0, 1, steps, "adagrad_optimizer { lr: 0.1 }", start)
-    got = run_ranks(_growing_rank, 2, 2, steps, "adagrad_optimizer { lr: 0.1 }", start)
+    got = ranks.run(_growing_rank, 2, steps, "adagrad_optimizer { lr: 0.1 }", start)
     assert got[0]["rows"] == one["rows"] and got[0]["status"] == one["status"]
     for name, t in one["tables"].items():
         np.testing.assert_allclose(got[0]["tables"][name], t, atol=1e-5, rtol=0, err_msg=name)
@@ -491,7 +506,11 @@ def test_a_table_grown_split_by_id_restores_into_another_partition_count():
 def _recovering_rank(rank: int, world: int, partitions: int) -> dict:
     """One of ``world`` ranks training two steps, then growing to hold 40 replayed ids
     (crash recovery's ``grow_to_hold``); rank 0 returns the gathered state."""
-    dynamic_table_config.EV_DEFAULT_MAX_CAPACITY = CAP  # (a spawned rank: not monkeypatched)
+    with _rank_cap():
+        return _recover_steps(rank, world, partitions)
+
+
+def _recover_steps(rank: int, world: int, partitions: int) -> dict:
     cfg = _config(partitions=partitions)
     cfg.data_config.batch_size = 32 // world
     fb = FeatureBuilder(cfg)
@@ -508,14 +527,12 @@ def _recovering_rank(rank: int, world: int, partitions: int) -> dict:
 
 
 @PARTITIONS
-def test_two_ranks_grow_to_hold_replayed_ids_as_one_process(partitions):
+def test_two_ranks_grow_to_hold_replayed_ids_as_one_process(ranks, partitions):
     """Crash recovery's growth with two ranks (the ids agreed, the rows moved across or
     within the ranks) ends at one process's rows and tables."""
-    from odl.harness.spawned_ranks import run_ranks
-
     one = _recovering_rank(0, 1, partitions)
     assert one["grown"] is not None and one["rows"] > 16
-    got = run_ranks(_recovering_rank, 2, 2, partitions)
+    got = ranks.run(_recovering_rank, 2, partitions)
     assert got[0]["grown"] == got[1]["grown"] == one["grown"]
     assert got[0]["rows"] == one["rows"]
     for name, t in one["tables"].items():

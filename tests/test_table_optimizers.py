@@ -521,21 +521,20 @@ def _rank_tables(rank: int, world: int, model_dir: str, schedule: list, optimize
 @pytest.mark.parametrize("optimizer", [
     "ftrl_optimizer", tzrec_tables("partial_rowwise_lamb_optimizer", "weight_decay: 0.01")],
     ids=["ftrl", "partial_rowwise_lamb"])
-def test_two_ranks_train_row_sparse_tables_as_one_process(tmp_path, optimizer: str) -> None:
+def test_two_ranks_train_row_sparse_tables_as_one_process(ranks, tmp_path,
+                                                          optimizer: str) -> None:
     """Tables split by rows (4096-row id tables) and whole on one rank: each rank updates
     the rows it holds and keeps their state (partial row-wise LAMB: a second moment of one
     column per row); the gathered tables and state are one process's."""
     from odl.datagen.bursty_stream import BurstyStream
-    from odl.harness.spawned_ranks import run_ranks
-
     batch, world = 256, 2
     records = BurstyStream(seed=5).next_batch(4 * batch).encode("csv")
     schedule = [[records[k + r * batch // world:k + (r + 1) * batch // world]
                  for r in range(world)] for k in range(0, len(records), batch)]
     one = _rank_tables(0, 1, str(tmp_path / "one"), [[sum(s, [])] for s in schedule],
                        optimizer, 2048)
-    got = run_ranks(_rank_tables, world, world, str(tmp_path / "m"), schedule, optimizer,
-                    2048, timeout=600.0)  # a loaded machine
+    got = ranks.run(_rank_tables, world, str(tmp_path / "m"), schedule, optimizer, 2048,
+                    timeout=600.0)  # a loaded machine
     assert set(got[0]) == set(one) and got[1] == {}
     assert any("/" in k for k in one)
     for name, t in one.items():
