@@ -90,6 +90,7 @@ LOADS = {
     "easyrec/mmoe_census_income.config",
     "easyrec/esmm_on_taobao.config",
     "easyrec/esmm_on_sequence_feature_taobao.config",
+    "easyrec/esmm_variational_dropout_on_taobao.config",
     "easyrec/ple_on_taobao.config",
     "easyrec/ple_on_sequence_feature_taobao.config",
     "torcheasyrec/ple_taobao.config",

@@ -101,7 +101,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "autoint", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat",
         "simple_multi_task", "rocket_launching", "kd",
-        "restore_filters", "variational_dropout", "backbone",
+        "restore_filters", "backbone",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet",
         "rank_model", "dlrm_hstu",
     }),

@@ -30,6 +30,7 @@ Loss (EasyRec's ``esmm.py``), over every sample of the batch::
 conversion label the CVR tower's.
 
 Parameter names: ``dense.groups.<g>.*`` (a group's DNN; with sequences ``0.*`` their blocks,
+``1.*`` the DNN; with ``model_config.variational_dropout`` ``0.logit_p`` its probabilities,
 ``1.*`` the DNN), ``dense.heads.<t>.dnn.*``, ``dense.heads.<t>.out.*`` (t = 0: CVR, 1: CTR).
 
 This module has no ``from __future__ import annotations``: TorchScript reads the dense
@@ -54,6 +55,7 @@ from odl.models.building_blocks import GroupSequences, SequenceBlock, build_opti
 from odl.models.ctr_losses import embedding_l2, linear_kernel_l2
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
+from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.models.multi_task_models import TaskHead, multi_task_group
@@ -84,6 +86,8 @@ class ESMMDense(nn.Module):
         cvr_regression: the CVR tower is a regression (``L2_LOSS``).
         sequences: per group, the ``GroupSequences`` combining its sequences (their lookups
             end its lookups, their lengths end its dense columns), or None.
+        dropouts: per group, its ``FeatureDropout`` (``model_config.variational_dropout``,
+            applied to the group's input before its DNN) or None.
 
     Raises:
         ValueError: a group with no input.
@@ -95,7 +99,8 @@ class ESMMDense(nn.Module):
 
     def __init__(self, groups: Sequence[tuple[int, Sequence[int], Optional[pipeline_pb2.DNN]]],
                  towers: Sequence[Optional[pipeline_pb2.DNN]], cvr_regression: bool,
-                 sequences: "Sequence[GroupSequences | None] | None" = None) -> None:
+                 sequences: "Sequence[GroupSequences | None] | None" = None,
+                 dropouts: "Sequence[FeatureDropout | None] | None" = None) -> None:
         super().__init__()
         self.cvr_regression = bool(cvr_regression)
         self.group_cols = [0]
@@ -113,7 +118,13 @@ class ESMMDense(nn.Module):
             if seqs is not None:
                 in_width = seqs.out_width
             mlp, out = build_optional_mlp(in_width, dnn)
-            self.groups.append(mlp if seqs is None else nn.Sequential(seqs, mlp))
+            dropout = dropouts[i] if dropouts else None
+            if seqs is not None:
+                self.groups.append(nn.Sequential(seqs, mlp))
+            elif dropout is not None:  # the group's input, before its DNN
+                self.groups.append(nn.Sequential(dropout, mlp))
+            else:
+                self.groups.append(mlp)
             width += out
         self.heads = nn.ModuleList(TaskHead(width, dnn, [], 0, None) for dnn in towers)
 
@@ -187,6 +198,7 @@ class ESMMModel(CtrModel):
         lookups: list[tuple[str, str]] = []
         specs = []
         seq_mods: list[GroupSequences | None] = []
+        drops: list[FeatureDropout | None] = []
         for name, embedded, dense, dnn in groups:
             lookups += [(f, table_of[f]) for f in embedded]
             width = sum(dim_of[f] for f in embedded)
@@ -194,10 +206,13 @@ class ESMMModel(CtrModel):
             blocks = (sequences or {}).get(name, [])
             seq_mods.append(GroupSequences.of_blocks(blocks, dim_of, width, len(dense))
                             if blocks else None)
+            drops.append(FeatureDropout([dim_of[f] for f in embedded] + [1] * len(dense),
+                                        model_config.variational_dropout)
+                         if model_config.HasField("variational_dropout") else None)
         towers = (settings.cvr_tower, settings.ctr_tower)
         self.cvr_regression = settings.cvr_tower.loss_type == pipeline_pb2.L2_LOSS
         self.dense = ESMMDense(specs, [t.dnn if t.HasField("dnn") else None for t in towers],
-                               self.cvr_regression, seq_mods)
+                               self.cvr_regression, seq_mods, drops)
         self.pooled_layout = (PooledGroup.of("groups", tuple(lookups),
                                              [dim_of[f] for f, _t in lookups]),)
         self.output_names = (towers[0].tower_name, towers[1].tower_name,
@@ -234,6 +249,7 @@ class ESMMModel(CtrModel):
                 logits[:, 2], ctcvr_label, reduction="sum")
         if self.l2:
             loss = loss + self.l2 * linear_kernel_l2(self.dense)
+        loss = loss + variational_dropout_loss(list(self.dense.modules()), logits.shape[0])
         (pooled,) = output.pooled
         lookups = len(self.pooled_layout[0].lookups)
         if self.embedding_regularization and lookups:
@@ -353,6 +369,17 @@ def _validate(check: ModelCheck) -> None:
     if sample_weight_field(check.config):
         raise ConfigError("data_config.sample_weight", "not implemented for ESMM (EasyRec's "
                                                        "ESMM does not weigh its losses by it)")
+    if mc.HasField("variational_dropout"):
+        for name, _dnn in _input_groups(mc):
+            group = mc.feature_groups[check.groups[name]]
+            if group.sequence_features or any(
+                    check.features[f].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature
+                    for f in group.feature_names if f in check.features):
+                raise ConfigError("model_config.variational_dropout",
+                                  f"feature group {name!r} holds sequences: variational "
+                                  "dropout is implemented for groups of pooled and dense "
+                                  "features only")
 
 
-register_model(ModelClass("ESMM", _build, _validate, group_attention="all"))
+register_model(ModelClass("ESMM", _build, _validate, group_attention="all",
+                          variational_dropout=True))

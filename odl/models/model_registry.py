@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import math
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,6 +91,8 @@ class ModelClass:
         attention_dense_parts: a group's target attention may read dense keys and sequences.
         projected_raw: a group may hold RawFeatures with ``embedding_dim`` and no
             ``boundaries`` (EasyRec's projected raw features).
+        variational_dropout: the class applies ``model_config.variational_dropout`` to its
+            input groups (``odl.models.feature_dropout``); the others refuse the field.
     """
 
     name: str
@@ -98,6 +101,7 @@ class ModelClass:
     group_attention: str = "none"
     attention_dense_parts: bool = True
     projected_raw: bool = False
+    variational_dropout: bool = False
 
 
 _REGISTERED: dict[str, ModelClass] = {}
@@ -180,6 +184,19 @@ def model_class_of(model_config: pipeline_pb2.EasyRecModel) -> ModelClass:
     return entry
 
 
+def _check_variational_dropout(mc: pipeline_pb2.EasyRecModel, entry: ModelClass) -> None:
+    """``model_config.variational_dropout``: a class that applies it, a usable lambda."""
+    lam = mc.variational_dropout.regularization_lambda
+    if not math.isfinite(lam) or lam < 0:
+        raise ConfigError("model_config.variational_dropout.regularization_lambda",
+                          f"must be a finite number >= 0, got {lam}")
+    if not entry.variational_dropout:
+        which = sorted(n for n, e in _REGISTERED.items() if e.variational_dropout)
+        raise ConfigError("model_config.variational_dropout",
+                          f"EasyRec's variational dropout is not implemented for {entry.name} "
+                          f"(implemented for: {', '.join(which)})")
+
+
 def validate_model(config: pipeline_pb2.EasyRecConfig) -> None:
     """Checks the model of a config that passed ``validate_pipeline_config``.
 
@@ -197,6 +214,8 @@ def validate_model(config: pipeline_pb2.EasyRecConfig) -> None:
     checked = with_vocabularies_as_buckets(config)
     features = {fc.feature_name: fc for fc in feature_configs(checked)}
     groups = {g.group_name: i for i, g in enumerate(mc.feature_groups)}
+    if mc.HasField("variational_dropout"):
+        _check_variational_dropout(mc, entry)
     for i, g in enumerate(mc.feature_groups):
         where = f"model_config.feature_groups[{i}]"
         if g.sequence_features:
