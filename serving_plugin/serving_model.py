@@ -45,6 +45,7 @@ import torch
 
 from odl.config.loss_settings import num_classes, regression_outputs
 from odl.features.batch import Batch
+from odl.features.rtp_layout import RtpLayout
 from odl.models.ctr_model import predictions
 from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.protos import pipeline_pb2
@@ -135,6 +136,7 @@ class ServingModel:
         self._label_idx = sorted(self._fields.index(lf) for lf in self._labels)
         self._sep = dc.separator
         self._record_format = dc.record_format
+        self._rtp = RtpLayout.of(dc)
         params = dict(self.dense_module.named_parameters())
         params.update(dict(self.dense_module.named_buffers()))
         self._dense_by_id: dict[int, tuple[str, torch.Tensor]] = {}
@@ -269,8 +271,11 @@ class ServingModel:
 
         CSV: a record with as many fields fewer than ``input_fields`` as there are labels gets
         them inserted at the label columns; an empty label becomes "0". JSON: a missing/null
-        label becomes 0. Anything else is passed through for the parser to judge.
+        label becomes 0. RTP: a request of the features column alone gets its label columns,
+        an empty label column becomes "0". Anything else is passed through for the parser.
         """
+        if self._rtp is not None:  # EasyRec's RTP records (odl.features.rtp_layout)
+            return self._rtp.with_labels(values)
         out = []
         fmt = self._record_format
         sep = self._sep

@@ -36,7 +36,7 @@ from odl.config.config_forms import normalize_config_forms
 from odl.config.easyrec_compat import check_implemented
 from odl.config.feature_configs import NUMERIC_FIELD_TYPES, FeatureConfig
 from odl.config.feature_settings import validate_feature_settings, with_vocabularies_as_buckets
-from odl.config.field_formats import path_scheme
+from odl.config.field_formats import RTP_INPUT_TYPES, parse_selected_cols, path_scheme
 from odl.config.input_validation import validate_input_sections
 from odl.config.loss_settings import validate_loss_settings
 from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
@@ -231,6 +231,7 @@ def _validate_data_config(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
                               f"label {label!r} must be a numeric field")
         if label in dc.label_fields[:i]:
             raise ConfigError(f"data_config.label_fields[{i}]", f"label {label!r} repeats")
+    _validate_rtp_layout(dc)
     if dc.sample_id_field and dc.sample_id_field not in fields:
         raise ConfigError("data_config.sample_id_field",
                           f"{dc.sample_id_field!r} is not an input field")
@@ -242,6 +243,39 @@ def _validate_data_config(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
             raise ConfigError("data_config.event_time_field",
                               f"{dc.event_time_field!r} must be a numeric field (unix seconds)")
     return fields
+
+
+def _validate_rtp_layout(dc: pipeline_pb2.DatasetConfig) -> None:
+    """EasyRec's RTP layout (``selected_cols``, ``rtp_separator``): RTP input types only.
+
+    There, both complete (``odl.features.rtp_layout``).
+    """
+    kind = pipeline_pb2.DatasetConfig.InputType.Name(dc.input_type)
+    if dc.input_type not in RTP_INPUT_TYPES:
+        for name in ("selected_cols", "rtp_separator"):
+            if dc.HasField(name):
+                raise ConfigError(f"data_config.{name}",
+                                  "read with EasyRec's RTP layout only (input_type RTPInput, "
+                                  f"OdpsRTPInput or HiveRTPInput), not with {kind}")
+        return
+    if not dc.selected_cols:
+        raise ConfigError("data_config.selected_cols",
+                          f"{kind} records need it: the label columns, then the features "
+                          'column, e.g. "0,3"')
+    try:
+        cols = parse_selected_cols(dc.selected_cols)
+    except ValueError as e:
+        raise ConfigError("data_config.selected_cols", str(e)) from None
+    if len(cols) - 1 != len(dc.label_fields):
+        raise ConfigError("data_config.selected_cols",
+                          f"{dc.selected_cols!r} names {len(cols) - 1} label column(s) for "
+                          f"{len(dc.label_fields)} label field(s)")
+    if not dc.rtp_separator or dc.rtp_separator == dc.separator:
+        raise ConfigError("data_config.rtp_separator",
+                          "must not be empty and must differ from data_config.separator (the "
+                          "separator of the features column)")
+    if dc.record_format == pipeline_pb2.DatasetConfig.JSON:
+        raise ConfigError("data_config.record_format", f"{kind} records are not JSON")
 
 
 def _default_text_error(text: str, field_type: int) -> str:

@@ -56,7 +56,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "KafkaServer": frozenset({"consumer", "sink"}),
     "DatasetConfig": frozenset({
         "label_sep", "label_dim", "extra_label_func",
-        "selected_cols", "selected_col_types", "rtp_separator", "ignore_error",
+        "selected_col_types", "ignore_error",
         "data_compression_type", "n_data_batch_tfrecord", "with_header",
         "feature_fields", "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
         "hard_negative_sampler_v2", "negative_sampler_in_memory", "drop_remainder",

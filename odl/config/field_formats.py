@@ -6,7 +6,8 @@
   seconds (:func:`parse_dead_line`);
 * ``datahub_train_input.offset_info`` / ``offset_time``: EasyRec's DataHub start forms
   (:func:`parse_datahub_offsets`);
-* paths: a ``scheme://`` prefix marks a remote path (:func:`path_scheme`).
+* paths: a ``scheme://`` prefix marks a remote path (:func:`path_scheme`);
+* ``data_config.selected_cols``: EasyRec's RTP columns, ``"0,3"`` (:func:`parse_selected_cols`).
 
 The validator calls these parsers to check the fields; the trainer calls them again to use
 the values.
@@ -23,6 +24,7 @@ from typing import Any, Optional
 
 from odl.config.config_error import ConfigError
 from odl.config.config_fields import describe_value
+from odl.protos import pipeline_pb2
 
 __all__ = ["parse_datahub_offsets", "parse_dead_line", "parse_offset_info", "path_scheme"]
 
@@ -193,3 +195,29 @@ def parse_offset_time(offset_time: str) -> Optional[float]:
         return float(calendar.timegm(time.strptime(text, _DEAD_LINE_FORMAT)))
     except ValueError:
         raise ValueError(f"{text!r} is neither unix seconds nor 'YYYYMMDD HH:MM:SS'") from None
+
+
+# the input types whose records have EasyRec's RTP layout (odl.features.rtp_layout)
+RTP_INPUT_TYPES = frozenset({pipeline_pb2.DatasetConfig.RTPInput,
+                             pipeline_pb2.DatasetConfig.OdpsRTPInput,
+                             pipeline_pb2.DatasetConfig.HiveRTPInput})
+
+
+def parse_selected_cols(text: str) -> list[int]:
+    """``data_config.selected_cols``' indices, e.g. ``"0,3"`` -> ``[0, 3]``.
+
+    The label columns, then the features column.
+
+    Raises:
+        ValueError: not comma-separated integers >= 0, fewer than two, or one twice.
+    """
+    try:
+        cols = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of column indices") from None
+    if len(cols) < 2 or min(cols) < 0:
+        raise ValueError(f"{text!r} needs the label columns and last the features column "
+                         "(indices >= 0)")
+    if len(set(cols)) != len(cols):
+        raise ValueError(f"{text!r} names a column twice")
+    return cols

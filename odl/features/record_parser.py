@@ -11,6 +11,9 @@ Rules:
 
 * CSV: a record is split on ``data_config.separator``; it must have exactly
   ``len(input_fields)`` fields. A trailing ``\n`` / ``\r\n`` is dropped.
+* RTP (EasyRec's ``RTPInput`` layout, ``odl.features.rtp_layout``): the label columns and
+  the features column that ``selected_cols`` names become a CSV record as above; a record
+  without those columns is ``field_count``. Never JSON.
 * JSON: a record is one object; keys are ``input_name``s. Numbers and strings are accepted
   for every field (their text is used: ``str(value)``), ``true``/``false`` for BOOL and
   STRING fields, ``null`` or a missing key means empty. A list is joined with the field's
@@ -46,6 +49,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from odl.features.rtp_layout import RtpLayout
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -219,7 +223,9 @@ class RecordParser:
         self._types = {f.input_name: f.input_type for f in data_config.input_fields}
         self._labels = list(data_config.label_fields)
         self._sep = data_config.separator.encode("utf-8")
-        self._format = data_config.record_format
+        self._rtp = RtpLayout.of(data_config)
+        self._format = (pipeline_pb2.DatasetConfig.CSV if self._rtp is not None
+                        else data_config.record_format)
         self._max_bytes = int(max_record_bytes)
         self._list_seps = dict(list_separators or {})
         if numeric_fields is None:
@@ -258,6 +264,14 @@ class RecordParser:
             for i in np.flatnonzero(big):
                 reasons[i] = "oversized"
                 vals[i] = b""
+        if self._rtp is not None:
+            for i in range(n):
+                if reasons[i] is None:
+                    plain = self._rtp.plain_record(vals[i])
+                    if plain is None:
+                        reasons[i], vals[i] = "field_count", b""
+                    else:
+                        vals[i] = plain
         parts = []
         if self._format == pipeline_pb2.DatasetConfig.JSON:
             json_idx = [i for i in range(n) if reasons[i] is None]
