@@ -213,6 +213,7 @@ class ESMMModel(CtrModel):
         self.cvr_regression = settings.cvr_tower.loss_type == pipeline_pb2.L2_LOSS
         self.dense = ESMMDense(specs, [t.dnn if t.HasField("dnn") else None for t in towers],
                                self.cvr_regression, seq_mods, drops)
+        self.variational_dropout = any(d is not None for d in drops)
         self.pooled_layout = (PooledGroup.of("groups", tuple(lookups),
                                              [dim_of[f] for f, _t in lookups]),)
         self.output_names = (towers[0].tower_name, towers[1].tower_name,
@@ -249,7 +250,8 @@ class ESMMModel(CtrModel):
                 logits[:, 2], ctcvr_label, reduction="sum")
         if self.l2:
             loss = loss + self.l2 * linear_kernel_l2(self.dense)
-        loss = loss + variational_dropout_loss(list(self.dense.modules()), logits.shape[0])
+        if self.variational_dropout:
+            loss = loss + variational_dropout_loss(list(self.dense.modules()), logits.shape[0])
         (pooled,) = output.pooled
         lookups = len(self.pooled_layout[0].lookups)
         if self.embedding_regularization and lookups:
