@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import logging
-import os
-import warnings
+
+from odl.train.torch_runtime import quiet_library_noise
 
 
 class _RootLibraryNoise(logging.Filter):
@@ -30,13 +30,9 @@ def setup_logging(level: str = "INFO") -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     # Library chatter that says nothing to an odl user (torch's and torchrec's deprecation
-    # and future warnings, e.g. ShardedTensor's); --log_level DEBUG shows them
+    # and future warnings, e.g. ShardedTensor's, fbgemm's kernel lines); --log_level DEBUG
+    # shows all of it
     if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        for category in (UserWarning, DeprecationWarning, FutureWarning):
-            warnings.filterwarnings("ignore", category=category)
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-    for name in ("torch.fx._symbolic_trace", "torchrec", "fbgemm_gpu", "torch.distributed"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:  # --log_level DEBUG shows all
+        quiet_library_noise()
         for handler in logging.getLogger().handlers:
             handler.addFilter(_RootLibraryNoise())

@@ -43,6 +43,7 @@ from odl.demos.kafka_demo import (
 from odl.harness.datahub_double import DatahubDouble
 from odl.harness.oss_double import OssDouble
 from odl.kafka.topic_admin import create_topic
+from odl.train.torch_runtime import quiet_library_noise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "samples", "deepfm_online.config")
@@ -67,6 +68,7 @@ def _trainer_status(env: dict, pid: int) -> Optional[dict]:
 
 def main(argv: Optional[list[str]] = None) -> int:  # noqa: C901 - one linear story
     """Runs the cloud demo; returns 0 when every check held."""
+    quiet_library_noise()  # the checks build models in this process
     work = os.path.join(ROOT, ".odl", "demo-cloud")
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)

@@ -46,6 +46,7 @@ import urllib.request
 from typing import Any, Optional
 
 from odl.demos.kafka_demo import _free_port, _get, _py, _say, _stop_all
+from odl.train.torch_runtime import quiet_library_noise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "samples", "deepfm_filestream.config")
@@ -323,6 +324,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--batches_per_split", type=int, default=100,
                     help=f"records per split, in batches of {BATCH_SIZE} (default 100)")
     args = ap.parse_args(argv)
+    quiet_library_noise()  # the checks build models in this process
     per_split = args.batches_per_split * BATCH_SIZE
 
     t_start = time.monotonic()

@@ -35,6 +35,7 @@ from odl.kafka.topic_admin import (
     create_topic,
     end_offsets,
 )
+from odl.train.torch_runtime import quiet_library_noise
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "samples", "deepfm_online.config")
@@ -186,6 +187,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--seconds", type=float, default=60.0, help="first training run length")
     ap.add_argument("--rate", type=int, default=3000, help="datagen samples/s")
     args = ap.parse_args(argv)
+    quiet_library_noise()  # the parity check builds a model in this process
 
     work = os.path.join(ROOT, ".odl", "demo")
     shutil.rmtree(work, ignore_errors=True)

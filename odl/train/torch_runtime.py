@@ -1,5 +1,9 @@
 """Process-wide torch settings, the device a rank runs on, the CPUs spent on building batches.
 
+:func:`quiet_library_noise` keeps torch's, TorchRec's and fbgemm's deprecation warnings and
+chatter out of what a user reads (the CLIs' logging set-up calls it below DEBUG; the demos,
+which build models in their own process, call it too).
+
 The settings are those the odl daemons' command lines choose.
 """
 
@@ -7,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import TYPE_CHECKING
 
 from odl.config.config_error import ConfigError
@@ -17,6 +22,24 @@ if TYPE_CHECKING:
     from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
+
+
+# loggers of libraries whose records below ERROR say nothing to an odl user
+_LIBRARY_LOGGERS = ("torch.fx._symbolic_trace", "torchrec", "fbgemm_gpu", "torch.distributed")
+
+
+def quiet_library_noise() -> None:
+    """Silences torch's and TorchRec's warnings and their loggers below ERROR.
+
+    Deprecation, future and user warnings (e.g. ShardedTensor's deprecation) in this
+    process; torch's C++ log below ERROR here and in the processes it starts
+    (``TORCH_CPP_LOG_LEVEL``).
+    """
+    for category in (UserWarning, DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category)
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    for name in _LIBRARY_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def usable_cpus() -> int:
