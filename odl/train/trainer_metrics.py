@@ -29,7 +29,8 @@ class TrainerMetrics:
         self.steps = Counter("odl_train_steps", "Training steps", registry=r)
         self.global_step = Gauge("odl_global_step", "Current global step", registry=r)
         self.samples_per_sec = Gauge(
-            "odl_samples_per_second", "Training rate over the last log interval", registry=r
+            "odl_samples_per_second",
+            "Training rate over the last 5 s (since the start, before the first 5 s)", registry=r
         )
         self.loss = Gauge("odl_loss", "Loss of the last step", registry=r)
         self.healthy = Gauge("odl_healthy", "1 while /healthz answers 200, else 0 (set at "
