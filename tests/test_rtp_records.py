@@ -6,6 +6,8 @@ EasyRec's own RTP sample (``taobao_fg_incr_save``) trains and serves to parity i
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -45,9 +47,12 @@ def test_rtp_lines_parse_as_the_plain_records_they_hold() -> None:
     plain_config = parse_pipeline_config_text(_text(""))
     plain, rtp = _records(50, seed=3)
     broken = [b"only;two", b"x;1;" + b"\x02".join([b"a"] * 5)]  # no features column; 5 fields
-    got = RecordParser(rtp_config.data_config).parse(rtp + broken)
-    want = RecordParser(plain_config.data_config).parse(plain)
-    assert got.num_rows == want.num_rows == 50
+    # a JSON object (a DataHub TUPLE topic's record) is read by name, as without the layout
+    names = [f.input_name for f in plain_config.data_config.input_fields]
+    as_json = json.dumps(dict(zip(names, plain[0].decode().split(","), strict=True))).encode()
+    got = RecordParser(rtp_config.data_config).parse(rtp + broken + [as_json])
+    want = RecordParser(plain_config.data_config).parse(plain + [plain[0]])
+    assert got.num_rows == want.num_rows == 51
     for f in plain_config.data_config.input_fields:
         assert got.texts(f.input_name) == want.texts(f.input_name), f.input_name
     assert sorted(got.rejected) == [(50, "field_count"), (51, "field_count")]

@@ -13,7 +13,8 @@ Rules:
   ``len(input_fields)`` fields. A trailing ``\n`` / ``\r\n`` is dropped.
 * RTP (EasyRec's ``RTPInput`` layout, ``odl.features.rtp_layout``): the label columns and
   the features column that ``selected_cols`` names become a CSV record as above; a record
-  without those columns is ``field_count``. Never JSON.
+  without those columns is ``field_count``. A record starting with ``{`` is JSON, as
+  below (``record_format: AUTO``; a DataHub TUPLE topic's records).
 * JSON: a record is one object; keys are ``input_name``s. Numbers and strings are accepted
   for every field (their text is used: ``str(value)``), ``true``/``false`` for BOOL and
   STRING fields, ``null`` or a missing key means empty. A list is joined with the field's
@@ -224,8 +225,7 @@ class RecordParser:
         self._labels = list(data_config.label_fields)
         self._sep = data_config.separator.encode("utf-8")
         self._rtp = RtpLayout.of(data_config)
-        self._format = (pipeline_pb2.DatasetConfig.CSV if self._rtp is not None
-                        else data_config.record_format)
+        self._format = data_config.record_format
         self._max_bytes = int(max_record_bytes)
         self._list_seps = dict(list_separators or {})
         if numeric_fields is None:
@@ -265,8 +265,9 @@ class RecordParser:
                 reasons[i] = "oversized"
                 vals[i] = b""
         if self._rtp is not None:
+            auto = self._format == pipeline_pb2.DatasetConfig.AUTO
             for i in range(n):
-                if reasons[i] is None:
+                if reasons[i] is None and not (auto and vals[i][:1] == b"{"):
                     plain = self._rtp.plain_record(vals[i])
                     if plain is None:
                         reasons[i], vals[i] = "field_count", b""
