@@ -274,8 +274,6 @@ class ServingModel:
         label becomes 0. RTP: a request of the features column alone gets its label columns,
         an empty label column becomes "0". Anything else is passed through for the parser.
         """
-        if self._rtp is not None:  # EasyRec's RTP records (odl.features.rtp_layout)
-            return self._rtp.with_labels(values)
         out = []
         fmt = self._record_format
         sep = self._sep
@@ -296,6 +294,9 @@ class ServingModel:
                             obj[lf] = 0
                     v = json.dumps(obj).encode("utf-8")
                 out.append(v)
+                continue
+            if self._rtp is not None:  # EasyRec's RTP records (odl.features.rtp_layout)
+                out.extend(self._rtp.with_labels([v]))
                 continue
             try:
                 text = v.decode("utf-8").rstrip("\r\n")

@@ -60,8 +60,8 @@ def test_rtp_lines_parse_as_the_plain_records_they_hold() -> None:
 
 def test_rtp_records_train_and_serve_as_plain_ones(tmp_path) -> None:
     """A model trained on RTP lines equals one trained on the plain records; its export
-    serves whole lines and the features column alone (labels filled in) alike, as the
-    trainer predicts."""
+    serves whole lines, the features column alone and JSON objects (labels filled in)
+    alike, as the trainer predicts."""
     from odl.checkpoint.checkpoint_manager import CheckpointManager
     from odl.config.config_redaction import config_to_text
     from odl.export.exporter import export_checkpoint
@@ -91,9 +91,13 @@ def test_rtp_records_train_and_serve_as_plain_ones(tmp_path) -> None:
     assert export.startswith(str(tmp_path / "exports"))
     whole, rejected = served.predict_values(rtp)
     features_only, rejected_too = served.predict_values([r.split(b";")[2] for r in rtp])
-    assert rejected == rejected_too == []
+    names = [f.input_name for f in config.data_config.input_fields]
+    objects = [json.dumps({k: v for k, v in zip(names, p.decode().split(","), strict=True)
+                           if k != "label"}).encode() for p in plain]  # no label: filled in
+    as_json, rejected_json = served.predict_values(objects)
+    assert rejected == rejected_too == rejected_json == []
     np.testing.assert_allclose(whole, want, atol=1e-6, rtol=0)
-    assert np.array_equal(features_only, whole)
+    assert np.array_equal(features_only, whole) and np.array_equal(as_json, whole)
 
 
 @pytest.mark.parametrize("edit, field", [
