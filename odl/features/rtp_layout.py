@@ -31,6 +31,9 @@ class RtpLayout:
         field_separator: ``separator`` (between the features).
         order: per input field, ``("label", k)`` (the k-th label column) or ``("feature",
             k)`` (the k-th value of the features column).
+        features: the number of values of the features column.
+        labels_first: the labels are the first input fields, in ``label_fields`` order (a
+            record is its label columns and its features column joined, with no split).
     """
 
     separator: bytes
@@ -38,6 +41,8 @@ class RtpLayout:
     features_column: int
     field_separator: bytes
     order: tuple[tuple[str, int], ...]
+    features: int
+    labels_first: bool
 
     @classmethod
     def of(cls, data_config: pipeline_pb2.DatasetConfig) -> Optional[RtpLayout]:
@@ -53,14 +58,9 @@ class RtpLayout:
             else:
                 order.append(("feature", features))
                 features += 1
+        first = all(o == ("label", i) for i, o in enumerate(order[:len(labels)]))
         return cls(data_config.rtp_separator.encode("utf-8"), tuple(cols[:-1]), cols[-1],
-                   data_config.separator.encode("utf-8"), tuple(order))
-
-    @property
-    def _plain_order(self) -> bool:
-        """The labels are the first input fields, in ``label_fields`` order."""
-        k = len(self.label_columns)
-        return all(o == ("label", i) for i, o in enumerate(self.order[:k]))
+                   data_config.separator.encode("utf-8"), tuple(order), features, first)
 
     def plain_record(self, value: bytes) -> Optional[bytes]:
         """The record as ``input_fields`` split on ``separator``.
@@ -72,10 +72,10 @@ class RtpLayout:
             return None
         labels = [cols[c] for c in self.label_columns]
         features = cols[self.features_column]
-        if self._plain_order:
+        if self.labels_first:
             return self.field_separator.join([*labels, features])
         values = features.split(self.field_separator)
-        if len(values) != sum(1 for kind, _k in self.order if kind == "feature"):
+        if len(values) != self.features:
             return None
         return self.field_separator.join(labels[k] if kind == "label" else values[k]
                                          for kind, k in self.order)
