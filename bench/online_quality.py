@@ -47,7 +47,7 @@ VW rows are skipped and say so.
         [--records 200000] [--seed 1]
         [--vw-lr 0.1,0.5,2] [--batch 256,1024] [--sparse-lr 0.1] [--dense-lr 0.001]
         [--in-batch 0,1] [--sequential 0,1] [--wide-lr-mult 1,3] [--per-record 0,1]
-        [--per-record-gain 2,3] [--table-init-acc 0,0.1]
+        [--per-record-gain 2,3] [--wide-adapt 0,1] [--table-init-acc 0,0.1]
         [--serve-delay 2500] [--config samples/X.config] [--config-as-written]
         [--broker] [--json out.json]
 
@@ -184,6 +184,7 @@ SETTINGS = (
     ("--wide-lr-mult", "wide_learning_rate_multiplier", float, "wide x"),
     ("--per-record", "per_record_adagrad", bool, "per-record"),
     ("--per-record-gain", "per_record_adagrad_max_gain", float, "gain"),
+    ("--wide-adapt", "wide_rate_adaptation", bool, "wide adapt"),
     # the tables' Adagrad (optimizer_config[0]), not a train_config field
     ("--table-init-acc", "initial_accumulator_value", float, "acc"),
 )
@@ -192,7 +193,7 @@ TABLE_OPTIMIZER_FIELDS = ("initial_accumulator_value",)
 AS_WRITTEN_EXTRAS = (("in_batch_learning", True), ("in_batch_sequential", True),
                      ("per_record_adagrad", True), ("wide_learning_rate_multiplier", 3.0))
 # settings that need in_batch_learning: off with it unless the run names them
-NEEDS_IN_BATCH = ("in_batch_sequential", "per_record_adagrad")
+NEEDS_IN_BATCH = ("in_batch_sequential", "per_record_adagrad", "wide_rate_adaptation")
 
 
 def odl_config(kind: str, model_dir: str, batch: int | None, sparse_lr: float | None,

@@ -168,6 +168,11 @@ def test_two_ranks_learn_in_batch_as_one_process(ranks, tmp_path, optimizer, per
     assert np.abs(probs - ref_probs).max() > 1e-2  # in-batch learning does shift them
     np.testing.assert_allclose(merged, probs, atol=5e-5, rtol=0)
     assert_tables_close(got[0][1], one.state_dict_for_checkpoint(), atol=5e-5)
+    # the wide rate's probes judged every rank's records: one level, one process's
+    assert one.wide_rate.probes >= 1
+    for r in range(world):
+        assert got[r][3]["level"] == one.wide_rate.level
+        assert got[r][3]["sensitivity"] == pytest.approx(one.wide_rate.sensitivity, rel=1e-5)
 
 
 def _in_batch_settings(per_record: bool) -> str:
@@ -187,7 +192,8 @@ def _in_batch_rank_main(rank: int, world: int, model_dir: str,
     probs = [tm.train_step(fb.build(step[rank]).batch if step[rank] else tm.empty_batch()).probs
              for step in schedule]
     passes = tm.row_pair_learning.in_batch.sequential.passes
-    return np.concatenate(probs), _tables(tm.state_dict_for_checkpoint()), passes
+    return (np.concatenate(probs), _tables(tm.state_dict_for_checkpoint()), passes,
+            tm.wide_rate.state_dict())
 
 
 FOCAL = "losses { loss_type: BINARY_FOCAL_LOSS binary_focal_loss { gamma: 0.5 } }"

@@ -22,6 +22,13 @@ ADAGRAD = "adagrad_optimizer"
 
 def _config(tmp_path, extra: str = "", optimizer: str = ADAGRAD, sparse_lr: float = 0.1,
             dense_lr: float = 0.001, batch: int = 64):
+    """The bursty DeepFM with ``extra`` train fields. With in-batch learning the wide rate is
+    held at the written multiplier (1 unless ``extra`` writes one) so that the shifts compare
+    with plain steps; its adaptation is tested in ``test_wide_rate.py``."""
+    if "in_batch_learning: true" in extra and "wide_rate_adaptation" not in extra:
+        extra += " wide_rate_adaptation: false"
+        if "wide_learning_rate_multiplier" not in extra:
+            extra += " wide_learning_rate_multiplier: 1"
     text = bursty_config_text(str(tmp_path / "m"), batch_size=batch, sparse_lr=sparse_lr,
                               dense_lr=dense_lr, buckets=4096, extra_train=extra)
     return load_config_text(text.replace(ADAGRAD, optimizer, 1))
@@ -154,8 +161,8 @@ def test_wide_tables_learn_at_their_multiplier(tmp_path):
             groups = again.rates.fused_groups(again.fused_optimizer)
             assert sorted(round(g["lr"] / 0.5, 4) for g, _ in groups) == [1.0, 3.0]
             again.train_step(fb.build(records).batch)
-            for g, mult in again.rates.fused_groups(again.fused_optimizer):
-                assert g["lr"] == pytest.approx(0.5 * mult)
+            for g, wide in again.rates.fused_groups(again.fused_optimizer):
+                assert g["lr"] == pytest.approx(0.5 * (3.0 if wide else 1.0))
     for name, d1 in moved[1.0].items():
         d3 = moved[3.0][name]
         assert float(d1.abs().max()) > 0, name

@@ -33,7 +33,7 @@ def _config(tmp_path, per_record: bool, optimizer: str = "adagrad", gain: float 
     # the batched shift (not sequential) leaves the forward and the shift independent of the
     # accumulator rule, so both modules of a test predict alike
     extra = (f"in_batch_learning: true in_batch_sequential: false "
-             f"wide_learning_rate_multiplier: {WIDE_MULT} "
+             f"wide_learning_rate_multiplier: {WIDE_MULT} wide_rate_adaptation: false "
              f"per_record_adagrad: {str(per_record).lower()} "
              f"per_record_adagrad_max_gain: {gain}")
     text = bursty_config_text(str(tmp_path / f"m{int(per_record)}"), batch_size=batch,
@@ -83,7 +83,12 @@ def test_wide_rows_accumulate_each_records_squared_gradient(tmp_path, optimizer)
     np.testing.assert_array_equal(probs, probs_b)  # the same forward and shift
     y = batch.labels.numpy().astype(np.float64).reshape(-1)
     err = (probs - y) / len(y)
-    lr = SPARSE_LR * WIDE_MULT
+    # the multiplier is stated in the logit's space: a width-1 wide part added to the logit
+    # moves it by the multiplier under Adagrad; row-wise Adagrad's step on its row (stored
+    # 4 wide, one column read) is twice that, so its kernel runs at half the multiplier
+    step_multiplier = WIDE_MULT / (2.0 if optimizer == "rowwise" else 1.0)
+    assert a.rates.wide_multiplier == pytest.approx(step_multiplier)
+    lr = SPARSE_LR * step_multiplier
     checked = 0
     for feature in ("user_id", "item_id", "category", "device", "hour"):
         table = f"{feature}_wide"

@@ -2,8 +2,10 @@
 
 The tables' optimizer is fused into TorchRec's backward (fbgemm); the wide tables at
 ``wide_learning_rate_multiplier`` times the rate form a second fused group (a separate
-kernel). Before each step the rates of the step are pushed to both optimizers when they
-changed (:mod:`odl.train.optimizer_builder` makes the schedules).
+kernel); under in-batch learning they always do, and their multiplier follows the wide
+rate of :mod:`odl.train.in_batch.wide_rate`, pushed within the step when it changed.
+Before each step the rates of the step are pushed to both optimizers when they changed
+(:mod:`odl.train.optimizer_builder` makes the schedules).
 """
 
 from __future__ import annotations
@@ -24,16 +26,19 @@ class LearningRates:
     Args:
         sparse: the tables' optimizer and schedule.
         dense: the dense part's optimizer and schedule.
-        wide_multiplier: the wide tables' rate over the other tables'.
+        wide_multiplier: the wide tables' rate over the other tables' (at the start).
+        separate_wide: the wide tables get their own group whatever the multiplier (it
+            changes while training: ``set_wide_multiplier``).
     """
 
     def __init__(self, sparse: OptimizerSpec, dense: OptimizerSpec,
-                 wide_multiplier: float) -> None:
+                 wide_multiplier: float, separate_wide: bool = False) -> None:
         self._sparse = sparse
         self._dense = dense
         self._wide_multiplier = float(wide_multiplier)
+        self._separate_wide = bool(separate_wide)
         self._current: tuple[float, float] | None = None
-        self._groups: list[tuple[dict, float]] | None = None
+        self._groups: list[tuple[dict, bool]] | None = None
 
     def fuse_table_optimizer(self, ebc: nn.Module, device_type: str) -> None:
         """Fuses the tables' optimizer into the backward (two groups with a wide multiplier).
@@ -44,7 +49,7 @@ class LearningRates:
         """
         cls, kwargs = sparse_optimizer_args(self._sparse, device_type)
         wide = [p for n, p in ebc.named_parameters() if n.split(".")[-2].endswith(WIDE_SUFFIX)]
-        if self._wide_multiplier != 1.0 and wide:
+        if (self._wide_multiplier != 1.0 or self._separate_wide) and wide:
             wide_ids = {id(p) for p in wide}
             apply_optimizer_in_backward(
                 cls, [p for p in ebc.parameters() if id(p) not in wide_ids], kwargs)
@@ -74,9 +79,7 @@ class LearningRates:
         rates = self.at(step)
         if rates == self._current:
             return
-        for g, multiplier in self.fused_groups(fused):
-            g["lr"] = rates[0] * multiplier
-        fused.step()  # fused optimizers only push the lr to the kernel here
+        self._push(rates[0], fused)
         for g in dense.param_groups:
             g["lr"] = rates[1]
         self._current = rates
@@ -85,10 +88,33 @@ class LearningRates:
         """The step moved (a restore): the next :meth:`set` pushes the rates again."""
         self._current = None
 
-    def fused_groups(self, fused: Any) -> list[tuple[dict, float]]:
-        """Each fused parameter group with its rate multiplier (the wide tables' group's)."""
+    def set_wide_multiplier(self, multiplier: float, fused: Any) -> None:
+        """Sets the wide tables' multiplier, pushed to their kernel at once when it changed.
+
+        Args:
+            multiplier: the wide tables' rate over the table rate.
+            fused: the fused table optimizer.
+        """
+        if multiplier == self._wide_multiplier:
+            return
+        self._wide_multiplier = float(multiplier)
+        if self._current is not None:  # (else the next ``set`` pushes it)
+            self._push(self._current[0], fused)
+
+    @property
+    def wide_multiplier(self) -> float:
+        """The wide tables' rate over the table rate."""
+        return self._wide_multiplier
+
+    def _push(self, rate: float, fused: Any) -> None:
+        for g, wide in self.fused_groups(fused):
+            g["lr"] = rate * (self._wide_multiplier if wide else 1.0)
+        fused.step()  # fused optimizers only push the lr to the kernel here
+
+    def fused_groups(self, fused: Any) -> list[tuple[dict, bool]]:
+        """Each fused parameter group, and whether it is the wide tables' group."""
         if self._groups is None:
-            groups: list[tuple[dict, float]] = []
+            groups: list[tuple[dict, bool]] = []
             pending: list[Any] = [fused]
             while pending:
                 opt = pending.pop()
@@ -97,7 +123,6 @@ class LearningRates:
                     continue
                 wide = any(n.split(".")[-2].endswith(WIDE_SUFFIX)
                            for n in getattr(opt, "params", {}))
-                groups.extend((g, self._wide_multiplier if wide else 1.0)
-                              for g in opt.param_groups)
+                groups.extend((g, wide) for g in opt.param_groups)
             self._groups = groups
         return self._groups

@@ -20,7 +20,9 @@ and each rank's :func:`table_part`, ``odl.checkpoint.table_parts``, which readin
 checkpoint makes whole again). Wide tables keep their stored width (see
 ``odl.models.embedding_tables``). A model with dynamic tables (``odl.models.dynamic``) adds
 ``"dynamic_tables"``: ``DynamicTables.state_dict()`` (id index, free rows, counters, sketch,
-pending deletes; tensors) plus ``"stream_time"``.
+pending deletes; tensors) plus ``"stream_time"``. A model whose wide tables' rate adapts
+(``odl.train.in_batch.wide_rate``) adds ``"wide_rate"``: ``{"level": float, "sensitivity":
+float | None}``.
 
 :func:`load_state` restores such a state exactly, into any number of ranks (each rank copies
 the rows it holds; dynamic tables saved in another number of partitions are re-split, their
@@ -128,6 +130,9 @@ def state_without_tables(m: TrainModule, model: dict[str, Any] | None = None,
         "dense_optimizer": tensors_to_cpu(m.dense_optimizer.state_dict()),
         "sparse_optimizer": {},
     }
+    wide_rate = m.wide_rate
+    if wide_rate is not None:
+        out["wide_rate"] = wide_rate.state_dict()
     if m.dynamic:
         out["dynamic_tables"] = (dynamic_state if dynamic_state is not None
                                  else m.dynamic.state_dict())
@@ -175,6 +180,7 @@ def load_state(m: TrainModule, state: Mapping[str, Any], strict: bool = True) ->
     if "dense_optimizer" in state:
         m.dense_optimizer.load_state_dict(state["dense_optimizer"])
     _load_dynamic_state(m, state, strict)
+    _load_wide_rate(m, state)
     m.set_global_step(int(state.get("global_step", 0)))
 
 
@@ -332,7 +338,15 @@ def _load_sharded_state(m: TrainModule, state: Mapping[str, Any], strict: bool) 
     if "dense_optimizer" in state:
         m.dense_optimizer.load_state_dict(state["dense_optimizer"])
     _load_dynamic_state(m, state, strict)
+    _load_wide_rate(m, state)
     m.set_global_step(int(state.get("global_step", 0)))
+
+
+def _load_wide_rate(m: TrainModule, state: Mapping[str, Any]) -> None:
+    """Restores a checkpoint's wide rate (``WideRate.load_state_dict``)."""
+    wide_rate = m.wide_rate
+    if wide_rate is not None and "wide_rate" in state:
+        wide_rate.load_state_dict(state["wide_rate"])
 
 
 def _load_dynamic_state(m: TrainModule, state: Mapping[str, Any], strict: bool) -> None:

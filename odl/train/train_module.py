@@ -62,6 +62,7 @@ from odl.train.distributed import (
 )
 from odl.train.dynamic_rows import DynamicRows, dynamic_partitions, held_partitions
 from odl.train.in_batch.row_pair_learning import RowPairLearning
+from odl.train.in_batch.wide_rate import WideRate, start_level
 from odl.train.learning_rates import LearningRates
 from odl.train.optimizer_builder import (
     gradient_clipping,
@@ -163,8 +164,9 @@ class TrainModule:
         self.regression = regression_outputs(config)
         self.softmax = num_classes(config) > 1  # a num_class model: softmax over its classes
         self._sparse_spec, self._dense_spec = optimizer_specs(config.train_config)
-        self.wide_lr_multiplier = float(config.train_config.wide_learning_rate_multiplier)
-        self.rates = LearningRates(self._sparse_spec, self._dense_spec, self.wide_lr_multiplier)
+        self.wide_lr_multiplier = start_level(config.train_config)  # (in-batch: adapted)
+        self.rates = LearningRates(self._sparse_spec, self._dense_spec, self.wide_lr_multiplier,
+                                   separate_wide=config.train_config.in_batch_learning)
         self.rates.fuse_table_optimizer(self.model.ebc, self.device.type)
         self.table_kind = table_kernel_kind(self._sparse_spec.kind)
         self.model.dense.to(self.device)
@@ -439,6 +441,8 @@ class TrainModule:
             ``predict(batch)`` called just before the step unless the model has batch norm or
             dropout (the step's forward runs in train mode).
         """
+        if self.wide_rate is not None:  # taken by the fused kernel at the forward
+            self.rates.set_wide_multiplier(self.wide_rate.multiplier, self.fused_optimizer)
         self.rates.set(self.global_step, self.fused_optimizer, self.dense_optimizer)
         before = self.global_step
         now = 0.0
@@ -562,6 +566,11 @@ class TrainModule:
     def dynamic_split_over_ranks(self) -> bool:
         """Whether the dynamic tables are split by id over the ranks (each holding its share)."""
         return bool(self.dynamic) and self.world_size > 1 and self.dynamic.partitions > 1
+
+    @property
+    def wide_rate(self) -> WideRate | None:
+        """The wide tables' adapted rate (in-batch learning with wide tables), else None."""
+        return self.row_pair_learning.wide_rate if self.row_pair_learning is not None else None
 
     def set_global_step(self, step: int) -> None:
         """Sets the step (a restore); the learning rates follow it at the next step."""

@@ -413,6 +413,10 @@ class Trainer:
             self.metrics.steps.inc()
             self.metrics.global_step.set(self.module.global_step)
             self.metrics.loss.set(self.last_loss)
+            wide_rate = self.module.wide_rate
+            if wide_rate is not None:
+                self.metrics.wide_rate_level.set(wide_rate.level)
+                self.metrics.wide_rate_multiplier.set(wide_rate.multiplier)
             if self._ledger is not None and sample_ids is not None:
                 # flushed before the step can be published (crash audits)
                 self._ledger.write_step(self.generation, self.module.global_step, sample_ids)

@@ -82,6 +82,12 @@ class TrainerMetrics:
         self.checkpoint_failures = Counter(
             "odl_checkpoint_failures", "Checkpoints that could not be written", registry=r
         )
+        self.wide_rate_level = Gauge(
+            "odl_wide_rate_level", "In-batch learning's wide rate in the logit's space, as a "
+            "multiple of the table rate (adapted to the stream; docs/training.md)", registry=r)
+        self.wide_rate_multiplier = Gauge(
+            "odl_wide_rate_multiplier", "The wide tables' learning rate over the table rate "
+            "(the level over the logit's sensitivity to the wide part)", registry=r)
         self.broker_up = Gauge("odl_broker_up", "1 when the input broker is reachable", registry=r)
         self.pass_auc = Gauge("odl_pass_auc", "Progressive AUC of the last closed pass (file "
                               "stream)", registry=r)

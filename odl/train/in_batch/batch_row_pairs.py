@@ -226,6 +226,8 @@ class RowPairIndex:
         self.lookup_multiplier = self.multiplier.numpy().astype(np.float32)
         self.lookup_stored = self.stored.numpy().astype(np.float32)
         self.lookup_width = np.array(self.dims, dtype=np.int64)
+        # per lookup, its columns of the groups side by side ([L, width]; padding: `columns`)
+        self.lookup_columns = self._gather.numpy().reshape(len(self.dims), self.width).copy()
         self._states: _FlatStorage | None = None
         self._weights: _FlatStorage | None = None
         if self.tables and all(t.state is not None for t in self.tables):
@@ -237,6 +239,11 @@ class RowPairIndex:
             self._weights = _FlatStorage([t.weight for t in self.tables],
                                          [t.weight.stride(0) for t in self.tables])
         self._device = torch.device("cpu")
+
+    def set_multiplier(self, lookups: np.ndarray, value: float) -> None:
+        """Sets the rate multiplier of the lookups where ``lookups`` (``[L]`` bool) is true."""
+        self.lookup_multiplier[lookups] = value
+        self.multiplier[torch.from_numpy(lookups).to(self.multiplier.device)] = value
 
     def on(self, device: torch.device) -> None:
         """Moves the index tensors to ``device`` (once)."""

@@ -19,12 +19,13 @@ its gradient is ``S_r(i)``:
   accumulator;
 * row-wise Adagrad: ``D = -lr * S / (sqrt(G + sum(S**2) / stored_columns) + eps)``.
 
-``lr`` is the table's current rate (``wide_learning_rate_multiplier`` applied to wide
-tables) and ``eps`` the fused kernel's. Record ``i``'s logit is shifted by the first-order
-change the rows it reads would make: ``sum over its lookups f of a_if * <dlogit_i/de_if,
-D_r(i)>`` (``a_if`` the lookup's weight of the row). For a wide (first-order) lookup this is
-exactly the logit after such a step; for an embedding read by the dense part it is the
-first-order term. The dense parameters are not shifted.
+``lr`` is the table's current rate (wide tables: times the step's multiplier of
+``odl.train.in_batch.wide_rate``, which every few steps runs this shift twice more to judge
+the wide rate; ``WideRate``) and ``eps`` the fused kernel's. Record ``i``'s logit is shifted
+by the first-order change the rows it reads would make: ``sum over its lookups f of a_if *
+<dlogit_i/de_if, D_r(i)>`` (``a_if`` the lookup's weight of the row). For a wide
+(first-order) lookup this is exactly the logit after such a step; for an embedding read by
+the dense part it is the first-order term. The dense parameters are not shifted.
 
 ``TrainModule.train_step`` then computes the loss on the shifted logits, so what the tables
 and the dense part learn from record ``i`` is its error after the earlier records were
@@ -57,7 +58,7 @@ dense part couples records; the shift then uses its train-mode Jacobian as it is
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -65,8 +66,9 @@ import torch
 from odl.config.optimizer_support import IN_BATCH_TABLE_KINDS
 from odl.train.in_batch.batch_row_pairs import RowPairIndex, RowPairs
 from odl.train.in_batch.held_rows import HeldRows
-from odl.train.in_batch.in_batch_scan import InBatchScan, loss_slopes, scan_pairs
+from odl.train.in_batch.in_batch_scan import InBatchScan, ScanPairs, loss_slopes, scan_pairs
 from odl.train.in_batch.step_exchange import StepExchange
+from odl.train.in_batch.wide_rate import PROBE_FACTOR, WideRate
 
 LossAt = Callable[[torch.Tensor], torch.Tensor]
 
@@ -102,6 +104,13 @@ class RecordSlopes:
 
     slope: np.ndarray
     curve: np.ndarray
+
+
+@dataclass(frozen=True)
+class StepLoss:
+    """One rank's part of a step's loss (``[1]`` float64), for the wide rate's probes."""
+
+    value: np.ndarray
 
 
 @dataclass(frozen=True)
@@ -185,6 +194,10 @@ class InBatchLearning:
             starting state.
         held: the table rows this rank holds (their accumulators).
         exchange: the step's exchange between the ranks.
+        wide_rate: the wide tables' rate (``odl.train.in_batch.wide_rate``), or None
+            (no wide tables): set from each step's Jacobian before the shift, its level
+            probed every few steps.
+        wide: ``[L]`` bool, the lookups that read a wide table (with ``wide_rate``).
 
     Raises:
         ValueError: ``kind`` is not one of ``IN_BATCH_TABLE_KINDS``.
@@ -192,7 +205,8 @@ class InBatchLearning:
 
     def __init__(self, index: RowPairIndex, kind: str, eps: float,
                  sequential: InBatchScan | None, held: HeldRows,
-                 exchange: StepExchange) -> None:
+                 exchange: StepExchange, wide_rate: WideRate | None = None,
+                 wide: np.ndarray | None = None) -> None:
         if kind not in IN_BATCH_TABLE_KINDS:
             raise ValueError(f"in-batch learning supports {IN_BATCH_TABLE_KINDS} tables, not "
                              f"{kind!r}")
@@ -202,6 +216,9 @@ class InBatchLearning:
         self.sequential = sequential
         self._held = held
         self._exchange = exchange
+        self.wide_rate = wide_rate
+        self._wide = (wide if wide is not None
+                      else np.zeros(len(index.lookup_multiplier), dtype=bool))
 
     def logit_shift(self, pairs: RowPairs | None, jac: torch.Tensor | None,
                     logits: torch.Tensor, loss_at: LossAt, lr: float) -> torch.Tensor:
@@ -229,22 +246,63 @@ class InBatchLearning:
         offset = int(sum(len(p.base) for p in parts[:self._exchange.rank]))
         base = np.concatenate([p.base for p in parts])
         shift = np.zeros(len(base), dtype=np.float32)
+        jac_all = np.concatenate([p.jac for p in parts])
+        wide_rate = self.wide_rate
+        if wide_rate is not None:  # the step's wide rate, as the fused kernel has it
+            self._index.set_multiplier(self._wide, wide_rate.multiplier)
         shared = shared_reads(parts, self._index)
         if shared is not None:
             acc = None
             if self.kind != "sgd":
                 read = self._held.accumulators(shared.head_lookup, shared.head_rows)
                 acc = self._exchange.held_values(read.values, read.held)
-            jac_all = np.concatenate([p.jac for p in parts])
             slope = np.concatenate([p.slope for p in parts])
             if self.sequential is not None:
                 curve = np.concatenate([p.curve for p in parts])
-                shift = self._sequential(shared, jac_all, acc, lr, base, slope, curve,
-                                         self._slopes_at(offset, n, logits, loss_at))
+                prepared = self._prepared(shared, jac_all, acc, lr)
+                slopes_at = self._slopes_at(offset, n, logits, loss_at)
+                scan = self.sequential
+
+                def shift_with(factor: float) -> np.ndarray:
+                    wide = self._wide[shared.head_lookup]
+                    pairs_at = prepared if factor == 1.0 else replace(
+                        prepared, rate=np.where(wide, prepared.rate * np.float32(factor),
+                                                prepared.rate).astype(np.float32))
+                    return scan.solve(pairs_at, base, slope, curve, slopes_at)
             else:
-                shift = self._batched(shared, jac_all, acc, lr, slope, len(base))
+                def shift_with(factor: float) -> np.ndarray:
+                    return self._batched(shared, jac_all, acc, lr, slope, len(base), factor)
+            shift = shift_with(1.0)
+            if wide_rate is not None and wide_rate.probe_due():
+                self._probe(shift_with, base, offset, logits, loss_at)
+        if wide_rate is not None:  # the next step's wide rate
+            wide_rate.observe(jac_all)
         own = np.ascontiguousarray(shift[offset:offset + n])
         return torch.from_numpy(own).to(logits.device, logits.dtype)
+
+    def _probe(self, shift_with: Callable[[float], np.ndarray], base: np.ndarray, offset: int,
+               logits: torch.Tensor, loss_at: LossAt) -> None:
+        """The wide rate's probes (``WideRate.judge``); no state changes.
+
+        The step's loss at the shifts with the wide rows' rates times and divided by
+        ``PROBE_FACTOR``, summed over the ranks.
+        """
+        assert self.wide_rate is not None
+        passes = self.sequential.passes if self.sequential is not None else 0
+        n = int(logits.shape[0])
+        losses = []
+        for factor in (PROBE_FACTOR, 1.0 / PROBE_FACTOR):
+            at = base + shift_with(factor)
+            mine = 0.0
+            if n:
+                with torch.no_grad():
+                    mine = float(loss_at(torch.from_numpy(np.ascontiguousarray(
+                        at[offset:offset + n])).to(logits.device, logits.dtype)))
+            parts = self._exchange.every_rank(StepLoss(np.array([mine], dtype=np.float64)))
+            losses.append(float(sum(p.value[0] for p in parts)))
+        self.wide_rate.judge(*losses)
+        if self.sequential is not None:
+            self.sequential.passes = passes
 
     def _slopes_at(self, offset: int, n: int, logits: torch.Tensor,
                    loss_at: LossAt) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
@@ -257,12 +315,9 @@ class InBatchLearning:
                     np.concatenate([p.curve for p in parts]))
         return slopes_at
 
-    def _sequential(self, shared: SharedReads, jac: np.ndarray, acc: np.ndarray | None,
-                    lr: float, base: np.ndarray, slope: np.ndarray, curve: np.ndarray,
-                    slopes_at: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
-                    ) -> np.ndarray:
-        """The sequential pass's shifts (``InBatchScan.solve``) of every record of the step."""
-        assert self.sequential is not None
+    def _prepared(self, shared: SharedReads, jac: np.ndarray, acc: np.ndarray | None,
+                  lr: float) -> ScanPairs:
+        """The step's shared reads prepared for the sequential pass (``InBatchScan.solve``)."""
         index = self._index
         # the reads in the pass's (record, row) order, so that it reads them in sequence
         order = np.argsort(shared.sample * (int(shared.slot[-1]) + 1) + shared.slot)
@@ -276,11 +331,15 @@ class InBatchLearning:
             torch.from_numpy(acc) if acc is not None else None,
             torch.from_numpy(index.lookup_stored[heads]),
             torch.from_numpy(index.lookup_width[heads]), in_record_order=True)
-        return self.sequential.solve(prepared, base, slope, curve, slopes_at)
+        return prepared
 
     def _batched(self, shared: SharedReads, jac: np.ndarray, acc: np.ndarray | None,
-                 lr: float, slope: np.ndarray, records: int) -> np.ndarray:
-        """The shifts with the earlier records' errors at the step's start (the contract)."""
+                 lr: float, slope: np.ndarray, records: int, wide_factor: float = 1.0
+                 ) -> np.ndarray:
+        """The shifts with the earlier records' errors at the step's start (the contract).
+
+        The wide lookups' rates are times ``wide_factor`` (a probe's).
+        """
         index = self._index
         sample = torch.from_numpy(shared.sample)
         lookup = shared.lookup
@@ -294,7 +353,11 @@ class InBatchLearning:
         # S_r(i): the row's gradient from strictly earlier records
         earlier = (cum.index_select(0, pair_start.values)
                    - cum.index_select(0, row_start.values))
-        rate = torch.from_numpy(lr * index.lookup_multiplier[lookup]).unsqueeze(1)
+        multiplier = index.lookup_multiplier[lookup]
+        if wide_factor != 1.0:
+            multiplier = np.where(self._wide[lookup], multiplier * np.float32(wide_factor),
+                                  multiplier).astype(np.float32)
+        rate = torch.from_numpy(lr * multiplier).unsqueeze(1)
         if self.kind == "sgd":
             change = earlier.mul_(-rate)
         else:

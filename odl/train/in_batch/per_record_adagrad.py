@@ -19,15 +19,16 @@ g_j``, ``G`` its accumulator before the step and ``c`` the largest gain
 * row-wise Adagrad: ``Q = max(sum_j sum(g_j**2), sum(S**2) / c**2) / stored_columns``;
 * ``G <- G + Q`` and the row moves by ``-lr * S / (sqrt(G + Q) + eps)``.
 
-``lr`` is the table's rate of the step (``wide_learning_rate_multiplier`` applied to wide
-tables). A row read by one record, and every row of a one-record batch, are left as the
-fused kernel made them (``sum_j g_j**2 = S**2`` there). For ``k`` records with the same
-gradient and ``G = 0`` the row moves ``min(sqrt(k), c)`` times as far as the fused step
-(per-sample Adagrad would move it about ``2 * sqrt(k)`` times as far, correcting itself after
-each record; the batch cannot, so ``c`` bounds the overshoot of a row that a whole batch
-reads, such as a device's or an hour's, while the accumulators are still small). Where the
-records' gradients cancel (a frequent row near its optimum) the accumulator grows more than
-the fused kernel's and the row moves less.
+``lr`` is the table's rate of the step (wide tables: times the step's multiplier, which
+under in-batch learning ``odl.train.in_batch.wide_rate`` sets). A row read by one record,
+and every row of a one-record batch, are left as the fused kernel made them (``sum_j g_j**2
+= S**2`` there). For ``k`` records with the same gradient and ``G = 0`` the row moves
+``min(sqrt(k), c)`` times as far as the fused step (per-sample Adagrad would move it about
+``2 * sqrt(k)`` times as far, correcting itself after each record; the batch cannot, so
+``c`` bounds the overshoot of a row that a whole batch reads, such as a device's or an
+hour's, while the accumulators are still small). Where the records' gradients cancel (a
+frequent row near its optimum) the accumulator grows more than the fused kernel's and the
+row moves less.
 
 The rule is applied after the fused backward as a correction of the rows the kernel
 updated. The kernel left a shared row's accumulator at ``G + fused`` (``fused = S**2``;

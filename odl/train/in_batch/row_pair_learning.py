@@ -17,6 +17,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
@@ -30,6 +31,7 @@ from odl.train.in_batch.in_batch_learning import InBatchLearning
 from odl.train.in_batch.in_batch_scan import InBatchScan, error_model_is_exact
 from odl.train.in_batch.per_record_adagrad import PerRecordAdagrad, hook_pooled_gradients
 from odl.train.in_batch.step_exchange import StepExchange
+from odl.train.in_batch.wide_rate import WideRate, wide_lookups
 from odl.train.optimizer_builder import TABLE_EPS
 from odl.train.table_shards import EBC_PREFIX, read_held_accumulators, write_held_rows
 
@@ -58,6 +60,8 @@ class RowPairLearning:
         self.index = index
         self.in_batch = in_batch
         self.per_record = per_record
+        # the wide tables' rate (in-batch learning with wide tables), else None
+        self.wide_rate = in_batch.wide_rate if in_batch is not None else None
         self._group_widths = list(group_widths)
         self._loss = loss
 
@@ -117,7 +121,12 @@ class RowPairLearning:
                                 logistic=not any(module.regression),
                                 exact=error_model_is_exact(config.model_config))
                     if tc.in_batch_sequential else None)
-            in_batch = InBatchLearning(index, kind, TABLE_EPS, scan, held, exchange)
+            wide = np.array([t.endswith(WIDE_SUFFIX) for g in layout for _, t in g.lookups],
+                            dtype=bool)
+            wide_rate = (WideRate(wide_lookups(index, wide, kind), module.wide_lr_multiplier,
+                                  tc.wide_rate_adaptation) if wide.any() else None)
+            in_batch = InBatchLearning(index, kind, TABLE_EPS, scan, held, exchange,
+                                       wide_rate, wide)
         per_record = None
         if tc.per_record_adagrad:
             per_record = PerRecordAdagrad(index, kind, TABLE_EPS,
