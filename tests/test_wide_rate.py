@@ -19,7 +19,7 @@ from odl.config.pipeline_config import parse_pipeline_config_text
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
-from odl.train.in_batch.wide_rate import LEVEL_STEP, PROBE_EVERY, QUANTUM
+from odl.train.in_batch.wide_rate import LEVEL_RECORDS, LEVEL_STEP, PROBE_EVERY, QUANTUM
 from odl.train.train_module import TrainModule
 from odl.train.trainer import Trainer, TrainerOptions
 from tests.harness import load_config_text
@@ -149,10 +149,11 @@ def test_the_level_rises_where_a_larger_rate_predicts_better_and_stays_at_least_
         levels.append(tm.wide_rate.level)
     assert tm.wide_rate.probes == 64 // PROBE_EVERY
     assert min(levels) >= start
-    if rises:  # (16 probes; at most 16 steps up)
-        assert levels[-1] >= start * math.exp(12 * LEVEL_STEP) * (1 - 1e-6), levels
+    move = LEVEL_STEP * PROBE_EVERY * 128 / LEVEL_RECORDS  # a probe's move at batch 128
+    if rises:  # (16 probes; at most 16 moves up)
+        assert levels[-1] >= start * math.exp(12 * move) * (1 - 1e-6), levels
     else:
-        assert levels[-1] < start * math.exp(4 * LEVEL_STEP), levels
+        assert levels[-1] < start * math.exp(4 * move), levels
 
 
 def test_the_probes_change_nothing_but_the_level(tmp_path):
@@ -172,20 +173,23 @@ def test_the_probes_change_nothing_but_the_level(tmp_path):
         torch.testing.assert_close(t, runs[False][1].embedding_tables()[name], rtol=0, atol=0)
 
 
-def test_a_restored_module_continues_with_the_level_and_sensitivity(tmp_path):
+def test_a_restored_module_continues_as_the_one_that_wrote_the_checkpoint(tmp_path):
+    """Level, sensitivity and probe schedule come back: the restored module's next steps,
+    a probe's among them, predict and move the level as the first module's do."""
     config = _config(tmp_path, "wide_learning_rate_multiplier: 0.5")
-    records = _records(13 * 64, seed=6)
+    records = _records(18 * 64, seed=6)
     a, fa = _module(config)
-    for k in range(0, 12 * 64, 64):
+    for k in range(0, 13 * 64, 64):
         a.train_step(fa.build(records[k:k + 64]).batch)
     assert a.wide_rate.level != 0.5  # the probes moved it
     b, fb = _module(config)
     b.load_checkpoint_state(a.state_dict_for_checkpoint())
     assert b.wide_rate.state_dict() == a.wide_rate.state_dict()
     assert b.wide_rate.multiplier == a.wide_rate.multiplier
-    last = records[12 * 64:]
-    np.testing.assert_array_equal(b.train_step(fb.build(last).batch).probs,
-                                  a.train_step(fa.build(last).batch).probs)
+    for k in range(13 * 64, len(records), 64):  # a probe's step among them
+        np.testing.assert_array_equal(b.train_step(fb.build(records[k:k + 64]).batch).probs,
+                                      a.train_step(fa.build(records[k:k + 64]).batch).probs)
+        assert b.wide_rate.level == a.wide_rate.level
 
 
 def test_status_and_metrics_show_the_wide_rate(tmp_path):

@@ -22,7 +22,7 @@ checkpoint makes whole again). Wide tables keep their stored width (see
 ``"dynamic_tables"``: ``DynamicTables.state_dict()`` (id index, free rows, counters, sketch,
 pending deletes; tensors) plus ``"stream_time"``. A model whose wide tables' rate adapts
 (``odl.train.in_batch.wide_rate``) adds ``"wide_rate"``: ``{"level": float, "sensitivity":
-float | None}``.
+float | None, "steps": int, "since": int}``.
 
 :func:`load_state` restores such a state exactly, into any number of ranks (each rank copies
 the rows it holds; dynamic tables saved in another number of partitions are re-split, their

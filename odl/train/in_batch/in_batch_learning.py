@@ -300,7 +300,7 @@ class InBatchLearning:
                         at[offset:offset + n])).to(logits.device, logits.dtype)))
             parts = self._exchange.every_rank(StepLoss(np.array([mine], dtype=np.float64)))
             losses.append(float(sum(p.value[0] for p in parts)))
-        self.wide_rate.judge(*losses)
+        self.wide_rate.judge(*losses, records=len(base))
         if self.sequential is not None:
             self.sequential.passes = passes
 

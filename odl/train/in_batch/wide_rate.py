@@ -27,15 +27,17 @@ Contract (``WideRate``), for a model with wide tables trained with in-batch lear
   zero Jacobian (``s = 0``) leaves the level as the multiplier. ``BOOST_MAX`` bounds the
   loop between the two: a model whose dense part reads its growing wide weights ever more
   weakly would otherwise raise their rate without end.
-* **Adaptation** (``train_config.wide_rate_adaptation``, default on): every ``PROBE_EVERY``-th
-  step the in-batch pass runs twice more, with the wide rows' rates times ``PROBE_FACTOR``
-  and divided by it; the step's loss at the records' shifted logits of each decides: ``log
-  a`` moves by ``LEVEL_STEP`` toward the better one, kept within ``[a0, LEVEL_RANGE * a0]``
-  (``a0`` the start). The shifts of a step predict each record after the step's earlier
-  records were learned at that rate, so the comparison is progressive validation of the
-  rate on the step's own records, as a per-sample learner would be judged. The probes
-  change no state: the step trains on the shifts at the current rate, and the new level
-  applies from the next step.
+* **Adaptation** (``train_config.wide_rate_adaptation``, default on): every
+  ``PROBE_EVERY``-th step the in-batch pass runs twice more, with the wide rows' rates times
+  ``PROBE_FACTOR`` and divided by it; the step's loss at the records' shifted logits of each
+  decides: ``log a`` moves toward the better one by ``LEVEL_STEP`` per ``LEVEL_RECORDS``
+  records since the last probe (every rank's; at most ``LEVEL_STEP_MAX``: the level moves as
+  fast per record whatever the batch size), kept within ``[a0, LEVEL_RANGE * a0]`` (``a0``
+  the start). The shifts of a step predict each record after the step's earlier records were
+  learned at that rate, so the comparison is progressive validation of the rate on the
+  step's own records, as a per-sample learner would be judged. The probes change no state:
+  the step trains on the shifts at the current rate, and the new level applies from the next
+  step.
 * Why the range: the probes see one batch, to first order. They do not see what a rate
   does to the steps after it (on the bursty stream they point below the rate that is best
   over the whole stream: 0.001-0.002 AUC lost where the level may fall below its start),
@@ -45,8 +47,9 @@ Contract (``WideRate``), for a model with wide tables trained with in-batch lear
   happens (``docs/benchmarks.md``, online learning quality).
 
 Every rank sees every record's ``J`` and loss (the step's exchange), so all ranks hold the
-same sensitivity, level and multiplier. The level and the smoothed sensitivity are part of
-the checkpoint (``state_dict``); a run restored from one continues with them.
+same sensitivity, level and multiplier. The level, the smoothed sensitivity and the probe
+schedule are part of the checkpoint (``state_dict``); a run restored from one continues as
+the run that wrote it would have.
 """
 
 from __future__ import annotations
@@ -68,9 +71,11 @@ SMOOTHING = 0.1
 # Probes run every this many steps, at the wide rates times and divided by PROBE_FACTOR.
 PROBE_EVERY = 4
 PROBE_FACTOR = math.exp(0.5)
-# The level's move per probe, in natural log units (about 5 %), and how far above its start
-# it may go.
+# The level's move per LEVEL_RECORDS records, in natural log units (about 5 %), at most
+# LEVEL_STEP_MAX a probe, and how far above its start it may go.
 LEVEL_STEP = 0.05
+LEVEL_RECORDS = 1024
+LEVEL_STEP_MAX = 0.25
 LEVEL_RANGE = 4.0
 # The most the sensitivity multiplies the level by (1 / s at most this).
 BOOST_MAX = 16.0
@@ -137,7 +142,9 @@ class WideRate:
         self.start = float(level)  # the level stays within [start, start * LEVEL_RANGE]
         self.adapt = bool(adapt)
         self.sensitivity: float | None = None
-        self.steps = 0  # steps observed since the start (probes: every PROBE_EVERY-th)
+        self.steps = 0  # steps observed since the start
+        self._since = 0  # records since the last probe
+        self._probed = False  # the step being taken ran the probes
         self.probes = 0
         self.multiplier = self._multiplier()
 
@@ -145,14 +152,22 @@ class WideRate:
         """The step being taken (not observed yet) runs the probes."""
         return self.adapt and self.steps % PROBE_EVERY == PROBE_EVERY - 1
 
-    def judge(self, loss_faster: float, loss_slower: float) -> None:
-        """Moves the level toward the probe with the lower loss (equal: no move)."""
+    def judge(self, loss_faster: float, loss_slower: float, records: int) -> None:
+        """Moves the level toward the probe with the lower loss (equal: no move).
+
+        Args:
+            loss_faster: the step's loss at the larger wide rate.
+            loss_slower: at the smaller one.
+            records: the step's records (every rank's).
+        """
         self.probes += 1
+        self._probed = True
         if not (math.isfinite(loss_faster) and math.isfinite(loss_slower)):
             return
         if loss_faster == loss_slower:
             return
-        step = LEVEL_STEP if loss_faster < loss_slower else -LEVEL_STEP
+        size = min(LEVEL_STEP * (self._since + records) / LEVEL_RECORDS, LEVEL_STEP_MAX)
+        step = size if loss_faster < loss_slower else -size
         self.level = float(min(max(self.level * math.exp(step), self.start),
                                self.start * LEVEL_RANGE))
 
@@ -163,6 +178,8 @@ class WideRate:
             jac: ``[records, columns]`` the step's ``dlogit/d pooled`` (every rank's records).
         """
         self.steps += 1
+        self._since = 0 if self._probed else self._since + len(jac)
+        self._probed = False
         if len(jac):
             s = self._step_sensitivity(jac)
             self.sensitivity = (s if self.sensitivity is None
@@ -177,8 +194,9 @@ class WideRate:
                 "adapting": self.adapt, "probes": self.probes}
 
     def state_dict(self) -> dict:
-        """The level and smoothed sensitivity (a checkpoint's ``wide_rate``)."""
-        return {"level": self.level, "sensitivity": self.sensitivity}
+        """The level, smoothed sensitivity and probe schedule (a checkpoint's ``wide_rate``)."""
+        return {"level": self.level, "sensitivity": self.sensitivity, "steps": self.steps,
+                "since": self._since}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores :meth:`state_dict`'s values.
@@ -190,6 +208,7 @@ class WideRate:
                                    self.start * LEVEL_RANGE))
         s = state.get("sensitivity")
         self.sensitivity = None if s is None else float(s)
+        self.steps, self._since = int(state.get("steps", 0)), int(state.get("since", 0))
         self.multiplier = self._multiplier()
 
     def _multiplier(self) -> float:
