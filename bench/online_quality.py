@@ -52,9 +52,10 @@ VW rows are skipped and say so.
         [--broker] [--json out.json]
 
 ``--config-as-written``: ``--config`` with its own batch size and rates (what a user who
-brings the config gets from odl's defaults), then the same config plus odl's in-batch
-fields (``AS_WRITTEN_EXTRAS``), against VW's grid, in one run; with ``--broker`` both also
-through the embedded broker (``odl-train --online``, wall-clock samples/s).
+brings the config gets from odl's defaults), then the same config plus
+``in_batch_learning: true`` (``AS_WRITTEN_EXTRAS``), against VW's grid, in one run; with
+``--broker`` both also through the embedded broker (``odl-train --online``, wall-clock
+samples/s).
 """
 
 from __future__ import annotations
@@ -190,9 +191,9 @@ SETTINGS = (
     ("--table-init-acc", "initial_accumulator_value", float, "acc"),
 )
 TABLE_OPTIMIZER_FIELDS = ("initial_accumulator_value",)
-# --config-as-written's second run: the config plus odl's in-batch extension fields
-AS_WRITTEN_EXTRAS = (("in_batch_learning", True), ("in_batch_sequential", True),
-                     ("per_record_adagrad", True), ("wide_learning_rate_multiplier", 3.0))
+# --config-as-written's second run: the config plus odl's in-batch learning field (its own
+# defaults: the sequential pass, per-record Adagrad, the wide rate adapted from 3)
+AS_WRITTEN_EXTRAS = (("in_batch_learning", True),)
 # settings that need in_batch_learning: off with it unless the run names them
 NEEDS_IN_BATCH = ("in_batch_sequential", "per_record_adagrad", "wide_rate_adaptation")
 
@@ -438,7 +439,7 @@ def main() -> int:
                     help="also train through the embedded broker (odl-train --online's path)")
     ap.add_argument("--config-as-written", action="store_true",
                     help="--config as its user wrote it (its batch size and rates), then the "
-                         "same with odl's in-batch fields (AS_WRITTEN_EXTRAS), against VW; "
+                         "same with in_batch_learning: true (AS_WRITTEN_EXTRAS), against VW; "
                          "--batch, --sparse-lr, --dense-lr and the settings are not used")
     add_output_args(ap)
     args = ap.parse_args()
@@ -484,7 +485,7 @@ def main() -> int:
     for b, slr, dlr, train in grid:
         probs, rate, step_ms, served = run_odl(values, b, work, slr, dlr, args.serve_delay,
                                                args.stream, args.config, train=train)
-        name = (("odl as written" + (" + in-batch fields" if train else ""))
+        name = (("odl as written" + (" + in_batch_learning" if train else ""))
                 if args.config_as_written else
                 f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}" + settings_name(train))
         rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
@@ -493,7 +494,7 @@ def main() -> int:
         print(name, rows[name], flush=True)
     if args.broker:  # the first setting (--config-as-written: both) through the broker
         for b, slr, _dlr, train in grid if args.config_as_written else grid[:1]:
-            name = ("odl-train --online as written" + (" + in-batch fields" if train else "")
+            name = ("odl-train --online as written" + (" + in_batch_learning" if train else "")
                     if args.config_as_written else
                     f"odl-train --online batch {b}" + settings_name(train))
             rows[name] = run_broker(values, b, work, slr, args.stream, args.config,

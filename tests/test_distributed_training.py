@@ -177,7 +177,7 @@ def test_two_ranks_learn_in_batch_as_one_process(ranks, tmp_path, optimizer, per
 
 def _in_batch_settings(per_record: bool) -> str:
     return ("in_batch_learning: true wide_learning_rate_multiplier: 3"
-            + (" per_record_adagrad: true" if per_record else ""))
+            + f" per_record_adagrad: {str(per_record).lower()}")
 
 
 def _in_batch_rank_main(rank: int, world: int, model_dir: str,

@@ -23,12 +23,16 @@ ADAGRAD = "adagrad_optimizer"
 def _config(tmp_path, extra: str = "", optimizer: str = ADAGRAD, sparse_lr: float = 0.1,
             dense_lr: float = 0.001, batch: int = 64):
     """The bursty DeepFM with ``extra`` train fields. With in-batch learning the wide rate is
-    held at the written multiplier (1 unless ``extra`` writes one) so that the shifts compare
-    with plain steps; its adaptation is tested in ``test_wide_rate.py``."""
-    if "in_batch_learning: true" in extra and "wide_rate_adaptation" not in extra:
-        extra += " wide_rate_adaptation: false"
+    held at the written multiplier (1 unless ``extra`` writes one) and per-record Adagrad is
+    off unless written, so that the shifts compare with plain steps; those defaults are
+    tested in ``test_wide_rate.py`` and ``test_per_record_adagrad.py``."""
+    if "in_batch_learning: true" in extra:
+        if "wide_rate_adaptation" not in extra:
+            extra += " wide_rate_adaptation: false"
         if "wide_learning_rate_multiplier" not in extra:
             extra += " wide_learning_rate_multiplier: 1"
+        if "per_record_adagrad" not in extra:
+            extra += " per_record_adagrad: false"
     text = bursty_config_text(str(tmp_path / "m"), batch_size=batch, sparse_lr=sparse_lr,
                               dense_lr=dense_lr, buckets=4096, extra_train=extra)
     return load_config_text(text.replace(ADAGRAD, optimizer, 1))

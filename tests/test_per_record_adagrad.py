@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from odl.config.optimizer_support import per_record_adagrad_on
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
@@ -149,3 +150,21 @@ def test_settings_refused_where_they_cannot_apply(tmp_path):
     assert_edit_refused(text, ("per_record_adagrad: true",
                                "per_record_adagrad: true per_record_adagrad_max_gain: 0.5"),
                         "train_config.per_record_adagrad_max_gain", "at least 1")
+
+
+@pytest.mark.parametrize("extra,optimizer,on", [
+    ("in_batch_learning: true", "adagrad_optimizer", True),
+    ("in_batch_learning: true", "sgd_optimizer", False),  # (no accumulators to count in)
+    ("in_batch_learning: true per_record_adagrad: false", "adagrad_optimizer", False),
+    ("", "adagrad_optimizer", False),
+])
+def test_unwritten_it_runs_with_in_batch_learning_and_adagrad_tables(tmp_path, extra,
+                                                                      optimizer, on):
+    """``per_record_adagrad`` unwritten: on where in-batch learning trains (row-wise)
+    Adagrad tables, else off; written, as written."""
+    text = bursty_config_text(str(tmp_path / "m"), buckets=4096, extra_train=extra)
+    config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
+    assert per_record_adagrad_on(config.train_config) is on
+    tm, _ = _module(config)
+    learning = tm.row_pair_learning
+    assert (learning is not None and learning.per_record is not None) is on

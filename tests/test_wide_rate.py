@@ -74,7 +74,7 @@ def test_the_wide_rate_is_the_level_over_the_logits_sensitivity(tmp_path):
     the fused kernel runs at that rate: a wide row that no record read before moves by the
     rate in every column at its first Adagrad step."""
     tm, fb = _module(_config(tmp_path, "wide_learning_rate_multiplier: 2 "
-                                       "wide_rate_adaptation: false"))
+                                       "wide_rate_adaptation: false per_record_adagrad: false"))
     records = _records(128)
     first, second = fb.build(records[:64]).batch, fb.build(records[64:]).batch
     expected = _wide_sensitivity(tm, first)

@@ -48,7 +48,8 @@ added per row; and the rank holding a shared row corrects it (``held_rows``).
 
 It is meant to run with in-batch learning (``odl.train.in_batch.in_batch_learning``), whose
 errors already account for the batch's earlier records; validation refuses it alone, which
-the bench found to overshoot (``docs/benchmarks.md``).
+the bench found to overshoot (``docs/benchmarks.md``). Unwritten, it runs wherever in-batch
+learning trains (row-wise) Adagrad tables (``optimizer_support.per_record_adagrad_on``).
 
 Not covered: SGD tables (a batched SGD step already is the sum of per-record steps) and
 other optimizers; rows that the model reads outside its pooled lookups keep the fused update.

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
+from odl.config.optimizer_support import per_record_adagrad_on
 from odl.features.batch import Batch
 from odl.models.ctr_model import ModelOutput
 from odl.models.embedding_tables import WIDE_SUFFIX
@@ -68,14 +69,14 @@ class RowPairLearning:
     @classmethod
     def build(cls, module: TrainModule, config: pipeline_pb2.EasyRecConfig,
               table_configs: list[EmbeddingBagConfig]) -> RowPairLearning | None:
-        """``in_batch_learning``, ``per_record_adagrad`` and their row-pair index.
+        """``in_batch_learning``, per-record Adagrad and their row-pair index.
 
-        None when both are off. Validation has checked the model (one output, for in-batch
-        learning) and the table optimizer (SGD or (row-wise) Adagrad; (row-wise) Adagrad
-        for per-record accumulators); the classes refuse any other. A rank that holds whole
-        tables (one process) reads and writes their rows through the index's buffers; with
-        several ranks no rank does, and the rows are read and written in the shards that
-        hold them.
+        None when both are off (per-record Adagrad: ``per_record_adagrad_on``). Validation
+        has checked the model (one output, for in-batch learning) and the table optimizer
+        (SGD or (row-wise) Adagrad; (row-wise) Adagrad for per-record accumulators); the
+        classes refuse any other. A rank that holds whole tables (one process) reads and
+        writes their rows through the index's buffers; with several ranks no rank does, and
+        the rows are read and written in the shards that hold them.
 
         Args:
             module: the train module (its tables, ranks and model).
@@ -87,7 +88,8 @@ class RowPairLearning:
                 there; validation refuses it by field).
         """
         tc = config.train_config
-        if not (tc.in_batch_learning or tc.per_record_adagrad):
+        per_record_on = per_record_adagrad_on(tc)
+        if not (tc.in_batch_learning or per_record_on):
             return None
         whole_tables = module.world_size == 1
         if not whole_tables and tc.in_batch_learning and not tc.in_batch_sequential:
@@ -116,7 +118,7 @@ class RowPairLearning:
         exchange = StepExchange(module.rank, module.world_size)
         in_batch = None
         if tc.in_batch_learning:
-            scan = (InBatchScan(kind, tc.per_record_adagrad,
+            scan = (InBatchScan(kind, per_record_on,
                                 float(tc.per_record_adagrad_max_gain), TABLE_EPS,
                                 logistic=not any(module.regression),
                                 exact=error_model_is_exact(config.model_config))
@@ -128,7 +130,7 @@ class RowPairLearning:
             in_batch = InBatchLearning(index, kind, TABLE_EPS, scan, held, exchange,
                                        wide_rate, wide)
         per_record = None
-        if tc.per_record_adagrad:
+        if per_record_on:
             per_record = PerRecordAdagrad(index, kind, TABLE_EPS,
                                           float(tc.per_record_adagrad_max_gain), held, exchange)
         return cls(index, in_batch, per_record, [g.width for g in layout], module.step_loss)
