@@ -16,13 +16,12 @@ import pytest
 import torch
 
 from odl.config.pipeline_config import parse_pipeline_config_text
-from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
-from odl.features.feature_builder import FeatureBuilder
 from odl.train.in_batch.wide_rate import LEVEL_RECORDS, LEVEL_STEP, PROBE_EVERY, QUANTUM
 from odl.train.train_module import TrainModule
 from odl.train.trainer import Trainer, TrainerOptions
 from tests.harness import load_config_text
+from tests.test_in_batch_learning import _module, _records
 
 SPARSE_LR = 0.05
 FINAL_DNN = "final_dnn { hidden_units: [16] }\n    wide_output_dim: 4"
@@ -35,15 +34,6 @@ def _config(tmp_path, extra: str = "", final_dnn: bool = True, batch: int = 64):
         assert "wide_output_dim: 1" in text
         text = text.replace("wide_output_dim: 1", FINAL_DNN)
     return load_config_text(text)
-
-
-def _records(n: int, seed: int = 3) -> list[bytes]:
-    return BurstyStream(seed=seed).next_batch(n).encode("csv")
-
-
-def _module(config) -> tuple[TrainModule, FeatureBuilder]:
-    fb = FeatureBuilder(config)
-    return TrainModule(config, fb, device="cpu"), fb
 
 
 def _wide_sensitivity(tm: TrainModule, batch) -> float:

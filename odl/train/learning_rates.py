@@ -3,7 +3,8 @@
 The tables' optimizer is fused into TorchRec's backward (fbgemm); the wide tables at
 ``wide_learning_rate_multiplier`` times the rate form a second fused group (a separate
 kernel); under in-batch learning they always do, and their multiplier follows the wide
-rate of :mod:`odl.train.in_batch.wide_rate`, pushed within the step when it changed.
+rate of :mod:`odl.train.in_batch.wide_rate`, pushed before the step's forward (where the
+kernel takes its rate) when it changed.
 Before each step the rates of the step are pushed to both optimizers when they changed
 (:mod:`odl.train.optimizer_builder` makes the schedules).
 """

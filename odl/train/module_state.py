@@ -20,9 +20,9 @@ and each rank's :func:`table_part`, ``odl.checkpoint.table_parts``, which readin
 checkpoint makes whole again). Wide tables keep their stored width (see
 ``odl.models.embedding_tables``). A model with dynamic tables (``odl.models.dynamic``) adds
 ``"dynamic_tables"``: ``DynamicTables.state_dict()`` (id index, free rows, counters, sketch,
-pending deletes; tensors) plus ``"stream_time"``. A model whose wide tables' rate adapts
-(``odl.train.in_batch.wide_rate``) adds ``"wide_rate"``: ``{"level": float, "sensitivity":
-float | None, "steps": int, "since": int}``.
+pending deletes; tensors) plus ``"stream_time"``. A model with in-batch learning and wide
+tables (``odl.train.in_batch.wide_rate``) adds ``"wide_rate"``: ``{"level": float,
+"sensitivity": float | None, "steps": int, "since": int}``.
 
 :func:`load_state` restores such a state exactly, into any number of ranks (each rank copies
 the rows it holds; dynamic tables saved in another number of partitions are re-split, their

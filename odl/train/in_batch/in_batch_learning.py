@@ -195,8 +195,8 @@ class InBatchLearning:
         held: the table rows this rank holds (their accumulators).
         exchange: the step's exchange between the ranks.
         wide_rate: the wide tables' rate (``odl.train.in_batch.wide_rate``), or None
-            (no wide tables): set from each step's Jacobian before the shift, its level
-            probed every few steps.
+            (no wide tables): the step's multiplier as the step before left it, its
+            sensitivity updated from each step's Jacobian, its level probed every few steps.
         wide: ``[L]`` bool, the lookups that read a wide table (with ``wide_rate``).
 
     Raises:

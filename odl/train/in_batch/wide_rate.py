@@ -100,14 +100,13 @@ class WideLookups:
 
     Attributes:
         columns: ``[W, width]`` each wide lookup's columns of ``dlogit/d pooled`` (the
-            groups side by side), padded with ``pad`` (a zero column appended there).
-        pad: the padding column (the Jacobian's column count).
+            groups side by side), padded with the Jacobian's column count (a zero column
+            appended there).
         norm: ``"l1"`` (Adagrad), ``"rowwise"`` (row-wise Adagrad) or ``"l2sq"`` (SGD).
         stored: ``[W]`` each lookup's table's stored columns (row-wise Adagrad's divisor).
     """
 
     columns: np.ndarray
-    pad: int
     norm: str
     stored: np.ndarray
 
@@ -123,8 +122,8 @@ def wide_lookups(index: RowPairIndex, wide: np.ndarray, kind: str) -> WideLookup
         wide: which lookups read a wide table.
         kind: the table kernel (a key of ``NORMS``).
     """
-    return WideLookups(columns=index.lookup_columns[wide], pad=index.columns,
-                       norm=NORMS[kind], stored=index.lookup_stored[wide].astype(np.float64))
+    return WideLookups(columns=index.lookup_columns[wide], norm=NORMS[kind],
+                       stored=index.lookup_stored[wide].astype(np.float64))
 
 
 class WideRate:
