@@ -22,7 +22,8 @@ figures are the AUC and logloss of those predictions over all records and over t
   (2,500 records is 0.25 s at 10k records/s, the freshness bench's p50); it is the figure
   users meet, where the progressive AUC is the learner's own;
 * ``odl-train --online`` (``--broker``): the records produced to one partition of the
-  embedded broker and trained by ``Trainer`` (the code of ``odl-train --online``) with
+  embedded broker and trained by ``Trainer`` (the code of ``odl-train --online``, its process
+  set up as the command sets it: torch's threads at half the CPUs, subnormals flushed) with
   ``metrics_window_samples`` = 20 % of the records; its own ``/status`` figures
   (``auc_total``: all records, from its histogram; ``auc``: the window, the last 20 %).
 
@@ -381,6 +382,25 @@ def run_odl(values: list[bytes], batch: int | None, work: str, sparse_lr: float 
 
 def run_broker(values: list[bytes], batch: int | None, work: str, sparse_lr: float | None,
                kind: str = "bursty", config_path: str = "", **settings) -> dict:
+    import torch
+
+    from odl.models.subnormal_floats import flush_subnormal_floats
+    from odl.train.torch_runtime import configure_torch_threads
+
+    # the process as odl-train sets it up: subnormals flushed, torch's threads at the CLI's
+    # default (half the CPUs: the input process and the broker use the others)
+    threads = torch.get_num_threads()
+    flush_subnormal_floats()
+    configure_torch_threads(0)
+    try:
+        return _broker_run(values, batch, work, sparse_lr, kind, config_path, **settings)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _broker_run(values: list[bytes], batch: int | None, work: str, sparse_lr: float | None,
+                kind: str, config_path: str, **settings) -> dict:
+    """``run_broker``'s run in the process as it is set up."""
     from bench.train_throughput import measure_trainer_rate
     from odl.broker.embedded_broker import EmbeddedBroker
     from odl.harness.topic_records import produce

@@ -16,7 +16,7 @@ import torch
 
 from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
-from odl.train.in_batch import in_batch_scan
+from odl.train.in_batch import in_batch_scan, native_kernels
 from odl.train.in_batch.in_batch_scan import (
     KINDS,
     InBatchScan,
@@ -119,10 +119,10 @@ def test_compiled_pass_equals_the_python_pass(kind, per_record):
 def test_without_a_compiler_the_python_pass_runs(tmp_path, monkeypatch, caplog):
     """A machine without a working C compiler logs why and trains with the Python pass."""
     monkeypatch.setenv("ODL_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(in_batch_scan.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(native_kernels.tempfile, "tempdir", str(tmp_path / "tmp"))
     monkeypatch.setenv("CC", "/bin/false")
-    monkeypatch.setattr(in_batch_scan, "_library", None)
-    caplog.set_level(logging.WARNING, logger=in_batch_scan.logger.name)
+    monkeypatch.setattr(native_kernels, "_library", None)
+    caplog.set_level(logging.WARNING, logger=native_kernels.logger.name)
     assert not in_batch_scan.native_pass_available()
     assert "could not compile" in caplog.text
     pairs, logits, labels = _random_pairs("adagrad", seed=7)

@@ -25,6 +25,7 @@ so reading or writing the rows of all tables costs one gather / scatter per buff
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.models.ctr_model import PooledGroup
+from odl.train.in_batch import native_kernels
+from odl.train.in_batch.native_kernels import address as _ptr
 
 
 def argsort(keys: torch.Tensor) -> torch.Tensor:
@@ -94,6 +97,38 @@ class RowPlan:
     shape: tuple[int, int]
 
 
+@dataclass(frozen=True)
+class InPlaceRows:
+    """Where each lookup's rows lie in the fused kernel's float32 buffers on the CPU.
+
+    Lookup ``l``'s row ``r`` is the ``columns[l]`` floats from address ``origin[l]`` plus ``r *
+    row_stride[l]`` floats (``[L]`` int64 each); ``buffers`` holds the buffers alive.
+    """
+
+    origin: np.ndarray
+    row_stride: np.ndarray
+    columns: np.ndarray
+    buffers: tuple[torch.Tensor, ...]
+
+    def read(self, lib: ctypes.CDLL, lookup: np.ndarray, rows: np.ndarray,
+             width: int) -> np.ndarray:
+        """``[N, width]`` float32: the rows' columns (0 beyond a lookup's own)."""
+        lookup, rows = np.ascontiguousarray(lookup), np.ascontiguousarray(rows)
+        out = np.empty((len(rows), width), dtype=np.float32)
+        lib.odl_rows_read(len(rows), width, _ptr(lookup), _ptr(rows), _ptr(self.origin),
+                          _ptr(self.row_stride), _ptr(self.columns), _ptr(out))
+        return out
+
+    def write(self, lib: ctypes.CDLL, lookup: np.ndarray, rows: np.ndarray,
+              values: np.ndarray, add: bool) -> None:
+        """Adds (``add``) or writes ``[N, width]`` ``values`` at distinct (table, row)s."""
+        lookup, rows = np.ascontiguousarray(lookup), np.ascontiguousarray(rows)
+        values = np.ascontiguousarray(values, dtype=np.float32)
+        lib.odl_rows_write(len(rows), values.shape[1], _ptr(lookup), _ptr(rows),
+                           _ptr(self.origin), _ptr(self.row_stride), _ptr(self.columns),
+                           _ptr(values), int(add))
+
+
 class _FlatStorage:
     """Each lookup's rows of one kind of tensor (weights, accumulators) in flat buffers."""
 
@@ -113,6 +148,21 @@ class _FlatStorage:
                 self.flat.append(t.new_empty(0).set_(t.untyped_storage(), 0, (n,), (1,)))
             self.storage[k] = storages[ptr]
             self.base[k] = t.storage_offset()
+
+    def in_place(self, columns: Sequence[int]) -> InPlaceRows | None:
+        """The lookups' rows addressed for ``row_pairs.c`` (None: not float32 on the CPU).
+
+        Args:
+            columns: per lookup, the columns of a row it reads or writes.
+        """
+        if any(f.device.type != "cpu" or f.dtype != torch.float32 for f in self.flat):
+            return None
+        size = self.flat[0].element_size()
+        origin = [self.flat[s].data_ptr() + b * size
+                  for s, b in zip(self.storage.tolist(), self.base.tolist(), strict=True)]
+        return InPlaceRows(np.array(origin, dtype=np.int64),
+                           self.row_stride.cpu().numpy().astype(np.int64),
+                           np.array(columns, dtype=np.int64), tuple(self.flat))
 
     def to(self, device: torch.device) -> None:
         for name in ("storage", "base", "row_stride"):
@@ -206,6 +256,7 @@ class RowPairIndex:
                 column += dim
             start += group.width
         self.width = max(self.dims, default=0)
+        self.group_widths = [g.width for g in pooled_layout]
         # [L * width] columns of the concatenated groups, padding -> the zero column `start`
         self._gather = torch.tensor(
             [c + j if j < d else start for c, d in zip(columns, self.dims, strict=True)
@@ -220,6 +271,8 @@ class RowPairIndex:
         self.multiplier = torch.tensor([t.lr_multiplier for t in self.tables])
         self.stored = torch.tensor([float(t.stored_columns) for t in self.tables])
         self._key_order: tuple[tuple[str, ...], list[int]] | None = None
+        # for row_pairs.c: the key order's lookups' keys and the lookups' mean pooling
+        self._native_lookups: tuple[list[int], np.ndarray, np.ndarray] | None = None
         self._cols = torch.arange(self.width)
         self.col_mask = torch.tensor([[j < d for j in range(self.width)] for d in self.dims])
         # per lookup, on the CPU: its rate multiplier, its table's stored columns, its width
@@ -270,6 +323,10 @@ class RowPairIndex:
         lookups = [lk for lk, k in enumerate(kidx) if k >= 0 and offsets[k + 1] > offsets[k]]
         if not lookups:
             return None
+        lib = native_kernels.library() if device.type == "cpu" else None
+        if lib is not None:
+            counts = [offsets[kidx[lk] + 1] - offsets[kidx[lk]] for lk in lookups]
+            return self._native_pairs(lib, kjt, b, dtype, kidx, int(sum(counts)))
         counts = [offsets[kidx[lk] + 1] - offsets[kidx[lk]] for lk in lookups]
         total = sum(counts)
         lk_t = torch.tensor(lookups, dtype=torch.long, device=device)
@@ -310,6 +367,41 @@ class RowPairIndex:
             row_start=torch.cummax(torch.where(new_row, at, 0), 0).values,
             pair_start=torch.cummax(torch.where(new_pair, at, 0), 0).values)
 
+    def _native_pairs(self, lib: ctypes.CDLL, kjt: KeyedJaggedTensor, b: int,
+                      dtype: torch.dtype, kidx: list[int], total: int) -> RowPairs:
+        """``pairs`` on the CPU in two calls of ``row_pairs.c`` around numpy's sort."""
+        if self._native_lookups is None or self._native_lookups[0] != kidx:
+            self._native_lookups = (kidx, np.array(kidx, dtype=np.int64),
+                                    self._mean.cpu().numpy().astype(np.uint8))
+        _, key_of_lookup, mean = self._native_lookups
+        offsets = np.asarray(kjt.offset_per_key(), dtype=np.int64)
+        lengths = np.ascontiguousarray(kjt.lengths().to(torch.int64).numpy())
+        values = np.ascontiguousarray(kjt.values().to(torch.int64).numpy())
+        value_weights = kjt.weights_or_none()
+        vw = (np.ascontiguousarray(value_weights.detach().to(torch.float32).numpy())
+              if value_weights is not None else None)
+        unsorted = [np.empty(total, dtype=np.int64) for _ in range(3)]
+        weight_in = np.empty(total, dtype=np.float32)
+        sort_key = np.empty(total, dtype=np.int64)
+        written = lib.odl_row_pair_reads(
+            b, len(kidx), _ptr(key_of_lookup), _ptr(self._table_of_lookup), _ptr(mean),
+            _ptr(offsets), _ptr(lengths), _ptr(values), _ptr(vw) if vw is not None else None,
+            *(_ptr(a) for a in unsorted), _ptr(weight_in), _ptr(sort_key))
+        assert written == total, (written, total)
+        order = np.argsort(sort_key)
+        lookup, sample, rows = (np.empty(total, dtype=np.int64) for _ in range(3))
+        weight = np.empty(total, dtype=np.float32)
+        new_row, new_pair = np.empty(total, dtype=np.bool_), np.empty(total, dtype=np.bool_)
+        row_start, pair_start = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+        lib.odl_row_pair_sorted(total, b, _ptr(order), *(_ptr(a) for a in unsorted),
+                                _ptr(weight_in), _ptr(sort_key), _ptr(lookup), _ptr(sample),
+                                _ptr(rows), _ptr(weight), _ptr(new_row), _ptr(new_pair),
+                                _ptr(row_start), _ptr(pair_start))
+        t = torch.from_numpy
+        return RowPairs(b=b, rows=t(rows), lookup=t(lookup), sample=t(sample),
+                        weight=t(weight).to(dtype), new_row=t(new_row), new_pair=t(new_pair),
+                        row_start=t(row_start), pair_start=t(pair_start))
+
     def per_pair(self, groups: Sequence[torch.Tensor | None], pairs: RowPairs,
                  dtype: torch.dtype) -> torch.Tensor:
         """``[P, width]``: each pair's lookup columns of its record in ``groups``.
@@ -319,8 +411,8 @@ class RowPairIndex:
         """
         b = pairs.b
         device = pairs.rows.device
-        parts = [g.to(dtype) if g is not None else torch.zeros(b, 0, dtype=dtype, device=device)
-                 for g in groups]
+        parts = [g.to(dtype) if g is not None else torch.zeros(b, w, dtype=dtype, device=device)
+                 for g, w in zip(groups, self.group_widths, strict=True)]
         cat = torch.cat([*parts, torch.zeros(b, 1, dtype=dtype, device=device)], dim=1)
         per_lookup = cat.index_select(1, self._gather).view(-1, self.width)  # [B * L, width]
         return per_lookup.index_select(0, pairs.sample * len(self.features) + pairs.lookup)
@@ -343,6 +435,17 @@ class RowPairIndex:
         per_lookup = cat.index_select(1, self._cpu_gather).view(-1, self.width)
         return per_lookup.index_select(0, torch.from_numpy(sample * len(self.features)
                                                            + lookup))
+
+    def rows_in_place(self) -> tuple[InPlaceRows, InPlaceRows] | None:
+        """The accumulators' and weights' rows for ``row_pairs.c``.
+
+        None where they are not addressable, or not float32 on the CPU.
+        """
+        if self._states is None or self._weights is None:
+            return None
+        states = self._states.in_place([1] * len(self.dims) if self.rowwise else self.dims)
+        weights = self._weights.in_place(self.dims)
+        return (states, weights) if states is not None and weights is not None else None
 
     def plan_accumulators(self, lookup: torch.Tensor, rows: torch.Tensor) -> RowPlan:
         """Where (lookup, row)s' accumulators lie.

@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from odl.train.in_batch import native_kernels
 from odl.train.in_batch.batch_row_pairs import RowPairIndex
 
 # (tables, rows) -> (accumulators [U, acc_width], held [U] bool) of the rows this rank holds
@@ -71,6 +72,9 @@ class WholeTables:
 
     def __init__(self, index: RowPairIndex) -> None:
         self._index = index
+        # on the CPU: the rows read and written in place by row_pairs.c (None: through plans)
+        self._lib = native_kernels.library()
+        self._in_place = index.rows_in_place() if self._lib is not None else None
         # the last rows read and where they lie: a step reads its shared rows' accumulators
         # before the backward (the shift) and after it (per-record Adagrad)
         self._last: RowsRead | None = None
@@ -83,6 +87,10 @@ class WholeTables:
     def accumulators(self, lookup: np.ndarray, rows: np.ndarray) -> RowsRead:
         """See ``HeldRows.accumulators``: every row is held."""
         index = self._index
+        if self._in_place is not None:
+            values = self._in_place[0].read(self._lib, lookup, rows,
+                                            1 if index.rowwise else index.width)
+            return RowsRead(values, np.ones(len(rows), dtype=bool), lookup, rows)
         last = self._last
         if (last is not None and np.array_equal(last.rows, rows)
                 and np.array_equal(last.lookup, lookup)):
@@ -98,6 +106,12 @@ class WholeTables:
                acc: np.ndarray) -> None:
         """See ``HeldRows.update``."""
         index = self._index
+        if self._in_place is not None:
+            states, weights = self._in_place
+            lookup, rows = read.lookup[at], read.rows[at]
+            weights.write(self._lib, lookup, rows, delta, add=True)
+            states.write(self._lib, lookup, rows, acc, add=False)
+            return
         (lookup, rows), plan = read.where
         if len(at) != len(read.rows):  # a part of the rows read: plan them again
             lookup, rows = self._at(read.lookup[at], read.rows[at])

@@ -57,6 +57,7 @@ dense part couples records; the shift then uses its train-mode Jacobian as it is
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -64,9 +65,11 @@ import numpy as np
 import torch
 
 from odl.config.optimizer_support import IN_BATCH_TABLE_KINDS
+from odl.train.in_batch import native_kernels
 from odl.train.in_batch.batch_row_pairs import RowPairIndex, RowPairs
 from odl.train.in_batch.held_rows import HeldRows
 from odl.train.in_batch.in_batch_scan import InBatchScan, ScanPairs, loss_slopes, scan_pairs
+from odl.train.in_batch.native_kernels import address as _ptr
 from odl.train.in_batch.step_exchange import StepExchange
 from odl.train.in_batch.wide_rate import PROBE_FACTOR, WideRate
 
@@ -166,6 +169,9 @@ def shared_reads(parts: list[RecordReads], index: RowPairIndex) -> SharedReads |
                                              weight[order], key[order])
     if len(key) < 2:
         return None
+    lib = native_kernels.library()
+    if lib is not None:
+        return _native_shared_reads(lib, key, lookup, rows, sample, weight)
     new_row = np.ones(len(key), dtype=bool)
     new_row[1:] = key[1:] != key[:-1]
     new_pair = new_row.copy()
@@ -179,6 +185,25 @@ def shared_reads(parts: list[RecordReads], index: RowPairIndex) -> SharedReads |
     heads = keep[first]
     return SharedReads(sample=sample[keep], lookup=lookup[keep], weight=weight[keep],
                        slot=np.cumsum(first) - 1, new_row=first, new_pair=new_pair[keep],
+                       head_lookup=lookup[heads], head_rows=rows[heads])
+
+
+def _native_shared_reads(lib: ctypes.CDLL, key: np.ndarray, lookup: np.ndarray,
+                         rows: np.ndarray, sample: np.ndarray,
+                         weight: np.ndarray) -> SharedReads | None:
+    """``shared_reads``'s selection in one call of ``row_pairs.c``."""
+    n = len(key)
+    key, sample = np.ascontiguousarray(key), np.ascontiguousarray(sample)
+    keep, slot = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
+    new_row, new_pair = np.empty(n, dtype=np.bool_), np.empty(n, dtype=np.bool_)
+    kept = lib.odl_shared_reads(n, _ptr(key), _ptr(sample), _ptr(keep), _ptr(slot),
+                                _ptr(new_row), _ptr(new_pair))
+    if not kept:
+        return None
+    keep, first = keep[:kept], new_row[:kept]
+    heads = keep[first]
+    return SharedReads(sample=sample[keep], lookup=lookup[keep], weight=weight[keep],
+                       slot=slot[:kept], new_row=first, new_pair=new_pair[:kept],
                        head_lookup=lookup[heads], head_rows=rows[heads])
 
 
@@ -319,10 +344,13 @@ class InBatchLearning:
                   lr: float) -> ScanPairs:
         """The step's shared reads prepared for the sequential pass (``InBatchScan.solve``)."""
         index = self._index
+        heads = shared.head_lookup
+        lib = native_kernels.library()
+        if lib is not None:
+            return self._native_prepared(lib, shared, jac, acc, lr)
         # the reads in the pass's (record, row) order, so that it reads them in sequence
         order = np.argsort(shared.sample * (int(shared.slot[-1]) + 1) + shared.slot)
         sample, lookup = shared.sample[order], shared.lookup[order]
-        heads = shared.head_lookup
         prepared = scan_pairs(
             torch.from_numpy(sample), torch.from_numpy(shared.slot[order]),
             index.jacobian_rows(jac, sample, lookup),
@@ -332,6 +360,32 @@ class InBatchLearning:
             torch.from_numpy(index.lookup_stored[heads]),
             torch.from_numpy(index.lookup_width[heads]), in_record_order=True)
         return prepared
+
+    def _native_prepared(self, lib: ctypes.CDLL, shared: SharedReads, jac: np.ndarray,
+                         acc: np.ndarray | None, lr: float) -> ScanPairs:
+        """``_prepared`` in one call of ``row_pairs.c``."""
+        index = self._index
+        k, records, width = len(shared.sample), int(jac.shape[0]), index.width
+        heads = shared.head_lookup
+        jac = np.ascontiguousarray(jac, dtype=np.float32)
+        weight = np.ascontiguousarray(shared.weight, dtype=np.float32)
+        sample, slot = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.int64)
+        weight_out, jrow = np.empty(k, dtype=np.float32), np.empty((k, width), dtype=np.float32)
+        # the kernel reads these by address: each is held by a name until it returns
+        lookup = np.ascontiguousarray(shared.lookup)
+        read_sample = np.ascontiguousarray(shared.sample)
+        read_slot = np.ascontiguousarray(shared.slot)
+        count = np.zeros(records + 1, dtype=np.int64)
+        lib.odl_scan_reads(k, records, width, index.columns, _ptr(read_sample), _ptr(lookup),
+                           _ptr(weight), _ptr(read_slot), _ptr(index.lookup_columns), _ptr(jac),
+                           _ptr(count), _ptr(sample), _ptr(slot), _ptr(weight_out), _ptr(jrow))
+        return ScanPairs(
+            order=np.arange(k, dtype=np.int64), sample=sample, slot=slot,
+            cols=index.lookup_width[heads], jrow=jrow, weight=weight_out,
+            rate=(lr * index.lookup_multiplier[heads]).astype(np.float32),
+            acc=(np.ascontiguousarray(acc, dtype=np.float32) if acc is not None
+                 else np.zeros((len(heads), 0), dtype=np.float32)),
+            stored=index.lookup_stored[heads], slots=len(heads))
 
     def _batched(self, shared: SharedReads, jac: np.ndarray, acc: np.ndarray | None,
                  lr: float, slope: np.ndarray, records: int, wide_factor: float = 1.0

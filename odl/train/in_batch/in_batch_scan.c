@@ -7,8 +7,8 @@
  * C-contiguous; floats are float32, indices int64; `sums` and `squares` are float64 scratch
  * of [slots, width], zeroed by the caller; `scratch` is float64 of [2 * width]. `shift`
  * ([records]) is written for every record that has a pair; the caller zeroes it. Compiled
- * by odl/train/in_batch/in_batch_scan.py with the system C compiler and called through ctypes; the
- * Python pass there computes the same thing one record at a time.
+ * by odl/train/in_batch/native_kernels.py with the system C compiler and called through ctypes;
+ * the Python pass of in_batch_scan.py computes the same thing one record at a time.
  */
 #include <math.h>
 #include <stdint.h>

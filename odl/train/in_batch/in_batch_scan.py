@@ -23,7 +23,8 @@ order gets ``shift_i = sum over its reads f of a_if * <dlogit_i/de_if, D_r(i)>``
 
 The shifts solve a recurrence (record ``i``'s error depends on the shifts before it), so
 they are found in one pass over the records in order (``in_batch_scan.c``, compiled on first
-use with the system C compiler; a Python pass of the same arithmetic where there is none).
+use with the system C compiler by ``odl.train.in_batch.native_kernels``; a Python pass of the
+same arithmetic where there is none).
 The pass needs each record's error as a function of its logit: it is modelled from the
 loss's slope and curvature (``fit_errors``: exact for cross entropy and L2 losses, one pass),
 and for other losses the pass is repeated from the logits it reached (``InBatchScan.shift``,
@@ -35,97 +36,27 @@ passes (``odl.train.in_batch.in_batch_learning``).
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from odl.protos import pipeline_pb2
-from odl.storage.file_store import cache_root
+from odl.train.in_batch import native_kernels
 from odl.train.in_batch.batch_row_pairs import argsort
-
-logger = logging.getLogger(__name__)
+from odl.train.in_batch.native_kernels import address as _ptr
 
 ITERATIONS = 4  # passes at most
 TOLERANCE = 1e-3  # the error model's largest miss, relative to the largest error, that ends
 # the passes
 
 KINDS = {"sgd": 0, "adagrad": 1, "rowwise_adagrad": 2}
-_SOURCE = Path(__file__).with_name("in_batch_scan.c")
-_SYMBOL = "odl_in_batch_scan"
-_library: ctypes.CDLL | None | bool = None  # None: not tried yet; False: no compiler
-
-
-def _build_dirs() -> list[Path]:
-    """Where the compiled pass may be kept, in order of preference.
-
-    ``$ODL_CACHE_DIR/native`` (default ``~/.cache/odl/native``), else the temporary
-    directory (a service without a writable home).
-    """
-    return [Path(cache_root()) / "native",
-            Path(tempfile.gettempdir()) / f"odl-native-{os.getuid()}"]
-
-
-def _build(target: Path, compiler: str) -> None:
-    """Compiles the pass into ``target`` (atomic: concurrent builders agree on one file)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so")
-    os.close(fd)
-    try:
-        subprocess.run([compiler, "-O3", "-fno-math-errno", "-shared", "-fPIC", "-o", tmp,
-                        str(_SOURCE), "-lm"],
-                       check=True, capture_output=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def _compile() -> ctypes.CDLL | None:
-    """The compiled pass, built once per source version into the first usable directory.
-
-    None without a working C compiler (logged).
-    """
-    source = _SOURCE.read_bytes()
-    tag = hashlib.sha256(source + sys.platform.encode()).hexdigest()[:16]
-    compiler = os.environ.get("CC", "cc")
-    why = ""
-    for directory in _build_dirs():
-        target = directory / f"in_batch_scan-{tag}.so"
-        try:
-            if not target.exists():
-                _build(target, compiler)
-            lib = ctypes.CDLL(str(target))
-            break
-        except (OSError, subprocess.SubprocessError) as e:
-            detail = (getattr(e, "stderr", b"") or b"").decode(errors="replace")[:300]
-            why = f"{e.__class__.__name__}{': ' + detail if detail else ''}"
-    else:
-        logger.warning("in_batch_sequential: could not compile %s with %r (%s); using the "
-                       "Python pass, which is much slower", _SOURCE.name, compiler, why)
-        return None
-    fn = getattr(lib, _SYMBOL)
-    fn.restype = None
-    i64, i32, f64, vp = ctypes.c_int64, ctypes.c_int32, ctypes.c_double, ctypes.c_void_p
-    fn.argtypes = [i64, i64, i64, vp, vp, vp, vp, vp, vp, vp, vp, vp, i32, i32, f64, f64,
-                   vp, vp, vp, vp, vp, vp, vp, vp]
-    return lib
 
 
 def native_pass_available() -> bool:
     """True when the compiled pass is in use (compiles it on the first call)."""
-    global _library
-    if _library is None:
-        _library = _compile() or False
-    return _library is not False
+    return native_kernels.library() is not None
 
 
 @dataclass(frozen=True)
@@ -206,10 +137,6 @@ def scan_pairs(sample: torch.Tensor, slot: torch.Tensor, jrow: torch.Tensor,
         stored=_f32(stored), slots=slots)
 
 
-def _ptr(a: np.ndarray) -> int:
-    return a.ctypes.data
-
-
 @dataclass(frozen=True)
 class ErrorModel:
     """Each record's error (its loss's slope) as a function of its logit ``l``.
@@ -248,13 +175,14 @@ def fit_errors(slope: np.ndarray, curve: np.ndarray, at: np.ndarray,
 
 def _native_pass(pairs: ScanPairs, kind: int, per_record: bool, gain: float, eps: float,
                  base: np.ndarray, errors: ErrorModel) -> np.ndarray:
-    assert isinstance(_library, ctypes.CDLL)
+    lib = native_kernels.library()
+    assert lib is not None
     width = pairs.jrow.shape[1]
     sums = np.zeros((pairs.slots, width), dtype=np.float64)
     squares = np.zeros((pairs.slots, width), dtype=np.float64)
     scratch = np.zeros(2 * width, dtype=np.float64)
     shift = np.zeros(len(base), dtype=np.float32)
-    getattr(_library, _SYMBOL)(
+    lib.odl_in_batch_scan(
         len(pairs.order), width, pairs.acc.shape[1], _ptr(pairs.order), _ptr(pairs.sample),
         _ptr(pairs.slot), _ptr(pairs.cols), _ptr(pairs.jrow), _ptr(pairs.weight), _ptr(pairs.rate),
         _ptr(pairs.acc), _ptr(pairs.stored), kind, int(per_record), gain, eps, _ptr(base),

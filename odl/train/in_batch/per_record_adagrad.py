@@ -57,6 +57,7 @@ other optimizers; rows that the model reads outside its pooled lookups keep the 
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,8 +65,10 @@ import numpy as np
 import torch
 
 from odl.config.optimizer_support import PER_RECORD_TABLE_KINDS
+from odl.train.in_batch import native_kernels
 from odl.train.in_batch.batch_row_pairs import RowPairIndex, RowPairs
 from odl.train.in_batch.held_rows import HeldRows
+from odl.train.in_batch.native_kernels import address as _ptr
 from odl.train.in_batch.step_exchange import StepExchange
 
 
@@ -214,10 +217,13 @@ class PerRecordAdagrad:
             return RowGradientSums(empty, empty, empty, empty,
                                    np.empty((0, width), dtype=np.float32),
                                    np.empty((0, qw), dtype=np.float32))
+        scale = 1.0 / self._exchange.world_size  # TorchRec averages the tables' gradients
+        lib = native_kernels.library() if pairs.rows.device.type == "cpu" else None
+        if lib is not None:
+            return self._native_row_sums(lib, pairs, grads, n, scale)
         dtype = next(g.dtype for g in grads if g is not None)
         g = index.per_pair([g[:n] if g is not None else None for g in grads], pairs, dtype)
-        # each read's weight; the gradients over the ranks: TorchRec averages the tables'
-        g.mul_((pairs.weight.to(dtype) / self._exchange.world_size).unsqueeze(1))
+        g.mul_((pairs.weight.to(dtype) * scale).unsqueeze(1))  # each read's weight
         run = torch.cumsum(pairs.new_pair.long(), 0) - 1  # (row, record) run of a read
         runs = int(run[-1]) + 1
         per_record = (g if runs == g.shape[0]  # no record reads a row twice
@@ -237,3 +243,32 @@ class PerRecordAdagrad:
             index.row_keys(lookup, rows), lookup, rows,
             torch.bincount(row_of_run, minlength=nrows).cpu().numpy().astype(np.int64, copy=False),
             sums[:, :width], sums[:, width:])
+
+    def _native_row_sums(self, lib: ctypes.CDLL, pairs: RowPairs,
+                         grads: Sequence[torch.Tensor | None], n: int,
+                         scale: float) -> RowGradientSums:
+        """``_row_sums`` on the CPU in one call of ``row_pairs.c``."""
+        index = self._index
+        width, columns = index.width, index.columns
+        rowwise = self.kind == "rowwise_adagrad"
+        parts = [g[:n].to(torch.float32) if g is not None
+                 else torch.zeros(n, w, dtype=torch.float32)
+                 for g, w in zip(grads, index.group_widths, strict=True)]
+        cat = np.ascontiguousarray(torch.cat(parts, 1).detach().numpy())
+        sample, lookup = pairs.sample.numpy(), pairs.lookup.numpy()
+        weight = np.ascontiguousarray(pairs.weight.to(torch.float32).numpy())
+        new_row, new_pair = pairs.new_row.numpy(), pairs.new_pair.numpy()
+        p = len(sample)
+        total = np.empty((p, width), dtype=np.float32)
+        squares = np.empty((p, 1 if rowwise else width), dtype=np.float32)
+        readers, head = np.empty(p, dtype=np.int64), np.empty(p, dtype=np.int64)
+        run = np.empty(width, dtype=np.float64)
+        rows_written = lib.odl_row_gradient_sums(
+            p, width, columns, int(rowwise), scale, _ptr(sample), _ptr(lookup), _ptr(weight),
+            _ptr(new_row), _ptr(new_pair), _ptr(index.lookup_columns), _ptr(cat), _ptr(run),
+            _ptr(total), _ptr(squares), _ptr(readers), _ptr(head))
+        head = head[:rows_written]
+        lookup, rows = lookup[head], pairs.rows.numpy()[head]
+        return RowGradientSums(index.row_keys(lookup, rows), lookup, rows,
+                               readers[:rows_written], total[:rows_written],
+                               squares[:rows_written])
