@@ -279,6 +279,7 @@ class RowPairIndex:
         self.lookup_multiplier = self.multiplier.numpy().astype(np.float32)
         self.lookup_stored = self.stored.numpy().astype(np.float32)
         self.lookup_width = np.array(self.dims, dtype=np.int64)
+        self.lookup_first = np.array(columns, dtype=np.int64)  # its first column of the groups
         # per lookup, its columns of the groups side by side ([L, width]; padding: `columns`)
         self.lookup_columns = self._gather.numpy().reshape(len(self.dims), self.width).copy()
         self._states: _FlatStorage | None = None

@@ -377,7 +377,8 @@ class InBatchLearning:
         read_slot = np.ascontiguousarray(shared.slot)
         count = np.zeros(records + 1, dtype=np.int64)
         lib.odl_scan_reads(k, records, width, index.columns, _ptr(read_sample), _ptr(lookup),
-                           _ptr(weight), _ptr(read_slot), _ptr(index.lookup_columns), _ptr(jac),
+                           _ptr(weight), _ptr(read_slot), _ptr(index.lookup_first),
+                           _ptr(index.lookup_width), _ptr(jac),
                            _ptr(count), _ptr(sample), _ptr(slot), _ptr(weight_out), _ptr(jrow))
         return ScanPairs(
             order=np.arange(k, dtype=np.int64), sample=sample, slot=slot,

@@ -35,9 +35,9 @@ SIGNATURES = {
                                  _vp, _vp]),
     "odl_row_pair_reads": (_i64, [_i64, _i64] + [_vp] * 12),
     "odl_row_pair_sorted": (None, [_i64, _i64] + [_vp] * 14),
-    "odl_row_gradient_sums": (_i64, [_i64, _i64, _i64, _i32, _f64] + [_vp] * 12),
+    "odl_row_gradient_sums": (_i64, [_i64, _i64, _i64, _i32, _f64] + [_vp] * 13),
     "odl_shared_reads": (_i64, [_i64] + [_vp] * 6),
-    "odl_scan_reads": (None, [_i64, _i64, _i64, _i64] + [_vp] * 11),
+    "odl_scan_reads": (None, [_i64, _i64, _i64, _i64] + [_vp] * 12),
     "odl_rows_read": (None, [_i64, _i64] + [_vp] * 6),
     "odl_rows_write": (None, [_i64, _i64] + [_vp] * 6 + [_i32]),
 }

@@ -265,8 +265,8 @@ class PerRecordAdagrad:
         run = np.empty(width, dtype=np.float64)
         rows_written = lib.odl_row_gradient_sums(
             p, width, columns, int(rowwise), scale, _ptr(sample), _ptr(lookup), _ptr(weight),
-            _ptr(new_row), _ptr(new_pair), _ptr(index.lookup_columns), _ptr(cat), _ptr(run),
-            _ptr(total), _ptr(squares), _ptr(readers), _ptr(head))
+            _ptr(new_row), _ptr(new_pair), _ptr(index.lookup_first), _ptr(index.lookup_width),
+            _ptr(cat), _ptr(run), _ptr(total), _ptr(squares), _ptr(readers), _ptr(head))
         head = head[:rows_written]
         lookup, rows = lookup[head], pairs.rows.numpy()[head]
         return RowGradientSums(index.row_keys(lookup, rows), lookup, rows,

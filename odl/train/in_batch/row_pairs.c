@@ -79,15 +79,15 @@ void odl_row_pair_sorted(int64_t n, int64_t b, const int64_t *order,
 /* Per table row of the sorted reads: the gradient its records put on it and the sum of their
  * squares, each record's gradient being its reads' pooled gradients times the reads' weights
  * times `scale` (summed over the record's reads of the row). `grads` is [records, columns]:
- * the pooled groups side by side; `lookup_columns` [lookups, width] each lookup's columns in
- * it (`columns`: a zero column past the lookup's width). Writes, per row `r` (in order),
+ * the pooled groups side by side, lookup `l`'s `lookup_width[l]` columns from
+ * `lookup_first[l]` (the columns of `total`, `squares` and `run` past it stay 0). Writes, per row `r` (in order),
  * `total[r]` ([width]), `squares[r]` ([width], or [1] summed over the columns when
  * `rowwise`), `readers[r]` (its records) and `head[r]` (its first read); returns the rows. */
 int64_t odl_row_gradient_sums(int64_t n_pairs, int64_t width, int64_t columns, int32_t rowwise,
                               double scale, const int64_t *sample, const int64_t *lookup,
                               const float *weight, const uint8_t *new_row,
-                              const uint8_t *new_pair, const int64_t *lookup_columns,
-                              const float *grads, double *run, float *total, float *squares,
+                              const uint8_t *new_pair, const int64_t *lookup_first,
+                              const int64_t *lookup_width, const float *grads, double *run, float *total, float *squares,
                               int64_t *readers, int64_t *head) {
     const int64_t qw = rowwise ? 1 : width;
     int64_t r = -1;
@@ -117,14 +117,12 @@ int64_t odl_row_gradient_sums(int64_t n_pairs, int64_t width, int64_t columns, i
             readers[r]++;
             have_run = 1;
         }
-        const int64_t *cols = lookup_columns + lookup[p] * width;
-        const float *g = grads + sample[p] * columns;
+        const float *g = grads + sample[p] * columns + lookup_first[lookup[p]];
+        const int64_t dim = lookup_width[lookup[p]];
         const double w = (double)weight[p] * scale;
         float *t = total + r * width;
-        for (int64_t c = 0; c < width; c++) {
-            const int64_t col = cols[c];
-            if (col >= columns) continue;
-            const double x = (double)g[col] * w;
+        for (int64_t c = 0; c < dim; c++) {
+            const double x = (double)g[c] * w;
             run[c] += x;
             t[c] += (float)x;
         }
@@ -163,10 +161,12 @@ int64_t odl_shared_reads(int64_t n, const int64_t *row_key, const int64_t *sampl
 /* The sequential pass's reads: `k` reads sorted by (row, record) put in (record, row) order
  * (a counting sort over the `records` records; `count` is [records + 1] int64 scratch, zeroed
  * by the caller), with each read's columns of its record's `jac` ([records, columns], the
- * pooled groups side by side) through `lookup_columns` ([lookups, width]; `columns`: zero). */
+ * pooled groups side by side; lookup `l`'s `lookup_width[l]` columns from `lookup_first[l]`,
+ * zero after them up to `width`). */
 void odl_scan_reads(int64_t k, int64_t records, int64_t width, int64_t columns,
                     const int64_t *sample, const int64_t *lookup, const float *weight,
-                    const int64_t *slot, const int64_t *lookup_columns, const float *jac,
+                    const int64_t *slot, const int64_t *lookup_first,
+                    const int64_t *lookup_width, const float *jac,
                     int64_t *count, int64_t *sample_out, int64_t *slot_out, float *weight_out,
                     float *jrow_out) {
     for (int64_t p = 0; p < k; p++) count[sample[p] + 1]++;
@@ -176,10 +176,12 @@ void odl_scan_reads(int64_t k, int64_t records, int64_t width, int64_t columns,
         sample_out[q] = sample[p];
         slot_out[q] = slot[p];
         weight_out[q] = weight[p];
-        const int64_t *cols = lookup_columns + lookup[p] * width;
-        const float *j = jac + sample[p] * columns;
+        const float *j = jac + sample[p] * columns + lookup_first[lookup[p]];
+        const int64_t dim = lookup_width[lookup[p]];
         float *out = jrow_out + q * width;
-        for (int64_t c = 0; c < width; c++) out[c] = cols[c] < columns ? j[cols[c]] : 0.0f;
+        int64_t c = 0;
+        for (; c < dim; c++) out[c] = j[c];
+        for (; c < width; c++) out[c] = 0.0f;
     }
 }
 
