@@ -14,7 +14,9 @@ figures are the AUC and logloss of those predictions over all records and over t
   learning rates, tables and dense part, set to B, S and D), batches of B records in
   stream order, each batch predicted before the step that learns from it (what
   ``odl-train --online`` reports as progressive AUC); the rate includes building the
-  batches, ``step_ms`` is the mean training step alone;
+  batches, ``step_ms`` is the mean training step alone; with in-batch learning
+  ``shift_gain`` is how much its shift took off the step's loss at the end (``/status``'s
+  ``in_batch.loss_gain``);
 * served (``--serve-delay D``, default 2500): the AUC of what a server of each learner's
   state would have answered, each record predicted by the state that had learned the
   records before it minus D (for odl: every batch ending at or before that; predictions in
@@ -341,11 +343,12 @@ def run_vw(examples: list[str], lr: float, quadratic: str,
 def run_odl(values: list[bytes], batch: int | None, work: str, sparse_lr: float | None = 0.1,
             dense_lr: float | None = 0.001, delay: int = 0, kind: str = "bursty",
             config_path: str = "", **settings) -> tuple[np.ndarray, float, float,
-                                                        np.ndarray | None]:
+                                                        np.ndarray | None, float | None]:
     """odl's progressive predictions, its rate (building included), its mean train step in
-    ms (building excluded), and (``delay`` > 0) its served predictions: record m predicted
+    ms (building excluded), (``delay`` > 0) its served predictions: record m predicted
     (eval mode, as serving) by the state that learned every batch ending at or before
-    ``m - delay``. The served predictions are made after the timing."""
+    ``m - delay``, and in-batch learning's shift gain at the end (``in_batch_gain``; None
+    without it). The served predictions are made after the timing."""
     config = odl_config(kind, os.path.join(work, f"odl-{batch}-{sparse_lr}-{dense_lr}"),
                         batch, sparse_lr, dense_lr, config_path, **settings)
     batch = int(config.data_config.batch_size)
@@ -363,6 +366,8 @@ def run_odl(values: list[bytes], batch: int | None, work: str, sparse_lr: float 
         probs.append(out.probs)
     rate = n / (time.perf_counter() - t0)
     step_ms = 1000 * stepping / -(-n // batch)
+    gain = module.in_batch_gain  # how much the shift took off the step's loss (in-batch)
+    shift_gain = round(gain.value, 5) if gain is not None and gain.value is not None else None
     served = None
     if delay:
         module = TrainModule(config, fb, device="cpu")  # again, serving as it goes
@@ -377,7 +382,7 @@ def run_odl(values: list[bytes], batch: int | None, work: str, sparse_lr: float 
             module.train_step(fb.build(values[k:k + batch]).batch)
             end = min(k + batch, n)  # the state now covers the records before end
             serve(min(end + delay, n), min(end + delay + batch, n))
-    return np.concatenate(probs), rate, step_ms, served
+    return np.concatenate(probs), rate, step_ms, served, shift_gain
 
 
 def run_broker(values: list[bytes], batch: int | None, work: str, sparse_lr: float | None,
@@ -503,13 +508,14 @@ def main() -> int:
                 for dlr in [float(x) for x in args.dense_lr.split(",")]
                 for train in settings_grid(args)]
     for b, slr, dlr, train in grid:
-        probs, rate, step_ms, served = run_odl(values, b, work, slr, dlr, args.serve_delay,
-                                               args.stream, args.config, train=train)
+        probs, rate, step_ms, served, shift_gain = run_odl(
+            values, b, work, slr, dlr, args.serve_delay, args.stream, args.config, train=train)
         name = (("odl as written" + (" + in_batch_learning" if train else ""))
                 if args.config_as_written else
                 f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}" + settings_name(train))
         rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
-                      "step_ms": round(step_ms, 3), **served_scores(served, labels)}
+                      "step_ms": round(step_ms, 3), **served_scores(served, labels),
+                      **({"shift_gain": shift_gain} if shift_gain is not None else {})}
         curves[name] = auc_curve(probs, labels)
         print(name, rows[name], flush=True)
     if args.broker:  # the first setting (--config-as-written: both) through the broker

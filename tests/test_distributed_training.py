@@ -173,6 +173,8 @@ def test_two_ranks_learn_in_batch_as_one_process(ranks, tmp_path, optimizer, per
     for r in range(world):
         assert got[r][3]["level"] == one.wide_rate.level
         assert got[r][3]["sensitivity"] == pytest.approx(one.wide_rate.sensitivity, rel=1e-5)
+        # the shift's gain, measured on the step's loss over both ranks' records
+        assert got[r][4] == pytest.approx(one.in_batch_gain.value, rel=1e-4)
 
 
 def _in_batch_settings(per_record: bool) -> str:
@@ -193,7 +195,7 @@ def _in_batch_rank_main(rank: int, world: int, model_dir: str,
              for step in schedule]
     passes = tm.row_pair_learning.in_batch.sequential.passes
     return (np.concatenate(probs), _tables(tm.state_dict_for_checkpoint()), passes,
-            tm.wide_rate.state_dict())
+            tm.wide_rate.state_dict(), tm.in_batch_gain.value)
 
 
 FOCAL = "losses { loss_type: BINARY_FOCAL_LOSS binary_focal_loss { gamma: 0.5 } }"

@@ -185,3 +185,19 @@ def test_settings_refused_where_they_cannot_apply(tmp_path):
                         "train_config.in_batch_learning", "one output")
     assert_edit_refused(text, (ADAGRAD, "adam_optimizer"), "train_config.in_batch_learning",
                         "Adagrad")
+
+
+def test_the_shifts_gain_is_the_loss_it_takes_off_the_step(tmp_path):
+    """``in_batch_gain``: the step's loss at the shifted logits against the unshifted ones',
+    the latter a plain module's step from the same state; measured when the next step runs."""
+    records = _records(2 * 64)
+    a, fa = _module(_config(tmp_path, "in_batch_learning: true"))
+    b, fb = _module(_config(tmp_path))
+    assert b.in_batch_gain is None
+    shifted = a.train_step(fa.build(records[:64]).batch).loss
+    plain = b.train_step(fb.build(records[:64]).batch).loss
+    assert a.in_batch_gain.value is None and a.in_batch_gain.steps == 0
+    a.train_step(fa.build(records[64:]).batch)
+    assert a.in_batch_gain.steps == 1
+    assert a.in_batch_gain.value == pytest.approx((plain - shifted) / plain, rel=1e-4)
+    assert a.in_batch_gain.value > 1e-3  # the burst's earlier records teach its later ones

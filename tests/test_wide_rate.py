@@ -182,7 +182,7 @@ def test_a_restored_module_continues_as_the_one_that_wrote_the_checkpoint(tmp_pa
         assert b.wide_rate.level == a.wide_rate.level
 
 
-def test_status_and_metrics_show_the_wide_rate(tmp_path):
+def test_status_and_metrics_show_the_wide_rate_and_the_shifts_gain(tmp_path):
     text = bursty_config_text(str(tmp_path / "m"), batch_size=64, buckets=4096,
                               extra_train="in_batch_learning: true")
     config = parse_pipeline_config_text(text.replace("wide_output_dim: 1", FINAL_DNN))
@@ -202,3 +202,7 @@ def test_status_and_metrics_show_the_wide_rate(tmp_path):
     assert registry.get_sample_value("odl_wide_rate_level") == pytest.approx(rate.level)
     assert registry.get_sample_value("odl_wide_rate_multiplier") == pytest.approx(
         rate.multiplier)
+    gain = trainer.module.in_batch_gain
+    assert trainer.status()["in_batch"] == {"loss_gain": round(gain.value, 6),
+                                            "steps_measured": 9}  # the last step's: unmeasured
+    assert registry.get_sample_value("odl_in_batch_loss_gain") == pytest.approx(gain.value)

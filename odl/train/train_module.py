@@ -61,6 +61,7 @@ from odl.train.distributed import (
     table_placement,
 )
 from odl.train.dynamic_rows import DynamicRows, dynamic_partitions, held_partitions
+from odl.train.in_batch.in_batch_learning import ShiftGain
 from odl.train.in_batch.row_pair_learning import RowPairLearning
 from odl.train.in_batch.wide_rate import WideRate, start_level
 from odl.train.learning_rates import LearningRates
@@ -571,6 +572,12 @@ class TrainModule:
     def wide_rate(self) -> WideRate | None:
         """The wide tables' adapted rate (in-batch learning with wide tables), else None."""
         return self.row_pair_learning.wide_rate if self.row_pair_learning is not None else None
+
+    @property
+    def in_batch_gain(self) -> ShiftGain | None:
+        """How much in-batch learning's shift lowers the step's loss (None: not on)."""
+        learning = self.row_pair_learning
+        return learning.in_batch.gain if learning is not None and learning.in_batch else None
 
     def set_global_step(self, step: int) -> None:
         """Sets the step (a restore); the learning rates follow it at the next step."""

@@ -417,6 +417,9 @@ class Trainer:
             if wide_rate is not None:
                 self.metrics.wide_rate_level.set(wide_rate.level)
                 self.metrics.wide_rate_multiplier.set(wide_rate.multiplier)
+            gain = self.module.in_batch_gain
+            if gain is not None and gain.value is not None:
+                self.metrics.in_batch_loss_gain.set(gain.value)
             if self._ledger is not None and sample_ids is not None:
                 # flushed before the step can be published (crash audits)
                 self._ledger.write_step(self.generation, self.module.global_step, sample_ids)

@@ -88,6 +88,9 @@ class TrainerMetrics:
         self.wide_rate_multiplier = Gauge(
             "odl_wide_rate_multiplier", "The wide tables' learning rate over the table rate "
             "(the level over the logit's sensitivity to the wide part)", registry=r)
+        self.in_batch_loss_gain = Gauge(
+            "odl_in_batch_loss_gain", "How much in-batch learning's shift lowers the step's "
+            "loss, relative, smoothed over steps (docs/training.md)", registry=r)
         self.broker_up = Gauge("odl_broker_up", "1 when the input broker is reachable", registry=r)
         self.pass_auc = Gauge("odl_pass_auc", "Progressive AUC of the last closed pass (file "
                               "stream)", registry=r)

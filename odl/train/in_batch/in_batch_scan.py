@@ -359,13 +359,20 @@ def error_model_is_exact(model_config: pipeline_pb2.EasyRecModel) -> bool:
 def loss_slopes(loss_at: Callable[[torch.Tensor], torch.Tensor],
                 at: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Each record's loss slope and its derivative in its own logit, at ``at``."""
+    return loss_and_slopes(loss_at, at)[1:]
+
+
+def loss_and_slopes(loss_at: Callable[[torch.Tensor], torch.Tensor],
+                    at: torch.Tensor) -> tuple[float, np.ndarray, np.ndarray]:
+    """The loss at ``at`` and ``loss_slopes`` there, from one evaluation of the loss."""
     with torch.enable_grad():
         leaf = at.detach().requires_grad_(True)
-        (slope,) = torch.autograd.grad(loss_at(leaf), leaf, create_graph=True)
+        value = loss_at(leaf)
+        (slope,) = torch.autograd.grad(value, leaf, create_graph=True)
         if slope.requires_grad:
             (curve,) = torch.autograd.grad(slope.sum(), leaf, allow_unused=True)
         else:  # a slope that does not depend on the logit (a linear loss)
             curve = None
     if curve is None:
         curve = torch.zeros_like(slope)
-    return _f32(slope), _f32(curve)
+    return float(value.detach()), _f32(slope), _f32(curve)
