@@ -123,11 +123,11 @@ class ShiftGain:
 
     Per step, ``(L(l) - L(l + shift)) / L(l)``: the step's loss (every rank's records, as the
     step trains on it) at the records' unshifted logits and at the shifted ones, smoothed
-    over steps (``GAIN_SMOOTHING``). Measured on the records the step predicts, the shift
-    being what the batch's earlier records teach: about 6 % on the MovieLens stream, 0.4 %
-    on the bursty one and 0.01-0.03 % on the Criteo-like one, where records share rows only
-    through popular ids (``docs/training.md``). Not part of the checkpoint: a restarted run
-    measures anew.
+    over steps (``GAIN_SMOOTHING``). The shift is what the batch's earlier records teach its
+    later ones, so the gain says whether in-batch learning pays on the stream: several per
+    cent where one user's events come in bursts, about nothing where records share rows only
+    through popular ids (measured figures in ``docs/training.md``). Not part of the
+    checkpoint: a restarted run measures anew.
 
     Attributes:
         value: the smoothed gain (None before a step was measured).
