@@ -130,22 +130,23 @@ def test_two_ranks_train_a_file_stream_as_one_process_and_resume_in_one(tmp_path
 
 
 def _slow_reader_rank(rank: int, world: int, text: str, slow_rank: int,
-                      loses: int = 0) -> dict:
-    """One rank of a file-stream job whose rank ``slow_rank`` hands out each batch only at
-    the second ask (a slow reader) and, with ``loses``, never hands out its ``loses``-th
-    batch (its reading went another way); returns what it trained and, on rank 0, the
-    model."""
+                      loses: int = 0, offline_files: str = "") -> dict:
+    """One rank of a file-stream job (``offline_files``: an offline job on those files)
+    whose rank ``slow_rank`` hands out each batch only at the second ask (a slow reader)
+    and, with ``loses``, never hands out its ``loses``-th batch (its reading went another
+    way); returns what it trained and, on rank 0, the model."""
     import odl.train.trainer as trainer_module
 
     leave = trainer_module.leave_process_group
     trainer_module.leave_process_group = lambda: None  # the harness leaves the group itself
     try:
-        return _slow_reader_run(rank, text, slow_rank, loses)
+        return _slow_reader_run(rank, text, slow_rank, loses, offline_files)
     finally:  # (a RankPool rank runs other tasks after this one)
         trainer_module.leave_process_group = leave
 
 
-def _slow_reader_run(rank: int, text: str, slow_rank: int, loses: int) -> dict:
+def _slow_reader_run(rank: int, text: str, slow_rank: int, loses: int,
+                     offline_files: str = "") -> dict:
     from odl.config.pipeline_config import parse_pipeline_config_text
     from odl.train.trainer import Trainer, TrainerOptions
 
@@ -169,13 +170,17 @@ def _slow_reader_run(rank: int, text: str, slow_rank: int, loses: int) -> dict:
             pipeline.get = get
 
     config = parse_pipeline_config_text(text)
-    trainer = SlowReader(config, TrainerOptions(online=True, device="cpu", status_port=-1))
+    if offline_files:
+        config.train_input_path = offline_files  # odl-train's --train_input_path
+    trainer = SlowReader(config, TrainerOptions(online=not offline_files, device="cpu",
+                                                status_port=-1))
     code = trainer.run()
     if loses:
         return {"code": code, "failure": trainer.failure, "samples": trainer.samples_trained,
                 "step": trainer.module.global_step}
     assert code == 0
-    passes = [(p["day"], p["pass"], p["samples"]) for p in trainer.status()["passes"]["passes"]]
+    shown = trainer.status()["passes"]
+    passes = [(p["day"], p["pass"], p["samples"]) for p in shown["passes"]] if shown else []
     state = trainer.module.state_dict_for_checkpoint()
     return {"samples": trainer.samples_trained, "passes": passes,
             "positions": dict(trainer.positions), "step": trainer.module.global_step,
@@ -209,6 +214,34 @@ def test_file_stream_ranks_wait_for_a_slow_reader_and_end_passes_together(ranks,
     assert [(d, p) for d, p, _n in got[0]["passes"]] == [(d, p) for d, p, _n in want]
     assert [a[2] + b[2] for a, b in zip(got[0]["passes"], got[1]["passes"], strict=True)] == [
         n for _d, _p, n in want]
+    for name, t in one.module.state_dict_for_checkpoint()["model"].items():
+        np.testing.assert_allclose(got[0]["model"][name], t.numpy(), atol=2e-4, rtol=0,
+                                   err_msg=name)
+
+
+def test_offline_ranks_wait_for_a_slow_reader_and_train_as_one_process(ranks, tmp_path):
+    """Offline files on two ranks, rank 1 a slow reader, 15 batches: the fast rank holds each
+    batch until the slow one has its own, so every step trains the records one process with
+    twice the batch trains at that step, and the last step is rank 0's alone (rank 1 has no
+    batch left) instead of a wait without end."""
+    from odl.train.trainer import Trainer, TrainerOptions
+
+    _ids, values = make_records(900, seed=43)
+    data = tmp_path / "data.csv"
+    data.write_bytes(b"\n".join(values) + b"\n")
+    cfg = write_config(tmp_path, "127.0.0.1:9", "unused", name="two.config", batch_size=64,
+                       save_checkpoints_steps=0)
+    text = open(cfg).read()
+    config = load_pipeline_config(cfg)
+    config.data_config.batch_size = 128
+    config.model_dir = str(tmp_path / "one_dir")
+    config.train_input_path = str(data)
+    one = Trainer(config, TrainerOptions(online=False, device="cpu", status_port=-1))
+    assert one.run() == 0
+    got = ranks.run(_slow_reader_rank, 2, text, 1, 0, str(data))
+    assert one.module.global_step == got[0]["step"] == got[1]["step"] == 8
+    assert (got[0]["samples"], got[1]["samples"]) == (8 * 64 - 60, 7 * 64)
+    assert got[0]["samples"] + got[1]["samples"] == one.samples_trained == 900
     for name, t in one.module.state_dict_for_checkpoint()["model"].items():
         np.testing.assert_allclose(got[0]["model"][name], t.numpy(), atol=2e-4, rtol=0,
                                    err_msg=name)

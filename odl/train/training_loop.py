@@ -10,9 +10,12 @@ be retried and which parts of a delta version are due. Then, on every rank alike
 * all publish together before the step (``odl.train.rank_publishing``);
 * all train when one holds a batch (the others with an empty one), and all checkpoint on the
   same steps;
-* on a file stream the ranks train a group of batches only when every rank holds its batch
-  of it (``odl.inputs.file_stream_source``), so passes end at the same step everywhere;
-  ranks holding different groups stop on a failure.
+* on a file stream and on offline files the ranks train a group of batches only when every
+  rank holds its batch of it, or has none left (``odl.inputs.file_stream_source``,
+  ``odl.inputs.file_source``: rank ``r``'s ``k``-th batch is the group's ``r``-th), so a
+  step trains what one process with the ranks' batches together would, however fast each
+  rank reads, and passes end at the same step everywhere; ranks holding different groups
+  of a file stream stop on a failure.
 
 With one rank the exchange is the rank's own turn (no collective). What a step trains and
 records is the trainer's (``Trainer.train_on``); this module decides when.
@@ -53,10 +56,11 @@ class TrainingLoop:
         pipeline = t.input_pipeline
         assert pipeline is not None
         publishing = t.rank_publishing
-        # a file stream: every rank reads the same groups of batches and trains its batch of
-        # a group only when every rank holds its own, so they step through the groups (and
-        # the passes) together; a rank holding a group's batch keeps it until then
-        lockstep = t.options.online and online_input_kind(t.config) == "file_stream"
+        # a file stream or offline files: every rank reads the same groups of batches and
+        # trains its batch of a group only when every rank holds its own (or has no input
+        # left), so they step through the groups (and the passes) together; a rank holding
+        # a group's batch keeps it until then
+        lockstep = not t.options.online or online_input_kind(t.config) == "file_stream"
         held: Optional[PreparedBatch] = None
         while True:
             if t.publisher is not None and t.publisher.fatal_error is not None:
@@ -79,7 +83,9 @@ class TrainingLoop:
             if any(r.stop for r in turn) or all(r.finished for r in turn):
                 self._ends(turn)
                 break
-            any_batch = (all if lockstep else any)(r.has_batch for r in turn)
+            any_batch = any(r.has_batch for r in turn)
+            if lockstep:  # every rank with input left holds its batch of the group
+                any_batch = any_batch and all(r.has_batch or r.finished for r in turn)
             if lockstep and item is not None and not any_batch:
                 held = item  # the others have not read this group yet
             if publishing is not None:  # rank 0's schedule for all, before the step
