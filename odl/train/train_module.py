@@ -513,6 +513,8 @@ class TrainModule:
         else:  # no records here: a zero loss still runs the backward's collectives
             loss = torch.tensor(float("nan"))
             weighted = output.logits.sum() * 0.0
+        if learning is not None:  # (in-batch learning: the shift's gain)
+            learning.trained_loss(float(loss.detach()), n, sizes)
         pending = learning.before_backward(output) if learning is not None else None
         self.dense_optimizer.zero_grad(set_to_none=True)
         weighted.backward()  # table rows are updated inside backward (fused)

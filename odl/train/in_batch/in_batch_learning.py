@@ -360,13 +360,17 @@ class InBatchLearning:
                 self._probe(shift_with, base, offset, logits, loss_at)
         if wide_rate is not None:  # the next step's wide rate
             wide_rate.observe(jac_all)
-        own = torch.from_numpy(np.ascontiguousarray(shift[offset:offset + n])).to(
-            logits.device, logits.dtype)
-        self._shifted_loss = 0.0
-        if n:
-            with torch.no_grad():
-                self._shifted_loss = float(loss_at(logits.detach() + own))
-        return own
+        self._shifted_loss = float("nan")  # until the step reports it (``trained_loss``)
+        own = np.ascontiguousarray(shift[offset:offset + n])
+        return torch.from_numpy(own).to(logits.device, logits.dtype)
+
+    def trained_loss(self, part: float) -> None:
+        """Takes this rank's part of the step's loss at the shifted logits.
+
+        As the step trained on it, weighted as ``loss_at`` weighs it (0 without records):
+        ``ShiftGain``'s second figure, exchanged with the next step.
+        """
+        self._shifted_loss = float(part)
 
     def _probe(self, shift_with: Callable[[float], np.ndarray], base: np.ndarray, offset: int,
                logits: torch.Tensor, loss_at: LossAt) -> None:

@@ -172,6 +172,11 @@ class RowPairLearning:
 
         return self.in_batch.logit_shift(pairs, jac, mine.logits.detach(), loss_at, lr)
 
+    def trained_loss(self, loss: float, n: int, sizes: Sequence[int]) -> None:
+        """The step's loss on this rank's ``n`` shifted records (in-batch learning's gain)."""
+        if self.in_batch is not None:
+            self.in_batch.trained_loss(loss * n / sum(sizes) if n else 0.0)
+
     def before_backward(self, output: ModelOutput) -> list[torch.Tensor | None] | None:
         """Hooks the pooled groups for per-record Adagrad (None: off)."""
         if self.per_record is None:
