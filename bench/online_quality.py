@@ -54,8 +54,10 @@ VW rows are skipped and say so.
         [--serve-delay 2500] [--config samples/X.config] [--config-as-written]
         [--broker] [--json out.json]
 
-``--config-as-written``: ``--config`` with its own batch size and rates (what a user who
-brings the config gets from odl's defaults), then the same config plus
+``--config-as-written``: ``--config`` (without it, on the bursty and Criteo-like streams, the
+stream's DeepFM as its generator writes it: EasyRec's fields only) with its own batch size
+and rates (what a user who brings the config gets from odl's defaults), then the same
+config plus
 ``in_batch_learning: true`` (``AS_WRITTEN_EXTRAS``), against VW's grid, in one run; with
 ``--broker`` both also through the embedded broker (``odl-train --online``, wall-clock
 samples/s).
@@ -463,11 +465,15 @@ def main() -> int:
     ap.add_argument("--broker", action="store_true",
                     help="also train through the embedded broker (odl-train --online's path)")
     ap.add_argument("--config-as-written", action="store_true",
-                    help="--config as its user wrote it (its batch size and rates), then the "
-                         "same with in_batch_learning: true (AS_WRITTEN_EXTRAS), against VW; "
-                         "--batch, --sparse-lr, --dense-lr and the settings are not used")
+                    help="--config as its user wrote it (its batch size and rates; without "
+                         "--config, bursty and criteo: the stream's DeepFM as generated), then "
+                         "the same with in_batch_learning: true (AS_WRITTEN_EXTRAS), against "
+                         "VW; --batch, --sparse-lr, --dense-lr and the settings are not used")
     add_output_args(ap)
     args = ap.parse_args()
+    if args.config_as_written and not args.config and args.stream == "movielens":
+        ap.error("--config-as-written on movielens needs --config (its default config is the "
+                 "MovieLens sample, which writes odl's own fields)")
     work = tempfile.mkdtemp(prefix="odl-quality-")
     if args.stream == "movielens" and not args.data:
         ap.error("--stream movielens needs --data (the unpacked ml-100k directory)")
@@ -499,8 +505,6 @@ def main() -> int:
         rows["vw"] = {"skipped": "vowpalwabbit is not installed "
                                  "(pip install -r bench/requirements-quality.txt)"}
     if args.config_as_written:
-        if not args.config:
-            ap.error("--config-as-written needs --config")
         grid = [(None, None, None, {}), (None, None, None, dict(AS_WRITTEN_EXTRAS))]
     else:
         grid = [(b, slr, dlr, train) for b in [int(x) for x in args.batch.split(",")]
