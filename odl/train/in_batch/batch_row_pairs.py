@@ -324,12 +324,11 @@ class RowPairIndex:
         lookups = [lk for lk, k in enumerate(kidx) if k >= 0 and offsets[k + 1] > offsets[k]]
         if not lookups:
             return None
-        lib = native_kernels.library() if device.type == "cpu" else None
-        if lib is not None:
-            counts = [offsets[kidx[lk] + 1] - offsets[kidx[lk]] for lk in lookups]
-            return self._native_pairs(lib, kjt, b, dtype, kidx, int(sum(counts)))
         counts = [offsets[kidx[lk] + 1] - offsets[kidx[lk]] for lk in lookups]
         total = sum(counts)
+        lib = native_kernels.library() if device.type == "cpu" else None
+        if lib is not None:
+            return self._native_pairs(lib, kjt, b, dtype, kidx, int(total))
         lk_t = torch.tensor(lookups, dtype=torch.long, device=device)
         firsts = torch.tensor([offsets[kidx[lk]] for lk in lookups], dtype=torch.long,
                               device=device)
@@ -407,16 +406,28 @@ class RowPairIndex:
                  dtype: torch.dtype) -> torch.Tensor:
         """``[P, width]``: each pair's lookup columns of its record in ``groups``.
 
-        ``groups`` holds one ``[B, group width]`` tensor per ``pooled_layout`` group (None:
+        ``groups`` holds one ``[>= B, group width]`` tensor per ``pooled_layout`` group (None:
         zeros).
         """
         b = pairs.b
-        device = pairs.rows.device
-        parts = [g.to(dtype) if g is not None else torch.zeros(b, w, dtype=dtype, device=device)
-                 for g, w in zip(groups, self.group_widths, strict=True)]
-        cat = torch.cat([*parts, torch.zeros(b, 1, dtype=dtype, device=device)], dim=1)
+        cat = self.side_by_side(groups, b, dtype, pairs.rows.device, zero_column=True)
         per_lookup = cat.index_select(1, self._gather).view(-1, self.width)  # [B * L, width]
         return per_lookup.index_select(0, pairs.sample * len(self.features) + pairs.lookup)
+
+    def side_by_side(self, groups: Sequence[torch.Tensor | None], b: int, dtype: torch.dtype,
+                     device: torch.device, zero_column: bool = False) -> torch.Tensor:
+        """``[b, columns]``: the first ``b`` rows of each group's tensor side by side.
+
+        ``groups`` holds one ``[>= b, group width]`` tensor per ``pooled_layout`` group (None:
+        zeros); ``zero_column`` appends one zero column (the padding the lookups' column
+        maps point at).
+        """
+        parts = [g[:b].to(dtype) if g is not None
+                 else torch.zeros(b, w, dtype=dtype, device=device)
+                 for g, w in zip(groups, self.group_widths, strict=True)]
+        if zero_column:
+            parts.append(torch.zeros(b, 1, dtype=dtype, device=device))
+        return torch.cat(parts, dim=1)
 
     def row_keys(self, lookup: np.ndarray, rows: np.ndarray) -> np.ndarray:
         """Each (lookup, row)'s table row as one int64 (the order ``pairs`` sorts by)."""

@@ -222,7 +222,7 @@ class PerRecordAdagrad:
         if lib is not None:
             return self._native_row_sums(lib, pairs, grads, n, scale)
         dtype = next(g.dtype for g in grads if g is not None)
-        g = index.per_pair([g[:n] if g is not None else None for g in grads], pairs, dtype)
+        g = index.per_pair(grads, pairs, dtype)  # (pairs.b = n records)
         g.mul_((pairs.weight.to(dtype) * scale).unsqueeze(1))  # each read's weight
         run = torch.cumsum(pairs.new_pair.long(), 0) - 1  # (row, record) run of a read
         runs = int(run[-1]) + 1
@@ -251,10 +251,8 @@ class PerRecordAdagrad:
         index = self._index
         width, columns = index.width, index.columns
         rowwise = self.kind == "rowwise_adagrad"
-        parts = [g[:n].to(torch.float32) if g is not None
-                 else torch.zeros(n, w, dtype=torch.float32)
-                 for g, w in zip(grads, index.group_widths, strict=True)]
-        cat = np.ascontiguousarray(torch.cat(parts, 1).detach().numpy())
+        cat = np.ascontiguousarray(index.side_by_side(
+            grads, n, torch.float32, torch.device("cpu")).detach().numpy())
         sample, lookup = pairs.sample.numpy(), pairs.lookup.numpy()
         weight = np.ascontiguousarray(pairs.weight.to(torch.float32).numpy())
         new_row, new_pair = pairs.new_row.numpy(), pairs.new_pair.numpy()
