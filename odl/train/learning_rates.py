@@ -20,6 +20,9 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 from odl.models.embedding_tables import WIDE_SUFFIX
 from odl.train.optimizer_builder import OptimizerSpec, sparse_optimizer_args
 
+# The relative offset that keeps the wide tables' kernel apart at a multiplier of 1.
+_APART = 1e-6
+
 
 class LearningRates:
     """The rates of a train module's two optimizers (module docstring).
@@ -54,8 +57,12 @@ class LearningRates:
             wide_ids = {id(p) for p in wide}
             apply_optimizer_in_backward(
                 cls, [p for p in ebc.parameters() if id(p) not in wide_ids], kwargs)
+            # TorchRec puts tables of equal optimizer settings in one kernel: at a multiplier
+            # of 1 the wide group's rate starts a hair apart so that it stays its own group
+            # (the first ``set`` pushes the exact rate before any update)
+            lr = kwargs["lr"] * self._wide_multiplier
             apply_optimizer_in_backward(
-                cls, wide, {**kwargs, "lr": kwargs["lr"] * self._wide_multiplier})
+                cls, wide, {**kwargs, "lr": lr * (1 + _APART) if lr == kwargs["lr"] else lr})
         else:
             apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
 

@@ -162,7 +162,7 @@ def fit_errors(slope: np.ndarray, curve: np.ndarray, at: np.ndarray,
     every record when not ``logistic``, the tangent line (exact for an L2 loss).
     """
     at64 = at.astype(np.float64)
-    sig = 1.0 / (1.0 + np.exp(-at64))
+    sig = 0.5 * (1.0 + np.tanh(0.5 * at64))  # the sigmoid, without exp's overflow
     d = sig * (1.0 - sig)
     ok = logistic & (curve > 0) & (d > 1e-6)
     c = np.where(ok, curve / np.where(ok, d, 1.0), 0.0)
