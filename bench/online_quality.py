@@ -16,7 +16,9 @@ figures are the AUC and logloss of those predictions over all records and over t
   ``odl-train --online`` reports as progressive AUC); the rate includes building the
   batches, ``step_ms`` is the mean training step alone; with in-batch learning
   ``shift_gain`` is how much its shift took off the step's loss at the end (``/status``'s
-  ``in_batch.loss_gain``);
+  ``in_batch.loss_gain``) and ``in_batch`` its phase at the end and the phase changes
+  (``/status``'s ``in_batch.phase`` and ``switches``; decided by the trainer where the config
+  does not write ``in_batch_learning``);
 * served (``--serve-delay D``, default 2500): the AUC of what a server of each learner's
   state would have answered, each record predicted by the state that had learned the
   records before it minus D (for odl: every batch ending at or before that; predictions in
@@ -56,11 +58,11 @@ VW rows are skipped and say so.
 
 ``--config-as-written``: ``--config`` (without it, on the bursty and Criteo-like streams, the
 stream's DeepFM as its generator writes it: EasyRec's fields only) with its own batch size
-and rates (what a user who brings the config gets from odl's defaults), then the same
-config plus
-``in_batch_learning: true`` (``AS_WRITTEN_EXTRAS``), against VW's grid, in one run; with
-``--broker`` both also through the embedded broker (``odl-train --online``, wall-clock
-samples/s).
+and rates (what a user who brings the config gets from odl's defaults: in-batch learning
+decided by the trainer from the stream, the row's ``in_batch`` says what it decided), then
+the same config with ``in_batch_learning: true`` and with ``false`` (``AS_WRITTEN_EXTRAS``),
+against VW's grid, in one run; with ``--broker`` each also through the embedded broker
+(``odl-train --online``, wall-clock samples/s).
 """
 
 from __future__ import annotations
@@ -197,8 +199,8 @@ SETTINGS = (
 )
 TABLE_OPTIMIZER_FIELDS = ("initial_accumulator_value",)
 # --config-as-written's second run: the config plus odl's in-batch learning field (its own
-# defaults: the sequential pass, per-record Adagrad, the wide rate adapted from 3)
-AS_WRITTEN_EXTRAS = (("in_batch_learning", True),)
+# defaults: the sequential pass, per-record Adagrad, the wide rate adapted from 3) and without
+AS_WRITTEN_EXTRAS = ((("in_batch_learning", True),), (("in_batch_learning", False),))
 # settings that need in_batch_learning: off with it unless the run names them
 NEEDS_IN_BATCH = ("in_batch_sequential", "per_record_adagrad", "wide_rate_adaptation")
 
@@ -349,7 +351,7 @@ def run_odl(values: list[bytes], batch: int | None, work: str, sparse_lr: float 
     """odl's progressive predictions, its rate (building included), its mean train step in
     ms (building excluded), (``delay`` > 0) its served predictions: record m predicted
     (eval mode, as serving) by the state that learned every batch ending at or before
-    ``m - delay``, and in-batch learning's shift gain at the end (``in_batch_gain``; None
+    ``m - delay``, and in-batch learning's ``/status`` at the end (``in_batch_status``; None
     without it). The served predictions are made after the timing."""
     config = odl_config(kind, os.path.join(work, f"odl-{batch}-{sparse_lr}-{dense_lr}"),
                         batch, sparse_lr, dense_lr, config_path, **settings)
@@ -368,8 +370,8 @@ def run_odl(values: list[bytes], batch: int | None, work: str, sparse_lr: float 
         probs.append(out.probs)
     rate = n / (time.perf_counter() - t0)
     step_ms = 1000 * stepping / -(-n // batch)
-    gain = module.in_batch_gain  # how much the shift took off the step's loss (in-batch)
-    shift_gain = round(gain.value, 5) if gain is not None and gain.value is not None else None
+    in_batch = module.in_batch_status()  # the shift's gain and the trainer's decision
+    in_batch = in_batch if "phase" in in_batch else None
     served = None
     if delay:
         module = TrainModule(config, fb, device="cpu")  # again, serving as it goes
@@ -384,7 +386,21 @@ def run_odl(values: list[bytes], batch: int | None, work: str, sparse_lr: float 
             module.train_step(fb.build(values[k:k + batch]).batch)
             end = min(k + batch, n)  # the state now covers the records before end
             serve(min(end + delay, n), min(end + delay + batch, n))
-    return np.concatenate(probs), rate, step_ms, served, shift_gain
+    return np.concatenate(probs), rate, step_ms, served, in_batch
+
+
+def in_batch_columns(in_batch: dict | None) -> dict:
+    """A row's ``shift_gain`` and ``in_batch`` (phase, changes) from ``/status``'s."""
+    if in_batch is None:
+        return {}
+    gain = in_batch.get("loss_gain")
+    return {**({"shift_gain": round(gain, 5)} if gain is not None else {}),
+            "in_batch": f"{in_batch['phase']} ({in_batch['switches']} changes)"}
+
+
+def as_written_name(train: dict) -> str:
+    """The suffix of a ``--config-as-written`` row: what its settings add to the config."""
+    return "".join(f" + {k}: {str(v).lower()}" for k, v in train.items())
 
 
 def run_broker(values: list[bytes], batch: int | None, work: str, sparse_lr: float | None,
@@ -431,9 +447,11 @@ def _broker_run(values: list[bytes], batch: int | None, work: str, sparse_lr: fl
 
         rate = measure_trainer_rate(trainer, 2, caught_up)
         m = trainer.progress.summary()
+        in_batch = trainer.status()["in_batch"]
     return {"auc": m["auc_total"], "logloss": m["logloss_total"], "auc_last20": m["auc"],
             "logloss_last20": m["logloss"], "samples_per_sec": round(rate),
-            "samples": m["samples"]}
+            "samples": m["samples"],
+            **in_batch_columns(in_batch if "phase" in in_batch else None)}
 
 
 def main() -> int:
@@ -467,8 +485,9 @@ def main() -> int:
     ap.add_argument("--config-as-written", action="store_true",
                     help="--config as its user wrote it (its batch size and rates; without "
                          "--config, bursty and criteo: the stream's DeepFM as generated), then "
-                         "the same with in_batch_learning: true (AS_WRITTEN_EXTRAS), against "
-                         "VW; --batch, --sparse-lr, --dense-lr and the settings are not used")
+                         "the same with in_batch_learning: true and false (AS_WRITTEN_EXTRAS), "
+                         "against VW; --batch, --sparse-lr, --dense-lr and the settings are "
+                         "not used")
     add_output_args(ap)
     args = ap.parse_args()
     if args.config_as_written and not args.config and args.stream == "movielens":
@@ -505,26 +524,25 @@ def main() -> int:
         rows["vw"] = {"skipped": "vowpalwabbit is not installed "
                                  "(pip install -r bench/requirements-quality.txt)"}
     if args.config_as_written:
-        grid = [(None, None, None, {}), (None, None, None, dict(AS_WRITTEN_EXTRAS))]
+        grid = [(None, None, None, dict(extra)) for extra in ((), *AS_WRITTEN_EXTRAS)]
     else:
         grid = [(b, slr, dlr, train) for b in [int(x) for x in args.batch.split(",")]
                 for slr in [float(x) for x in args.sparse_lr.split(",")]
                 for dlr in [float(x) for x in args.dense_lr.split(",")]
                 for train in settings_grid(args)]
     for b, slr, dlr, train in grid:
-        probs, rate, step_ms, served, shift_gain = run_odl(
+        probs, rate, step_ms, served, in_batch = run_odl(
             values, b, work, slr, dlr, args.serve_delay, args.stream, args.config, train=train)
-        name = (("odl as written" + (" + in_batch_learning" if train else ""))
-                if args.config_as_written else
+        name = ("odl as written" + as_written_name(train) if args.config_as_written else
                 f"odl batch {b} sparse lr {slr:g} dense lr {dlr:g}" + settings_name(train))
         rows[name] = {**scores(probs, labels), "samples_per_sec": round(rate),
                       "step_ms": round(step_ms, 3), **served_scores(served, labels),
-                      **({"shift_gain": shift_gain} if shift_gain is not None else {})}
+                      **in_batch_columns(in_batch)}
         curves[name] = auc_curve(probs, labels)
         print(name, rows[name], flush=True)
-    if args.broker:  # the first setting (--config-as-written: both) through the broker
+    if args.broker:  # the first setting (--config-as-written: all three) through the broker
         for b, slr, _dlr, train in grid if args.config_as_written else grid[:1]:
-            name = ("odl-train --online as written" + (" + in_batch_learning" if train else "")
+            name = ("odl-train --online as written" + as_written_name(train)
                     if args.config_as_written else
                     f"odl-train --online batch {b}" + settings_name(train))
             rows[name] = run_broker(values, b, work, slr, args.stream, args.config,

@@ -73,7 +73,9 @@ def make_config(model_dir: str, server: str, topic: str, model: str = "DeepFM"):
     text = deepfm_config_text(
         model_dir, server=server, topic=topic, batch_size=BATCH, dim=16, buckets=100_000,
         hidden_units=(256, 128, 64), save_checkpoints_steps=0,
-        extra_train="metrics_window_samples: 100000",
+        # the batched step the plain PyTorch baseline takes (in-batch learning's cost is
+        # bench/online_quality.py's step_ms)
+        extra_train="metrics_window_samples: 100000 in_batch_learning: false",
     )
     return parse_pipeline_config_text(as_model_config_text(text, model))
 

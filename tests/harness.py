@@ -80,7 +80,14 @@ def write_config(tmp_path, bootstrap: str, topic: str, name: str = "pipeline.con
     """Writes the test-size DeepFM pipeline config reading ``topic``; returns its path.
 
     ``model_dir`` is ``tmp_path / "model_dir"``; ``kw`` goes to ``deepfm_config_text``.
+    In-batch learning is off unless ``extra_train`` writes it: the tests on this config are
+    of the trainer's loop (positions, checkpoints, publishing, ranks), which the batched step
+    keeps cheap; the stream's decision (the default) has its own tests
+    (``test_in_batch_choice.py``).
     """
+    extra = kw.get("extra_train", "")
+    if "in_batch_learning" not in extra:
+        kw["extra_train"] = f"{extra} in_batch_learning: false".strip()
     model_dir = str(tmp_path / "model_dir")
     path = str(tmp_path / name)
     with open(path, "w") as f:

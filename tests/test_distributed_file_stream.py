@@ -41,8 +41,10 @@ def test_two_ranks_train_offline_files_as_one_process_with_twice_the_batch(tmp_p
     for name, batch, launch in (("one", 128, ()), ("two", 64, ("-m", "torch.distributed.run",
                                                                 "--standalone",
                                                                 "--nproc_per_node", "2"))):
+        # (the plain step: in-batch learning's ranks are test_distributed_training's)
         cfg = write_config(tmp_path, "127.0.0.1:9", "unused", name=f"{name}.config",
-                           batch_size=batch, save_checkpoints_steps=4)
+                           batch_size=batch, save_checkpoints_steps=4,
+                           extra_train="in_batch_learning: false")
         text = open(cfg).read().replace(str(tmp_path / "model_dir"), str(tmp_path / name))
         with open(cfg, "w") as f:
             f.write(text)
@@ -230,7 +232,7 @@ def test_offline_ranks_wait_for_a_slow_reader_and_train_as_one_process(ranks, tm
     data = tmp_path / "data.csv"
     data.write_bytes(b"\n".join(values) + b"\n")
     cfg = write_config(tmp_path, "127.0.0.1:9", "unused", name="two.config", batch_size=64,
-                       save_checkpoints_steps=0)
+                       save_checkpoints_steps=0, extra_train="in_batch_learning: false")
     text = open(cfg).read()
     config = load_pipeline_config(cfg)
     config.data_config.batch_size = 128

@@ -22,6 +22,7 @@ from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
 from odl.inputs.partition_assignment import rank_partitions
 from odl.train.distributed import check_several_ranks, table_placement
+from odl.train.in_batch import in_batch_choice
 from odl.train.torch_runtime import rank_device
 from odl.train.train_module import TrainModule
 from tests.harness import RankPool, assert_tables_close, load_config_text
@@ -31,6 +32,10 @@ ROW_WISE_MIN_ROWS = 2048  # the 4096-row id tables split by rows, device / hour 
 
 
 def _config(model_dir: str, extra_train: str = ""):
+    """The bursty DeepFM; without in-batch learning unless ``extra_train`` writes it (those
+    tests are of the plain step's ranks; in-batch learning's have their own below)."""
+    if "in_batch_learning" not in extra_train:
+        extra_train += " in_batch_learning: false"
     return load_config_text(bursty_config_text(model_dir, batch_size=BATCH, buckets=4096,
                                                extra_train=extra_train))
 
@@ -137,18 +142,30 @@ def test_two_ranks_train_the_model_one_process_trains(ranks, tmp_path):
                                        rtol=0, err_msg=f"rank {r} {name}")
 
 
+# the in-batch choice's windows where the stream decides (per_record None): one step each,
+# on from the second window, so that two ranks pass from measuring to on within the run
+SMALL_WINDOWS = {"WINDOW_RECORDS": 1, "WINDOW_MIN_STEPS": 1, "ON_ABOVE": -1.0,
+                 "OFF_BELOW": -2.0}
+
+
 @pytest.mark.parametrize("optimizer,per_record", [("adagrad_optimizer", False),
                                                    ("sgd_optimizer", False),
-                                                   ("adagrad_optimizer", True)])
-def test_two_ranks_learn_in_batch_as_one_process(ranks, tmp_path, optimizer, per_record):
+                                                   ("adagrad_optimizer", True),
+                                                   ("adagrad_optimizer", None)])
+def test_two_ranks_learn_in_batch_as_one_process(ranks, tmp_path, monkeypatch, optimizer,
+                                                 per_record):
     """Sequential in-batch learning with two ranks: each record is shifted by the step's
     earlier records of both ranks (rank 0's first), the accumulators of rows held by the
     other rank included, so the predictions and the tables are one process's on the
     concatenated batches; with per-record Adagrad each shared row is corrected by the rank
-    holding it, from both ranks' records."""
+    holding it, from both ranks' records. Decided by the stream (``per_record`` None), every
+    rank takes one process's decisions at its steps."""
     world = 2
     records = BurstyStream(seed=8).next_batch(6 * BATCH).encode("csv")
-    extra = _in_batch_settings(per_record)
+    extra = _in_batch_settings(per_record) if per_record is not None else ""
+    windows = SMALL_WINDOWS if per_record is None else {}
+    for name, value in windows.items():
+        monkeypatch.setattr(in_batch_choice, name, value)
     text = bursty_config_text(str(tmp_path / "one"), batch_size=BATCH, buckets=4096,
                               extra_train=extra)
     config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
@@ -157,7 +174,7 @@ def test_two_ranks_learn_in_batch_as_one_process(ranks, tmp_path, optimizer, per
     probs = np.concatenate([one.train_step(fb.build(records[k:k + BATCH]).batch).probs
                             for k in range(0, len(records), BATCH)])
     got = ranks.run(_in_batch_rank_main, world, str(tmp_path / "m"),
-                    _even(records, world), optimizer, extra)
+                    _even(records, world), optimizer, extra, "", windows)
     merged = np.concatenate([
         np.concatenate([got[r][0][b * (BATCH // world):(b + 1) * (BATCH // world)]
                         for r in range(world)]) for b in range(len(records) // BATCH)])
@@ -175,6 +192,12 @@ def test_two_ranks_learn_in_batch_as_one_process(ranks, tmp_path, optimizer, per
         assert got[r][3]["sensitivity"] == pytest.approx(one.wide_rate.sensitivity, rel=1e-5)
         # the shift's gain, measured on the step's loss over both ranks' records
         assert got[r][4] == pytest.approx(one.in_batch_gain.value, rel=1e-4)
+        choice = one.row_pair_learning.choice.state_dict()
+        assert {**got[r][5], "sum": 0.0, "window_gain": 0.0} == {
+            **choice, "sum": 0.0, "window_gain": 0.0}
+        assert got[r][5]["sum"] == pytest.approx(choice["sum"], rel=1e-4)
+    if per_record is None:
+        assert one.row_pair_learning.choice.phase == "on" and choice["switches"] == 1
 
 
 def _in_batch_settings(per_record: bool) -> str:
@@ -184,8 +207,11 @@ def _in_batch_settings(per_record: bool) -> str:
 
 def _in_batch_rank_main(rank: int, world: int, model_dir: str,
                         schedule: list[list[list[bytes]]], optimizer: str, extra: str,
-                        loss: str = "") -> tuple:
-    """One rank of ``test_two_ranks_learn_in_batch_as_one_process`` (and the focal loss's)."""
+                        loss: str = "", windows: dict | None = None) -> tuple:
+    """One rank of ``test_two_ranks_learn_in_batch_as_one_process`` (and the focal loss's);
+    ``windows``: the in-batch choice's constants to set in this process."""
+    for name, value in (windows or {}).items():
+        setattr(in_batch_choice, name, value)
     text = _with_loss(bursty_config_text(model_dir, batch_size=BATCH, buckets=4096,
                                          extra_train=extra), loss)
     config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
@@ -195,7 +221,8 @@ def _in_batch_rank_main(rank: int, world: int, model_dir: str,
              for step in schedule]
     passes = tm.row_pair_learning.in_batch.sequential.passes
     return (np.concatenate(probs), _tables(tm.state_dict_for_checkpoint()), passes,
-            tm.wide_rate.state_dict(), tm.in_batch_gain.value)
+            tm.wide_rate.state_dict(), tm.in_batch_gain.value,
+            tm.row_pair_learning.choice.state_dict())
 
 
 FOCAL = "losses { loss_type: BINARY_FOCAL_LOSS binary_focal_loss { gamma: 0.5 } }"

@@ -170,7 +170,10 @@ def test_without_donefile_a_split_is_complete_once_a_later_one_exists(tmp_path):
 
 
 def _config(tmp_path, data_dir: str, end_day: str) -> str:
-    text = deepfm_config_text(str(tmp_path / "model_dir"), batch_size=50)
+    """The DeepFM on a file stream; in-batch learning off (these are the stream's plumbing
+    tests, cheaper with the batched step; as in ``tests.harness.write_config``)."""
+    text = deepfm_config_text(str(tmp_path / "model_dir"), batch_size=50,
+                              extra_train="in_batch_learning: false")
     fs = (f'file_stream_input {{ train_data_dir: "{data_dir}" split_interval: 60 '
           f'start_day: "20261124" end_day: "{end_day}" data_donefile: "{DONE}" '
           f"data_sleep_second: 0 missing_split_wait_secs: 0 }}")

@@ -25,7 +25,11 @@ def _config(tmp_path, extra: str = "", optimizer: str = ADAGRAD, sparse_lr: floa
     """The bursty DeepFM with ``extra`` train fields. With in-batch learning the wide rate is
     held at the written multiplier (1 unless ``extra`` writes one) and per-record Adagrad is
     off unless written, so that the shifts compare with plain steps; those defaults are
-    tested in ``test_wide_rate.py`` and ``test_per_record_adagrad.py``."""
+    tested in ``test_wide_rate.py`` and ``test_per_record_adagrad.py``. Without it the module
+    is plain (``in_batch_learning: false``; unwritten, the stream decides:
+    ``test_in_batch_choice.py``)."""
+    if "in_batch_learning" not in extra:
+        extra += " in_batch_learning: false"
     if "in_batch_learning: true" in extra:
         if "wide_rate_adaptation" not in extra:
             extra += " wide_rate_adaptation: false"

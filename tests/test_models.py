@@ -170,7 +170,8 @@ def test_wide_dim_layout(fb):
 
 
 def test_train_step_learns_and_predicts_before_update(fb):
-    tm = TrainModule(config(), fb, device="cpu")
+    # (in-batch learning would shift the step's predictions: test_in_batch_learning.py)
+    tm = TrainModule(config(train_config="in_batch_learning: false"), fb, device="cpu")
     eval_recs, eval_labels = make_records(4000, seed=999)
     eval_batch = fb.build(eval_recs).batch
     auc0 = roc_auc(eval_labels, tm.predict(eval_batch))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from odl.config.optimizer_support import per_record_adagrad_on
+from odl.config.in_batch_settings import per_record_adagrad_on
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
@@ -143,8 +143,8 @@ def test_no_shared_rows_nothing_changes(tmp_path):
 def test_settings_refused_where_they_cannot_apply(tmp_path):
     text = bursty_config_text(str(tmp_path / "m"), extra_train=(
         "in_batch_learning: true per_record_adagrad: true"))
-    assert_edit_refused(text, ("in_batch_learning: true ", ""),
-                        "train_config.per_record_adagrad", "in_batch_learning")
+    assert_edit_refused(text, ("in_batch_learning: true ", "in_batch_learning: false "),
+                        "train_config.per_record_adagrad", "in-batch learning")
     assert_edit_refused(text, ("adagrad_optimizer", "sgd_optimizer"),
                         "train_config.per_record_adagrad", "Adagrad")
     assert_edit_refused(text, ("per_record_adagrad: true",
@@ -156,15 +156,17 @@ def test_settings_refused_where_they_cannot_apply(tmp_path):
     ("in_batch_learning: true", "adagrad_optimizer", True),
     ("in_batch_learning: true", "sgd_optimizer", False),  # (no accumulators to count in)
     ("in_batch_learning: true per_record_adagrad: false", "adagrad_optimizer", False),
-    ("", "adagrad_optimizer", False),
+    ("in_batch_learning: false", "adagrad_optimizer", False),
+    ("", "adagrad_optimizer", True),  # (in-batch learning decided by the stream)
+    ("", "sgd_optimizer", False),
 ])
 def test_unwritten_it_runs_with_in_batch_learning_and_adagrad_tables(tmp_path, extra,
                                                                       optimizer, on):
-    """``per_record_adagrad`` unwritten: on where in-batch learning trains (row-wise)
-    Adagrad tables, else off; written, as written."""
+    """``per_record_adagrad`` unwritten: on where in-batch learning (written or decided by
+    the stream) trains (row-wise) Adagrad tables, else off; written, as written."""
     text = bursty_config_text(str(tmp_path / "m"), buckets=4096, extra_train=extra)
     config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
-    assert per_record_adagrad_on(config.train_config) is on
+    assert per_record_adagrad_on(config) is on
     tm, _ = _module(config)
     learning = tm.row_pair_learning
     assert (learning is not None and learning.per_record is not None) is on

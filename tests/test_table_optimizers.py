@@ -31,6 +31,7 @@ LR = 0.05
 SGD_TWIN = """
 optimizer_config { sgd_optimizer { learning_rate { constant_learning_rate { learning_rate: 1 } } } }
 optimizer_config { sgd_optimizer { learning_rate { constant_learning_rate { learning_rate: 0 } } } }
+in_batch_learning: false
 """
 DENSE = ("optimizer_config { adam_optimizer { learning_rate { constant_learning_rate { "
          "learning_rate: 0.01 } } } }")
@@ -77,8 +78,10 @@ def module(train: str, model: str = MODEL) -> tuple[TrainModule, FeatureBuilder]
 
 
 def tables_config(opt: str, extra: str = "") -> str:
+    """The train_config's optimizers; in-batch learning off (the updates are the formulas'
+    batched steps; unwritten, in-batch learning would be the stream's to decide)."""
     rate = f"learning_rate {{ constant_learning_rate {{ learning_rate: {LR} }} }}"
-    return f"optimizer_config {{ {opt} {{ {rate} {extra} }} }} {DENSE}"
+    return f"optimizer_config {{ {opt} {{ {rate} {extra} }} }} {DENSE} in_batch_learning: false"
 
 
 def touched(tm: TrainModule, batch) -> dict[str, np.ndarray]:

@@ -74,6 +74,9 @@ def _first_step_loss(config_text: str, tmp_path, name: str, bootstrap: str, topi
     path.write_text(config_text)
     config = load_pipeline_config(str(path))
     config.train_config.num_steps = 1
+    # the loss at the starting state: in-batch learning would shift the step's predictions
+    # by what the batch's earlier records teach
+    config.train_config.in_batch_learning = False
     check_pipeline_config(config, online=True)
     trainer = Trainer(config, TrainerOptions(online=True, device="cpu", status_port=-1))
     assert trainer.run() == 0

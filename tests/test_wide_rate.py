@@ -203,6 +203,8 @@ def test_status_and_metrics_show_the_wide_rate_and_the_shifts_gain(tmp_path):
     assert registry.get_sample_value("odl_wide_rate_multiplier") == pytest.approx(
         rate.multiplier)
     gain = trainer.module.in_batch_gain
-    assert trainer.status()["in_batch"] == {"loss_gain": round(gain.value, 6),
-                                            "steps_measured": 9}  # the last step's: unmeasured
+    assert trainer.status()["in_batch"] == {
+        "mode": "on", "phase": "on", "window_gain": None, "windows": 0, "switches": 0,
+        "loss_gain": round(gain.value, 6), "steps_measured": 9,  # the last step's: unmeasured
+        "wide_multiplier": round(rate.multiplier, 4)}
     assert registry.get_sample_value("odl_in_batch_loss_gain") == pytest.approx(gain.value)

@@ -256,17 +256,3 @@ def optimizer_choices(
         else:
             dense = choice
     return sparse, dense
-
-
-def per_record_adagrad_on(train_config: pipeline_pb2.TrainConfig) -> bool:
-    """Whether per-record Adagrad runs (``odl.train.in_batch.per_record_adagrad``).
-
-    ``train_config.per_record_adagrad`` as written; unwritten, on with ``in_batch_learning``
-    and (row-wise) Adagrad tables (``PER_RECORD_TABLE_KINDS``), else off.
-    """
-    if train_config.HasField("per_record_adagrad"):
-        return bool(train_config.per_record_adagrad)
-    if not train_config.in_batch_learning:
-        return False
-    sparse, _ = optimizer_choices(train_config)
-    return table_kernel_kind(sparse.kind) in PER_RECORD_TABLE_KINDS

@@ -19,9 +19,8 @@ from typing import Any
 from odl.config import limits
 from odl.config.config_error import ConfigError
 from odl.config.field_formats import parse_dead_line
-from odl.config.loss_settings import POINTWISE_LOSS_TYPES, num_classes, regression_outputs
+from odl.config.in_batch_settings import IN_BATCH_OFF, in_batch_mode, in_batch_refusal
 from odl.config.optimizer_support import (
-    IN_BATCH_TABLE_KINDS,
     PER_RECORD_TABLE_KINDS,
     optimizer_choices,
     table_kernel_kind,
@@ -119,29 +118,14 @@ def _validate_in_batch_learning(config: pipeline_pb2.EasyRecConfig) -> None:
         if table_kernel_kind(sparse.kind) not in PER_RECORD_TABLE_KINDS:
             raise ConfigError(field, f"needs (row-wise) Adagrad tables; the tables train with "
                                      f"{sparse.kind}")
-        if not tc.in_batch_learning:
-            raise ConfigError(field, "needs in_batch_learning: true (without it the larger "
-                                     "steps overshoot; docs/training.md#per-record-adagrad)")
-    if tc.in_batch_sequential and tc.in_batch_learning:
-        field = "train_config.in_batch_sequential"
-        mc = config.model_config
-        types = [t.loss_type for t in mc.losses] or [mc.loss_type]
-        coupled = [pipeline_pb2.LossType.Name(t) for t in types
-                   if t not in POINTWISE_LOSS_TYPES]
-        if coupled:
-            raise ConfigError(field, f"needs losses of one record each; {', '.join(coupled)} "
-                                     "couples the batch's records (set it to false)")
-    if not tc.in_batch_learning:
-        return
-    field = "train_config.in_batch_learning"
-    outputs = max(len(regression_outputs(config)), num_classes(config))
-    if outputs != 1:
-        raise ConfigError(field, f"needs a model with one output; this "
-                                 f"{config.model_config.model_class} has {outputs}")
-    sparse, _ = optimizer_choices(tc)
-    if table_kernel_kind(sparse.kind) not in IN_BATCH_TABLE_KINDS:
-        raise ConfigError(field, f"needs SGD or (row-wise) Adagrad tables; the tables "
-                                 f"train with {sparse.kind}")
+        if in_batch_mode(config) == IN_BATCH_OFF:
+            raise ConfigError(field, "needs in-batch learning (without it the larger steps "
+                                     "overshoot; docs/training.md#per-record-adagrad)")
+    if tc.in_batch_learning:  # written true: the config must allow it
+        refusal = in_batch_refusal(config)
+        if refusal is not None:
+            raise ConfigError(*refusal)
+
 
 def _validate_incr_save(isc: Any, where: str) -> None:
     if not (isc.sparse_save_steps or isc.dense_save_steps or isc.sparse_save_secs

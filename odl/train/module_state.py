@@ -22,7 +22,9 @@ checkpoint makes whole again). Wide tables keep their stored width (see
 ``"dynamic_tables"``: ``DynamicTables.state_dict()`` (id index, free rows, counters, sketch,
 pending deletes; tensors) plus ``"stream_time"``. A model with in-batch learning and wide
 tables (``odl.train.in_batch.wide_rate``) adds ``"wide_rate"``: ``{"level": float,
-"sensitivity": float | None, "steps": int, "since": int}``.
+"sensitivity": float | None, "steps": int, "since": int}``; one whose in-batch learning the
+stream decides (``odl.train.in_batch.in_batch_choice``) adds ``"in_batch_choice"``:
+``InBatchChoice.state_dict()`` (phase, open window, counts).
 
 :func:`load_state` restores such a state exactly, into any number of ranks (each rank copies
 the rows it holds; dynamic tables saved in another number of partitions are re-split, their
@@ -133,6 +135,9 @@ def state_without_tables(m: TrainModule, model: dict[str, Any] | None = None,
     wide_rate = m.wide_rate
     if wide_rate is not None:
         out["wide_rate"] = wide_rate.state_dict()
+    learning = m.row_pair_learning
+    if learning is not None and learning.in_batch is not None and learning.choice.auto:
+        out["in_batch_choice"] = learning.choice.state_dict()
     if m.dynamic:
         out["dynamic_tables"] = (dynamic_state if dynamic_state is not None
                                  else m.dynamic.state_dict())
@@ -343,10 +348,14 @@ def _load_sharded_state(m: TrainModule, state: Mapping[str, Any], strict: bool) 
 
 
 def _load_wide_rate(m: TrainModule, state: Mapping[str, Any]) -> None:
-    """Restores a checkpoint's wide rate (``WideRate.load_state_dict``)."""
+    """Restores a checkpoint's wide rate and in-batch choice (their ``load_state_dict``)."""
     wide_rate = m.wide_rate
     if wide_rate is not None and "wide_rate" in state:
         wide_rate.load_state_dict(state["wide_rate"])
+    learning = m.row_pair_learning
+    if learning is not None and learning.in_batch is not None and "in_batch_choice" in state:
+        learning.choice.load_state_dict(state["in_batch_choice"], learning.in_batch.gain)
+        learning.in_batch.wide_engaged = learning.choice.wide_engaged
 
 
 def _load_dynamic_state(m: TrainModule, state: Mapping[str, Any], strict: bool) -> None:

@@ -39,6 +39,7 @@ from torchrec.distributed.sharding_plan import (
 from torchrec.distributed.types import ShardingEnv, ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from odl.config.in_batch_settings import IN_BATCH_OFF, IN_BATCH_ON, in_batch_mode
 from odl.config.loss_settings import num_classes, regression_outputs
 from odl.config.optimizer_support import table_kernel_kind
 from odl.features.batch import Batch
@@ -62,7 +63,7 @@ from odl.train.distributed import (
 )
 from odl.train.dynamic_rows import DynamicRows, dynamic_partitions, held_partitions
 from odl.train.in_batch.in_batch_learning import ShiftGain
-from odl.train.in_batch.row_pair_learning import RowPairLearning
+from odl.train.in_batch.row_pair_learning import RowPairLearning, in_batch_status
 from odl.train.in_batch.wide_rate import WideRate, start_level
 from odl.train.learning_rates import LearningRates
 from odl.train.optimizer_builder import (
@@ -165,9 +166,12 @@ class TrainModule:
         self.regression = regression_outputs(config)
         self.softmax = num_classes(config) > 1  # a num_class model: softmax over its classes
         self._sparse_spec, self._dense_spec = optimizer_specs(config.train_config)
-        self.wide_lr_multiplier = start_level(config.train_config)  # (in-batch: adapted)
+        self.in_batch_mode = in_batch_mode(config, self.world_size)
+        # the wide tables' multiplier at the start (in-batch learning: adapted while training)
+        self.wide_lr_multiplier = start_level(config.train_config,
+                                              self.in_batch_mode == IN_BATCH_ON)
         self.rates = LearningRates(self._sparse_spec, self._dense_spec, self.wide_lr_multiplier,
-                                   separate_wide=config.train_config.in_batch_learning)
+                                   separate_wide=self.in_batch_mode != IN_BATCH_OFF)
         self.rates.fuse_table_optimizer(self.model.ebc, self.device.type)
         self.table_kind = table_kernel_kind(self._sparse_spec.kind)
         self.model.dense.to(self.device)
@@ -440,10 +444,14 @@ class TrainModule:
         Returns:
             The forward pass's predictions (before the update) and the loss. They equal
             ``predict(batch)`` called just before the step unless the model has batch norm or
-            dropout (the step's forward runs in train mode).
+            dropout (the step's forward runs in train mode) or the step runs in-batch
+            learning (each record shifted by the batch's earlier ones:
+            ``odl.train.in_batch``).
         """
-        if self.wide_rate is not None:  # taken by the fused kernel at the forward
-            self.rates.set_wide_multiplier(self.wide_rate.multiplier, self.fused_optimizer)
+        wide = (self.row_pair_learning.wide_multiplier() if self.row_pair_learning is not None
+                else None)
+        if wide is not None:  # taken by the fused kernel at the forward
+            self.rates.set_wide_multiplier(wide, self.fused_optimizer)
         self.rates.set(self.global_step, self.fused_optimizer, self.dense_optimizer)
         before = self.global_step
         now = 0.0
@@ -502,9 +510,11 @@ class TrainModule:
             output, mine = self._forward(batch, sizes)
         n = batch.size
         learning = self.row_pair_learning
-        pairs = learning.pairs(batch, n, mine.logits.dtype) if learning is not None else None
-        if learning is not None and learning.in_batch is not None:
-            # each record predicted after its batch's earlier ones
+        shifting, per_record = (learning.step_plan(self.global_step) if learning is not None
+                                else (False, False))
+        pairs = (learning.pairs(batch, n, mine.logits.dtype)
+                 if learning is not None and (shifting or per_record) else None)
+        if shifting:  # each record predicted after its batch's earlier ones
             mine = ModelOutput(mine.logits + learning.shift(batch, output, mine, sizes, pairs,
                                                             self.rates.tables), mine.pooled)
         if n:
@@ -513,12 +523,12 @@ class TrainModule:
         else:  # no records here: a zero loss still runs the backward's collectives
             loss = torch.tensor(float("nan"))
             weighted = output.logits.sum() * 0.0
-        if learning is not None:  # (in-batch learning: the shift's gain)
+        if shifting:  # (in-batch learning: the shift's gain)
             learning.trained_loss(float(loss.detach()), n, sizes)
-        pending = learning.before_backward(output) if learning is not None else None
+        pending = learning.before_backward(output) if per_record else None
         self.dense_optimizer.zero_grad(set_to_none=True)
         weighted.backward()  # table rows are updated inside backward (fused)
-        if learning is not None:  # each record's squared gradient in the accumulators
+        if per_record:  # each record's squared gradient in the accumulators
             learning.after_backward(pending, pairs, n, self.rates.tables)
         if self.row_sparse is not None:  # the touched rows of Adam, FTRL, ... tables
             self.row_sparse.apply(self.rates.tables, self.global_step + 1)
@@ -526,6 +536,8 @@ class TrainModule:
         if self._grad_clip is not None:
             self._grad_clip(self.dense_optimizer)
         self.dense_optimizer.step()
+        if learning is not None:  # in-batch learning decided by the stream: its windows
+            learning.end_step(sum(sizes), shifting)
         self.global_step += 1
         self.record_touched_rows(batch.sparse)
         step_rows = self.dynamic_rows.take_step_rows()
@@ -580,6 +592,10 @@ class TrainModule:
         """How much in-batch learning's shift lowers the step's loss (None: not on)."""
         learning = self.row_pair_learning
         return learning.in_batch.gain if learning is not None and learning.in_batch else None
+
+    def in_batch_status(self) -> dict:
+        """``/status``'s ``in_batch`` (``row_pair_learning.in_batch_status``)."""
+        return in_batch_status(self.row_pair_learning, self.build_arguments[0], self.world_size)
 
     def set_global_step(self, step: int) -> None:
         """Sets the step (a restore); the learning rates follow it at the next step."""

@@ -413,13 +413,16 @@ class Trainer:
             self.metrics.steps.inc()
             self.metrics.global_step.set(self.module.global_step)
             self.metrics.loss.set(self.last_loss)
+            learning = self.module.row_pair_learning
             wide_rate = self.module.wide_rate
-            if wide_rate is not None:
+            if wide_rate is not None and learning is not None:
                 self.metrics.wide_rate_level.set(wide_rate.level)
-                self.metrics.wide_rate_multiplier.set(wide_rate.multiplier)
+                self.metrics.wide_rate_multiplier.set(learning.wide_multiplier() or 1.0)
             gain = self.module.in_batch_gain
-            if gain is not None and gain.value is not None:
-                self.metrics.in_batch_loss_gain.set(gain.value)
+            if gain is not None and learning is not None:
+                if gain.value is not None:
+                    self.metrics.in_batch_loss_gain.set(gain.value)
+                self.metrics.in_batch_active.set(int(learning.choice.phase != "off"))
             if self._ledger is not None and sample_ids is not None:
                 # flushed before the step can be published (crash audits)
                 self._ledger.write_step(self.generation, self.module.global_step, sample_ids)

@@ -91,6 +91,9 @@ class TrainerMetrics:
         self.in_batch_loss_gain = Gauge(
             "odl_in_batch_loss_gain", "How much in-batch learning's shift lowers the step's "
             "loss, relative, smoothed over steps (docs/training.md)", registry=r)
+        self.in_batch_active = Gauge(
+            "odl_in_batch_active", "1 while in-batch learning runs at every step, 0 while the "
+            "trainer has it off for the stream (docs/training.md#in-batch-learning)", registry=r)
         self.broker_up = Gauge("odl_broker_up", "1 when the input broker is reachable", registry=r)
         self.pass_auc = Gauge("odl_pass_auc", "Progressive AUC of the last closed pass (file "
                               "stream)", registry=r)

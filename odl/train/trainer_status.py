@@ -240,8 +240,7 @@ class TrainerStatus:
             "publisher": t.publisher.status() if t.publisher is not None else None,
             "dynamic_tables": t.module.dynamic_status() if t.module.dynamic else None,
             "wide_rate": t.module.wide_rate.status() if t.module.wide_rate is not None else None,
-            "in_batch": (t.module.in_batch_gain.status() if t.module.in_batch_gain is not None
-                         else None),
+            "in_batch": t.module.in_batch_status(),
             "passes": t.passes.status() if t.passes is not None else None,
             "evaluation": t.evaluator.last if t.evaluator is not None else None,
             "pass_saves": t.pass_saves.status() if t.pass_saves is not None else None,

@@ -132,16 +132,19 @@ class ShiftGain:
     Attributes:
         value: the smoothed gain (None before a step was measured).
         steps: the steps measured.
+        last: the newest measured step's gain.
     """
 
     value: float | None = None
     steps: int = 0
+    last: float | None = None
 
     def observe(self, base: float | None, shifted: float) -> None:
         """Adds a step's losses at the unshifted (``base``; None: none) and shifted logits."""
         if base is None or not (math.isfinite(base) and math.isfinite(shifted)) or base <= 0:
             return
         gain = (base - shifted) / base
+        self.last = gain
         self.value = (gain if self.value is None
                       else (1 - GAIN_SMOOTHING) * self.value + GAIN_SMOOTHING * gain)
         self.steps += 1
@@ -296,6 +299,10 @@ class InBatchLearning:
         self._wide = (wide if wide is not None
                       else np.zeros(len(index.lookup_multiplier), dtype=bool))
         self.gain = ShiftGain()
+        # whether the wide tables learn at wide_rate's multiplier (in_batch_choice's "on");
+        # otherwise at off_multiplier, their rate without in-batch learning
+        self.wide_engaged = True
+        self.off_multiplier = 1.0
         # the step's loss at its unshifted logits (every rank's), and this rank's part at
         # the shifted ones: the gain is measured when the next step exchanges that part
         self._base_loss: float | None = None
@@ -332,7 +339,7 @@ class InBatchLearning:
         jac_all = np.concatenate([p.jac for p in parts])
         wide_rate = self.wide_rate
         if wide_rate is not None:  # the step's wide rate, as the fused kernel has it
-            self._index.set_multiplier(self._wide, wide_rate.multiplier)
+            self._index.set_multiplier(self._wide, self.wide_multiplier)
         shared = shared_reads(parts, self._index)
         if shared is not None:
             acc = None
@@ -356,13 +363,19 @@ class InBatchLearning:
                 def shift_with(factor: float) -> np.ndarray:
                     return self._batched(shared, jac_all, acc, lr, slope, len(base), factor)
             shift = shift_with(1.0)
-            if wide_rate is not None and wide_rate.probe_due():
+            if wide_rate is not None and self.wide_engaged and wide_rate.probe_due():
                 self._probe(shift_with, base, offset, logits, loss_at)
         if wide_rate is not None:  # the next step's wide rate
             wide_rate.observe(jac_all)
         self._shifted_loss = float("nan")  # until the step reports it (``trained_loss``)
         own = np.ascontiguousarray(shift[offset:offset + n])
         return torch.from_numpy(own).to(logits.device, logits.dtype)
+
+    @property
+    def wide_multiplier(self) -> float:
+        """The wide tables' multiplier of the next step (with ``wide_rate``)."""
+        assert self.wide_rate is not None
+        return self.wide_rate.multiplier if self.wide_engaged else self.off_multiplier
 
     def trained_loss(self, part: float) -> None:
         """Takes this rank's part of the step's loss at the shifted logits.

@@ -21,18 +21,25 @@ import numpy as np
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 
-from odl.config.optimizer_support import per_record_adagrad_on
+from odl.config.in_batch_settings import (
+    IN_BATCH_AUTO,
+    IN_BATCH_OFF,
+    in_batch_mode,
+    in_batch_refusal,
+    per_record_adagrad_on,
+)
 from odl.features.batch import Batch
 from odl.models.ctr_model import ModelOutput
 from odl.models.embedding_tables import WIDE_SUFFIX
 from odl.protos import pipeline_pb2
 from odl.train.in_batch.batch_row_pairs import RowPairIndex, RowPairs, TableRows
 from odl.train.in_batch.held_rows import HeldRows, ShardedTables, WholeTables
+from odl.train.in_batch.in_batch_choice import InBatchChoice
 from odl.train.in_batch.in_batch_learning import InBatchLearning
 from odl.train.in_batch.in_batch_scan import InBatchScan, error_model_is_exact
 from odl.train.in_batch.per_record_adagrad import PerRecordAdagrad, hook_pooled_gradients
 from odl.train.in_batch.step_exchange import StepExchange
-from odl.train.in_batch.wide_rate import WideRate, wide_lookups
+from odl.train.in_batch.wide_rate import WideRate, start_level, wide_lookups
 from odl.train.optimizer_builder import TABLE_EPS
 from odl.train.table_shards import EBC_PREFIX, read_held_accumulators, write_held_rows
 
@@ -45,7 +52,9 @@ LossFn = Callable[[ModelOutput, Batch], torch.Tensor]
 class RowPairLearning:
     """A step's in-batch learning and per-record Adagrad (module docstring).
 
-    Made by :meth:`build`; ``in_batch`` and ``per_record`` are None when off.
+    Made by :meth:`build`; ``in_batch`` and ``per_record`` are None when off. Which steps
+    run them is ``choice``'s (``odl.train.in_batch.in_batch_choice``): every step where the
+    config writes ``in_batch_learning: true``, decided by the stream where it is unwritten.
 
     Args:
         index: the row-pair index of the model's lookups.
@@ -53,14 +62,16 @@ class RowPairLearning:
         per_record: per-record Adagrad, or None.
         group_widths: the width of each pooled group of the model, in order.
         loss: the model's loss of an output on a batch.
+        choice: the steps that run them (None: every step).
     """
 
     def __init__(self, index: RowPairIndex, in_batch: InBatchLearning | None,
                  per_record: PerRecordAdagrad | None, group_widths: Sequence[int],
-                 loss: LossFn) -> None:
+                 loss: LossFn, choice: InBatchChoice | None = None) -> None:
         self.index = index
         self.in_batch = in_batch
         self.per_record = per_record
+        self.choice = choice or InBatchChoice(auto=False)
         # the wide tables' rate (in-batch learning with wide tables), else None
         self.wide_rate = in_batch.wide_rate if in_batch is not None else None
         self._group_widths = list(group_widths)
@@ -88,11 +99,12 @@ class RowPairLearning:
                 there; validation refuses it by field).
         """
         tc = config.train_config
-        per_record_on = per_record_adagrad_on(tc)
-        if not (tc.in_batch_learning or per_record_on):
+        mode = in_batch_mode(config, module.world_size)
+        per_record_on = per_record_adagrad_on(config, module.world_size)
+        if mode == IN_BATCH_OFF and not per_record_on:
             return None
         whole_tables = module.world_size == 1
-        if not whole_tables and tc.in_batch_learning and not tc.in_batch_sequential:
+        if not whole_tables and mode != IN_BATCH_OFF and not tc.in_batch_sequential:
             raise ValueError("train_config.in_batch_sequential: false is not implemented for "
                              "a model sharded over several ranks yet")
         kind = module.table_kind
@@ -117,7 +129,7 @@ class RowPairLearning:
                 functools.partial(write_held_rows, module.table_shards))
         exchange = StepExchange(module.rank, module.world_size)
         in_batch = None
-        if tc.in_batch_learning:
+        if mode != IN_BATCH_OFF:
             scan = (InBatchScan(kind, per_record_on,
                                 float(tc.per_record_adagrad_max_gain), TABLE_EPS,
                                 logistic=not any(module.regression),
@@ -125,15 +137,48 @@ class RowPairLearning:
                     if tc.in_batch_sequential else None)
             wide = np.array([t.endswith(WIDE_SUFFIX) for g in layout for _, t in g.lookups],
                             dtype=bool)
-            wide_rate = (WideRate(wide_lookups(index, wide, kind), module.wide_lr_multiplier,
+            wide_rate = (WideRate(wide_lookups(index, wide, kind), start_level(tc, True),
                                   tc.wide_rate_adaptation) if wide.any() else None)
             in_batch = InBatchLearning(index, kind, TABLE_EPS, scan, held, exchange,
                                        wide_rate, wide)
+            in_batch.off_multiplier = start_level(tc, False)
         per_record = None
         if per_record_on:
             per_record = PerRecordAdagrad(index, kind, TABLE_EPS,
                                           float(tc.per_record_adagrad_max_gain), held, exchange)
-        return cls(index, in_batch, per_record, [g.width for g in layout], module.step_loss)
+        choice = InBatchChoice(auto=mode == IN_BATCH_AUTO)
+        if in_batch is not None:
+            in_batch.wide_engaged = choice.wide_engaged
+        return cls(index, in_batch, per_record, [g.width for g in layout], module.step_loss,
+                   choice)
+
+    def step_plan(self, step: int) -> tuple[bool, bool]:
+        """Whether step ``step`` (counted from 0) runs the shift, and per-record Adagrad."""
+        shift = self.in_batch is not None and self.choice.shifting(step)
+        per_record = self.per_record is not None and (
+            self.in_batch is None or (shift and self.choice.per_record))
+        return shift, per_record
+
+    def wide_multiplier(self) -> float | None:
+        """The wide tables' multiplier of the next step (None: no adapted wide rate)."""
+        if self.in_batch is None or self.in_batch.wide_rate is None:
+            return None
+        return self.in_batch.wide_multiplier
+
+    def end_step(self, records: int, shifted: bool) -> None:
+        """Ends a step of ``records`` records (every rank's): the choice's decision."""
+        if self.in_batch is None:
+            return
+        self.choice.end_step(self.in_batch.gain, records, shifted)
+        self.in_batch.wide_engaged = self.choice.wide_engaged
+
+    def status(self) -> dict | None:
+        """``/status``'s ``in_batch``: the choice, the gain and the wide multiplier."""
+        if self.in_batch is None:
+            return None
+        wide = self.wide_multiplier()
+        return {**self.choice.status(), **self.in_batch.gain.status(),
+                "wide_multiplier": round(wide, 4) if wide is not None else None}
 
     def pairs(self, batch: Batch, n: int, dtype: torch.dtype) -> RowPairs | None:
         """The step's (table row, record) pairs of this rank's ``n`` records."""
@@ -188,3 +233,18 @@ class RowPairLearning:
         """Each record's squared gradient in the accumulators (a collective with ranks)."""
         if self.per_record is not None and grads is not None:
             self.per_record.apply(pairs, grads, n, lr)
+
+
+def in_batch_status(learning: RowPairLearning | None, config: pipeline_pb2.EasyRecConfig,
+                    world_size: int) -> dict:
+    """``/status``'s ``in_batch``: mode, phase, gain (``RowPairLearning.status``).
+
+    Off: the mode, and where the config does not write ``in_batch_learning``, what keeps it
+    off (``in_batch_refusal``).
+    """
+    status = learning.status() if learning is not None else None
+    if status is not None:
+        return status
+    refusal = (in_batch_refusal(config, world_size)
+               if not config.train_config.HasField("in_batch_learning") else None)
+    return {"mode": IN_BATCH_OFF, **({"why": f"{refusal[0]}: {refusal[1]}"} if refusal else {})}

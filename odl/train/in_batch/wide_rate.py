@@ -41,10 +41,9 @@ Contract (``WideRate``), for a model with wide tables trained with in-batch lear
 * Why the range: the probes see one batch, to first order. They do not see what a rate
   does to the steps after it (on the bursty stream they point below the rate that is best
   over the whole stream: 0.001-0.002 AUC lost where the level may fall below its start),
-  nor, through a ``final_dnn``, what steps too large for the first order do (from a start
-  of 1 on the MovieLens config the level climbs past 20 and the stream's later records
-  lose AUC). Within four times the written rate the measured gain stays and neither
-  happens (``docs/benchmarks.md``, online learning quality).
+  nor, through a ``final_dnn``, what steps too large for the first order do: there they
+  can keep asking for more. Within four times the start the measured gain stays
+  (``docs/benchmarks.md``, online learning quality).
 
 Every rank sees every record's ``J`` and loss (the step's exchange), so all ranks hold the
 same sensitivity, level and multiplier. The level, the smoothed sensitivity and the probe
@@ -83,15 +82,15 @@ BOOST_MAX = 16.0
 QUANTUM = 32
 
 
-def start_level(train_config: pipeline_pb2.TrainConfig) -> float:
+def start_level(train_config: pipeline_pb2.TrainConfig, in_batch: bool) -> float:
     """The wide tables' multiplier at the start.
 
-    ``wide_learning_rate_multiplier`` as written; unwritten, 1 (the table rate) without
-    in-batch learning and ``DEFAULT_LEVEL`` (a level) with it.
+    ``wide_learning_rate_multiplier`` as written; unwritten, ``DEFAULT_LEVEL`` (a level) for
+    in-batch learning's wide rate (``in_batch``) and 1 (the table rate) otherwise.
     """
     if train_config.HasField("wide_learning_rate_multiplier"):
         return float(train_config.wide_learning_rate_multiplier)
-    return DEFAULT_LEVEL if train_config.in_batch_learning else 1.0
+    return DEFAULT_LEVEL if in_batch else 1.0
 
 
 @dataclass(frozen=True)
