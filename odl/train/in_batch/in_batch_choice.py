@@ -42,7 +42,8 @@ from __future__ import annotations
 
 from odl.train.in_batch.in_batch_learning import ShiftGain
 
-# A window closes after this many records (every rank's) and this many measured steps.
+# A window closes once its shifting steps hold this many records (every rank's) and number
+# at least WINDOW_MIN_STEPS.
 WINDOW_RECORDS = 16384
 WINDOW_MIN_STEPS = 32
 # OFF_WINDOWS windows in a row with a mean gain under OFF_BELOW turn in-batch learning off,
