@@ -355,7 +355,6 @@ def _load_wide_rate(m: TrainModule, state: Mapping[str, Any]) -> None:
     learning = m.row_pair_learning
     if learning is not None and learning.in_batch is not None and "in_batch_choice" in state:
         learning.choice.load_state_dict(state["in_batch_choice"], learning.in_batch.gain)
-        learning.in_batch.wide_engaged = learning.choice.wide_engaged
 
 
 def _load_dynamic_state(m: TrainModule, state: Mapping[str, Any], strict: bool) -> None:

@@ -422,7 +422,7 @@ class Trainer:
             if gain is not None and learning is not None:
                 if gain.value is not None:
                     self.metrics.in_batch_loss_gain.set(gain.value)
-                self.metrics.in_batch_active.set(int(learning.choice.phase != "off"))
+                self.metrics.in_batch_active.set(int(learning.choice.active))
             if self._ledger is not None and sample_ids is not None:
                 # flushed before the step can be published (crash audits)
                 self._ledger.write_step(self.generation, self.module.global_step, sample_ids)

@@ -82,6 +82,11 @@ class InBatchChoice:
         return self.phase != OFF or step % PROBE_EVERY == 0
 
     @property
+    def active(self) -> bool:
+        """Whether in-batch learning runs at every step (measuring or on)."""
+        return self.phase != OFF
+
+    @property
     def per_record(self) -> bool:
         """Whether the steps that shift also run per-record Adagrad."""
         return self.phase != OFF

@@ -61,6 +61,7 @@ import ctypes
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -79,6 +80,9 @@ from odl.train.in_batch.in_batch_scan import (
 from odl.train.in_batch.native_kernels import address as _ptr
 from odl.train.in_batch.step_exchange import StepExchange
 from odl.train.in_batch.wide_rate import PROBE_FACTOR, WideRate
+
+if TYPE_CHECKING:
+    from odl.train.in_batch.in_batch_choice import InBatchChoice
 
 LossAt = Callable[[torch.Tensor], torch.Tensor]
 
@@ -299,9 +303,9 @@ class InBatchLearning:
         self._wide = (wide if wide is not None
                       else np.zeros(len(index.lookup_multiplier), dtype=bool))
         self.gain = ShiftGain()
-        # whether the wide tables learn at wide_rate's multiplier (in_batch_choice's "on");
-        # otherwise at off_multiplier, their rate without in-batch learning
-        self.wide_engaged = True
+        # the stream's decision (None: on at every step); outside its "on" the wide tables
+        # learn at off_multiplier, their rate without in-batch learning
+        self.choice: InBatchChoice | None = None
         self.off_multiplier = 1.0
         # the step's loss at its unshifted logits (every rank's), and this rank's part at
         # the shifted ones: the gain is measured when the next step exchanges that part
@@ -370,6 +374,11 @@ class InBatchLearning:
         self._shifted_loss = float("nan")  # until the step reports it (``trained_loss``)
         own = np.ascontiguousarray(shift[offset:offset + n])
         return torch.from_numpy(own).to(logits.device, logits.dtype)
+
+    @property
+    def wide_engaged(self) -> bool:
+        """Whether the wide tables learn at ``wide_rate``'s multiplier."""
+        return self.choice is None or self.choice.wide_engaged
 
     @property
     def wide_multiplier(self) -> float:

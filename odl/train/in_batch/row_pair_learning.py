@@ -148,7 +148,7 @@ class RowPairLearning:
                                           float(tc.per_record_adagrad_max_gain), held, exchange)
         choice = InBatchChoice(auto=mode == IN_BATCH_AUTO)
         if in_batch is not None:
-            in_batch.wide_engaged = choice.wide_engaged
+            in_batch.choice = choice
         return cls(index, in_batch, per_record, [g.width for g in layout], module.step_loss,
                    choice)
 
@@ -170,7 +170,6 @@ class RowPairLearning:
         if self.in_batch is None:
             return
         self.choice.end_step(self.in_batch.gain, records, shifted)
-        self.in_batch.wide_engaged = self.choice.wide_engaged
 
     def status(self) -> dict | None:
         """``/status``'s ``in_batch``: the choice, the gain and the wide multiplier."""
