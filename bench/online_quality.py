@@ -41,9 +41,11 @@ ids), its quadratic form ``-q cc``, and ``-q true pairs``: each of the hidden mo
 interacting field pairs crossed alone, the form that contains the stream's hidden model, so
 the best any learner of this kind gets from these records), or ``movielens``: the real
 ratings of MovieLens 100k in time order (``odl.datagen.movielens_stream``, label 1 for a
-rating of 4 or 5; ``--data`` is the unpacked ``ml-100k`` directory, which this repository
-does not ship; odl trains
-``samples/movielens_online.config``; there is no oracle row); ``--seed``, ``--records``.
+rating of 4 or 5; ``--data`` is the unpacked ``ml-100k`` directory, or one of GroupLens'
+later archives such as ``ml-latest-small`` (``ratings.csv``, ``movies.csv``), neither shipped
+here; odl trains ``samples/movielens_online.config`` unless ``--config`` names another, e.g.
+``bench/configs/movielens_latest_as_written.config`` for ``ml-latest-small``; there is no
+oracle row); ``--seed``, ``--records``.
 
 Needs ``vowpalwabbit`` (``pip install -r bench/requirements-quality.txt``); without it the
 VW rows are skipped and say so.
@@ -461,7 +463,8 @@ def main() -> int:
                          "MovieLens 100k's ratings in time order (needs --data)")
     ap.add_argument("--data", default="",
                     help="--stream movielens: the unpacked ml-100k directory (u.data, u.user, "
-                         "u.item; not in this repository)")
+                         "u.item) or ml-latest-small (ratings.csv, movies.csv); not in this "
+                         "repository")
     ap.add_argument("--config", default="",
                     help="odl's pipeline config (e.g. samples/deepfm_online.config for the "
                          "criteo stream); default: the stream's DeepFM")

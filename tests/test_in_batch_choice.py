@@ -1,12 +1,13 @@
 """In-batch learning decided by the stream (``odl.train.in_batch.in_batch_choice``).
 
 The contract: a config that does not write ``in_batch_learning`` starts measuring the
-shift's gain (the shift and per-record Adagrad at every step, the wide tables at their rate
-without in-batch learning); after the run's first window, ``OFF_WINDOWS`` windows in a row
-with a mean gain under ``OFF_BELOW`` turn it off (one step in ``PROBE_EVERY`` still
-measuring), one of at least ``ON_ABOVE`` turns it on with its wide rate; a written ``true``
-is on throughout, a written ``false`` or a config in-batch learning cannot train is off.
-Checkpoints carry the decision.
+shift's gain (the shift and per-record Adagrad at every step, the wide tables at their
+unadapted rate in the logit's space); after the run's first window, ``OFF_WINDOWS`` windows
+in a row with a mean gain under ``OFF_BELOW`` turn it off (one step in ``PROBE_EVERY`` still
+measuring), one of at least ``ON_ABOVE`` turns it on with its wide rate, and so do the
+gains of an open window (after the run's first ``WARM_RECORDS`` records) that clear
+``ON_ABOVE`` by ``EARLY_Z`` standard errors; a written ``true`` is on throughout, a written
+``false`` or a config in-batch learning cannot train is off. Checkpoints carry the decision.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ from odl.config.in_batch_settings import IN_BATCH_AUTO, IN_BATCH_OFF, IN_BATCH_O
 from odl.datagen.datagen_config import bursty_config_text
 from odl.train.in_batch import in_batch_choice
 from odl.train.in_batch.in_batch_choice import (
+    EARLY_MIN_GAINS,
+    EARLY_Z,
     OFF_BELOW,
     OFF_WINDOWS,
     ON_ABOVE,
     PROBE_EVERY,
+    WARM_RECORDS,
     WINDOW_MIN_STEPS,
     WINDOW_RECORDS,
     InBatchChoice,
@@ -30,19 +34,20 @@ from odl.train.in_batch.in_batch_learning import ShiftGain
 from odl.train.trainer import Trainer, TrainerOptions
 from tests.harness import load_config_text
 from tests.test_in_batch_learning import ADAGRAD, _module, _records
+from tests.test_wide_rate import FINAL_DNN
 
 BATCH = 64
 
 
 def _feed(choice: InBatchChoice, gain: ShiftGain, step_gain: float, steps: int,
-          records: int = 512) -> list[str]:
+          records: int = 512, spread: float = 0.0) -> list[str]:
     """``steps`` steps of ``records`` records each measuring ``step_gain`` where they
-    shift; the phase after each."""
+    shift (``spread`` added and taken off in turn); the phase after each."""
     phases = []
     for step in range(steps):
         shifted = choice.shifting(step)
         if shifted:  # (measured at once here; a module measures it with the next step)
-            gain.observe(1.0, 1.0 - step_gain)
+            gain.observe(1.0, 1.0 - step_gain - (spread if gain.steps % 2 else -spread))
         choice.end_step(gain, records, shifted)
         phases.append(choice.phase)
     return phases
@@ -67,11 +72,13 @@ def test_the_first_window_decides_nothing_then_low_gains_turn_it_off():
 
 
 def test_a_high_gain_turns_it_on_and_off_turns_on_again_when_probes_see_it():
+    """Window by window: the gains spread too widely for a window to decide before its end."""
     choice, gain = InBatchChoice(auto=True), ShiftGain()
     w = _window_steps()
-    _feed(choice, gain, ON_ABOVE * 2, w)
+    _feed(choice, gain, ON_ABOVE * 2, w, spread=0.05)
     assert choice.phase == "measuring" and not choice.wide_engaged and choice.per_record
-    _feed(choice, gain, ON_ABOVE * 2, w)
+    assert choice.window_gain == pytest.approx(ON_ABOVE * 2)  # (the first decides nothing)
+    _feed(choice, gain, ON_ABOVE * 2, w, spread=0.05)
     assert choice.phase == "on" and choice.wide_engaged
     _feed(choice, gain, (OFF_BELOW + ON_ABOVE) / 2, 3 * w)  # between: on stays on
     assert choice.phase == "on" and choice.switches == 1
@@ -82,8 +89,33 @@ def test_a_high_gain_turns_it_on_and_off_turns_on_again_when_probes_see_it():
     _feed(choice, gain, 0.0, w)
     assert choice.phase == "off"
     # off: the window fills from the probe steps only
-    phases = _feed(choice, gain, ON_ABOVE * 2, PROBE_EVERY * w)
+    phases = _feed(choice, gain, ON_ABOVE * 2, PROBE_EVERY * w, spread=0.05)
     assert phases.index("on") == PROBE_EVERY * (w - 1) and phases[-1] == "on"
+
+
+def test_a_clear_gain_turns_it_on_before_the_window_ends_even_the_first():
+    """Gains that clear ON_ABOVE by EARLY_Z standard errors decide at once, from the run's
+    WARM_RECORDS-th record on: a fresh model's high first gains count for nothing."""
+    records = 512
+    choice, gain = InBatchChoice(auto=True), ShiftGain()
+    warm = WARM_RECORDS // records
+    phases = _feed(choice, gain, 1.0, warm)  # a fresh model's gains: no decision
+    phases += _feed(choice, gain, ON_ABOVE * 1.5, 2 * EARLY_MIN_GAINS, records, spread=1e-4)
+    assert phases.index("on") == warm + EARLY_MIN_GAINS - 1
+    assert choice.windows == 1 and choice.switches == 1 and choice.wide_engaged
+    assert choice.window_gain > ON_ABOVE * 1.5  # the window closed there, the warm gains in
+    # the same mean with a spread whose standard error is more than a third of the margin
+    # over ON_ABOVE: the window's end decides
+    choice, gain = InBatchChoice(auto=True), ShiftGain()
+    margin = ON_ABOVE * 0.5
+    spread = 2 * margin / EARLY_Z * np.sqrt(2 * _window_steps(records))
+    phases = _feed(choice, gain, ON_ABOVE * 1.5, 2 * _window_steps(records), records,
+                   spread=spread)
+    assert phases.index("on") == 2 * _window_steps(records) - 1
+    # a fresh model's high gains alone never turn it on early
+    choice, gain = InBatchChoice(auto=True), ShiftGain()
+    phases = _feed(choice, gain, 1.0, warm) + _feed(choice, gain, 0.0, _window_steps(records))
+    assert "on" not in phases
 
 
 def test_a_written_true_stays_on_whatever_the_gain():
@@ -146,18 +178,26 @@ def _auto_config(tmp_path, name: str):
     return load_config_text(text)
 
 
-def test_measuring_keeps_the_wide_rate_as_written_then_on_engages_it(tmp_path, monkeypatch):
-    """While measuring the wide tables learn at the table rate (no multiplier written); once
-    on (here at the second window whatever the gain) they learn at in-batch learning's
-    adapted rate."""
+def test_measuring_puts_the_wide_rate_as_written_in_the_logits_space_then_on_adapts_it(
+        tmp_path, monkeypatch):
+    """Through a final DNN: while measuring the wide tables learn at the table rate over the
+    logit's sensitivity to them (no multiplier written: level 1, not adapted); once on (here
+    at the second window whatever the gain) at in-batch learning's adapted rate."""
     monkeypatch.setattr(in_batch_choice, "WINDOW_RECORDS", 4 * BATCH)
     monkeypatch.setattr(in_batch_choice, "WINDOW_MIN_STEPS", 4)
     monkeypatch.setattr(in_batch_choice, "ON_ABOVE", -1.0)
     monkeypatch.setattr(in_batch_choice, "OFF_BELOW", -2.0)
-    tm, fb = _module(_auto_config(tmp_path, "a"))
+    monkeypatch.setattr(in_batch_choice, "EARLY_MIN_GAINS", 10**9)
+    text = bursty_config_text(str(tmp_path / "a"), batch_size=BATCH, sparse_lr=0.1,
+                              buckets=4096).replace("wide_output_dim: 1", FINAL_DNN)
+    tm, fb = _module(load_config_text(text))
     records = _records(12 * BATCH)
-    wide_lrs = []
+    wide_lrs, expected = [], []
     for k in range(0, len(records), BATCH):
+        measuring = tm.row_pair_learning.choice.measuring
+        expected.append(tm.row_pair_learning.wide_multiplier())
+        if measuring:
+            assert expected[-1] == tm.wide_rate.at_level(1.0)
         tm.train_step(fb.build(records[k:k + BATCH]).batch)
         groups = tm.rates.fused_groups(tm.fused_optimizer)
         # the wide tables in a kernel of their own from the start (at a multiplier of 1
@@ -169,11 +209,12 @@ def test_measuring_keeps_the_wide_rate_as_written_then_on_engages_it(tmp_path, m
     assert choice.windows == 3 and choice.phase == "on", choice.status()
     assert choice.switches == 1
     assert tm.in_batch_gain.steps == 11  # every step shifted (the last one unmeasured yet)
-    assert wide_lrs[:8] == [pytest.approx(0.1)] * 8  # measuring: the table rate
-    # on from the ninth step: the level over the sensitivity, as written true would
-    assert min(wide_lrs[8:]) > 0.15
+    assert wide_lrs == [pytest.approx(0.1 * m, rel=1e-6) for m in expected]
+    assert expected[0] == 1.0 and tm.wide_rate.sensitivity < 0.5
+    assert min(expected[1:8]) > 2.0  # measuring: 1 / s, the table rate in the logit's space
+    # on from the ninth step: the level (3, adapted) over the sensitivity, as true would
+    assert min(expected[8:]) > 2 * max(expected[1:8])
     assert tm.row_pair_learning.wide_multiplier() == pytest.approx(tm.wide_rate.multiplier)
-    assert tm.wide_rate.multiplier > 1.5
 
 
 def test_a_stream_without_bursts_turns_it_off_and_off_steps_train_as_plain_ones(

@@ -2,7 +2,7 @@
 
 The data itself may not be redistributed, so these tests write a few ratings in the
 archive's own file formats (tab-separated ``u.data``, ``|``-separated ``u.user`` and
-``u.item`` in latin-1) and check what a user relies on: ratings in time order, labels from
+``u.item`` in latin-1; the later archives' ``ratings.csv`` and ``movies.csv``) and check what a user relies on: ratings in time order, labels from
 the rating, the sample config reading every record, every rating produced once.
 """
 
@@ -77,6 +77,35 @@ def test_the_sample_config_reads_every_record_as_csv_and_json(ml_dir):
         assert built.batch.labels.tolist() == s.labels.astype(float).tolist()
     rec = json.loads(batch.encode("json")[0])
     assert set(rec) == set(MOVIELENS_COLUMNS) and isinstance(rec["label"], int)
+
+
+def test_the_later_archives_csv_layout_reads_the_same_way(tmp_path):
+    """ml-latest-small's layout: ratings.csv with half stars and a header, movies.csv with
+    quoted titles; no demographics (empty columns); the check config reads every record."""
+    d = tmp_path / "ml-latest-small"
+    d.mkdir()
+    (d / "ratings.csv").write_text("userId,movieId,rating,timestamp\n"
+                                   "7,3,4.5,1500000100\n7,1,3.5,1500000000\n"
+                                   "9,2,4.0,1500000050\n9,99,5.0,1500000060\n")
+    (d / "movies.csv").write_text(
+        "movieId,title,genres\n1,Heat (1995),Action|Crime|Film-Noir\n"
+        '2,"American President, The (1995)",Comedy|Drama|Romance\n'
+        "3,Untitled,(no genres listed)\n")
+    s = MovieLensStream(str(d))
+    assert s.dropped == 1 and len(s) == 3  # movie 99 is not in movies.csv
+    rows = [dict(zip(MOVIELENS_COLUMNS, line.split(","), strict=True)) for line in s.lines]
+    assert [(r["user_id"], r["item_id"]) for r in rows] == [("u7", "i1"), ("u9", "i2"),
+                                                           ("u7", "i3")]
+    assert s.labels.tolist() == [0, 1, 1]  # 3.5, 4.0, 4.5 against liked = 4
+    assert [(r["genres"], r["year"]) for r in rows] == [
+        ("gAction|gCrime|gFilmNoir", "y1995"), ("gComedy|gDrama|gRomance", "y1995"),
+        ("g0", "y0")]
+    assert {(r["age"], r["gender"], r["occupation"], r["zip3"]) for r in rows} == {("",) * 4}
+    assert s.vw[0].startswith("-1 |u u7 |i i1 gAction gCrime gFilmNoir y1995 |c h")
+    config = load_config_text(open(f"{REPO}/bench/configs/movielens_latest_as_written.config",
+                                   encoding="utf-8").read())
+    built = FeatureBuilder(config).build(s.next_batch(10).encode("csv"))
+    assert not built.rejected and built.batch.labels.tolist() == [0.0, 1.0, 1.0]
 
 
 def test_a_missing_file_names_where_to_get_it(tmp_path):

@@ -9,6 +9,12 @@ directory holding the archive's ``u.data``, ``u.user`` and ``u.item`` (``ml-100k
 GroupLens, unpacked). ``bench/online_quality.py --stream movielens`` runs it through every
 learner; ``samples/movielens_online.config`` trains on it.
 
+The same reader takes GroupLens' later archives of one layout (``ml-latest-small``: 100,836
+ratings, half stars from 0.5, of 9,742 movies by 610 users, 1996 to 2018; ``ml-latest``,
+``ml-25m``): a directory holding ``ratings.csv`` and ``movies.csv`` instead. Those carry no
+user demographics: ``age``, ``gender``, ``occupation`` and ``zip3`` are empty, and genres are
+the genre names (``"gComedy|gDrama"``).
+
 Record layout (``MOVIELENS_COLUMNS``; one CSV line per rating, in the order of the ratings'
 timestamps, ties in the file's order)::
 
@@ -42,8 +48,10 @@ features as for the bursty stream.
 
 from __future__ import annotations
 
+import csv
 import json
 import os
+import re
 from dataclasses import dataclass
 from datetime import datetime, timezone
 
@@ -53,6 +61,7 @@ MOVIELENS_COLUMNS: tuple[str, ...] = (
     "sample_id", "event_time", "label", "user_id", "item_id", "age", "gender", "occupation",
     "zip3", "genres", "year", "hour", "weekday")
 START_TIME = 1767225600.0  # 2026-01-01T00:00:00Z
+NO_USER = ("", "", "", "")  # ratings.csv archives: no demographics
 
 
 @dataclass
@@ -94,22 +103,24 @@ class MovieLensStream:
 
     def __init__(self, data_dir: str, records: int = 0, liked: int = 4,
                  start_time: float = START_TIME) -> None:
-        for name in ("u.data", "u.user", "u.item"):
+        latest = all(os.path.exists(os.path.join(data_dir, name))
+                     for name in ("ratings.csv", "movies.csv"))
+        for name in () if latest else ("u.data", "u.user", "u.item"):
             if not os.path.exists(os.path.join(data_dir, name)):
                 raise FileNotFoundError(
                     f"{os.path.join(data_dir, name)} is missing: the MovieLens stream needs "
-                    "the unpacked MovieLens 100k directory (ml-100k.zip from GroupLens)")
-        users = _read_users(os.path.join(data_dir, "u.user"))
-        items = _read_items(os.path.join(data_dir, "u.item"))
-        ratings = []
-        self.dropped = 0
-        with open(os.path.join(data_dir, "u.data"), encoding="latin-1") as f:
-            for n, line in enumerate(f):
-                uid, iid, rating, ts = line.split()
-                if uid not in users or iid not in items:
-                    self.dropped += 1
-                    continue
-                ratings.append((int(ts), n, uid, iid, int(rating)))
+                    "the unpacked MovieLens 100k directory (ml-100k.zip from GroupLens), or "
+                    "one holding ratings.csv and movies.csv (ml-latest-small.zip)")
+        if latest:
+            users: dict[str, tuple[str, str, str, str]] = {}
+            items = _read_movies_csv(os.path.join(data_dir, "movies.csv"))
+            ratings, self.dropped = _read_ratings_csv(os.path.join(data_dir, "ratings.csv"),
+                                                      items)
+        else:
+            users = _read_users(os.path.join(data_dir, "u.user"))
+            items = _read_items(os.path.join(data_dir, "u.item"))
+            ratings, self.dropped = _read_u_data(os.path.join(data_dir, "u.data"), users,
+                                                 items)
         ratings.sort()
         if records:
             ratings = ratings[:records]
@@ -119,7 +130,7 @@ class MovieLensStream:
         self.event_times = np.empty(len(ratings), dtype=np.float64)
         shift = start_time - ratings[0][0] if ratings else 0.0
         for k, (ts, _n, uid, iid, rating) in enumerate(ratings):
-            age, gender, occupation, zip3 = users[uid]
+            age, gender, occupation, zip3 = users.get(uid, NO_USER)
             genres, year = items[iid]
             when = datetime.fromtimestamp(ts, tz=timezone.utc)
             y = int(rating >= liked)
@@ -129,9 +140,10 @@ class MovieLensStream:
             self.lines.append(f"ml-{k},{event_time!r},{y},u{uid},i{iid},{age},{gender},"
                               f"{occupation},{zip3},{genres},{year},h{when.hour:02d},"
                               f"w{when.weekday()}")
-            self.vw.append(f"{1 if y else -1} |u u{uid} {age} s{gender} o{occupation} "
-                           f"z{zip3} |i i{iid} {genres.replace('|', ' ')} {year} "
-                           f"|c h{when.hour} w{when.weekday()}")
+            who = f" {age} s{gender} o{occupation} z{zip3}" if uid in users else ""
+            self.vw.append(f"{1 if y else -1} |u u{uid}{who} |i i{iid} "
+                           f"{genres.replace('|', ' ')} {year} |c h{when.hour} "
+                           f"w{when.weekday()}")
         self._next = 0
 
     def __len__(self) -> int:
@@ -176,4 +188,49 @@ def _read_items(path: str) -> dict[str, tuple[str, str]]:
             genres = "|".join(f"g{k}" for k, v in enumerate(parts[-19:]) if v == "1") or "g0"
             date = parts[2]
             items[parts[0]] = (genres, f"y{date[-4:]}" if len(date) >= 4 else "y0")
+    return items
+
+
+def _read_u_data(path: str, users: dict, items: dict) -> tuple[list[tuple], int]:
+    """u.data: (unix seconds, line, user, movie, rating) and how many rows were dropped."""
+    ratings, dropped = [], 0
+    with open(path, encoding="latin-1") as f:
+        for n, line in enumerate(f):
+            uid, iid, rating, ts = line.split()
+            if uid not in users or iid not in items:
+                dropped += 1
+                continue
+            ratings.append((int(ts), n, uid, iid, float(rating)))
+    return ratings, dropped
+
+
+def _read_ratings_csv(path: str, items: dict) -> tuple[list[tuple], int]:
+    """ratings.csv (``userId,movieId,rating,timestamp`` and a header): as ``_read_u_data``."""
+    ratings, dropped = [], 0
+    with open(path, encoding="utf-8") as f:
+        next(f, None)
+        for n, line in enumerate(f):
+            uid, iid, rating, ts = line.strip().split(",")
+            if iid not in items:
+                dropped += 1
+                continue
+            ratings.append((int(ts), n, uid, iid, float(rating)))
+    return ratings, dropped
+
+
+def _read_movies_csv(path: str) -> dict[str, tuple[str, str]]:
+    """movies.csv (``movieId,title,genres``, quoted where a title holds commas).
+
+    Returns:
+        id -> (genre names joined by "|", the title's "(yyyy)" year).
+    """
+    items = {}
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = csv.reader(f)
+        next(rows, None)
+        for iid, title, genres in rows:
+            names = [g for g in genres.split("|") if g and not g.startswith("(")]
+            found = re.search(r"\((\d{4})\)\s*$", title)
+            items[iid] = ("|".join(f"g{g.replace('-', '')}" for g in names) or "g0",
+                          f"y{found.group(1)}" if found else "y0")
     return items

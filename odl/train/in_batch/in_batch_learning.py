@@ -303,8 +303,9 @@ class InBatchLearning:
         self._wide = (wide if wide is not None
                       else np.zeros(len(index.lookup_multiplier), dtype=bool))
         self.gain = ShiftGain()
-        # the stream's decision (None: on at every step); outside its "on" the wide tables
-        # learn at off_multiplier, their rate without in-batch learning
+        # the stream's decision (None: on at every step); while it measures, the wide tables
+        # learn at off_multiplier in the logit's space, once off at off_multiplier, their
+        # rate without in-batch learning
         self.choice: InBatchChoice | None = None
         self.off_multiplier = 1.0
         # the step's loss at its unshifted logits (every rank's), and this rank's part at
@@ -384,7 +385,11 @@ class InBatchLearning:
     def wide_multiplier(self) -> float:
         """The wide tables' multiplier of the next step (with ``wide_rate``)."""
         assert self.wide_rate is not None
-        return self.wide_rate.multiplier if self.wide_engaged else self.off_multiplier
+        if self.wide_engaged:
+            return self.wide_rate.multiplier
+        if self.choice is not None and self.choice.measuring:
+            return self.wide_rate.at_level(self.off_multiplier)
+        return self.off_multiplier
 
     def trained_loss(self, part: float) -> None:
         """Takes this rank's part of the step's loss at the shifted logits.

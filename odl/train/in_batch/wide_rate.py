@@ -209,12 +209,20 @@ class WideRate:
         self.steps, self._since = int(state.get("steps", 0)), int(state.get("since", 0))
         self.multiplier = self._multiplier()
 
-    def _multiplier(self) -> float:
+    def at_level(self, level: float) -> float:
+        """The table rate's multiplier that puts the wide rate at ``level`` in the logit's space.
+
+        By the sensitivity as the last step left it; for a level not adapted (the stream's
+        measuring phase, ``odl.train.in_batch.in_batch_choice``).
+        """
         s = self.sensitivity
         if s is None or s <= 0:
-            return min(self.level, limits.MAX_WIDE_LR_MULTIPLIER)
+            return min(level, limits.MAX_WIDE_LR_MULTIPLIER)
         octaves = min(round(-math.log2(s) * QUANTUM) / QUANTUM, math.log2(BOOST_MAX))
-        return float(min(self.level * 2.0 ** octaves, limits.MAX_WIDE_LR_MULTIPLIER))
+        return float(min(level * 2.0 ** octaves, limits.MAX_WIDE_LR_MULTIPLIER))
+
+    def _multiplier(self) -> float:
+        return self.at_level(self.level)
 
     def _step_sensitivity(self, jac: np.ndarray) -> float:
         lk = self._lookups
