@@ -2,8 +2,9 @@
 
 The data itself may not be redistributed, so these tests write a few ratings in the
 archive's own file formats (tab-separated ``u.data``, ``|``-separated ``u.user`` and
-``u.item`` in latin-1; the later archives' ``ratings.csv`` and ``movies.csv``) and check what a user relies on: ratings in time order, labels from
-the rating, the sample config reading every record, every rating produced once.
+``u.item`` in latin-1; the later archives' ``ratings.csv`` and ``movies.csv``) and check
+what a user relies on: ratings in time order, labels from the rating, the sample config
+reading every record, every rating produced once.
 """
 
 from __future__ import annotations

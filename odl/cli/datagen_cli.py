@@ -135,7 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "samples/bursty_online.config); Kafka only")
     extra.add_argument("--movielens", metavar="DIR", default="",
                        help="MovieLens 100k's ratings in time order instead (13 columns; DIR: "
-                            "the unpacked ml-100k directory, not shipped; "
+                            "the unpacked ml-100k directory, or ml-latest-small's with "
+                            "ratings.csv and movies.csv; not shipped; "
                             "odl.datagen.movielens_stream; sample: "
                             "samples/movielens_online.config); Kafka only")
     p.add_argument(

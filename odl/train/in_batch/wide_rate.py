@@ -41,9 +41,10 @@ Contract (``WideRate``), for a model with wide tables trained with in-batch lear
 * Why the range: the probes see one batch, to first order. They do not see what a rate
   does to the steps after it (on the bursty stream they point below the rate that is best
   over the whole stream: 0.001-0.002 AUC lost where the level may fall below its start),
-  nor, through a ``final_dnn``, what steps too large for the first order do: there they
-  can keep asking for more. Within four times the start the measured gain stays
-  (``docs/benchmarks.md``, online learning quality).
+  nor, through a ``final_dnn``, what steps too large for the first order do. The ceiling
+  bounds the loop between the level and the sensitivity; within four times the start the
+  measured gain stays (``docs/benchmarks.md``, online learning quality: without a ceiling
+  the same on MovieLens).
 
 Every rank sees every record's ``J`` and loss (the step's exchange), so all ranks hold the
 same sensitivity, level and multiplier. The level, the smoothed sensitivity and the probe
