@@ -112,7 +112,7 @@ class InBatchChoice:
 
     @property
     def measuring(self) -> bool:
-        """Whether the stream's decision is still open (no window has decided)."""
+        """Whether the stream's decision is still open (nothing decided yet)."""
         return self.phase == MEASURING
 
     @property
@@ -148,32 +148,35 @@ class InBatchChoice:
         if shifted:
             self._records += records
             self._steps += 1
-        if self.phase != ON and self._early[2] >= EARLY_MIN_GAINS:
-            n = self._early[2]
-            mean = self._early[0] / n
-            sem = math.sqrt(max(self._early[1] / n - mean * mean, 0.0) / (n - 1))
-            if mean - EARLY_Z * sem >= ON_ABOVE:
-                self._close(self._sum / self._measured)
-                self._below = 0
-                self.phase = ON
-                self.switches += 1
-                return
-        if (self._records < WINDOW_RECORDS or self._steps < WINDOW_MIN_STEPS
-                or not self._measured):
+        early = self.phase != ON and self._clear_gain()
+        if not early and (self._records < WINDOW_RECORDS or self._steps < WINDOW_MIN_STEPS
+                          or not self._measured):
             return
         mean = self._sum / self._measured
         self._close(mean)
-        if self.windows == 1:
+        if early:
+            self._below, phase = 0, ON
+        elif self.windows == 1:
             return
-        self._below = self._below + 1 if mean < OFF_BELOW else 0
-        phase = self.phase
-        if self._below >= OFF_WINDOWS:
-            phase = OFF
-        elif mean >= ON_ABOVE:
-            phase = ON
+        else:
+            self._below = self._below + 1 if mean < OFF_BELOW else 0
+            phase = self.phase
+            if self._below >= OFF_WINDOWS:
+                phase = OFF
+            elif mean >= ON_ABOVE:
+                phase = ON
         if phase != self.phase:
             self.phase = phase
             self.switches += 1
+
+    def _clear_gain(self) -> bool:
+        """Whether the open window's gains after WARM_RECORDS clear ON_ABOVE (early on)."""
+        total, squares, n = self._early
+        if n < EARLY_MIN_GAINS:
+            return False
+        mean = total / n
+        sem = math.sqrt(max(squares / n - mean * mean, 0.0) / (n - 1))
+        return mean - EARLY_Z * sem >= ON_ABOVE
 
     def _close(self, mean: float) -> None:
         """Closes the open window with its mean gain."""
