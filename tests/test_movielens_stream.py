@@ -9,7 +9,9 @@ reading every record, every rating produced once.
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 from datetime import datetime, timezone
 
 import pytest
@@ -107,6 +109,32 @@ def test_the_later_archives_csv_layout_reads_the_same_way(tmp_path):
                                    encoding="utf-8").read())
     built = FeatureBuilder(config).build(s.next_batch(10).encode("csv"))
     assert not built.rejected and built.batch.labels.tolist() == [0.0, 1.0, 1.0]
+
+
+BENCH_CONFIGS = sorted(glob.glob(f"{REPO}/bench/configs/*.config"))
+
+
+@pytest.mark.parametrize("path", BENCH_CONFIGS, ids=os.path.basename)
+def test_the_bench_configs_train_unchanged_and_leave_in_batch_learning_to_the_stream(ml_dir,
+                                                                                     path):
+    """``--config-as-written`` runs these as fetched: they must load, read every MovieLens
+    record and train with in-batch learning decided by the stream (no odl field)."""
+    import numpy as np
+
+    from odl.train.train_module import TrainModule
+
+    config = load_config_text(open(path, encoding="utf-8").read())
+    assert not config.train_config.HasField("in_batch_learning")
+    fb = FeatureBuilder(config)
+    s = MovieLensStream(str(ml_dir))
+    built = fb.build(s.next_batch(100).encode("csv"))
+    assert not built.rejected and built.batch.size == len(s)
+    module = TrainModule(config, fb, device="cpu")
+    for _ in range(2):
+        probs = np.asarray(module.train_step(built.batch).probs)
+        assert probs.shape == (len(s),) and np.all((probs > 0) & (probs < 1))
+    status = module.in_batch_status()
+    assert status["mode"] == "auto" and status["phase"] == "measuring"
 
 
 def test_a_missing_file_names_where_to_get_it(tmp_path):
