@@ -91,6 +91,42 @@ def random_loss_weights(model_config: pipeline_pb2.EasyRecModel, count: int,
     return torch.softmax(torch.randn(count, device=like.device, dtype=like.dtype), dim=0)
 
 
+def log_loss_weights(model_config: pipeline_pb2.EasyRecModel, terms: list[pipeline_pb2.Loss],
+                     learned: list[bool], records: int,
+                     data_weights: np.ndarray | None) -> np.ndarray | None:
+    """Per record ``c_i`` with ``ctr_loss`` equal to ``sum_i c_i * bce(s_i, y_i)`` (one output).
+
+    That form holds where every term is cross entropy on the logit (CLASSIFICATION,
+    CROSS_ENTROPY_LOSS) with a weight that is not learned and not a ``Random`` draw among
+    several terms: a term's mean puts ``weight / B`` on each record, or with
+    ``data_config.sample_weight`` values ``w`` ``weight * w_i / count(w != 0)``.
+
+    Args:
+        model_config: the model config (its ``loss_weight_strategy``).
+        terms: from :func:`loss_terms`.
+        learned: from :func:`learned_weight_terms`.
+        records: the batch's records ``B``.
+        data_weights: ``[B]`` the batch's ``sample_weight`` values, or None.
+
+    Returns:
+        ``[B]`` float64, or None where the loss has another form.
+    """
+    logistic = (_L.CLASSIFICATION, _L.CROSS_ENTROPY_LOSS)
+    if any(learned) or any(t.loss_type not in logistic for t in terms):
+        return None
+    if model_config.loss_weight_strategy == _L.EasyRecModel.Random:
+        if len(terms) > 1:
+            return None
+        total = 1.0  # one term's draw is 1, in place of its weight
+    else:
+        total = sum(float(t.weight) for t in terms)
+    if data_weights is None:
+        return np.full(records, total / max(records, 1))
+    w = np.asarray(data_weights, dtype=np.float64).reshape(-1)
+    nonzero = int(np.count_nonzero(w))
+    return total * w / nonzero if nonzero else np.zeros_like(w)
+
+
 def sample_weight_tensor(batch: Batch) -> torch.Tensor | None:
     """The batch's ``data_config.sample_weight`` values as a tensor (None without one)."""
     w = batch.sample_weights

@@ -64,6 +64,7 @@ from odl.models.ctr_losses import (
     embedding_l2,
     learned_weight_terms,
     linear_kernel_l2,
+    log_loss_weights,
     loss_terms,
     random_loss_weights,
     sample_weight_tensor,
@@ -219,6 +220,9 @@ class CtrModel(nn.Module):
     output_names: tuple[str, ...]
     # per output, its column of Batch.labels (a [B] label tensor is column 0)
     output_labels: tuple[int, ...] = (0,)
+    # ``loss`` reads the logits only through ``ctr_loss`` of ``loss_terms`` (its other terms,
+    # regularization, do not depend on them): ``log_loss_weights`` may then describe it
+    LOGITS_ONLY_IN_CTR_LOSS = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -326,6 +330,28 @@ class CtrModel(nn.Module):
             Scalar loss.
         """
         raise NotImplementedError
+
+    def log_loss_weights(self, batch: Batch) -> np.ndarray | None:
+        """Each record's weight ``c_i`` in the loss's cross entropy, where that form holds.
+
+        The form: the loss is ``sum_i c_i * bce(logit_i, label_i)`` plus terms that do not
+        depend on the logits (``odl.models.ctr_losses.log_loss_weights``). In-batch learning
+        reads the records' loss slopes from it in closed form (``odl.train.in_batch.log_loss``).
+        None for a model without one output whose loss is so built
+        (``LOGITS_ONLY_IN_CTR_LOSS``), or with other loss terms.
+
+        Args:
+            batch: the batch (its records and ``sample_weight`` values).
+
+        Returns:
+            ``[B]`` float64, or None.
+        """
+        if not self.LOGITS_ONLY_IN_CTR_LOSS or len(self.output_names) != 1:
+            return None
+        if getattr(self.dense, "num_class", 1) > 1:
+            return None
+        return log_loss_weights(self.model_config, self.loss_terms, self.learned, batch.size,
+                                batch.sample_weights)
 
     def set_configured_loss(self, model_config: pipeline_pb2.EasyRecModel,
                             output_name: str) -> None:

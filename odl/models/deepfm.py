@@ -342,6 +342,8 @@ class DeepFM(CtrModel):
         ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
     """
 
+    LOGITS_ONLY_IN_CTR_LOSS = True
+
     def __init__(
         self,
         layout: EmbeddingLayout,

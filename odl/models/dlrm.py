@@ -229,6 +229,8 @@ class DLRM(CtrModel):
         ValueError: a feature without a table, or widths "dot" cannot take.
     """
 
+    LOGITS_ONLY_IN_CTR_LOSS = True
+
     def __init__(self, feature_builder: FeatureBuilder, sparse: Sequence[str],
                  dense_emb: Sequence[str], dense_raw: Sequence[str], has_dense_group: bool,
                  model_config: pipeline_pb2.EasyRecModel, output_name: str = "label",

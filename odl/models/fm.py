@@ -121,6 +121,8 @@ class FM(CtrModel):
         ebc_device: device of the tables (``meta``: materialized by DMP).
     """
 
+    LOGITS_ONLY_IN_CTR_LOSS = True
+
     def __init__(self, layout: EmbeddingLayout, dense_features: Sequence[str],
                  wide_dense: Sequence[str], model_config: pipeline_pb2.EasyRecModel,
                  output_name: str = "label", ebc_device: "torch.device | str" = "meta",

@@ -167,6 +167,8 @@ class MaskNet(CtrModel):
         ebc_device: device of the tables (``meta``: materialized by DMP).
     """
 
+    LOGITS_ONLY_IN_CTR_LOSS = True
+
     def __init__(self, feature_builder: FeatureBuilder, embedded: Sequence[str],
                  raw: Sequence[str], model_config: pipeline_pb2.EasyRecModel,
                  output_name: str = "label",

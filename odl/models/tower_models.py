@@ -192,6 +192,8 @@ class TowerModel(CtrModel):
         ValueError: a tower names an unknown group or reads nothing.
     """
 
+    LOGITS_ONLY_IN_CTR_LOSS = True
+
     def __init__(
         self,
         layout: EmbeddingLayout,

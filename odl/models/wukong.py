@@ -182,6 +182,8 @@ class WuKong(CtrModel):
         ebc_device: device of the tables (``meta``: materialized by DMP).
     """
 
+    LOGITS_ONLY_IN_CTR_LOSS = True
+
     def __init__(self, feature_builder: FeatureBuilder, sparse: Sequence[str],
                  dense_emb: Sequence[str], dense_raw: Sequence[str], has_dense_group: bool,
                  model_config: pipeline_pb2.EasyRecModel, output_name: str = "label",

@@ -77,6 +77,7 @@ from odl.train.in_batch.in_batch_scan import (
     loss_slopes,
     scan_pairs,
 )
+from odl.train.in_batch.log_loss import LogLoss, log_loss_matches
 from odl.train.in_batch.native_kernels import address as _ptr
 from odl.train.in_batch.step_exchange import StepExchange
 from odl.train.in_batch.wide_rate import PROBE_FACTOR, WideRate
@@ -100,9 +101,9 @@ class RecordReads:
         rows: ``[P]`` int64, its table row.
         sample: ``[P]`` int64, its record (numbered within the rank).
         weight: ``[P]`` float32, its weight in the lookup's pooled vector.
-        loss: ``[1]`` float64, the rank's part of the step's loss at ``base``.
-        shifted_loss: ``[1]`` float64, its part of the previous step's loss at that step's
-            shifted logits (NaN: no previous step; ``ShiftGain``).
+        previous: ``[2]`` float64, the rank's part of the previous step's loss at that
+            step's unshifted and at its shifted logits (NaN: no previous step;
+            ``ShiftGain``).
     """
 
     base: np.ndarray
@@ -113,8 +114,7 @@ class RecordReads:
     rows: np.ndarray
     sample: np.ndarray
     weight: np.ndarray
-    loss: np.ndarray
-    shifted_loss: np.ndarray
+    previous: np.ndarray
 
 
 # Weight of a step's gain in ShiftGain's smoothed one.
@@ -308,13 +308,19 @@ class InBatchLearning:
         # rate without in-batch learning
         self.choice: InBatchChoice | None = None
         self.off_multiplier = 1.0
-        # the step's loss at its unshifted logits (every rank's), and this rank's part at
-        # the shifted ones: the gain is measured when the next step exchanges that part
-        self._base_loss: float | None = None
-        self._shifted_loss = float("nan")
+        # this rank's part of the step's loss at the unshifted logits (None: the step's
+        # loss at the shifted ones plus ``_drop``, the log loss's drop from the shift), and
+        # the last step's (unshifted, shifted) parts, which the next step exchanges: the
+        # gain is measured from every rank's
+        self._base_part: float | None = None
+        self._drop = 0.0
+        self._previous = np.full(2, np.nan)
+        # whether the model's log loss gives its loss's slopes (None: not checked yet)
+        self._log_loss_ok: bool | None = None
 
     def logit_shift(self, pairs: RowPairs | None, jac: torch.Tensor | None,
-                    logits: torch.Tensor, loss_at: LossAt, lr: float) -> torch.Tensor:
+                    logits: torch.Tensor, loss_at: LossAt, lr: float,
+                    log_loss: LogLoss | None = None) -> torch.Tensor:
         """This rank's ``[n]`` shifts of ``logits`` (module docstring); no gradient flows.
 
         A collective with several ranks: every rank calls it at every step, with or without
@@ -329,15 +335,20 @@ class InBatchLearning:
             loss_at: this rank's part of the step's loss at given ``[n]`` logits (the rest
                 of the forward fixed), weighted as the table update weighs it.
             lr: the table rate of this step.
+            log_loss: ``loss_at``'s cross entropy in closed form
+                (``odl.train.in_batch.log_loss``), or None: the slopes come from autograd.
 
         Returns:
             Tensor ``[n]`` like ``logits``.
         """
         n = int(logits.shape[0])
-        parts = self._exchange.every_rank(_record_reads(self._index, pairs, jac, logits,
-                                                        loss_at, self._shifted_loss))
-        self.gain.observe(self._base_loss, float(sum(p.shifted_loss[0] for p in parts)))
-        self._base_loss = float(sum(p.loss[0] for p in parts))
+        log_loss = self._checked_log_loss(log_loss, logits, loss_at)
+        mine, self._base_part = _record_reads(self._index, pairs, jac, logits, loss_at,
+                                              log_loss, self._previous)
+        parts = self._exchange.every_rank(mine)
+        self.gain.observe(float(sum(p.previous[0] for p in parts)),
+                          float(sum(p.previous[1] for p in parts)))
+        self._previous = np.full(2, np.nan)  # until the step reports it (``trained_loss``)
         offset = int(sum(len(p.base) for p in parts[:self._exchange.rank]))
         base = np.concatenate([p.base for p in parts])
         shift = np.zeros(len(base), dtype=np.float32)
@@ -355,7 +366,7 @@ class InBatchLearning:
             if self.sequential is not None:
                 curve = np.concatenate([p.curve for p in parts])
                 prepared = self._prepared(shared, jac_all, acc, lr)
-                slopes_at = self._slopes_at(offset, n, logits, loss_at)
+                slopes_at = self._slopes_at(offset, n, logits, loss_at, log_loss)
                 scan = self.sequential
 
                 def shift_with(factor: float) -> np.ndarray:
@@ -369,11 +380,13 @@ class InBatchLearning:
                     return self._batched(shared, jac_all, acc, lr, slope, len(base), factor)
             shift = shift_with(1.0)
             if wide_rate is not None and self.wide_engaged and wide_rate.probe_due():
-                self._probe(shift_with, base, offset, logits, loss_at)
+                self._probe(shift_with, base, offset, logits, loss_at, log_loss)
         if wide_rate is not None:  # the next step's wide rate
             wide_rate.observe(jac_all)
-        self._shifted_loss = float("nan")  # until the step reports it (``trained_loss``)
         own = np.ascontiguousarray(shift[offset:offset + n])
+        if log_loss is not None:
+            mine_base = base[offset:offset + n]
+            self._drop = log_loss.value(mine_base) - log_loss.value(mine_base + own)
         return torch.from_numpy(own).to(logits.device, logits.dtype)
 
     @property
@@ -395,16 +408,33 @@ class InBatchLearning:
         """Takes this rank's part of the step's loss at the shifted logits.
 
         As the step trained on it, weighted as ``loss_at`` weighs it (0 without records):
-        ``ShiftGain``'s second figure, exchanged with the next step.
+        ``ShiftGain``'s second figure, exchanged with the next step with the first (the
+        loss at the unshifted logits).
         """
-        self._shifted_loss = float(part)
+        shifted = float(part)
+        base = self._base_part if self._base_part is not None else shifted + self._drop
+        self._previous = np.array([base, shifted], dtype=np.float64)
+
+    def _checked_log_loss(self, log_loss: LogLoss | None, logits: torch.Tensor,
+                          loss_at: LossAt) -> LogLoss | None:
+        """``log_loss``, where its slopes are ``loss_at``'s (checked once), else None."""
+        if log_loss is None or self._log_loss_ok is False:
+            return None
+        if self._log_loss_ok is None and logits.shape[0]:
+            _, slope, curve = loss_and_slopes(loss_at, logits.detach())
+            self._log_loss_ok = log_loss_matches(
+                log_loss, slope, curve, logits.detach().to("cpu", torch.float32).numpy())
+            if not self._log_loss_ok:
+                return None
+        return log_loss
 
     def _probe(self, shift_with: Callable[[float], np.ndarray], base: np.ndarray, offset: int,
-               logits: torch.Tensor, loss_at: LossAt) -> None:
+               logits: torch.Tensor, loss_at: LossAt, log_loss: LogLoss | None) -> None:
         """The wide rate's probes (``WideRate.judge``); no state changes.
 
         The step's loss at the shifts with the wide rows' rates times and divided by
-        ``PROBE_FACTOR``, summed over the ranks.
+        ``PROBE_FACTOR``, summed over the ranks (with ``log_loss``, its cross entropy: the
+        terms without the logits are the same at both).
         """
         assert self.wide_rate is not None
         passes = self.sequential.passes if self.sequential is not None else 0
@@ -413,22 +443,27 @@ class InBatchLearning:
         for factor in (PROBE_FACTOR, 1.0 / PROBE_FACTOR):
             at = base + shift_with(factor)
             mine = 0.0
-            if n:
+            mine_at = np.ascontiguousarray(at[offset:offset + n])
+            if n and log_loss is not None:
+                mine = log_loss.value(mine_at)
+            elif n:
                 with torch.no_grad():
-                    mine = float(loss_at(torch.from_numpy(np.ascontiguousarray(
-                        at[offset:offset + n])).to(logits.device, logits.dtype)))
+                    mine = float(loss_at(torch.from_numpy(mine_at).to(logits.device,
+                                                                       logits.dtype)))
             parts = self._exchange.every_rank(StepLoss(np.array([mine], dtype=np.float64)))
             losses.append(float(sum(p.value[0] for p in parts)))
         self.wide_rate.judge(*losses, records=len(base))
         if self.sequential is not None:
             self.sequential.passes = passes
 
-    def _slopes_at(self, offset: int, n: int, logits: torch.Tensor,
-                   loss_at: LossAt) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
+    def _slopes_at(self, offset: int, n: int, logits: torch.Tensor, loss_at: LossAt,
+                   log_loss: LogLoss | None
+                   ) -> Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]:
         """The step's records' loss slopes at given logits: each rank gives its records'."""
         def slopes_at(at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            mine = RecordSlopes(*_slopes(loss_at, torch.from_numpy(
-                np.ascontiguousarray(at[offset:offset + n])).to(logits.device, logits.dtype)))
+            mine_at = np.ascontiguousarray(at[offset:offset + n])
+            mine = RecordSlopes(*(log_loss.slopes(mine_at) if log_loss is not None else _slopes(
+                loss_at, torch.from_numpy(mine_at).to(logits.device, logits.dtype))))
             parts = self._exchange.every_rank(mine)
             return (np.concatenate([p.slope for p in parts]),
                     np.concatenate([p.curve for p in parts]))
@@ -532,21 +567,29 @@ def _slopes(loss_at: LossAt, at: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _record_reads(index: RowPairIndex, pairs: RowPairs | None, jac: torch.Tensor | None,
-                  logits: torch.Tensor, loss_at: LossAt, shifted_loss: float) -> RecordReads:
-    """This rank's part of the step (``RecordReads``); ``shifted_loss`` the last step's."""
+                  logits: torch.Tensor, loss_at: LossAt, log_loss: LogLoss | None,
+                  previous: np.ndarray) -> tuple[RecordReads, float | None]:
+    """This rank's part of the step (``RecordReads``; ``previous`` the last step's losses).
+
+    Returns:
+        The part, and the rank's loss at the unshifted logits (None with ``log_loss``,
+        which gives the slopes without it).
+    """
     n = int(logits.shape[0])
-    if n:
+    base = logits.detach().to("cpu", torch.float32).numpy()
+    loss: float | None = None
+    if log_loss is not None:
+        slope, curve = log_loss.slopes(base)
+    elif n:
         loss, slope, curve = loss_and_slopes(loss_at, logits.detach())
     else:
         loss, (slope, curve) = 0.0, _slopes(loss_at, logits.detach())
-    losses = {"loss": np.array([loss], dtype=np.float64),
-              "shifted_loss": np.array([shifted_loss], dtype=np.float64)}
-    base = logits.detach().to("cpu", torch.float32).numpy()
+    previous = np.asarray(previous, dtype=np.float64)
     if pairs is None or jac is None:
         empty = np.empty(0, dtype=np.int64)
         return RecordReads(base, slope, curve, np.zeros((n, index.columns), dtype=np.float32),
-                           empty, empty, empty, np.empty(0, dtype=np.float32), **losses)
+                           empty, empty, empty, np.empty(0, dtype=np.float32), previous), loss
     return RecordReads(
         base, slope, curve, jac.detach().to("cpu", torch.float32).numpy(),
         *(t.to("cpu", torch.int64).numpy() for t in (pairs.lookup, pairs.rows, pairs.sample)),
-        pairs.weight.detach().to("cpu", torch.float32).numpy(), **losses)
+        pairs.weight.detach().to("cpu", torch.float32).numpy(), previous), loss

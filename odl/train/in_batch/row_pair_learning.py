@@ -37,6 +37,7 @@ from odl.train.in_batch.held_rows import HeldRows, ShardedTables, WholeTables
 from odl.train.in_batch.in_batch_choice import InBatchChoice
 from odl.train.in_batch.in_batch_learning import InBatchLearning
 from odl.train.in_batch.in_batch_scan import InBatchScan, error_model_is_exact
+from odl.train.in_batch.log_loss import record_log_loss
 from odl.train.in_batch.per_record_adagrad import PerRecordAdagrad, hook_pooled_gradients
 from odl.train.in_batch.step_exchange import StepExchange
 from odl.train.in_batch.wide_rate import WideRate, start_level, wide_lookups
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from odl.train.train_module import TrainModule
 
 LossFn = Callable[[ModelOutput, Batch], torch.Tensor]
+LogLossWeights = Callable[[Batch], np.ndarray | None]
 
 
 class RowPairLearning:
@@ -63,11 +65,14 @@ class RowPairLearning:
         group_widths: the width of each pooled group of the model, in order.
         loss: the model's loss of an output on a batch.
         choice: the steps that run them (None: every step).
+        log_loss_weights: the model's ``CtrModel.log_loss_weights`` (None: the slopes of
+            ``loss`` always come from autograd).
     """
 
     def __init__(self, index: RowPairIndex, in_batch: InBatchLearning | None,
                  per_record: PerRecordAdagrad | None, group_widths: Sequence[int],
-                 loss: LossFn, choice: InBatchChoice | None = None) -> None:
+                 loss: LossFn, choice: InBatchChoice | None = None,
+                 log_loss_weights: LogLossWeights | None = None) -> None:
         self.index = index
         self.in_batch = in_batch
         self.per_record = per_record
@@ -76,6 +81,7 @@ class RowPairLearning:
         self.wide_rate = in_batch.wide_rate if in_batch is not None else None
         self._group_widths = list(group_widths)
         self._loss = loss
+        self._log_loss_weights = log_loss_weights
 
     @classmethod
     def build(cls, module: TrainModule, config: pipeline_pb2.EasyRecConfig,
@@ -150,7 +156,7 @@ class RowPairLearning:
         if in_batch is not None:
             in_batch.choice = choice
         return cls(index, in_batch, per_record, [g.width for g in layout], module.step_loss,
-                   choice)
+                   choice, module.model.log_loss_weights)
 
     def step_plan(self, step: int) -> tuple[bool, bool]:
         """Whether step ``step`` (counted from 0) runs the shift, and per-record Adagrad."""
@@ -214,7 +220,10 @@ class RowPairLearning:
         def loss_at(at: torch.Tensor) -> torch.Tensor:
             return self._loss(ModelOutput(at, pooled), batch) * share
 
-        return self.in_batch.logit_shift(pairs, jac, mine.logits.detach(), loss_at, lr)
+        weights = self._log_loss_weights(batch) if self._log_loss_weights is not None else None
+        log_loss = record_log_loss(weights, batch.labels, share)
+        return self.in_batch.logit_shift(pairs, jac, mine.logits.detach(), loss_at, lr,
+                                         log_loss)
 
     def trained_loss(self, loss: float, n: int, sizes: Sequence[int]) -> None:
         """The step's loss on this rank's ``n`` shifted records (in-batch learning's gain)."""
