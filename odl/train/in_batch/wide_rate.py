@@ -145,6 +145,7 @@ class WideRate:
         self._since = 0  # records since the last probe
         self._probed = False  # the step being taken ran the probes
         self.probes = 0
+        self._member: np.ndarray | None = None  # the sensitivity's column map (built once)
         self.multiplier = self._multiplier()
 
     def probe_due(self) -> bool:
@@ -227,12 +228,19 @@ class WideRate:
 
     def _step_sensitivity(self, jac: np.ndarray) -> float:
         lk = self._lookups
-        padded = np.concatenate([jac, np.zeros((len(jac), 1), dtype=jac.dtype)], 1)
-        j = padded[:, lk.columns].astype(np.float64)  # [records, W, width]
+        columns = jac.shape[1]
+        if self._member is None or len(self._member) != columns:
+            # [columns, W]: 1 where a column is one of the wide lookup's (the padding's
+            # column, ``columns``, falls off the end)
+            member = np.zeros((columns + 1, len(lk.columns)))
+            for w, cols in enumerate(lk.columns):
+                member[cols, w] = 1.0
+            self._member = member[:columns]
+        j = jac.astype(np.float64)
         if lk.norm == "l1":
-            per = np.abs(j).sum(2)
+            per = np.abs(j) @ self._member  # [records, W]
         elif lk.norm == "rowwise":
-            per = np.sqrt((j * j).sum(2)) * np.sqrt(lk.stored)[None, :]
+            per = np.sqrt((j * j) @ self._member) * np.sqrt(lk.stored)[None, :]
         else:
-            per = (j * j).sum(2)
+            per = (j * j) @ self._member
         return float(per.mean())
