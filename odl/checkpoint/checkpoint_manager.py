@@ -65,8 +65,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-import torch
-
 from odl.checkpoint import checkpoint_chain, table_parts
 from odl.checkpoint.checkpoint_chain import TABLE_ROWS_KEY, ChainLink
 from odl.checkpoint.checkpoint_layout import (
@@ -414,12 +412,7 @@ class CheckpointManager:
             commit_directory(tmp, final, replace=True)  # final: an incomplete leftover
         except (OSError, RuntimeError) as exc:
             shutil.rmtree(tmp, ignore_errors=True)
-            # torch.save reports a full disk as a RuntimeError of its zip writer whose
-            # context is the OSError (ENOSPC): name the OSError, it is what an operator needs
-            cause = exc
-            while not isinstance(cause, OSError) and cause.__context__ is not None:
-                cause = cause.__context__
-            exc = cause if isinstance(cause, OSError) else exc
+            # a full disk is the OSError (ENOSPC) of table_parts.save_durable
             self.last_error = f"{type(exc).__name__}: {exc}"
             raise CheckpointError(
                 f"writing checkpoint at step {global_step} failed: {exc}"
@@ -467,10 +460,7 @@ class CheckpointManager:
         The table parts (or an increment's row files) the ranks wrote there are listed
         from ``parts``; an increment's manifest names its parent (``increment``).
         """
-        with open(os.path.join(tmp, MODEL_FILE), "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        table_parts.save_durable(os.path.join(tmp, MODEL_FILE), state)
         pos_doc: dict[str, Any] = dict(source)
         pos_doc["positions"] = {str(p): int(o) for p, o in sorted(positions.items())}
         write_durable(os.path.join(tmp, POSITIONS_FILE), json.dumps(pos_doc, indent=1).encode())

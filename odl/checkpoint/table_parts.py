@@ -89,9 +89,42 @@ def merge_dynamic_parts(state: dict[str, Any], documents: Iterable[Mapping[str, 
 
 
 def write_part(path: str, document: Mapping[str, Any]) -> None:
-    """Writes a part document to ``path`` and fsyncs it."""
+    """Writes a part document to ``path`` and fsyncs it (``save_durable``)."""
+    save_durable(path, dict(document))
+
+
+class _WriteErrors:
+    """A file's ``write`` that keeps the ``OSError`` it raised (``save_durable``)."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._f.flush()
+
+
+def save_durable(path: str, obj: Any) -> None:
+    """``torch.save`` of ``obj`` to ``path``, fsynced.
+
+    A write that fails (a full disk, an I/O error) raises its ``OSError``: torch's writer
+    reports it only as a position mismatch of its archive ("unexpected pos").
+    """
     with open(path, "wb") as f:
-        torch.save(dict(document), f)
+        writer = _WriteErrors(f)
+        try:
+            torch.save(obj, writer)
+        except RuntimeError:
+            if writer.error is not None:
+                raise writer.error from None
+            raise
         f.flush()
         os.fsync(f.fileno())
 
