@@ -119,6 +119,9 @@ def test_closed_form_trains_as_autograd_and_a_wrong_form_falls_back(tmp_path, ca
         np.testing.assert_allclose(got[2], got[1], rtol=2e-4, atol=1e-6)
     warnings = [r for r in caplog.records if "is not the log loss it declares" in r.message]
     assert len(warnings) == 1
+    assert closed.in_batch_status()["loss_slopes"] == "closed_form"
+    assert plain.in_batch_status()["loss_slopes"] == "autograd"
+    assert wrong.in_batch_status()["loss_slopes"] == "autograd"
     assert closed.in_batch_gain.steps == plain.in_batch_gain.steps == 11
     assert closed.in_batch_gain.value == pytest.approx(plain.in_batch_gain.value, rel=1e-3)
     assert closed.in_batch_gain.value > 1e-3

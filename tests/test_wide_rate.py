@@ -206,5 +206,5 @@ def test_status_and_metrics_show_the_wide_rate_and_the_shifts_gain(tmp_path):
     assert trainer.status()["in_batch"] == {
         "mode": "on", "phase": "on", "window_gain": None, "windows": 0, "switches": 0,
         "loss_gain": round(gain.value, 6), "steps_measured": 9,  # the last step's: unmeasured
-        "wide_multiplier": round(rate.multiplier, 4)}
+        "wide_multiplier": round(rate.multiplier, 4), "loss_slopes": "closed_form"}
     assert registry.get_sample_value("odl_in_batch_loss_gain") == pytest.approx(gain.value)

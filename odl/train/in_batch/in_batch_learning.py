@@ -317,6 +317,9 @@ class InBatchLearning:
         self._previous = np.full(2, np.nan)
         # whether the model's log loss gives its loss's slopes (None: not checked yet)
         self._log_loss_ok: bool | None = None
+        # where the last shifted step's loss slopes came from: "closed_form" (the model's
+        # cross entropy, ``odl.train.in_batch.log_loss``) or "autograd" (None: no step yet)
+        self.slopes_from: str | None = None
 
     def logit_shift(self, pairs: RowPairs | None, jac: torch.Tensor | None,
                     logits: torch.Tensor, loss_at: LossAt, lr: float,
@@ -343,6 +346,7 @@ class InBatchLearning:
         """
         n = int(logits.shape[0])
         log_loss = self._checked_log_loss(log_loss, logits, loss_at)
+        self.slopes_from = "closed_form" if log_loss is not None else "autograd"
         mine, self._base_part = _record_reads(self._index, pairs, jac, logits, loss_at,
                                               log_loss, self._previous)
         parts = self._exchange.every_rank(mine)

@@ -178,12 +178,13 @@ class RowPairLearning:
         self.choice.end_step(self.in_batch.gain, records, shifted)
 
     def status(self) -> dict | None:
-        """``/status``'s ``in_batch``: the choice, the gain and the wide multiplier."""
+        """``/status``'s ``in_batch``: choice, gain, wide multiplier, where the slopes come from."""
         if self.in_batch is None:
             return None
         wide = self.wide_multiplier()
         return {**self.choice.status(), **self.in_batch.gain.status(),
-                "wide_multiplier": round(wide, 4) if wide is not None else None}
+                "wide_multiplier": round(wide, 4) if wide is not None else None,
+                "loss_slopes": self.in_batch.slopes_from}
 
     def pairs(self, batch: Batch, n: int, dtype: torch.dtype) -> RowPairs | None:
         """The step's (table row, record) pairs of this rank's ``n`` records."""
