@@ -1,5 +1,3 @@
-import errno
-import io
 import json
 import os
 
@@ -87,22 +85,3 @@ def test_manifest_lists_checksums(tmp_path):
     manifest = json.load(open(os.path.join(path, "MANIFEST.json")))
     assert set(manifest["files"]) == {"model.pt", "positions.json", "pipeline.config"}
 
-
-def test_a_failing_write_is_reported_as_its_os_error(tmp_path, monkeypatch):
-    """torch's archive writer reports a failed write only as "unexpected pos"; a checkpoint
-    file's writer raises the write's own OSError (a full disk names ENOSPC)."""
-    from odl.checkpoint import table_parts
-
-    class FullDisk(io.FileIO):
-        written = 0
-
-        def write(self, data):  # the disk fills after 100 bytes
-            if FullDisk.written > 100:
-                raise OSError(errno.ENOSPC, "No space left on device")
-            FullDisk.written += len(memoryview(data).cast("B"))
-            return super().write(data)
-
-    monkeypatch.setattr(table_parts, "open", lambda p, mode: FullDisk(p, "w"), raising=False)
-    with pytest.raises(OSError) as err:
-        table_parts.save_durable(str(tmp_path / "part.pt"), {"t": torch.zeros(10_000)})
-    assert err.value.errno == errno.ENOSPC

@@ -499,26 +499,32 @@ def test_slow_delta_sink_merges_versions_with_bounded_backlog(kafka_bootstrap, k
     assert sorted(ledger_sample_ids(ledger)) == sorted(ids)
 
 
-def test_checkpoint_save_reports_torch_zip_writer_failure_as_oserror(tmp_path, monkeypatch):
-    """torch.save turns ENOSPC into a RuntimeError of its zip writer; the cause is reported."""
+def test_checkpoint_save_reports_a_full_disk_as_its_oserror(tmp_path, monkeypatch):
+    """torch.save reports a failed write only as "unexpected pos" of its archive writer (it
+    drops the write's OSError); the checkpoint names the write's own error."""
     import errno
+    import io
 
     import torch
 
+    from odl.checkpoint import table_parts
     from odl.checkpoint.checkpoint_manager import CheckpointError, CheckpointManager
 
     mgr = CheckpointManager(str(tmp_path / "md"))
     first = mgr.save(1, {"w": torch.zeros(3)}, {0: 5}, {"source": "kafka"}, "cfg")
 
-    def full_disk(*_a, **_k):
-        try:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos") from None
+    class FullDisk(io.FileIO):
+        written = 0
 
-    monkeypatch.setattr(torch, "save", full_disk)
+        def write(self, data):  # the disk fills after 100 bytes
+            if FullDisk.written > 100:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            FullDisk.written += memoryview(data).nbytes
+            return super().write(data)
+
+    monkeypatch.setattr(table_parts, "open", lambda p, mode: FullDisk(p, "w"), raising=False)
     with pytest.raises(CheckpointError, match="No space left on device"):
-        mgr.save(2, {"w": torch.ones(3)}, {0: 9}, {"source": "kafka"}, "cfg")
+        mgr.save(2, {"w": torch.ones(10_000)}, {0: 9}, {"source": "kafka"}, "cfg")
     assert "OSError" in mgr.last_error
     assert list_checkpoints(str(tmp_path / "md")) == [first]
     assert verify_checkpoint(first) is None
