@@ -25,14 +25,18 @@ ONE_OUTPUT = ["DeepFM", "WideAndDeep", "FM", "DCN", "DCNV2", "MultiTower", "Mask
               "WuKong"]
 
 
-def _slopes_both_ways(config_text: str, records: list[bytes]):
-    """A module's step loss slopes at its logits: autograd's and the declared log loss's."""
+def _slopes_both_ways(config_text: str, records: list[bytes],
+                      sample_weights: np.ndarray | None = None):
+    """A module's step loss slopes at its logits: autograd's and the declared log loss's
+    (the batch with ``sample_weights`` as its ``data_config.sample_weight`` values)."""
     config = parse_pipeline_config_text(config_text)
     fb = FeatureBuilder(config)
     torch.manual_seed(0)
     tm = TrainModule(config, fb, device="cpu")
     batch = fb.build(records).batch
     tm.train_step(batch)  # a state off the initial one
+    if sample_weights is not None:
+        batch.sample_weights = sample_weights
     with torch.no_grad():
         output = tm._dmp(batch)  # noqa: SLF001 - the forward the step runs
     logits = output.logits.detach()
@@ -77,18 +81,17 @@ def test_weighted_terms_keep_the_form_and_other_losses_have_none(losses, form):
         np.testing.assert_allclose(log_loss.slopes(logits)[1], curve, rtol=1e-4, atol=1e-9)
 
 
-def test_sample_weights_keep_the_form(tmp_path):
-    """``data_config.sample_weight``: each record's cross entropy weighs ``w / count(w != 0)``."""
-    text = bursty_config_text(str(tmp_path / "m"), batch_size=64)
-    config = load_config_text(text)
-    fb = FeatureBuilder(config)
-    tm = TrainModule(config, fb, device="cpu")
-    batch = fb.build(BurstyStream(seed=4).next_batch(64).encode("csv")).batch
-    w = np.linspace(0.0, 2.0, batch.size).astype(np.float32)
-    batch.sample_weights = w
-    weights = tm.model.log_loss_weights(batch)
-    assert weights is not None
-    np.testing.assert_allclose(weights, w / np.count_nonzero(w), rtol=1e-6)
+def test_sample_weights_keep_the_form():
+    """``data_config.sample_weight``: each record's cross entropy weighs ``w / count(w != 0)``
+    in the loss the model trains on (zero weights included)."""
+    records = SyntheticCtrStream(seed=2).next_batch(96).encode("csv")
+    w = np.linspace(0.0, 2.0, 96).astype(np.float32)
+    log_loss, logits, slope, curve = _slopes_both_ways(deepfm_config_text("/tmp/unused"),
+                                                       records, sample_weights=w)
+    assert log_loss is not None
+    np.testing.assert_allclose(log_loss.slopes(logits)[0], slope, rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(log_loss.slopes(logits)[1], curve, rtol=1e-4, atol=1e-9)
+    assert slope[0] == 0 and log_loss.slopes(logits)[0][0] == 0  # the zero-weight record
 
 
 def _bursty_in_batch(tmp_path):
