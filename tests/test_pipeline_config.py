@@ -11,10 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from odl.config.config_edit import apply_edit_config_json
 from odl.config.config_error import ConfigError, ConfigErrors
 from odl.config.config_redaction import config_to_text, save_pipeline_config
+from odl.config.easyrec_compat import unwritten_batch_norm_dnns
 from odl.config.feature_configs import feature_configs
 from odl.config.field_formats import parse_dead_line, parse_offset_info
 from odl.config.pipeline_config import load_pipeline_config, parse_pipeline_config_text
@@ -1173,3 +1175,53 @@ def test_what_the_feature_builder_refuses_validation_refuses_first() -> None:
         record = dc.separator.join("1" for _f in dc.input_fields).encode()
         assert "unprocessable" not in dict(builder.build_arrays([record]).rejected).values()
     assert accepted >= 30 and refused >= 30, (accepted, refused)
+
+
+# ------------------------------------------------------------------ batch normalization default
+
+
+def test_easyrec_dnns_without_use_bn_are_named_once_and_built_without_normalization(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """EasyRec's DNN defaults to use_bn: true, odl's to false: the DNNs that rely on the
+    default are named in one warning, and the model built has no normalization there."""
+    with caplog.at_level("WARNING", logger="odl.config.easyrec_compat"):
+        config = load_text(tmp_path, EASYREC_STYLE, model_dir=str(tmp_path / "m"))
+    warned = [r.getMessage() for r in caplog.records if "use_bn" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("model_config.deepfm.dnn, model_config.deepfm.final_dnn: ")
+    model = build_model(config, FeatureBuilder(config))
+    assert not [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm1d)]
+
+    # written either way: silent, and true builds EasyRec's normalized layers
+    caplog.clear()
+    written = EASYREC_STYLE.replace('activation: "tf.nn.relu"',
+                                    'activation: "tf.nn.relu" use_bn: false').replace(
+        "hidden_units: [32]", "hidden_units: [32] use_bn: true")
+    with caplog.at_level("WARNING", logger="odl.config.easyrec_compat"):
+        config = load_text(tmp_path, written, model_dir=str(tmp_path / "m"))
+    assert not [r for r in caplog.records if "use_bn" in r.getMessage()]
+    model = build_model(config, FeatureBuilder(config))
+    assert len([m for m in model.modules() if isinstance(m, torch.nn.BatchNorm1d)]) == 1
+
+
+@pytest.mark.parametrize("sample", sorted((ROOT / "samples").glob("*.config")),
+                         ids=lambda p: p.name)
+def test_samples_and_torcheasyrec_form_rely_on_no_batch_norm_default(sample: Path) -> None:
+    """odl's samples write use_bn where EasyRec's default would differ; TorchEasyRec's form
+    (sparse_optimizer / dense_optimizer, whose MLP defaults to false) is never listed."""
+    config = parse_pipeline_config_text(sample.read_text(), str(sample))
+    assert unwritten_batch_norm_dnns(config) == []
+
+
+def test_torcheasyrec_form_is_not_listed() -> None:
+    text = """
+model_config { deepfm { deep { hidden_units: [8] } final { hidden_units: [4] } } }
+train_config { sparse_optimizer { adagrad_optimizer { lr: 0.05 } } }
+"""
+    assert unwritten_batch_norm_dnns(parse_pipeline_config_text(text)) == []
+    easyrec = text.replace("deep {", "dnn {").replace("final {", "final_dnn {").replace(
+        "sparse_optimizer { adagrad_optimizer { lr: 0.05 } }",
+        "optimizer_config { adagrad_optimizer { learning_rate { constant_learning_rate {"
+        " learning_rate: 0.05 } } } }")
+    assert unwritten_batch_norm_dnns(parse_pipeline_config_text(easyrec)) == [
+        "model_config.deepfm.dnn", "model_config.deepfm.final_dnn"]

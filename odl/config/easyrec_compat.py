@@ -13,7 +13,10 @@ for the subset odl implements. What odl does not implement is never silently ign
   several label fields for a single-task model) are refused by :func:`check_implemented`;
 * TorchEasyRec's way of naming the model by its message alone (``deepfm { ... }`` or
   ``wide_and_deep { ... }`` without ``model_class``) is accepted by
-  :func:`infer_model_class`.
+  :func:`infer_model_class`;
+* one default differs from EasyRec's on purpose: a DNN normalizes its layers only where
+  ``use_bn: true`` is written (TorchEasyRec's default; EasyRec's is true). An EasyRec config's
+  DNNs that leave it unwritten are named in one warning by :func:`warn_unwritten_batch_norm`.
 
 The other spellings of what odl implements (TorchEasyRec's feature and model forms,
 EasyRec's ``TagFeature``) are rewritten by :mod:`odl.config.config_forms`.
@@ -41,6 +44,8 @@ __all__ = [
     "check_implemented",
     "infer_model_class",
     "not_implemented_field_message",
+    "unwritten_batch_norm_dnns",
+    "warn_unwritten_batch_norm",
 ]
 
 # Fields of Alibaba EasyRec's (and TorchEasyRec's) pipeline config that odl does not implement,
@@ -376,3 +381,72 @@ def check_implemented(config: pipeline_pb2.EasyRecConfig) -> None:
                           "several label fields train a multi-task model "
                           f"({', '.join(multi_task_model_classes())}); "
                           f"{mc.model_class or 'this model'} trains on one label")
+
+
+# DNN fields spelled as TorchEasyRec spells them: its MLP's use_bn defaults to false, as odl's
+# DNN does, so leaving it unwritten builds the model TorchEasyRec builds.
+_TORCHEASYREC_DNN_FIELDS = frozenset({
+    "deep", "final", "mlp", "dense_mlp", "expert_mlp", "bottom_mlp", "relation_mlp",
+    "gate_mlp", "top_mlp", "feature_num_mlp",
+})
+# Model messages that are TorchEasyRec's (their DNNs default to no normalization there too).
+_TORCHEASYREC_MESSAGES = frozenset({"DCNV2"})
+
+
+def _torcheasyrec_message(name: str) -> bool:
+    return name in _TORCHEASYREC_MESSAGES or name.startswith("Tz")
+
+
+def unwritten_batch_norm_dnns(config: pipeline_pb2.EasyRecConfig) -> list[str]:
+    """Paths of an EasyRec config's DNNs that do not write ``use_bn``.
+
+    EasyRec's ``DNN`` (and ``MLP``) default to ``use_bn: true``; odl's, like TorchEasyRec's
+    MLP, to false, because a layer normalized by each batch's statistics caps how far one
+    id's weights can move the logit, which slows online learning (docs/config.md, "Batch
+    normalization"). A config is in TorchEasyRec's form when it writes
+    ``train_config.sparse_optimizer`` or ``dense_optimizer``: then nothing is listed. In
+    EasyRec's form, TorchEasyRec's spellings (``deep``, ``final``, ``*mlp``) and models
+    (DCNV2, MaskNet, WuKong, the DIN encoder) are not listed either.
+
+    Args:
+        config: a parsed config, before :func:`odl.config.config_forms.normalize_config_forms`
+            renames TorchEasyRec's spellings.
+
+    Returns:
+        Dotted paths such as ``model_config.deepfm.final_dnn``, in field order.
+    """
+    tc = config.train_config
+    if tc.HasField("sparse_optimizer") or tc.HasField("dense_optimizer"):
+        return []
+    found: list[str] = []
+
+    def walk(message, path: str) -> None:
+        for fd, value in message.ListFields():
+            if fd.message_type is None or _torcheasyrec_message(fd.message_type.name):
+                continue
+            repeated = fd.is_repeated
+            for i, item in enumerate(value if repeated else [value]):
+                where = f"{path}.{fd.name}" + (f"[{i}]" if repeated else "")
+                if fd.message_type.name != "DNN":
+                    walk(item, where)
+                elif fd.name not in _TORCHEASYREC_DNN_FIELDS and not item.HasField("use_bn"):
+                    found.append(where)
+
+    walk(config.model_config, "model_config")
+    return found
+
+
+def warn_unwritten_batch_norm(config: pipeline_pb2.EasyRecConfig) -> None:
+    """Logs one warning naming the DNNs of :func:`unwritten_batch_norm_dnns` (none: silent).
+
+    Args:
+        config: a parsed config, before its forms are normalized.
+    """
+    paths = unwritten_batch_norm_dnns(config)
+    if not paths:
+        return
+    logger.warning(
+        "%s: use_bn is not written, so odl builds no batch normalization there; EasyRec's "
+        "default is use_bn: true. Normalizing by each batch's statistics slows online learning "
+        "(docs/config.md, \"Batch normalization\"); write use_bn: true for EasyRec's layers, "
+        "use_bn: false to keep odl's and silence this", ", ".join(paths))

@@ -41,6 +41,7 @@ from odl.config.easyrec_compat import (
     check_implemented,
     infer_model_class,
     not_implemented_field_message,
+    warn_unwritten_batch_norm,
 )
 from odl.config.feature_settings import resolve_vocab_files
 from odl.protos import pipeline_pb2
@@ -96,6 +97,7 @@ def load_pipeline_config(
     if model_dir:
         config.model_dir = model_dir
     infer_model_class(config)
+    warn_unwritten_batch_norm(config)
     normalize_config_forms(config)
     resolve_vocab_files(config, path)
     check_implemented(config)
