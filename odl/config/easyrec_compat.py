@@ -389,12 +389,9 @@ _TORCHEASYREC_DNN_FIELDS = frozenset({
     "deep", "final", "mlp", "dense_mlp", "expert_mlp", "bottom_mlp", "relation_mlp",
     "gate_mlp", "top_mlp", "feature_num_mlp",
 })
-# Model messages that are TorchEasyRec's (their DNNs default to no normalization there too).
-_TORCHEASYREC_MESSAGES = frozenset({"DCNV2"})
-
-
-def _torcheasyrec_message(name: str) -> bool:
-    return name in _TORCHEASYREC_MESSAGES or name.startswith("Tz")
+# Settings of TorchEasyRec's models (their DNNs default to no normalization there too); the
+# other TorchEasyRec messages are named Tz*.
+_TORCHEASYREC_MODEL_FIELDS = frozenset({"dcn_v2", "mask_net", "wukong"})
 
 
 def unwritten_batch_norm_dnns(config: pipeline_pb2.EasyRecConfig) -> list[str]:
@@ -422,7 +419,8 @@ def unwritten_batch_norm_dnns(config: pipeline_pb2.EasyRecConfig) -> list[str]:
 
     def walk(message, path: str) -> None:
         for fd, value in message.ListFields():
-            if fd.message_type is None or _torcheasyrec_message(fd.message_type.name):
+            if (fd.message_type is None or fd.message_type.name.startswith("Tz")
+                    or fd.name in _TORCHEASYREC_MODEL_FIELDS):
                 continue
             repeated = fd.is_repeated
             for i, item in enumerate(value if repeated else [value]):

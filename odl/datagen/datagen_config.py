@@ -90,7 +90,7 @@ model_config {{
   feature_groups {{ group_name: "wide" {wide} wide_deep: WIDE }}
   feature_groups {{ group_name: "deep" {deep} wide_deep: DEEP }}
   deepfm {{
-    dnn {{ hidden_units: [{', '.join(str(h) for h in hidden_units)}] }}
+    dnn {{ hidden_units: [{', '.join(str(h) for h in hidden_units)}] use_bn: false }}
     wide_output_dim: 1
   }}
 }}
@@ -169,7 +169,7 @@ model_config {{
   feature_groups {{ group_name: "wide" {names} wide_deep: WIDE }}
   feature_groups {{ group_name: "deep" {names} wide_deep: DEEP }}
   deepfm {{
-    dnn {{ hidden_units: [{', '.join(str(h) for h in hidden_units)}] }}
+    dnn {{ hidden_units: [{', '.join(str(h) for h in hidden_units)}] use_bn: false }}
     wide_output_dim: 1
   }}
 }}

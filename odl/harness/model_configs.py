@@ -138,7 +138,8 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     """
     if model == "DeepFM":
         return text
-    m = re.search(r"deepfm \{\n    dnn \{ hidden_units: \[([^\]]*)\] \}.*?\n  \}", text, re.S)
+    m = re.search(r"deepfm \{\n    dnn \{ hidden_units: \[([^\]]*)\](?: use_bn: false)? \}"
+                  r".*?\n  \}", text, re.S)
     if m is None:
         raise ValueError("not a deepfm_config_text config")
     if model == "FM":
