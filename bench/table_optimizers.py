@@ -1,7 +1,8 @@
 """Table optimizers on the in-memory train step: fused Adagrad against the row-sparse kinds.
 
 fbgemm's CPU kernels cover SGD and (row-wise) Adagrad; EasyRec's Adam, FTRL, momentum,
-MomentumW and RMSProp tables run row-sparse (``odl.train.row_sparse_tables``: the touched rows
+MomentumW and RMSProp tables and DeepRec's AdagradDecay (``adagrad_decay_optimizer``) run
+row-sparse (``odl.train.row_sparse_tables``: the touched rows
 updated after backward), and so do TorchEasyRec's LAMB, LARS-SGD, partial row-wise Adam /
 LAMB, RMSprop and Adadelta (its ``sparse_optimizer`` / ``dense_optimizer`` form). Each
 kind trains the bursty sample model (DeepFM, batch ``--batch``, id tables of ``--buckets``
@@ -35,7 +36,7 @@ from odl.train.torch_runtime import configure_torch_threads  # noqa: E402
 from odl.train.train_module import TrainModule  # noqa: E402
 
 EASYREC_KINDS = ("adagrad_optimizer", "adam_optimizer", "ftrl_optimizer", "momentum_optimizer",
-                 "momentumw_optimizer", "rms_prop_optimizer")
+                 "momentumw_optimizer", "rms_prop_optimizer", "adagrad_decay_optimizer")
 # kinds that exist in TorchEasyRec's form only
 TZREC_KINDS = ("lamb_optimizer", "lars_sgd_optimizer", "partial_rowwise_adam_optimizer",
                "partial_rowwise_lamb_optimizer", "rmsprop_optimizer", "adadelta_optimizer")
@@ -44,8 +45,11 @@ KINDS = EASYREC_KINDS + TZREC_KINDS
 
 def config_text(kind: str, model_dir: str, batch: int, buckets: int) -> str:
     """The bursty sample's config with ``kind`` for the tables (TorchEasyRec's kinds with
-    the sample's rates in that form)."""
-    text = bursty_config_text(model_dir, batch_size=batch, buckets=buckets)
+    the sample's rates in that form), in-batch learning off."""
+    # in-batch learning off for every kind: it runs with fused Adagrad tables only, and its
+    # cost (or its measuring phase's) is not the table update's
+    text = bursty_config_text(model_dir, batch_size=batch, buckets=buckets,
+                              extra_train="in_batch_learning: false")
     if kind in EASYREC_KINDS:
         return text.replace("adagrad_optimizer", kind, 1)
     start = text.index("  optimizer_config")

@@ -269,7 +269,9 @@ def test_estimate_state_per_optimizer() -> None:
     rows_x_dim = estimate_memory(config, "cpu").table_bytes // 4
     rows = sum(t.rows for t in estimate_memory(config, "cpu").tables)
     for text, floats in (("sgd_optimizer {}", 0), ("adagrad_optimizer {}", rows_x_dim),
-                         ("adam_optimizer {}", 2 * rows_x_dim)):
+                         ("adam_optimizer {}", 2 * rows_x_dim),
+                         # an accumulator per value, a count of decays per row
+                         ("adagrad_decay_optimizer {}", rows_x_dim + rows)):
         apply_edit_config_json(config, {"train_config.optimizer_config[0]": text})
         assert estimate_memory(config, "cpu").table_state_bytes == 4 * floats
     apply_edit_config_json(config, {"train_config.optimizer_config": None,

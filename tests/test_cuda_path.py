@@ -115,10 +115,12 @@ def test_lamb_tables_fused_on_cuda_equal_row_sparse_on_cpu(fb):
     "l1_reg: 0.001 l2_reg: 0.01 }",
     "momentum_optimizer { learning_rate { constant_learning_rate { learning_rate: 0.05 } } "
     "momentum_optimizer_value: 0.9 }",
+    "adagrad_decay_optimizer { learning_rate { constant_learning_rate { learning_rate: 0.1 } } "
+    "accumulator_decay_step: 3 accumulator_decay_rate: 0.5 }",
 ])
 def test_row_sparse_tables_on_cuda_equal_cpu(fb, optimizer):
-    """FTRL and momentum tables (no fbgemm kernel on any device) update the touched rows on
-    CUDA as on the CPU."""
+    """FTRL, momentum and AdagradDecay tables (no fbgemm kernel on any device) update the
+    touched rows on CUDA as on the CPU."""
     text = (f"optimizer_config {{ {optimizer} }} "
             "optimizer_config { adam_optimizer { learning_rate { constant_learning_rate { "
             "learning_rate: 0.001 } } } }")

@@ -149,6 +149,15 @@ def tf_momentumw(w, g, st, lr, t, momentum=0.9, decay=0.0):
     return tf_momentum(w - decay * w, g, st, lr, t, momentum=momentum)
 
 
+def deeprec_adagrad_decay(w, g, st, lr, t, init=0.1, period=100000, rate=0.9):
+    """DeepRec's SparseApplyAdagradDecay: one decay per update while the row's count of
+    decays is behind ``t // period``, floored at the initial value."""
+    a, power = st
+    due = power < t // period
+    a = np.where(due, np.maximum(a * rate, init), a) + g * g
+    return w - lr * g / np.sqrt(a), [a, power + due]
+
+
 CASES = {
     "adam": ("adam_optimizer", "", tf_adam, [0.0, 0.0]),
     "adam_async": ("adam_async_optimizer", "beta2: 0.99",
@@ -170,6 +179,13 @@ CASES = {
                    lambda *a: tf_ftrl(*a, power=-0.7), [0.5, 0.0]),
     "momentum": ("momentum_optimizer", "momentum_optimizer_value: 0.8",
                  lambda *a: tf_momentum(*a, momentum=0.8), [0.0]),
+    # DeepRec's: a decay at every step (a row catches up one decay per touch) and every other
+    "adagrad_decay": ("adagrad_decay_optimizer", "initial_accumulator_value: 0.2 "
+                      "accumulator_decay_step: 1 accumulator_decay_rate: 0.5",
+                      lambda *a: deeprec_adagrad_decay(*a, init=0.2, period=1, rate=0.5),
+                      [0.2, 0.0]),
+    "adagrad_decay_2": ("adagrad_decay_optimizer", "accumulator_decay_step: 2",
+                        lambda *a: deeprec_adagrad_decay(*a, period=2), [0.1, 0.0]),
     # fused (fbgemm's kernel), the accumulators filled at the start
     "adagrad": ("adagrad_optimizer", "initial_accumulator_value: 0.3", tf_adagrad, [0.3]),
     # not written: 0 (EasyRec's implied 0.1 learns far slower online)
@@ -306,6 +322,7 @@ def test_torcheasyrec_updates_follow_their_kernels_step_by_step(case: str) -> No
 def test_dense_parameters_follow_tf_rmsprop_and_momentumw() -> None:
     """EasyRec's rms_prop / momentumw as the dense optimizer (one optimizer_config entry)."""
     from odl.train.optimizer_builder import (
+        AdagradDecay,
         DecoupledMomentumW,
         TfRmsProp,
         make_dense_optimizer,
@@ -322,6 +339,10 @@ def test_dense_parameters_follow_tf_rmsprop_and_momentumw() -> None:
         (f"momentumw_optimizer {{ {rate} weight_decay: 0.05 momentum_optimizer_value: 0.7 }}",
          DecoupledMomentumW,
          lambda w, g, st: tf_momentumw(w, g, st, 0.1, 0, momentum=0.7, decay=0.05), [0.0]),
+        # DeepRec's ApplyAdagradDecay: the update count is the step (decays after 2 and 4)
+        (f"adagrad_decay_optimizer {{ {rate} initial_accumulator_value: 0.3 "
+         "accumulator_decay_step: 2 accumulator_decay_rate: 0.4 }", AdagradDecay,
+         None, [0.3, 0.0]),
     ]:
         tc = text_format.Parse(f"optimizer_config {{ {text} }}", pipeline_pb2.TrainConfig())
         _sparse, dense = optimizer_specs(tc)
@@ -330,11 +351,12 @@ def test_dense_parameters_follow_tf_rmsprop_and_momentumw() -> None:
         assert type(opt) is cls
         w = p.detach().numpy().copy()
         st = [np.full_like(w, s) for s in init]
-        for _ in range(3):
+        for t in range(1, 6):
             g = rng.normal(size=w.shape)
             p.grad = torch.tensor(g)
             opt.step()
-            w, st = ref(w, g, st)
+            w, st = (ref(w, g, st) if ref is not None else deeprec_adagrad_decay(
+                w, g, st, 0.1, t, init=0.3, period=2, rate=0.4))
             np.testing.assert_allclose(p.detach().numpy(), w, rtol=1e-6)  # float32 settings
 
 
@@ -399,7 +421,9 @@ def test_wide_tables_take_the_wide_rate() -> None:
     (tables_config("ftrl_optimizer", "l1_reg: 0.01"), {"accumulator": 4, "linear": 4}),
     (tables_config("rms_prop_optimizer", ""), {"mean_square": 4, "momentum_buffer": 4}),
     (tzrec_tables("partial_rowwise_lamb_optimizer", ""), {"exp_avg": 4, "exp_avg_sq_row": 1}),
-], ids=["ftrl", "rms_prop", "partial_rowwise_lamb"])
+    (tables_config("adagrad_decay_optimizer", "accumulator_decay_step: 2"),
+     {"accumulator": 4, "accumulator_decay_power": 1}),
+], ids=["ftrl", "rms_prop", "partial_rowwise_lamb", "adagrad_decay"])
 def test_checkpoint_round_trip_continues_as_uninterrupted(config: str, names: dict) -> None:
     tm, fb = module(config)
     batches = [fb.build(records(40, 20 + k)).batch for k in range(6)]
@@ -422,6 +446,32 @@ def test_checkpoint_round_trip_continues_as_uninterrupted(config: str, names: di
     for pname, states in a.items():
         for k, v in states.items():
             torch.testing.assert_close(b[pname][k], v, rtol=0, atol=0)
+
+
+def test_adagrad_decay_for_tables_and_dense_restores_mid_period() -> None:
+    """One adagrad_decay_optimizer entry (tables and dense part, as DeepRec jobs run it):
+    restored after step 3 of periods of 2, both modules go on alike, dense state included."""
+    rate = f"learning_rate {{ constant_learning_rate {{ learning_rate: {LR} }} }}"
+    config = (f"optimizer_config {{ adagrad_decay_optimizer {{ {rate} accumulator_decay_step: 2 "
+              "accumulator_decay_rate: 0.5 } } in_batch_learning: false")
+    tm, fb = module(config)
+    assert tm.row_sparse is not None and type(tm.dense_optimizer).__name__ == "AdagradDecay"
+    batches = [fb.build(records(40, 30 + k)).batch for k in range(6)]
+    for b in batches[:3]:
+        tm.train_step(b)
+    state = tm.state_dict_for_checkpoint()
+    restored, _ = module(config)
+    restored.load_checkpoint_state(state)
+    for b in batches[3:]:
+        tm.train_step(b)
+        restored.train_step(b)
+    for name, t in tm.embedding_tables().items():
+        torch.testing.assert_close(restored.embedding_tables()[name], t, rtol=0, atol=0)
+    mine = restored.dense_parameters()
+    for name, t in tm.dense_parameters().items():
+        torch.testing.assert_close(mine[name], t, rtol=0, atol=0)
+    powers = {int(st["decay_power"]) for st in restored.dense_optimizer.state.values()}
+    assert powers == {3}  # steps 2, 4 and 6
 
 
 def test_adam_state_is_in_the_views_dynamic_resets_zero() -> None:
@@ -473,6 +523,9 @@ def test_plans_run_row_sparse_where_fbgemm_has_no_kernel() -> None:
     assert not cuda.row_sparse and cuda.kernel == "adam"
     assert table_optimizer_plan(choice("optimizer_config { ftrl_optimizer {} }"),
                                 "cuda").row_sparse
+    for device in ("cpu", "cuda"):
+        assert table_optimizer_plan(choice("optimizer_config { adagrad_decay_optimizer {} }"),
+                                    device).row_sparse
     lamb = choice("sparse_optimizer { lamb_optimizer { lr: 0.1 } }")
     assert table_optimizer_plan(lamb, "cpu").row_sparse
     assert table_optimizer_plan(lamb, "cuda").kernel == "lamb"
@@ -574,12 +627,14 @@ def dynamic_records(n: int, seed: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("opt", ["ftrl_optimizer", "adam_optimizer", "adagrad_optimizer",
-                                 "rms_prop_optimizer"])
+                                 "rms_prop_optimizer", "adagrad_decay_optimizer"])
 def test_dynamic_rows_evicted_get_a_fresh_optimizer_state(opt: str) -> None:
-    tm, fb = module(tables_config(opt, "initial_accumulator_value: 0.2"
-                                  if opt.startswith("adagrad") else ""), DYNAMIC_MODEL)
-    assert (tm.row_sparse is None) == opt.startswith("adagrad") and tm.dynamic
-    start = 0.2 if opt.startswith("adagrad") else 0.0  # what a fresh state holds
+    fused = opt == "adagrad_optimizer"
+    extra = {"adagrad_optimizer": "initial_accumulator_value: 0.2",
+             "adagrad_decay_optimizer": "accumulator_decay_step: 2"}.get(opt, "")
+    tm, fb = module(tables_config(opt, extra), DYNAMIC_MODEL)
+    assert (tm.row_sparse is None) == fused and tm.dynamic
+    start = 0.2 if fused else 0.0  # what a fresh state holds
     for k in range(8):  # more ids than rows: admissions evict
         out = tm.train_step(fb.build(dynamic_records(64, k)).batch)
         assert math.isfinite(out.loss)
@@ -634,6 +689,12 @@ def test_checkpoints_of_the_former_substitutes_restore(opt: str) -> None:
      "train_config.sparse_optimizer.rmsprop_optimizer.alpha"),
     (tzrec_tables("lars_sgd_optimizer", "momentum: 1.0"),
      "train_config.sparse_optimizer.lars_sgd_optimizer.momentum"),
+    ("optimizer_config { adagrad_decay_optimizer { accumulator_decay_rate: 1.0 } }",
+     "train_config.optimizer_config[0].adagrad_decay_optimizer.accumulator_decay_rate"),
+    ("optimizer_config { adagrad_decay_optimizer { accumulator_decay_step: 0 } }",
+     "train_config.optimizer_config[0].adagrad_decay_optimizer.accumulator_decay_step"),
+    ("optimizer_config { adagrad_decay_optimizer { initial_accumulator_value: 0 } }",
+     "train_config.optimizer_config[0].adagrad_decay_optimizer.initial_accumulator_value"),
 ])
 def test_optimizer_settings_out_of_range_are_refused_by_field(train: str, field: str) -> None:
     from odl.config.train_validation import validate_train_config

@@ -10,7 +10,8 @@ Table optimizers are fbgemm's fused kernels (updated inside backward) where fbge
 fbgemm-gpu-cpu implements ``exact_sgd``, ``exact_adagrad`` and ``exact_row_wise_adagrad`` on
 CPU; its Adam, LAMB, LARS-SGD and partial row-wise Adam/LAMB are CUDA only (on CPU the kernel
 constructor asserts ``Optimizer adam is not supported in CPU mode``); no fbgemm build has FTRL,
-momentum SGD, RMSProp, Adadelta or decoupled (AdamW) decay for tables. Those run *row-sparse*
+momentum SGD, RMSProp, Adadelta, DeepRec's Adagrad decay or decoupled (AdamW) decay for
+tables. Those run *row-sparse*
 (``odl.train.row_sparse_tables``): the fused kernel runs as SGD at rate 0 and, after
 backward, the configured update is applied to the rows the batch touched (TF's sparse
 applies, ``odl.train.row_sparse_rules``; cost follows the batch). Per configured kind:
@@ -32,6 +33,7 @@ adadelta                torch Adadelta (row-sparse)          torch Adadelta (row
 lars_sgd                fbgemm's LARS-SGD (row-sparse)       fbgemm's LARS-SGD (row-sparse)
 partial_rowwise_adam    fbgemm's rule (row-sparse)           fbgemm's rule (row-sparse)
 partial_rowwise_lamb    fbgemm's rule (row-sparse)           fbgemm's rule (row-sparse)
+adagrad_decay           DeepRec's rule (row-sparse)          DeepRec's rule (row-sparse)
 ======================  ===================================  =================================
 
 EasyRec's ``adam_async_optimizer`` / ``adam_asyncw_optimizer`` (PAI-TF) are configured kinds
@@ -80,7 +82,7 @@ ROW_SPARSE_DEVICES: dict[str, frozenset[str]] = {
     "lamb": frozenset({"cpu"}),
     **{kind: frozenset({"cpu", "cuda"}) for kind in (
         "momentumw", "rmsprop", "adadelta", "lars_sgd", "partial_rowwise_adam",
-        "partial_rowwise_lamb")},
+        "partial_rowwise_lamb", "adagrad_decay")},
 }
 
 # Kind used for the tables / the dense part when nothing is configured
@@ -93,7 +95,7 @@ EASYREC_KINDS: dict[str, str] = {
     "lazy_adam_optimizer": "adam", "momentum_optimizer": "momentum",
     "adamw_optimizer": "adamw", "ftrl_optimizer": "ftrl", "rms_prop_optimizer": "rmsprop",
     "momentumw_optimizer": "momentumw", "adam_async_optimizer": "adam",
-    "adam_asyncw_optimizer": "adamw",
+    "adam_asyncw_optimizer": "adamw", "adagrad_decay_optimizer": "adagrad_decay",
 }
 TZREC_KINDS: dict[str, str] = {
     "sgd_optimizer": "sgd", "adagrad_optimizer": "adagrad", "adam_optimizer": "adam",
@@ -112,8 +114,8 @@ class OptimizerChoice:
     Attributes:
         kind: ``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"rowwise_adagrad"``, ``"adam"``,
             ``"adamw"``, ``"ftrl"``, ``"lamb"``, ``"momentumw"``, ``"rmsprop"``,
-            ``"adadelta"``, ``"lars_sgd"``, ``"partial_rowwise_adam"`` or
-            ``"partial_rowwise_lamb"`` (``""``: none set).
+            ``"adadelta"``, ``"lars_sgd"``, ``"partial_rowwise_adam"``,
+            ``"partial_rowwise_lamb"`` or ``"adagrad_decay"`` (``""``: none set).
         field: dotted path of the config field that chose it (``""`` for the default).
         form: ``"easyrec"``, ``"tzrec"`` or ``"default"``.
         message: the optimizer's own message (e.g. the ``FtrlOptimizer``), None for the default.

@@ -155,8 +155,8 @@ def _validate_easyrec_optimizer(opt: Any, where: str) -> None:
         raise ConfigError(where, "choose an optimizer (sgd_optimizer, momentum_optimizer, "
                                  "adagrad_optimizer, adam_optimizer, adamw_optimizer, "
                                  "lazy_adam_optimizer, ftrl_optimizer, rms_prop_optimizer, "
-                                 "momentumw_optimizer, adam_async_optimizer or "
-                                 "adam_asyncw_optimizer)")
+                                 "momentumw_optimizer, adam_async_optimizer, "
+                                 "adam_asyncw_optimizer or adagrad_decay_optimizer)")
     inner = getattr(opt, kind)
     _validate_easyrec_lr(inner.learning_rate, f"{where}.{kind}.learning_rate")
     w = f"{where}.{kind}"
@@ -174,6 +174,14 @@ def _validate_easyrec_optimizer(opt: Any, where: str) -> None:
             raise ConfigError(f"{w}.epsilon", "must be > 0")
     if kind == "adagrad_optimizer" and inner.initial_accumulator_value < 0:
         raise ConfigError(f"{w}.initial_accumulator_value", "must be >= 0")
+    if kind == "adagrad_decay_optimizer":
+        if not inner.initial_accumulator_value > 0:
+            raise ConfigError(f"{w}.initial_accumulator_value", "must be > 0 (DeepRec's rule: "
+                                                                "the floor a decay stops at)")
+        if not inner.accumulator_decay_step > 0:
+            raise ConfigError(f"{w}.accumulator_decay_step", "must be > 0 (global steps)")
+        if not 0 < inner.accumulator_decay_rate < 1:
+            raise ConfigError(f"{w}.accumulator_decay_rate", "must be in (0, 1)")
     if kind == "ftrl_optimizer":
         if not inner.learning_rate_power <= 0:
             raise ConfigError(f"{w}.learning_rate_power", "must be <= 0")

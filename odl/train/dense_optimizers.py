@@ -6,7 +6,8 @@ take TF's rule (``odl.train.optimizer_builder.make_dense_optimizer`` picks them)
 * :class:`DecoupledAdamW` / :class:`DecoupledMomentumW`: TF contrib's decoupled weight decay
   (``p -= weight_decay * p``, not scaled by the learning rate) before an Adam / momentum step;
 * :class:`TfRmsProp`: TF's RMSProp (the mean square starts at 1, epsilon under the root);
-* :class:`FtrlProximal`: TF's FTRL-Proximal (ApplyFtrlV2).
+* :class:`FtrlProximal`: TF's FTRL-Proximal (ApplyFtrlV2);
+* :class:`AdagradDecay`: DeepRec's AdagradDecay (ApplyAdagradDecay), an odl extension.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecoupledAdamW", "DecoupledMomentumW", "FtrlProximal", "TfRmsProp"]
+__all__ = ["AdagradDecay", "DecoupledAdamW", "DecoupledMomentumW", "FtrlProximal",
+           "TfRmsProp"]
 
 
 def _set_step_decay(groups: list[dict[str, Any]], weight_decay: float) -> None:
@@ -195,3 +197,47 @@ class FtrlProximal(_PerParameterOptimizer):
         w = (torch.sign(z) * l1 - z) / quadratic
         p.copy_(torch.where(z.abs() > l1, w, torch.zeros_like(w)))
         n.copy_(n_new)
+
+
+class AdagradDecay(_PerParameterOptimizer):
+    """DeepRec's ``AdagradDecayOptimizer`` on dense parameters (its ``ApplyAdagradDecay``).
+
+    Per parameter, with ``t`` its update count (the global step of a run trained from the
+    start) and ``p`` its count of decays::
+
+        if t // accumulator_decay_step > p:
+            a = max(a * accumulator_decay_rate, initial_accumulator_value); p += 1
+        a += g * g
+        w -= lr * g / sqrt(a)
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (read from the group every step, so schedules apply).
+        initial_accumulator_value: starting ``a`` and the floor of a decay (> 0).
+        accumulator_decay_step: updates per decay period (> 0).
+        accumulator_decay_rate: factor of one decay, in (0, 1).
+    """
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3,
+                 initial_accumulator_value: float = 0.1, accumulator_decay_step: int = 100000,
+                 accumulator_decay_rate: float = 0.9) -> None:
+        defaults = {"lr": lr, "initial_accumulator_value": initial_accumulator_value,
+                    "accumulator_decay_step": int(accumulator_decay_step),
+                    "accumulator_decay_rate": accumulator_decay_rate}
+        super().__init__(params, defaults)
+
+    def _update(self, p: torch.Tensor, g: torch.Tensor, state: dict[str, Any],
+                group: dict[str, Any]) -> None:
+        """One AdagradDecay update of ``p``."""
+        init = group["initial_accumulator_value"]
+        if not state:
+            state["accumulator"] = torch.full_like(p, init)
+            state["step"] = torch.zeros((), dtype=torch.float64)
+            state["decay_power"] = torch.zeros((), dtype=torch.float64)
+        a = state["accumulator"]
+        state["step"] += 1
+        if int(state["step"]) // group["accumulator_decay_step"] > int(state["decay_power"]):
+            a.mul_(group["accumulator_decay_rate"]).clamp_(min=init)
+            state["decay_power"] += 1
+        a.addcmul_(g, g)
+        p.addcdiv_(g, a.sqrt(), value=-group["lr"])

@@ -15,7 +15,8 @@ default 0.9, ``weight_decay``, ``dampening``, ``nesterov``), ``momentum`` -> SGD
 ``adamw`` -> EasyRec: :class:`DecoupledAdamW` (``var -= weight_decay * var`` per step, not
 scaled by the rate, as EasyRec's TF AdamW), TorchEasyRec: ``torch.optim.AdamW``; ``ftrl`` ->
 :class:`FtrlProximal` (TF's FTRL-Proximal update with l1, l2 and l2 shrinkage);
-``momentumw`` -> :class:`DecoupledMomentumW` (TF contrib's MomentumW); ``rmsprop`` -> EasyRec:
+``momentumw`` -> :class:`DecoupledMomentumW` (TF contrib's MomentumW); ``adagrad_decay`` ->
+:class:`AdagradDecay` (DeepRec's AdagradDecay); ``rmsprop`` -> EasyRec:
 :class:`TfRmsProp` (TF's RMSProp: the mean square starts at 1, epsilon under the root),
 TorchEasyRec: ``torch.optim.RMSprop``; ``adadelta`` -> ``torch.optim.Adadelta``. The
 table-only kinds (``lamb``, ``lars_sgd``, ``partial_rowwise_adam`` / ``_lamb``) are refused
@@ -55,6 +56,7 @@ from odl.config.optimizer_support import (
 )
 from odl.protos import pipeline_pb2
 from odl.train.dense_optimizers import (
+    AdagradDecay,
     DecoupledAdamW,
     DecoupledMomentumW,
     FtrlProximal,
@@ -155,6 +157,10 @@ def _easyrec_params(kind: str, msg: Any) -> dict[str, Any]:
         if kind == "adamw":
             out.update(weight_decay=float(msg.weight_decay), decay_scaled_by_lr=False)
         return out
+    if kind == "adagrad_decay":
+        return {"initial_accumulator_value": float(msg.initial_accumulator_value),
+                "accumulator_decay_step": int(msg.accumulator_decay_step),
+                "accumulator_decay_rate": float(msg.accumulator_decay_rate)}
     if kind == "ftrl":
         return {"lr_power": float(msg.learning_rate_power),
                 "initial_accumulator_value": float(msg.initial_accumulator_value),
@@ -353,6 +359,10 @@ def make_dense_optimizer(
         return FtrlProximal(params, lr=lr, lr_power=p["lr_power"],
                             initial_accumulator_value=p["initial_accumulator_value"],
                             l1=p["l1"], l2=p["l2"], l2_shrinkage=p["l2_shrinkage"])
+    if spec.kind == "adagrad_decay":
+        return AdagradDecay(params, lr=lr, initial_accumulator_value=p["initial_accumulator_value"],
+                            accumulator_decay_step=p["accumulator_decay_step"],
+                            accumulator_decay_rate=p["accumulator_decay_rate"])
     if spec.kind == "momentumw":
         return DecoupledMomentumW(params, lr=lr, momentum=p["momentum"],
                                   weight_decay=p["weight_decay"])

@@ -45,6 +45,13 @@ gathers and scatters. ``t`` is the global step counting this one (1 at the first
   (1 - rho) * d * d``, ``w -= lr * d``.
 * ``momentumw`` (EasyRec, TF contrib's ``MomentumWOptimizer``): the touched rows' decoupled
   decay ``w -= weight_decay * w`` (not scaled by the rate), then TF's momentum step.
+* ``adagrad_decay`` (DeepRec's ``AdagradDecayOptimizer``, its ``SparseApplyAdagradDecay``):
+  with ``p`` the row's count of decays (state ``[rows, 1]``), where ``t //
+  accumulator_decay_step > p``: ``a = max(a * accumulator_decay_rate,
+  initial_accumulator_value)``, ``p += 1``; then ``a += g * g``, ``w -= lr * g / sqrt(a)``. One
+  decay per update: a row that missed periods catches up one per touch, as in DeepRec. The
+  accumulator is stored as ``a - initial_accumulator_value`` (a zeroed row is a fresh one,
+  its count 0 as DeepRec's new keys').
 """
 
 from __future__ import annotations
@@ -78,11 +85,12 @@ ROW_SPARSE_STATE: dict[str, tuple[str, ...]] = {
     "lars_sgd": ("momentum_buffer",),
     "rmsprop": ("mean_square", "momentum_buffer"),
     "adadelta": ("square_avg", "acc_delta"),
+    "adagrad_decay": ("accumulator", "accumulator_decay_power"),
 }
 # TorchEasyRec's form where its state differs from EasyRec's (RMSprop without momentum)
 _TORCH_FORM_STATE: dict[str, tuple[str, ...]] = {"rmsprop": ("square_avg",)}
 # state kept as one value per row
-ROW_WISE_STATE = frozenset({"exp_avg_sq_row"})
+ROW_WISE_STATE = frozenset({"exp_avg_sq_row", "accumulator_decay_power"})
 # fbgemm's LARS-SGD trust coefficient (TorchEasyRec leaves it at fbgemm's default)
 LARS_ETA = 1e-3
 
@@ -147,7 +155,20 @@ class RowSparseRule:
             return self._rmsprop(w, g, state, lr)
         if self.kind == "adadelta":
             return self._adadelta(w, g, state, lr)
+        if self.kind == "adagrad_decay":
+            return self._adagrad_decay(w, g, state, lr, t)
         return self._adam(w, g, state, lr, t)
+
+    def _adagrad_decay(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor],
+                       lr: float, t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        p = self.params
+        init = float(p.get("initial_accumulator_value", 0.1))
+        period = int(p.get("accumulator_decay_step", 100000))
+        a, power = state[0] + init, state[1]
+        due = power < float(t // period)
+        a = torch.where(due, (a * float(p.get("accumulator_decay_rate", 0.9))).clamp_min(init), a)
+        a = a + g * g
+        return w - lr * g / a.sqrt(), [a - init, power + due.to(power.dtype)]
 
     def _partial_rowwise(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor],
                          lr: float, t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
