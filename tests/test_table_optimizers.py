@@ -421,10 +421,14 @@ def test_wide_tables_take_the_wide_rate() -> None:
     (tables_config("ftrl_optimizer", "l1_reg: 0.01"), {"accumulator": 4, "linear": 4}),
     (tables_config("rms_prop_optimizer", ""), {"mean_square": 4, "momentum_buffer": 4}),
     (tzrec_tables("partial_rowwise_lamb_optimizer", ""), {"exp_avg": 4, "exp_avg_sq_row": 1}),
-    (tables_config("adagrad_decay_optimizer", "accumulator_decay_step: 2"),
-     {"accumulator": 4, "accumulator_decay_power": 1}),
+    # one entry for tables and dense part, as DeepRec jobs run it; restored inside a period
+    (f"optimizer_config {{ adagrad_decay_optimizer {{ learning_rate {{ constant_learning_rate "
+     f"{{ learning_rate: {LR} }} }} accumulator_decay_step: 2 accumulator_decay_rate: 0.5 }} }} "
+     "in_batch_learning: false", {"accumulator": 4, "accumulator_decay_power": 1}),
 ], ids=["ftrl", "rms_prop", "partial_rowwise_lamb", "adagrad_decay"])
 def test_checkpoint_round_trip_continues_as_uninterrupted(config: str, names: dict) -> None:
+    """Restored after step 3, the module goes on as the uninterrupted one: tables, their
+    optimizer state and the dense parameters (their optimizer's state restored too)."""
     tm, fb = module(config)
     batches = [fb.build(records(40, 20 + k)).batch for k in range(6)]
     for b in batches[:3]:
@@ -441,37 +445,14 @@ def test_checkpoint_round_trip_continues_as_uninterrupted(config: str, names: di
         restored.train_step(b)
     for name, t in tm.embedding_tables().items():
         torch.testing.assert_close(restored.embedding_tables()[name], t, rtol=0, atol=0)
+    dense = restored.dense_parameters()
+    for name, t in tm.dense_parameters().items():
+        torch.testing.assert_close(dense[name], t, rtol=0, atol=0)
     a = tm.state_dict_for_checkpoint()["sparse_optimizer"]
     b = restored.state_dict_for_checkpoint()["sparse_optimizer"]
     for pname, states in a.items():
         for k, v in states.items():
             torch.testing.assert_close(b[pname][k], v, rtol=0, atol=0)
-
-
-def test_adagrad_decay_for_tables_and_dense_restores_mid_period() -> None:
-    """One adagrad_decay_optimizer entry (tables and dense part, as DeepRec jobs run it):
-    restored after step 3 of periods of 2, both modules go on alike, dense state included."""
-    rate = f"learning_rate {{ constant_learning_rate {{ learning_rate: {LR} }} }}"
-    config = (f"optimizer_config {{ adagrad_decay_optimizer {{ {rate} accumulator_decay_step: 2 "
-              "accumulator_decay_rate: 0.5 } } in_batch_learning: false")
-    tm, fb = module(config)
-    assert tm.row_sparse is not None and type(tm.dense_optimizer).__name__ == "AdagradDecay"
-    batches = [fb.build(records(40, 30 + k)).batch for k in range(6)]
-    for b in batches[:3]:
-        tm.train_step(b)
-    state = tm.state_dict_for_checkpoint()
-    restored, _ = module(config)
-    restored.load_checkpoint_state(state)
-    for b in batches[3:]:
-        tm.train_step(b)
-        restored.train_step(b)
-    for name, t in tm.embedding_tables().items():
-        torch.testing.assert_close(restored.embedding_tables()[name], t, rtol=0, atol=0)
-    mine = restored.dense_parameters()
-    for name, t in tm.dense_parameters().items():
-        torch.testing.assert_close(mine[name], t, rtol=0, atol=0)
-    powers = {int(st["decay_power"]) for st in restored.dense_optimizer.state.values()}
-    assert powers == {3}  # steps 2, 4 and 6
 
 
 def test_adam_state_is_in_the_views_dynamic_resets_zero() -> None:
