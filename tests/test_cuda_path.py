@@ -96,11 +96,12 @@ def test_adam_on_the_tables_learns_on_cuda(fb):
     assert roc_auc(eval_labels, tm.predict(eval_batch)) > 0.75
 
 
-def test_lamb_tables_fused_on_cuda_equal_row_sparse_on_cpu(fb):
-    """TorchEasyRec's LAMB tables: fbgemm's fused kernel on CUDA and the row-sparse rule on
-    the CPU make the same updates."""
-    c = config(train_config="sparse_optimizer { lamb_optimizer { lr: 0.01 weight_decay: 0.01 "
-               "} } dense_optimizer { adam_optimizer { lr: 0.001 } }")
+@pytest.mark.parametrize("kind", ["lamb_optimizer", "adam_optimizer"])
+def test_lamb_and_adam_tables_fused_on_cuda_equal_row_sparse_on_cpu(fb, kind):
+    """TorchEasyRec's LAMB and Adam tables with weight_decay: fbgemm's fused kernel on CUDA
+    and the row-sparse rule on the CPU make the same updates."""
+    c = config(train_config=f"sparse_optimizer {{ {kind} {{ lr: 0.01 weight_decay: 0.01 }} }} "
+               "dense_optimizer { adam_optimizer { lr: 0.001 } }")
     cpu = TrainModule(c, fb, device="cpu")
     gpu = TrainModule(c, fb, device="cuda")
     assert cpu.row_sparse is not None and gpu.row_sparse is None

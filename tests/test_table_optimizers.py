@@ -290,12 +290,23 @@ def torch_adadelta(w, g, st, lr, t, rho=0.95, eps=1e-6, decay=0.0):
     return w - lr * d, [sq, acc]
 
 
+def fbgemm_adam(w, g, st, lr, t, b1=0.9, b2=0.999, eps=1e-8, decay=0.0):
+    """fbgemm's table Adam (its CUDA kernel's formula): the decay inside the rate's step."""
+    m, v = st
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    r = (m / (1 - b1**t)) / (np.sqrt(v / (1 - b2**t)) + eps) + decay * w
+    return w - lr * r, [m, v]
+
+
 def tzrec_tables(opt: str, fields: str) -> str:
     return (f"sparse_optimizer {{ {opt} {{ lr: {LR} {fields} }} constant_learning_rate {{}} }} "
             "dense_optimizer { adam_optimizer { lr: 0.01 } constant_learning_rate {} }")
 
 
 TZREC_CASES = {
+    "adam": ("adam_optimizer", "beta2: 0.99 weight_decay: 0.05",
+             lambda *a: fbgemm_adam(*a, b2=0.99, decay=0.05), [0.0, 0.0]),
     "partial_rowwise_adam": (
         "partial_rowwise_adam_optimizer", "beta1: 0.8 beta2: 0.99 weight_decay: 0.01",
         lambda *a: fbgemm_partial_rowwise(*a, b1=0.8, b2=0.99, decay=0.01), [0.0, 0.0]),
@@ -314,7 +325,8 @@ TZREC_CASES = {
 @pytest.mark.parametrize("case", sorted(TZREC_CASES) + ["mean_partial_rowwise_lamb"])
 def test_torcheasyrec_updates_follow_their_kernels_step_by_step(case: str) -> None:
     """TorchEasyRec's other table optimizers (fbgemm's experimental CUDA kernels, or kernels
-    public fbgemm lacks) run row-sparse on CPU with their rules, row by row."""
+    public fbgemm lacks, and its Adam with weight_decay, CUDA only in fbgemm) run row-sparse
+    on CPU with their rules, row by row."""
     opt, fields, ref, init = TZREC_CASES[case.removeprefix("mean_")]
     _check_steps(case, tzrec_tables(opt, fields), ref, init, case.startswith("mean_"))
 

@@ -140,7 +140,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     # TorchEasyRec's per-kernel clipping of the table gradients (fbgemm's gradient_clipping)
     "TzrecSgdOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
     "TzrecAdagradOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
-    "TzrecAdamOptimizer": frozenset({"weight_decay", "gradient_clipping", "max_gradient"}),
+    "TzrecAdamOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
     "TzrecRowWiseAdagradOptimizer": frozenset({
         "weight_decay", "weight_decay_mode", "gradient_clipping", "max_gradient"}),
     "TzrecLambOptimizer": frozenset({"gradient_clipping", "max_gradient"}),

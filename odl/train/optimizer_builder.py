@@ -294,8 +294,9 @@ def sparse_optimizer_args(
     # fbgemm's table kernels take beta1/beta2, not torch's betas tuple
     kwargs = {"lr": lr, "eps": TABLE_EPS, "beta1": spec.params.get("beta1", 0.9),
               "beta2": spec.params.get("beta2", 0.999)}
+    kwargs["weight_decay"] = spec.params.get("weight_decay", 0.0)
     if plan.kernel == "lamb":
-        return trec_optim.LAMB, {**kwargs, "weight_decay": spec.params.get("weight_decay", 0.0)}
+        return trec_optim.LAMB, kwargs
     return trec_optim.Adam, kwargs
 
 

@@ -10,7 +10,8 @@ gathers and scatters. ``t`` is the global step counting this one (1 at the first
   rows only; EasyRec form ``w -= lr * sqrt(1 - b2^t) / (1 - b1^t) * m / (sqrt(v) + eps)``
   (TF's epsilon-hat); TorchEasyRec form ``w -= lr * m_hat / (sqrt(v_hat) + eps)`` with
   ``m_hat = m / (1 - b1^t)``, ``v_hat = v / (1 - b2^t)`` (torch / fbgemm), its
-  ``weight_decay`` added to the gradient as ``weight_decay * w`` (``torch.optim.Adam``).
+  ``weight_decay`` as fbgemm's table Adam has it: ``w -= lr * (m_hat / (sqrt(v_hat) + eps) +
+  weight_decay * w)``.
 * ``adamw``: the decoupled decay of the touched rows first, EasyRec ``w -= weight_decay *
   w`` (``tf.contrib.opt.AdamWOptimizer``, as :class:`odl.train.optimizer_builder.
   DecoupledAdamW`), TorchEasyRec ``w -= lr * weight_decay * w`` (``torch.optim.AdamW``),
@@ -244,17 +245,17 @@ class RowSparseRule:
         decay = float(p.get("weight_decay", 0.0))
         if self.kind == "adamw" and decay:
             w = w * (1.0 - (decay if self.tf_form else lr * decay))
-        elif decay:  # torch.optim.Adam's L2 term
-            g = g + decay * w
+            decay = 0.0
         m = state[0] * b1 + g * (1.0 - b1)
         v = state[1] * b2 + g * g * (1.0 - b2)
         if self.tf_form:
             step = lr * math.sqrt(1.0 - b2**t) / (1.0 - b1**t)
             return w - step * m / (v.sqrt() + TF_EPSILON), [m, v]
         eps = float(p.get("eps", TF_EPSILON))
-        m_hat = m / (1.0 - b1**t)
-        v_hat = v / (1.0 - b2**t)
-        return w - lr * m_hat / (v_hat.sqrt() + eps), [m, v]
+        r = (m / (1.0 - b1**t)) / ((v / (1.0 - b2**t)).sqrt() + eps)
+        if decay:  # fbgemm's table Adam: the decay joins the step, scaled by the rate
+            r = r + decay * w
+        return w - lr * r, [m, v]
 
     def _ftrl(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor],
               lr: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
