@@ -4,7 +4,8 @@ fbgemm's CPU kernels cover SGD and (row-wise) Adagrad; EasyRec's Adam, FTRL, mom
 MomentumW and RMSProp tables and DeepRec's AdagradDecay (``adagrad_decay_optimizer``) run
 row-sparse (``odl.train.row_sparse_tables``: the touched rows
 updated after backward), and so do TorchEasyRec's LAMB, LARS-SGD, partial row-wise Adam /
-LAMB, RMSprop and Adadelta (its ``sparse_optimizer`` / ``dense_optimizer`` form). Each
+LAMB, RMSprop, Adadelta and row-wise Adagrad with a decay (its ``sparse_optimizer`` /
+``dense_optimizer`` form; the last named ``rowwise_adagrad_optimizer_l2_decay`` here). Each
 kind trains the bursty sample model (DeepFM, batch ``--batch``, id tables of ``--buckets``
 rows) on the same pre-built batches, in turn within each round (order rotated per round);
 prints samples/s per kind and its ratio to fused Adagrad, the median over rounds of the
@@ -39,7 +40,11 @@ EASYREC_KINDS = ("adagrad_optimizer", "adam_optimizer", "ftrl_optimizer", "momen
                  "momentumw_optimizer", "rms_prop_optimizer", "adagrad_decay_optimizer")
 # kinds that exist in TorchEasyRec's form only
 TZREC_KINDS = ("lamb_optimizer", "lars_sgd_optimizer", "partial_rowwise_adam_optimizer",
-               "partial_rowwise_lamb_optimizer", "rmsprop_optimizer", "adadelta_optimizer")
+               "partial_rowwise_lamb_optimizer", "rmsprop_optimizer", "adadelta_optimizer",
+               "rowwise_adagrad_optimizer_l2_decay")
+# TorchEasyRec's row-wise Adagrad with a decay (row-sparse on CPU): the kind's settings
+TZREC_SETTINGS = {"rowwise_adagrad_optimizer_l2_decay":
+                  ("rowwise_adagrad_optimizer", "weight_decay: 0.01 weight_decay_mode: L2")}
 KINDS = EASYREC_KINDS + TZREC_KINDS
 
 
@@ -54,7 +59,8 @@ def config_text(kind: str, model_dir: str, batch: int, buckets: int) -> str:
         return text.replace("adagrad_optimizer", kind, 1)
     start = text.index("  optimizer_config")
     end = text.index("  save_checkpoints_steps")
-    tzrec = (f"sparse_optimizer {{ {kind} {{ lr: 0.1 }} constant_learning_rate {{}} }} "
+    message, fields = TZREC_SETTINGS.get(kind, (kind, ""))
+    tzrec = (f"sparse_optimizer {{ {message} {{ lr: 0.1 {fields} }} constant_learning_rate {{}} }} "
              "dense_optimizer { adam_optimizer { lr: 0.001 } constant_learning_rate {} }")
     return text[:start] + "  " + tzrec + "\n" + text[end:]
 

@@ -279,6 +279,10 @@ def test_estimate_state_per_optimizer() -> None:
                                         "rowwise_adagrad_optimizer {}",
                                     "train_config.dense_optimizer": "sgd_optimizer {}"})
     assert estimate_memory(config, "cpu").table_state_bytes == 4 * rows
+    apply_edit_config_json(config, {"train_config.sparse_optimizer":
+                                    "rowwise_adagrad_optimizer { weight_decay: 0.01 "
+                                    "weight_decay_mode: L2 }"})
+    assert estimate_memory(config, "cpu").table_state_bytes == 4 * rows  # row-sparse, per row
     cuda = estimate_memory(config, "cuda")
     assert cuda.device_bytes == cuda.sparse_bytes + cuda.dense_bytes + cuda.activation_bytes
     assert cuda.host_bytes < estimate_memory(config, "cpu").host_bytes

@@ -96,11 +96,16 @@ def test_adam_on_the_tables_learns_on_cuda(fb):
     assert roc_auc(eval_labels, tm.predict(eval_batch)) > 0.75
 
 
-@pytest.mark.parametrize("kind", ["lamb_optimizer", "adam_optimizer"])
-def test_lamb_and_adam_tables_fused_on_cuda_equal_row_sparse_on_cpu(fb, kind):
-    """TorchEasyRec's LAMB and Adam tables with weight_decay: fbgemm's fused kernel on CUDA
-    and the row-sparse rule on the CPU make the same updates."""
-    c = config(train_config=f"sparse_optimizer {{ {kind} {{ lr: 0.01 weight_decay: 0.01 }} }} "
+@pytest.mark.parametrize("tables", [
+    "lamb_optimizer { lr: 0.01 weight_decay: 0.01 }",
+    "adam_optimizer { lr: 0.01 weight_decay: 0.01 }",
+    "rowwise_adagrad_optimizer { lr: 0.05 weight_decay: 0.01 weight_decay_mode: L2 }",
+    "rowwise_adagrad_optimizer { lr: 0.05 weight_decay: 0.01 weight_decay_mode: DECOUPLE }",
+], ids=["lamb", "adam", "rowwise_adagrad_l2", "rowwise_adagrad_decouple"])
+def test_decaying_tables_fused_on_cuda_equal_row_sparse_on_cpu(fb, tables):
+    """TorchEasyRec's LAMB, Adam and row-wise Adagrad tables with weight_decay: fbgemm's
+    fused kernel on CUDA and the row-sparse rule on the CPU make the same updates."""
+    c = config(train_config=f"sparse_optimizer {{ {tables} }} "
                "dense_optimizer { adam_optimizer { lr: 0.001 } }")
     cpu = TrainModule(c, fb, device="cpu")
     gpu = TrainModule(c, fb, device="cuda")

@@ -299,12 +299,26 @@ def fbgemm_adam(w, g, st, lr, t, b1=0.9, b2=0.999, eps=1e-8, decay=0.0):
     return w - lr * r, [m, v]
 
 
+def fbgemm_rowwise_adagrad(w, g, st, lr, t, decay=0.0, mode="L2", eps=1e-8):
+    """fbgemm's row-wise Adagrad with weight decay (its CUDA and CPU kernels' formula)."""
+    g_acc = g + decay * w if mode == "L2" else g
+    a = st[0] + np.mean(g_acc * g_acc, axis=1, keepdims=True)
+    m = lr / (np.sqrt(a) + eps)
+    c = 1 - m * decay if mode == "L2" else 1 - lr * decay
+    return c * w - m * g, [a]
+
+
 def tzrec_tables(opt: str, fields: str) -> str:
     return (f"sparse_optimizer {{ {opt} {{ lr: {LR} {fields} }} constant_learning_rate {{}} }} "
             "dense_optimizer { adam_optimizer { lr: 0.01 } constant_learning_rate {} }")
 
 
 TZREC_CASES = {
+    "rowwise_adagrad_l2": ("rowwise_adagrad_optimizer", "weight_decay: 0.05 weight_decay_mode: L2",
+                           lambda *a: fbgemm_rowwise_adagrad(*a, decay=0.05), [0.0]),
+    "rowwise_adagrad_decouple": (
+        "rowwise_adagrad_optimizer", "weight_decay: 0.05 weight_decay_mode: DECOUPLE",
+        lambda *a: fbgemm_rowwise_adagrad(*a, decay=0.05, mode="DECOUPLE"), [0.0]),
     "adam": ("adam_optimizer", "beta2: 0.99 weight_decay: 0.05",
              lambda *a: fbgemm_adam(*a, b2=0.99, decay=0.05), [0.0, 0.0]),
     "partial_rowwise_adam": (
@@ -522,20 +536,42 @@ def test_plans_run_row_sparse_where_fbgemm_has_no_kernel() -> None:
     lamb = choice("sparse_optimizer { lamb_optimizer { lr: 0.1 } }")
     assert table_optimizer_plan(lamb, "cpu").row_sparse
     assert table_optimizer_plan(lamb, "cuda").kernel == "lamb"
+    # TorchEasyRec's row-wise Adagrad decays only with a mode: then fbgemm's rule, row-sparse
+    # where its CPU kernel skips the decay, fused on CUDA
+    decayed = choice("sparse_optimizer { rowwise_adagrad_optimizer { lr: 0.1 weight_decay: "
+                     "0.01 weight_decay_mode: DECOUPLE } }")
+    assert decayed.kind == "rowwise_adagrad_with_decay"
+    assert table_optimizer_plan(decayed, "cpu").row_sparse
+    cuda = table_optimizer_plan(decayed, "cuda")
+    assert not cuda.row_sparse and cuda.kernel == "rowwise_adagrad"
+    for fields in ("weight_decay: 0.01", "weight_decay_mode: L2"):
+        plain = choice(f"sparse_optimizer {{ rowwise_adagrad_optimizer {{ lr: 0.1 {fields} }} }}")
+        assert plain.kind == "rowwise_adagrad"
+        assert not table_optimizer_plan(plain, "cpu").row_sparse
 
 
+@pytest.mark.parametrize("tables", [
+    tables_config("ftrl_optimizer"),
+    tzrec_tables("rowwise_adagrad_optimizer", "weight_decay: 0.01 weight_decay_mode: L2"),
+], ids=["ftrl", "rowwise_adagrad_with_decay"])
 @pytest.mark.parametrize("flags, field", [
     ("in_batch_learning: true", "train_config.in_batch_learning"),
     ("in_batch_learning: true per_record_adagrad: true", "train_config.per_record_adagrad"),
 ])
-def test_in_batch_learning_is_refused_with_row_sparse_tables(flags: str, field: str) -> None:
+def test_in_batch_learning_is_refused_with_row_sparse_tables(tables: str, flags: str,
+                                                             field: str) -> None:
+    """Written, refused by field; unwritten, in-batch learning is off (not the stream's to
+    decide): its shift follows fused SGD / Adagrad updates only."""
+    from odl.config.in_batch_settings import IN_BATCH_OFF, in_batch_mode
     from odl.config.pipeline_config import load_pipeline_config
     from odl.models.model_registry import check_pipeline_config
     from tests.test_optimizers import ONLINE
 
     config = load_pipeline_config(ONLINE)
     config.train_config.ClearField("optimizer_config")
-    text_format.Merge(tables_config("ftrl_optimizer") + " " + flags, config.train_config)
+    text_format.Merge(tables.replace("in_batch_learning: false", ""), config.train_config)
+    assert in_batch_mode(config) == IN_BATCH_OFF
+    text_format.Merge(flags, config.train_config)
     with pytest.raises(ConfigError) as info:
         check_pipeline_config(config, online=True)
     assert info.value.field == field
@@ -667,6 +703,28 @@ def test_checkpoints_of_the_former_substitutes_restore(opt: str) -> None:
         same, _ = rule.apply(w.clone(), torch.zeros_like(w), [v.clone() for v in st], LR, 2)
         torch.testing.assert_close(same, w, rtol=1e-5, atol=1e-6)
     restored.train_step(fb.build(records(40, 3)).batch)
+
+
+def test_fused_row_wise_accumulators_restore_into_row_wise_adagrad_with_decay() -> None:
+    """A checkpoint of fused row-wise Adagrad tables (fbgemm's ``momentum1``, as a CUDA run
+    of the decaying config writes it) restores into the CPU's row-sparse rule: each row's
+    accumulator carried over."""
+    plain, fb = module(tzrec_tables("rowwise_adagrad_optimizer", ""))
+    assert plain.row_sparse is None
+    for k in range(2):
+        plain.train_step(fb.build(records(40, 40 + k)).batch)
+    state = plain.state_dict_for_checkpoint()
+    fused = {p: {k.rsplit(".", 1)[-1]: v for k, v in st.items()}
+             for p, st in state["sparse_optimizer"].items()}
+    assert all(set(st) == {"momentum1"} for st in fused.values())
+    decayed, _ = module(tzrec_tables("rowwise_adagrad_optimizer",
+                                     "weight_decay: 0.01 weight_decay_mode: L2"))
+    decayed.load_checkpoint_state(state)
+    _tables, states = decayed.row_state_views()
+    for pname, st in fused.items():
+        (row,) = states[pname]
+        torch.testing.assert_close(row.reshape(-1), st["momentum1"].reshape(-1))
+        assert float(row.abs().sum()) > 0
 
 
 @pytest.mark.parametrize("train, field", [

@@ -141,8 +141,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "TzrecSgdOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
     "TzrecAdagradOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
     "TzrecAdamOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
-    "TzrecRowWiseAdagradOptimizer": frozenset({
-        "weight_decay", "weight_decay_mode", "gradient_clipping", "max_gradient"}),
+    "TzrecRowWiseAdagradOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
     "TzrecLambOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
     "TzrecLarsSgdOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
     "TzrecAdadeltaOptimizer": frozenset({"gradient_clipping", "max_gradient"}),

@@ -34,7 +34,13 @@ lars_sgd                fbgemm's LARS-SGD (row-sparse)       fbgemm's LARS-SGD (
 partial_rowwise_adam    fbgemm's rule (row-sparse)           fbgemm's rule (row-sparse)
 partial_rowwise_lamb    fbgemm's rule (row-sparse)           fbgemm's rule (row-sparse)
 adagrad_decay           DeepRec's rule (row-sparse)          DeepRec's rule (row-sparse)
+rowwise_adagrad_with_   fbgemm's rule (row-sparse)           exact row-wise Adagrad with its
+decay                                                        decay (fused)
 ======================  ===================================  =================================
+
+``rowwise_adagrad_with_decay`` is TorchEasyRec's ``rowwise_adagrad_optimizer`` with a
+``weight_decay`` and a ``weight_decay_mode`` other than ``NONE``: fbgemm's CPU kernel takes
+the decay's arguments and does not apply them, so on CPU its rule runs row-sparse.
 
 EasyRec's ``adam_async_optimizer`` / ``adam_asyncw_optimizer`` (PAI-TF) are configured kinds
 ``adam`` / ``adamw``. The kinds fbgemm has fused on CUDA only as experimental kernels (LARS-SGD,
@@ -83,7 +89,10 @@ ROW_SPARSE_DEVICES: dict[str, frozenset[str]] = {
     **{kind: frozenset({"cpu", "cuda"}) for kind in (
         "momentumw", "rmsprop", "adadelta", "lars_sgd", "partial_rowwise_adam",
         "partial_rowwise_lamb", "adagrad_decay")},
+    "rowwise_adagrad_with_decay": frozenset({"cpu"}),
 }
+# Configured kinds whose fused kernel (where they have one) is another kind's.
+_FUSED_KERNEL_OF = {"rowwise_adagrad_with_decay": "rowwise_adagrad"}
 
 # Kind used for the tables / the dense part when nothing is configured
 # (see odl.train.optimizer_builder).
@@ -115,7 +124,8 @@ class OptimizerChoice:
         kind: ``"sgd"``, ``"momentum"``, ``"adagrad"``, ``"rowwise_adagrad"``, ``"adam"``,
             ``"adamw"``, ``"ftrl"``, ``"lamb"``, ``"momentumw"``, ``"rmsprop"``,
             ``"adadelta"``, ``"lars_sgd"``, ``"partial_rowwise_adam"``,
-            ``"partial_rowwise_lamb"`` or ``"adagrad_decay"`` (``""``: none set).
+            ``"partial_rowwise_lamb"``, ``"adagrad_decay"`` or ``"rowwise_adagrad_with_decay"``
+            (``""``: none set).
         field: dotted path of the config field that chose it (``""`` for the default).
         form: ``"easyrec"``, ``"tzrec"`` or ``"default"``.
         message: the optimizer's own message (e.g. the ``FtrlOptimizer``), None for the default.
@@ -170,6 +180,14 @@ def table_kernel_kind(kind: str) -> str:
     return kind
 
 
+def _decays(rowwise: Any) -> bool:
+    """Whether a TorchEasyRec row-wise Adagrad message decays its rows.
+
+    fbgemm reads the decay only with a mode other than NONE.
+    """
+    return rowwise.weight_decay > 0 and rowwise.weight_decay_mode != pipeline_pb2.NONE
+
+
 def row_sparse_kind(kind: str, device_type: str) -> bool:
     """Whether tables of a configured kind run row-sparse on a device type."""
     return device_type in ROW_SPARSE_DEVICES.get(kind, frozenset())
@@ -211,7 +229,7 @@ def table_optimizer_plan(choice: OptimizerChoice, device_type: str) -> TablePlan
                 "untouched rows and moves them")
     if row_sparse_kind(choice.kind, device_type):
         return TablePlan(choice.kind, "sgd", note, row_sparse=True)
-    kernel = table_kernel_kind(choice.kind)
+    kernel = _FUSED_KERNEL_OF.get(choice.kind, table_kernel_kind(choice.kind))
     if kernel not in supported_sparse_optimizers(device_type):
         raise ConfigError(field, _refusal(choice, device_type))
     return TablePlan(choice.kind, kernel, note)
@@ -249,7 +267,10 @@ def optimizer_choices(
             continue
         msg = getattr(train_config, name)
         which = msg.WhichOneof("optimizer")
-        choice = OptimizerChoice(TZREC_KINDS.get(which or "", ""),
+        kind = TZREC_KINDS.get(which or "", "")
+        if kind == "rowwise_adagrad" and _decays(msg.rowwise_adagrad_optimizer):
+            kind = "rowwise_adagrad_with_decay"
+        choice = OptimizerChoice(kind,
                                  f"train_config.{name}.{which}" if which
                                  else f"train_config.{name}",
                                  "tzrec", getattr(msg, which) if which else None)

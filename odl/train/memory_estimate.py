@@ -127,7 +127,8 @@ _SPARSE_STATE = {"sgd": (0, 0), "adagrad": (0, 1), "rowwise_adagrad": (1, 0), "a
                  "adamw": (0, 2), "lamb": (0, 2), "ftrl": (0, 2), "momentum": (0, 1),
                  "momentumw": (0, 1), "lars_sgd": (0, 1), "rmsprop": (0, 2),
                  "adadelta": (0, 2), "partial_rowwise_adam": (1, 1),
-                 "partial_rowwise_lamb": (1, 1), "adagrad_decay": (1, 1)}
+                 "partial_rowwise_lamb": (1, 1), "adagrad_decay": (1, 1),
+                 "rowwise_adagrad_with_decay": (1, 0)}
 # TorchEasyRec's RMSprop keeps no momentum buffer
 _TZREC_SPARSE_STATE = {"rmsprop": (0, 1)}
 # Dense optimizer state floats per parameter.

@@ -207,6 +207,9 @@ def _tzrec_params(kind: str, opt: Any) -> dict[str, Any]:
     for n in ("nesterov", "amsgrad"):
         if n in out:
             out[n] = bool(out[n])
+    if kind == "rowwise_adagrad_with_decay":  # fbgemm's WeightDecayMode, by name
+        out["weight_decay_mode"] = pipeline_pb2.TzrecWeightDecayMode.Name(opt.weight_decay_mode)
+        out["eps"] = TABLE_EPS
     if kind == "adamw":
         out["decay_scaled_by_lr"] = True
     return out
@@ -288,7 +291,13 @@ def sparse_optimizer_args(
     if plan.kernel == "sgd":
         return torch.optim.SGD, {"lr": lr}
     if plan.kernel == "rowwise_adagrad":
-        return trec_optim.RowWiseAdagrad, {"lr": lr, "eps": TABLE_EPS}
+        kwargs = {"lr": lr, "eps": TABLE_EPS}
+        if spec.kind == "rowwise_adagrad_with_decay":  # fbgemm's decay, fused (CUDA)
+            from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
+
+            kwargs.update(weight_decay=spec.params["weight_decay"],
+                          weight_decay_mode=WeightDecayMode[spec.params["weight_decay_mode"]])
+        return trec_optim.RowWiseAdagrad, kwargs
     if plan.kernel == "adagrad":
         return torch.optim.Adagrad, {"lr": lr, "eps": TABLE_EPS}
     # fbgemm's table kernels take beta1/beta2, not torch's betas tuple

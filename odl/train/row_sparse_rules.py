@@ -46,6 +46,11 @@ gathers and scatters. ``t`` is the global step counting this one (1 at the first
   (1 - rho) * d * d``, ``w -= lr * d``.
 * ``momentumw`` (EasyRec, TF contrib's ``MomentumWOptimizer``): the touched rows' decoupled
   decay ``w -= weight_decay * w`` (not scaled by the rate), then TF's momentum step.
+* ``rowwise_adagrad_with_decay`` (TorchEasyRec's ``rowwise_adagrad_optimizer`` with a
+  ``weight_decay``; fbgemm's row-wise Adagrad rule, whose CPU kernel skips the decay): one
+  accumulator per row (state ``[rows, 1]``), ``g' = g + weight_decay * w`` in mode L2 (else
+  ``g``), ``a += mean(g' * g')`` over the row, ``m = lr / (sqrt(a) + eps)``, ``w = c * w - m *
+  g`` with ``c = 1 - m * weight_decay`` (L2) or ``1 - lr * weight_decay`` (DECOUPLE).
 * ``adagrad_decay`` (DeepRec's ``AdagradDecayOptimizer``, its ``SparseApplyAdagradDecay``):
   with ``p`` the row's count of decays (state ``[rows, 1]``), where ``t //
   accumulator_decay_step > p``: ``a = max(a * accumulator_decay_rate,
@@ -87,11 +92,12 @@ ROW_SPARSE_STATE: dict[str, tuple[str, ...]] = {
     "rmsprop": ("mean_square", "momentum_buffer"),
     "adadelta": ("square_avg", "acc_delta"),
     "adagrad_decay": ("accumulator", "accumulator_decay_power"),
+    "rowwise_adagrad_with_decay": ("momentum1_row",),
 }
 # TorchEasyRec's form where its state differs from EasyRec's (RMSprop without momentum)
 _TORCH_FORM_STATE: dict[str, tuple[str, ...]] = {"rmsprop": ("square_avg",)}
 # state kept as one value per row
-ROW_WISE_STATE = frozenset({"exp_avg_sq_row", "accumulator_decay_power"})
+ROW_WISE_STATE = frozenset({"exp_avg_sq_row", "accumulator_decay_power", "momentum1_row"})
 # fbgemm's LARS-SGD trust coefficient (TorchEasyRec leaves it at fbgemm's default)
 LARS_ETA = 1e-3
 
@@ -158,7 +164,21 @@ class RowSparseRule:
             return self._adadelta(w, g, state, lr)
         if self.kind == "adagrad_decay":
             return self._adagrad_decay(w, g, state, lr, t)
+        if self.kind == "rowwise_adagrad_with_decay":
+            return self._rowwise_adagrad_with_decay(w, g, state, lr)
         return self._adam(w, g, state, lr, t)
+
+    def _rowwise_adagrad_with_decay(self, w: torch.Tensor, g: torch.Tensor,
+                                    state: list[torch.Tensor],
+                                    lr: float) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        p = self.params
+        decay = float(p.get("weight_decay", 0.0))
+        l2 = p.get("weight_decay_mode") == "L2"
+        g_acc = g + decay * w if l2 else g
+        a = state[0] + (g_acc * g_acc).mean(dim=1, keepdim=True)
+        m = lr / (a.sqrt() + float(p.get("eps", TF_EPSILON)))
+        c = 1.0 - m * decay if l2 else 1.0 - lr * decay
+        return c * w - m * g, [a]
 
     def _adagrad_decay(self, w: torch.Tensor, g: torch.Tensor, state: list[torch.Tensor],
                        lr: float, t: int) -> tuple[torch.Tensor, list[torch.Tensor]]:

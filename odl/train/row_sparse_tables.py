@@ -260,8 +260,10 @@ class RowSparseTables:
         into row-sparse Adam / LAMB tables on a CPU). Their
         state becomes this rule's: FTRL takes the accumulator and the linear term ``z`` that
         keeps each weight where it is (``w = (sign(z) * l1 - z) / quadratic``), Adam the
-        moments, anything else a fresh (zero) state. A state that has the rule's names, or
-        a checkpoint read in parts (``table_parts``), is returned as is.
+        moments, row-wise Adagrad with decay fbgemm's fused row-wise accumulator (a
+        checkpoint of a CUDA run restored on a CPU), anything else a fresh (zero) state. A
+        state that has the rule's names, or a checkpoint read in parts (``table_parts``), is
+        returned as is.
 
         Args:
             state: ``TrainModule.state_dict_for_checkpoint()``'s form.
@@ -304,6 +306,9 @@ class RowSparseTables:
         elif self.rule.kind in ("adam", "adamw", "lamb") and m1 is not None and m2 is not None \
                 and m1.shape == w.shape == m2.shape:
             new = [m1, m2]
+        elif self.rule.kind == "rowwise_adagrad_with_decay" and m1 is not None \
+                and m1.numel() == w.shape[0]:  # fbgemm's fused row-wise accumulator
+            new = [m1.reshape(-1, 1)]
         return {f"{name}.{s}": v for s, v in zip(self.rule.state_names, new, strict=True)}
 
     def close(self) -> None:
