@@ -2,8 +2,8 @@
 
 fbgemm's CPU kernels cover SGD and (row-wise) Adagrad; EasyRec's Adam, FTRL, momentum,
 MomentumW and RMSProp tables and DeepRec's AdagradDecay (``adagrad_decay_optimizer``) run
-row-sparse (``odl.train.row_sparse_tables``: the touched rows
-updated after backward), and so do TorchEasyRec's LAMB, LARS-SGD, partial row-wise Adam /
+row-sparse (``odl.train.row_sparse_tables``: the touched rows updated after backward), and
+so do TorchEasyRec's LAMB, LARS-SGD, partial row-wise Adam /
 LAMB, RMSprop, Adadelta and row-wise Adagrad with a decay (its ``sparse_optimizer`` /
 ``dense_optimizer`` form; the last named ``rowwise_adagrad_optimizer_l2_decay`` here). Each
 kind trains the bursty sample model (DeepFM, batch ``--batch``, id tables of ``--buckets``

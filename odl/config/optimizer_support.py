@@ -11,10 +11,10 @@ fbgemm-gpu-cpu implements ``exact_sgd``, ``exact_adagrad`` and ``exact_row_wise_
 CPU; its Adam, LAMB, LARS-SGD and partial row-wise Adam/LAMB are CUDA only (on CPU the kernel
 constructor asserts ``Optimizer adam is not supported in CPU mode``); no fbgemm build has FTRL,
 momentum SGD, RMSProp, Adadelta, DeepRec's Adagrad decay or decoupled (AdamW) decay for
-tables. Those run *row-sparse*
-(``odl.train.row_sparse_tables``): the fused kernel runs as SGD at rate 0 and, after
-backward, the configured update is applied to the rows the batch touched (TF's sparse
-applies, ``odl.train.row_sparse_rules``; cost follows the batch). Per configured kind:
+tables. Those run *row-sparse* (``odl.train.row_sparse_tables``): the fused kernel runs as SGD
+at rate 0 and, after backward, the configured update is applied to the rows the batch touched
+(TF's sparse applies, ``odl.train.row_sparse_rules``; cost follows the batch). Per configured
+kind:
 
 ======================  ===================================  =================================
 configured kind         CPU                                  CUDA

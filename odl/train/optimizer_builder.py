@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 import torchrec.optim as trec_optim
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
 
 from odl.config.config_error import ConfigError
 from odl.config.optimizer_support import (
@@ -293,8 +294,6 @@ def sparse_optimizer_args(
     if plan.kernel == "rowwise_adagrad":
         kwargs = {"lr": lr, "eps": TABLE_EPS}
         if spec.kind == "rowwise_adagrad_with_decay":  # fbgemm's decay, fused (CUDA)
-            from fbgemm_gpu.split_table_batched_embeddings_ops_training import WeightDecayMode
-
             kwargs.update(weight_decay=spec.params["weight_decay"],
                           weight_decay_mode=WeightDecayMode[spec.params["weight_decay_mode"]])
         return trec_optim.RowWiseAdagrad, kwargs
