@@ -101,10 +101,14 @@ def test_adam_on_the_tables_learns_on_cuda(fb):
     "adam_optimizer { lr: 0.01 weight_decay: 0.01 }",
     "rowwise_adagrad_optimizer { lr: 0.05 weight_decay: 0.01 weight_decay_mode: L2 }",
     "rowwise_adagrad_optimizer { lr: 0.05 weight_decay: 0.01 weight_decay_mode: DECOUPLE }",
-], ids=["lamb", "adam", "rowwise_adagrad_l2", "rowwise_adagrad_decouple"])
+    "adam_optimizer { lr: 0.01 gradient_clipping: true max_gradient: 0.0005 }",
+    "lamb_optimizer { lr: 0.01 gradient_clipping: true max_gradient: 0.0005 }",
+], ids=["lamb", "adam", "rowwise_adagrad_l2", "rowwise_adagrad_decouple", "adam_clipped",
+        "lamb_clipped"])
 def test_decaying_tables_fused_on_cuda_equal_row_sparse_on_cpu(fb, tables):
-    """TorchEasyRec's LAMB, Adam and row-wise Adagrad tables with weight_decay: fbgemm's
-    fused kernel on CUDA and the row-sparse rule on the CPU make the same updates."""
+    """TorchEasyRec's LAMB, Adam and row-wise Adagrad tables with weight_decay or
+    gradient_clipping: fbgemm's fused kernel on CUDA and the row-sparse rule on the CPU make
+    the same updates."""
     c = config(train_config=f"sparse_optimizer {{ {tables} }} "
                "dense_optimizer { adam_optimizer { lr: 0.001 } }")
     cpu = TrainModule(c, fb, device="cpu")

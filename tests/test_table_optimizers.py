@@ -746,6 +746,11 @@ def test_fused_row_wise_accumulators_restore_into_row_wise_adagrad_with_decay() 
      "train_config.optimizer_config[0].adagrad_decay_optimizer.accumulator_decay_step"),
     ("optimizer_config { adagrad_decay_optimizer { initial_accumulator_value: 0 } }",
      "train_config.optimizer_config[0].adagrad_decay_optimizer.initial_accumulator_value"),
+    (tzrec_tables("sgd_optimizer", "gradient_clipping: true max_gradient: 0"),
+     "train_config.sparse_optimizer.sgd_optimizer.max_gradient"),
+    ("sparse_optimizer { sgd_optimizer { lr: 0.1 } } dense_optimizer { rmsprop_optimizer { "
+     "lr: 0.01 gradient_clipping: true } }",
+     "train_config.dense_optimizer.rmsprop_optimizer.gradient_clipping"),
 ])
 def test_optimizer_settings_out_of_range_are_refused_by_field(train: str, field: str) -> None:
     from odl.config.train_validation import validate_train_config

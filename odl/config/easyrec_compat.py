@@ -137,15 +137,6 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "part_optimizers", "ema", "manual_step_learning_rate",
         "cosine_annealing_warm_restarts_learning_rate",
     }),
-    # TorchEasyRec's per-kernel clipping of the table gradients (fbgemm's gradient_clipping)
-    "TzrecSgdOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
-    "TzrecAdagradOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
-    "TzrecAdamOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
-    "TzrecRowWiseAdagradOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
-    "TzrecLambOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
-    "TzrecLarsSgdOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
-    "TzrecAdadeltaOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
-    "TzrecRmspropOptimizer": frozenset({"gradient_clipping", "max_gradient"}),
     "GradClipping": frozenset({"enable_global_grad_clip"}),
 }
 

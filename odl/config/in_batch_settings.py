@@ -20,6 +20,7 @@ from odl.config.optimizer_support import (
     IN_BATCH_TABLE_KINDS,
     PER_RECORD_TABLE_KINDS,
     optimizer_choices,
+    table_gradient_bound,
     table_kernel_kind,
 )
 from odl.protos import pipeline_pb2
@@ -36,9 +37,10 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
                      world_size: int = 1) -> tuple[str, str] | None:
     """What keeps in-batch learning from ``config``: ``(field, reason)``, or None.
 
-    In-batch learning needs a model with one output, SGD or (row-wise) Adagrad tables, no
-    sample weights, and with the sequential pass (``in_batch_sequential``, the default)
-    losses of one record each; with several ranks, the sequential pass.
+    In-batch learning needs a model with one output, SGD or (row-wise) Adagrad tables without
+    gradient clipping, no sample weights, and with the sequential pass
+    (``in_batch_sequential``, the default) losses of one record each; with several ranks,
+    the sequential pass.
 
     Args:
         config: the pipeline config.
@@ -55,6 +57,10 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
         return field, f"needs SGD or (row-wise) Adagrad tables; the tables train with {sparse.kind}"
     if config.data_config.sample_weight:
         return "data_config.sample_weight", f"{field} does not take sample weights"
+    if table_gradient_bound(sparse) is not None:
+        return (f"{sparse.field}.gradient_clipping",
+                f"{field} does not take clipped table gradients (its shifted predictions "
+                "follow unclipped steps)")
     if tc.in_batch_sequential:
         mc = config.model_config
         types = [t.loss_type for t in mc.losses] or [mc.loss_type]

@@ -52,6 +52,11 @@ TF's ``LazyAdamOptimizer`` and fbgemm's Adam; EasyRec's ``adam_optimizer`` (TF's
 path here does (noted at start-up). Row-sparse LAMB is fbgemm's rule (each row's own trust
 ratio), so CPU and CUDA tables follow one rule. Row-sparse kinds do not combine with in-batch
 learning / per-record Adagrad (``IN_BATCH_TABLE_KINDS``).
+
+TorchEasyRec's table ``gradient_clipping`` (:func:`table_gradient_bound`) clamps the same
+gradient on every path: fbgemm's fused kernels clamp the gradient of their pooled output, and
+the row-sparse kinds clamp the same gradient before summing it per row. In-batch learning,
+whose shifted predictions follow unclamped steps, does not combine with it.
 """
 
 from __future__ import annotations
@@ -186,6 +191,25 @@ def _decays(rowwise: Any) -> bool:
     fbgemm reads the decay only with a mode other than NONE.
     """
     return rowwise.weight_decay > 0 and rowwise.weight_decay_mode != pipeline_pb2.NONE
+
+
+def table_gradient_bound(choice: OptimizerChoice) -> float | None:
+    """The bound of the tables' gradient clipping, None without one.
+
+    TorchEasyRec's table optimizers write fbgemm's ``gradient_clipping`` / ``max_gradient``:
+    each sample's pooled gradient of a feature is clamped to ``[-max_gradient,
+    max_gradient]`` before the update (fbgemm's fused kernels on CPU and CUDA alike; the
+    row-sparse kinds clamp the same gradient, ``odl.train.row_sparse_tables``).
+
+    Args:
+        choice: the tables' configured optimizer.
+    """
+    message = choice.message
+    if choice.form != "tzrec" or message is None \
+            or "gradient_clipping" not in message.DESCRIPTOR.fields_by_name \
+            or not message.gradient_clipping:
+        return None
+    return float(message.max_gradient)
 
 
 def row_sparse_kind(kind: str, device_type: str) -> bool:

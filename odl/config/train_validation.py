@@ -263,6 +263,13 @@ def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
     for name in ("rho", "alpha"):
         if name in fields and not 0 <= getattr(inner, name) < 1:
             raise ConfigError(f"{w}.{name}", "must be in [0, 1)")
+    if "gradient_clipping" in fields and inner.gradient_clipping:
+        if where.endswith("dense_optimizer"):
+            raise ConfigError(f"{w}.gradient_clipping",
+                              "clips the tables' gradients (a sparse_optimizer field); clip "
+                              "the dense parameters' with train_config.grad_clipping")
+        if not inner.max_gradient > 0:
+            raise ConfigError(f"{w}.max_gradient", "must be > 0 with gradient_clipping")
     which = opt.WhichOneof("learning_rate")
     if which == "exponential_decay_learning_rate":
         e = opt.exponential_decay_learning_rate

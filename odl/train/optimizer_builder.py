@@ -32,8 +32,10 @@ writes it, else at 0 (:func:`table_accumulator_start`; evicted rows of dynamic t
 there too); dense Adagrad and the row-sparse FTRL take the field's value, written or not.
 
 Gradient clipping (EasyRec ``gradient_clipping_by_norm``, TorchEasyRec ``grad_clipping``)
-applies to the dense gradients, between backward and the dense step. Table gradients are
-applied inside the fused backward and are never clipped.
+applies to the dense gradients, between backward and the dense step. The tables' gradients
+are clipped where TorchEasyRec's table optimizer writes fbgemm's ``gradient_clipping`` /
+``max_gradient`` (``params["max_gradient"]``): the fused kernels take both and clamp the
+gradient of their pooled output, the row-sparse tables clamp the same gradient.
 """
 
 from __future__ import annotations
@@ -213,6 +215,8 @@ def _tzrec_params(kind: str, opt: Any) -> dict[str, Any]:
         out["eps"] = TABLE_EPS
     if kind == "adamw":
         out["decay_scaled_by_lr"] = True
+    if "gradient_clipping" in opt.DESCRIPTOR.fields_by_name and opt.gradient_clipping:
+        out["max_gradient"] = float(opt.max_gradient)  # fbgemm's table gradient clipping
     return out
 
 
@@ -289,20 +293,29 @@ def sparse_optimizer_args(
     if plan.note:
         logger.warning("%s", plan.note)
     lr = 0.0 if plan.row_sparse else spec.schedule(0)
+    bound = spec.params.get("max_gradient")
+    # the fused kernel clamps its pooled output's gradient (the row-sparse tables clamp it
+    # themselves; their kernel runs at rate 0)
+    clip = ({"gradient_clipping": True, "max_gradient": float(bound)}
+            if bound is not None and not plan.row_sparse else {})
     if plan.kernel == "sgd":
-        return torch.optim.SGD, {"lr": lr}
+        # TorchRec's placeholder classes pass every kwarg to the kernel; torch's SGD takes
+        # no clipping arguments
+        return (trec_optim.SGD, {"lr": lr, **clip}) if clip else (torch.optim.SGD, {"lr": lr})
     if plan.kernel == "rowwise_adagrad":
-        kwargs = {"lr": lr, "eps": TABLE_EPS}
+        kwargs = {"lr": lr, "eps": TABLE_EPS, **clip}
         if spec.kind == "rowwise_adagrad_with_decay":  # fbgemm's decay, fused (CUDA)
             kwargs.update(weight_decay=spec.params["weight_decay"],
                           weight_decay_mode=WeightDecayMode[spec.params["weight_decay_mode"]])
         return trec_optim.RowWiseAdagrad, kwargs
     if plan.kernel == "adagrad":
-        return torch.optim.Adagrad, {"lr": lr, "eps": TABLE_EPS}
+        kwargs = {"lr": lr, "eps": TABLE_EPS, **clip}
+        return (trec_optim.Adagrad if clip else torch.optim.Adagrad), kwargs
     # fbgemm's table kernels take beta1/beta2, not torch's betas tuple
     kwargs = {"lr": lr, "eps": TABLE_EPS, "beta1": spec.params.get("beta1", 0.9),
               "beta2": spec.params.get("beta2", 0.999)}
     kwargs["weight_decay"] = spec.params.get("weight_decay", 0.0)
+    kwargs.update(clip)
     if plan.kernel == "lamb":
         return trec_optim.LAMB, kwargs
     return trec_optim.Adam, kwargs

@@ -6,12 +6,14 @@ The tables stay TorchRec-sharded with the fused TBE kernel, run as exact SGD at 
 update a no-op). :class:`RowSparseTables` hooks every TBE module
 (``SplitTableBatchedEmbeddingBagsCodegen``) of the sharded collection: a training forward
 records its inputs (indices, offsets, per-sample weights) and the gradient of its pooled
-output. After backward, :meth:`RowSparseTables.apply` turns them into each touched row's
-summed gradient (a value read by sample ``b`` through feature ``f`` gets ``grad_out[b, f's
-columns]``, times its per-sample weight, over the bag's length under mean pooling) and
-applies the rule (:class:`odl.train.row_sparse_rules.RowSparseRule`) to those rows of the
-TBE's weights and of the state tensors kept here per table (``[rows, stored columns]`` each,
-``[rows, 1]`` for a state kept per row, ``row_sparse_rules.ROW_WISE_STATE``).
+output (clamped to ``[-max_gradient, max_gradient]`` with TorchEasyRec's table
+``gradient_clipping``, as fbgemm's kernels clamp it). After backward,
+:meth:`RowSparseTables.apply` turns them into each touched row's summed gradient (a value
+read by sample ``b`` through feature ``f`` gets ``grad_out[b, f's columns]``, times its
+per-sample weight, over the bag's length under mean pooling) and applies the rule
+(:class:`odl.train.row_sparse_rules.RowSparseRule`) to those rows of the TBE's weights and
+of the state tensors kept here per table (``[rows, stored columns]`` each, ``[rows, 1]`` for
+a state kept per row, ``row_sparse_rules.ROW_WISE_STATE``).
 The cost follows the batch (its unique rows), not the table.
 
 The TBE sees its inputs after TorchRec's input distribution, so with several ranks each
@@ -120,14 +122,18 @@ class RowSparseTables:
         wide_multiplier: the wide tables' rate over the other tables'.
         world_size: the ranks; with several the state is exposed as ShardedTensors laid out
             as the weights.
+        max_gradient: clamp each captured pooled-output gradient to ``[-max_gradient,
+            max_gradient]`` (TorchEasyRec's table ``gradient_clipping``, as fbgemm's kernels
+            clamp it); None: no clipping.
 
     Raises:
         RuntimeError: a TBE's layout is not one this module reads.
     """
 
     def __init__(self, dmp: nn.Module, rule: RowSparseRule, wide_multiplier: float = 1.0,
-                 world_size: int = 1) -> None:
+                 world_size: int = 1, max_gradient: float | None = None) -> None:
         self.rule = rule
+        self._max_gradient = max_gradient
         self._pending: list[_Capture] = []
         self._tbes: list[_Tbe] = []
         self._hooks: list[Any] = []
@@ -176,7 +182,8 @@ class RowSparseTables:
                            psw.detach() if psw is not None else None)
 
             def keep(grad: torch.Tensor) -> None:
-                cap.grad = grad.detach()
+                bound = self._max_gradient
+                cap.grad = grad.detach() if bound is None else grad.detach().clamp(-bound, bound)
 
             output.register_hook(keep)
             self._pending.append(cap)

@@ -205,7 +205,8 @@ class TrainModule:
         self._table_views: dict[str, torch.Tensor] | None = None  # embedding_tables()'s
         rule = row_sparse_rule(self._sparse_spec, self.device.type)  # None: fused updates
         self.row_sparse = None if rule is None else RowSparseTables(
-            self._dmp, rule, self.wide_lr_multiplier, self.world_size)
+            self._dmp, rule, self.wide_lr_multiplier, self.world_size,
+            self._sparse_spec.params.get("max_gradient"))
         if table_rows is None and self.world_size == 1:  # (a rebuild writes every row)
             init_embedding_weights(self.embedding_tables(), self.seed)
         elif table_rows is None:
