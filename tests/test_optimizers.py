@@ -31,6 +31,7 @@ from odl.train.optimizer_builder import (
 from odl.train.rate_schedules import (
     CosineAnnealingSchedule,
     CosineDecaySchedule,
+    CosineWarmRestartsSchedule,
     LrSchedule,
     PolynomialDecaySchedule,
 )
@@ -136,6 +137,58 @@ def test_tzrec_exponential_warmup_and_cosine_annealing() -> None:
     only_size = train_config("sparse_optimizer { sgd_optimizer { lr: 1.0 } "
                              "exponential_decay_learning_rate { decay_size: 1 decay_steps: 99 } }")
     assert optimizer_specs(only_size)[0].schedule(1) == pytest.approx(0.95)
+
+
+def test_easyrec_manual_steps_switch_at_their_step_and_transformer() -> None:
+    """EasyRec's manual stepping (object detection's): the rate of an entry from its step on;
+    with warmup a ramp to the first entry's rate; the Transformer's noam schedule."""
+    entries = "schedule { step: 4 learning_rate: 0.2 } schedule { step: 10 learning_rate: 0.05 }"
+    s = optimizer_specs(easyrec_lr(
+        f"manual_step_learning_rate {{ initial_learning_rate: 0.1 {entries} }}"))[0].schedule
+    assert [s(k) for k in (0, 3, 4, 9, 10, 500)] == pytest.approx(
+        [0.1, 0.1, 0.2, 0.2, 0.05, 0.05])
+    ramp = optimizer_specs(easyrec_lr(
+        f"manual_step_learning_rate {{ initial_learning_rate: 0.1 {entries} warmup: true }}"
+    ))[0].schedule
+    assert [ramp(k) for k in (0, 1, 2, 3, 4, 10)] == pytest.approx(
+        [0.1, 0.125, 0.15, 0.175, 0.2, 0.05])
+    noam = optimizer_specs(easyrec_lr(
+        "transformer_learning_rate { learning_rate_base: 2.0 hidden_size: 64 "
+        "warmup_steps: 100 step_scaling_rate: 0.5 }"))[0].schedule
+    for step in (0, 50, 199, 200, 201, 5000):
+        s_, w = step * 0.5 + 1, 100 * 0.5
+        assert noam(step) == pytest.approx(2.0 / 8 * min(s_ * w ** -1.5, s_ ** -0.5)), step
+    assert max(noam(k) for k in range(0, 400)) == pytest.approx(2.0 / 8 / math.sqrt(50),
+                                                               rel=0.02)
+
+
+def test_tzrec_manual_steps_switch_after_their_step_and_warm_restarts() -> None:
+    """TorchEasyRec's ManualStepLR switches after a size's step (its bisect_left); cosine
+    annealing with warm restarts restarts at lr each period, periods growing by T_mult."""
+    tc = train_config("""
+      sparse_optimizer { sgd_optimizer { lr: 0.1 }
+        manual_step_learning_rate { schedule_sizes: [4, 10] learning_rates: [0.2, 0.05] } }
+      dense_optimizer { sgd_optimizer { lr: 0.4 }
+        cosine_annealing_warm_restarts_learning_rate { T_0: 4 T_mult: 2 min_learning_rate: 0.1
+          warmup_size: 2 warmup_learning_rate: 0.0 } }
+    """)
+    sparse, dense = optimizer_specs(tc)
+    assert [sparse.schedule(k) for k in (0, 4, 5, 10, 11)] == pytest.approx(
+        [0.1, 0.1, 0.2, 0.2, 0.05])
+    tc.sparse_optimizer.manual_step_learning_rate.warmup = True
+    ramp = optimizer_specs(tc)[0].schedule
+    assert [ramp(k) for k in (0, 2, 4, 5)] == pytest.approx([0.1, 0.15, 0.2, 0.2])
+
+    def cosine(t: int, period: int) -> float:
+        return 0.1 + 0.3 * 0.5 * (1 + math.cos(math.pi * t / period))
+
+    # warm-up over 2 steps, then periods of 4, 8, 16 steps
+    want = [0.0, 0.2] + [cosine(t, 4) for t in range(4)] + [cosine(t, 8) for t in range(8)] \
+        + [cosine(t, 16) for t in range(16)] + [0.4]
+    assert [dense.schedule(k) for k in range(len(want))] == pytest.approx(want)
+    equal = CosineWarmRestartsSchedule(1.0, 5)
+    assert [equal(k) for k in (0, 5, 10, 12)] == pytest.approx(
+        [1.0, 1.0, 1.0, 0.5 * (1 + math.cos(math.pi * 2 / 5))])
 
 
 def test_schedule_dataclasses_at_chosen_steps() -> None:
@@ -399,6 +452,24 @@ def test_validate_only_reports_the_table_update(tmp_path: Path) -> None:
     ("sparse_optimizer { sgd_optimizer { lr: 0.1 } cosine_annealing_learning_rate { "
      "T_max: 5 by_epoch: true } } dense_optimizer { sgd_optimizer { lr: 0.1 } }",
      "train_config.sparse_optimizer.cosine_annealing_learning_rate.by_epoch"),
+    ("optimizer_config { sgd_optimizer { learning_rate { manual_step_learning_rate { "
+     "schedule { step: 5 } schedule { step: 5 } } } } }",
+     "train_config.optimizer_config[0].sgd_optimizer.learning_rate"
+     ".manual_step_learning_rate.schedule[1].step"),
+    ("optimizer_config { sgd_optimizer { learning_rate { manual_step_learning_rate { } } } }",
+     "train_config.optimizer_config[0].sgd_optimizer.learning_rate"
+     ".manual_step_learning_rate.schedule[0].step"),
+    ("optimizer_config { sgd_optimizer { learning_rate { transformer_learning_rate { "
+     "learning_rate_base: 1 warmup_steps: 10 } } } }",
+     "train_config.optimizer_config[0].sgd_optimizer.learning_rate"
+     ".transformer_learning_rate.hidden_size"),
+    ("sparse_optimizer { sgd_optimizer { lr: 0.1 } manual_step_learning_rate { "
+     "schedule_sizes: [5, 9] learning_rates: [0.1] } } "
+     "dense_optimizer { sgd_optimizer { lr: 0.1 } }",
+     "train_config.sparse_optimizer.manual_step_learning_rate.learning_rates"),
+    ("sparse_optimizer { sgd_optimizer { lr: 0.1 } } dense_optimizer { sgd_optimizer { "
+     "lr: 0.1 } cosine_annealing_warm_restarts_learning_rate { T_0: 0 } }",
+     "train_config.dense_optimizer.cosine_annealing_warm_restarts_learning_rate.T_0"),
 ])
 def test_validation_names_the_optimizer_field(edit: str, field: str) -> None:
     from odl.config.pipeline_config import load_pipeline_config

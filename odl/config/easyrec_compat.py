@@ -128,15 +128,8 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "IncrementSaveConfig.Kafka.Consumer": frozenset({"config_topic", "config_global", "timeout"}),
     "IncrementSaveConfig.File": frozenset({"relative", "mount_path"}),
     "OptimizerConfig": frozenset({"embedding_learning_rate_multiplier"}),
-    "LearningRate": frozenset({"manual_step_learning_rate", "transformer_learning_rate"}),
-    "SparseOptimizer": frozenset({
-        "rowwise_adagrad_optimizer_with_decay", "manual_step_learning_rate",
-        "cosine_annealing_warm_restarts_learning_rate",
-    }),
-    "DenseOptimizer": frozenset({
-        "part_optimizers", "ema", "manual_step_learning_rate",
-        "cosine_annealing_warm_restarts_learning_rate",
-    }),
+    "SparseOptimizer": frozenset({"rowwise_adagrad_optimizer_with_decay"}),
+    "DenseOptimizer": frozenset({"part_optimizers", "ema"}),
     "GradClipping": frozenset({"enable_global_grad_clip"}),
 }
 

@@ -226,6 +226,20 @@ def _validate_easyrec_lr(lr: Any, lr_where: str) -> None:
                               f"must be > warmup_steps + hold_base_rate_steps "
                               f"({c.warmup_steps + c.hold_base_rate_steps}), got "
                               f"{c.total_steps}")
+    elif which == "manual_step_learning_rate":
+        m = lr.manual_step_learning_rate
+        mw = f"{lr_where}.manual_step_learning_rate"
+        if not m.initial_learning_rate >= 0:
+            raise ConfigError(f"{mw}.initial_learning_rate", "must be >= 0")
+        _check_manual_steps([x.step for x in m.schedule], [x.learning_rate for x in m.schedule],
+                            lambda i: f"{mw}.schedule[{i}].step",
+                            lambda i: f"{mw}.schedule[{i}].learning_rate")
+    elif which == "transformer_learning_rate":
+        t = lr.transformer_learning_rate
+        tw = f"{lr_where}.transformer_learning_rate"
+        for name in ("learning_rate_base", "hidden_size", "warmup_steps", "step_scaling_rate"):
+            if not getattr(t, name) > 0:
+                raise ConfigError(f"{tw}.{name}", "required, > 0")
     elif which == "poly_decay_learning_rate":
         p = lr.poly_decay_learning_rate
         pw = f"{lr_where}.poly_decay_learning_rate"
@@ -292,6 +306,44 @@ def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
         if c.min_learning_rate < 0:
             raise ConfigError(f"{cw}.min_learning_rate", "must be >= 0")
         _check_tzrec_warmup(c, cw)
+    elif which == "cosine_annealing_warm_restarts_learning_rate":
+        c = opt.cosine_annealing_warm_restarts_learning_rate
+        cw = f"{where}.cosine_annealing_warm_restarts_learning_rate"
+        if c.T_0 <= 0:
+            raise ConfigError(f"{cw}.T_0", "required, > 0 (steps)")
+        if c.T_mult < 1:
+            raise ConfigError(f"{cw}.T_mult", "must be >= 1")
+        if c.min_learning_rate < 0:
+            raise ConfigError(f"{cw}.min_learning_rate", "must be >= 0")
+        _check_tzrec_warmup(c, cw)
+    elif which == "manual_step_learning_rate":
+        m = opt.manual_step_learning_rate
+        mw = f"{where}.manual_step_learning_rate"
+        if len(m.schedule_sizes) != len(m.learning_rates):
+            raise ConfigError(f"{mw}.learning_rates",
+                              f"give one rate per schedule size ({len(m.schedule_sizes)} "
+                              f"sizes, {len(m.learning_rates)} rates)")
+        _check_manual_steps(list(m.schedule_sizes), list(m.learning_rates),
+                            lambda i: f"{mw}.schedule_sizes", lambda i: f"{mw}.learning_rates")
+        if m.by_epoch:
+            raise ConfigError(f"{mw}.by_epoch", "schedules by epoch are not implemented (a "
+                                                "stream has no epochs): give sizes in steps")
+
+
+def _check_manual_steps(steps: list[int], rates: list[float], step_field: Any,
+                        rate_field: Any) -> None:
+    """Manual steps: at least one, steps > 0 and increasing, rates >= 0.
+
+    ``step_field(i)`` / ``rate_field(i)`` name the i-th entry's fields.
+    """
+    if not steps:
+        raise ConfigError(step_field(0), "give at least one step to switch the rate at")
+    for i, (step, rate) in enumerate(zip(steps, rates, strict=True)):
+        if step <= 0 or (i and step <= steps[i - 1]):
+            raise ConfigError(step_field(i), f"steps must be > 0 and increasing, got "
+                                             f"{list(steps)}")
+        if not rate >= 0:
+            raise ConfigError(rate_field(i), f"rates must be >= 0, got {rate:g}")
 
 
 def _check_tzrec_warmup(msg: Any, where: str) -> None:

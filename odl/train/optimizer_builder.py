@@ -68,9 +68,12 @@ from odl.train.dense_optimizers import (
 from odl.train.rate_schedules import (
     CosineAnnealingSchedule,
     CosineDecaySchedule,
+    CosineWarmRestartsSchedule,
     LrSchedule,
+    ManualStepSchedule,
     PolynomialDecaySchedule,
     Schedule,
+    TransformerSchedule,
 )
 
 logger = logging.getLogger(__name__)
@@ -139,6 +142,16 @@ def _easyrec_schedule(lr: pipeline_pb2.LearningRate) -> Schedule:
         p = lr.poly_decay_learning_rate
         return PolynomialDecaySchedule(float(p.learning_rate_base), int(p.total_steps),
                                        float(p.power), float(p.end_learning_rate))
+    if which == "manual_step_learning_rate":
+        m = lr.manual_step_learning_rate
+        return ManualStepSchedule(float(m.initial_learning_rate),
+                                  tuple(int(x.step) for x in m.schedule),
+                                  tuple(float(x.learning_rate) for x in m.schedule),
+                                  bool(m.warmup), at_boundary=True)
+    if which == "transformer_learning_rate":
+        t = lr.transformer_learning_rate
+        return TransformerSchedule(float(t.learning_rate_base), int(t.hidden_size),
+                                   int(t.warmup_steps), float(t.step_scaling_rate))
     if which == "constant_learning_rate":
         return LrSchedule(float(lr.constant_learning_rate.learning_rate))
     return LrSchedule(float(pipeline_pb2.ConstantLearningRate().learning_rate))
@@ -198,6 +211,16 @@ def _tzrec_schedule(msg: pipeline_pb2.SparseOptimizer | pipeline_pb2.DenseOptimi
         c = msg.cosine_annealing_learning_rate
         return CosineAnnealingSchedule(lr, int(c.T_max), float(c.min_learning_rate),
                                        float(c.warmup_learning_rate), int(c.warmup_size))
+    if which == "cosine_annealing_warm_restarts_learning_rate":
+        c = msg.cosine_annealing_warm_restarts_learning_rate
+        return CosineWarmRestartsSchedule(lr, int(c.T_0), int(c.T_mult),
+                                          float(c.min_learning_rate),
+                                          float(c.warmup_learning_rate), int(c.warmup_size))
+    if which == "manual_step_learning_rate":
+        m = msg.manual_step_learning_rate
+        return ManualStepSchedule(lr, tuple(int(x) for x in m.schedule_sizes),
+                                  tuple(float(x) for x in m.learning_rates), bool(m.warmup),
+                                  at_boundary=False)
     return LrSchedule(lr)
 
 
