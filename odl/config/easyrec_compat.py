@@ -129,7 +129,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "IncrementSaveConfig.File": frozenset({"relative", "mount_path"}),
     "OptimizerConfig": frozenset({"embedding_learning_rate_multiplier"}),
     "SparseOptimizer": frozenset({"rowwise_adagrad_optimizer_with_decay"}),
-    "DenseOptimizer": frozenset({"part_optimizers", "ema"}),
+    "DenseOptimizer": frozenset({"ema"}),
     "GradClipping": frozenset({"enable_global_grad_clip"}),
 }
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Any
 
 from odl.config import limits
@@ -68,6 +69,7 @@ def validate_train_config(config: pipeline_pb2.EasyRecConfig) -> None:
                 raise ConfigError(f"{where}.{name}",
                                   "sparse_optimizer and dense_optimizer go together")
             _validate_tzrec_optimizer(getattr(tc, name), f"{where}.{name}")
+        _validate_part_optimizers(tc.dense_optimizer, f"{where}.dense_optimizer")
     else:
         raise ConfigError(f"{where}.optimizer_config",
                           "no optimizer configured: set optimizer_config (EasyRec) or "
@@ -278,7 +280,7 @@ def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
         if name in fields and not 0 <= getattr(inner, name) < 1:
             raise ConfigError(f"{w}.{name}", "must be in [0, 1)")
     if "gradient_clipping" in fields and inner.gradient_clipping:
-        if where.endswith("dense_optimizer"):
+        if not where.endswith("sparse_optimizer"):
             raise ConfigError(f"{w}.gradient_clipping",
                               "clips the tables' gradients (a sparse_optimizer field); clip "
                               "the dense parameters' with train_config.grad_clipping")
@@ -328,6 +330,22 @@ def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
         if m.by_epoch:
             raise ConfigError(f"{mw}.by_epoch", "schedules by epoch are not implemented (a "
                                                 "stream has no epochs): give sizes in steps")
+
+
+def _validate_part_optimizers(dense: Any, where: str) -> None:
+    """TorchEasyRec's ``part_optimizers``: an optimizer each, a pattern that compiles."""
+    for i, part in enumerate(dense.part_optimizers):
+        pw = f"{where}.part_optimizers[{i}]"
+        _validate_tzrec_optimizer(part, pw)
+        if not part.regex_pattern:
+            raise ConfigError(f"{pw}.regex_pattern", "required: a regular expression matched "
+                                                     "in full against the dense parameters' "
+                                                     "names")
+        try:
+            re.compile(part.regex_pattern)
+        except re.error as err:
+            raise ConfigError(f"{pw}.regex_pattern", f"not a regular expression: {err}") \
+                from None
 
 
 def _check_manual_steps(steps: list[int], rates: list[float], step_field: Any,

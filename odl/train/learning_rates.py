@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 from odl.models.embedding_tables import WIDE_SUFFIX
+from odl.train.dense_parts import PartitionedDenseOptimizer
 from odl.train.optimizer_builder import OptimizerSpec, sparse_optimizer_args
 
 # The relative offset that keeps the wide tables' kernel apart at a multiplier of 1.
@@ -42,6 +43,7 @@ class LearningRates:
         self._wide_multiplier = float(wide_multiplier)
         self._separate_wide = bool(separate_wide)
         self._current: tuple[float, float] | None = None
+        self._parts: tuple[float, ...] = ()  # the dense part optimizers' rates last set
         self._groups: list[tuple[dict, bool]] | None = None
 
     def fuse_table_optimizer(self, ebc: nn.Module, device_type: str) -> None:
@@ -76,7 +78,7 @@ class LearningRates:
         assert self._current is not None
         return self._current[0]
 
-    def set(self, step: int, fused: Any, dense: Optimizer) -> None:
+    def set(self, step: int, fused: Any, dense: Optimizer | PartitionedDenseOptimizer) -> None:
         """Pushes the rates of ``step`` to both optimizers when they changed.
 
         Args:
@@ -85,12 +87,17 @@ class LearningRates:
             dense: the dense optimizer.
         """
         rates = self.at(step)
-        if rates == self._current:
+        partitioned = isinstance(dense, PartitionedDenseOptimizer)
+        parts = dense.rates(step) if partitioned else ()
+        if (rates, parts) == (self._current, self._parts):
             return
         self._push(rates[0], fused)
-        for g in dense.param_groups:
-            g["lr"] = rates[1]
-        self._current = rates
+        if partitioned:  # each part optimizer on its own schedule
+            dense.set_rates(step)
+        else:
+            for g in dense.param_groups:
+                g["lr"] = rates[1]
+        self._current, self._parts = rates, parts
 
     def reset(self) -> None:
         """The step moved (a restore): the next :meth:`set` pushes the rates again."""

@@ -8,7 +8,8 @@ The state (:func:`checkpoint_state`), all plain CPU tensors::
       "model": {name: Tensor},            # parameters and buffers, e.g.
                                           # "ebc.embedding_bags.C1.weight" [rows, dim],
                                           # "dense.dnn.0.weight", "dense.wide_bias"
-      "dense_optimizer": torch.optim state_dict (tensors on CPU),
+      "dense_optimizer": torch.optim state_dict (tensors on CPU); with part optimizers
+                          {"parts": [{"label", "params", "state"}]} (odl.train.dense_parts),
       "sparse_optimizer": {table_param_name: {state_name: Tensor}},
                                           # e.g. {"ebc.embedding_bags.C1.weight":
                                           #        {"C1.momentum1": Tensor[rows]}}
@@ -44,6 +45,7 @@ import torch
 
 from odl.checkpoint import checkpoint_chain, table_parts
 from odl.models.dynamic.resplit import resplit_state, saved_partitions
+from odl.train.dense_parts import load_dense_optimizer_state
 from odl.train.distributed import gather_to_rank0
 from odl.train.table_shards import (
     EBC_PREFIX,
@@ -183,7 +185,7 @@ def load_state(m: TrainModule, state: Mapping[str, Any], strict: bool = True) ->
                 copy_into(local_view(v), saved_sparse[pname][k], f"{pname}/{k}",
                            f"{pname}/{k}")
     if "dense_optimizer" in state:
-        m.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        load_dense_optimizer_state(m.dense_optimizer, state["dense_optimizer"])
     _load_dynamic_state(m, state, strict)
     _load_wide_rate(m, state)
     m.set_global_step(int(state.get("global_step", 0)))
@@ -341,7 +343,7 @@ def _load_sharded_state(m: TrainModule, state: Mapping[str, Any], strict: bool) 
             elif strict:
                 raise KeyError(f"sparse_optimizer: the checkpoint lacks {pname}/{k}")
     if "dense_optimizer" in state:
-        m.dense_optimizer.load_state_dict(state["dense_optimizer"])
+        load_dense_optimizer_state(m.dense_optimizer, state["dense_optimizer"])
     _load_dynamic_state(m, state, strict)
     _load_wide_rate(m, state)
     m.set_global_step(int(state.get("global_step", 0)))

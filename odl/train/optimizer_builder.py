@@ -53,6 +53,7 @@ from odl.config.config_error import ConfigError
 from odl.config.optimizer_support import (
     DEFAULT_DENSE_KIND,
     DEFAULT_SPARSE_KIND,
+    TZREC_KINDS,
     OptimizerChoice,
     optimizer_choices,
     table_optimizer_plan,
@@ -86,9 +87,11 @@ TABLE_EPS = 1e-8
 __all__ = [
     "DecoupledAdamW",
     "DecoupledMomentumW",
+    "DensePart",
     "FtrlProximal",
     "GradientClipping",
     "OptimizerSpec",
+    "dense_part_specs",
     "gradient_clipping",
     "make_dense_optimizer",
     "optimizer_specs",
@@ -287,6 +290,48 @@ def optimizer_specs(train_config: pipeline_pb2.TrainConfig) -> tuple[OptimizerSp
              else OptimizerSpec(DEFAULT_DENSE_KIND, LrSchedule(DEFAULT_DENSE_LR), {},
                                 "default", dense_choice))
     return sparse, dense
+
+
+@dataclass(frozen=True)
+class DensePart:
+    """One of TorchEasyRec's ``dense_optimizer.part_optimizers``.
+
+    Attributes:
+        pattern: the regular expression matched in full against dense parameter names.
+        spec: its optimizer and schedule (the schedule of ``dense_optimizer`` from its own
+            ``lr`` when it sets none).
+    """
+
+    pattern: str
+    spec: OptimizerSpec
+
+
+def dense_part_specs(train_config: pipeline_pb2.TrainConfig) -> list[DensePart]:
+    """TorchEasyRec's ``dense_optimizer.part_optimizers``, in order (``[]`` without).
+
+    Args:
+        train_config: the train config.
+
+    Returns:
+        One :class:`DensePart` per entry.
+    """
+    if not train_config.HasField("dense_optimizer"):
+        return []
+    dense = train_config.dense_optimizer
+    out = []
+    for i, part in enumerate(dense.part_optimizers):
+        which = part.WhichOneof("optimizer") or ""
+        field = f"train_config.dense_optimizer.part_optimizers[{i}].{which}"
+        choice = OptimizerChoice(TZREC_KINDS.get(which, ""), field, "tzrec",
+                                 getattr(part, which) if which else None)
+        if not choice.kind:
+            raise ConfigError(field, "no optimizer set")
+        opt = choice.message
+        own = part if part.WhichOneof("learning_rate") else dense
+        out.append(DensePart(part.regex_pattern, OptimizerSpec(
+            choice.kind, _tzrec_schedule(own, float(opt.lr)), _tzrec_params(choice.kind, opt),
+            field, choice)))
+    return out
 
 
 # --------------------------------------------------------------------------- tables

@@ -52,6 +52,7 @@ from odl.models.model_registry import build_model
 from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.protos import pipeline_pb2
 from odl.train import module_state
+from odl.train.dense_parts import build_dense_optimizer
 from odl.train.distributed import (
     ROW_WISE_MIN_ROWS,
     agree,
@@ -67,8 +68,8 @@ from odl.train.in_batch.row_pair_learning import RowPairLearning, in_batch_statu
 from odl.train.in_batch.wide_rate import WideRate, start_level
 from odl.train.learning_rates import LearningRates
 from odl.train.optimizer_builder import (
+    dense_part_specs,
     gradient_clipping,
-    make_dense_optimizer,
     optimizer_specs,
     table_accumulator_start,
 )
@@ -235,7 +236,9 @@ class TrainModule:
         self._dense_params = list(self._dense_module().parameters())
         if self.world_size > 1:  # every rank starts from rank 0's dense parameters
             broadcast_parameters(self._dense_params)
-        self.dense_optimizer = make_dense_optimizer(self._dense_spec, self._dense_params)
+        self.dense_optimizer = build_dense_optimizer(
+            [(f"dense.{n}", p) for n, p in self._dense_module().named_parameters()],
+            self._dense_spec, dense_part_specs(config.train_config))
         self._grad_clip = gradient_clipping(config.train_config)  # dense gradients only
         self.global_step: int = self.__dict__.get("global_step", 0)
         # in-batch learning and per-record Adagrad (None when both are off)
