@@ -97,6 +97,7 @@ LOADS = {
     "torcheasyrec/ple.config",
     "torcheasyrec/ple_has_sequence.config",
     "easyrec/taobao_fg_incr_save.config",
+    "easyrec/deepfm_combo_on_avazu_emblr_ctr.config",
 }
 # issue 35's target for the configs of implemented model classes; today's share is below it
 # (docs/config.md names what the refused ones need), so this pins the share as documented

@@ -127,7 +127,6 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "IncrementSaveConfig": frozenset({"datahub"}),
     "IncrementSaveConfig.Kafka.Consumer": frozenset({"config_topic", "config_global", "timeout"}),
     "IncrementSaveConfig.File": frozenset({"relative", "mount_path"}),
-    "OptimizerConfig": frozenset({"embedding_learning_rate_multiplier"}),
     "SparseOptimizer": frozenset({"rowwise_adagrad_optimizer_with_decay"}),
     "DenseOptimizer": frozenset({"ema"}),
     "GradClipping": frozenset({"enable_global_grad_clip"}),

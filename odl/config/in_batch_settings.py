@@ -21,6 +21,7 @@ from odl.config.optimizer_support import (
     PER_RECORD_TABLE_KINDS,
     optimizer_choices,
     table_gradient_bound,
+    table_gradient_multiplier,
     table_kernel_kind,
 )
 from odl.protos import pipeline_pb2
@@ -38,7 +39,7 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
     """What keeps in-batch learning from ``config``: ``(field, reason)``, or None.
 
     In-batch learning needs a model with one output, SGD or (row-wise) Adagrad tables without
-    gradient clipping, no sample weights, and with the sequential pass
+    gradient clipping or a gradient multiplier, no sample weights, and with the sequential pass
     (``in_batch_sequential``, the default) losses of one record each; with several ranks,
     the sequential pass.
 
@@ -57,6 +58,10 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
         return field, f"needs SGD or (row-wise) Adagrad tables; the tables train with {sparse.kind}"
     if config.data_config.sample_weight:
         return "data_config.sample_weight", f"{field} does not take sample weights"
+    if table_gradient_multiplier(tc) != 1.0:
+        return (f"{sparse.field.rsplit('.', 1)[0]}.embedding_learning_rate_multiplier",
+                f"{field} does not take scaled table gradients (its shifted predictions "
+                "follow unscaled steps)")
     if table_gradient_bound(sparse) is not None:
         return (f"{sparse.field}.gradient_clipping",
                 f"{field} does not take clipped table gradients (its shifted predictions "

@@ -26,6 +26,9 @@ from __future__ import annotations
 MAX_TABLE_ROWS = 2**31 - 1
 # train_config.wide_learning_rate_multiplier: a rate this many times the table rate at most.
 MAX_WIDE_LR_MULTIPLIER = 1000.0
+# EasyRec's optimizer_config.embedding_learning_rate_multiplier: the tables' gradients this
+# many times larger at most (float32 gradients stay far from overflow).
+MAX_TABLE_GRADIENT_MULTIPLIER = 1e6
 # The largest train_config.per_record_adagrad_max_gain.
 MAX_PER_RECORD_GAIN = 1000.0
 

@@ -212,6 +212,19 @@ def table_gradient_bound(choice: OptimizerChoice) -> float | None:
     return float(message.max_gradient)
 
 
+def table_gradient_multiplier(train_config: pipeline_pb2.TrainConfig) -> float:
+    """EasyRec's ``embedding_learning_rate_multiplier`` (1.0 unwritten).
+
+    EasyRec multiplies every embedding variable's gradient by it before the optimizer (TF's
+    ``gradient_multipliers``), reading the first ``optimizer_config`` entry only; here each
+    table lookup's pooled gradient is multiplied (``odl.train.table_gradient_scale``).
+    """
+    ocs = list(train_config.optimizer_config)
+    if not ocs or not ocs[0].HasField("embedding_learning_rate_multiplier"):
+        return 1.0
+    return float(ocs[0].embedding_learning_rate_multiplier)
+
+
 def row_sparse_kind(kind: str, device_type: str) -> bool:
     """Whether tables of a configured kind run row-sparse on a device type."""
     return device_type in ROW_SPARSE_DEVICES.get(kind, frozenset())

@@ -63,6 +63,17 @@ def validate_train_config(config: pipeline_pb2.EasyRecConfig) -> None:
                               f"got {len(opts)}")
         for i, opt in enumerate(opts):
             _validate_easyrec_optimizer(opt, f"{where}.optimizer_config[{i}]")
+        multiplier = "embedding_learning_rate_multiplier"
+        if len(opts) > 1 and opts[1].HasField(multiplier):
+            raise ConfigError(f"{where}.optimizer_config[1].{multiplier}",
+                              "EasyRec reads it from the first optimizer_config (the "
+                              "embeddings' entry) only, where it would take effect; move it "
+                              "there or remove it")
+        m = opts[0].embedding_learning_rate_multiplier
+        if not 0 < m <= limits.MAX_TABLE_GRADIENT_MULTIPLIER:
+            raise ConfigError(f"{where}.optimizer_config[0].{multiplier}",
+                              f"must be > 0 and at most "
+                              f"{limits.MAX_TABLE_GRADIENT_MULTIPLIER:g}, got {m:g}")
     elif tzrec:
         for name in ("sparse_optimizer", "dense_optimizer"):
             if not tc.HasField(name):

@@ -48,6 +48,9 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 import torch
 import torch.distributed as dist
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_parallel import DataParallelWrapper
+from torchrec.distributed.types import ShardingEnv
 
 from odl.config.config_error import ConfigError
 from odl.config.limits import ROW_WISE_MIN_ROWS
@@ -55,6 +58,17 @@ from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
 
+
+class NoDataParallel(DataParallelWrapper):
+    """Leaves dense parameters unwrapped (no DDP).
+
+    ``TrainModule.train_step`` averages their gradients itself (:func:`average_gradients`).
+    """
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv,
+             device: torch.device) -> None:
+        """Wraps nothing."""
+        return None
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from odl.train.table_shards import EBC_PREFIX
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RowSparseTables"]
+__all__ = ["RowSparseTables", "tbe_modules"]
 
 
 @dataclass
@@ -101,7 +101,7 @@ class _OptimizerView:
         return getattr(self._fused, name)
 
 
-def _tbe_modules(ebc: nn.Module) -> list[tuple[nn.Module, list[Any]]]:
+def tbe_modules(ebc: nn.Module) -> list[tuple[nn.Module, list[Any]]]:
     """``[(fbgemm TBE module, its tables' configs)]`` of a sharded collection."""
     out = []
     lookups = [m for lk in getattr(ebc, "_lookups", []) for m in lk.modules()]
@@ -140,7 +140,7 @@ class RowSparseTables:
         self._states: dict[str, dict[str, Any]] = {}
         self._multipliers: dict[str, float] = {}
         model_state = dmp.state_dict()
-        for emb, configs in _tbe_modules(dmp.module.ebc):
+        for emb, configs in tbe_modules(dmp.module.ebc):
             mode = int(getattr(emb.pooling_mode, "value", emb.pooling_mode))
             if mode not in (0, 1):  # fbgemm PoolingMode SUM = 0, MEAN = 1
                 raise RuntimeError(f"row-sparse tables need sum or mean pooling, got {mode}")

@@ -30,18 +30,17 @@ import numpy as np
 import torch
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.model_parallel import DataParallelWrapper
 from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
     row_wise,
     table_wise,
 )
-from torchrec.distributed.types import ShardingEnv, ShardingPlan
+from torchrec.distributed.types import ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.config.in_batch_settings import IN_BATCH_OFF, IN_BATCH_ON, in_batch_mode
 from odl.config.loss_settings import num_classes, regression_outputs
-from odl.config.optimizer_support import table_kernel_kind
+from odl.config.optimizer_support import table_gradient_multiplier, table_kernel_kind
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import ModelOutput, predictions
@@ -55,6 +54,7 @@ from odl.train import module_state
 from odl.train.dense_parts import build_dense_optimizer
 from odl.train.distributed import (
     ROW_WISE_MIN_ROWS,
+    NoDataParallel,
     agree,
     average_gradients,
     broadcast_parameters,
@@ -76,6 +76,7 @@ from odl.train.optimizer_builder import (
 from odl.train.published_rows import PublishedRows
 from odl.train.row_sparse_rules import row_sparse_rule
 from odl.train.row_sparse_tables import RowSparseTables
+from odl.train.table_gradient_scale import scale_table_gradients
 from odl.train.table_growth import TableGrowth, grow_if_due, size_for_state, table_rows_at_start
 from odl.train.table_shards import (
     EBC_PREFIX,
@@ -111,14 +112,6 @@ class StepOutput:
     def trained(self) -> int:
         """Number of samples the step trained on."""
         return int(self.probs.shape[0])
-
-
-class _NoDataParallel(DataParallelWrapper):
-    """Leaves dense parameters unwrapped (no DDP): ``train_step`` averages their gradients."""
-
-    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv,
-             device: torch.device) -> None:
-        return None
 
 
 class TrainModule:
@@ -201,9 +194,12 @@ class TrainModule:
         # its gradients itself (odl.train.distributed.average_gradients)
         self._dmp = DistributedModelParallel(
             self.model, device=self.device, plan=ShardingPlan({"ebc": plan}),
-            data_parallel_wrapper=_NoDataParallel(),
+            data_parallel_wrapper=NoDataParallel(),
         )
         self._table_views: dict[str, torch.Tensor] | None = None  # embedding_tables()'s
+        # (registered before the row-sparse tables' hooks, which capture the scaled gradient)
+        self._gradient_scale = scale_table_gradients(
+            self._dmp, table_gradient_multiplier(config.train_config))
         rule = row_sparse_rule(self._sparse_spec, self.device.type)  # None: fused updates
         self.row_sparse = None if rule is None else RowSparseTables(
             self._dmp, rule, self.wide_lr_multiplier, self.world_size,

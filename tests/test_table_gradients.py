@@ -1,8 +1,10 @@
-"""TorchEasyRec's table ``gradient_clipping`` / ``max_gradient`` (fbgemm's): each sample's
-pooled gradient of a feature is clamped before the update, on the fused kernels and the
-row-sparse tables alike.
+"""The tables' gradients before their update: TorchEasyRec's table ``gradient_clipping`` /
+``max_gradient`` (fbgemm's: each sample's pooled gradient of a feature clamped) and EasyRec's
+``embedding_learning_rate_multiplier`` (every table gradient multiplied), on the fused
+kernels and the row-sparse tables alike.
 
-The reference is built without the code under test: every record's own gradient comes from a
+Clipping:
+the reference is built without the code under test: every record's own gradient comes from a
 twin module (exact SGD at rate 1, unclipped) stepping on that record alone. In the batch of
 ``N`` records a record contributes ``1/N`` of it (the loss is the batch's mean), and with
 one id per feature and a table per feature a row's gradient from a record is that record's
@@ -131,3 +133,58 @@ def test_fused_kernels_take_the_bound_and_in_batch_learning_is_refused() -> None
         validate_train_config(config)
     assert info.value.field == \
         "train_config.sparse_optimizer.rowwise_adagrad_optimizer.gradient_clipping"
+
+
+@pytest.mark.parametrize("case", ["adagrad", "adam", "sgd"])
+def test_embedding_learning_rate_multiplier_scales_the_table_gradients(case: str) -> None:
+    """EasyRec's multiplier: four steps of the tables equal their rule on the summed
+    gradients times the multiplier (fused Adagrad and SGD, row-sparse Adam)."""
+    from tests.test_table_optimizers import DENSE, FUSED, _check_steps, tf_adam
+
+    m = 8.0
+    refs = {"adagrad": (lambda w, g, st, lr, t: tf_adagrad(w, m * g, st, lr, t), [0.1]),
+            "adam": (lambda w, g, st, lr, t: tf_adam(w, m * g, st, lr, t), [0.0, 0.0]),
+            # (fused SGD keeps no state: the one carried here stays 0)
+            "sgd": (lambda w, g, st, lr, t: (w - lr * m * g, st), [0.0])}
+    ref, init = refs[case]
+    acc = "initial_accumulator_value: 0.1" if case == "adagrad" else ""
+    train = (f"optimizer_config {{ {case}_optimizer {{ learning_rate {{ constant_learning_rate "
+             f"{{ learning_rate: {LR} }} }} {acc} }} embedding_learning_rate_multiplier: {m} }}"
+             f" {DENSE} in_batch_learning: false")
+    assert "adagrad" in FUSED  # (_check_steps reads the name as a fused kind's)
+    _check_steps("adagrad" if case == "sgd" else case, train, ref, init, False)
+
+
+@pytest.mark.parametrize("where, field", [
+    ("first", None),
+    ("first_zero", "train_config.optimizer_config[0].embedding_learning_rate_multiplier"),
+    ("second", "train_config.optimizer_config[1].embedding_learning_rate_multiplier"),
+    ("in_batch", "train_config.optimizer_config[0].embedding_learning_rate_multiplier"),
+])
+def test_multiplier_fields_are_checked(where: str, field: str | None) -> None:
+    """Read from the first entry (> 0); on the second, where EasyRec would not read it, and
+    with in-batch learning written true, refused by field; unwritten, in-batch learning is
+    off with it."""
+    from google.protobuf import text_format
+
+    from odl.config.in_batch_settings import IN_BATCH_OFF, in_batch_mode
+    from odl.config.train_validation import validate_train_config
+    from odl.protos import pipeline_pb2
+    from tests.test_optimizers import MODEL
+
+    rate = "learning_rate { constant_learning_rate { learning_rate: 0.05 } }"
+    value = "0" if where == "first_zero" else "10"
+    first = f"embedding_learning_rate_multiplier: {value}" if where != "second" else ""
+    second = "embedding_learning_rate_multiplier: 10" if where == "second" else ""
+    config = text_format.Parse(MODEL, pipeline_pb2.EasyRecConfig())
+    text_format.Merge(f"optimizer_config {{ adagrad_optimizer {{ {rate} }} {first} }} "
+                      f"optimizer_config {{ adam_optimizer {{ {rate} }} {second} }}"
+                      + (" in_batch_learning: true" if where == "in_batch" else ""),
+                      config.train_config)
+    if field is None:
+        validate_train_config(config)
+        assert in_batch_mode(config) == IN_BATCH_OFF
+        return
+    with pytest.raises(ConfigError) as info:
+        validate_train_config(config)
+    assert info.value.field == field
