@@ -53,7 +53,7 @@ class IncrementalPublisher:
 
     Args:
         module: the train module (``table_shapes()``, ``read_rows()``,
-            ``dense_parameters()``).
+            ``served_dense_parameters()``).
         id_maps: ids and published widths of variables and tables.
         tracker: the touched-rows tracker registered on the module.
         sink: where encoded versions go.

@@ -73,6 +73,12 @@ class ParameterSource(Protocol):
     def dense_parameters(self) -> dict[str, torch.Tensor]:
         """Dense variable name -> live tensor."""
 
+    def served_dense_parameters(self) -> dict[str, torch.Tensor]:
+        """Dense variable name -> the tensor serving receives.
+
+        The live one, or its moving average where the config serves one.
+        """
+
     def dynamic_table(self, table: str) -> Optional[DynamicTable]:
         """The dynamic table behind a table name, None for a fixed table."""
 
@@ -231,7 +237,7 @@ class ParameterSnapshotter:
 
     Args:
         module: the train module (``table_shapes()``, ``read_rows()``,
-            ``dense_parameters()``).
+            ``served_dense_parameters()``).
         id_maps: ids and published widths of variables and tables.
         tracker: the touched-rows tracker registered on the module.
         input_topic: input topic name written into the positions.
@@ -296,7 +302,7 @@ class ParameterSnapshotter:
             sparse_out, deletes = self._copy_rows(step, republish_all)
         dense_out: dict[int, np.ndarray] = {}
         if dense:
-            params = self.module.dense_parameters()
+            params = self.module.served_dense_parameters()
             for name, info in self.id_maps.dense.items():
                 dense_out[info.id] = params[name].detach().to("cpu", copy=True).numpy()
         snap = VersionSnapshot(

@@ -307,7 +307,10 @@ def test_easyrec_field_not_implemented(tmp_path: Path, text: str, field: str) ->
     [
         ('eval_config { metrics_set { auc {} } metrics_set { recall_at_topk { topk: 5 } } }',
          "eval_config.metrics_set[1].recall_at_topk"),
-        ('export_config { exporter_type: "final" }', "export_config"),
+        ('export_config { exporter_type: "final" multi_value_fields { input_name: ["a"] } }',
+         "export_config.exporter_type"),
+        ('export_config { exporter_type: "final" multi_value_fields { input_name: ["a"] } }',
+         "export_config.multi_value_fields"),
         ("train_config { sync_replicas: true }", "train_config.sync_replicas"),
         ("train_config { incr_save_config { debug_save_update: true } }",
          "train_config.incr_save_config.debug_save_update"),

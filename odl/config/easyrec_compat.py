@@ -128,7 +128,6 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "IncrementSaveConfig.Kafka.Consumer": frozenset({"config_topic", "config_global", "timeout"}),
     "IncrementSaveConfig.File": frozenset({"relative", "mount_path"}),
     "SparseOptimizer": frozenset({"rowwise_adagrad_optimizer_with_decay"}),
-    "DenseOptimizer": frozenset({"ema"}),
     "GradClipping": frozenset({"enable_global_grad_clip"}),
 }
 
@@ -155,7 +154,6 @@ for _message, _names in _message_options().items():
 # trained model and are refused as not implemented, lower case, empty: none).
 EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     "EasyRecConfig": {
-        "export_config": ("odl-export has its own options (docs/serving.md)", frozenset()),
         **{name: ("there is no separate evaluation run", frozenset()) for name in (
             "hive_eval_input", "binary_eval_input", "parquet_eval_input", "odps_eval_input",
             "oss_eval_input")},
@@ -220,6 +218,17 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     "IncrementSaveConfig": {
         "debug_save_update": ("a debugging dump of EasyRec's", frozenset()),
     },
+    "ExportConfig": {name: ("odl-export and the publisher have their own options "
+                            "(docs/serving.md)", frozenset()) for name in (
+        # EasyRec's
+        "batch_size", "exporter_type", "best_exporter_metric", "metric_bigger",
+        "enable_early_stop", "early_stop_func", "early_stop_params", "max_check_steps",
+        "multi_placeholder", "exports_to_keep", "multi_value_fields", "auto_multi_value",
+        "placeholder_named_by_input", "filter_inputs", "export_features", "export_rtp_outputs",
+        "asset_files",
+        # TorchEasyRec's
+        "metric_larger_is_better", "mixed_precision", "cudnn_allow_tf32",
+        "cuda_matmul_allow_tf32")},
     "EvalConfig": {
         "eval_interval_secs": ("odl evaluates kafka_eval_input at every checkpoint",
                                frozenset()),
@@ -231,8 +240,6 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "num_steps": ("odl scores the eval topic's new records at every checkpoint "
                       "(eval_config.num_examples bounds one evaluation)", frozenset()),
         "log_step_count_steps": ("each evaluation logs one line", frozenset()),
-        "use_dense_ema": ("odl keeps no moving average of the weights",
-                          frozenset({"true", "1", "t", "yes"})),
     },
     "SeqAttGroupConfig": {
         "tf_summary": ("no TensorFlow summaries; metrics go to /status and /metrics",

@@ -225,6 +225,26 @@ def table_gradient_multiplier(train_config: pipeline_pb2.TrainConfig) -> float:
     return float(ocs[0].embedding_learning_rate_multiplier)
 
 
+def dense_ema_used(config: pipeline_pb2.EasyRecConfig, where: str) -> bool:
+    """Whether TorchEasyRec's dense EMA stands in for the parameters in ``where``.
+
+    ``odl.train.dense_ema`` keeps the average (``train_config.dense_optimizer.ema``).
+
+    Args:
+        config: the pipeline config.
+        where: ``"eval"`` (``eval_config``) or ``"export"`` (``export_config``).
+
+    Returns:
+        The section's ``use_dense_ema`` where written, else whether ``ema`` is configured.
+    """
+    tc = config.train_config
+    configured = tc.HasField("dense_optimizer") and tc.dense_optimizer.HasField("ema")
+    section = config.eval_config if where == "eval" else config.export_config
+    if section.HasField("use_dense_ema"):
+        return bool(section.use_dense_ema) and configured
+    return configured
+
+
 def row_sparse_kind(kind: str, device_type: str) -> bool:
     """Whether tables of a configured kind run row-sparse on a device type."""
     return device_type in ROW_SPARSE_DEVICES.get(kind, frozenset())

@@ -86,6 +86,7 @@ def validate_train_config(config: pipeline_pb2.EasyRecConfig) -> None:
                           "no optimizer configured: set optimizer_config (EasyRec) or "
                           "sparse_optimizer + dense_optimizer (TorchEasyRec)")
     _validate_grad_clipping(tc, where)
+    _validate_dense_ema(config)
     if tc.HasField("num_steps") and tc.num_steps == 0:
         raise ConfigError(f"{where}.num_steps", "must be > 0 (leave it unset to run until "
                                                 "stopped)")
@@ -341,6 +342,19 @@ def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
         if m.by_epoch:
             raise ConfigError(f"{mw}.by_epoch", "schedules by epoch are not implemented (a "
                                                 "stream has no epochs): give sizes in steps")
+
+
+def _validate_dense_ema(config: pipeline_pb2.EasyRecConfig) -> None:
+    """TorchEasyRec's dense EMA: a decay in [0, 1]; ``use_dense_ema: true`` needs one."""
+    tc = config.train_config
+    configured = tc.HasField("dense_optimizer") and tc.dense_optimizer.HasField("ema")
+    if configured and not 0 <= tc.dense_optimizer.ema.decay <= 1:
+        raise ConfigError("train_config.dense_optimizer.ema.decay", "must be in [0, 1]")
+    for section in ("eval_config", "export_config"):
+        msg = getattr(config, section)
+        if msg.HasField("use_dense_ema") and msg.use_dense_ema and not configured:
+            raise ConfigError(f"{section}.use_dense_ema", "there is no dense EMA to use: set "
+                                                          "train_config.dense_optimizer.ema")
 
 
 def _validate_part_optimizers(dense: Any, where: str) -> None:

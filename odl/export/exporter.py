@@ -115,6 +115,7 @@ from odl.checkpoint.table_parts import TableBlocks
 from odl.config.config_redaction import config_to_text
 from odl.config.feature_settings import with_vocab_files_inlined
 from odl.config.loss_settings import num_classes, regression_outputs
+from odl.config.optimizer_support import dense_ema_used
 from odl.export.dense_export import script_dense
 from odl.export.embedding_files import write_embeddings
 from odl.export.export_layout import (
@@ -153,6 +154,7 @@ from odl.storage.storage_path import (
     is_remote,
     join,
 )
+from odl.train.dense_ema import N_AVERAGED
 from publisher.id_maps import (
     DENSE_UPDATE_VARIABLES,
     EMBED_NAME_TO_IDS,
@@ -327,6 +329,18 @@ def _signature(config: pipeline_pb2.EasyRecConfig, model: CtrModel, fb: FeatureB
 # ----------------------------------------------------------------------------- export
 
 
+def _served_dense_ema(config: pipeline_pb2.EasyRecConfig, state: dict) -> dict:
+    """The checkpoint's dense EMA where the config serves it, else ``{}``.
+
+    Names without ``dense.``; served per ``export_config.use_dense_ema``
+    (``odl.train.dense_ema``); nothing averaged yet: ``{}`` (the parameters are served).
+    """
+    averages = state.get("dense_ema") if dense_ema_used(config, "export") else None
+    if not averages or int(averages.get(N_AVERAGED, 0)) == 0:
+        return {}  # nothing averaged yet: the parameters are served
+    return {k[len(DENSE_PREFIX):]: v for k, v in averages.items() if k.startswith(DENSE_PREFIX)}
+
+
 def export_checkpoint(
     config: pipeline_pb2.EasyRecConfig,
     checkpoint_path: str,
@@ -386,6 +400,7 @@ def export_checkpoint(
     model = build_model(config, fb)
     dense_state = {k[len(DENSE_PREFIX):]: v for k, v in state.items()
                    if k.startswith(DENSE_PREFIX)}
+    dense_state.update(_served_dense_ema(config, ckpt.state))
     try:
         model.dense.load_state_dict(dense_state, strict=True)
     except RuntimeError as e:

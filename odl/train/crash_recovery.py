@@ -171,6 +171,7 @@ class CrashRecovery:
             self._grow_to_hold(recovered)
             apply_recovered_state(module.embedding_tables(), module.dense_parameters(),
                                   self._id_maps(), recovered, module if module.dynamic else None)
+            _recovered_dense_ema(module)
             module.global_step = int(recovered.version)
             self._checkpoints.chain = None  # rows changed beyond the checkpoint: next is full
         return restored
@@ -205,6 +206,7 @@ class CrashRecovery:
             apply_recovered_state(module.table_rows(), module.dense_parameters(),
                                   self._id_maps(), recovered,
                                   module if module.dynamic else None)
+            _recovered_dense_ema(module)
             self._checkpoints.chain = None  # rows changed beyond the checkpoint: next is full
             return restored
         module.load_checkpoint_state(state)
@@ -453,3 +455,13 @@ def read_var_map(path: str) -> dict[str, str]:
                 raise ValueError(f"{path}:{lineno}: expected 'new_name<TAB>old_name', got {line!r}")
             out[parts[0].strip()] = parts[1].strip()
     return out
+
+
+def _recovered_dense_ema(module: TrainModule) -> None:
+    """A served dense EMA after a recovery from the delta topic.
+
+    The published dense variables were the average: the parameters now hold it, and the
+    average goes on from there (the live parameters it had averaged are not published).
+    """
+    if module.serves_dense_ema:
+        module.dense_ema.restart_from_parameters(keep_averaging=True)

@@ -31,7 +31,8 @@ Formula (bytes; every value is fp32, 4 bytes):
   floats; ``rowwise_adagrad`` ``rows`` floats; ``adam`` ``2 x rows x dim`` floats.
 * Dense part: ``4 x P x (2 + s)`` for the ``P`` parameters of ``model.dense`` (every
   layer, learned loss weight and sequence combiner of the model), their gradients, and
-  ``s`` floats of optimizer state per parameter (``sgd`` 0, ``adagrad`` 1, ``adam`` 2).
+  ``s`` floats of optimizer state per parameter (``sgd`` 0, ``adagrad`` 1, ``adam`` 2), one
+  more with TorchEasyRec's dense EMA (``dense_optimizer.ema``).
 * Activations: ``4 x 3 x batch_size x (pooled width + dense input columns + sum of the
   out_features of every nn.Linear in model.dense)``, where the pooled width is that of
   ``model.pooled_layout`` (``sum(g.width)``) and the dense input columns are
@@ -135,6 +136,12 @@ _TZREC_SPARSE_STATE = {"rmsprop": (0, 1)}
 _DENSE_STATE = {"sgd": 0, "momentum": 1, "adagrad": 1, "rowwise_adagrad": 1, "adam": 2,
                 "adamw": 2, "ftrl": 2, "momentumw": 1, "rmsprop": 2, "adadelta": 2,
                 "adagrad_decay": 1}
+
+
+def _dense_ema_copies(config: pipeline_pb2.EasyRecConfig) -> int:
+    """1 with TorchEasyRec's dense EMA (a copy of every dense parameter), else 0."""
+    tc = config.train_config
+    return int(tc.HasField("dense_optimizer") and tc.dense_optimizer.HasField("ema"))
 
 
 @dataclass(frozen=True)
@@ -333,7 +340,8 @@ def estimate_memory(config: pipeline_pb2.EasyRecConfig, device_type: str, ranks:
         dense_kind=dense.kind,
         tables=sorted(tables, key=lambda t: -t.weight_bytes),
         dense_parameters=params,
-        dense_bytes=BYTES_PER_VALUE * params * (2 + _DENSE_STATE.get(dense.kind, 2)),
+        dense_bytes=BYTES_PER_VALUE * params * (2 + _DENSE_STATE.get(dense.kind, 2)
+                                                + _dense_ema_copies(config)),
         activation_bytes=(BYTES_PER_VALUE * ACTIVATION_COPIES * batch
                           * (pooled + dense_in + hidden)),
         metrics_bytes=METRICS_BYTES_PER_SAMPLE * int(config.train_config.metrics_window_samples),

@@ -11,6 +11,8 @@ The state (:func:`checkpoint_state`), all plain CPU tensors::
       "dense_optimizer": torch.optim state_dict (tensors on CPU); with part optimizers
                           {"parts": [{"label", "params", "state"}]} (odl.train.dense_parts),
       "sparse_optimizer": {table_param_name: {state_name: Tensor}},
+      "dense_ema": {dense name: Tensor, "__n_averaged__": Tensor} (only with ema;
+                                          odl.train.dense_ema),
                                           # e.g. {"ebc.embedding_bags.C1.weight":
                                           #        {"C1.momentum1": Tensor[rows]}}
     }
@@ -134,6 +136,8 @@ def state_without_tables(m: TrainModule, model: dict[str, Any] | None = None,
         "dense_optimizer": tensors_to_cpu(m.dense_optimizer.state_dict()),
         "sparse_optimizer": {},
     }
+    if m.dense_ema is not None:
+        out["dense_ema"] = m.dense_ema.state_dict()
     wide_rate = m.wide_rate
     if wide_rate is not None:
         out["wide_rate"] = wide_rate.state_dict()
@@ -186,6 +190,8 @@ def load_state(m: TrainModule, state: Mapping[str, Any], strict: bool = True) ->
                            f"{pname}/{k}")
     if "dense_optimizer" in state:
         load_dense_optimizer_state(m.dense_optimizer, state["dense_optimizer"])
+    if m.dense_ema is not None:  # (a checkpoint without one restarts it from the parameters)
+        m.dense_ema.load_state_dict(state.get("dense_ema"))
     _load_dynamic_state(m, state, strict)
     _load_wide_rate(m, state)
     m.set_global_step(int(state.get("global_step", 0)))
@@ -344,6 +350,8 @@ def _load_sharded_state(m: TrainModule, state: Mapping[str, Any], strict: bool) 
                 raise KeyError(f"sparse_optimizer: the checkpoint lacks {pname}/{k}")
     if "dense_optimizer" in state:
         load_dense_optimizer_state(m.dense_optimizer, state["dense_optimizer"])
+    if m.dense_ema is not None:  # (a checkpoint without one restarts it from the parameters)
+        m.dense_ema.load_state_dict(state.get("dense_ema"))
     _load_dynamic_state(m, state, strict)
     _load_wide_rate(m, state)
     m.set_global_step(int(state.get("global_step", 0)))

@@ -12,7 +12,8 @@ oldest ``eval_config.num_examples`` of them. It reads up to the topic's end offs
 each shard's latest sequence) as they were when the evaluation started, builds the records
 with the trainer's feature builder,
 predicts in eval mode (no training, no dynamic-table admission: ids the model has never
-admitted contribute nothing, as in serving) and reports
+admitted contribute nothing, as in serving; TorchEasyRec's dense EMA in place of the dense
+parameters where ``eval_config.use_dense_ema`` says, ``odl.train.dense_ema``) and reports
 
 * AUC, logloss and the positive-label rate of the scored records (and GAUC when a
   ``grouped_auc`` metric names a grouping column), of the first output, and per output of a
@@ -32,6 +33,7 @@ evaluation report an error; training goes on.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -364,17 +366,19 @@ def evaluate_at_checkpoint(evaluator: StreamEvaluator | None, module: TrainModul
         module: the model.
         metrics: the trainer's metrics.
     """
-    if module.world_size > 1 and module.rank != 0:
-        while from_rank0(None):
-            module.predict(module.empty_batch())
-        return
-    try:
-        assert evaluator is not None
-        result = evaluator.evaluate(module.global_step)
-        metrics.eval_samples.set(result["samples"])
-        for key, gauge in (("auc", metrics.eval_auc), ("logloss", metrics.eval_logloss)):
-            if result.get(key) is not None:
-                gauge.set(result[key])
-    finally:
-        if module.world_size > 1:
-            from_rank0(False)
+    # (TorchEasyRec's dense EMA predicts in place of the parameters where configured)
+    with module.dense_ema.swapped() if module.evaluates_dense_ema else contextlib.nullcontext():
+        if module.world_size > 1 and module.rank != 0:
+            while from_rank0(None):
+                module.predict(module.empty_batch())
+            return
+        try:
+            assert evaluator is not None
+            result = evaluator.evaluate(module.global_step)
+            metrics.eval_samples.set(result["samples"])
+            for key, gauge in (("auc", metrics.eval_auc), ("logloss", metrics.eval_logloss)):
+                if result.get(key) is not None:
+                    gauge.set(result[key])
+        finally:
+            if module.world_size > 1:
+                from_rank0(False)

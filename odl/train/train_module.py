@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,7 +39,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.config.in_batch_settings import IN_BATCH_OFF, IN_BATCH_ON, in_batch_mode
 from odl.config.loss_settings import num_classes, regression_outputs
-from odl.config.optimizer_support import table_gradient_multiplier, table_kernel_kind
+from odl.config.optimizer_support import (
+    dense_ema_used,
+    table_gradient_multiplier,
+    table_kernel_kind,
+)
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.ctr_model import ModelOutput, predictions
@@ -51,6 +54,7 @@ from odl.models.model_registry import build_model
 from odl.models.subnormal_floats import flush_subnormal_floats
 from odl.protos import pipeline_pb2
 from odl.train import module_state
+from odl.train.dense_ema import build_dense_ema
 from odl.train.dense_parts import build_dense_optimizer
 from odl.train.distributed import (
     ROW_WISE_MIN_ROWS,
@@ -76,6 +80,7 @@ from odl.train.optimizer_builder import (
 from odl.train.published_rows import PublishedRows
 from odl.train.row_sparse_rules import row_sparse_rule
 from odl.train.row_sparse_tables import RowSparseTables
+from odl.train.step_output import StepOutput
 from odl.train.table_gradient_scale import scale_table_gradients
 from odl.train.table_growth import TableGrowth, grow_if_due, size_for_state, table_rows_at_start
 from odl.train.table_shards import (
@@ -89,29 +94,6 @@ from odl.train.table_shards import (
 from odl.train.torch_runtime import resolve_device
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutput:
-    """Result of one training step.
-
-    Attributes:
-        probs: float64 predictions of the step's forward pass, i.e. made before the step's
-            update (progressive validation), one per trained sample (``[B]`` unless samples
-            were dropped).
-        loss: the step's loss (including regularization); NaN when nothing was trained.
-        dropped: ``int64`` indices (into the batch) of the samples left out because their
-            prediction was not finite; they were not trained on.
-    """
-
-    probs: np.ndarray
-    loss: float
-    dropped: np.ndarray = field(default_factory=lambda: np.empty(0, dtype=np.int64))
-
-    @property
-    def trained(self) -> int:
-        """Number of samples the step trained on."""
-        return int(self.probs.shape[0])
 
 
 class TrainModule:
@@ -236,6 +218,9 @@ class TrainModule:
             [(f"dense.{n}", p) for n, p in self._dense_module().named_parameters()],
             self._dense_spec, dense_part_specs(config.train_config))
         self._grad_clip = gradient_clipping(config.train_config)  # dense gradients only
+        self.dense_ema = build_dense_ema(config, self._dense_module())  # None: no ema
+        self.serves_dense_ema = self.dense_ema is not None and dense_ema_used(config, "export")
+        self.evaluates_dense_ema = self.dense_ema is not None and dense_ema_used(config, "eval")
         self.global_step: int = self.__dict__.get("global_step", 0)
         # in-batch learning and per-record Adagrad (None when both are off)
         self.row_pair_learning = RowPairLearning.build(self, config, table_configs)
@@ -324,6 +309,17 @@ class TrainModule:
         d = self._dense_module()
         out = {f"dense.{k}": v for k, v in d.named_parameters()}
         out.update({f"dense.{k}": v for k, v in d.named_buffers()})
+        return out
+
+    def served_dense_parameters(self) -> dict[str, torch.Tensor]:
+        """``dense_parameters()`` as serving receives them (the EMA where it is served).
+
+        The dense EMA's averages stand in for the parameters where
+        ``export_config.use_dense_ema`` says so (``odl.train.dense_ema``).
+        """
+        out = self.dense_parameters()
+        if self.serves_dense_ema:
+            out.update(self.dense_ema.averages())
         return out
 
     def dynamic_table(self, table: str) -> DynamicTable | None:
@@ -536,6 +532,8 @@ class TrainModule:
         if self._grad_clip is not None:
             self._grad_clip(self.dense_optimizer)
         self.dense_optimizer.step()
+        if self.dense_ema is not None:
+            self.dense_ema.update()
         if learning is not None:  # in-batch learning decided by the stream: its windows
             learning.end_step(sum(sizes), shifting)
         self.global_step += 1
