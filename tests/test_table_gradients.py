@@ -24,6 +24,7 @@ from tests.test_table_optimizers import (
     LR,
     SGD_TWIN,
     fbgemm_adam,
+    follow_step,
     module,
     records,
     tf_adagrad,
@@ -88,22 +89,12 @@ def test_each_samples_pooled_gradient_is_clamped_before_the_update(case: str) ->
         per_record = _record_gradients(tm, twin, fb, recs)
         rows = touched(tm, batch)
         tm.train_step(batch)
-        for table, got in tm.embedding_tables().items():
+        clipped = {}
+        for table in w:
             shares = np.stack([g[table] for g in per_record]) / N
-            clipped = np.clip(shares, -BOUND, BOUND).sum(0)
+            clipped[table] = np.clip(shares, -BOUND, BOUND).sum(0)
             clamped += int((np.abs(shares) > BOUND * 1.01).sum())
-            r = rows[table]
-            new_w, new_st = ref(w[table][r], clipped[r], [s[r] for s in state[table]],
-                                LR, step + 1)
-            w[table][r] = new_w
-            for s, v in zip(state[table], new_st, strict=True):
-                s[r] = v
-            got = got.double().numpy()
-            np.testing.assert_allclose(got[r], w[table][r], rtol=2e-4, atol=2e-6,
-                                       err_msg=f"{case} step {step} table {table}")
-            untouched = np.setdiff1d(np.arange(got.shape[0]), r)
-            np.testing.assert_array_equal(got[untouched], w[table][untouched])
-            w[table] = got.copy()
+        follow_step(f"{case} step {step}", tm, ref, rows, clipped, w, state, step + 1)
     assert clamped > 20  # the bound bites (else the test would not tell clipping apart)
 
 

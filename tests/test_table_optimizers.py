@@ -227,19 +227,26 @@ def _check_steps(case: str, train: str, ref, init: list[float], mean: bool) -> N
         grads = row_gradients(tm, twin, batch)
         rows = touched(tm, batch)
         tm.train_step(batch)
-        for table, got in tm.embedding_tables().items():
-            r = rows[table]
-            new_w, new_st = ref(w[table][r], grads[table][r],
-                                [s[r] for s in state[table]], LR, step + 1)
-            w[table][r] = new_w
-            for s, v in zip(state[table], new_st, strict=True):
-                s[r] = v
-            got = got.double().numpy()
-            np.testing.assert_allclose(got[r], w[table][r], rtol=2e-4, atol=2e-6,
-                                       err_msg=f"{case} step {step} table {table}")
-            untouched = np.setdiff1d(np.arange(got.shape[0]), r)
-            np.testing.assert_array_equal(got[untouched], w[table][untouched])
-            w[table] = got.copy()  # the next step starts from the module's float32 rows
+        follow_step(f"{case} step {step}", tm, ref, rows, grads, w, state, step + 1)
+
+
+def follow_step(what: str, tm: TrainModule, ref, rows: dict, grads: dict, w: dict,  # noqa: ANN001
+                state: dict, t: int) -> None:
+    """``ref``'s step of the touched rows of ``w`` / ``state`` (table -> arrays) from their
+    gradients ``grads``, checked against the module's tables after its step; the untouched
+    rows stay. ``w`` then holds the module's float32 rows, where the next step starts."""
+    for table, got in tm.embedding_tables().items():
+        r = rows[table]
+        new_w, new_st = ref(w[table][r], grads[table][r], [s[r] for s in state[table]], LR, t)
+        w[table][r] = new_w
+        for s, v in zip(state[table], new_st, strict=True):
+            s[r] = v
+        got = got.double().numpy()
+        np.testing.assert_allclose(got[r], w[table][r], rtol=2e-4, atol=2e-6,
+                                   err_msg=f"{what} table {table}")
+        untouched = np.setdiff1d(np.arange(got.shape[0]), r)
+        np.testing.assert_array_equal(got[untouched], w[table][untouched])
+        w[table] = got.copy()
 
 
 @pytest.mark.parametrize("case", sorted(CASES) + ["mean_adam", "mean_ftrl", "mean_adagrad"])

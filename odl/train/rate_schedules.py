@@ -38,6 +38,11 @@ def _warmup(step: int, steps: int, start: float, end: float) -> float:
     return start + (end - start) * step / steps
 
 
+def _cosine(high: float, low: float, t: int, period: int) -> float:
+    """``t`` steps into a cosine from ``high`` down to ``low`` over ``period`` steps."""
+    return float(low + (high - low) * 0.5 * (1.0 + math.cos(math.pi * t / period)))
+
+
 @dataclass(frozen=True)
 class LrSchedule:
     """Exponential decay after an optional linear warm-up (constant when ``decay_steps`` is 0).
@@ -161,9 +166,8 @@ class CosineAnnealingSchedule:
         """Rate to use for global step ``step``."""
         if step < self.warmup_steps:
             return float(_warmup(step, self.warmup_steps, self.warmup_lr, self.base_lr))
-        t = min(step - self.warmup_steps, self.t_max)
-        scale = 0.5 * (1.0 + math.cos(math.pi * t / self.t_max))
-        return float(self.min_lr + (self.base_lr - self.min_lr) * scale)
+        return _cosine(self.base_lr, self.min_lr, min(step - self.warmup_steps, self.t_max),
+                       self.t_max)
 
 
 @dataclass(frozen=True)
@@ -267,8 +271,7 @@ class CosineWarmRestartsSchedule:
             while t >= period:
                 t -= period
                 period *= self.t_mult
-        scale = 0.5 * (1.0 + math.cos(math.pi * t / period))
-        return float(self.min_lr + (self.base_lr - self.min_lr) * scale)
+        return _cosine(self.base_lr, self.min_lr, t, period)
 
 
 Schedule = (LrSchedule | CosineDecaySchedule | PolynomialDecaySchedule | CosineAnnealingSchedule
