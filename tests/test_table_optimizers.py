@@ -611,13 +611,16 @@ def _rank_tables(rank: int, world: int, model_dir: str, schedule: list, optimize
 
 
 @pytest.mark.parametrize("optimizer", [
-    "ftrl_optimizer", tzrec_tables("partial_rowwise_lamb_optimizer", "weight_decay: 0.01")],
-    ids=["ftrl", "partial_rowwise_lamb"])
+    "ftrl_optimizer",
+    tzrec_tables("partial_rowwise_lamb_optimizer",
+                 "weight_decay: 0.01 gradient_clipping: true max_gradient: 0.0002")],
+    ids=["ftrl", "partial_rowwise_lamb_clipped"])
 def test_two_ranks_train_row_sparse_tables_as_one_process(ranks, tmp_path,
                                                           optimizer: str) -> None:
     """Tables split by rows (4096-row id tables) and whole on one rank: each rank updates
     the rows it holds and keeps their state (partial row-wise LAMB: a second moment of one
-    column per row); the gathered tables and state are one process's."""
+    column per row; its gradients clipped, each rank clamping the lookups it serves); the
+    gathered tables and state are one process's."""
     from odl.datagen.bursty_stream import BurstyStream
     batch, world = 256, 2
     records = BurstyStream(seed=5).next_batch(4 * batch).encode("csv")
