@@ -294,6 +294,12 @@ def test_unknown_field(tmp_path: Path) -> None:
          "model_config.multi_tower.bst_towers"),
         ('feature_configs { input_names: "a" } feature_configs { lookup_max_sel_elem_num: 3 }',
          "feature_configs[1].lookup_max_sel_elem_num"),
+        # TorchEasyRec's data and train settings that would change what is trained
+        ("data_config { sample_mask_prob: 0.1 }", "data_config.sample_mask_prob"),
+        ('data_config { sample_weight_fields: "w" }', "data_config.sample_weight_fields"),
+        ("data_config { batch_cost_size: 100 }", "data_config.batch_cost_size"),
+        ("train_config { delta_embedding_dump_config { } }",
+         "train_config.delta_embedding_dump_config"),
     ],
 )
 def test_easyrec_field_not_implemented(tmp_path: Path, text: str, field: str) -> None:
@@ -323,6 +329,11 @@ def test_easyrec_field_not_implemented(tmp_path: Path, text: str, field: str) ->
          "train_config.sparse_accumulator_type"),
         ('feature_configs { input_names: "a" max_partitions: 4 }',
          "feature_configs[0].max_partitions"),
+        # TorchEasyRec's data-loader and checkpoint-timing settings
+        ("data_config { pin_memory: true in_order: false }", "data_config.pin_memory"),
+        ('data_config { odps_data_compression: "ZSTD" }', "data_config.odps_data_compression"),
+        ("train_config { save_checkpoints_timestamp_interval: 3600 }",
+         "train_config.save_checkpoints_timestamp_interval"),
     ],
 )
 def test_easyrec_field_without_effect_is_accepted_with_a_warning(
@@ -1228,3 +1239,11 @@ train_config { sparse_optimizer { adagrad_optimizer { lr: 0.05 } } }
         " learning_rate: 0.05 } } } }")
     assert unwritten_batch_norm_dnns(parse_pipeline_config_text(easyrec)) == [
         "model_config.deepfm.dnn", "model_config.deepfm.final_dnn"]
+
+
+def test_torcheasyrec_delimiter_is_the_separator(tmp_path: Path) -> None:
+    config = load_text(tmp_path, 'data_config { delimiter: "\\t" }\nmodel_dir: "m"')
+    assert config.data_config.separator == "\t"
+    assert not config.data_config.HasField("delimiter")
+    err = error_of(load_text, tmp_path, 'data_config { delimiter: ";" separator: "," }')
+    assert err.field == "data_config.delimiter"

@@ -45,7 +45,7 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
     * TorchEasyRec's ``losses { binary_cross_entropy {} }`` (of the model or of a task tower)
       becomes ``loss_type: CLASSIFICATION``;
     * TorchEasyRec's ``train_config.num_epochs`` moves to ``data_config.num_epochs`` when that
-      is unset;
+      is unset, its ``data_config.delimiter`` becomes ``separator``;
     * TorchEasyRec's ``feature_configs { id_feature {} }`` / ``raw_feature {}`` become EasyRec's
       flat ``IdFeature`` / ``RawFeature`` (input column: the expression after ``:``, or the
       feature name), and ``feature_groups[].group_type`` becomes ``wide_deep``; such a config
@@ -119,6 +119,13 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
         if loss.HasField("binary_cross_entropy"):
             loss.loss_type = pipeline_pb2.CLASSIFICATION
             loss.ClearField("binary_cross_entropy")
+    dc = config.data_config
+    if dc.HasField("delimiter"):  # TorchEasyRec's name of the record separator
+        if dc.HasField("separator") and dc.separator != dc.delimiter:
+            raise ConfigError("data_config.delimiter",
+                              "give one of delimiter (TorchEasyRec) and separator (EasyRec)")
+        dc.separator = dc.delimiter
+        dc.ClearField("delimiter")
     tc = config.train_config
     if tc.HasField("num_epochs"):
         if not config.data_config.HasField("num_epochs"):

@@ -66,6 +66,9 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "feature_fields", "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
         "hard_negative_sampler_v2", "negative_sampler_in_memory", "drop_remainder",
         "fg_encoded", "fg_encoded_multival_sep",
+        # TorchEasyRec's
+        "sample_mask_prob", "negative_sample_mask_prob", "force_base_data_group",
+        "sample_weight_fields", "sample_cost_field", "batch_cost_size", "input_fields_str",
     }),
     "DatasetConfig.Field": frozenset({
         "input_dim", "input_shape", "user_define_fn", "user_define_fn_path",
@@ -122,7 +125,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "fine_tune_ckpt_param_map", "cudnn_allow_tf32",
         "cuda_matmul_allow_tf32",
         "global_embedding_constraints", "mixed_precision", "grad_scaler",
-        "gradient_accumulation_steps",
+        "gradient_accumulation_steps", "delta_embedding_dump_config",
     }),
     "IncrementSaveConfig": frozenset({"datahub"}),
     "IncrementSaveConfig.Kafka.Consumer": frozenset({"config_topic", "config_global", "timeout"}),
@@ -175,6 +178,14 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
                                  "read)", frozenset()),
         "shard": ("ranks split the topic's partitions among themselves", frozenset()),
         "file_shard": ("ranks split the topic's partitions among themselves", frozenset()),
+        # TorchEasyRec's
+        "pin_memory": ("batches are built in the input process and moved by the trainer",
+                       frozenset()),
+        "is_orderby_partition": ("an ODPS table setting (the input section names what is "
+                                 "read)", frozenset()),
+        "odps_data_compression": ("an ODPS table setting (the input section names what is "
+                                  "read)", frozenset()),
+        "in_order": ("a stream is trained in arrival order", frozenset()),
     },
     "FeatureConfig": {
         "max_partitions": ("a parameter-server variable partitioning; odl splits large "
@@ -193,6 +204,10 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "save_checkpoints_epochs": ("checkpoints follow save_checkpoints_steps / "
                                     "save_checkpoints_secs, and the end of an offline run "
                                     "writes one", frozenset()),
+        **{name: ("checkpoints follow save_checkpoints_steps / save_checkpoints_secs (a file "
+                  "stream's passes: pass saves)", frozenset()) for name in (
+            "save_checkpoints_timestamp_interval", "save_checkpoints_timestamps",
+            "save_checkpoints_timestamp_quorum")},
         "save_summary_steps": ("metrics go to /status and /metrics", frozenset()),
         "summary_model_vars": ("metrics go to /status and /metrics", frozenset()),
         "use_tensorboard": ("metrics go to /status and /metrics", frozenset()),
