@@ -1247,3 +1247,22 @@ def test_torcheasyrec_delimiter_is_the_separator(tmp_path: Path) -> None:
     assert not config.data_config.HasField("delimiter")
     err = error_of(load_text, tmp_path, 'data_config { delimiter: ";" separator: "," }')
     assert err.field == "data_config.delimiter"
+
+
+def test_a_field_written_twice_takes_its_last_value_as_in_easyrec(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """EasyRec loads configs with text_format.Merge: a singular field written twice in one
+    message takes its last value (one warning names it); in different messages nothing is
+    a duplicate."""
+    text = ("train_config {\n  log_step_count_steps: 100\n  optimizer_config { sgd_optimizer "
+            "{ learning_rate { constant_learning_rate { learning_rate: 0.1 } } } }\n"
+            "  log_step_count_steps: 10\n}\n"
+            'eval_config { num_examples: 5 }\nmodel_dir: "m"\n')
+    with caplog.at_level("WARNING", logger="odl.config.pipeline_config"):
+        config = load_text(tmp_path, text)
+    assert config.train_config.log_step_count_steps == 10
+    assert config.eval_config.num_examples == 5
+    assert [r.getMessage() for r in caplog.records
+            if "more than once" in r.getMessage()] == [
+        "config field train_config.log_step_count_steps is written more than once; its last "
+        "value is used, as EasyRec's loader takes it"]

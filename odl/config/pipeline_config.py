@@ -126,6 +126,7 @@ def parse_pipeline_config_text(text: str, source: str = "<text>") -> pipeline_pb
     text = _BARE_OFFSET_TIME.sub(r'\1"\2"', text)
     errors: list[ConfigError] = []
     ignored: list[tuple[str, str]] = []
+    duplicates: list[str] = []
     for _ in range(_MAX_PARSE_ERRORS):
         config = pipeline_pb2.EasyRecConfig()
         try:
@@ -133,6 +134,12 @@ def parse_pipeline_config_text(text: str, source: str = "<text>") -> pipeline_pb
             break
         except text_format.ParseError as e:
             error = _parse_error_to_config_error(e, text, source)
+            earlier = _earlier_duplicate(e, text)
+            if earlier is not None:  # EasyRec's loader (text_format.Merge): the last one wins
+                duplicates.append(error.field)
+                text = text[:earlier[0]] + re.sub(r"[^\n]", " ", text[earlier[0]:earlier[1]]) \
+                    + text[earlier[1]:]
+                continue
             field = _unknown_field(e)
             span = _field_span(text, e.GetLine(), e.GetColumn()) if field else None
             if span is None:  # not a field that can be cut out: parsing cannot go on
@@ -159,10 +166,48 @@ def parse_pipeline_config_text(text: str, source: str = "<text>") -> pipeline_pb
     raise_all(errors)
     for path, why in ignored:
         logger.warning("config field %s has no effect in odl and is ignored: %s", path, why)
+    for path in duplicates:
+        logger.warning("config field %s is written more than once; its last value is used, as "
+                       "EasyRec's loader takes it", path)
     return config
 
 
 _MAX_PARSE_ERRORS = 200
+
+
+def _earlier_duplicate(err: text_format.ParseError, text: str) -> tuple[int, int] | None:
+    """Span of the earlier occurrence of a singular field written twice in one message.
+
+    protobuf's ``Parse`` refuses the second occurrence ("should not have multiple"); EasyRec
+    loads configs with ``Merge``, where the last one wins, so the earlier one is cut out.
+    None for any other error, or where the earlier one cannot be found.
+    """
+    m = re.search(r'should not have multiple "(\w+)" fields', str(err))
+    if m is None or not err.GetLine():
+        return None
+    lines = text.split("\n")
+    pos = sum(len(ln) + 1 for ln in lines[: err.GetLine() - 1]) + max(err.GetColumn() - 1, 0)
+    # per open block: field name -> its starts (the error points into the second one)
+    names: list[dict[str, list[int]]] = [{}]
+    for tok in _TOKEN_RE.finditer(text):
+        if tok.start() >= pos:
+            break
+        kind, value = tok.lastgroup, tok.group()
+        if kind == "punct" and value in "{<":
+            names.append({})
+        elif kind == "punct" and value in "}>" and len(names) > 1:
+            names.pop()
+        elif kind == "word" and text[tok.end():].lstrip()[:1] in (":", "{", "<"):
+            names[-1].setdefault(value, []).append(tok.start())
+    starts = names[-1].get(m.group(1), [])
+    if starts and text.count("\n", 0, starts[-1]) + 1 == err.GetLine():
+        starts = starts[:-1]  # (the error points past the second one's name)
+    if not starts:
+        return None
+    start = starts[-1]
+    line = text.count("\n", 0, start) + 1
+    col = start - (text.rfind("\n", 0, start) + 1) + 1
+    return _field_span(text, line, col)
 
 
 def _unknown_field(err: text_format.ParseError) -> tuple[str, str] | None:

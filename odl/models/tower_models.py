@@ -7,7 +7,7 @@ outputs are concatenated into ``final_dnn`` and one logit::
     tower_i = Cross(x_i)                  DCN: deep_tower (a DNN) and cross_tower (Cross)
     tower_i = CrossV2(backbone(x))        DCNV2: over the first group, then its deep DNN
     tower_i = DIN(key, sequence)          MultiTowerDIN: its towers, then one per din_towers[i]
-    logit   = Linear(final_dnn(concat(tower_0, tower_1, ...)) -> 1)
+    logit   = Linear(final_dnn(concat(tower_0, tower_1, ...)) -> 1)   (final_dnn unset: none)
 
 ``x_i`` is the tower's feature group: the pooled embeddings of its embedded features, then
 its dense (raw) features. The cross network is DCN v1's,
@@ -426,10 +426,9 @@ def _validate(check: ModelCheck) -> None:
         elif not 1 <= tower <= limits.MAX_HIDDEN_LAYERS:
             raise ConfigError(f"{path}.cross_num",
                               f"must be 1 to {limits.MAX_HIDDEN_LAYERS}, got {tower}")
-    if not settings.HasField("final_dnn"):
-        name = "final" if field == "dcn_v2" else "final_dnn"  # TorchEasyRec's name
-        raise ConfigError(f"{where}.{name}", "required (e.g. { hidden_units: [64] })")
-    validate_dnn(settings.final_dnn, f"{where}.final_dnn", required=True)
+    # unset: no hidden layer, the towers' concatenation goes to the logit (EasyRec reads an
+    # absent final_dnn as an empty DNN)
+    validate_dnn(settings.final_dnn, f"{where}.final_dnn", required=False)
     if settings.l2_regularization < 0:
         raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
 
