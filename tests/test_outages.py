@@ -310,6 +310,14 @@ def _ckpt_steps(model_dir: str) -> list[int]:
     return [read_checkpoint(p).global_step for p in list_checkpoints(model_dir)]
 
 
+def _due_checkpoints_written(trainer: _TrainerThread, every: int) -> bool:
+    """The checkpoint of the last step due one (every ``every`` steps) is written: the save
+    a step makes due may start just after the trainer reads as caught up."""
+    t = trainer.trainer
+    return (t.checkpoints.last_saved_step == t.module.global_step // every * every
+            and not t.checkpoint_writing)
+
+
 def _status(trainer: _TrainerThread) -> tuple[dict, int, dict]:
     st = _get(trainer.url + "/status")[1]
     code, health = _get(trainer.url + "/healthz")
@@ -327,6 +335,7 @@ def test_checkpoint_blocked_keeps_previous_and_retries(kafka_bootstrap, kafka_to
     try:
         produce(kafka_bootstrap, topic, values[:500], PARTS)  # >= 10 steps: >= 2 checkpoints
         _wait(lambda: trainer.caught_up(end_offsets(kafka_bootstrap, topic)), 90, "phase 1")
+        _wait(lambda: _due_checkpoints_written(trainer, 5), 30, "the due checkpoint")
         good = max(_ckpt_steps(model_dir))
         # every later checkpoint finds a file in the way of its temporary directory
         now = trainer.trainer.module.global_step
@@ -386,6 +395,7 @@ def test_checkpoint_disk_full_keeps_previous_and_retries(kafka_bootstrap, kafka_
         trainer = _TrainerThread(cfg, str(tmp_path / "ledger.tsv"))
         produce(kafka_bootstrap, topic, values[:500], PARTS)  # >= 10 steps: >= 2 checkpoints
         _wait(lambda: trainer.caught_up(end_offsets(kafka_bootstrap, topic)), 90, "phase 1")
+        _wait(lambda: _due_checkpoints_written(trainer, 5), 30, "the due checkpoint")
         good = max(_ckpt_steps(model_dir))
         filler = os.path.join(mnt, "filler")
         # fill the disk until ENOSPC (so other small writes meanwhile cannot make the filler

@@ -27,6 +27,7 @@ from tests.test_table_optimizers import (
     follow_step,
     module,
     records,
+    row_gradients,
     tf_adagrad,
     torch_rmsprop,
     touched,
@@ -56,21 +57,7 @@ CLIPPED = {
 def _record_gradients(tm: TrainModule, twin: TrainModule, fb, recs: list[bytes]  # noqa: ANN001
                       ) -> list[dict[str, np.ndarray]]:
     """Each record's own unclipped table gradient at ``tm``'s parameters."""
-    import torch
-
-    out = []
-    for rec in recs:
-        with torch.no_grad():
-            for name, t in twin.embedding_tables().items():
-                t.copy_(tm.embedding_tables()[name])
-            own = tm.dense_parameters()
-            for name, t in twin.dense_parameters().items():
-                t.copy_(own[name])
-        before = {k: v.double().numpy().copy() for k, v in twin.embedding_tables().items()}
-        twin.train_step(fb.build([rec]).batch)
-        out.append({k: before[k] - v.double().numpy()
-                    for k, v in twin.embedding_tables().items()})
-    return out
+    return [row_gradients(tm, twin, fb.build([rec]).batch) for rec in recs]
 
 
 @pytest.mark.parametrize("case", sorted(CLIPPED))
