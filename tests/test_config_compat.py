@@ -101,6 +101,8 @@ LOADS = {
     # the other sample configs of the model classes odl implements (widened 2026-11-29)
     "easyrec/multi_tower_on_taobao_sok.config",
     "easyrec/multi_tower_with_embed.config",
+    "easyrec/dbmtl_variational_dropout.config",
+    "easyrec/dbmtl_variational_dropout_feature_num.config",
     "easyrec/custom_early_stop_on_taobao.config",
     "easyrec/dbmtl_on_multi_sequence_feature_taobao.config",
     "easyrec/dbmtl_on_numeric_hash_bucket_sequence_feature_taobao.config",

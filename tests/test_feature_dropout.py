@@ -1,8 +1,8 @@
 """EasyRec's variational dropout of a feature group (``model_config.variational_dropout``):
-its formulas against a numpy port of EasyRec's layer, the feature ranking it learns, ESMM
-with it (noise in training only, the penalty in the loss, the scripted dense part equal to
-the trained one) and its refusals by field. Serving parity of EasyRec's own sample with it is
-``tests/test_config_compat.py``'s."""
+its formulas against a numpy port of EasyRec's layer, the feature ranking it learns, ESMM,
+MMoE and DBMTL with it (noise in training only, the penalty in the loss, the scripted dense
+part equal to the trained one) and its refusals by field. Serving parity of EasyRec's own
+samples with it is ``tests/test_config_compat.py``'s."""
 
 from __future__ import annotations
 
@@ -111,6 +111,42 @@ def test_esmm_with_variational_dropout_trains_with_noise_and_predicts_without() 
     before = layer.logit_p.detach().clone()
     tm.train_step(batch)
     assert not torch.equal(before, layer.logit_p.detach())  # the dense optimizer trains it
+
+
+@pytest.mark.parametrize("model", ["DBMTL", "MMoE"])
+def test_multi_task_models_drop_their_groups_input_before_the_bottom(model: str) -> None:
+    """MMoE and DBMTL take the layer over their group's input, as EasyRec's input layer does
+    for every model: one probability per pooled lookup and dense column
+    (``dense.dropout.logit_p``), the penalty in the loss, noise in training only, the scripted
+    dense part (odl-export's, odl-serve's) equal to the trained one."""
+    field = "dbmtl" if model == "DBMTL" else "mmoe"
+    tm, batch, _config = _module_and_batch(_text(model, (
+        f"  {field} {{", f"  variational_dropout {{ regularization_lambda: 0.5 }}\n  {field} {{")))
+    dense = tm.model.dense
+    assert [n for n, _p in dense.named_parameters() if n.endswith("logit_p")] == [
+        "dropout.logit_p"]
+    layer = dense.dropout
+    assert len(layer.logit_p) == len(tm.model.pooled_layout[0].lookups) + len(dense.dense_idx)
+    first = tm.predict(batch)
+    assert np.array_equal(first, tm.predict(batch))
+    tm.model.eval()
+    assert _scripted_equal(tm, batch)
+    with torch.no_grad():
+        output = tm.model(batch)
+        with_penalty = float(tm.model.loss(output, batch))
+        layer.regularization_lambda, lam = 0.0, layer.regularization_lambda
+        without = float(tm.model.loss(output, batch))
+        layer.regularization_lambda = lam
+    keep = 1.0 - torch.sigmoid(layer.logit_p.detach())
+    assert with_penalty - without == pytest.approx(
+        0.5 / batch.labels.shape[0] * float(keep.sum()), rel=1e-4)
+    tm.model.train()
+    with torch.no_grad():
+        a, b = tm.model(batch).logits, tm.model(batch).logits
+    assert not torch.equal(a, b)  # a fresh mask at every training forward
+    before = layer.logit_p.detach().clone()
+    tm.train_step(batch)
+    assert not torch.equal(before, layer.logit_p.detach())
 
 
 @pytest.mark.parametrize("model, edit, field", [

@@ -32,7 +32,10 @@ embedding. A task with a ``task_space_indicator_label`` weighs each sample's los
 Parameter names: ``dense.bottom.*``, ``dense.experts.experts.<e>.*``,
 ``dense.experts.gates.<t>.*``, ``dense.heads.<t>.dnn.*``, ``dense.heads.<t>.relation_dnn.*``,
 ``dense.heads.<t>.out.*``, ``dense.sequences.combiners.<i>.*`` (the group's sequence
-blocks).
+blocks), ``dense.dropout.logit_p`` (MMoE's and DBMTL's ``model_config.variational_dropout``:
+the group's input, its lookups, projected raw features and dense columns, masked by
+``odl.models.feature_dropout`` before the bottom, as EasyRec's input layer does; not with
+sequences in the group).
 
 This module has no ``from __future__ import annotations``: TorchScript reads the dense
 class's annotations as types.
@@ -72,6 +75,7 @@ from odl.models.ctr_losses import (
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
+from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.protos import pipeline_pb2
@@ -119,6 +123,8 @@ class MultiTaskDense(nn.Module):
         projected_dim: their ``embedding_dim``.
         mixture: instead of ``experts``, ``(input width, number of tasks) -> module`` mapping
             the bottom output to one input per task (a list), with ``out_width``; or None.
+        dropout: the variational dropout of the group's input (its columns in order:
+            lookups, projected features, dense columns), or None.
 
     Raises:
         ValueError: no input, no task, a bad expert setting, projected features beside
@@ -137,7 +143,8 @@ class MultiTaskDense(nn.Module):
                  sequences: Optional[GroupSequences] = None,
                  projected_idx: Sequence[int] = (), projected_widths: Sequence[int] = (),
                  projected_dim: int = 0,
-                 mixture: Optional[Callable[[int, int], nn.Module]] = None) -> None:
+                 mixture: Optional[Callable[[int, int], nn.Module]] = None,
+                 dropout: Optional[FeatureDropout] = None) -> None:
         super().__init__()
         self.dense_idx = [int(i) for i in dense_idx]
         self.projected_idx = [int(i) for i in projected_idx]
@@ -175,6 +182,7 @@ class MultiTaskDense(nn.Module):
         # registered last: the checkpoints' parameter order of models without it stays
         self.projection = (RawProjection(projected_widths, int(projected_dim))
                            if self.has_projected else None)
+        self.dropout = dropout
 
     def forward(self, group: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, num_tasks]`` (``[B]`` with one task).
@@ -195,6 +203,9 @@ class MultiTaskDense(nn.Module):
         if self.has_dense:
             parts.append(dense[:, self.dense_idx])
         x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        dropout = self.dropout
+        if dropout is not None:
+            x = dropout(x)
         sequences = self.sequences
         if sequences is not None:
             x = sequences(x)
@@ -294,11 +305,15 @@ class MultiTaskModel(CtrModel):
                        else [settings.expert_dnn] * int(settings.num_expert),
                        _dnn(settings, "gate_mlp") if field == "mmoe" else None)
         bottom = _dnn(settings, "bottom_dnn") if field == "dbmtl" else None
+        dropout = (FeatureDropout([dim_of[f] for f in lookups] + [projected_dim] * len(projected)
+                                  + [1] * len(group_dense), model_config.variational_dropout)
+                   if model_config.HasField("variational_dropout") else None)
+        self.variational_dropout = dropout is not None
         self.dense = MultiTaskDense(sum(dim_of[f] for f in lookups),
                                     [col[n] for n in group_dense], bottom, experts, tasks, seqs,
                                     [col[c] for cols in projected for c in cols],
                                     [len(cols) for cols in projected], projected_dim,
-                                    mixture=mixture)
+                                    mixture=mixture, dropout=dropout)
         self.pooled_layout = (PooledGroup.of("all", tuple((f, table_of[f]) for f in lookups),
                                              [dim_of[f] for f in lookups]),)
         self.output_names = tuple(names)
@@ -355,6 +370,8 @@ class MultiTaskModel(CtrModel):
                                    data_weights=data_weights)
         if self.l2:
             loss = loss + self.l2 * linear_kernel_l2(self.dense)
+        if self.variational_dropout:
+            loss = loss + variational_dropout_loss(list(self.dense.modules()), logits.shape[0])
         (pooled,) = output.pooled
         lookups = len(self.pooled_layout[0].lookups)
         if self.embedding_regularization and lookups:
@@ -556,8 +573,17 @@ def _validate(check: ModelCheck) -> None:
         validate_dnn(settings.gate_mlp, f"{where}.gate_mlp", required=False)
     if field == "dbmtl" and settings.HasField("bottom_dnn"):
         validate_dnn(settings.bottom_dnn, f"{where}.bottom_dnn", required=False)
+    mc = check.config.model_config
+    group = mc.feature_groups[check.groups[multi_task_group(mc)]]
+    if mc.HasField("variational_dropout") and (
+            group.sequence_features or group.sequence_groups or any(
+                check.features[n].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature
+                for n in group.feature_names if n in check.features)):
+        raise ConfigError("model_config.variational_dropout",
+                          f"feature group {group.group_name!r} holds sequences: variational "
+                          "dropout is implemented for groups of pooled and dense features only")
 
 
 for _name in ("MMoE", "DBMTL"):
     register_model(ModelClass(_name, build_multi_task_model, _validate, group_attention="all",
-                              projected_raw=True))
+                              projected_raw=True, variational_dropout=True))
