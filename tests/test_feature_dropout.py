@@ -149,6 +149,42 @@ def test_multi_task_models_drop_their_groups_input_before_the_bottom(model: str)
     assert not torch.equal(before, layer.logit_p.detach())
 
 
+def test_multi_tower_drops_each_dnn_towers_input() -> None:
+    """MultiTower: each tower's input masked before its DNN (``towers.<i>.0.logit_p``), the
+    penalties of every tower in the loss, the scripted dense part equal to the trained one."""
+    from tests.test_optimizers import MODEL, records
+    from tests.test_table_optimizers import module, tables_config
+
+    towers = MODEL[: MODEL.index("model_config")] + """
+model_config {
+  model_class: "MultiTower"
+  feature_groups { group_name: "a" feature_names: ["c1", "x"] }
+  feature_groups { group_name: "b" feature_names: ["c2"] }
+  multi_tower { towers { input: "a" dnn { hidden_units: [8] } }
+                towers { input: "b" dnn { hidden_units: [8] } } final_dnn { hidden_units: [4] } }
+  variational_dropout { regularization_lambda: 0.5 }
+}
+"""
+    tm, fb = module(tables_config("adagrad_optimizer"), towers)
+    batch = fb.build(records(64, 3)).batch
+    dense = tm.model.dense
+    names = [n for n, _p in dense.named_parameters() if n.endswith("logit_p")]
+    assert names and all(n.startswith("towers.") and n.endswith(".0.logit_p") for n in names)
+    layers = [m for m in dense.modules() if isinstance(m, FeatureDropout)]
+    assert sum(len(m.logit_p) for m in layers) == len(tm.model.pooled_layout[0].lookups) + sum(
+        len(c) for c in dense.tower_dense)
+    tm.model.eval()
+    assert _scripted_equal(tm, batch)
+    with torch.no_grad():
+        output = tm.model(batch)
+        with_penalty = float(tm.model.loss(output, batch))
+        for m in layers:
+            m.regularization_lambda = 0.0
+        without = float(tm.model.loss(output, batch))
+    keep = sum(float((1.0 - torch.sigmoid(m.logit_p.detach())).sum()) for m in layers)
+    assert with_penalty - without == pytest.approx(0.5 / batch.labels.shape[0] * keep, rel=1e-4)
+
+
 @pytest.mark.parametrize("model, edit, field", [
     ("DeepFM", ("  deepfm {", "  variational_dropout {}\n  deepfm {"),
      "model_config.variational_dropout"),

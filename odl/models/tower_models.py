@@ -27,7 +27,11 @@ lookup) of the squared pooled embedding.
 
 Parameter names: ``dense.towers.<i>.*`` (a DNN: ``Sequential`` layers; a cross network:
 ``weights``, ``biases``; DCNV2's: ``0.*`` the backbone, ``1.layers.<l>.*`` the cross
-layers; a DIN tower's: ``mlp.*``), ``dense.final_dnn.*``, ``dense.final_out.*``.
+layers; a DIN tower's: ``mlp.*``), ``dense.final_dnn.*``, ``dense.final_out.*``. With
+MultiTower's and MultiTowerDIN's ``model_config.variational_dropout`` a DNN tower's input
+is first masked by ``odl.models.feature_dropout`` (``dense.towers.<i>.0.logit_p``, its DNN
+at ``1.*``), as EasyRec's input layer masks each group it reads; DIN towers, which EasyRec
+reads through its sequence input layer, are not, and towers over sequences refuse it.
 
 This module has no ``from __future__ import annotations``: TorchScript reads the dense
 class's annotations as types.
@@ -66,6 +70,7 @@ from odl.models.ctr_losses import (
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
+from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.protos import pipeline_pb2
@@ -91,6 +96,8 @@ class TowerDense(nn.Module):
         sequences: per tower, the ``GroupSequences`` combining its group's sequences (their
             positions end its lookups, their lengths end its dense columns), or None.
         num_class: logits per sample (``[B]`` for 1, ``[B, C]`` for C > 1).
+        dropouts: per tower, the variational dropout of its input (``model_config.
+            variational_dropout``), or None.
 
     Raises:
         ValueError: a tower with no input, or an unsupported DNN setting.
@@ -104,7 +111,8 @@ class TowerDense(nn.Module):
     def __init__(self, towers: Sequence[tuple[str, int, Sequence[int], object]],
                  final_dnn: pipeline_pb2.DNN,
                  sequences: "Sequence[GroupSequences | None] | None" = None,
-                 num_class: int = 1) -> None:
+                 num_class: int = 1,
+                 dropouts: "Sequence[FeatureDropout | None] | None" = None) -> None:
         super().__init__()
         self.num_class = max(int(num_class), 1)
         self.tower_cols = [0]
@@ -142,6 +150,9 @@ class TowerDense(nn.Module):
                 width += out
             if seqs is not None:
                 self.towers[start] = nn.Sequential(seqs, self.towers[start])
+            drop = dropouts[i] if dropouts else None
+            if drop is not None:  # (a tower's input, before its network)
+                self.towers[start] = nn.Sequential(drop, self.towers[start])
         self.final_dnn, final_width = build_mlp(width, final_dnn)
         self.final_out = nn.Linear(final_width, self.num_class)
 
@@ -215,6 +226,7 @@ class TowerModel(CtrModel):
         dims: list[int] = []
         specs = []
         seq_mods: list[GroupSequences | None] = []
+        drops: list[FeatureDropout | None] = []
         for kind, group, tower in towers:
             if group not in groups:
                 raise ValueError(f"a tower reads feature group {group!r}, which does not exist")
@@ -245,8 +257,15 @@ class TowerModel(CtrModel):
                 seq_mods.append(GroupSequences.of_blocks(blocks, dim_of, width, len(dense)))
             else:
                 seq_mods.append(None)
+            # EasyRec's input layer drops a (non-DIN) tower's group; its DIN towers read
+            # their sequences through a layer without it
+            drops.append(FeatureDropout([dim_of[f] for f in sparse] + [1] * len(dense),
+                                        model_config.variational_dropout)
+                         if model_config.HasField("variational_dropout") and kind == "dnn"
+                         and not blocks else None)
         self.dense = TowerDense(specs, settings.final_dnn, seq_mods,
-                                int(model_config.num_class))
+                                int(model_config.num_class), drops)
+        self.variational_dropout = any(d is not None for d in drops)
         self.pooled_layout = (PooledGroup.of("towers", tuple(lookups), dims),)
         self.set_configured_loss(model_config, output_name)
         self.l2 = float(settings.l2_regularization)
@@ -271,6 +290,9 @@ class TowerModel(CtrModel):
             sq = linear_kernel_l2(self.dense) + sum(
                 m.weights.square().sum() for m in self.dense.modules() if isinstance(m, CrossNet))
             loss = loss + self.l2 * sq
+        if self.variational_dropout:
+            loss = loss + variational_dropout_loss(list(self.dense.modules()),
+                                                   output.logits.shape[0])
         (pooled,) = output.pooled
         lookups = len(self.pooled_layout[0].lookups)
         if self.embedding_regularization and lookups:
@@ -419,6 +441,14 @@ def _validate(check: ModelCheck) -> None:
             continue
         if group not in groups:
             raise ConfigError(f"{path}.input", f"no feature group named {group!r}")
+        fg = mc.feature_groups[groups[group]]
+        if mc.HasField("variational_dropout") and (
+                fg.sequence_features or fg.sequence_groups or any(
+                    features[n].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature
+                    for n in fg.feature_names if n in features)):
+            raise ConfigError("model_config.variational_dropout",
+                              f"feature group {group!r} holds sequences: variational dropout "
+                              "is implemented for groups of pooled and dense features only")
         if kind == "dnn":
             validate_dnn(tower, path if field == "dcn_v2" else f"{path}.dnn", required=True)
         elif kind == "cross_v2":
@@ -434,4 +464,5 @@ def _validate(check: ModelCheck) -> None:
 
 
 for _name in ("MultiTower", _DIN, "DCN", "DCNV2"):
-    register_model(ModelClass(_name, _build, _validate, group_attention="all"))
+    register_model(ModelClass(_name, _build, _validate, group_attention="all",
+                              variational_dropout=_name in ("MultiTower", _DIN)))
