@@ -20,6 +20,22 @@ from tests.test_esmm_ple_models import _module_and_batch, _scripted_equal, _text
 VARIATIONAL = ("  esmm {", "  variational_dropout { regularization_lambda: 0.5 }\n  esmm {")
 
 
+def _assert_penalty_in_loss(tm, batch, layers: list[FeatureDropout], lam: float) -> None:  # noqa: ANN001
+    """The model's loss holds ``lam / B * sum(1 - p)`` of every layer, and nothing else of
+    theirs (the loss with their lambdas at 0 is that much less)."""
+    with torch.no_grad():
+        output = tm.model(batch)
+        with_penalty = float(tm.model.loss(output, batch))
+        for m in layers:
+            assert m.regularization_lambda == lam
+            m.regularization_lambda = 0.0
+        without = float(tm.model.loss(output, batch))
+        for m in layers:
+            m.regularization_lambda = lam
+    keep = sum(float((1.0 - torch.sigmoid(m.logit_p.detach())).sum()) for m in layers)
+    assert with_penalty - without == pytest.approx(lam / batch.labels.shape[0] * keep, rel=1e-4)
+
+
 def _numpy_layer(x: np.ndarray, logit_p: np.ndarray, columns: list[int], u: np.ndarray | None,
                  lam: float) -> tuple[np.ndarray, float]:
     """EasyRec's ``VariationalDropoutLayer`` in numpy: the output (``u`` None: evaluation)
@@ -97,16 +113,7 @@ def test_esmm_with_variational_dropout_trains_with_noise_and_predicts_without() 
     assert np.array_equal(first, tm.predict(batch))
     tm.model.eval()  # (serving runs the scripted part in evaluation)
     assert _scripted_equal(tm, batch)
-    with torch.no_grad():
-        output = tm.model(batch)
-        with_penalty = float(tm.model.loss(output, batch))
-        lam = layer.regularization_lambda
-        layer.regularization_lambda = 0.0
-        without = float(tm.model.loss(output, batch))
-        layer.regularization_lambda = lam
-    keep = 1.0 - torch.sigmoid(layer.logit_p.detach())
-    assert with_penalty - without == pytest.approx(
-        0.5 / batch.labels.shape[0] * float(keep.sum()), rel=1e-4)
+    _assert_penalty_in_loss(tm, batch, [layer], 0.5)
     tm.model.train()
     before = layer.logit_p.detach().clone()
     tm.train_step(batch)
@@ -131,15 +138,7 @@ def test_multi_task_models_drop_their_groups_input_before_the_bottom(model: str)
     assert np.array_equal(first, tm.predict(batch))
     tm.model.eval()
     assert _scripted_equal(tm, batch)
-    with torch.no_grad():
-        output = tm.model(batch)
-        with_penalty = float(tm.model.loss(output, batch))
-        layer.regularization_lambda, lam = 0.0, layer.regularization_lambda
-        without = float(tm.model.loss(output, batch))
-        layer.regularization_lambda = lam
-    keep = 1.0 - torch.sigmoid(layer.logit_p.detach())
-    assert with_penalty - without == pytest.approx(
-        0.5 / batch.labels.shape[0] * float(keep.sum()), rel=1e-4)
+    _assert_penalty_in_loss(tm, batch, [layer], 0.5)
     tm.model.train()
     with torch.no_grad():
         a, b = tm.model(batch).logits, tm.model(batch).logits
@@ -175,14 +174,7 @@ model_config {
         len(c) for c in dense.tower_dense)
     tm.model.eval()
     assert _scripted_equal(tm, batch)
-    with torch.no_grad():
-        output = tm.model(batch)
-        with_penalty = float(tm.model.loss(output, batch))
-        for m in layers:
-            m.regularization_lambda = 0.0
-        without = float(tm.model.loss(output, batch))
-    keep = sum(float((1.0 - torch.sigmoid(m.logit_p.detach())).sum()) for m in layers)
-    assert with_penalty - without == pytest.approx(0.5 / batch.labels.shape[0] * keep, rel=1e-4)
+    _assert_penalty_in_loss(tm, batch, layers, 0.5)
 
 
 @pytest.mark.parametrize("model, edit, field", [

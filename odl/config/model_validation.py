@@ -501,3 +501,24 @@ def validate_dnn(dnn: Any, where: str, required: bool) -> None:
                           f"expected one of {sorted(SUPPORTED_ACTIVATIONS)}, got "
                           f"{dnn.activation!r}")
 
+
+def check_dropout_group(mc: pipeline_pb2.EasyRecModel, group: pipeline_pb2.FeatureGroupConfig,
+                        features: dict[str, Any]) -> None:
+    """``model_config.variational_dropout`` over ``group``: pooled and dense features only.
+
+    Args:
+        mc: the model config (nothing is checked without its ``variational_dropout``).
+        group: a feature group whose input the model drops.
+        features: feature name -> its config.
+
+    Raises:
+        ConfigError: the group holds sequences.
+    """
+    if not mc.HasField("variational_dropout"):
+        return
+    if group.sequence_features or group.sequence_groups or any(
+            features[n].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature
+            for n in group.feature_names if n in features):
+        raise ConfigError("model_config.variational_dropout",
+                          f"feature group {group.group_name!r} holds sequences: variational "
+                          "dropout is implemented for groups of pooled and dense features only")

@@ -48,7 +48,7 @@ from torch.nn import functional
 from odl.config.config_error import ConfigError
 from odl.config.loss_settings import sample_weight_field
 from odl.config.model_classes import product_output, task_label_names, task_towers
-from odl.config.model_validation import validate_dnn
+from odl.config.model_validation import check_dropout_group, validate_dnn
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import GroupSequences, SequenceBlock, build_optional_mlp
@@ -371,16 +371,8 @@ def _validate(check: ModelCheck) -> None:
     if sample_weight_field(check.config):
         raise ConfigError("data_config.sample_weight", "not implemented for ESMM (EasyRec's "
                                                        "ESMM does not weigh its losses by it)")
-    if mc.HasField("variational_dropout"):
-        for name, _dnn in _input_groups(mc):
-            group = mc.feature_groups[check.groups[name]]
-            if group.sequence_features or any(
-                    check.features[f].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature
-                    for f in group.feature_names if f in check.features):
-                raise ConfigError("model_config.variational_dropout",
-                                  f"feature group {name!r} holds sequences: variational "
-                                  "dropout is implemented for groups of pooled and dense "
-                                  "features only")
+    for name, _dnn in _input_groups(mc):
+        check_dropout_group(mc, mc.feature_groups[check.groups[name]], check.features)
 
 
 register_model(ModelClass("ESMM", _build, _validate, group_attention="all",

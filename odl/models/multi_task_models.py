@@ -53,7 +53,7 @@ from odl.config.config_error import ConfigError
 from odl.config.feature_configs import feature_configs, projected_raw
 from odl.config.loss_settings import POINTWISE_LOSS_TYPES
 from odl.config.model_classes import model_settings, task_label_names
-from odl.config.model_validation import validate_dnn, validate_losses
+from odl.config.model_validation import check_dropout_group, validate_dnn, validate_losses
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import (
@@ -574,14 +574,8 @@ def _validate(check: ModelCheck) -> None:
     if field == "dbmtl" and settings.HasField("bottom_dnn"):
         validate_dnn(settings.bottom_dnn, f"{where}.bottom_dnn", required=False)
     mc = check.config.model_config
-    group = mc.feature_groups[check.groups[multi_task_group(mc)]]
-    if mc.HasField("variational_dropout") and (
-            group.sequence_features or group.sequence_groups or any(
-                check.features[n].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature
-                for n in group.feature_names if n in check.features)):
-        raise ConfigError("model_config.variational_dropout",
-                          f"feature group {group.group_name!r} holds sequences: variational "
-                          "dropout is implemented for groups of pooled and dense features only")
+    check_dropout_group(mc, mc.feature_groups[check.groups[multi_task_group(mc)]],
+                        check.features)
 
 
 for _name in ("MMoE", "DBMTL"):

@@ -47,7 +47,11 @@ from torch import nn
 from odl.config import limits
 from odl.config.config_error import ConfigError
 from odl.config.model_classes import sequence_attention_features
-from odl.config.model_validation import validate_dnn, validate_sequence_groups
+from odl.config.model_validation import (
+    check_dropout_group,
+    validate_dnn,
+    validate_sequence_groups,
+)
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.feature_plan import sequence_key, sequence_length_column
@@ -441,14 +445,7 @@ def _validate(check: ModelCheck) -> None:
             continue
         if group not in groups:
             raise ConfigError(f"{path}.input", f"no feature group named {group!r}")
-        fg = mc.feature_groups[groups[group]]
-        if mc.HasField("variational_dropout") and (
-                fg.sequence_features or fg.sequence_groups or any(
-                    features[n].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature
-                    for n in fg.feature_names if n in features)):
-            raise ConfigError("model_config.variational_dropout",
-                              f"feature group {group!r} holds sequences: variational dropout "
-                              "is implemented for groups of pooled and dense features only")
+        check_dropout_group(mc, mc.feature_groups[groups[group]], features)
         if kind == "dnn":
             validate_dnn(tower, path if field == "dcn_v2" else f"{path}.dnn", required=True)
         elif kind == "cross_v2":
