@@ -177,6 +177,37 @@ model_config {
     _assert_penalty_in_loss(tm, batch, layers, 0.5)
 
 
+def test_fm_drops_its_wide_group_and_its_vectors() -> None:
+    """FM: the wide group's lookups (and dense columns) and the FM vectors each masked
+    (``wide_dropout``, ``fm_dropout``), one probability per feature, the penalties in the
+    loss, the scripted dense part equal to the trained one."""
+    from tests.test_optimizers import MODEL, records
+    from tests.test_table_optimizers import module, tables_config
+
+    fm = MODEL[: MODEL.index("model_config")] + """
+model_config {
+  model_class: "FM"
+  feature_groups { group_name: "wide" feature_names: ["c1", "c2", "x"] wide_deep: WIDE }
+  feature_groups { group_name: "deep" feature_names: ["c1", "c2"] wide_deep: DEEP }
+  fm { }
+  variational_dropout { regularization_lambda: 0.5 }
+}
+"""
+    tm, fb = module(tables_config("adagrad_optimizer"), fm)
+    batch = fb.build(records(64, 4)).batch
+    dense = tm.model.dense
+    assert sorted(n for n, _p in dense.named_parameters() if n.endswith("logit_p")) == [
+        "fm_dropout.logit_p", "wide_dropout.logit_p"]
+    assert len(dense.wide_dropout.logit_p) == 3 and len(dense.fm_dropout.logit_p) == 2
+    tm.model.eval()
+    assert _scripted_equal(tm, batch)
+    _assert_penalty_in_loss(tm, batch, [dense.wide_dropout, dense.fm_dropout], 0.5)
+    tm.model.train()
+    before = dense.fm_dropout.logit_p.detach().clone()
+    tm.train_step(batch)
+    assert not torch.equal(before, dense.fm_dropout.logit_p.detach())
+
+
 @pytest.mark.parametrize("model, edit, field", [
     ("DeepFM", ("  deepfm {", "  variational_dropout {}\n  deepfm {"),
      "model_config.variational_dropout"),

@@ -18,7 +18,10 @@ Loss: the configured prediction loss (``odl.models.ctr_losses``) + ``fm.l2_regul
 lookup of each group (``deepfm_loss``'s terms).
 
 Parameter names: ``dense.bias``, ``dense.wide_dense.weight``, ``dense.fm_out.*``,
-``dense.projection.weight`` (the projected raw features' rows, registered last).
+``dense.projection.weight`` (the projected raw features' rows), then with
+``model_config.variational_dropout`` ``dense.wide_dropout.logit_p`` (the wide group's
+lookups and dense columns) and ``dense.fm_dropout.logit_p`` (the FM vectors), masked before
+they are read, as EasyRec's input layer masks both groups.
 
 This module has no ``from __future__ import annotations``: TorchScript reads ``FMDense``'s
 class annotations as types.
@@ -43,6 +46,7 @@ from odl.models.ctr_losses import (
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.deepfm import DeepFMRegularization, check_fm_group, deepfm_loss
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
+from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import dense_columns, model_groups
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.protos import pipeline_pb2
@@ -61,6 +65,9 @@ class FMDense(nn.Module):
         num_class: outputs (``[B]`` logits for 1, ``[B, C]`` for C > 1).
         projected_idx: ``Batch.dense`` columns of the deep group's projected raw features.
         projected_widths: columns per projected feature (default: 1 each).
+        variational_dropout: ``model_config.variational_dropout``: the wide group's input
+            (its lookups, then its dense columns) and the FM vectors each masked by their
+            ``FeatureDropout``, as EasyRec's input layer masks both groups; None: none.
     """
 
     __constants__ = ["num_deep", "dim", "num_wide", "num_class", "num_projected"]
@@ -69,7 +76,9 @@ class FMDense(nn.Module):
 
     def __init__(self, num_deep: int, dim: int, num_wide: int, wide_dense_idx: Sequence[int],
                  num_class: int = 1, projected_idx: Sequence[int] = (),
-                 projected_widths: "Sequence[int] | None" = None) -> None:
+                 projected_widths: "Sequence[int] | None" = None,
+                 variational_dropout: "pipeline_pb2.VariationalDropoutLayer | None" = None
+                 ) -> None:
         super().__init__()
         self.projected_idx = [int(i) for i in projected_idx]
         widths = ([1] * len(self.projected_idx) if projected_widths is None
@@ -86,22 +95,38 @@ class FMDense(nn.Module):
                            if self.wide_dense_idx else None)
         self.fm_out = nn.Linear(self.dim, self.num_class) if self.num_class > 1 else None
         self.projection = RawProjection(widths, self.dim) if self.num_projected else None
+        drop = variational_dropout
+        wide_widths = [self.num_class] * self.num_wide + [1] * len(self.wide_dense_idx)
+        vectors = self.num_deep + self.num_projected
+        self.wide_dropout = (FeatureDropout(wide_widths, drop)
+                             if drop is not None and wide_widths else None)
+        self.fm_dropout = (FeatureDropout([self.dim] * vectors, drop)
+                           if drop is not None and vectors else None)
 
     def forward(self, deep: torch.Tensor, wide: torch.Tensor,
                 dense: torch.Tensor) -> torch.Tensor:
         """Logits ``[B]`` (``[B, C]`` for C > 1) of the pooled groups and dense features."""
         b = dense.shape[0]
         logits = self.bias.expand(b, self.num_class)
+        wide_values = dense[:, self.wide_dense_idx]
+        wide_dropout = self.wide_dropout
+        if wide_dropout is not None:  # the wide group's lookups and dense columns together
+            both = wide_dropout(torch.cat([wide, wide_values], dim=1))
+            wide = both[:, : self.num_wide * self.num_class]
+            wide_values = both[:, self.num_wide * self.num_class:]
         if self.num_wide > 0:
             logits = logits + wide.reshape(b, self.num_wide, self.num_class).sum(dim=1)
         wide_dense = self.wide_dense
         if wide_dense is not None:
-            logits = logits + wide_dense(dense[:, self.wide_dense_idx])
+            logits = logits + wide_dense(wide_values)
         vectors = deep
         projection = self.projection
         if projection is not None:
             proj = projection(dense[:, self.projected_idx])
             vectors = proj if self.num_deep == 0 else torch.cat([deep, proj], dim=1)
+        fm_dropout = self.fm_dropout
+        if fm_dropout is not None:
+            vectors = fm_dropout(vectors)
         fm = fm_term(vectors.reshape(b, self.num_deep + self.num_projected, self.dim))
         fm_out = self.fm_out
         if fm_out is not None:
@@ -136,7 +161,10 @@ class FM(CtrModel):
                              len(layout.wide_keys), [col[n] for n in wide_dense],
                              int(model_config.num_class),
                              projected_idx=[col[n] for n in projected],
-                             projected_widths=projected_widths)
+                             projected_widths=projected_widths,
+                             variational_dropout=(model_config.variational_dropout
+                                                  if model_config.HasField("variational_dropout")
+                                                  else None))
         self.pooled_layout = (
             PooledGroup.of("deep", tuple(layout.deep_keys), list(layout.deep_dims)),
             PooledGroup("wide", tuple(layout.wide_keys), layout.wide_output_dim),
@@ -150,13 +178,17 @@ class FM(CtrModel):
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
         """The prediction loss plus the regularization (module docstring)."""
         deep, wide = output.pooled
-        return deepfm_loss(output.logits, batch.labels, deep, wide, self.dense,
+        loss = deepfm_loss(output.logits, batch.labels, deep, wide, self.dense,
                            self.regularization, self.loss_terms, self.learned,
                            term_weights=random_loss_weights(self.model_config,
                                                             len(self.loss_terms),
                                                             output.logits),
                            softmax=self.dense.num_class > 1, sessions=session_tensor(batch),
                            data_weights=sample_weight_tensor(batch))
+        if self.model_config.HasField("variational_dropout"):
+            loss = loss + variational_dropout_loss(list(self.dense.modules()),
+                                                   output.logits.shape[0])
+        return loss
 
 
 def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> FM:
@@ -203,4 +235,5 @@ def _validate(check: ModelCheck) -> None:
     check_fm_group(check, "deep")
 
 
-register_model(ModelClass("FM", _build, _validate, projected_raw=True))
+register_model(ModelClass("FM", _build, _validate, projected_raw=True,
+                          variational_dropout=True))
