@@ -105,6 +105,7 @@ LOADS = {
     "easyrec/dbmtl_variational_dropout_feature_num.config",
     "easyrec/din_varitional_dropout_on_taobao.config",
     "easyrec/fm_variational_dropout_on_taobao.config",
+    "easyrec/deepfm_combo_variational_dropout_on_avazu_ctr.config",
     "easyrec/custom_early_stop_on_taobao.config",
     "easyrec/dbmtl_on_multi_sequence_feature_taobao.config",
     "easyrec/dbmtl_on_numeric_hash_bucket_sequence_feature_taobao.config",

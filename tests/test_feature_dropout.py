@@ -208,8 +208,36 @@ model_config {
     assert not torch.equal(before, dense.fm_dropout.logit_p.detach())
 
 
+def test_deepfm_drops_its_wide_and_deep_groups_and_fm_reads_the_dropped_vectors() -> None:
+    """DeepFM: the wide group's input and the deep group's (its lookups, then its dense
+    columns) each masked; FM and the DNN read the masked deep input; the scripted dense part
+    equals the trained one; the penalties join the loss."""
+    from tests.test_optimizers import MODEL, records
+    from tests.test_table_optimizers import module, tables_config
+
+    model = MODEL.replace("  deepfm {", "  variational_dropout { regularization_lambda: 0.5 }\n"
+                                       "  deepfm {")
+    tm, fb = module(tables_config("adagrad_optimizer"), model)
+    batch = fb.build(records(64, 5)).batch
+    dense = tm.model.dense
+    assert sorted(n for n, _p in dense.named_parameters() if n.endswith("logit_p")) == [
+        "deep_dropout.logit_p", "wide_dropout.logit_p"]
+    assert len(dense.deep_dropout.logit_p) == dense.num_deep + len(dense.deep_dense_idx)
+    assert len(dense.wide_dropout.logit_p) == dense.num_wide + len(dense.wide_dense_idx)
+    tm.model.eval()
+    assert _scripted_equal(tm, batch)
+    # evaluation scales the deep vectors by 1 - p before FM reads them: zeroing one feature's
+    # keep probability (p -> 1) takes that feature out of the prediction
+    with torch.no_grad():
+        base = tm.model(batch).logits.clone()
+        dense.deep_dropout.logit_p[0] = 50.0
+        assert not torch.allclose(tm.model(batch).logits, base)
+        dense.deep_dropout.logit_p[0] = 0.0
+    _assert_penalty_in_loss(tm, batch, [dense.wide_dropout, dense.deep_dropout], 0.5)
+
+
 @pytest.mark.parametrize("model, edit, field", [
-    ("DeepFM", ("  deepfm {", "  variational_dropout {}\n  deepfm {"),
+    ("DCN", ("  dcn {", "  variational_dropout {}\n  dcn {"),
      "model_config.variational_dropout"),
     ("ESMM", ("  esmm {", "  variational_dropout { regularization_lambda: -1 }\n  esmm {"),
      "model_config.variational_dropout.regularization_lambda"),

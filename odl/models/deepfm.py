@@ -26,7 +26,9 @@ rows for single-valued features.
 Parameter names: the tables are ``ebc.embedding_bags.<table>.weight``; every dense parameter
 lives under ``dense.`` (``dense.dnn.*``, ``dense.deep_out.*``, ``dense.final_dnn.*``,
 ``dense.final_out.*``, ``dense.wide_bias``, ``dense.wide_dense.*``, ``dense.projection.weight``
-(the projected raw features' rows, registered last)).
+(the projected raw features' rows), then with ``model_config.variational_dropout``
+``dense.wide_dropout.logit_p`` and ``dense.deep_dropout.logit_p`` (the groups' masks,
+``odl.models.feature_dropout``; FM reads the masked deep vectors)).
 
 This module has no ``from __future__ import annotations``: TorchScript reads
 ``DeepFMDense``'s class annotations as types.
@@ -43,7 +45,11 @@ from odl.config import limits
 from odl.config.config_error import ConfigError
 from odl.config.feature_configs import embedded_feature, feature_configs, projected_raw
 from odl.config.model_classes import model_settings
-from odl.config.model_validation import sequence_combiner_width, validate_dnn
+from odl.config.model_validation import (
+    check_dropout_group,
+    sequence_combiner_width,
+    validate_dnn,
+)
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import (
@@ -63,6 +69,7 @@ from odl.models.ctr_losses import (
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
+from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import dense_columns, model_groups, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.protos import pipeline_pb2
@@ -95,6 +102,12 @@ class DeepFMDense(nn.Module):
         sequence_length_idx: dense-feature columns of those sequences' lengths.
         num_class: logits per sample (``[B]`` for 1; ``[B, C]`` for C > 1: the deep Linear is
             C wide, the wide part ``wide_output_dim`` = C wide and FM is added to each).
+        variational_dropout: ``model_config.variational_dropout`` (None: none): the wide
+            group's input (its lookups, then its dense columns) and the deep group's (its
+            lookups, projected features, dense columns; FM reads the masked vectors) each
+            masked by a ``FeatureDropout``, as EasyRec's input layer masks both groups. Not
+            with sequences.
+        lookup_widths: the deep lookups' widths, in order (for the deep group's mask).
 
     Raises:
         ValueError: nothing feeds the deep tower, or an unsupported DNN setting.
@@ -124,6 +137,8 @@ class DeepFMDense(nn.Module):
         sequence_length_idx: Sequence[int] = (),
         projected_widths: "Sequence[int] | None" = None,
         num_class: int = 1,
+        variational_dropout: "pipeline_pb2.VariationalDropoutLayer | None" = None,
+        lookup_widths: Sequence[int] = (),
     ) -> None:
         super().__init__()
         self.num_class = max(int(num_class), 1)
@@ -171,6 +186,16 @@ class DeepFMDense(nn.Module):
             self.deep_out = nn.Linear(deep_width, self.num_class)
         self.projection = (RawProjection(widths, self.dim) if self.num_projected else None)
         self.sequences = sequences
+        drop = variational_dropout
+        if drop is not None and sequences is not None:
+            raise ValueError("variational dropout over a deep group with sequences is not "
+                             "implemented")
+        wide_widths = [self.wide_output_dim] * self.num_wide + [1] * len(self.wide_dense_idx)
+        deep_widths = ([int(w) for w in lookup_widths] + [self.dim] * self.num_projected
+                       + [1] * len(self.deep_dense_idx))
+        self.wide_dropout = (FeatureDropout(wide_widths, drop)
+                             if drop is not None and wide_widths else None)
+        self.deep_dropout = FeatureDropout(deep_widths, drop) if drop is not None else None
 
     def forward(self, deep: torch.Tensor, wide: torch.Tensor,
                 dense: torch.Tensor) -> torch.Tensor:
@@ -186,11 +211,17 @@ class DeepFMDense(nn.Module):
         """
         b = dense.shape[0]
         w = self.wide_bias.expand(b, self.wide_output_dim)
+        wide_values = dense[:, self.wide_dense_idx]
+        wide_dropout = self.wide_dropout
+        if wide_dropout is not None:  # the wide group's lookups and dense columns together
+            both = wide_dropout(torch.cat([wide, wide_values], dim=1))
+            wide = both[:, : self.num_wide * self.wide_output_dim]
+            wide_values = both[:, self.num_wide * self.wide_output_dim:]
         if self.num_wide > 0:
             w = w + wide.reshape(b, self.num_wide, self.wide_output_dim).sum(dim=1)
         wide_dense = self.wide_dense
         if wide_dense is not None:
-            w = w + wide_dense(dense[:, self.wide_dense_idx])
+            w = w + wide_dense(wide_values)
         parts: list[torch.Tensor] = []
         fm = torch.zeros(0)
         emb = deep
@@ -203,8 +234,6 @@ class DeepFMDense(nn.Module):
             emb = proj if emb.shape[1] == 0 else torch.cat([emb, proj], dim=1)
         vectors = self.num_deep + self.num_sequences + self.num_projected
         if vectors > 0:
-            if self.use_fm:
-                fm = fm_term(emb.reshape(b, vectors, self.dim))
             parts.append(emb)
         if self.has_deep_dense:
             if self.all_deep_dense:
@@ -212,6 +241,11 @@ class DeepFMDense(nn.Module):
             else:
                 parts.append(dense[:, self.deep_dense_idx])
         x = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        deep_dropout = self.deep_dropout
+        if deep_dropout is not None:
+            x = deep_dropout(x)
+        if vectors > 0 and self.use_fm:  # (the vectors lead x)
+            fm = fm_term(x[:, : vectors * self.dim].reshape(b, vectors, self.dim))
         h = self.dnn(x)
         final_dnn = self.final_dnn
         final_out = self.final_out
@@ -396,6 +430,9 @@ class DeepFM(CtrModel):
             num_class=int(model_config.num_class),
             sequences=seqs,
             sequence_length_idx=[col[b.length_column] for b in sequences],
+            variational_dropout=(model_config.variational_dropout
+                                 if model_config.HasField("variational_dropout") else None),
+            lookup_widths=[dim_of[f] for f, _t in regular],
         )
         self.pooled_layout = (
             PooledGroup.of("deep", tuple(deep_keys), [dim_of[f] for f, _t in deep_keys]),
@@ -415,7 +452,7 @@ class DeepFM(CtrModel):
             Scalar loss.
         """
         deep, wide = output.pooled
-        return deepfm_loss(output.logits, batch.labels, deep, wide, self.dense,
+        loss = deepfm_loss(output.logits, batch.labels, deep, wide, self.dense,
                            self.regularization, self.loss_terms, self.learned,
                            deep_lookups=len(self.pooled_layout[0].lookups),
                            term_weights=random_loss_weights(self.model_config,
@@ -424,6 +461,10 @@ class DeepFM(CtrModel):
                            softmax=self.dense.num_class > 1,
                            sessions=session_tensor(batch),
                            data_weights=sample_weight_tensor(batch))
+        if self.model_config.HasField("variational_dropout"):
+            loss = loss + variational_dropout_loss(list(self.dense.modules()),
+                                                   output.logits.shape[0])
+        return loss
 
 
 def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder,
@@ -514,6 +555,11 @@ def _validate(check: ModelCheck, use_fm: bool) -> None:
                           f"got {shown}")
     if use_fm:  # FM takes inner products of the group's embeddings: one dim
         check_fm_group(check, "fm" if "fm" in groups else "deep")
+    if mc.HasField("variational_dropout") and use_fm and "fm" in groups:
+        raise ConfigError("model_config.variational_dropout",
+                          'variational dropout with an "fm" group is not implemented (the '
+                          "wide and deep groups only)")
+    check_dropout_group(mc, mc.feature_groups[deep_gi], features)
 
 
 def check_fm_group(check: ModelCheck, group: str) -> None:
@@ -546,8 +592,8 @@ def check_fm_group(check: ModelCheck, group: str) -> None:
 
 register_model(ModelClass(
     "DeepFM", lambda config, fb: _build(config, fb, use_fm=True),
-    lambda check: _validate(check, use_fm=True), projected_raw=True))
+    lambda check: _validate(check, use_fm=True), projected_raw=True, variational_dropout=True))
 register_model(ModelClass(
     "WideAndDeep", lambda config, fb: _build(config, fb, use_fm=False),
     lambda check: _validate(check, use_fm=False), group_attention="deep",
-    attention_dense_parts=False, projected_raw=True))
+    attention_dense_parts=False, projected_raw=True, variational_dropout=True))
