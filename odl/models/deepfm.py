@@ -211,15 +211,17 @@ class DeepFMDense(nn.Module):
         """
         b = dense.shape[0]
         w = self.wide_bias.expand(b, self.wide_output_dim)
-        wide_values = dense[:, self.wide_dense_idx]
+        wide_dense = self.wide_dense
+        wide_values = wide  # (read only with wide_dense, set below then)
         wide_dropout = self.wide_dropout
         if wide_dropout is not None:  # the wide group's lookups and dense columns together
-            both = wide_dropout(torch.cat([wide, wide_values], dim=1))
+            both = wide_dropout(torch.cat([wide, dense[:, self.wide_dense_idx]], dim=1))
             wide = both[:, : self.num_wide * self.wide_output_dim]
             wide_values = both[:, self.num_wide * self.wide_output_dim:]
+        elif wide_dense is not None:
+            wide_values = dense[:, self.wide_dense_idx]
         if self.num_wide > 0:
             w = w + wide.reshape(b, self.num_wide, self.wide_output_dim).sum(dim=1)
-        wide_dense = self.wide_dense
         if wide_dense is not None:
             w = w + wide_dense(wide_values)
         parts: list[torch.Tensor] = []
@@ -244,8 +246,9 @@ class DeepFMDense(nn.Module):
         deep_dropout = self.deep_dropout
         if deep_dropout is not None:
             x = deep_dropout(x)
-        if vectors > 0 and self.use_fm:  # (the vectors lead x)
-            fm = fm_term(x[:, : vectors * self.dim].reshape(b, vectors, self.dim))
+        if vectors > 0 and self.use_fm:  # (masked: the vectors lead x)
+            vecs = emb if deep_dropout is None else x[:, : vectors * self.dim]
+            fm = fm_term(vecs.reshape(b, vectors, self.dim))
         h = self.dnn(x)
         final_dnn = self.final_dnn
         final_out = self.final_out

@@ -108,15 +108,17 @@ class FMDense(nn.Module):
         """Logits ``[B]`` (``[B, C]`` for C > 1) of the pooled groups and dense features."""
         b = dense.shape[0]
         logits = self.bias.expand(b, self.num_class)
-        wide_values = dense[:, self.wide_dense_idx]
+        wide_dense = self.wide_dense
+        wide_values = wide  # (read only with wide_dense, set below then)
         wide_dropout = self.wide_dropout
         if wide_dropout is not None:  # the wide group's lookups and dense columns together
-            both = wide_dropout(torch.cat([wide, wide_values], dim=1))
+            both = wide_dropout(torch.cat([wide, dense[:, self.wide_dense_idx]], dim=1))
             wide = both[:, : self.num_wide * self.num_class]
             wide_values = both[:, self.num_wide * self.num_class:]
+        elif wide_dense is not None:
+            wide_values = dense[:, self.wide_dense_idx]
         if self.num_wide > 0:
             logits = logits + wide.reshape(b, self.num_wide, self.num_class).sum(dim=1)
-        wide_dense = self.wide_dense
         if wide_dense is not None:
             logits = logits + wide_dense(wide_values)
         vectors = deep
