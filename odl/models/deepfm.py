@@ -215,9 +215,7 @@ class DeepFMDense(nn.Module):
         wide_values = wide  # (read only with wide_dense, set below then)
         wide_dropout = self.wide_dropout
         if wide_dropout is not None:  # the wide group's lookups and dense columns together
-            both = wide_dropout(torch.cat([wide, dense[:, self.wide_dense_idx]], dim=1))
-            wide = both[:, : self.num_wide * self.wide_output_dim]
-            wide_values = both[:, self.num_wide * self.wide_output_dim:]
+            wide, wide_values = wide_dropout.over_pair(wide, dense[:, self.wide_dense_idx])
         elif wide_dense is not None:
             wide_values = dense[:, self.wide_dense_idx]
         if self.num_wide > 0:

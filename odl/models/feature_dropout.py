@@ -78,6 +78,15 @@ class FeatureDropout(nn.Module):
         keep = 1.0 - torch.sigmoid(logit / self.temperature)
         return x * keep[:, columns]
 
+    def over_pair(self, first: torch.Tensor,
+                  second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward`` over the columns of ``first`` then ``second``, split back into the two.
+
+        One group's two parts (its lookups and its dense columns) share one mask.
+        """
+        both = self.forward(torch.cat([first, second], dim=1))
+        return both[:, : first.shape[1]], both[:, first.shape[1]:]
+
     def penalty(self, batch_size: int) -> torch.Tensor:
         """``regularization_lambda / batch_size * sum(1 - p)``: the loss term."""
         keep = 1.0 - torch.sigmoid(self.logit_p)
