@@ -225,6 +225,12 @@ def table_gradient_multiplier(train_config: pipeline_pb2.TrainConfig) -> float:
     return float(ocs[0].embedding_learning_rate_multiplier)
 
 
+def dense_ema_configured(train_config: pipeline_pb2.TrainConfig) -> bool:
+    """Whether ``train_config.dense_optimizer.ema`` (TorchEasyRec's dense EMA) is set."""
+    return train_config.HasField("dense_optimizer") and train_config.dense_optimizer.HasField(
+        "ema")
+
+
 def dense_ema_used(config: pipeline_pb2.EasyRecConfig, where: str) -> bool:
     """Whether TorchEasyRec's dense EMA stands in for the parameters in ``where``.
 
@@ -237,8 +243,7 @@ def dense_ema_used(config: pipeline_pb2.EasyRecConfig, where: str) -> bool:
     Returns:
         The section's ``use_dense_ema`` where written, else whether ``ema`` is configured.
     """
-    tc = config.train_config
-    configured = tc.HasField("dense_optimizer") and tc.dense_optimizer.HasField("ema")
+    configured = dense_ema_configured(config.train_config)
     section = config.eval_config if where == "eval" else config.export_config
     if section.HasField("use_dense_ema"):
         return bool(section.use_dense_ema) and configured

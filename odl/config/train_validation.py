@@ -23,6 +23,7 @@ from odl.config.field_formats import parse_dead_line
 from odl.config.in_batch_settings import IN_BATCH_OFF, in_batch_mode, in_batch_refusal
 from odl.config.optimizer_support import (
     PER_RECORD_TABLE_KINDS,
+    dense_ema_configured,
     optimizer_choices,
     table_kernel_kind,
 )
@@ -347,7 +348,7 @@ def _validate_tzrec_optimizer(opt: Any, where: str) -> None:
 def _validate_dense_ema(config: pipeline_pb2.EasyRecConfig) -> None:
     """TorchEasyRec's dense EMA: a decay in [0, 1]; ``use_dense_ema: true`` needs one."""
     tc = config.train_config
-    configured = tc.HasField("dense_optimizer") and tc.dense_optimizer.HasField("ema")
+    configured = dense_ema_configured(tc)
     if configured and not 0 <= tc.dense_optimizer.ema.decay <= 1:
         raise ConfigError("train_config.dense_optimizer.ema.decay", "must be in [0, 1]")
     for section in ("eval_config", "export_config"):

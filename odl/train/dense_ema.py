@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from odl.config.optimizer_support import dense_ema_configured
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -142,8 +143,7 @@ def build_dense_ema(config: pipeline_pb2.EasyRecConfig, dense: torch.nn.Module
         config: the pipeline config.
         dense: the model's dense part (its parameters are averaged as ``dense.<name>``).
     """
-    tc = config.train_config
-    if not (tc.HasField("dense_optimizer") and tc.dense_optimizer.HasField("ema")):
+    if not dense_ema_configured(config.train_config):
         return None
     return DenseEma({f"dense.{n}": p for n, p in dense.named_parameters()},
-                    tc.dense_optimizer.ema.decay)
+                    config.train_config.dense_optimizer.ema.decay)

@@ -83,7 +83,11 @@ from odl.config.config_fields import is_map_field
 from odl.config.dynamic_table_config import DynamicTableSpec
 from odl.config.limits import ROW_WISE_MIN_ROWS
 from odl.config.model_classes import model_settings
-from odl.config.optimizer_support import optimizer_choices, table_kernel_kind
+from odl.config.optimizer_support import (
+    dense_ema_configured,
+    optimizer_choices,
+    table_kernel_kind,
+)
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.dynamic.growth import partition_rows
 from odl.models.embedding_tables import WIDE_SUFFIX
@@ -140,8 +144,7 @@ _DENSE_STATE = {"sgd": 0, "momentum": 1, "adagrad": 1, "rowwise_adagrad": 1, "ad
 
 def _dense_ema_copies(config: pipeline_pb2.EasyRecConfig) -> int:
     """1 with TorchEasyRec's dense EMA (a copy of every dense parameter), else 0."""
-    tc = config.train_config
-    return int(tc.HasField("dense_optimizer") and tc.dense_optimizer.HasField("ema"))
+    return int(dense_ema_configured(config.train_config))
 
 
 @dataclass(frozen=True)
