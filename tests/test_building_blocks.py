@@ -8,10 +8,10 @@ from odl.models.building_blocks import (
     CrossNet,
     CrossNetV2,
     ExpertGates,
-    TargetAttention,
     build_mlp,
     fm_term,
 )
+from odl.models.sequence_layers import AttentionLayout, TargetAttention
 from odl.protos import pipeline_pb2
 
 
@@ -75,7 +75,8 @@ def test_mlp_layers_and_identity():
 
 def test_target_attention_attends_over_the_positions_within_the_length():
     torch.manual_seed(0)
-    att = TargetAttention(key=4, seq_len=3, dnn=pipeline_pb2.DNN(hidden_units=[5, 1]))
+    att = TargetAttention(AttentionLayout.plain(4), seq_len=3,
+                          dnn=pipeline_pb2.DNN(hidden_units=[5, 1]))
     assert [type(m).__name__ for m in att.mlp] == ["Linear", "ReLU", "Linear"]  # score: plain
     b = 6
     k = torch.randn(b, 4)
@@ -125,7 +126,7 @@ def test_raw_projection_of_several_values_sums_each_value_times_its_row():
 
 
 def test_attention_pool_and_text_cnn_combine_a_sequence():
-    from odl.models.building_blocks import AttentionPool, GroupSequences, TextCNN
+    from odl.models.sequence_layers import AttentionPool, GroupSequences, TextCNN
 
     torch.manual_seed(0)
     b, n, d = 3, 4, 2
@@ -162,8 +163,8 @@ def test_attention_pool_and_text_cnn_combine_a_sequence():
 
 def test_target_attention_torcheasyrec_encoder_scores_with_a_linear_and_drops_the_key():
     torch.manual_seed(1)
-    att = TargetAttention(key=2, seq_len=3, dnn=pipeline_pb2.DNN(hidden_units=[4]),
-                          encoder=True)
+    att = TargetAttention(AttentionLayout.plain(2), seq_len=3,
+                          dnn=pipeline_pb2.DNN(hidden_units=[4]), encoder=True)
     assert att.out_width == 2
     k = torch.randn(2, 2)
     h = torch.randn(2, 3, 2)

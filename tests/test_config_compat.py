@@ -108,7 +108,19 @@ LOADS = {
     "easyrec/deepfm_combo_variational_dropout_on_avazu_ctr.config",
     "easyrec/custom_early_stop_on_taobao.config",
     "easyrec/dbmtl_on_multi_sequence_feature_taobao.config",
+    "easyrec/dbmtl_on_multi_numeric_boundary_allow_key_transform.config",
+    "easyrec/dbmtl_on_multi_numeric_boundary_allow_key_transform_dnn.config",
+    "easyrec/dbmtl_on_multi_numeric_boundary_allow_key_transform_multi_seq.config",
+    "easyrec/dbmtl_on_multi_numeric_boundary_need_key_feature_taobao.config",
+    "easyrec/dbmtl_on_multi_numeric_boundary_sequence_feature_taobao.config",
+    "easyrec/dbmtl_on_multi_numeric_hash_bucket_sequence_feature_taobao.config",
+    "easyrec/dbmtl_on_multi_numeric_num_buckets_sequence_feature_taobao.config",
+    "easyrec/dbmtl_on_multi_numeric_raw_sequence_feature_taobao.config",
+    "easyrec/dbmtl_on_numeric_boundary_sequence_feature_aux_hist_seq_taobao.config",
+    "easyrec/dbmtl_on_numeric_boundary_sequence_feature_taobao.config",
     "easyrec/dbmtl_on_numeric_hash_bucket_sequence_feature_taobao.config",
+    "easyrec/dbmtl_on_numeric_num_buckets_sequence_feature_taobao.config",
+    "easyrec/dbmtl_on_numeric_raw_sequence_feature_taobao.config",
     "easyrec/dbmtl_on_taobao_test_feature_config.config",
     "easyrec/dcn_f1_on_taobao.config",
     "easyrec/dead_line_stop.config",
@@ -121,6 +133,7 @@ LOADS = {
     "easyrec/deepfm_distribute_eval_combo_on_avazu_ctr.config",
     "easyrec/deepfm_distribute_eval_multi_cls_on_avazu_ctr.config",
     "easyrec/deepfm_multi_cls_on_avazu_ctr.config",
+    "easyrec/deepfm_on_criteo_batch_tfrecord.config",
     "easyrec/deepfm_vocab_list_on_avazu_ctr.config",
     "easyrec/deppfm_seq_attn_on_taobao.config",
     "easyrec/din_on_gzip_data.config",
@@ -144,6 +157,7 @@ LOADS = {
     "easyrec/multi_tower_ps_strategy_on_taobao.config",
     "easyrec/multi_tower_save_secs_on_taobao.config",
     "easyrec/rtp.config",
+    "easyrec/share_embedding_not_used.config",
     "easyrec/share_not_used.config",
     "easyrec/taobao_fg.config",
     "easyrec/taobao_fg_ev.config",
@@ -236,10 +250,20 @@ def _records(config, n: int, seed: int) -> list[bytes]:
                                           pipeline_pb2.DatasetConfig.INT64)
             numbers = (fc.feature_type == ft.SequenceFeature
                        and fc.sub_feature_type == ft.RawFeature)
-            if numbers or (fc.feature_type == ft.RawFeature and fc.raw_input_dim > 1):
+            if numbers and fc.seq_multi_sep:  # positions of several numbers
+                count = (lambda d=int(fc.raw_input_dim): d) if not fc.boundaries else (
+                    lambda: int(rng.integers(1, 4)))
+                makers[name] = lambda sep=fc.separator, multi=fc.seq_multi_sep, c=count: (
+                    sep.join(multi.join(f"{rng.random() * 1000:.4f}" for _ in range(c()))
+                             for _ in range(int(rng.integers(1, 6)))))
+            elif numbers or (fc.feature_type == ft.RawFeature and fc.raw_input_dim > 1):
                 makers[name] = lambda sep=fc.separator, d=fc.raw_input_dim, seq=numbers: (
                     sep.join(f"{rng.random():.4f}"
                              for _ in range(int(rng.integers(1, 6)) if seq else d)))
+            elif fc.seq_multi_sep:  # positions of several ids
+                makers[name] = lambda sep=fc.separator, multi=fc.seq_multi_sep: sep.join(
+                    multi.join(f"t{rng.integers(20)}" for _ in range(int(rng.integers(1, 4))))
+                    for _ in range(int(rng.integers(1, 6))))
             elif fc.feature_type == ft.RawFeature:
                 makers[name] = ((lambda: str(rng.integers(10))) if integer
                                 else (lambda: f"{rng.random():.4f}"))

@@ -10,8 +10,8 @@ import torch
 from odl.config.config_error import ConfigError
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.feature_plan import sequence_key, sequence_length_column
-from odl.models.building_blocks import SequencePool, TargetAttention
 from odl.models.model_registry import build_model
+from odl.models.sequence_layers import AttentionLayout, SequencePool, TargetAttention
 from odl.protos import pipeline_pb2
 from tests.harness import assert_edit_refused, load_config_text
 
@@ -86,7 +86,12 @@ def test_a_sequence_of_numbers_is_bucketized_position_by_position():
     (("raw_input_dim: 3", "raw_input_dim: 3 boundaries: [1, 2]"),
      "feature_config.features[1].boundaries", "raw_input_dim 1"),
     (("boundaries: [1, 5, 10] embedding_dim: 8", "embedding_dim: 8"),
-     "feature_config.features[2].embedding_dim", "without boundaries"),
+     "model_config.feature_groups[0].feature_names[2]", "target attention only"),
+    (("boundaries: [1, 5, 10] embedding_dim: 8", "embedding_dim: 8 raw_input_dim: 2"),
+     "feature_config.features[2].raw_input_dim", "seq_multi_sep"),
+    (("boundaries: [1, 5, 10] embedding_dim: 8",
+      'boundaries: [1, 5, 10] embedding_dim: 8 seq_multi_sep: "|"'),
+     "feature_config.features[2].seq_multi_sep", "differ from separator"),
     (("boundaries: [1, 5, 10] embedding_dim: 8", "boundaries: [1, 5, 10]"),
      "feature_config.features[2].embedding_dim", "embedding_dim > 0"),
     (("sub_feature_type: RawFeature", "sub_feature_type: RawFeature hash_bucket_size: 9"),
@@ -151,7 +156,7 @@ def test_torcheasyrec_value_dim_and_a_sequence_of_numbers_feed_a_din_tower():
     model = build_model(config, fb)
     din = model.dense.towers[1]
     # the key: item (8) + price (1); each item: click__item (8) + click__price (1)
-    assert (din.key, din.seq_len, din.dense_key, din.dense_item) == (9, 3, 1, 1)
+    assert (din.width, din.seq_len, din.key_dense, din.dense_sizes) == (9, 3, 1, [1])
     assert model.dense.towers[0][0].in_features == 8 + 1 + 3  # item, price, emb's 3 numbers
 
 
@@ -160,8 +165,9 @@ def test_target_attention_with_dense_parts_attends_over_the_whole_items():
     torch.manual_seed(0)
     dnn = pipeline_pb2.DNN(hidden_units=[6])
     b, n, ke, ie = 4, 3, 5, 4  # key 5 embedded + 1 dense; items 4 embedded + 2 dense
-    mixed = TargetAttention(6, n, dnn, encoder=True, dense_key=1, dense_item=2)
-    plain = TargetAttention(6, n, dnn, encoder=True)
+    mixed = TargetAttention(AttentionLayout.plain(6, dense_key=1, dense_item=2), n, dnn,
+                            encoder=True)
+    plain = TargetAttention(AttentionLayout.plain(6), n, dnn, encoder=True)
     plain.load_state_dict(mixed.state_dict())
     k_emb, k_dense = torch.randn(b, ke), torch.randn(b, 1)
     h_emb, h_dense = torch.randn(b, n, ie), torch.randn(b, n, 2)
@@ -292,7 +298,7 @@ def test_dense_query_and_items_of_a_group_encoder_join_its_attention():
     fb = FeatureBuilder(config)
     model = build_model(config, fb)
     (att,) = model.dense.sequences.combiners
-    assert (att.key, att.dense_key, att.dense_item, att.seq_len) == (9, 1, 1, 4)
+    assert (att.width, att.key_dense, att.dense_sizes, att.seq_len) == (9, 1, [1], 4)
     assert model.dense.sequences.dense_widths == [1 + 4]  # price, then click__price's 4
     module = TrainModule(config, fb, device="cpu")
     built = fb.build([b'{"clk": 1, "buy": 1, "user": "1", "item": "3", "price": 2.0, '

@@ -58,11 +58,31 @@ def test_positions_are_keys_and_the_kept_length_a_dense_column():
     (('feature_names: "C2" feature_names: "C3"',
       'feature_names: "C2" feature_names: "hist_C3" feature_names: "C3"'),
      "model_config.feature_groups[0].feature_names[2]", "sequence_combiner"),
-    (('model_class: "MultiTowerDIN"', 'model_class: "MultiTower"'),
-     "model_config.multi_tower.din_towers", "MultiTowerDIN"),
+    (('seq_att_map { key: "C3" hist_seq: "hist_C3" }',
+      'seq_att_map { key: "C3" hist_seq: "hist_C3" aux_hist_seq: "hist_C3" }'),
+     "model_config.seq_att_groups[0].seq_att_map[0].aux_hist_seq", "sequence_features"),
+    (('seq_att_map { key: "C3" hist_seq: "hist_C3" }',
+      'need_key_feature: false seq_att_map { key: "C3" hist_seq: "hist_C3" }'),
+     "model_config.seq_att_groups[0].need_key_feature", "not a DIN tower"),
 ])
 def test_din_config_errors_name_the_field(edit, field, words):
     assert_edit_refused(TEXT, edit, field, words)
+
+
+def test_easyrec_multi_tower_ignores_din_towers_and_says_so(caplog):
+    """EasyRec's MultiTower does not read din_towers (MultiTowerDIN does): odl loads such a
+    config, warns, and builds no DIN tower."""
+    from odl.models.model_registry import build_model
+
+    text = TEXT.replace('model_class: "MultiTowerDIN"', 'model_class: "MultiTower"')
+    with caplog.at_level("WARNING"):
+        config = load_config_text(text)
+    assert any("din_towers has no effect" in r.getMessage() for r in caplog.records)
+    model = build_model(config, FeatureBuilder(config))
+    names = [type(m).__name__ for m in model.dense.modules()]
+    assert "TargetAttention" not in names
+    din = build_model(load_config_text(TEXT), FeatureBuilder(load_config_text(TEXT)))
+    assert "TargetAttention" in [type(m).__name__ for m in din.dense.modules()]
 
 
 def test_keys_and_sequences_must_be_as_wide():

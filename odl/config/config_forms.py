@@ -38,7 +38,8 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
     * names ``c[1-3]`` of input fields (with ``data_config.auto_expand_input_fields``) and of
       feature groups become ``c1, c2, c3``, and a RawFeature's ``num_buckets`` over
       ``min_val`` / ``max_val`` becomes its boundaries
-      (:mod:`odl.config.feature_settings`);
+      (:mod:`odl.config.feature_settings`); EasyRec's ``sequence_length`` of a
+      SequenceFeature becomes ``max_seq_len``;
     * TorchEasyRec's ``deepfm { deep {} final {} }`` become ``dnn`` / ``final_dnn``; its
       ``*_mlp`` / ``mlp`` of MMoE, DBMTL and their task towers become EasyRec's ``*_dnn`` /
       ``dnn``;
@@ -66,6 +67,7 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
     for path, fc in _feature_entries(config):
         torcheasyrec_features |= fc.HasField("id_feature") or fc.HasField("raw_feature")
         _flatten_torcheasyrec_feature(path, fc)
+        _sequence_length_to_max_seq_len(path, fc)
         raw_num_buckets_to_boundaries(fc)
         if fc.feature_type == ft.RawFeature and fc.hash_bucket_size:
             logger.warning("%s.hash_bucket_size has no effect on a RawFeature and is ignored "
@@ -131,6 +133,32 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
         if not config.data_config.HasField("num_epochs"):
             config.data_config.num_epochs = tc.num_epochs
         tc.ClearField("num_epochs")
+
+
+def _sequence_length_to_max_seq_len(path: str, fc: pipeline_pb2.FeatureConfig) -> None:
+    """EasyRec's ``sequence_length`` as ``max_seq_len`` (the positions kept).
+
+    EasyRec pads a SequenceFeature of numbers read as dense positions to
+    ``sequence_length`` and reads the other sequences whole; odl keeps the first
+    ``max_seq_len`` positions of every sequence, so the written length is the one kept. On
+    a feature that is not a sequence it has no effect (warned).
+
+    Raises:
+        ConfigError: ``max_seq_len`` written too, with another value.
+    """
+    if not fc.HasField("sequence_length"):
+        return
+    n = int(fc.sequence_length)
+    fc.ClearField("sequence_length")
+    if fc.feature_type != pipeline_pb2.FeatureConfig.SequenceFeature:
+        logger.warning("%s.sequence_length has no effect on a feature that is not a "
+                       "SequenceFeature and is ignored (as EasyRec does)", path)
+        return
+    if fc.HasField("max_seq_len") and fc.max_seq_len != n:
+        raise ConfigError(f"{path}.sequence_length",
+                          f"{n} differs from max_seq_len {fc.max_seq_len}: give one of them "
+                          "(sequence_length is EasyRec's name of max_seq_len)")
+    fc.max_seq_len = n
 
 
 def _flatten_torcheasyrec_sequences(config: pipeline_pb2.EasyRecConfig) -> bool:

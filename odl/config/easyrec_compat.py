@@ -62,7 +62,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "DatasetConfig": frozenset({
         "label_sep", "label_dim", "extra_label_func",
         "selected_col_types", "ignore_error",
-        "data_compression_type", "n_data_batch_tfrecord", "with_header",
+        "data_compression_type", "with_header",
         "feature_fields", "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
         "hard_negative_sampler_v2", "negative_sampler_in_memory", "drop_remainder",
         "fg_encoded", "fg_encoded_multival_sep",
@@ -90,19 +90,16 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "TzPoolingEncoder": frozenset({"max_seq_length"}),
     "TzSeqGroupConfig": frozenset({"embedding_name_suffix"}),
     "FeatureConfig": frozenset({
-        "seq_multi_sep",
         "lookup_max_sel_elem_num", "initializer",
         "precision", "normalizer_fn",
-        "sequence_length", "expression", "combo_input_seps",
+        "expression", "combo_input_seps",
         # TorchEasyRec's other per-kind feature messages.
         "combo_feature", "lookup_feature", "match_feature",
         "expr_feature", "overlap_feature", "tokenize_feature", "custom_feature",
         "sequence_id_feature", "sequence_raw_feature", "bool_mask_feature",
     }),
-    "SeqAttMap": frozenset({"aux_hist_seq"}),
     "SequenceCombiner": frozenset({"multi_head_attention"}),
     "TextCNN": frozenset({"mlp"}),
-    "SeqAttGroupConfig": frozenset({"allow_key_transform", "transform_dnn"}),
     "FeatureGroupConfig": frozenset({"negative_sampler", "embedding_name_suffix"}),
     "EasyRecModel": frozenset({
         "model_name", "model_params", "dummy",
@@ -178,6 +175,9 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
                                  "read)", frozenset()),
         "shard": ("ranks split the topic's partitions among themselves", frozenset()),
         "file_shard": ("ranks split the topic's partitions among themselves", frozenset()),
+        "n_data_batch_tfrecord": ("a setting of EasyRec's BatchTFRecordInput (samples per "
+                                  "TFRecord); odl's inputs read one record per message or "
+                                  "line", frozenset()),
         # TorchEasyRec's
         "pin_memory": ("batches are built in the input process and moved by the trainer",
                        frozenset()),
@@ -260,8 +260,6 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
         "tf_summary": ("no TensorFlow summaries; metrics go to /status and /metrics",
                        frozenset()),
         "allow_key_search": ("keys are looked up by feature name", frozenset()),
-        "need_key_feature": ("a DIN tower's output holds the key's embedding",
-                             frozenset({"false", "0", "f", "no"})),
     },
     "TaskTower": {
         "train_metrics": ("odl reports progressive AUC and logloss per task (/status, "

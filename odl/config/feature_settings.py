@@ -22,10 +22,10 @@ r"""EasyRec's feature settings: vocabularies, raw value normalization, expanded 
 * ``normalizer`` (RawFeature; TorchEasyRec's ``raw_feature.normalizer``): the generator's
   transform of the value before ``boundaries`` or use as a number
   (:mod:`odl.config.raw_normalizer`); not together with ``min_val`` / ``max_val``.
-* ``num_buckets`` on a RawFeature with ``max_val > min_val`` and no ``boundaries``:
-  EasyRec's equal-width bucketization of the normalized value, the boundaries
-  ``[0, 1/n, ..., (n-1)/n]`` (``n + 1`` rows); :func:`raw_num_buckets_to_boundaries`
-  rewrites it so.
+* ``num_buckets`` on a RawFeature (or a SequenceFeature of numbers) with ``max_val >
+  min_val`` and no ``boundaries``: EasyRec's equal-width bucketization of the normalized
+  value, the boundaries ``[0, 1/n, ..., (n-1)/n]`` (``n + 1`` rows);
+  :func:`raw_num_buckets_to_boundaries` rewrites it so.
 * ``hash_bucket_size`` on a RawFeature: EasyRec never reads it (a RawFeature is dense, or
   bucketized by ``boundaries``, or projected by ``embedding_dim``); odl refuses it rather
   than ignoring it.
@@ -158,8 +158,11 @@ def raw_num_buckets_to_boundaries(fc: pipeline_pb2.FeatureConfig) -> None:
     """EasyRec's ``num_buckets`` on a normalized RawFeature as the boundaries it means.
 
     A RawFeature with ``num_buckets > 1``, ``max_val > min_val`` and no ``boundaries`` gets
-    ``boundaries = [k / num_buckets for k in range(num_buckets)]`` and no ``num_buckets``;
-    anything else is left as it is (and validated as written). Idempotent.
+    ``boundaries = [k / num_buckets for k in range(num_buckets)]`` and no ``num_buckets``; a
+    SequenceFeature of numbers so set gets the same buckets over its raw values,
+    ``boundaries = [min_val + (max_val - min_val) * k / num_buckets ...]``, and neither
+    ``num_buckets`` nor ``min_val`` / ``max_val``; anything else is left as it is (and
+    validated as written). Idempotent.
 
     Args:
         fc: a feature config, changed in place.
@@ -169,6 +172,15 @@ def raw_num_buckets_to_boundaries(fc: pipeline_pb2.FeatureConfig) -> None:
         n = int(fc.num_buckets)
         fc.boundaries.extend(k / float(n) for k in range(n))
         fc.ClearField("num_buckets")
+    elif (fc.feature_type == _FT.SequenceFeature and fc.sub_feature_type == _FT.RawFeature
+            and fc.num_buckets > 1 and fc.max_val > fc.min_val and not fc.boundaries):
+        # a sequence's numbers are not normalized otherwise (EasyRec normalizes them only
+        # here), so the same buckets are written over the values as they are
+        n = int(fc.num_buckets)
+        lo, span = float(fc.min_val), float(fc.max_val) - float(fc.min_val)
+        fc.boundaries.extend(lo + span * k / n for k in range(n))
+        for field in ("num_buckets", "min_val", "max_val"):
+            fc.ClearField(field)
 
 
 def normalizes(fc: pipeline_pb2.FeatureConfig) -> bool:

@@ -214,6 +214,8 @@ def validate_features(
                                       f"{fc.embedding_dim} is above the limit of "
                                       f"{limits.MAX_EMBEDDING_DIM}")
                 continue
+        if fc.seq_multi_sep:
+            _validate_multi_values(fc, where)
         if fc.feature_type == _FT.SequenceFeature:
             if fc.sub_feature_type not in (_FT.IdFeature, _FT.RawFeature):
                 raise ConfigError(f"{where}.sub_feature_type",
@@ -228,8 +230,11 @@ def validate_features(
                               f"{fc.embedding_dim} is above the limit of "
                               f"{limits.MAX_EMBEDDING_DIM}")
         table = fc.embedding_name or fc.feature_name
+        # a SequenceFeature's ids share a table with IdFeatures (looked up per position)
+        shared_kind = ("IdFeature" if fc.feature_type == _FT.SequenceFeature
+                       and fc.sub_feature_type == _FT.IdFeature else kind)
         shape = (fc.embedding_dim, fc.hash_bucket_size, fc.num_buckets, len(fc.boundaries),
-                 kind, dyn, fc.combiner)
+                 shared_kind, dyn, fc.combiner)
         if table in tables and tables[table] != shape:
             raise ConfigError(f"{where}.embedding_name",
                               f"features sharing embedding {table!r} must have the same "
@@ -339,6 +344,16 @@ def sequence_combiner_width(fc: FeatureConfig) -> int:
     return 0
 
 
+def item_width(fc: FeatureConfig) -> int:
+    """A SequenceFeature's width per position as target attention reads it.
+
+    Its ``embedding_dim`` (embedded, or numbers projected), else its numbers per position.
+    """
+    if dense_sequence(fc) and not fc.embedding_dim:
+        return int(fc.raw_input_dim)
+    return int(fc.embedding_dim)
+
+
 def _check_group_sequence(fc: FeatureConfig, where: str) -> None:
     """A SequenceFeature listed in a feature group: its combiner."""
     name = fc.feature_name
@@ -375,9 +390,13 @@ def validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
 
     ``seq_att_groups`` (DIN towers), or a feature group's ``sequence_features`` (a pooling
     one reads no key). Keys and sequences may be dense numbers too, each number one column,
-    with ``dense_parts`` (not in WideAndDeep's deep groups) and not for pooling.
+    with ``dense_parts`` (not in WideAndDeep's deep groups) and not for pooling. A group's
+    ``sequence_features`` (not a DIN tower's group) may also have auxiliary sequences, leave
+    the key out, make the key as wide as the items (``allow_key_transform``) and read
+    sequences of several numbers per position or projected ones.
     """
     seen: set[str] = set()
+    din_tower_groups = groups is None
     for i, g in enumerate(config.model_config.seq_att_groups if groups is None else groups):
         where = f"{prefix}[{i}]"
         if not g.group_name or g.group_name in seen:
@@ -416,14 +435,36 @@ def validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
                                       "boundaries: read by target attention in the tower and "
                                       "multi-task models only (add boundaries to embed its "
                                       "buckets)")
-                hist_width += 1 if dense_sequence(fc) else fc.embedding_dim
+                if din_tower_groups and dense_sequence(fc) and (
+                        fc.embedding_dim or fc.raw_input_dim != 1):
+                    raise ConfigError(f"{mw}.hist_seq",
+                                      f"{h!r}: projected numbers (embedding_dim) or several "
+                                      "per position are read by a feature group's "
+                                      "sequence_features, not by a DIN tower")
+                hist_width += item_width(fc)
+                lengths.add(fc.max_seq_len)
+            for a in m.aux_hist_seq:
+                fc = features.get(a)
+                if fc is None or fc.feature_type != _FT.SequenceFeature:
+                    raise ConfigError(f"{mw}.aux_hist_seq", f"{a!r} is not a SequenceFeature")
+                if din_tower_groups or g.pooling or (dense_sequence(fc) and not din_towers):
+                    raise ConfigError(f"{mw}.aux_hist_seq",
+                                      "auxiliary sequences are read by a feature group's "
+                                      "sequence_features with attention")
                 lengths.add(fc.max_seq_len)
         if g.pooling:
             key_width = hist_width
-        if key_width != hist_width:
+        for field in ("need_key_feature", "allow_key_transform", "transform_dnn"):
+            default = pipeline_pb2.SeqAttGroupConfig.DESCRIPTOR.fields_by_name[field]
+            if (g.HasField(field) and getattr(g, field) != default.default_value
+                    and (din_tower_groups or g.pooling or g.HasField("attn_mlp"))):
+                raise ConfigError(f"{where}.{field}",
+                                  "read by a feature group's sequence_features with EasyRec's "
+                                  "attention (not a DIN tower, an encoder or pooling)")
+        if key_width != hist_width and not g.allow_key_transform:
             raise ConfigError(where, f"the keys' embeddings ({key_width} wide) and the "
-                                     f"sequences' ({hist_width}) must be as wide (EasyRec's "
-                                     "allow_key_transform is not implemented)")
+                                     f"sequences' ({hist_width}) must be as wide, or "
+                                     "allow_key_transform: true")
         if len(lengths) > 1:
             raise ConfigError(where, "the group's SequenceFeatures need one max_seq_len")
         if g.HasField("seq_dnn"):
@@ -431,6 +472,16 @@ def validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
             if g.seq_dnn.hidden_units[-1] != 1:
                 raise ConfigError(f"{where}.seq_dnn.hidden_units",
                                   "the attention DNN ends in a layer of 1 unit (the score)")
+
+
+def _validate_multi_values(fc: FeatureConfig, where: str) -> None:
+    """``seq_multi_sep``: several values per position of a SequenceFeature."""
+    if fc.feature_type != _FT.SequenceFeature:
+        raise ConfigError(f"{where}.seq_multi_sep", "splits the positions of a SequenceFeature")
+    if fc.seq_multi_sep == fc.separator:
+        raise ConfigError(f"{where}.seq_multi_sep", "must differ from separator")
+    if fc.kv_separator or len(fc.input_names) > 1:
+        raise ConfigError(f"{where}.seq_multi_sep", "not with weighted values")
 
 
 def _validate_number_sequence(fc: FeatureConfig, where: str, fields: dict) -> None:
@@ -444,8 +495,13 @@ def _validate_number_sequence(fc: FeatureConfig, where: str, fields: dict) -> No
         raise ConfigError(f"{where}.hash_bucket_size",
                           "a SequenceFeature of numbers (sub_feature_type RawFeature) takes "
                           "boundaries, not hash_bucket_size / num_buckets / a vocabulary")
-    if fc.raw_input_dim != 1:
-        raise ConfigError(f"{where}.raw_input_dim", "a sequence holds one number per item")
+    if fc.raw_input_dim != 1 and (fc.boundaries or not fc.seq_multi_sep):
+        raise ConfigError(f"{where}.raw_input_dim",
+                          "numbers per position of a sequence (raw_input_dim) are read "
+                          "without boundaries, split on seq_multi_sep")
+    if fc.raw_input_dim > limits.MAX_RAW_INPUT_DIM:
+        raise ConfigError(f"{where}.raw_input_dim",
+                          f"{fc.raw_input_dim} is above the limit of {limits.MAX_RAW_INPUT_DIM}")
     if fc.max_seq_len > limits.MAX_SEQUENCE_LENGTH:
         raise ConfigError(f"{where}.max_seq_len",
                           f"{fc.max_seq_len} is above the limit of {limits.MAX_SEQUENCE_LENGTH}")
@@ -459,11 +515,9 @@ def _validate_number_sequence(fc: FeatureConfig, where: str, fields: dict) -> No
             raise ConfigError(f"{where}.boundaries", "must be finite and strictly ascending")
         if len(b) + 1 > limits.MAX_TABLE_ROWS:
             raise ConfigError(f"{where}.boundaries", "too many boundaries")
-    elif fc.embedding_dim:
+    elif fc.embedding_dim > limits.MAX_EMBEDDING_DIM:
         raise ConfigError(f"{where}.embedding_dim",
-                          "a SequenceFeature of numbers without boundaries is read as dense "
-                          "values per position (nothing is embedded): remove embedding_dim or "
-                          "add boundaries")
+                          f"{fc.embedding_dim} is above the limit of {limits.MAX_EMBEDDING_DIM}")
 
 
 def validate_dnn(dnn: Any, where: str, required: bool) -> None:

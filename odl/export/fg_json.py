@@ -14,7 +14,9 @@ bucketized. Layout::
          "boundaries": [float, ...],               (bucketized raw features)
          "value_dim": int,                         (raw features of several numbers)
          "separator": str, "pooling": "sum" | "mean",
-         "sequence_length": int, "sequence_delim": str,  (sequence features)
+         "sequence_length": int, "sequence_delim": str,  (sequence features; of several
+                                                   values per position: separator, pooling
+                                                   and, of numbers, value_dim too)
          "embedding_name": str},                   (a shared table)
         ...],
      "reserves": [label fields, sample id field, event time field]}
@@ -70,6 +72,11 @@ def fg_json_of(config: pipeline_pb2.EasyRecConfig) -> dict[str, Any]:
             entry["expression"] = _expression(fc, fc.input_names[0])
             entry["sequence_length"] = int(fc.max_seq_len) or 50
             entry["sequence_delim"] = fc.separator
+            if fc.seq_multi_sep:  # several values per position
+                entry["separator"] = fc.seq_multi_sep
+                entry["pooling"] = fc.combiner
+                if fc.sub_feature_type == _FT.RawFeature and not fc.boundaries:
+                    entry["value_dim"] = int(fc.raw_input_dim)
         else:
             entry["feature_type"] = "id_feature"
             entry["expression"] = _expression(fc, fc.input_names[0])

@@ -13,33 +13,48 @@ import numpy as np
 from odl.features.raw_id_index import RAW_ID_MASK
 from odl.features.record_parser import ParsedColumns
 
-__all__ = ["bag_weights", "raw_ids", "sequence_positions", "split_column"]
+__all__ = ["bag_weights", "raw_ids", "sequence_positions", "split_column", "split_ranges"]
 
 
-def sequence_positions(ids: np.ndarray, lengths: np.ndarray,
-                       seq_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def sequence_positions(ids: np.ndarray, lengths: np.ndarray, seq_len: int,
+                       bag_sizes: np.ndarray | None = None
+                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """A sequence's ids by position: the KJT values and lengths of its ``seq_len`` keys.
 
     Args:
-        ids: the sequence's ids, sample after sample.
-        lengths: ids per sample.
+        ids: the sequence's ids, sample after sample (position after position).
+        lengths: positions per sample.
         seq_len: positions kept (the first ones).
+        bag_sizes: ids per position, position after position (``seq_multi_sep``); None:
+            one id each.
 
     Returns:
-        ``(values, lengths, kept)``: position-major values (position 0's id of every sample
-        that has one, then position 1's, ...), ``[seq_len * B]`` lengths (0 or 1) in the same
-        order, and the kept length per sample.
+        ``(values, lengths, kept)``: position-major values (position 0's ids of every sample
+        that has that position, then position 1's, ...), ``[seq_len * B]`` bag lengths in
+        the same order, and the kept length per sample.
     """
     lengths = lengths.astype(np.int64)
     n = lengths.shape[0]
     starts = np.cumsum(lengths) - lengths
-    pos = np.arange(ids.shape[0]) - np.repeat(starts, lengths)
+    num_positions = int(lengths.sum())
+    pos = np.arange(num_positions) - np.repeat(starts, lengths)
     sample = np.repeat(np.arange(n), lengths)
-    keep = pos < seq_len
-    order = np.lexsort((sample[keep], pos[keep]))  # position-major, samples in order
     kept = np.minimum(lengths, seq_len)
-    per_key = (kept[None, :] > np.arange(seq_len)[:, None]).astype(np.int64).reshape(-1)
-    return ids[keep][order], per_key, kept
+    if bag_sizes is None:
+        keep = pos < seq_len
+        order = np.lexsort((sample[keep], pos[keep]))  # position-major, samples in order
+        per_key = (kept[None, :] > np.arange(seq_len)[:, None]).astype(np.int64).reshape(-1)
+        return ids[keep][order], per_key, kept
+    bag_sizes = bag_sizes.astype(np.int64)
+    per_key = np.zeros((seq_len, n), dtype=np.int64)
+    keep_pos = pos < seq_len
+    per_key[pos[keep_pos], sample[keep_pos]] = bag_sizes[keep_pos]
+    id_pos = np.repeat(pos, bag_sizes)
+    id_sample = np.repeat(sample, bag_sizes)
+    keep = id_pos < seq_len
+    # position-major, samples in order, a bag's ids in their order (lexsort is stable)
+    order = np.lexsort((id_sample[keep], id_pos[keep]))
+    return ids[keep][order], per_key.reshape(-1), kept
 
 
 def bag_weights(weights: np.ndarray | None, lengths: np.ndarray, mean: bool) -> np.ndarray:
@@ -84,7 +99,22 @@ def split_column(
         ``(starts, ends, lengths)``: each piece's byte range in ``parsed.buffer`` and the
         pieces per row (an empty value has none).
     """
-    s, e = parsed.starts[inp], parsed.ends[inp]
+    return split_ranges(parsed.starts[inp], parsed.ends[inp], sep, positions)
+
+
+def split_ranges(s: np.ndarray, e: np.ndarray, sep: bytes, positions: np.ndarray | None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Splits byte ranges ``[s, e)`` of a buffer on ``sep``; empty pieces are dropped.
+
+    Args:
+        s: the ranges' starts.
+        e: their ends.
+        sep: the separator.
+        positions: the ascending offsets of ``sep`` in the buffer (None: none).
+
+    Returns:
+        ``(starts, ends, counts)``: each piece's byte range and the pieces per range.
+    """
     if positions is not None and positions.shape[0]:
         lo = np.searchsorted(positions, s)
         hi = np.searchsorted(positions, e - len(sep) + 1)

@@ -38,7 +38,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from odl.features.column_ops import bag_weights, raw_ids, sequence_positions, split_column
+from odl.features.column_ops import (
+    bag_weights,
+    raw_ids,
+    sequence_positions,
+    split_column,
+    split_ranges,
+)
 from odl.features.feature_plan import FeaturePlan, PlannedDense, PlannedSparse
 from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments
 from odl.features.record_parser import ParsedColumns, parse_numbers
@@ -266,12 +272,12 @@ class FeatureBuilder(FeaturePlan):
         raw = parsed.buffer.tobytes()
         sep_pos = self._separatorsequence_positions(raw)
         pieces = {}
+        bags: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         bad = np.zeros(parsed.num_rows, dtype=bool)
         tag_weights: dict[str, np.ndarray] = {}
         for sp in self._sparse:
             if sp.kind in ("hash", "int", "vocab"):
-                pieces[sp.name] = split_column(parsed, sp.inputs[0], sp.separator,
-                                               sep_pos[sp.separator])
+                pieces[sp.name] = self._split_values(parsed, sp, sep_pos, bags)
                 if sp.weights_input or sp.kv_separator:
                     s, e, lengths, w, wrong = self._tag_weights(parsed, sp, pieces[sp.name],
                                                                 sep_pos)
@@ -294,8 +300,7 @@ class FeatureBuilder(FeaturePlan):
             overflow |= ~(np.abs(values) <= _FLOAT32_MAX).all(axis=1)
         for sp in self._sparse:
             if sp.kind == "bucket" and sp.seq_len:
-                s, e, lengths = split_column(parsed, sp.inputs[0], sp.separator,
-                                             sep_pos[sp.separator])
+                s, e, lengths = self._split_values(parsed, sp, sep_pos, bags)
                 numbers, ok = parse_numbers(parsed.buffer, s, e, "float")
                 row = np.repeat(np.arange(parsed.num_rows), lengths)
                 bad[row[~ok]] = True
@@ -318,7 +323,26 @@ class FeatureBuilder(FeaturePlan):
                 return ArraysResult(None, parsed.accepted, rejected)
             return self._build_parsed(parsed, rejected, raw)
         return self._build_parsed(parsed, rejected, raw, pieces, sep_pos, dense_values,
-                                  tag_weights)
+                                  tag_weights, bags)
+
+    @staticmethod
+    def _split_values(parsed: ParsedColumns, sp: PlannedSparse, sep_pos: dict,
+                      bags: dict[str, tuple[np.ndarray, np.ndarray]]
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A sparse feature's values: ``(starts, ends, values per row)``.
+
+        Split on its separator, and each piece again on ``seq_multi_sep`` when it has one;
+        then ``bags[sp.name]`` gets ``(positions per row, values per position)``.
+        """
+        s, e, lengths = split_column(parsed, sp.inputs[0], sp.separator, sep_pos[sp.separator])
+        if not sp.multi_sep:
+            return s, e, lengths
+        s, e, per_position = split_ranges(s, e, sp.multi_sep, sep_pos[sp.multi_sep])
+        n = parsed.num_rows
+        per_row = np.bincount(np.repeat(np.arange(n), lengths), weights=per_position,
+                              minlength=n).astype(np.int64)
+        bags[sp.name] = (lengths, per_position)
+        return s, e, per_row
 
     def _tag_weights(self, parsed: ParsedColumns, sp: PlannedSparse,
                      pieces: tuple[np.ndarray, np.ndarray, np.ndarray], sep_pos: dict
@@ -376,13 +400,21 @@ class FeatureBuilder(FeaturePlan):
             v = parsed.numeric[d.input].astype(np.float64, copy=False).reshape(n, 1)
         else:
             s, e, lengths = split_column(parsed, d.input, d.separator, sep_pos[d.separator])
-            numbers, ok = parse_numbers(parsed.buffer, s, e, "float")
-            row = np.repeat(np.arange(n), lengths)
-            bad[row[~ok]] = True
             starts = np.cumsum(lengths) - lengths
-            pos = np.arange(numbers.shape[0]) - np.repeat(starts, lengths)
+            pos = np.arange(s.shape[0]) - np.repeat(starts, lengths)
+            row = np.repeat(np.arange(n), lengths)
+            if d.multi_sep:  # item_width numbers per position
+                s, e, per_position = split_ranges(s, e, d.multi_sep, sep_pos[d.multi_sep])
+                bad[row[per_position != d.item_width]] = True
+                k = np.arange(s.shape[0]) - np.repeat(np.cumsum(per_position) - per_position,
+                                                      per_position)
+                row = np.repeat(row, per_position)
+                pos = np.repeat(pos, per_position) * d.item_width + np.minimum(
+                    k, d.item_width - 1)
+            numbers, ok = parse_numbers(parsed.buffer, s, e, "float")
+            bad[row[~ok]] = True
             if d.sequence:
-                kept = np.minimum(lengths, d.width)
+                kept = np.minimum(lengths, d.width // d.item_width)
             else:
                 bad |= (lengths != d.width) & (lengths != 0)
             keep = (pos < d.width) & ~bad[row]
@@ -391,13 +423,19 @@ class FeatureBuilder(FeaturePlan):
         if d.normalizer is not None:  # a value it cannot take: NaN, rejected as non_finite
             v = d.normalizer.apply(v)
             if kept is not None:  # padding positions stay 0
-                v = np.where(np.arange(d.width)[None, :] < kept[:, None], v, 0.0)
+                v = np.where(self._kept_columns(d, kept), v, 0.0)
         if d.norm is not None:
             with np.errstate(over="ignore"):
                 v = (v - d.norm[0]) / d.norm[1]
             if kept is not None:  # padding positions stay 0
-                v = np.where(np.arange(d.width)[None, :] < kept[:, None], v, 0.0)
+                v = np.where(self._kept_columns(d, kept), v, 0.0)
         return v, bad, kept
+
+    @staticmethod
+    def _kept_columns(d: PlannedDense, kept: np.ndarray) -> np.ndarray:
+        """``[n, width]``: whether a dense sequence's column is of a kept position."""
+        position = np.arange(d.width) // d.item_width
+        return position[None, :] < kept[:, None]
 
     def _separatorsequence_positions(self, raw: bytes) -> dict[bytes, np.ndarray | None]:
         out: dict[bytes, np.ndarray | None] = {}
@@ -420,6 +458,7 @@ class FeatureBuilder(FeaturePlan):
         sep_pos: dict | None = None,
         dense_values: dict | None = None,
         tag_weights: dict | None = None,
+        bags: dict | None = None,
     ) -> ArraysResult:
         n = parsed.num_rows
         buf = parsed.buffer
@@ -427,18 +466,17 @@ class FeatureBuilder(FeaturePlan):
             sep_pos = self._separatorsequence_positions(raw)
         pieces = dict(pieces or {})
         tag_weights = dict(tag_weights or {})
+        bags = dict(bags or {})
         for sp in self._sparse:
             if sp.kind in ("hash", "int", "vocab") and sp.name not in pieces:
-                pieces[sp.name] = split_column(parsed, sp.inputs[0], sp.separator,
-                                               sep_pos[sp.separator])
+                pieces[sp.name] = self._split_values(parsed, sp, sep_pos, bags)
                 if sp.weights_input or sp.kv_separator:
                     s, e, lengths, w, _bad = self._tag_weights(parsed, sp, pieces[sp.name],
                                                                sep_pos)
                     pieces[sp.name] = (s, e, lengths)
                     tag_weights[sp.name] = w
             if sp.kind == "bucket" and sp.seq_len and sp.name not in pieces:
-                s, e, lengths = split_column(parsed, sp.inputs[0], sp.separator,
-                                             sep_pos[sp.separator])
+                s, e, lengths = self._split_values(parsed, sp, sep_pos, bags)
                 pieces[sp.name] = (lengths, parse_numbers(buf, s, e, "float")[0])
             if sp.kind == "int" and len(pieces[sp.name]) == 3:
                 s, e, lengths = pieces[sp.name]
@@ -484,7 +522,12 @@ class FeatureBuilder(FeaturePlan):
                 ids = np.searchsorted(sp.boundaries, v, side="right").astype(np.int64)
             else:
                 ids, lengths = self._combo(parsed, sp)
-            if sp.seq_len:
+            if sp.seq_len and sp.name in bags:
+                positions, per_position = bags[sp.name]
+                ids, lengths, kept = sequence_positions(ids, positions, sp.seq_len,
+                                                        per_position)
+                seq_lengths[sp.name] = kept
+            elif sp.seq_len:
                 ids, lengths, kept = sequence_positions(ids, lengths, sp.seq_len)
                 seq_lengths[sp.name] = kept
             values_list.append(ids)

@@ -38,6 +38,12 @@ Feature kinds (``FeatureConfig.feature_type``):
   (``"<feature>#<position>"``, 0 past the sequence's end) and the kept length its
   ``"<feature>#len"`` column. A piece that is not a number rejects the record as
   ``bad_number``.
+* ``seq_multi_sep`` (a SequenceFeature's values per position, EasyRec's): each position
+  (piece on ``separator``) is split again on it. Ids and bucketized numbers: the position's
+  key holds them all, a bag pooled by the table's combiner (an empty piece: an empty bag).
+  Numbers without boundaries: ``raw_input_dim`` numbers per position, the columns
+  ``"<feature>#<position * raw_input_dim + k>"``; another count rejects the record as
+  ``bad_number``.
 * Weighted tags (EasyRec's TagFeature with a second input of weights, or with
   ``kv_separator``: pieces ``tag<kv_separator>weight``): the ids as above, each with its
   weight (a number; a missing or non-numeric weight, or a weights column with another count
@@ -155,6 +161,8 @@ class PlannedDense:
     width: int = 1  # values per record: raw_input_dim, or a dense sequence's positions
     separator: bytes = b""  # splits a value of several numbers (width > 1 or a sequence)
     sequence: bool = False  # a SequenceFeature of numbers (kept length: its own column)
+    multi_sep: bytes = b""  # a sequence's seq_multi_sep: item_width numbers per position
+    item_width: int = 1  # a sequence's numbers per position (its columns: width / item_width)
     norm: tuple[float, float] | None = None  # (min_val, max_val - min_val)
     normalizer: RawNormalizer | None = None  # TorchEasyRec's normalizer, applied first
 
@@ -180,6 +188,7 @@ class PlannedSparse:
     norm: tuple[float, float] | None = None  # (min_val, max_val - min_val)
     normalizer: RawNormalizer | None = None  # TorchEasyRec's normalizer, applied first
     seq_len: int = 0  # SequenceFeature: positions kept (one KJT key each); 0: not one
+    multi_sep: bytes = b""  # a sequence's seq_multi_sep: a bag of values per position
     mean: bool = False  # combiner mean (a weighted batch's weights carry it)
     weights_input: str = ""  # weighted tags: the column of the weights
     kv_separator: bytes = b""  # weighted tags: tag<kv>weight pieces
@@ -284,11 +293,14 @@ class FeaturePlan:
                 normalizer = (parse_normalizer(fc.normalizer, f"{path}.normalizer")
                               if fc.normalizer else None)
                 seq_len = (int(fc.max_seq_len or DEFAULT_MAX_SEQ_LEN) if raw_sequence else 0)
+                multi_sep = fc.seq_multi_sep.encode() if raw_sequence else b""
                 if not fc.boundaries:
+                    item = int(fc.raw_input_dim) if raw_sequence else 1
                     self._dense.append(PlannedDense(
-                        name, inp0, seq_len or width,
+                        name, inp0, seq_len * item or width,
                         separator=fc.separator.encode() if listed else b"",
-                        sequence=raw_sequence, norm=norm, normalizer=normalizer))
+                        sequence=raw_sequence, multi_sep=multi_sep, item_width=item,
+                        norm=norm, normalizer=normalizer))
                     if raw_sequence:
                         self._seq_lengths.append(name)
                     continue
@@ -298,7 +310,7 @@ class FeaturePlan:
                 sp = PlannedSparse(name, "bucket", (inp0,), len(b) + 1, boundaries=b, norm=norm,
                                    normalizer=normalizer,
                                    separator=fc.separator.encode() if raw_sequence else b"",
-                                   seq_len=seq_len)
+                                   seq_len=seq_len, multi_sep=multi_sep)
             elif fc.feature_type == _FT.ComboFeature:
                 rows = dyn.capacity if dyn is not None else int(fc.hash_bucket_size)
                 sp = PlannedSparse(name, "combo", tuple(fc.input_names), rows,
@@ -349,6 +361,8 @@ class FeaturePlan:
         self._seps = sorted({sp.separator for sp in self._sparse if sp.separator
                              and sp.kind in ("hash", "int", "vocab", "bucket")}
                             | {d.separator for d in self._dense if d.separator}
+                            | {x.multi_sep for x in [*self._sparse, *self._dense]
+                               if x.multi_sep}
                             | {sp.kv_separator for sp in self._sparse if sp.kv_separator})
 
     @staticmethod
@@ -384,6 +398,7 @@ class FeaturePlan:
         return PlannedSparse(fc.feature_name, kind, (fc.input_names[0],), rows,
                              separator=fc.separator.encode(), raw_ids=dyn is not None,
                              vocab=vocab, seq_len=seq_len,
+                             multi_sep=fc.seq_multi_sep.encode() if seq_len else b"",
                              weights_input=fc.input_names[1] if len(fc.input_names) > 1 else "",
                              kv_separator=fc.kv_separator.encode())
 
@@ -420,7 +435,15 @@ class FeaturePlan:
     @property
     def dense_sequence_features(self) -> dict[str, int]:
         """SequenceFeatures of numbers without boundaries -> positions (dense columns)."""
-        return {d.name: d.width for d in self._dense if d.sequence}
+        return {d.name: d.width // d.item_width for d in self._dense if d.sequence}
+
+    @property
+    def dense_sequence_item_widths(self) -> dict[str, int]:
+        """SequenceFeatures of numbers without boundaries -> numbers per position.
+
+        Their columns are position after position, ``raw_input_dim`` each.
+        """
+        return {d.name: d.item_width for d in self._dense if d.sequence}
 
     @property
     def table_specs(self) -> list[TableSpec]:

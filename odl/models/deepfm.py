@@ -52,13 +52,7 @@ from odl.config.model_validation import (
 )
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.building_blocks import (
-    GroupSequences,
-    RawProjection,
-    SequenceBlock,
-    build_mlp,
-    fm_term,
-)
+from odl.models.building_blocks import RawProjection, build_mlp, fm_term
 from odl.models.ctr_losses import (
     ctr_loss,
     embedding_l2,
@@ -72,6 +66,7 @@ from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import dense_columns, model_groups, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
+from odl.models.sequence_layers import GroupSequences, SequenceBlock
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)

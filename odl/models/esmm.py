@@ -51,7 +51,7 @@ from odl.config.model_classes import product_output, task_label_names, task_towe
 from odl.config.model_validation import check_dropout_group, validate_dnn
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.building_blocks import GroupSequences, SequenceBlock, build_optional_mlp
+from odl.models.building_blocks import build_optional_mlp
 from odl.models.ctr_losses import embedding_l2, linear_kernel_l2
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
@@ -59,6 +59,7 @@ from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.models.multi_task_models import TaskHead, multi_task_group
+from odl.models.sequence_layers import GroupSequences, SequenceBlock
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)

@@ -8,13 +8,18 @@ input made from sequences) and :func:`dense_columns`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 from odl.config.config_error import ConfigError
 from odl.config.feature_configs import feature_configs
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.feature_plan import sequence_key, sequence_length_column
-from odl.models.building_blocks import (
+from odl.models.sequence_layers import (
+    KEY_AS_IS,
+    KEY_LINEAR,
+    KEY_PADDED,
+    AttentionLayout,
     SequenceBlock,
     SequencePool,
     TargetAttention,
@@ -130,7 +135,6 @@ def sequence_blocks(config: pipeline_pb2.EasyRecConfig, feature_builder: Feature
     """
     fcs = {fc.feature_name: fc for fc in feature_configs(config)}
     positions = feature_builder.sequence_features
-    cols = feature_builder.dense_feature_columns
     out: dict[str, list[SequenceBlock]] = {}
     for g in config.model_config.feature_groups:
         blocks = []
@@ -142,30 +146,67 @@ def sequence_blocks(config: pipeline_pb2.EasyRecConfig, feature_builder: Feature
                     sequence_combiner(d, n, fcs[f].sequence_combiner),
                     sequence_length_column(f)))
         for sa in g.sequence_features:
-            keys = [k for m in sa.seq_att_map for k in m.key]
-            hists = [h for m in sa.seq_att_map for h in m.hist_seq]
-            n = positions[hists[0]]
-            # embedded keys and items are looked up; dense ones are Batch.dense columns
-            emb_keys = [k for k in keys if k not in cols]
-            emb_hists = [h for h in hists if h not in cols]
-            dense_hists = [h for h in hists if h in cols]
-            items = tuple(sequence_key(h, p) for p in range(n) for h in emb_hists)
-            length = sequence_length_column(hists[0])
-            if sa.pooling:  # TorchEasyRec's pooling encoder: the items only
-                width = sum(int(fcs[h].embedding_dim) for h in hists)
-                blocks.append(SequenceBlock(items, SequencePool(width, n, sa.pooling), length))
-                continue
-            encoder = sa.HasField("attn_mlp")  # TorchEasyRec's DIN encoder
-            dnn = (sa.attn_mlp if encoder else sa.seq_dnn if sa.HasField("seq_dnn")
-                   else pipeline_pb2.DNN(hidden_units=DEFAULT_SEQ_DNN_UNITS))
-            dense_keys = [c for k in keys if k in cols for c in cols[k]]
-            width = sum(int(fcs[k].embedding_dim) for k in emb_keys) + len(dense_keys)
-            blocks.append(SequenceBlock(
-                tuple(emb_keys) + items,
-                TargetAttention(width, n, dnn, encoder=encoder, dense_key=len(dense_keys),
-                                dense_item=len(dense_hists)),
-                length,
-                tuple(dense_keys) + tuple(cols[h][p] for p in range(n) for h in dense_hists)))
+            blocks.append(_attention_block(sa, fcs, feature_builder))
         if blocks:
             out[g.group_name] = blocks
     return out
+
+
+def _attention_block(sa: pipeline_pb2.SeqAttGroupConfig, fcs: dict,
+                     feature_builder: FeatureBuilder) -> SequenceBlock:
+    """A group's ``sequence_features`` entry as the block of its target attention.
+
+    (Or of TorchEasyRec's pooling encoder.) The lookups and dense columns come in
+    ``AttentionLayout``'s order: embedded keys and items looked up, dense ones
+    ``Batch.dense`` columns.
+    """
+    positions = feature_builder.sequence_features
+    cols = feature_builder.dense_feature_columns
+    numbers = feature_builder.dense_sequence_item_widths
+    keys = [k for m in sa.seq_att_map for k in m.key]
+    hists = [h for m in sa.seq_att_map for h in m.hist_seq]
+    auxes = [a for m in sa.seq_att_map for a in m.aux_hist_seq]
+    n = positions[hists[0]]
+    length = sequence_length_column(hists[0])
+    emb_hists = [h for h in hists if h not in cols]
+    emb_auxes = [a for a in auxes if a not in cols]
+    items = tuple(sequence_key(h, p) for p in range(n) for h in emb_hists + emb_auxes)
+    if sa.pooling:  # TorchEasyRec's pooling encoder: the items only
+        width = sum(int(fcs[h].embedding_dim) for h in hists)
+        return SequenceBlock(items, SequencePool(width, n, sa.pooling), length)
+    encoder = sa.HasField("attn_mlp")  # TorchEasyRec's DIN encoder
+    dnn = (sa.attn_mlp if encoder else sa.seq_dnn if sa.HasField("seq_dnn")
+           else pipeline_pb2.DNN(hidden_units=DEFAULT_SEQ_DNN_UNITS))
+    emb_keys = [k for k in keys if k not in cols]
+    dense_keys = [c for k in keys if k in cols for c in cols[k]]
+    dense_hists = [h for h in hists if h in cols]
+    dense_auxes = [a for a in auxes if a in cols]
+
+    def dense_parts(features: list[str]) -> tuple[tuple[int, int], ...]:
+        # (numbers per position, projected width: EasyRec's embedding_dim; 0: as they are)
+        return tuple((numbers[f], int(fcs[f].embedding_dim)) for f in features)
+
+    layout = AttentionLayout(
+        key_embedded=sum(int(fcs[k].embedding_dim) for k in emb_keys),
+        item_embedded=sum(int(fcs[h].embedding_dim) for h in emb_hists),
+        aux_embedded=sum(int(fcs[a].embedding_dim) for a in emb_auxes),
+        key_dense=len(dense_keys), item_dense=dense_parts(dense_hists),
+        aux_dense=dense_parts(dense_auxes), with_key=sa.need_key_feature)
+    layout = dataclasses.replace(layout, key_transform=key_transform(
+        sa, layout.key_width, layout.item_width))
+    dense_items = tuple(c for p in range(n) for f in dense_hists + dense_auxes
+                        for c in cols[f][p * numbers[f] : (p + 1) * numbers[f]])
+    return SequenceBlock(tuple(emb_keys) + items,
+                         TargetAttention(layout, n, dnn, encoder=encoder), length,
+                         tuple(dense_keys) + dense_items)
+
+
+def key_transform(sa: pipeline_pb2.SeqAttGroupConfig, key: int, item: int) -> str:
+    """How a key of ``key`` columns is made as wide as ``item`` (``allow_key_transform``).
+
+    As it is when they agree (or without the setting), padded with zeros when narrower
+    (unless ``transform_dnn``), else through Linear layers (EasyRec's rule).
+    """
+    if key == item or not sa.allow_key_transform:
+        return KEY_AS_IS
+    return KEY_PADDED if item > key and not sa.transform_dnn else KEY_LINEAR

@@ -56,13 +56,7 @@ from odl.config.model_classes import model_settings, task_label_names
 from odl.config.model_validation import check_dropout_group, validate_dnn, validate_losses
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
-from odl.models.building_blocks import (
-    ExpertGates,
-    GroupSequences,
-    RawProjection,
-    SequenceBlock,
-    build_optional_mlp,
-)
+from odl.models.building_blocks import ExpertGates, RawProjection, build_optional_mlp
 from odl.models.ctr_losses import (
     add_loss_weights,
     ctr_loss,
@@ -78,6 +72,7 @@ from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
+from odl.models.sequence_layers import GroupSequences, SequenceBlock
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)

@@ -55,15 +55,7 @@ from odl.config.model_validation import (
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.feature_plan import sequence_key, sequence_length_column
-from odl.models.building_blocks import (
-    CrossNet,
-    CrossNetV2,
-    GroupSequences,
-    SequenceBlock,
-    TargetAttention,
-    build_mlp,
-    build_optional_mlp,
-)
+from odl.models.building_blocks import CrossNet, CrossNetV2, build_mlp, build_optional_mlp
 from odl.models.ctr_losses import (
     ctr_loss,
     embedding_l2,
@@ -77,6 +69,12 @@ from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
+from odl.models.sequence_layers import (
+    AttentionLayout,
+    GroupSequences,
+    SequenceBlock,
+    TargetAttention,
+)
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -138,8 +136,9 @@ class TowerDense(nn.Module):
                 width += in_width
             elif kind == "din":
                 dnn, key_width, seq_len, encoder, dense_key, dense_item = settings
-                attention = TargetAttention(key_width, seq_len, dnn, encoder, dense_key,
-                                            dense_item)
+                attention = TargetAttention(
+                    AttentionLayout.plain(key_width, dense_key, dense_item), seq_len, dnn,
+                    encoder)
                 self.towers.append(attention)
                 width += attention.out_width
             elif kind == "cross_v2":
@@ -421,10 +420,11 @@ def _validate(check: ModelCheck) -> None:
             if not settings.HasField(name):
                 raise ConfigError(f"{where}.{name}", "required")
         paths = [f"{where}.deep_tower", f"{where}.cross_tower"]
-    if field == "multi_tower" and settings.din_towers:
-        if mc.model_class != _DIN:
-            raise ConfigError(f"{where}.din_towers",
-                              f'din_towers need model_class: "{_DIN}"')
+    if field == "multi_tower" and settings.din_towers and mc.model_class != _DIN:
+        logger.warning("%s.din_towers has no effect with model_class %r and is ignored (as "
+                       "EasyRec's MultiTower ignores it); model_class \"%s\" reads them",
+                       where, mc.model_class, _DIN)
+    elif field == "multi_tower" and settings.din_towers:
         paths += [f"{where}.din_towers[{i}]" for i in range(len(settings.din_towers))]
         validate_sequence_groups(config, features)
     for path, (kind, group, tower) in zip(paths, towers, strict=True):
