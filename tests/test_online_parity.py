@@ -158,7 +158,7 @@ def test_serving_replay_matches_trainer_predictions(
             conversion_labels(sent, 41).mean(), abs=1e-6)
     elif model == "MultiTowerDIN":  # the deep tower, then target attention over hist_C3
         assert [type(t).__name__ for t in dense.towers] == ["Sequential", "TargetAttention"]
-        assert dense.towers[1].seq_len == 5 and dense.towers[1].key == 8
+        assert dense.towers[1].seq_len == 5 and dense.towers[1].width == 8
     elif model == "FM":  # first-order terms (the dense features' too) and the FM term only
         assert type(dense).__name__ == "FMDense" and dense.fm_out is None
         assert dense.wide_dense.in_features == 13 and dense.num_deep == 26
