@@ -122,6 +122,7 @@ LOADS = {
     "easyrec/dbmtl_on_numeric_num_buckets_sequence_feature_taobao.config",
     "easyrec/dbmtl_on_numeric_raw_sequence_feature_taobao.config",
     "easyrec/dbmtl_on_taobao_test_feature_config.config",
+    "easyrec/dbmtl_variational_dropout_on_sequence_feature_taobao.config",
     "easyrec/dcn_f1_on_taobao.config",
     "easyrec/dead_line_stop.config",
     "easyrec/deepfm_combo_on_avazu_adamw_ctr.config",
@@ -130,8 +131,10 @@ LOADS = {
     "easyrec/deepfm_combo_on_avazu_reg.config",
     "easyrec/deepfm_combo_on_avazu_sigmoid_l2.config",
     "easyrec/deepfm_combo_v2_on_avazu_ctr.config",
+    "easyrec/deepfm_combo_v3_on_avazu_ctr.config",
     "easyrec/deepfm_distribute_eval_combo_on_avazu_ctr.config",
     "easyrec/deepfm_distribute_eval_multi_cls_on_avazu_ctr.config",
+    "easyrec/deepfm_lookup.config",
     "easyrec/deepfm_multi_cls_on_avazu_ctr.config",
     "easyrec/deepfm_on_criteo_batch_tfrecord.config",
     "easyrec/deepfm_vocab_list_on_avazu_ctr.config",
@@ -151,6 +154,7 @@ LOADS = {
     "easyrec/multi_tower_multi_value_export_on_taobao.config",
     "easyrec/multi_tower_multi_worker_mirrored_strategy_on_taobao.config",
     "easyrec/multi_tower_on_taobao_chief_redundant.config",
+    "easyrec/multi_tower_on_taobao_for_expr.config",
     "easyrec/multi_tower_on_taobao_session_auc.config",
     "easyrec/multi_tower_on_taobao_unblanace.config",
     "easyrec/multi_tower_ps_strategy_2gpu_on_taobao.config",
@@ -250,7 +254,14 @@ def _records(config, n: int, seed: int) -> list[bytes]:
                                           pipeline_pb2.DatasetConfig.INT64)
             numbers = (fc.feature_type == ft.SequenceFeature
                        and fc.sub_feature_type == ft.RawFeature)
-            if numbers and fc.seq_multi_sep:  # positions of several numbers
+            if fc.feature_type == ft.LookupFeature and name == fc.input_names[1]:
+                # a map "k1:v1|k4:v2|..." over the keys the key column takes (k0 .. k4)
+                makers[name] = lambda sep=fc.separator, kv=fc.kv_separator: sep.join(
+                    f"k{rng.integers(5)}{kv}v{rng.integers(20)}"
+                    for _ in range(int(rng.integers(0, 6))))
+            elif fc.feature_type == ft.LookupFeature:
+                makers[name] = lambda: f"k{rng.integers(5)}"
+            elif numbers and fc.seq_multi_sep:  # positions of several numbers
                 count = (lambda d=int(fc.raw_input_dim): d) if not fc.boundaries else (
                     lambda: int(rng.integers(1, 4)))
                 makers[name] = lambda sep=fc.separator, multi=fc.seq_multi_sep, c=count: (
@@ -329,6 +340,7 @@ def test_sample_configs_train_then_export_and_serve_to_parity(name: str, tmp_pat
     from odl.config.feature_configs import feature_configs as fb_features
     from odl.export.exporter import export_checkpoint
     from odl.features.feature_builder import FeatureBuilder
+    from odl.protos import pipeline_pb2
     from odl.train.memory_estimate import estimate_memory
     from odl.train.train_module import TrainModule
     from serving_plugin.serving_model import ServingModel
@@ -365,7 +377,14 @@ def test_sample_configs_train_then_export_and_serve_to_parity(name: str, tmp_pat
         want = fc.fg_expression or f"user:{fc.input_names[0]}"
         if len(fc.input_names) > 1:  # a ComboFeature: one expression per input
             want = [f"user:{c}" for c in fc.input_names]
-        assert fg[fc.feature_name]["expression"] == want, fc.feature_name
+        if fc.feature_type == pipeline_pb2.FeatureConfig.LookupFeature:
+            want = None
+            assert (fg[fc.feature_name]["key"], fg[fc.feature_name]["map"]) == tuple(
+                f"user:{c}" for c in fc.input_names)
+        elif fc.expression:  # an ExprFeature: its expression, over its inputs
+            want = fc.expression
+            assert fg[fc.feature_name]["variables"] == [f"user:{c}" for c in fc.input_names]
+        assert fg[fc.feature_name].get("expression") == want, fc.feature_name
     values = _records(config, 200, seed=99)
     want = module.predict(fb.build(values).batch)
     got, rejected = served.predict_values(values)

@@ -196,3 +196,39 @@ def test_the_model_reads_the_forms_and_trains():
         out = module.train_step(fb.build(rows).batch)
         assert np.isfinite(out.loss)
     assert not torch.equal(att.projections[0].weight, before)  # the projection learns
+
+
+def test_variational_dropout_of_a_group_with_attention_leaves_the_attended_vector():
+    """EasyRec drops a group's input-layer features; its target attention's vector joins
+    after: in evaluation the group's lookups and numbers are scaled by 1 - p, the attention's
+    output is not."""
+    import copy
+
+    from odl.train.train_module import TrainModule
+
+    text = CONFIG.replace("model_config {", "model_config {\n  variational_dropout { "
+                          "regularization_lambda: 0.01 }", 1)
+    config = load_config_text(text)
+    fb = FeatureBuilder(config)
+    module = TrainModule(config, fb, device="cpu")
+    seqs = module.model.dense.sequences
+    assert seqs.dropped == [] and seqs.dropout is not None  # the group's only block: attention
+    plain = copy.deepcopy(seqs)
+    plain.dropout = None
+    seqs.eval()
+    plain.eval()
+    x = torch.randn(6, plain.regular + sum(plain.widths) + plain.raw
+                    + sum(plain.dense_widths) + plain.num_sequences)
+    x[:, -1] = 2.0  # the sequence's length
+    got, want = seqs(x), plain(x)
+    keep = 1.0 - torch.sigmoid(seqs.dropout.logit_p)  # user, brand: one p per feature
+    reg = plain.regular
+    assert reg == 8 and keep.shape == (2,)
+    assert torch.allclose(got[:, :4], want[:, :4] * keep[0])
+    assert torch.allclose(got[:, 4:8], want[:, 4:8] * keep[1])
+    assert torch.equal(got[:, reg:], want[:, reg:])  # the attended vector, as it was
+    before = seqs.dropout.logit_p.detach().clone()
+    module.model.train()
+    built = fb.build([b"1,u1,b1,x;y|z,10;60|99,1;2|3;4", b"0,u2,b2,w,5,5;6"] * 4)
+    module.train_step(built.batch)
+    assert not torch.equal(seqs.dropout.logit_p, before)  # the probabilities learn

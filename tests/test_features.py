@@ -257,6 +257,65 @@ def test_feature_builder_combo_empty_input_gives_no_id():
     assert b.sparse.to_dict()["user"].lengths().tolist() == [0]
 
 
+def test_combo_input_seps_cross_every_value_of_the_split_inputs():
+    """EasyRec's sparse cross: the tags split on "|", the user whole, one id per pair."""
+    text = CONFIG.replace(
+        'feature_name: "user_cat" input_names: ["user", "cat"] feature_type: ComboFeature',
+        'feature_name: "user_cat" input_names: ["tags", "user", "cat"] '
+        'combo_input_seps: ["|", "", ""] feature_type: ComboFeature')
+    fb = FeatureBuilder(text_format.Parse(text, pipeline_pb2.EasyRecConfig()))
+    rows = [csv(1, 1.5, 20, "u1", "a|b", 3, 12, "s0", T0), csv(0, 1, 20, "u2", "", 4, 5, "s1", T0),
+            csv(1, 1, 20, "u3", "|c||", 5, 5, "s2", T0), csv(1, 1, 20, "", "d", 6, 5, "s3", T0)]
+    kjt = fb.build(rows).batch.sparse.to_dict()["user_cat"]
+    # no tag, or an empty user: no id (as an empty input of a plain ComboFeature)
+    assert kjt.lengths().tolist() == [2, 0, 1, 0]
+    assert kjt.values().tolist() == [fnv1a64(c) % 100 for c in ["a#u1#3", "b#u1#3", "c#u3#5"]]
+    two = text.replace('["tags", "user", "cat"] combo_input_seps: ["|", "", ""]',
+                       '["tags", "tags"] combo_input_seps: ["|", "|"]')
+    fb = FeatureBuilder(text_format.Parse(two, pipeline_pb2.EasyRecConfig()))
+    kjt = fb.build(rows[:1]).batch.sparse.to_dict()["user_cat"]
+    want = ["a#a", "a#b", "b#a", "b#b"]  # the first input's values vary slowest
+    assert kjt.values().tolist() == [fnv1a64(c) % 100 for c in want]
+
+
+LOOKUP = CONFIG.replace(
+    'features { input_names: "tags" hash_bucket_size: 500 embedding_dim: 8 separator: "|" }',
+    'features { input_names: ["user", "tags"] feature_name: "tags" feature_type: LookupFeature '
+    'hash_bucket_size: 500 embedding_dim: 8 separator: "|" kv_separator: ":" '
+    'lookup_max_sel_elem_num: 2 }')
+
+
+def test_lookup_feature_hashes_the_values_of_the_records_key():
+    """EasyRec's LookupFeature: the map's pieces keyed by the record's key, the first
+    lookup_max_sel_elem_num of them; a piece without kv_separator selects nothing."""
+    fb = FeatureBuilder(text_format.Parse(LOOKUP, pipeline_pb2.EasyRecConfig()))
+    maps = ["u1:a|u2:b|u1:c|u1:d", "u1:a|u2", "x:y", "u11:z|u1:", "u1:p:q"]
+    users = ["u1", "u2", "u3", "u1", "u1"]
+    rows = [csv(1, 1, 20, u, m, 3, 12, "s", T0) for u, m in zip(users, maps, strict=True)]
+    kjt = fb.build(rows).batch.sparse.to_dict()["tags"]
+    # u1's a, c (d is past the 2 kept); u2 has no "u2:..." piece; "u1:" selects an empty
+    # value; the first ":" cuts "u1:p:q" into u1 and "p:q"
+    assert kjt.lengths().tolist() == [2, 0, 0, 1, 1]
+    assert kjt.values().tolist() == [fnv1a64(v) % 500 for v in ["a", "c", "", "p:q"]]
+
+
+@pytest.mark.parametrize("edit, field", [
+    (('kv_separator: ":"', ''), "feature_config.features[3].kv_separator"),
+    (('hash_bucket_size: 500 embedding_dim: 8 separator: "|" kv_separator',
+      'num_buckets: 500 embedding_dim: 8 separator: "|" kv_separator'),
+     "feature_config.features[3].hash_bucket_size"),
+    (('input_names: ["user", "tags"]', 'input_names: ["user", "shop"]'),
+     "feature_config.features[3].input_names[1]"),
+    (('lookup_max_sel_elem_num: 2', 'lookup_max_sel_elem_num: 0'),
+     "feature_config.features[3].lookup_max_sel_elem_num"),
+])
+def test_lookup_feature_errors_name_the_field(edit, field):
+    assert edit[0] in LOOKUP
+    c = text_format.Parse(LOOKUP.replace(*edit), pipeline_pb2.EasyRecConfig())
+    c.feature_config.features[3].feature_name = "tags"
+    assert refused_field(c) == field
+
+
 # CONFIG as a whole pipeline config, for the checks of odl.models.model_registry
 MODEL = """
 model_dir: "/tmp/odl-test-features-unused"
@@ -309,6 +368,17 @@ def test_feature_config_errors_name_the_field():
     c = config()
     c.data_config.input_fields[6].default_val = "3.5"  # the parser reads INT64 as integers
     assert refused_field(c) == "data_config.input_fields[6].default_val"
+    c = config()
+    c.feature_config.features[6].combo_input_seps.append("|")  # one separator per input
+    assert refused_field(c) == "feature_config.features[6].combo_input_seps"
+    c = config()
+    c.feature_config.features[6].ClearField("input_names")
+    c.feature_config.features[6].input_names.extend(["shop", "cat"])
+    c.feature_config.features[6].combo_input_seps.extend(["|", ""])  # shop is INT64
+    assert refused_field(c) == "feature_config.features[6].combo_input_seps[0]"
+    c = config()
+    c.feature_config.features[2].combo_input_seps.extend([","])  # not a ComboFeature
+    assert refused_field(c) == "feature_config.features[2].combo_input_seps"
 
 
 # -- vocabularies and raw value normalization (odl.config.feature_settings) ------------------

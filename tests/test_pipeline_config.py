@@ -292,8 +292,8 @@ def test_unknown_field(tmp_path: Path) -> None:
         ("model_config { dbmtl { bottom_cmbf { } } }", "model_config.dbmtl.bottom_cmbf"),
         ('model_config { multi_tower { bst_towers { input: "seq" } } }',
          "model_config.multi_tower.bst_towers"),
-        ('feature_configs { input_names: "a" } feature_configs { lookup_max_sel_elem_num: 3 }',
-         "feature_configs[1].lookup_max_sel_elem_num"),
+        ('feature_configs { input_names: "a" } feature_configs { precision: 3 }',
+         "feature_configs[1].precision"),
         # TorchEasyRec's data and train settings that would change what is trained
         ("data_config { sample_mask_prob: 0.1 }", "data_config.sample_mask_prob"),
         ('data_config { sample_weight_fields: "w" }', "data_config.sample_weight_fields"),
@@ -381,10 +381,8 @@ def test_every_easyrec_input_type_is_accepted_the_input_section_decides(
 @pytest.mark.parametrize(
     "text, field, value",
     [
-        ('feature_configs { input_names: "a" feature_type: LookupFeature }',
-         "feature_configs[0].feature_type", "LookupFeature"),
-        ('feature_configs { input_names: "a" feature_type: ExprFeature }',
-         "feature_configs[0].feature_type", "ExprFeature"),
+        ('feature_configs { input_names: "a" feature_type: PassThroughFeature }',
+         "feature_configs[0].feature_type", "PassThroughFeature"),
         ("model_config { loss_type: ZILN_LOSS }", "model_config.loss_type", "ZILN_LOSS"),
         ("model_config { loss_type: KL_DIVERGENCE_LOSS }", "model_config.loss_type",
          "KL_DIVERGENCE_LOSS"),

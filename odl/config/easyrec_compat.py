@@ -90,9 +90,9 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "TzPoolingEncoder": frozenset({"max_seq_length"}),
     "TzSeqGroupConfig": frozenset({"embedding_name_suffix"}),
     "FeatureConfig": frozenset({
-        "lookup_max_sel_elem_num", "initializer",
+        "initializer",
         "precision", "normalizer_fn",
-        "expression", "combo_input_seps",
+
         # TorchEasyRec's other per-kind feature messages.
         "combo_feature", "lookup_feature", "match_feature",
         "expr_feature", "overlap_feature", "tokenize_feature", "custom_feature",
@@ -318,7 +318,7 @@ def not_implemented_field_message(message: str, field: str) -> str:
 # Enum values of EasyRec that odl's enums lack, keyed by odl's enum (short name).
 EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
     "FeatureConfig.FeatureType": frozenset({
-        "LookupFeature", "ExprFeature", "PassThroughFeature",
+        "PassThroughFeature",
     }),
     "WideOrDeep": frozenset({"JAGGED_SEQUENCE"}),
     "LossType": frozenset({

@@ -27,7 +27,8 @@ _FT = pipeline_pb2.FeatureConfig.FeatureType
 _FIELD_TYPE = pipeline_pb2.DatasetConfig.FieldType
 
 # Feature types that always have an embedding table (a RawFeature has one with boundaries).
-EMBEDDED_FEATURE_TYPES = (_FT.IdFeature, _FT.ComboFeature, _FT.SequenceFeature)
+EMBEDDED_FEATURE_TYPES = (_FT.IdFeature, _FT.ComboFeature, _FT.SequenceFeature,
+                          _FT.LookupFeature)
 # Input field types that hold a number (labels, event times and RawFeature inputs need one).
 NUMERIC_FIELD_TYPES = (
     _FIELD_TYPE.INT32, _FIELD_TYPE.INT64, _FIELD_TYPE.FLOAT, _FIELD_TYPE.DOUBLE, _FIELD_TYPE.BOOL,
@@ -89,8 +90,8 @@ def embedded_feature(fc: FeatureConfig) -> bool:
         fc: a feature config.
 
     Returns:
-        True for IdFeature, ComboFeature, RawFeature with boundaries and SequenceFeature
-        (except one of numbers without boundaries: :func:`dense_sequence`).
+        True for IdFeature, ComboFeature, LookupFeature, RawFeature with boundaries and
+        SequenceFeature (except one of numbers without boundaries: :func:`dense_sequence`).
 
     """
     if dense_sequence(fc):

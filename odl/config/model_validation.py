@@ -30,6 +30,7 @@ from typing import Any
 from odl.config import limits
 from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import dynamic_table_spec
+from odl.config.expr_feature import compile_expression
 from odl.config.feature_configs import (
     EMBEDDED_FEATURE_TYPES,
     NUMERIC_FIELD_TYPES,
@@ -94,9 +95,32 @@ def validate_features(
             if name in labels:
                 raise ConfigError(f"{where}.input_names[{j}]",
                                   f"the label {name!r} cannot be a feature input")
+        if fc.feature_type == _FT.ExprFeature:
+            _validate_expr_feature(fc, where)
+            continue
+        if fc.expression:
+            raise ConfigError(f"{where}.expression",
+                              f"an expression belongs to an ExprFeature, not a {kind}")
+        if fc.feature_type == _FT.LookupFeature:
+            _validate_lookup_feature(fc, where, fields)
+        elif fc.HasField("lookup_max_sel_elem_num"):
+            raise ConfigError(f"{where}.lookup_max_sel_elem_num",
+                              f"belongs to a LookupFeature, not a {kind}")
+        if fc.combo_input_seps and fc.feature_type != _FT.ComboFeature:
+            raise ConfigError(f"{where}.combo_input_seps",
+                              f"splits a ComboFeature's inputs, not a {kind}'s")
         if fc.feature_type == _FT.ComboFeature:
             if len(fc.input_names) < 2:
                 raise ConfigError(f"{where}.input_names", "a ComboFeature crosses 2 or more inputs")
+            if fc.combo_input_seps and len(fc.combo_input_seps) != len(fc.input_names):
+                raise ConfigError(f"{where}.combo_input_seps",
+                                  f"one separator per input ({len(fc.input_names)}, \"\" for "
+                                  f"an input read whole), got {len(fc.combo_input_seps)}")
+            for j, sep in enumerate(fc.combo_input_seps):
+                if sep and fields[fc.input_names[j]] != _FIELD_TYPE.STRING:
+                    raise ConfigError(f"{where}.combo_input_seps[{j}]",
+                                      f"splits a STRING input, {fc.input_names[j]!r} is "
+                                      f"{_FIELD_TYPE.Name(fields[fc.input_names[j]])}")
         elif len(fc.input_names) == 2 and fc.feature_type == _FT.IdFeature:
             # EasyRec's weighted TagFeature: tags, then their weights
             if fields[fc.input_names[1]] != _FIELD_TYPE.STRING:
@@ -108,10 +132,10 @@ def validate_features(
                 raise ConfigError(f"{where}.kv_separator",
                                   "give the weights in a second input or with kv_separator, "
                                   "not both")
-        elif len(fc.input_names) != 1:
+        elif len(fc.input_names) != 1 and fc.feature_type != _FT.LookupFeature:
             raise ConfigError(f"{where}.input_names", f"a {kind} reads exactly one input "
                               "(a TagFeature: its tags, and optionally their weights)")
-        if fc.kv_separator and fc.feature_type != _FT.IdFeature:
+        if fc.kv_separator and fc.feature_type not in (_FT.IdFeature, _FT.LookupFeature):
             raise ConfigError(f"{where}.kv_separator",
                               f"weights (kv_separator) belong to a TagFeature, not a {kind}")
         if (len(fc.input_names) == 2 or fc.kv_separator) and fc.feature_type == _FT.IdFeature:
@@ -121,7 +145,7 @@ def validate_features(
                                   "ctr_accessor_param) are not implemented")
         if fc.combiner not in ("sum", "mean"):
             raise ConfigError(f"{where}.combiner", f"expected sum or mean, got {fc.combiner!r}")
-        listed = (fc.feature_type in (_FT.IdFeature, _FT.SequenceFeature)
+        listed = (fc.feature_type in (_FT.IdFeature, _FT.SequenceFeature, _FT.LookupFeature)
                   or (fc.feature_type == _FT.RawFeature and fc.raw_input_dim > 1))
         if listed and not fc.separator:
             raise ConfigError(f"{where}.separator", "must not be empty")
@@ -474,6 +498,42 @@ def validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
                                   "the attention DNN ends in a layer of 1 unit (the score)")
 
 
+def _validate_lookup_feature(fc: FeatureConfig, where: str, fields: dict) -> None:
+    """A LookupFeature: a key and a map column, hashed values (EasyRec's rules)."""
+    if len(fc.input_names) != 2:
+        raise ConfigError(f"{where}.input_names", "a LookupFeature reads a key column and a "
+                                                  "map column (\"k1:v1|k2:v2\")")
+    if fields[fc.input_names[1]] != _FIELD_TYPE.STRING:
+        raise ConfigError(f"{where}.input_names[1]",
+                          f"the map is read from a STRING field, {fc.input_names[1]!r} is "
+                          f"{_FIELD_TYPE.Name(fields[fc.input_names[1]])}")
+    if not fc.kv_separator or fc.kv_separator == fc.separator:
+        raise ConfigError(f"{where}.kv_separator", "a LookupFeature's map needs a "
+                                                   "kv_separator other than its separator")
+    if not fc.hash_bucket_size or fc.num_buckets or has_vocabulary(fc):
+        raise ConfigError(f"{where}.hash_bucket_size",
+                          "a LookupFeature hashes the values it selects: it needs "
+                          "hash_bucket_size (EasyRec's, not num_buckets or a vocabulary)")
+    if not 1 <= fc.lookup_max_sel_elem_num <= limits.MAX_SEQUENCE_LENGTH:
+        raise ConfigError(f"{where}.lookup_max_sel_elem_num",
+                          f"must be 1 to {limits.MAX_SEQUENCE_LENGTH}, got "
+                          f"{fc.lookup_max_sel_elem_num}")
+
+
+def _validate_expr_feature(fc: FeatureConfig, where: str) -> None:
+    """An ExprFeature: its expression over its inputs, and nothing of an embedded feature."""
+    for field in ("embedding_dim", "hash_bucket_size", "num_buckets", "boundaries",
+                  "vocab_list", "vocab_file", "ev_params", "seq_multi_sep", "kv_separator",
+                  "normalizer"):
+        written = getattr(fc, field)
+        if (len(written) > 0 if field in ("boundaries", "vocab_list") else
+                fc.HasField(field) and bool(written)):
+            raise ConfigError(f"{where}.{field}",
+                              "EasyRec reads an ExprFeature as one number (a numeric "
+                              "column): it is not embedded, bucketized or normalized")
+    compile_expression(fc.expression, list(fc.input_names), f"{where}.expression")
+
+
 def _validate_multi_values(fc: FeatureConfig, where: str) -> None:
     """``seq_multi_sep``: several values per position of a SequenceFeature."""
     if fc.feature_type != _FT.SequenceFeature:
@@ -557,18 +617,19 @@ def validate_dnn(dnn: Any, where: str, required: bool) -> None:
 
 
 def check_dropout_group(mc: pipeline_pb2.EasyRecModel, group: pipeline_pb2.FeatureGroupConfig,
-                        features: dict[str, Any]) -> None:
-    """``model_config.variational_dropout`` over ``group``: pooled and dense features only.
+                        features: dict[str, Any], with_sequences: bool = False) -> None:
+    """``model_config.variational_dropout`` over ``group``: pooled and dense features.
 
     Args:
         mc: the model config (nothing is checked without its ``variational_dropout``).
         group: a feature group whose input the model drops.
         features: feature name -> its config.
+        with_sequences: the model drops a group with sequences too (the multi-task models).
 
     Raises:
-        ConfigError: the group holds sequences.
+        ConfigError: the group holds sequences and the model does not drop those.
     """
-    if not mc.HasField("variational_dropout"):
+    if not mc.HasField("variational_dropout") or with_sequences:
         return
     if group.sequence_features or group.sequence_groups or any(
             features[n].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature

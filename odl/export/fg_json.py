@@ -6,8 +6,13 @@ bucketized. Layout::
 
     {"features": [
         {"feature_name": str,
-         "feature_type": "id_feature" | "raw_feature" | "combo_feature" | "sequence_feature",
-         "expression": "<side>:<column>",          (combo: "expression": [..., ...])
+         "feature_type": "id_feature" | "raw_feature" | "combo_feature" | "sequence_feature"
+                         | "expr_feature" | "lookup_feature",
+         "expression": "<side>:<column>",          (combo: "expression": [..., ...];
+                                                    expr: EasyRec's expression, with
+                                                    "variables": ["<side>:<column>", ...];
+                                                    lookup: "key" and "map" instead, with
+                                                    "kv_separator" and "max_sel")
          "embedding_dim": int,                     (embedded features)
          "hash_bucket_size" | "num_buckets" | "vocab_list": ...,   (id / combo features)
          "normalizer": str,                        (raw features: the generator's transform)
@@ -62,6 +67,17 @@ def fg_json_of(config: pipeline_pb2.EasyRecConfig) -> dict[str, Any]:
         if kind == _FT.ComboFeature:
             entry["feature_type"] = "combo_feature"
             entry["expression"] = [f"user:{c}" for c in fc.input_names]
+        elif kind == _FT.LookupFeature:
+            entry["feature_type"] = "lookup_feature"
+            entry["key"] = f"user:{fc.input_names[0]}"
+            entry["map"] = f"user:{fc.input_names[1]}"
+            entry["separator"] = fc.separator
+            entry["kv_separator"] = fc.kv_separator
+            entry["max_sel"] = int(fc.lookup_max_sel_elem_num)
+        elif kind == _FT.ExprFeature:
+            entry["feature_type"] = "expr_feature"
+            entry["expression"] = fc.expression
+            entry["variables"] = [f"user:{c}" for c in fc.input_names]
         elif kind == _FT.RawFeature:
             entry["feature_type"] = "raw_feature"
             entry["expression"] = _expression(fc, fc.input_names[0])

@@ -396,6 +396,12 @@ class FeatureBuilder(FeaturePlan):
         n = parsed.num_rows
         kept = None
         bad = np.zeros(n, dtype=bool)
+        if d.expression is not None:  # an ExprFeature: non-finite results are rejected
+            with np.errstate(all="ignore"):
+                v = d.expression({c: parsed.numeric[c].astype(np.float64, copy=False)
+                                  for c in d.inputs})
+            return np.broadcast_to(np.asarray(v, dtype=np.float64), (n,)).reshape(n, 1), \
+                bad, None
         if not d.separator:
             v = parsed.numeric[d.input].astype(np.float64, copy=False).reshape(n, 1)
         else:
@@ -520,8 +526,10 @@ class FeatureBuilder(FeaturePlan):
                 if sp.norm is not None:
                     v = (v - sp.norm[0]) / sp.norm[1]
                 ids = np.searchsorted(sp.boundaries, v, side="right").astype(np.int64)
+            elif sp.kind == "lookup":
+                ids, lengths = self._lookup(parsed, sp, sep_pos)
             else:
-                ids, lengths = self._combo(parsed, sp)
+                ids, lengths = self._combo(parsed, sp, sep_pos)
             if sp.seq_len and sp.name in bags:
                 positions, per_position = bags[sp.name]
                 ids, lengths, kept = sequence_positions(ids, positions, sp.seq_len,
@@ -588,7 +596,10 @@ class FeatureBuilder(FeaturePlan):
             return parsed.numeric[self._label].astype(np.float32)
         return np.stack([parsed.numeric[lf] for lf in self._labels], axis=1).astype(np.float32)
 
-    def _combo(self, parsed: ParsedColumns, sp: PlannedSparse) -> tuple[np.ndarray, np.ndarray]:
+    def _combo(self, parsed: ParsedColumns, sp: PlannedSparse, sep_pos: dict
+               ) -> tuple[np.ndarray, np.ndarray]:
+        if any(sp.combo_input_seps):
+            return self._combo_cross(parsed, sp, sep_pos)
         buf = parsed.buffer
         n = parsed.num_rows
         nonempty = np.ones(n, dtype=bool)
@@ -603,4 +614,73 @@ class FeatureBuilder(FeaturePlan):
             h = hash_segments(buf, s, e, init=h)
         ids = raw_ids(h[nonempty]) if sp.raw_ids else bucketize_hashes(h[nonempty], sp.num_rows)
         return ids, nonempty.astype(np.int64)
+
+    @staticmethod
+    def _lookup(parsed: ParsedColumns, sp: PlannedSparse, sep_pos: dict
+                ) -> tuple[np.ndarray, np.ndarray]:
+        """A LookupFeature's ids, as the plan's docstring says.
+
+        The hashed values of its map's pieces keyed by the record's key, the first
+        ``max_sel`` per record.
+        """
+        buf = parsed.buffer
+        n = parsed.num_rows
+        key, table = sp.inputs
+        s, e, lengths = split_column(parsed, table, sp.separator, sep_pos[sp.separator])
+        positions = sep_pos[sp.lookup_kv]
+        if positions is None or positions.shape[0] == 0:
+            k = e.copy()
+        else:  # the first kv separator inside each piece
+            j = np.searchsorted(positions, s)
+            k = np.where(j < positions.shape[0], positions[np.minimum(j, positions.shape[0] - 1)],
+                         e)
+            k = np.where(k + len(sp.lookup_kv) <= e, k, e)
+        row = np.repeat(np.arange(n), lengths)
+        ks, ke = parsed.starts[key], parsed.ends[key]
+        same = ((k < e) & (k - s == (ke - ks)[row])
+                & (hash_segments(buf, s, k) == hash_segments(buf, ks, ke)[row]))
+        picked = np.flatnonzero(same)
+        rows = row[picked]
+        count = np.bincount(rows, minlength=n)
+        rank = np.arange(picked.shape[0]) - np.repeat(np.cumsum(count) - count, count)
+        picked, rows = picked[rank < sp.max_sel], rows[rank < sp.max_sel]
+        h = hash_segments(buf, k[picked] + len(sp.lookup_kv), e[picked])
+        ids = raw_ids(h) if sp.raw_ids else bucketize_hashes(h, sp.num_rows)
+        return ids, np.bincount(rows, minlength=n).astype(np.int64)
+
+    @staticmethod
+    def _combo_cross(parsed: ParsedColumns, sp: PlannedSparse, sep_pos: dict
+                     ) -> tuple[np.ndarray, np.ndarray]:
+        """A ComboFeature with ``combo_input_seps``: its ids, row by row.
+
+        One per combination of its inputs' values, the first input's values varying slowest.
+        """
+        buf = parsed.buffer
+        n = parsed.num_rows
+        prime = np.uint64(FNV64_PRIME)
+        rows = np.arange(n)
+        h: np.ndarray | None = None
+        for k, inp in enumerate(sp.inputs):
+            sep = sp.combo_input_seps[k]
+            if sep:
+                s, e, count = split_column(parsed, inp, sep, sep_pos[sep])
+            else:
+                s, e = parsed.starts[inp], parsed.ends[inp]
+                whole = e > s
+                s, e, count = s[whole], e[whole], whole.astype(np.int64)
+            first = np.cumsum(count) - count  # each row's first piece
+            reps = count[rows]  # each combination so far, once per piece of its row
+            total = int(reps.sum())
+            piece = (np.repeat(first[rows], reps)
+                     + np.arange(total) - np.repeat(np.cumsum(reps) - reps, reps))
+            init = None
+            if h is not None:
+                init = np.repeat(h, reps)
+                for byte in sp.combo_sep:
+                    init = (init ^ np.uint64(byte)) * prime
+            h = hash_segments(buf, s[piece], e[piece], init=init)
+            rows = np.repeat(rows, reps)
+        assert h is not None
+        ids = raw_ids(h) if sp.raw_ids else bucketize_hashes(h, sp.num_rows)
+        return ids, np.bincount(rows, minlength=n).astype(np.int64)
 

@@ -53,8 +53,18 @@ Feature kinds (``FeatureConfig.feature_type``):
   (``combiner: mean``: weight / the bag's sum of weights, EasyRec's weighted mean), the other
   features' values 1 (``mean``: 1 / the bag's length), so sum and mean features keep their
   pooling. (:attr:`FeaturePlan.weighted`.)
+* ``LookupFeature`` (inputs: key, map): the map's pieces (on ``separator``) are
+  ``key<kv_separator>value``; the values of the pieces whose key is the record's key text,
+  the first ``lookup_max_sel_elem_num``, are hashed as an IdFeature's (a piece without
+  ``kv_separator`` selects nothing).
+* ``ExprFeature``: one dense column, EasyRec's expression over the input columns read as
+  numbers (:mod:`odl.config.expr_feature`); a result that is not finite rejects the record
+  as ``non_finite``.
 * ``ComboFeature``: row = ``fnv1a64(v1 + combo_join_sep + v2 + ...) % hash_bucket_size`` over
-  the input values' texts (not split); no id when any input is empty.
+  the input values' texts (not split); no id when any input is empty. With
+  ``combo_input_seps`` an input with a separator is split on it first, and the ids are
+  those of every combination of the inputs' values (the first input's values varying
+  slowest), EasyRec's sparse cross.
 * Features of a *dynamic* table (``ev_params`` / ``zch`` / ``ctr_accessor_param``, see
   ``odl.config.dynamic_table_config``) are not reduced to a bucket: their ids are *raw ids*
   in ``[0, 2**63)``, the 63 low bits of the FNV-1a hash for hashed and combo features, the
@@ -85,6 +95,7 @@ import numpy as np
 
 from odl.config.config_error import ConfigError
 from odl.config.dynamic_table_config import DynamicTableSpec, dynamic_table_spec
+from odl.config.expr_feature import ExprFunction, compile_expression
 from odl.config.feature_configs import FeatureConfig, feature_configs, feature_list_path
 from odl.config.feature_settings import has_vocabulary, normalizes, read_vocabulary
 from odl.config.loss_settings import (
@@ -165,6 +176,8 @@ class PlannedDense:
     item_width: int = 1  # a sequence's numbers per position (its columns: width / item_width)
     norm: tuple[float, float] | None = None  # (min_val, max_val - min_val)
     normalizer: RawNormalizer | None = None  # TorchEasyRec's normalizer, applied first
+    expression: ExprFunction | None = None  # an ExprFeature's, over its inputs
+    inputs: tuple[str, ...] = ()  # an ExprFeature's input columns (numbers)
 
     @property
     def columns(self) -> list[str]:
@@ -177,11 +190,14 @@ class PlannedSparse:
     """An embedded input of the plan: how its values become ids (``kind``) and its table rows."""
 
     name: str
-    kind: str  # "hash" | "int" | "vocab" | "bucket" | "combo"
+    kind: str  # "hash" | "int" | "vocab" | "bucket" | "combo" | "lookup"
     inputs: tuple[str, ...]
     num_rows: int
     separator: bytes = b""
     combo_sep: bytes = b""
+    combo_input_seps: tuple[bytes, ...] = ()  # a ComboFeature's per-input separators
+    lookup_kv: bytes = b""  # a LookupFeature's kv_separator in its map
+    max_sel: int = 0  # a LookupFeature's values kept per record
     boundaries: np.ndarray | None = None
     raw_ids: bool = False
     vocab: Vocabulary | None = None
@@ -281,6 +297,13 @@ class FeaturePlan:
             inp0 = fc.input_names[0]
             raw_sequence = (fc.feature_type == _FT.SequenceFeature
                             and fc.sub_feature_type == _FT.RawFeature)
+            if fc.feature_type == _FT.ExprFeature:  # one number of its numeric inputs
+                numeric_fields.extend(fc.input_names)
+                self._dense.append(PlannedDense(
+                    name, inp0, expression=compile_expression(
+                        fc.expression, list(fc.input_names), f"{path}.expression"),
+                    inputs=tuple(fc.input_names)))
+                continue
             if fc.feature_type == _FT.RawFeature or raw_sequence:
                 width = 1 if raw_sequence else int(fc.raw_input_dim)
                 listed = width > 1 or raw_sequence  # numbers split on the separator
@@ -311,10 +334,19 @@ class FeaturePlan:
                                    normalizer=normalizer,
                                    separator=fc.separator.encode() if raw_sequence else b"",
                                    seq_len=seq_len, multi_sep=multi_sep)
+            elif fc.feature_type == _FT.LookupFeature:
+                rows = dyn.capacity if dyn is not None else int(fc.hash_bucket_size)
+                sp = PlannedSparse(name, "lookup", tuple(fc.input_names), rows,
+                                   separator=fc.separator.encode(), raw_ids=dyn is not None,
+                                   lookup_kv=fc.kv_separator.encode(),
+                                   max_sel=int(fc.lookup_max_sel_elem_num))
+                list_seps[fc.input_names[1]] = fc.separator
             elif fc.feature_type == _FT.ComboFeature:
                 rows = dyn.capacity if dyn is not None else int(fc.hash_bucket_size)
                 sp = PlannedSparse(name, "combo", tuple(fc.input_names), rows,
-                                   combo_sep=fc.combo_join_sep.encode(), raw_ids=dyn is not None)
+                                   combo_sep=fc.combo_join_sep.encode(), raw_ids=dyn is not None,
+                                   combo_input_seps=tuple(s.encode()
+                                                          for s in fc.combo_input_seps))
             else:  # an IdFeature, or a SequenceFeature of ids
                 sp = self._plan_ids(fc, path, dyn)
                 if sp.seq_len:
@@ -359,10 +391,12 @@ class FeaturePlan:
         )
         self._classes = num_classes(pipeline_config)
         self._seps = sorted({sp.separator for sp in self._sparse if sp.separator
-                             and sp.kind in ("hash", "int", "vocab", "bucket")}
+                             and sp.kind in ("hash", "int", "vocab", "bucket", "lookup")}
+                            | {sp.lookup_kv for sp in self._sparse if sp.lookup_kv}
                             | {d.separator for d in self._dense if d.separator}
                             | {x.multi_sep for x in [*self._sparse, *self._dense]
                                if x.multi_sep}
+                            | {s for sp in self._sparse for s in sp.combo_input_seps if s}
                             | {sp.kv_separator for sp in self._sparse if sp.kv_separator})
 
     @staticmethod

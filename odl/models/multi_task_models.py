@@ -14,7 +14,8 @@ SequenceFeature with a ``sequence_combiner``, a target attention or pooling of i
     rel_t   = relation_dnn_t(concat(tower_t, rel_r for r in relation_tower_names_t))
     logit_t = Linear(rel_t -> 1)                   (DBMTL; MMoE: rel_t = tower_t)
 
-The blocks are those of ``odl.models.building_blocks``. A relation names an earlier task (it
+The blocks are those of ``odl.models.building_blocks`` and
+``odl.models.sequence_layers``. A relation names an earlier task (it
 reads that task's ``rel`` output), as in EasyRec's DBMTL.
 
 Outputs: one logit per task, ``[B, T]`` (``[B]`` with one task), named by the tasks'
@@ -34,8 +35,10 @@ Parameter names: ``dense.bottom.*``, ``dense.experts.experts.<e>.*``,
 ``dense.heads.<t>.out.*``, ``dense.sequences.combiners.<i>.*`` (the group's sequence
 blocks), ``dense.dropout.logit_p`` (MMoE's and DBMTL's ``model_config.variational_dropout``:
 the group's input, its lookups, projected raw features and dense columns, masked by
-``odl.models.feature_dropout`` before the bottom, as EasyRec's input layer does; not with
-sequences in the group).
+``odl.models.feature_dropout`` before the bottom, as EasyRec's input layer does; with
+sequences in the group ``dense.sequences.dropout.logit_p``: its other lookups, its
+SequenceFeatures' combined vectors and its dense columns, the target attention's vectors
+not masked, as EasyRec appends them after its input layer).
 
 This module has no ``from __future__ import annotations``: TorchScript reads the dense
 class's annotations as types.
@@ -72,7 +75,12 @@ from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
-from odl.models.sequence_layers import GroupSequences, SequenceBlock
+from odl.models.sequence_layers import (
+    GroupSequences,
+    SequenceBlock,
+    SequencePool,
+    TargetAttention,
+)
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -274,8 +282,9 @@ class MultiTaskModel(CtrModel):
         col = {n: i for i, n in enumerate(dense_features)}
         table_of = dict(layout.deep_keys)
         dim_of = dict(zip((f for f, _t in layout.deep_keys), layout.deep_dims, strict=True))
-        names = list(regular) if regular is not None else [f for f, _t in layout.deep_keys]
-        lookups = names + [k for b in sequences for k in b.lookups]
+        regular_lookups = (list(regular) if regular is not None
+                           else [f for f, _t in layout.deep_keys])
+        lookups = regular_lookups + [k for b in sequences for k in b.lookups]
         seqs = None
         if sequences:  # the blocks' lookups end the group, their lengths its dense columns
             seqs = GroupSequences.of_blocks(list(sequences), dim_of,
@@ -300,10 +309,22 @@ class MultiTaskModel(CtrModel):
                        else [settings.expert_dnn] * int(settings.num_expert),
                        _dnn(settings, "gate_mlp") if field == "mmoe" else None)
         bottom = _dnn(settings, "bottom_dnn") if field == "dbmtl" else None
-        dropout = (FeatureDropout([dim_of[f] for f in lookups] + [projected_dim] * len(projected)
-                                  + [1] * len(group_dense), model_config.variational_dropout)
-                   if model_config.HasField("variational_dropout") else None)
-        self.variational_dropout = dropout is not None
+        dropout = None
+        if model_config.HasField("variational_dropout") and seqs is not None:
+            # the group's features and its SequenceFeatures' combined vectors; the target
+            # attention's vectors join after (EasyRec's input layer, then its attention)
+            combined = [i for i, b in enumerate(sequences)
+                        if not isinstance(b.module, (TargetAttention, SequencePool))]
+            raw = len(group_dense) - sum(len(b.dense) + 1 for b in sequences)
+            seqs.set_dropout(FeatureDropout(
+                [dim_of[f] for f in regular_lookups]
+                + [int(sequences[i].module.out_width) for i in combined] + [1] * raw,
+                model_config.variational_dropout), combined)
+        elif model_config.HasField("variational_dropout"):
+            dropout = FeatureDropout([dim_of[f] for f in lookups]
+                                     + [projected_dim] * len(projected) + [1] * len(group_dense),
+                                     model_config.variational_dropout)
+        self.variational_dropout = model_config.HasField("variational_dropout")
         self.dense = MultiTaskDense(sum(dim_of[f] for f in lookups),
                                     [col[n] for n in group_dense], bottom, experts, tasks, seqs,
                                     [col[c] for cols in projected for c in cols],
@@ -570,7 +591,7 @@ def _validate(check: ModelCheck) -> None:
         validate_dnn(settings.bottom_dnn, f"{where}.bottom_dnn", required=False)
     mc = check.config.model_config
     check_dropout_group(mc, mc.feature_groups[check.groups[multi_task_group(mc)]],
-                        check.features)
+                        check.features, with_sequences=True)
 
 
 for _name in ("MMoE", "DBMTL"):

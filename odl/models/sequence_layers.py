@@ -15,6 +15,7 @@ annotations as types.
 """
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
@@ -23,6 +24,7 @@ from torch import nn
 
 from odl.models.building_blocks import build_mlp
 from odl.models.embedding_tables import DEEP_INIT_STD
+from odl.models.feature_dropout import FeatureDropout
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -402,6 +404,7 @@ class GroupSequences(nn.Module):
     starts: list[int]
     widths: list[int]
     dense_widths: list[int]
+    dropped: list[int]
 
     def __init__(self, regular: int, combiners: list[tuple[int, nn.Module]], raw: int,
                  dense_widths: Optional[list[int]] = None) -> None:
@@ -420,6 +423,8 @@ class GroupSequences(nn.Module):
             col += int(width)
         self.combiners = nn.ModuleList(m for _w, m in combiners)
         self.out_width = self.regular + sum(int(m.out_width) for _w, m in combiners) + self.raw
+        self.dropout: Optional[FeatureDropout] = None
+        self.dropped = []
 
     @classmethod
     def of_blocks(cls, blocks: "list[SequenceBlock]", dim_of: dict[str, int],
@@ -439,19 +444,42 @@ class GroupSequences(nn.Module):
                    [(w, b.module) for w, b in zip(widths, blocks, strict=True)],
                    dense_columns - len(blocks) - sum(dense_widths), dense_widths)
 
+    def set_dropout(self, dropout: FeatureDropout, dropped: Sequence[int]) -> None:
+        """Drops the group's features with ``dropout`` (EasyRec's variational dropout).
+
+        Its input is ``[the other embeddings, the vectors of the sequences ``dropped``
+        names (their indices: the combiners of SequenceFeatures in the group), the raw dense
+        features]``; the other sequences' vectors (target attention, which EasyRec appends
+        after its input layer's dropout) pass as they are.
+        """
+        self.dropout = dropout
+        self.dropped = [int(i) for i in dropped]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The combined group input."""
         n = x.shape[1]
         lengths = x[:, n - self.num_sequences :]
-        parts = [x[:, : self.regular]]
+        regular = x[:, : self.regular]
+        vectors: list[torch.Tensor] = []
         end = self.regular + sum(self.widths)
         d = end + self.raw  # the sequences' dense columns
         for i, combiner in enumerate(self.combiners):
             s = self.starts[i]
             w = self.widths[i]
             dw = self.dense_widths[i]
-            parts.append(combiner(torch.cat([x[:, s : s + w], x[:, d : d + dw],
-                                             lengths[:, i : i + 1]], dim=1)))
+            vectors.append(combiner(torch.cat([x[:, s : s + w], x[:, d : d + dw],
+                                               lengths[:, i : i + 1]], dim=1)))
             d += dw
-        parts.append(x[:, end : end + self.raw])
-        return torch.cat(parts, dim=1)
+        raw = x[:, end : end + self.raw]
+        dropout = self.dropout
+        if dropout is not None:
+            masked = dropout(torch.cat([regular] + [vectors[i] for i in self.dropped] + [raw],
+                                       dim=1))
+            regular = masked[:, : self.regular]
+            col = self.regular
+            for i in self.dropped:
+                w = vectors[i].shape[1]
+                vectors[i] = masked[:, col : col + w]
+                col += w
+            raw = masked[:, col:]
+        return torch.cat([regular] + vectors + [raw], dim=1)
