@@ -144,6 +144,8 @@ LOADS = {
     "easyrec/esmm_distribute_eval_on_taobao.config",
     "easyrec/export_filter_input.config",
     "easyrec/fg_ev_v2.config",
+    "easyrec/fg_train.config",
+    "easyrec/fg_train_ev.config",
     "easyrec/kv_tag.config",
     "easyrec/mmoe_on_taobao_deprecated.config",
     "easyrec/mmoe_on_taobao_with_multi_loss.config",

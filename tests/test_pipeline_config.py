@@ -285,7 +285,7 @@ def test_unknown_field(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "text, field",
     [
-        ('fg_json_path: "fg.json"', "fg_json_path"),
+        ('hive_train_input { }', "hive_train_input"),
         ("train_config { freeze_gradient: true }", "train_config.freeze_gradient"),
         ("model_config { masknet { } }", "model_config.masknet"),
         # a model's settings message lists its own (pipeline.proto's message option)

@@ -56,7 +56,7 @@ __all__ = [
 EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "EasyRecConfig": frozenset({
         "hive_train_input", "binary_train_input", "parquet_train_input", "odps_train_input",
-        "oss_train_input", "fg_json_path",
+        "oss_train_input",
     }),
     "KafkaServer": frozenset({"consumer", "sink"}),
     "DatasetConfig": frozenset({

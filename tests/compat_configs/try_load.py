@@ -219,7 +219,10 @@ def load_one(path: str, flavor: str, verbose: bool = False):
     new_text, removed = to_kafka_input(text, flavor)
     if verbose:
         print(f"  {os.path.basename(path)}: removed {removed}", file=sys.stderr)
-    fd, tmp = tempfile.mkstemp(suffix=".config", prefix="compat_")
+    # beside the sample, so that the files it names by a relative path (fg_json_path,
+    # vocab_file) resolve as they do for the sample itself
+    fd, tmp = tempfile.mkstemp(suffix=".config", prefix="compat_",
+                               dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(new_text)
