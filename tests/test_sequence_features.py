@@ -59,14 +59,30 @@ def test_positions_are_keys_and_the_kept_length_a_dense_column():
       'feature_names: "C2" feature_names: "hist_C3" feature_names: "C3"'),
      "model_config.feature_groups[0].feature_names[2]", "sequence_combiner"),
     (('seq_att_map { key: "C3" hist_seq: "hist_C3" }',
-      'seq_att_map { key: "C3" hist_seq: "hist_C3" aux_hist_seq: "hist_C3" }'),
-     "model_config.seq_att_groups[0].seq_att_map[0].aux_hist_seq", "sequence_features"),
-    (('seq_att_map { key: "C3" hist_seq: "hist_C3" }',
-      'need_key_feature: false seq_att_map { key: "C3" hist_seq: "hist_C3" }'),
-     "model_config.seq_att_groups[0].need_key_feature", "not a DIN tower"),
+      'seq_att_map { key: "C3" hist_seq: "hist_C3" aux_hist_seq: "C4" }'),
+     "model_config.seq_att_groups[0].seq_att_map[0].aux_hist_seq", "SequenceFeature"),
 ])
 def test_din_config_errors_name_the_field(edit, field, words):
     assert_edit_refused(TEXT, edit, field, words)
+
+
+def test_a_din_tower_ignores_the_settings_only_group_attention_reads(caplog):
+    """EasyRec's DIN tower reads neither aux_hist_seq nor need_key_feature /
+    allow_key_transform: odl warns and builds the same tower."""
+    from odl.models.model_registry import build_model
+
+    text = TEXT.replace('seq_att_map { key: "C3" hist_seq: "hist_C3" }',
+                        'need_key_feature: false allow_key_transform: true '
+                        'seq_att_map { key: "C3" hist_seq: "hist_C3" aux_hist_seq: "hist_C3" }')
+    with caplog.at_level("WARNING"):
+        config = load_config_text(text)
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    for field in ("aux_hist_seq", "need_key_feature", "allow_key_transform"):
+        assert f"{field} has no effect in a DIN tower" in warned, field
+    model = build_model(config, FeatureBuilder(config))
+    plain = build_model(load_config_text(TEXT), FeatureBuilder(load_config_text(TEXT)))
+    assert [tuple(p.shape) for p in model.dense.parameters()] == [
+        tuple(p.shape) for p in plain.dense.parameters()]
 
 
 def test_easyrec_multi_tower_ignores_din_towers_and_says_so(caplog):

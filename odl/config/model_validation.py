@@ -24,6 +24,7 @@ config that passed it and checks only what needs a vocabulary's entries.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -46,6 +47,8 @@ from odl.protos import pipeline_pb2
 
 __all__ = ["SUPPORTED_ACTIVATIONS", "sequence_combiner_width", "validate_dnn", "validate_features",
            "validate_losses", "validate_model_common", "validate_sequence_groups"]
+
+logger = logging.getLogger(__name__)
 
 _FT = pipeline_pb2.FeatureConfig.FeatureType
 _FIELD_TYPE = pipeline_pb2.DatasetConfig.FieldType
@@ -417,7 +420,8 @@ def validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
     with ``dense_parts`` (not in WideAndDeep's deep groups) and not for pooling. A group's
     ``sequence_features`` (not a DIN tower's group) may also have auxiliary sequences, leave
     the key out, make the key as wide as the items (``allow_key_transform``) and read
-    sequences of several numbers per position or projected ones.
+    sequences of several numbers per position or projected ones; a DIN tower ignores those
+    settings, as EasyRec's does (warned).
     """
     seen: set[str] = set()
     din_tower_groups = groups is None
@@ -471,24 +475,35 @@ def validate_sequence_groups(config: pipeline_pb2.EasyRecConfig,
                 fc = features.get(a)
                 if fc is None or fc.feature_type != _FT.SequenceFeature:
                     raise ConfigError(f"{mw}.aux_hist_seq", f"{a!r} is not a SequenceFeature")
-                if din_tower_groups or g.pooling or (dense_sequence(fc) and not din_towers):
+                if g.pooling or (dense_sequence(fc) and not din_towers):
                     raise ConfigError(f"{mw}.aux_hist_seq",
                                       "auxiliary sequences are read by a feature group's "
                                       "sequence_features with attention")
-                lengths.add(fc.max_seq_len)
+                if din_tower_groups:
+                    logger.warning("%s.aux_hist_seq has no effect in a DIN tower and is "
+                                   "ignored (EasyRec's DIN tower does not read it either; a "
+                                   "feature group's sequence_features do)", mw)
+                else:
+                    lengths.add(fc.max_seq_len)
         if g.pooling:
             key_width = hist_width
         for field in ("need_key_feature", "allow_key_transform", "transform_dnn"):
             default = pipeline_pb2.SeqAttGroupConfig.DESCRIPTOR.fields_by_name[field]
-            if (g.HasField(field) and getattr(g, field) != default.default_value
-                    and (din_tower_groups or g.pooling or g.HasField("attn_mlp"))):
+            if not g.HasField(field) or getattr(g, field) == default.default_value:
+                continue
+            if din_tower_groups:
+                logger.warning("%s.%s has no effect in a DIN tower and is ignored (EasyRec's "
+                               "DIN tower does not read it either; a feature group's "
+                               "sequence_features do)", where, field)
+            elif g.pooling or g.HasField("attn_mlp"):
                 raise ConfigError(f"{where}.{field}",
                                   "read by a feature group's sequence_features with EasyRec's "
-                                  "attention (not a DIN tower, an encoder or pooling)")
-        if key_width != hist_width and not g.allow_key_transform:
+                                  "attention (not an encoder or pooling)")
+        if key_width != hist_width and (din_tower_groups or not g.allow_key_transform):
             raise ConfigError(where, f"the keys' embeddings ({key_width} wide) and the "
-                                     f"sequences' ({hist_width}) must be as wide, or "
-                                     "allow_key_transform: true")
+                                     f"sequences' ({hist_width}) must be as wide"
+                                     + ("" if din_tower_groups else
+                                        ", or allow_key_transform: true"))
         if len(lengths) > 1:
             raise ConfigError(where, "the group's SequenceFeatures need one max_seq_len")
         if g.HasField("seq_dnn"):
