@@ -177,3 +177,38 @@ def test_target_attention_torcheasyrec_encoder_scores_with_a_linear_and_drops_th
         scores = att.mlp[1](torch.relu(att.mlp[0][0](feats))).squeeze(1)
         w = torch.softmax(scores, dim=0)
         assert torch.allclose(got[i], (w.unsqueeze(1) * h[i, :n]).sum(0), atol=1e-6)
+
+
+def test_dnn_activations_are_easyrecs_functions():
+    """Each EasyRec activation name is its function; dice is DIN's Dice."""
+    from odl.models.building_blocks import Dice, activation_layer
+
+    x = torch.randn(5, 3)
+    want = {
+        "relu": torch.relu(x), "tf.nn.relu": torch.relu(x), "linear": x,
+        "gelu": 0.5 * x * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3))),
+        "tf.nn.gelu": 0.5 * x * (1 + torch.erf(x / 2**0.5)),
+        "leaky_relu": torch.where(x > 0, x, 0.2 * x), "prelu": torch.where(x > 0, x, 0.2 * x),
+        "elu": torch.where(x > 0, x, torch.exp(x) - 1), "tanh": torch.tanh(x),
+        "swish": x * torch.sigmoid(x), "sigmoid": torch.sigmoid(x),
+        "selu": 1.0507009873554805 * torch.where(x > 0, x, 1.6732632423543772 * (torch.exp(x) - 1)),
+    }
+    for name, expected in want.items():
+        assert torch.allclose(activation_layer(name, 3)(x), expected, atol=1e-6), name
+    dice = activation_layer("dice", 3)
+    assert isinstance(dice, Dice) and torch.equal(dice.alpha, torch.zeros(3))
+    with torch.no_grad():
+        dice.alpha.copy_(torch.tensor([0.5, -1.0, 2.0]))
+    p = torch.sigmoid((x - x.mean(0)) / torch.sqrt(x.var(0, unbiased=False) + 1e-9))
+    assert torch.allclose(dice(x), dice.alpha * (1 - p) * x + p * x, atol=1e-5)  # batch stats
+    dice.eval()  # predictions and serving: the running statistics
+    rm, rv = dice.norm.running_mean, dice.norm.running_var
+    p = torch.sigmoid((x - rm) / torch.sqrt(rv + 1e-9))
+    assert torch.allclose(dice(x), dice.alpha * (1 - p) * x + p * x, atol=1e-5)
+    assert torch.allclose(torch.jit.script(dice)(x), dice(x))
+    mlp, _ = build_mlp(3, pipeline_pb2.DNN(hidden_units=[4, 2], activation="dice"))
+    assert [type(m).__name__ for m in mlp] == ["Linear", "Dice", "Linear", "Dice"]
+    import pytest
+
+    with pytest.raises(ValueError, match="not supported"):
+        activation_layer("softsign", 3)

@@ -121,6 +121,7 @@ LOADS = {
     "easyrec/dbmtl_on_numeric_hash_bucket_sequence_feature_taobao.config",
     "easyrec/dbmtl_on_numeric_num_buckets_sequence_feature_taobao.config",
     "easyrec/dbmtl_on_numeric_raw_sequence_feature_taobao.config",
+    "easyrec/dbmtl_on_taobao_with_multi_loss.config",
     "easyrec/dbmtl_on_taobao_test_feature_config.config",
     "easyrec/dbmtl_variational_dropout_on_sequence_feature_taobao.config",
     "easyrec/dcn_f1_on_taobao.config",
@@ -175,6 +176,8 @@ LOADS = {
     "easyrec/taobao_fg_incr_save_share_ev_local.config",
     "easyrec/taobao_fg_signal_stop.config",
     "easyrec/taobao_fg_test_dtype.config",
+    "torcheasyrec/dbmtl_jrc.config",
+    "torcheasyrec/dbmtl_taobao_jrc.config",
     "torcheasyrec/dlrm.config",
 }
 # issue 35's target for the configs of implemented model classes (docs/config.md says whether

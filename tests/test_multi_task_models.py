@@ -54,6 +54,48 @@ def test_labels_are_one_column_per_label_field_and_tasks_train_on_their_own():
     assert float(m.dense.heads[0].out.weight.grad.abs().sum()) > 0.0
 
 
+def test_a_two_class_task_has_two_logits_and_predicts_its_class_one_probability():
+    """A task tower's num_class: 2 (EasyRec's and TorchEasyRec's, as for JRC_LOSS): its two
+    logits train by softmax cross entropy over the 0/1 label one-hot, and its output is
+    softmax(pair)[1]; the other task keeps one logit."""
+    from odl.config.loss_settings import task_classes
+    from odl.models.ctr_model import predictions
+
+    text = _text("DBMTL").replace('tower_name: "cvr"', 'tower_name: "cvr" num_class: 2')
+    assert text != _text("DBMTL")
+    m, batch, _ = _model_and_batch("DBMTL", text=text)
+    assert task_classes(load_config_text(text)) == (1, 2)
+    out = m(batch)
+    assert out.logits.shape == (64, 3) and m.output_names == ("ctr", "cvr")
+    m.l2 = m.embedding_regularization = 0.0
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    y = batch.labels[:, 1]
+    ce = -(torch.stack([1 - y, y], 1) * torch.log_softmax(out.logits[:, 1:3], 1)).sum(1).mean()
+    want = bce(out.logits[:, 0], batch.labels[:, 0]) + ce
+    assert torch.allclose(m.loss(out, batch), want, atol=1e-6)
+    probs = predictions(out.logits.detach(), [False, False], False, (1, 2))
+    assert probs.shape == (64, 2)
+    assert np.allclose(probs[:, 0], torch.sigmoid(out.logits[:, 0]).detach().numpy())
+    assert np.allclose(probs[:, 1], torch.softmax(out.logits[:, 1:3], 1)[:, 1].detach().numpy())
+    assert torch.allclose(torch.jit.script(m.dense)(*_dense_inputs(m, batch)), out.logits)
+
+
+def _dense_inputs(m, batch):
+    """The scripted dense part's inputs of a batch (the pooled group, the dense columns)."""
+    out = m(batch)
+    return out.pooled[0], batch.dense
+
+
+def test_a_task_num_class_above_two_or_with_a_pointwise_loss_is_refused():
+    base = _text("DBMTL")
+    for edit, field in [('tower_name: "cvr" num_class: 3', "task_towers[1].num_class"),
+                        ('tower_name: "cvr" num_class: 2 loss_type: L2_LOSS',
+                         "task_towers[1].loss_type")]:
+        with pytest.raises(ConfigError) as e:
+            load_config_text(base.replace('tower_name: "cvr"', edit))
+        assert e.value.field.endswith(field), e.value.field
+
+
 def test_dbmtl_relations_feed_later_tasks_only():
     m, batch, _ = _model_and_batch("DBMTL")
     with torch.no_grad():

@@ -624,7 +624,7 @@ def test_edit_malformed_json(online) -> None:
         ({"model_config.deepfm": None}, True, "model_config.deepfm"),
         ({"model_config.deepfm.dnn.hidden_units": []}, True,
          "model_config.deepfm.dnn.hidden_units"),
-        ({"model_config.deepfm.dnn.activation": "gelu"}, True,
+        ({"model_config.deepfm.dnn.activation": "softsign"}, True,
          "model_config.deepfm.dnn.activation"),
         ({"model_config.deepfm.dnn.dropout_ratio": [0.5]}, True,
          "model_config.deepfm.dnn.dropout_ratio"),

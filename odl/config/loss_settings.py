@@ -7,10 +7,10 @@ columns may then hold any number.
 
 The formulas are :mod:`odl.models.ctr_losses`'s; the other loss terms' settings are checked by
 :func:`odl.config.model_validation.validate_model`. ``JRC_LOSS`` needs a ``num_class: 2``
-model and a session column (:func:`jrc_session_field`), whose hash the batches carry
-(``Batch.session_keys``). EasyRec's ``data_config.sample_weight`` names a numeric input
-column whose value weights each sample's loss (:func:`sample_weight_field`;
-``Batch.sample_weights``).
+model (or task tower, :func:`task_classes`) and a session column
+(:func:`jrc_session_field`), whose hash the batches carry (``Batch.session_keys``).
+EasyRec's ``data_config.sample_weight`` names a numeric input column whose value weights
+each sample's loss (:func:`sample_weight_field`; ``Batch.sample_weights``).
 """
 
 from __future__ import annotations
@@ -26,14 +26,16 @@ from odl.config.model_classes import (
 )
 from odl.protos import pipeline_pb2
 
-__all__ = ["JRC_STRATEGIES", "POINTWISE_LOSS_TYPES", "jrc_session_field", "loss_entries",
-           "num_classes", "real_valued_labels",
+__all__ = ["JRC_STRATEGIES", "POINTWISE_LOSS_TYPES", "SOFTMAX_LOSS_TYPES", "jrc_session_field",
+           "loss_entries", "num_classes", "real_valued_labels", "task_classes",
            "regression_outputs", "sample_weight_field", "validate_loss_settings"]
 
 _L = pipeline_pb2
 # loss types computed per sample, which per-sample weights (a task's sample space) apply to
 POINTWISE_LOSS_TYPES = (_L.CLASSIFICATION, _L.CROSS_ENTROPY_LOSS, _L.L2_LOSS,
                         _L.SIGMOID_L2_LOSS, _L.BINARY_FOCAL_LOSS)
+# the loss types of an output of several classes (a softmax over its logits)
+SOFTMAX_LOSS_TYPES = (_L.CLASSIFICATION, _L.CROSS_ENTROPY_LOSS, _L.JRC_LOSS)
 
 
 def loss_entries(config: pipeline_pb2.EasyRecConfig) -> Iterator[tuple[str, pipeline_pb2.Loss]]:
@@ -75,6 +77,20 @@ def num_classes(config: pipeline_pb2.EasyRecConfig) -> int:
     """
     mc = config.model_config
     return max(int(mc.num_class), 1) if not is_multi_task_model(mc) else 1
+
+
+def task_classes(config: pipeline_pb2.EasyRecConfig) -> tuple[int, ...]:
+    """Per task of a multi-task model, its logits: 1, or 2 for a two-class task.
+
+    A task tower with ``num_class: 2`` (EasyRec's, TorchEasyRec's; e.g. for ``JRC_LOSS``)
+    has two logits, trained by softmax cross entropy or JRC over the task's 0/1 label
+    one-hot; its output is the probability of class 1, ``softmax(logits)[1]``. Empty for a
+    model that is not multi-task.
+    """
+    mc = config.model_config
+    if not is_multi_task_model(mc):
+        return ()
+    return tuple(max(int(task.num_class), 1) for _path, task in task_towers(mc))
 
 
 def regression_outputs(config: pipeline_pb2.EasyRecConfig) -> list[bool]:
@@ -203,6 +219,10 @@ def validate_loss_settings(config: pipeline_pb2.EasyRecConfig) -> None:
     """
     jrc_session_field(config)
     sample_weight_field(config)
+    # the classes of the output each loss term trains
+    mc = config.model_config
+    classes_of = {"model_config": int(mc.num_class)}
+    classes_of.update({path: int(task.num_class) for path, task in task_towers(mc)})
     for where, loss in loss_entries(config):
         if loss.loss_type == _L.JRC_LOSS:
             jrc = loss.jrc_loss
@@ -212,9 +232,10 @@ def validate_loss_settings(config: pipeline_pb2.EasyRecConfig) -> None:
                 raise ConfigError(f"{where}.jrc_loss.loss_weight_strategy",
                                   f"expected one of {', '.join(JRC_STRATEGIES)}, got "
                                   f"{jrc.loss_weight_strategy!r}")
-            if config.model_config.num_class != 2:
+            owner = where.rsplit(".losses[", 1)[0]  # the model, or its task tower
+            if classes_of.get(owner, 0) != 2:
                 raise ConfigError(f"{where}.loss_type",
-                                  "JRC_LOSS needs model_config.num_class: 2 (two logits)")
+                                  f"JRC_LOSS needs {owner}.num_class: 2 (two logits)")
         f1 = loss.f1_reweighted_loss
         if not f1.f1_beta_square > 0:
             raise ConfigError(f"{where}.f1_reweighted_loss.f1_beta_square", "must be > 0")

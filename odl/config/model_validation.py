@@ -54,7 +54,12 @@ _FT = pipeline_pb2.FeatureConfig.FeatureType
 _FIELD_TYPE = pipeline_pb2.DatasetConfig.FieldType
 
 # DNN.activation values the model builder accepts.
-SUPPORTED_ACTIVATIONS = frozenset({"relu", "tf.nn.relu"})
+# (EasyRec's get_activation: its names, lower-cased, and TensorFlow's tf.nn functions)
+SUPPORTED_ACTIVATIONS = frozenset({
+    "relu", "linear", "gelu", "leaky_relu", "prelu", "dice", "elu", "selu", "tanh", "swish",
+    "sigmoid", "tf.nn.relu", "tf.nn.gelu", "tf.nn.leaky_relu", "tf.nn.elu", "tf.nn.selu",
+    "tf.nn.tanh", "tf.tanh", "tf.nn.swish", "tf.nn.sigmoid", "tf.sigmoid", "nn.ReLU",
+})
 
 
 def validate_features(
@@ -625,7 +630,8 @@ def validate_dnn(dnn: Any, where: str, required: bool) -> None:
     for i, r in enumerate(dnn.dropout_ratio):
         if not 0.0 <= r < 1.0:
             raise ConfigError(f"{where}.dropout_ratio[{i}]", "must be in [0, 1)")
-    if dnn.activation not in SUPPORTED_ACTIVATIONS:
+    if dnn.activation not in SUPPORTED_ACTIVATIONS and (
+            dnn.activation.lower() not in SUPPORTED_ACTIVATIONS):
         raise ConfigError(f"{where}.activation",
                           f"expected one of {sorted(SUPPORTED_ACTIVATIONS)}, got "
                           f"{dnn.activation!r}")

@@ -7,7 +7,8 @@ parameter names the models' checkpoints use (``<module>.<layer index>.weight`` f
 ``experts.<i>.*`` / ``gates.<t>.*`` for expert
 gates).
 
-* :func:`build_mlp`: EasyRec's DNN, per hidden layer ``Linear``, [``BatchNorm1d``], ``ReLU``,
+* :func:`build_mlp`: EasyRec's DNN, per hidden layer ``Linear``, [``BatchNorm1d``], the
+  activation (:func:`activation_layer`: EasyRec's names, ``dice`` a :class:`Dice`),
   [``Dropout``]; no hidden units is the identity.
 * :func:`fm_term`: ``0.5 * ((sum_i v_i)**2 - sum_i v_i**2)`` over ``[B, n, d]`` vectors.
 * :class:`CrossNet`: DCN v1's cross network, ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l``.
@@ -37,7 +38,9 @@ logger = logging.getLogger(__name__)
 
 def build_mlp(in_dim: int, dnn: pipeline_pb2.DNN,
               last_plain: bool = False) -> tuple[nn.Sequential, int]:
-    """EasyRec's DNN: per hidden layer Linear, [BatchNorm], ReLU, [Dropout].
+    """EasyRec's DNN: per hidden layer Linear, [BatchNorm], activation, [Dropout].
+
+    The activation is the DNN's (:func:`activation_layer`; ReLU by default).
 
     Args:
         in_dim: input width.
@@ -51,8 +54,7 @@ def build_mlp(in_dim: int, dnn: pipeline_pb2.DNN,
     Raises:
         ValueError: unsupported activation.
     """
-    if dnn.activation not in ("relu", "tf.nn.relu", "nn.ReLU"):
-        raise ValueError(f"DNN activation {dnn.activation!r} is not supported (use relu)")
+    activation_layer(dnn.activation, 1)  # an unknown name fails before any layer is built
     layers: list[nn.Module] = []
     width = in_dim
     for i, units in enumerate(dnn.hidden_units):
@@ -62,11 +64,62 @@ def build_mlp(in_dim: int, dnn: pipeline_pb2.DNN,
             break
         if dnn.use_bn:
             layers.append(nn.BatchNorm1d(int(units)))
-        layers.append(nn.ReLU())
+        layers.append(activation_layer(dnn.activation, int(units)))
         if i < len(dnn.dropout_ratio) and dnn.dropout_ratio[i] > 0:
             layers.append(nn.Dropout(float(dnn.dropout_ratio[i])))
         width = int(units)
     return nn.Sequential(*layers), width
+
+
+class Dice(nn.Module):
+    """DIN's Dice activation, EasyRec's ``dice``: ``alpha * (1 - p) * x + p * x``.
+
+    ``p = sigmoid(BatchNorm(x))`` without scale or shift (TensorFlow's ``epsilon=1e-9``,
+    momentum 0.99), ``alpha`` one learned value per unit (from 0). The normalization uses the
+    batch's statistics in training and the running ones in predictions and serving (as a
+    DNN's ``use_bn``). Scriptable.
+
+    Args:
+        units: the layer's width.
+    """
+
+    def __init__(self, units: int) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(int(units), eps=1e-9, momentum=0.01, affine=False)
+        self.alpha = nn.Parameter(torch.zeros(int(units)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[B, units]`` activated."""
+        p = torch.sigmoid(self.norm(x))
+        return self.alpha * (1.0 - p) * x + p * x
+
+
+def activation_layer(name: str, units: int) -> nn.Module:
+    """The layer of a DNN's ``activation`` (EasyRec's ``get_activation`` names).
+
+    ``relu``; ``linear`` (none); ``gelu`` (EasyRec's tanh approximation; ``tf.nn.gelu``
+    the exact one); ``leaky_relu`` and ``prelu`` without parameters (TensorFlow's slope
+    0.2); ``elu``; ``selu``; ``tanh``; ``swish``; ``sigmoid``; ``dice`` (:class:`Dice`, one
+    per layer of ``units``). Names are lower-cased; ``tf.nn.<name>`` is the same function.
+
+    Raises:
+        ValueError: another name.
+    """
+    key = name.lower()
+    if key == "tf.nn.gelu":
+        return nn.GELU()
+    key = key.removeprefix("tf.nn.").removeprefix("tf.").removeprefix("nn.")
+    if key == "dice":
+        return Dice(units)
+    simple = {"relu": nn.ReLU, "linear": nn.Identity, "elu": nn.ELU, "selu": nn.SELU,
+              "tanh": nn.Tanh, "swish": nn.SiLU, "sigmoid": nn.Sigmoid}
+    if key in simple:
+        return simple[key]()
+    if key == "gelu":
+        return nn.GELU(approximate="tanh")
+    if key in ("leaky_relu", "prelu"):
+        return nn.LeakyReLU(0.2)
+    raise ValueError(f"DNN activation {name!r} is not supported")
 
 
 def build_optional_mlp(in_dim: int,

@@ -81,19 +81,35 @@ logger = logging.getLogger(__name__)
 
 
 def predictions(logits: torch.Tensor, regression: Sequence[bool] = (),
-                softmax: bool = False) -> np.ndarray:
+                softmax: bool = False, task_classes: Sequence[int] = ()) -> np.ndarray:
     """The predictions of logits: ``sigmoid``, or the logit for a regression output.
 
     Args:
         logits: ``[B]`` (one output) or ``[B, n]`` logits.
         regression: per output, whether it is a regression (empty: none is).
         softmax: the ``n`` outputs are a ``num_class`` model's classes: their softmax.
+        task_classes: per output of a multi-task model, its logits
+            (``odl.config.loss_settings.task_classes``): an output of two is
+            ``softmax(pair)[1]``, the probability of class 1 (empty: one logit each).
 
     Returns:
         float64 ``[B]`` or ``[B, n]`` predictions, on the CPU.
     """
     if softmax:
         return torch.softmax(logits, dim=1).to(torch.float64).cpu().numpy()
+    if any(c > 1 for c in task_classes):  # a task of two logits: its class-1 probability
+        columns: list[torch.Tensor] = []
+        start = 0
+        for t, c in enumerate(task_classes):
+            if c == 2:
+                columns.append(torch.softmax(logits[:, start : start + 2], dim=1)[:, 1])
+            elif t < len(regression) and regression[t]:
+                columns.append(logits[:, start])
+            else:
+                columns.append(torch.sigmoid(logits[:, start]))
+            start += c
+        out = torch.stack(columns, dim=1)
+        return (out.squeeze(1) if out.shape[1] == 1 else out).to(torch.float64).cpu().numpy()
     out = torch.sigmoid(logits)
     if any(regression):
         if logits.dim() == 1:

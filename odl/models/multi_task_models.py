@@ -54,7 +54,7 @@ from torch import nn
 from odl.config import limits
 from odl.config.config_error import ConfigError
 from odl.config.feature_configs import feature_configs, projected_raw
-from odl.config.loss_settings import POINTWISE_LOSS_TYPES
+from odl.config.loss_settings import POINTWISE_LOSS_TYPES, SOFTMAX_LOSS_TYPES
 from odl.config.model_classes import model_settings, task_label_names
 from odl.config.model_validation import check_dropout_group, validate_dnn, validate_losses
 from odl.features.batch import Batch
@@ -69,6 +69,7 @@ from odl.models.ctr_losses import (
     loss_terms,
     random_loss_weights,
     sample_weight_tensor,
+    session_tensor,
 )
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
@@ -95,18 +96,20 @@ class TaskHead(nn.Module):
         relations: indices of the earlier tasks whose relation outputs it reads.
         relation_width: sum of those outputs' widths.
         relation_dnn: the relation DNN, or None (identity).
+        num_class: its logits (2: a two-class task).
     """
 
     relations: list[int]
 
     def __init__(self, in_width: int, dnn: Optional[pipeline_pb2.DNN], relations: Sequence[int],
-                 relation_width: int, relation_dnn: Optional[pipeline_pb2.DNN]) -> None:
+                 relation_width: int, relation_dnn: Optional[pipeline_pb2.DNN],
+                 num_class: int = 1) -> None:
         super().__init__()
         self.dnn, width = build_optional_mlp(in_width, dnn)
         self.relations = [int(r) for r in relations]
         self.relation_dnn, self.out_width = build_optional_mlp(width + relation_width,
                                                              relation_dnn)
-        self.out = nn.Linear(self.out_width, 1)
+        self.out = nn.Linear(self.out_width, int(num_class))
 
 
 class MultiTaskDense(nn.Module):
@@ -117,7 +120,8 @@ class MultiTaskDense(nn.Module):
         dense_idx: the group's columns of the raw dense features.
         bottom: DBMTL's ``bottom_dnn``, or None.
         experts: ``(one DNN per expert, gate_dnn or None)``, or None.
-        tasks: per task ``(dnn or None, relation task indices, relation_dnn or None)``.
+        tasks: per task ``(dnn or None, relation task indices, relation_dnn or None, logits)``
+            (logits: 1, or 2 for a two-class task).
         sequences: the ``GroupSequences`` combining the group's sequences (their lookups end
             the pooled group, their lengths end ``dense_idx``), or None.
         projected_idx: the group's columns of EasyRec's projected raw features (a
@@ -134,7 +138,7 @@ class MultiTaskDense(nn.Module):
             sequences.
     """
 
-    __constants__ = ["has_embedded", "has_dense", "num_tasks", "has_projected"]
+    __constants__ = ["has_embedded", "has_dense", "num_tasks", "num_logits", "has_projected"]
     dense_idx: list[int]
     projected_idx: list[int]
 
@@ -142,7 +146,7 @@ class MultiTaskDense(nn.Module):
                  bottom: Optional[pipeline_pb2.DNN],
                  experts: Optional[tuple[list[pipeline_pb2.DNN], Optional[pipeline_pb2.DNN]]],
                  tasks: Sequence[tuple[Optional[pipeline_pb2.DNN], Sequence[int],
-                                       Optional[pipeline_pb2.DNN]]],
+                                       Optional[pipeline_pb2.DNN], int]],
                  sequences: Optional[GroupSequences] = None,
                  projected_idx: Sequence[int] = (), projected_widths: Sequence[int] = (),
                  projected_dim: int = 0,
@@ -155,6 +159,7 @@ class MultiTaskDense(nn.Module):
         self.has_dense = len(self.dense_idx) > 0
         self.has_projected = len(self.projected_idx) > 0
         self.num_tasks = len(tasks)
+        self.num_logits = sum(int(t[3]) for t in tasks)
         if self.has_projected and sequences is not None:
             raise ValueError("projected raw features and sequences in one group are not "
                              "implemented for the multi-task models")
@@ -178,9 +183,9 @@ class MultiTaskDense(nn.Module):
             self.experts = mixture(width, len(tasks))
             width = int(self.experts.out_width)
         heads: list[TaskHead] = []
-        for dnn, relations, relation_dnn in tasks:
+        for dnn, relations, relation_dnn, num_class in tasks:
             rel_width = sum(heads[r].out_width for r in relations)
-            heads.append(TaskHead(width, dnn, relations, rel_width, relation_dnn))
+            heads.append(TaskHead(width, dnn, relations, rel_width, relation_dnn, num_class))
         self.heads = nn.ModuleList(heads)
         # registered last: the checkpoints' parameter order of models without it stays
         self.projection = (RawProjection(projected_widths, int(projected_dim))
@@ -188,7 +193,9 @@ class MultiTaskDense(nn.Module):
         self.dropout = dropout
 
     def forward(self, group: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, num_tasks]`` (``[B]`` with one task).
+        """Logits ``[B, num_logits]``, task after task.
+
+        A two-class task has two; ``[B]`` with one logit in all.
 
         Args:
             group: ``[B, lookups * dim]`` pooled lookups of the group.
@@ -227,7 +234,7 @@ class MultiTaskDense(nn.Module):
             r_out = head.relation_dnn(cat[0] if len(cat) == 1 else torch.cat(cat, dim=1))
             rel.append(r_out)
             logits.append(head.out(r_out))
-        if self.num_tasks == 1:
+        if self.num_logits == 1:
             return logits[0].squeeze(1)
         return torch.cat(logits, dim=1)
 
@@ -301,7 +308,8 @@ class MultiTaskModel(CtrModel):
                     raise ValueError(f"task {names[i]!r}: relation tower {r!r} is not an "
                                      "earlier task")
                 relations.append(names.index(r))
-            tasks.append((_dnn(t, "dnn"), relations, _dnn(t, "relation_dnn")))
+            tasks.append((_dnn(t, "dnn"), relations, _dnn(t, "relation_dnn"),
+                          max(int(t.num_class), 1)))
         experts = None
         if field == "mmoe" or (field == "dbmtl" and settings.HasField("expert_dnn")):
             named = list(settings.experts) if field == "mmoe" else []
@@ -335,6 +343,9 @@ class MultiTaskModel(CtrModel):
         self.output_names = tuple(names)
         self.output_labels = tuple(int(c) for c in label_columns)
         self.task_weights = [float(t.weight) for t in settings.task_towers]
+        # each task's logit columns: one, or two (a two-class task: softmax over the pair)
+        self.task_classes = [max(int(t.num_class), 1) for t in settings.task_towers]
+        self.task_columns = [sum(self.task_classes[:t]) for t in range(len(self.task_classes))]
         self.task_terms = [loss_terms(t) for t in settings.task_towers]
         self.model_config = model_config
         self.task_learned = [learned_weight_terms(model_config, terms)
@@ -380,7 +391,17 @@ class MultiTaskModel(CtrModel):
             uncertainty = getattr(self.dense, "loss_uncertainty", None)
             if uncertainty is not None:
                 uncertainty = uncertainty[self.task_learned_start[t]:]
-            loss = loss + ctr_loss(logits[:, t], labels[:, self.output_labels[t]], terms,
+            column = self.task_columns[t]
+            y = labels[:, self.output_labels[t]]
+            if self.task_classes[t] == 2:  # softmax over the pair, the 0/1 label one-hot
+                loss = loss + ctr_loss(logits[:, column : column + 2],
+                                       torch.stack([1 - y, y], dim=1), terms, weights,
+                                       scale=w, learned=self.task_learned[t],
+                                       uncertainty=uncertainty, term_weights=term_weights,
+                                       softmax=True, sessions=session_tensor(batch),
+                                       data_weights=data_weights)
+                continue
+            loss = loss + ctr_loss(logits[:, column], y, terms,
                                    weights, scale=w, learned=self.task_learned[t],
                                    uncertainty=uncertainty, term_weights=term_weights,
                                    data_weights=data_weights)
@@ -534,10 +555,18 @@ def validate_multi_task(check: ModelCheck) -> None:
             raise ConfigError(f"{tw}.label_name",
                               f"{labels[i] or 'no label'!r} is not one of "
                               f"data_config.label_fields {label_fields}")
-        if task.num_class != 1:
+        if task.num_class not in (1, 2):
             raise ConfigError(f"{tw}.num_class",
                               f"num_class {task.num_class} is an EasyRec value that odl does not "
-                              "implement yet (only 1: binary classification)")
+                              "implement yet (1: binary; 2: two logits, as for JRC_LOSS)")
+        if task.num_class == 2:
+            kinds = [(f"{tw}.losses[{j}].loss_type", t.loss_type)
+                     for j, t in enumerate(task.losses)] or [(f"{tw}.loss_type", task.loss_type)]
+            for kw, kind in kinds:
+                if kind not in SOFTMAX_LOSS_TYPES:
+                    raise ConfigError(kw, f"a num_class 2 task trains by softmax cross "
+                                          f"entropy or JRC_LOSS, not "
+                                          f"{pipeline_pb2.LossType.Name(kind)}")
         if task.weight < 0:
             raise ConfigError(f"{tw}.weight", "must be >= 0")
         if task.HasField("dnn"):

@@ -38,7 +38,7 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.config.in_batch_settings import IN_BATCH_OFF, IN_BATCH_ON, in_batch_mode
-from odl.config.loss_settings import num_classes, regression_outputs
+from odl.config.loss_settings import num_classes, regression_outputs, task_classes
 from odl.config.optimizer_support import (
     dense_ema_used,
     table_gradient_multiplier,
@@ -141,6 +141,7 @@ class TrainModule:
         # per output: a regression predicts its logit, the others sigmoid(logit)
         self.regression = regression_outputs(config)
         self.softmax = num_classes(config) > 1  # a num_class model: softmax over its classes
+        self.task_classes = task_classes(config)  # a two-class task: softmax over its pair
         self._sparse_spec, self._dense_spec = optimizer_specs(config.train_config)
         self.in_batch_mode = in_batch_mode(config, self.world_size)
         # the wide tables' multiplier at the start (in-batch learning: adapted while training)
@@ -542,7 +543,8 @@ class TrainModule:
         if step_rows is not None:  # split by id: every rank's dynamic rows of the step, so
             # this rank names and publishes its partitions' rows whoever trained them
             self.record_touched_rows(step_rows.to(self.device))
-        probs = predictions(mine.logits.detach(), self.regression, self.softmax)
+        probs = predictions(mine.logits.detach(), self.regression, self.softmax,
+                            self.task_classes)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
     def empty_batch(self) -> Batch:
@@ -571,7 +573,7 @@ class TrainModule:
             logits = self._forward(batch, self._step_sizes(batch, None))[1].logits
         finally:
             self._dmp.train()
-        return predictions(logits, self.regression, self.softmax)
+        return predictions(logits, self.regression, self.softmax, self.task_classes)
 
     # -- checkpoints (odl.train.module_state) ------------------------------------------------
 
