@@ -212,3 +212,28 @@ def test_dnn_activations_are_easyrecs_functions():
 
     with pytest.raises(ValueError, match="not supported"):
         activation_layer("softsign", 3)
+
+
+def test_target_attention_scores_only_the_positions_within_the_lengths():
+    """The padding's scores are replaced, so scoring the valid positions alone is the same
+    attention, values and gradients; an MLP with batch normalization scores them all."""
+    torch.manual_seed(3)
+    dnn = pipeline_pb2.DNN(hidden_units=[6, 1])
+    att = TargetAttention(AttentionLayout.plain(4), seq_len=5, dnn=dnn)
+    assert att.score_valid_only
+    every = TargetAttention(AttentionLayout.plain(4), seq_len=5, dnn=dnn)
+    every.load_state_dict(att.state_dict())
+    every.score_valid_only = False
+    x = torch.randn(7, 4 + 5 * 4 + 1)
+    x[:, -1] = torch.tensor([0.0, 1.0, 5.0, 2.0, 3.0, 0.0, 4.0])
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = att(xa), every(xb)
+    assert torch.allclose(ya, yb, atol=1e-6)
+    ya.square().sum().backward()
+    yb.square().sum().backward()
+    assert torch.allclose(xa.grad, xb.grad, atol=1e-5)
+    for pa, pb in zip(att.parameters(), every.parameters(), strict=True):
+        assert torch.allclose(pa.grad, pb.grad, atol=1e-5)
+    assert torch.allclose(torch.jit.script(att)(x), ya, atol=1e-6)
+    normed = pipeline_pb2.DNN(hidden_units=[6, 1], use_bn=True)
+    assert not TargetAttention(AttentionLayout.plain(4), seq_len=5, dnn=normed).score_valid_only

@@ -109,6 +109,11 @@ class TargetAttention(nn.Module):
     With ``encoder`` (TorchEasyRec's ``DINEncoder``): the MLP's layers are all activated and
     a Linear to one unit scores, and the output is the attended sequence alone.
 
+    The MLP scores only the positions within the lengths (the padding's scores are replaced
+    anyway), so its cost follows the sequences' lengths, not ``seq_len``; an MLP with batch
+    normalization (``use_bn``, ``dice``) scores every position, as EasyRec's does, since its
+    batch statistics include the padding.
+
     Args:
         layout: the input's layout and the output's form.
         seq_len: positions of the sequence.
@@ -122,7 +127,7 @@ class TargetAttention(nn.Module):
 
     __constants__ = ["key_embedded", "item_embedded", "aux_embedded", "key_dense",
                      "dense_numbers", "num_item_dense", "seq_len", "width", "key_pad",
-                     "with_key"]
+                     "with_key", "score_valid_only"]
     dense_sizes: list[int]
 
     def __init__(self, layout: AttentionLayout, seq_len: int, dnn: pipeline_pb2.DNN,
@@ -162,6 +167,10 @@ class TargetAttention(nn.Module):
         else:
             self.mlp, _ = build_mlp(4 * self.width, dnn, last_plain=True)
         self.out_width = self.width + layout.aux_width + (self.width if self.with_key else 0)
+        # the padding's scores are replaced, so only the positions within the lengths need
+        # the MLP, unless it normalizes by the batch (whose statistics include the padding)
+        self.score_valid_only = not any(isinstance(m, nn.BatchNorm1d)
+                                        for m in self.mlp.modules())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, out_width]``: the attended items (and auxiliary parts), then the key."""
@@ -194,12 +203,20 @@ class TargetAttention(nn.Module):
         k = self.key_map(k)
         h = self.item_map(h)
         length = x[:, -1:]
-        q = k.unsqueeze(1).expand(b, n, self.width)
-        att_in = torch.cat([q, h, q - h, q * h], dim=2).reshape(b * n, 4 * self.width)
-        scores = self.mlp(att_in).reshape(b, n)
         positions = torch.arange(n, device=x.device, dtype=x.dtype).unsqueeze(0)
-        scores = torch.where(positions < length, scores,
-                             torch.full_like(scores, -2.0**32 + 1))
+        valid = positions < length
+        if self.score_valid_only:  # the MLP scores the positions within the lengths only
+            index = torch.nonzero(valid.reshape(-1)).squeeze(1)
+            hv = h.reshape(b * n, self.width).index_select(0, index)
+            kv = k.index_select(0, torch.div(index, n, rounding_mode="floor"))
+            att_in = torch.cat([kv, hv, kv - hv, kv * hv], dim=1)
+            scores = torch.full((b * n,), -2.0**32 + 1, dtype=x.dtype, device=x.device)
+            scores = scores.index_put((index,), self.mlp(att_in).reshape(-1)).reshape(b, n)
+        else:
+            q = k.unsqueeze(1).expand(b, n, self.width)
+            att_in = torch.cat([q, h, q - h, q * h], dim=2).reshape(b * n, 4 * self.width)
+            scores = self.mlp(att_in).reshape(b, n)
+            scores = torch.where(valid, scores, torch.full_like(scores, -2.0**32 + 1))
         weights = torch.softmax(scores, dim=1).unsqueeze(2)
         attended = (weights * torch.cat([h] + aux, dim=2)).sum(dim=1)
         if self.with_key:
