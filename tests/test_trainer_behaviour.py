@@ -155,10 +155,10 @@ def test_config_errors_exit_2_and_name_the_field(tmp_path, edits, field):
 def test_easyrec_field_not_implemented_is_refused_with_exit_2(tmp_path):
     cfg = tmp_path / "p.config"
     text = open(write_config(tmp_path, "127.0.0.1:1", "t")).read()
-    cfg.write_text(text + '\nfg_json_path: "fg.json"\n')
+    cfg.write_text(text + "\nhive_train_input { }\n")
     res = _run_cli("--pipeline_config_path", str(cfg), "--online")
     assert res.returncode == 2
-    assert "fg_json_path" in res.stderr and "not implement" in res.stderr
+    assert "hive_train_input" in res.stderr and "not implement" in res.stderr
 
 
 @pytest.mark.slow
