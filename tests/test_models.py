@@ -135,6 +135,37 @@ def test_final_dnn_variant(fb):
     assert tuple(tm.dense_parameters()["dense.final_dnn.0.weight"].shape) == (8, 25)
 
 
+def test_wide_to_logit_adds_the_wide_part_around_the_final_dnn(fb):
+    """odl's default with a final DNN: the logit is the final DNN's plus the wide part's sum
+    (wide_to_logit); false is EasyRec's structure, the wide part through the final DNN only.
+    The same parameters either way; the scripted dense part (serving) agrees."""
+    text = "deepfm { final_dnn { hidden_units: [8] } wide_output_dim: 3 }"
+    on = TrainModule(config(model_config=text), fb, device="cpu")
+    off = TrainModule(config(model_config=text.replace("wide_output_dim: 3",
+                                                       "wide_output_dim: 3 "
+                                                       "wide_to_logit: false")),
+                      fb, device="cpu")
+    b, later = batches(fb, 2, size=32)
+    on.train_step(later)  # (the wide rows start at 0: one step moves them)
+    off.model.load_state_dict(on.model.state_dict())
+    dense = on.model.dense
+    captured = {}
+
+    def keep_wide(_module, inputs, _output):
+        captured["final_in"] = inputs[0]
+
+    hook = dense.final_dnn.register_forward_hook(keep_wide)
+    with torch.no_grad():
+        got, plain = on.model(b).logits, off.model(b).logits
+    hook.remove()
+    wide = captured["final_in"][:, :3]  # the final DNN's input starts with the wide part
+    torch.testing.assert_close(got, plain + wide.sum(dim=1))
+    assert not torch.allclose(got, plain)
+    out = on.model(b)
+    scripted = torch.jit.script(dense)
+    torch.testing.assert_close(scripted(*[p for p in out.pooled], b.dense), out.logits)
+
+
 def test_wide_and_deep_without_final_dnn_is_num_class_wide(fb, caplog):
     """EasyRec's WideAndDeep without final_dnn sums the wide part and the deep logits: its
     wide part is num_class wide whatever wide_output_dim says (with a warning); DeepFM

@@ -14,6 +14,7 @@ pooled groups) and the raw dense features::
     deep  = DNN(concat(v_i, deep dense features))                                [B, H]
     logit = sum(wide) + sum(fm) + Linear(deep -> 1)              (no final_dnn)
     logit = Linear(final_dnn(concat(wide, fm, deep)) -> 1)       (with final_dnn)
+            + sum(wide)                      (DeepFM's wide_to_logit, odl's default)
 
 Loss (``deepfm_loss``): the configured prediction loss (``odl.models.ctr_losses``; binary
 cross entropy by default)
@@ -109,7 +110,8 @@ class DeepFMDense(nn.Module):
     """
 
     __constants__ = ["num_deep", "dim", "num_wide", "wide_output_dim", "has_deep_dense",
-                     "all_deep_dense", "use_fm", "num_projected", "num_sequences", "num_class"]
+                     "all_deep_dense", "use_fm", "num_projected", "num_sequences", "num_class",
+                     "wide_to_logit"]
     deep_dense_idx: list[int]
     wide_dense_idx: list[int]
     projected_idx: list[int]
@@ -175,10 +177,13 @@ class DeepFMDense(nn.Module):
             self.final_dnn, final_width = build_mlp(final_in, cfg.final_dnn)
             self.final_out = nn.Linear(final_width, self.num_class)
             self.deep_out = None
+            self.wide_to_logit = (self.num_class == 1 and "wide_to_logit" in
+                                  cfg.DESCRIPTOR.fields_by_name and cfg.wide_to_logit)
         else:
             self.final_dnn = None
             self.final_out = None
             self.deep_out = nn.Linear(deep_width, self.num_class)
+            self.wide_to_logit = False
         self.projection = (RawProjection(widths, self.dim) if self.num_projected else None)
         self.sequences = sequences
         drop = variational_dropout
@@ -251,7 +256,11 @@ class DeepFMDense(nn.Module):
                 cat.append(fm)
             cat.append(h)
             out = final_out(final_dnn(torch.cat(cat, dim=1)))
-            return out.squeeze(1) if self.num_class == 1 else out
+            if self.num_class > 1:
+                return out
+            if self.wide_to_logit:  # the first-order path around the final DNN
+                return out.squeeze(1) + w.sum(dim=1)
+            return out.squeeze(1)
         deep_out = self.deep_out
         assert deep_out is not None
         if self.num_class > 1:  # [B, C]: the wide part is C wide (wide_output_dim)
