@@ -2,7 +2,8 @@
 
 What each feature becomes is the plan's (``odl.features.feature_plan``, its module docstring
 lists the feature kinds); :class:`FeatureBuilder` is a plan that builds batches by it, with
-the column operations of ``odl.features.column_ops``. Like the plan it takes a validated
+the column operations of ``odl.features.column_ops`` and the crossed ids of
+``odl.features.crossed_ids``. Like the plan it takes a validated
 config and checks no config rule of its own.
 
 Only fields that some feature, the label, or the event time reads are validated as numbers;
@@ -45,8 +46,9 @@ from odl.features.column_ops import (
     split_column,
     split_ranges,
 )
+from odl.features.crossed_ids import combo_ids, lookup_ids
 from odl.features.feature_plan import FeaturePlan, PlannedDense, PlannedSparse
-from odl.features.id_hashing import FNV64_PRIME, bucketize_hashes, hash_segments
+from odl.features.id_hashing import bucketize_hashes, hash_segments
 from odl.features.record_parser import ParsedColumns, parse_numbers
 
 if TYPE_CHECKING:
@@ -527,9 +529,9 @@ class FeatureBuilder(FeaturePlan):
                     v = (v - sp.norm[0]) / sp.norm[1]
                 ids = np.searchsorted(sp.boundaries, v, side="right").astype(np.int64)
             elif sp.kind == "lookup":
-                ids, lengths = self._lookup(parsed, sp, sep_pos)
+                ids, lengths = lookup_ids(parsed, sp, sep_pos)
             else:
-                ids, lengths = self._combo(parsed, sp, sep_pos)
+                ids, lengths = combo_ids(parsed, sp, sep_pos)
             if sp.seq_len and sp.name in bags:
                 positions, per_position = bags[sp.name]
                 ids, lengths, kept = sequence_positions(ids, positions, sp.seq_len,
@@ -595,92 +597,3 @@ class FeatureBuilder(FeaturePlan):
         if len(self._labels) == 1:
             return parsed.numeric[self._label].astype(np.float32)
         return np.stack([parsed.numeric[lf] for lf in self._labels], axis=1).astype(np.float32)
-
-    def _combo(self, parsed: ParsedColumns, sp: PlannedSparse, sep_pos: dict
-               ) -> tuple[np.ndarray, np.ndarray]:
-        if any(sp.combo_input_seps):
-            return self._combo_cross(parsed, sp, sep_pos)
-        buf = parsed.buffer
-        n = parsed.num_rows
-        nonempty = np.ones(n, dtype=bool)
-        h = None
-        prime = np.uint64(FNV64_PRIME)
-        for k, inp in enumerate(sp.inputs):
-            s, e = parsed.starts[inp], parsed.ends[inp]
-            nonempty &= e > s
-            if k > 0:
-                for byte in sp.combo_sep:
-                    h = (h ^ np.uint64(byte)) * prime
-            h = hash_segments(buf, s, e, init=h)
-        ids = raw_ids(h[nonempty]) if sp.raw_ids else bucketize_hashes(h[nonempty], sp.num_rows)
-        return ids, nonempty.astype(np.int64)
-
-    @staticmethod
-    def _lookup(parsed: ParsedColumns, sp: PlannedSparse, sep_pos: dict
-                ) -> tuple[np.ndarray, np.ndarray]:
-        """A LookupFeature's ids, as the plan's docstring says.
-
-        The hashed values of its map's pieces keyed by the record's key, the first
-        ``max_sel`` per record.
-        """
-        buf = parsed.buffer
-        n = parsed.num_rows
-        key, table = sp.inputs
-        s, e, lengths = split_column(parsed, table, sp.separator, sep_pos[sp.separator])
-        positions = sep_pos[sp.lookup_kv]
-        if positions is None or positions.shape[0] == 0:
-            k = e.copy()
-        else:  # the first kv separator inside each piece
-            j = np.searchsorted(positions, s)
-            k = np.where(j < positions.shape[0], positions[np.minimum(j, positions.shape[0] - 1)],
-                         e)
-            k = np.where(k + len(sp.lookup_kv) <= e, k, e)
-        row = np.repeat(np.arange(n), lengths)
-        ks, ke = parsed.starts[key], parsed.ends[key]
-        same = ((k < e) & (k - s == (ke - ks)[row])
-                & (hash_segments(buf, s, k) == hash_segments(buf, ks, ke)[row]))
-        picked = np.flatnonzero(same)
-        rows = row[picked]
-        count = np.bincount(rows, minlength=n)
-        rank = np.arange(picked.shape[0]) - np.repeat(np.cumsum(count) - count, count)
-        picked, rows = picked[rank < sp.max_sel], rows[rank < sp.max_sel]
-        h = hash_segments(buf, k[picked] + len(sp.lookup_kv), e[picked])
-        ids = raw_ids(h) if sp.raw_ids else bucketize_hashes(h, sp.num_rows)
-        return ids, np.bincount(rows, minlength=n).astype(np.int64)
-
-    @staticmethod
-    def _combo_cross(parsed: ParsedColumns, sp: PlannedSparse, sep_pos: dict
-                     ) -> tuple[np.ndarray, np.ndarray]:
-        """A ComboFeature with ``combo_input_seps``: its ids, row by row.
-
-        One per combination of its inputs' values, the first input's values varying slowest.
-        """
-        buf = parsed.buffer
-        n = parsed.num_rows
-        prime = np.uint64(FNV64_PRIME)
-        rows = np.arange(n)
-        h: np.ndarray | None = None
-        for k, inp in enumerate(sp.inputs):
-            sep = sp.combo_input_seps[k]
-            if sep:
-                s, e, count = split_column(parsed, inp, sep, sep_pos[sep])
-            else:
-                s, e = parsed.starts[inp], parsed.ends[inp]
-                whole = e > s
-                s, e, count = s[whole], e[whole], whole.astype(np.int64)
-            first = np.cumsum(count) - count  # each row's first piece
-            reps = count[rows]  # each combination so far, once per piece of its row
-            total = int(reps.sum())
-            piece = (np.repeat(first[rows], reps)
-                     + np.arange(total) - np.repeat(np.cumsum(reps) - reps, reps))
-            init = None
-            if h is not None:
-                init = np.repeat(h, reps)
-                for byte in sp.combo_sep:
-                    init = (init ^ np.uint64(byte)) * prime
-            h = hash_segments(buf, s[piece], e[piece], init=init)
-            rows = np.repeat(rows, reps)
-        assert h is not None
-        ids = raw_ids(h) if sp.raw_ids else bucketize_hashes(h, sp.num_rows)
-        return ids, np.bincount(rows, minlength=n).astype(np.int64)
-
