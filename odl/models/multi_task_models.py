@@ -12,13 +12,15 @@ SequenceFeature with a ``sequence_combiner``, a target attention or pooling of i
                                                   networks, odl.models.ple) instead
     tower_t = dnn_t(in_t)                          (no dnn: in_t)
     rel_t   = relation_dnn_t(concat(tower_t, rel_r for r in relation_tower_names_t))
-    logit_t = Linear(rel_t -> 1)                   (DBMTL; MMoE: rel_t = tower_t)
+    logit_t = Linear(rel_t -> 1, or 2)            (DBMTL; MMoE: rel_t = tower_t)
 
 The blocks are those of ``odl.models.building_blocks`` and
 ``odl.models.sequence_layers``. A relation names an earlier task (it
 reads that task's ``rel`` output), as in EasyRec's DBMTL.
 
-Outputs: one logit per task, ``[B, T]`` (``[B]`` with one task), named by the tasks'
+Outputs: one logit per task, ``[B, T]`` (``[B]`` with one task), two for a task tower of
+``num_class: 2`` (softmax cross entropy or JRC over its 0/1 label one-hot; its prediction
+``softmax(pair)[1]``, ``odl.config.loss_settings.task_classes``), named by the tasks'
 ``tower_name`` (``model.output_names``); task ``t`` is trained on the label column
 ``model.output_labels[t]`` of ``Batch.labels`` (its ``label_name``, else the ``label_fields``
 entry at its position; ``odl.config.model_classes.task_label_names``).
