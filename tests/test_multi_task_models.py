@@ -90,7 +90,9 @@ def test_a_task_num_class_above_two_or_with_a_pointwise_loss_is_refused():
     base = _text("DBMTL")
     for edit, field in [('tower_name: "cvr" num_class: 3', "task_towers[1].num_class"),
                         ('tower_name: "cvr" num_class: 2 loss_type: L2_LOSS',
-                         "task_towers[1].loss_type")]:
+                         "task_towers[1].loss_type"),
+                        ('tower_name: "cvr" num_class: 2 task_space_indicator_label: "label"',
+                         "task_towers[1].task_space_indicator_label")]:
         with pytest.raises(ConfigError) as e:
             load_config_text(base.replace('tower_name: "cvr"', edit))
         assert e.value.field.endswith(field), e.value.field

@@ -561,6 +561,10 @@ def validate_multi_task(check: ModelCheck) -> None:
             raise ConfigError(f"{tw}.num_class",
                               f"num_class {task.num_class} is an EasyRec value that odl does not "
                               "implement yet (1: binary; 2: two logits, as for JRC_LOSS)")
+        if task.num_class == 2 and task.task_space_indicator_label:
+            raise ConfigError(f"{tw}.task_space_indicator_label",
+                              "a task space weighs pointwise losses; a num_class 2 task trains "
+                              "by softmax cross entropy or JRC_LOSS")
         if task.num_class == 2:
             kinds = [(f"{tw}.losses[{j}].loss_type", t.loss_type)
                      for j, t in enumerate(task.losses)] or [(f"{tw}.loss_type", task.loss_type)]
