@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from odl.models.building_blocks import (
@@ -208,8 +209,6 @@ def test_dnn_activations_are_easyrecs_functions():
     assert torch.allclose(torch.jit.script(dice)(x), dice(x))
     mlp, _ = build_mlp(3, pipeline_pb2.DNN(hidden_units=[4, 2], activation="dice"))
     assert [type(m).__name__ for m in mlp] == ["Linear", "Dice", "Linear", "Dice"]
-    import pytest
-
     with pytest.raises(ValueError, match="not supported"):
         activation_layer("softsign", 3)
 

@@ -46,6 +46,7 @@ from odl.config.feature_kinds import (
     validate_multi_values,
     validate_number_sequence,
 )
+from odl.config.loss_settings import SOFTMAX_LOSS_TYPES
 from odl.config.model_classes import is_multi_task_model
 from odl.protos import pipeline_pb2
 
@@ -336,12 +337,10 @@ def _validate_classes(config: pipeline_pb2.EasyRecConfig) -> None:
     if mc.num_class > limits.MAX_CLASSES:
         raise ConfigError("model_config.num_class",
                           f"{mc.num_class} is above the limit of {limits.MAX_CLASSES}")
-    classification = (pipeline_pb2.CLASSIFICATION, pipeline_pb2.CROSS_ENTROPY_LOSS,
-                      pipeline_pb2.JRC_LOSS)
     terms = [(f"model_config.losses[{i}].loss_type", t.loss_type)
              for i, t in enumerate(mc.losses)] or [("model_config.loss_type", mc.loss_type)]
     for where, kind in terms:
-        if kind not in classification:
+        if kind not in SOFTMAX_LOSS_TYPES:
             raise ConfigError(where, f"num_class {mc.num_class} trains softmax cross entropy: "
                                      "the loss must be CLASSIFICATION, CROSS_ENTROPY_LOSS or "
                                      f"JRC_LOSS, not {pipeline_pb2.LossType.Name(kind)}")
