@@ -99,14 +99,18 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "sequence_id_feature", "sequence_raw_feature", "bool_mask_feature",
     }),
     "SequenceCombiner": frozenset({"multi_head_attention"}),
-    "TextCNN": frozenset({"mlp"}),
+    # the backbone layers odl does not implement (odl/models/backbone/ has the others)
+    "KerasLayer": frozenset({
+        "mmoe", "seq_aug", "overlap", "dot_product",
+        "attention", "multi_head_attention", "transformer", "text_encoder", "gate", "aitm",
+    }),
     "FeatureGroupConfig": frozenset({"negative_sampler", "embedding_name_suffix"}),
     "EasyRecModel": frozenset({
-        "model_name", "model_params", "dummy",
+        "dummy",
         "autoint", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat",
         "simple_multi_task", "rocket_launching", "kd",
-        "restore_filters", "backbone",
+        "restore_filters",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet",
         "rank_model", "dlrm_hstu",
     }),
@@ -278,6 +282,7 @@ EASYREC_NO_EFFECT_FIELDS: dict[str, dict[str, tuple[str, frozenset[str]]]] = {
     "EasyRecModel": {
         "train_metrics": ("odl reports progressive AUC and logloss for every model",
                           frozenset()),
+        "model_name": ("a name only: model_class says what is built", frozenset()),
     },
 }
 
@@ -399,6 +404,7 @@ _TORCHEASYREC_MODEL_FIELDS = frozenset({"dcn_v2", "mask_net", "wukong"})
 def unwritten_batch_norm_dnns(config: pipeline_pb2.EasyRecConfig) -> list[str]:
     """Paths of an EasyRec config's DNNs that do not write ``use_bn``.
 
+    (Of a backbone's ``MLP``: ``use_bn`` where it has hidden layers, or ``use_final_bn``.)
     EasyRec's ``DNN`` (and ``MLP``) default to ``use_bn: true``; odl's, like TorchEasyRec's
     MLP, to false, because a layer normalized by each batch's statistics caps how far one
     id's weights can move the logit, which slows online learning (docs/config.md, "Batch
@@ -421,13 +427,19 @@ def unwritten_batch_norm_dnns(config: pipeline_pb2.EasyRecConfig) -> list[str]:
 
     def walk(message, path: str) -> None:
         for fd, value in message.ListFields():
-            if (fd.message_type is None or fd.message_type.name.startswith("Tz")
+            if (fd.message_type is None or fd.message_type.GetOptions().map_entry
+                    or fd.message_type.name.startswith("Tz")
                     or fd.name in _TORCHEASYREC_MODEL_FIELDS):
                 continue
             repeated = fd.is_repeated
             for i, item in enumerate(value if repeated else [value]):
                 where = f"{path}.{fd.name}" + (f"[{i}]" if repeated else "")
-                if fd.message_type.name != "DNN":
+                if fd.message_type.name == "MLP":  # the backbone's: two settings
+                    units = len(item.hidden_units)
+                    if ((units > 1 and not item.HasField("use_bn"))
+                            or not item.HasField("use_final_bn")):
+                        found.append(where)
+                elif fd.message_type.name != "DNN":
                     walk(item, where)
                 elif fd.name not in _TORCHEASYREC_DNN_FIELDS and not item.HasField("use_bn"):
                     found.append(where)
@@ -446,7 +458,7 @@ def warn_unwritten_batch_norm(config: pipeline_pb2.EasyRecConfig) -> None:
     if not paths:
         return
     logger.warning(
-        "%s: use_bn is not written, so odl builds no batch normalization there; EasyRec's "
-        "default is use_bn: true. Normalizing by each batch's statistics slows online learning "
+        "%s: use_bn (an MLP's: or use_final_bn) is not written, so odl builds no batch "
+        "normalization there; EasyRec's default is use_bn: true. Normalizing by each batch's statistics slows online learning "
         "(docs/config.md, \"Batch normalization\"); write use_bn: true for EasyRec's layers, "
         "use_bn: false to keep odl's and silence this", ", ".join(paths))

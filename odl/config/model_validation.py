@@ -307,6 +307,7 @@ def validate_model_common(
     if not mc.feature_groups:
         raise ConfigError("model_config.feature_groups", "required")
     groups: dict[str, int] = {}
+    raw_read = raw_sequence_groups(mc.backbone)
     for i, g in enumerate(mc.feature_groups):
         where = f"model_config.feature_groups[{i}]"
         if not g.group_name:
@@ -320,7 +321,8 @@ def validate_model_common(
         for j, name in enumerate(g.feature_names):
             if name not in features:
                 raise ConfigError(f"{where}.feature_names[{j}]", f"no feature named {name!r}")
-            if features[name].feature_type == _FT.SequenceFeature:
+            if (features[name].feature_type == _FT.SequenceFeature
+                    and g.group_name not in raw_read):
                 _check_group_sequence(features[name], f"{where}.feature_names[{j}]")
             if name in seen:
                 raise ConfigError(f"{where}.feature_names[{j}]", f"{name!r} listed twice")
@@ -379,6 +381,23 @@ def sequence_combiner_width(fc: FeatureConfig) -> int:
     return 0
 
 
+def raw_sequence_groups(backbone: pipeline_pb2.BackboneTower) -> set[str]:
+    """The groups a backbone reads only with ``output_seq_and_normal_feature``.
+
+    Their SequenceFeatures are handed out position by position (the RankModel's raw
+    sequence input), so they need no ``sequence_combiner``.
+    """
+    raw, combined = set(), set()
+    for b in backbone.blocks:
+        for inp in b.inputs:
+            if inp.WhichOneof("name") != "feature_group_name":
+                continue
+            seq = (b.WhichOneof("layer") == "input_layer"
+                   and b.input_layer.output_seq_and_normal_feature)
+            (raw if seq else combined).add(inp.feature_group_name)
+    return raw - combined
+
+
 def item_width(fc: FeatureConfig) -> int:
     """A SequenceFeature's width per position as target attention reads it.
 
@@ -411,6 +430,9 @@ def _check_group_sequence(fc: FeatureConfig, where: str) -> None:
             raise ConfigError(cw, "filter sizes and counts must be > 0")
         if t.activation not in ("relu", "tf.nn.relu"):
             raise ConfigError(cw, f"activation {t.activation!r}: only relu is implemented")
+        if t.HasField("mlp"):
+            raise ConfigError(cw, "a sequence_combiner's mlp is not implemented (the "
+                                  "backbone's TextCNN layer reads it)")
         positions = t.pad_sequence_length or fc.max_seq_len or 50
         if max(t.filter_sizes) > positions:
             raise ConfigError(cw, f"a filter of {max(t.filter_sizes)} is longer than the "

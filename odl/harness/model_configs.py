@@ -37,6 +37,21 @@ _TOWER_BLOCKS = {
     "MaskNet": ("mask_net {{\n    mask_net_module {{\n      n_mask_blocks: 2\n"
                 "      mask_block {{ reduction_ratio: 1 hidden_dim: 32 }}\n"
                 "      top_mlp {{ hidden_units: [{units}] }}\n    }}\n  }}"),
+    # EasyRec's backbone: the wide part's sum plus the deep tower's logit
+    "RankModel": ("model_params {{ l2_regularization: 1e-5 }}\n  backbone {{\n"
+                  '    blocks {{ name: "wide_part" inputs {{ feature_group_name: "wide" }}\n'
+                  "      input_layer {{ only_output_feature_list: true wide_output_dim: 1 }} }}\n"
+                  '    blocks {{ name: "deep_tower" inputs {{ feature_group_name: "deep" }}\n'
+                  '      keras_layer {{ class_name: "MLP" mlp {{ hidden_units: [{units}] '
+                  "use_bn: false use_final_bn: false }} }} }}\n"
+                  '    blocks {{ name: "deep_logit" inputs {{ block_name: "deep_tower" }}\n'
+                  '      keras_layer {{ class_name: "Dense" st_params {{ fields {{ key: "units" '
+                  "value {{ number_value: 1 }} }} }} }} }}\n"
+                  '    blocks {{ name: "logit" inputs {{ block_name: "wide_part" '
+                  'input_fn: "lambda x: tf.add_n(x)" }}\n'
+                  '      inputs {{ block_name: "deep_logit" }} merge_inputs_into_list: true\n'
+                  '      keras_layer {{ class_name: "Add" }} }}\n'
+                  '    concat_blocks: "logit"\n  }}'),
 }
 
 
@@ -124,13 +139,15 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     group (the dense features, through a bot_dnn of one layer as wide as the embeddings) and a
     "sparse" group (the id features), its top_dnn the DeepFM tower; WuKong (TorchEasyRec's)
     the same groups, its dense_mlp as DLRM's bot_dnn, one layer of 8 + 8 vectors (FM
-    compressed to 8, an MLP of 32) and the DeepFM tower as its final MLP.
+    compressed to 8, an MLP of 32) and the DeepFM tower as its final MLP. RankModel
+    (EasyRec's backbone) adds the "wide" group's first-order weights to a Dense logit over
+    the DeepFM tower (an MLP without batch normalization) over "deep".
 
     Args:
         text: the DeepFM config text.
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
             ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"``, ``"ESMM"``, ``"PLE"``,
-            ``"FM"``, ``"DLRM"``, ``"MaskNet"`` or ``"WuKong"``.
+            ``"FM"``, ``"DLRM"``, ``"MaskNet"``, ``"WuKong"`` or ``"RankModel"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:

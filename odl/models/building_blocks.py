@@ -97,7 +97,8 @@ class Dice(nn.Module):
 def activation_layer(name: str, units: int) -> nn.Module:
     """The layer of a DNN's ``activation`` (EasyRec's ``get_activation`` names).
 
-    ``relu``; ``linear`` (none); ``gelu`` (EasyRec's tanh approximation; ``tf.nn.gelu``
+    ``relu``; ``linear`` (none); ``softmax`` (over the last axis); ``gelu`` (EasyRec's
+    tanh approximation; ``tf.nn.gelu``
     the exact one); ``leaky_relu`` and ``prelu`` without parameters (TensorFlow's slope
     0.2); ``elu``; ``selu``; ``tanh``; ``swish``; ``sigmoid``; ``dice`` (:class:`Dice`, one
     per layer of ``units``). Names are lower-cased; ``tf.nn.<name>`` is the same function.
@@ -115,6 +116,8 @@ def activation_layer(name: str, units: int) -> nn.Module:
               "tanh": nn.Tanh, "swish": nn.SiLU, "sigmoid": nn.Sigmoid}
     if key in simple:
         return simple[key]()
+    if key == "softmax":
+        return nn.Softmax(dim=-1)
     if key == "gelu":
         return nn.GELU(approximate="tanh")
     if key in ("leaky_relu", "prelu"):

@@ -376,6 +376,9 @@ def sequence_combiner(dim: int, seq_len: int,
     if which == "attention":
         return AttentionPool(dim, seq_len)
     if which == "text_cnn":
+        if settings.text_cnn.HasField("mlp"):
+            raise ValueError("a text_cnn sequence_combiner's mlp is not implemented (the "
+                             "backbone's TextCNN layer reads it)")
         return TextCNN(dim, seq_len, settings.text_cnn)
     raise ValueError("a SequenceFeature in a feature group needs a sequence_combiner")
 
