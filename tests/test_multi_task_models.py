@@ -47,7 +47,7 @@ def test_labels_are_one_column_per_label_field_and_tasks_train_on_their_own():
     want = bce(out.logits[:, 0], batch.labels[:, 0]) + bce(out.logits[:, 1], batch.labels[:, 1])
     assert torch.allclose(m.loss(out, batch), want, atol=1e-6)
     # a task of weight 0 sends no gradient into its own tower
-    m.task_weights = [1.0, 0.0]
+    m.task_loss.weights = [1.0, 0.0]
     m.zero_grad()
     m.loss(m(batch), batch).backward()
     assert float(m.dense.heads[1].out.weight.grad.abs().sum()) == 0.0

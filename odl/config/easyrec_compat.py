@@ -101,7 +101,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "SequenceCombiner": frozenset({"multi_head_attention"}),
     # the backbone layers odl does not implement (odl/models/backbone/ has the others)
     "KerasLayer": frozenset({
-        "mmoe", "seq_aug", "overlap", "dot_product",
+        "seq_aug", "overlap", "dot_product",
         "attention", "multi_head_attention", "transformer", "text_encoder", "gate", "aitm",
     }),
     "FeatureGroupConfig": frozenset({"negative_sampler", "embedding_name_suffix"}),
@@ -459,6 +459,7 @@ def warn_unwritten_batch_norm(config: pipeline_pb2.EasyRecConfig) -> None:
         return
     logger.warning(
         "%s: use_bn (an MLP's: or use_final_bn) is not written, so odl builds no batch "
-        "normalization there; EasyRec's default is use_bn: true. Normalizing by each batch's statistics slows online learning "
+        "normalization there; EasyRec's default is use_bn: true. Normalizing by each batch's "
+        "statistics slows online learning "
         "(docs/config.md, \"Batch normalization\"); write use_bn: true for EasyRec's layers, "
         "use_bn: false to keep odl's and silence this", ", ".join(paths))

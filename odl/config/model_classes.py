@@ -8,7 +8,9 @@ everything the config layer knows about a model class; what a class is (its modu
 builds, validates and counts its outputs) is ``odl.models.model_registry``'s.
 
 A model whose settings message has tasks is multi-task: one output per task, each trained on
-its own label (:func:`is_multi_task_model`, :func:`task_label_names`). Its tasks are its
+its own label (:func:`is_multi_task_model`, :func:`task_label_names`); for a field whose
+``multi_task_classes`` option names classes, only those classes are (``model_params``:
+MultiTaskModel, not RankModel). Its tasks are its
 ``task_towers``, or, for a message without that field, its ``TaskTower`` fields in declaration
 order (EasyRec's ESMM: ``cvr_tower``, ``ctr_tower``; :func:`task_towers`). A message whose
 ``product_output`` option names an output has that output after its tasks' (:func:`product_output`).
@@ -92,10 +94,21 @@ def task_towers(model_config: pipeline_pb2.EasyRecModel) -> list[tuple[str, Any]
             for fd in _task_fields(settings.DESCRIPTOR)]
 
 
+def _multi_task_classes(field: str) -> tuple[str, ...] | None:
+    """The field's ``multi_task_classes`` option, or None when it has none."""
+    fd = next((f for f in _ONEOF.fields if f.name == field), None)
+    names = tuple(fd.GetOptions().Extensions[pipeline_pb2.multi_task_classes]) if fd else ()
+    return names or None
+
+
 def _task_towers(model_config: pipeline_pb2.EasyRecModel) -> Any:
-    _field, settings = model_settings(model_config)
+    field, settings = model_settings(model_config)
     if settings is None or not _has_tasks(settings.DESCRIPTOR):
         return None
+    only = _multi_task_classes(field)
+    if only is not None and (model_config.model_class or classes_of_message(field)[0]) \
+            not in only:
+        return None  # e.g. model_params of a RankModel: its task_towers are not read
     return [t for _path, t in task_towers(model_config)]
 
 
@@ -119,7 +132,8 @@ def multi_task_model_classes() -> tuple[str, ...]:
     """The classes whose settings message has tasks (for messages to users)."""
     return tuple(name for name, field in MODEL_MESSAGES.items()
                  if _has_tasks(pipeline_pb2.EasyRecModel.DESCRIPTOR.fields_by_name[
-                     field].message_type))
+                     field].message_type)
+                 and name in (_multi_task_classes(field) or (name,)))
 
 
 def task_label_names(model_config: pipeline_pb2.EasyRecModel,

@@ -82,6 +82,18 @@ _MULTI_TASK_BLOCKS = {
             'dnn {{ hidden_units: [8] }} }}\n'
             '    task_towers {{ tower_name: "cvr" label_name: "buy" '
             'dnn {{ hidden_units: [8] }} }}\n  }}'),
+    # EasyRec's backbone form: an MMoE block's task inputs, cvr related to ctr
+    "MultiTaskModel": ('backbone {{\n'
+                       '    blocks {{ name: "experts" inputs {{ feature_group_name: "all" }}\n'
+                       '      keras_layer {{ class_name: "MMoE" mmoe {{ num_task: 2 '
+                       "num_expert: 3\n        expert_mlp {{ hidden_units: [{units}] "
+                       "use_bn: false use_final_bn: false }} }} }} }}\n  }}\n"
+                       "  model_params {{\n"
+                       '    task_towers {{ tower_name: "ctr" label_name: "label" '
+                       "dnn {{ hidden_units: [8] }} }}\n"
+                       '    task_towers {{ tower_name: "cvr" label_name: "buy" '
+                       'dnn {{ hidden_units: [8] }} relation_tower_names: "ctr" '
+                       "relation_dnn {{ hidden_units: [8] }} }}\n  }}"),
 }
 MULTI_TASK_MODELS = tuple(_MULTI_TASK_BLOCKS)
 
@@ -133,7 +145,9 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     (``odl.datagen.conversion_labels``): MMoE with 3 experts like the DeepFM tower, DBMTL
     with the DeepFM tower as its bottom and "cvr" related to "ctr", ESMM with the DeepFM tower
     as its group's DNN (outputs "cvr", "ctr", "ctcvr"), PLE with two extraction networks
-    (2 task experts like the DeepFM tower and 1 shared, then 1 and 1 of 8 units). FM
+    (2 task experts like the DeepFM tower and 1 shared, then 1 and 1 of 8 units),
+    MultiTaskModel (EasyRec's backbone form) an MMoE block of 3 experts like the DeepFM tower
+    feeding the two tasks, "cvr" related to "ctr". FM
     (EasyRec's) keeps the groups with the dense features moved from the deep group (FM's
     vectors) to the wide group (a first-order term each). DLRM (EasyRec's) reads a "dense"
     group (the dense features, through a bot_dnn of one layer as wide as the embeddings) and a
@@ -147,7 +161,8 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
         text: the DeepFM config text.
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
             ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"``, ``"ESMM"``, ``"PLE"``,
-            ``"FM"``, ``"DLRM"``, ``"MaskNet"``, ``"WuKong"`` or ``"RankModel"``.
+            ``"FM"``, ``"DLRM"``, ``"MaskNet"``, ``"WuKong"``, ``"RankModel"`` or
+            ``"MultiTaskModel"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:

@@ -56,23 +56,12 @@ from torch import nn
 from odl.config import limits
 from odl.config.config_error import ConfigError
 from odl.config.feature_configs import feature_configs, projected_raw
-from odl.config.loss_settings import POINTWISE_LOSS_TYPES, SOFTMAX_LOSS_TYPES
-from odl.config.model_classes import model_settings, task_label_names
-from odl.config.model_validation import check_dropout_group, validate_dnn, validate_losses
+from odl.config.model_classes import model_settings
+from odl.config.model_validation import check_dropout_group, validate_dnn
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import ExpertGates, RawProjection, build_optional_mlp
-from odl.models.ctr_losses import (
-    add_loss_weights,
-    ctr_loss,
-    embedding_l2,
-    learned_weight_terms,
-    linear_kernel_l2,
-    loss_terms,
-    random_loss_weights,
-    sample_weight_tensor,
-    session_tensor,
-)
+from odl.models.ctr_losses import embedding_l2, linear_kernel_l2
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
@@ -84,34 +73,16 @@ from odl.models.sequence_layers import (
     SequencePool,
     TargetAttention,
 )
+from odl.models.task_losses import TaskLoss
+from odl.models.task_towers import (
+    TaskHead,
+    task_head_settings,
+    task_label_columns,
+    validate_task_towers,
+)
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
-
-
-class TaskHead(nn.Module):
-    """One task: its DNN, its relation DNN and its logit; scriptable.
-
-    Args:
-        in_width: width of the task's input.
-        dnn: the task's DNN, or None.
-        relations: indices of the earlier tasks whose relation outputs it reads.
-        relation_width: sum of those outputs' widths.
-        relation_dnn: the relation DNN, or None (identity).
-        num_class: its logits (2: a two-class task).
-    """
-
-    relations: list[int]
-
-    def __init__(self, in_width: int, dnn: Optional[pipeline_pb2.DNN], relations: Sequence[int],
-                 relation_width: int, relation_dnn: Optional[pipeline_pb2.DNN],
-                 num_class: int = 1) -> None:
-        super().__init__()
-        self.dnn, width = build_optional_mlp(in_width, dnn)
-        self.relations = [int(r) for r in relations]
-        self.relation_dnn, self.out_width = build_optional_mlp(width + relation_width,
-                                                             relation_dnn)
-        self.out = nn.Linear(self.out_width, int(num_class))
 
 
 class MultiTaskDense(nn.Module):
@@ -245,7 +216,7 @@ def _dnn(msg: object, name: str) -> Optional[pipeline_pb2.DNN]:
     return getattr(msg, name) if msg.HasField(name) else None  # type: ignore[attr-defined]
 
 
-class MultiTaskModel(CtrModel):
+class TaskTowerModel(CtrModel):
     """MMoE or DBMTL over an ``EmbeddingBagCollection`` built on ``ebc_device``.
 
     Args:
@@ -299,19 +270,7 @@ class MultiTaskModel(CtrModel):
             seqs = GroupSequences.of_blocks(list(sequences), dim_of,
                                             sum(dim_of[f] for f in lookups), len(group_dense))
         field, settings = model_settings(model_config)
-        names = [t.tower_name or f"task{i}" for i, t in enumerate(settings.task_towers)]
-        if len(set(names)) != len(names):
-            raise ValueError(f"task tower names must differ: {names}")
-        tasks = []
-        for i, t in enumerate(settings.task_towers):
-            relations = []
-            for r in t.relation_tower_names:
-                if r not in names[:i]:
-                    raise ValueError(f"task {names[i]!r}: relation tower {r!r} is not an "
-                                     "earlier task")
-                relations.append(names.index(r))
-            tasks.append((_dnn(t, "dnn"), relations, _dnn(t, "relation_dnn"),
-                          max(int(t.num_class), 1)))
+        names, tasks = task_head_settings(settings.task_towers)
         experts = None
         if field == "mmoe" or (field == "dbmtl" and settings.HasField("expert_dnn")):
             named = list(settings.experts) if field == "mmoe" else []
@@ -344,23 +303,9 @@ class MultiTaskModel(CtrModel):
                                              [dim_of[f] for f in lookups]),)
         self.output_names = tuple(names)
         self.output_labels = tuple(int(c) for c in label_columns)
-        self.task_weights = [float(t.weight) for t in settings.task_towers]
-        # each task's logit columns: one, or two (a two-class task: softmax over the pair)
-        self.task_classes = [max(int(t.num_class), 1) for t in settings.task_towers]
-        self.task_columns = [sum(self.task_classes[:t]) for t in range(len(self.task_classes))]
-        self.task_terms = [loss_terms(t) for t in settings.task_towers]
+        self.task_loss = TaskLoss(model_config, list(settings.task_towers), label_columns,
+                                  space_columns, self.dense)
         self.model_config = model_config
-        self.task_learned = [learned_weight_terms(model_config, terms)
-                             for terms in self.task_terms]
-        # each task's learned weights: a slice of dense.loss_uncertainty
-        self.task_learned_start = [sum(sum(x) for x in self.task_learned[:t])
-                                   for t in range(len(self.task_learned))]
-        add_loss_weights(self.dense, sum(sum(x) for x in self.task_learned))
-        spaces = list(space_columns or [None] * len(names))
-        self.task_spaces = [None if c is None else
-                            (int(c), float(t.in_task_space_weight),
-                             float(t.out_task_space_weight))
-                            for c, t in zip(spaces, settings.task_towers, strict=True)]
         self.l2 = float(settings.l2_regularization)
         self.embedding_regularization = float(model_config.embedding_regularization)
 
@@ -374,39 +319,8 @@ class MultiTaskModel(CtrModel):
         Returns:
             Scalar loss.
         """
-        logits = output.logits if output.logits.dim() == 2 else output.logits.unsqueeze(1)
-        labels = batch.labels if batch.labels.dim() == 2 else batch.labels.unsqueeze(1)
-        loss = logits.new_zeros(())
-        drawn = random_loss_weights(self.model_config, sum(len(x) for x in self.task_terms),
-                                    logits)
-        data_weights = sample_weight_tensor(batch)
-        first = 0
-        for t, (w, terms) in enumerate(zip(self.task_weights, self.task_terms, strict=True)):
-            term_weights = None if drawn is None else drawn[first : first + len(terms)]
-            first += len(terms)
-            weights = None
-            space = self.task_spaces[t]
-            if space is not None:
-                col, w_in, w_out = space
-                inside = (labels[:, col] > 0).to(logits.dtype)
-                weights = w_in * inside + w_out * (1 - inside)
-            uncertainty = getattr(self.dense, "loss_uncertainty", None)
-            if uncertainty is not None:
-                uncertainty = uncertainty[self.task_learned_start[t]:]
-            column = self.task_columns[t]
-            y = labels[:, self.output_labels[t]]
-            if self.task_classes[t] == 2:  # softmax over the pair, the 0/1 label one-hot
-                loss = loss + ctr_loss(logits[:, column : column + 2],
-                                       torch.stack([1 - y, y], dim=1), terms, weights,
-                                       scale=w, learned=self.task_learned[t],
-                                       uncertainty=uncertainty, term_weights=term_weights,
-                                       softmax=True, sessions=session_tensor(batch),
-                                       data_weights=data_weights)
-                continue
-            loss = loss + ctr_loss(logits[:, column], y, terms,
-                                   weights, scale=w, learned=self.task_learned[t],
-                                   uncertainty=uncertainty, term_weights=term_weights,
-                                   data_weights=data_weights)
+        logits = output.logits
+        loss = self.task_loss(logits, batch, self.dense)
         if self.l2:
             loss = loss + self.l2 * linear_kernel_l2(self.dense)
         if self.variational_dropout:
@@ -437,7 +351,7 @@ def multi_task_group(mc: pipeline_pb2.EasyRecModel) -> str:
 def build_multi_task_model(
     config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder,
     mixture: Optional[Callable[[int, int], nn.Module]] = None,
-) -> "MultiTaskModel":
+) -> "TaskTowerModel":
     """A multi-task model over the "all" group (and its sequence blocks); each task's label.
 
     Args:
@@ -452,7 +366,6 @@ def build_multi_task_model(
         ConfigError: a task's label is not a label field, or a bad setting.
     """
     mc = config.model_config
-    label_fields = list(config.data_config.label_fields) or ["label"]
     sequences = sequence_blocks(config, feature_builder)
     field, settings = model_settings(mc)
     group = multi_task_group(mc)
@@ -464,24 +377,11 @@ def build_multi_task_model(
     projected = [f for f in raw if dims.get(f, 0) > 0]
     raw = [f for f in raw if f not in projected]
     columns_of = feature_builder.dense_feature_columns
-    columns = []
-    spaces: list[int | None] = []
-    for i, name in enumerate(task_label_names(mc, label_fields)):
-        if name not in label_fields:
-            raise ConfigError(f"model_config.{field}.task_towers[{i}].label_name",
-                              f"label {name!r} is not one of data_config.label_fields "
-                              f"{label_fields}")
-        columns.append(label_fields.index(name))
-        space = settings.task_towers[i].task_space_indicator_label
-        if space and space not in label_fields:
-            raise ConfigError(f"model_config.{field}.task_towers[{i}]"
-                              ".task_space_indicator_label",
-                              f"{space!r} is not one of data_config.label_fields")
-        spaces.append(label_fields.index(space) if space else None)
+    columns, spaces = task_label_columns(config)
     try:
         layout = build_embedding_layout(feature_builder.table_specs, list(dict.fromkeys(emb)),
                                         [], 1, mixed_dims=True)
-        return MultiTaskModel(layout, feature_builder.dense_feature_names, raw, mc, columns,
+        return TaskTowerModel(layout, feature_builder.dense_feature_names, raw, mc, columns,
                               spaces, regular=regular, sequences=blocks,
                               projected=[columns_of[f] for f in projected],
                               projected_dim=dims[projected[0]] if projected else 0,
@@ -542,70 +442,7 @@ def validate_multi_task(check: ModelCheck) -> None:
                           "not implemented")
     if settings.l2_regularization < 0:
         raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
-    if not settings.task_towers:
-        raise ConfigError(f"{where}.task_towers", "at least one task is needed")
-    label_fields = list(config.data_config.label_fields)
-    labels = task_label_names(mc, label_fields)
-    names: list[str] = []
-    for i, task in enumerate(settings.task_towers):
-        tw = f"{where}.task_towers[{i}]"
-        if not task.tower_name:
-            raise ConfigError(f"{tw}.tower_name", "required (the task's output name)")
-        if task.tower_name in names:
-            raise ConfigError(f"{tw}.tower_name", f"duplicate task {task.tower_name!r}")
-        if labels[i] not in label_fields:
-            raise ConfigError(f"{tw}.label_name",
-                              f"{labels[i] or 'no label'!r} is not one of "
-                              f"data_config.label_fields {label_fields}")
-        if task.num_class not in (1, 2):
-            raise ConfigError(f"{tw}.num_class",
-                              f"num_class {task.num_class} is an EasyRec value that odl does not "
-                              "implement yet (1: binary; 2: two logits, as for JRC_LOSS)")
-        if task.num_class == 2 and task.task_space_indicator_label:
-            raise ConfigError(f"{tw}.task_space_indicator_label",
-                              "a task space weighs pointwise losses; a num_class 2 task trains "
-                              "by softmax cross entropy or JRC_LOSS")
-        if task.num_class == 2:
-            kinds = [(f"{tw}.losses[{j}].loss_type", t.loss_type)
-                     for j, t in enumerate(task.losses)] or [(f"{tw}.loss_type", task.loss_type)]
-            for kw, kind in kinds:
-                if kind not in SOFTMAX_LOSS_TYPES:
-                    raise ConfigError(kw, f"a num_class 2 task trains by softmax cross "
-                                          f"entropy or JRC_LOSS, not "
-                                          f"{pipeline_pb2.LossType.Name(kind)}")
-        if task.weight < 0:
-            raise ConfigError(f"{tw}.weight", "must be >= 0")
-        if task.HasField("dnn"):
-            validate_dnn(task.dnn, f"{tw}.dnn", required=False)
-        if task.HasField("relation_dnn"):
-            validate_dnn(task.relation_dnn, f"{tw}.relation_dnn", required=False)
-        for j, r in enumerate(task.relation_tower_names):
-            if field != "dbmtl":
-                raise ConfigError(f"{tw}.relation_tower_names", "only DBMTL has relations")
-            if r not in names:
-                raise ConfigError(f"{tw}.relation_tower_names[{j}]",
-                                  f"{r!r} is not an earlier task (tasks so far: {names})")
-        validate_losses(task.losses, f"{tw}.losses", mc.loss_weight_strategy)
-        if task.task_space_indicator_label:
-            if task.task_space_indicator_label not in label_fields:
-                raise ConfigError(f"{tw}.task_space_indicator_label",
-                                  f"{task.task_space_indicator_label!r} is not one of "
-                                  f"data_config.label_fields {label_fields}")
-            for name in ("in_task_space_weight", "out_task_space_weight"):
-                if getattr(task, name) < 0:
-                    raise ConfigError(f"{tw}.{name}", "must be >= 0")
-            kinds = [loss.loss_type for loss in task.losses] or [task.loss_type]
-            for k in kinds:
-                if k not in POINTWISE_LOSS_TYPES:
-                    raise ConfigError(f"{tw}.task_space_indicator_label",
-                                      f"task-space weights apply to pointwise losses; "
-                                      f"{pipeline_pb2.LossType.Name(k)} is not one")
-        names.append(task.tower_name)
-    spaces = {t.task_space_indicator_label for t in settings.task_towers}
-    unused = [lf for lf in label_fields if lf not in labels and lf not in spaces]
-    if unused:
-        raise ConfigError("data_config.label_fields",
-                          f"label fields {unused} are not trained by any task")
+    validate_task_towers(check, relations=field == "dbmtl")
 
 
 def _validate(check: ModelCheck) -> None:

@@ -42,7 +42,7 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import build_mlp
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.models.multi_task_models import (
-    MultiTaskModel,
+    TaskTowerModel,
     build_multi_task_model,
     validate_multi_task,
 )
@@ -167,7 +167,7 @@ class ExtractionNetworks(nn.Module):
 
 
 def _build(config: pipeline_pb2.EasyRecConfig,
-           feature_builder: FeatureBuilder) -> MultiTaskModel:
+           feature_builder: FeatureBuilder) -> TaskTowerModel:
     """The multi-task model whose tasks' inputs are the extraction networks' outputs."""
     networks = list(config.model_config.ple.extraction_networks)
 

@@ -25,26 +25,36 @@ EasyRec's, docs/config.md "backbone"):
 
 Blocks no output depends on are not built. At run time the blocks' values live in one flat
 list of tensors (``odl.models.backbone.value_specs``): each block appends its output's
-leaves, and each read is a fixed list of positions, so the DAG costs no bookkeeping.
+leaves, and each read is a fixed list of positions, so the DAG costs no bookkeeping (the
+modules: ``odl.models.backbone.graph_modules``). :meth:`GraphBuilder.build_graph` gives the
+graph and its output for a model to put its head on; :meth:`GraphBuilder.build` is
+RankModel's.
 
 Refused by field: ``packages`` and the inputs that name them, ``raw_input`` and
 ``embedding_layer`` blocks, a ``repeat`` layer's own ``input_slice`` / ``input_fn``.
-
-This module has no ``from __future__ import annotations``: TorchScript reads the classes'
-annotations as types.
 """
+
+from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
-import torch
 from google.protobuf import struct_pb2
 from torch import nn
 
 from odl.config.config_error import ConfigError
 from odl.models.backbone.block_registry import BlockArgs, block_builder, registered_blocks
 from odl.models.backbone.dense_layers import build_easyrec_mlp, keras_dense
+from odl.models.backbone.graph_modules import (
+    BackboneDense,
+    BackboneGraph,
+    BlockNode,
+    Chain,
+    ReadInput,
+    Recurrent,
+    Repeat,
+)
 from odl.models.backbone.input_functions import PickLeaves, TensorOp, parse_lambda, parse_slice
 from odl.models.backbone.input_layers import GroupInput
 from odl.models.backbone.value_specs import (
@@ -59,148 +69,6 @@ from odl.models.backbone.value_specs import (
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
-
-
-class ReadInput(nn.Module):
-    """One input of a block: the registers of a value, then its transforms."""
-
-    index: list[int]
-
-    def __init__(self, index: list[int], transform: nn.Module) -> None:
-        super().__init__()
-        self.index = [int(i) for i in index]
-        self.transform = transform
-
-    def forward(self, regs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The transformed input's leaves."""
-        return self.transform([regs[i] for i in self.index])
-
-
-class Chain(nn.Module):
-    """Modules over leaves applied in order."""
-
-    def __init__(self, steps: list[nn.Module]) -> None:
-        super().__init__()
-        self.steps = nn.ModuleList(steps)
-
-    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The last step's leaves."""
-        for step in self.steps:
-            xs = step(xs)
-        return xs
-
-
-class BlockNode(nn.Module):
-    """One block: its inputs read and merged, then its layers."""
-
-    def __init__(self, reads: list[nn.Module], merge: nn.Module, layer: nn.Module) -> None:
-        super().__init__()
-        self.reads = nn.ModuleList(reads)
-        self.merge = merge
-        self.layer = layer
-
-    def forward(self, regs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The block's output leaves."""
-        parts: list[torch.Tensor] = []
-        for read in self.reads:
-            parts.extend(read(regs))
-        return self.layer(self.merge(parts))
-
-
-class Recurrent(nn.Module):
-    """EasyRec's recurrent layer (module docstring)."""
-
-    __constants__ = ["fixed", "items", "step_list"]
-
-    def __init__(self, steps: list[nn.Module], fixed: int, items: int, step_list: bool) -> None:
-        super().__init__()
-        self.steps = nn.ModuleList(steps)
-        self.fixed = int(fixed)
-        self.items = int(items)
-        self.step_list = bool(step_list)
-
-    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The last step's output (with a fixed item: the other items after the last step)."""
-        out = xs
-        for step in self.steps:
-            y = step(out)
-            if self.fixed < 0:
-                out = y
-            else:
-                new: list[torch.Tensor] = []
-                j = 0
-                for idx in range(self.items):
-                    if idx == self.fixed:
-                        new.append(out[idx])
-                    else:
-                        new.append(y[j] if self.step_list else y[0])
-                        j += 1
-                out = new
-        if self.fixed >= 0:
-            return out[: self.fixed] + out[self.fixed + 1 :]
-        return out
-
-
-class Repeat(nn.Module):
-    """EasyRec's repeat layer (module docstring); ``dim`` < 0: the outputs as a list."""
-
-    __constants__ = ["dim"]
-
-    def __init__(self, copies: list[nn.Module], dim: int) -> None:
-        super().__init__()
-        self.copies = nn.ModuleList(copies)
-        self.dim = int(dim)
-
-    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """The copies' outputs."""
-        outs: list[torch.Tensor] = []
-        for copy in self.copies:
-            outs.extend(copy(xs))
-        if self.dim >= 0:
-            return [torch.cat(outs, dim=self.dim)]
-        return outs
-
-
-class BackboneDense(nn.Module):
-    """The backbone's dense part: ``forward(pooled, dense) -> logits``; scriptable.
-
-    Args:
-        inputs: the input-layer blocks (computed first).
-        nodes: the other blocks in topological order.
-        output_index: registers of the output's tensors (concatenated on the last axis).
-        top: ``top_mlp`` (identity when unset).
-        out: the Linear layer to ``num_class`` logits, or None.
-        num_class: outputs.
-    """
-
-    __constants__ = ["num_class"]
-    output_index: list[int]
-
-    def __init__(self, inputs: list[GroupInput], nodes: list[BlockNode],
-                 output_index: list[int], top: nn.Module, out: Optional[nn.Module],
-                 num_class: int) -> None:
-        super().__init__()
-        # Registration order fixes the dense optimizer's parameter order in checkpoints.
-        self.inputs = nn.ModuleList(inputs)
-        self.nodes = nn.ModuleList(nodes)
-        self.top = top
-        self.out = out
-        self.output_index = [int(i) for i in output_index]
-        self.num_class = max(int(num_class), 1)
-
-    def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B]`` (``[B, C]`` for C > 1)."""
-        regs: list[torch.Tensor] = []
-        for group in self.inputs:
-            regs.extend(group(pooled, dense))
-        for node in self.nodes:
-            regs.extend(node(regs))
-        x = torch.cat([regs[i] for i in self.output_index], dim=-1)
-        x = self.top(x)
-        out = self.out
-        if out is not None:
-            x = out(x)
-        return x.squeeze(1) if self.num_class == 1 else x
 
 
 def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
@@ -228,6 +96,46 @@ class _Value:
         return list(range(self.start, self.start + leaf_count(self.spec)))
 
 
+@dataclass(frozen=True)
+class BuiltGraph:
+    """A built backbone: the graph, the output's registers and spec.
+
+    Attributes:
+        graph: the blocks.
+        index: the output's registers (its leaves).
+        spec: the output's spec (``concat_blocks`` / ``output_blocks`` merged).
+        where: the config path of the output's blocks, for errors.
+    """
+
+    graph: BackboneGraph
+    index: list[int]
+    spec: Spec
+    where: str
+
+    def concatenated(self, backbone: pipeline_pb2.BackboneTower
+                     ) -> tuple[list[int], nn.Module, int]:
+        """The output's tensors concatenated, through ``top_mlp``.
+
+        Returns:
+            ``(registers, top module (identity without top_mlp), width)``.
+
+        Raises:
+            ConfigError: tensors that are not ``[B, d]``, a bad ``top_mlp``.
+        """
+        tensors = [self.spec] if isinstance(self.spec, TensorSpec) else flat_tensors(self.spec)
+        if not tensors or any(len(t.shape) != 1 for t in tensors):
+            raise ConfigError(self.where, f"the output must be [B, width] tensors, got "
+                                          f"{describe(self.spec)}")
+        width = sum(t.shape[-1] for t in tensors)
+        top: nn.Module = nn.Identity()
+        if backbone.HasField("top_mlp"):
+            try:
+                top, width = build_easyrec_mlp(width, backbone.top_mlp)
+            except ValueError as e:
+                raise ConfigError("model_config.backbone.top_mlp", str(e)) from e
+        return self.index, top, width
+
+
 @dataclass
 class GraphBuilder:
     """Builds :class:`BackboneDense` from a backbone config.
@@ -247,8 +155,8 @@ class GraphBuilder:
     _values: dict[str, _Value] = field(default_factory=dict)
     _registers: int = 0
 
-    def build(self) -> BackboneDense:
-        """The dense module.
+    def build_graph(self) -> BuiltGraph:
+        """The blocks and the output's registers.
 
         Raises:
             ConfigError: by field, for anything the module docstring refuses or a layer
@@ -297,23 +205,24 @@ class GraphBuilder:
             self._registers += leaf_count(spec)
         out_spec = self._merge_specs([self._values[n].spec for n in outputs], -1)
         index = [r for n in outputs for r in self._values[n].index]
-        tensors = [out_spec] if isinstance(out_spec, TensorSpec) else flat_tensors(out_spec)
-        if not tensors or len({t.shape[:-1] for t in tensors}) != 1:
-            raise ConfigError(f"{where}.{output_field}",
-                              f"the output {describe(out_spec)} cannot be concatenated")
-        width = sum(t.shape[-1] for t in tensors)
-        top: nn.Module = nn.Identity()
-        if bb.HasField("top_mlp"):
-            try:
-                top, width = build_easyrec_mlp(width, bb.top_mlp)
-            except ValueError as e:
-                raise ConfigError(f"{where}.top_mlp", str(e)) from e
-        if len(tensors[0].shape) != 1:
-            raise ConfigError(f"{where}.{output_field}",
-                              f"the output must be [B, width], got {describe(out_spec)}")
+        return BuiltGraph(BackboneGraph(inputs, nodes), index, out_spec,
+                          f"{where}.{output_field}")
+
+    def build(self) -> BackboneDense:
+        """A RankModel's dense part.
+
+        The graph, its output concatenated, ``top_mlp``, the Linear layer to ``num_class``
+        logits.
+
+        Raises:
+            ConfigError: by field (:meth:`build_graph`'s, an output that cannot be
+                concatenated).
+        """
+        built = self.build_graph()
+        index, top, width = built.concatenated(self.backbone)
         c = max(int(self.num_class), 1)
         out = keras_dense(width, c, True, "glorot_uniform") if width != c else None
-        return BackboneDense(inputs, nodes, index, top, out, c)
+        return BackboneDense(built.graph, index, top, out, c)
 
     def _dependencies(self, i: int, b: pipeline_pb2.BackboneBlock,
                       blocks: dict) -> list[str]:

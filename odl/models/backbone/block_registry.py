@@ -91,7 +91,8 @@ def registered_blocks() -> list[str]:
 
 
 _LAYER_MODULES = ("dense_layers", "interaction_layers", "feature_importance_layers",
-                  "mask_layers", "numeric_embeddings", "sequence_encoders", "gated_layers")
+                  "mask_layers", "numeric_embeddings", "sequence_encoders", "gated_layers",
+                  "multi_task_layers")
 _LOADED = False
 
 

@@ -1,0 +1,178 @@
+"""The scriptable modules a backbone is built into (``odl.models.backbone.backbone_graph``).
+
+Every block's value lives in one flat list of tensors, the registers
+(``odl.models.backbone.value_specs``): :class:`BackboneGraph` runs the input layers, then
+each :class:`BlockNode` in topological order, each appending its output's leaves; a block
+reads fixed register positions (:class:`ReadInput`). :class:`Recurrent` and :class:`Repeat`
+are EasyRec's recurrent and repeat layers; :class:`BackboneDense` is a RankModel's dense
+part over the graph.
+
+This module has no ``from __future__ import annotations``: TorchScript reads the classes'
+annotations as types.
+"""
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+class ReadInput(nn.Module):
+    """One input of a block: the registers of a value, then its transforms."""
+
+    index: list[int]
+
+    def __init__(self, index: list[int], transform: nn.Module) -> None:
+        super().__init__()
+        self.index = [int(i) for i in index]
+        self.transform = transform
+
+    def forward(self, regs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The transformed input's leaves."""
+        return self.transform([regs[i] for i in self.index])
+
+
+class Chain(nn.Module):
+    """Modules over leaves applied in order."""
+
+    def __init__(self, steps: list[nn.Module]) -> None:
+        super().__init__()
+        self.steps = nn.ModuleList(steps)
+
+    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The last step's leaves."""
+        for step in self.steps:
+            xs = step(xs)
+        return xs
+
+
+class BlockNode(nn.Module):
+    """One block: its inputs read and merged, then its layers."""
+
+    def __init__(self, reads: list[nn.Module], merge: nn.Module, layer: nn.Module) -> None:
+        super().__init__()
+        self.reads = nn.ModuleList(reads)
+        self.merge = merge
+        self.layer = layer
+
+    def forward(self, regs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The block's output leaves."""
+        parts: list[torch.Tensor] = []
+        for read in self.reads:
+            parts.extend(read(regs))
+        return self.layer(self.merge(parts))
+
+
+class Recurrent(nn.Module):
+    """EasyRec's recurrent layer (module docstring)."""
+
+    __constants__ = ["fixed", "items", "step_list"]
+
+    def __init__(self, steps: list[nn.Module], fixed: int, items: int, step_list: bool) -> None:
+        super().__init__()
+        self.steps = nn.ModuleList(steps)
+        self.fixed = int(fixed)
+        self.items = int(items)
+        self.step_list = bool(step_list)
+
+    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The last step's output (with a fixed item: the other items after the last step)."""
+        out = xs
+        for step in self.steps:
+            y = step(out)
+            if self.fixed < 0:
+                out = y
+            else:
+                new: list[torch.Tensor] = []
+                j = 0
+                for idx in range(self.items):
+                    if idx == self.fixed:
+                        new.append(out[idx])
+                    else:
+                        new.append(y[j] if self.step_list else y[0])
+                        j += 1
+                out = new
+        if self.fixed >= 0:
+            return out[: self.fixed] + out[self.fixed + 1 :]
+        return out
+
+
+class Repeat(nn.Module):
+    """EasyRec's repeat layer (module docstring); ``dim`` < 0: the outputs as a list."""
+
+    __constants__ = ["dim"]
+
+    def __init__(self, copies: list[nn.Module], dim: int) -> None:
+        super().__init__()
+        self.copies = nn.ModuleList(copies)
+        self.dim = int(dim)
+
+    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The copies' outputs."""
+        outs: list[torch.Tensor] = []
+        for copy in self.copies:
+            outs.extend(copy(xs))
+        if self.dim >= 0:
+            return [torch.cat(outs, dim=self.dim)]
+        return outs
+
+
+class BackboneGraph(nn.Module):
+    """The blocks; scriptable.
+
+    ``forward(pooled, dense)`` returns every block's output leaves in one list (the input
+    layers' first, then the other blocks' in topological order).
+
+    Args:
+        inputs: the input-layer blocks.
+        nodes: the other blocks in topological order.
+    """
+
+    def __init__(self, inputs: list[nn.Module], nodes: list[BlockNode]) -> None:
+        super().__init__()
+        # Registration order fixes the dense optimizer's parameter order in checkpoints.
+        self.inputs = nn.ModuleList(inputs)
+        self.nodes = nn.ModuleList(nodes)
+
+    def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> list[torch.Tensor]:
+        """The blocks' output leaves."""
+        regs: list[torch.Tensor] = []
+        for group in self.inputs:
+            regs.extend(group(pooled, dense))
+        for node in self.nodes:
+            regs.extend(node(regs))
+        return regs
+
+
+class BackboneDense(nn.Module):
+    """A RankModel's dense part: ``forward(pooled, dense) -> logits``; scriptable.
+
+    Args:
+        graph: the blocks.
+        output_index: registers of the output's tensors (concatenated on the last axis).
+        top: ``top_mlp`` (identity when unset).
+        out: the Linear layer to ``num_class`` logits, or None.
+        num_class: outputs.
+    """
+
+    __constants__ = ["num_class"]
+    output_index: list[int]
+
+    def __init__(self, graph: BackboneGraph, output_index: list[int], top: nn.Module,
+                 out: Optional[nn.Module], num_class: int) -> None:
+        super().__init__()
+        self.graph = graph
+        self.top = top
+        self.out = out
+        self.output_index = [int(i) for i in output_index]
+        self.num_class = max(int(num_class), 1)
+
+    def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B]`` (``[B, C]`` for C > 1)."""
+        regs = self.graph(pooled, dense)
+        x = torch.cat([regs[i] for i in self.output_index], dim=-1)
+        x = self.top(x)
+        out = self.out
+        if out is not None:
+            x = out(x)
+        return x.squeeze(1) if self.num_class == 1 else x
