@@ -38,7 +38,7 @@ import xml.etree.ElementTree as ET
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("DeepFM", "WideAndDeep", "FM", "MultiTower", "MultiTowerDIN", "DCN", "DCNV2",
-          "MMoE", "DBMTL")
+          "MMoE", "DBMTL", "RankModel")
 HEADLINE = ("samples_per_sec", "online_over_torchrec", "online_over_plain")
 CUDA_TESTS = ["tests/test_cuda_path.py",
               "tests/test_publisher.py::test_trainer_publishes_versions_equal_to_checkpoints[cuda]"]
