@@ -17,25 +17,10 @@ import torch
 from google.protobuf.message import Message
 
 from odl.config.config_error import ConfigError
-from odl.models.backbone.block_registry import BlockArgs, BuiltLayer, block_builder
+from odl.models.backbone.block_registry import BuiltLayer, block_builder
 from odl.models.backbone.value_specs import Spec, leaves, tensor
 from odl.protos import pipeline_pb2 as pb
-
-B = 5
-
-
-def build(name: str, spec: Spec, params: Message | None = None,
-          st: dict[str, Any] | None = None) -> BuiltLayer:
-    builder = block_builder(name)
-    assert builder is not None, name
-    return builder(BlockArgs(name, params, spec, "model_config.backbone.blocks[0].keras_layer",
-                             st or {}))
-
-
-def inputs_for(spec: Spec, seed: int = 0) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn((B, *s.shape), generator=g, requires_grad=True)
-            for s in leaves(spec)]
+from tests.backbone_layer_checks import B, build, inputs_for
 
 
 def run(built: BuiltLayer, xs: list[torch.Tensor]) -> np.ndarray:

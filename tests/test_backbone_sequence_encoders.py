@@ -22,11 +22,11 @@ from google.protobuf.message import Message
 from torch import nn
 
 from odl.config.config_error import ConfigError
-from odl.models.backbone.block_registry import BlockArgs, BuiltLayer, block_builder
+from odl.models.backbone.block_registry import BuiltLayer
 from odl.models.backbone.value_specs import Spec, leaves, tensor
 from odl.protos import pipeline_pb2 as pb
+from tests.backbone_layer_checks import B, build
 
-B = 5
 LENGTHS = [0.0, 1.0, 3.0, 2.0, 4.0]  # with L = 4: empty, partial and full sequences
 Act = Callable[[np.ndarray], np.ndarray]
 
@@ -50,12 +50,6 @@ def softmax(x: np.ndarray) -> np.ndarray:
 
 def msg(kind: type, text: str) -> Message:
     return text_format.Parse(text, kind())
-
-
-def build(name: str, spec: Spec, params: Message | None) -> BuiltLayer:
-    builder = block_builder(name)
-    assert builder is not None, name
-    return builder(BlockArgs(name, params, spec, "model_config.backbone.blocks[2].keras_layer"))
 
 
 def seq_spec(length: int, dim: int, target: int | None) -> Spec:

@@ -91,12 +91,9 @@ class TaskBackboneDense(nn.Module):
         rel: list[torch.Tensor] = []
         logits: list[torch.Tensor] = []
         for i, head in enumerate(self.heads):
-            cat = [head.dnn(inputs[i])]
-            for r in head.relations:
-                cat.append(rel[r])
-            r_out = head.relation_dnn(cat[0] if len(cat) == 1 else torch.cat(cat, dim=1))
+            r_out, logit = head(inputs[i], rel)
             rel.append(r_out)
-            logits.append(head.out(r_out))
+            logits.append(logit)
         if self.num_logits == 1:
             return logits[0].squeeze(1)
         return torch.cat(logits, dim=1)

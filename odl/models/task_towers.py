@@ -18,6 +18,7 @@ annotations as types.
 from collections.abc import Sequence
 from typing import Optional
 
+import torch
 from torch import nn
 
 from odl.config.config_error import ConfigError
@@ -52,6 +53,20 @@ class TaskHead(nn.Module):
         self.relation_dnn, self.out_width = build_optional_mlp(width + relation_width,
                                                              relation_dnn)
         self.out = nn.Linear(self.out_width, int(num_class))
+
+    def forward(self, x: torch.Tensor, earlier: list[torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(relation output, logits)`` of the task's input ``x``.
+
+        Args:
+            x: the task's input.
+            earlier: the earlier tasks' relation outputs, in task order.
+        """
+        parts = [self.dnn(x)]
+        for r in self.relations:
+            parts.append(earlier[r])
+        rel = self.relation_dnn(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        return rel, self.out(rel)
 
 
 def _dnn(msg: pipeline_pb2.TaskTower, name: str) -> Optional[pipeline_pb2.DNN]:
