@@ -281,3 +281,21 @@ def test_a_group_read_raw_hands_out_positions_lengths_and_targets() -> None:
     torch.testing.assert_close(target, pooled[:, :2])
     assert layer.spec == [tensor(3, 3), tensor(), tensor(2)]
     assert RawSequenceInput(idx, 3, 3, 1, None).spec == [tensor(3, 3), tensor()]
+
+
+def test_the_wide_lookups_join_the_logit_only_around_top_mlp_or_the_output_layer() -> None:
+    """RankModel's wide_to_logit: with the wide lookups from column 8 on, a logit reached
+    through the output layer gets their sum added; an output that is the logit itself
+    (width num_class, no top_mlp) does not."""
+    through = GraphBuilder(_backbone('blocks { name: "s" inputs { feature_group_name: "a" } }'),
+                           _groups, {"a", "b"}, 1, wide_start=8).build()
+    pooled, raw = torch.randn(4, 12), torch.randn(4, 3)
+    want = (pooled @ through.out.weight.T + through.out.bias).squeeze(1) + pooled[:, 8:].sum(1)
+    torch.testing.assert_close(through(pooled, raw), want)
+    torch.testing.assert_close(torch.jit.script(through)(pooled, raw), want)
+    direct = GraphBuilder(_backbone(
+        'blocks { name: "s" inputs { feature_group_name: "a" '
+        'input_fn: "lambda x: tf.reduce_sum(x, axis=1, keepdims=True)" } }'),
+        _groups, {"a", "b"}, 1, wide_start=8).build()
+    assert direct.out is None and direct.wide_start == -1
+    torch.testing.assert_close(direct(pooled, raw), pooled.sum(dim=1))

@@ -88,3 +88,20 @@ def test_the_dense_part_scripts_to_the_same_logits() -> None:
     pooled = torch.randn(7, tm.model.pooled_layout[0].width)
     raw = torch.randn(7, len(fb.dense_feature_names))
     torch.testing.assert_close(torch.jit.script(dense)(pooled, raw), dense(pooled, raw))
+
+
+@pytest.mark.parametrize("edit, added", [
+    (("", ""), False),  # the logit is the Add block's output: nothing goes around it
+    (('    concat_blocks: "logit"\n', '    concat_blocks: "logit"\n    top_mlp { '
+      "hidden_units: [4] use_bn: false use_final_bn: false }\n"), True),
+    (("l2_regularization: 1e-5 }", "l2_regularization: 1e-5 wide_to_logit: false }"), False),
+])
+def test_wide_to_logit_adds_the_wide_weights_where_layers_stand_before_the_logit(
+        edit, added) -> None:
+    """With a top_mlp the 26 wide lookups (after the 26 deep ones) join the logit; without
+    one, or with wide_to_logit: false, they do not."""
+    config = _config(edit)
+    model = TrainModule(config, FeatureBuilder(config), device="cpu").model
+    deep = sum(model.layout.deep_dims)
+    assert len(model.layout.wide_keys) == 26 and model.pooled_layout[0].width == deep + 26
+    assert model.dense.wide_start == (deep if added else -1)

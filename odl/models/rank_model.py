@@ -10,6 +10,13 @@ dimension is ``num_class`` already. docs/config.md "RankModel" lists what each b
 The sparse part looks up each ``(feature, table)`` a block reads once, in one pooled group,
 ``"backbone"`` (``odl.models.backbone.backbone_inputs``).
 
+``model_params.wide_to_logit`` (odl extension, default true): with one logit reached through
+``top_mlp`` or the output layer, the WIDE groups' first-order weights (the wide lookups, every
+column) are also summed into the logit, as DeepFM's ``wide_to_logit`` adds its wide part
+beside a final DNN: per-id effects then learn online without waiting for the layers between
+them and the logit. No effect when the backbone's output is the logit itself (an Add of the
+wide sum, EasyRec's DeepFM form) or without a WIDE group read.
+
 Loss: the configured prediction loss (``odl.models.ctr_losses``) +
 ``model_params.l2_regularization`` * the squared kernels of every Linear layer of the
 backbone (EasyRec regularizes its own layers' Dense kernels; odl regularizes the Keras
@@ -62,8 +69,10 @@ class RankModel(CtrModel):
         mc = config.model_config
         inputs = BackboneInputs(config, feature_builder)
         self.set_tables(inputs.layout, ebc_device)
+        wide_start = inputs.first_wide_column if mc.model_params.wide_to_logit else -1
         self.dense: BackboneDense = GraphBuilder(
-            mc.backbone, inputs.group_input, set(inputs.groups), int(mc.num_class)).build()
+            mc.backbone, inputs.group_input, set(inputs.groups), int(mc.num_class),
+            wide_start=wide_start).build()
         self.pooled_layout = (inputs.pooled,)
         self.l2 = float(mc.model_params.l2_regularization)
         self.set_configured_loss(mc, output_name)

@@ -152,6 +152,8 @@ class GraphBuilder:
     groups: set[str]
     num_class: int
     where: str = "model_config.backbone"
+    # RankModel's wide_to_logit: the first pooled column of the wide lookups (-1: off)
+    wide_start: int = -1
     _values: dict[str, _Value] = field(default_factory=dict)
     _registers: int = 0
 
@@ -212,7 +214,8 @@ class GraphBuilder:
         """A RankModel's dense part.
 
         The graph, its output concatenated, ``top_mlp``, the Linear layer to ``num_class``
-        logits.
+        logits; with ``wide_start`` set and one logit reached through ``top_mlp`` or that
+        layer, the wide lookups' sum added to it.
 
         Raises:
             ConfigError: by field (:meth:`build_graph`'s, an output that cannot be
@@ -222,7 +225,9 @@ class GraphBuilder:
         index, top, width = built.concatenated(self.backbone)
         c = max(int(self.num_class), 1)
         out = keras_dense(width, c, True, "glorot_uniform") if width != c else None
-        return BackboneDense(built.graph, index, top, out, c)
+        around = c == 1 and (out is not None or self.backbone.HasField("top_mlp"))
+        return BackboneDense(built.graph, index, top, out, c,
+                             self.wide_start if around else -1)
 
     def _dependencies(self, i: int, b: pipeline_pb2.BackboneBlock,
                       blocks: dict) -> list[str]:

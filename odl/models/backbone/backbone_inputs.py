@@ -120,6 +120,9 @@ class BackboneInputs:
         for f, _t in self.layout.wide_keys:
             self.wide_start[f] = (col, self.wide_dim)
             col += self.wide_dim
+        # the wide lookups end the pooled group: their first column, or -1 without any
+        self.first_wide_column = (sum(int(d) for d in self.layout.deep_dims)
+                           if self.layout.wide_keys else -1)
         self.pooled = PooledGroup.of(
             POOLED_GROUP, tuple(self.layout.deep_keys) + tuple(self.layout.wide_keys),
             list(self.layout.deep_dims) + [self.wide_dim] * len(self.layout.wide_keys))

@@ -153,19 +153,22 @@ class BackboneDense(nn.Module):
         top: ``top_mlp`` (identity when unset).
         out: the Linear layer to ``num_class`` logits, or None.
         num_class: outputs.
+        wide_start: the first pooled column of the wide lookups (they end the pooled group)
+            when their sum joins the logit (RankModel's ``wide_to_logit``); -1: it does not.
     """
 
-    __constants__ = ["num_class"]
+    __constants__ = ["num_class", "wide_start"]
     output_index: list[int]
 
     def __init__(self, graph: BackboneGraph, output_index: list[int], top: nn.Module,
-                 out: Optional[nn.Module], num_class: int) -> None:
+                 out: Optional[nn.Module], num_class: int, wide_start: int = -1) -> None:
         super().__init__()
         self.graph = graph
         self.top = top
         self.out = out
         self.output_index = [int(i) for i in output_index]
         self.num_class = max(int(num_class), 1)
+        self.wide_start = int(wide_start)  # >= 0: the wide lookups' columns, summed in
 
     def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """Logits ``[B]`` (``[B, C]`` for C > 1)."""
@@ -175,4 +178,9 @@ class BackboneDense(nn.Module):
         out = self.out
         if out is not None:
             x = out(x)
-        return x.squeeze(1) if self.num_class == 1 else x
+        if self.num_class > 1:
+            return x
+        logit = x.squeeze(1)
+        if self.wide_start >= 0:  # the first-order path around top_mlp / the output layer
+            logit = logit + pooled[:, self.wide_start :].sum(dim=1)
+        return logit
