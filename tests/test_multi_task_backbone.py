@@ -140,3 +140,12 @@ def test_the_mmoe_layer_mixes_its_experts_by_each_tasks_softmax_gate() -> None:
     with pytest.raises(ConfigError, match="gates' input"):
         block_builder("MMoE")(BlockArgs("MMoE", pipeline_pb2.MMoELayer(num_task=1, num_expert=2),
                                         [tensor(4), tensor(3)], "w"))
+
+
+def test_a_task_reads_its_relations_through_relation_dnn_only() -> None:
+    """EasyRec's MultiTaskModel: relation_tower_names without relation_dnn add nothing to
+    the task's input (DBMTL's would)."""
+    config = _config(("relation_dnn { hidden_units: [8] } ", ""))
+    dense = TrainModule(config, FeatureBuilder(config), device="cpu").model.dense
+    assert [h.relations for h in dense.heads] == [[], []]
+    assert dense.heads[1].out.in_features == 8

@@ -8,7 +8,8 @@ one block per task) gives task ``t`` its own input; a tensor (or any output with
 ``backbone.top_mlp``, which runs over the output concatenated) is every task's input. Then
 per task its tower, relation tower and logit (``odl.models.task_towers``: ``dnn``,
 ``relation_dnn`` over the task's tower and its ``relation_tower_names``' relation outputs,
-a Linear to 1, or 2 for ``num_class: 2``).
+a Linear to 1, or 2 for ``num_class: 2``). As in EasyRec's MultiTaskModel, a task without
+``relation_dnn`` reads no relation (its ``relation_tower_names`` then have no effect).
 
 Outputs: one logit per task (two for a two-class task), named by the tasks' ``tower_name``,
 each trained on its label (``odl.models.task_losses``).
@@ -148,6 +149,10 @@ class MultiTaskBackbone(CtrModel):
             names, tasks = task_head_settings(settings.task_towers)
         except ValueError as e:
             raise ConfigError("model_config.model_params.task_towers", str(e)) from e
+        # EasyRec's MultiTaskModel reads the relations through relation_dnn only (DBMTL's
+        # reads them always)
+        tasks = [(dnn, relations if relation_dnn is not None else [], relation_dnn, c)
+                 for dnn, relations, relation_dnn, c in tasks]
         index, shared, top, widths = task_inputs(built, mc.backbone, len(tasks))
         heads: list[TaskHead] = []
         for (dnn, relations, relation_dnn, num_class), width in zip(tasks, widths, strict=True):
