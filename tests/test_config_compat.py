@@ -65,6 +65,7 @@ LOADS = {
     "easyrec/dbmtl_backbone_on_taobao.config",
     "easyrec/simple_multi_task_backbone_on_taobao.config",
     "easyrec/mmoe_mirrored_strategy_on_taobao.config",
+    "easyrec/aitm_on_taobao.config",
     "easyrec/deepfm_combo_avazu_kafka.config",
     "easyrec/deepfm_combo_avazu_kafka_time_offset.config",
     "easyrec/deepfm_combo_on_avazu_ctr.config",

@@ -149,3 +149,65 @@ def test_a_task_reads_its_relations_through_relation_dnn_only() -> None:
     dense = TrainModule(config, FeatureBuilder(config), device="cpu").model.dense
     assert [h.relations for h in dense.heads] == [[], []]
     assert dense.heads[1].out.in_features == 8
+
+
+def test_order_calibration_adds_the_named_tasks_probability_excess() -> None:
+    """cvr's ORDER_CALIBRATE_LOSS (weight 2) against ctr: the loss is both tasks' cross
+    entropy plus 2 * mean(relu(p_cvr - p_ctr)); alone, or in a single-task model, it is
+    refused by field."""
+    from odl.datagen.synthetic_ctr import SyntheticCtrStream
+
+    config = _config(('relation_tower_names: "ctr" ', 'relation_tower_names: "ctr" '
+                      "losses { loss_type: CLASSIFICATION } "
+                      "losses { loss_type: ORDER_CALIBRATE_LOSS weight: 2 } "))
+    check_pipeline_config(config, online=True)
+    fb = FeatureBuilder(config)
+    model = TrainModule(config, fb, device="cpu").model
+    stream = SyntheticCtrStream(seed=3)
+    batch = fb.build(records_for_model("MultiTaskModel", stream, stream.next_batch(64))).batch
+    out = model(batch)
+    model.l2 = model.embedding_regularization = 0.0
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    p = torch.sigmoid(out.logits)
+    want = (bce(out.logits[:, 0], batch.labels[:, 0]) + bce(out.logits[:, 1], batch.labels[:, 1])
+            + 2 * torch.relu(p[:, 1] - p[:, 0]).mean())
+    torch.testing.assert_close(model.loss(out, batch), want)
+    with pytest.raises(ConfigError) as info:
+        check_pipeline_config(_config(('relation_tower_names: "ctr" ', 'relation_tower_names: '
+                                       '"ctr" losses { loss_type: ORDER_CALIBRATE_LOSS } ')),
+                              online=True)
+    assert info.value.field == "model_config.model_params.task_towers[1].losses[0].loss_type"
+    single = as_model_config_text(deepfm_config_text("/tmp/unused"), "RankModel").replace(
+        "model_params {", "losses { loss_type: CLASSIFICATION } losses { loss_type: "
+        "ORDER_CALIBRATE_LOSS }\n  model_params {", 1)
+    with pytest.raises(ConfigError) as info:
+        check_pipeline_config(load_config_text(single), online=True)
+    assert info.value.field == "model_config.losses[1].loss_type"
+
+
+def test_the_aitm_layer_attends_from_its_own_tower_over_the_detached_earlier_ones() -> None:
+    from odl.models.backbone.block_registry import BlockArgs, block_builder
+    from odl.models.backbone.value_specs import tensor
+    from odl.protos import pipeline_pb2
+
+    built = block_builder("AITMTower")(BlockArgs(
+        "AITMTower", pipeline_pb2.AITMTower(project_dim=3), [tensor(4), tensor(5)], "w"))
+    m = built.module
+    assert built.spec == tensor(3)
+    own = torch.randn(6, 4, requires_grad=True)
+    dep = torch.randn(6, 5, requires_grad=True)
+
+    def lin(layer, x):
+        return x @ layer.weight.T + layer.bias
+
+    items = [own, dep]
+    q = lin(m.queries[0], own)
+    k = torch.stack([lin(m.keys[i], x) for i, x in enumerate(items)], dim=1)
+    v = torch.stack([lin(m.values[i], x) for i, x in enumerate(items)], dim=1)
+    w = torch.softmax((k * q.unsqueeze(1)).sum(2) / 3 ** 0.5, dim=1)
+    want = (w.unsqueeze(2) * v).sum(1)
+    out = m([own, dep])[0]
+    torch.testing.assert_close(out, want)
+    torch.testing.assert_close(torch.jit.script(m)([own, dep])[0], want)
+    out.sum().backward()
+    assert dep.grad is None and own.grad is not None

@@ -102,7 +102,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     # the backbone layers odl does not implement (odl/models/backbone/ has the others)
     "KerasLayer": frozenset({
         "seq_aug", "overlap", "dot_product",
-        "attention", "multi_head_attention", "transformer", "text_encoder", "gate", "aitm",
+        "attention", "multi_head_attention", "transformer", "text_encoder", "gate",
     }),
     "FeatureGroupConfig": frozenset({"negative_sampler", "embedding_name_suffix"}),
     "EasyRecModel": frozenset({

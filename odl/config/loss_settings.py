@@ -62,7 +62,8 @@ def _output_terms(config: pipeline_pb2.EasyRecConfig) -> list[list[int]]:
     """
     mc = config.model_config
     if is_multi_task_model(mc):
-        terms = [[t.loss_type for t in task.losses] or [task.loss_type]
+        terms = [[t.loss_type for t in task.losses
+                  if t.loss_type != _L.ORDER_CALIBRATE_LOSS] or [task.loss_type]
                  for _path, task in task_towers(mc)]
         return terms + (terms[:1] if product_output(mc) else [])
     return [[t.loss_type for t in mc.losses] or [mc.loss_type]]

@@ -348,8 +348,24 @@ def _validate_classes(config: pipeline_pb2.EasyRecConfig) -> None:
                                      f"JRC_LOSS, not {pipeline_pb2.LossType.Name(kind)}")
 
 
-def validate_losses(losses: Any, prefix: str, strategy: int = 0) -> None:
-    """Checks the settings of each loss term (``model_config.losses`` or a task's)."""
+def validate_losses(losses: Any, prefix: str, strategy: int = 0,
+                    calibration: bool = False) -> None:
+    """Checks the settings of each loss term (``model_config.losses`` or a task's).
+
+    ``calibration``: the terms are a multi-task model's task tower's, which may hold an
+    ``ORDER_CALIBRATE_LOSS`` beside a prediction loss.
+    """
+    order = pipeline_pb2.LossType.ORDER_CALIBRATE_LOSS
+    if any(loss.loss_type == order for loss in losses):
+        i = next(i for i, loss in enumerate(losses) if loss.loss_type == order)
+        if not calibration:
+            raise ConfigError(f"{prefix}[{i}].loss_type",
+                              "ORDER_CALIBRATE_LOSS compares a multi-task model's tasks: it "
+                              "belongs in a task tower of MMoE, DBMTL or MultiTaskModel")
+        if all(loss.loss_type == order for loss in losses):
+            raise ConfigError(f"{prefix}[{i}].loss_type",
+                              "ORDER_CALIBRATE_LOSS trains beside a prediction loss of the "
+                              "task: add one (e.g. CLASSIFICATION)")
     for i, loss in enumerate(losses):
         where = f"{prefix}[{i}]"
         if loss.learn_loss_weight and strategy != pipeline_pb2.EasyRecModel.Uncertainty:

@@ -57,9 +57,13 @@ _L = pipeline_pb2
 
 
 def loss_terms(model_config: pipeline_pb2.EasyRecModel) -> list[pipeline_pb2.Loss]:
-    """The configured terms: ``losses``, or one term of ``loss_type`` with weight 1."""
+    """The configured terms: ``losses``, or one term of ``loss_type`` with weight 1.
+
+    A task's ``ORDER_CALIBRATE_LOSS`` terms are left out: they compare tasks
+    (``odl.models.task_losses``), they are not a loss of the task's own logit.
+    """
     if model_config.losses:
-        return list(model_config.losses)
+        return [t for t in model_config.losses if t.loss_type != _L.ORDER_CALIBRATE_LOSS]
     term = pipeline_pb2.Loss()
     term.loss_type = model_config.loss_type
     return [term]

@@ -7,7 +7,9 @@ column (two columns and the softmax over the 0/1 label one-hot for a task of
 ``num_class: 2``) against its label column; a task with a ``task_space_indicator_label``
 weighs each sample's loss by ``in_task_space_weight`` when that label is > 0, else
 ``out_task_space_weight``, normalized (TorchEasyRec's weighting). Learned (uncertainty) and
-random term weights follow ``model_config.loss_weight_strategy``.
+random term weights follow ``model_config.loss_weight_strategy``. A task's
+``ORDER_CALIBRATE_LOSS`` adds, per task of its ``relation_tower_names``, ``weight *
+mean(relu(sigmoid(logit_task) - sigmoid(logit_named)))`` (EasyRec's order calibration).
 """
 
 from __future__ import annotations
@@ -58,6 +60,12 @@ class TaskLoss:
         self.learned_start = [sum(sum(x) for x in self.learned[:t])
                               for t in range(len(self.learned))]
         add_loss_weights(dense, sum(sum(x) for x in self.learned))
+        # ORDER_CALIBRATE_LOSS: (task, earlier task it must not exceed, weight)
+        names = [t.tower_name for t in tasks]
+        self.calibrations = [(i, names.index(r), float(term.weight))
+                             for i, t in enumerate(tasks) for term in t.losses
+                             if term.loss_type == pipeline_pb2.LossType.ORDER_CALIBRATE_LOSS
+                             for r in t.relation_tower_names if r in names]
         spaces = list(space_columns or [None] * len(tasks))
         self.spaces = [None if c is None else
                        (int(c), float(t.in_task_space_weight), float(t.out_task_space_weight))
@@ -107,4 +115,8 @@ class TaskLoss:
                                    weights, scale=w, learned=self.learned[t],
                                    uncertainty=uncertainty, term_weights=term_weights,
                                    data_weights=data_weights)
+        for t, r, weight in self.calibrations:  # a task's probability not above r's
+            p_t = torch.sigmoid(logits[:, self.columns[t]])
+            p_r = torch.sigmoid(logits[:, self.columns[r]])
+            loss = loss + weight * torch.relu(p_t - p_r).mean()
         return loss

@@ -182,7 +182,15 @@ def validate_task_towers(check: ModelCheck, relations: bool) -> None:
             if r not in names:
                 raise ConfigError(f"{tw}.relation_tower_names[{j}]",
                                   f"{r!r} is not an earlier task (tasks so far: {names})")
-        validate_losses(task.losses, f"{tw}.losses", mc.loss_weight_strategy)
+        validate_losses(task.losses, f"{tw}.losses", mc.loss_weight_strategy,
+                        calibration=True)
+        calibrated = any(t.loss_type == pipeline_pb2.LossType.ORDER_CALIBRATE_LOSS
+                         for t in task.losses)
+        if calibrated and (task.num_class != 1 or any(
+                settings.task_towers[names.index(r)].num_class != 1
+                for r in task.relation_tower_names if r in names)):
+            raise ConfigError(f"{tw}.losses", "ORDER_CALIBRATE_LOSS compares one-logit tasks' "
+                                              "probabilities (num_class 1)")
         if task.task_space_indicator_label:
             if task.task_space_indicator_label not in label_fields:
                 raise ConfigError(f"{tw}.task_space_indicator_label",
