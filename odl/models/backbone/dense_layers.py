@@ -24,6 +24,7 @@ annotations as types.
 import math
 
 import torch
+from google.protobuf.message import Message
 from torch import nn
 
 from odl.models.backbone.block_registry import BlockArgs, BuiltLayer, register_block
@@ -136,6 +137,30 @@ def build_easyrec_mlp(in_dim: int, mlp: pipeline_pb2.MLP) -> tuple[nn.Sequential
             bool(mlp.use_bn_after_activation))
         width = u
     return nn.Sequential(*layers), width
+
+
+def optional_mlp(args: BlockArgs, width: int, settings: Message, field: str
+                 ) -> tuple[nn.Module, int]:
+    """A layer's optional ``mlp`` (e.g. FiBiNet's, MaskNet's): the identity when unset.
+
+    Args:
+        args: the layer's builder arguments (for errors).
+        width: the MLP's input width.
+        settings: the layer's params message holding ``mlp``.
+        field: the params field, for errors (``"masknet"``).
+
+    Returns:
+        ``(module, output width)``.
+
+    Raises:
+        ConfigError: a bad MLP setting, at the layer.
+    """
+    if not settings.HasField("mlp"):
+        return nn.Identity(), int(width)
+    try:
+        return build_easyrec_mlp(width, settings.mlp)
+    except ValueError as e:
+        raise args.refuse(f"{field}.mlp: {e}") from e
 
 
 class OnTensor(nn.Module):

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from odl.models.backbone.block_registry import BlockArgs, BuiltLayer, register_block
-from odl.models.backbone.dense_layers import build_easyrec_mlp, keras_dense
+from odl.models.backbone.dense_layers import keras_dense, optional_mlp
 from odl.models.backbone.layer_settings import (
     bool_setting,
     int_setting,
@@ -238,12 +238,7 @@ def _build_fibinet(args: BlockArgs) -> BuiltLayer:
     if config.HasField("bilinear"):
         bilinear = bilinear_layer(args, config.bilinear, widths, "fibinet.bilinear.")
         width += bilinear.output.out_features
-    mlp = None
-    if config.HasField("mlp"):
-        try:
-            mlp, width = build_easyrec_mlp(width, config.mlp)
-        except ValueError as e:
-            raise args.refuse(f"fibinet.mlp: {e}") from e
+    mlp, width = optional_mlp(args, width, config, "fibinet")
     return BuiltLayer(FiBiNetLayer(senet, bilinear, mlp), tensor(width))
 
 

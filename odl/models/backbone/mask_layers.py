@@ -65,7 +65,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from odl.models.backbone.block_registry import BlockArgs, BuiltLayer, register_block
-from odl.models.backbone.dense_layers import build_easyrec_mlp, keras_dense
+from odl.models.backbone.dense_layers import keras_dense, optional_mlp
 from odl.models.backbone.layer_settings import (
     float_setting,
     int_setting,
@@ -268,12 +268,7 @@ def _build_mask_net(args: BlockArgs) -> BuiltLayer:
         widths.append(width)
         net_dim = width
     width = sum(widths) if config.use_parallel else net_dim
-    mlp: nn.Module = nn.Identity()
-    if config.HasField("mlp"):
-        try:
-            mlp, width = build_easyrec_mlp(width, config.mlp)
-        except ValueError as e:
-            raise args.refuse(f"masknet.mlp: {e}") from e
+    mlp, width = optional_mlp(args, width, config, "masknet")
     layer = MaskNetLayer(dim, blocks, config.use_parallel, config.input_layer_norm, mlp)
     return BuiltLayer(layer, tensor(width))
 

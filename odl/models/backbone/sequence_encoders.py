@@ -82,7 +82,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from odl.models.backbone.block_registry import BlockArgs, BuiltLayer, register_block
-from odl.models.backbone.dense_layers import build_easyrec_mlp, keras_dense
+from odl.models.backbone.dense_layers import build_easyrec_mlp, keras_dense, optional_mlp
 from odl.models.backbone.layer_settings import params_message
 from odl.models.backbone.value_specs import flat_tensors, tensor
 from odl.models.building_blocks import activation_layer
@@ -438,12 +438,7 @@ def _build_text_cnn(args: BlockArgs) -> BuiltLayer:
         raise args.refuse(f"text_cnn.activation {name!r} is not one of "
                           f"{', '.join(KERAS_CONV_ACTIVATIONS)}")
     width = sum(int(f) for _, f in pairs)
-    mlp: nn.Module = nn.Identity()
-    if config.HasField("mlp"):
-        try:
-            mlp, width = build_easyrec_mlp(width, config.mlp)
-        except ValueError as e:
-            raise args.refuse(f"text_cnn.mlp: {e}") from e
+    mlp, width = optional_mlp(args, width, config, "text_cnn")
     convs = [keras_conv1d(dim, int(f), int(k)) for k, f in pairs]
     layer = TextCNNLayer(convs, KERAS_CONV_ACTIVATIONS[name](), mlp, positions)
     return BuiltLayer(layer, tensor(width))
