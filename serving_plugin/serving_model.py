@@ -43,7 +43,12 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from odl.config.loss_settings import num_classes, regression_outputs, task_classes
+from odl.config.loss_settings import (
+    num_classes,
+    regression_outputs,
+    task_classes,
+    ziln_settings,
+)
 from odl.features.batch import Batch
 from odl.features.rtp_layout import RtpLayout
 from odl.models.ctr_model import predictions
@@ -131,6 +136,7 @@ class ServingModel:
         self.regression = regression_outputs(export.config)
         self.softmax = num_classes(export.config) > 1
         self.task_classes = task_classes(export.config)
+        self.ziln = ziln_settings(export.config)
         dc = export.config.data_config
         self._labels = list(dc.label_fields)
         self._fields = [f.input_name for f in dc.input_fields]
@@ -335,7 +341,8 @@ class ServingModel:
         with self.lock:
             logits = self._forward(batch)
             version, generation = self.state.version, self.state.generation
-        return (predictions(logits, self.regression, self.softmax, self.task_classes), version,
+        return (predictions(logits, self.regression, self.softmax, self.task_classes,
+                            self.ziln), version,
                 generation)
 
     @torch.no_grad()

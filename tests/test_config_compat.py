@@ -66,6 +66,7 @@ LOADS = {
     "easyrec/simple_multi_task_backbone_on_taobao.config",
     "easyrec/mmoe_mirrored_strategy_on_taobao.config",
     "easyrec/aitm_on_taobao.config",
+    "easyrec/mlp_on_taobao_with_ziln_loss.config",
     "easyrec/deepfm_combo_avazu_kafka.config",
     "easyrec/deepfm_combo_avazu_kafka_time_offset.config",
     "easyrec/deepfm_combo_on_avazu_ctr.config",

@@ -383,7 +383,8 @@ def test_every_easyrec_input_type_is_accepted_the_input_section_decides(
     [
         ('feature_configs { input_names: "a" feature_type: PassThroughFeature }',
          "feature_configs[0].feature_type", "PassThroughFeature"),
-        ("model_config { loss_type: ZILN_LOSS }", "model_config.loss_type", "ZILN_LOSS"),
+        ("model_config { loss_type: LISTWISE_RANK_LOSS }", "model_config.loss_type",
+         "LISTWISE_RANK_LOSS"),
         ("model_config { loss_type: KL_DIVERGENCE_LOSS }", "model_config.loss_type",
          "KL_DIVERGENCE_LOSS"),
     ],

@@ -115,7 +115,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "rank_model", "dlrm_hstu",
     }),
     "Loss": frozenset({
-        "loss_name", "softmax_loss", "circle_loss", "multi_simi_loss",
+        "softmax_loss", "circle_loss", "multi_simi_loss",
         "pairwise_hinge_loss", "listwise_rank_loss", "listwise_distill_loss",
     }),
     "DNN": frozenset({"use_final_bn", "final_activation", "use_final_bias", "use_bias"}),
@@ -331,7 +331,7 @@ EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
         "CIRCLE_LOSS", "MULTI_SIMILARITY_LOSS", "SOFTMAX_CROSS_ENTROPY_WITH_NEGATIVE_MINING",
         "PAIRWISE_LOSS",
         "BINARY_CROSS_ENTROPY_LOSS",
-        "ZILN_LOSS", "PAIRWISE_HINGE_LOSS", "LISTWISE_RANK_LOSS", "LISTWISE_DISTILL_LOSS",
+        "PAIRWISE_HINGE_LOSS", "LISTWISE_RANK_LOSS", "LISTWISE_DISTILL_LOSS",
         "KL_DIVERGENCE_LOSS",
     }),
 }

@@ -11,6 +11,9 @@ model (or task tower, :func:`task_classes`) and a session column
 (:func:`jrc_session_field`), whose hash the batches carry (``Batch.session_keys``).
 EasyRec's ``data_config.sample_weight`` names a numeric input column whose value weights
 each sample's loss (:func:`sample_weight_field`; ``Batch.sample_weights``).
+``ZILN_LOSS`` (:func:`ziln_settings`) is a single-task ``num_class: 3`` model's only term:
+its two outputs are the probability of a positive value and the expected value
+(``odl.models.ziln``), its label any number.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from odl.protos import pipeline_pb2
 
 __all__ = ["JRC_STRATEGIES", "POINTWISE_LOSS_TYPES", "SOFTMAX_LOSS_TYPES", "jrc_session_field",
            "loss_entries", "num_classes", "real_valued_labels", "task_classes",
-           "regression_outputs", "sample_weight_field", "validate_loss_settings"]
+           "regression_outputs", "sample_weight_field", "validate_loss_settings",
+           "ziln_settings"]
 
 _L = pipeline_pb2
 # loss types computed per sample, which per-sample weights (a task's sample space) apply to
@@ -69,15 +73,35 @@ def _output_terms(config: pipeline_pb2.EasyRecConfig) -> list[list[int]]:
     return [[t.loss_type for t in mc.losses] or [mc.loss_type]]
 
 
+def ziln_settings(config: pipeline_pb2.EasyRecConfig) -> pipeline_pb2.ZILNLoss | None:
+    """The ``ZILN_LOSS`` term's settings of a single-task model; None without one.
+
+    Its ``num_class: 3`` logits make two outputs: the probability of a positive value and
+    the expected value (``odl.models.ziln``).
+    """
+    mc = config.model_config
+    if is_multi_task_model(mc):
+        return None
+    if mc.losses:
+        for term in mc.losses:
+            if term.loss_type == _L.ZILN_LOSS:
+                return term.ziln_loss
+        return None
+    return pipeline_pb2.ZILNLoss() if mc.loss_type == _L.ZILN_LOSS else None
+
+
 def num_classes(config: pipeline_pb2.EasyRecConfig) -> int:
     """The classes of a single-task model's label: 1 (binary), or ``num_class`` C > 1.
 
     A C-class model has C outputs, ``<label>_<k>`` the probability of class k (a softmax
     over its C logits, trained by softmax cross entropy); its label column holds the class
-    index and its batches carry the labels one-hot (``[B, C]``).
+    index and its batches carry the labels one-hot (``[B, C]``). A ``ZILN_LOSS`` model's
+    three logits are not classes: 1.
     """
     mc = config.model_config
-    return max(int(mc.num_class), 1) if not is_multi_task_model(mc) else 1
+    if is_multi_task_model(mc) or ziln_settings(config) is not None:
+        return 1
+    return max(int(mc.num_class), 1)
 
 
 def task_classes(config: pipeline_pb2.EasyRecConfig) -> tuple[int, ...]:
@@ -99,7 +123,8 @@ def regression_outputs(config: pipeline_pb2.EasyRecConfig) -> list[bool]:
 
     A regression output predicts its logit itself (EasyRec's ``y`` for ``L2_LOSS``) and
     trains on real-valued labels; every other output predicts ``sigmoid(logit)``, a
-    probability, of 0/1 labels.
+    probability, of 0/1 labels. A ``ZILN_LOSS`` model's two outputs are the probability of a
+    positive value and the expected value (a regression).
 
     Args:
         config: a config.
@@ -110,6 +135,8 @@ def regression_outputs(config: pipeline_pb2.EasyRecConfig) -> list[bool]:
     classes = num_classes(config)
     if classes > 1:
         return [False] * classes
+    if ziln_settings(config) is not None:  # the probability, then the value
+        return [False, True]
     return [all(t == _L.L2_LOSS for t in terms) for terms in _output_terms(config)]
 
 
@@ -125,6 +152,8 @@ def real_valued_labels(config: pipeline_pb2.EasyRecConfig) -> set[str]:
     labels = list(config.data_config.label_fields)
     if not labels:
         return set()
+    if ziln_settings(config) is not None:
+        return {labels[0]}
     mc = config.model_config
     names = (task_label_names(mc, labels) if is_multi_task_model(mc) else labels[:1])
     flags = regression_outputs(config)
@@ -220,6 +249,7 @@ def validate_loss_settings(config: pipeline_pb2.EasyRecConfig) -> None:
     """
     jrc_session_field(config)
     sample_weight_field(config)
+    _validate_ziln(config)
     # the classes of the output each loss term trains
     mc = config.model_config
     classes_of = {"model_config": int(mc.num_class)}
@@ -256,3 +286,33 @@ def validate_loss_settings(config: pipeline_pb2.EasyRecConfig) -> None:
             raise ConfigError(f"{sub}.session_name",
                               "pairs within a session are an EasyRec feature that odl does not "
                               "implement yet (pairs are formed over the batch)")
+
+
+def _validate_ziln(config: pipeline_pb2.EasyRecConfig) -> None:
+    """``ZILN_LOSS``: a single-task ``num_class: 3`` model's only term, with sane settings."""
+    mc = config.model_config
+    for where, loss in loss_entries(config):
+        if loss.loss_type != _L.ZILN_LOSS:
+            continue
+        if not where.startswith("model_config.losses"):
+            raise ConfigError(f"{where}.loss_type",
+                              "ZILN_LOSS is a single-task model's loss (EasyRec's rank models); "
+                              "a task tower's is not implemented")
+        if len(mc.losses) > 1:
+            raise ConfigError(f"{where}.loss_type",
+                              "ZILN_LOSS is the model's only loss term (its three logits are "
+                              "not a probability another term could read)")
+        z = loss.ziln_loss
+        checks = (("max_sigma", z.max_sigma > 0, "must be > 0"),
+                  ("mu_regularization", z.mu_regularization >= 0, "must be >= 0"),
+                  ("sigma_regularization", z.sigma_regularization >= 0, "must be >= 0"),
+                  ("classification_weight", z.classification_weight >= 0, "must be >= 0"),
+                  ("regression_weight", z.regression_weight >= 0, "must be >= 0"),
+                  ("max_log_clip_value", -100 < z.max_log_clip_value < 1e30, "must be > -100"))
+        for name, ok, why in checks:
+            if not ok:
+                raise ConfigError(f"{where}.ziln_loss.{name}", why)
+    if ziln_settings(config) is not None and mc.num_class != 3:
+        raise ConfigError("model_config.num_class",
+                          f"ZILN_LOSS needs num_class: 3 (a positive logit, the log's mean and "
+                          f"scale), got {mc.num_class}")

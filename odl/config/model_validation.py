@@ -342,6 +342,8 @@ def _validate_classes(config: pipeline_pb2.EasyRecConfig) -> None:
     terms = [(f"model_config.losses[{i}].loss_type", t.loss_type)
              for i, t in enumerate(mc.losses)] or [("model_config.loss_type", mc.loss_type)]
     for where, kind in terms:
+        if kind == pipeline_pb2.LossType.ZILN_LOSS:  # three logits, not classes
+            continue
         if kind not in SOFTMAX_LOSS_TYPES:
             raise ConfigError(where, f"num_class {mc.num_class} trains softmax cross entropy: "
                                      "the loss must be CLASSIFICATION, CROSS_ENTROPY_LOSS or "

@@ -65,7 +65,8 @@ OSS too (``odl.checkpoint.checkpoint_manager``), and so may ``--asset_files``.
      "outputs": [str, ...],
      "output_kinds": ["probability" | "value" | "class_probability", ...],   (per output:
                      sigmoid(logit), the logit of a regression output, or a num_class
-                     model's class probability, the softmax over its outputs)
+                     model's class probability, the softmax over its outputs; a ZILN_LOSS
+                     model's two: the probability of a positive value, the expected value)
      "dense_features": [str, ...], "sparse_features": [str, ...],
      "tables": {"<table>": {"rows": int, "dim": int, "pooling": "sum"|"mean",
                             "dynamic": bool}},

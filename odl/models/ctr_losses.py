@@ -35,7 +35,9 @@ weights.
 A ``num_class`` C model (C > 1; ``odl.config.loss_settings.num_classes``) has ``[B, C]``
 logits and one-hot labels; its terms (CLASSIFICATION / CROSS_ENTROPY_LOSS) are the softmax
 cross entropy ``-sum_k y_k log softmax(s)_k``, and its predictions the softmax. A two-class
-model's ``JRC_LOSS`` term is :func:`jrc_loss` over the batch's sessions.
+model's ``JRC_LOSS`` term is :func:`jrc_loss` over the batch's sessions. A ``num_class: 3``
+model's ``ZILN_LOSS`` term (its only one) is the zero-inflated lognormal loss of its three
+logits and real-valued labels (``odl.models.ziln``).
 
 A pairwise term of a batch without a pair is 0. The model's regularization terms are added
 by the model (``odl.models.deepfm``, ``odl.models.tower_models``). The predictions reported
@@ -51,6 +53,7 @@ import torch
 from torch import nn
 
 from odl.features.batch import Batch
+from odl.models.ziln import ziln_loss
 from odl.protos import pipeline_pb2
 
 _L = pipeline_pb2
@@ -201,7 +204,9 @@ def ctr_loss(logits: torch.Tensor, labels: torch.Tensor, terms: list[pipeline_pb
             data_weights = None
     k = 0
     for i, term in enumerate(terms):
-        if softmax and term.loss_type == _L.JRC_LOSS:
+        if term.loss_type == _L.ZILN_LOSS:  # [B, 3] logits, real labels
+            value = ziln_loss(logits, labels, term.ziln_loss)
+        elif softmax and term.loss_type == _L.JRC_LOSS:
             if sessions is None:
                 raise ValueError("JRC_LOSS needs the batch's session keys")
             value = jrc_loss(logits, labels, sessions, term.jrc_loss)

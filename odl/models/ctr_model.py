@@ -12,10 +12,11 @@ Every model is a ``CtrModel`` made of two parts:
   ``[B, num_dense]`` in ``FeatureBuilder.dense_feature_names`` order), and returns the logits:
   ``[B]`` for a model with one output, ``[B, len(output_names)]`` for several (columns in
   ``model.output_names`` order; output ``i`` predicts label column ``model.output_labels[i]``
-  of ``Batch.labels``). It must compile with ``torch.jit.script`` and keep no state
-  between calls. Its parameter names and registration order are part of the checkpoint
-  format (the dense optimizer's state is stored by parameter position): keep them when
-  changing a model.
+  of ``Batch.labels``; a two-class task's pair and a ``ZILN_LOSS`` model's three logits
+  make one and two outputs, see Predictions). It must compile with ``torch.jit.script``
+  and keep no state between calls. Its parameter names and registration order are part of
+  the checkpoint format (the dense optimizer's state is stored by parameter position): keep
+  them when changing a model.
 
 ``model.pooled_layout`` declares the dense part's embedding inputs: group ``g`` is a
 ``[B, g.width]`` tensor holding, lookup after lookup, the ids of ``feature`` pooled in
@@ -29,7 +30,8 @@ Predictions: ``predictions(logits, regression, softmax)`` turns the logits into 
 training reports and serving answers, ``sigmoid(logit)`` per output, or the logit itself for
 a regression output (``odl.config.loss_settings.regression_outputs``: every loss term of the
 output is ``L2_LOSS``), or for a ``num_class`` C model (C outputs ``<label>_<k>``, one per
-class) the softmax over them.
+class) the softmax over them; a ``ZILN_LOSS`` model's three logits predict a positive
+value's probability and the expected value (``odl.models.ziln``).
 
 ``CtrModel.forward(batch)`` is the lookup (``lookup``: the EBC, then the columns rearranged
 into the declared layout) followed by ``model.dense``; it returns a ``ModelOutput`` with the
@@ -70,6 +72,7 @@ from odl.models.ctr_losses import (
     sample_weight_tensor,
     session_tensor,
 )
+from odl.models.ziln import VALUE_SUFFIX, ziln_predictions
 from odl.protos import pipeline_pb2
 
 if TYPE_CHECKING:
@@ -81,7 +84,8 @@ logger = logging.getLogger(__name__)
 
 
 def predictions(logits: torch.Tensor, regression: Sequence[bool] = (),
-                softmax: bool = False, task_classes: Sequence[int] = ()) -> np.ndarray:
+                softmax: bool = False, task_classes: Sequence[int] = (),
+                ziln: pipeline_pb2.ZILNLoss | None = None) -> np.ndarray:
     """The predictions of logits: ``sigmoid``, or the logit for a regression output.
 
     Args:
@@ -91,10 +95,15 @@ def predictions(logits: torch.Tensor, regression: Sequence[bool] = (),
         task_classes: per output of a multi-task model, its logits
             (``odl.config.loss_settings.task_classes``): an output of two is
             ``softmax(pair)[1]``, the probability of class 1 (empty: one logit each).
+        ziln: a ``ZILN_LOSS`` model's settings (``odl.config.loss_settings.ziln_settings``):
+            its ``[B, 3]`` logits predict ``[B, 2]``, the probability of a positive value and
+            the expected value (``odl.models.ziln``).
 
     Returns:
         float64 ``[B]`` or ``[B, n]`` predictions, on the CPU.
     """
+    if ziln is not None:
+        return ziln_predictions(logits, ziln).to(torch.float64).cpu().numpy()
     if softmax:
         return torch.softmax(logits, dim=1).to(torch.float64).cpu().numpy()
     if any(c > 1 for c in task_classes):  # a task of two logits: its class-1 probability
@@ -374,7 +383,8 @@ class CtrModel(nn.Module):
         """What :meth:`configured_loss` reads, from the model's config (``self.dense`` built).
 
         Sets ``output_names`` / ``output_labels`` (one output, or ``num_class`` columns named
-        after ``output_name``), ``embedding_regularization``, ``model_config``,
+        after ``output_name``, or a ``ZILN_LOSS`` model's ``output_name`` and
+        ``<output_name>_value``), ``embedding_regularization``, ``model_config``,
         ``loss_terms`` and ``learned`` (the terms with a learned weight, whose weights join
         ``self.dense``).
 
@@ -382,11 +392,16 @@ class CtrModel(nn.Module):
             model_config: the ``EasyRecModel``.
             output_name: the name of the model's output (the label it predicts).
         """
-        self.output_names, self.output_labels = class_outputs(output_name,
-                                                              model_config.num_class)
+        self.loss_terms = loss_terms(model_config)
+        if any(t.loss_type == pipeline_pb2.ZILN_LOSS for t in self.loss_terms):
+            # a positive value's probability and the expected value, of the one label
+            self.output_names = (output_name, output_name + VALUE_SUFFIX)
+            self.output_labels = (0, 0)
+        else:
+            self.output_names, self.output_labels = class_outputs(output_name,
+                                                                  model_config.num_class)
         self.embedding_regularization = float(model_config.embedding_regularization)
         self.model_config = model_config
-        self.loss_terms = loss_terms(model_config)
         self.learned = learned_weight_terms(model_config, self.loss_terms)
         add_loss_weights(self.dense, sum(self.learned))
 

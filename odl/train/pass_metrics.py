@@ -192,6 +192,7 @@ class PassMetrics:
 
 def _summary(key: tuple[str, int], p: np.ndarray, y: np.ndarray) -> dict[str, Any]:
     n = int(p.shape[0])
+    y = (y > 0).astype(np.float64)  # a ZILN model's values: positive or not
     auc = None
     if n and 0 < y.sum() < n:
         auc = round(float(roc_auc(y, p)), 6)

@@ -11,7 +11,8 @@ Two views are kept:
 A regression output (``odl.config.loss_settings.regression_outputs``) is scored by the mean
 squared error of its predicted values instead (``mse``: the window's, ``mse_total``: since
 start); its AUC and logloss are not defined (``None``), and ``positive_rate`` is the window's
-mean label.
+mean label. A probability output is scored against ``label > 0`` (0/1 labels as they are; a
+``ZILN_LOSS`` model's values as positive or not).
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ class ProgressiveMetrics:
         self.samples += n
         if self.regression:
             losses = np.square(probs - labels)
-        else:
+        else:  # scored against label > 0: a ZILN model's values as positive or not
+            labels = (labels > 0).astype(np.float64)
             p = np.clip(probs, _EPS, 1 - _EPS)
             losses = -(labels * np.log(p) + (1 - labels) * np.log(1 - p))
             self._total_auc.add(labels > 0.5, probs)

@@ -329,6 +329,7 @@ class StreamEvaluator:
         if regression:  # predicted values: squared error, no AUC / logloss
             return {"mse": _round(float(np.mean(np.square(probs - labels)))),
                     "positive_rate": _round(float(np.mean(labels)))}
+        labels = (labels > 0).astype(np.float64)  # a ZILN model's values: positive or not
         out = {"auc": _round(roc_auc(labels > 0.5, probs)),
                "logloss": _round(log_loss(probs, labels)),
                "positive_rate": _round(float(np.mean(labels)))}

@@ -38,7 +38,12 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.config.in_batch_settings import IN_BATCH_OFF, IN_BATCH_ON, in_batch_mode
-from odl.config.loss_settings import num_classes, regression_outputs, task_classes
+from odl.config.loss_settings import (
+    num_classes,
+    regression_outputs,
+    task_classes,
+    ziln_settings,
+)
 from odl.config.optimizer_support import (
     dense_ema_used,
     table_gradient_multiplier,
@@ -142,6 +147,7 @@ class TrainModule:
         self.regression = regression_outputs(config)
         self.softmax = num_classes(config) > 1  # a num_class model: softmax over its classes
         self.task_classes = task_classes(config)  # a two-class task: softmax over its pair
+        self.ziln = ziln_settings(config)  # a ZILN_LOSS model: probability and value
         self._sparse_spec, self._dense_spec = optimizer_specs(config.train_config)
         self.in_batch_mode = in_batch_mode(config, self.world_size)
         # the wide tables' multiplier at the start (in-batch learning: adapted while training)
@@ -544,7 +550,7 @@ class TrainModule:
             # this rank names and publishes its partitions' rows whoever trained them
             self.record_touched_rows(step_rows.to(self.device))
         probs = predictions(mine.logits.detach(), self.regression, self.softmax,
-                            self.task_classes)
+                            self.task_classes, self.ziln)
         return StepOutput(probs=probs, loss=float(loss.detach()), dropped=dropped)
 
     def empty_batch(self) -> Batch:
@@ -573,7 +579,8 @@ class TrainModule:
             logits = self._forward(batch, self._step_sizes(batch, None))[1].logits
         finally:
             self._dmp.train()
-        return predictions(logits, self.regression, self.softmax, self.task_classes)
+        return predictions(logits, self.regression, self.softmax, self.task_classes,
+                           self.ziln)
 
     # -- checkpoints (odl.train.module_state) ------------------------------------------------
 
