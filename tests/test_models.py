@@ -166,6 +166,71 @@ def test_wide_to_logit_adds_the_wide_part_around_the_final_dnn(fb):
     torch.testing.assert_close(scripted(*[p for p in out.pooled], b.dense), out.logits)
 
 
+def test_fm_to_logit_adds_the_fm_sum_through_a_fast_learned_weight(fb):
+    """odl's default with a final DNN: the logit also gets g * sum(fm), g learned from 1 at 30
+    times the dense rate (Adam's first step moves it by 30 * lr); false is EasyRec's
+    structure (no such parameter); the scripted dense part (serving) agrees."""
+    from odl.models.deepfm import FM_LOGIT_RATE
+
+    text = "deepfm { final_dnn { hidden_units: [8] } wide_output_dim: 3 }"
+    on = TrainModule(config(model_config=text), fb, device="cpu")
+    off = TrainModule(config(model_config=text.replace("wide_output_dim: 3",
+                                                       "wide_output_dim: 3 "
+                                                       "fm_to_logit: false")),
+                      fb, device="cpu")
+    assert "dense.fm_logit_weight" not in off.dense_parameters()
+    weight = on.dense_parameters()["dense.fm_logit_weight"]
+    assert float(FM_LOGIT_RATE * weight) == pytest.approx(1.0)
+    b, later = batches(fb, 2, size=32)
+    on.train_step(later)
+    lr = on.dense_optimizer.param_groups[0]["lr"]
+    g = float(FM_LOGIT_RATE * weight)
+    assert abs(g - 1.0) == pytest.approx(FM_LOGIT_RATE * lr, rel=1e-3)
+    off.model.load_state_dict(on.model.state_dict(), strict=False)
+    dense = on.model.dense
+    captured = {}
+
+    def keep_fm(_module, inputs, _output):
+        captured["final_in"] = inputs[0]
+
+    hook = dense.final_dnn.register_forward_hook(keep_fm)
+    with torch.no_grad():
+        got, plain = on.model(b).logits, off.model(b).logits
+    hook.remove()
+    fm = captured["final_in"][:, 3:3 + dense.dim]  # [wide (3), fm (dim), deep]
+    torch.testing.assert_close(got, plain + g * fm.sum(dim=1))
+    out = on.model(b)
+    scripted = torch.jit.script(dense)
+    torch.testing.assert_close(scripted(*[p for p in out.pooled], b.dense), out.logits)
+
+
+def test_a_checkpoint_without_the_fm_weight_restores(fb, caplog):
+    """A checkpoint written before fm_to_logit existed (its model without the parameter)
+    restores into today's model: every parameter it holds is restored, the weight starts at
+    1 and the dense optimizer starts fresh, with a warning."""
+    from odl.models.deepfm import FM_LOGIT_RATE
+
+    text = "deepfm { final_dnn { hidden_units: [8] } wide_output_dim: 3 }"
+    old = TrainModule(config(model_config=text.replace("wide_output_dim: 3",
+                                                       "wide_output_dim: 3 "
+                                                       "fm_to_logit: false")),
+                      fb, device="cpu")
+    for b in batches(fb, 3, size=32):
+        old.train_step(b)
+    state = old.state_dict_for_checkpoint()
+    new = TrainModule(config(model_config=text), fb, device="cpu")
+    with caplog.at_level(logging.WARNING):
+        new.load_checkpoint_state(state)
+    assert "dense.fm_logit_weight" in caplog.text and "starts fresh" in caplog.text
+    mine, theirs = new.dense_parameters(), old.dense_parameters()
+    assert set(mine) - set(theirs) == {"dense.fm_logit_weight"}
+    for name, t in theirs.items():
+        torch.testing.assert_close(mine[name], t)
+    assert float(FM_LOGIT_RATE * mine["dense.fm_logit_weight"]) == pytest.approx(1.0)
+    assert new.global_step == old.global_step and not new.dense_optimizer.state
+    new.train_step(batches(fb, 1, size=32)[0])  # and it trains on
+
+
 def test_wide_and_deep_without_final_dnn_is_num_class_wide(fb, caplog):
     """EasyRec's WideAndDeep without final_dnn sums the wide part and the deep logits: its
     wide part is num_class wide whatever wide_output_dim says (with a warning); DeepFM

@@ -24,9 +24,10 @@ from tests.harness import load_config_text
 from tests.test_in_batch_learning import _module, _records
 
 SPARSE_LR = 0.05
-# EasyRec's structure: the wide part read by the final DNN only (odl's default also adds it
-# to the logit, wide_to_logit)
-FINAL_DNN = "final_dnn { hidden_units: [16] }\n    wide_output_dim: 4\n    wide_to_logit: false"
+# EasyRec's structure: the wide part and FM read by the final DNN only (odl's defaults also
+# add them to the logit, wide_to_logit and fm_to_logit)
+FINAL_DNN = ("final_dnn { hidden_units: [16] }\n    wide_output_dim: 4\n    wide_to_logit: false"
+             "\n    fm_to_logit: false")
 
 
 def _config(tmp_path, extra: str = "", final_dnn: bool = True, batch: int = 64):

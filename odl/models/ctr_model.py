@@ -248,6 +248,10 @@ class CtrModel(nn.Module):
     # ``loss`` reads the logits only through ``ctr_loss`` of ``loss_terms`` (its other terms,
     # regularization, do not depend on them): ``log_loss_weights`` may then describe it
     LOGITS_ONLY_IN_CTR_LOSS = False
+    # dense parameters added to the model after its checkpoints were first written, each
+    # registered after the others: a checkpoint without them restores (they keep their
+    # initial values, the dense optimizer starts fresh; ``odl.train.module_state``)
+    ADDED_PARAMETERS: tuple[str, ...] = ()
 
     def __init__(self) -> None:
         super().__init__()

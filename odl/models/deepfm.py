@@ -15,6 +15,12 @@ pooled groups) and the raw dense features::
     logit = sum(wide) + sum(fm) + Linear(deep -> 1)              (no final_dnn)
     logit = Linear(final_dnn(concat(wide, fm, deep)) -> 1)       (with final_dnn)
             + sum(wide)                      (DeepFM's wide_to_logit, odl's default)
+            + g * sum(fm)                    (DeepFM's fm_to_logit, odl's default)
+
+``g`` is a learned scalar from 1, stored as ``dense.fm_logit_weight`` = g / 30 so that Adam
+moves it 30 times as fast as the other dense parameters: where FM's sum in the logit does
+not help (the Criteo-like stream) it falls to about 0 within a few hundred steps, where it
+does (MovieLens) it stays well above 0 (docs/training.md).
 
 Loss (``deepfm_loss``): the configured prediction loss (``odl.models.ctr_losses``; binary
 cross entropy by default)
@@ -29,7 +35,9 @@ lives under ``dense.`` (``dense.dnn.*``, ``dense.deep_out.*``, ``dense.final_dnn
 ``dense.final_out.*``, ``dense.wide_bias``, ``dense.wide_dense.*``, ``dense.projection.weight``
 (the projected raw features' rows), then with ``model_config.variational_dropout``
 ``dense.wide_dropout.logit_p`` and ``dense.deep_dropout.logit_p`` (the groups' masks,
-``odl.models.feature_dropout``; FM reads the masked deep vectors)).
+``odl.models.feature_dropout``; FM reads the masked deep vectors)), then with
+``fm_to_logit`` ``dense.fm_logit_weight`` (``ADDED_PARAMETERS``: a checkpoint written
+without it restores, the weight starting at 1).
 
 This module has no ``from __future__ import annotations``: TorchScript reads
 ``DeepFMDense``'s class annotations as types.
@@ -72,6 +80,10 @@ from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
 
+# fm_to_logit's weight moves at this multiple of the dense rate (it is stored divided by it):
+# from 1 it falls within tens of steps on a stream where FM's sum in the logit does not help
+FM_LOGIT_RATE = 30.0
+
 
 class DeepFMDense(nn.Module):
     """DeepFM after the embedding lookup (see the module docstring); scriptable.
@@ -111,7 +123,7 @@ class DeepFMDense(nn.Module):
 
     __constants__ = ["num_deep", "dim", "num_wide", "wide_output_dim", "has_deep_dense",
                      "all_deep_dense", "use_fm", "num_projected", "num_sequences", "num_class",
-                     "wide_to_logit"]
+                     "wide_to_logit", "fm_logit_rate"]
     deep_dense_idx: list[int]
     wide_dense_idx: list[int]
     projected_idx: list[int]
@@ -196,6 +208,12 @@ class DeepFMDense(nn.Module):
         self.wide_dropout = (FeatureDropout(wide_widths, drop)
                              if drop is not None and wide_widths else None)
         self.deep_dropout = FeatureDropout(deep_widths, drop) if drop is not None else None
+        # registered last, so a checkpoint written without it keeps every other position
+        gate = (self.final_dnn is not None and self.use_fm and self.num_class == 1
+                and "fm_to_logit" in cfg.DESCRIPTOR.fields_by_name and cfg.fm_to_logit)
+        self.fm_logit_rate = FM_LOGIT_RATE
+        self.fm_logit_weight = (nn.Parameter(torch.full((1,), 1.0 / FM_LOGIT_RATE))
+                                if gate else None)
 
     def forward(self, deep: torch.Tensor, wide: torch.Tensor,
                 dense: torch.Tensor) -> torch.Tensor:
@@ -258,9 +276,13 @@ class DeepFMDense(nn.Module):
             out = final_out(final_dnn(torch.cat(cat, dim=1)))
             if self.num_class > 1:
                 return out
+            logit = out.squeeze(1)
             if self.wide_to_logit:  # the first-order path around the final DNN
-                return out.squeeze(1) + w.sum(dim=1)
-            return out.squeeze(1)
+                logit = logit + w.sum(dim=1)
+            fm_logit_weight = self.fm_logit_weight
+            if fm_logit_weight is not None:  # FM's sum around it, through a learned weight
+                logit = logit + (self.fm_logit_rate * fm_logit_weight) * fm.sum(dim=1)
+            return logit
         deep_out = self.deep_out
         assert deep_out is not None
         if self.num_class > 1:  # [B, C]: the wide part is C wide (wide_output_dim)
@@ -382,6 +404,7 @@ class DeepFM(CtrModel):
     """
 
     LOGITS_ONLY_IN_CTR_LOSS = True
+    ADDED_PARAMETERS = ("dense.fm_logit_weight",)
 
     def __init__(
         self,

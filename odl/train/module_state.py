@@ -31,8 +31,11 @@ stream decides (``odl.train.in_batch.in_batch_choice``) adds ``"in_batch_choice"
 
 :func:`load_state` restores such a state exactly, into any number of ranks (each rank copies
 the rows it holds; dynamic tables saved in another number of partitions are re-split, their
-rows moving with their ids). :func:`load_parameters` is a warm start: parameters only, with
-renames. ``TrainModule``'s methods of the same purpose call these.
+rows moving with their ids). A model's ``ADDED_PARAMETERS`` (``odl.models.ctr_model``), dense
+parameters added after its checkpoints were first written, may be missing from the state:
+they keep their initial values and the dense optimizer (and EMA) start fresh.
+:func:`load_parameters` is a warm start: parameters only, with renames. ``TrainModule``'s
+methods of the same purpose call these.
 """
 
 from __future__ import annotations
@@ -171,8 +174,9 @@ def load_state(m: TrainModule, state: Mapping[str, Any], strict: bool = True) ->
         return
     own = _named_state(m)
     model = state["model"]
+    added = _added_parameters_missing(m, set(own), model)
     if strict:
-        _check_names(set(own), set(model), "model")
+        _check_names(set(own) - added, set(model), "model")
     for name, t in own.items():
         if name in model:
             copy_into(t, model[name], name, name)
@@ -188,10 +192,7 @@ def load_state(m: TrainModule, state: Mapping[str, Any], strict: bool = True) ->
             if pname in saved_sparse and k in saved_sparse[pname]:
                 copy_into(local_view(v), saved_sparse[pname][k], f"{pname}/{k}",
                            f"{pname}/{k}")
-    if "dense_optimizer" in state:
-        load_dense_optimizer_state(m.dense_optimizer, state["dense_optimizer"])
-    if m.dense_ema is not None:  # (a checkpoint without one restarts it from the parameters)
-        m.dense_ema.load_state_dict(state.get("dense_ema"))
+    _load_dense_optimizers(m, state, added)
     _load_dynamic_state(m, state, strict)
     _load_wide_rate(m, state)
     m.set_global_step(int(state.get("global_step", 0)))
@@ -337,8 +338,9 @@ def _load_sharded_state(m: TrainModule, state: Mapping[str, Any], strict: bool) 
                 raise KeyError(f"sparse_optimizer: the checkpoint lacks {lacking}")
         own = {n: t for n, t in own.items() if not n.startswith(EBC_PREFIX)}
         fused = {}
+    added = _added_parameters_missing(m, set(own), model)
     if strict:  # with parts, the state's "model" holds the dense part only
-        _check_names(set(own), set(model), "model")
+        _check_names(set(own) - added, set(model), "model")
     for name, t in own.items():
         if name in model:
             copy_shards(t, model[name], name)
@@ -348,13 +350,30 @@ def _load_sharded_state(m: TrainModule, state: Mapping[str, Any], strict: bool) 
                 copy_shards(v, saved_sparse[pname][k], f"{pname}/{k}")
             elif strict:
                 raise KeyError(f"sparse_optimizer: the checkpoint lacks {pname}/{k}")
-    if "dense_optimizer" in state:
-        load_dense_optimizer_state(m.dense_optimizer, state["dense_optimizer"])
-    if m.dense_ema is not None:  # (a checkpoint without one restarts it from the parameters)
-        m.dense_ema.load_state_dict(state.get("dense_ema"))
+    _load_dense_optimizers(m, state, added)
     _load_dynamic_state(m, state, strict)
     _load_wide_rate(m, state)
     m.set_global_step(int(state.get("global_step", 0)))
+
+
+def _added_parameters_missing(m: TrainModule, own: set[str], model: Mapping[str, Any]
+                              ) -> set[str]:
+    """The model's ``ADDED_PARAMETERS`` the checkpoint lacks (they keep their initial values)."""
+    added = {n for n in getattr(m.model, "ADDED_PARAMETERS", ()) if n in own and n not in model}
+    if added:
+        logger.warning("the checkpoint predates the model's %s: %s starts at its initial value "
+                       "and the dense optimizer starts fresh; every other parameter, the "
+                       "tables and the positions are restored", ", ".join(sorted(added)),
+                       "it" if len(added) == 1 else "each")
+    return added
+
+
+def _load_dense_optimizers(m: TrainModule, state: Mapping[str, Any], added: set[str]) -> None:
+    """The dense optimizer's and the dense EMA's state, unless parameters were added since."""
+    if "dense_optimizer" in state and not added:
+        load_dense_optimizer_state(m.dense_optimizer, state["dense_optimizer"])
+    if m.dense_ema is not None:  # (a checkpoint without one restarts it from the parameters)
+        m.dense_ema.load_state_dict(None if added else state.get("dense_ema"))
 
 
 def _load_wide_rate(m: TrainModule, state: Mapping[str, Any]) -> None:
