@@ -148,22 +148,29 @@ def test_wide_to_logit_adds_the_wide_part_around_the_final_dnn(fb):
     b, later = batches(fb, 2, size=32)
     on.train_step(later)  # (the wide rows start at 0: one step moves them)
     off.model.load_state_dict(on.model.state_dict())
+    got, plain, final_in = _with_and_without(on, off, b)
+    wide = final_in[:, :3]  # the final DNN's input starts with the wide part
+    torch.testing.assert_close(got, plain + wide.sum(dim=1))
+    assert not torch.allclose(got, plain)
+
+
+def _with_and_without(on, off, b):
+    """``(on's logits, off's logits, on's final DNN input)`` on batch ``b``; asserts on's
+    scripted dense part (serving's) gives on's logits."""
     dense = on.model.dense
     captured = {}
 
-    def keep_wide(_module, inputs, _output):
+    def keep_input(_module, inputs, _output):
         captured["final_in"] = inputs[0]
 
-    hook = dense.final_dnn.register_forward_hook(keep_wide)
+    hook = dense.final_dnn.register_forward_hook(keep_input)
     with torch.no_grad():
         got, plain = on.model(b).logits, off.model(b).logits
     hook.remove()
-    wide = captured["final_in"][:, :3]  # the final DNN's input starts with the wide part
-    torch.testing.assert_close(got, plain + wide.sum(dim=1))
-    assert not torch.allclose(got, plain)
     out = on.model(b)
     scripted = torch.jit.script(dense)
     torch.testing.assert_close(scripted(*[p for p in out.pooled], b.dense), out.logits)
+    return got, plain, captured["final_in"]
 
 
 def test_fm_to_logit_adds_the_fm_sum_through_a_fast_learned_weight(fb):
@@ -187,21 +194,9 @@ def test_fm_to_logit_adds_the_fm_sum_through_a_fast_learned_weight(fb):
     g = float(FM_LOGIT_RATE * weight)
     assert abs(g - 1.0) == pytest.approx(FM_LOGIT_RATE * lr, rel=1e-3)
     off.model.load_state_dict(on.model.state_dict(), strict=False)
-    dense = on.model.dense
-    captured = {}
-
-    def keep_fm(_module, inputs, _output):
-        captured["final_in"] = inputs[0]
-
-    hook = dense.final_dnn.register_forward_hook(keep_fm)
-    with torch.no_grad():
-        got, plain = on.model(b).logits, off.model(b).logits
-    hook.remove()
-    fm = captured["final_in"][:, 3:3 + dense.dim]  # [wide (3), fm (dim), deep]
+    got, plain, final_in = _with_and_without(on, off, b)
+    fm = final_in[:, 3:3 + on.model.dense.dim]  # [wide (3), fm (dim), deep]
     torch.testing.assert_close(got, plain + g * fm.sum(dim=1))
-    out = on.model(b)
-    scripted = torch.jit.script(dense)
-    torch.testing.assert_close(scripted(*[p for p in out.pooled], b.dense), out.logits)
 
 
 def test_a_checkpoint_without_the_fm_weight_restores(fb, caplog):
