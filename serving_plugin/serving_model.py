@@ -43,12 +43,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from odl.config.loss_settings import (
-    num_classes,
-    regression_outputs,
-    task_classes,
-    ziln_settings,
-)
+from odl.config.loss_settings import num_classes, regression_outputs, task_classes, ziln_settings
 from odl.features.batch import Batch
 from odl.features.rtp_layout import RtpLayout
 from odl.models.ctr_model import predictions

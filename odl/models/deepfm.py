@@ -81,7 +81,8 @@ from odl.protos import pipeline_pb2
 logger = logging.getLogger(__name__)
 
 # fm_to_logit's weight moves at this multiple of the dense rate (it is stored divided by it):
-# from 1 it falls within tens of steps on a stream where FM's sum in the logit does not help
+# from 1 it falls within a few hundred steps on a stream where FM's sum in the logit does not
+# help
 FM_LOGIT_RATE = 30.0
 
 

@@ -363,7 +363,9 @@ def _added_parameters_missing(m: TrainModule, own: set[str], model: Mapping[str,
     if added:
         logger.warning("the checkpoint predates the model's %s: %s starts at its initial value "
                        "and the dense optimizer starts fresh; every other parameter, the "
-                       "tables and the positions are restored", ", ".join(sorted(added)),
+                       "tables and the positions are restored. A serving export made before "
+                       "has no such variable and rejects the new versions (unknown_dense_id): "
+                       "give serving a new export", ", ".join(sorted(added)),
                        "it" if len(added) == 1 else "each")
     return added
 

@@ -38,12 +38,7 @@ from torchrec.distributed.types import ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from odl.config.in_batch_settings import IN_BATCH_OFF, IN_BATCH_ON, in_batch_mode
-from odl.config.loss_settings import (
-    num_classes,
-    regression_outputs,
-    task_classes,
-    ziln_settings,
-)
+from odl.config.loss_settings import num_classes, regression_outputs, task_classes, ziln_settings
 from odl.config.optimizer_support import (
     dense_ema_used,
     table_gradient_multiplier,
