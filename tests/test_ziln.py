@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 
 import numpy as np
 import pytest
@@ -252,3 +253,25 @@ def test_the_trainer_reports_both_outputs_from_the_broker(tmp_path, kafka_bootst
     assert progressive["auc"] > 0.6 and 0.3 < progressive["positive_rate"] < 0.7, progressive
     value = status["tasks"]["ltv_value"]
     assert value["mse"] is not None and value["auc"] is None, value
+
+
+def test_serving_replays_both_outputs_to_the_trainers(kafka_bootstrap, kafka_topic_factory,
+                                                      tmp_path) -> None:
+    """A ZILN RankModel trained from Kafka with publishing: an early export plus the replayed
+    deltas answer /predict with both outputs equal to the trainer's (<= 1e-6), also for
+    requests without the label column."""
+    from tests.test_online_parity import (
+        _check_serving_parity,
+        _incr_save,
+        _train_with_publishing,
+    )
+
+    delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
+    trainer, cfg = _train_with_publishing(
+        tmp_path, kafka_bootstrap, kafka_topic_factory,
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), model="RankModel",
+        edits=(('model_class: "RankModel"',
+                'model_class: "RankModel"\n  num_class: 3\n  losses { loss_type: ZILN_LOSS }'),))
+    assert trainer.module.model.output_names == ("label", "label_value")
+    status, diff = _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)
+    assert status["versions_applied"] >= 2 and diff <= 1e-6
