@@ -44,7 +44,8 @@ publishing, export or serving is model specific.
 Adding a model: one module of this package that subclasses ``CtrModel`` (in ``__init__``
 build ``self.ebc`` with ``set_tables`` from a layout of ``odl.models.embedding_tables``,
 ``self.dense`` (a scriptable module following the rules above) and ``self.pooled_layout``,
-set ``self.output_names``; implement ``loss``) and registers its class
+set ``self.output_names``; call ``set_configured_loss`` and set ``kernel_l2``, or implement
+``loss``) and registers its class
 (``odl.models.model_registry``), plus its settings message in ``protos/pipeline.proto``.
 """
 
@@ -252,6 +253,8 @@ class CtrModel(nn.Module):
     # registered after the others: a checkpoint without them restores (they keep their
     # initial values, the dense optimizer starts fresh; ``odl.train.module_state``)
     ADDED_PARAMETERS: tuple[str, ...] = ()
+    # the default ``loss``'s weight of the squared dense Linear kernels (l2_regularization)
+    kernel_l2: float = 0.0
 
     def __init__(self) -> None:
         super().__init__()
@@ -351,6 +354,9 @@ class CtrModel(nn.Module):
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
         """The training loss (scalar) of ``output``, the forward's result on ``batch``.
 
+        By default :meth:`configured_loss` with ``kernel_l2`` (a model that called
+        :meth:`set_configured_loss`); a model with other terms overrides it.
+
         Args:
             output: what ``forward(batch)`` returned.
             batch: the batch (labels).
@@ -358,7 +364,7 @@ class CtrModel(nn.Module):
         Returns:
             Scalar loss.
         """
-        raise NotImplementedError
+        return self.configured_loss(output, batch, self.kernel_l2)
 
     def log_loss_weights(self, batch: Batch) -> np.ndarray | None:
         """Each record's weight ``c_i`` in the loss's cross entropy, where that form holds.

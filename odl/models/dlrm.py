@@ -45,10 +45,9 @@ from torch import nn
 from odl.config.config_error import ConfigError
 from odl.config.feature_configs import embedded_feature
 from odl.config.model_validation import validate_dnn
-from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import build_mlp
-from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
+from odl.models.ctr_model import CtrModel, PooledGroup
 from odl.models.embedding_tables import build_embedding_layout
 from odl.models.group_inputs import embedded_and_dense
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
@@ -243,6 +242,7 @@ class DLRM(CtrModel):
         dim_of = dict(zip((f for f, _t in layout.deep_keys), layout.deep_dims, strict=True))
         col = {n: i for i, n in enumerate(feature_builder.dense_feature_names)}
         self.arch = DLRMArch.of(model_config.dlrm)
+        self.kernel_l2 = self.arch.l2
         self.dense = DLRMDense(self.arch, [dim_of[f] for f in sparse], [col[c] for c in dense_raw],
                                sum(dim_of[f] for f in dense_emb), has_dense_group,
                                int(model_config.num_class))
@@ -253,18 +253,6 @@ class DLRM(CtrModel):
                            [dim_of[f] for f in dense_emb]),
         )
         self.set_configured_loss(model_config, output_name)
-
-    def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
-        """The prediction loss plus the regularization (module docstring).
-
-        Args:
-            output: ``forward(batch)``'s result.
-            batch: the batch (labels).
-
-        Returns:
-            Scalar loss.
-        """
-        return self.configured_loss(output, batch, self.arch.l2)
 
 
 def sparse_group_name(model_config: pipeline_pb2.EasyRecModel) -> str:

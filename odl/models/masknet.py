@@ -36,10 +36,9 @@ from torch import nn
 from odl.config.config_error import ConfigError
 from odl.config.feature_configs import feature_configs, projected_raw
 from odl.config.model_validation import validate_dnn
-from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import RawProjection, build_mlp
-from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
+from odl.models.ctr_model import CtrModel, PooledGroup
 from odl.models.embedding_tables import build_embedding_layout
 from odl.models.group_inputs import embedded_and_dense
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
@@ -191,20 +190,8 @@ class MaskNet(CtrModel):
                            tuple((f, table_of[f]) for f in embedded),
                            [dim_of[f] for f in embedded]),
         )
-        self.l2 = float(settings.l2_regularization)
+        self.kernel_l2 = float(settings.l2_regularization)
         self.set_configured_loss(model_config, output_name)
-
-    def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
-        """The prediction loss plus the regularization (module docstring).
-
-        Args:
-            output: ``forward(batch)``'s result.
-            batch: the batch (labels).
-
-        Returns:
-            Scalar loss.
-        """
-        return self.configured_loss(output, batch, self.l2)
 
 
 def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> MaskNet:

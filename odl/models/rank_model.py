@@ -37,12 +37,11 @@ from collections.abc import Sequence
 import torch
 
 from odl.config.config_error import ConfigError
-from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.backbone.backbone_graph import GraphBuilder
 from odl.models.backbone.backbone_inputs import BackboneInputs
 from odl.models.backbone.graph_modules import BackboneDense
-from odl.models.ctr_model import CtrModel, ModelOutput
+from odl.models.ctr_model import CtrModel
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.protos import pipeline_pb2
 
@@ -74,20 +73,8 @@ class RankModel(CtrModel):
             mc.backbone, inputs.group_input, set(inputs.groups), int(mc.num_class),
             wide_start=wide_start).build()
         self.pooled_layout = (inputs.pooled,)
-        self.l2 = float(mc.model_params.l2_regularization)
+        self.kernel_l2 = float(mc.model_params.l2_regularization)
         self.set_configured_loss(mc, output_name)
-
-    def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
-        """The prediction loss plus the regularization (module docstring).
-
-        Args:
-            output: ``forward(batch)``'s result.
-            batch: the batch (labels).
-
-        Returns:
-            Scalar loss.
-        """
-        return self.configured_loss(output, batch, self.l2)
 
 
 def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> RankModel:
