@@ -135,16 +135,18 @@ def test_final_dnn_variant(fb):
     assert tuple(tm.dense_parameters()["dense.final_dnn.0.weight"].shape) == (8, 25)
 
 
+def _final_dnn_module(fb, fields: str = ""):
+    """A TrainModule of a DeepFM with a final DNN [8] over a wide part of width 3, plus
+    ``fields`` of its deepfm message."""
+    text = f"deepfm {{ final_dnn {{ hidden_units: [8] }} wide_output_dim: 3 {fields} }}"
+    return TrainModule(config(model_config=text), fb, device="cpu")
+
+
 def test_wide_to_logit_adds_the_wide_part_around_the_final_dnn(fb):
     """odl's default with a final DNN: the logit is the final DNN's plus the wide part's sum
     (wide_to_logit); false is EasyRec's structure, the wide part through the final DNN only.
     The same parameters either way; the scripted dense part (serving) agrees."""
-    text = "deepfm { final_dnn { hidden_units: [8] } wide_output_dim: 3 }"
-    on = TrainModule(config(model_config=text), fb, device="cpu")
-    off = TrainModule(config(model_config=text.replace("wide_output_dim: 3",
-                                                       "wide_output_dim: 3 "
-                                                       "wide_to_logit: false")),
-                      fb, device="cpu")
+    on, off = _final_dnn_module(fb), _final_dnn_module(fb, "wide_to_logit: false")
     b, later = batches(fb, 2, size=32)
     on.train_step(later)  # (the wide rows start at 0: one step moves them)
     off.model.load_state_dict(on.model.state_dict())
@@ -179,12 +181,7 @@ def test_fm_to_logit_adds_the_fm_sum_through_a_fast_learned_weight(fb):
     structure (no such parameter); the scripted dense part (serving) agrees."""
     from odl.models.deepfm import FM_LOGIT_RATE
 
-    text = "deepfm { final_dnn { hidden_units: [8] } wide_output_dim: 3 }"
-    on = TrainModule(config(model_config=text), fb, device="cpu")
-    off = TrainModule(config(model_config=text.replace("wide_output_dim: 3",
-                                                       "wide_output_dim: 3 "
-                                                       "fm_to_logit: false")),
-                      fb, device="cpu")
+    on, off = _final_dnn_module(fb), _final_dnn_module(fb, "fm_to_logit: false")
     assert "dense.fm_logit_weight" not in off.dense_parameters()
     weight = on.dense_parameters()["dense.fm_logit_weight"]
     assert float(FM_LOGIT_RATE * weight) == pytest.approx(1.0)
@@ -205,15 +202,11 @@ def test_a_checkpoint_without_the_fm_weight_restores(fb, caplog):
     1 and the dense optimizer starts fresh, with a warning."""
     from odl.models.deepfm import FM_LOGIT_RATE
 
-    text = "deepfm { final_dnn { hidden_units: [8] } wide_output_dim: 3 }"
-    old = TrainModule(config(model_config=text.replace("wide_output_dim: 3",
-                                                       "wide_output_dim: 3 "
-                                                       "fm_to_logit: false")),
-                      fb, device="cpu")
+    old = _final_dnn_module(fb, "fm_to_logit: false")
     for b in batches(fb, 3, size=32):
         old.train_step(b)
     state = old.state_dict_for_checkpoint()
-    new = TrainModule(config(model_config=text), fb, device="cpu")
+    new = _final_dnn_module(fb)
     with caplog.at_level(logging.WARNING):
         new.load_checkpoint_state(state)
     assert "dense.fm_logit_weight" in caplog.text and "starts fresh" in caplog.text
