@@ -440,6 +440,23 @@ class CtrModel(nn.Module):
                                                          len(self.loss_terms), logits),
                         softmax=self.dense.num_class > 1, sessions=session_tensor(batch),
                         data_weights=sample_weight_tensor(batch))
+        return self.add_regularization(loss, output, kernel_l2)
+
+    def add_regularization(self, loss: torch.Tensor, output: ModelOutput,
+                           kernel_l2: float) -> torch.Tensor:
+        """``loss`` plus the regularization every model shares.
+
+        ``kernel_l2`` * the squared dense Linear kernels + ``embedding_regularization`` *
+        each pooled group's mean squared lookup.
+
+        Args:
+            loss: the prediction loss.
+            output: what ``forward(batch)`` returned (its pooled groups).
+            kernel_l2: the weight of the squared dense Linear kernels.
+
+        Returns:
+            Scalar loss.
+        """
         if kernel_l2:
             loss = loss + kernel_l2 * linear_kernel_l2(self.dense)
         if self.embedding_regularization:

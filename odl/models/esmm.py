@@ -52,7 +52,7 @@ from odl.config.model_validation import check_dropout_group, validate_dnn
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import build_optional_mlp
-from odl.models.ctr_losses import embedding_l2, linear_kernel_l2
+from odl.models.ctr_losses import linear_kernel_l2
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
@@ -253,11 +253,7 @@ class ESMMModel(CtrModel):
             loss = loss + self.l2 * linear_kernel_l2(self.dense)
         if self.variational_dropout:
             loss = loss + variational_dropout_loss(list(self.dense.modules()), logits.shape[0])
-        (pooled,) = output.pooled
-        lookups = len(self.pooled_layout[0].lookups)
-        if self.embedding_regularization and lookups:
-            loss = loss + self.embedding_regularization * embedding_l2(pooled, lookups)
-        return loss
+        return self.add_regularization(loss, output, 0.0)
 
 
 def _input_groups(mc: pipeline_pb2.EasyRecModel

@@ -37,7 +37,6 @@ from odl.models.backbone.backbone_graph import BuiltGraph, GraphBuilder
 from odl.models.backbone.backbone_inputs import BackboneInputs
 from odl.models.backbone.graph_modules import BackboneGraph
 from odl.models.backbone.value_specs import TensorSpec, describe, flat_tensors
-from odl.models.ctr_losses import embedding_l2, linear_kernel_l2
 from odl.models.ctr_model import CtrModel, ModelOutput
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.models.task_losses import TaskLoss
@@ -178,14 +177,8 @@ class MultiTaskBackbone(CtrModel):
         Returns:
             Scalar loss.
         """
-        loss = self.task_loss(output.logits, batch, self.dense)
-        if self.l2:
-            loss = loss + self.l2 * linear_kernel_l2(self.dense)
-        (pooled,) = output.pooled
-        lookups = len(self.pooled_layout[0].lookups)
-        if self.embedding_regularization and lookups:
-            loss = loss + self.embedding_regularization * embedding_l2(pooled, lookups)
-        return loss
+        return self.add_regularization(self.task_loss(output.logits, batch, self.dense),
+                                       output, self.l2)
 
 
 def _build(config: pipeline_pb2.EasyRecConfig,
