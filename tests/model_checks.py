@@ -47,13 +47,15 @@ def stream_auc(model: str, steps: int) -> float:
 
 
 def serving_replay_diff(model: str, dense_class: str, tmp_path, kafka_bootstrap,
-                        kafka_topic_factory) -> tuple[dict, float]:
-    """Trains ``model`` from Kafka with publishing; returns serving's status and the max abs
-    difference between the replayed export's and the trainer's predictions."""
+                        kafka_topic_factory, edits: tuple[tuple[str, str], ...] = ()
+                        ) -> tuple[dict, float]:
+    """Trains ``model`` (its config text with ``edits`` replaced) from Kafka with publishing;
+    returns serving's status and the max abs difference between the replayed export's and
+    the trainer's predictions."""
     delta_topic = f"odl-deltas-{os.getpid()}-{time.time_ns()}"
     trainer, cfg = _train_with_publishing(
         tmp_path, kafka_bootstrap, kafka_topic_factory,
-        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), model=model)
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), model=model, edits=edits)
     assert type(trainer.module.model.dense).__name__ == dense_class
     assert trainer.publisher.status()["last_version"] == trainer.module.global_step
     return _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)

@@ -184,9 +184,9 @@ top_mlp { hidden_units: [7, 5] use_bn: false use_final_bn: false }""")
      '"Transformer" } }',
      "model_config.backbone.blocks[0].keras_layer.class_name", "not implemented"),
     ('blocks { name: "s" inputs { package_name: "p" } }',
-     "model_config.backbone.blocks[0].inputs[0]", "packages"),
-    ('packages { name: "p" } blocks { name: "s" inputs { feature_group_name: "a" } }',
-     "model_config.backbone.packages", "packages"),
+     "model_config.backbone.blocks[0].inputs[0].package_name", "no package 'p'"),
+    ('packages { name: "p" } blocks { name: "s" inputs { package_name: "p" } }',
+     "model_config.backbone.packages[0].blocks", "no blocks"),
     ('blocks { name: "s" inputs { feature_group_name: "a" } } concat_blocks: "t"',
      "model_config.backbone.concat_blocks", "no block"),
     ('blocks { name: "s" inputs { feature_group_name: "a" input_fn: "lambda x: '

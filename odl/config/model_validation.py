@@ -399,6 +399,16 @@ def sequence_combiner_width(fc: FeatureConfig) -> int:
     return 0
 
 
+def backbone_blocks(backbone: pipeline_pb2.BackboneTower
+                    ) -> list[tuple[str, pipeline_pb2.BackboneBlock]]:
+    """Every block of a backbone and of its packages, with its config path."""
+    out = [(f"model_config.backbone.blocks[{i}]", b) for i, b in enumerate(backbone.blocks)]
+    for k, pkg in enumerate(backbone.packages):
+        out += [(f"model_config.backbone.packages[{k}].blocks[{i}]", b)
+                for i, b in enumerate(pkg.blocks)]
+    return out
+
+
 def raw_sequence_groups(backbone: pipeline_pb2.BackboneTower) -> set[str]:
     """The groups a backbone reads only with ``output_seq_and_normal_feature``.
 
@@ -406,7 +416,7 @@ def raw_sequence_groups(backbone: pipeline_pb2.BackboneTower) -> set[str]:
     sequence input), so they need no ``sequence_combiner``.
     """
     raw, combined = set(), set()
-    for b in backbone.blocks:
+    for _where, b in backbone_blocks(backbone):
         for inp in b.inputs:
             if inp.WhichOneof("name") != "feature_group_name":
                 continue

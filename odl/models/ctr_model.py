@@ -195,10 +195,13 @@ class ModelOutput:
         logits: ``[B]`` (one output) or ``[B, n_outputs]``.
         pooled: the dense part's embedding inputs, one tensor per ``pooled_layout`` group
             (the loss reads them for embedding regularization).
+        aux_loss: a loss term the forward computed beside the logits (a backbone's
+            ``AuxiliaryLoss`` blocks), or None.
     """
 
     logits: torch.Tensor
     pooled: tuple[torch.Tensor, ...]
+    aux_loss: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,9 @@ class MultiTaskBackbone(CtrModel):
         self.set_tables(inputs.layout, ebc_device)
         built = GraphBuilder(mc.backbone, inputs.group_input, set(inputs.groups), 1
                              ).build_graph()
+        if built.aux_index:
+            raise ConfigError("model_config.backbone.blocks", "AuxiliaryLoss blocks are "
+                              "implemented for RankModel, not MultiTaskModel")
         try:
             names, tasks = task_head_settings(settings.task_towers)
         except ValueError as e:

@@ -17,7 +17,8 @@ beside a final DNN: per-id effects then learn online without waiting for the lay
 them and the logit. No effect when the backbone's output is the logit itself (an Add of the
 wide sum, EasyRec's DeepFM form) or without a WIDE group read.
 
-Loss: the configured prediction loss (``odl.models.ctr_losses``) +
+Loss: the configured prediction loss (``odl.models.ctr_losses``) + the backbone's auxiliary
+losses in training (``AuxiliaryLoss`` blocks, contrastive learning over ``packages``) +
 ``model_params.l2_regularization`` * the squared kernels of every Linear layer of the
 backbone (EasyRec regularizes its own layers' Dense kernels; odl regularizes the Keras
 built-ins' too, and none of the kernels EasyRec keeps unregularized: CIN's, Highway's, the
@@ -37,11 +38,12 @@ from collections.abc import Sequence
 import torch
 
 from odl.config.config_error import ConfigError
+from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.backbone.backbone_graph import GraphBuilder
 from odl.models.backbone.backbone_inputs import BackboneInputs
 from odl.models.backbone.graph_modules import BackboneDense
-from odl.models.ctr_model import CtrModel
+from odl.models.ctr_model import CtrModel, ModelOutput
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.protos import pipeline_pb2
 
@@ -75,6 +77,36 @@ class RankModel(CtrModel):
         self.pooled_layout = (inputs.pooled,)
         self.kernel_l2 = float(mc.model_params.l2_regularization)
         self.set_configured_loss(mc, output_name)
+
+    def forward(self, batch: Batch) -> ModelOutput:
+        """Lookup, then the backbone; with ``AuxiliaryLoss`` blocks their loss beside.
+
+        Args:
+            batch: the batch.
+
+        Returns:
+            The logits, the pooled embedding inputs and (with auxiliary losses) their sum.
+        """
+        pooled = self.lookup(batch)
+        if not self.dense.aux_index:
+            return ModelOutput(self.dense(*pooled, batch.dense), pooled)
+        logits, aux = self.dense.logits_and_aux_loss(*pooled, batch.dense)
+        return ModelOutput(logits, pooled, aux)
+
+    def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
+        """The configured loss with ``kernel_l2``, plus the auxiliary losses when given.
+
+        Args:
+            output: what ``forward(batch)`` returned.
+            batch: the batch (labels).
+
+        Returns:
+            Scalar loss.
+        """
+        loss = self.configured_loss(output, batch, self.kernel_l2)
+        if output.aux_loss is not None:
+            loss = loss + output.aux_loss
+        return loss
 
 
 def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> RankModel:

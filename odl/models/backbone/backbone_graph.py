@@ -3,35 +3,34 @@
 Built once per model from ``model_config.backbone`` (the contract of each block's parts is
 EasyRec's, docs/config.md "backbone"):
 
-* A block reads its ``inputs`` (feature groups, other blocks), each through its
-  ``input_slice`` then its ``input_fn`` (``odl.models.backbone.input_functions``); an
-  ``ignore_input`` input only orders the DAG. Several inputs are merged as EasyRec's
-  ``merge_inputs`` does: into a list with ``merge_inputs_into_list``; else lists are joined,
-  a tensor among lists joins as a list of one, and tensors are concatenated on
-  ``input_concat_axis``. Then ``extra_input_fn``.
-* Then its layer: an ``input_layer`` (``odl.models.backbone.input_layers``), a
-  ``keras_layer`` by class name (``odl.models.backbone.block_registry``), a ``lambda``, a
-  ``recurrent`` layer (``num_steps`` copies, each fed the previous one's output; with
-  ``fixed_input_index``, the input is a list whose other items are replaced by each step's
-  output and the fixed item is dropped at the end), a ``repeat`` layer (``num_repeat`` copies
-  of the same input; their outputs as a list, or concatenated on ``output_concat_axis``), or
-  ``layers`` in sequence; no layer passes the input on.
+* A block reads its ``inputs`` (feature groups, other blocks, package calls), each through
+  its ``input_slice`` then its ``input_fn`` (``odl.models.backbone.input_functions``); an
+  ``ignore_input`` input only orders the DAG. Several inputs are merged, then the block's
+  layer runs (``odl.models.backbone.layer_builder``): an ``input_layer``
+  (``odl.models.backbone.input_layers``), a ``keras_layer``, a ``lambda``, a ``recurrent``
+  or ``repeat`` layer, or ``layers`` in sequence; no layer passes the input on.
 * An input's name is a block's when a block has it, else a feature group's; a group read
   this way is read by a default input layer (the concatenated tensor).
+* ``packages`` are sub-DAGs of blocks that a block's input calls by ``package_name``, every
+  call with the package's weights (``odl.models.backbone.block_packages``).
+* An ``AuxiliaryLoss`` block (``odl.models.backbone.contrastive_layers``) adds its loss to
+  the training loss; it runs even when no output depends on it, other blocks may read it
+  only with ``ignore_input``.
 * The output: ``output_blocks``' outputs, or ``concat_blocks``' merged as inputs are (default:
   the blocks no block reads), concatenated, through ``top_mlp``; then a Linear layer to
   ``num_class`` logits unless the last dimension is ``num_class`` already (EasyRec's
   RankModel).
 
-Blocks no output depends on are not built. At run time the blocks' values live in one flat
-list of tensors (``odl.models.backbone.value_specs``): each block appends its output's
-leaves, and each read is a fixed list of positions, so the DAG costs no bookkeeping (the
-modules: ``odl.models.backbone.graph_modules``). :meth:`GraphBuilder.build_graph` gives the
-graph and its output for a model to put its head on; :meth:`GraphBuilder.build` is
-RankModel's.
+Other blocks no output depends on are not built; blocks only the auxiliary losses read
+(through ``ignore_input`` or not) do not run at prediction time. At run time the blocks'
+values live in one flat list of tensors, the registers (``odl.models.backbone.value_specs``):
+``pooled`` and ``dense``, then each block's output's leaves, and each read is a fixed list of
+positions, so the DAG costs no bookkeeping (the modules: ``odl.models.backbone.graph_modules``).
+:meth:`GraphBuilder.build_graph` gives the graph and its output for a model to put its head
+on; :meth:`GraphBuilder.build` is RankModel's.
 
-Refused by field: ``packages`` and the inputs that name them, ``raw_input`` and
-``embedding_layer`` blocks, a ``repeat`` layer's own ``input_slice`` / ``input_fn``.
+Refused by field: ``raw_input`` and ``embedding_layer`` blocks, a ``repeat`` layer's own
+``input_slice`` / ``input_fn``.
 """
 
 from __future__ import annotations
@@ -40,11 +39,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from google.protobuf import struct_pb2
 from torch import nn
 
 from odl.config.config_error import ConfigError
-from odl.models.backbone.block_registry import BlockArgs, block_builder, registered_blocks
+from odl.models.backbone.block_packages import (
+    AUXILIARY_LOSS,
+    BlockScope,
+    GraphValue,
+    PackageCalls,
+    is_auxiliary_loss,
+)
 from odl.models.backbone.dense_layers import build_easyrec_mlp, keras_dense
 from odl.models.backbone.graph_modules import (
     BackboneDense,
@@ -52,48 +56,24 @@ from odl.models.backbone.graph_modules import (
     BlockNode,
     Chain,
     ReadInput,
-    Recurrent,
-    Repeat,
 )
-from odl.models.backbone.input_functions import PickLeaves, TensorOp, parse_lambda, parse_slice
-from odl.models.backbone.input_layers import GroupInput
+from odl.models.backbone.input_functions import PickLeaves, parse_lambda, parse_slice
+from odl.models.backbone.layer_builder import LayerBuilder, struct_to_dict
 from odl.models.backbone.value_specs import (
     Spec,
     TensorSpec,
     describe,
     flat_tensors,
-    is_list,
     leaf_count,
-    tensor,
 )
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
 
+__all__ = ["BuiltGraph", "GraphBuilder", "struct_to_dict"]
 
-def struct_to_dict(struct: struct_pb2.Struct) -> dict[str, Any]:
-    """``st_params`` as EasyRec reads them: whole numbers ``int``, lists, nested dicts."""
-    def value(v: Any) -> Any:
-        if isinstance(v, float):
-            return int(v) if v == int(v) else v
-        if isinstance(v, struct_pb2.ListValue):
-            return [value(x) for x in v]
-        if isinstance(v, struct_pb2.Struct):
-            return {str(k): value(x) for k, x in v.items()}
-        return v
-    return {str(k): value(v) for k, v in struct.items()}
-
-
-@dataclass
-class _Value:
-    """A computed value: its first register and spec."""
-
-    start: int
-    spec: Spec
-
-    @property
-    def index(self) -> list[int]:
-        return list(range(self.start, self.start + leaf_count(self.spec)))
+# registers 0 and 1 hold the graph's inputs, ``pooled`` and ``dense``
+_FIRST_REGISTER = 2
 
 
 @dataclass(frozen=True)
@@ -105,12 +85,14 @@ class BuiltGraph:
         index: the output's registers (its leaves).
         spec: the output's spec (``concat_blocks`` / ``output_blocks`` merged).
         where: the config path of the output's blocks, for errors.
+        aux_index: the registers of the auxiliary losses (0-d tensors in training).
     """
 
     graph: BackboneGraph
     index: list[int]
     spec: Spec
     where: str
+    aux_index: list[int] = field(default_factory=list)
 
     def concatenated(self, backbone: pipeline_pb2.BackboneTower
                      ) -> tuple[list[int], nn.Module, int]:
@@ -137,7 +119,7 @@ class BuiltGraph:
 
 
 @dataclass
-class GraphBuilder:
+class GraphBuilder(PackageCalls, LayerBuilder):
     """Builds :class:`BackboneDense` from a backbone config.
 
     Attributes:
@@ -154,8 +136,21 @@ class GraphBuilder:
     where: str = "model_config.backbone"
     # RankModel's wide_to_logit: the first pooled column of the wide lookups (-1: off)
     wide_start: int = -1
-    _values: dict[str, _Value] = field(default_factory=dict)
-    _registers: int = 0
+    _registers: int = _FIRST_REGISTER
+    _nodes: list[nn.Module] = field(default_factory=list)
+    _ranges: list[tuple[int, int]] = field(default_factory=list)
+    _outer: BlockScope | None = None
+    _packages: dict[str, tuple[int, pipeline_pb2.BackboneBlockPackage]] = field(
+        default_factory=dict)
+    _calling: list[str] = field(default_factory=list)
+    _reset: dict[str, pipeline_pb2.BackboneInputLayer] = field(default_factory=dict)
+    # a package block's layers, shared by its calls: (input specs, merge, layers, spec)
+    _shared: dict[tuple[str, str], tuple[list[Spec], nn.Module, nn.Module, Spec]] = field(
+        default_factory=dict)
+    # a package input layer's first build: (settings, module)
+    _shared_inputs: dict[tuple[str, str], tuple[bytes, nn.Module]] = field(
+        default_factory=dict)
+    _aux: list[int] = field(default_factory=list)
 
     def build_graph(self) -> BuiltGraph:
         """The blocks and the output's registers.
@@ -165,25 +160,25 @@ class GraphBuilder:
                 cannot take.
         """
         bb, where = self.backbone, self.where
-        if bb.packages:
-            raise ConfigError(f"{where}.packages", "block packages are not implemented")
+        for k, pkg in enumerate(bb.packages):
+            if not pkg.name:
+                raise ConfigError(f"{where}.packages[{k}].name", "every package needs a name")
+            if pkg.name in self._packages:
+                raise ConfigError(f"{where}.packages[{k}].name",
+                                  f"package {pkg.name!r} is defined twice")
+            self._packages[pkg.name] = (k, pkg)
         if not bb.blocks:
             raise ConfigError(f"{where}.blocks", "the backbone needs at least one block")
-        blocks: dict[str, tuple[int, pipeline_pb2.BackboneBlock]] = {}
-        for i, b in enumerate(bb.blocks):
-            if not b.name:
-                raise ConfigError(f"{where}.blocks[{i}].name", "every block needs a name")
-            if b.name in blocks:
-                raise ConfigError(f"{where}.blocks[{i}].name", f"block {b.name!r} is defined "
-                                                               "twice")
-            blocks[b.name] = (i, b)
-        deps = {name: self._dependencies(i, b, blocks) for name, (i, b) in blocks.items()}
+        blocks = self._index_blocks(bb.blocks, where)
+        scope = self._outer = BlockScope(blocks, {}, where)
+        deps = {name: self._dependencies(scope, i, b) for name, (i, b) in blocks.items()}
         everything = self._topological(set(blocks) | {d for ds in deps.values() for d in ds},
-                                       deps, blocks)
-        outputs, output_field = self._outputs(blocks, deps)
-        needed = self._needed(outputs, deps)
+                                       deps, blocks, where)
+        outputs, output_field = self._outputs(bb, blocks, deps, where)
+        aux = [n for n, (_i, b) in blocks.items() if is_auxiliary_loss(b)]
+        needed = self._needed(outputs + aux, deps)
         order = [n for n in everything if n in needed]
-        inputs: list[GroupInput] = []
+        inputs: list[nn.Module] = []
         for name in order:  # input layers first: they read nothing
             i, b = blocks[name] if name in blocks else (-1, None)
             if b is None or b.WhichOneof("layer") == "input_layer":
@@ -194,21 +189,20 @@ class GraphBuilder:
                                          f"{where}.blocks[{i}].input_layer" if b is not None
                                          else f"{where} (feature group {name!r})")
                 inputs.append(layer)
-                self._values[name] = _Value(self._registers, layer.spec)
+                scope.values[name] = GraphValue(self._registers, layer.spec)
                 self._registers += leaf_count(layer.spec)
-        nodes: list[BlockNode] = []
         for name in order:
-            if name in self._values:
-                continue
-            i, b = blocks[name]
-            node, spec = self._block(i, b)
-            nodes.append(node)
-            self._values[name] = _Value(self._registers, spec)
-            self._registers += leaf_count(spec)
-        out_spec = self._merge_specs([self._values[n].spec for n in outputs], -1)
-        index = [r for n in outputs for r in self._values[n].index]
-        return BuiltGraph(BackboneGraph(inputs, nodes), index, out_spec,
-                          f"{where}.{output_field}")
+            if name not in scope.values:
+                i, b = blocks[name]
+                scope.values[name] = self._add(self._block(scope, i, b), b)
+        where_out = f"{where}.{output_field}"
+        for n in outputs:
+            self._check_not_aux(scope.values[n], where_out, n)
+        out_spec = self.merge_specs([scope.values[n].spec for n in outputs], -1, where_out)
+        index = [r for n in outputs for r in scope.values[n].index]
+        self._mark_training_only(index)
+        return BuiltGraph(BackboneGraph(inputs, self._nodes), index, out_spec, where_out,
+                          list(self._aux))
 
     def build(self) -> BackboneDense:
         """A RankModel's dense part.
@@ -227,11 +221,26 @@ class GraphBuilder:
         out = keras_dense(width, c, True, "glorot_uniform") if width != c else None
         around = c == 1 and (out is not None or self.backbone.HasField("top_mlp"))
         return BackboneDense(built.graph, index, top, out, c,
-                             self.wide_start if around else -1)
+                             self.wide_start if around else -1, built.aux_index)
 
-    def _dependencies(self, i: int, b: pipeline_pb2.BackboneBlock,
-                      blocks: dict) -> list[str]:
-        where = f"{self.where}.blocks[{i}]"
+    # ---- the DAG -------------------------------------------------------------------------
+
+    def _index_blocks(self, blocks: Any, where: str
+                      ) -> dict[str, tuple[int, pipeline_pb2.BackboneBlock]]:
+        out: dict[str, tuple[int, pipeline_pb2.BackboneBlock]] = {}
+        for i, b in enumerate(blocks):
+            if not b.name:
+                raise ConfigError(f"{where}.blocks[{i}].name", "every block needs a name")
+            if b.name in out:
+                raise ConfigError(f"{where}.blocks[{i}].name", f"block {b.name!r} is defined "
+                                                               "twice")
+            out[b.name] = (i, b)
+        return out
+
+    def _dependencies(self, scope: BlockScope, i: int, b: pipeline_pb2.BackboneBlock
+                      ) -> list[str]:
+        """The names of ``scope`` block ``b`` runs after, a package call's reads included."""
+        where = f"{scope.where}.blocks[{i}]"
         layer = b.WhichOneof("layer")
         if layer in ("raw_input", "embedding_layer"):
             raise ConfigError(f"{where}.{layer}", f"{layer} blocks are not implemented")
@@ -246,40 +255,49 @@ class GraphBuilder:
                 raise ConfigError(f"{where}.inputs[0].feature_group_name",
                                   f"no feature group {group!r}")
             return []
-        out = []
+        out: list[str] = []
         for j, inp in enumerate(b.inputs):
             kind = inp.WhichOneof("name")
-            if kind in ("package_name", "use_package_input") or inp.package_input:
-                raise ConfigError(f"{where}.inputs[{j}]", "block packages are not implemented")
-            if inp.HasField("reset_input"):
-                raise ConfigError(f"{where}.inputs[{j}].reset_input",
-                                  "block packages are not implemented")
+            at = f"{where}.inputs[{j}]"
+            if kind != "package_name":
+                for f in ("package_input", "package_input_fn", "reset_input"):
+                    if inp.HasField(f):
+                        raise ConfigError(f"{at}.{f}", "applies to a package_name input")
             if kind is None:
-                raise ConfigError(f"{where}.inputs[{j}]", "names no feature group or block")
+                raise ConfigError(at, "names no feature group, block or package")
+            if kind == "use_package_input":
+                if not scope.package:
+                    raise ConfigError(f"{at}.use_package_input", "only a package's block "
+                                                                 "reads the package's input")
+                continue
             name = getattr(inp, kind)
+            if kind == "package_name":
+                out += self._package_dependencies(scope, name, inp, f"{at}.package_name")
+                continue
             if name == b.name:
-                raise ConfigError(f"{where}.inputs[{j}]", "a block cannot read itself")
-            if name not in blocks and not (kind == "feature_group_name"
-                                           and name in self.groups):
-                raise ConfigError(f"{where}.inputs[{j}].{kind}",
+                raise ConfigError(at, "a block cannot read itself")
+            if name in scope.blocks or (kind == "feature_group_name" and name in self.groups):
+                out.append(name)
+            elif not (scope.package and self._outer and name in self._outer.blocks):
+                raise ConfigError(f"{at}.{kind}",
                                   f"{name!r} is neither a block nor a feature group")
-            out.append(name)
         return out
 
-    def _outputs(self, blocks: dict, deps: dict) -> tuple[list[str], str]:
-        bb = self.backbone
-        output_field = "output_blocks" if bb.output_blocks else "concat_blocks"
-        names = list(bb.output_blocks or bb.concat_blocks)
+    def _outputs(self, holder: Any, blocks: dict, deps: dict, where: str
+                 ) -> tuple[list[str], str]:
+        output_field = "output_blocks" if holder.output_blocks else "concat_blocks"
+        names = list(holder.output_blocks or holder.concat_blocks)
         if not names:
             read = {d for ds in deps.values() for d in ds}
-            names = [n for n in blocks if n not in read]
-            logger.info("backbone: no concat_blocks or output_blocks; concatenating the "
-                        "blocks no block reads: %s", ", ".join(names))
+            names = [n for n, (_i, b) in blocks.items()
+                     if n not in read and not is_auxiliary_loss(b)]
+            logger.info("%s: no concat_blocks or output_blocks; concatenating the blocks no "
+                        "block reads: %s", where, ", ".join(names))
         for n in names:
             if n not in blocks:
-                raise ConfigError(f"{self.where}.{output_field}", f"no block {n!r}")
+                raise ConfigError(f"{where}.{output_field}", f"no block {n!r}")
         if not names:
-            raise ConfigError(f"{self.where}.concat_blocks", "the backbone has no output")
+            raise ConfigError(f"{where}.concat_blocks", f"{where} has no output")
         return names, output_field
 
     @staticmethod
@@ -293,7 +311,8 @@ class GraphBuilder:
                 stack += deps.get(n, [])
         return needed
 
-    def _topological(self, needed: set[str], deps: dict, blocks: dict) -> list[str]:
+    def _topological(self, needed: set[str], deps: dict, blocks: dict, where: str
+                     ) -> list[str]:
         order: list[str] = []
         state: dict[str, int] = {}
 
@@ -302,10 +321,11 @@ class GraphBuilder:
                 return
             if state.get(n) == 1:
                 cycle = " -> ".join(path[path.index(n):] + [n])
-                raise ConfigError(f"{self.where}.blocks", f"the blocks form a cycle: {cycle}")
+                raise ConfigError(f"{where}.blocks", f"the blocks form a cycle: {cycle}")
             state[n] = 1
             for d in deps.get(n, []):
-                visit(d, path + [n])
+                if d in needed:
+                    visit(d, path + [n])
             state[n] = 2
             order.append(n)
 
@@ -313,29 +333,102 @@ class GraphBuilder:
             visit(n, [])
         return order
 
-    def _block(self, i: int, b: pipeline_pb2.BackboneBlock) -> tuple[BlockNode, Spec]:
-        where = f"{self.where}.blocks[{i}]"
+    # ---- nodes ---------------------------------------------------------------------------
+
+    def _add(self, built: tuple[nn.Module, Spec], b: pipeline_pb2.BackboneBlock | None = None
+             ) -> GraphValue:
+        """Appends a node; its value."""
+        node, spec = built
+        value = GraphValue(self._registers, spec)
+        self._nodes.append(node)
+        self._ranges.append((self._registers, leaf_count(spec)))
+        self._registers += leaf_count(spec)
+        if b is not None and is_auxiliary_loss(b):
+            self._aux.append(value.start)
+        return value
+
+    def _mark_training_only(self, output_index: list[int]) -> None:
+        """Nodes no output reads (through the nodes it reads) skip evaluation."""
+        wanted = set(output_index)
+        for node, (start, count) in zip(reversed(self._nodes), reversed(self._ranges),
+                                        strict=True):
+            if wanted.intersection(range(start, start + count)):
+                for read in getattr(node, "reads", []):
+                    wanted.update(read.index)
+            else:
+                node.skip_in_eval = True
+
+    def _check_not_aux(self, value: GraphValue, where: str, name: str) -> None:
+        if value.start in self._aux:
+            raise ConfigError(where, f"{name!r} is an {AUXILIARY_LOSS} block: its output is "
+                                     "its loss, read it with ignore_input")
+
+    def _input_value(self, scope: BlockScope, inp: Any, at: str) -> GraphValue:
+        """The value an input names in ``scope`` (a package call builds its nodes)."""
+        kind = inp.WhichOneof("name")
+        if kind == "use_package_input":
+            if scope.package_input is None:
+                raise ConfigError(f"{at}.use_package_input",
+                                  f"package {scope.package!r} was called without a "
+                                  "package_input")
+            return scope.package_input
+        if kind == "package_name":
+            return self._call_package(scope, inp, at)
+        name = getattr(inp, kind)
+        if scope.package and name not in scope.blocks:
+            if kind == "block_name":  # a backbone block
+                assert self._outer is not None
+                return self._outer.values[name]
+            if name not in scope.values:  # a group: the package's own input layer
+                scope.values[name] = self._add(self._package_input_layer(
+                    scope, name, None, f"{at}.feature_group_name"))
+        return scope.values[name]
+
+    def _block(self, scope: BlockScope, i: int, b: pipeline_pb2.BackboneBlock
+               ) -> tuple[nn.Module, Spec]:
+        where = f"{scope.where}.blocks[{i}]"
+        if scope.package and b.WhichOneof("layer") == "input_layer":
+            return self._package_input_layer(scope, b.inputs[0].feature_group_name, b,
+                                             f"{where}.input_layer")
         reads: list[nn.Module] = []
         specs: list[Spec] = []
         for j, inp in enumerate(b.inputs):
-            value = self._values[getattr(inp, inp.WhichOneof("name"))]
+            at = f"{where}.inputs[{j}]"
+            value = self._input_value(scope, inp, at)
             if inp.ignore_input:
                 continue
+            self._check_not_aux(value, at, getattr(inp, inp.WhichOneof("name")))
             steps: list[nn.Module] = []
             spec = value.spec
             if inp.input_slice:
-                m, spec = parse_slice(inp.input_slice, f"{where}.inputs[{j}].input_slice"
-                                      ).build(spec)
+                m, spec = parse_slice(inp.input_slice, f"{at}.input_slice").build(spec)
                 steps.append(m)
             if inp.input_fn:
-                m, spec = parse_lambda(inp.input_fn, f"{where}.inputs[{j}].input_fn"
-                                       ).build(spec)
+                m, spec = parse_lambda(inp.input_fn, f"{at}.input_fn").build(spec)
                 steps.append(m)
             reads.append(ReadInput(value.index, Chain(steps)))
             specs.append(spec)
         if not specs:
             raise ConfigError(f"{where}.inputs", "every input is ignore_input")
-        merge, spec = self._merge(b, specs, where)
+        key = (scope.package, b.name)
+        if scope.package and key in self._shared:
+            in_specs, merge, layer, spec = self._shared[key]
+            if in_specs != specs:
+                raise ConfigError(f"{where}.inputs",
+                                  f"package {scope.package!r} is called with inputs of other "
+                                  f"shapes: {', '.join(map(describe, specs))} here, "
+                                  f"{', '.join(map(describe, in_specs))} before")
+        else:
+            merge, layer, spec = self._layers(b, specs, where)
+            if scope.package:
+                self._shared[key] = (specs, merge, layer, spec)
+        return BlockNode(reads, merge, layer, leaf_count(spec)), spec
+
+    def _layers(self, b: pipeline_pb2.BackboneBlock, specs: list[Spec], where: str
+                ) -> tuple[nn.Module, nn.Module, Spec]:
+        """A block's merge of its inputs and its layers."""
+        merge, spec = self.merge(b.merge_inputs_into_list, b.input_concat_axis, specs,
+                                 f"{where}.input_concat_axis")
         steps = [merge]
         if b.extra_input_fn:
             m, spec = parse_lambda(b.extra_input_fn, f"{where}.extra_input_fn").build(spec)
@@ -343,128 +436,18 @@ class GraphBuilder:
         layers = list(b.layers)
         if layers and b.WhichOneof("layer") is not None:
             raise ConfigError(f"{where}.layers", "give layers or one layer, not both")
-        if layers:
-            for k, layer in enumerate(layers):
-                m, spec = self._layer(layer, layer.WhichOneof("layer"), spec,
-                                      f"{where}.layers[{k}]")
-                steps.append(m)
-        elif b.WhichOneof("layer") is not None:
-            m, spec = self._layer(b, b.WhichOneof("layer"), spec, where)
+        for k, layer in enumerate(layers):
+            kind = layer.WhichOneof("layer")
+            inner = layer.keras_layer if kind == "keras_layer" else getattr(
+                getattr(layer, kind), "keras_layer", None) if kind else None
+            if inner is not None and inner.class_name == AUXILIARY_LOSS:
+                raise ConfigError(f"{where}.layers[{k}]", f"an {AUXILIARY_LOSS} is a block's "
+                                                          "one keras_layer")
+            m, spec = self.layer(layer, kind, spec, f"{where}.layers[{k}]")
             steps.append(m)
-        return BlockNode(reads, PickLeaves(list(range(sum(map(leaf_count, specs))))),
-                         Chain(steps)), spec
-
-    def _merge(self, b: pipeline_pb2.BackboneBlock, specs: list[Spec], where: str
-               ) -> tuple[nn.Module, Spec]:
+        if not layers and b.WhichOneof("layer") is not None:
+            m, spec = self.layer(b, b.WhichOneof("layer"), spec, where)
+            steps.append(m)
         n = sum(map(leaf_count, specs))
-        identity = PickLeaves(list(range(n)))
-        if b.merge_inputs_into_list:
-            return identity, list(specs)
-        if len(specs) == 1:
-            return identity, specs[0]
-        if any(is_list(s) for s in specs):
-            return identity, [x for s in specs for x in (s if is_list(s) else [s])]
-        merged = self._merge_specs(specs, b.input_concat_axis, f"{where}.input_concat_axis")
-        dim = self._concat_dim(specs, b.input_concat_axis, f"{where}.input_concat_axis")
-        return TensorOp(identity, "concat", dim), merged
+        return PickLeaves(list(range(n))), Chain(steps), spec
 
-    def _concat_dim(self, specs: list[Spec], axis: int, where: str) -> int:
-        rank = specs[0].rank
-        if not -rank <= axis < rank or axis % rank == 0:
-            raise ConfigError(where, f"axis {axis} of tensors of {rank} dimensions (the batch "
-                                     "axis cannot be concatenated)")
-        return axis % rank
-
-    def _merge_specs(self, specs: list[Spec], axis: int, where: str = "") -> Spec:
-        """EasyRec's merge_inputs on specs (output side: lists joined, tensors concatenated)."""
-        if len(specs) == 1:
-            return specs[0]
-        if any(is_list(s) for s in specs):
-            return [x for s in specs for x in (s if is_list(s) else [s])]
-        where = where or f"{self.where}.concat_blocks"
-        dim = self._concat_dim(specs, axis, where)
-        shapes = {s.shape[: dim - 1] + s.shape[dim:] for s in specs}
-        if len(shapes) != 1 or len({s.rank for s in specs}) != 1:
-            raise ConfigError(where, "cannot concatenate "
-                                     + ", ".join(describe(s) for s in specs))
-        shape = list(specs[0].shape)
-        shape[dim - 1] = sum(s.shape[dim - 1] for s in specs)
-        return tensor(*shape)
-
-    def _layer(self, holder: Any, kind: str, spec: Spec, where: str) -> tuple[nn.Module, Spec]:
-        if kind == "lambda":
-            return parse_lambda(getattr(holder, "lambda").expression,
-                                f"{where}.lambda.expression").build(spec)
-        if kind == "keras_layer":
-            return self._keras(holder.keras_layer, spec, f"{where}.keras_layer")
-        if kind == "recurrent":
-            return self._recurrent(holder.recurrent, spec, f"{where}.recurrent")
-        if kind == "repeat":
-            return self._repeat(holder.repeat, spec, f"{where}.repeat")
-        raise ConfigError(f"{where}.{kind}", f"a {kind} here is not implemented")
-
-    def _keras(self, layer: pipeline_pb2.KerasLayer, spec: Spec, where: str
-               ) -> tuple[nn.Module, Spec]:
-        builder = block_builder(layer.class_name)
-        if builder is None:
-            raise ConfigError(f"{where}.class_name",
-                              f"layer {layer.class_name!r} is not implemented (odl has: "
-                              f"{', '.join(registered_blocks())})")
-        which = layer.WhichOneof("params")
-        params = getattr(layer, which) if which and which != "st_params" else None
-        st = struct_to_dict(layer.st_params) if which == "st_params" else {}
-        built = builder(BlockArgs(layer.class_name, params, spec, where, st))
-        return built.module, built.spec
-
-    def _recurrent(self, rec: pipeline_pb2.BackboneRecurrentLayer, spec: Spec, where: str
-                   ) -> tuple[nn.Module, Spec]:
-        if rec.num_steps < 1:
-            raise ConfigError(f"{where}.num_steps", "must be >= 1")
-        fixed = int(rec.fixed_input_index) if rec.HasField("fixed_input_index") else -1
-        items = flat_tensors(spec) if fixed >= 0 else None
-        if fixed >= 0 and (items is None or not fixed < len(items)):
-            raise ConfigError(f"{where}.fixed_input_index",
-                              f"needs a list of tensors with an item {fixed}; got "
-                              f"{describe(spec)}")
-        steps: list[nn.Module] = []
-        step_list = False
-        current = spec
-        for k in range(int(rec.num_steps)):
-            m, out = self._keras(rec.keras_layer, current, f"{where}.keras_layer")
-            steps.append(m)
-            if fixed < 0:
-                current = out
-                continue
-            others = [s for idx, s in enumerate(items) if idx != fixed]
-            step_list = is_list(out)
-            got = flat_tensors(out) if step_list else [out] * len(others)
-            if got != others:
-                raise ConfigError(f"{where}.keras_layer",
-                                  f"step {k}'s output {describe(out)} does not fit the items "
-                                  f"it replaces ({describe(others)})")
-        if fixed >= 0:
-            rest = [s for idx, s in enumerate(items) if idx != fixed]
-            current = rest[0] if len(rest) == 1 else rest
-        return Recurrent(steps, fixed, len(items) if items else 0, step_list), current
-
-    def _repeat(self, rep: pipeline_pb2.BackboneRepeatLayer, spec: Spec, where: str
-                ) -> tuple[nn.Module, Spec]:
-        for f in ("input_slice", "input_fn"):
-            if getattr(rep, f):
-                raise ConfigError(f"{where}.{f}", "a repeat layer's per-copy input is not "
-                                                  "implemented")
-        if rep.num_repeat < 1:
-            raise ConfigError(f"{where}.num_repeat", "must be >= 1")
-        copies, outs = [], []
-        for _k in range(int(rep.num_repeat)):
-            m, out = self._keras(rep.keras_layer, spec, f"{where}.keras_layer")
-            copies.append(m)
-            outs.append(out)
-        if len(copies) == 1:
-            return copies[0], outs[0]
-        if not rep.HasField("output_concat_axis"):
-            return Repeat(copies, -1), outs
-        if not all(isinstance(o, TensorSpec) for o in outs):
-            raise ConfigError(f"{where}.output_concat_axis", "concatenates tensors only")
-        merged = self._merge_specs(outs, rep.output_concat_axis, f"{where}.output_concat_axis")
-        return Repeat(copies, self._concat_dim(outs, rep.output_concat_axis, where)), merged

@@ -14,7 +14,7 @@ from torch import nn
 
 from odl.config.config_error import ConfigError
 from odl.config.feature_configs import feature_configs, projected_raw
-from odl.config.model_validation import raw_sequence_groups
+from odl.config.model_validation import backbone_blocks, raw_sequence_groups
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.feature_plan import sequence_key, sequence_length_column
 from odl.models.backbone.input_layers import (
@@ -37,9 +37,9 @@ POOLED_GROUP = "backbone"
 
 
 def read_groups(backbone: pipeline_pb2.BackboneTower) -> set[str]:
-    """The feature groups the backbone's blocks name."""
-    return {inp.feature_group_name for b in backbone.blocks for inp in b.inputs
-            if inp.WhichOneof("name") == "feature_group_name"}
+    """The feature groups the backbone's blocks (its packages' included) name."""
+    return {inp.feature_group_name for _where, b in backbone_blocks(backbone)
+            for inp in b.inputs if inp.WhichOneof("name") == "feature_group_name"}
 
 
 def wide_output_dim(backbone: pipeline_pb2.BackboneTower) -> int:
@@ -48,12 +48,12 @@ def wide_output_dim(backbone: pipeline_pb2.BackboneTower) -> int:
     Raises:
         ConfigError: two input layers give different values.
     """
-    dims = {(i, int(b.input_layer.wide_output_dim)) for i, b in enumerate(backbone.blocks)
-            if b.WhichOneof("layer") == "input_layer" and b.input_layer.wide_output_dim}
-    values = {d for _i, d in dims}
+    dims = [(where, int(b.input_layer.wide_output_dim))
+            for where, b in backbone_blocks(backbone)
+            if b.WhichOneof("layer") == "input_layer" and b.input_layer.wide_output_dim]
+    values = {d for _w, d in dims}
     if len(values) > 1:
-        i = max(i for i, _d in dims)
-        raise ConfigError(f"model_config.backbone.blocks[{i}].input_layer.wide_output_dim",
+        raise ConfigError(f"{dims[-1][0]}.input_layer.wide_output_dim",
                           f"the input layers give different widths: {sorted(values)}")
     return values.pop() if values else 1
 

@@ -92,7 +92,7 @@ def registered_blocks() -> list[str]:
 
 _LAYER_MODULES = ("dense_layers", "interaction_layers", "feature_importance_layers",
                   "mask_layers", "numeric_embeddings", "sequence_encoders", "gated_layers",
-                  "multi_task_layers")
+                  "multi_task_layers", "contrastive_layers")
 _LOADED = False
 
 

@@ -47,20 +47,55 @@ class Chain(nn.Module):
 
 
 class BlockNode(nn.Module):
-    """One block: its inputs read and merged, then its layers."""
+    """One block: its inputs read and merged, then its layers.
 
-    def __init__(self, reads: list[nn.Module], merge: nn.Module, layer: nn.Module) -> None:
+    A node only the training loss reads (``skip_in_eval``: an auxiliary loss and the blocks
+    only it reads) is not run in evaluation: its ``leaves`` registers hold empty tensors
+    there, which nothing reads.
+    """
+
+    __constants__ = ["skip_in_eval", "leaves"]
+
+    def __init__(self, reads: list[nn.Module], merge: nn.Module, layer: nn.Module,
+                 leaves: int = 1) -> None:
         super().__init__()
         self.reads = nn.ModuleList(reads)
         self.merge = merge
         self.layer = layer
+        self.skip_in_eval = False
+        self.leaves = int(leaves)
 
     def forward(self, regs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The block's output leaves."""
+        if self.skip_in_eval and not self.training:
+            empty = regs[0].new_empty(0)
+            return [empty for _ in range(self.leaves)]
         parts: list[torch.Tensor] = []
         for read in self.reads:
             parts.extend(read(regs))
         return self.layer(self.merge(parts))
+
+
+class InputNode(nn.Module):
+    """An input layer a package call runs: ``layer(pooled, dense)`` (registers 0 and 1).
+
+    ``skip_in_eval`` as :class:`BlockNode`'s.
+    """
+
+    __constants__ = ["skip_in_eval", "leaves"]
+
+    def __init__(self, layer: nn.Module, leaves: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.skip_in_eval = False
+        self.leaves = int(leaves)
+
+    def forward(self, regs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The input layer's output leaves."""
+        if self.skip_in_eval and not self.training:
+            empty = regs[0].new_empty(0)
+            return [empty for _ in range(self.leaves)]
+        return self.layer(regs[0], regs[1])
 
 
 class Recurrent(nn.Module):
@@ -120,15 +155,16 @@ class Repeat(nn.Module):
 class BackboneGraph(nn.Module):
     """The blocks; scriptable.
 
-    ``forward(pooled, dense)`` returns every block's output leaves in one list (the input
-    layers' first, then the other blocks' in topological order).
+    ``forward(pooled, dense)`` returns the registers: ``pooled`` and ``dense``, then every
+    block's output leaves (the input layers', then the other blocks' in topological order,
+    a package call's among them).
 
     Args:
         inputs: the input-layer blocks.
         nodes: the other blocks in topological order.
     """
 
-    def __init__(self, inputs: list[nn.Module], nodes: list[BlockNode]) -> None:
+    def __init__(self, inputs: list[nn.Module], nodes: list[nn.Module]) -> None:
         super().__init__()
         # Registration order fixes the dense optimizer's parameter order in checkpoints.
         self.inputs = nn.ModuleList(inputs)
@@ -136,7 +172,7 @@ class BackboneGraph(nn.Module):
 
     def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> list[torch.Tensor]:
         """The blocks' output leaves."""
-        regs: list[torch.Tensor] = []
+        regs: list[torch.Tensor] = [pooled, dense]
         for group in self.inputs:
             regs.extend(group(pooled, dense))
         for node in self.nodes:
@@ -155,13 +191,16 @@ class BackboneDense(nn.Module):
         num_class: outputs.
         wide_start: the first pooled column of the wide lookups (they end the pooled group)
             when their sum joins the logit (RankModel's ``wide_to_logit``); -1: it does not.
+        aux_index: registers of the auxiliary losses (``AuxiliaryLoss`` blocks).
     """
 
     __constants__ = ["num_class", "wide_start"]
     output_index: list[int]
+    aux_index: list[int]
 
     def __init__(self, graph: BackboneGraph, output_index: list[int], top: nn.Module,
-                 out: Optional[nn.Module], num_class: int, wide_start: int = -1) -> None:
+                 out: Optional[nn.Module], num_class: int, wide_start: int = -1,
+                 aux_index: Optional[list[int]] = None) -> None:
         super().__init__()
         self.graph = graph
         self.top = top
@@ -169,10 +208,23 @@ class BackboneDense(nn.Module):
         self.output_index = [int(i) for i in output_index]
         self.num_class = max(int(num_class), 1)
         self.wide_start = int(wide_start)  # >= 0: the wide lookups' columns, summed in
+        self.aux_index = [int(i) for i in (aux_index or [])]
 
     def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         """Logits ``[B]`` (``[B, C]`` for C > 1)."""
+        return self.logits_and_aux_loss(pooled, dense)[0]
+
+    def logits_and_aux_loss(self, pooled: torch.Tensor, dense: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and the sum of the auxiliary losses (0 in evaluation or without)."""
         regs = self.graph(pooled, dense)
+        aux = pooled.new_zeros(())
+        if self.training:
+            for i in self.aux_index:
+                aux = aux + regs[i]
+        return self._logits(regs, pooled), aux
+
+    def _logits(self, regs: list[torch.Tensor], pooled: torch.Tensor) -> torch.Tensor:
         x = torch.cat([regs[i] for i in self.output_index], dim=-1)
         x = self.top(x)
         out = self.out
