@@ -142,10 +142,11 @@ def kafka_topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
     delete_topics(kafka_bootstrap, created)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ranks() -> Iterator[object]:
-    """Two spawned CPU ranks (``tests.harness.RankPool``) shared by a module's tests: the
-    processes and their imports start once, at the first ``ranks.run``."""
+    """Two spawned CPU ranks (``tests.harness.RankPool``) shared by a test process's tests:
+    the processes and their imports start once, at the first ``ranks.run`` (each call's
+    target joins and leaves a group of its own and leaves no state behind)."""
     from tests.harness import RankPool
 
     pool = RankPool(2)

@@ -429,7 +429,7 @@ def _pool_rank(rank: int, world: int, tasks, results) -> None:  # noqa: ANN001 (
 class RankPool:
     """``world`` spawned CPU ranks that run one call after another: what
     ``odl.harness.spawned_ranks.run_ranks`` does, with the processes (and their imports)
-    started once for a module's tests instead of once a call.
+    started once for many calls (the ``ranks`` fixture: once per test process).
 
     Each call's ranks join a new gloo group (the target builds it, as under ``run_ranks``,
     on a port of its own) and leave it before the call returns. A target must leave no

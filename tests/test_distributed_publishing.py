@@ -18,7 +18,6 @@ import torch
 from odl.datagen.bursty_stream import BurstyStream
 from odl.datagen.datagen_config import bursty_config_text
 from odl.features.feature_builder import FeatureBuilder
-from odl.harness.spawned_ranks import run_ranks
 from odl.train.distributed import agree
 from odl.train.rank_publishing import RankPublishing
 from odl.train.train_module import TrainModule
@@ -78,12 +77,12 @@ def _versions(model_dir: str) -> list:
     return out
 
 
-def test_two_ranks_publish_the_versions_one_process_publishes(tmp_path):
+def test_two_ranks_publish_the_versions_one_process_publishes(ranks, tmp_path):
     world = 2
     records = BurstyStream(seed=8).next_batch(7 * BATCH).encode("csv")
     steps = [records[k:k + BATCH] for k in range(0, len(records), BATCH)]
     two_dir, one_dir = str(tmp_path / "two"), str(tmp_path / "one")
-    got = run_ranks(_rank_main, world, world, two_dir, steps)
+    got = ranks.run(_rank_main, world, two_dir, steps)
 
     # one process on the whole batches, in each step the records in the ranks' order
     config = _config(one_dir)

@@ -209,16 +209,22 @@ def _in_batch_rank_main(rank: int, world: int, model_dir: str,
                         schedule: list[list[list[bytes]]], optimizer: str, extra: str,
                         loss: str = "", windows: dict | None = None) -> tuple:
     """One rank of ``test_two_ranks_learn_in_batch_as_one_process`` (and the focal loss's);
-    ``windows``: the in-batch choice's constants to set in this process."""
+    ``windows``: the in-batch choice's constants to set in this process for the call (the
+    pool's process keeps running other tests' calls: they are restored)."""
+    saved = {name: getattr(in_batch_choice, name) for name in (windows or {})}
     for name, value in (windows or {}).items():
         setattr(in_batch_choice, name, value)
-    text = _with_loss(bursty_config_text(model_dir, batch_size=BATCH, buckets=4096,
-                                         extra_train=extra), loss)
-    config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
-    fb = FeatureBuilder(config)
-    tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
-    probs = [tm.train_step(fb.build(step[rank]).batch if step[rank] else tm.empty_batch()).probs
-             for step in schedule]
+    try:
+        text = _with_loss(bursty_config_text(model_dir, batch_size=BATCH, buckets=4096,
+                                             extra_train=extra), loss)
+        config = load_config_text(text.replace("adagrad_optimizer", optimizer, 1))
+        fb = FeatureBuilder(config)
+        tm = TrainModule(config, fb, device="cpu", row_wise_min_rows=ROW_WISE_MIN_ROWS)
+        probs = [tm.train_step(fb.build(step[rank]).batch if step[rank]
+                               else tm.empty_batch()).probs for step in schedule]
+    finally:
+        for name, value in saved.items():
+            setattr(in_batch_choice, name, value)
     passes = tm.row_pair_learning.in_batch.sequential.passes
     return (np.concatenate(probs), _tables(tm.state_dict_for_checkpoint()), passes,
             tm.wide_rate.state_dict(), tm.in_batch_gain.value,

@@ -127,10 +127,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     traceback and exits 1.
     """
     ranked = int(os.environ.get("WORLD_SIZE", "1")) > 1
-    previous = ({sig: signal.signal(sig, _interrupt_startup)
-                 for sig in (signal.SIGINT, signal.SIGTERM)}
-                if threading.current_thread() is threading.main_thread() else {})
+    previous: dict = {}
     try:
+        # installed inside the try: a signal right after its handler is in (while the other
+        # is installed) is a start-up interrupt like any later one
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                previous[sig] = signal.getsignal(sig)
+                signal.signal(sig, _interrupt_startup)
         exit_code = _main(argv)
     except _StartupInterrupted as exc:
         print(f"odl-train: {exc} during start-up: stopped before training", file=sys.stderr)
