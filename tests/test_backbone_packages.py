@@ -205,6 +205,37 @@ def test_the_contrastive_loss_joins_training_only_and_is_learned(movielens) -> N
     assert aux_loss() < 0.8 * first
 
 
+@pytest.mark.parametrize("in_batch", [True, False])
+def test_the_contrastive_loss_is_learned_with_and_without_in_batch_learning(tmp_path,
+                                                                            in_batch) -> None:
+    """bench/configs/movielens_contrastive_as_written.config (Adagrad tables): the step that
+    shifts each record by its batch's earlier ones trains the auxiliary loss too."""
+    from odl.config.pipeline_config import load_pipeline_config
+
+    config = load_pipeline_config(os.path.join(os.path.dirname(_HERE), "..", "bench",
+                                               "configs",
+                                               "movielens_contrastive_as_written.config"))
+    config.model_dir = str(tmp_path / "m")
+    config.train_config.in_batch_learning = in_batch
+    config.data_config.batch_size = 32
+    fb = FeatureBuilder(config)
+    torch.manual_seed(0)
+    tm = TrainModule(config, fb, device="cpu")
+    batch = fb.build(_records(config, 32, seed=50)).batch
+
+    def aux_loss() -> float:
+        torch.manual_seed(7)
+        with torch.no_grad():
+            return float(tm.model(batch).aux_loss)
+
+    first = aux_loss()
+    for step in range(60):
+        tm.train_step(fb.build(_records(config, 32, seed=100 + step)).batch)
+    gain = tm.in_batch_gain.value if tm.in_batch_gain is not None else 0.0
+    assert (gain != 0.0) == in_batch  # the shift ran, or did not
+    assert aux_loss() < 0.8 * first
+
+
 def test_a_contrastive_rank_model_replays_from_the_broker_to_the_trainers_predictions(
         kafka_bootstrap, kafka_topic_factory, tmp_path) -> None:
     """The Criteo-like RankModel with its deep tower as a package, called twice under an

@@ -481,8 +481,9 @@ class TrainModule:
         output = self._dmp(batch.padded(most) if most > batch.size else batch)
         if most == batch.size:
             return output, output
-        n = batch.size
-        return output, ModelOutput(output.logits[:n], tuple(p[:n] for p in output.pooled))
+        n = batch.size  # (an auxiliary loss stays the padded batch's: padding rows join it)
+        return output, ModelOutput(output.logits[:n], tuple(p[:n] for p in output.pooled),
+                                   output.aux_loss)
 
     def _step(self, batch: Batch, sizes: Sequence[int] | None) -> StepOutput:
         """``train_step`` after the dynamic tables' remap (see there)."""
@@ -514,7 +515,8 @@ class TrainModule:
                  if learning is not None and (shifting or per_record) else None)
         if shifting:  # each record predicted after its batch's earlier ones
             mine = ModelOutput(mine.logits + learning.shift(batch, output, mine, sizes, pairs,
-                                                            self.rates.tables), mine.pooled)
+                                                            self.rates.tables), mine.pooled,
+                               mine.aux_loss)
         if n:
             loss = self._module().loss(mine, batch)
             weighted = loss if len(sizes) == 1 else loss * (n * len(sizes) / sum(sizes))
