@@ -205,19 +205,24 @@ def test_the_contrastive_loss_joins_training_only_and_is_learned(movielens) -> N
     assert aux_loss() < 0.8 * first
 
 
-@pytest.mark.parametrize("in_batch", [True, False])
-def test_the_contrastive_loss_is_learned_with_and_without_in_batch_learning(tmp_path,
-                                                                            in_batch) -> None:
-    """bench/configs/movielens_contrastive_as_written.config (Adagrad tables): the step that
-    shifts each record by its batch's earlier ones trains the auxiliary loss too."""
+def _contrastive_config(model_dir: str):
     from odl.config.pipeline_config import load_pipeline_config
 
     config = load_pipeline_config(os.path.join(os.path.dirname(_HERE), "..", "bench",
                                                "configs",
                                                "movielens_contrastive_as_written.config"))
-    config.model_dir = str(tmp_path / "m")
-    config.train_config.in_batch_learning = in_batch
+    config.model_dir = model_dir
     config.data_config.batch_size = 32
+    return config
+
+
+@pytest.mark.parametrize("in_batch", [True, False])
+def test_the_contrastive_loss_is_learned_with_and_without_in_batch_learning(tmp_path,
+                                                                            in_batch) -> None:
+    """bench/configs/movielens_contrastive_as_written.config (Adagrad tables): the step that
+    shifts each record by its batch's earlier ones trains the auxiliary loss too."""
+    config = _contrastive_config(str(tmp_path / "m"))
+    config.train_config.in_batch_learning = in_batch
     fb = FeatureBuilder(config)
     torch.manual_seed(0)
     tm = TrainModule(config, fb, device="cpu")
@@ -234,6 +239,33 @@ def test_the_contrastive_loss_is_learned_with_and_without_in_batch_learning(tmp_
     gain = tm.in_batch_gain.value if tm.in_batch_gain is not None else 0.0
     assert (gain != 0.0) == in_batch  # the shift ran, or did not
     assert aux_loss() < 0.8 * first
+
+
+def _contrastive_rank(rank: int, world: int, model_dir: str, steps: list) -> dict:
+    """One rank training its share of ``steps``; its dense parameters after them."""
+    config = _contrastive_config(model_dir)
+    fb = FeatureBuilder(config)
+    torch.manual_seed(0)
+    tm = TrainModule(config, fb, device="cpu")
+    first = {k: v.detach().clone() for k, v in tm.dense_parameters().items()}
+    for step in steps:
+        tm.train_step(fb.build(step[rank]).batch)
+    return {k: (v.detach().numpy(), bool((v != first[k]).any()))
+            for k, v in tm.dense_parameters().items()}
+
+
+def test_two_ranks_train_one_set_of_package_weights(ranks, tmp_path) -> None:
+    """Two ranks, the last step's batches of different sizes (padding): the shared package
+    weights and every other dense parameter stay one set across the ranks and move."""
+    config = _contrastive_config(str(tmp_path / "unused"))
+    steps = [[_records(config, 32, seed=10 * k), _records(config, 32 if k < 3 else 20,
+                                                          seed=10 * k + 1)]
+             for k in range(4)]
+    got = ranks.run(_contrastive_rank, 2, str(tmp_path / "m"), steps)
+    assert set(got[0]) == set(got[1])
+    for name, (value, moved) in got[0].items():
+        np.testing.assert_array_equal(value, got[1][name][0], err_msg=name)
+        assert moved or "bias" in name, name
 
 
 def test_a_contrastive_rank_model_replays_from_the_broker_to_the_trainers_predictions(
