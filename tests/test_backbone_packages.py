@@ -22,7 +22,7 @@ from torch import nn
 from odl.config.config_error import ConfigError
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.backbone.contrastive_layers import SeqAugment
-from odl.models.backbone.graph_modules import InputNode
+from odl.models.backbone.graph_modules import GroupRead
 from odl.models.backbone.value_specs import tensor
 from odl.models.model_registry import check_pipeline_config
 from odl.protos import pipeline_pb2 as pb
@@ -167,10 +167,9 @@ def test_a_package_called_three_times_has_one_set_of_weights(movielens) -> None:
     dense = tm.model.dense
     linears = {id(m) for m in dense.modules() if isinstance(m, nn.Linear)}
     assert len(linears) == 2 + 2 + 2 + 1  # user MLP, item MLP, top MLP, the logit layer
-    item_inputs = [n for n in dense.graph.nodes if isinstance(n, InputNode)]
+    item_inputs = [n.layer.layer for n in dense.graph.nodes if isinstance(n.layer, GroupRead)]
     assert len(item_inputs) == 3
-    rates = [n.layer.dropout.p if isinstance(n.layer.dropout, nn.Dropout) else 0.0
-             for n in item_inputs]
+    rates = [g.dropout.p if isinstance(g.dropout, nn.Dropout) else 0.0 for g in item_inputs]
     assert rates == pytest.approx([0.1, 0.1, 0.0])
     # the two contrastive calls, their loss: not run at prediction time
     skipped = [n for n in dense.graph.nodes if n.skip_in_eval]

@@ -26,7 +26,7 @@ from typing import Any
 from torch import nn
 
 from odl.config.config_error import ConfigError
-from odl.models.backbone.graph_modules import BlockNode, Chain, InputNode, ReadInput
+from odl.models.backbone.graph_modules import BlockNode, Chain, GroupRead, ReadInput
 from odl.models.backbone.input_functions import PickLeaves, parse_lambda
 from odl.models.backbone.input_layers import GroupInput
 from odl.models.backbone.value_specs import Spec, leaf_count
@@ -209,7 +209,9 @@ class PackageCalls:
         else:
             layer = self._input_variant(first[1], self.group_input(group, settings, where),
                                         where)
-        return InputNode(layer, leaf_count(layer.spec)), layer.spec
+        node = BlockNode([ReadInput([0, 1], Chain([]))], Chain([]), GroupRead(layer),
+                         leaf_count(layer.spec))
+        return node, layer.spec
 
     @staticmethod
     def _input_variant(first: nn.Module, variant: nn.Module, where: str) -> nn.Module:

@@ -76,26 +76,19 @@ class BlockNode(nn.Module):
         return self.layer(self.merge(parts))
 
 
-class InputNode(nn.Module):
-    """An input layer a package call runs: ``layer(pooled, dense)`` (registers 0 and 1).
+class GroupRead(nn.Module):
+    """An input layer as the layer of a block a package call runs.
 
-    ``skip_in_eval`` as :class:`BlockNode`'s.
+    It reads the leaves ``[pooled, dense]`` (registers 0 and 1).
     """
 
-    __constants__ = ["skip_in_eval", "leaves"]
-
-    def __init__(self, layer: nn.Module, leaves: int) -> None:
+    def __init__(self, layer: nn.Module) -> None:
         super().__init__()
         self.layer = layer
-        self.skip_in_eval = False
-        self.leaves = int(leaves)
 
-    def forward(self, regs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         """The input layer's output leaves."""
-        if self.skip_in_eval and not self.training:
-            empty = regs[0].new_empty(0)
-            return [empty for _ in range(self.leaves)]
-        return self.layer(regs[0], regs[1])
+        return self.layer(xs[0], xs[1])
 
 
 class Recurrent(nn.Module):
