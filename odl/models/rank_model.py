@@ -27,7 +27,8 @@ pooled lookup.
 
 Parameter names: ``dense.graph.inputs.<i>.*`` (input layers: their normalizations, sequence
 combiners, wide raw matrices), ``dense.graph.nodes.<j>.layer.steps.<k>.*`` (the blocks'
-layers, in topological order), ``dense.top.*``, ``dense.out.*``.
+layers, in topological order; a package's input layers ``dense.graph.nodes.<j>.layer.layer.*``;
+a package's layers under its first call's nodes), ``dense.top.*``, ``dense.out.*``.
 """
 
 from __future__ import annotations
