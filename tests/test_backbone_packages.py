@@ -173,7 +173,7 @@ def test_a_package_called_three_times_has_one_set_of_weights(movielens) -> None:
     assert rates == pytest.approx([0.1, 0.1, 0.0])
     # the two contrastive calls, their loss: not run at prediction time
     skipped = [n for n in dense.graph.nodes if n.skip_in_eval]
-    assert len(skipped) == 5 and dense.aux_index
+    assert len(skipped) == 5 and dense.has_aux_loss and len(dense.graph.aux_index) == 1
 
 
 def test_the_contrastive_loss_joins_training_only_and_is_learned(movielens) -> None:
@@ -337,13 +337,38 @@ def test_package_and_contrastive_misuse_is_refused_by_field(backbone, field, wor
     assert words in str(info.value)
 
 
-def test_a_multi_task_backbone_refuses_an_auxiliary_loss() -> None:
+def test_a_multi_task_backbone_adds_the_auxiliary_loss_in_training(tmp_path) -> None:
+    """MultiTaskModel over a backbone with the contrastive block: the loss is the tasks'
+    plus the auxiliary one in training; at prediction time there is none, and the scripted
+    export predicts what the model predicts."""
+    import dataclasses
+
+    from odl.export.dense_export import script_dense
+
     config = _movielens()
+    config.model_dir = str(tmp_path / "m")
     mc = config.model_config
     mc.backbone.Clear()
     text_format.Parse(_TOWER + _CL + 'blocks { name: "top" inputs { block_name: "cl" '
                       'ignore_input: true } inputs { package_name: "p" } }', mc.backbone)
     mc.model_class = "MultiTaskModel"
     mc.model_params.task_towers.add(tower_name="ctr", label_name="label")
-    with pytest.raises(ConfigError, match="AuxiliaryLoss"):
-        check_pipeline_config(config, online=True)
+    check_pipeline_config(config, online=True)
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu")
+    batch = fb.build(_records(config, 32, seed=5)).batch
+    model = tm.model
+    model.train()
+    out = model(batch)
+    assert out.aux_loss is not None and float(out.aux_loss) > 0
+    without = model.loss(dataclasses.replace(out, aux_loss=None), batch)
+    torch.testing.assert_close(model.loss(out, batch) - without, out.aux_loss)
+    tm.train_step(batch)
+    model.eval()
+    with torch.no_grad():
+        out = model(batch)
+        assert float(out.aux_loss) == 0.0
+        pooled = model.lookup(batch)
+        scripted = script_dense(model)
+        torch.testing.assert_close(scripted(*pooled, batch.dense), out.logits)
+    model.train()

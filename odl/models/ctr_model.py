@@ -349,9 +349,13 @@ class CtrModel(nn.Module):
             batch: the batch.
 
         Returns:
-            The logits and the pooled embedding inputs.
+            The logits and the pooled embedding inputs; with a dense part that has
+            auxiliary losses (a backbone's ``AuxiliaryLoss`` blocks), their sum beside.
         """
         pooled = self.lookup(batch)
+        if getattr(self.dense, "has_aux_loss", False):
+            logits, aux = self.dense.logits_and_aux_loss(*pooled, batch.dense)
+            return ModelOutput(logits, pooled, aux)
         return ModelOutput(self.dense(*pooled, batch.dense), pooled)
 
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
@@ -447,10 +451,11 @@ class CtrModel(nn.Module):
 
     def add_regularization(self, loss: torch.Tensor, output: ModelOutput,
                            kernel_l2: float) -> torch.Tensor:
-        """``loss`` plus the regularization every model shares.
+        """``loss`` plus the terms every model shares.
 
-        ``kernel_l2`` * the squared dense Linear kernels + ``embedding_regularization`` *
-        each pooled group's mean squared lookup.
+        The forward's auxiliary loss (``output.aux_loss``, when given) + ``kernel_l2`` *
+        the squared dense Linear kernels + ``embedding_regularization`` * each pooled
+        group's mean squared lookup.
 
         Args:
             loss: the prediction loss.
@@ -460,6 +465,8 @@ class CtrModel(nn.Module):
         Returns:
             Scalar loss.
         """
+        if output.aux_loss is not None:
+            loss = loss + output.aux_loss
         if kernel_l2:
             loss = loss + kernel_l2 * linear_kernel_l2(self.dense)
         if self.embedding_regularization:

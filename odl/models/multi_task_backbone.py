@@ -14,7 +14,8 @@ a Linear to 1, or 2 for ``num_class: 2``). As in EasyRec's MultiTaskModel, a tas
 Outputs: one logit per task (two for a two-class task), named by the tasks' ``tower_name``,
 each trained on its label (``odl.models.task_losses``).
 
-Loss: the tasks' weighted losses + ``model_params.l2_regularization`` * the squared kernels
+Loss: the tasks' weighted losses + the backbone's auxiliary losses in training
+(``AuxiliaryLoss`` blocks) + ``model_params.l2_regularization`` * the squared kernels
 of every Linear layer of the network and the towers + ``embedding_regularization`` * the
 mean squared pooled lookup.
 
@@ -35,7 +36,7 @@ from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.backbone.backbone_graph import BuiltGraph, GraphBuilder
 from odl.models.backbone.backbone_inputs import BackboneInputs
-from odl.models.backbone.graph_modules import BackboneGraph
+from odl.models.backbone.graph_modules import BackboneGraph, GraphDense
 from odl.models.backbone.value_specs import TensorSpec, describe, flat_tensors
 from odl.models.ctr_model import CtrModel, ModelOutput
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
@@ -51,7 +52,7 @@ from odl.protos import pipeline_pb2
 logger = logging.getLogger(__name__)
 
 
-class TaskBackboneDense(nn.Module):
+class TaskBackboneDense(GraphDense):
     """The graph, the tasks' inputs and their heads (module docstring); scriptable.
 
     Args:
@@ -63,13 +64,12 @@ class TaskBackboneDense(nn.Module):
         heads: one per task.
     """
 
-    __constants__ = ["shared", "num_tasks", "num_logits"]
+    __constants__ = ["has_aux_loss", "shared", "num_tasks", "num_logits"]
     output_index: list[int]
 
     def __init__(self, graph: BackboneGraph, output_index: list[int], shared: bool,
                  top: nn.Module, heads: list[TaskHead]) -> None:
-        super().__init__()
-        self.graph = graph
+        super().__init__(graph)
         self.top = top
         self.heads = nn.ModuleList(heads)
         self.output_index = [int(i) for i in output_index]
@@ -77,9 +77,8 @@ class TaskBackboneDense(nn.Module):
         self.num_tasks = len(heads)
         self.num_logits = sum(int(h.out.out_features) for h in heads)
 
-    def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    def logits(self, regs: list[torch.Tensor], pooled: torch.Tensor) -> torch.Tensor:
         """Logits ``[B, num_logits]``, task after task (``[B]`` with one logit in all)."""
-        regs = self.graph(pooled, dense)
         inputs: list[torch.Tensor] = []
         if self.shared:
             x = self.top(torch.cat([regs[i] for i in self.output_index], dim=-1))
@@ -144,9 +143,6 @@ class MultiTaskBackbone(CtrModel):
         self.set_tables(inputs.layout, ebc_device)
         built = GraphBuilder(mc.backbone, inputs.group_input, set(inputs.groups), 1
                              ).build_graph()
-        if built.aux_index:
-            raise ConfigError("model_config.backbone.blocks", "AuxiliaryLoss blocks are "
-                              "implemented for RankModel, not MultiTaskModel")
         try:
             names, tasks = task_head_settings(settings.task_towers)
         except ValueError as e:

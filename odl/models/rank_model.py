@@ -39,12 +39,11 @@ from collections.abc import Sequence
 import torch
 
 from odl.config.config_error import ConfigError
-from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.backbone.backbone_graph import GraphBuilder
 from odl.models.backbone.backbone_inputs import BackboneInputs
 from odl.models.backbone.graph_modules import BackboneDense
-from odl.models.ctr_model import CtrModel, ModelOutput
+from odl.models.ctr_model import CtrModel
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.protos import pipeline_pb2
 
@@ -78,36 +77,6 @@ class RankModel(CtrModel):
         self.pooled_layout = (inputs.pooled,)
         self.kernel_l2 = float(mc.model_params.l2_regularization)
         self.set_configured_loss(mc, output_name)
-
-    def forward(self, batch: Batch) -> ModelOutput:
-        """Lookup, then the backbone; with ``AuxiliaryLoss`` blocks their loss beside.
-
-        Args:
-            batch: the batch.
-
-        Returns:
-            The logits, the pooled embedding inputs and (with auxiliary losses) their sum.
-        """
-        pooled = self.lookup(batch)
-        if not self.dense.aux_index:
-            return ModelOutput(self.dense(*pooled, batch.dense), pooled)
-        logits, aux = self.dense.logits_and_aux_loss(*pooled, batch.dense)
-        return ModelOutput(logits, pooled, aux)
-
-    def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
-        """The configured loss with ``kernel_l2``, plus the auxiliary losses when given.
-
-        Args:
-            output: what ``forward(batch)`` returned.
-            batch: the batch (labels).
-
-        Returns:
-            Scalar loss.
-        """
-        loss = self.configured_loss(output, batch, self.kernel_l2)
-        if output.aux_loss is not None:
-            loss = loss + output.aux_loss
-        return loss
 
 
 def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> RankModel:

@@ -85,14 +85,12 @@ class BuiltGraph:
         index: the output's registers (its leaves).
         spec: the output's spec (``concat_blocks`` / ``output_blocks`` merged).
         where: the config path of the output's blocks, for errors.
-        aux_index: the registers of the auxiliary losses (0-d tensors in training).
     """
 
     graph: BackboneGraph
     index: list[int]
     spec: Spec
     where: str
-    aux_index: list[int] = field(default_factory=list)
 
     def concatenated(self, backbone: pipeline_pb2.BackboneTower
                      ) -> tuple[list[int], nn.Module, int]:
@@ -201,8 +199,8 @@ class GraphBuilder(PackageCalls, LayerBuilder):
         out_spec = self.merge_specs([scope.values[n].spec for n in outputs], -1, where_out)
         index = [r for n in outputs for r in scope.values[n].index]
         self._mark_training_only(index)
-        return BuiltGraph(BackboneGraph(inputs, self._nodes), index, out_spec, where_out,
-                          list(self._aux))
+        return BuiltGraph(BackboneGraph(inputs, self._nodes, self._aux), index, out_spec,
+                          where_out)
 
     def build(self) -> BackboneDense:
         """A RankModel's dense part.
@@ -221,7 +219,7 @@ class GraphBuilder(PackageCalls, LayerBuilder):
         out = keras_dense(width, c, True, "glorot_uniform") if width != c else None
         around = c == 1 and (out is not None or self.backbone.HasField("top_mlp"))
         return BackboneDense(built.graph, index, top, out, c,
-                             self.wide_start if around else -1, built.aux_index)
+                             self.wide_start if around else -1)
 
     # ---- the DAG -------------------------------------------------------------------------
 

@@ -155,13 +155,18 @@ class BackboneGraph(nn.Module):
     Args:
         inputs: the input-layer blocks.
         nodes: the other blocks in topological order.
+        aux_index: the registers of the auxiliary losses (``AuxiliaryLoss`` blocks).
     """
 
-    def __init__(self, inputs: list[nn.Module], nodes: list[nn.Module]) -> None:
+    aux_index: list[int]
+
+    def __init__(self, inputs: list[nn.Module], nodes: list[nn.Module],
+                 aux_index: Optional[list[int]] = None) -> None:
         super().__init__()
         # Registration order fixes the dense optimizer's parameter order in checkpoints.
         self.inputs = nn.ModuleList(inputs)
         self.nodes = nn.ModuleList(nodes)
+        self.aux_index = [int(i) for i in (aux_index or [])]
 
     def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> list[torch.Tensor]:
         """The blocks' output leaves."""
@@ -172,8 +177,49 @@ class BackboneGraph(nn.Module):
             regs.extend(node(regs))
         return regs
 
+    def auxiliary_loss(self, regs: list[torch.Tensor]) -> torch.Tensor:
+        """The auxiliary losses' sum in training (0-d); 0 in evaluation or without any."""
+        aux = regs[0].new_zeros(())
+        if self.training:
+            for i in self.aux_index:
+                aux = aux + regs[i]
+        return aux
 
-class BackboneDense(nn.Module):
+
+class GraphDense(nn.Module):
+    """A model's dense part over a backbone graph; scriptable.
+
+    ``forward(pooled, dense)`` gives the logits, ``logits_and_aux_loss(pooled, dense)`` the
+    logits and the graph's auxiliary losses (``has_aux_loss``: the graph has some). A
+    subclass computes its logits from the registers in :meth:`logits`.
+
+    Args:
+        graph: the blocks.
+    """
+
+    __constants__ = ["has_aux_loss"]
+
+    def __init__(self, graph: BackboneGraph) -> None:
+        super().__init__()
+        self.graph = graph
+        self.has_aux_loss = bool(graph.aux_index)
+
+    def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        """The logits."""
+        return self.logits(self.graph(pooled, dense), pooled)
+
+    def logits_and_aux_loss(self, pooled: torch.Tensor, dense: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits and the sum of the auxiliary losses (0 in evaluation)."""
+        regs = self.graph(pooled, dense)
+        return self.logits(regs, pooled), self.graph.auxiliary_loss(regs)
+
+    def logits(self, regs: list[torch.Tensor], pooled: torch.Tensor) -> torch.Tensor:
+        """The logits from the registers."""
+        raise NotImplementedError
+
+
+class BackboneDense(GraphDense):
     """A RankModel's dense part: ``forward(pooled, dense) -> logits``; scriptable.
 
     Args:
@@ -184,40 +230,22 @@ class BackboneDense(nn.Module):
         num_class: outputs.
         wide_start: the first pooled column of the wide lookups (they end the pooled group)
             when their sum joins the logit (RankModel's ``wide_to_logit``); -1: it does not.
-        aux_index: registers of the auxiliary losses (``AuxiliaryLoss`` blocks).
     """
 
-    __constants__ = ["num_class", "wide_start"]
+    __constants__ = ["has_aux_loss", "num_class", "wide_start"]
     output_index: list[int]
-    aux_index: list[int]
 
     def __init__(self, graph: BackboneGraph, output_index: list[int], top: nn.Module,
-                 out: Optional[nn.Module], num_class: int, wide_start: int = -1,
-                 aux_index: Optional[list[int]] = None) -> None:
-        super().__init__()
-        self.graph = graph
+                 out: Optional[nn.Module], num_class: int, wide_start: int = -1) -> None:
+        super().__init__(graph)
         self.top = top
         self.out = out
         self.output_index = [int(i) for i in output_index]
         self.num_class = max(int(num_class), 1)
         self.wide_start = int(wide_start)  # >= 0: the wide lookups' columns, summed in
-        self.aux_index = [int(i) for i in (aux_index or [])]
 
-    def forward(self, pooled: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    def logits(self, regs: list[torch.Tensor], pooled: torch.Tensor) -> torch.Tensor:
         """Logits ``[B]`` (``[B, C]`` for C > 1)."""
-        return self.logits_and_aux_loss(pooled, dense)[0]
-
-    def logits_and_aux_loss(self, pooled: torch.Tensor, dense: torch.Tensor
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The logits and the sum of the auxiliary losses (0 in evaluation or without)."""
-        regs = self.graph(pooled, dense)
-        aux = pooled.new_zeros(())
-        if self.training:
-            for i in self.aux_index:
-                aux = aux + regs[i]
-        return self._logits(regs, pooled), aux
-
-    def _logits(self, regs: list[torch.Tensor], pooled: torch.Tensor) -> torch.Tensor:
         x = torch.cat([regs[i] for i in self.output_index], dim=-1)
         x = self.top(x)
         out = self.out
