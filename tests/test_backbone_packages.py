@@ -320,6 +320,10 @@ _CL = ('blocks { name: "cl" inputs { package_name: "p" } inputs { package_name: 
      'fields { key: "loss_type" value { string_value: "triplet" } } } } }\n'
      'blocks { name: "out" inputs { block_name: "top" ignore_input: true } inputs { '
      'package_name: "p" } }', "model_config.backbone.blocks[0].keras_layer", "loss_type"),
+    (_TOWER + 'blocks { name: "top" inputs { package_name: "p" } inputs { package_name: "p" }'
+     ' merge_inputs_into_list: true repeat { num_repeat: 2 keras_layer { class_name: '
+     '"AuxiliaryLoss" st_params { fields { key: "loss_type" value { string_value: "l2_loss" }'
+     ' } } } } }', "model_config.backbone.blocks[0].repeat", "one keras_layer"),
     (_TOWER + 'blocks { name: "top" inputs { package_name: "p" } keras_layer { class_name: '
      '"SeqAugment" seq_aug { } } }', "model_config.backbone.blocks[0].keras_layer",
      "output_seq_and_normal_feature"),

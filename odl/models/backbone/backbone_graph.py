@@ -58,7 +58,7 @@ from odl.models.backbone.graph_modules import (
     ReadInput,
 )
 from odl.models.backbone.input_functions import PickLeaves, parse_lambda, parse_slice
-from odl.models.backbone.layer_builder import LayerBuilder, struct_to_dict
+from odl.models.backbone.layer_builder import LayerBuilder
 from odl.models.backbone.value_specs import (
     Spec,
     TensorSpec,
@@ -69,8 +69,6 @@ from odl.models.backbone.value_specs import (
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["BuiltGraph", "GraphBuilder", "struct_to_dict"]
 
 # registers 0 and 1 hold the graph's inputs, ``pooled`` and ``dense``
 _FIRST_REGISTER = 2
@@ -434,17 +432,19 @@ class GraphBuilder(PackageCalls, LayerBuilder):
         layers = list(b.layers)
         if layers and b.WhichOneof("layer") is not None:
             raise ConfigError(f"{where}.layers", "give layers or one layer, not both")
-        for k, layer in enumerate(layers):
-            kind = layer.WhichOneof("layer")
-            inner = layer.keras_layer if kind == "keras_layer" else getattr(
-                getattr(layer, kind), "keras_layer", None) if kind else None
-            if inner is not None and inner.class_name == AUXILIARY_LOSS:
-                raise ConfigError(f"{where}.layers[{k}]", f"an {AUXILIARY_LOSS} is a block's "
-                                                          "one keras_layer")
-            m, spec = self.layer(layer, kind, spec, f"{where}.layers[{k}]")
-            steps.append(m)
+        holders = [(layer, f"{where}.layers[{k}]") for k, layer in enumerate(layers)]
         if not layers and b.WhichOneof("layer") is not None:
-            m, spec = self.layer(b, b.WhichOneof("layer"), spec, where)
+            holders = [(b, where)]
+        for holder, at in holders:
+            kind = holder.WhichOneof("layer")
+            inner = getattr(holder, kind) if kind else None
+            if kind != "keras_layer":  # a recurrent or repeat layer's (None for others)
+                inner = getattr(inner, "keras_layer", None)
+            if (inner is not None and inner.class_name == AUXILIARY_LOSS
+                    and not (holder is b and kind == "keras_layer")):
+                raise ConfigError(f"{at}.{kind}", f"an {AUXILIARY_LOSS} is a block's one "
+                                                  "keras_layer")
+            m, spec = self.layer(holder, kind, spec, at)
             steps.append(m)
         n = sum(map(leaf_count, specs))
         return PickLeaves(list(range(n))), Chain(steps), spec
