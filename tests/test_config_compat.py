@@ -176,6 +176,7 @@ LOADS = {
     "easyrec/deepfm_combo_v3_on_avazu_ctr.config",
     "easyrec/deepfm_distribute_eval_combo_on_avazu_ctr.config",
     "easyrec/deepfm_distribute_eval_multi_cls_on_avazu_ctr.config",
+    "easyrec/deepfm_freeze_gradient.config",
     "easyrec/deepfm_lookup.config",
     "easyrec/deepfm_multi_cls_on_avazu_ctr.config",
     "easyrec/deepfm_on_criteo_batch_tfrecord.config",

@@ -96,6 +96,25 @@ def test_adam_on_the_tables_learns_on_cuda(fb):
     assert roc_auc(eval_labels, tm.predict(eval_batch)) > 0.75
 
 
+@pytest.mark.parametrize("tables", ["adam_optimizer { lr: 0.01 weight_decay: 0.01 }",
+                                    "lamb_optimizer { lr: 0.01 weight_decay: 0.01 }"],
+                         ids=["adam", "lamb"])
+def test_frozen_tables_keep_their_rows_under_fused_kernels_on_cuda(fb, tables):
+    """freeze_gradient where fbgemm's fused Adam / LAMB with weight decay run (CUDA): the
+    frozen table's own group stays at rate 0, so its rows stay while the others train."""
+    first = fb.table_specs[0].name
+    c = config(train_config=f"sparse_optimizer {{ {tables} }} dense_optimizer {{ adam_optimizer "
+               f'{{ lr: 0.001 }} }} freeze_gradient: "embedding_bags.{first}.weight"')
+    tm = TrainModule(c, fb, device="cuda")
+    assert tm.row_sparse is None and tm.frozen.tables == {first}
+    start = {k: v.detach().clone() for k, v in tm.embedding_tables().items()}
+    for b in batches(fb, 10, size=256, seed=7):
+        tm.train_step(b)
+    for name, table in tm.embedding_tables().items():  # (LAMB leaves zero wide rows at 0)
+        if not name.endswith("_wide"):
+            assert torch.equal(table, start[name]) == (name == first), name
+
+
 @pytest.mark.parametrize("tables", [
     "lamb_optimizer { lr: 0.01 weight_decay: 0.01 }",
     "adam_optimizer { lr: 0.01 weight_decay: 0.01 }",

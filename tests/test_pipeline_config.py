@@ -286,7 +286,8 @@ def test_unknown_field(tmp_path: Path) -> None:
     "text, field",
     [
         ('hive_train_input { }', "hive_train_input"),
-        ("train_config { freeze_gradient: true }", "train_config.freeze_gradient"),
+        ("train_config { force_restore_shape_compatible: true }",
+         "train_config.force_restore_shape_compatible"),
         ("model_config { masknet { } }", "model_config.masknet"),
         # a model's settings message lists its own (pipeline.proto's message option)
         ("model_config { dbmtl { bottom_cmbf { } } }", "model_config.dbmtl.bottom_cmbf"),
@@ -352,12 +353,12 @@ def test_easyrec_field_that_would_change_the_model_is_refused(tmp_path: Path) ->
 
 
 def test_every_field_error_of_a_config_in_one_run(tmp_path: Path) -> None:
-    text = ("train_config {\n  num_stepz: 3\n  freeze_gradient: true\n"
+    text = ("train_config {\n  num_stepz: 3\n  force_restore_shape_compatible: true\n"
             "  sync_replicas: true\n}\nmodel_config { dssm { } }\nmodl_dir: 'x'\n")
     err = error_of(load_text, tmp_path, text)
     assert isinstance(err, ConfigErrors)
     assert [e.field for e in err.errors] == [
-        "train_config.num_stepz", "train_config.freeze_gradient",
+        "train_config.num_stepz", "train_config.force_restore_shape_compatible",
         "model_config.dssm", "modl_dir"]
     assert str(err).startswith("4 config errors:") and ":7:1" in str(err)
 
@@ -538,7 +539,8 @@ def test_edit_null_clears(online) -> None:
         ({"train_config.bogus": 1}, "train_config.bogus", "unknown field 'bogus'"),
         ({"train_config.use_moving_average": True}, "train_config.use_moving_average",
          "would change the trained model"),
-        ({"train_config.freeze_gradient": True}, "train_config.freeze_gradient",
+        ({"train_config.force_restore_shape_compatible": True},
+         "train_config.force_restore_shape_compatible",
          "EasyRec field that odl does not implement yet"),
         ({"nothing.at_all": 1}, "nothing.at_all", "unknown field 'nothing'"),
         ({"feature_configs[99].embedding_dim": 1}, "feature_configs[99].embedding_dim",

@@ -122,7 +122,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "TaskTower": frozenset({"use_sample_weight", "bias_tower",
                             "pareto_min_loss_weight", "sample_weight_name"}),
     "TrainConfig": frozenset({
-        "force_restore_shape_compatible", "freeze_gradient",
+        "force_restore_shape_compatible",
         "fine_tune_ckpt_param_map", "cudnn_allow_tf32",
         "cuda_matmul_allow_tf32",
         "global_embedding_constraints", "mixed_precision", "grad_scaler",

@@ -39,7 +39,8 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
     """What keeps in-batch learning from ``config``: ``(field, reason)``, or None.
 
     In-batch learning needs a model with one output, SGD or (row-wise) Adagrad tables without
-    gradient clipping or a gradient multiplier, no sample weights, and with the sequential pass
+    gradient clipping or a gradient multiplier, nothing frozen (``freeze_gradient``), no
+    sample weights, and with the sequential pass
     (``in_batch_sequential``, the default) losses of one record each; with several ranks,
     the sequential pass.
 
@@ -62,6 +63,10 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
         return (f"{sparse.field.rsplit('.', 1)[0]}.embedding_learning_rate_multiplier",
                 f"{field} does not take scaled table gradients (its shifted predictions "
                 "follow unscaled steps)")
+    if tc.freeze_gradient:
+        return ("train_config.freeze_gradient",
+                f"{field} does not take frozen parameters (its shifted predictions follow "
+                "steps of every table)")
     if table_gradient_bound(sparse) is not None:
         return (f"{sparse.field}.gradient_clipping",
                 f"{field} does not take clipped table gradients (its shifted predictions "

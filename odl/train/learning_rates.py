@@ -4,15 +4,18 @@ The tables' optimizer is fused into TorchRec's backward (fbgemm); the wide table
 ``wide_learning_rate_multiplier`` times the rate form a second fused group (a separate
 kernel); under in-batch learning they always do, and their multiplier follows the wide
 rate of :mod:`odl.train.in_batch.wide_rate`, pushed before the step's forward (where the
-kernel takes its rate) when it changed.
+kernel takes its rate) when it changed. Tables that ``freeze_gradient`` froze
+(:mod:`odl.train.frozen_parameters`) form a group of their own at rate 0, never pushed.
 Before each step the rates of the step are pushed to both optimizers when they changed
 (:mod:`odl.train.optimizer_builder` makes the schedules).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
+import torchrec.optim as trec_optim
 from torch import nn
 from torch.optim import Optimizer
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -23,6 +26,17 @@ from odl.train.optimizer_builder import OptimizerSpec, sparse_optimizer_args
 
 # The relative offset that keeps the wide tables' kernel apart at a multiplier of 1.
 _APART = 1e-6
+
+
+def _frozen_group(cls: type, kwargs: dict[str, Any]) -> tuple[type, dict[str, Any]]:
+    """The frozen tables' optimizer: the tables' own kind (the same state) at rate 0.
+
+    Kept apart from the other tables' kernel whatever their rate (a schedule may start at
+    0): an ``eps`` a hair apart, or SGD (stateless) with its gradient clamped to 0.
+    """
+    if "eps" in kwargs:
+        return cls, {**kwargs, "lr": 0.0, "eps": kwargs["eps"] * (1 + _APART)}
+    return trec_optim.SGD, {"lr": 0.0, "gradient_clipping": True, "max_gradient": 0.0}
 
 
 class LearningRates:
@@ -45,28 +59,40 @@ class LearningRates:
         self._current: tuple[float, float] | None = None
         self._parts: tuple[float, ...] = ()  # the dense part optimizers' rates last set
         self._groups: list[tuple[dict, bool]] | None = None
+        self._frozen: frozenset[str] = frozenset()
 
-    def fuse_table_optimizer(self, ebc: nn.Module, device_type: str) -> None:
-        """Fuses the tables' optimizer into the backward (two groups with a wide multiplier).
+    def fuse_table_optimizer(self, ebc: nn.Module, device_type: str,
+                             frozen: Collection[str] = ()) -> None:
+        """Fuses the tables' optimizer into the backward (module docstring).
 
         Args:
             ebc: the model's embedding bag collection.
             device_type: ``"cpu"`` or ``"cuda"``.
+            frozen: tables ``freeze_gradient`` froze (``odl.train.frozen_parameters``):
+                their own group at rate 0, never pushed.
         """
         cls, kwargs = sparse_optimizer_args(self._sparse, device_type)
-        wide = [p for n, p in ebc.named_parameters() if n.split(".")[-2].endswith(WIDE_SUFFIX)]
+        self._frozen = frozenset(frozen)
+        named = [(n.split(".")[-2], p) for n, p in ebc.named_parameters()]
+        held = [p for t, p in named if t in self._frozen]
+        if held:
+            frozen_cls, frozen_kwargs = _frozen_group(cls, kwargs)
+            apply_optimizer_in_backward(frozen_cls, held, frozen_kwargs)
+        named = [(t, p) for t, p in named if t not in self._frozen]
+        wide = [p for t, p in named if t.endswith(WIDE_SUFFIX)]
         if (self._wide_multiplier != 1.0 or self._separate_wide) and wide:
             wide_ids = {id(p) for p in wide}
-            apply_optimizer_in_backward(
-                cls, [p for p in ebc.parameters() if id(p) not in wide_ids], kwargs)
+            rest = [p for _, p in named if id(p) not in wide_ids]
+            if rest:
+                apply_optimizer_in_backward(cls, rest, kwargs)
             # TorchRec puts tables of equal optimizer settings in one kernel: at a multiplier
             # of 1 the wide group's rate starts a hair apart so that it stays its own group
             # (the first ``set`` pushes the exact rate before any update)
             lr = kwargs["lr"] * self._wide_multiplier
             apply_optimizer_in_backward(
                 cls, wide, {**kwargs, "lr": lr * (1 + _APART) if lr == kwargs["lr"] else lr})
-        else:
-            apply_optimizer_in_backward(cls, ebc.parameters(), kwargs)
+        elif named:
+            apply_optimizer_in_backward(cls, [p for _, p in named], kwargs)
 
     def at(self, step: int) -> tuple[float, float]:
         """``(tables, dense)`` rates of the step after ``step`` steps."""
@@ -127,7 +153,10 @@ class LearningRates:
         fused.step()  # fused optimizers only push the lr to the kernel here
 
     def fused_groups(self, fused: Any) -> list[tuple[dict, bool]]:
-        """Each fused parameter group, and whether it is the wide tables' group."""
+        """Each fused parameter group, and whether it is the wide tables' group.
+
+        The frozen tables' group is not among them (it stays at rate 0).
+        """
         if self._groups is None:
             groups: list[tuple[dict, bool]] = []
             pending: list[Any] = [fused]
@@ -136,8 +165,10 @@ class LearningRates:
                 if hasattr(opt, "optimizers"):  # a CombinedOptimizer: (name, optimizer) pairs
                     pending.extend(o for _, o in opt.optimizers)
                     continue
-                wide = any(n.split(".")[-2].endswith(WIDE_SUFFIX)
-                           for n in getattr(opt, "params", {}))
+                tables = {n.split(".")[-2] for n in getattr(opt, "params", {})}
+                if tables and tables <= self._frozen:  # (stays at rate 0)
+                    continue
+                wide = any(t.endswith(WIDE_SUFFIX) for t in tables)
                 groups.extend((g, wide) for g in opt.param_groups)
             self._groups = groups
         return self._groups

@@ -27,6 +27,7 @@ fused kernels' state: ``{"ebc.embedding_bags.<t>.weight": {"<t>.exp_avg": ...}}`
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,7 @@ class _Table:
     state: list[torch.Tensor]
     lr_multiplier: float
     features: list[int]  # the TBE features looked up in it
+    frozen: bool = False  # freeze_gradient: never updated (its state kept as it is)
 
 
 @dataclass
@@ -125,13 +127,16 @@ class RowSparseTables:
         max_gradient: clamp each captured pooled-output gradient to ``[-max_gradient,
             max_gradient]`` (TorchEasyRec's table ``gradient_clipping``, as fbgemm's kernels
             clamp it); None: no clipping.
+        frozen: tables ``freeze_gradient`` froze (``odl.train.frozen_parameters``): kept
+            with their state, never updated.
 
     Raises:
         RuntimeError: a TBE's layout is not one this module reads.
     """
 
     def __init__(self, dmp: nn.Module, rule: RowSparseRule, wide_multiplier: float = 1.0,
-                 world_size: int = 1, max_gradient: float | None = None) -> None:
+                 world_size: int = 1, max_gradient: float | None = None,
+                 frozen: Collection[str] = ()) -> None:
         self.rule = rule
         self._max_gradient = max_gradient
         self._pending: list[_Capture] = []
@@ -154,7 +159,8 @@ class RowSparseTables:
                 state = [torch.zeros(_state_shape(s, w), dtype=torch.float32, device=w.device)
                          for s in rule.state_names]
                 tables.append(_Table(name, w, state, mult,
-                                     [f for f, t in enumerate(ftm) if t == k]))
+                                     [f for f, t in enumerate(ftm) if t == k],
+                                     name in frozen))
                 pname = f"{EBC_PREFIX}{name}.weight"
                 self._states[pname] = {
                     f"{name}.{s}": (v if world_size == 1
@@ -221,6 +227,8 @@ class RowSparseTables:
         bounds = offsets.tolist()
         done = 0
         for table in tbe.tables:
+            if table.frozen:
+                continue
             rows, grads = [], []
             for f in table.features:
                 lo, hi = bounds[f * b], bounds[(f + 1) * b]

@@ -19,7 +19,8 @@ and a normal start run it. In order:
    property such as Java's ``sasl.jaas.config``, a missing ``ssl.key.location`` file, an
    unsupported ``sasl.mechanism``). Its message is passed on with every secret value masked.
 3. Memory: :func:`odl.train.memory_estimate.check_memory` (the model as built, on the
-   ``meta`` device).
+   ``meta`` device); then ``train_config.freeze_gradient``'s patterns against that model's
+   names (:func:`odl.train.frozen_parameters.check_freeze_gradient`).
 4. Paths: when ``model_dir`` holds no checkpoint, ``fine_tune_checkpoint`` must resolve to
    a complete checkpoint (a ``model.ckpt-N`` directory, or a directory whose newest intact
    checkpoint is used). The directory of ``--sample_ledger``,
@@ -52,6 +53,7 @@ from odl.protos import pipeline_pb2
 from odl.storage import file_store
 from odl.storage.oss_credentials import OssCredentialsError, oss_credentials
 from odl.storage.storage_path import is_remote, join
+from odl.train.frozen_parameters import check_freeze_gradient
 from odl.train.memory_estimate import (
     MemoryEstimate,
     check_memory,
@@ -502,5 +504,6 @@ def check_start(
         on_host = ranks
     estimate = check_memory(config, device_type, fraction, device_available=device_free,
                             ranks=ranks, ranks_on_host=on_host)
+    check_freeze_gradient(config)
     _check_paths(config, sample_ledger, create_dirs)  # last: may leave model_dir created
     return StartCheck(device_type, estimate, (*notes, *growth_notes(estimate)))

@@ -29,11 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.sharding_plan import (
-    construct_module_sharding_plan,
-    row_wise,
-    table_wise,
-)
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ShardingPlan
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -67,6 +63,7 @@ from odl.train.distributed import (
     table_placement,
 )
 from odl.train.dynamic_rows import DynamicRows, dynamic_partitions, held_partitions
+from odl.train.frozen_parameters import freeze_dense, frozen_parameters
 from odl.train.in_batch.in_batch_learning import ShiftGain
 from odl.train.in_batch.row_pair_learning import RowPairLearning, in_batch_status
 from odl.train.in_batch.wide_rate import WideRate, start_level
@@ -137,6 +134,7 @@ class TrainModule:
         torch.manual_seed(self.seed)
         sized = table_rows_at_start(config, feature_builder, self.world_size, table_rows)
         self.model = build_model(config, sized)
+        self.frozen = freeze_dense(self.model, frozen_parameters(config, self.model))
         self._feature_builder = feature_builder
         # per output: a regression predicts its logit, the others sigmoid(logit)
         self.regression = regression_outputs(config)
@@ -150,7 +148,7 @@ class TrainModule:
                                               self.in_batch_mode == IN_BATCH_ON)
         self.rates = LearningRates(self._sparse_spec, self._dense_spec, self.wide_lr_multiplier,
                                    separate_wide=self.in_batch_mode != IN_BATCH_OFF)
-        self.rates.fuse_table_optimizer(self.model.ebc, self.device.type)
+        self.rates.fuse_table_optimizer(self.model.ebc, self.device.type, self.frozen.tables)
         self.table_kind = table_kernel_kind(self._sparse_spec.kind)
         self.model.dense.to(self.device)
         table_configs = list(self.model.ebc.embedding_bag_configs())
@@ -183,11 +181,11 @@ class TrainModule:
         self._table_views: dict[str, torch.Tensor] | None = None  # embedding_tables()'s
         # (registered before the row-sparse tables' hooks, which capture the scaled gradient)
         self._gradient_scale = scale_table_gradients(
-            self._dmp, table_gradient_multiplier(config.train_config))
+            self._dmp, table_gradient_multiplier(config.train_config), self.frozen.tables)
         rule = row_sparse_rule(self._sparse_spec, self.device.type)  # None: fused updates
         self.row_sparse = None if rule is None else RowSparseTables(
             self._dmp, rule, self.wide_lr_multiplier, self.world_size,
-            self._sparse_spec.params.get("max_gradient"))
+            self._sparse_spec.params.get("max_gradient"), self.frozen.tables)
         if table_rows is None and self.world_size == 1:  # (a rebuild writes every row)
             init_embedding_weights(self.embedding_tables(), self.seed)
         elif table_rows is None:
@@ -213,9 +211,9 @@ class TrainModule:
         self._shard_views: dict[str, tuple[Any, list[Any]]] | None = None
         self.dynamic_rows.attach_disk_tier(config)
         self.stream_time = 0.0
-        self._dense_params = list(self._dense_module().parameters())
         if self.world_size > 1:  # every rank starts from rank 0's dense parameters
-            broadcast_parameters(self._dense_params)
+            broadcast_parameters(list(self._dense_module().parameters()))
+        self._dense_params = [p for p in self._dense_module().parameters() if p.requires_grad]
         self.dense_optimizer = build_dense_optimizer(
             [(f"dense.{n}", p) for n, p in self._dense_module().named_parameters()],
             self._dense_spec, dense_part_specs(config.train_config))
