@@ -201,6 +201,7 @@ LOADS = {
     "easyrec/multi_tower_on_taobao_chief_redundant.config",
     "easyrec/multi_tower_on_taobao_for_expr.config",
     "easyrec/multi_tower_on_taobao_session_auc.config",
+    "easyrec/multi_tower_on_taobao_test_udf.config",
     "easyrec/multi_tower_on_taobao_unblanace.config",
     "easyrec/multi_tower_ps_strategy_2gpu_on_taobao.config",
     "easyrec/multi_tower_ps_strategy_on_taobao.config",

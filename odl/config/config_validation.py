@@ -38,6 +38,7 @@ from odl.config.feature_configs import NUMERIC_FIELD_TYPES, FeatureConfig
 from odl.config.feature_settings import validate_feature_settings, with_vocabularies_as_buckets
 from odl.config.field_formats import RTP_INPUT_TYPES, parse_selected_cols, path_scheme
 from odl.config.input_validation import validate_input_sections
+from odl.config.label_functions import validate_label_functions
 from odl.config.loss_settings import validate_loss_settings
 from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
 from odl.config.model_classes import is_multi_task_model, multi_task_model_classes
@@ -231,6 +232,7 @@ def _validate_data_config(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
                               f"label {label!r} must be a numeric field")
         if label in dc.label_fields[:i]:
             raise ConfigError(f"data_config.label_fields[{i}]", f"label {label!r} repeats")
+    validate_label_functions(dc)
     _validate_rtp_layout(dc)
     if dc.sample_id_field and dc.sample_id_field not in fields:
         raise ConfigError("data_config.sample_id_field",

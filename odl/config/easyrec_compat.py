@@ -71,8 +71,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "sample_weight_fields", "sample_cost_field", "batch_cost_size", "input_fields_str",
     }),
     "DatasetConfig.Field": frozenset({
-        "input_dim", "input_shape", "user_define_fn", "user_define_fn_path",
-        "user_define_fn_res_type", "ignore_val",
+        "input_dim", "input_shape", "ignore_val",
     }),
     "TzIdFeature": frozenset({"value_dim", "vocab_list", "vocab_dict", "vocab_file",
                               "default_value", "default_bucketize_value",

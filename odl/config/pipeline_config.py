@@ -44,6 +44,7 @@ from odl.config.easyrec_compat import (
     warn_unwritten_batch_norm,
 )
 from odl.config.feature_settings import resolve_vocab_files
+from odl.config.label_functions import resolve_label_function_paths
 from odl.config.rtp_fg_json import load_fg_json
 from odl.protos import pipeline_pb2
 from odl.storage import file_store
@@ -100,6 +101,7 @@ def load_pipeline_config(
     infer_model_class(config)
     warn_unwritten_batch_norm(config)
     load_fg_json(config, path)
+    resolve_label_function_paths(config, path)
     normalize_config_forms(config)
     resolve_vocab_files(config, path)
     check_implemented(config)

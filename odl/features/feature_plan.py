@@ -98,6 +98,7 @@ from odl.config.dynamic_table_config import DynamicTableSpec, dynamic_table_spec
 from odl.config.expr_feature import ExprFunction, compile_expression
 from odl.config.feature_configs import FeatureConfig, feature_configs, feature_list_path
 from odl.config.feature_settings import has_vocabulary, normalizes, read_vocabulary
+from odl.config.label_functions import label_functions
 from odl.config.loss_settings import (
     jrc_session_field,
     num_classes,
@@ -388,6 +389,7 @@ class FeaturePlan:
             real_labels=sorted(real_valued_labels(pipeline_config)),
             class_labels=({self._label: num_classes(pipeline_config)}
                           if num_classes(pipeline_config) > 1 else None),
+            label_functions=label_functions(dc),
         )
         self._classes = num_classes(pipeline_config)
         self._seps = sorted({sp.separator for sp in self._sparse if sp.separator

@@ -26,6 +26,9 @@ Rules:
 * Numbers: INT32 / INT64 fields must hold integers (``"3.0"`` is ``bad_number``); FLOAT /
   DOUBLE anything numpy parses as a float; NaN / inf are ``non_finite``. BOOL accepts
   ``0/1/true/false`` (any case).
+* A label field with EasyRec's ``user_define_fn`` (``odl.config.label_functions``) is
+  checked as below after the function made its values (a record it fails on is
+  ``bad_label``).
 * Labels must be 0 or 1 (an empty label is ``bad_label``), except the ``real_labels`` (a
   regression output's), which may hold any finite number, and the ``class_labels`` (a
   ``num_class`` C model's), which hold a class index, an integer in ``[0, C)``.
@@ -50,6 +53,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from odl.config.label_functions import LabelFunction
 from odl.features.rtp_layout import RtpLayout
 from odl.protos import pipeline_pb2
 
@@ -207,6 +211,8 @@ class RecordParser:
         real_labels: label fields that may hold any finite number (not only 0 / 1).
         class_labels: label field -> its number of classes C (the label: an integer in
             ``[0, C)``).
+        label_functions: label field -> EasyRec's ``user_define_fn``
+            (``odl.config.label_functions``), applied before the label is checked.
     """
 
     def __init__(
@@ -217,7 +223,9 @@ class RecordParser:
         numeric_fields: Sequence[str] | None = None,
         real_labels: Sequence[str] = (),
         class_labels: Mapping[str, int] | None = None,
+        label_functions: Mapping[str, LabelFunction] | None = None,
     ) -> None:
+        self._label_functions = dict(label_functions or {})
         self._real_labels = set(real_labels)
         self._class_labels = dict(class_labels or {})
         self._fields = [f.input_name for f in data_config.input_fields]
@@ -504,6 +512,8 @@ class RecordParser:
             else:
                 v, good = parse_numbers(buf, s, e, kind)
             v = v.reshape(len(names), m)
+            if self._label_functions:  # (their values are replaced below)
+                v = v.copy()
             good = good.reshape(len(names), m)
             for k, name in enumerate(names):
                 is_label = name in self._labels
@@ -512,6 +522,9 @@ class RecordParser:
                 _mark(row_reason, ~good[k], 1)
                 if kind != "int":
                     _mark(row_reason, ~np.isfinite(v[k]), 2)
+                if is_label and name in self._label_functions:  # user_define_fn first
+                    v[k], failed = self._label_functions[name].apply(v[k], row_reason == 0)
+                    _mark(row_reason, failed, 3)
                 if is_label and name in self._class_labels:
                     classes = self._class_labels[name]
                     _mark(row_reason, (v[k] != np.floor(v[k])) | (v[k] < 0)
