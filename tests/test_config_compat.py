@@ -179,6 +179,7 @@ LOADS = {
     "easyrec/deepfm_freeze_gradient.config",
     "easyrec/deepfm_lookup.config",
     "easyrec/deepfm_multi_cls_on_avazu_ctr.config",
+    "easyrec/deepfm_multi_cls_small.config",
     "easyrec/deepfm_on_criteo_batch_tfrecord.config",
     "easyrec/deepfm_vocab_list_on_avazu_ctr.config",
     "easyrec/deppfm_seq_attn_on_taobao.config",
@@ -343,6 +344,9 @@ def _records(config, n: int, seed: int) -> list[bytes]:
             else:
                 makers.setdefault(name, lambda: f"id{rng.integers(50)}")
     labels = set(dc.label_fields)
+    for vl in dc.vector_labels:  # a soft label: dim numbers (digits where "" splits them)
+        makers[vl.input_name] = lambda d=int(vl.dim), sep=vl.separator: sep.join(
+            str(rng.integers(10)) if not sep else f"{rng.normal():.3f}" for _ in range(d))
     out = []
     for _ in range(n):
         row = []

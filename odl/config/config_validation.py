@@ -44,6 +44,7 @@ from odl.config.metric_settings import grouped_auc_field, grouped_auc_reduction
 from odl.config.model_classes import is_multi_task_model, multi_task_model_classes
 from odl.config.model_validation import validate_features, validate_model_common
 from odl.config.train_validation import validate_train_config
+from odl.config.vector_labels import validate_vector_labels
 from odl.protos import pipeline_pb2
 from odl.storage.storage_path import UnsupportedPathError, check_supported, parse_oss
 
@@ -233,6 +234,7 @@ def _validate_data_config(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
         if label in dc.label_fields[:i]:
             raise ConfigError(f"data_config.label_fields[{i}]", f"label {label!r} repeats")
     validate_label_functions(dc)
+    validate_vector_labels(config, fields)
     _validate_rtp_layout(dc)
     if dc.sample_id_field and dc.sample_id_field not in fields:
         raise ConfigError("data_config.sample_id_field",

@@ -60,7 +60,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     }),
     "KafkaServer": frozenset({"consumer", "sink"}),
     "DatasetConfig": frozenset({
-        "label_sep", "label_dim", "extra_label_func",
+        "extra_label_func",
         "selected_col_types", "ignore_error",
         "data_compression_type", "with_header",
         "feature_fields", "negative_sampler", "negative_sampler_v2", "hard_negative_sampler",
@@ -108,7 +108,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "dummy",
         "autoint", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat",
-        "simple_multi_task", "rocket_launching", "kd",
+        "simple_multi_task", "rocket_launching",
         "restore_filters",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet",
         "rank_model", "dlrm_hstu",
@@ -118,6 +118,13 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
         "pairwise_hinge_loss", "listwise_rank_loss", "listwise_distill_loss",
     }),
     "DNN": frozenset({"use_final_bn", "final_activation", "use_final_bias", "use_bias"}),
+    "KD": frozenset({
+        "task_space_indicator_name", "task_space_indicator_value", "in_task_space_weight",
+        "out_task_space_weight",
+        "f1_reweighted_loss", "softmax_loss", "circle_loss", "multi_simi_loss",
+        "binary_focal_loss", "pairwise_loss", "pairwise_focal_loss", "pairwise_logistic_loss",
+        "jrc_loss", "pairwise_hinge_loss", "listwise_rank_loss", "listwise_distill_loss",
+    }),
     "TaskTower": frozenset({"use_sample_weight", "bias_tower",
                             "pareto_min_loss_weight", "sample_weight_name"}),
     "TrainConfig": frozenset({
@@ -329,9 +336,7 @@ EASYREC_NOT_IMPLEMENTED_VALUES: dict[str, frozenset[str]] = {
         "SOFTMAX_CROSS_ENTROPY",
         "CIRCLE_LOSS", "MULTI_SIMILARITY_LOSS", "SOFTMAX_CROSS_ENTROPY_WITH_NEGATIVE_MINING",
         "PAIRWISE_LOSS",
-        "BINARY_CROSS_ENTROPY_LOSS",
         "PAIRWISE_HINGE_LOSS", "LISTWISE_RANK_LOSS", "LISTWISE_DISTILL_LOSS",
-        "KL_DIVERGENCE_LOSS",
     }),
 }
 

@@ -40,7 +40,7 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
 
     In-batch learning needs a model with one output, SGD or (row-wise) Adagrad tables without
     gradient clipping or a gradient multiplier, nothing frozen (``freeze_gradient``), no
-    sample weights, and with the sequential pass
+    distillation loss (``kd``), no sample weights, and with the sequential pass
     (``in_batch_sequential``, the default) losses of one record each; with several ranks,
     the sequential pass.
 
@@ -63,6 +63,10 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
         return (f"{sparse.field.rsplit('.', 1)[0]}.embedding_learning_rate_multiplier",
                 f"{field} does not take scaled table gradients (its shifted predictions "
                 "follow unscaled steps)")
+    if config.model_config.kd:
+        return ("model_config.kd",
+                f"{field} does not take distillation losses (its shifted predictions follow "
+                "the label's loss alone)")
     if tc.freeze_gradient:
         return ("train_config.freeze_gradient",
                 f"{field} does not take frozen parameters (its shifted predictions follow "

@@ -254,6 +254,14 @@ def validate_loss_settings(config: pipeline_pb2.EasyRecConfig) -> None:
     mc = config.model_config
     classes_of = {"model_config": int(mc.num_class)}
     classes_of.update({path: int(task.num_class) for path, task in task_towers(mc)})
+    kd_only = (_L.BINARY_CROSS_ENTROPY_LOSS, _L.KL_DIVERGENCE_LOSS)
+    owners = [("model_config", mc), *task_towers(mc)]
+    for where, kind in ([(f"{path}.loss_type", getattr(m, "loss_type", 0)) for path, m in owners]
+                        + [(f"{w}.loss_type", loss.loss_type) for w, loss in loss_entries(config)]):
+        if kind in kd_only:
+            raise ConfigError(where, f"{pipeline_pb2.LossType.Name(kind)} is a distillation "
+                                     "loss: odl computes it "
+                                     "for model_config.kd entries only")
     for where, loss in loss_entries(config):
         if loss.loss_type == _L.JRC_LOSS:
             jrc = loss.jrc_loss

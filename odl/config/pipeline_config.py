@@ -46,6 +46,7 @@ from odl.config.easyrec_compat import (
 from odl.config.feature_settings import resolve_vocab_files
 from odl.config.label_functions import resolve_label_function_paths
 from odl.config.rtp_fg_json import load_fg_json
+from odl.config.vector_labels import normalize_vector_labels
 from odl.protos import pipeline_pb2
 from odl.storage import file_store
 from odl.storage.oss_credentials import OssCredentialsError
@@ -102,6 +103,7 @@ def load_pipeline_config(
     warn_unwritten_batch_norm(config)
     load_fg_json(config, path)
     resolve_label_function_paths(config, path)
+    normalize_vector_labels(config)
     normalize_config_forms(config)
     resolve_vocab_files(config, path)
     check_implemented(config)

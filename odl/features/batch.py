@@ -30,6 +30,8 @@ class Batch:
         session_keys: int64 per-sample JRC_LOSS session (a hash of its column), or None.
         sample_weights: float32 per-sample loss weights (``data_config.sample_weight``), or
             None.
+        label_vectors: float32 ``[B, dim]`` per vector label (``data_config.vector_labels``:
+            distillation's soft labels), or None.
     """
 
     sparse: KeyedJaggedTensor
@@ -42,6 +44,7 @@ class Batch:
     group_keys: Optional[np.ndarray] = None
     session_keys: Optional[np.ndarray] = None
     sample_weights: Optional[np.ndarray] = None
+    label_vectors: Optional[dict[str, np.ndarray]] = None
 
     @property
     def size(self) -> int:
@@ -84,6 +87,8 @@ class Batch:
             session_keys=self.session_keys[rows] if self.session_keys is not None else None,
             sample_weights=(self.sample_weights[rows] if self.sample_weights is not None
                             else None),
+            label_vectors=({k: v[rows] for k, v in self.label_vectors.items()}
+                           if self.label_vectors is not None else None),
         )
 
     def padded(self, size: int) -> Batch:
@@ -133,4 +138,5 @@ class Batch:
             group_keys=self.group_keys,
             session_keys=self.session_keys,
             sample_weights=self.sample_weights,
+            label_vectors=self.label_vectors,
         )

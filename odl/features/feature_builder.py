@@ -88,6 +88,8 @@ class BatchArrays:
             text (``odl.config.loss_settings.jrc_session_field``) when one is configured.
         sample_weights: ``float32`` per-sample loss weights of ``data_config.sample_weight``
             (``odl.config.loss_settings.sample_weight_field``) when one is configured.
+        label_vectors: ``float32 [B, dim]`` numbers of each vector label
+            (``data_config.vector_labels``: a distillation's soft labels), or None.
     """
 
     values: np.ndarray
@@ -101,6 +103,7 @@ class BatchArrays:
     weights: np.ndarray | None = None
     session_keys: np.ndarray | None = None
     sample_weights: np.ndarray | None = None
+    label_vectors: dict[str, np.ndarray] | None = None
 
 
 @dataclass
@@ -189,6 +192,7 @@ class FeatureBuilder(FeaturePlan):
             group_keys=arrays.group_keys,
             session_keys=arrays.session_keys,
             sample_weights=arrays.sample_weights,
+            label_vectors=arrays.label_vectors,
         )
 
     def empty_arrays(self) -> BatchArrays:
@@ -211,6 +215,9 @@ class FeatureBuilder(FeaturePlan):
             weights=np.zeros(0, np.float32) if self._weighted else None,
             session_keys=np.zeros(0, np.int64) if self._session_field else None,
             sample_weights=np.zeros(0, np.float32) if self._weight_field else None,
+            label_vectors=({n: np.zeros((0, d), np.float32)
+                            for n, d in self._vector_labels.items()}
+                           if self._vector_labels else None),
         )
 
     def build_arrays(self, values: Sequence[bytes]) -> ArraysResult:
@@ -584,6 +591,8 @@ class FeatureBuilder(FeaturePlan):
                           if self._session_field else None),
             sample_weights=(parsed.numeric[self._weight_field].astype(np.float32)
                             if self._weight_field else None),
+            label_vectors=({n: parsed.numeric[n] for n in self._vector_labels}
+                           if self._vector_labels else None),
         )
         return ArraysResult(arrays, parsed.accepted, rejected)
 

@@ -276,6 +276,7 @@ class FeaturePlan:
         self._group_field = grouped_auc_field(pipeline_config)
         self._session_field = jrc_session_field(pipeline_config)
         self._weight_field = sample_weight_field(pipeline_config)
+        self._vector_labels = {v.input_name: int(v.dim) for v in dc.vector_labels}
         self._event_time_field = dc.event_time_field
         self._check_event_time = bool(check_event_time and dc.event_time_field)
         self._sparse: list[PlannedSparse] = []

@@ -29,6 +29,9 @@ Rules:
 * A label field with EasyRec's ``user_define_fn`` (``odl.config.label_functions``) is
   checked as below after the function made its values (a record it fails on is
   ``bad_label``).
+* A vector label (``data_config.vector_labels``, ``odl.config.vector_labels``) holds ``dim``
+  finite numbers split on its separator (one number when ``dim`` is 1), else ``bad_label``;
+  ``numeric`` holds it as ``[n, dim]``.
 * Labels must be 0 or 1 (an empty label is ``bad_label``), except the ``real_labels`` (a
   regression output's), which may hold any finite number, and the ``class_labels`` (a
   ``num_class`` C model's), which hold a class index, an integer in ``[0, C)``.
@@ -231,6 +234,8 @@ class RecordParser:
         self._fields = [f.input_name for f in data_config.input_fields]
         self._types = {f.input_name: f.input_type for f in data_config.input_fields}
         self._labels = list(data_config.label_fields)
+        self._vector_labels = {v.input_name: (int(v.dim), v.separator)
+                               for v in data_config.vector_labels}
         self._sep = data_config.separator.encode("utf-8")
         self._rtp = RtpLayout.of(data_config)
         self._format = data_config.record_format
@@ -532,6 +537,11 @@ class RecordParser:
                 elif is_label and name not in self._real_labels:
                     _mark(row_reason, (v[k] != 0) & (v[k] != 1), 3)
                 numeric[name] = v[k]
+        for name, (dim, sep) in self._vector_labels.items():  # [m, dim] numbers each
+            j = col[name]
+            numeric[name], bad = _vector_label(buf, starts[:, j], ends[:, j], dim, sep,
+                                               row_reason == 0)
+            _mark(row_reason, bad, 3)
         ok = row_reason == 0
 
         for j in np.flatnonzero(~ok):
@@ -551,6 +561,29 @@ class RecordParser:
 
 
 _NUM_REASONS = ("bad_number", "non_finite", "bad_label")
+
+
+def _vector_label(buf: np.ndarray, starts: np.ndarray, ends: np.ndarray, dim: int, sep: str,
+                  ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A vector label's ``float32 [m, dim]`` numbers, and the rows without ``dim`` finite ones.
+
+    One number per record when ``dim`` is 1; ``sep`` "" splits the text into single characters.
+    """
+    out = np.zeros((starts.shape[0], dim), dtype=np.float32)
+    bad = np.zeros(starts.shape[0], dtype=bool)
+    for i in np.flatnonzero(ok):
+        text = buf[starts[i]:ends[i]].tobytes().decode("utf-8", "replace").strip()
+        parts = [text] if dim == 1 else list(text) if sep == "" else text.split(sep)
+        try:
+            values = np.array([float(p) for p in parts], dtype=np.float64)
+        except ValueError:
+            bad[i] = True
+            continue
+        if values.shape[0] != dim or not np.isfinite(values).all():
+            bad[i] = True
+            continue
+        out[i] = values
+    return out, bad
 
 
 def _mark(row_reason: np.ndarray, mask: np.ndarray, code: int) -> None:

@@ -35,11 +35,13 @@ value's probability and the expected value (``odl.models.ziln``).
 
 ``CtrModel.forward(batch)`` is the lookup (``lookup``: the EBC, then the columns rearranged
 into the declared layout) followed by ``model.dense``; it returns a ``ModelOutput`` with the
-logits and the pooled groups. ``model.loss(output, batch)`` computes the training loss from
-its arguments only. The same ``model.dense`` class is what the exporter scripts into
-``dense_model.pt`` (``odl.export.dense_export``) and what ``odl-serve`` runs after its own
-lookups of the same layout, so a model's math exists once; nothing else in training,
-publishing, export or serving is model specific.
+logits and the pooled groups. ``model.loss(output, batch)`` computes the model's loss from
+its arguments only; ``model.training_loss`` adds the distillation losses of
+``model_config.kd`` (``odl.models.distillation``), whatever the class. The same
+``model.dense`` class is what the exporter scripts into ``dense_model.pt``
+(``odl.export.dense_export``) and what ``odl-serve`` runs after its own lookups of the same
+layout, so a model's math exists once; nothing else in training, publishing, export or
+serving is model specific.
 
 Adding a model: one module of this package that subclasses ``CtrModel`` (in ``__init__``
 build ``self.ebc`` with ``set_tables`` from a layout of ``odl.models.embedding_tables``,
@@ -54,7 +56,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -249,6 +251,8 @@ class CtrModel(nn.Module):
     output_names: tuple[str, ...]
     # per output, its column of Batch.labels (a [B] label tensor is column 0)
     output_labels: tuple[int, ...] = (0,)
+    # model_config.kd's losses (odl.models.distillation; build_model sets it), or None
+    distillation: Any = None
     # ``loss`` reads the logits only through ``ctr_loss`` of ``loss_terms`` (its other terms,
     # regularization, do not depend on them): ``log_loss_weights`` may then describe it
     LOGITS_ONLY_IN_CTR_LOSS = False
@@ -372,6 +376,24 @@ class CtrModel(nn.Module):
             Scalar loss.
         """
         return self.configured_loss(output, batch, self.kernel_l2)
+
+    def training_loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
+        """What a training step minimizes: :meth:`loss` plus the distillation losses.
+
+        ``model_config.kd``'s terms (``odl.models.distillation``; ``build_model`` sets
+        ``distillation``) join every model class's own loss here.
+
+        Args:
+            output: what ``forward(batch)`` returned.
+            batch: the batch (labels, soft labels).
+
+        Returns:
+            Scalar loss.
+        """
+        loss = self.loss(output, batch)
+        if self.distillation is not None:
+            loss = loss + self.distillation(output.logits, batch)
+        return loss
 
     def log_loss_weights(self, batch: Batch) -> np.ndarray | None:
         """Each record's weight ``c_i`` in the loss's cross entropy, where that form holds.

@@ -283,4 +283,8 @@ def build_model(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuil
         ConfigError: an unknown model class, or settings its class refuses.
     """
     entry = model_class_of(config.model_config)
-    return entry.build(config, feature_builder)
+    model = entry.build(config, feature_builder)
+    from odl.models.distillation import build_distillation  # (torch: only where built)
+
+    model.distillation = build_distillation(config, model.output_names)
+    return model

@@ -245,7 +245,7 @@ class TrainModule:
 
     def step_loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
         """The model's training loss of ``output`` on ``batch``."""
-        return self._module().loss(output, batch)
+        return self._module().training_loss(output, batch)
 
     def _module(self) -> nn.Module:
         return self._dmp.module
@@ -516,7 +516,7 @@ class TrainModule:
                                                             self.rates.tables), mine.pooled,
                                mine.aux_loss)
         if n:
-            loss = self._module().loss(mine, batch)
+            loss = self._module().training_loss(mine, batch)
             weighted = loss if len(sizes) == 1 else loss * (n * len(sizes) / sum(sizes))
         else:  # no records here: a zero loss still runs the backward's collectives
             loss = torch.tensor(float("nan"))
