@@ -386,8 +386,8 @@ def test_every_easyrec_input_type_is_accepted_the_input_section_decides(
          "feature_configs[0].feature_type", "PassThroughFeature"),
         ("model_config { loss_type: LISTWISE_RANK_LOSS }", "model_config.loss_type",
          "LISTWISE_RANK_LOSS"),
-        ("model_config { loss_type: KL_DIVERGENCE_LOSS }", "model_config.loss_type",
-         "KL_DIVERGENCE_LOSS"),
+        ("model_config { loss_type: PAIRWISE_HINGE_LOSS }", "model_config.loss_type",
+         "PAIRWISE_HINGE_LOSS"),
     ],
 )
 def test_easyrec_value_not_implemented(tmp_path: Path, text: str, field: str, value: str) -> None:
