@@ -162,7 +162,7 @@ def build_rank_snapshotter(config: Any, module: Any) -> ParameterSnapshotter:
 
 def _touched_rows_tracker(module: Any) -> DeltaTracker:
     """A ``DeltaTracker`` of the module's tables, registered as its touched-rows hook."""
-    tracker = DeltaTracker(module.feature_tables(),
+    tracker = DeltaTracker(module.feature_tables(changing=True),
                            {name: rows for name, (rows, _) in module.table_shapes().items()})
     module.set_touched_rows_hook(tracker.record)
     if hasattr(module, "add_table_growth_hook"):

@@ -204,3 +204,37 @@ def test_in_batch_learning_refuses_frozen_parameters(tmp_path) -> None:
     config.train_config.ClearField("in_batch_learning")  # unwritten: decided off
     tm = TrainModule(config, FeatureBuilder(config), device="cpu")
     assert tm.in_batch_mode == "off"
+
+
+# ---- publishing ---------------------------------------------------------------------------
+
+def test_frozen_tables_are_not_republished_and_serving_equals_the_trainer(
+        kafka_bootstrap, kafka_topic_factory, tmp_path) -> None:
+    """The Criteo-like DeepFM (groups wide, deep) with EasyRec's sample pattern, trained from
+    the broker with publishing: its versions carry rows of the wide tables only (the deep
+    tables' rows never change), and an early export plus the replayed versions predict what
+    the trainer predicts."""
+    import time
+
+    from odl.harness.delta_topic_audit import audit_delta_topic
+    from publisher.id_maps import read_id_maps
+    from tests.test_online_parity import (
+        _check_serving_parity,
+        _incr_save,
+        _train_with_publishing,
+    )
+
+    delta_topic = f"odl-deltas-frozen-{os.getpid()}-{time.time_ns()}"
+    freeze = ("save_checkpoints_steps: 4",
+              f'save_checkpoints_steps: 4 freeze_gradient: "{_SAMPLE_PATTERN}"')
+    trainer, cfg = _train_with_publishing(
+        tmp_path, kafka_bootstrap, kafka_topic_factory,
+        _incr_save("kafka", f"{kafka_bootstrap}|{delta_topic}"), n=800, edits=(freeze,))
+    tables = set(trainer.module.table_shapes())
+    deep = {t for t in tables if not t.endswith("_wide")}
+    assert trainer.module.frozen.tables == deep and deep
+    _check_serving_parity(tmp_path, trainer, cfg, kafka_bootstrap)
+    names = read_id_maps(trainer.model_dir).table_names()
+    audit = audit_delta_topic(kafka_bootstrap, delta_topic)
+    assert not audit.incomplete and not audit.rejected
+    assert {names[i] for i in audit.sparse_tables} == tables - deep

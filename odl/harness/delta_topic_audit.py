@@ -32,6 +32,7 @@ class DeltaTopicAudit:
         incomplete: versions that never completed (half-sent), as ``(generation, version)``.
         rejected: corrupt messages.
         end_offset: the topic's end when read.
+        sparse_tables: ids of the tables some chunk carries rows of.
     """
 
     last_complete: dict[str, int] = field(default_factory=dict)
@@ -39,6 +40,7 @@ class DeltaTopicAudit:
     incomplete: list[tuple[str, int]] = field(default_factory=list)
     rejected: int = 0
     end_offset: int = 0
+    sparse_tables: set[int] = field(default_factory=set)
 
 
 def audit_delta_topic(bootstrap: str, topic: str, timeout: float = 60.0) -> DeltaTopicAudit:
@@ -78,6 +80,7 @@ def audit_delta_topic(bootstrap: str, topic: str, timeout: float = 60.0) -> Delt
                     audit.rejected += 1
                     continue
                 seen.add((chunk.header.generation, chunk.header.version))
+                audit.sparse_tables.update(chunk.sparse)
                 version = assembler.add(chunk)
                 if version is not None:
                     key = (version.header.generation, int(version.header.version))

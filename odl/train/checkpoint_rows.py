@@ -65,7 +65,7 @@ class CheckpointRows:
     def __init__(self, module: TrainModule) -> None:
         self._m = module
         shapes = module.table_shapes()
-        self._tracker = DeltaTracker(module.feature_tables(),
+        self._tracker = DeltaTracker(module.feature_tables(changing=True),
                                      {t: n for t, (n, _c) in shapes.items()})
         module.add_touched_rows_hook(self._tracker.record)
         module.add_table_growth_hook(  # growing dynamic tables: the bitmaps follow

@@ -29,9 +29,11 @@ accumulator, Adam's moments) change; the row-sparse tables skip it. (fbgemm's fu
 LAMB on CUDA decay the moments of a frozen row a batch reads, as a zero gradient's step does;
 its weights stay.) A frozen dense parameter
 has ``requires_grad`` off: it gets no gradient, and the dense optimizer and the ranks'
-gradient average leave it alone. Both are still read, checkpointed, exported and published
-as before (rows a batch reads are published with their unchanged values). In-batch learning
-refuses the field (its shifted predictions assume every table steps).
+gradient average leave it alone. Both are still read, checkpointed and exported; a frozen
+table that is not dynamic is left out of the touched rows the delta publisher and the
+incremental checkpoints record (``changing_tables``: its rows never change, so no version
+or increment carries them). In-batch learning refuses the field (its shifted predictions
+assume every table steps).
 
 Refused by field (``ConfigError`` on ``train_config.freeze_gradient``, at start-up and in
 ``--validate_only``): a pattern that is not a regular expression; one that matches no name
@@ -45,7 +47,7 @@ from __future__ import annotations
 import logging
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -62,8 +64,8 @@ from odl.train.table_shards import EBC_PREFIX
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["FrozenParameters", "check_freeze_gradient", "easyrec_table_variables",
-           "freeze_dense", "frozen_parameters"]
+__all__ = ["FrozenParameters", "changing_tables", "check_freeze_gradient",
+           "easyrec_table_variables", "freeze_dense", "frozen_parameters"]
 
 FIELD = "train_config.freeze_gradient"
 
@@ -273,3 +275,15 @@ def check_freeze_gradient(config: pipeline_pb2.EasyRecConfig) -> None:
     with torch.device("meta"):
         model = build_model(config, feature_builder)
     frozen_parameters(config, model)
+
+
+def changing_tables(feature_tables: dict[str, list[str]], frozen: FrozenParameters,
+                    dynamic: Collection[str]) -> dict[str, list[str]]:
+    """``feature_tables`` less the frozen tables that are not dynamic (rows that never change).
+
+    The delta and checkpoint trackers need not record those; a frozen dynamic table still
+    admits and evicts ids, whose rows are new.
+    """
+    fixed = frozen.tables - set(dynamic)
+    out = {f: [t for t in ts if t not in fixed] for f, ts in feature_tables.items()}
+    return {f: ts for f, ts in out.items() if ts}

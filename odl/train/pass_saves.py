@@ -119,7 +119,7 @@ class PassSaves:
         self.model_name = isc.model_name or basename(config.model_dir)
         self.id_maps = build_id_maps(dense_variable_shapes(module), published_table_dims(module))
         self._table_rows = {name: rows for name, (rows, _) in module.table_shapes().items()}
-        self.tracker = DeltaTracker(module.feature_tables(), self._table_rows)
+        self.tracker = DeltaTracker(module.feature_tables(changing=True), self._table_rows)
         module.add_touched_rows_hook(self.tracker.record)
         module.add_table_growth_hook(self._tables_grew)
         self.snapshots = ParameterSnapshotter(module, self.id_maps, self.tracker,

@@ -63,7 +63,7 @@ from odl.train.distributed import (
     table_placement,
 )
 from odl.train.dynamic_rows import DynamicRows, dynamic_partitions, held_partitions
-from odl.train.frozen_parameters import freeze_dense, frozen_parameters
+from odl.train.frozen_parameters import changing_tables, freeze_dense, frozen_parameters
 from odl.train.in_batch.in_batch_learning import ShiftGain
 from odl.train.in_batch.row_pair_learning import RowPairLearning, in_batch_status
 from odl.train.in_batch.wide_rate import WideRate, start_level
@@ -326,9 +326,10 @@ class TrainModule:
         """The dynamic table behind a TorchRec table (``<t>`` or ``<t>_wide``), else None."""
         return self._dynamic_of_torch.get(table)
 
-    def feature_tables(self) -> dict[str, list[str]]:
-        """Embedded feature name -> tables it is looked up in (deep and wide)."""
-        return self._module().layout.feature_tables()
+    def feature_tables(self, changing: bool = False) -> dict[str, list[str]]:
+        """Embedded feature -> its tables; ``changing``: not the frozen fixed ones (trackers')."""
+        out = self._module().layout.feature_tables()
+        return changing_tables(out, self.frozen, self._dynamic_of_torch) if changing else out
 
     # -- steps ------------------------------------------------------------------------------
 
