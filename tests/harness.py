@@ -510,3 +510,21 @@ class RankPool:
                 p.kill()
                 p.join(10)
         self._procs, self._tasks, self._results = [], [], None
+
+
+def rank_dense_parameters(config, rank: int, steps: list) -> dict:
+    """One rank of a ``RankPool`` training ``config`` from seed 0 on ``steps[k][rank]``'s
+    records: per dense parameter, its values after the steps and whether they moved."""
+    import torch
+
+    from odl.features.feature_builder import FeatureBuilder
+    from odl.train.train_module import TrainModule
+
+    fb = FeatureBuilder(config)
+    torch.manual_seed(0)
+    tm = TrainModule(config, fb, device="cpu")
+    first = {k: v.detach().clone() for k, v in tm.dense_parameters().items()}
+    for step in steps:
+        tm.train_step(fb.build(step[rank]).batch)
+    return {k: (v.detach().numpy(), bool((v != first[k]).any()))
+            for k, v in tm.dense_parameters().items()}

@@ -28,6 +28,7 @@ from odl.models.model_registry import check_pipeline_config
 from odl.protos import pipeline_pb2 as pb
 from odl.train.train_module import TrainModule
 from tests.backbone_layer_checks import build
+from tests.harness import rank_dense_parameters
 from tests.model_checks import serving_replay_diff
 from tests.test_config_compat import _HERE, _records, _small_cpu_config, try_load
 
@@ -242,15 +243,7 @@ def test_the_contrastive_loss_is_learned_with_and_without_in_batch_learning(tmp_
 
 def _contrastive_rank(rank: int, world: int, model_dir: str, steps: list) -> dict:
     """One rank training its share of ``steps``; its dense parameters after them."""
-    config = _contrastive_config(model_dir)
-    fb = FeatureBuilder(config)
-    torch.manual_seed(0)
-    tm = TrainModule(config, fb, device="cpu")
-    first = {k: v.detach().clone() for k, v in tm.dense_parameters().items()}
-    for step in steps:
-        tm.train_step(fb.build(step[rank]).batch)
-    return {k: (v.detach().numpy(), bool((v != first[k]).any()))
-            for k, v in tm.dense_parameters().items()}
+    return rank_dense_parameters(_contrastive_config(model_dir), rank, steps)
 
 
 def test_two_ranks_train_one_set_of_package_weights(ranks, tmp_path) -> None:

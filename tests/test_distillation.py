@@ -23,6 +23,7 @@ from odl.models.model_registry import check_pipeline_config
 from odl.protos import pipeline_pb2
 from odl.train.startup_checks import check_start
 from odl.train.train_module import TrainModule
+from tests.harness import rank_dense_parameters
 from tests.test_config_compat import _HERE, _records, _small_cpu_config, try_load
 
 _SAMPLE = os.path.join(_HERE, "easyrec", "deepfm_multi_cls_small.config")
@@ -204,15 +205,8 @@ def test_the_distillation_term_trains_the_model_toward_the_teacher(tmp_path) -> 
 
 
 def _kd_rank(rank: int, world: int, model_dir: str, steps: list) -> dict:
-    config = _sample(model_dir)
-    fb = FeatureBuilder(config)
-    torch.manual_seed(0)
-    tm = TrainModule(config, fb, device="cpu")
-    first = {k: v.detach().clone() for k, v in tm.dense_parameters().items()}
-    for step in steps:
-        tm.train_step(fb.build(step[rank]).batch)
-    return {k: (v.detach().numpy(), bool((v != first[k]).any()))
-            for k, v in tm.dense_parameters().items()}
+    """One rank training its share of ``steps``; its dense parameters after them."""
+    return rank_dense_parameters(_sample(model_dir), rank, steps)
 
 
 def test_two_ranks_train_one_model_with_the_distillation_term(ranks, tmp_path) -> None:

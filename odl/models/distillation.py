@@ -103,31 +103,28 @@ def kd_loss(kd: pipeline_pb2.KD, pred: torch.Tensor, label: torch.Tensor,
             label, pred = label / t, pred / t
         return F.binary_cross_entropy_with_logits(pred, torch.sigmoid(label)) * w
     if kd.loss_type == _L.KL_DIVERGENCE_LOSS:
-        label = _as_logits(label, kd.label_is_logits, width)
-        pred = _as_logits(pred, kd.pred_is_logits, width)
-        if t > 0:
-            label, pred = label / t, pred / t
-        if width > 1:
-            label, pred = torch.softmax(label, -1), torch.softmax(pred, -1)
-        else:
-            label, pred = torch.sigmoid(label), torch.sigmoid(pred)
+        label, pred = _distributions(_as_logits(label, kd.label_is_logits, width),
+                                     _as_logits(pred, kd.pred_is_logits, width), t, width)
+        if width == 1:
             label = torch.stack([1 - label, label], -1)
             pred = torch.stack([1 - pred, pred], -1)
         label, pred = label.clamp(eps, 1), pred.clamp(eps, 1)
         return (label * torch.log(label / pred)).sum(-1).mean() * w
     # CROSS_ENTROPY_LOSS
-    if not kd.label_is_logits:
-        label = torch.log(label + eps)
-    if not kd.pred_is_logits:
-        pred = torch.log(pred + eps)
+    label, pred = _distributions(label if kd.label_is_logits else torch.log(label + eps),
+                                 pred if kd.pred_is_logits else torch.log(pred + eps), t, width)
+    losses = -label * torch.log(pred + eps) - (1 - label) * torch.log(1 - pred + eps)
+    return losses.mean() * w if w else pred.new_zeros(())
+
+
+def _distributions(label: torch.Tensor, pred: torch.Tensor, t: float,
+                   width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both sides' logits over the temperature, made distributions (softmax, or sigmoid)."""
     if t > 0:
         label, pred = label / t, pred / t
     if width > 1:
-        label, pred = torch.softmax(label, -1), torch.softmax(pred, -1)
-    else:
-        label, pred = torch.sigmoid(label), torch.sigmoid(pred)
-    losses = -label * torch.log(pred + eps) - (1 - label) * torch.log(1 - pred + eps)
-    return losses.mean() * w if w else pred.new_zeros(())
+        return torch.softmax(label, -1), torch.softmax(pred, -1)
+    return torch.sigmoid(label), torch.sigmoid(pred)
 
 
 def _as_logits(x: torch.Tensor, is_logits: bool, width: int) -> torch.Tensor:
