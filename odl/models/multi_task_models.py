@@ -1,7 +1,9 @@
 """EasyRec's multi-task models MMoE and DBMTL as ``CtrModel``s (contract: ``odl.models.ctr_model``).
 
-Both read one feature group (``"all"``, or the model's only group): the pooled embeddings of
-its embedded features, then its dense (raw) features, ``x``; the group's sequences (a
+Both read one feature group (``"all"``, or the model's only group; DBMTL with
+``bottom_uniter`` reads the image / general / text / other groups instead, its bottom
+``odl.models.uniter``): the pooled embeddings of its embedded features, then its dense (raw)
+features, ``x``; the group's sequences (a
 SequenceFeature with a ``sequence_combiner``, a target attention or pooling of its
 ``sequence_features`` / TorchEasyRec's ``sequence_encoders``) each become one vector in
 ``x`` (``GroupSequences``). Per task ``t`` (``task_towers`` in order)::
@@ -32,7 +34,9 @@ embedding. A task with a ``task_space_indicator_label`` weighs each sample's los
 ``in_task_space_weight`` when that label is > 0, else ``out_task_space_weight``, normalized
 (``sum(w * loss) / sum(w)``, TorchEasyRec's weighting).
 
-Parameter names: ``dense.bottom.*``, ``dense.experts.experts.<e>.*``,
+Parameter names: ``dense.bottom.*`` (with ``bottom_uniter``: ``dense.bottom.modalities.<i>.*``,
+``dense.bottom.token_types``, ``dense.bottom.cls``, ``dense.bottom.layers.<l>.*``,
+``dense.bottom.other_dnn.*``), ``dense.experts.experts.<e>.*``,
 ``dense.experts.gates.<t>.*``, ``dense.heads.<t>.dnn.*``, ``dense.heads.<t>.relation_dnn.*``,
 ``dense.heads.<t>.out.*``, ``dense.sequences.combiners.<i>.*`` (the group's sequence
 blocks), ``dense.dropout.logit_p`` (MMoE's and DBMTL's ``model_config.variational_dropout``:
@@ -80,6 +84,7 @@ from odl.models.task_towers import (
     task_label_columns,
     validate_task_towers,
 )
+from odl.models.uniter import UNITER_GROUPS, UniterBottom, uniter_inputs
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -105,6 +110,8 @@ class MultiTaskDense(nn.Module):
             the bottom output to one input per task (a list), with ``out_width``; or None.
         dropout: the variational dropout of the group's input (its columns in order:
             lookups, projected features, dense columns), or None.
+        bottom_module: a bottom reading the group's input instead of ``bottom`` (DBMTL's
+            ``bottom_uniter``: ``odl.models.uniter``), with ``out_width``; or None.
 
     Raises:
         ValueError: no input, no task, a bad expert setting, projected features beside
@@ -124,7 +131,8 @@ class MultiTaskDense(nn.Module):
                  projected_idx: Sequence[int] = (), projected_widths: Sequence[int] = (),
                  projected_dim: int = 0,
                  mixture: Optional[Callable[[int, int], nn.Module]] = None,
-                 dropout: Optional[FeatureDropout] = None) -> None:
+                 dropout: Optional[FeatureDropout] = None,
+                 bottom_module: Optional[nn.Module] = None) -> None:
         super().__init__()
         self.dense_idx = [int(i) for i in dense_idx]
         self.projected_idx = [int(i) for i in projected_idx]
@@ -146,7 +154,10 @@ class MultiTaskDense(nn.Module):
         if not tasks:
             raise ValueError("at least one task tower is needed")
         # Registration order fixes the dense optimizer's parameter order in checkpoints.
-        self.bottom, width = build_optional_mlp(in_width, bottom)
+        if bottom_module is not None:
+            self.bottom, width = bottom_module, int(bottom_module.out_width)
+        else:
+            self.bottom, width = build_optional_mlp(in_width, bottom)
         self.experts: Optional[ExpertGates] = None
         if experts is not None:
             expert_dnns, gate_dnn = experts
@@ -234,6 +245,7 @@ class TaskTowerModel(CtrModel):
         projected_dim: their ``embedding_dim``.
         mixture: the tasks' inputs from the shared input (``MultiTaskDense``'s), instead of
             the settings' experts.
+        bottom_module: the input width -> DBMTL's ``bottom_uniter`` module, or None.
 
     Raises:
         ValueError: a relation names an unknown or later task, or a bad setting.
@@ -253,6 +265,7 @@ class TaskTowerModel(CtrModel):
         projected: Sequence[Sequence[str]] = (),
         projected_dim: int = 0,
         mixture: Optional[Callable[[int, int], nn.Module]] = None,
+        bottom_module: Optional[Callable[[int], nn.Module]] = None,
     ) -> None:
         super().__init__()
         self.set_tables(layout, ebc_device)
@@ -295,7 +308,10 @@ class TaskTowerModel(CtrModel):
                                     [col[n] for n in group_dense], bottom, experts, tasks, seqs,
                                     [col[c] for cols in projected for c in cols],
                                     [len(cols) for cols in projected], projected_dim,
-                                    mixture=mixture, dropout=dropout)
+                                    mixture=mixture, dropout=dropout,
+                                    bottom_module=(bottom_module(
+                                        sum(dim_of[f] for f in lookups) + len(group_dense))
+                                        if bottom_module is not None else None))
         self.pooled_layout = (PooledGroup.of("all", tuple((f, table_of[f]) for f in lookups),
                                              [dim_of[f] for f in lookups]),)
         self.output_names = tuple(names)
@@ -359,8 +375,10 @@ def build_multi_task_model(
         ConfigError: a task's label is not a label field, or a bad setting.
     """
     mc = config.model_config
-    sequences = sequence_blocks(config, feature_builder)
     field, settings = model_settings(mc)
+    if field == "dbmtl" and settings.HasField("bottom_uniter"):
+        return build_uniter_dbmtl(config, feature_builder)
+    sequences = sequence_blocks(config, feature_builder)
     group = multi_task_group(mc)
     blocks = sequences.get(group, [])
     emb, raw = embedded_and_dense(mc, feature_builder, {group: blocks})[group]
@@ -381,6 +399,23 @@ def build_multi_task_model(
                               mixture=mixture)
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
+
+
+def build_uniter_dbmtl(config: pipeline_pb2.EasyRecConfig,
+                       feature_builder: FeatureBuilder) -> "TaskTowerModel":
+    """DBMTL with EasyRec's ``bottom_uniter`` over the image / general / text / other groups."""
+    mc = config.model_config
+    lookups, columns, layout = uniter_inputs(config, feature_builder)
+    label_columns, spaces = task_label_columns(config)
+    try:
+        tables = build_embedding_layout(feature_builder.table_specs, lookups, [], 1,
+                                        mixed_dims=True)
+        return TaskTowerModel(tables, feature_builder.dense_feature_names, columns, mc,
+                              label_columns, spaces, regular=lookups,
+                              bottom_module=lambda width: UniterBottom(
+                                  mc.dbmtl.bottom_uniter, layout, width))
+    except ValueError as e:
+        raise ConfigError("model_config.dbmtl.bottom_uniter", str(e)) from e
 
 
 def _validate_named_experts(settings: pipeline_pb2.MMoE, where: str) -> None:
@@ -414,6 +449,9 @@ def validate_multi_task(check: ModelCheck) -> None:
     where = f"model_config.{field}"
     if not mc.HasField(field):
         raise ConfigError(where, f"{mc.model_class} needs {field} {{ ... task_towers {{ ... }} }}")
+    if field == "dbmtl" and settings.HasField("bottom_uniter"):
+        _validate_uniter(check)
+        return
     if "all" not in groups and len(groups) != 1:
         raise ConfigError("model_config.feature_groups",
                           f'{mc.model_class} reads the feature group named "all" (or the only '
@@ -438,6 +476,38 @@ def validate_multi_task(check: ModelCheck) -> None:
     validate_task_towers(check, relations=field == "dbmtl")
 
 
+def _validate_uniter(check: ModelCheck) -> None:
+    """DBMTL's ``bottom_uniter``: its groups, its settings, the tasks (``odl.models.uniter``)."""
+    mc, settings = check.config.model_config, check.settings
+    where = "model_config.dbmtl.bottom_uniter"
+    if not set(check.groups) & set(UNITER_GROUPS):
+        raise ConfigError("model_config.feature_groups",
+                          f"bottom_uniter reads the groups {', '.join(UNITER_GROUPS)}; the "
+                          f"model has {sorted(check.groups)}")
+    uniter = settings.bottom_uniter
+    for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
+        if getattr(uniter, key) < 1:
+            raise ConfigError(f"{where}.{key}", "must be set (>= 1)")
+    if uniter.hidden_size % uniter.num_attention_heads:
+        raise ConfigError(f"{where}.num_attention_heads",
+                          f"must divide hidden_size {uniter.hidden_size}")
+    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+        if not 0 <= getattr(uniter, key) < 1:
+            raise ConfigError(f"{where}.{key}", "must be in [0, 1)")
+    if uniter.HasField("other_feature_dnn"):
+        validate_dnn(uniter.other_feature_dnn, f"{where}.other_feature_dnn", required=False)
+    for name in ("bottom_dnn", "bottom_mlp"):
+        if settings.HasField(name):  # EasyRec's DBMTL reads one bottom
+            logger.warning("model_config.dbmtl.%s has no effect beside bottom_uniter (EasyRec "
+                           "reads the UNITER bottom instead)", name)
+    if mc.HasField("variational_dropout"):
+        raise ConfigError("model_config.variational_dropout",
+                          "variational dropout of bottom_uniter's groups is not implemented")
+    if settings.l2_regularization < 0:
+        raise ConfigError("model_config.dbmtl.l2_regularization", "must be >= 0")
+    validate_task_towers(check, relations=True)
+
+
 def _validate(check: ModelCheck) -> None:
     """The input group, the experts, the tasks and their labels and relations."""
     validate_multi_task(check)
@@ -455,8 +525,9 @@ def _validate(check: ModelCheck) -> None:
     if field == "dbmtl" and settings.HasField("bottom_dnn"):
         validate_dnn(settings.bottom_dnn, f"{where}.bottom_dnn", required=False)
     mc = check.config.model_config
-    check_dropout_group(mc, mc.feature_groups[check.groups[multi_task_group(mc)]],
-                        check.features, with_sequences=True)
+    if field != "dbmtl" or not settings.HasField("bottom_uniter"):
+        check_dropout_group(mc, mc.feature_groups[check.groups[multi_task_group(mc)]],
+                            check.features, with_sequences=True)
 
 
 for _name in ("MMoE", "DBMTL"):
