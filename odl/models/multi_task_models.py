@@ -71,6 +71,7 @@ from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
+from odl.models.multimodal_inputs import MULTIMODAL_GROUPS, multimodal_inputs
 from odl.models.sequence_layers import (
     GroupSequences,
     SequenceBlock,
@@ -84,7 +85,7 @@ from odl.models.task_towers import (
     task_label_columns,
     validate_task_towers,
 )
-from odl.models.uniter import UNITER_GROUPS, UniterBottom, uniter_inputs
+from odl.models.uniter import UniterBottom
 from odl.protos import pipeline_pb2
 
 logger = logging.getLogger(__name__)
@@ -405,7 +406,7 @@ def build_uniter_dbmtl(config: pipeline_pb2.EasyRecConfig,
                        feature_builder: FeatureBuilder) -> "TaskTowerModel":
     """DBMTL with EasyRec's ``bottom_uniter`` over the image / general / text / other groups."""
     mc = config.model_config
-    lookups, columns, layout = uniter_inputs(config, feature_builder)
+    lookups, columns, layout = multimodal_inputs(config, feature_builder)
     label_columns, spaces = task_label_columns(config)
     try:
         tables = build_embedding_layout(feature_builder.table_specs, lookups, [], 1,
@@ -480,9 +481,9 @@ def _validate_uniter(check: ModelCheck) -> None:
     """DBMTL's ``bottom_uniter``: its groups, its settings, the tasks (``odl.models.uniter``)."""
     mc, settings = check.config.model_config, check.settings
     where = "model_config.dbmtl.bottom_uniter"
-    if not set(check.groups) & set(UNITER_GROUPS):
+    if not set(check.groups) & set(MULTIMODAL_GROUPS):
         raise ConfigError("model_config.feature_groups",
-                          f"bottom_uniter reads the groups {', '.join(UNITER_GROUPS)}; the "
+                          f"bottom_uniter reads the groups {', '.join(MULTIMODAL_GROUPS)}; the "
                           f"model has {sorted(check.groups)}")
     uniter = settings.bottom_uniter
     for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
