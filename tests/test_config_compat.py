@@ -181,6 +181,7 @@ LOADS = {
     "easyrec/deepfm_multi_cls_on_avazu_ctr.config",
     "easyrec/deepfm_multi_cls_small.config",
     "easyrec/dbmtl_uniter_on_movielens.config",
+    "easyrec/dbmtl_cmbf_on_movielens.config",
     "easyrec/deepfm_on_criteo_batch_tfrecord.config",
     "easyrec/deepfm_vocab_list_on_avazu_ctr.config",
     "easyrec/deppfm_seq_attn_on_taobao.config",

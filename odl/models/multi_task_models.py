@@ -65,6 +65,7 @@ from odl.config.model_validation import check_dropout_group, validate_dnn
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import ExpertGates, RawProjection, build_optional_mlp
+from odl.models.cmbf import CMBFBottom
 from odl.models.ctr_losses import linear_kernel_l2
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
@@ -377,8 +378,8 @@ def build_multi_task_model(
     """
     mc = config.model_config
     field, settings = model_settings(mc)
-    if field == "dbmtl" and settings.HasField("bottom_uniter"):
-        return build_uniter_dbmtl(config, feature_builder)
+    if field == "dbmtl" and multimodal_bottom(settings):
+        return build_multimodal_dbmtl(config, feature_builder)
     sequences = sequence_blocks(config, feature_builder)
     group = multi_task_group(mc)
     blocks = sequences.get(group, [])
@@ -402,21 +403,31 @@ def build_multi_task_model(
         raise ConfigError(f"model_config.{field}", str(e)) from e
 
 
-def build_uniter_dbmtl(config: pipeline_pb2.EasyRecConfig,
-                       feature_builder: FeatureBuilder) -> "TaskTowerModel":
-    """DBMTL with EasyRec's ``bottom_uniter`` over the image / general / text / other groups."""
+def multimodal_bottom(settings: pipeline_pb2.DBMTL) -> str:
+    """DBMTL's multimodal bottom, ``"bottom_uniter"`` or ``"bottom_cmbf"``; "" without one."""
+    return next((n for n in ("bottom_cmbf", "bottom_uniter") if settings.HasField(n)), "")
+
+
+def build_multimodal_dbmtl(config: pipeline_pb2.EasyRecConfig,
+                           feature_builder: FeatureBuilder) -> "TaskTowerModel":
+    """DBMTL with ``bottom_uniter`` or ``bottom_cmbf`` (``odl.models.multimodal_inputs``)."""
     mc = config.model_config
+    name = multimodal_bottom(mc.dbmtl)
     lookups, columns, layout = multimodal_inputs(config, feature_builder)
     label_columns, spaces = task_label_columns(config)
+
+    def bottom(width: int) -> nn.Module:
+        if name == "bottom_cmbf":
+            return CMBFBottom(mc.dbmtl.bottom_cmbf, layout)
+        return UniterBottom(mc.dbmtl.bottom_uniter, layout, width)
+
     try:
         tables = build_embedding_layout(feature_builder.table_specs, lookups, [], 1,
                                         mixed_dims=True)
         return TaskTowerModel(tables, feature_builder.dense_feature_names, columns, mc,
-                              label_columns, spaces, regular=lookups,
-                              bottom_module=lambda width: UniterBottom(
-                                  mc.dbmtl.bottom_uniter, layout, width))
+                              label_columns, spaces, regular=lookups, bottom_module=bottom)
     except ValueError as e:
-        raise ConfigError("model_config.dbmtl.bottom_uniter", str(e)) from e
+        raise ConfigError(f"model_config.dbmtl.{name}", str(e)) from e
 
 
 def _validate_named_experts(settings: pipeline_pb2.MMoE, where: str) -> None:
@@ -450,8 +461,8 @@ def validate_multi_task(check: ModelCheck) -> None:
     where = f"model_config.{field}"
     if not mc.HasField(field):
         raise ConfigError(where, f"{mc.model_class} needs {field} {{ ... task_towers {{ ... }} }}")
-    if field == "dbmtl" and settings.HasField("bottom_uniter"):
-        _validate_uniter(check)
+    if field == "dbmtl" and multimodal_bottom(settings):
+        _validate_multimodal(check)
         return
     if "all" not in groups and len(groups) != 1:
         raise ConfigError("model_config.feature_groups",
@@ -477,33 +488,41 @@ def validate_multi_task(check: ModelCheck) -> None:
     validate_task_towers(check, relations=field == "dbmtl")
 
 
-def _validate_uniter(check: ModelCheck) -> None:
-    """DBMTL's ``bottom_uniter``: its groups, its settings, the tasks (``odl.models.uniter``)."""
+def _validate_multimodal(check: ModelCheck) -> None:
+    """DBMTL's ``bottom_uniter`` / ``bottom_cmbf``: its groups, its settings, the tasks."""
     mc, settings = check.config.model_config, check.settings
-    where = "model_config.dbmtl.bottom_uniter"
+    name = multimodal_bottom(settings)
+    where = f"model_config.dbmtl.{name}"
     if not set(check.groups) & set(MULTIMODAL_GROUPS):
         raise ConfigError("model_config.feature_groups",
-                          f"bottom_uniter reads the groups {', '.join(MULTIMODAL_GROUPS)}; the "
+                          f"{name} reads the groups {', '.join(MULTIMODAL_GROUPS)}; the "
                           f"model has {sorted(check.groups)}")
-    uniter = settings.bottom_uniter
-    for key in ("hidden_size", "num_attention_heads", "intermediate_size"):
-        if getattr(uniter, key) < 1:
+    if settings.HasField("bottom_cmbf") and settings.HasField("bottom_uniter"):
+        raise ConfigError("model_config.dbmtl.bottom_uniter", "give bottom_cmbf or "
+                                                              "bottom_uniter, not both")
+    bottom = getattr(settings, name)
+    required = (("hidden_size", "num_attention_heads", "intermediate_size")
+                if name == "bottom_uniter" else
+                ("multi_head_num", "text_head_size", "text_multi_head_num", "image_head_size",
+                 "image_multi_head_num", "image_cross_head_size", "text_cross_head_size"))
+    for key in required:
+        if getattr(bottom, key) < 1:
             raise ConfigError(f"{where}.{key}", "must be set (>= 1)")
-    if uniter.hidden_size % uniter.num_attention_heads:
+    if name == "bottom_uniter" and bottom.hidden_size % bottom.num_attention_heads:
         raise ConfigError(f"{where}.num_attention_heads",
-                          f"must divide hidden_size {uniter.hidden_size}")
-    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
-        if not 0 <= getattr(uniter, key) < 1:
+                          f"must divide hidden_size {bottom.hidden_size}")
+    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "text_seq_emb_dropout_prob"):
+        if hasattr(bottom, key) and not 0 <= getattr(bottom, key) < 1:
             raise ConfigError(f"{where}.{key}", "must be in [0, 1)")
-    if uniter.HasField("other_feature_dnn"):
-        validate_dnn(uniter.other_feature_dnn, f"{where}.other_feature_dnn", required=False)
-    for name in ("bottom_dnn", "bottom_mlp"):
-        if settings.HasField(name):  # EasyRec's DBMTL reads one bottom
-            logger.warning("model_config.dbmtl.%s has no effect beside bottom_uniter (EasyRec "
-                           "reads the UNITER bottom instead)", name)
+    if bottom.HasField("other_feature_dnn"):
+        validate_dnn(bottom.other_feature_dnn, f"{where}.other_feature_dnn", required=False)
+    for dnn in ("bottom_dnn", "bottom_mlp"):
+        if settings.HasField(dnn):  # EasyRec's DBMTL reads one bottom
+            logger.warning("model_config.dbmtl.%s has no effect beside %s (EasyRec reads that "
+                           "bottom instead)", dnn, name)
     if mc.HasField("variational_dropout"):
         raise ConfigError("model_config.variational_dropout",
-                          "variational dropout of bottom_uniter's groups is not implemented")
+                          f"variational dropout of {name}'s groups is not implemented")
     if settings.l2_regularization < 0:
         raise ConfigError("model_config.dbmtl.l2_regularization", "must be >= 0")
     validate_task_towers(check, relations=True)
@@ -526,7 +545,7 @@ def _validate(check: ModelCheck) -> None:
     if field == "dbmtl" and settings.HasField("bottom_dnn"):
         validate_dnn(settings.bottom_dnn, f"{where}.bottom_dnn", required=False)
     mc = check.config.model_config
-    if field != "dbmtl" or not settings.HasField("bottom_uniter"):
+    if field != "dbmtl" or not multimodal_bottom(settings):
         check_dropout_group(mc, mc.feature_groups[check.groups[multi_task_group(mc)]],
                             check.features, with_sequences=True)
 

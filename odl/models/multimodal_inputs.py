@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from odl.config.config_error import ConfigError
-from odl.config.feature_configs import feature_configs
+from odl.config.feature_configs import feature_configs, projected_raw
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.feature_plan import sequence_key, sequence_length_column
 from odl.models.backbone.sequence_encoders import (
@@ -31,11 +31,12 @@ from odl.models.backbone.sequence_encoders import (
     BertDense,
     truncated_normal_,
 )
+from odl.models.building_blocks import RawProjection, build_mlp
 from odl.models.group_inputs import plain_dense
 from odl.protos import pipeline_pb2
 
-__all__ = ["MULTIMODAL_GROUPS", "Modality", "MultimodalLayout", "multimodal_inputs",
-           "projection"]
+__all__ = ["MULTIMODAL_GROUPS", "Modality", "MultimodalLayout", "OtherFeatures",
+           "multimodal_inputs", "projection"]
 
 # the feature groups the bottoms read, by name (EasyRec's)
 MULTIMODAL_GROUPS = ("image", "general", "text", "other")
@@ -50,7 +51,14 @@ class MultimodalLayout:
         image: ``(first column, features, raw_input_dim)``.
         sequences: per text SequenceFeature ``(first column, positions, embedding_dim,
             column of its length)``.
-        other: ``(first column, width)`` of its lookups, and of its dense values.
+        other_lookups: ``(first column, width)`` of the other group's lookups.
+        other_dense: ``(first column, width)`` of its raw values (features without
+            ``embedding_dim``).
+        general_raw: ``(first column, values per feature)`` of the general group's projected
+            raw features (RawFeatures with ``embedding_dim``: a token each, after its
+            embedded features).
+        other_raw: ``(first column, values per feature, embedding_dim)`` of the other group's
+            projected raw features.
     """
 
     general: tuple[int, int, int] = (0, 0, 0)
@@ -58,6 +66,8 @@ class MultimodalLayout:
     sequences: list[tuple[int, int, int, int]] = field(default_factory=list)
     other_lookups: tuple[int, int] = (0, 0)
     other_dense: tuple[int, int] = (0, 0)
+    general_raw: tuple[int, list[int]] = (0, [])
+    other_raw: tuple[int, list[int], int] = (0, [], 0)
 
 
 def projection(width: int, hidden: int) -> nn.Module:
@@ -82,15 +92,23 @@ class Modality(nn.Module):
         dropout: dropout of the post-processed tokens.
         post: post-process the tokens (type, position, layer norm, dropout); False: the
             projection alone.
+        raw: ``(first column, values per feature)`` of projected raw features whose
+            vectors (``RawProjection``, ``width`` wide) join as tokens after the others.
     """
 
-    __constants__ = ["start", "tokens", "width", "token_type", "use_token_type", "post"]
+    __constants__ = ["start", "tokens", "width", "token_type", "use_token_type", "post",
+                     "raw_start", "raw_width", "raw_count"]
 
     def __init__(self, start: int, tokens: int, width: int, hidden: int, token_type: int,
                  use_token_type: bool, positions: int, dropout: float,
-                 post: bool = True) -> None:
+                 post: bool = True, raw: tuple[int, list[int]] = (0, [])) -> None:
         super().__init__()
         self.start, self.tokens, self.width = int(start), int(tokens), int(width)
+        self.raw_start, self.raw_width, self.raw_count = (int(raw[0]), sum(raw[1]),
+                                                          len(raw[1]))
+        self.raw: Optional[RawProjection] = (RawProjection(raw[1], width) if raw[1]
+                                             else None)
+        self.count = self.tokens + self.raw_count  # tokens made
         self.token_type = int(token_type)
         self.use_token_type = bool(use_token_type)
         self.post = bool(post)
@@ -104,8 +122,14 @@ class Modality(nn.Module):
     def forward(self, x: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
         """``[B, tokens, hidden]`` of the columns ``start ..`` of ``x``."""
         b = x.shape[0]
-        tokens = self.project(x[:, self.start:self.start + self.tokens * self.width]
-                              .reshape(b, self.tokens, self.width))
+        tokens = x[:, self.start:self.start + self.tokens * self.width].reshape(
+            b, self.tokens, self.width)
+        raw = self.raw
+        if raw is not None:
+            values = x[:, self.raw_start:self.raw_start + self.raw_width]
+            tokens = torch.cat([tokens, raw(values).reshape(b, self.raw_count, self.width)],
+                               dim=1)
+        tokens = self.project(tokens)
         if not self.post:
             return tokens
         if self.use_token_type:
@@ -114,6 +138,42 @@ class Modality(nn.Module):
         if position is not None:
             tokens = tokens + position[: self.tokens]
         return self.dropout(self.norm(tokens))
+
+
+class OtherFeatures(nn.Module):
+    """The ``other`` group's features, through ``other_feature_dnn`` when set.
+
+    Its lookups, projected raw features and raw values, concatenated; ``present``: the group
+    has a feature.
+    """
+
+    __constants__ = ["lookup_start", "lookup_width", "raw_start", "raw_width", "dense_start",
+                     "dense_width", "present"]
+
+    def __init__(self, layout: MultimodalLayout, dnn: Optional[pipeline_pb2.DNN]) -> None:
+        super().__init__()
+        self.lookup_start, self.lookup_width = (int(v) for v in layout.other_lookups)
+        raw_start, raw_widths, raw_dim = layout.other_raw
+        self.raw_start, self.raw_width = int(raw_start), sum(raw_widths)
+        self.dense_start, self.dense_width = (int(v) for v in layout.other_dense)
+        self.raw: Optional[RawProjection] = (RawProjection(raw_widths, raw_dim) if raw_widths
+                                             else None)
+        width = self.lookup_width + len(raw_widths) * int(raw_dim) + self.dense_width
+        self.present = width > 0
+        self.dnn, self.out_width = (build_mlp(width, dnn) if width and dnn is not None
+                                    else (nn.Sequential(), width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, out_width]`` (call where ``present``)."""
+        parts: list[torch.Tensor] = []
+        if self.lookup_width:
+            parts.append(x[:, self.lookup_start:self.lookup_start + self.lookup_width])
+        raw = self.raw
+        if raw is not None:
+            parts.append(raw(x[:, self.raw_start:self.raw_start + self.raw_width]))
+        if self.dense_width:
+            parts.append(x[:, self.dense_start:self.dense_start + self.dense_width])
+        return self.dnn(torch.cat(parts, dim=1))
 
 
 def multimodal_inputs(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder
@@ -148,15 +208,21 @@ def multimodal_inputs(config: pipeline_pb2.EasyRecConfig, feature_builder: Featu
                               + ", ".join(f"{f}={w}" for f, w in widths.items()))
         return next(iter(widths.values()), 0)
 
-    general = members("general", "embedded features", sparse)
+    projected = {fc.feature_name: int(fc.embedding_dim) for fc in feature_configs(config)
+                 if projected_raw(fc)}
+    general = members("general", "embedded or projected raw features", sparse | set(projected))
+    general_raw = [f for f in general if f in projected]
+    general = [f for f in general if f not in general_raw]
     text = members("text", "SequenceFeatures", positions)
     image = members("image", "raw features", dense)
-    other_sparse = [f for f in groups.get("other", (0, []))[1] if f in sparse]
-    other_dense = [c for f in members("other", "embedded or raw features", sparse | set(dense))
-                   if f in dense for c in dense[f]]
-    gen_dim = one_width("general", {f: dims[f] for f in general})
+    other = members("other", "embedded or raw features", sparse | set(dense))
+    other_sparse = [f for f in other if f in sparse]
+    other_raw = [f for f in other if f in projected]
+    other_dense = [c for f in other if f in dense and f not in projected for c in dense[f]]
+    gen_dim = one_width("general", {f: dims[f] for f in general + general_raw})
     txt_dim = one_width("text", {f: dims[f] for f in text})
     img_width = one_width("image", {f: len(dense[f]) for f in image})
+    other_raw_dim = one_width("other", {f: projected[f] for f in other_raw})
     lookups = list(general)
     sequences = []
     col = len(general) * gen_dim
@@ -167,12 +233,21 @@ def multimodal_inputs(config: pipeline_pb2.EasyRecConfig, feature_builder: Featu
     other_lookups = (col, sum(dims[f] for f in other_sparse))
     lookups += other_sparse
     col += other_lookups[1]
+    # the dense columns: image values, projected raw values (general, other), other's raw
+    # values, then the sequences' lengths
     image_cols = [c for f in image for c in dense[f]]
-    columns = image_cols + other_dense + [s[3] for s in sequences]
+    general_raw_cols = [c for f in general_raw for c in dense[f]]
+    other_raw_cols = [c for f in other_raw for c in dense[f]]
+    columns = (image_cols + general_raw_cols + other_raw_cols + other_dense
+               + [s[3] for s in sequences])
+    at = col + len(image_cols)
     layout = MultimodalLayout(
         general=(0, len(general), gen_dim), image=(col, len(image), img_width),
-        sequences=[(s[0], s[1], s[2], col + len(image_cols) + len(other_dense) + k)
+        general_raw=(at, [len(dense[f]) for f in general_raw]),
+        other_raw=(at + len(general_raw_cols), [len(dense[f]) for f in other_raw],
+                   other_raw_dim),
+        other_dense=(at + len(general_raw_cols) + len(other_raw_cols), len(other_dense)),
+        sequences=[(s[0], s[1], s[2], len(columns) - len(sequences) + col + k)
                    for k, s in enumerate(sequences)],
-        other_lookups=other_lookups,
-        other_dense=(col + len(image_cols), len(other_dense)))
+        other_lookups=other_lookups)
     return lookups, columns, layout

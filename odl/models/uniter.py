@@ -30,8 +30,8 @@ from odl.models.backbone.sequence_encoders import (
     length_mask,
     truncated_normal_,
 )
-from odl.models.building_blocks import activation_layer, build_mlp
-from odl.models.multimodal_inputs import Modality, MultimodalLayout
+from odl.models.building_blocks import activation_layer
+from odl.models.multimodal_inputs import Modality, MultimodalLayout, OtherFeatures
 from odl.protos import pipeline_pb2
 
 __all__ = ["UniterBottom"]
@@ -49,8 +49,7 @@ class UniterBottom(nn.Module):
         ValueError: no modality, or settings the transformer cannot take.
     """
 
-    __constants__ = ["has_transformer", "fixed_tokens", "other_start", "other_width",
-                     "other_dense_start", "other_dense_width", "adder"]
+    __constants__ = ["has_transformer", "fixed_tokens", "adder"]
     length_columns: list[int]
     sequence_positions: list[int]
 
@@ -67,7 +66,8 @@ class UniterBottom(nn.Module):
         positions = (int(settings.max_position_embeddings)
                      if settings.use_position_embeddings else 0)
         img_start, img_count, img_width = layout.image
-        gen_start, gen_count, gen_dim = layout.general
+        gen_start, gen_embedded, gen_dim = layout.general
+        gen_count = gen_embedded + len(layout.general_raw[1])  # (embedded, then projected)
         seqs = list(layout.sequences)
         towers = (img_count > 0) + (gen_count > 0) + (len(seqs) > 0)
         use_types = towers > 1 or len(seqs) > 1 or img_count > 1
@@ -78,8 +78,8 @@ class UniterBottom(nn.Module):
             modalities.append(Modality(img_start, img_count, img_width, hidden, 0, use_types,
                                         positions, dropout))
         if gen_count:
-            modalities.append(Modality(gen_start, gen_count, gen_dim, hidden, first,
-                                        use_types, 0, dropout))
+            modalities.append(Modality(gen_start, gen_embedded, gen_dim, hidden, first,
+                                        use_types, 0, dropout, raw=layout.general_raw))
         for i, (start, n, dim, _length) in enumerate(seqs):
             if settings.use_position_embeddings and n > positions:
                 raise ValueError(f"a text sequence's {n} positions exceed "
@@ -106,12 +106,9 @@ class UniterBottom(nn.Module):
                       float(settings.attention_probs_dropout_prob),
                       float(settings.initializer_range))
             for _ in range(int(settings.num_hidden_layers)))
-        self.other_start, self.other_width = (int(v) for v in layout.other_lookups)
-        self.other_dense_start, self.other_dense_width = (int(v) for v in layout.other_dense)
-        other = self.other_width + self.other_dense_width
-        self.other_dnn, other_out = (build_mlp(other, settings.other_feature_dnn)
-                                     if other and settings.HasField("other_feature_dnn")
-                                     else (nn.Sequential(), other))
+        self.other = OtherFeatures(layout, settings.other_feature_dnn
+                                   if settings.HasField("other_feature_dnn") else None)
+        other_out = int(self.other.out_width)
         self.out_width = (hidden if self.has_transformer else 0) + other_out
         if self.out_width == 0:
             raise ValueError("bottom_uniter reads the feature groups image, general, text and "
@@ -136,12 +133,6 @@ class UniterBottom(nn.Module):
             for layer in self.layers:
                 seq = layer(seq, adder)
             parts.append(seq[:, 0])
-        other: list[torch.Tensor] = []
-        if self.other_width:
-            other.append(x[:, self.other_start:self.other_start + self.other_width])
-        if self.other_dense_width:
-            other.append(x[:, self.other_dense_start:
-                           self.other_dense_start + self.other_dense_width])
-        if other:
-            parts.append(self.other_dnn(torch.cat(other, dim=1)))
+        if self.other.present:
+            parts.append(self.other(x))
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
