@@ -290,7 +290,7 @@ def test_unknown_field(tmp_path: Path) -> None:
          "train_config.force_restore_shape_compatible"),
         ("model_config { masknet { } }", "model_config.masknet"),
         # a model's settings message lists its own (pipeline.proto's message option)
-        ("model_config { dbmtl { bottom_cmbf { } } }", "model_config.dbmtl.bottom_cmbf"),
+        ("model_config { dbmtl { use_feature_bn: true } }", "model_config.dbmtl.use_feature_bn"),
         ('model_config { multi_tower { bst_towers { input: "seq" } } }',
          "model_config.multi_tower.bst_towers"),
         ('feature_configs { input_names: "a" } feature_configs { precision: 3 }',
