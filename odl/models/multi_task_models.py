@@ -247,7 +247,7 @@ class TaskTowerModel(CtrModel):
         projected_dim: their ``embedding_dim``.
         mixture: the tasks' inputs from the shared input (``MultiTaskDense``'s), instead of
             the settings' experts.
-        bottom_module: the input width -> DBMTL's ``bottom_uniter`` module, or None.
+        bottom_module: DBMTL's ``bottom_uniter`` / ``bottom_cmbf`` module, or None.
 
     Raises:
         ValueError: a relation names an unknown or later task, or a bad setting.
@@ -267,7 +267,7 @@ class TaskTowerModel(CtrModel):
         projected: Sequence[Sequence[str]] = (),
         projected_dim: int = 0,
         mixture: Optional[Callable[[int, int], nn.Module]] = None,
-        bottom_module: Optional[Callable[[int], nn.Module]] = None,
+        bottom_module: Optional[nn.Module] = None,
     ) -> None:
         super().__init__()
         self.set_tables(layout, ebc_device)
@@ -311,9 +311,7 @@ class TaskTowerModel(CtrModel):
                                     [col[c] for cols in projected for c in cols],
                                     [len(cols) for cols in projected], projected_dim,
                                     mixture=mixture, dropout=dropout,
-                                    bottom_module=(bottom_module(
-                                        sum(dim_of[f] for f in lookups) + len(group_dense))
-                                        if bottom_module is not None else None))
+                                    bottom_module=bottom_module)
         self.pooled_layout = (PooledGroup.of("all", tuple((f, table_of[f]) for f in lookups),
                                              [dim_of[f] for f in lookups]),)
         self.output_names = tuple(names)
@@ -416,12 +414,9 @@ def build_multimodal_dbmtl(config: pipeline_pb2.EasyRecConfig,
     lookups, columns, layout = multimodal_inputs(config, feature_builder)
     label_columns, spaces = task_label_columns(config)
 
-    def bottom(width: int) -> nn.Module:
-        if name == "bottom_cmbf":
-            return CMBFBottom(mc.dbmtl.bottom_cmbf, layout)
-        return UniterBottom(mc.dbmtl.bottom_uniter, layout, width)
-
     try:
+        bottom = (CMBFBottom(mc.dbmtl.bottom_cmbf, layout) if name == "bottom_cmbf"
+                  else UniterBottom(mc.dbmtl.bottom_uniter, layout))
         tables = build_embedding_layout(feature_builder.table_specs, lookups, [], 1,
                                         mixed_dims=True)
         return TaskTowerModel(tables, feature_builder.dense_feature_names, columns, mc,

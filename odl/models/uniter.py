@@ -43,7 +43,6 @@ class UniterBottom(nn.Module):
     Args:
         settings: the ``UniterTower``.
         layout: where the modalities are in the input.
-        in_width: columns of the input.
 
     Raises:
         ValueError: no modality, or settings the transformer cannot take.
@@ -53,8 +52,7 @@ class UniterBottom(nn.Module):
     length_columns: list[int]
     sequence_positions: list[int]
 
-    def __init__(self, settings: pipeline_pb2.UniterTower, layout: MultimodalLayout,
-                 in_width: int) -> None:
+    def __init__(self, settings: pipeline_pb2.UniterTower, layout: MultimodalLayout) -> None:
         super().__init__()
         hidden, heads = int(settings.hidden_size), int(settings.num_attention_heads)
         if hidden < 1 or heads < 1 or hidden % heads:
@@ -113,7 +111,6 @@ class UniterBottom(nn.Module):
         if self.out_width == 0:
             raise ValueError("bottom_uniter reads the feature groups image, general, text and "
                              "other; the model has none of them")
-        del in_width
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, out_width]``: the ``[CLS]`` token's output, then the other features."""
