@@ -274,3 +274,19 @@ def test_a_prediction_the_model_lacks_is_refused_at_start(case) -> None:
     with pytest.raises(ConfigError, match=message) as err:
         check_start(config, online=True, device="cpu")
     assert err.value.field == field
+
+
+def test_a_json_record_may_give_its_soft_label_as_a_list() -> None:
+    """JSON records: the soft label as a list of numbers, joined on its separator."""
+    import json
+
+    config = _sample()
+    names = [f.input_name for f in config.data_config.input_fields]
+    row = _records(config, 1, seed=0)[0].decode().split(config.data_config.separator)
+    record = dict(zip(names, row, strict=True))
+    record["label"] = 2
+    record["kd_soft"] = [0.5, -1, 2e-3, 7, 1]
+    built = FeatureBuilder(config).build([json.dumps(record).encode()])
+    assert not built.rejected
+    np.testing.assert_allclose(built.batch.label_vectors["kd_soft"], [[0.5, -1, 2e-3, 7, 1]],
+                               rtol=1e-6)

@@ -276,7 +276,6 @@ class FeaturePlan:
         self._group_field = grouped_auc_field(pipeline_config)
         self._session_field = jrc_session_field(pipeline_config)
         self._weight_field = sample_weight_field(pipeline_config)
-        self._vector_labels = {v.input_name: int(v.dim) for v in dc.vector_labels}
         self._event_time_field = dc.event_time_field
         self._check_event_time = bool(check_event_time and dc.event_time_field)
         self._sparse: list[PlannedSparse] = []
@@ -382,6 +381,9 @@ class FeaturePlan:
         self._feature_to_table = {f: t.name for t in self._tables for f in t.feature_names}
         if self._check_event_time:
             numeric_fields.append(self._event_time_field)
+        # a vector label (a distillation's soft label): a JSON list joins on its separator
+        self._vector_labels = {v.input_name: int(v.dim) for v in dc.vector_labels}
+        list_seps.update({v.input_name: v.separator for v in dc.vector_labels if v.separator})
         self._parser = RecordParser(
             dc,
             max_record_bytes=max_record_bytes,

@@ -19,7 +19,7 @@ Rules:
   for every field (their text is used: ``str(value)``), ``true``/``false`` for BOOL and
   STRING fields, ``null`` or a missing key means empty. A list is joined with the field's
   list separator when one is given (``list_separators``, e.g. a multi-valued id feature's
-  ``separator``). Label fields are required.
+  ``separator``; a vector label's list may hold numbers). Label fields are required.
 * Empty field: replaced by the field's ``default_val`` text when that is not empty;
   otherwise a numeric field reads 0 and a STRING field stays empty. Label fields are never
   filled in: an empty label is ``bad_label`` whatever its ``default_val``.
@@ -437,9 +437,11 @@ class RecordParser:
             elif isinstance(v, str):
                 row.append(v.encode("utf-8"))
             elif isinstance(v, list) and name in self._list_seps and t == _FT.STRING:
-                if not all(isinstance(x, (str, int)) and not isinstance(x, bool) for x in v):
+                kinds = (str, int, float) if name in self._vector_labels else (str, int)
+                if not all(isinstance(x, kinds) and not isinstance(x, bool) for x in v):
                     return "json_type"
-                row.append(self._list_seps[name].join(str(x) for x in v).encode("utf-8"))
+                row.append(self._list_seps[name].join(
+                    repr(x) if isinstance(x, float) else str(x) for x in v).encode("utf-8"))
             else:
                 return "json_type"
         return row
