@@ -6,6 +6,8 @@ Skipped where no CUDA device is visible (CI has none). On a GPU machine these ne
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -61,6 +63,32 @@ def test_cuda_trains_the_same_model_as_cpu(fb):
     _assert_tables_equal(cpu, gpu, atol=1e-4)
     for name, p in cpu.dense_parameters().items():
         torch.testing.assert_close(gpu.dense_parameters()[name].cpu(), p, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("sample", ["dbmtl_uniter_on_movielens", "dbmtl_cmbf_on_movielens",
+                                    "deepfm_multi_cls_small"])
+def test_easyrec_samples_of_new_parts_train_alike_on_cuda_and_cpu(sample, device="cuda"):
+    """EasyRec's UNITER and CMBF bottoms and its distillation sample (dropout off): the CUDA
+    steps predict what the CPU steps predict."""
+    from tests.test_config_compat import _HERE, _records, _small_cpu_config, try_load
+
+    config = _small_cpu_config(try_load.load_one(
+        os.path.join(_HERE, "easyrec", f"{sample}.config"), "easyrec"))
+    config.model_dir = "unused"
+    mc = config.model_config
+    for name in ("bottom_uniter", "bottom_cmbf"):
+        if mc.HasField("dbmtl") and mc.dbmtl.HasField(name):
+            bottom = getattr(mc.dbmtl, name)
+            for key in ("hidden_dropout_prob", "attention_probs_dropout_prob",
+                        "text_seq_emb_dropout_prob"):
+                if key in bottom.DESCRIPTOR.fields_by_name:
+                    setattr(bottom, key, 0.0)
+    fb = FeatureBuilder(config)
+    cpu, gpu = TrainModule(config, fb, device="cpu"), TrainModule(config, fb, device=device)
+    for step in range(3):
+        batch = fb.build(_records(config, 32, seed=step)).batch
+        np.testing.assert_allclose(gpu.train_step(batch).probs, cpu.train_step(batch).probs,
+                                   atol=1e-4, rtol=0)
 
 
 def test_checkpoints_cross_devices_both_ways(fb):
