@@ -1,12 +1,12 @@
 """EasyRec's multi-task models MMoE and DBMTL as ``CtrModel``s (contract: ``odl.models.ctr_model``).
 
 Both read one feature group (``"all"``, or the model's only group; DBMTL with
-``bottom_uniter`` reads the image / general / text / other groups instead, its bottom
-``odl.models.uniter``): the pooled embeddings of its embedded features, then its dense (raw)
-features, ``x``; the group's sequences (a
-SequenceFeature with a ``sequence_combiner``, a target attention or pooling of its
-``sequence_features`` / TorchEasyRec's ``sequence_encoders``) each become one vector in
-``x`` (``GroupSequences``). Per task ``t`` (``task_towers`` in order)::
+``bottom_uniter`` or ``bottom_cmbf`` reads the image / general / text / other groups instead
+(``odl.models.multimodal_inputs``), its bottom ``odl.models.uniter`` / ``odl.models.cmbf``):
+the pooled embeddings of its embedded features, then its dense (raw) features, ``x``; the
+group's sequences (a SequenceFeature with a ``sequence_combiner``, a target attention or
+pooling of its ``sequence_features`` / TorchEasyRec's ``sequence_encoders``) each become
+one vector in ``x`` (``GroupSequences``). Per task ``t`` (``task_towers`` in order)::
 
     h       = bottom_dnn(x)                       DBMTL with bottom_dnn; else h = x
     in_t    = sum_e gate_t(h)_e * expert_e(h)     with expert_dnn (MMoE always); else in_t = h
@@ -36,7 +36,10 @@ embedding. A task with a ``task_space_indicator_label`` weighs each sample's los
 
 Parameter names: ``dense.bottom.*`` (with ``bottom_uniter``: ``dense.bottom.modalities.<i>.*``,
 ``dense.bottom.token_types``, ``dense.bottom.cls``, ``dense.bottom.layers.<l>.*``,
-``dense.bottom.other_dnn.*``), ``dense.experts.experts.<e>.*``,
+``dense.bottom.other.*``; with ``bottom_cmbf``: ``dense.bottom.image.*``,
+``dense.bottom.image_layers.<l>.*``, ``dense.bottom.text.<i>.*``,
+``dense.bottom.text_layers.<l>.*``, ``dense.bottom.token_types``, ``dense.bottom.cross.<l>.*``,
+``dense.bottom.other.*``), ``dense.experts.experts.<e>.*``,
 ``dense.experts.gates.<t>.*``, ``dense.heads.<t>.dnn.*``, ``dense.heads.<t>.relation_dnn.*``,
 ``dense.heads.<t>.out.*``, ``dense.sequences.combiners.<i>.*`` (the group's sequence
 blocks), ``dense.dropout.logit_p`` (MMoE's and DBMTL's ``model_config.variational_dropout``:
@@ -113,7 +116,7 @@ class MultiTaskDense(nn.Module):
         dropout: the variational dropout of the group's input (its columns in order:
             lookups, projected features, dense columns), or None.
         bottom_module: a bottom reading the group's input instead of ``bottom`` (DBMTL's
-            ``bottom_uniter``: ``odl.models.uniter``), with ``out_width``; or None.
+            ``bottom_uniter`` / ``bottom_cmbf``), with ``out_width``; or None.
 
     Raises:
         ValueError: no input, no task, a bad expert setting, projected features beside
