@@ -134,3 +134,14 @@ def test_a_feature_the_converter_refuses_names_it(tmp_path, feature, words):
     with pytest.raises(ConfigError) as e:
         load_pipeline_config(_write(tmp_path, {"features": [feature]}))
     assert e.value.field.startswith("fg_json_path") and words in str(e.value)
+
+
+def test_a_path_marked_expanded_keeps_the_configs_own_fields_and_reads_no_file(tmp_path):
+    """EasyRec writes ``!`` before the path once it has expanded a config (its
+    ``fg_test_extensions_final.config``): the fields are the config's, no file is read."""
+    config_file = tmp_path / "pipeline.config"
+    config_file.write_text(CONFIG % "!fg/missing.json")
+    config = load_pipeline_config(str(config_file))
+    assert not config.fg_json_path
+    assert [f.input_name for f in config.data_config.input_fields] == ["replaced"]
+    assert [fc.feature_name for fc in config.feature_config.features] == ["kept"]

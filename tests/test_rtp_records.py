@@ -26,7 +26,7 @@ RTP = 'input_type: RTPInput selected_cols: "1,2" rtp_separator: ";" separator: "
 
 def _text(data_edit: str = RTP, model_dir: str = "/tmp/odl-rtp-unused") -> str:
     text = deepfm_config_text(model_dir, dim=8, buckets=50, hidden_units=(16,))
-    if "input_type: RTPInput" in data_edit:
+    if "RTPInput" in data_edit:
         text = text.replace("  input_type: KafkaInput\n", "", 1)
     return text.replace("data_config {", "data_config {\n  " + data_edit, 1)
 
@@ -56,6 +56,23 @@ def test_rtp_lines_parse_as_the_plain_records_they_hold() -> None:
     for f in plain_config.data_config.input_fields:
         assert got.texts(f.input_name) == want.texts(f.input_name), f.input_name
     assert sorted(got.rejected) == [(50, "field_count"), (51, "field_count")]
+
+
+def test_columns_selected_by_name_are_the_records_columns_in_that_order() -> None:
+    """EasyRec's ODPS form (``OdpsRTPInput``, ``selected_cols: "label,features"``, a table's
+    columns by name): a record holds the named columns in that order."""
+    by_name = ('input_type: OdpsRTPInput selected_cols: "label, features" rtp_separator: ";" '
+               'separator: "\\002"')
+    config = parse_pipeline_config_text(_text(by_name))
+    check_pipeline_config(config, online=True)
+    plain_config = parse_pipeline_config_text(_text(""))
+    plain, rtp = _records(20, seed=4)
+    two_columns = [line.split(b";", 1)[1] for line in rtp]  # the label, the features
+    got = RecordParser(config.data_config).parse(two_columns)
+    want = RecordParser(plain_config.data_config).parse(plain)
+    assert got.num_rows == want.num_rows == 20 and not got.rejected
+    for f in plain_config.data_config.input_fields:
+        assert got.texts(f.input_name) == want.texts(f.input_name), f.input_name
 
 
 def test_rtp_records_train_and_serve_as_plain_ones(tmp_path) -> None:
@@ -105,6 +122,8 @@ def test_rtp_records_train_and_serve_as_plain_ones(tmp_path) -> None:
     ('rtp_separator: "|"', "data_config.rtp_separator"),
     ("input_type: RTPInput", "data_config.selected_cols"),  # the layout is required
     ('input_type: RTPInput selected_cols: "0,x"', "data_config.selected_cols"),
+    ('input_type: OdpsRTPInput selected_cols: "clk,clk"', "data_config.selected_cols"),
+    ('input_type: OdpsRTPInput selected_cols: "a,b,features"', "data_config.selected_cols"),
     ('input_type: RTPInput selected_cols: "3"', "data_config.selected_cols"),
     ('input_type: RTPInput selected_cols: "0,1,3"', "data_config.selected_cols"),  # 1 label
     ('input_type: RTPInput selected_cols: "0,3" rtp_separator: ","',

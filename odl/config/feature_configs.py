@@ -19,6 +19,7 @@ __all__ = [
     "embedded_feature",
     "feature_configs",
     "feature_list_path",
+    "projected_group_dim",
     "projected_raw",
 ]
 
@@ -81,6 +82,36 @@ def projected_raw(fc: FeatureConfig) -> bool:
     """
     return (fc.feature_type == _FT.RawFeature and not fc.boundaries
             and fc.embedding_dim > 0)
+
+
+def projected_group_dim(group: pipeline_pb2.FeatureGroupConfig,
+                        features: dict[str, FeatureConfig], where: str, owner: str) -> int:
+    """The one ``embedding_dim`` of a feature group's projected raw features (0: none).
+
+    A group's projected raw features are one ``RawProjection`` of one width, and they do not
+    share a group with sequences (whose combined vectors replace the group's input).
+
+    Args:
+        group: the feature group.
+        features: feature name -> its config.
+        where: the group's ``feature_names`` path, for errors.
+        owner: what reads the group (``"a multi-task group"``, ``"a tower's group"``).
+
+    Raises:
+        ConfigError: two widths, or sequences beside them.
+    """
+    dims = {n: features[n].embedding_dim for n in group.feature_names
+            if n in features and projected_raw(features[n])}
+    if len(set(dims.values())) > 1:
+        shown = ", ".join(f"{n}={v}" for n, v in list(dims.items())[:6])
+        raise ConfigError(where, f"the projected raw features of {owner} need one "
+                                 f"embedding_dim; got {shown}")
+    if dims and (group.sequence_features or group.sequence_groups or any(
+            n in features and features[n].feature_type == _FT.SequenceFeature
+            for n in group.feature_names)):
+        raise ConfigError(where, f"projected raw features beside sequences in {owner} are "
+                                 "not implemented")
+    return next(iter(dims.values()), 0)
 
 
 def embedded_feature(fc: FeatureConfig) -> bool:

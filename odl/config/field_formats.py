@@ -7,7 +7,8 @@
 * ``datahub_train_input.offset_info`` / ``offset_time``: EasyRec's DataHub start forms
   (:func:`parse_datahub_offsets`);
 * paths: a ``scheme://`` prefix marks a remote path (:func:`path_scheme`);
-* ``data_config.selected_cols``: EasyRec's RTP columns, ``"0,3"`` (:func:`parse_selected_cols`).
+* ``data_config.selected_cols``: EasyRec's RTP columns, by index ``"0,3"`` or by name
+  ``"clk,features"`` (:func:`parse_selected_cols`).
 
 The validator calls these parsers to check the fields; the trainer calls them again to use
 the values.
@@ -204,20 +205,29 @@ RTP_INPUT_TYPES = frozenset({pipeline_pb2.DatasetConfig.RTPInput,
 
 
 def parse_selected_cols(text: str) -> list[int]:
-    """``data_config.selected_cols``' indices, e.g. ``"0,3"`` -> ``[0, 3]``.
+    """``data_config.selected_cols``' column indices: the label columns, then the features'.
 
-    The label columns, then the features column.
+    By index (EasyRec's ``RTPInput``): ``"0,3"`` -> ``[0, 3]``, columns of the record that are
+    not named are not read. By name (EasyRec's ``OdpsRTPInput``, a table's columns, e.g.
+    ``"clk,features"``): a record holds the named columns, in the order named, so the names
+    stand for ``[0, 1, ...]``.
 
     Raises:
-        ValueError: not comma-separated integers >= 0, fewer than two, or one twice.
+        ValueError: neither all indices nor all names, fewer than two, a negative index, or
+            one twice.
     """
-    try:
-        cols = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise ValueError(f"{text!r} is not a comma-separated list of column indices") from None
+    parts = [x.strip() for x in text.split(",")]
+    if len(set(parts)) != len(parts):
+        raise ValueError(f"{text!r} names a column twice")
+    if all(re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", x) for x in parts):
+        cols = list(range(len(parts)))
+    else:
+        try:
+            cols = [int(x) for x in parts]
+        except ValueError:
+            raise ValueError(f"{text!r} is neither a comma-separated list of column indices "
+                             "nor one of column names") from None
     if len(cols) < 2 or min(cols) < 0:
         raise ValueError(f"{text!r} needs the label columns and last the features column "
                          "(indices >= 0)")
-    if len(set(cols)) != len(cols):
-        raise ValueError(f"{text!r} names a column twice")
     return cols

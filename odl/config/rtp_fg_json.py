@@ -30,9 +30,12 @@ features from the fg.json when it loads the config (``fg_util.load_fg_json_to_co
 The input fields the config writes are replaced, its ``feature_configs`` too, and the
 fg.json's features join ``feature_config.features`` (after those the config writes, as
 EasyRec); ``fg_json_path`` is then cleared, so checkpoints and exports keep the expanded
-config. What EasyRec's converter does not read is not read here either (``value_type``,
-``group``, ``expression``, ``map``, ``key``: the generator's side); ``normalizer_fn``,
-``needWeighting`` and ``is_cache`` are refused by name.
+config. A path starting with ``!`` is EasyRec's mark of a config already expanded (its loader
+writes the ``!`` after the expansion): its input fields and features are the config's own,
+and the file is not read (``fg_test_extensions_final.config``). What EasyRec's converter
+does not read is not read here either (``value_type``, ``group``, ``expression``, ``map``,
+``key``: the generator's side); ``normalizer_fn``, ``needWeighting`` and ``is_cache`` are
+refused by name.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ def load_fg_json(config: pipeline_pb2.EasyRecConfig, config_path: str) -> None:
     """Replaces a config's input fields and features by its ``fg_json_path``'s, in place.
 
     A relative ``fg_json_path`` is tried against the config file's directory, then the
-    working directory (EasyRec's). Nothing happens without ``fg_json_path``.
+    working directory (EasyRec's). Without ``fg_json_path`` nothing happens; with one marked
+    expanded already (``!path``) the field is cleared and nothing else changes.
 
     Args:
         config: the config loaded from ``config_path``.
@@ -69,6 +73,9 @@ def load_fg_json(config: pipeline_pb2.EasyRecConfig, config_path: str) -> None:
     """
     path = config.fg_json_path
     if not path:
+        return
+    if path.startswith("!"):  # EasyRec's: expanded already, the fields are the config's
+        config.ClearField("fg_json_path")
         return
     where = "fg_json_path"
     doc = _read(_resolve(path, config_path), where)

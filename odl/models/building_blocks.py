@@ -279,3 +279,27 @@ class RawProjection(nn.Module):
                                       self.weight[start : start + w]))
             start += w
         return torch.cat(parts, dim=1)
+
+
+class ProjectedTail(nn.Module):
+    """Projected raw features at the end of an input: their values become their vectors.
+
+    The last ``columns`` columns of the input are replaced by their ``RawProjection``
+    vectors, the columns before are kept; scriptable.
+
+    Args:
+        widths: values per projected feature, in column order (``RawProjection``'s).
+        dim: the projected vectors' width.
+    """
+
+    __constants__ = ["columns"]
+
+    def __init__(self, widths: Sequence[int], dim: int) -> None:
+        super().__init__()
+        self.projection = RawProjection(widths, dim)
+        self.columns = sum(int(w) for w in widths)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, kept + columns]`` -> ``[B, kept + features * dim]``."""
+        kept = x.shape[1] - self.columns
+        return torch.cat([x[:, :kept], self.projection(x[:, kept:])], dim=1)

@@ -62,7 +62,7 @@ from torch import nn
 
 from odl.config import limits
 from odl.config.config_error import ConfigError
-from odl.config.feature_configs import feature_configs, projected_raw
+from odl.config.feature_configs import feature_configs, projected_group_dim
 from odl.config.model_classes import model_settings
 from odl.config.model_validation import check_dropout_group, validate_dnn
 from odl.features.batch import Batch
@@ -468,19 +468,8 @@ def validate_multi_task(check: ModelCheck) -> None:
                           f"group); groups are {sorted(groups)}")
     gi = groups[multi_task_group(mc)]
     group = mc.feature_groups[gi]
-    projected = {n: check.features[n].embedding_dim for n in group.feature_names
-                 if projected_raw(check.features[n])}
-    if len(set(projected.values())) > 1:
-        shown = ", ".join(f"{n}={v}" for n, v in list(projected.items())[:6])
-        raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
-                          f"the projected raw features of a multi-task group need one "
-                          f"embedding_dim; got {shown}")
-    if projected and (group.sequence_features or group.sequence_groups or any(
-            check.features[n].feature_type == pipeline_pb2.FeatureConfig.SequenceFeature
-            for n in group.feature_names)):
-        raise ConfigError(f"model_config.feature_groups[{gi}].feature_names",
-                          "projected raw features beside sequences in a multi-task group are "
-                          "not implemented")
+    projected_group_dim(group, check.features, f"model_config.feature_groups[{gi}].feature_names",
+                        "a multi-task group")
     if settings.l2_regularization < 0:
         raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
     validate_task_towers(check, relations=field == "dbmtl")

@@ -10,7 +10,9 @@ outputs are concatenated into ``final_dnn`` and one logit::
     logit   = Linear(final_dnn(concat(tower_0, tower_1, ...)) -> 1)   (final_dnn unset: none)
 
 ``x_i`` is the tower's feature group: the pooled embeddings of its embedded features, then
-its dense (raw) features. The cross network is DCN v1's,
+its dense (raw) features, then a vector per projected raw feature (EasyRec's RawFeature with
+``embedding_dim`` and no ``boundaries``: ``value * p`` with ``p`` learned, one width per
+group, ``building_blocks.ProjectedTail``). The cross network is DCN v1's,
 ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l`` for ``cross_num`` layers (``w_l``, ``b_l`` of
 the input's width); DCN v2's is ``CrossNetV2`` of ``odl.models.building_blocks`` (low-rank
 weights); a DIN tower is ``TargetAttention`` over a sequence attention group
@@ -30,7 +32,9 @@ Parameter names: ``dense.towers.<i>.*`` (a DNN: ``Sequential`` layers; a cross n
 layers; a DIN tower's: ``mlp.*``), ``dense.final_dnn.*``, ``dense.final_out.*``. With
 MultiTower's and MultiTowerDIN's ``model_config.variational_dropout`` a DNN tower's input
 is first masked by ``odl.models.feature_dropout`` (``dense.towers.<i>.0.logit_p``, its DNN
-at ``1.*``), as EasyRec's input layer masks each group it reads; DIN towers, which EasyRec
+at ``1.*``), as EasyRec's input layer masks each group it reads; a tower over projected raw
+features projects them first (``dense.towers.<i>.0.projection.weight``, the rest at
+``1.*``); DIN towers, which EasyRec
 reads through its sequence input layer, are not, and towers over sequences refuse it.
 
 This module has no ``from __future__ import annotations``: TorchScript reads the dense
@@ -46,6 +50,7 @@ from torch import nn
 
 from odl.config import limits
 from odl.config.config_error import ConfigError
+from odl.config.feature_configs import feature_configs, projected_group_dim, projected_raw
 from odl.config.model_classes import sequence_attention_features
 from odl.config.model_validation import (
     check_dropout_group,
@@ -55,7 +60,13 @@ from odl.config.model_validation import (
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.feature_plan import sequence_key, sequence_length_column
-from odl.models.building_blocks import CrossNet, CrossNetV2, build_mlp, build_optional_mlp
+from odl.models.building_blocks import (
+    CrossNet,
+    CrossNetV2,
+    ProjectedTail,
+    build_mlp,
+    build_optional_mlp,
+)
 from odl.models.ctr_losses import (
     ctr_loss,
     embedding_l2,
@@ -100,6 +111,8 @@ class TowerDense(nn.Module):
         num_class: logits per sample (``[B]`` for 1, ``[B, C]`` for C > 1).
         dropouts: per tower, the variational dropout of its input (``model_config.
             variational_dropout``), or None.
+        projections: per tower, ``(widths, dim)`` of the projected raw features whose
+            values end its dense columns (``ProjectedTail``), or None.
 
     Raises:
         ValueError: a tower with no input, or an unsupported DNN setting.
@@ -114,7 +127,9 @@ class TowerDense(nn.Module):
                  final_dnn: pipeline_pb2.DNN,
                  sequences: "Sequence[GroupSequences | None] | None" = None,
                  num_class: int = 1,
-                 dropouts: "Sequence[FeatureDropout | None] | None" = None) -> None:
+                 dropouts: "Sequence[FeatureDropout | None] | None" = None,
+                 projections: "Sequence[tuple[list[int], int] | None] | None" = None,
+                 ) -> None:
         super().__init__()
         self.num_class = max(int(num_class), 1)
         self.tower_cols = [0]
@@ -127,6 +142,9 @@ class TowerDense(nn.Module):
                 raise ValueError(f"tower {i} reads no feature")
             self.tower_cols.append(self.tower_cols[-1] + int(lookup_width))
             self.tower_dense.append([int(c) for c in dense_cols])
+            projected = projections[i] if projections else None
+            if projected is not None:  # their values become vectors of dim
+                in_width += len(projected[0]) * int(projected[1]) - sum(projected[0])
             seqs = sequences[i] if sequences else None
             if seqs is not None:  # the group's sequences, each combined into one vector
                 in_width = seqs.out_width
@@ -156,6 +174,9 @@ class TowerDense(nn.Module):
             drop = dropouts[i] if dropouts else None
             if drop is not None:  # (a tower's input, before its network)
                 self.towers[start] = nn.Sequential(drop, self.towers[start])
+            if projected is not None:  # (first of all: the dropout masks the vectors)
+                self.towers[start] = nn.Sequential(ProjectedTail(*projected),
+                                                   self.towers[start])
         self.final_dnn, final_width = build_mlp(width, final_dnn)
         self.final_out = nn.Linear(final_width, self.num_class)
 
@@ -201,6 +222,8 @@ class TowerModel(CtrModel):
         din_dense: a DIN tower's group -> ``(dense key columns, dense columns per item)``:
             its dense features are the key's dense columns, then each position's dense item
             columns, then the length (absent: no dense part).
+        projected: feature group -> ``(columns of each projected raw feature, dim)``: they
+            follow the group's dense features (absent: none).
 
     Raises:
         ValueError: a tower names an unknown group or reads nothing.
@@ -218,6 +241,7 @@ class TowerModel(CtrModel):
         ebc_device: "torch.device | str" = "meta",
         sequences: "dict[str, list[SequenceBlock]] | None" = None,
         din_dense: "dict[str, tuple[int, int]] | None" = None,
+        projected: "dict[str, tuple[list[list[str]], int]] | None" = None,
     ) -> None:
         super().__init__()
         self.set_tables(layout, ebc_device)
@@ -230,6 +254,7 @@ class TowerModel(CtrModel):
         specs = []
         seq_mods: list[GroupSequences | None] = []
         drops: list[FeatureDropout | None] = []
+        projections: list[tuple[list[int], int] | None] = []
         for kind, group, tower in towers:
             if group not in groups:
                 raise ValueError(f"a tower reads feature group {group!r}, which does not exist")
@@ -254,7 +279,10 @@ class TowerModel(CtrModel):
                 encoder = tower.HasField("attn_mlp")  # TorchEasyRec's DIN encoder
                 tower = (tower.attn_mlp if encoder else tower.dnn, key_width, seq_len, encoder,
                          dense_key, dense_item)
-            specs.append((kind, width, [col[n] for n in dense], tower))
+            proj_cols, proj_dim = (projected or {}).get(group, ([], 0))
+            projections.append(([len(c) for c in proj_cols], proj_dim) if proj_cols else None)
+            specs.append((kind, width, [col[n] for n in dense]
+                          + [col[n] for cols in proj_cols for n in cols], tower))
             blocks = (sequences or {}).get(group, []) if kind != "din" else []
             if blocks:  # the blocks' lookups end the group's, their lengths its dense columns
                 seq_mods.append(GroupSequences.of_blocks(blocks, dim_of, width, len(dense)))
@@ -262,12 +290,13 @@ class TowerModel(CtrModel):
                 seq_mods.append(None)
             # EasyRec's input layer drops a (non-DIN) tower's group; its DIN towers read
             # their sequences through a layer without it
-            drops.append(FeatureDropout([dim_of[f] for f in sparse] + [1] * len(dense),
+            drops.append(FeatureDropout([dim_of[f] for f in sparse] + [1] * len(dense)
+                                        + [proj_dim] * len(proj_cols),
                                         model_config.variational_dropout)
                          if model_config.HasField("variational_dropout") and kind == "dnn"
                          and not blocks else None)
         self.dense = TowerDense(specs, settings.final_dnn, seq_mods,
-                                int(model_config.num_class), drops)
+                                int(model_config.num_class), drops, projections)
         self.variational_dropout = any(d is not None for d in drops)
         self.pooled_layout = (PooledGroup.of("towers", tuple(lookups), dims),)
         self.set_configured_loss(model_config, output_name)
@@ -376,6 +405,16 @@ def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) 
                          dense_keys + [cols[h][p] for p in range(positions) for h in dense_items]
                          + [sequence_length_column(hists[0])])
         din_dense[group] = (len(dense_keys), len(dense_items))
+    features = {fc.feature_name: fc for fc in feature_configs(config)}
+    projected: dict[str, tuple[list[list[str]], int]] = {}
+    for g in mc.feature_groups:  # EasyRec's projected raw features: vectors after the dense
+        names = [n for n in g.feature_names if n in features and projected_raw(features[n])]
+        if names and g.group_name in groups:
+            proj_cols = [cols[n] for n in names]
+            taken = {c for c in proj_cols for c in c}
+            sparse, dense = groups[g.group_name]
+            groups[g.group_name] = (sparse, [c for c in dense if c not in taken])
+            projected[g.group_name] = (proj_cols, features[names[0]].embedding_dim)
     embedded: list[str] = []
     for _kind, group, _tower in towers:
         for f in groups.get(group, ([], []))[0]:
@@ -385,7 +424,8 @@ def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) 
         layout = build_embedding_layout(feature_builder.table_specs, embedded, [], 1,
                                         mixed_dims=True)
         return TowerModel(layout, feature_builder.dense_feature_names, groups, mc,
-                          output_name=output_name, sequences=sequences, din_dense=din_dense)
+                          output_name=output_name, sequences=sequences, din_dense=din_dense,
+                          projected=projected)
     except ValueError as e:
         raise ConfigError(f"model_config.{field}", str(e)) from e
 
@@ -445,7 +485,10 @@ def _validate(check: ModelCheck) -> None:
             continue
         if group not in groups:
             raise ConfigError(f"{path}.input", f"no feature group named {group!r}")
-        check_dropout_group(mc, mc.feature_groups[groups[group]], features)
+        gi = groups[group]
+        check_dropout_group(mc, mc.feature_groups[gi], features)
+        projected_group_dim(mc.feature_groups[gi], features,
+                            f"model_config.feature_groups[{gi}].feature_names", "a tower's group")
         if kind == "dnn":
             validate_dnn(tower, path if field == "dcn_v2" else f"{path}.dnn", required=True)
         elif kind == "cross_v2":
@@ -462,4 +505,5 @@ def _validate(check: ModelCheck) -> None:
 
 for _name in ("MultiTower", _DIN, "DCN", "DCNV2"):
     register_model(ModelClass(_name, _build, _validate, group_attention="all",
-                              variational_dropout=_name in ("MultiTower", _DIN)))
+                              variational_dropout=_name in ("MultiTower", _DIN),
+                              projected_raw=True))
