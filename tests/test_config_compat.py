@@ -237,6 +237,16 @@ LOADS = {
     "easyrec/taobao_fg_work_que.config",
     "easyrec/taobao_multi_tower_boundary_test.config",
     "easyrec/taobao_multi_tower_multi_value_test.config",
+    # EasyRec's CMBF and UNITER models
+    "easyrec/cmbf_on_movielens.config",
+    "easyrec/cmbf_on_movielens_has_other_feature.config",
+    "easyrec/cmbf_on_movielens_only_text_feature.config",
+    "easyrec/cmbf_with_multi_loss.config",
+    "easyrec/uniter_on_movielens.config",
+    "easyrec/uniter_on_movielens_only_text_feature.config",
+    # EasyRec's SimpleMultiTask
+    "easyrec/simple_multi_task_on_taobao.config",
+    "easyrec/simple_multi_task_on_sequence_feature_taobao.config",
     "torcheasyrec/dbmtl_jrc.config",
     "torcheasyrec/dbmtl_taobao_jrc.config",
     "torcheasyrec/dlrm.config",

@@ -285,3 +285,24 @@ def test_projected_raw_features_feed_the_multi_task_input():
         batch.dense[:, col] += 1.0
         after = m(batch).logits
     assert not torch.allclose(before, after)
+
+
+def test_simple_multi_task_towers_read_the_group_input_itself():
+    """EasyRec's SimpleMultiTask: no bottom, no experts; each task's DNN reads the group's
+    whole input, trains on its own label, and the tasks share nothing but the tables."""
+    m, batch, sample = _model_and_batch("SimpleMultiTask")
+    dense = m.dense
+    assert dense.experts is None and len(dense.bottom) == 0  # an empty Sequential
+    width = m.pooled_layout[0].width + len(dense.dense_idx)
+    firsts = [next(x for x in h.dnn.modules() if isinstance(x, torch.nn.Linear))
+              for h in dense.heads]
+    assert [f.in_features for f in firsts] == [width, width]
+    assert m.output_names == ("ctr", "cvr") and m.output_labels == (0, 1)
+    assert np.array_equal(batch.labels[:, 1].numpy(), conversion_labels(sample, 5))
+    # the cvr task's loss moves its own tower only
+    m.l2 = m.embedding_regularization = 0.0
+    m.task_loss.weights = [0.0, 1.0]
+    m.zero_grad()
+    m.loss(m(batch), batch).backward()
+    assert float(firsts[0].weight.grad.abs().sum()) == 0.0
+    assert float(firsts[1].weight.grad.abs().sum()) > 0.0

@@ -106,9 +106,9 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "FeatureGroupConfig": frozenset({"negative_sampler", "embedding_name_suffix"}),
     "EasyRecModel": frozenset({
         "dummy",
-        "autoint", "cmbf", "uniter", "multi_tower_recall", "dssm", "mind",
+        "autoint", "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat",
-        "simple_multi_task", "rocket_launching",
+        "rocket_launching",
         "restore_filters",
         "label_name", "din", "bst", "dien", "masknet", "fibinet", "ppnet",
         "rank_model", "dlrm_hstu",

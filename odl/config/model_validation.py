@@ -308,8 +308,9 @@ def validate_model_common(
         raise ConfigError("model_config.feature_groups", "required")
     groups: dict[str, int] = {}
     raw_read = raw_sequence_groups(mc.backbone)
-    if mc.WhichOneof("model") == "dbmtl" and (mc.dbmtl.HasField("bottom_uniter")
-                                              or mc.dbmtl.HasField("bottom_cmbf")):
+    if mc.WhichOneof("model") in ("cmbf", "uniter") or (
+            mc.WhichOneof("model") == "dbmtl" and (mc.dbmtl.HasField("bottom_uniter")
+                                                   or mc.dbmtl.HasField("bottom_cmbf"))):
         raw_read = raw_read | {"text"}  # (its positions are tokens: odl.models.multimodal_inputs)
     for i, g in enumerate(mc.feature_groups):
         where = f"model_config.feature_groups[{i}]"

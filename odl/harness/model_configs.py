@@ -82,6 +82,12 @@ _MULTI_TASK_BLOCKS = {
             'dnn {{ hidden_units: [8] }} }}\n'
             '    task_towers {{ tower_name: "cvr" label_name: "buy" '
             'dnn {{ hidden_units: [8] }} }}\n  }}'),
+    # a DNN per task like the DeepFM tower (no bottom)
+    "SimpleMultiTask": ('simple_multi_task {{\n'
+                        '    task_towers {{ tower_name: "ctr" label_name: "label" '
+                        'dnn {{ hidden_units: [{units}] }} }}\n'
+                        '    task_towers {{ tower_name: "cvr" label_name: "buy" '
+                        'dnn {{ hidden_units: [{units}] }} }}\n  }}'),
     # EasyRec's backbone form: an MMoE block's task inputs, cvr related to ctr
     "MultiTaskModel": ('backbone {{\n'
                        '    blocks {{ name: "experts" inputs {{ feature_group_name: "all" }}\n'
@@ -128,6 +134,22 @@ def records_for_model(model: str, stream: SyntheticCtrStream, batch: CtrBatch,
     return records_with_column(extra_column_of(model), stream, batch, fmt)
 
 
+# EasyRec's CMBF and UNITER over the "general" (ids) and "other" (dense values) groups: a
+# text tower of one self-attention layer of 2 heads of 8 over the ids (no image, no cross-
+# modal layer), or one BERT layer of width 32 (2 heads, feed-forward 64); final_dnn the DNN
+_MULTIMODAL_LAYERS = {
+    "CMBF": ("cmbf {{\n    config {{ multi_head_num: 2 text_multi_head_num: 2 text_head_size: 8"
+             " image_head_size: 8 image_multi_head_num: 1 image_cross_head_size: 8"
+             " text_cross_head_size: 8 text_self_attention_layer_num: 1"
+             " text_seq_emb_dropout_prob: 0 }}\n"
+             "    final_dnn {{ hidden_units: [{units}] }}\n  }}"),
+    "Uniter": ("uniter {{\n    config {{ hidden_size: 32 num_attention_heads: 2"
+               " num_hidden_layers: 1 intermediate_size: 64 hidden_dropout_prob: 0"
+               " attention_probs_dropout_prob: 0 }}\n"
+               "    final_dnn {{ hidden_units: [{units}] }}\n  }}"),
+}
+
+
 def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     """A ``deepfm_config_text`` config as another model class over the same feature groups.
 
@@ -146,6 +168,7 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     with the DeepFM tower as its bottom and "cvr" related to "ctr", ESMM with the DeepFM tower
     as its group's DNN (outputs "cvr", "ctr", "ctcvr"), PLE with two extraction networks
     (2 task experts like the DeepFM tower and 1 shared, then 1 and 1 of 8 units),
+    SimpleMultiTask a tower like the DeepFM tower per task,
     MultiTaskModel (EasyRec's backbone form) an MMoE block of 3 experts like the DeepFM tower
     feeding the two tasks, "cvr" related to "ctr". FM
     (EasyRec's) keeps the groups with the dense features moved from the deep group (FM's
@@ -155,14 +178,16 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     the same groups, its dense_mlp as DLRM's bot_dnn, one layer of 8 + 8 vectors (FM
     compressed to 8, an MLP of 32) and the DeepFM tower as its final MLP. RankModel
     (EasyRec's backbone) adds the "wide" group's first-order weights to a Dense logit over
-    the DeepFM tower (an MLP without batch normalization) over "deep".
+    the DeepFM tower (an MLP without batch normalization) over "deep". CMBF and Uniter
+    (EasyRec's) read the id features as their "general" group and the dense features as
+    their "other" group (``_MULTIMODAL_LAYERS``), the DeepFM tower as ``final_dnn``.
 
     Args:
         text: the DeepFM config text.
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
             ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"``, ``"ESMM"``, ``"PLE"``,
-            ``"FM"``, ``"DLRM"``, ``"MaskNet"``, ``"WuKong"``, ``"RankModel"`` or
-            ``"MultiTaskModel"``.
+            ``"FM"``, ``"DLRM"``, ``"MaskNet"``, ``"WuKong"``, ``"CMBF"``, ``"Uniter"``,
+            ``"SimpleMultiTask"``, ``"RankModel"`` or ``"MultiTaskModel"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:
@@ -197,6 +222,16 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
             '  feature_groups { group_name: "deep"',
             f'  feature_groups {{ group_name: "dense" {dense} wide_deep: DEEP }}\n'
             '  feature_groups { group_name: "sparse"')
+        return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
+    if model in _MULTIMODAL_LAYERS:  # ids as "general" tokens, the dense values as "other"
+        text = (text[:m.start()] + _MULTIMODAL_LAYERS[model].format(units=m.group(1))
+                + text[m.end():])
+        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
+        dense = " ".join(f'feature_names: "{f}"' for f in DENSE_FIELDS)
+        text = text.replace(f" {dense} wide_deep: DEEP", " wide_deep: DEEP").replace(
+            '  feature_groups { group_name: "deep"',
+            f'  feature_groups {{ group_name: "other" {dense} wide_deep: DEEP }}\n'
+            '  feature_groups { group_name: "general"')
         return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
     if model in _MULTI_TASK_BLOCKS:
         block = _MULTI_TASK_BLOCKS[model].format(units=m.group(1))

@@ -30,7 +30,12 @@ from typing import TYPE_CHECKING
 
 from odl.config.config_error import ConfigError
 from odl.config.config_validation import validate_pipeline_config
-from odl.config.feature_configs import FeatureConfig, feature_configs, projected_raw
+from odl.config.feature_configs import (
+    FeatureConfig,
+    embedded_feature,
+    feature_configs,
+    projected_raw,
+)
 from odl.config.feature_settings import with_vocabularies_as_buckets
 from odl.config.model_classes import (
     IMPLEMENTED_MODEL_CLASSES,
@@ -239,8 +244,31 @@ def validate_model(config: pipeline_pb2.EasyRecConfig) -> None:
                                   "boundaries (EasyRec's projected raw feature): implemented "
                                   f"for {', '.join(_classes_with_projection())}; for "
                                   f"{entry.name} add boundaries or remove embedding_dim")
+    _check_some_table(mc, features)
     field, settings = model_settings(mc)
     entry.validate(ModelCheck(checked, entry.name, field, settings, features, groups))
+
+
+def _check_some_table(mc: pipeline_pb2.EasyRecModel, features: dict[str, FeatureConfig]) -> None:
+    """At least one feature the model reads has an embedding table.
+
+    odl's models, their checkpoints, deltas and serving are built around the tables (a model
+    of raw values alone has nothing to publish but its dense part, and TorchRec's table
+    collection cannot be empty).
+
+    Raises:
+        ConfigError: naming ``model_config.feature_groups``.
+    """
+    names = [n for g in mc.feature_groups for n in g.feature_names]
+    names += [n for g in mc.feature_groups for s in g.sequence_groups for n in s.feature_names]
+    attention = [*mc.seq_att_groups, *(s for g in mc.feature_groups for s in g.sequence_features)]
+    names += [n for g in attention for m in g.seq_att_map
+              for n in [*m.key, *m.hist_seq, *m.aux_hist_seq]]
+    if not any(n in features and embedded_feature(features[n]) for n in names):
+        raise ConfigError("model_config.feature_groups",
+                          "the groups read no feature with an embedding table (an id, tag, "
+                          "combo or lookup feature, a bucketized raw feature, a sequence of "
+                          "ids): odl trains models with at least one table")
 
 
 def _classes_with_attention() -> str:

@@ -1,6 +1,6 @@
-"""EasyRec's multi-task models MMoE and DBMTL as ``CtrModel``s (contract: ``odl.models.ctr_model``).
+"""EasyRec's MMoE, DBMTL and SimpleMultiTask as ``CtrModel``s (``odl.models.ctr_model``).
 
-Both read one feature group (``"all"``, or the model's only group; DBMTL with
+All read one feature group (``"all"``, or the model's only group; DBMTL with
 ``bottom_uniter`` or ``bottom_cmbf`` reads the image / general / text / other groups instead
 (``odl.models.multimodal_inputs``), its bottom ``odl.models.uniter`` / ``odl.models.cmbf``):
 the pooled embeddings of its embedded features, then its dense (raw) features, ``x``; the
@@ -10,6 +10,7 @@ one vector in ``x`` (``GroupSequences``). Per task ``t`` (``task_towers`` in ord
 
     h       = bottom_dnn(x)                       DBMTL with bottom_dnn; else h = x
     in_t    = sum_e gate_t(h)_e * expert_e(h)     with expert_dnn (MMoE always); else in_t = h
+                                                  (SimpleMultiTask: in_t = x)
     in_t    = mixture(h)_t                        a model's own mixture (PLE's extraction
                                                   networks, odl.models.ple) instead
     tower_t = dnn_t(in_t)                          (no dnn: in_t)
@@ -75,7 +76,11 @@ from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
 from odl.models.group_inputs import embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
-from odl.models.multimodal_inputs import MULTIMODAL_GROUPS, multimodal_inputs
+from odl.models.multimodal_inputs import (
+    check_multimodal_groups,
+    multimodal_inputs,
+    validate_multimodal_layer,
+)
 from odl.models.sequence_layers import (
     GroupSequences,
     SequenceBlock,
@@ -480,29 +485,11 @@ def _validate_multimodal(check: ModelCheck) -> None:
     mc, settings = check.config.model_config, check.settings
     name = multimodal_bottom(settings)
     where = f"model_config.dbmtl.{name}"
-    if not set(check.groups) & set(MULTIMODAL_GROUPS):
-        raise ConfigError("model_config.feature_groups",
-                          f"{name} reads the groups {', '.join(MULTIMODAL_GROUPS)}; the "
-                          f"model has {sorted(check.groups)}")
+    check_multimodal_groups(check.groups, name)
     if settings.HasField("bottom_cmbf") and settings.HasField("bottom_uniter"):
         raise ConfigError("model_config.dbmtl.bottom_uniter", "give bottom_cmbf or "
                                                               "bottom_uniter, not both")
-    bottom = getattr(settings, name)
-    required = (("hidden_size", "num_attention_heads", "intermediate_size")
-                if name == "bottom_uniter" else
-                ("multi_head_num", "text_head_size", "text_multi_head_num", "image_head_size",
-                 "image_multi_head_num", "image_cross_head_size", "text_cross_head_size"))
-    for key in required:
-        if getattr(bottom, key) < 1:
-            raise ConfigError(f"{where}.{key}", "must be set (>= 1)")
-    if name == "bottom_uniter" and bottom.hidden_size % bottom.num_attention_heads:
-        raise ConfigError(f"{where}.num_attention_heads",
-                          f"must divide hidden_size {bottom.hidden_size}")
-    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob", "text_seq_emb_dropout_prob"):
-        if hasattr(bottom, key) and not 0 <= getattr(bottom, key) < 1:
-            raise ConfigError(f"{where}.{key}", "must be in [0, 1)")
-    if bottom.HasField("other_feature_dnn"):
-        validate_dnn(bottom.other_feature_dnn, f"{where}.other_feature_dnn", required=False)
+    validate_multimodal_layer(getattr(settings, name), where)
     for dnn in ("bottom_dnn", "bottom_mlp"):
         if settings.HasField(dnn):  # EasyRec's DBMTL reads one bottom
             logger.warning("model_config.dbmtl.%s has no effect beside %s (EasyRec reads that "
@@ -522,7 +509,7 @@ def _validate(check: ModelCheck) -> None:
     where = f"model_config.{field}"
     if field == "mmoe" and settings.experts:  # EasyRec's older form: one DNN per expert
         _validate_named_experts(settings, where)
-    elif field == "mmoe" or settings.HasField("expert_dnn"):
+    elif field == "mmoe" or (field == "dbmtl" and settings.HasField("expert_dnn")):
         validate_dnn(settings.expert_dnn, f"{where}.expert_dnn", required=True)
         if not 1 <= settings.num_expert <= limits.MAX_EXPERTS:
             raise ConfigError(f"{where}.num_expert",
@@ -537,6 +524,6 @@ def _validate(check: ModelCheck) -> None:
                             check.features, with_sequences=True)
 
 
-for _name in ("MMoE", "DBMTL"):
+for _name in ("MMoE", "DBMTL", "SimpleMultiTask"):
     register_model(ModelClass(_name, build_multi_task_model, _validate, group_attention="all",
                               projected_raw=True, variational_dropout=True))

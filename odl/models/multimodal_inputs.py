@@ -23,6 +23,7 @@ from torch import nn
 
 from odl.config.config_error import ConfigError
 from odl.config.feature_configs import feature_configs, projected_raw
+from odl.config.model_validation import validate_dnn
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.feature_plan import sequence_key, sequence_length_column
 from odl.models.backbone.sequence_encoders import (
@@ -36,7 +37,8 @@ from odl.models.group_inputs import plain_dense
 from odl.protos import pipeline_pb2
 
 __all__ = ["MULTIMODAL_GROUPS", "Modality", "MultimodalLayout", "OtherFeatures",
-           "multimodal_inputs", "projection"]
+           "check_multimodal_groups", "multimodal_inputs", "projection",
+           "validate_multimodal_layer"]
 
 # the feature groups the bottoms read, by name (EasyRec's)
 MULTIMODAL_GROUPS = ("image", "general", "text", "other")
@@ -68,6 +70,52 @@ class MultimodalLayout:
     other_dense: tuple[int, int] = (0, 0)
     general_raw: tuple[int, list[int]] = (0, [])
     other_raw: tuple[int, list[int], int] = (0, [], 0)
+
+
+def check_multimodal_groups(groups: dict[str, int], layer: str) -> None:
+    """At least one of the groups a multimodal layer reads (:data:`MULTIMODAL_GROUPS`).
+
+    Args:
+        groups: the model's feature group names (to their index).
+        layer: the layer's config field, for the message.
+
+    Raises:
+        ConfigError: none of them.
+    """
+    if not set(groups) & set(MULTIMODAL_GROUPS):
+        raise ConfigError("model_config.feature_groups",
+                          f"{layer} reads the groups {', '.join(MULTIMODAL_GROUPS)}; the "
+                          f"model has {sorted(groups)}")
+
+
+def validate_multimodal_layer(settings: "pipeline_pb2.UniterTower | pipeline_pb2.CMBFTower",
+                              where: str) -> None:
+    """Checks a ``UniterTower`` or ``CMBFTower`` (DBMTL's bottoms, the CMBF, Uniter models).
+
+    Args:
+        settings: the layer's message.
+        where: its config path.
+
+    Raises:
+        ConfigError: a required width unset, a head count not dividing the width, a dropout
+            outside [0, 1), a bad ``other_feature_dnn``.
+    """
+    uniter = isinstance(settings, pipeline_pb2.UniterTower)
+    required = (("hidden_size", "num_attention_heads", "intermediate_size") if uniter else
+                ("multi_head_num", "text_head_size", "text_multi_head_num", "image_head_size",
+                 "image_multi_head_num", "image_cross_head_size", "text_cross_head_size"))
+    for key in required:
+        if getattr(settings, key) < 1:
+            raise ConfigError(f"{where}.{key}", "must be set (>= 1)")
+    if uniter and settings.hidden_size % settings.num_attention_heads:
+        raise ConfigError(f"{where}.num_attention_heads",
+                          f"must divide hidden_size {settings.hidden_size}")
+    for key in ("hidden_dropout_prob", "attention_probs_dropout_prob",
+                "text_seq_emb_dropout_prob"):
+        if hasattr(settings, key) and not 0 <= getattr(settings, key) < 1:
+            raise ConfigError(f"{where}.{key}", "must be in [0, 1)")
+    if settings.HasField("other_feature_dnn"):
+        validate_dnn(settings.other_feature_dnn, f"{where}.other_feature_dnn", required=False)
 
 
 def projection(width: int, hidden: int) -> nn.Module:
