@@ -247,6 +247,9 @@ LOADS = {
     # EasyRec's SimpleMultiTask
     "easyrec/simple_multi_task_on_taobao.config",
     "easyrec/simple_multi_task_on_sequence_feature_taobao.config",
+    # EasyRec's MultiTowerBST
+    "easyrec/bst_on_taobao.config",
+    "easyrec/multi_tower_bst.config",
     "torcheasyrec/dbmtl_jrc.config",
     "torcheasyrec/dbmtl_taobao_jrc.config",
     "torcheasyrec/dlrm.config",

@@ -28,6 +28,12 @@ _TOWER_BLOCKS = {
                       '    towers {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
                       '    din_towers {{ input: "din" dnn {{ hidden_units: [8, 1] }} }}\n'
                       "    final_dnn {{ hidden_units: [8] }}\n  }}"),
+    "MultiTowerBST": ('seq_att_groups {{ group_name: "bst"\n'
+                      '    seq_att_map {{ key: "C3" hist_seq: "hist_C3" }} }}\n'
+                      '  multi_tower {{\n'
+                      '    towers {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
+                      '    bst_towers {{ input: "bst" seq_len: 6 multi_head_size: 4 }}\n'
+                      "    final_dnn {{ hidden_units: [8] }}\n  }}"),
     "DCN": ('dcn {{\n    deep_tower {{ input: "deep" dnn {{ hidden_units: [{units}] }} }}\n'
             '    cross_tower {{ input: "deep" cross_num: 2 }}\n'
             "    final_dnn {{ hidden_units: [8] }}\n  }}"),
@@ -104,6 +110,10 @@ _MULTI_TASK_BLOCKS = {
 MULTI_TASK_MODELS = tuple(_MULTI_TASK_BLOCKS)
 
 
+# the classes whose config reads the behaviour sequence hist_C3
+_SEQUENCE_MODELS = ("MultiTowerDIN", "MultiTowerBST")
+
+
 def extra_column_of(model: str) -> str:
     """The column ``as_model_config_text``'s config of ``model`` reads after the 42.
 
@@ -111,11 +121,12 @@ def extra_column_of(model: str) -> str:
         model: the model class.
 
     Returns:
-        ``"buy"`` for the multi-task models, ``"hist_C3"`` for MultiTowerDIN, else ``""``.
+        ``"buy"`` for the multi-task models, ``"hist_C3"`` for MultiTowerDIN and
+        MultiTowerBST, else ``""``.
     """
     if model in MULTI_TASK_MODELS:
         return CONVERSION_FIELD
-    return HISTORY_FIELD if model == "MultiTowerDIN" else ""
+    return HISTORY_FIELD if model in _SEQUENCE_MODELS else ""
 
 
 def records_for_model(model: str, stream: SyntheticCtrStream, batch: CtrBatch,
@@ -160,7 +171,8 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     first group); MaskNet (TorchEasyRec's) two parallel mask blocks of 32 over "deep" and
     the DeepFM tower as its top MLP (the "wide" group goes); MultiTowerDIN the deep tower
     and a DIN tower (attention DNN [8, 1]) from C3
-    over ``hist_C3``, a column added after the stream's 42 (``odl.datagen.behavior_history``).
+    over ``hist_C3``, a column added after the stream's 42 (``odl.datagen.behavior_history``);
+    MultiTowerBST the deep tower and a BST tower (``seq_len`` 6, 4 heads) over the same.
     The tower models end in a ``final_dnn`` of 8. MMoE and
     DBMTL read the "deep" group (renamed "all"; the "wide" group goes) and train two tasks,
     "ctr" on ``label`` and "cvr" on ``buy``, a column added after the stream's 42
@@ -185,9 +197,9 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     Args:
         text: the DeepFM config text.
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
-            ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MMoE"``, ``"DBMTL"``, ``"ESMM"``, ``"PLE"``,
-            ``"FM"``, ``"DLRM"``, ``"MaskNet"``, ``"WuKong"``, ``"CMBF"``, ``"Uniter"``,
-            ``"SimpleMultiTask"``, ``"RankModel"`` or ``"MultiTaskModel"``.
+            ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MultiTowerBST"``, ``"MMoE"``, ``"DBMTL"``,
+            ``"ESMM"``, ``"PLE"``, ``"FM"``, ``"DLRM"``, ``"MaskNet"``, ``"WuKong"``, ``"CMBF"``,
+            ``"Uniter"``, ``"SimpleMultiTask"``, ``"RankModel"`` or ``"MultiTaskModel"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:
@@ -249,11 +261,11 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     text = text[:m.start()] + block + text[m.end():]
     if model in ("DCNV2", "MaskNet"):  # they read one group: "deep"
         text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
-    if model == "MultiTowerDIN":  # the history column and its SequenceFeature
+    if model in _SEQUENCE_MODELS:  # the history column and its SequenceFeature
         c3 = re.search(r'feature_configs \{ input_names: "C3" feature_type: IdFeature '
                        r"embedding_dim: (\d+) hash_bucket_size: (\d+) \}", text)
         if c3 is None:
-            raise ValueError("MultiTowerDIN needs C3 as an id feature")
+            raise ValueError(f"{model} needs C3 as an id feature")
         last = text.rindex("  input_fields {")
         end = text.index("\n", last) + 1
         text = (text[:end] + f'  input_fields {{ input_name: "{HISTORY_FIELD}" '

@@ -1,4 +1,4 @@
-"""EasyRec's MultiTower and DCN, TorchEasyRec's DCNV2: ``CtrModel``s of towers.
+"""EasyRec's MultiTower(DIN, BST) and DCN, TorchEasyRec's DCNV2: ``CtrModel``s of towers.
 
 The contract is ``odl.models.ctr_model``. All are towers over named feature groups whose
 outputs are concatenated into ``final_dnn`` and one logit::
@@ -7,6 +7,8 @@ outputs are concatenated into ``final_dnn`` and one logit::
     tower_i = Cross(x_i)                  DCN: deep_tower (a DNN) and cross_tower (Cross)
     tower_i = CrossV2(backbone(x))        DCNV2: over the first group, then its deep DNN
     tower_i = DIN(key, sequence)          MultiTowerDIN: its towers, then one per din_towers[i]
+    tower_i = BST(key, sequence)          MultiTowerBST: its towers, then one per bst_towers[i]
+                                          (odl.models.bst_tower; the group read as DIN's)
     logit   = Linear(final_dnn(concat(tower_0, tower_1, ...)) -> 1)   (final_dnn unset: none)
 
 ``x_i`` is the tower's feature group: the pooled embeddings of its embedded features, then
@@ -29,7 +31,8 @@ lookup) of the squared pooled embedding.
 
 Parameter names: ``dense.towers.<i>.*`` (a DNN: ``Sequential`` layers; a cross network:
 ``weights``, ``biases``; DCNV2's: ``0.*`` the backbone, ``1.layers.<l>.*`` the cross
-layers; a DIN tower's: ``mlp.*``), ``dense.final_dnn.*``, ``dense.final_out.*``. With
+layers; a DIN tower's: ``mlp.*``; a BST tower's: ``heads.<h>.*``, ``merge.*``, ``norm1.*``,
+``feed_forward.*``, ``norm2.*``), ``dense.final_dnn.*``, ``dense.final_out.*``. With
 MultiTower's and MultiTowerDIN's ``model_config.variational_dropout`` a DNN tower's input
 is first masked by ``odl.models.feature_dropout`` (``dense.towers.<i>.0.logit_p``, its DNN
 at ``1.*``), as EasyRec's input layer masks each group it reads; a tower over projected raw
@@ -50,7 +53,12 @@ from torch import nn
 
 from odl.config import limits
 from odl.config.config_error import ConfigError
-from odl.config.feature_configs import feature_configs, projected_group_dim, projected_raw
+from odl.config.feature_configs import (
+    embedded_feature,
+    feature_configs,
+    projected_group_dim,
+    projected_raw,
+)
 from odl.config.model_classes import sequence_attention_features
 from odl.config.model_validation import (
     check_dropout_group,
@@ -60,6 +68,7 @@ from odl.config.model_validation import (
 from odl.features.batch import Batch
 from odl.features.feature_builder import FeatureBuilder
 from odl.features.feature_plan import sequence_key, sequence_length_column
+from odl.models.bst_tower import BSTTower
 from odl.models.building_blocks import (
     CrossNet,
     CrossNetV2,
@@ -92,6 +101,8 @@ logger = logging.getLogger(__name__)
 
 # the class whose towers are followed by din_towers (EasyRec reads both from multi_tower)
 _DIN = "MultiTowerDIN"
+# the class whose towers are followed by bst_towers
+_BST = "MultiTowerBST"
 
 
 class TowerDense(nn.Module):
@@ -100,7 +111,8 @@ class TowerDense(nn.Module):
     Args:
         towers: per tower ``(kind, width, dense columns, settings)``: kind ``"dnn"``
             (settings: a ``DNN``), ``"cross"`` (settings: ``cross_num``), ``"cross_v2"``
-            (settings: ``(CrossV2, backbone DNN or None)``) or ``"din"`` (settings: ``(DNN,
+            (settings: ``(CrossV2, backbone DNN or None)``), ``"bst"`` (settings:
+            ``BSTTower``'s arguments; its input as a DIN tower's) or ``"din"`` (settings: ``(DNN,
             key width, seq_len, TorchEasyRec's encoder form, dense key columns, dense
             columns per item)``; its input: keys, positions, [dense key, dense positions,]
             length), the columns of its
@@ -159,6 +171,10 @@ class TowerDense(nn.Module):
                     encoder)
                 self.towers.append(attention)
                 width += attention.out_width
+            elif kind == "bst":
+                bst = BSTTower(*settings)
+                self.towers.append(bst)
+                width += bst.out_width
             elif kind == "cross_v2":
                 cross, backbone = settings
                 mlp, out = build_optional_mlp(in_width, backbone)
@@ -262,7 +278,7 @@ class TowerModel(CtrModel):
             lookups += [(f, table_of[f]) for f in sparse]
             dims += [dim_of[f] for f in sparse]
             width = sum(dim_of[f] for f in sparse)
-            if kind == "din":  # keys, then seq_len positions as wide as the keys
+            if kind in ("din", "bst"):  # keys, then seq_len positions as wide as the keys
                 keys, _hists = sequence_attention_features(model_config, group)
                 dense_key, dense_item = (din_dense or {}).get(group, (0, 0))
                 key_emb = sum(dim_of[k] for k in keys if k in dim_of)
@@ -276,14 +292,21 @@ class TowerModel(CtrModel):
                         or len(dense) - 1 - dense_key != seq_len * dense_item):
                     raise ValueError(f"DIN group {group!r}: the sequences' items must be as "
                                      f"wide as the keys ({key_width})")
-                encoder = tower.HasField("attn_mlp")  # TorchEasyRec's DIN encoder
-                tower = (tower.attn_mlp if encoder else tower.dnn, key_width, seq_len, encoder,
-                         dense_key, dense_item)
+                if kind == "bst":
+                    if dense_key or dense_item:
+                        raise ValueError(f"BST group {group!r}: a BST tower reads embedded "
+                                         "keys and sequences only")
+                    tower = (key_width, seq_len, int(tower.seq_len),
+                             int(tower.multi_head_size))
+                else:
+                    encoder = tower.HasField("attn_mlp")  # TorchEasyRec's DIN encoder
+                    tower = (tower.attn_mlp if encoder else tower.dnn, key_width, seq_len,
+                             encoder, dense_key, dense_item)
             proj_cols, proj_dim = (projected or {}).get(group, ([], 0))
             projections.append(([len(c) for c in proj_cols], proj_dim) if proj_cols else None)
             specs.append((kind, width, [col[n] for n in dense]
                           + [col[n] for cols in proj_cols for n in cols], tower))
-            blocks = (sequences or {}).get(group, []) if kind != "din" else []
+            blocks = (sequences or {}).get(group, []) if kind not in ("din", "bst") else []
             if blocks:  # the blocks' lookups end the group's, their lengths its dense columns
                 seq_mods.append(GroupSequences.of_blocks(blocks, dim_of, width, len(dense)))
             else:
@@ -333,7 +356,8 @@ class TowerModel(CtrModel):
 
 
 # (kind, group name, settings): ("dnn", group, DNN), ("cross", group, cross_num),
-# ("cross_v2", group, (CrossV2, backbone DNN or None)) or ("din", sequence attention group,
+# ("cross_v2", group, (CrossV2, backbone DNN or None)), ("bst", sequence attention group,
+# BSTTower) or ("din", sequence attention group,
 # DINTower)
 TowerSpec = tuple[str, str, Any]
 
@@ -348,7 +372,8 @@ def tower_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, Any, l
         The settings message (its ``final_dnn`` joins the towers) and its towers in order,
         each ``(kind, group name, settings)``: ``("dnn", group, DNN)``, ``("cross", group,
         cross_num)``, ``("cross_v2", group, (CrossV2, backbone DNN or None))`` or
-        ``("din", sequence attention group, DINTower)`` (MultiTowerDIN, after its towers).
+        ``("din", sequence attention group, DINTower)`` (MultiTowerDIN, after its towers) or
+        ``("bst", sequence attention group, BSTTower)`` (MultiTowerBST, after its towers).
         DCNV2 reads the first feature group (TorchEasyRec's rule): its cross network, then
         its ``deep`` DNN when set.
     """
@@ -369,6 +394,8 @@ def tower_settings(model_config: pipeline_pb2.EasyRecModel) -> tuple[str, Any, l
     towers: list[TowerSpec] = [("dnn", t.input, t.dnn) for t in m.towers]
     if model_config.model_class == _DIN:
         towers += [("din", t.input, t) for t in m.din_towers]
+    if model_config.model_class == _BST:
+        towers += [("bst", t.input, t) for t in m.bst_towers]
     return "multi_tower", m, towers
 
 
@@ -389,7 +416,7 @@ def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) 
     cols = feature_builder.dense_feature_columns
     din_dense: dict[str, tuple[int, int]] = {}
     for kind, group, _tower in towers:
-        if kind != "din" or group in groups:
+        if kind not in ("din", "bst") or group in groups:
             continue
         keys, hists = sequence_attention_features(mc, group)
         if not hists or any(h not in seq_lens for h in hists):
@@ -460,20 +487,27 @@ def _validate(check: ModelCheck) -> None:
             if not settings.HasField(name):
                 raise ConfigError(f"{where}.{name}", "required")
         paths = [f"{where}.deep_tower", f"{where}.cross_tower"]
-    if field == "multi_tower" and settings.din_towers and mc.model_class != _DIN:
-        logger.warning("%s.din_towers has no effect with model_class %r and is ignored (as "
-                       "EasyRec's MultiTower ignores it); model_class \"%s\" reads them",
-                       where, mc.model_class, _DIN)
-    elif field == "multi_tower" and settings.din_towers:
-        paths += [f"{where}.din_towers[{i}]" for i in range(len(settings.din_towers))]
+    for name, owner in (("din_towers", _DIN), ("bst_towers", _BST)):
+        if field != "multi_tower" or not getattr(settings, name):
+            continue
+        if mc.model_class != owner:
+            logger.warning("%s.%s has no effect with model_class %r and is ignored (as "
+                           "EasyRec's %s ignores it); model_class \"%s\" reads them",
+                           where, name, mc.model_class, mc.model_class, owner)
+            continue
+        paths += [f"{where}.{name}[{i}]" for i in range(len(getattr(settings, name)))]
         validate_sequence_groups(config, features)
     for path, (kind, group, tower) in zip(paths, towers, strict=True):
-        if kind == "din":
+        if kind in ("din", "bst"):
             names = [g.group_name for g in mc.seq_att_groups]
             if group not in names:
                 raise ConfigError(f"{path}.input",
                                   f"no model_config.seq_att_groups group named {group!r} "
                                   f"(groups: {names})")
+        if kind == "bst":
+            _validate_bst(check, path, group, tower)
+            continue
+        if kind == "din":
             if tower.HasField("attn_mlp"):  # TorchEasyRec's encoder: any MLP, then a score
                 validate_dnn(tower.attn_mlp, f"{path}.attn_mlp", required=True)
                 continue
@@ -503,7 +537,26 @@ def _validate(check: ModelCheck) -> None:
         raise ConfigError(f"{where}.l2_regularization", "must be >= 0")
 
 
-for _name in ("MultiTower", _DIN, "DCN", "DCNV2"):
+def _validate_bst(check: ModelCheck, path: str, group: str,
+                  tower: pipeline_pb2.BSTTower) -> None:
+    """A BST tower: its settings; its group's keys and sequences embedded ids."""
+    if tower.seq_len < 2:
+        raise ConfigError(f"{path}.seq_len", "must be >= 2 (the sequence's positions and the "
+                                             "target item)")
+    if tower.seq_len > limits.MAX_SEQUENCE_LENGTH + 1:
+        raise ConfigError(f"{path}.seq_len", f"at most {limits.MAX_SEQUENCE_LENGTH + 1}")
+    if tower.multi_head_size < 1:
+        raise ConfigError(f"{path}.multi_head_size", "must be >= 1")
+    keys, hists = sequence_attention_features(check.config.model_config, group)
+    raw = [n for n in keys + hists if n in check.features
+           and not embedded_feature(check.features[n])]
+    if raw:
+        raise ConfigError(f"{path}.input", f"a BST tower reads embedded keys and sequences "
+                                           f"only; {', '.join(raw)} of group {group!r} "
+                                           f"{'is' if len(raw) == 1 else 'are'} raw values")
+
+
+for _name in ("MultiTower", _DIN, "DCN", "DCNV2", _BST):
     register_model(ModelClass(_name, _build, _validate, group_attention="all",
-                              variational_dropout=_name in ("MultiTower", _DIN),
+                              variational_dropout=_name in ("MultiTower", _DIN, _BST),
                               projected_raw=True))
