@@ -291,8 +291,8 @@ def test_unknown_field(tmp_path: Path) -> None:
         ("model_config { masknet { } }", "model_config.masknet"),
         # a model's settings message lists its own (pipeline.proto's message option)
         ("model_config { dbmtl { use_feature_bn: true } }", "model_config.dbmtl.use_feature_bn"),
-        ('model_config { multi_tower { bst_towers { input: "seq" } } }',
-         "model_config.multi_tower.bst_towers"),
+        ("model_config { dbmtl { use_feature_bn: false } }",
+         "model_config.dbmtl.use_feature_bn"),
         ('feature_configs { input_names: "a" } feature_configs { precision: 3 }',
          "feature_configs[1].precision"),
         # TorchEasyRec's data and train settings that would change what is trained
