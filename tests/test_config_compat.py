@@ -250,6 +250,10 @@ LOADS = {
     # EasyRec's MultiTowerBST
     "easyrec/bst_on_taobao.config",
     "easyrec/multi_tower_bst.config",
+    # EasyRec's AutoInt
+    "easyrec/autoint_on_movielens.config",
+    "easyrec/autoint_on_taobao.config",
+    "easyrec/autoint_on_sequence_feature_taobao.config",
     "torcheasyrec/dbmtl_jrc.config",
     "torcheasyrec/dbmtl_taobao_jrc.config",
     "torcheasyrec/dlrm.config",

@@ -106,7 +106,7 @@ EASYREC_NOT_IMPLEMENTED_FIELDS: dict[str, frozenset[str]] = {
     "FeatureGroupConfig": frozenset({"negative_sampler", "embedding_name_suffix"}),
     "EasyRecModel": frozenset({
         "dummy",
-        "autoint", "multi_tower_recall", "dssm", "mind",
+        "multi_tower_recall", "dssm", "mind",
         "dropoutnet", "metric_learning", "pdn", "dssm_senet", "dat",
         "rocket_launching",
         "restore_filters",

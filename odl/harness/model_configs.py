@@ -172,7 +172,9 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     the DeepFM tower as its top MLP (the "wide" group goes); MultiTowerDIN the deep tower
     and a DIN tower (attention DNN [8, 1]) from C3
     over ``hist_C3``, a column added after the stream's 42 (``odl.datagen.behavior_history``);
-    MultiTowerBST the deep tower and a BST tower (``seq_len`` 6, 4 heads) over the same.
+    MultiTowerBST the deep tower and a BST tower (``seq_len`` 6, 4 heads) over the same;
+    AutoInt (EasyRec's) two interacting layers of 2 heads of 16 over the "deep" group (renamed
+    "all"; the "wide" group goes), its dense features projected to the ids' width.
     The tower models end in a ``final_dnn`` of 8. MMoE and
     DBMTL read the "deep" group (renamed "all"; the "wide" group goes) and train two tasks,
     "ctr" on ``label`` and "cvr" on ``buy``, a column added after the stream's 42
@@ -199,7 +201,8 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
             ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MultiTowerBST"``, ``"MMoE"``, ``"DBMTL"``,
             ``"ESMM"``, ``"PLE"``, ``"FM"``, ``"DLRM"``, ``"MaskNet"``, ``"WuKong"``, ``"CMBF"``,
-            ``"Uniter"``, ``"SimpleMultiTask"``, ``"RankModel"`` or ``"MultiTaskModel"``.
+            ``"Uniter"``, ``"SimpleMultiTask"``, ``"AutoInt"``, ``"RankModel"`` or
+            ``"MultiTaskModel"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:
@@ -245,6 +248,17 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
             f'  feature_groups {{ group_name: "other" {dense} wide_deep: DEEP }}\n'
             '  feature_groups { group_name: "general"')
         return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
+    if model == "AutoInt":  # every feature a token: the dense values projected
+        dim = re.search(r"IdFeature embedding_dim: (\d+)", text)
+        if dim is None:
+            raise ValueError("AutoInt needs the id features' embedding_dim")
+        text = (text[:m.start()] + "autoint {\n    multi_head_num: 2 multi_head_size: 16 "
+                "interacting_layer_num: 2\n  }" + text[m.end():])
+        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
+        text = text.replace('group_name: "deep"', 'group_name: "all"')
+        text = text.replace("feature_type: RawFeature }",
+                            f"feature_type: RawFeature embedding_dim: {dim.group(1)} }}")
+        return text.replace('model_class: "DeepFM"', 'model_class: "AutoInt"')
     if model in _MULTI_TASK_BLOCKS:
         block = _MULTI_TASK_BLOCKS[model].format(units=m.group(1))
         text = text[:m.start()] + block + text[m.end():]
