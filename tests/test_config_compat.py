@@ -254,6 +254,8 @@ LOADS = {
     "easyrec/autoint_on_movielens.config",
     "easyrec/autoint_on_taobao.config",
     "easyrec/autoint_on_sequence_feature_taobao.config",
+    "torcheasyrec/dbmtl_has_sequence_variational_dropout_mock.config",
+    "torcheasyrec/multi_tower_din_mock_frozen.config",
     "torcheasyrec/dbmtl_jrc.config",
     "torcheasyrec/dbmtl_taobao_jrc.config",
     "torcheasyrec/dlrm.config",

@@ -206,6 +206,35 @@ def test_in_batch_learning_refuses_frozen_parameters(tmp_path) -> None:
     assert tm.in_batch_mode == "off"
 
 
+_TZ_FROZEN = os.path.join(_HERE, "torcheasyrec", "multi_tower_din_mock_frozen.config")
+
+
+def test_torcheasyrecs_trainable_false_freezes_those_features_tables(tmp_path) -> None:
+    """TorchEasyRec's sample ``multi_tower_din_mock_frozen``: ``id_1``, the bucketized
+    ``raw_1`` and the sequence's ``click_50_seq__raw_1`` (``trainable: false``) keep their rows
+    and optimizer state while every other table and the dense part train; in-batch learning
+    refuses it by the feature's field."""
+    config = _small_cpu_config(try_load.load_one(_TZ_FROZEN, "torcheasyrec"))
+    config.model_dir = str(tmp_path / "m")
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu")
+    frozen = {"id_1", "raw_1", "click_50_seq__raw_1"}
+    assert tm.frozen.tables == frozen and not tm.frozen.dense
+    for step in range(2):  # optimizer state to keep
+        tm.train_step(fb.build(_records(config, 32, seed=step)).batch)
+    before = _state(tm)
+    for step in range(2, 5):
+        tm.train_step(fb.build(_records(config, 32, seed=step)).batch)
+    moved = _moved(before, _state(tm))
+    assert not {k for k in moved if _table(k) in frozen}
+    tables = {_table(k) for k in before if k.startswith("ebc.")}
+    assert {_table(k) for k in moved if k.startswith("ebc.")} == tables - frozen
+    config.train_config.in_batch_learning = True
+    with pytest.raises(ConfigError, match="frozen tables") as err:
+        check_pipeline_config(config, online=True)
+    assert err.value.field.endswith(".trainable")
+
+
 # ---- publishing ---------------------------------------------------------------------------
 
 def test_frozen_tables_are_not_republished_and_serving_equals_the_trainer(

@@ -50,7 +50,8 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
     * TorchEasyRec's ``feature_configs { id_feature {} }`` / ``raw_feature {}`` become EasyRec's
       flat ``IdFeature`` / ``RawFeature`` (input column: the expression after ``:``, or the
       feature name), and ``feature_groups[].group_type`` becomes ``wide_deep``; such a config
-      without ``data_config.input_fields`` gets them derived (:func:`_derive_input_fields`).
+      without ``data_config.input_fields`` gets them derived (:func:`_derive_input_fields`);
+      their ``trainable`` (a sequence's features' too) is the flat feature's.
 
     Idempotent; the loader and the validator both call it.
 
@@ -200,6 +201,8 @@ def _flatten_torcheasyrec_sequences(config: pipeline_pb2.EasyRecConfig) -> bool:
                     out.boundaries.extend(tz.boundaries)
                     if not tz.boundaries:  # dense positions: nothing is embedded
                         out.ClearField("embedding_dim")
+                if tz.HasField("trainable"):
+                    out.trainable = tz.trainable
                 flat.append(out)
         del container[:]
         container.extend(flat)
@@ -373,6 +376,8 @@ def _flatten_torcheasyrec_feature(path: str, fc: pipeline_pb2.FeatureConfig) -> 
         fc.raw_input_dim = max(int(tz.value_dim), 1)
         fc.separator = tz.separator
         fc.normalizer = tz.normalizer
+    if tz.HasField("trainable"):
+        fc.trainable = tz.trainable
     fc.ClearField(kind)
 
 

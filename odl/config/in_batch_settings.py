@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+from odl.config.feature_configs import feature_configs, feature_list_path
 from odl.config.loss_settings import POINTWISE_LOSS_TYPES, num_classes, regression_outputs
 from odl.config.optimizer_support import (
     IN_BATCH_TABLE_KINDS,
@@ -71,6 +72,11 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
         return ("train_config.freeze_gradient",
                 f"{field} does not take frozen parameters (its shifted predictions follow "
                 "steps of every table)")
+    untrainable = [i for i, fc in enumerate(feature_configs(config)) if not fc.trainable]
+    if untrainable:
+        return (f"{feature_list_path(config)}[{untrainable[0]}].trainable",
+                f"{field} does not take frozen tables (its shifted predictions follow steps "
+                "of every table)")
     if table_gradient_bound(sparse) is not None:
         return (f"{sparse.field}.gradient_clipping",
                 f"{field} does not take clipped table gradients (its shifted predictions "

@@ -23,6 +23,9 @@ moves its optimizer state. Here each pattern is searched in the names a paramete
 * a dense parameter: ``dense.<path>`` (its name in checkpoints and exports). EasyRec's TF
   names of dense variables (``dnn/...``) are not derived.
 
+A table is frozen too when a feature it serves has ``trainable: false`` (TorchEasyRec's
+per-feature setting, the flat ``FeatureConfig.trainable``).
+
 A frozen table trains in its own fused group at rate 0 and the gradient of its pooled output
 is zero (``table_gradient_scale``), so neither its rows nor its optimizer state (an Adagrad
 accumulator, Adam's moments) change; the row-sparse tables skip it. (fbgemm's fused Adam and
@@ -198,13 +201,15 @@ def frozen_parameters(config: pipeline_pb2.EasyRecConfig, model: nn.Module) -> F
             some of the EasyRec variables of one table.
     """
     patterns = list(config.train_config.freeze_gradient)
-    if not patterns:
+    untrainable = _untrainable_features(config)
+    if not patterns and not untrainable:
         return FrozenParameters()
     table_features = {c.name: list(c.feature_names)
                       for c in model.ebc.embedding_bag_configs()}
     easyrec = easyrec_table_variables(config, table_features)
     dense_names = [f"dense.{n}" for n, _ in model.dense.named_parameters()]
-    tables: set[str] = set()
+    tables: set[str] = {t for t, fs in table_features.items()
+                        if any(_base_feature(f) in untrainable for f in fs)}
     dense: set[str] = set()
     for i, pattern in enumerate(patterns):
         where = f"{FIELD}[{i}]" if len(patterns) > 1 else FIELD
@@ -239,6 +244,16 @@ def frozen_parameters(config: pipeline_pb2.EasyRecConfig, model: nn.Module) -> F
     return frozen
 
 
+def _untrainable_features(config: pipeline_pb2.EasyRecConfig) -> set[str]:
+    """The features written with ``trainable: false``."""
+    return {fc.feature_name for fc in feature_configs(config) if not fc.trainable}
+
+
+def _base_feature(name: str) -> str:
+    """A table's feature without a sequence position (``feature_plan.sequence_key``)."""
+    return name.split("#", 1)[0]
+
+
 def _examples(table_features: Iterable[str], easyrec: dict[str, set[str]],
               dense_names: list[str], most: int = 8) -> str:
     names: list[str] = []
@@ -268,7 +283,7 @@ def check_freeze_gradient(config: pipeline_pb2.EasyRecConfig) -> None:
     Raises:
         ConfigError: as :func:`frozen_parameters`.
     """
-    if not config.train_config.freeze_gradient:
+    if not config.train_config.freeze_gradient and not _untrainable_features(config):
         return
     feature_builder = FeatureBuilder(config)
     registered_model_classes()  # the model modules imported outside the meta context
