@@ -28,7 +28,7 @@ broker's save of them to finish (see ``odl.broker.embedded_broker``).
         [--input-process 1|0|both] [--device cpu|cuda|auto] [--torch-threads 0]
         [--model DeepFM|WideAndDeep|MultiTower|MultiTowerDIN|MultiTowerBST|DCN|DCNV2|MMoE|
                  DBMTL|FM|DLRM|ESMM|PLE|MaskNet|WuKong|CMBF|Uniter|SimpleMultiTask|AutoInt|
-                 RankModel|MultiTaskModel]
+                 RocketLaunching|RankModel|MultiTaskModel]
         [--json out.json]
 """
 

@@ -256,6 +256,13 @@ LOADS = {
     "easyrec/autoint_on_sequence_feature_taobao.config",
     "torcheasyrec/dbmtl_has_sequence_variational_dropout_mock.config",
     "torcheasyrec/multi_tower_din_mock_frozen.config",
+    # RocketLaunching
+    "easyrec/rocket_launching.config",
+    "easyrec/rocket_launching_feature_based.config",
+    "easyrec/rocket_launching_on_sequence_feature_taobao.config",
+    "easyrec/rocket_launching_with_rtp_input.config",
+    "torcheasyrec/rocket_launching.config",
+    "torcheasyrec/rocket_launching_criteo.config",
     "torcheasyrec/dbmtl_jrc.config",
     "torcheasyrec/dbmtl_taobao_jrc.config",
     "torcheasyrec/dlrm.config",

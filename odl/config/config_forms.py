@@ -41,10 +41,11 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
       (:mod:`odl.config.feature_settings`); EasyRec's ``sequence_length`` of a
       SequenceFeature becomes ``max_seq_len``;
     * TorchEasyRec's ``deepfm { deep {} final {} }`` become ``dnn`` / ``final_dnn``; its
-      ``*_mlp`` / ``mlp`` of MMoE, DBMTL and their task towers become EasyRec's ``*_dnn`` /
-      ``dnn``;
+      ``*_mlp`` / ``mlp`` of MMoE, DBMTL, RocketLaunching and task towers become EasyRec's
+      ``*_dnn`` / ``dnn``;
     * TorchEasyRec's ``losses { binary_cross_entropy {} }`` (of the model or of a task tower)
-      becomes ``loss_type: CLASSIFICATION``;
+      becomes ``loss_type: CLASSIFICATION``, as does ``softmax_cross_entropy {}`` of a
+      ``num_class`` >= 2 model (CLASSIFICATION's softmax form there);
     * TorchEasyRec's ``train_config.num_epochs`` moves to ``data_config.num_epochs`` when that
       is unset, its ``data_config.delimiter`` becomes ``separator``;
     * TorchEasyRec's ``feature_configs { id_feature {} }`` / ``raw_feature {}`` become EasyRec's
@@ -112,6 +113,10 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
     if mc.HasField("dbmtl"):
         _rename(mc.dbmtl, "model_config.dbmtl",
                 (("bottom_mlp", "bottom_dnn"), ("expert_mlp", "expert_dnn")))
+    if mc.HasField("rocket_launching"):
+        _rename(mc.rocket_launching, "model_config.rocket_launching",
+                (("share_mlp", "share_dnn"), ("booster_mlp", "booster_dnn"),
+                 ("light_mlp", "light_dnn")))
     losses = list(mc.losses)
     for where, task in task_towers(mc):
         _rename(task, where, (("mlp", "dnn"), ("relation_mlp", "relation_dnn")))
@@ -122,6 +127,15 @@ def normalize_config_forms(config: pipeline_pb2.EasyRecConfig) -> None:
         if loss.HasField("binary_cross_entropy"):
             loss.loss_type = pipeline_pb2.CLASSIFICATION
             loss.ClearField("binary_cross_entropy")
+        if loss.HasField("softmax_cross_entropy"):
+            if loss.softmax_cross_entropy.label_smoothing:
+                raise ConfigError("model_config.losses.softmax_cross_entropy.label_smoothing",
+                                  "label smoothing is not implemented (0 only)")
+            if mc.num_class < 2:
+                raise ConfigError("model_config.losses.softmax_cross_entropy",
+                                  "a softmax over classes needs model_config.num_class >= 2")
+            loss.loss_type = pipeline_pb2.CLASSIFICATION
+            loss.ClearField("softmax_cross_entropy")
     dc = config.data_config
     if dc.HasField("delimiter"):  # TorchEasyRec's name of the record separator
         if dc.HasField("separator") and dc.separator != dc.delimiter:

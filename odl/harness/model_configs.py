@@ -174,7 +174,9 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     over ``hist_C3``, a column added after the stream's 42 (``odl.datagen.behavior_history``);
     MultiTowerBST the deep tower and a BST tower (``seq_len`` 6, 4 heads) over the same;
     AutoInt (EasyRec's) two interacting layers of 2 heads of 16 over the "deep" group (renamed
-    "all"; the "wide" group goes), its dense features projected to the ids' width.
+    "all"; the "wide" group goes), its dense features projected to the ids' width;
+    RocketLaunching the DeepFM tower as its booster and a light DNN [32, 8] over the same
+    group.
     The tower models end in a ``final_dnn`` of 8. MMoE and
     DBMTL read the "deep" group (renamed "all"; the "wide" group goes) and train two tasks,
     "ctr" on ``label`` and "cvr" on ``buy``, a column added after the stream's 42
@@ -201,8 +203,8 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
             ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MultiTowerBST"``, ``"MMoE"``, ``"DBMTL"``,
             ``"ESMM"``, ``"PLE"``, ``"FM"``, ``"DLRM"``, ``"MaskNet"``, ``"WuKong"``, ``"CMBF"``,
-            ``"Uniter"``, ``"SimpleMultiTask"``, ``"AutoInt"``, ``"RankModel"`` or
-            ``"MultiTaskModel"``.
+            ``"Uniter"``, ``"SimpleMultiTask"``, ``"AutoInt"``, ``"RocketLaunching"``,
+            ``"RankModel"`` or ``"MultiTaskModel"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
     Returns:
@@ -248,6 +250,13 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
             f'  feature_groups {{ group_name: "other" {dense} wide_deep: DEEP }}\n'
             '  feature_groups { group_name: "general"')
         return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
+    if model == "RocketLaunching":  # the booster like the DeepFM tower, a light DNN of 8
+        text = (text[:m.start()] + "rocket_launching {\n    booster_dnn { hidden_units: ["
+                + m.group(1) + "] }\n    light_dnn { hidden_units: [32, 8] }\n  }"
+                + text[m.end():])
+        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
+        text = text.replace('group_name: "deep"', 'group_name: "all"')
+        return text.replace('model_class: "DeepFM"', 'model_class: "RocketLaunching"')
     if model == "AutoInt":  # every feature a token: the dense values projected
         dim = re.search(r"IdFeature embedding_dim: (\d+)", text)
         if dim is None:

@@ -39,7 +39,7 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import RawProjection
 from odl.models.ctr_model import CtrModel, PooledGroup
 from odl.models.embedding_tables import build_embedding_layout
-from odl.models.group_inputs import embedded_and_dense, sequence_blocks
+from odl.models.group_inputs import group_input
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.models.sequence_layers import GroupSequences
 from odl.protos import pipeline_pb2
@@ -155,22 +155,20 @@ class AutoInt(CtrModel):
         super().__init__()
         mc = config.model_config
         group = _group(mc)
-        blocks = sequence_blocks(config, feature_builder).get(group, [])
-        emb, raw = embedded_and_dense(mc, feature_builder, {group: blocks})[group]
         features = {fc.feature_name: fc for fc in feature_configs(config)}
         projected = [f for f in mc.feature_groups[_group_index(mc)].feature_names
                      if f in features and projected_raw(features[f])]
+        read = group_input(config, feature_builder, group, leave_out=projected)
+        emb, raw = read.lookups, read.raw
         columns_of = feature_builder.dense_feature_columns
         proj_cols = [c for f in projected for c in columns_of[f]]
-        raw = [c for c in raw if c not in set(proj_cols)]
         layout = build_embedding_layout(feature_builder.table_specs, list(dict.fromkeys(emb)),
                                         [], 1, mixed_dims=True)
         self.set_tables(layout, ebc_device)
         table_of = dict(layout.deep_keys)
         dim_of = dict(zip((f for f, _t in layout.deep_keys), layout.deep_dims, strict=True))
         width = sum(dim_of[f] for f in emb)
-        seqs = (GroupSequences.of_blocks(list(blocks), dim_of, width, len(raw))
-                if blocks else None)
+        seqs = read.sequences(dim_of)
         if seqs is not None:
             width = int(seqs.out_width)
         dim = _model_dim(mc, features)

@@ -462,14 +462,17 @@ class CtrModel(nn.Module):
         Returns:
             Scalar loss.
         """
-        logits = output.logits
-        loss = ctr_loss(logits, batch.labels, self.loss_terms, learned=self.learned,
+        return self.add_regularization(self.prediction_loss(output.logits, batch), output,
+                                       kernel_l2)
+
+    def prediction_loss(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The configured prediction loss of ``logits`` (``configured_loss``'s first term)."""
+        return ctr_loss(logits, batch.labels, self.loss_terms, learned=self.learned,
                         uncertainty=getattr(self.dense, "loss_uncertainty", None),
                         term_weights=random_loss_weights(self.model_config,
                                                          len(self.loss_terms), logits),
                         softmax=self.dense.num_class > 1, sessions=session_tensor(batch),
                         data_weights=sample_weight_tensor(batch))
-        return self.add_regularization(loss, output, kernel_l2)
 
     def add_regularization(self, loss: torch.Tensor, output: ModelOutput,
                            kernel_l2: float) -> torch.Tensor:

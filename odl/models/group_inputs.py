@@ -3,13 +3,15 @@
 The model modules share these readings of ``model_config.feature_groups`` against a
 ``FeatureBuilder``: :func:`model_groups` (the wide-and-deep split), :func:`embedded_and_dense`
 (per group, its lookups and dense columns), :func:`sequence_blocks` (the parts of a group's
-input made from sequences) and :func:`dense_columns`.
+input made from sequences), :func:`group_input` (one group read whole) and
+:func:`dense_columns`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 from odl.config.config_error import ConfigError
 from odl.config.feature_configs import feature_configs
@@ -20,6 +22,7 @@ from odl.models.sequence_layers import (
     KEY_LINEAR,
     KEY_PADDED,
     AttentionLayout,
+    GroupSequences,
     SequenceBlock,
     SequencePool,
     TargetAttention,
@@ -119,6 +122,44 @@ def embedded_and_dense(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBu
         raw += [b.length_column for b in group_blocks]
         groups[g.group_name] = (emb, raw)
     return groups
+
+
+@dataclasses.dataclass
+class GroupInput:
+    """One feature group as a model reads it whole (AutoInt, RocketLaunching).
+
+    Attributes:
+        lookups: the group's lookups in input order (its embedded features, then its
+            sequence blocks'; a feature a block reads again is there twice).
+        raw: its ``Batch.dense`` columns of plain raw values (projected raw features' left
+            out), then its sequence blocks' dense columns and lengths.
+        blocks: its sequence blocks.
+    """
+
+    lookups: list[str]
+    raw: list[str]
+    blocks: list[SequenceBlock]
+
+    def sequences(self, dim_of: dict[str, int]) -> GroupSequences | None:
+        """The blocks' combiner over ``[lookups, raw]`` (None without blocks)."""
+        if not self.blocks:
+            return None
+        width = sum(dim_of[f] for f in self.lookups)
+        return GroupSequences.of_blocks(list(self.blocks), dim_of, width, len(self.raw))
+
+
+def group_input(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder,
+                group: str, leave_out: Sequence[str] = ()) -> GroupInput:
+    """The group ``group`` read whole.
+
+    ``leave_out``'s dense columns are not in its ``raw`` (e.g. projected raw features, read
+    apart).
+    """
+    blocks = sequence_blocks(config, feature_builder).get(group, [])
+    emb, raw = embedded_and_dense(config.model_config, feature_builder, {group: blocks})[group]
+    cols = feature_builder.dense_feature_columns
+    out = {c for f in leave_out for c in cols[f]}
+    return GroupInput(list(emb), [c for c in raw if c not in out], blocks)
 
 
 # EasyRec's attention DNN of a feature group's sequence_features when seq_dnn is unset

@@ -41,7 +41,7 @@ TZREC_MODEL_MESSAGES = {
     "deepfm": "DeepFM", "wide_and_deep": "WideAndDeep", "multi_tower": "MultiTower",
     "multi_tower_din": "MultiTowerDIN", "dbmtl": "DBMTL", "mmoe": "MMoE", "dcn": "DCN",
     "dcn_v2": "DCNV2", "dlrm": "DLRM", "ple": "PLE", "rank_model": "RankModel",
-    "mask_net": "MaskNet", "wukong": "WuKong",
+    "mask_net": "MaskNet", "wukong": "WuKong", "rocket_launching": "RocketLaunching",
 }
 
 

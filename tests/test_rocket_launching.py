@@ -1,0 +1,117 @@
+"""EasyRec's and TorchEasyRec's RocketLaunching (``odl.models.rocket_launching``) on their
+samples: the light network is the served output and learns from the input without moving
+it; the loss is both networks' prediction losses, the hint loss and the feature-based
+terms; what it cannot do is refused by field. Its six samples train, export and serve (the
+light network) to parity in ``tests/test_config_compat.py``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from odl.config.config_error import ConfigError
+from odl.features.feature_builder import FeatureBuilder
+from odl.models.model_registry import check_pipeline_config
+from odl.models.rocket_launching import RocketDense, layer_pairs
+from odl.protos import pipeline_pb2
+from odl.train.train_module import TrainModule
+from tests.test_config_compat import _HERE, _records, _small_cpu_config, try_load
+
+_SAMPLE = os.path.join(_HERE, "easyrec", "rocket_launching.config")
+_FEATURE_BASED = os.path.join(_HERE, "easyrec", "rocket_launching_feature_based.config")
+_TZ = os.path.join(_HERE, "torcheasyrec", "rocket_launching_criteo.config")
+
+
+def _model(path: str, flavor: str = "easyrec"):
+    config = _small_cpu_config(try_load.load_one(path, flavor))
+    config.model_dir = "unused"
+    fb = FeatureBuilder(config)
+    tm = TrainModule(config, fb, device="cpu")
+    return config, fb, tm.model
+
+
+def test_the_light_network_is_served_and_reads_the_input_without_moving_it() -> None:
+    config, fb, model = _model(_SAMPLE)
+    dense = model.dense
+    assert isinstance(dense, RocketDense) and dense.num_class == 2
+    batch = fb.build(_records(config, 32, seed=1)).batch
+    model.train()
+    out = model(batch)
+    light, booster, _ = dense.both(*model.lookup(batch), batch.dense)
+    torch.testing.assert_close(out.logits, light)
+    torch.testing.assert_close(out.booster, booster)
+    model.eval()
+    with torch.no_grad():  # predictions and serving: the light network alone
+        torch.testing.assert_close(model(batch).logits, dense(*model.lookup(batch),
+                                                              batch.dense))
+    model.train()
+    model.zero_grad()
+    model.prediction_loss(model(batch).logits, batch).backward()
+    assert all(p.grad is None or not p.grad.any() for p in dense.share.parameters())
+    assert any(p.grad is not None and p.grad.any() for p in dense.light.parameters())
+    assert all(p.grad is None or not p.grad.any() for p in dense.booster.parameters())
+
+
+def test_the_loss_is_both_predictions_the_hint_and_regularization() -> None:
+    config, fb, model = _model(_SAMPLE)
+    batch = fb.build(_records(config, 32, seed=2)).batch
+    model.kernel_l2 = model.embedding_regularization = 0.0
+    model.train()
+    torch.manual_seed(0)
+    out = model(batch)
+    ce = torch.nn.functional.cross_entropy
+    labels = batch.labels  # one-hot over the 2 classes
+    want = (ce(out.logits, labels) + ce(out.booster, labels)
+            + torch.mean(torch.square(out.logits - out.booster.detach())))
+    torch.testing.assert_close(model.loss(out, batch), want)
+
+
+def test_feature_based_distillation_pulls_light_layers_toward_the_boosters() -> None:
+    """light [128, 64] against booster [256, 128, 96, 64]: layers (0, 1) and (1, 3); each
+    adds -0.1 times the batch's mean cosine of the pair (the booster's side held)."""
+    assert layer_pairs([128, 64], [256, 128, 96, 64]) == [(0, 1), (1, 3)]
+    config, fb, model = _model(_FEATURE_BASED)
+    dense = model.dense
+    assert dense.pairs == [(0, 1), (1, 3)] and not dense.euclid
+    seen: dict[str, torch.Tensor] = {}
+    for name, layers in (("light", dense.light), ("booster", dense.booster)):
+        for k, layer in enumerate(layers):
+            layer.register_forward_hook(
+                lambda _m, _a, o, key=f"{name}{k}": seen.__setitem__(key, o))
+    batch = fb.build(_records(config, 32, seed=3)).batch
+    model.train()
+    light, booster, distillation = dense.both(*model.lookup(batch), batch.dense)
+    hint = torch.mean(torch.square(light - booster))
+    cos = torch.nn.functional.cosine_similarity
+    want = hint + sum(-0.1 * cos(seen[f"light{i}"], seen[f"booster{j}"], dim=1).mean()
+                      for i, j in [(0, 1), (1, 3)])
+    torch.testing.assert_close(distillation, want)
+
+
+def test_torcheasyrecs_form_is_the_same_model() -> None:
+    """``booster_mlp`` / ``light_mlp`` and ``losses { softmax_cross_entropy {} }``."""
+    config, _fb, model = _model(_TZ, "torcheasyrec")
+    rl = config.model_config.rocket_launching
+    assert list(rl.booster_dnn.hidden_units) == [256, 128, 64, 32]
+    assert list(rl.light_dnn.hidden_units) == [96, 64, 32]
+    assert config.model_config.losses[0].loss_type == pipeline_pb2.CLASSIFICATION
+    assert model.dense.pairs == [(1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize(("edit", "field", "message"), [
+    (lambda c: c.model_config.rocket_launching.ClearField("booster_dnn"),
+     "model_config.rocket_launching.booster_dnn.hidden_units", ""),
+    (lambda c: c.model_config.rocket_launching.__setattr__(
+        "feature_distillation_function", pipeline_pb2.INNER_PRODUCT),
+     "model_config.rocket_launching.feature_distillation_function", "COSINE or EUCLID"),
+    (lambda c: c.model_config.variational_dropout.SetInParent(),
+     "model_config.variational_dropout", "not implemented for RocketLaunching"),
+])
+def test_what_rocket_launching_cannot_do_is_refused_by_field(edit, field, message) -> None:
+    config = _small_cpu_config(try_load.load_one(_SAMPLE, "easyrec"))
+    edit(config)
+    with pytest.raises(ConfigError, match=message) as err:
+        check_pipeline_config(config, online=True)
+    assert err.value.field == field
