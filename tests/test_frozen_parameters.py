@@ -69,6 +69,14 @@ def _moved(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> set[s
     return {k for k in before if not np.array_equal(before[k], after[k])}
 
 
+def _assert_tables_moved_but(before: dict[str, np.ndarray], moved: set[str],
+                             frozen: set[str]) -> None:
+    """Every table moved but the ``frozen`` ones, which kept their rows and state."""
+    assert not {k for k in moved if _table(k) in frozen}
+    tables = {_table(k) for k in before if k.startswith("ebc.")}
+    assert {_table(k) for k in moved if k.startswith("ebc.")} == tables - frozen
+
+
 def _table(key: str) -> str:
     """``ebc.embedding_bags.<t>.weight`` / ``<t>.<state>`` -> ``<t>``."""
     return key.removeprefix("ebc.embedding_bags.").split(".")[0]
@@ -98,9 +106,7 @@ def test_the_sample_trains_all_but_its_deep_embeddings_from_a_trained_state(tmp_
     for step in range(3, 7):
         tm.train_step(fb.build(_records(config, 32, seed=step)).batch)
     moved = _moved(before, _state(tm))
-    assert not {k for k in moved if _table(k) in deep}
-    tables = {_table(k) for k in before if k.startswith("ebc.")}
-    assert {_table(k) for k in moved if k.startswith("ebc.")} == tables - deep
+    _assert_tables_moved_but(before, moved, deep)
     state = {k for k in before if not k.startswith(("ebc.", "dense."))}
     assert {k for k in state if _table(k) not in deep} <= moved  # the wide tables' state
     assert {k for k in before if k.startswith("dense.")} <= moved
@@ -225,10 +231,7 @@ def test_torcheasyrecs_trainable_false_freezes_those_features_tables(tmp_path) -
     before = _state(tm)
     for step in range(2, 5):
         tm.train_step(fb.build(_records(config, 32, seed=step)).batch)
-    moved = _moved(before, _state(tm))
-    assert not {k for k in moved if _table(k) in frozen}
-    tables = {_table(k) for k in before if k.startswith("ebc.")}
-    assert {_table(k) for k in moved if k.startswith("ebc.")} == tables - frozen
+    _assert_tables_moved_but(before, _moved(before, _state(tm)), frozen)
     config.train_config.in_batch_learning = True
     with pytest.raises(ConfigError, match="frozen tables") as err:
         check_pipeline_config(config, online=True)

@@ -161,6 +161,29 @@ _MULTIMODAL_LAYERS = {
 }
 
 
+def _without_wide(text: str) -> str:
+    """The "wide" group gone."""
+    return re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
+
+
+def _one_group(text: str) -> str:
+    """The "wide" group gone, the "deep" group renamed "all" (the models of one group)."""
+    return _without_wide(text).replace('group_name: "deep"', 'group_name: "all"')
+
+
+def _dense_apart(text: str, dense_group: str, other_group: str) -> str:
+    """The "wide" group gone, the dense features moved from "deep" to their own group.
+
+    The dense features' group is ``dense_group``; "deep" is renamed ``other_group``.
+    """
+    text = _without_wide(text)
+    dense = " ".join(f'feature_names: "{f}"' for f in DENSE_FIELDS)
+    return text.replace(f" {dense} wide_deep: DEEP", " wide_deep: DEEP").replace(
+        '  feature_groups { group_name: "deep"',
+        f'  feature_groups {{ group_name: "{dense_group}" {dense} wide_deep: DEEP }}\n'
+        f'  feature_groups {{ group_name: "{other_group}"')
+
+
 def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     """A ``deepfm_config_text`` config as another model class over the same feature groups.
 
@@ -232,30 +255,17 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
                  "    wukong_layers { lcb_feature_num: 8 fmb_feature_num: 8 "
                  "compressed_feature_num: 8\n      feature_num_mlp { hidden_units: [32] } }\n"
                  f"    final {{ hidden_units: [{m.group(1)}] }}\n  }}")
-        text = text[:m.start()] + block + text[m.end():]
-        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
-        dense = " ".join(f'feature_names: "{f}"' for f in DENSE_FIELDS)
-        text = text.replace(f" {dense} wide_deep: DEEP", " wide_deep: DEEP").replace(
-            '  feature_groups { group_name: "deep"',
-            f'  feature_groups {{ group_name: "dense" {dense} wide_deep: DEEP }}\n'
-            '  feature_groups { group_name: "sparse"')
+        text = _dense_apart(text[:m.start()] + block + text[m.end():], "dense", "sparse")
         return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
     if model in _MULTIMODAL_LAYERS:  # ids as "general" tokens, the dense values as "other"
-        text = (text[:m.start()] + _MULTIMODAL_LAYERS[model].format(units=m.group(1))
-                + text[m.end():])
-        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
-        dense = " ".join(f'feature_names: "{f}"' for f in DENSE_FIELDS)
-        text = text.replace(f" {dense} wide_deep: DEEP", " wide_deep: DEEP").replace(
-            '  feature_groups { group_name: "deep"',
-            f'  feature_groups {{ group_name: "other" {dense} wide_deep: DEEP }}\n'
-            '  feature_groups { group_name: "general"')
+        text = _dense_apart(text[:m.start()] + _MULTIMODAL_LAYERS[model].format(
+            units=m.group(1)) + text[m.end():], "other", "general")
         return text.replace('model_class: "DeepFM"', f'model_class: "{model}"')
     if model == "RocketLaunching":  # the booster like the DeepFM tower, a light DNN of 8
         text = (text[:m.start()] + "rocket_launching {\n    booster_dnn { hidden_units: ["
                 + m.group(1) + "] }\n    light_dnn { hidden_units: [32, 8] }\n  }"
                 + text[m.end():])
-        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
-        text = text.replace('group_name: "deep"', 'group_name: "all"')
+        text = _one_group(text)
         return text.replace('model_class: "DeepFM"', 'model_class: "RocketLaunching"')
     if model == "AutoInt":  # every feature a token: the dense values projected
         dim = re.search(r"IdFeature embedding_dim: (\d+)", text)
@@ -263,16 +273,14 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
             raise ValueError("AutoInt needs the id features' embedding_dim")
         text = (text[:m.start()] + "autoint {\n    multi_head_num: 2 multi_head_size: 16 "
                 "interacting_layer_num: 2\n  }" + text[m.end():])
-        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
-        text = text.replace('group_name: "deep"', 'group_name: "all"')
+        text = _one_group(text)
         text = text.replace("feature_type: RawFeature }",
                             f"feature_type: RawFeature embedding_dim: {dim.group(1)} }}")
         return text.replace('model_class: "DeepFM"', 'model_class: "AutoInt"')
     if model in _MULTI_TASK_BLOCKS:
         block = _MULTI_TASK_BLOCKS[model].format(units=m.group(1))
         text = text[:m.start()] + block + text[m.end():]
-        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
-        text = text.replace('group_name: "deep"', 'group_name: "all"')
+        text = _one_group(text)
         last = text.rindex("  input_fields {")
         end = text.index("\n", last) + 1
         text = (text[:end] + '  input_fields { input_name: "buy" input_type: INT32 }\n'
@@ -283,7 +291,7 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
         units=m.group(1), final="final_dnn { hidden_units: [8] }\n    " if final_dnn else "")
     text = text[:m.start()] + block + text[m.end():]
     if model in ("DCNV2", "MaskNet"):  # they read one group: "deep"
-        text = re.sub(r'  feature_groups \{ group_name: "wide" [^\n]*\n', "", text)
+        text = _without_wide(text)
     if model in _SEQUENCE_MODELS:  # the history column and its SequenceFeature
         c3 = re.search(r'feature_configs \{ input_names: "C3" feature_type: IdFeature '
                        r"embedding_dim: (\d+) hash_bucket_size: (\d+) \}", text)
