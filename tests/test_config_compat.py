@@ -498,3 +498,24 @@ def test_torcheasyrec_expressions_reach_the_exports_fg_json() -> None:
     assert fg["adgroup_id"]["expression"] == "item:adgroup_id"
     assert fg["user_id"]["expression"] == "user:user_id"
     assert fg["adgroup_id"]["feature_type"] == "id_feature"
+
+
+def test_an_hdfs_model_dir_is_refused_by_field_and_model_dir_on_the_command_line_runs_it(
+        tmp_path) -> None:
+    """EasyRec's EMR sample writes its ``model_dir`` on HDFS, which odl cannot reach; the
+    ``--model_dir`` odl-train takes (as EasyRec's scripts pass theirs) runs it as written."""
+    from odl.config.config_error import ConfigError
+    from odl.config.pipeline_config import load_pipeline_config
+    from odl.models.model_registry import check_pipeline_config
+
+    path = os.path.join(_HERE, "easyrec", "deepfm_eval_pipeline.config")
+    with open(path, encoding="utf-8") as fh:
+        text, _removed = try_load.to_kafka_input(fh.read(), "easyrec")
+    config_file = tmp_path / "pipeline.config"
+    config_file.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        check_pipeline_config(load_pipeline_config(str(config_file)), online=True)
+    assert err.value.field == "model_dir" and "hdfs://" in str(err.value)
+    config = load_pipeline_config(str(config_file), model_dir=str(tmp_path / "model"))
+    check_pipeline_config(config, online=True)
+    assert config.model_dir == str(tmp_path / "model")
