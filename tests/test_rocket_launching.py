@@ -66,6 +66,14 @@ def test_the_loss_is_both_predictions_the_hint_and_regularization() -> None:
     want = (ce(out.logits, labels) + ce(out.booster, labels)
             + torch.mean(torch.square(out.logits - out.booster.detach())))
     torch.testing.assert_close(model.loss(out, batch), want)
+    # a padded batch's own rows (several ranks): the booster's logits are cut with the rest
+    rows = out.rows(20)
+    assert rows.logits.shape[0] == rows.booster.shape[0] == 20
+    part = batch.select(torch.arange(32) < 20)
+    torch.testing.assert_close(model.loss(rows, part),
+                               ce(out.logits[:20], labels[:20]) + ce(out.booster[:20], labels[:20])
+                               + torch.mean(torch.square(out.logits[:20]
+                                                         - out.booster[:20].detach())))
 
 
 def test_feature_based_distillation_pulls_light_layers_toward_the_boosters() -> None:
@@ -82,11 +90,10 @@ def test_feature_based_distillation_pulls_light_layers_toward_the_boosters() -> 
                 lambda _m, _a, o, key=f"{name}{k}": seen.__setitem__(key, o))
     batch = fb.build(_records(config, 32, seed=3)).batch
     model.train()
-    light, booster, distillation = dense.both(*model.lookup(batch), batch.dense)
-    hint = torch.mean(torch.square(light - booster))
+    _light, _booster, distillation = dense.both(*model.lookup(batch), batch.dense)
     cos = torch.nn.functional.cosine_similarity
-    want = hint + sum(-0.1 * cos(seen[f"light{i}"], seen[f"booster{j}"], dim=1).mean()
-                      for i, j in [(0, 1), (1, 3)])
+    want = sum(-0.1 * cos(seen[f"light{i}"], seen[f"booster{j}"], dim=1).mean()
+               for i, j in [(0, 1), (1, 3)])
     torch.testing.assert_close(distillation, want)
 
 
@@ -108,6 +115,11 @@ def test_torcheasyrecs_form_is_the_same_model() -> None:
      "model_config.rocket_launching.feature_distillation_function", "COSINE or EUCLID"),
     (lambda c: c.model_config.variational_dropout.SetInParent(),
      "model_config.variational_dropout", "not implemented for RocketLaunching"),
+    (lambda c: (c.model_config.__setattr__("num_class", 1),
+                c.train_config.__setattr__("in_batch_learning", True),
+                c.train_config.optimizer_config[0].adagrad_optimizer.learning_rate
+                .constant_learning_rate.__setattr__("learning_rate", 0.01)),
+     "model_config.rocket_launching", "does not take a booster"),
 ])
 def test_what_rocket_launching_cannot_do_is_refused_by_field(edit, field, message) -> None:
     config = _small_cpu_config(try_load.load_one(_SAMPLE, "easyrec"))

@@ -64,6 +64,10 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
         return (f"{sparse.field.rsplit('.', 1)[0]}.embedding_learning_rate_multiplier",
                 f"{field} does not take scaled table gradients (its shifted predictions "
                 "follow unscaled steps)")
+    if config.model_config.WhichOneof("model") == "rocket_launching":
+        return ("model_config.rocket_launching",
+                f"{field} does not take a booster beside the served network (its shifted "
+                "predictions follow the served network's loss alone)")
     if config.model_config.kd:
         return ("model_config.kd",
                 f"{field} does not take distillation losses (its shifted predictions follow "

@@ -53,6 +53,7 @@ set ``self.output_names``; call ``set_configured_loss`` and set ``kernel_l2``, o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -204,6 +205,14 @@ class ModelOutput:
     logits: torch.Tensor
     pooled: tuple[torch.Tensor, ...]
     aux_loss: torch.Tensor | None = None
+
+    def rows(self, n: int) -> ModelOutput:
+        """The output of the first ``n`` records (a padded batch's own rows).
+
+        The auxiliary loss stays the whole batch's.
+        """
+        return dataclasses.replace(self, logits=self.logits[:n],
+                                   pooled=tuple(p[:n] for p in self.pooled))
 
 
 @dataclass(frozen=True)

@@ -132,10 +132,7 @@ class RocketDense(nn.Module):
 
     def both(self, group: torch.Tensor, dense: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Training: ``(light logits, booster logits, the distillation loss)``.
-
-        The distillation loss holds the hint term and the feature-based terms.
-        """
+        """Training: ``(light logits, booster logits, the feature-based distillation loss)``."""
         s = self._shared(group, dense)
         light_hidden: list[torch.Tensor] = []
         h = s.detach()
@@ -149,7 +146,7 @@ class RocketDense(nn.Module):
             booster_hidden.append(b)
         light = self._logits(self.light_out(h))
         booster = self._logits(self.booster_out(b))
-        loss = torch.mean(torch.square(light - booster.detach()))
+        loss = torch.zeros((), dtype=light.dtype, device=light.device)
         for i, j in self.pairs:
             target = booster_hidden[j].detach()
             if self.euclid:
@@ -166,6 +163,12 @@ class RocketOutput(ModelOutput):
     """``ModelOutput`` with the booster's logits (training only)."""
 
     booster: Optional[torch.Tensor] = None
+
+    def rows(self, n: int) -> "RocketOutput":
+        """As ``ModelOutput.rows``, the booster's logits cut too."""
+        out = super().rows(n)
+        out.booster = self.booster[:n] if self.booster is not None else None
+        return out
 
 
 class RocketLaunching(CtrModel):
@@ -213,11 +216,15 @@ class RocketLaunching(CtrModel):
         return RocketOutput(light, pooled, distillation, booster)
 
     def loss(self, output: ModelOutput, batch: Batch) -> torch.Tensor:
-        """The light network's loss, the booster's, the distillation and regularization."""
+        """The light network's loss, the booster's, the hint loss and the rest.
+
+        The rest: the forward's feature-based terms and the regularization.
+        """
         loss = self.configured_loss(output, batch, self.kernel_l2)
         booster = getattr(output, "booster", None)
         if booster is not None:
             loss = loss + self.prediction_loss(booster, batch)
+            loss = loss + torch.mean(torch.square(output.logits - booster.detach()))
         return loss
 
 

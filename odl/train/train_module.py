@@ -20,6 +20,7 @@ the batches carry event times, else the clock.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -480,9 +481,8 @@ class TrainModule:
         output = self._dmp(batch.padded(most) if most > batch.size else batch)
         if most == batch.size:
             return output, output
-        n = batch.size  # (an auxiliary loss stays the padded batch's: padding rows join it)
-        return output, ModelOutput(output.logits[:n], tuple(p[:n] for p in output.pooled),
-                                   output.aux_loss)
+        # (an auxiliary loss stays the padded batch's: padding rows join it)
+        return output, output.rows(batch.size)
 
     def _step(self, batch: Batch, sizes: Sequence[int] | None) -> StepOutput:
         """``train_step`` after the dynamic tables' remap (see there)."""
@@ -513,9 +513,8 @@ class TrainModule:
         pairs = (learning.pairs(batch, n, mine.logits.dtype)
                  if learning is not None and (shifting or per_record) else None)
         if shifting:  # each record predicted after its batch's earlier ones
-            mine = ModelOutput(mine.logits + learning.shift(batch, output, mine, sizes, pairs,
-                                                            self.rates.tables), mine.pooled,
-                               mine.aux_loss)
+            mine = dataclasses.replace(mine, logits=mine.logits + learning.shift(
+                batch, output, mine, sizes, pairs, self.rates.tables))
         if n:
             loss = self._module().training_loss(mine, batch)
             weighted = loss if len(sizes) == 1 else loss * (n * len(sizes) / sum(sizes))
