@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,7 @@ from odl.models.model_registry import check_pipeline_config
 from odl.models.rocket_launching import RocketDense, layer_pairs
 from odl.protos import pipeline_pb2
 from odl.train.train_module import TrainModule
+from tests.harness import rank_dense_parameters
 from tests.test_config_compat import _HERE, _records, _small_cpu_config, try_load
 
 _SAMPLE = os.path.join(_HERE, "easyrec", "rocket_launching.config")
@@ -127,3 +129,23 @@ def test_what_rocket_launching_cannot_do_is_refused_by_field(edit, field, messag
     with pytest.raises(ConfigError, match=message) as err:
         check_pipeline_config(config, online=True)
     assert err.value.field == field
+
+
+def _rocket_rank(rank: int, world: int, steps: list) -> dict:
+    """One rank training its share of ``steps``; its dense parameters after them."""
+    config = _small_cpu_config(try_load.load_one(_SAMPLE, "easyrec"))
+    config.model_dir = "unused"
+    return rank_dense_parameters(config, rank, steps)
+
+
+def test_two_ranks_train_both_networks_as_one_model(ranks) -> None:
+    """The last step's batches differ in size (a padded batch): both networks stay one set
+    across the ranks, and both move."""
+    config = _small_cpu_config(try_load.load_one(_SAMPLE, "easyrec"))
+    steps = [[_records(config, 32, seed=10 * k),
+              _records(config, 32 if k < 2 else 20, seed=10 * k + 1)] for k in range(3)]
+    got = ranks.run(_rocket_rank, 2, steps)
+    for name, (value, _moved) in got[0].items():
+        np.testing.assert_array_equal(value, got[1][name][0], err_msg=name)
+    for net in ("dense.booster_out.weight", "dense.light_out.weight", "dense.share.0.weight"):
+        assert got[0][net][1], net
