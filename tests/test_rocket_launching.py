@@ -149,3 +149,22 @@ def test_two_ranks_train_both_networks_as_one_model(ranks) -> None:
         np.testing.assert_array_equal(value, got[1][name][0], err_msg=name)
     for net in ("dense.booster_out.weight", "dense.light_out.weight", "dense.share.0.weight"):
         assert got[0][net][1], net
+
+
+@pytest.mark.parametrize(("old", "new", "field"), [
+    ("num_class: 2", "num_class: 1", "model_config.losses.softmax_cross_entropy"),
+    ("softmax_cross_entropy {}", "softmax_cross_entropy { label_smoothing: 0.1 }",
+     "model_config.losses.softmax_cross_entropy.label_smoothing"),
+])
+def test_a_softmax_cross_entropy_odl_cannot_compute_is_refused_by_field(tmp_path, old, new,
+                                                                          field) -> None:
+    """TorchEasyRec's ``softmax_cross_entropy {}`` needs classes, and label smoothing is not
+    implemented."""
+    with open(_TZ, encoding="utf-8") as fh:
+        text = fh.read()
+    assert old in text
+    path = tmp_path / "rocket_launching_criteo.config"
+    path.write_text(text.replace(old, new))
+    with pytest.raises(ConfigError) as err:
+        try_load.load_one(str(path), "torcheasyrec")
+    assert err.value.field == field
