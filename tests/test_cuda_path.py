@@ -66,23 +66,29 @@ def test_cuda_trains_the_same_model_as_cpu(fb):
 
 
 @pytest.mark.parametrize("sample", ["dbmtl_uniter_on_movielens", "dbmtl_cmbf_on_movielens",
-                                    "deepfm_multi_cls_small"])
+                                    "deepfm_multi_cls_small", "cmbf_on_movielens",
+                                    "uniter_on_movielens", "bst_on_taobao",
+                                    "autoint_on_movielens", "rocket_launching_feature_based",
+                                    "simple_multi_task_on_taobao",
+                                    "taobao_multi_tower_boundary_test"])
 def test_easyrec_samples_of_new_parts_train_alike_on_cuda_and_cpu(sample, device="cuda"):
-    """EasyRec's UNITER and CMBF bottoms and its distillation sample (dropout off): the CUDA
-    steps predict what the CPU steps predict."""
+    """EasyRec's UNITER and CMBF bottoms and models, its distillation sample, MultiTowerBST,
+    AutoInt, RocketLaunching, SimpleMultiTask and projected raw features in a tower (dropout
+    off): the CUDA steps predict what the CPU steps predict."""
     from tests.test_config_compat import _HERE, _records, _small_cpu_config, try_load
 
     config = _small_cpu_config(try_load.load_one(
         os.path.join(_HERE, "easyrec", f"{sample}.config"), "easyrec"))
     config.model_dir = "unused"
     mc = config.model_config
-    for name in ("bottom_uniter", "bottom_cmbf"):
-        if mc.HasField("dbmtl") and mc.dbmtl.HasField(name):
-            bottom = getattr(mc.dbmtl, name)
-            for key in ("hidden_dropout_prob", "attention_probs_dropout_prob",
-                        "text_seq_emb_dropout_prob"):
-                if key in bottom.DESCRIPTOR.fields_by_name:
-                    setattr(bottom, key, 0.0)
+    layers = [getattr(mc.dbmtl, n) for n in ("bottom_uniter", "bottom_cmbf")
+              if mc.HasField("dbmtl") and mc.dbmtl.HasField(n)]
+    layers += [getattr(mc, n).config for n in ("cmbf", "uniter") if mc.HasField(n)]
+    for layer in layers:
+        for key in ("hidden_dropout_prob", "attention_probs_dropout_prob",
+                    "text_seq_emb_dropout_prob"):
+            if key in layer.DESCRIPTOR.fields_by_name:
+                setattr(layer, key, 0.0)
     fb = FeatureBuilder(config)
     cpu, gpu = TrainModule(config, fb, device="cpu"), TrainModule(config, fb, device=device)
     for step in range(3):
