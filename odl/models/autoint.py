@@ -39,7 +39,7 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import RawProjection
 from odl.models.ctr_model import CtrModel, PooledGroup
 from odl.models.embedding_tables import build_embedding_layout
-from odl.models.group_inputs import group_input
+from odl.models.group_inputs import all_group, group_input
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.models.sequence_layers import GroupSequences
 from odl.protos import pipeline_pb2
@@ -154,9 +154,9 @@ class AutoInt(CtrModel):
                  ebc_device: "torch.device | str" = "meta") -> None:
         super().__init__()
         mc = config.model_config
-        group = _group(mc)
+        group = all_group(mc)
         features = {fc.feature_name: fc for fc in feature_configs(config)}
-        projected = [f for f in mc.feature_groups[_group_index(mc)].feature_names
+        projected = [f for f in _group_config(mc).feature_names
                      if f in features and projected_raw(features[f])]
         read = group_input(config, feature_builder, group, leave_out=projected)
         emb, raw = read.lookups, read.raw
@@ -186,18 +186,14 @@ class AutoInt(CtrModel):
         self.set_configured_loss(mc, (list(config.data_config.label_fields) or ["label"])[0])
 
 
-def _group_index(mc: pipeline_pb2.EasyRecModel) -> int:
-    names = [g.group_name for g in mc.feature_groups]
-    return names.index("all") if "all" in names else 0
-
-
-def _group(mc: pipeline_pb2.EasyRecModel) -> str:
-    return mc.feature_groups[_group_index(mc)].group_name
+def _group_config(mc: pipeline_pb2.EasyRecModel) -> pipeline_pb2.FeatureGroupConfig:
+    name = all_group(mc)
+    return next(g for g in mc.feature_groups if g.group_name == name)
 
 
 def _model_dim(mc: pipeline_pb2.EasyRecModel, features: dict) -> int:
     """``D``: the one ``embedding_dim`` of the group's features (checked by ``_validate``)."""
-    g = mc.feature_groups[_group_index(mc)]
+    g = _group_config(mc)
     return next(int(features[f].embedding_dim) for f in g.feature_names
                 if f in features and features[f].embedding_dim)
 
@@ -221,11 +217,7 @@ def _validate(check: ModelCheck) -> None:
             raise ConfigError(check.where(name), f"must be 1 to {limits.MAX_HIDDEN_UNITS:,}")
     if settings.l2_regularization < 0:
         raise ConfigError(check.where("l2_regularization"), "must be >= 0")
-    if "all" not in check.groups and len(check.groups) != 1:
-        raise ConfigError("model_config.feature_groups",
-                          f'AutoInt reads the feature group named "all" (or the only group); '
-                          f"groups are {sorted(check.groups)}")
-    gi = _group_index(mc)
+    gi = check.groups[all_group(mc)]
     group = mc.feature_groups[gi]
     where = f"model_config.feature_groups[{gi}].feature_names"
     dims: dict[str, int] = {}

@@ -56,9 +56,9 @@ from odl.models.ctr_losses import linear_kernel_l2
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
-from odl.models.group_inputs import embedded_and_dense, sequence_blocks
+from odl.models.group_inputs import all_group, embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
-from odl.models.multi_task_models import TaskHead, multi_task_group
+from odl.models.multi_task_models import TaskHead
 from odl.models.sequence_layers import GroupSequences, SequenceBlock
 from odl.protos import pipeline_pb2
 
@@ -261,7 +261,7 @@ def _input_groups(mc: pipeline_pb2.EasyRecModel
     """``(feature group, DNN or None)`` per input group: ``esmm.groups``, or the one group."""
     if mc.esmm.groups:
         return [(g.input, g.dnn if g.HasField("dnn") else None) for g in mc.esmm.groups]
-    return [(multi_task_group(mc), None)]
+    return [(all_group(mc), None)]
 
 
 def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) -> ESMMModel:

@@ -3,7 +3,8 @@
 The model modules share these readings of ``model_config.feature_groups`` against a
 ``FeatureBuilder``: :func:`model_groups` (the wide-and-deep split), :func:`embedded_and_dense`
 (per group, its lookups and dense columns), :func:`sequence_blocks` (the parts of a group's
-input made from sequences), :func:`group_input` (one group read whole) and
+input made from sequences), :func:`all_group` and :func:`group_input` (one group read
+whole) and
 :func:`dense_columns`.
 """
 
@@ -122,6 +123,24 @@ def embedded_and_dense(mc: pipeline_pb2.EasyRecModel, feature_builder: FeatureBu
         raw += [b.length_column for b in group_blocks]
         groups[g.group_name] = (emb, raw)
     return groups
+
+
+def all_group(mc: pipeline_pb2.EasyRecModel) -> str:
+    """The one feature group a model reads whole: ``"all"``, or the model's only group.
+
+    EasyRec's rule for its multi-task models, AutoInt and RocketLaunching.
+
+    Raises:
+        ConfigError: neither exists.
+    """
+    names = [g.group_name for g in mc.feature_groups]
+    if "all" in names:
+        return "all"
+    if len(names) == 1:
+        return names[0]
+    raise ConfigError("model_config.feature_groups",
+                      f"{mc.model_class} reads the feature group named \"all\" (or the only "
+                      f"group); groups are {names}")
 
 
 @dataclasses.dataclass

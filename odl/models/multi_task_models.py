@@ -74,7 +74,7 @@ from odl.models.ctr_losses import linear_kernel_l2
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import EmbeddingLayout, build_embedding_layout
 from odl.models.feature_dropout import FeatureDropout, variational_dropout_loss
-from odl.models.group_inputs import embedded_and_dense, sequence_blocks
+from odl.models.group_inputs import all_group, embedded_and_dense, sequence_blocks
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.models.multimodal_inputs import (
     check_multimodal_groups,
@@ -349,22 +349,6 @@ class TaskTowerModel(CtrModel):
         return self.add_regularization(loss, output, 0.0)
 
 
-def multi_task_group(mc: pipeline_pb2.EasyRecModel) -> str:
-    """The feature group a multi-task model reads: ``"all"``, or the model's only group.
-
-    Raises:
-        ConfigError: neither exists.
-    """
-    names = [g.group_name for g in mc.feature_groups]
-    if "all" in names:
-        return "all"
-    if len(names) == 1:
-        return names[0]
-    raise ConfigError("model_config.feature_groups",
-                      f"{mc.model_class} reads the feature group named \"all\" (or the only "
-                      f"group); groups are {names}")
-
-
 def build_multi_task_model(
     config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder,
     mixture: Optional[Callable[[int, int], nn.Module]] = None,
@@ -387,7 +371,7 @@ def build_multi_task_model(
     if field == "dbmtl" and multimodal_bottom(settings):
         return build_multimodal_dbmtl(config, feature_builder)
     sequences = sequence_blocks(config, feature_builder)
-    group = multi_task_group(mc)
+    group = all_group(mc)
     blocks = sequences.get(group, [])
     emb, raw = embedded_and_dense(mc, feature_builder, {group: blocks})[group]
     regular = emb[: len(emb) - sum(len(b.lookups) for b in blocks)]
@@ -471,7 +455,7 @@ def validate_multi_task(check: ModelCheck) -> None:
         raise ConfigError("model_config.feature_groups",
                           f'{mc.model_class} reads the feature group named "all" (or the only '
                           f"group); groups are {sorted(groups)}")
-    gi = groups[multi_task_group(mc)]
+    gi = groups[all_group(mc)]
     group = mc.feature_groups[gi]
     projected_group_dim(group, check.features, f"model_config.feature_groups[{gi}].feature_names",
                         "a multi-task group")
@@ -520,7 +504,7 @@ def _validate(check: ModelCheck) -> None:
         validate_dnn(settings.bottom_dnn, f"{where}.bottom_dnn", required=False)
     mc = check.config.model_config
     if field != "dbmtl" or not multimodal_bottom(settings):
-        check_dropout_group(mc, mc.feature_groups[check.groups[multi_task_group(mc)]],
+        check_dropout_group(mc, mc.feature_groups[check.groups[all_group(mc)]],
                             check.features, with_sequences=True)
 
 

@@ -42,7 +42,7 @@ from odl.features.feature_builder import FeatureBuilder
 from odl.models.building_blocks import build_mlp
 from odl.models.ctr_model import CtrModel, ModelOutput, PooledGroup
 from odl.models.embedding_tables import build_embedding_layout
-from odl.models.group_inputs import group_input
+from odl.models.group_inputs import all_group, group_input
 from odl.models.model_registry import ModelCheck, ModelClass, register_model
 from odl.models.sequence_layers import GroupSequences
 from odl.protos import pipeline_pb2
@@ -186,7 +186,7 @@ class RocketLaunching(CtrModel):
                  ebc_device: "torch.device | str" = "meta") -> None:
         super().__init__()
         mc = config.model_config
-        group = _group(mc)
+        group = all_group(mc)
         read = group_input(config, feature_builder, group)
         layout = build_embedding_layout(feature_builder.table_specs,
                                         list(dict.fromkeys(read.lookups)), [], 1,
@@ -228,11 +228,6 @@ class RocketLaunching(CtrModel):
         return loss
 
 
-def _group(mc: pipeline_pb2.EasyRecModel) -> str:
-    names = [g.group_name for g in mc.feature_groups]
-    return "all" if "all" in names else names[0]
-
-
 def _build(config: pipeline_pb2.EasyRecConfig,
            feature_builder: FeatureBuilder) -> RocketLaunching:
     try:
@@ -256,10 +251,7 @@ def _validate(check: ModelCheck) -> None:
     if settings.feature_distillation_function == pipeline_pb2.INNER_PRODUCT:
         raise ConfigError(check.where("feature_distillation_function"),
                           "COSINE or EUCLID (EasyRec's RocketLaunching compares no other way)")
-    if "all" not in check.groups and len(check.groups) != 1:
-        raise ConfigError("model_config.feature_groups",
-                          f'RocketLaunching reads the feature group named "all" (or the only '
-                          f"group); groups are {sorted(check.groups)}")
+    all_group(mc)  # (refused by field without one)
 
 
 register_model(ModelClass("RocketLaunching", _build, _validate, group_attention="all"))

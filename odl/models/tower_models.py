@@ -438,7 +438,7 @@ def _build(config: pipeline_pb2.EasyRecConfig, feature_builder: FeatureBuilder) 
         names = [n for n in g.feature_names if n in features and projected_raw(features[n])]
         if names and g.group_name in groups:
             proj_cols = [cols[n] for n in names]
-            taken = {c for c in proj_cols for c in c}
+            taken = {c for cols_of_one in proj_cols for c in cols_of_one}
             sparse, dense = groups[g.group_name]
             groups[g.group_name] = (sparse, [c for c in dense if c not in taken])
             projected[g.group_name] = (proj_cols, features[names[0]].embedding_dim)
