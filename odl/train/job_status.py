@@ -163,7 +163,7 @@ class JobStatusChannel:
         out = []
         with self._lock:
             for r in range(1, self.world_size):
-                age = now - self._seen_at.get(r, self._started)
-                out.append(RankView(r, self._reports.get(r), round(age, 3),
-                                    age <= self.stale_after_s))
+                # rounded first, so a rank not answering always shows an age past the limit
+                age = round(now - self._seen_at.get(r, self._started), 3)
+                out.append(RankView(r, self._reports.get(r), age, age <= self.stale_after_s))
         return out

@@ -208,6 +208,16 @@ def model_class_of(text: str) -> str:
     return "?"
 
 
+def corpus_files(flavor: str) -> list[str]:
+    """The sample configs of ``flavor`` (``easyrec`` or ``torcheasyrec``), sorted by name.
+
+    Hidden files (:func:`load_one`'s rewritten copies, present while one loads) are not
+    samples.
+    """
+    return sorted(name for name in os.listdir(os.path.join(HERE, flavor))
+                  if name.endswith(".config") and not name.startswith("."))
+
+
 def load_one(path: str, flavor: str, verbose: bool = False):
     """The sample config at ``path`` with a Kafka input, loaded and validated as odl-train does.
 
@@ -220,8 +230,9 @@ def load_one(path: str, flavor: str, verbose: bool = False):
     if verbose:
         print(f"  {os.path.basename(path)}: removed {removed}", file=sys.stderr)
     # beside the sample, so that the files it names by a relative path (fg_json_path,
-    # vocab_file) resolve as they do for the sample itself
-    fd, tmp = tempfile.mkstemp(suffix=".config", prefix="compat_",
+    # vocab_file) resolve as they do for the sample itself; hidden (a leading dot), so that
+    # a listing of the corpus made meanwhile (another test worker's) does not take it
+    fd, tmp = tempfile.mkstemp(suffix=".config", prefix=".compat_",
                                dir=os.path.dirname(os.path.abspath(path)))
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -265,10 +276,9 @@ def main() -> int:
     rows = []
     for flavor in ("easyrec", "torcheasyrec"):
         folder = os.path.join(HERE, flavor)
-        for name in sorted(os.listdir(folder)):
-            if name.endswith(".config"):
-                mc, result, ok = try_one(os.path.join(folder, name), flavor, verbose)
-                rows.append((f"{flavor}/{name}", mc, result.replace("\n", " "), ok))
+        for name in corpus_files(flavor):
+            mc, result, ok = try_one(os.path.join(folder, name), flavor, verbose)
+            rows.append((f"{flavor}/{name}", mc, result.replace("\n", " "), ok))
     w1 = max(len(r[0]) for r in rows)
     w2 = max(len(r[1]) for r in rows)
     print(f"{'file':<{w1}}  {'model class':<{w2}}  result")
