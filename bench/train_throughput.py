@@ -27,7 +27,7 @@ broker's save of them to finish (see ``odl.broker.embedded_broker``).
     .venv/bin/python bench/train_throughput.py [--batches 120] [--rounds 5] [--num-workers 0]
         [--input-process 1|0|both] [--device cpu|cuda|auto] [--torch-threads 0]
         [--model DeepFM|WideAndDeep|MultiTower|MultiTowerDIN|MultiTowerBST|DCN|DCNV2|MMoE|
-                 DBMTL|FM|DLRM|ESMM|PLE|MaskNet|WuKong|CMBF|Uniter|SimpleMultiTask|AutoInt|
+                 DBMTL|FM|DLRM|ESMM|PLE|MaskNet|WuKong|CMBF|Uniter|SimpleMultiTask|PEPNet|AutoInt|
                  RocketLaunching|RankModel|MultiTaskModel]
         [--json out.json]
 """

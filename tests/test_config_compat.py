@@ -266,6 +266,8 @@ LOADS = {
     "torcheasyrec/dbmtl_jrc.config",
     "torcheasyrec/dbmtl_taobao_jrc.config",
     "torcheasyrec/dlrm.config",
+    # TorchEasyRec's PEPNet
+    "torcheasyrec/pepnet_taobao.config",
 }
 # issue 35's target for the configs of implemented model classes (docs/config.md says whether
 # today's share meets it and names what the refused ones need)

@@ -70,17 +70,22 @@ def test_cuda_trains_the_same_model_as_cpu(fb):
                                     "uniter_on_movielens", "bst_on_taobao",
                                     "autoint_on_movielens", "rocket_launching_feature_based",
                                     "simple_multi_task_on_taobao",
-                                    "taobao_multi_tower_boundary_test"])
+                                    "taobao_multi_tower_boundary_test",
+                                    "torcheasyrec/pepnet_taobao"])
 def test_easyrec_samples_of_new_parts_train_alike_on_cuda_and_cpu(sample, device="cuda"):
     """EasyRec's UNITER and CMBF bottoms and models, its distillation sample, MultiTowerBST,
-    AutoInt, RocketLaunching, SimpleMultiTask and projected raw features in a tower (dropout
-    off): the CUDA steps predict what the CPU steps predict."""
+    AutoInt, RocketLaunching, SimpleMultiTask, projected raw features in a tower and
+    TorchEasyRec's PEPNet (dropout off): the CUDA steps predict what the CPU steps
+    predict."""
     from tests.test_config_compat import _HERE, _records, _small_cpu_config, try_load
 
+    flavor, name = sample.split("/") if "/" in sample else ("easyrec", sample)
     config = _small_cpu_config(try_load.load_one(
-        os.path.join(_HERE, "easyrec", f"{sample}.config"), "easyrec"))
+        os.path.join(_HERE, flavor, f"{name}.config"), flavor))
     config.model_dir = "unused"
     mc = config.model_config
+    if mc.HasField("pepnet"):
+        mc.pepnet.ClearField("ppnet_dropout_ratio")
     layers = [getattr(mc.dbmtl, n) for n in ("bottom_uniter", "bottom_cmbf")
               if mc.HasField("dbmtl") and mc.dbmtl.HasField(n)]
     layers += [getattr(mc, n).config for n in ("cmbf", "uniter") if mc.HasField(n)]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from odl.config.feature_configs import feature_configs, feature_list_path
 from odl.config.loss_settings import POINTWISE_LOSS_TYPES, num_classes, regression_outputs
+from odl.config.model_classes import domain_label
 from odl.config.optimizer_support import (
     IN_BATCH_TABLE_KINDS,
     PER_RECORD_TABLE_KINDS,
@@ -68,6 +69,10 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
         return ("model_config.rocket_launching",
                 f"{field} does not take a booster beside the served network (its shifted "
                 "predictions follow the served network's loss alone)")
+    if domain_label(config.model_config):
+        return ("model_config.pepnet.domain_input_name",
+                f"{field} does not take a tower per domain (its shifted predictions follow "
+                "one output per record)")
     if config.model_config.kd:
         return ("model_config.kd",
                 f"{field} does not take distillation losses (its shifted predictions follow "

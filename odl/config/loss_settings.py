@@ -22,6 +22,7 @@ from collections.abc import Iterator
 
 from odl.config.config_error import ConfigError
 from odl.config.model_classes import (
+    domain_label,
     is_multi_task_model,
     product_output,
     task_label_names,
@@ -30,8 +31,8 @@ from odl.config.model_classes import (
 from odl.protos import pipeline_pb2
 
 __all__ = ["JRC_STRATEGIES", "POINTWISE_LOSS_TYPES", "SOFTMAX_LOSS_TYPES", "jrc_session_field",
-           "loss_entries", "num_classes", "real_valued_labels", "task_classes",
-           "regression_outputs", "sample_weight_field", "validate_loss_settings",
+           "label_class_counts", "loss_entries", "num_classes", "real_valued_labels",
+           "task_classes", "regression_outputs", "sample_weight_field", "validate_loss_settings",
            "ziln_settings"]
 
 _L = pipeline_pb2
@@ -102,6 +103,23 @@ def num_classes(config: pipeline_pb2.EasyRecConfig) -> int:
     if is_multi_task_model(mc) or ziln_settings(config) is not None:
         return 1
     return max(int(mc.num_class), 1)
+
+
+def label_class_counts(config: pipeline_pb2.EasyRecConfig) -> dict[str, int]:
+    """Label fields holding a class index, each with its number of classes C.
+
+    The label is an integer in ``[0, C)``; a record holding another value is rejected as
+    ``bad_label``. A ``num_class`` C > 1 model's label (:func:`num_classes`) and a domain
+    label (PEPNet's ``domain_input_name``, its ``task_domain_num`` domains).
+    """
+    labels = list(config.data_config.label_fields) or ["label"]
+    out = {}
+    if num_classes(config) > 1:
+        out[labels[0]] = num_classes(config)
+    domain = domain_label(config.model_config)
+    if domain:
+        out[domain] = max(int(config.model_config.pepnet.task_domain_num), 1)
+    return out
 
 
 def task_classes(config: pipeline_pb2.EasyRecConfig) -> tuple[int, ...]:

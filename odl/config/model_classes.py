@@ -123,6 +123,17 @@ def product_output(model_config: pipeline_pb2.EasyRecModel) -> str:
     return settings.DESCRIPTOR.GetOptions().Extensions[pipeline_pb2.product_output]
 
 
+def domain_label(model_config: pipeline_pb2.EasyRecModel) -> str:
+    """The label field holding each record's domain (PEPNet's ``domain_input_name``); "".
+
+    Such a label is not trained on: a feature may read its column too, and it holds an
+    integer in ``[0, task_domain_num)``.
+    """
+    if model_config.HasField("pepnet"):
+        return model_config.pepnet.domain_input_name
+    return ""
+
+
 def is_multi_task_model(model_config: pipeline_pb2.EasyRecModel) -> bool:
     """Whether the model trains one output per task (its settings message has tasks)."""
     return _task_towers(model_config) is not None

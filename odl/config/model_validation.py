@@ -47,7 +47,7 @@ from odl.config.feature_kinds import (
     validate_number_sequence,
 )
 from odl.config.loss_settings import SOFTMAX_LOSS_TYPES
-from odl.config.model_classes import is_multi_task_model
+from odl.config.model_classes import domain_label, is_multi_task_model
 from odl.protos import pipeline_pb2
 
 __all__ = ["SUPPORTED_ACTIVATIONS", "sequence_combiner_width", "validate_dnn", "validate_features",
@@ -86,7 +86,8 @@ def validate_features(
     prefix = feature_list_path(config)
     if not features:
         raise ConfigError(prefix, "no features configured")
-    labels = set(config.data_config.label_fields)
+    # a domain label (PEPNet's) is not trained on: features may read its column
+    labels = set(config.data_config.label_fields) - {domain_label(config.model_config)}
     by_name: dict[str, FeatureConfig] = {}
     tables: dict[str, tuple] = {}
     mc = config.model_config

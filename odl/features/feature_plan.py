@@ -101,6 +101,7 @@ from odl.config.feature_settings import has_vocabulary, normalizes, read_vocabul
 from odl.config.label_functions import label_functions
 from odl.config.loss_settings import (
     jrc_session_field,
+    label_class_counts,
     num_classes,
     real_valued_labels,
     sample_weight_field,
@@ -390,8 +391,7 @@ class FeaturePlan:
             list_separators=list_seps,
             numeric_fields=list(dict.fromkeys(numeric_fields)),
             real_labels=sorted(real_valued_labels(pipeline_config)),
-            class_labels=({self._label: num_classes(pipeline_config)}
-                          if num_classes(pipeline_config) > 1 else None),
+            class_labels=label_class_counts(pipeline_config),
             label_functions=label_functions(dc),
         )
         self._classes = num_classes(pipeline_config)

@@ -94,6 +94,13 @@ _MULTI_TASK_BLOCKS = {
                         'dnn {{ hidden_units: [{units}] }} }}\n'
                         '    task_towers {{ tower_name: "cvr" label_name: "buy" '
                         'dnn {{ hidden_units: [{units}] }} }}\n  }}'),
+    # TorchEasyRec's form: PPNet's two layers like the DeepFM tower, gated by the "uia"
+    # group (the "wide" group's ids, embedded)
+    "PEPNet": ('pepnet {{\n    ppnet_hidden_units: [{units}]\n'
+               '    task_towers {{ tower_name: "ctr" label_name: "label" '
+               'mlp {{ hidden_units: [8] }} }}\n'
+               '    task_towers {{ tower_name: "cvr" label_name: "buy" '
+               'mlp {{ hidden_units: [8] }} }}\n  }}'),
     # EasyRec's backbone form: an MMoE block's task inputs, cvr related to ctr
     "MultiTaskModel": ('backbone {{\n'
                        '    blocks {{ name: "experts" inputs {{ feature_group_name: "all" }}\n'
@@ -207,7 +214,9 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     with the DeepFM tower as its bottom and "cvr" related to "ctr", ESMM with the DeepFM tower
     as its group's DNN (outputs "cvr", "ctr", "ctcvr"), PLE with two extraction networks
     (2 task experts like the DeepFM tower and 1 shared, then 1 and 1 of 8 units),
-    SimpleMultiTask a tower like the DeepFM tower per task,
+    SimpleMultiTask a tower like the DeepFM tower per task, PEPNet (TorchEasyRec's) PPNet
+    layers like the DeepFM tower per task gated by the "wide" group's ids (renamed "uia",
+    embedded) and a tower of 8 per task,
     MultiTaskModel (EasyRec's backbone form) an MMoE block of 3 experts like the DeepFM tower
     feeding the two tasks, "cvr" related to "ctr". FM
     (EasyRec's) keeps the groups with the dense features moved from the deep group (FM's
@@ -226,7 +235,8 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
         model: ``"DeepFM"`` (unchanged), ``"WideAndDeep"``, ``"MultiTower"``, ``"DCN"``,
             ``"DCNV2"``, ``"MultiTowerDIN"``, ``"MultiTowerBST"``, ``"MMoE"``, ``"DBMTL"``,
             ``"ESMM"``, ``"PLE"``, ``"FM"``, ``"DLRM"``, ``"MaskNet"``, ``"WuKong"``, ``"CMBF"``,
-            ``"Uniter"``, ``"SimpleMultiTask"``, ``"AutoInt"``, ``"RocketLaunching"``,
+            ``"Uniter"``, ``"SimpleMultiTask"``, ``"PEPNet"``, ``"AutoInt"``,
+            ``"RocketLaunching"``,
             ``"RankModel"`` or ``"MultiTaskModel"``.
         final_dnn: WideAndDeep only: join wide and deep through ``final_dnn``.
 
@@ -280,7 +290,12 @@ def as_model_config_text(text: str, model: str, final_dnn: bool = False) -> str:
     if model in _MULTI_TASK_BLOCKS:
         block = _MULTI_TASK_BLOCKS[model].format(units=m.group(1))
         text = text[:m.start()] + block + text[m.end():]
-        text = _one_group(text)
+        if model == "PEPNet":  # "deep" as "all", the "wide" group's ids as "uia"
+            text = re.sub(r'(feature_groups \{ group_name: )"wide"(.*?) wide_deep: WIDE \}',
+                          r'\1"uia"\2 wide_deep: DEEP }', text)
+            text = text.replace('group_name: "deep"', 'group_name: "all"')
+        else:
+            text = _one_group(text)
         last = text.rindex("  input_fields {")
         end = text.index("\n", last) + 1
         text = (text[:end] + '  input_fields { input_name: "buy" input_type: INT32 }\n'

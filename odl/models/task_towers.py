@@ -23,7 +23,7 @@ from torch import nn
 
 from odl.config.config_error import ConfigError
 from odl.config.loss_settings import POINTWISE_LOSS_TYPES, SOFTMAX_LOSS_TYPES
-from odl.config.model_classes import model_settings, task_label_names
+from odl.config.model_classes import domain_label, model_settings, task_label_names
 from odl.config.model_validation import validate_dnn, validate_losses
 from odl.models.building_blocks import build_optional_mlp
 from odl.models.model_registry import ModelCheck
@@ -206,8 +206,10 @@ def validate_task_towers(check: ModelCheck, relations: bool) -> None:
                                       f"task-space weights apply to pointwise losses; "
                                       f"{pipeline_pb2.LossType.Name(k)} is not one")
         names.append(task.tower_name)
-    spaces = {t.task_space_indicator_label for t in settings.task_towers}
-    unused = [lf for lf in label_fields if lf not in labels and lf not in spaces]
+    # task spaces and a domain label (PEPNet's) are read, not trained on
+    read = {t.task_space_indicator_label for t in settings.task_towers} | {
+        domain_label(check.config.model_config)}
+    unused = [lf for lf in label_fields if lf not in labels and lf not in read]
     if unused:
         raise ConfigError("data_config.label_fields",
                           f"label fields {unused} are not trained by any task")

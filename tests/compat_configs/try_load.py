@@ -42,6 +42,7 @@ TZREC_MODEL_MESSAGES = {
     "multi_tower_din": "MultiTowerDIN", "dbmtl": "DBMTL", "mmoe": "MMoE", "dcn": "DCN",
     "dcn_v2": "DCNV2", "dlrm": "DLRM", "ple": "PLE", "rank_model": "RankModel",
     "mask_net": "MaskNet", "wukong": "WuKong", "rocket_launching": "RocketLaunching",
+    "pepnet": "PEPNet",
 }
 
 
