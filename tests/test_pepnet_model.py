@@ -155,6 +155,49 @@ def test_pepnet_trains_and_its_loss_falls() -> None:
     assert losses[-1] < 0.7 * losses[0]
 
 
+def test_the_metrics_score_each_task_on_its_records_domains(kafka_bootstrap,
+                                                            kafka_topic_factory,
+                                                            tmp_path) -> None:
+    """A trainer of PEPNet with domains: the progressive metrics and the eval topic (the
+    training topic read by a group of its own, 20 records an evaluation) score one prediction
+    per task, each record's domain's, named by the task; every record is trained once."""
+    from odl.checkpoint.checkpoint_manager import list_checkpoints
+    from odl.harness.topic_records import produce
+    from odl.kafka.topic_admin import end_offsets
+    from tests.harness import run_in_process
+
+    topic = kafka_topic_factory(partitions=2)
+    produce(kafka_bootstrap, topic, RECORDS * 40, 2)
+    ends = end_offsets(kafka_bootstrap, topic)
+    text = (PEPNET_CONFIG
+            .replace('server: "127.0.0.1:9092" topic: "samples"',
+                     f'server: "{kafka_bootstrap}" topic: "{topic}"')
+            .replace('model_dir: "/tmp/unused"', f'model_dir: "{tmp_path / "model_dir"}"')
+            .replace("train_config {", "train_config {\n  save_checkpoints_steps: 5", 1)
+            .replace("data_config {", "data_config {\n  batch_size: 40", 1)
+            + f'kafka_eval_input {{ server: "{kafka_bootstrap}" topic: "{topic}" '
+              'group: "eval" }\neval_config { num_examples: 20 }\n')
+    cfg = tmp_path / "pepnet.config"
+    cfg.write_text(text)
+    trainer = run_in_process(str(cfg), ends)
+    assert trainer.samples_trained == len(RECORDS) * 40
+    tasks = trainer.status()["tasks"]
+    assert set(tasks) == {"ctr", "cvr"} and tasks["cvr"]["samples"] == len(RECORDS) * 40
+    evaluation = trainer.evaluator.last
+    assert evaluation["samples"] == 20 and evaluation["error"] is None
+    assert set(evaluation["tasks"]) == {"ctr", "cvr"}
+    assert list_checkpoints(str(tmp_path / "model_dir"))
+
+    tm, fb = _module()
+    batch = fb.build(RECORDS).batch
+    probs = tm.predict(batch)
+    labels = batch.labels.numpy()
+    scored = tm.model.metric_predictions(probs, labels)
+    scene = labels[:, 2].astype(int)
+    np.testing.assert_array_equal(scored, probs.reshape(-1, 2, 3)[np.arange(len(RECORDS)), :,
+                                                                   scene])
+
+
 def test_without_domain_or_uia_groups_it_is_a_tower_per_task() -> None:
     """No "domain" group: no EPNet; no "uia" group: no PPNet; no domain_input_name: one
     output per task."""

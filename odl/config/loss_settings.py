@@ -142,7 +142,8 @@ def regression_outputs(config: pipeline_pb2.EasyRecConfig) -> list[bool]:
     A regression output predicts its logit itself (EasyRec's ``y`` for ``L2_LOSS``) and
     trains on real-valued labels; every other output predicts ``sigmoid(logit)``, a
     probability, of 0/1 labels. A ``ZILN_LOSS`` model's two outputs are the probability of a
-    positive value and the expected value (a regression).
+    positive value and the expected value (a regression). A PEPNet with domains has each
+    task's flag once per domain (its outputs).
 
     Args:
         config: a config.
@@ -155,6 +156,16 @@ def regression_outputs(config: pipeline_pb2.EasyRecConfig) -> list[bool]:
         return [False] * classes
     if ziln_settings(config) is not None:  # the probability, then the value
         return [False, True]
+    flags = _task_regression(config)
+    domain = domain_label(config.model_config)
+    if domain:  # PEPNet: each task's output per domain
+        flags = [f for f in flags for _ in range(max(int(config.model_config.pepnet
+                                                         .task_domain_num), 1))]
+    return flags
+
+
+def _task_regression(config: pipeline_pb2.EasyRecConfig) -> list[bool]:
+    """Per task (or the model's one output), whether every loss term of it is ``L2_LOSS``."""
     return [all(t == _L.L2_LOSS for t in terms) for terms in _output_terms(config)]
 
 
@@ -174,7 +185,7 @@ def real_valued_labels(config: pipeline_pb2.EasyRecConfig) -> set[str]:
         return {labels[0]}
     mc = config.model_config
     names = (task_label_names(mc, labels) if is_multi_task_model(mc) else labels[:1])
-    flags = regression_outputs(config)
+    flags = _task_regression(config)
     real = {n for n, f in zip(names, flags, strict=False) if f}
     return real - {n for n, f in zip(names, flags, strict=False) if not f}
 

@@ -292,6 +292,34 @@ class CtrModel(nn.Module):
         """``(output name, label column)`` per output, in output order."""
         return list(zip(self.output_names, self.output_labels, strict=True))
 
+    def metric_outputs(self, regression: Sequence[bool]
+                       ) -> tuple[list[tuple[str, int]], list[bool]]:
+        """What the progressive metrics and the eval topic score, and which are regressions.
+
+        By default every output (:attr:`outputs`, ``regression`` as given, one flag per
+        output); a model whose outputs are per domain scores one prediction per task.
+
+        Args:
+            regression: per output, whether it is a regression
+                (``odl.config.loss_settings.regression_outputs``).
+
+        Returns:
+            ``(name, label column)`` per scored output, and its regression flag.
+        """
+        return self.outputs, list(regression)
+
+    def metric_predictions(self, probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """The predictions :meth:`metric_outputs` scores, from the model's.
+
+        Args:
+            probs: the model's predictions, ``[B]`` or ``[B, outputs]``.
+            labels: the records' labels, ``[B]`` or ``[B, label columns]``.
+
+        Returns:
+            ``probs`` by default.
+        """
+        return probs
+
     def lookup(self, batch: Batch) -> tuple[torch.Tensor, ...]:
         """The sparse part: the batch's ids pooled in the tables, in ``pooled_layout``.
 

@@ -21,8 +21,9 @@ domain, ``<tower_name>_<k>`` (task-major: ``t * D + k``), all served. Loss: the 
 models' (``odl.models.task_losses``) on each record's own domain's logit per task (its
 ``domain_input_name`` label, an integer in ``[0, D)``; other values are rejected as
 ``bad_label`` when the record is read) + ``l2_regularization`` * the squared dense Linear
-kernels + ``embedding_regularization`` * the mean squared pooled lookup. Every domain's
-output is scored on every record in the progressive metrics.
+kernels + ``embedding_regularization`` * the mean squared pooled lookup. The progressive
+metrics and the eval topic score, per task, each record's own domain's prediction
+(``metric_outputs``, named by the task).
 
 Parameter names: ``dense.epnet.*``, ``dense.ppnet.<t>.<l>.{linear,gate}.*``,
 ``dense.heads.<t * D + k>.*`` (a ``TaskHead``: ``dnn``, ``out``).
@@ -34,6 +35,7 @@ annotations as types.
 from collections.abc import Sequence
 from typing import Optional
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -221,6 +223,7 @@ class PEPNet(CtrModel):
         labels = list(config.data_config.label_fields) or ["label"]
         self.domain_column = (labels.index(settings.domain_input_name)
                               if settings.domain_input_name else -1)
+        self.task_names = tuple(task_names)
         self.output_names = tuple(n if self.domains == 1 else f"{n}_{k}"
                                   for n in task_names for k in range(self.domains))
         self.output_labels = tuple(int(c) for c in label_columns for _ in range(self.domains))
@@ -229,6 +232,31 @@ class PEPNet(CtrModel):
         self.model_config = mc
         self.l2 = float(settings.l2_regularization)
         self.embedding_regularization = float(mc.embedding_regularization)
+
+    def metric_outputs(self, regression: Sequence[bool]
+                       ) -> tuple[list[tuple[str, int]], list[bool]]:
+        """With domains, one scored prediction per task, named by the task; else every output.
+
+        The task's prediction is its record's domain's (:meth:`metric_predictions`).
+        """
+        if self.domains == 1:
+            return super().metric_outputs(regression)
+        labels = self.output_labels[:: self.domains]
+        return (list(zip(self.task_names, labels, strict=True)),
+                list(regression)[:: self.domains])
+
+    def metric_predictions(self, probs: np.ndarray, labels: np.ndarray) -> np.ndarray:
+        """With domains, per task the prediction of each record's domain.
+
+        ``[B, tasks]`` (``[B]`` for one task); without domains, ``probs``.
+        """
+        if self.domains == 1:
+            return probs
+        y = labels if labels.ndim == 2 else labels[:, None]
+        domain = y[:, self.domain_column].astype(np.int64)
+        per_task = probs.reshape(probs.shape[0], -1, self.domains)
+        out = per_task[np.arange(per_task.shape[0]), :, domain]
+        return out[:, 0] if out.shape[1] == 1 else out
 
     def task_logits(self, logits: torch.Tensor, batch: Batch) -> torch.Tensor:
         """Per task, the logit of each record's domain: ``[B, tasks]``.

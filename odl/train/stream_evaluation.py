@@ -233,21 +233,31 @@ class StreamEvaluator:
         features: the trainer's feature builder.
         predict: ``batch -> probabilities`` (``TrainModule.predict``), ``[B]`` or
             ``[B, outputs]``.
-        outputs: ``(output name, label column)`` per output of the model.
+        outputs: ``(output name, label column)`` per scored output
+            (``CtrModel.metric_outputs``; by default every output of the model).
         positions: the eval topic's next position per partition / shard (from a checkpoint),
             or None.
+        regression: per scored output, whether it is a regression (None: per model output,
+            ``regression_outputs``).
+        scored: ``(predictions [N, outputs], labels [N, columns]) -> scored predictions``
+            (``CtrModel.metric_predictions``), or None: the predictions as they are.
     """
 
     def __init__(self, config: pipeline_pb2.EasyRecConfig, features: FeatureBuilder,
                  predict: Any, outputs: list[tuple[str, int]],
-                 positions: Optional[Mapping[int, int]] = None) -> None:
+                 positions: Optional[Mapping[int, int]] = None,
+                 regression: Optional[list[bool]] = None,
+                 scored: Optional[Callable[[np.ndarray, np.ndarray], np.ndarray]] = None
+                 ) -> None:
         self._features = features
         self._predict = predict
         self._outputs = list(outputs)
+        self._scored = scored
         self._batch_size = max(1, int(config.data_config.batch_size))
         self._limit = int(config.eval_config.num_examples)
         self._gauc_reduction = grouped_auc_reduction(config)
-        self._regression = regression_outputs(config)
+        self._regression = (list(regression) if regression is not None
+                            else regression_outputs(config))
         self._reader: Union[_KafkaReader, _DatahubReader] = (
             _KafkaReader(config.kafka_eval_input, positions)
             if config.kafka_eval_input.topic else
@@ -308,6 +318,9 @@ class StreamEvaluator:
         if probs:
             p_all = np.concatenate(probs)
             y_all = np.concatenate(labels)
+            if self._scored is not None:  # the model's scored view (one per task)
+                p_all = self._scored(p_all, y_all)
+                p_all = p_all.reshape(p_all.shape[0], -1)
             g_all = np.concatenate(groups) if groups else None
             scores = [self._scores(p_all[:, i], y_all[:, col], g_all, self._regression[i])
                       for i, (_name, col) in enumerate(self._outputs)]

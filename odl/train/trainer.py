@@ -154,10 +154,12 @@ class Trainer:
             self.generation = str(from_rank0(self.generation))  # one job, one generation
         model = self.module.model
         self._label_column = int(model.output_labels[0])
-        # several outputs (multi-task): per-task progressive metrics beside the first's
-        self.tasks = (TaskMetrics(model.outputs, self.progress, tc.metrics_window_samples,
-                                  regression)
-                      if len(model.output_names) > 1 else None)
+        # several scored outputs (multi-task): per-task progressive metrics beside the first's
+        self._scored, scored_regression = model.metric_outputs(regression)
+        self.tasks = (TaskMetrics(self._scored, self.progress, tc.metrics_window_samples,
+                                  scored_regression)
+                      if len(self._scored) > 1 else None)
+        self._scored_regression = scored_regression
         # day/pass saves (before restore: the checkpoint holds their pending rows and deletes)
         self.pass_saves = (PassSaves(config, self.module, self.generation, options.export_base)
                            if file_stream and fs.model_save_path else None)
@@ -326,8 +328,9 @@ class Trainer:
             self._input_opened = True
             if self.evaluates and self.module.rank == 0:  # rank 0 reads the eval stream
                 self.evaluator = StreamEvaluator(
-                    self.config, self.features, rank_predict(self.module),
-                    self.module.model.outputs, self.restored.eval_positions)
+                    self.config, self.features, rank_predict(self.module), self._scored,
+                    self.restored.eval_positions, regression=self._scored_regression,
+                    scored=self.module.model.metric_predictions)
             if self.restored.needs_base_checkpoint and not self.stops.requested:
                 # the first recovery point of a fresh start: where its versions begin
                 self.checkpointing.take()
@@ -400,9 +403,10 @@ class Trainer:
                 self._rejects.untrained_rows(item, out.dropped, "non_finite_output")
             trained = out.trained
         if trained:
-            probs = output_column(out.probs, 0)
+            scored = self.module.model.metric_predictions(out.probs, labels)
+            probs = output_column(scored, 0)
             if self.tasks is not None:
-                self.tasks.update(out.probs, labels, groups)
+                self.tasks.update(scored, labels, groups)
             labels = output_column(labels, self._label_column)
             self.progress.update(probs, labels, groups)
             if self.pass_boundaries is not None:
