@@ -42,6 +42,7 @@ from confluent_kafka import Consumer, Producer, TopicPartition  # noqa: E402
 from bench.process_memory import reset_peak, status_kb  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker, wait_process_idle  # noqa: E402
+from odl.cli.cli_logging import setup_logging
 from odl.kafka.client_settings import consumer_config, producer_config  # noqa: E402
 from odl.kafka.topic_admin import Retention, create_topic  # noqa: E402
 
@@ -216,8 +217,7 @@ def main() -> int:
     ap.add_argument("--age-secs", type=float, default=5.0, help="part 3: retention.ms / 1000")
     add_output_args(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
-                        force=True)
+    setup_logging("INFO")
     logging.getLogger("odl").setLevel(logging.WARNING)
     work = tempfile.mkdtemp(prefix="odl-bench-broker-memory-")
     load_before = os.getloadavg()

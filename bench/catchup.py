@@ -47,6 +47,7 @@ from confluent_kafka import Producer  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.checkpoint.checkpoint_manager import CheckpointManager  # noqa: E402
+from odl.cli.cli_logging import setup_logging
 from odl.config.config_redaction import config_to_text  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
@@ -236,8 +237,7 @@ def main() -> int:
                     help="extra librdkafka settings for the delta consumer (JSON object)")
     add_output_args(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s",
-                        force=True)
+    setup_logging("INFO")
     for name in ("odl", "serving_plugin", "publisher"):
         logging.getLogger(name).setLevel(logging.WARNING)
     configure_torch_threads(0)

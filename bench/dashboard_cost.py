@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import sys
@@ -37,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from bench.train_throughput import BATCH, make_config, measure_trainer_rate  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
+from odl.cli.cli_logging import setup_logging
 from odl.datagen.synthetic_ctr import SyntheticCtrStream  # noqa: E402
 from odl.harness.http_client import get_json  # noqa: E402
 from odl.harness.topic_records import produce  # noqa: E402
@@ -104,7 +104,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     add_output_args(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
     work = tempfile.mkdtemp(prefix="odl-bench-dashboard-")
     values = SyntheticCtrStream(seed=7).next_batch(args.batches * BATCH).encode("csv")
     rates: dict[str, list[float]] = {"off": [], "on": []}

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from datahub.models import BlobRecord  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from bench.trainer_rate import train_samples_per_sec  # noqa: E402
+from odl.cli.cli_logging import setup_logging  # noqa: E402
 from odl.config.pipeline_config import load_pipeline_config  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
 from odl.harness.loopback_server import run_in_child  # noqa: E402
@@ -75,7 +75,7 @@ def main() -> int:
     ap.add_argument("--batch-size", type=int, default=1024)
     add_output_args(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
     configure_torch_threads(0)
     work = tempfile.mkdtemp(prefix="odl-bench-datahub-")
     double, endpoint = run_in_child(_DOUBLE.format(shards=args.shards))

@@ -61,7 +61,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -75,6 +74,7 @@ import psutil  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.auc import roc_auc  # noqa: E402
+from odl.cli.cli_logging import setup_logging
 
 CATS = 100
 CAT_BUCKETS = 1000
@@ -425,7 +425,7 @@ def main() -> int:
     ap.add_argument("--work", help=argparse.SUPPRESS)
     add_output_args(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
     if args.many_tables:  # before the Zipf defaults: --capacity is unset unless given
         return many_tables(args)
     for k, v in (QUICK if args.quick else DEFAULTS).items():

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import subprocess
@@ -42,6 +41,7 @@ import psutil  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
+from odl.cli.cli_logging import setup_logging
 from odl.inputs.kafka_source import KafkaSource  # noqa: E402
 from odl.inputs.start_positions import StartPositions  # noqa: E402
 from odl.kafka.topic_admin import create_topic  # noqa: E402
@@ -145,7 +145,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     add_output_args(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
     load_before = os.getloadavg()
     runs: dict[str, list[dict]] = {"unpaced": [], "paced": []}
     work = tempfile.mkdtemp(prefix="odl-bench-pacing-")

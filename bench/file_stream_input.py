@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import tempfile
@@ -43,6 +42,7 @@ sys.path.insert(0, _ROOT)
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from bench.trainer_rate import train_samples_per_sec  # noqa: E402
+from odl.cli.cli_logging import setup_logging  # noqa: E402
 from odl.config.pipeline_config import load_pipeline_config  # noqa: E402
 from odl.datagen.split_writer import write_splits  # noqa: E402
 from odl.features.feature_builder import FeatureBuilder  # noqa: E402
@@ -121,7 +121,7 @@ def main() -> int:
                     help="also run the whole trainer without and with model_save_path")
     add_output_args(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
     configure_torch_threads(0)
     work = tempfile.mkdtemp(prefix="odl-bench-filestream-")
     root = os.path.join(work, "data")

@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import signal
 import statistics
@@ -88,6 +87,7 @@ from odl.checkpoint.checkpoint_manager import (  # noqa: E402
     POSITIONS_FILE,
     resolve_checkpoint_path,
 )
+from odl.cli.cli_logging import setup_logging
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
 from odl.export.exporter import export_checkpoint  # noqa: E402
@@ -379,7 +379,7 @@ def main() -> int:
     global NUM_WORKERS, INPUT_PROCESS
     NUM_WORKERS = args.num_workers
     INPUT_PROCESS = bool(args.input_process)
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
     global CHILD_ENV
     configure_torch_threads(args.torch_threads)  # serving and the rate runs, as the daemons
     if args.torch_threads:

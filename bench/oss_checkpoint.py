@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shutil
 import statistics
@@ -33,6 +32,7 @@ import torch  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.checkpoint.checkpoint_manager import CheckpointManager, read_checkpoint  # noqa: E402
+from odl.cli.cli_logging import setup_logging
 from odl.harness.loopback_server import run_in_child  # noqa: E402
 from odl.storage.file_store import cache_dir_for  # noqa: E402
 from odl.storage.oss_store import oss_health, reset_oss_store  # noqa: E402
@@ -69,7 +69,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     add_output_args(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
     work = tempfile.mkdtemp(prefix="odl-bench-oss-")
     double, endpoint = run_in_child(_DOUBLE)
     try:

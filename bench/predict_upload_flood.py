@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import logging
 import os
 import select
 import socket
@@ -46,6 +45,7 @@ import psutil  # noqa: E402
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.checkpoint.checkpoint_manager import CheckpointManager  # noqa: E402
+from odl.cli.cli_logging import setup_logging
 from odl.config.config_redaction import config_to_text  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
@@ -307,7 +307,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help="repeat phase 3 on a server without heap trimming")
     add_output_args(ap)
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
     work = tempfile.mkdtemp(prefix="odl-bench-flood-")
     export = build_export(work)
     stream = SyntheticCtrStream(seed=9)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import subprocess
@@ -52,6 +51,7 @@ import torch  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
 from odl.checkpoint.checkpoint_manager import CheckpointManager  # noqa: E402
+from odl.cli.cli_logging import setup_logging
 from odl.config.config_redaction import config_to_text  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
@@ -251,7 +251,7 @@ def main() -> int:
                     help="torch intra-op threads of serving (0 = odl-serve's auto rule)")
     add_output_args(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
     configure_torch_threads(args.torch_threads)  # as odl-serve does
     threads = torch.get_num_threads()
     load_before = os.getloadavg()

@@ -123,6 +123,7 @@ from bench.soak_freshness import (  # noqa: E402
     TopicFollower,
 )
 from odl.broker.embedded_broker import free_port  # noqa: E402
+from odl.cli.cli_logging import setup_logging
 from odl.cli.kafka_cli import read_state  # noqa: E402
 from odl.config.pipeline_config import load_pipeline_config  # noqa: E402
 from odl.export.export_layout import KAFKA_FILE  # noqa: E402
@@ -1109,7 +1110,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.minutes < 1 or args.interval <= 0 or args.interval > 60:
         ap.error("--minutes >= 1 and 0 < --interval <= 60")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    setup_logging("WARNING")
     work = tempfile.mkdtemp(prefix="odl-soak-")
 
     def interrupt(signum: int, _frame: Any) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.run_output import add_output_args, finish_run  # noqa: E402
+from odl.cli.cli_logging import setup_logging  # noqa: E402
 
 CONFIG = "samples/deepfm_online.config"
 BATCH = 1024
@@ -88,7 +88,7 @@ def main() -> int:
     ap.add_argument("--one", choices=("flushed", "unflushed"), help=argparse.SUPPRESS)
     add_output_args(ap)
     args = ap.parse_args()
-    logging.basicConfig(level=logging.ERROR)
+    setup_logging("ERROR")
     if args.one:  # a child: one run, its stretches as JSON on the last line
         print(json.dumps(run_one(args.one == "flushed", args.steps, args.every)))
         return 0

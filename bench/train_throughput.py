@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import statistics
 import sys
@@ -53,6 +52,7 @@ from bench.bench_plots import plot_rounds  # noqa: E402
 from bench.plain_pytorch_deepfm import PlainDeepFM  # noqa: E402
 from bench.run_output import add_output_args, finish_run  # noqa: E402
 from odl.broker.embedded_broker import EmbeddedBroker  # noqa: E402
+from odl.cli.cli_logging import setup_logging
 from odl.config.model_classes import IMPLEMENTED_MODEL_CLASSES  # noqa: E402
 from odl.config.pipeline_config import parse_pipeline_config_text  # noqa: E402
 from odl.datagen.datagen_config import deepfm_config_text  # noqa: E402
@@ -166,7 +166,7 @@ def main() -> int:
                     help="the model over the same features (as_model_config_text); the plain "
                          "PyTorch baseline is DeepFM's only")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    setup_logging("WARNING")
     threads = configure_torch_threads(args.torch_threads)
 
     work = tempfile.mkdtemp(prefix="odl-bench-")
