@@ -14,8 +14,8 @@ the gradient)::
     logit   = Linear(dnn(h_t,L) -> 1)                per task, and per domain k with
                                                      domain_input_name (task_domain_num D)
 
-``gate_e`` is ``epnet_gamma`` wide at the hidden width ``epnet_hidden_unit`` (else the
-width of ``x``); PPNet's gates use ``ppnet_gamma`` and their layer's width. Outputs: one
+``gate_e`` scales by ``epnet_gamma`` and is ``epnet_hidden_unit`` wide inside (0: the
+width of ``x``); PPNet's gates scale by ``ppnet_gamma`` and are their layer's width. Outputs: one
 logit per task (named by its ``tower_name``), or with ``domain_input_name`` one per task and
 domain, ``<tower_name>_<k>`` (task-major: ``t * D + k``), all served. Loss: the multi-task
 models' (``odl.models.task_losses``) on each record's own domain's logit per task (its

@@ -155,10 +155,10 @@ class Trainer:
         model = self.module.model
         self._label_column = int(model.output_labels[0])
         # several scored outputs (multi-task): per-task progressive metrics beside the first's
-        self._scored, scored_regression = model.metric_outputs(regression)
-        self.tasks = (TaskMetrics(self._scored, self.progress, tc.metrics_window_samples,
+        self._scored_outputs, scored_regression = model.metric_outputs(regression)
+        self.tasks = (TaskMetrics(self._scored_outputs, self.progress, tc.metrics_window_samples,
                                   scored_regression)
-                      if len(self._scored) > 1 else None)
+                      if len(self._scored_outputs) > 1 else None)
         self._scored_regression = scored_regression
         # day/pass saves (before restore: the checkpoint holds their pending rows and deletes)
         self.pass_saves = (PassSaves(config, self.module, self.generation, options.export_base)
@@ -328,7 +328,7 @@ class Trainer:
             self._input_opened = True
             if self.evaluates and self.module.rank == 0:  # rank 0 reads the eval stream
                 self.evaluator = StreamEvaluator(
-                    self.config, self.features, rank_predict(self.module), self._scored,
+                    self.config, self.features, rank_predict(self.module), self._scored_outputs,
                     self.restored.eval_positions, regression=self._scored_regression,
                     scored=self.module.model.metric_predictions)
             if self.restored.needs_base_checkpoint and not self.stops.requested:
