@@ -228,6 +228,9 @@ def test_without_domain_or_uia_groups_it_is_a_tower_per_task() -> None:
      "model_config.pepnet.task_towers[0].num_class"),
     (("pepnet {", 'pepnet {\n    ppnet_activation: "nn.Bogus"'),
      "model_config.pepnet.ppnet_activation"),
+    # in-batch learning follows one output per record, not a tower per domain
+    (("train_config {", "train_config {\n  in_batch_learning: true"),
+     "train_config.in_batch_learning"),
     # a label other than the domain label still cannot feed a feature
     (('input_names: "c1" hash', 'input_names: "buy" hash'), "feature_configs[1].input_names[0]"),
 ])

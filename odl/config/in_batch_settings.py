@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from odl.config.feature_configs import feature_configs, feature_list_path
 from odl.config.loss_settings import POINTWISE_LOSS_TYPES, num_classes, regression_outputs
-from odl.config.model_classes import domain_label
 from odl.config.optimizer_support import (
     IN_BATCH_TABLE_KINDS,
     PER_RECORD_TABLE_KINDS,
@@ -54,8 +53,9 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
     field = "train_config.in_batch_learning"
     outputs = max(len(regression_outputs(config)), num_classes(config))
     if outputs != 1:
-        return field, (f"needs a model with one output; this {config.model_config.model_class} "
-                       f"has {outputs}")
+        mc = config.model_config
+        return field, (f"needs a model with one output; this "
+                       f"{mc.model_class or mc.WhichOneof('model')} has {outputs}")
     sparse, _ = optimizer_choices(tc)
     if table_kernel_kind(sparse.kind) not in IN_BATCH_TABLE_KINDS:
         return field, f"needs SGD or (row-wise) Adagrad tables; the tables train with {sparse.kind}"
@@ -69,10 +69,6 @@ def in_batch_refusal(config: pipeline_pb2.EasyRecConfig,
         return ("model_config.rocket_launching",
                 f"{field} does not take a booster beside the served network (its shifted "
                 "predictions follow the served network's loss alone)")
-    if domain_label(config.model_config):
-        return ("model_config.pepnet.domain_input_name",
-                f"{field} does not take a tower per domain (its shifted predictions follow "
-                "one output per record)")
     if config.model_config.kd:
         return ("model_config.kd",
                 f"{field} does not take distillation losses (its shifted predictions follow "
